@@ -1,0 +1,1 @@
+"""Command-line entry points: cgpud (the daemon), cgpu, cgpu-smi."""

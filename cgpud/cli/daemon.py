@@ -1,0 +1,50 @@
+"""`cgpud`: the node daemon."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+import trio
+
+from .. import __version__
+from ..daemon import Config, StartError, serve as serve_daemon
+from ..paths import default_mount, default_state_dir
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="cgpud: %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("pyfuse3").setLevel(max(logging.WARNING, getattr(logging, level.upper())))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="cgpud")
+def main() -> None:
+    """cgpud: GPU sharing for containers, with a /proc/cgpu_km tree over FUSE."""
+
+
+@main.command()
+@click.option("--gpus", default="sim:T4", show_default=True, envvar="CGPUD_GPUS",
+              help="GPUs to manage: sim:T4, sim:4xT4, sim:2xA10,1xV100, sim:NAME:MIB, file:PATH")
+@click.option("--mount", "mountpoint", default=default_mount, show_default="/run/cgpu_km as root",
+              envvar="CGPUD_MOUNT", help="Where to mount the cgpu_km tree.")
+@click.option("--state-dir", default=default_state_dir, show_default="/var/lib/cgpud as root",
+              envvar="CGPUD_STATE_DIR", help="Where settings and instances are kept.")
+@click.option("--admin-group", default=None, envvar="CGPUD_ADMIN_GROUP",
+              help="A group whose members may write the tree too (mode 0664).")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, log_level: str) -> None:
+    """Mount the tree and serve it until SIGTERM or SIGINT."""
+    setup_logging(log_level)
+    cfg = Config(gpus=gpus, mount=mountpoint, state_dir=state_dir, admin_group=admin_group)
+    try:
+        trio.run(serve_daemon, cfg)
+    except StartError as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,128 @@
+"""Wiring: inventory -> state -> model -> tree -> mount, in one trio nursery.
+
+Start-up refuses with one clear line (`StartError`) when it cannot do its job:
+a bad --gpus spec, an unusable state file, a state written for other GPUs, no
+/dev/fuse, a mount point in use. SIGTERM and SIGINT unmount cleanly.
+"""
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from fusefs import mount
+from fusefs.operations import Operations
+
+from . import __version__, tree
+from .durable import Durable
+from .gpus import BadSpec, discover
+from .model import InvalidValue, Node
+from .paths import FSNAME
+from .sdnotify import notify
+from .store import CorruptState, Store
+
+log = logging.getLogger("cgpud")
+
+
+class StartError(Exception):
+    """The daemon cannot start; the message is one line for a person."""
+
+
+@dataclass
+class Config:
+    gpus: str
+    mount: str
+    state_dir: str
+    admin_group: str | None = None
+
+
+def load_node(cfg: Config) -> tuple[Node, Store]:
+    try:
+        infos = discover(cfg.gpus)
+    except BadSpec as exc:
+        raise StartError(str(exc)) from None
+    node = Node(infos)
+    store = Store(cfg.state_dir)
+    try:
+        store.open()
+    except OSError as exc:
+        raise StartError(f"cannot use state directory {cfg.state_dir}: {exc.strerror}") from None
+    try:
+        state = store.load()
+    except CorruptState as exc:
+        raise StartError(str(exc)) from None
+    if state is not None:
+        try:
+            node.load_state(state)
+        except InvalidValue as exc:
+            raise StartError(
+                f"state file {store.path} does not fit this node ({exc}). Start with the --gpus it was "
+                f"written for, or move the file away to start with no instances and default settings."
+            ) from None
+    return node, store
+
+
+def _admin_gid(name: str | None) -> int | None:
+    if name is None:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise StartError(f"--admin-group {name}: no such group") from None
+
+
+async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
+        async for sig in signals:
+            log.info("%s received: unmounting and stopping", signal.Signals(sig).name)
+            pyfuse3.terminate()
+            return
+
+
+async def _serve_fs(ops, mountpoint, opts, scope, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the tree; when it ends (terminated, or unmounted from outside),
+    stop everything else too."""
+    try:
+        await mount.serve(ops, mountpoint, opts, task_status=task_status)
+    finally:
+        scope.cancel()
+
+
+async def serve(cfg: Config) -> None:
+    node, store = load_node(cfg)
+    gid = _admin_gid(cfg.admin_group)
+    try:
+        durable = Durable(node, store)
+        store.save(node.to_state())
+        ops = Operations(tree.build(durable), errors=tree.ERRNOS, version=lambda: node.version, write_gid=gid)
+        mountpoint = os.path.abspath(cfg.mount)
+        try:
+            mount.prepare_mountpoint(mountpoint, FSNAME)
+        except mount.MountError as exc:
+            raise StartError(str(exc)) from None
+        allow_other = mount.allow_other_permitted()
+        if not allow_other:
+            log.warning(
+                "mounting without allow_other: only this user can read %s "
+                "(add user_allow_other to /etc/fuse.conf to let everyone read)",
+                mountpoint,
+            )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_watch_signals)
+            try:
+                await nursery.start(_serve_fs, ops, mountpoint, mount.options(FSNAME, allow_other), nursery.cancel_scope)
+            except mount.MountError as exc:
+                raise StartError(str(exc)) from None
+            gpus = ", ".join(f"{g.index}: {g.info.name} {g.info.memory >> 20} MiB" for g in node.gpus)
+            log.info("cgpud %s serving %s (GPUs %s; state in %s)", __version__, mountpoint, gpus, store.path)
+            notify("READY=1")
+        log.info("stopped")
+    finally:
+        notify("STOPPING=1")
+        store.close()

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs everything cgpud needs on a Debian machine: system packages (with
+# sudo when not root), then a virtualenv in .venv with cgpud and its test tools.
+# Safe to run again: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEBS=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev runc busybox-static)
+missing=()
+for p in "${DEBS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+# python3-venv/python3-dev are only needed when the python3 in use is Debian's.
+if ! python3 -c 'import sys; sys.exit(0 if sys.prefix.startswith("/usr") and not sys.prefix.startswith("/usr/local") else 1)'; then
+  missing=("${missing[@]/python3-venv}"); missing=("${missing[@]/python3-dev}")
+fi
+want=(); for p in "${missing[@]}"; do [ -n "$p" ] && want+=("$p"); done
+if [ ${#want[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "setup: installing Debian packages: ${want[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${want[@]}" >/dev/null
+fi
+
+# FUSE: let the daemon mount with allow_other when it is not run as root.
+if [ -w /etc/fuse.conf ] && ! grep -qE '^\s*user_allow_other' /etc/fuse.conf; then
+  echo user_allow_other >> /etc/fuse.conf
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.cgpud-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setup: installing cgpud into .venv (pyfuse3 compiles against libfuse3; this takes a minute the first time)"
+  .venv/bin/pip install -q --upgrade pip >/dev/null
+  .venv/bin/pip install -q -e '.[test]'
+  touch "$stamp"
+fi
