@@ -18,7 +18,7 @@ import trio
 from fusefs import mount
 from fusefs.operations import Operations
 
-from . import __version__, tree
+from . import __version__, control, tree
 from .durable import Durable
 from .gpus import BadSpec, discover
 from .model import InvalidValue, Node
@@ -39,6 +39,7 @@ class Config:
     mount: str
     state_dir: str
     admin_group: str | None = None
+    socket: str | None = None
 
 
 def load_node(cfg: Config) -> tuple[Node, Store]:
@@ -95,6 +96,21 @@ async def _serve_fs(ops, mountpoint, opts, scope, task_status=trio.TASK_STATUS_I
 
 
 async def serve(cfg: Config) -> None:
+    """Run the daemon; a start-up failure comes out as one StartError
+    (not wrapped in the nursery's exception group)."""
+    try:
+        await _serve(cfg)
+    except BaseExceptionGroup as group:
+        starts = group.subgroup(StartError)
+        if starts is not None and starts.subgroup(lambda e: not isinstance(e, (StartError, BaseExceptionGroup))) is None:
+            first = starts
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
+        raise
+
+
+async def _serve(cfg: Config) -> None:
     node, store = load_node(cfg)
     gid = _admin_gid(cfg.admin_group)
     try:
@@ -115,6 +131,11 @@ async def serve(cfg: Config) -> None:
             )
         async with trio.open_nursery() as nursery:
             await nursery.start(_watch_signals)
+            if cfg.socket:
+                try:
+                    await nursery.start(control.serve, cfg.socket, control.Control(durable, gid), ops.refresh)
+                except OSError as exc:
+                    raise StartError(f"control socket {cfg.socket}: {exc.strerror or exc}") from None
             try:
                 await nursery.start(_serve_fs, ops, mountpoint, mount.options(FSNAME, allow_other), nursery.cancel_scope)
             except mount.MountError as exc:

@@ -22,14 +22,20 @@ class Durable:
         self.store = store
 
     def apply(self, change: Callable[[Node], T]) -> T:
+        """Run `change`; all of it lands, on disk, or none of it does."""
         before = self.node.to_state()
-        result = change(self.node)
-        after = self.node.to_state()
-        if after != before:
-            try:
+        held = {(i.gpu, i.name): dict(i.procs) for i in self.node.instances()}
+        try:
+            result = change(self.node)
+            after = self.node.to_state()
+            if after != before:
                 self.store.save(after)
-            except OSError as exc:
+        except Exception as exc:
+            if self.node.to_state() != before:  # a change of several steps failed midway, or the save did
                 self.node.load_state(before)
+                for inst in self.node.instances():  # memory held by live processes is not in the state
+                    inst.procs = held.get((inst.gpu, inst.name), {})
+            if isinstance(exc, OSError):
                 log.error("could not save state to %s (%s); the change was refused", self.store.path, exc.strerror)
-                raise
+            raise
         return result

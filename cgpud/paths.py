@@ -20,3 +20,12 @@ def default_state_dir() -> str:
         return "/var/lib/cgpud"
     base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
     return os.path.join(base, "cgpud")
+
+
+def default_socket() -> str:
+    if os.geteuid() == 0:
+        return "/run/cgpud/cgpud.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.access(runtime, os.W_OK):
+        return os.path.join(runtime, "cgpud.sock")
+    return f"/tmp/cgpud-{os.geteuid()}.sock"

@@ -16,7 +16,11 @@ if ! python3 -c 'import sys; sys.exit(0 if sys.prefix.startswith("/usr") and not
 fi
 want=(); for p in "${missing[@]}"; do [ -n "$p" ] && want+=("$p"); done
 if [ ${#want[@]} -gt 0 ]; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "setup: need root (or sudo) to install: ${want[*]}" >&2; exit 1; }
+    SUDO="sudo"
+  fi
   echo "setup: installing Debian packages: ${want[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${want[@]}" >/dev/null

@@ -1,0 +1,60 @@
+"""Shared by the benchmarks: a daemon on a temporary mount, and percentiles."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cgpud_cmd() -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "cgpud")
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "cgpud.cli.daemon"]
+
+
+@contextmanager
+def daemon(gpus: str = "sim:T4", extra: list[str] | None = None):
+    """Yield the mount point of a running daemon; stop it afterwards."""
+    tmp = tempfile.mkdtemp(prefix="cgpud-bench-")
+    mnt, state = os.path.join(tmp, "mnt"), os.path.join(tmp, "state")
+    log = open(os.path.join(tmp, "daemon.log"), "w+")
+    proc = subprocess.Popen(
+        cgpud_cmd() + ["serve", "--gpus", gpus, "--mount", mnt, "--state-dir", state, "--log-level", "warning"]
+        + (extra or []),
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with open(os.path.join(mnt, "version")) as f:
+                    if f.read():
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise SystemExit(f"daemon did not start:\n{log.read()}")
+            time.sleep(0.05)
+        yield mnt
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
+
+
+def pct(samples: list[float], p: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(p / 100 * len(s)))]
+
+
+def us(x: float) -> str:
+    return f"{x * 1e6:8.1f} µs"

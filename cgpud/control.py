@@ -1,0 +1,258 @@
+"""The control socket: one protocol for `cgpu run`, the container hook,
+`cgpu-smi` and tests. Documented in docs/control.md.
+
+Unix stream socket, JSON lines: one request object per line, one response per
+request, in order. A request is `{"op": NAME, ...arguments}`; a response is
+`{"ok": true, "result": …}` or `{"ok": false, "error": "EINVAL", "message": "…"}`
+(the error is an errno name, the message one line for a person).
+
+Peer credentials (SO_PEERCRED) are checked: anyone may read (`hello`,
+`query`); changes need root or the admin group.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import trio
+
+from . import __version__
+from .durable import Durable
+from .model import ModelError, Node, check_name
+from .tree import ERRNOS
+
+log = logging.getLogger("cgpud")
+
+MAX_LINE = 64 * 1024
+
+
+class Refused(Exception):
+    """A request refused with an errno and one line of reason."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+
+    def groups(self) -> set[int]:
+        try:
+            with open(f"/proc/{self.pid}/status") as f:
+                for line in f:
+                    if line.startswith("Groups:"):
+                        return {int(g) for g in line.split()[1:]} | {self.gid}
+        except OSError:
+            pass
+        return {self.gid}
+
+
+def peer_of(sock: socket.socket) -> Peer:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return Peer(*struct.unpack("3i", raw))
+
+
+def snapshot(node: Node) -> dict:
+    """Everything a client may want to see, as plain data."""
+    return {
+        "version": __version__,
+        "default_memsize": node.default_memsize,
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": g.info.uuid,
+                "name": g.info.name,
+                "memory": g.info.memory,
+                "policy": g.policy,
+                "max_inst": g.max_inst,
+                "prio_ratio": g.prio_ratio,
+                "free_weight": g.free_weight,
+                "instances": [
+                    {
+                        "name": i.name,
+                        "id": i.id,
+                        "memsize": i.memsize,
+                        "weight": i.weight,
+                        "highprio": i.highprio,
+                        "used": i.used,
+                        "procs": {str(p): n for p, n in sorted(i.procs.items())},
+                    }
+                    for i in g.instances.values()
+                ],
+            }
+            for g in node.gpus
+        ],
+    }
+
+
+def _arg(req: dict, name: str, kind: type | tuple, default: Any = ..., *, allow_none: bool = False) -> Any:
+    if name not in req:
+        if default is ...:
+            raise Refused(errno.EINVAL, f"missing argument {name!r}")
+        return default
+    v = req[name]
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) and kind is not bool and (not isinstance(kind, tuple) or bool not in kind):
+        raise Refused(errno.EINVAL, f"argument {name!r} has the wrong type")
+    if not isinstance(v, kind):
+        raise Refused(errno.EINVAL, f"argument {name!r} has the wrong type")
+    return v
+
+
+class Control:
+    """Request handlers. Synchronous: each runs whole between two awaits."""
+
+    def __init__(self, durable: Durable, admin_gid: int | None = None) -> None:
+        self.durable = durable
+        self.admin_gid = admin_gid
+        self.ops: dict[str, tuple[bool, Callable[[dict, Peer], Any]]] = {
+            "hello": (False, self.hello),
+            "query": (False, self.query),
+            "register": (True, self.register),
+            "deregister": (True, self.deregister),
+        }
+
+    @property
+    def node(self) -> Node:
+        return self.durable.node
+
+    def privileged(self, peer: Peer) -> bool:
+        return peer.uid == 0 or (self.admin_gid is not None and self.admin_gid in peer.groups())
+
+    def handle(self, req: Any, peer: Peer) -> dict:
+        try:
+            if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+                raise Refused(errno.EINVAL, 'a request is a JSON object with a string "op"')
+            entry = self.ops.get(req["op"])
+            if entry is None:
+                raise Refused(errno.EINVAL, f"unknown op {req['op']!r}; known: {', '.join(sorted(self.ops))}")
+            needs_priv, fn = entry
+            if needs_priv and not self.privileged(peer):
+                raise Refused(errno.EACCES, f"{req['op']} needs root or the admin group")
+            return {"ok": True, "result": fn(req, peer)}
+        except Refused as exc:
+            return {"ok": False, "error": errno.errorcode[exc.code], "message": str(exc)}
+        except ModelError as exc:
+            code = next(c for cls, c in ERRNOS.items() if isinstance(exc, cls))
+            return {"ok": False, "error": errno.errorcode[code], "message": str(exc)}
+        except OSError as exc:
+            code = exc.errno or errno.EIO
+            return {"ok": False, "error": errno.errorcode.get(code, "EIO"), "message": exc.strerror or str(exc)}
+
+    # ---- ops ---------------------------------------------------------------
+
+    def hello(self, req: dict, peer: Peer) -> dict:
+        return {"version": __version__, "gpus": len(self.node.gpus), "privileged": self.privileged(peer)}
+
+    def query(self, req: dict, peer: Peer) -> dict:
+        return snapshot(self.node)
+
+    def register(self, req: dict, peer: Peer) -> dict:
+        """Create the instances of one container: `name` on each of `gpus`.
+
+        memsize: bytes, one for every GPU or a list GPU by GPU; None or absent
+        = default_memsize. All are created, or none.
+        """
+        name = check_name(_arg(req, "name", str))
+        gpus = _arg(req, "gpus", list)
+        if not gpus or not all(isinstance(g, int) and not isinstance(g, bool) for g in gpus) or len(set(gpus)) != len(gpus):
+            raise Refused(errno.EINVAL, "gpus must be a non-empty list of distinct GPU indices")
+        for g in gpus:
+            if not 0 <= g < len(self.node.gpus):
+                raise Refused(errno.EINVAL, f"no GPU {g} on this node (it has {len(self.node.gpus)})")
+        mem = _arg(req, "memsize", (int, list), None, allow_none=True)
+        mems = mem if isinstance(mem, list) else [mem] * len(gpus)
+        if len(mems) != len(gpus) or not all(m is None or (isinstance(m, int) and not isinstance(m, bool)) for m in mems):
+            raise Refused(errno.EINVAL, "memsize must be bytes, or a list of bytes per GPU")
+        weight = _arg(req, "weight", int, 1)
+        highprio = _arg(req, "highprio", bool, False)
+
+        def create(n: Node):
+            return [n.create_instance(g, name, memsize=m, weight=weight, highprio=highprio) for g, m in zip(gpus, mems)]
+
+        made = self.durable.apply(create)
+        log.info("registered %s on GPU %s (pid %d)", name, ",".join(map(str, gpus)), peer.pid)
+        return {"name": name, "instances": [{"gpu": i.gpu, "id": i.id, "memsize": i.memsize, "weight": i.weight} for i in made]}
+
+    def deregister(self, req: dict, peer: Peer) -> dict:
+        name = check_name(_arg(req, "name", str))
+        gone = self.durable.apply(lambda n: n.destroy(name))
+        log.info("deregistered %s (pid %d)", name, peer.pid)
+        return {"name": name, "gpus": [i.gpu for i in gone]}
+
+
+async def _nothing() -> None:
+    return None
+
+
+async def serve(path: str, control: Control, after=_nothing, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Listen on `path` until cancelled. `after()` is awaited after each
+    request (the tree drops vanished directories from the kernel's cache)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # a socket left by a daemon that is gone
+        else:
+            raise OSError(errno.EADDRINUSE, f"another daemon answers on {path}: stop it, or choose another --socket")
+        finally:
+            probe.close()
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await sock.bind(path)
+    os.chmod(path, 0o666)  # anyone may query; changes are checked by credentials
+    sock.listen(64)
+    listener = trio.SocketListener(sock)
+
+    async def connection(stream: trio.SocketStream) -> None:
+        peer = peer_of(stream.socket)  # type: ignore[arg-type]
+        buf = b""
+        async with stream:
+            while True:
+                try:
+                    data = await stream.receive_some(65536)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+                if not data:
+                    return
+                buf += data
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if not line.strip():
+                        continue
+                    try:
+                        req = json.loads(line)
+                    except ValueError:
+                        resp = {"ok": False, "error": "EINVAL", "message": "not a JSON line"}
+                    else:
+                        resp = control.handle(req, peer)
+                        await after()
+                    try:
+                        await stream.send_all(json.dumps(resp).encode() + b"\n")
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return
+                if len(buf) > MAX_LINE:
+                    await stream.send_all(b'{"ok": false, "error": "EINVAL", "message": "line too long"}\n')
+                    return
+
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            await trio.serve_listeners(connection, [listener], handler_nursery=nursery)
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
