@@ -6,13 +6,19 @@ import os
 FSNAME = "cgpu_km"
 
 
-def default_mount() -> str:
-    if os.geteuid() == 0:
-        return "/run/cgpu_km"
+def _user_runtime(name: str) -> str:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.access(runtime, os.W_OK):
-        return os.path.join(runtime, "cgpu_km")
-    return f"/tmp/cgpu_km-{os.geteuid()}"
+        return os.path.join(runtime, name)
+    return f"/tmp/{name}-{os.geteuid()}"
+
+
+def default_mount() -> str:
+    return "/run/cgpu_km" if os.geteuid() == 0 else _user_runtime("cgpu_km")
+
+
+def default_socket() -> str:
+    return "/run/cgpud/cgpud.sock" if os.geteuid() == 0 else _user_runtime("cgpud.sock")
 
 
 def default_state_dir() -> str:
@@ -20,12 +26,3 @@ def default_state_dir() -> str:
         return "/var/lib/cgpud"
     base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
     return os.path.join(base, "cgpud")
-
-
-def default_socket() -> str:
-    if os.geteuid() == 0:
-        return "/run/cgpud/cgpud.sock"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.access(runtime, os.W_OK):
-        return os.path.join(runtime, "cgpud.sock")
-    return f"/tmp/cgpud-{os.geteuid()}.sock"
