@@ -23,6 +23,7 @@ from typing import Any, Callable
 import trio
 
 from . import __version__
+from .cgroups import CgroupError, InstanceGroups
 from .durable import Durable
 from .model import ModelError, Node, check_name
 from .tree import ERRNOS
@@ -45,6 +46,7 @@ class Peer:
     pid: int
     uid: int
     gid: int
+    conn: int = 0  # which connection: registrations made with cgroup=true belong to it
 
     def groups(self) -> set[int]:
         try:
@@ -113,9 +115,20 @@ def _arg(req: dict, name: str, kind: type | tuple, default: Any = ..., *, allow_
 class Control:
     """Request handlers. Synchronous: each runs whole between two awaits."""
 
-    def __init__(self, durable: Durable, admin_gid: int | None = None) -> None:
+    def __init__(
+        self,
+        durable: Durable,
+        admin_gid: int | None = None,
+        groups: InstanceGroups | None = None,
+        devices: list[str] | None = None,
+    ) -> None:
         self.durable = durable
+        self.devices = devices or []
         self.admin_gid = admin_gid
+        self.groups = groups
+        # name -> the connection that made its cgroup (absent: the connection is gone)
+        self.owners: dict[str, int] = {}
+        self.live_conns: set[int] = set()
         self.ops: dict[str, tuple[bool, Callable[[dict, Peer], Any]]] = {
             "hello": (False, self.hello),
             "query": (False, self.query),
@@ -153,7 +166,12 @@ class Control:
     # ---- ops ---------------------------------------------------------------
 
     def hello(self, req: dict, peer: Peer) -> dict:
-        return {"version": __version__, "gpus": len(self.node.gpus), "privileged": self.privileged(peer)}
+        return {
+            "version": __version__,
+            "gpus": len(self.node.gpus),
+            "devices": self.devices,
+            "privileged": self.privileged(peer),
+        }
 
     def query(self, req: dict, peer: Peer) -> dict:
         return snapshot(self.node)
@@ -177,19 +195,82 @@ class Control:
             raise Refused(errno.EINVAL, "memsize must be bytes, or a list of bytes per GPU")
         weight = _arg(req, "weight", int, 1)
         highprio = _arg(req, "highprio", bool, False)
+        want_group = _arg(req, "cgroup", bool, False)
+        target = None
+        if want_group:
+            if self.groups is None:
+                raise Refused(errno.EOPNOTSUPP, "this daemon runs without cgroups; cgpu run cannot place processes")
+            if self.node.instances_named(name):
+                raise Refused(errno.EEXIST, f"{name} is already registered")
+            try:
+                target = {"kind": self.groups.kind, "path": self.groups.create(name)}
+            except (CgroupError, OSError) as exc:
+                raise Refused(errno.EBUSY, f"cannot make a cgroup for {name}: {exc}") from None
 
         def create(n: Node):
-            return [n.create_instance(g, name, memsize=m, weight=weight, highprio=highprio) for g, m in zip(gpus, mems)]
+            made = [n.create_instance(g, name, memsize=m, weight=weight, highprio=highprio) for g, m in zip(gpus, mems)]
+            if target is not None:
+                n.attach(name, target)
+            return made
 
-        made = self.durable.apply(create)
+        try:
+            made = self.durable.apply(create)
+        except BaseException:
+            if target is not None:
+                self.groups.remove(target["path"])
+            raise
+        if target is not None:
+            self.owners[name] = peer.conn
         log.info("registered %s on GPU %s (pid %d)", name, ",".join(map(str, gpus)), peer.pid)
-        return {"name": name, "instances": [{"gpu": i.gpu, "id": i.id, "memsize": i.memsize, "weight": i.weight} for i in made]}
+        return {
+            "name": name,
+            "instances": [{"gpu": i.gpu, "id": i.id, "memsize": i.memsize, "weight": i.weight} for i in made],
+            "target": target,
+        }
 
     def deregister(self, req: dict, peer: Peer) -> dict:
         name = check_name(_arg(req, "name", str))
         gone = self.durable.apply(lambda n: n.destroy(name))
+        self._drop_group(name, gone[0].target)
         log.info("deregistered %s (pid %d)", name, peer.pid)
         return {"name": name, "gpus": [i.gpu for i in gone]}
+
+
+    def _drop_group(self, name: str, target: dict | None) -> None:
+        self.owners.pop(name, None)
+        if self.groups is not None and target and target.get("path", "").startswith(self.groups.base + os.sep):
+            if not self.groups.remove(target["path"]):
+                log.info("cgroup %s still holds processes; removing it when they are gone", target["path"])
+
+    def reap(self) -> list[str]:
+        """Deregister instances whose cgroup (made by us) is empty and whose
+        registering connection is gone: `cgpu run` or its command died."""
+        if self.groups is None:
+            return []
+        gone = []
+        for inst in list(self.node.instances()):
+            t = inst.target
+            if not t or not t.get("path", "").startswith(self.groups.base + os.sep):
+                continue
+            if self.owners.get(inst.name) in self.live_conns or inst.name in gone:
+                continue
+            if not self.groups.populated(t["path"]):
+                try:
+                    self.durable.apply(lambda n, name=inst.name: n.destroy(name))
+                except ModelError:
+                    continue
+                self._drop_group(inst.name, t)
+                gone.append(inst.name)
+                log.info("%s: its processes are gone; deregistered", inst.name)
+        return gone
+
+
+async def reaper(control: Control, after, interval: float = 0.5, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    task_status.started()
+    while True:
+        if control.reap():
+            await after()
+        await trio.sleep(interval)
 
 
 async def _nothing() -> None:
@@ -216,8 +297,19 @@ async def serve(path: str, control: Control, after=_nothing, *, task_status=trio
     sock.listen(64)
     listener = trio.SocketListener(sock)
 
+    conn_ids = iter(range(1, 1 << 62))
+
     async def connection(stream: trio.SocketStream) -> None:
-        peer = peer_of(stream.socket)  # type: ignore[arg-type]
+        conn = next(conn_ids)
+        p = peer_of(stream.socket)  # type: ignore[arg-type]
+        peer = Peer(p.pid, p.uid, p.gid, conn)
+        control.live_conns.add(conn)
+        try:
+            await _converse(stream, peer)
+        finally:
+            control.live_conns.discard(conn)
+
+    async def _converse(stream: trio.SocketStream, peer: Peer) -> None:
         buf = b""
         async with stream:
             while True:

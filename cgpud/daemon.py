@@ -19,6 +19,7 @@ from fusefs import mount
 from fusefs.operations import Operations
 
 from . import __version__, control, tree
+from .cgroups import CgroupError, InstanceGroups
 from .durable import Durable
 from .gpus import BadSpec, discover
 from .model import InvalidValue, Node
@@ -40,6 +41,7 @@ class Config:
     state_dir: str
     admin_group: str | None = None
     socket: str | None = None
+    dev_dir: str | None = None
 
 
 def load_node(cfg: Config) -> tuple[Node, Store]:
@@ -66,6 +68,23 @@ def load_node(cfg: Config) -> tuple[Node, Store]:
                 f"written for, or move the file away to start with no instances and default settings."
             ) from None
     return node, store
+
+
+def sim_devices(node: Node, dev_dir: str | None) -> list[str]:
+    """One device file per simulated GPU: a process "has the GPU open" while
+    it holds its file open (what /dev/nvidiaN is on a real GPU)."""
+    if not dev_dir:
+        return []
+    os.makedirs(dev_dir, exist_ok=True)
+    paths = []
+    for g in node.gpus:
+        p = os.path.join(dev_dir, f"simgpu{g.index}")
+        if not os.path.exists(p):
+            with open(p, "w") as f:
+                f.write(f"{g.info.uuid}\n")
+        os.chmod(p, 0o666)
+        paths.append(p)
+    return paths
 
 
 def _admin_gid(name: str | None) -> int | None:
@@ -133,9 +152,16 @@ async def _serve(cfg: Config) -> None:
             await nursery.start(_watch_signals)
             if cfg.socket:
                 try:
-                    await nursery.start(control.serve, cfg.socket, control.Control(durable, gid), ops.refresh)
+                    groups = InstanceGroups()
+                except CgroupError as exc:
+                    log.warning("%s: `cgpu run` will be refused", exc)
+                    groups = None
+                ctl = control.Control(durable, gid, groups, devices=sim_devices(node, cfg.dev_dir))
+                try:
+                    await nursery.start(control.serve, cfg.socket, ctl, ops.refresh)
                 except OSError as exc:
                     raise StartError(f"control socket {cfg.socket}: {exc.strerror or exc}") from None
+                nursery.start_soon(control.reaper, ctl, ops.refresh)
             try:
                 await nursery.start(_serve_fs, ops, mountpoint, mount.options(FSNAME, allow_other), nursery.cancel_scope)
             except mount.MountError as exc:

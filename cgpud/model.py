@@ -78,6 +78,9 @@ class Instance:
     weight: int
     highprio: bool = False
     procs: dict[int, int] = field(default_factory=dict)  # pid -> bytes held
+    # Where its processes are, for the scheduler: {"kind": "cgroup2"|"cgroup1-freezer", "path": …}
+    # or {"kind": "pgid", "pgid": N}; None while nothing is attached.
+    target: dict | None = None
 
     @property
     def used(self) -> int:
@@ -193,8 +196,8 @@ class Node:
             raise NoSpace(f"GPU {gpu} already holds max_inst={g.max_inst} instances")
         if memsize is None:
             memsize = self.default_memsize or g.info.memory
-        _int_in(memsize, 0, g.info.memory, "memsize")
-        if memsize > g.free_memory:
+        _int_in(memsize, 0, 10**MEMSIZE_MAX_DIGITS - 1, "memsize")
+        if memsize > g.free_memory:  # also when it is more than the whole device: it does not fit
             raise NoSpace(
                 f"GPU {gpu} has {g.free_memory} bytes not given to instances; {name} asks {memsize}"
             )
@@ -219,6 +222,16 @@ class Node:
             raise NotFound(f"no instance named {name}")
         self.version += 1
         return gone
+
+    def attach(self, name: str, target: dict | None) -> None:
+        """Say where the processes of every instance of `name` are."""
+        insts = self.instances_named(check_name(name))
+        if not insts:
+            raise NotFound(f"no instance named {name}")
+        if target is not None and (not isinstance(target, dict) or not isinstance(target.get("kind"), str)):
+            raise InvalidValue("a target is a mapping with a 'kind'")
+        for inst in insts:
+            inst.target = dict(target) if target is not None else None
 
     # ---- settings ----------------------------------------------------------
 
@@ -250,7 +263,7 @@ class Node:
 
     def set_highprio(self, gpu: int, name: str, value: bool | int) -> None:
         inst = self.instance(gpu, name)
-        inst.highprio = bool(_int_in(int(value), 0, 1, "highprio"))
+        inst.highprio = bool(_int_in(int(value) if isinstance(value, bool) else value, 0, 1, "highprio"))
 
     def set_memsize(self, gpu: int, name: str, value: int) -> None:
         g = self.gpu(gpu)
@@ -277,6 +290,8 @@ class Node:
     def free(self, gpu: int, name: str, pid: int, nbytes: int | None = None) -> None:
         """Return `nbytes` (all, when None) of what `pid` holds."""
         inst = self.instance(gpu, name)
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+            raise InvalidValue("the size freed must be a non-negative integer")
         held = inst.procs.get(pid, 0)
         if nbytes is None or nbytes >= held:
             inst.procs.pop(pid, None)
@@ -308,6 +323,7 @@ class Node:
                             "memsize": i.memsize,
                             "weight": i.weight,
                             "highprio": i.highprio,
+                            **({"target": i.target} if i.target is not None else {}),
                         }
                         for i in g.instances.values()
                     ],
@@ -359,4 +375,9 @@ class Node:
                     g.index, s["name"], memsize=s["memsize"], weight=0, highprio=bool(s["highprio"])
                 )
                 inst.id = inst_id
+                target = s.get("target")
+                if target is not None:
+                    if not isinstance(target, dict) or not isinstance(target.get("kind"), str):
+                        raise InvalidValue(f"instance {s['name']}: malformed target")
+                    inst.target = dict(target)
                 self.set_weight(g.index, s["name"], s["weight"])

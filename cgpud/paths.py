@@ -26,3 +26,8 @@ def default_state_dir() -> str:
         return "/var/lib/cgpud"
     base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
     return os.path.join(base, "cgpud")
+
+
+def default_dev_dir() -> str:
+    """Where the daemon puts one device file per simulated GPU."""
+    return "/run/cgpud/dev" if os.geteuid() == 0 else _user_runtime("cgpud-dev")

@@ -1,12 +1,134 @@
 """`cgpu`: the user's tool."""
 from __future__ import annotations
 
+import os
+import secrets
+import signal
+import subprocess
+import sys
+
 import click
 
 from .. import __version__
+from ..client import Client, ControlError, DaemonUnavailable
+from ..units import parse_size
+
+
+class Ctx:
+    def __init__(self, socket: str | None) -> None:
+        self.socket = socket
+
+    def client(self) -> Client:
+        try:
+            return Client(self.socket)
+        except DaemonUnavailable as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+pass_ctx = click.make_pass_decorator(Ctx)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="cgpu")
-def main() -> None:
+@click.option("--socket", envvar="CGPUD_SOCKET", default=None, help="The daemon's control socket.")
+@click.pass_context
+def main(ctx: click.Context, socket: str | None) -> None:
     """cgpu: work with a cgpud node."""
+    ctx.obj = Ctx(socket)
+
+
+def _gpu_list(gpu: int | None, gpus: str | None) -> list[int]:
+    if gpu is not None and gpus is not None:
+        raise click.UsageError("give --gpu or --gpus, not both")
+    if gpus is not None:
+        try:
+            return [int(x) for x in gpus.split(",")]
+        except ValueError:
+            raise click.UsageError(f"--gpus {gpus}: expected GPU indices like 0,1") from None
+    return [gpu if gpu is not None else 0]
+
+
+@main.command(context_settings={"allow_interspersed_args": False})
+@click.option("--gpu", type=int, default=None, help="The GPU to run on (default 0).")
+@click.option("--gpus", default=None, help="Several GPUs: 0,1.")
+@click.option("--mem", default=None, help="GPU memory per GPU: 6G, 512M, bytes (default: default_memsize).")
+@click.option("--weight", type=int, default=1, show_default=True, help="Compute weight, 0..max_inst.")
+@click.option("--highprio", is_flag=True, help="High priority: takes the GPU when active, up to prio_ratio %.")
+@click.option("--name", default=None, help="Instance name: 12 characters of [0-9A-Za-z_.-] (default: random).")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@pass_ctx
+def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
+    """Run CMD as an instance, in a cgroup of its own, until it exits.
+
+    The instance is registered before CMD starts and removed when it exits
+    (also when CMD is killed). CMD sees CGPU_INSTANCE, CGPU_GPUS and
+    CGPU_DEVICE (the simulated GPU's device file) in its environment.
+    """
+    gpu_ids = _gpu_list(gpu, gpus)
+    try:
+        memsize = parse_size(mem) if mem is not None else None
+    except ValueError as exc:
+        raise click.UsageError(f"--mem: {exc}") from None
+    name = name or secrets.token_hex(6)
+    with ctx.client() as c:
+        try:
+            res = c.call("register", name=name, gpus=gpu_ids, memsize=memsize, weight=weight,
+                         highprio=highprio, cgroup=True)
+            devices = c.call("hello")["devices"]
+        except ControlError as exc:
+            raise click.ClickException(f"cannot register {name}: {exc}") from None
+    procs = os.path.join(res["target"]["path"], "cgroup.procs")
+
+    def join_cgroup() -> None:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    env = dict(os.environ, CGPU_INSTANCE=name, CGPU_GPUS=",".join(map(str, gpu_ids)))
+    if devices:
+        env["CGPU_DEVICE"] = devices[gpu_ids[0]]
+    code = 127
+    try:
+        try:
+            child = subprocess.Popen(list(cmd), env=env, preexec_fn=join_cgroup)
+        except OSError as exc:
+            raise click.ClickException(f"cannot run {cmd[0]}: {exc.strerror}") from None
+        # Ctrl-C reaches CMD directly (same process group); SIGTERM/SIGHUP sent
+        # to us are passed on.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, lambda s, f: child.send_signal(s))
+        rc = child.wait()
+        code = rc if rc >= 0 else 128 - rc
+    finally:
+        try:
+            with Client(ctx.socket) as c:
+                c.call("deregister", name=name)
+        except (DaemonUnavailable, ControlError) as exc:
+            click.echo(f"cgpu: could not deregister {name} ({exc}); the daemon removes it once its processes are gone",
+                       err=True)
+    sys.exit(code)
+
+
+@main.command()
+@click.option("--seconds", type=float, default=10.0, show_default=True, help="How long to run.")
+@click.option("--gpu", type=int, default=None, help="Which simulated GPU (default: $CGPU_GPUS's first, or 0).")
+@click.option("--device", default=None, envvar="CGPU_DEVICE", help="The device file to hold open.")
+@click.option("--interval", type=float, default=0.0, help="Also print the rate every INTERVAL seconds.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@pass_ctx
+def workload(ctx: Ctx, seconds, gpu, device, interval, as_json) -> None:
+    """A stand-in GPU job: opens the simulated GPU, runs fixed-size kernels,
+    prints iterations per second."""
+    from ..workload import run as run_workload
+
+    if device is None or gpu is not None:
+        index = gpu if gpu is not None else int(os.environ.get("CGPU_GPUS", "0").split(",")[0])
+        with ctx.client() as c:
+            devices = c.call("hello")["devices"]
+        if not 0 <= index < len(devices):
+            raise click.ClickException(f"no simulated GPU {index} (the daemon has {len(devices)})")
+        device = devices[index]
+    try:
+        run_workload(device, seconds, interval, as_json)
+    except OSError as exc:
+        raise click.ClickException(f"cannot open the GPU device {device}: {exc.strerror}") from None

@@ -9,7 +9,7 @@ import trio
 
 from .. import __version__
 from ..daemon import Config, StartError, serve as serve_daemon
-from ..paths import default_mount, default_socket, default_state_dir
+from ..paths import default_dev_dir, default_mount, default_socket, default_state_dir
 
 
 def setup_logging(level: str) -> None:
@@ -38,12 +38,16 @@ def main() -> None:
               help="A group whose members may write the tree too (mode 0664).")
 @click.option("--socket", "socket_path", default=default_socket, show_default="/run/cgpud/cgpud.sock as root",
               envvar="CGPUD_SOCKET", help="The control socket (for cgpu run, the container hook, cgpu-smi).")
+@click.option("--dev-dir", default=default_dev_dir, show_default="/run/cgpud/dev as root", envvar="CGPUD_DEV_DIR",
+              help="Where the device file of each simulated GPU is made.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
-def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, log_level: str) -> None:
+def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, dev_dir: str,
+          log_level: str) -> None:
     """Mount the tree and serve it until SIGTERM or SIGINT."""
     setup_logging(log_level)
-    cfg = Config(gpus=gpus, mount=mountpoint, state_dir=state_dir, admin_group=admin_group, socket=socket_path)
+    cfg = Config(gpus=gpus, mount=mountpoint, state_dir=state_dir, admin_group=admin_group, socket=socket_path,
+                 dev_dir=dev_dir)
     try:
         trio.run(serve_daemon, cfg)
     except StartError as exc:

@@ -1,0 +1,48 @@
+"""The stand-in GPU job: holds a simulated GPU open and runs fixed-size
+"kernels" (a CPU loop of constant work) as fast as it is allowed to, counting
+iterations. Frozen by the scheduler, it makes no progress; so its iterations per
+second are its share of the GPU. Used by the tests, the benchmarks and the
+README's walk-through.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+KERNEL_LOOPS = 20_000  # about 0.5 ms of CPU on this kind of machine
+
+
+def kernel(n: int = KERNEL_LOOPS) -> int:
+    x = 0
+    for i in range(n):
+        x += i
+    return x
+
+
+def run(device: str, seconds: float, interval: float = 0.0, as_json: bool = False, out=sys.stdout) -> dict:
+    fd = os.open(device, os.O_RDONLY)  # "opening the GPU": the instance is active from here
+    try:
+        start = last = time.monotonic()
+        total = since = 0
+        end = start + seconds
+        while True:
+            kernel()
+            total += 1
+            since += 1
+            now = time.monotonic()
+            if interval and now - last >= interval:
+                print(f"{now - start:8.2f} s  {since / (now - last):10.1f} it/s", file=out, flush=True)
+                last, since = now, 0
+            if now >= end:
+                break
+        elapsed = now - start
+    finally:
+        os.close(fd)
+    result = {"iterations": total, "seconds": round(elapsed, 6), "it_per_s": total / elapsed}
+    if as_json:
+        print(json.dumps(result), file=out, flush=True)
+    else:
+        print(f"{total} iterations in {elapsed:.2f} s: {total / elapsed:.1f} it/s", file=out, flush=True)
+    return result
