@@ -24,6 +24,7 @@ from .durable import Durable
 from .gpus import BadSpec, discover
 from .model import InvalidValue, Node
 from .paths import FSNAME
+from .priority import raise_priority
 from .sdnotify import notify
 from .store import CorruptState, Store
 
@@ -42,6 +43,7 @@ class Config:
     admin_group: str | None = None
     socket: str | None = None
     dev_dir: str | None = None
+    rt_priority: int = 0
 
 
 def load_node(cfg: Config) -> tuple[Node, Store]:
@@ -168,6 +170,7 @@ async def _serve(cfg: Config) -> None:
                 raise StartError(str(exc)) from None
             gpus = ", ".join(f"{g.index}: {g.info.name} {g.info.memory >> 20} MiB" for g in node.gpus)
             log.info("cgpud %s serving %s (GPUs %s; state in %s)", __version__, mountpoint, gpus, store.path)
+            log.info("scheduling at %s", raise_priority(cfg.rt_priority))
             notify("READY=1")
         log.info("stopped")
     finally:

@@ -1,0 +1,72 @@
+"""Precise sleeps for trio: a Linux timerfd watched by trio's epoll.
+
+trio's own timers go through epoll's millisecond timeout, which CPython rounds
+up: a sleep can end up to 1 ms late. A timerfd fires at its nanosecond
+deadline and wakes epoll at once. `TimerFd.sleep_until(deadline)` takes a
+deadline on trio's clock (so the scheduler keeps reading time only through
+`trio.current_time()`) and converts it to CLOCK_MONOTONIC, which trio's system
+clock counts in too.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import time
+
+import trio
+
+CLOCK_MONOTONIC = 1
+TFD_NONBLOCK = os.O_NONBLOCK
+TFD_CLOEXEC = os.O_CLOEXEC
+TFD_TIMER_ABSTIME = 1
+
+
+class _timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _timespec), ("it_value", _timespec)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.timerfd_create.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.timerfd_settime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(_itimerspec), ctypes.c_void_p]
+
+
+class TimerFd:
+    def __init__(self) -> None:
+        fd = _libc.timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_create failed")
+        self.fd = fd
+        self._spec = _itimerspec()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _arm(self, monotonic_deadline: float) -> None:
+        sec = int(monotonic_deadline)
+        nsec = int((monotonic_deadline - sec) * 1e9)
+        if sec <= 0 and nsec <= 0:
+            nsec = 1  # 0 would disarm the timer
+        self._spec.it_value.tv_sec = sec
+        self._spec.it_value.tv_nsec = nsec
+        if _libc.timerfd_settime(self.fd, TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) != 0:
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+
+    async def sleep_until(self, deadline: float) -> None:
+        """Sleep until `deadline` on trio's clock, to within microseconds."""
+        now = trio.current_time()
+        if deadline <= now:
+            await trio.lowlevel.checkpoint()
+            return
+        self._arm(time.monotonic() + (deadline - now))
+        await trio.lowlevel.wait_readable(self.fd)
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:
+            pass
