@@ -1,0 +1,251 @@
+"""One trio task per GPU: plan a slice, enforce it, sleep to its end, account.
+
+    sched = GpuScheduler(node, 0, enforcer, activity, params=Params(slice=0.010))
+    await nursery.start(sched.run)
+    ...
+    sched.stop()          # ends the loop; everything it froze is thawed
+
+At every boundary the loop reads the model (policy, max_inst, prio_ratio,
+instances, weights, highprio) and the activity of each instance, asks the
+planner for a decision, and freezes/thaws only what changes: an instance is
+held frozen while it is active and not allowed to run. Idle instances are
+never frozen (they do not use the GPU, and a frozen process could not open
+it). Time is read only through `trio.current_time()` and waited for only with
+deadlines on trio's clock, so the loop runs unchanged on `MockClock`.
+
+`poke()` wakes the loop between boundaries (an activity detector calls it
+when an instance opens or closes the GPU): a high-priority instance then
+takes the GPU at once, a newcomer that may not run is frozen at once, and
+idle time is handed on where the policy gives it to others.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Sequence
+
+import trio
+
+from ..model import Node
+from .enforce_api import Activity, Enforcer, UsageMeter
+from .policies import Decision, GpuView, InstView, Kind, Params, Planner
+from .telemetry import GpuStats, Telemetry
+
+log = logging.getLogger("cgpud.sched")
+
+
+class GpuScheduler:
+    """The time-slice scheduler of one GPU (a background service: `run`, `stop`)."""
+
+    def __init__(
+        self,
+        node: Node,
+        gpu: int,
+        enforcer: Enforcer,
+        activity: Activity,
+        *,
+        params: Params | None = None,
+        usage: UsageMeter | None = None,
+        publish_every: float = 0.5,
+    ) -> None:
+        self.node = node
+        self.gpu = gpu
+        self.params = params or Params()
+        self.planner = Planner(self.params)
+        self.telemetry = Telemetry(gpu)
+        self.published: GpuStats | None = None  # replaced whole every publish_every s: safe to read from any thread
+        self._enforcer = enforcer
+        self._activity = activity
+        self._usage = usage
+        self._publish_every = publish_every
+        self._frozen: set[str] = set()
+        self._failing: set[tuple[str, str]] = set()
+        self._scope: trio.CancelScope | None = None
+        self._stop_requested = False
+        self._wake: trio.Event | None = None
+        self._current: tuple[Decision, float, dict[str, float] | None] | None = None
+        self._last_publish = -float("inf")
+        self.decision: Decision | None = None  # the decision in force
+
+    # ---- service -----------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        if self._scope is not None:
+            raise RuntimeError(f"the scheduler of GPU {self.gpu} is already running")
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            try:
+                self.telemetry.start(trio.current_time())
+                task_status.started()
+                if not self._stop_requested:
+                    await self._loop()
+            finally:
+                self._finish()
+                self._scope = None
+
+    def stop(self) -> None:
+        """End the loop. Everything it froze is thawed before `run` returns."""
+        self._stop_requested = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def poke(self) -> None:
+        """Activity changed: look again now rather than at the next boundary."""
+        if self._wake is not None:
+            self._wake.set()
+
+    @property
+    def frozen(self) -> frozenset[str]:
+        """The instances this loop holds frozen now."""
+        return frozenset(self._frozen)
+
+    def snapshot(self) -> GpuStats:
+        """Telemetry as of now (call from the trio thread)."""
+        return self.telemetry.snapshot(trio.current_time())
+
+    # ---- the loop ----------------------------------------------------------
+
+    async def _loop(self) -> None:
+        planner, tel = self.planner, self.telemetry
+        prev: Decision | None = None
+        wake = self._wake = trio.Event()
+        now = trio.current_time()
+        while True:
+            self._account(now)  # the slice that just ended, up to the wake-up
+            view = self._view()
+            tel.retain(view.names)
+            dec = planner.plan(view, now)
+            self._enforce(view, dec)
+            start = trio.current_time()
+            if prev is not None:
+                if start > now:  # the old set ran on until it was frozen just now: its time, not the new set's
+                    planner.charge(prev, now, start)
+                    tel.record(prev, now, start, tail=True)
+                if dec.running != prev.running:
+                    tel.switches += 1
+            prev = self.decision = dec
+            self._current = (dec, start, self._read_usage(dec))
+            while True:
+                if wake.is_set():
+                    wake = self._wake = trio.Event()
+                with trio.move_on_at(dec.until):
+                    await wake.wait()
+                now = trio.current_time()
+                if now >= dec.until:
+                    tel.late(now - dec.until)
+                    break
+                view = self._view()  # poked
+                if planner.preempt(view, dec, now):
+                    break
+                self._enforce(view, dec)
+            if now - self._last_publish >= self._publish_every:
+                self._last_publish = now
+                self._account(now)
+                self.published = tel.snapshot(now)
+
+    def _account(self, end: float) -> None:
+        """Charge the decision in force from its start to `end`."""
+        if self._current is None:
+            return
+        dec, start, before = self._current
+        self._current = None
+        usage = None
+        if before is not None:
+            after = self._read_usage(dec) or {}
+            usage = {n: max(0.0, after.get(n, 0.0) - before.get(n, 0.0)) for n in dec.active}
+        self.planner.charge(dec, start, end, usage)
+        self.telemetry.record(dec, start, end)
+
+    def _finish(self) -> None:
+        """Leave nothing frozen; account the slice that was cut short."""
+        self._wake = None
+        try:
+            self._account(trio.current_time())
+        finally:
+            for name in sorted(self._frozen):
+                try:
+                    self._enforcer.thaw(self.gpu, name)
+                except Exception:
+                    log.exception("GPU %d: cannot thaw %s at stop", self.gpu, name)
+                    self.telemetry.enforce_errors += 1
+                else:
+                    self.telemetry.thaws += 1
+            self._frozen.clear()
+            self.decision = None
+            self.published = self.telemetry.snapshot(trio.current_time())
+
+    # ---- model, activity, enforcement ---------------------------------------
+
+    def _view(self) -> GpuView:
+        g = self.node.gpu(self.gpu)
+        insts = tuple(
+            InstView(i.name, i.weight, i.highprio, self._is_active(i.name)) for i in g.instances.values()
+        )
+        return GpuView(g.policy, g.max_inst, g.prio_ratio, insts)
+
+    def _is_active(self, name: str) -> bool:
+        try:
+            return bool(self._activity.active(self.gpu, name))
+        except Exception:
+            if ("active", name) not in self._failing:
+                self._failing.add(("active", name))
+                log.exception("GPU %d: activity of %s unknown; taken as idle", self.gpu, name)
+            return False
+
+    def _read_usage(self, dec: Decision) -> dict[str, float] | None:
+        if self._usage is None or not dec.active:
+            return None
+        out = {}
+        for name in dec.active:
+            try:
+                out[name] = float(self._usage.gpu_seconds(self.gpu, name))
+            except Exception:
+                out[name] = 0.0
+        return out
+
+    def _enforce(self, view: GpuView, dec: Decision) -> None:
+        """Freeze the active instances that may not run, thaw the others: only changes."""
+        if dec.kind is Kind.NATIVE:
+            want: frozenset[str] = frozenset()
+        else:
+            want = frozenset(i.name for i in view.instances if i.active and i.name not in dec.running)
+        present = view.names
+        tel = self.telemetry
+        for name in sorted(want - self._frozen):  # freeze before thawing: never two at once
+            if self._call(self._enforcer.freeze, "freeze", name):
+                self._frozen.add(name)
+                tel.freezes += 1
+        for name in sorted(self._frozen - want):
+            if self._call(self._enforcer.thaw, "thaw", name):
+                tel.thaws += 1
+                self._frozen.discard(name)
+            elif name not in present:  # gone: nothing left to thaw
+                self._frozen.discard(name)
+
+    def _call(self, fn, what: str, name: str) -> bool:
+        try:
+            fn(self.gpu, name)
+        except Exception:
+            self.telemetry.enforce_errors += 1
+            if (what, name) not in self._failing:
+                self._failing.add((what, name))
+                log.exception("GPU %d: %s %s failed; will retry", self.gpu, what, name)
+            return False
+        self._failing.discard((what, name))
+        return True
+
+
+def schedulers_for(
+    node: Node,
+    enforcer: Enforcer,
+    activity: Activity,
+    *,
+    params: Params | None = None,
+    usage: UsageMeter | None = None,
+) -> list[GpuScheduler]:
+    """One scheduler per GPU of the node (start each with `nursery.start(s.run)`)."""
+    return [GpuScheduler(node, g.index, enforcer, activity, params=params, usage=usage) for g in node.gpus]
+
+
+def stats(schedulers: Sequence[GpuScheduler]) -> Mapping[int, GpuStats | None]:
+    """The latest published telemetry of each GPU (safe from any thread)."""
+    return {s.gpu: s.published for s in schedulers}

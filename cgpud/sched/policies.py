@@ -1,0 +1,435 @@
+"""The compute policies of SPEC §5 as pure code: who may use a GPU now, and until when.
+
+Nothing here reads a clock, sleeps or touches a process. The loop
+(`cgpud.sched.loop`) hands a `GpuView` and the current time to
+`Planner.plan`, enforces the `Decision` it gets back, and reports what really
+happened with `Planner.charge(decision, start, end)`: the time the slice
+actually began (after enforcement) and actually ended (when the loop woke up).
+All accounting is done from those reported times, so late timers and switch
+losses are paid back instead of biasing the shares.
+
+The algorithms are documented in docs/scheduler.md. In short:
+
+- Policies 0, 1, 2, 3 are *rings* of base slices of length X. A ring is a list
+  of holders in a stable order (the order in which instances were first seen),
+  each holding n consecutive slots; a WASTE holder at the end takes the slots
+  nobody holds (GPU left idle on purpose).
+      0 fair:        every instance 1 slot, WASTE = max_inst - holders
+      1 preemptive:  every ACTIVE instance 1 slot, no WASTE
+      2 weighted:    every instance w slots, no WASTE (cycle = sum(w) * X)
+      3 fixed:       every instance w slots, WASTE = max_inst - sum(w)
+  Each holder keeps a credit (seconds owed): a slot adds X, running takes off
+  the time actually run. A slot lasts `credit` seconds, clamped to
+  [X/4, 2X]; credits are bounded to +-2X so a stall is not repaid as a burst.
+- Policy 4 (weak): active instances run together; one whose usage over the
+  last `window` seconds exceeds window/active is paused until it is under again.
+  Usage of instances running together is split evenly unless a usage meter
+  reports real figures.
+- Policy 5 (native): everyone runs, nothing is controlled.
+- High priority: active high-priority instances (weight > 0) run first, as a
+  group scheduled by the GPU's policy (only its active members, no WASTE),
+  for at most prio_ratio % of any `window`. They hold no slots in the normal
+  ring. Under policies 1 and 4, and when the normal ring has no holder at all,
+  a capped group may still use time nobody else wants ("fill"); that time is
+  not counted against prio_ratio.
+- Weight 0: never runs (except under policy 5, where nothing is controlled).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Iterable, Mapping
+
+FAIR, PREEMPTIVE, WEIGHTED, FIXED, WEAK, NATIVE = range(6)
+POLICY_NAMES = ("fair", "preemptive", "weighted", "fixed", "weak", "native")
+EXCLUSIVE_POLICIES = frozenset({FAIR, PREEMPTIVE, WEIGHTED, FIXED})
+
+WASTE = ""  # ring key of the slots nobody holds (no instance has an empty name)
+
+NORMAL = "normal"
+PRIO = "prio"
+
+
+class Kind(str, enum.Enum):
+    """What a decision is, for accounting, telemetry and the timeline."""
+
+    SLOT = "slot"  # a ring slot of one instance (it may be idle: its time is then wasted)
+    WASTE = "waste"  # a ring slot nobody holds: the GPU is left idle on purpose
+    IDLE = "idle"  # nobody to run at all
+    PRIO = "prio"  # high-priority group, counted against prio_ratio
+    FILL = "fill"  # capped high-priority group using time nobody else wants
+    WEAK = "weak"  # policy 4: the instances under their share, together
+    NATIVE = "native"  # policy 5: everyone
+
+
+@dataclass(frozen=True)
+class InstView:
+    name: str
+    weight: int
+    highprio: bool
+    active: bool
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """What the planner needs to know about one GPU at one boundary."""
+
+    policy: int
+    max_inst: int
+    prio_ratio: int  # percent
+    instances: tuple[InstView, ...] = ()
+
+    @cached_property
+    def names(self) -> frozenset[str]:
+        return frozenset(i.name for i in self.instances)
+
+    @cached_property
+    def active_names(self) -> frozenset[str]:
+        return frozenset(i.name for i in self.instances if i.active)
+
+
+@dataclass(frozen=True)
+class Params:
+    """slice: the base slice X (s). window: the sliding window (s) over which
+    policy 4 measures shares and prio_ratio is capped; keep it >> slice."""
+
+    slice: float = 0.010
+    window: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.slice > 0 and math.isfinite(self.slice)):
+            raise ValueError(f"slice must be a positive number of seconds, not {self.slice!r}")
+        if not (self.window >= 2 * self.slice and math.isfinite(self.window)):
+            raise ValueError(f"window ({self.window!r} s) must be at least two slices ({self.slice} s)")
+
+    @property
+    def min_slice(self) -> float:
+        return self.slice / 4
+
+    @property
+    def max_slice(self) -> float:
+        return self.slice * 2
+
+    @property
+    def credit_bound(self) -> float:
+        return self.slice * 2
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Who may use the GPU from `start` (the planning time) until `until`.
+
+    running:    may use the GPU (for a ring slot: the holder, active or not).
+    active:     the members of `running` that were active when planned: the
+                ones really given GPU time (telemetry counts these).
+    considered: every instance that was active with weight > 0 when planned
+                (lets the planner notice newcomers mid-slice).
+    """
+
+    running: frozenset[str]
+    until: float
+    start: float
+    kind: Kind
+    group: str | None = None  # NORMAL or PRIO for ring and weak decisions
+    holder: str | None = None  # the ring key for SLOT/WASTE (and ring-scheduled PRIO/FILL)
+    active: frozenset[str] = frozenset()
+    considered: frozenset[str] = frozenset()
+    paused: frozenset[str] = frozenset()  # policy 4: active, over their share, held
+
+    @property
+    def length(self) -> float:
+        return self.until - self.start
+
+
+class Window:
+    """Exact sum of amounts over the last `length` seconds.
+
+    An amount is given over an interval [start, end) and spread evenly over
+    it; a sum counts the part of each interval inside the window. Intervals
+    that follow one another at (nearly) the same rate are merged, so an
+    instance that runs for a long time costs one entry. Adding and summing
+    are O(1) amortized; memory is one entry per separate run in the window."""
+
+    def __init__(self, length: float, merge_gap: float | None = None) -> None:
+        self.length = float(length)
+        self.merge_gap = self.length * 1e-4 if merge_gap is None else merge_gap
+        self._segs: deque[list[float]] = deque()  # [start, end, amount]
+        self._total = 0.0
+        self._adds = 0
+
+    def add(self, start: float, end: float, amount: float) -> None:
+        if amount <= 0:
+            return
+        if end <= start:  # an instantaneous amount: give it a tiny extent where it happened
+            start = end - 1e-9
+        segs = self._segs
+        if segs:
+            last = segs[-1]
+            if 0 <= start - last[1] <= self.merge_gap:
+                r_new = amount / (end - start)
+                r_old = last[2] / (last[1] - last[0])
+                if abs(r_new - r_old) <= 1e-3 * max(r_new, r_old):
+                    last[1] = end
+                    last[2] += amount
+                    self._total += amount
+                    return
+        segs.append([start, end, amount])
+        self._total += amount
+        self._adds += 1
+        if self._adds >= 4096:  # drop accumulated rounding now and then
+            self._adds = 0
+            self._total = math.fsum(x[2] for x in segs)
+
+    def sum(self, now: float) -> float:
+        lo = now - self.length
+        segs = self._segs
+        while segs and segs[0][1] <= lo:
+            self._total -= segs.popleft()[2]
+        if not segs:
+            self._total = 0.0
+            return 0.0
+        s, e, a = segs[0]
+        part = a * (lo - s) / (e - s) if s < lo else 0.0
+        return max(0.0, self._total - part)
+
+
+@dataclass
+class _Ring:
+    """Position and credits of one ring (normal or high-priority group)."""
+
+    cur: str | None = None  # key of the holder of the current slot
+    cur_seq: float = -math.inf  # its order key (kept when it leaves the ring)
+    used: int = 0  # slots of the current holder's run begun so far
+    open: bool = False  # the current slot still has time owed (it was cut short)
+    credit: dict[str, float] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.cur, self.cur_seq, self.used, self.open = None, -math.inf, 0, False
+        self.credit.clear()
+
+    def next(self, holders: list[tuple[str, float, int]], p: Params) -> tuple[str, float]:
+        """The holder of the next slot (or the rest of an open one) and its length.
+        `holders`: (key, order, slots) sorted by order, non-empty, slots >= 1."""
+        table = {k: n for k, _, n in holders}
+        for k in [k for k in self.credit if k not in table]:
+            del self.credit[k]
+        if self.cur in table and self.open:
+            c = self.credit.get(self.cur, 0.0)
+            if c >= p.min_slice:
+                return self.cur, min(c, p.max_slice)
+        if self.cur in table and self.used < table[self.cur]:
+            self.used += 1
+        else:
+            nxt = next((h for h in holders if h[1] > self.cur_seq), holders[0])
+            self.cur, self.cur_seq, self.used = nxt[0], nxt[1], 1
+        c = self.credit.get(self.cur, 0.0) + p.slice
+        self.credit[self.cur] = c
+        self.open = True
+        return self.cur, min(max(c, p.min_slice), p.max_slice)
+
+    def charge(self, key: str, ran: float, p: Params) -> None:
+        c = self.credit.get(key, 0.0) - ran
+        self.credit[key] = max(-p.credit_bound, min(p.credit_bound, c))
+        if key == self.cur and self.credit[key] < p.min_slice:
+            self.open = False
+
+
+class Planner:
+    """The accounting state of one GPU and the policy decisions made from it."""
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or Params()
+        self._rings = {NORMAL: _Ring(), PRIO: _Ring()}
+        self._seq: dict[str, int] = {}
+        self._next_seq = 0
+        self._policy: int | None = None
+        self._usage: dict[str, Window] = {}  # per instance, for policy 4
+        self._prio = Window(self.params.window)
+
+    # ---- bookkeeping -------------------------------------------------------
+
+    def _sync(self, view: GpuView) -> None:
+        if view.policy != self._policy:
+            if self._policy is not None:
+                for r in self._rings.values():
+                    r.reset()
+            self._policy = view.policy
+        names = view.names
+        for gone in [n for n in self._seq if n not in names]:
+            del self._seq[gone]
+            self._usage.pop(gone, None)
+        for i in view.instances:
+            if i.name not in self._seq:
+                self._seq[i.name] = self._next_seq
+                self._next_seq += 1
+                self._usage[i.name] = Window(self.params.window)
+
+    def _holders(self, insts: Iterable[InstView], slots, waste: int) -> list[tuple[str, float, int]]:
+        hs = [(i.name, float(self._seq[i.name]), slots(i)) for i in insts]
+        hs.sort(key=lambda h: h[1])
+        if waste > 0:
+            hs.append((WASTE, math.inf, waste))
+        return hs
+
+    # ---- queries -----------------------------------------------------------
+
+    def prio_used(self, now: float) -> float:
+        """Seconds the high-priority group ran (counted, not fill) in the window."""
+        return self._prio.sum(now)
+
+    def prio_headroom(self, view: GpuView, now: float) -> float:
+        return view.prio_ratio / 100.0 * self.params.window - self._prio.sum(now)
+
+    def usage_share(self, name: str, now: float) -> float:
+        """An instance's usage over the window as a fraction of the window."""
+        w = self._usage.get(name)
+        return 0.0 if w is None else w.sum(now) / self.params.window
+
+    def credit(self, name: str, group: str = NORMAL) -> float:
+        return self._rings[group].credit.get(name, 0.0)
+
+    # ---- decisions ---------------------------------------------------------
+
+    def plan(self, view: GpuView, now: float) -> Decision:
+        """Who may use the GPU from `now`, and until when."""
+        self._sync(view)
+        p = self.params
+        eligible = [i for i in view.instances if i.weight > 0]
+        considered = frozenset(i.name for i in eligible if i.active)
+        if view.policy == NATIVE:
+            names = view.names
+            return Decision(names, now + p.slice, now, Kind.NATIVE, active=view.active_names, considered=considered)
+        hp = [i for i in eligible if i.highprio and i.active]
+        normal = [i for i in eligible if not i.highprio]
+        if hp:
+            room = self.prio_headroom(view, now)
+            if room >= p.min_slice:
+                d = self._plan_group(PRIO, hp, view, now, considered)
+                assert d is not None
+                return _with(d, kind=Kind.PRIO, until=min(d.until, now + room))
+        d = self._plan_group(NORMAL, normal, view, now, considered)
+        if d is None:
+            if hp:  # nobody else holds or wants the time (policies 1 and 4, or no normal holder)
+                f = self._plan_group(PRIO, hp, view, now, considered)
+                assert f is not None
+                return _with(f, kind=Kind.FILL)
+            return Decision(frozenset(), now + p.slice, now, Kind.IDLE, considered=considered)
+        return d
+
+    def _plan_group(
+        self, group: str, insts: list[InstView], view: GpuView, now: float, considered: frozenset[str]
+    ) -> Decision | None:
+        """The group's next decision; None when it has nobody to give time to."""
+        p = self.params
+        pol = view.policy
+        if pol == WEAK:
+            return self._plan_weak(group, [i for i in insts if i.active], now, considered)
+        if group == PRIO:  # only active members, no waste; 0 and 1 round robin, 2 and 3 by weight
+            slots = (lambda i: 1) if pol in (FAIR, PREEMPTIVE) else (lambda i: i.weight)
+            holders = self._holders(insts, slots, 0)
+        elif pol == FAIR:
+            holders = self._holders(insts, lambda i: 1, view.max_inst - len(insts))
+        elif pol == PREEMPTIVE:
+            holders = self._holders([i for i in insts if i.active], lambda i: 1, 0)
+        elif pol == WEIGHTED:
+            holders = self._holders(insts, lambda i: i.weight, 0)
+        elif pol == FIXED:
+            holders = self._holders(insts, lambda i: i.weight, view.max_inst - sum(i.weight for i in insts))
+        else:
+            raise ValueError(f"no policy {pol}")
+        if not holders:
+            return None
+        key, length = self._rings[group].next(holders, p)
+        if key == WASTE:
+            return Decision(frozenset(), now + length, now, Kind.WASTE, group, WASTE, considered=considered)
+        act = frozenset({key}) if key in considered else frozenset()
+        return Decision(frozenset({key}), now + length, now, Kind.SLOT, group, key, act, considered)
+
+    def _plan_weak(
+        self, group: str, cands: list[InstView], now: float, considered: frozenset[str]
+    ) -> Decision | None:
+        if not cands:
+            return None
+        limit = 1.0 / len(cands)
+        shares = {i.name: self.usage_share(i.name, now) for i in cands}
+        run = frozenset(n for n, s in shares.items() if s <= limit + 1e-9)
+        if not run:  # cannot happen while the usage sums to <= 1, but never idle a wanted GPU
+            low = min(shares.values())
+            run = frozenset(n for n, s in shares.items() if s <= low + 1e-9)
+        paused = frozenset(shares) - run
+        return Decision(run, now + self.params.slice, now, Kind.WEAK, group, None, run, considered, paused)
+
+    def preempt(self, view: GpuView, decision: Decision, now: float) -> bool:
+        """Mid-slice (activity changed): should the loop end this slice now?
+
+        Yes when a high-priority instance became active (it takes the GPU at
+        once), when the GPU is idle or filled and someone now wants it, under
+        policy 4 when a newcomer joins, and when everyone given the GPU went
+        idle where idle time goes to others (policies 1, 4, high priority).
+        Ending a slice early is always safe: the ring keeps what is owed."""
+        if decision.kind == Kind.NATIVE or view.policy == NATIVE:
+            return False
+        eligible = {i.name: i for i in view.instances if i.weight > 0}
+        active = frozenset(n for n, i in eligible.items() if i.active)
+        newcomers = active - decision.considered
+        if newcomers:
+            if any(eligible[n].highprio for n in newcomers) and decision.kind != Kind.PRIO:
+                return True
+            if decision.kind in (Kind.IDLE, Kind.FILL) or view.policy == WEAK:
+                return True
+        if decision.active and not (decision.active & active):
+            if view.policy in (PREEMPTIVE, WEAK) or decision.kind in (Kind.PRIO, Kind.FILL):
+                return True
+        return False
+
+    def charge(
+        self, decision: Decision, start: float, end: float, usage: Mapping[str, float] | None = None
+    ) -> None:
+        """Report that `decision` was in force from `start` to `end` (actual
+        times). `usage`: GPU seconds each running instance really used in
+        that time, when a meter knows; otherwise time is split evenly among
+        the active instances that ran together."""
+        ran = max(0.0, end - start)
+        p = self.params
+        if decision.holder is not None and decision.group is not None:
+            self._rings[decision.group].charge(decision.holder, ran, p)
+        if decision.kind == Kind.PRIO:
+            self._prio.add(start, end, ran)
+        act = decision.active
+        if act:
+            for name in act:
+                w = self._usage.get(name)
+                if w is None:
+                    continue
+                amount = usage.get(name, 0.0) if usage is not None else ran / len(act)
+                w.add(start, end, amount)
+
+
+def _with(d: Decision, **changes) -> Decision:
+    return replace(d, **changes)
+
+
+def entitled_share(view: GpuView, name: str) -> float:
+    """The long-run share `name` may get under the view's policy when the view
+    does not change and nobody is high priority: what the SPEC §5 table says.
+    (For policy 1 and 4 with the named instance active; 1.0 under policy 5.)"""
+    inst = next(i for i in view.instances if i.name == name)
+    if view.policy == NATIVE:
+        return 1.0
+    if inst.weight == 0:
+        return 0.0
+    eligible = [i for i in view.instances if i.weight > 0]
+    if view.policy == FAIR:
+        return 1.0 / view.max_inst
+    if view.policy in (PREEMPTIVE, WEAK):
+        if not inst.active:
+            return 0.0
+        return 1.0 / sum(1 for i in eligible if i.active)
+    if view.policy == WEIGHTED:
+        return inst.weight / sum(i.weight for i in eligible)
+    if view.policy == FIXED:
+        return inst.weight / view.max_inst
+    raise ValueError(f"no policy {view.policy}")

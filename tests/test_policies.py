@@ -1,0 +1,615 @@
+"""SPEC §5 policies as pure code: exact shares, slot structure, deficits, high priority.
+
+Fast tier: cgpud.sched.policies.Planner driven by a tiny simulated clock (no
+trio): plan at t, "run" until the decision's end (plus any lateness we
+inject), charge the actual times, repeat.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import defaultdict
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cgpud.sched.policies import (
+    EXCLUSIVE_POLICIES,
+    FAIR,
+    FIXED,
+    NATIVE,
+    PREEMPTIVE,
+    WEAK,
+    WEIGHTED,
+    GpuView,
+    InstView,
+    Kind,
+    Params,
+    Planner,
+    Window,
+    entitled_share,
+)
+
+X = 0.010
+
+
+def inst(name, weight=1, *, hp=False, active=True):
+    return InstView(name, weight, hp, active)
+
+
+def view(policy, *insts, max_inst=16, prio_ratio=80):
+    return GpuView(policy, max_inst, prio_ratio, tuple(insts))
+
+
+class Sim:
+    """Drives a Planner on a made-up clock and keeps the timeline."""
+
+    def __init__(self, params: Params | None = None, late=None, probe=None):
+        self.params = params or Params(slice=X)
+        self.planner = Planner(self.params)
+        self.t = 0.0
+        self.late = late or (lambda d: 0.0)
+        self.probe = probe  # called as probe(t, planner) before each decision
+        self.timeline: list[tuple[float, float, object]] = []
+
+    def run(self, v: GpuView, seconds: float, usage=None) -> None:
+        stop = self.t + seconds
+        while self.t < stop - 1e-12:
+            if self.probe:
+                self.probe(self.t, self.planner)
+            d = self.planner.plan(v, self.t)
+            assert d.until > self.t
+            end = d.until + self.late(d)
+            u = usage(d, self.t, end) if usage else None
+            self.planner.charge(d, self.t, end, u)
+            self.timeline.append((self.t, end, d))
+            self.t = end
+
+    def _overlap(self, t0, t1):
+        for s, e, d in self.timeline:
+            lo, hi = max(s, t0), min(e, t1)
+            if hi > lo:
+                yield hi - lo, d
+
+    def share(self, name, t0=0.0, t1=None) -> float:
+        """Fraction of [t0, t1] the instance was given the GPU while active."""
+        t1 = self.t if t1 is None else t1
+        return sum(dt for dt, d in self._overlap(t0, t1) if name in d.active) / (t1 - t0)
+
+    def used(self, name, t0=0.0, t1=None) -> float:
+        """Like share, but time run together is split evenly (policy 4's measure)."""
+        t1 = self.t if t1 is None else t1
+        return sum(dt / len(d.active) for dt, d in self._overlap(t0, t1) if name in d.active) / (t1 - t0)
+
+    def busy(self, t0=0.0, t1=None) -> float:
+        t1 = self.t if t1 is None else t1
+        return sum(dt for dt, d in self._overlap(t0, t1) if d.active) / (t1 - t0)
+
+    def switches(self, t0=0.0, t1=None) -> int:
+        t1 = self.t if t1 is None else t1
+        runs = [d.running for s, e, d in self.timeline if t0 <= s < t1]
+        return sum(1 for a, b in zip(runs, runs[1:]) if a != b)
+
+    def order(self, t0=0.0, t1=None) -> list:
+        """The sequence of holders (None for wasted/idle slots), one per decision."""
+        t1 = self.t if t1 is None else t1
+        return [d.holder if d.holder != "" else None for s, e, d in self.timeline if t0 <= s < t1]
+
+
+# ---- policy 0: fair ---------------------------------------------------------
+
+
+def test_fair_is_a_ring_of_max_inst_slots_each_exactly_one_over_max_inst():
+    s = Sim()
+    s.run(view(FAIR, inst("a"), inst("b"), inst("c"), max_inst=4), 40 * 4 * X)
+    for n in "abc":
+        assert s.share(n) == pytest.approx(0.25, abs=1e-9)
+    assert s.busy() == pytest.approx(0.75, abs=1e-9)
+    assert s.order()[:8] == ["a", "b", "c", None, "a", "b", "c", None]
+    assert all(d.length == pytest.approx(X) for _, _, d in s.timeline)
+
+
+def test_fair_idle_instance_slot_is_wasted_not_given_away():
+    s = Sim()
+    s.run(view(FAIR, inst("a"), inst("b", active=False), max_inst=2), 100 * X)
+    assert s.share("a") == pytest.approx(0.5, abs=1e-9)
+    assert s.share("b") == 0.0
+    assert s.busy() == pytest.approx(0.5, abs=1e-9)
+    # the idle holder still holds its slot: it may run (it is not frozen) if it wakes up
+    assert any(d.running == {"b"} for _, _, d in s.timeline)
+
+
+def test_fair_lone_instance_still_gets_only_one_over_max_inst():
+    s = Sim()
+    s.run(view(FAIR, inst("a")), 50 * 16 * X)
+    assert s.share("a") == pytest.approx(1 / 16, abs=1e-9)
+
+
+def test_fair_max_inst_change_takes_effect_at_the_next_boundary():
+    s = Sim()
+    s.run(view(FAIR, inst("a"), inst("b"), max_inst=4), 40 * 4 * X)
+    t = s.t
+    s.run(view(FAIR, inst("a"), inst("b"), max_inst=8), 40 * 8 * X)
+    assert s.share("a", 0, t) == pytest.approx(0.25, abs=1e-9)
+    assert s.share("a", t) == pytest.approx(1 / 8, abs=1e-9)
+    assert s.share("b", t) == pytest.approx(1 / 8, abs=1e-9)
+    assert s.timeline[[i for i, (st_, _, _) in enumerate(s.timeline) if st_ >= t][0]][0] == pytest.approx(t)
+
+
+# ---- policy 1: preemptive ----------------------------------------------------
+
+
+def test_preemptive_round_robin_over_active_instances_idle_time_given_to_others():
+    s = Sim()
+    s.run(view(PREEMPTIVE, inst("a"), inst("b"), inst("c", active=False)), 300 * X)
+    assert s.share("a") == pytest.approx(0.5, abs=1e-9)
+    assert s.share("b") == pytest.approx(0.5, abs=1e-9)
+    assert s.share("c") == 0.0
+    assert s.busy() == pytest.approx(1.0)
+    t = s.t
+    s.run(view(PREEMPTIVE, inst("a"), inst("b"), inst("c")), 300 * X)
+    for n in "abc":
+        assert s.share(n, t) == pytest.approx(1 / 3, abs=1e-9)
+    assert s.order(t)[:6] in (["c", "a", "b", "c", "a", "b"], ["a", "b", "c", "a", "b", "c"])
+
+
+def test_preemptive_nobody_active_means_idle():
+    s = Sim()
+    s.run(view(PREEMPTIVE, inst("a", active=False)), 10 * X)
+    assert s.busy() == 0.0
+    assert all(d.kind is Kind.IDLE and not d.running for _, _, d in s.timeline)
+
+
+# ---- policy 2: weighted -------------------------------------------------------
+
+
+def test_weighted_one_to_two_exact_over_cycles_with_consecutive_slices():
+    s = Sim()
+    s.run(view(WEIGHTED, inst("a", 1), inst("b", 2)), 200 * 3 * X)
+    assert s.share("a") == pytest.approx(1 / 3, abs=1e-9)
+    assert s.share("b") == pytest.approx(2 / 3, abs=1e-9)
+    assert s.order()[:6] == ["a", "b", "b", "a", "b", "b"]
+
+
+def test_weighted_idle_instance_holds_its_slices_wasted():
+    s = Sim()
+    s.run(view(WEIGHTED, inst("a", 1), inst("b", 2, active=False)), 200 * 3 * X)
+    assert s.share("a") == pytest.approx(1 / 3, abs=1e-9)
+    assert s.busy() == pytest.approx(1 / 3, abs=1e-9)
+
+
+def test_weighted_lone_instance_takes_all_without_switching():
+    s = Sim()
+    s.run(view(WEIGHTED, inst("a", 3)), 100 * X)
+    assert s.share("a") == pytest.approx(1.0)
+    assert s.switches() == 0
+
+
+def test_weighted_two_to_one_switches_four_times_as_often_as_eight_to_four():
+    s21, s84 = Sim(), Sim()
+    s21.run(view(WEIGHTED, inst("a", 2), inst("b", 1)), 240 * X)
+    s84.run(view(WEIGHTED, inst("a", 8), inst("b", 4)), 240 * X)
+    assert s21.share("a") == pytest.approx(2 / 3, abs=1e-9)
+    assert s84.share("a") == pytest.approx(2 / 3, abs=1e-9)
+    assert s21.switches() == 159  # 2 switches per 3X cycle, 80 cycles
+    assert s84.switches() == 39  # 2 switches per 12X cycle, 20 cycles
+    assert (s21.switches() + 1) == 4 * (s84.switches() + 1)
+
+
+def test_weighted_weight_change_mid_run():
+    s = Sim()
+    s.run(view(WEIGHTED, inst("a", 1), inst("b", 1)), 100 * 2 * X)
+    t = s.t
+    s.run(view(WEIGHTED, inst("a", 1), inst("b", 3)), 100 * 4 * X)
+    assert s.share("a", 0, t) == pytest.approx(0.5, abs=1e-9)
+    assert s.share("a", t) == pytest.approx(0.25, abs=1e-9)
+    assert s.share("b", t) == pytest.approx(0.75, abs=1e-9)
+
+
+def test_weight_zero_gets_no_compute_under_every_controlled_policy():
+    for pol in (FAIR, PREEMPTIVE, WEIGHTED, FIXED, WEAK):
+        s = Sim()
+        s.run(view(pol, inst("a", 1), inst("z", 0), max_inst=4), 400 * X)
+        assert s.share("z") == 0.0, pol
+        assert all("z" not in d.running for _, _, d in s.timeline), pol
+    s = Sim()
+    s.run(view(FAIR, inst("a", 1), inst("z", 0), max_inst=4), 400 * X)
+    assert s.busy() == pytest.approx(0.25, abs=1e-9)  # z's slot of the ring is wasted
+
+
+def test_instances_appearing_and_going():
+    s = Sim()
+    s.run(view(WEIGHTED, inst("a", 1), inst("b", 1)), 100 * X)
+    t1 = s.t
+    s.run(view(WEIGHTED, inst("a", 1), inst("b", 1), inst("c", 2)), 100 * 4 * X)
+    t2 = s.t
+    s.run(view(WEIGHTED, inst("b", 1), inst("c", 2)), 100 * 3 * X)
+    assert s.share("c", t1, t2) == pytest.approx(0.5, abs=0.005)
+    assert s.share("b", t2) == pytest.approx(1 / 3, abs=1e-9)
+    assert s.share("a", t2) == 0.0
+
+
+# ---- policy 3: fixed ----------------------------------------------------------
+
+
+def test_fixed_exactly_w_over_max_inst_even_alone():
+    s = Sim()
+    s.run(view(FIXED, inst("a", 3), max_inst=10), 50 * 10 * X)
+    assert s.share("a") == pytest.approx(0.3, abs=1e-9)
+    t = s.t
+    s.run(view(FIXED, inst("a", 3), inst("b", 2), max_inst=10), 50 * 10 * X)
+    assert s.share("a", t) == pytest.approx(0.3, abs=1e-9)
+    assert s.share("b", t) == pytest.approx(0.2, abs=1e-9)
+    assert s.busy(t) == pytest.approx(0.5, abs=1e-9)
+
+
+def test_policy_switch_mid_run():
+    s = Sim()
+    v = (inst("a", 1), inst("b", 3))
+    s.run(view(FIXED, *v, max_inst=8), 50 * 8 * X)
+    t = s.t
+    s.run(view(WEIGHTED, *v, max_inst=8), 50 * 4 * X)
+    assert s.share("b", 0, t) == pytest.approx(3 / 8, abs=1e-9)
+    assert s.share("b", t) == pytest.approx(3 / 4, abs=1e-9)
+    assert s.busy(t) == pytest.approx(1.0)
+
+
+# ---- deficits: actual run time, not planned time ------------------------------
+
+
+def test_late_timers_of_one_instance_do_not_bias_the_shares():
+    # every boundary that ends a's slice comes 3 ms late (a slow freeze, a busy core):
+    # without the running deficit a would get 13/33 = 0.394 instead of 1/3
+    s = Sim(late=lambda d: 0.003 if d.holder == "a" else 0.0)
+    s.run(view(WEIGHTED, inst("a", 1), inst("b", 2)), 30.0)
+    assert s.share("a") == pytest.approx(1 / 3, abs=0.001)
+    assert s.share("b") == pytest.approx(2 / 3, abs=0.001)
+    assert min(d.length for _, _, d in s.timeline if d.holder == "a") < X  # a's slices were shortened
+
+
+def test_random_lateness_keeps_fair_shares_and_waste():
+    r = random.Random(7)
+    s = Sim(late=lambda d: r.uniform(0, X / 2))
+    s.run(view(FAIR, inst("a"), inst("b"), inst("c"), max_inst=5), 30.0)
+    for n in "abc":
+        assert s.share(n) == pytest.approx(0.2, abs=0.001)
+
+
+def test_slot_cut_short_is_continued_not_lost():
+    p = Params(slice=X)
+    pl = Planner(p)
+    v = view(WEIGHTED, inst("a", 1), inst("b", 1))
+    d = pl.plan(v, 0.0)
+    assert d.holder == "a"
+    pl.charge(d, 0.0, 0.004)  # preempted after 4 ms
+    d2 = pl.plan(v, 0.004)
+    assert d2.holder == "a" and d2.length == pytest.approx(0.006)
+    pl.charge(d2, 0.004, 0.010)
+    assert pl.plan(v, 0.010).holder == "b"
+
+
+# ---- policy 4: weak ---------------------------------------------------------------
+
+
+def test_weak_active_instances_run_together():
+    s = Sim()
+    s.run(view(WEAK, inst("a"), inst("b"), inst("c", active=False)), 5.0)
+    assert s.share("a") == pytest.approx(1.0)
+    assert s.share("b") == pytest.approx(1.0)
+    assert s.switches() == 0
+
+
+def test_weak_instance_over_its_share_is_paused_until_back_under():
+    seen = []
+    s = Sim(probe=lambda t, pl: seen.append((t, pl.usage_share("a", t))))
+    s.run(view(WEAK, inst("a"), inst("b", active=False)), 2.0)  # a alone: 100 % of the window
+    t = s.t
+    s.run(view(WEAK, inst("a"), inst("b")), 10.0)
+    d = next(d for st_, _, d in s.timeline if st_ >= t)
+    assert d.running == {"b"} and d.paused == {"a"}
+    # a is held until its window usage is down to 1/2: that takes half a window
+    back = next(st_ for st_, _, d in s.timeline if st_ >= t and "a" in d.running)
+    assert back - t == pytest.approx(0.5, abs=2 * X)
+    # afterwards neither passes its share by more than a slice's worth, and they split the GPU evenly
+    assert max(u for t_, u in seen if t_ >= t + 0.5 + X) <= 0.5 + X
+    assert s.used("a", t + 2, s.t) == pytest.approx(0.5, abs=0.01)
+    assert s.used("b", t + 2, s.t) == pytest.approx(0.5, abs=0.01)
+
+
+def test_weak_with_a_usage_meter_holds_a_hog_at_its_share():
+    # together, the hog takes 80 % of the GPU and the other 20 %; alone, 100 %
+    def usage(d, start, end):
+        dt = end - start
+        if d.active == {"hog", "mod"}:
+            return {"hog": 0.8 * dt, "mod": 0.2 * dt}
+        return {n: dt for n in d.active}
+
+    seen = []
+    s = Sim(probe=lambda t, pl: seen.append((t, pl.usage_share("hog", t))))
+    s.run(view(WEAK, inst("hog"), inst("mod")), 20.0, usage=usage)
+    hog_paused = sum(e - st_ for st_, e, d in s.timeline if "hog" in d.paused)
+    assert hog_paused > 2.0  # it was held back
+    assert max(u for t_, u in seen if t_ > 1.0) <= 0.5 + 0.01
+    assert max(u for t_, u in seen if t_ < 1.0) > 0.5  # (it did get over: the rule had work to do)
+    assert s.planner.usage_share("hog", s.t) == pytest.approx(0.5, abs=0.01)
+
+
+# ---- policy 5: native -------------------------------------------------------------
+
+
+def test_native_everyone_runs_no_control():
+    s = Sim()
+    s.run(view(NATIVE, inst("a"), inst("z", 0), inst("i", active=False), inst("h", hp=True)), 1.0)
+    assert all(d.kind is Kind.NATIVE and d.running == {"a", "z", "i", "h"} for _, _, d in s.timeline)
+    assert s.share("z") == pytest.approx(1.0)
+
+
+# ---- high priority ------------------------------------------------------------------
+
+
+def test_highprio_takes_the_gpu_at_once_and_is_capped_at_prio_ratio():
+    s = Sim()
+    normal = (inst("a", 1), inst("b", 1))
+    s.run(view(WEIGHTED, *normal, inst("h", 1, hp=True, active=False)), 1.0)
+    t = s.t
+    s.run(view(WEIGHTED, *normal, inst("h", 1, hp=True)), 20.0)
+    first = next(d for st_, _, d in s.timeline if st_ >= t)
+    assert first.kind is Kind.PRIO and first.running == {"h"}
+    assert s.share("h", t) == pytest.approx(0.8, abs=0.005)
+    assert s.share("h", t + 2) <= 0.8 + 1e-6
+    assert s.share("a", t + 2) == pytest.approx(0.1, abs=0.005)
+    assert s.share("b", t + 2) == pytest.approx(0.1, abs=0.005)
+    # the cap holds in every window of the planner's length (up to one bucket)
+    W = s.params.window
+    edges = sorted({st_ for st_, _, _ in s.timeline if t <= st_ <= s.t - W})
+    for w0 in edges[::7]:
+        assert s.share("h", w0, w0 + W) <= 0.8 + 1e-9
+
+
+def test_highprio_idle_gets_nothing_and_holds_no_slices():
+    s = Sim()
+    s.run(view(WEIGHTED, inst("a", 1), inst("b", 1), inst("h", 6, hp=True, active=False)), 100 * 2 * X)
+    assert s.share("a") == pytest.approx(0.5, abs=1e-9)
+    assert s.share("b") == pytest.approx(0.5, abs=1e-9)
+    assert all("h" not in d.running for _, _, d in s.timeline)
+
+
+def test_highprio_leaving_returns_the_gpu_to_the_policy():
+    s = Sim()
+    s.run(view(PREEMPTIVE, inst("a"), inst("b"), inst("h", hp=True)), 5.0)
+    t = s.t
+    s.run(view(PREEMPTIVE, inst("a"), inst("b"), inst("h", hp=True, active=False)), 5.0)
+    assert s.share("h", t) == 0.0
+    assert s.share("a", t) == pytest.approx(0.5, abs=0.002)
+
+
+def test_several_highprio_share_by_the_policy():
+    s = Sim()
+    s.run(
+        view(WEIGHTED, inst("a", 1), inst("h1", 1, hp=True), inst("h2", 3, hp=True), prio_ratio=60),
+        30.0,
+    )
+    assert s.share("h1") + s.share("h2") == pytest.approx(0.6, abs=0.005)
+    assert s.share("h2") / s.share("h1") == pytest.approx(3.0, rel=0.02)
+    assert s.share("a") == pytest.approx(0.4, abs=0.005)
+
+
+def test_prio_ratio_change_and_a_lone_highprio_under_fixed():
+    s = Sim()
+    s.run(view(FIXED, inst("a", 2), inst("h", 1, hp=True), max_inst=4, prio_ratio=50), 10.0)
+    t = s.t
+    s.run(view(FIXED, inst("a", 2), inst("h", 1, hp=True), max_inst=4, prio_ratio=20), 10.0)
+    assert s.share("h", 1, t) == pytest.approx(0.5, abs=0.005)
+    assert s.share("a", 1, t) == pytest.approx(0.5 * 0.5, abs=0.005)  # a holds 2 of 4 slots of the rest
+    assert s.share("h", t + 1) == pytest.approx(0.2, abs=0.005)
+    assert s.share("a", t + 1) == pytest.approx(0.8 * 0.5, abs=0.005)
+
+
+def test_capped_highprio_fills_idle_time_under_preemptive_without_using_its_budget():
+    s = Sim()
+    s.run(view(PREEMPTIVE, inst("a", active=False), inst("h", hp=True)), 3.0)
+    assert s.share("h") == pytest.approx(1.0)  # nobody else wants the GPU
+    assert any(d.kind is Kind.FILL for _, _, d in s.timeline)
+    t = s.t
+    s.run(view(PREEMPTIVE, inst("a"), inst("h", hp=True)), 5.0)
+    # fill time was not counted: h keeps its 80 % straight away, a gets the rest
+    assert s.share("h", t, t + 1) == pytest.approx(0.8, abs=0.01)
+    assert s.share("a", t, t + 1) == pytest.approx(0.2, abs=0.01)
+
+
+def test_capped_highprio_does_not_fill_fixed_policy_waste():
+    s = Sim()
+    s.run(view(FIXED, inst("a", 1, active=False), inst("h", hp=True), max_inst=4), 5.0)
+    assert s.share("h", 1) == pytest.approx(0.8, abs=0.005)
+    assert s.busy(1) == pytest.approx(0.8, abs=0.005)
+
+
+def test_weight_zero_highprio_gets_nothing():
+    s = Sim()
+    s.run(view(WEIGHTED, inst("a", 1), inst("h", 0, hp=True)), 2.0)
+    assert s.share("h") == 0.0
+    assert s.share("a") == pytest.approx(1.0)
+
+
+# ---- preemption between boundaries ----------------------------------------------------
+
+
+def test_preempt_rules():
+    pl = Planner(Params(slice=X))
+    v = view(WEIGHTED, inst("a"), inst("b"), inst("h", hp=True, active=False))
+    d = pl.plan(v, 0.0)
+    assert not pl.preempt(v, d, 0.001)
+    assert pl.preempt(view(WEIGHTED, inst("a"), inst("b"), inst("h", hp=True)), d, 0.001)
+    # a normal newcomer waits for its slot under exclusive policies
+    v2 = view(WEIGHTED, inst("a"), inst("b", active=False))
+    d2 = pl.plan(v2, 0.0)
+    assert not pl.preempt(view(WEIGHTED, inst("a"), inst("b")), d2, 0.001)
+    # preemptive: the running instance went idle, the GPU goes to the others now
+    pl1 = Planner(Params(slice=X))
+    v1 = view(PREEMPTIVE, inst("a"), inst("b"))
+    d1 = pl1.plan(v1, 0.0)
+    (held,) = d1.running
+    other = "b" if held == "a" else "a"
+    went_idle = view(PREEMPTIVE, inst(held, active=False), inst(other))
+    assert pl1.preempt(went_idle, d1, 0.002)
+    # idle GPU and someone arrives
+    pli = Planner(Params(slice=X))
+    di = pli.plan(view(PREEMPTIVE, inst("a", active=False)), 0.0)
+    assert pli.preempt(view(PREEMPTIVE, inst("a")), di, 0.001)
+    # native: never
+    pln = Planner(Params(slice=X))
+    dn = pln.plan(view(NATIVE, inst("a")), 0.0)
+    assert not pln.preempt(view(NATIVE, inst("a"), inst("h", hp=True)), dn, 0.001)
+
+
+# ---- the window ---------------------------------------------------------------------------
+
+
+def test_window_sums_exactly_and_spreads_segments_evenly():
+    w = Window(1.0)
+    w.add(0.0, 0.5, 0.5)
+    assert w.sum(0.5) == pytest.approx(0.5)
+    assert w.sum(1.0) == pytest.approx(0.5)
+    assert w.sum(1.25) == pytest.approx(0.25)  # [0.25, 0.5] of the segment is still inside
+    assert w.sum(1.5) == pytest.approx(0.0, abs=1e-12)
+    w.add(1.5, 1.6, 0.05)  # half-used interval
+    assert w.sum(1.6) == pytest.approx(0.05)
+    assert w.sum(2.55) == pytest.approx(0.025)
+    assert w.sum(5.0) == 0.0
+
+
+def test_window_is_exact_against_brute_force_and_merges_runs():
+    r = random.Random(3)
+    w = Window(1.0)
+    segs = []
+    t = 0.0
+    for _ in range(800):
+        d = r.uniform(0.001, 0.03)
+        if r.random() < 0.5:
+            w.add(t, t + d, d)
+            segs.append((t, t + d))
+        t += d + (r.uniform(0, 1e-4) if r.random() < 0.2 else 0.0)
+        exact = sum(max(0.0, min(e, t) - max(s, t - 1.0)) for s, e in segs)
+        assert w.sum(t) == pytest.approx(exact, abs=2e-4)  # merged tiny gaps (< 100 µs) are the only error
+    w2 = Window(1.0)
+    for k in range(1000):  # one instance running on and on: one entry
+        w2.add(k * 0.01, (k + 1) * 0.01, 0.01)
+    assert len(w2._segs) == 1 and w2.sum(10.0) == pytest.approx(1.0)
+
+
+def test_params_validation():
+    with pytest.raises(ValueError):
+        Params(slice=0)
+    with pytest.raises(ValueError):
+        Params(slice=0.5, window=0.6)
+
+
+# ---- property: nobody gets time it is not entitled to ---------------------------------------
+
+instances = st.lists(
+    st.tuples(st.integers(0, 4), st.booleans()),  # weight, active
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from([FAIR, PREEMPTIVE, WEIGHTED, FIXED, WEAK]),
+    specs=instances,
+    extra_slots=st.integers(0, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_property_no_instance_exceeds_its_entitlement(policy, specs, extra_slots, seed):
+    max_inst = max(len(specs), sum(w for w, _ in specs)) + extra_slots
+    v = view(policy, *(inst(f"i{k}", w, active=a) for k, (w, a) in enumerate(specs)), max_inst=max_inst)
+    r = random.Random(seed)
+    s = Sim(late=lambda d: r.uniform(0, X / 2))
+    T = 10.0
+    s.run(v, T)
+    tol = 3 * X / T
+    total = 0.0
+    for i in v.instances:
+        got = s.used(i.name) if policy == WEAK else s.share(i.name)
+        total += got
+        if i.weight == 0 or (not i.active and policy in (PREEMPTIVE, WEAK)):
+            assert got == 0.0
+        elif i.active:
+            assert got <= entitled_share(v, i.name) + tol, (i, got)
+        else:
+            assert got == 0.0  # an idle holder's slot is wasted: nobody uses it
+        if i.active and i.weight > 0 and policy in (FAIR, WEIGHTED, FIXED):
+            assert got == pytest.approx(entitled_share(v, i.name), abs=tol)  # and it gets it all
+    if policy in EXCLUSIVE_POLICIES:
+        assert total <= 1 + 1e-9
+        assert all(len(d.running) <= 1 for _, _, d in s.timeline)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from([FAIR, PREEMPTIVE, WEIGHTED, FIXED]),
+    specs=st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=4),
+    hps=st.lists(st.integers(1, 3), min_size=1, max_size=2),
+    ratio=st.integers(20, 99),
+)
+def test_property_highprio_within_prio_ratio_and_normal_within_policy(policy, specs, hps, ratio):
+    normal = [inst(f"n{k}", w, active=a) for k, (w, a) in enumerate(specs)]
+    high = [inst(f"h{k}", w, hp=True) for k, w in enumerate(hps)]
+    max_inst = sum(i.weight for i in normal + high) + 1
+    v = view(policy, *normal, *high, max_inst=max_inst, prio_ratio=ratio)
+    s = Sim()
+    T = 6.0
+    s.run(v, T)
+    hp_share = sum(s.share(h.name, 1.0) for h in high)
+    nobody_else = policy == PREEMPTIVE and not any(i.active for i in normal)
+    if nobody_else:
+        assert hp_share == pytest.approx(1.0)
+    else:
+        assert hp_share <= ratio / 100 + 0.01
+        assert hp_share >= ratio / 100 - 0.01
+    normal_view = view(policy, *normal, max_inst=max_inst)
+    for i in normal:
+        if i.active:
+            assert s.share(i.name, 1.0) <= entitled_share(normal_view, i.name) * (1 - ratio / 100) + 0.01
+    assert sum(s.share(i.name) for i in v.instances) <= 1 + 1e-9
+
+
+step = st.tuples(
+    st.sampled_from([FAIR, PREEMPTIVE, WEIGHTED, FIXED, WEAK, NATIVE]),
+    st.lists(st.tuples(st.sampled_from("abcdef"), st.integers(0, 3), st.booleans(), st.booleans()), max_size=5),
+    st.floats(0.001, 0.1),  # how long this view holds
+    st.floats(0.3, 1.0),  # where in the slice to cut it short (>= 0.9: not cut)
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(step, min_size=1, max_size=25), ratio=st.integers(20, 99))
+def test_property_every_decision_obeys_the_rules_through_any_changes(steps, ratio):
+    pl = Planner(Params(slice=X))
+    t = 0.0
+    for policy, specs, hold, cut in steps:
+        by_name = {n: inst(n, w, hp=h, active=a) for n, w, h, a in specs}
+        v = view(policy, *by_name.values(), max_inst=16, prio_ratio=ratio)
+        stop = t + hold
+        while t < stop:
+            d = pl.plan(v, t)
+            assert 0 < d.length <= 2 * X + 1e-12
+            assert d.running <= v.names
+            assert d.active <= d.running
+            if policy == NATIVE:
+                assert d.running == v.names
+            else:
+                for n in d.running:
+                    i = by_name[n]
+                    assert i.weight > 0
+                    if i.highprio:
+                        assert i.active and d.kind in (Kind.PRIO, Kind.FILL)
+                    if policy in (PREEMPTIVE, WEAK):
+                        assert i.active
+                if policy in EXCLUSIVE_POLICIES:
+                    assert len(d.running) <= 1
+            end = d.until if cut >= 0.9 else t + d.length * cut
+            assert isinstance(pl.preempt(v, d, (t + end) / 2), bool)
+            pl.charge(d, t, end)
+            t = end
