@@ -20,6 +20,7 @@ from fusefs.operations import Operations
 
 from . import __version__, control, tree
 from .cgroups import CgroupError, InstanceGroups
+from .guard import RegistryError
 from .durable import Durable
 from .gpus import BadSpec, discover
 from .model import InvalidValue, Node
@@ -44,6 +45,8 @@ class Config:
     socket: str | None = None
     dev_dir: str | None = None
     rt_priority: int = 0
+    slice_ms: float = 10.0
+    schedule: bool = True
 
 
 def load_node(cfg: Config) -> tuple[Node, Store]:
@@ -70,6 +73,25 @@ def load_node(cfg: Config) -> tuple[Node, Store]:
                 f"written for, or move the file away to start with no instances and default settings."
             ) from None
     return node, store
+
+
+async def _schedule(node: Node, durable: Durable, cfg: Config, devices: list[str],
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+    from .sched.policies import Params
+    from .scheduling import Scheduling
+
+    if not devices:
+        raise StartError("scheduling needs a device file per GPU: give --dev-dir")
+    try:
+        params = Params(slice=cfg.slice_ms / 1000.0)
+    except ValueError as exc:
+        raise StartError(f"--slice-ms {cfg.slice_ms}: {exc}") from None
+    try:
+        sched = Scheduling(node, cfg.state_dir, dict(enumerate(devices)), params)
+    except RegistryError as exc:
+        raise StartError(f"cannot read what a previous daemon froze ({exc}); fix or remove that file") from None
+    durable.listeners.append(sched.sync)
+    await sched.run(task_status=task_status)
 
 
 def sim_devices(node: Node, dev_dir: str | None) -> list[str]:
@@ -150,15 +172,19 @@ async def _serve(cfg: Config) -> None:
                 "(add user_allow_other to /etc/fuse.conf to let everyone read)",
                 mountpoint,
             )
+        prio = raise_priority(cfg.rt_priority)
         async with trio.open_nursery() as nursery:
             await nursery.start(_watch_signals)
+            devices = sim_devices(node, cfg.dev_dir)
+            if cfg.schedule:
+                await nursery.start(_schedule, node, durable, cfg, devices)
             if cfg.socket:
                 try:
                     groups = InstanceGroups()
                 except CgroupError as exc:
                     log.warning("%s: `cgpu run` will be refused", exc)
                     groups = None
-                ctl = control.Control(durable, gid, groups, devices=sim_devices(node, cfg.dev_dir))
+                ctl = control.Control(durable, gid, groups, devices=devices)
                 try:
                     await nursery.start(control.serve, cfg.socket, ctl, ops.refresh)
                 except OSError as exc:
@@ -169,8 +195,7 @@ async def _serve(cfg: Config) -> None:
             except mount.MountError as exc:
                 raise StartError(str(exc)) from None
             gpus = ", ".join(f"{g.index}: {g.info.name} {g.info.memory >> 20} MiB" for g in node.gpus)
-            log.info("cgpud %s serving %s (GPUs %s; state in %s)", __version__, mountpoint, gpus, store.path)
-            log.info("scheduling at %s", raise_priority(cfg.rt_priority))
+            log.info("cgpud %s serving %s (GPUs %s; state in %s; %s)", __version__, mountpoint, gpus, store.path, prio)
             notify("READY=1")
         log.info("stopped")
     finally:

@@ -20,6 +20,8 @@ class Durable:
     def __init__(self, node: Node, store: Store) -> None:
         self.node = node
         self.store = store
+        # Told after every change that landed (the scheduler attaches targets).
+        self.listeners: list[Callable[[], None]] = []
 
     def apply(self, change: Callable[[Node], T]) -> T:
         """Run `change`; all of it lands, on disk, or none of it does."""
@@ -38,4 +40,9 @@ class Durable:
             if isinstance(exc, OSError):
                 log.error("could not save state to %s (%s); the change was refused", self.store.path, exc.strerror)
             raise
+        for listener in self.listeners:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - the change landed; a listener's trouble is its own
+                log.exception("after a change: %r failed", listener)
         return result

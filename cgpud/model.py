@@ -232,6 +232,7 @@ class Node:
             raise InvalidValue("a target is a mapping with a 'kind'")
         for inst in insts:
             inst.target = dict(target) if target is not None else None
+        self.version += 1
 
     # ---- settings ----------------------------------------------------------
 
@@ -268,7 +269,7 @@ class Node:
     def set_memsize(self, gpu: int, name: str, value: int) -> None:
         g = self.gpu(gpu)
         inst = self.instance(gpu, name)
-        _int_in(value, 0, g.info.memory, "memsize")
+        _int_in(value, 0, 10**MEMSIZE_MAX_DIGITS - 1, "memsize")
         if g.memsize_sum - inst.memsize + value > g.info.memory:
             raise Busy(f"GPU {gpu} has {g.free_memory + inst.memsize} bytes for {name}; {value} does not fit")
         if value < inst.used:

@@ -58,6 +58,13 @@ class TimerFd:
         if _libc.timerfd_settime(self.fd, TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) != 0:
             raise OSError(ctypes.get_errno(), "timerfd_settime failed")
 
+    def fire_now(self) -> None:
+        """Make a pending (or the next) wait return at once."""
+        self._spec.it_value.tv_sec = 0
+        self._spec.it_value.tv_nsec = 1  # an absolute time long past: expires immediately
+        if _libc.timerfd_settime(self.fd, TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) != 0:
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+
     async def sleep_until(self, deadline: float) -> None:
         """Sleep until `deadline` on trio's clock, to within microseconds."""
         now = trio.current_time()

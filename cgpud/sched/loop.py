@@ -33,6 +33,56 @@ from .telemetry import GpuStats, Telemetry
 log = logging.getLogger("cgpud.sched")
 
 
+class EventWaiter:
+    """Waits on trio's own timers (what the tests use, on MockClock).
+    trio's timers may fire up to 1 ms late: CPython rounds epoll's timeout up
+    to whole milliseconds."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def reset(self) -> None:
+        if self._event.is_set():
+            self._event = trio.Event()
+
+    async def wait_until(self, deadline: float) -> None:
+        with trio.move_on_at(deadline):
+            await self._event.wait()
+
+    def close(self) -> None:
+        pass
+
+
+class TimerFdWaiter:
+    """Waits on a timerfd: wakes within microseconds of the deadline (the
+    daemon's choice on Linux). `wake()` makes the timer fire at once."""
+
+    def __init__(self) -> None:
+        from ..timerfd import TimerFd
+
+        self._timer = TimerFd()
+        self._woken = False
+
+    def wake(self) -> None:
+        self._woken = True
+        self._timer.fire_now()
+
+    def reset(self) -> None:
+        self._woken = False
+
+    async def wait_until(self, deadline: float) -> None:
+        if self._woken:
+            await trio.lowlevel.checkpoint()
+            return
+        await self._timer.sleep_until(deadline)
+
+    def close(self) -> None:
+        self._timer.close()
+
+
 class GpuScheduler:
     """The time-slice scheduler of one GPU (a background service: `run`, `stop`)."""
 
@@ -46,6 +96,7 @@ class GpuScheduler:
         params: Params | None = None,
         usage: UsageMeter | None = None,
         publish_every: float = 0.5,
+        waiter: EventWaiter | TimerFdWaiter | None = None,
     ) -> None:
         self.node = node
         self.gpu = gpu
@@ -61,7 +112,8 @@ class GpuScheduler:
         self._failing: set[tuple[str, str]] = set()
         self._scope: trio.CancelScope | None = None
         self._stop_requested = False
-        self._wake: trio.Event | None = None
+        self._waiter = waiter or EventWaiter()
+        self._waiting = False
         self._current: tuple[Decision, float, dict[str, float] | None] | None = None
         self._last_publish = -float("inf")
         self.decision: Decision | None = None  # the decision in force
@@ -90,8 +142,8 @@ class GpuScheduler:
 
     def poke(self) -> None:
         """Activity changed: look again now rather than at the next boundary."""
-        if self._wake is not None:
-            self._wake.set()
+        if self._waiting:
+            self._waiter.wake()
 
     @property
     def frozen(self) -> frozenset[str]:
@@ -107,7 +159,8 @@ class GpuScheduler:
     async def _loop(self) -> None:
         planner, tel = self.planner, self.telemetry
         prev: Decision | None = None
-        wake = self._wake = trio.Event()
+        waiter = self._waiter
+        self._waiting = True
         now = trio.current_time()
         while True:
             self._account(now)  # the slice that just ended, up to the wake-up
@@ -125,10 +178,8 @@ class GpuScheduler:
             prev = self.decision = dec
             self._current = (dec, start, self._read_usage(dec))
             while True:
-                if wake.is_set():
-                    wake = self._wake = trio.Event()
-                with trio.move_on_at(dec.until):
-                    await wake.wait()
+                waiter.reset()
+                await waiter.wait_until(dec.until)
                 now = trio.current_time()
                 if now >= dec.until:
                     tel.late(now - dec.until)
@@ -157,7 +208,8 @@ class GpuScheduler:
 
     def _finish(self) -> None:
         """Leave nothing frozen; account the slice that was cut short."""
-        self._wake = None
+        self._waiting = False
+        self._waiter.close()
         try:
             self._account(trio.current_time())
         finally:
@@ -241,9 +293,15 @@ def schedulers_for(
     *,
     params: Params | None = None,
     usage: UsageMeter | None = None,
+    precise: bool = False,
 ) -> list[GpuScheduler]:
-    """One scheduler per GPU of the node (start each with `nursery.start(s.run)`)."""
-    return [GpuScheduler(node, g.index, enforcer, activity, params=params, usage=usage) for g in node.gpus]
+    """One scheduler per GPU of the node (start each with `nursery.start(s.run)`).
+    precise: wait on timerfds instead of trio's millisecond timers."""
+    return [
+        GpuScheduler(node, g.index, enforcer, activity, params=params, usage=usage,
+                     waiter=TimerFdWaiter() if precise else None)
+        for g in node.gpus
+    ]
 
 
 def stats(schedulers: Sequence[GpuScheduler]) -> Mapping[int, GpuStats | None]:

@@ -1,0 +1,124 @@
+"""The daemon's edge to the scheduler.
+
+Maps what the model says (instances and their targets) onto the enforcement
+backends and the activity monitor, runs one GpuScheduler per GPU, and keeps
+the guard that thaws everything if the daemon dies (SPEC §7: never leave a
+container stopped):
+
+- at start: anything a crashed daemon left frozen is thawed (its registry);
+- while running: a separate guard process thaws what the registry names as
+  soon as the daemon's process is gone, kill -9 included;
+- at shutdown: the schedulers thaw what they froze, then everything is thawed
+  and detached once more, then the guard is stopped.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+import trio
+
+from .guard import Guard, GuardError, Registry, registry_path, thaw_all
+from .model import Node
+from .sched.activity import ActivityMonitor
+from .sched.enforce import EnforceError, Enforcement, freezer_from_spec
+from .sched.loop import GpuScheduler, schedulers_for
+from .sched.policies import Params
+
+log = logging.getLogger("cgpud")
+
+
+class Scheduling:
+    def __init__(self, node: Node, state_dir: str, devices: Mapping[int, str], params: Params,
+                 *, precise: bool = True) -> None:
+        self.node = node
+        path = registry_path(state_dir)
+        thaw_all(path)  # whatever a daemon that died left frozen runs again (each entry is logged)
+        self.registry = Registry(path)
+        self.enforcement = Enforcement(self.registry)
+        self.activity = ActivityMonitor(dict(devices))
+        self.schedulers: list[GpuScheduler] = schedulers_for(
+            node, self.enforcement, self.activity, params=params, precise=precise
+        )
+        self.guard: Guard | None = None
+        self._targets: dict[str, dict] = {}        # attached: name -> target
+        self._watched: dict[tuple[int, str], dict] = {}
+        self._seen = -1
+
+    # ---- model -> backends ------------------------------------------------
+
+    def sync(self) -> None:
+        """Attach new targets, detach vanished ones (cheap when nothing moved)."""
+        if self.node.version == self._seen:
+            return
+        self._seen = self.node.version
+        want: dict[str, dict] = {}
+        keys: dict[tuple[int, str], dict] = {}
+        for inst in self.node.instances():
+            if inst.target:
+                want[inst.name] = inst.target
+                keys[(inst.gpu, inst.name)] = inst.target
+        for key in [k for k in self._watched if keys.get(k) != self._watched[k]]:
+            self.activity.unwatch(*key)
+            del self._watched[key]
+        for name in [n for n in self._targets if want.get(n) != self._targets[n]]:
+            self.enforcement.detach(name)
+            del self._targets[name]
+        for name, target in want.items():
+            if name in self._targets:
+                continue
+            try:
+                self.enforcement.attach(name, freezer_from_spec(target))
+            except (EnforceError, OSError) as exc:
+                log.warning("%s: cannot enforce on %s (%s); it runs unscheduled", name, target, exc)
+                continue
+            self._targets[name] = target
+        for (gpu, name), target in keys.items():
+            if (gpu, name) in self._watched:
+                continue
+            try:
+                self.activity.watch_target(gpu, name, target)
+            except (KeyError, OSError, ValueError) as exc:
+                log.warning("%s: cannot watch its GPU %d use (%s); taken as idle", name, gpu, exc)
+                continue
+            self._watched[(gpu, name)] = target
+        for s in self.schedulers:
+            s.poke()
+
+    # ---- service ------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            self.guard = Guard.start(self.registry.path)
+        except (GuardError, OSError) as exc:
+            log.error("the guard did not start (%s): a crash could leave instances frozen", exc)
+        self.sync()
+        try:
+            async with trio.open_nursery() as nursery:
+                for s in self.schedulers:
+                    await nursery.start(s.run)
+                await nursery.start(self.activity.run, lambda gpu: self.schedulers[gpu].poke())
+                nursery.start_soon(self._keep_guard)
+                task_status.started()
+        finally:
+            self.close()
+
+    async def _keep_guard(self) -> None:
+        while True:
+            await trio.sleep(1.0)
+            if self.guard is not None and not self.guard.alive():
+                log.warning("the guard died; starting a new one")
+                try:
+                    self.guard = Guard.start(self.registry.path)
+                except (GuardError, OSError) as exc:
+                    log.error("the guard did not start again (%s)", exc)
+
+    def close(self) -> None:
+        try:
+            self.enforcement.close()
+        finally:
+            if self.guard is not None:
+                self.guard.stop()
+                self.guard = None
+            self.registry.remove_file()
+            self.activity.close()
