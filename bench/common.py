@@ -17,14 +17,26 @@ def cgpud_cmd() -> list[str]:
     return [exe] if os.path.exists(exe) else [sys.executable, "-m", "cgpud.cli.daemon"]
 
 
+class Running:
+    def __init__(self, base: str, proc: subprocess.Popen) -> None:
+        self.base, self.proc = base, proc
+        self.mount = os.path.join(base, "mnt")
+        self.socket = os.path.join(base, "cgpud.sock")
+
+    def env(self) -> dict:
+        return dict(os.environ, CGPUD_SOCKET=self.socket)
+
+
 @contextmanager
-def daemon(gpus: str = "sim:T4", extra: list[str] | None = None):
-    """Yield the mount point of a running daemon; stop it afterwards."""
+def daemon(gpus: str = "sim:T4", extra: list[str] | None = None, handle: bool = False):
+    """Yield the mount point (or, with handle=True, a Running) of a running
+    daemon on temporary paths; stop it afterwards."""
     tmp = tempfile.mkdtemp(prefix="cgpud-bench-")
     mnt, state = os.path.join(tmp, "mnt"), os.path.join(tmp, "state")
     log = open(os.path.join(tmp, "daemon.log"), "w+")
     proc = subprocess.Popen(
-        cgpud_cmd() + ["serve", "--gpus", gpus, "--mount", mnt, "--state-dir", state, "--log-level", "warning"]
+        cgpud_cmd() + ["serve", "--gpus", gpus, "--mount", mnt, "--state-dir", state, "--log-level", "warning",
+                       "--socket", os.path.join(tmp, "cgpud.sock"), "--dev-dir", os.path.join(tmp, "dev")]
         + (extra or []),
         stdout=log, stderr=subprocess.STDOUT,
     )
@@ -41,7 +53,7 @@ def daemon(gpus: str = "sim:T4", extra: list[str] | None = None):
                 log.seek(0)
                 raise SystemExit(f"daemon did not start:\n{log.read()}")
             time.sleep(0.05)
-        yield mnt
+        yield Running(tmp, proc) if handle else mnt
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -49,6 +61,11 @@ def daemon(gpus: str = "sim:T4", extra: list[str] | None = None):
         except subprocess.TimeoutExpired:
             proc.kill()
             subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
+
+
+def tool(name: str) -> str:
+    """A console script of this venv (cgpu, cgpu-smi)."""
+    return os.path.join(os.path.dirname(sys.executable), name)
 
 
 def pct(samples: list[float], p: float) -> float:

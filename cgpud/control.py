@@ -121,8 +121,10 @@ class Control:
         admin_gid: int | None = None,
         groups: InstanceGroups | None = None,
         devices: list[str] | None = None,
+        stats: Callable[[], list[dict]] | None = None,
     ) -> None:
         self.durable = durable
+        self._stats = stats
         self.devices = devices or []
         self.admin_gid = admin_gid
         self.groups = groups
@@ -132,6 +134,7 @@ class Control:
         self.ops: dict[str, tuple[bool, Callable[[dict, Peer], Any]]] = {
             "hello": (False, self.hello),
             "query": (False, self.query),
+            "stats": (False, self.stats),
             "register": (True, self.register),
             "deregister": (True, self.deregister),
         }
@@ -175,6 +178,10 @@ class Control:
 
     def query(self, req: dict, peer: Peer) -> dict:
         return snapshot(self.node)
+
+    def stats(self, req: dict, peer: Peer) -> list[dict]:
+        """The scheduler's telemetry per GPU (empty when it does not run)."""
+        return self._stats() if self._stats else []
 
     def register(self, req: dict, peer: Peer) -> dict:
         """Create the instances of one container: `name` on each of `gpus`.

@@ -75,8 +75,7 @@ def load_node(cfg: Config) -> tuple[Node, Store]:
     return node, store
 
 
-async def _schedule(node: Node, durable: Durable, cfg: Config, devices: list[str],
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+def _scheduling(node: Node, durable: Durable, cfg: Config, devices: list[str]):
     from .sched.policies import Params
     from .scheduling import Scheduling
 
@@ -91,7 +90,7 @@ async def _schedule(node: Node, durable: Durable, cfg: Config, devices: list[str
     except RegistryError as exc:
         raise StartError(f"cannot read what a previous daemon froze ({exc}); fix or remove that file") from None
     durable.listeners.append(sched.sync)
-    await sched.run(task_status=task_status)
+    return sched
 
 
 def sim_devices(node: Node, dev_dir: str | None) -> list[str]:
@@ -176,15 +175,17 @@ async def _serve(cfg: Config) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(_watch_signals)
             devices = sim_devices(node, cfg.dev_dir)
-            if cfg.schedule:
-                await nursery.start(_schedule, node, durable, cfg, devices)
+            sched = _scheduling(node, durable, cfg, devices) if cfg.schedule else None
+            if sched is not None:
+                await nursery.start(sched.run)
             if cfg.socket:
                 try:
                     groups = InstanceGroups()
                 except CgroupError as exc:
                     log.warning("%s: `cgpu run` will be refused", exc)
                     groups = None
-                ctl = control.Control(durable, gid, groups, devices=devices)
+                ctl = control.Control(durable, gid, groups, devices=devices,
+                                      stats=sched.stats if sched is not None else None)
                 try:
                     await nursery.start(control.serve, cfg.socket, ctl, ops.refresh)
                 except OSError as exc:

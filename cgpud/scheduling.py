@@ -85,6 +85,36 @@ class Scheduling:
         for s in self.schedulers:
             s.poke()
 
+    def stats(self) -> list[dict]:
+        """The latest published telemetry of each GPU, as plain data."""
+        out = []
+        for s in self.schedulers:
+            st = s.published
+            if st is None:
+                continue
+            out.append({
+                "gpu": st.gpu,
+                "uptime": st.time - st.started,
+                "slices": st.slices,
+                "switches": st.switches,
+                "freezes": st.freezes,
+                "thaws": st.thaws,
+                "enforce_errors": st.enforce_errors,
+                "lateness": {
+                    "count": st.lateness_count,
+                    "sum": st.lateness_sum,
+                    "max": st.lateness_max,
+                    "p50": st.lateness_quantile(0.50),
+                    "p99": st.lateness_quantile(0.99),
+                },
+                "frozen": sorted(s.frozen),
+                "instances": {
+                    n: {"granted_seconds": i.granted_seconds, "share_1s": i.share_1s, "share_10s": i.share_10s}
+                    for n, i in st.instances.items()
+                },
+            })
+        return out
+
     # ---- service ------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
