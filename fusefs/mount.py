@@ -58,8 +58,10 @@ def find_mount(path: str, mountinfo: str = "/proc/self/mountinfo") -> MountInfo 
 
 
 def is_dead(path: str) -> bool:
+    # statfs always reaches the daemon; stat may be answered from the kernel's
+    # attribute cache even after the daemon has died.
     try:
-        os.stat(path)
+        os.statvfs(path)
     except OSError as exc:
         return exc.errno == errno.ENOTCONN
     return False

@@ -205,7 +205,9 @@ class Operations(pyfuse3.Operations):
         self._seen_version = v
         gone = [p for p in self._dyn_seen if not self._exists(self._by_ino[self._by_path[p]])]
         for path in gone:
-            parent_ino = self._dyn_seen.pop(path)
+            # A concurrent refresh may have taken it while we awaited: invalidate
+            # anyway, so that this write too returns only once the entry is gone.
+            parent_ino = self._dyn_seen.pop(path, None) or self._by_path[path[:-1]]
             name = path[-1].encode()
             try:
                 await trio.to_thread.run_sync(self._invalidate, parent_ino, name)
