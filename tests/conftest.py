@@ -386,3 +386,12 @@ def make_daemon() -> Iterator:
 def daemon(request, make_daemon) -> Daemon:
     """A started daemon; `--gpus` from indirect parametrisation (default sim:T4)."""
     return make_daemon(gpus=getattr(request, "param", "sim:T4"))
+
+
+# CI runs are deterministic (the same examples every run); a developer's runs
+# explore new ones.
+from hypothesis import settings as _hsettings  # noqa: E402
+
+_hsettings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    _hsettings.load_profile("ci")

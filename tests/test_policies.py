@@ -528,7 +528,10 @@ def test_property_no_instance_exceeds_its_entitlement(policy, specs, extra_slots
     s = Sim(late=lambda d: r.uniform(0, X / 2))
     T = 10.0
     s.run(v, T)
-    tol = 3 * X / T
+    # The horizon cuts a cycle somewhere: under policy 2 an instance holds w
+    # consecutive slices, so the cut can leave it short by up to w slices.
+    block = max(w for w, _ in specs) if policy == WEIGHTED else 1
+    tol = (block + 2) * X / T
     total = 0.0
     for i in v.instances:
         got = s.used(i.name) if policy == WEAK else s.share(i.name)

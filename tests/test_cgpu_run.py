@@ -1,0 +1,110 @@
+"""`cgpu run` and `cgpu workload` against a real daemon and real cgroups."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cgpud.cgroups import v2_root
+
+NAME = "runtest00001"
+
+
+def cgpu(daemon, *args, **kwargs) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "cgpu"
+    env = dict(os.environ, CGPUD_SOCKET=str(daemon.socket))
+    kwargs.setdefault("capture_output", True)
+    kwargs.setdefault("text", True)
+    kwargs.setdefault("timeout", 60)
+    return subprocess.run([str(exe), *args], env=env, **kwargs)
+
+
+def wait_for(pred, timeout=5.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_registered_before_cmd_runs_in_its_own_cgroup_and_removed_after(daemon):
+    tree = daemon.path()
+    r = cgpu(daemon, "run", "--name", NAME, "--mem", "2G", "--weight", "3", "--",
+             "sh", "-c", f'cat {tree}/0/$CGPU_INSTANCE/weight {tree}/0/$CGPU_INSTANCE/memsize; '
+                         'grep "^0::" /proc/self/cgroup; echo "$CGPU_DEVICE"; exit 7')
+    assert r.returncode == 7, r.stderr
+    weight, memsize, cgroup, device = r.stdout.split("\n")[:4]
+    assert (weight, memsize) == ("3", str(2 << 30))
+    assert cgroup == f"0::/cgpud/{NAME}"
+    assert device.endswith("simgpu0") and os.path.exists(device)
+    assert NAME not in os.listdir(daemon.path("0"))
+    assert not os.path.exists(os.path.join(v2_root(), "cgpud", NAME))
+
+
+def test_removed_when_cmd_is_killed(daemon):
+    r = cgpu(daemon, "run", "--name", NAME, "--", "sh", "-c", "kill -9 $$")
+    assert r.returncode == 128 + signal.SIGKILL
+    assert NAME not in os.listdir(daemon.path("0"))
+
+
+def test_removed_when_cgpu_run_itself_is_killed(daemon):
+    """SIGKILL of `cgpu run`: its command runs on (it is in the instance's
+    cgroup) and the instance stays while it does; once the command is gone the
+    daemon removes the instance by itself."""
+    env = dict(os.environ, CGPUD_SOCKET=str(daemon.socket))
+    exe = Path(sys.executable).parent / "cgpu"
+    p = subprocess.Popen([str(exe), "run", "--name", NAME, "--", "sleep", "1.5"], env=env)
+    wait_for(lambda: os.path.exists(daemon.path(f"0/{NAME}")), what="the instance to appear")
+    time.sleep(0.2)
+    p.kill()
+    p.wait()
+    time.sleep(0.6)
+    assert os.path.exists(daemon.path(f"0/{NAME}")), "removed while its command still ran"
+    wait_for(lambda: not os.path.exists(daemon.path(f"0/{NAME}")), timeout=5, what="the daemon to reap it")
+    assert not os.path.exists(os.path.join(v2_root(), "cgpud", NAME))
+
+
+def test_bad_requests_fail_with_one_line(daemon):
+    r = cgpu(daemon, "run", "--gpu", "5", "--", "true")
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0
+    assert "no GPU 5" in r.stderr and "Traceback" not in r.stderr
+    r = cgpu(daemon, "run", "--mem", "lots", "--", "true")
+    assert r.returncode == 2 and "--mem" in r.stderr
+    r = cgpu(daemon, "run", "--name", NAME, "--", "/nonexistent/program")
+    assert r.returncode == 1 and "cannot run /nonexistent/program" in r.stderr
+    assert NAME not in os.listdir(daemon.path("0"))
+
+
+def test_no_daemon_is_one_clear_line(tmp_path, daemon):
+    env = dict(os.environ, CGPUD_SOCKET=str(tmp_path / "none.sock"))
+    exe = Path(sys.executable).parent / "cgpu"
+    r = subprocess.run([str(exe), "run", "--", "true"], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "cgpud is not running" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_workload_holds_the_gpu_open_and_reports_its_rate(daemon):
+    exe = Path(sys.executable).parent / "cgpu"
+    env = dict(os.environ, CGPUD_SOCKET=str(daemon.socket))
+    p = subprocess.Popen([str(exe), "workload", "--seconds", "1.0", "--json"], env=env,
+                         stdout=subprocess.PIPE, text=True)
+    device = daemon.socket.parent / "dev" / "simgpu0"
+
+    def holds_device() -> bool:
+        try:
+            return any(os.readlink(f"/proc/{p.pid}/fd/{fd}") == str(device) for fd in os.listdir(f"/proc/{p.pid}/fd"))
+        except OSError:
+            return False
+
+    wait_for(holds_device, what="the workload to open the simulated GPU")
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0
+    import json
+    res = json.loads(out)
+    assert res["iterations"] > 0 and 0.99 <= res["seconds"] < 1.5
+    assert res["it_per_s"] == pytest.approx(res["iterations"] / res["seconds"])

@@ -1,0 +1,185 @@
+"""The scheduler on real processes: stand-in workloads under `cgpu run`, each
+in its own cgroup, frozen and thawed through cgroup.freeze by a real daemon.
+
+Tolerances are loose (CI machines are shared and noisy); bench/shares holds
+the tight figures.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cgpud.cgroups import v2_root
+from cgpud.client import Client
+
+CGPU = str(Path(sys.executable).parent / "cgpu")
+
+
+class Workloads:
+    def __init__(self, daemon) -> None:
+        self.d = daemon
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, seconds: float, *args: str) -> subprocess.Popen:
+        env = dict(os.environ, CGPUD_SOCKET=str(self.d.socket))
+        p = subprocess.Popen([CGPU, "run", "--name", name, "--mem", "64M", *args, "--",
+                              CGPU, "workload", "--seconds", str(seconds), "--json"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.procs[name] = p
+        deadline = time.monotonic() + 15
+        while not os.path.isdir(self.d.path(f"0/{name}")):
+            assert p.poll() is None, p.stderr.read()
+            assert time.monotonic() < deadline, f"{name} did not appear"
+            time.sleep(0.02)
+        return p
+
+    def result(self, name: str) -> dict:
+        out, err = self.procs[name].communicate(timeout=60)
+        assert self.procs[name].returncode == 0, err
+        return json.loads(out)
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.fixture
+def sched(daemon):
+    daemon.write("default_memsize", str(64 << 20))
+    w = Workloads(daemon)
+    yield daemon, w
+    w.stop_all()
+
+
+def group(name: str) -> str:
+    return os.path.join(v2_root(), "cgpud", name)
+
+
+def usage(name: str) -> float:
+    with open(os.path.join(group(name), "cpu.stat")) as f:
+        return int(f.read().split("usage_usec ")[1].split()[0]) / 1e6
+
+
+def frozen(name: str) -> bool:
+    with open(os.path.join(group(name), "cgroup.events")) as f:
+        return "frozen 1" in f.read()
+
+
+def stats(daemon) -> dict:
+    with Client(str(daemon.socket)) as c:
+        return c.call("stats")[0]
+
+
+def test_policy2_weights_1_to_2_give_iterations_1_to_2(sched):
+    d, w = sched
+    d.write("0/policy", "2")
+    w.start("weightone001", 6, "--weight", "1")
+    w.start("weighttwo002", 6, "--weight", "2")
+    a, b = w.result("weightone001"), w.result("weighttwo002")
+    ratio = b["it_per_s"] / a["it_per_s"]
+    assert 1.9 <= ratio <= 2.1, (a, b)
+    st = stats(d)
+    assert st["freezes"] > 0 and st["thaws"] > 0
+
+
+def test_policy3_caps_a_lone_instance_at_its_weight(sched):
+    d, w = sched
+    d.write("0/policy", "3")
+    w.start("fixedfour004", 5, "--weight", "4")  # 4/16 = 25 %
+    time.sleep(1.0)
+    u0, t0 = usage("fixedfour004"), time.monotonic()
+    time.sleep(3.0)
+    share = (usage("fixedfour004") - u0) / (time.monotonic() - t0)
+    assert 0.15 <= share <= 0.27, share
+
+
+def test_policy1_gives_a_newly_active_instance_its_share(sched):
+    d, w = sched
+    d.write("0/policy", "1")
+    w.start("alonefirst01", 7)
+    time.sleep(1.5)
+    u0, t0 = usage("alonefirst01"), time.monotonic()
+    time.sleep(1.5)
+    alone = (usage("alonefirst01") - u0) / (time.monotonic() - t0)
+    w.start("joinslater02", 4)
+    time.sleep(1.0)
+    a0, b0, t0 = usage("alonefirst01"), usage("joinslater02"), time.monotonic()
+    time.sleep(2.0)
+    dt = time.monotonic() - t0
+    a, b = (usage("alonefirst01") - a0) / dt, (usage("joinslater02") - b0) / dt
+    assert alone > 0.6, alone            # alone it had (nearly) the whole GPU
+    assert 0.8 <= b / a <= 1.25, (a, b)  # then they share 1/2 : 1/2
+
+
+def test_policy5_freezes_nothing(sched):
+    d, w = sched
+    d.write("0/policy", "5")
+    before = stats(d)["freezes"]
+    w.start("nativeone001", 2)
+    w.start("nativetwo002", 2)
+    a, b = w.result("nativeone001"), w.result("nativetwo002")
+    assert stats(d)["freezes"] == before
+    assert a["iterations"] > 0 and b["iterations"] > 0
+
+
+def test_high_priority_takes_over_up_to_prio_ratio(sched):
+    d, w = sched
+    d.write("0/policy", "1")
+    d.write("0/prio_ratio", "70")
+    w.start("normalone001", 8)
+    time.sleep(1.0)
+    w.start("highprio0001", 4, "--highprio")
+    res_time = time.monotonic()
+    time.sleep(1.5)
+    h0, n0, t0 = usage("highprio0001"), usage("normalone001"), time.monotonic()
+    time.sleep(2.0)
+    dt = time.monotonic() - t0
+    h, n = (usage("highprio0001") - h0) / dt, (usage("normalone001") - n0) / dt
+    assert h > n, (h, n)
+    assert 0.5 <= h / (h + n) <= 0.75, (h, n)   # capped at prio_ratio 70 %
+    res = w.result("highprio0001")
+    assert res["first_kernel_s"] < 0.25, res      # ran at once on opening the GPU
+    assert res_time > 0
+
+
+def test_kill9_of_the_daemon_leaves_nothing_frozen(sched):
+    d, w = sched
+    d.write("0/policy", "3")  # weight 1 of 16: frozen 15/16 of the time
+    w.start("keptfrozen01", 20)
+    deadline = time.monotonic() + 5
+    while not frozen("keptfrozen01"):
+        assert time.monotonic() < deadline, "never saw it frozen"
+        time.sleep(0.001)
+    d.kill9()
+    t = time.monotonic()
+    while frozen("keptfrozen01"):
+        assert time.monotonic() - t < 1.0, "still frozen 1 s after the daemon died"
+        time.sleep(0.01)
+    u0 = usage("keptfrozen01")
+    time.sleep(0.5)
+    assert usage("keptfrozen01") - u0 > 0.2  # and it runs
+
+
+def test_sigterm_leaves_nothing_frozen(sched):
+    d, w = sched
+    d.write("0/policy", "3")
+    w.start("termfrozen01", 20)
+    deadline = time.monotonic() + 5
+    while not frozen("termfrozen01"):
+        assert time.monotonic() < deadline, "never saw it frozen"
+        time.sleep(0.001)
+    d.stop()
+    assert not frozen("termfrozen01")
