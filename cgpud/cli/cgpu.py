@@ -70,13 +70,17 @@ def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
     except ValueError as exc:
         raise click.UsageError(f"--mem: {exc}") from None
     name = name or secrets.token_hex(6)
-    with ctx.client() as c:
-        try:
-            res = c.call("register", name=name, gpus=gpu_ids, memsize=memsize, weight=weight,
-                         highprio=highprio, cgroup=True)
-            devices = c.call("hello")["devices"]
-        except ControlError as exc:
-            raise click.ClickException(f"cannot register {name}: {exc}") from None
+    # The connection stays open for as long as CMD runs: it tells the daemon
+    # this instance is still wanted (an instance whose cgroup is empty and
+    # whose connection is gone is removed by the daemon).
+    c = ctx.client()
+    try:
+        res = c.call("register", name=name, gpus=gpu_ids, memsize=memsize, weight=weight,
+                     highprio=highprio, cgroup=True)
+        devices = c.call("hello")["devices"]
+    except ControlError as exc:
+        c.close()
+        raise click.ClickException(f"cannot register {name}: {exc}") from None
     procs = os.path.join(res["target"]["path"], "cgroup.procs")
 
     def join_cgroup() -> None:
@@ -92,6 +96,8 @@ def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
             child = subprocess.Popen(list(cmd), env=env, preexec_fn=join_cgroup)
         except OSError as exc:
             raise click.ClickException(f"cannot run {cmd[0]}: {exc.strerror}") from None
+        except subprocess.SubprocessError:
+            raise click.ClickException(f"cannot put {cmd[0]} into the instance's cgroup {procs}") from None
         # Ctrl-C reaches CMD directly (same process group); SIGTERM/SIGHUP sent
         # to us are passed on.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -100,13 +106,22 @@ def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
         rc = child.wait()
         code = rc if rc >= 0 else 128 - rc
     finally:
-        try:
-            with Client(ctx.socket) as c:
-                c.call("deregister", name=name)
-        except (DaemonUnavailable, ControlError) as exc:
-            click.echo(f"cgpu: could not deregister {name} ({exc}); the daemon removes it once its processes are gone",
-                       err=True)
+        _deregister(c, ctx.socket, name)
     sys.exit(code)
+
+
+def _deregister(c: Client, socket: str | None, name: str) -> None:
+    try:
+        try:
+            c.call("deregister", name=name)
+        except DaemonUnavailable:  # the daemon was restarted meanwhile: ask the new one
+            with Client(socket) as fresh:
+                fresh.call("deregister", name=name)
+    except (DaemonUnavailable, ControlError) as exc:
+        click.echo(f"cgpu: could not deregister {name} ({exc}); the daemon removes it once its processes are gone",
+                   err=True)
+    finally:
+        c.close()
 
 
 @main.command()
