@@ -82,7 +82,7 @@ def _scheduling(node: Node, durable: Durable, cfg: Config, devices: list[str]):
     if not devices:
         raise StartError("scheduling needs a device file per GPU: give --dev-dir")
     try:
-        params = Params(slice=cfg.slice_ms / 1000.0)
+        params = Params(slice=cfg.slice_ms / 1000.0, merge_runs=True)
     except ValueError as exc:
         raise StartError(f"--slice-ms {cfg.slice_ms}: {exc}") from None
     try:

@@ -48,8 +48,12 @@ class Scheduling:
     # ---- model -> backends ------------------------------------------------
 
     def sync(self) -> None:
-        """Attach new targets, detach vanished ones (cheap when nothing moved)."""
+        """After any change: attach new targets, detach vanished ones (cheap
+        when no instance moved), and wake the schedulers so that a changed
+        setting takes effect now, not at the end of a long run."""
         if self.node.version == self._seen:
+            for s in self.schedulers:
+                s.poke()
             return
         self._seen = self.node.version
         want: dict[str, dict] = {}

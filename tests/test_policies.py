@@ -131,9 +131,10 @@ def test_fair_max_inst_change_takes_effect_at_the_next_boundary():
     s.run(view(FAIR, inst("a"), inst("b"), max_inst=4), 40 * 4 * X)
     t = s.t
     s.run(view(FAIR, inst("a"), inst("b"), max_inst=8), 40 * 8 * X)
+    end = t + 40 * 8 * X  # (the last decision, a run of wasted slots, may reach past it)
     assert s.share("a", 0, t) == pytest.approx(0.25, abs=1e-9)
-    assert s.share("a", t) == pytest.approx(1 / 8, abs=1e-9)
-    assert s.share("b", t) == pytest.approx(1 / 8, abs=1e-9)
+    assert s.share("a", t, end) == pytest.approx(1 / 8, abs=1e-9)
+    assert s.share("b", t, end) == pytest.approx(1 / 8, abs=1e-9)
     assert s.timeline[[i for i, (st_, _, _) in enumerate(s.timeline) if st_ >= t][0]][0] == pytest.approx(t)
 
 
@@ -616,3 +617,76 @@ def test_property_every_decision_obeys_the_rules_through_any_changes(steps, rati
             assert isinstance(pl.preempt(v, d, (t + end) / 2), bool)
             pl.charge(d, t, end)
             t = end
+
+
+# ---- merged runs (the daemon's mode): same shares and switches, fewer decisions ----------
+
+MERGED = Params(slice=X, merge_runs=True)
+
+
+@pytest.mark.parametrize(
+    "policy, weights, actives, max_inst, expected",
+    [
+        (FAIR, [1, 1, 1], [True, True, True], 4, [0.25, 0.25, 0.25]),
+        (FAIR, [1, 1], [True, False], 16, [1 / 16, 0.0]),
+        (PREEMPTIVE, [1, 1, 1], [True, True, False], 16, [0.5, 0.5, 0.0]),
+        (WEIGHTED, [1, 2], [True, True], 16, [1 / 3, 2 / 3]),
+        (WEIGHTED, [8, 4], [True, True], 16, [2 / 3, 1 / 3]),
+        (WEIGHTED, [1, 2, 3], [True, True, False], 16, [1 / 6, 2 / 6, 0.0]),
+        (FIXED, [1, 2, 3], [True, True, True], 16, [1 / 16, 2 / 16, 3 / 16]),
+        (FIXED, [4], [True], 16, [0.25]),
+    ],
+)
+def test_merged_runs_give_the_same_shares_with_fewer_decisions(policy, weights, actives, max_inst, expected):
+    insts = [inst(f"i{k}", w, active=a) for k, (w, a) in enumerate(zip(weights, actives))]
+    cycle = (max_inst if policy in (FAIR, FIXED) else sum(w for w, a in zip(weights, actives)
+                                                          if a or policy != PREEMPTIVE)) * X
+    per_slot, merged = Sim(), Sim(MERGED)
+    per_slot.run(view(policy, *insts, max_inst=max_inst), 60 * cycle)
+    merged.run(view(policy, *insts, max_inst=max_inst), 60 * cycle)
+    for k, e in enumerate(expected):
+        assert merged.share(f"i{k}", 0, 60 * cycle) == pytest.approx(e, abs=1e-9)
+        assert merged.share(f"i{k}", 0, 60 * cycle) == pytest.approx(per_slot.share(f"i{k}", 0, 60 * cycle), abs=1e-9)
+    assert merged.switches(0, 60 * cycle) == per_slot.switches(0, 60 * cycle)
+    assert len(merged.timeline) <= len(per_slot.timeline)
+    runs = sum(1 for a, b in zip(per_slot.order(), per_slot.order()[1:]) if a != b) + 1
+    assert len(merged.timeline) == pytest.approx(runs, abs=1)  # one decision per run of slots
+
+
+def test_merged_runs_cut_wakeups_where_a_holder_has_several_slots():
+    s = Sim(MERGED)
+    s.run(view(FIXED, inst("a", 1), inst("b", 1)), 50 * 16 * X)
+    assert len(s.timeline) == 50 * 3  # a, b, and one run of 14 wasted slots per cycle
+    assert {round(d.length / X) for _, _, d in s.timeline} == {1, 14}
+    s = Sim(MERGED)
+    s.run(view(WEIGHTED, inst("a", 1), inst("b", 2)), 100 * 3 * X)
+    assert len(s.timeline) == 200 and s.share("b") == pytest.approx(2 / 3, abs=1e-9)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from([FAIR, PREEMPTIVE, WEIGHTED, FIXED]),
+    specs=instances,
+    extra_slots=st.integers(0, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_property_merged_runs_keep_every_instance_within_its_entitlement(policy, specs, extra_slots, seed):
+    max_inst = max(len(specs), sum(w for w, _ in specs)) + extra_slots
+    v = view(policy, *(inst(f"i{k}", w, active=a) for k, (w, a) in enumerate(specs)), max_inst=max_inst)
+    r = random.Random(seed)
+    s = Sim(MERGED, late=lambda d: r.uniform(0, X / 2))
+    T = 10.0
+    s.run(v, T)
+    block = max_inst  # a whole run (at most a cycle's worth of slots) may be cut by the horizon
+    tol = (block + 2) * X / T
+    total = 0.0
+    for i in v.instances:
+        got = s.share(i.name, 0, T)
+        total += got
+        if i.weight == 0 or not i.active:
+            assert got == 0.0
+        else:
+            assert got <= entitled_share(v, i.name) + tol, (i, got)
+            if policy in (FAIR, WEIGHTED, FIXED):
+                assert got == pytest.approx(entitled_share(v, i.name), abs=tol)
+    assert total <= 1 + 1e-9

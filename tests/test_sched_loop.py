@@ -507,3 +507,27 @@ def test_two_gpus_two_loops_and_published_stats():
         assert all(r.end >= r.start for r in p0.recent)
 
     run_on_mock_clock(main)
+
+
+def test_merged_runs_replan_at_once_when_a_setting_changes_and_the_loop_is_poked():
+    """The daemon's mode: a run of wasted slots is one long decision; a change
+    written to the tree wakes the loop (the daemon pokes it) and applies now."""
+    node, act = scenario(3, (A, 1), (B, 1))  # fixed: A 1/16, B 1/16, then 14 wasted slots
+
+    async def main(clock):
+        async with running(node, act, params=Params(slice=X, merge_runs=True)) as (s, enf):
+            while s.decision is None or s.decision.kind.value != "waste":
+                await trio.sleep(X / 2)
+            assert s.decision.length == pytest.approx(14 * X)  # one decision for the whole run
+            t = trio.current_time()
+            node.set_policy(0, 1)  # preemptive: A and B take turns, nothing wasted
+            s.poke()
+            await trio.testing.wait_all_tasks_blocked()
+            assert trio.current_time() == t  # replanned at the same instant
+            assert s.decision.running in ({A}, {B})
+            await trio.sleep(2.0)
+            t2 = trio.current_time()
+        assert enf.ran(A, t, t2) == pytest.approx(0.5, abs=0.01)
+        assert enf.ran(B, t, t2) == pytest.approx(0.5, abs=0.01)
+
+    run_on_mock_clock(main)

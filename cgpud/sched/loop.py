@@ -176,6 +176,7 @@ class GpuScheduler:
                 if dec.running != prev.running:
                     tel.switches += 1
             prev = self.decision = dec
+            basis = self._basis()
             self._current = (dec, start, self._read_usage(dec))
             while True:
                 waiter.reset()
@@ -185,8 +186,8 @@ class GpuScheduler:
                     tel.late(now - dec.until)
                     break
                 view = self._view()  # poked
-                if planner.preempt(view, dec, now):
-                    break
+                if planner.preempt(view, dec, now) or self._basis() != basis:
+                    break  # (a setting changed: it takes effect now)
                 self._enforce(view, dec)
             if now - self._last_publish >= self._publish_every:
                 self._last_publish = now
@@ -233,6 +234,12 @@ class GpuScheduler:
             InstView(i.name, i.weight, i.highprio, self._is_active(i.name)) for i in g.instances.values()
         )
         return GpuView(g.policy, g.max_inst, g.prio_ratio, insts)
+
+    def _basis(self) -> tuple:
+        """The settings a decision was made on: when they change, replan."""
+        g = self.node.gpu(self.gpu)
+        return (g.policy, g.max_inst, g.prio_ratio,
+                tuple((i.name, i.weight, i.highprio) for i in g.instances.values()))
 
     def _is_active(self, name: str) -> bool:
         try:
