@@ -235,7 +235,7 @@ def _detach() -> None:
         with open("/proc/self/oom_score_adj", "w") as f:
             f.write("-1000")
     except OSError as exc:
-        log.info("could not opt out of the OOM killer: %s", exc.strerror)  # no CAP_SYS_RESOURCE
+        log.debug("could not opt out of the OOM killer: %s", exc.strerror)  # no CAP_SYS_RESOURCE
     try:
         import ctypes
 

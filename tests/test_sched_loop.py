@@ -531,3 +531,36 @@ def test_merged_runs_replan_at_once_when_a_setting_changes_and_the_loop_is_poked
         assert enf.ran(B, t, t2) == pytest.approx(0.5, abs=0.01)
 
     run_on_mock_clock(main)
+
+
+class SnapshotActivity(FakeActivity):
+    """A detector that answers for everyone at once (as ActivityMonitor does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.snapshots = 0
+
+    def active(self, gpu: int, name: str) -> bool:
+        raise AssertionError("the loop should ask once per boundary through snapshot()")
+
+    def snapshot(self):
+        self.snapshots += 1
+        return dict(self.state)
+
+
+def test_a_detector_with_snapshot_is_asked_once_per_boundary_with_the_same_outcome():
+    node, _ = scenario(2, (A, 1), (B, 2))
+    act = SnapshotActivity()
+    act.set(A, True)
+    act.set(B, True)
+
+    async def main(clock):
+        async with running(node, act) as (s, enf):
+            await trio.sleep(3.0)
+            t = trio.current_time()
+            slices = s.telemetry.slices
+        assert enf.ran(A, 0.3, t) == pytest.approx(1 / 3, abs=0.01)
+        assert enf.ran(B, 0.3, t) == pytest.approx(2 / 3, abs=0.01)
+        assert act.snapshots <= slices + 2  # one look per boundary, not one per instance
+
+    run_on_mock_clock(main)

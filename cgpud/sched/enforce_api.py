@@ -47,6 +47,10 @@ class Activity(Protocol):
         off at once."""
 
 
+# An Activity may also offer `snapshot() -> Mapping[(gpu, name), bool]`: the
+# loop then asks once per boundary instead of once per instance.
+
+
 @runtime_checkable
 class UsageMeter(Protocol):
     def gpu_seconds(self, gpu: int, name: str) -> float:

@@ -230,10 +230,31 @@ class GpuScheduler:
 
     def _view(self) -> GpuView:
         g = self.node.gpu(self.gpu)
-        insts = tuple(
-            InstView(i.name, i.weight, i.highprio, self._is_active(i.name)) for i in g.instances.values()
-        )
+        snap = self._activity_snapshot()
+        if snap is not None:
+            gpu = self.gpu
+            insts = tuple(InstView(i.name, i.weight, i.highprio, snap.get((gpu, i.name), False))
+                          for i in g.instances.values())
+        else:
+            insts = tuple(
+                InstView(i.name, i.weight, i.highprio, self._is_active(i.name)) for i in g.instances.values()
+            )
         return GpuView(g.policy, g.max_inst, g.prio_ratio, insts)
+
+    def _activity_snapshot(self) -> Mapping | None:
+        """Every instance's activity in one call, when the detector offers it
+        (`snapshot() -> {(gpu, name): bool}`): one look per boundary instead
+        of one per instance."""
+        snapshot = getattr(self._activity, "snapshot", None)
+        if snapshot is None:
+            return None
+        try:
+            return snapshot()
+        except Exception:
+            if ("active", "*") not in self._failing:
+                self._failing.add(("active", "*"))
+                log.exception("GPU %d: activity unknown; everyone taken as idle", self.gpu)
+            return {}
 
     def _basis(self) -> tuple:
         """The settings a decision was made on: when they change, replan."""
