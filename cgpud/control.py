@@ -7,11 +7,15 @@ request, in order. A request is `{"op": NAME, ...arguments}`; a response is
 (the error is an errno name, the message one line for a person).
 
 Peer credentials (SO_PEERCRED) are checked: anyone may read (`hello`,
-`query`); changes need root or the admin group.
+`query`); changes need root or the admin group. The `gpu_*` ops are open to
+every process, but act only on the instance whose cgroup holds the caller
+(docs/memory.md): allocations belong to the connection and are returned when
+it closes, as a CUDA context's memory is when its process dies.
 """
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import os
@@ -22,10 +26,12 @@ from typing import Any, Callable
 
 import trio
 
+from fusefs.mount import _unescape
+
 from . import __version__
 from .cgroups import CgroupError, InstanceGroups
 from .durable import Durable
-from .model import ModelError, Node, check_name
+from .model import Instance, ModelError, NotFound, Node, check_name
 from .tree import ERRNOS
 
 log = logging.getLogger("cgpud")
@@ -57,6 +63,68 @@ class Peer:
         except OSError:
             pass
         return {self.gid}
+
+
+@dataclass(frozen=True)
+class Held:
+    """Simulated GPU memory one connection allocated: returned when it closes."""
+
+    conn: int
+    pid: int
+    gpu: int
+    name: str
+    nbytes: int
+
+
+def _cgroup_mounts() -> list[tuple[str, str, str, set[str]]]:
+    """(mount point, root inside the hierarchy, fstype, super options) per cgroup mount."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) >= 5 and len(rfields) >= 3 and rfields[0] in ("cgroup", "cgroup2"):
+                out.append((_unescape(fields[4]), _unescape(fields[3]), rfields[0], set(rfields[2].split(","))))
+    return out
+
+
+def _hierarchy_path(target: dict, mounts) -> tuple[str, str] | None:
+    """A cgroup target as (hierarchy, path inside it) — `("", "/cgpud/x")` for
+    cgroup2, `("freezer", …)` for a v1 freezer group — comparable with the
+    lines of /proc/<pid>/cgroup. None when no mount holds it."""
+    kind, path = target.get("kind"), target.get("path")
+    if not isinstance(path, str):
+        return None
+    best = None
+    for mnt, root, fstype, opts in mounts:
+        if kind == "cgroup2" and fstype != "cgroup2":
+            continue
+        if kind == "cgroup1-freezer" and not (fstype == "cgroup" and "freezer" in opts):
+            continue
+        if path == mnt or path.startswith(mnt.rstrip("/") + "/"):
+            if best is None or len(mnt) > len(best[0]):
+                best = (mnt, root)
+    if best is None:
+        return None
+    mnt, root = best
+    rel = path[len(mnt.rstrip("/")):]
+    inside = (root.rstrip("/") + rel) or "/"
+    return ("" if kind == "cgroup2" else "freezer", inside)
+
+
+def _proc_cgroups(pid: int) -> dict[str, str]:
+    """/proc/<pid>/cgroup as {hierarchy: path}: "" for cgroup2, each v1 controller by name."""
+    out: dict[str, str] = {}
+    with open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for c in controllers.split(",") if controllers else [""]:
+                out[c] = path
+    return out
+
+
+def _contains(group: str, path: str) -> bool:
+    return path == group or path.startswith(group.rstrip("/") + "/")
 
 
 def peer_of(sock: socket.socket) -> Peer:
@@ -131,12 +199,21 @@ class Control:
         # name -> the connection that made its cgroup (absent: the connection is gone)
         self.owners: dict[str, int] = {}
         self.live_conns: set[int] = set()
+        # Simulated GPU memory by connection, then by handle. Not durable state:
+        # it goes with the connection (the process), never into state.json.
+        self.held: dict[int, dict[int, Held]] = {}
+        self._handles = itertools.count(1)
+        durable.listeners.append(self._forget_gone)
         self.ops: dict[str, tuple[bool, Callable[[dict, Peer], Any]]] = {
             "hello": (False, self.hello),
             "query": (False, self.query),
             "stats": (False, self.stats),
             "register": (True, self.register),
             "deregister": (True, self.deregister),
+            # open to all; each acts only on the caller's own instance
+            "gpu_alloc": (False, self.gpu_alloc),
+            "gpu_free": (False, self.gpu_free),
+            "gpu_meminfo": (False, self.gpu_meminfo),
         }
 
     @property
@@ -242,6 +319,133 @@ class Control:
         log.info("deregistered %s (pid %d)", name, peer.pid)
         return {"name": name, "gpus": [i.gpu for i in gone]}
 
+    # ---- simulated GPU memory (docs/memory.md) -------------------------------
+
+    def instance_of(self, pid: int, gpu: int | None) -> Instance:
+        """The instance of `pid` on `gpu` (None: its lowest GPU): the one whose
+        target cgroup holds the process (the deepest, if targets nest). A
+        process in no instance, or whose instance is not on `gpu`: EPERM."""
+        if pid <= 0:  # SO_PEERCRED says 0 for a process outside our pid namespace
+            raise Refused(errno.EPERM, "the calling process is not visible from the daemon's pid namespace")
+        try:
+            cgroups = _proc_cgroups(pid)
+        except (OSError, ValueError):
+            raise Refused(errno.EPERM, f"pid {pid} is gone; GPU memory belongs to a live process") from None
+        mounts = None
+        best: tuple[int, str] | None = None
+        for inst in self.node.instances():
+            t = inst.target
+            if not t:
+                continue
+            if t.get("kind") == "pgid":
+                try:
+                    inside = os.getpgid(pid) == t.get("pgid")
+                except OSError:
+                    inside = False
+                depth = 0
+            else:
+                if mounts is None:
+                    mounts = _cgroup_mounts()
+                where = _hierarchy_path(t, mounts)
+                inside = where is not None and where[0] in cgroups and _contains(where[1], cgroups[where[0]])
+                depth = len(where[1]) if where is not None else 0
+            if inside and (best is None or depth > best[0]):
+                best = (depth, inst.name)
+        if best is None:
+            where = cgroups.get("") or cgroups.get("freezer") or "?"
+            raise Refused(
+                errno.EPERM,
+                f"pid {pid} is in no cgpud instance (cgroup {where}): only processes inside an instance "
+                "(cgpu run, or a managed container) have simulated GPU memory",
+            )
+        name = best[1]
+        mine = self.node.instances_named(name)
+        if gpu is None:
+            return mine[0]
+        for inst in mine:
+            if inst.gpu == gpu:
+                return inst
+        raise Refused(
+            errno.EPERM,
+            f"pid {pid} is in instance {name}, which has no share of GPU {gpu} "
+            f"(its GPUs: {','.join(str(i.gpu) for i in mine)})",
+        )
+
+    @staticmethod
+    def _gpu_arg(req: dict) -> int | None:
+        gpu = _arg(req, "gpu", int, None, allow_none=True)
+        if gpu is not None and gpu < 0:
+            raise Refused(errno.EINVAL, f"no GPU {gpu}")
+        return gpu
+
+    def gpu_alloc(self, req: dict, peer: Peer) -> dict:
+        """Allocate `bytes` of the caller's instance on `gpu`; ENOMEM past memsize."""
+        gpu = self._gpu_arg(req)
+        nbytes = _arg(req, "bytes", int)
+        if nbytes <= 0:
+            raise Refused(errno.EINVAL, f"bytes must be a positive number of bytes, not {nbytes}")
+        inst = self.instance_of(peer.pid, gpu)
+        self.node.alloc(inst.gpu, inst.name, peer.pid, nbytes)  # OutOfMemory: nothing changed
+        handle = next(self._handles)
+        self.held.setdefault(peer.conn, {})[handle] = Held(peer.conn, peer.pid, inst.gpu, inst.name, nbytes)
+        log.debug("pid %d allocated %d bytes of %s on GPU %d (handle %d)", peer.pid, nbytes, inst.name, inst.gpu, handle)
+        return {"handle": handle, "gpu": inst.gpu, "instance": inst.name, "bytes": nbytes,
+                "free": inst.free, "total": inst.memsize}
+
+    def gpu_free(self, req: dict, peer: Peer) -> dict:
+        """Return one allocation this connection made."""
+        gpu = self._gpu_arg(req)
+        handle = _arg(req, "handle", int)
+        h = self.held.get(peer.conn, {}).get(handle)
+        if h is None or (gpu is not None and gpu != h.gpu):
+            on = f" on GPU {gpu}" if gpu is not None else ""
+            raise Refused(errno.ENOENT, f"no allocation {handle}{on} made on this connection")
+        self._release(handle, h)
+        try:
+            inst = self.node.instance(h.gpu, h.name)
+        except NotFound:
+            return {"gpu": h.gpu, "free": 0, "total": 0}
+        return {"gpu": h.gpu, "free": inst.free, "total": inst.memsize}
+
+    def gpu_meminfo(self, req: dict, peer: Peer) -> dict:
+        """What the caller's instance sees of its GPU: memsize as the total."""
+        inst = self.instance_of(peer.pid, self._gpu_arg(req))
+        return {"gpu": inst.gpu, "instance": inst.name, "free": inst.free, "total": inst.memsize, "used": inst.used}
+
+    def _release(self, handle: int, h: Held) -> None:
+        mine = self.held.get(h.conn, {})
+        mine.pop(handle, None)
+        if not mine:
+            self.held.pop(h.conn, None)
+        try:
+            self.node.free(h.gpu, h.name, h.pid, h.nbytes)
+        except NotFound:  # the instance is gone, and its memory with it
+            pass
+
+    def disconnected(self, conn: int) -> int:
+        """A connection closed (its process exited, was killed, or closed its
+        client): everything it allocated is returned. The bytes returned."""
+        total = 0
+        for handle, h in list(self.held.get(conn, {}).items()):
+            self._release(handle, h)
+            total += h.nbytes
+        if total:
+            log.debug("connection %d closed: %d bytes of GPU memory returned", conn, total)
+        return total
+
+    def _forget_gone(self) -> None:
+        """After any change: allocations of instances that no longer exist are
+        forgotten (a new instance of the same name must start empty)."""
+        if not self.held:
+            return
+        for conn, mine in list(self.held.items()):
+            for handle, h in list(mine.items()):
+                try:
+                    self.node.instance(h.gpu, h.name)
+                except NotFound:
+                    mine.pop(handle)
+            if not mine:
+                self.held.pop(conn)
 
     def _drop_group(self, name: str, target: dict | None) -> None:
         self.owners.pop(name, None)
@@ -317,34 +521,41 @@ async def serve(path: str, control: Control, after=_nothing, *, task_status=trio
             control.live_conns.discard(conn)
 
     async def _converse(stream: trio.SocketStream, peer: Peer) -> None:
-        buf = b""
         async with stream:
-            while True:
+            try:
+                await _lines(stream, peer)
+            finally:
+                # Before the close: a client that waits for EOF knows its memory is back.
+                control.disconnected(peer.conn)
+
+    async def _lines(stream: trio.SocketStream, peer: Peer) -> None:
+        buf = b""
+        while True:
+            try:
+                data = await stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if not line.strip():
+                    continue
                 try:
-                    data = await stream.receive_some(65536)
+                    req = json.loads(line)
+                except ValueError:
+                    resp = {"ok": False, "error": "EINVAL", "message": "not a JSON line"}
+                else:
+                    resp = control.handle(req, peer)
+                    await after()
+                try:
+                    await stream.send_all(json.dumps(resp).encode() + b"\n")
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
-                if not data:
-                    return
-                buf += data
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    if not line.strip():
-                        continue
-                    try:
-                        req = json.loads(line)
-                    except ValueError:
-                        resp = {"ok": False, "error": "EINVAL", "message": "not a JSON line"}
-                    else:
-                        resp = control.handle(req, peer)
-                        await after()
-                    try:
-                        await stream.send_all(json.dumps(resp).encode() + b"\n")
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        return
-                if len(buf) > MAX_LINE:
-                    await stream.send_all(b'{"ok": false, "error": "EINVAL", "message": "line too long"}\n')
-                    return
+            if len(buf) > MAX_LINE:
+                await stream.send_all(b'{"ok": false, "error": "EINVAL", "message": "line too long"}\n')
+                return
 
     try:
         async with trio.open_nursery() as nursery:

@@ -3,6 +3,10 @@
 iterations. Frozen by the scheduler, it makes no progress; so its iterations per
 second are its share of the GPU. Used by the tests, the benchmarks and the
 README's walk-through.
+
+With `mem`, it also holds that much simulated GPU memory of its instance
+(cgpud.gpumem) from before it opens the GPU until it stops: an allocation that
+does not fit raises OutOfMemoryError before anything runs.
 """
 from __future__ import annotations
 
@@ -21,7 +25,26 @@ def kernel(n: int = KERNEL_LOOPS) -> int:
     return x
 
 
-def run(device: str, seconds: float, interval: float = 0.0, as_json: bool = False, out=sys.stdout) -> dict:
+def run(device: str, seconds: float, interval: float = 0.0, as_json: bool = False, out=sys.stdout,
+        *, mem: int = 0, gpu: int | None = None, socket: str | None = None) -> dict:
+    ctx = None
+    if mem:
+        from .gpumem import SimGpu
+
+        ctx = SimGpu(gpu, socket)
+        try:
+            ctx.alloc(mem)
+        except BaseException:
+            ctx.close()
+            raise
+    try:
+        return _run(device, seconds, interval, as_json, out, mem)
+    finally:
+        if ctx is not None:
+            ctx.close()
+
+
+def _run(device: str, seconds: float, interval: float, as_json: bool, out, mem: int) -> dict:
     fd = os.open(device, os.O_RDONLY)  # "opening the GPU": the instance is active from here
     try:
         start = last = time.monotonic()
@@ -44,7 +67,7 @@ def run(device: str, seconds: float, interval: float = 0.0, as_json: bool = Fals
     finally:
         os.close(fd)
     result = {"iterations": total, "seconds": round(elapsed, 6), "it_per_s": total / elapsed,
-              "first_kernel_s": round(first, 6)}
+              "first_kernel_s": round(first, 6), "mem_bytes": mem}
     if as_json:
         print(json.dumps(result), file=out, flush=True)
     else:

@@ -1,11 +1,14 @@
 """`cgpu`: the user's tool."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import time
 
 import click
 
@@ -129,13 +132,21 @@ def _deregister(c: Client, socket: str | None, name: str) -> None:
 @click.option("--gpu", type=int, default=None, help="Which simulated GPU (default: $CGPU_GPUS's first, or 0).")
 @click.option("--device", default=None, envvar="CGPU_DEVICE", help="The device file to hold open.")
 @click.option("--interval", type=float, default=0.0, help="Also print the rate every INTERVAL seconds.")
+@click.option("--mem", default=None, help="Also hold this much of the instance's GPU memory while running: 1G, 512M, bytes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @pass_ctx
-def workload(ctx: Ctx, seconds, gpu, device, interval, as_json) -> None:
+def workload(ctx: Ctx, seconds, gpu, device, interval, mem, as_json) -> None:
     """A stand-in GPU job: opens the simulated GPU, runs fixed-size kernels,
-    prints iterations per second."""
+    prints iterations per second. With --mem it allocates that much GPU memory
+    at the start (failing at once if it does not fit) and holds it to the end."""
+    from ..gpumem import NotInInstanceError, default_gpu
     from ..workload import run as run_workload
 
+    try:
+        nbytes = parse_size(mem) if mem is not None else 0
+    except ValueError as exc:
+        raise click.UsageError(f"--mem: {exc}") from None
+    mem_gpu = gpu if gpu is not None else default_gpu()
     if device is None or gpu is not None:
         index = gpu if gpu is not None else int(os.environ.get("CGPU_GPUS", "0").split(",")[0])
         with ctx.client() as c:
@@ -143,7 +154,100 @@ def workload(ctx: Ctx, seconds, gpu, device, interval, as_json) -> None:
         if not 0 <= index < len(devices):
             raise click.ClickException(f"no simulated GPU {index} (the daemon has {len(devices)})")
         device = devices[index]
+        mem_gpu = index
+    with _memory_errors():
+        try:
+            run_workload(device, seconds, interval, as_json, mem=nbytes, gpu=mem_gpu, socket=ctx.socket)
+        except NotInInstanceError:
+            raise
+        except OSError as exc:
+            raise click.ClickException(f"cannot open the GPU device {device}: {exc.strerror}") from None
+
+
+# ---- simulated GPU memory (docs/memory.md) ------------------------------------
+
+
+@contextlib.contextmanager
+def _memory_errors():
+    """The memory library's errors as one line each."""
+    from ..gpumem import NotInInstanceError, OutOfMemoryError
+
     try:
-        run_workload(device, seconds, interval, as_json)
-    except OSError as exc:
-        raise click.ClickException(f"cannot open the GPU device {device}: {exc.strerror}") from None
+        yield
+    except OutOfMemoryError as exc:
+        raise click.ClickException(f"out of memory: {exc}") from None
+    except NotInInstanceError as exc:
+        raise click.ClickException(str(exc)) from None
+    except DaemonUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+    except ControlError as exc:
+        raise click.ClickException(f"{exc} ({exc.error})") from None
+
+
+def _mib(n: int) -> str:
+    return f"{n >> 20}MiB"
+
+
+@main.group()
+def mem() -> None:
+    """The GPU memory of this process's instance (simulated GPUs).
+
+    Run inside an instance (`cgpu run -- cgpu mem info`): the instance's memsize
+    is its total, as nvidia-smi shows it inside a cGPU container.
+    """
+
+
+@mem.command("info")
+@click.option("--gpu", type=int, default=None, help="Which GPU (default: $CGPU_GPUS's first, or the instance's lowest).")
+@click.option("--json", "as_json", is_flag=True, help="Print gpu, instance, free, total, used (bytes) as JSON.")
+@pass_ctx
+def mem_info(ctx: Ctx, gpu, as_json) -> None:
+    """Free and total GPU memory of the caller's instance."""
+    from ..gpumem import SimGpu
+
+    with _memory_errors():
+        with SimGpu(gpu, ctx.socket) as g:
+            i = g.info()
+    if as_json:
+        click.echo(json.dumps({"gpu": i.gpu, "instance": i.instance, "free": i.free, "total": i.total, "used": i.used}))
+    else:
+        click.echo(f"GPU {i.gpu} ({i.instance}): {_mib(i.used)} / {_mib(i.total)} used, {_mib(i.free)} free"
+                   f" ({i.free} of {i.total} bytes)")
+
+
+@mem.command("hold")
+@click.argument("size")
+@click.option("--seconds", type=float, default=None, help="Hold this long, then free and exit (default: until killed).")
+@click.option("--gpu", type=int, default=None, help="Which GPU (default: $CGPU_GPUS's first, or the instance's lowest).")
+@pass_ctx
+def mem_hold(ctx: Ctx, size, seconds, gpu) -> None:
+    """Allocate SIZE (1G, 512M, bytes) of the instance's GPU memory and hold it.
+
+    Prints one line once it holds it. Past the instance's memsize it fails with
+    "out of memory: …". The memory is returned when this exits, however it exits.
+    """
+    from ..gpumem import SimGpu
+
+    try:
+        nbytes = parse_size(size)
+    except ValueError as exc:
+        raise click.UsageError(f"SIZE: {exc}") from None
+    if nbytes <= 0:
+        raise click.UsageError("SIZE: hold at least one byte")
+    if seconds is not None and seconds < 0:
+        raise click.UsageError("--seconds must not be negative")
+    with _memory_errors():
+        with SimGpu(gpu, ctx.socket) as g:
+            a = g.alloc(nbytes)
+            free, total = g.mem_info()
+            click.echo(f"holding {nbytes} bytes on GPU {a.gpu} as pid {os.getpid()}: "
+                       f"{_mib(free)} free of {_mib(total)}")
+            sys.stdout.flush()
+            try:
+                if seconds is None:
+                    while True:
+                        time.sleep(3600)
+                else:
+                    time.sleep(seconds)
+            except KeyboardInterrupt:
+                sys.exit(130)
