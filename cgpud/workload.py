@@ -59,7 +59,10 @@ def _run(device: str, seconds: float, interval: float, as_json: bool, out, mem: 
             since += 1
             now = time.monotonic()
             if interval and now - last >= interval:
-                print(f"{now - start:8.2f} s  {since / (now - last):10.1f} it/s", file=out, flush=True)
+                if as_json:  # progress samples on the system-wide monotonic clock, to compare processes
+                    print(json.dumps({"at": now, "iterations": total}), file=out, flush=True)
+                else:
+                    print(f"{now - start:8.2f} s  {since / (now - last):10.1f} it/s", file=out, flush=True)
                 last, since = now, 0
             if now >= end:
                 break

@@ -27,10 +27,10 @@ class Workloads:
         self.d = daemon
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, seconds: float, *args: str) -> subprocess.Popen:
+    def start(self, name: str, seconds: float, *args: str, report: tuple[str, ...] = ("--json",)) -> subprocess.Popen:
         env = dict(os.environ, CGPUD_SOCKET=str(self.d.socket))
         p = subprocess.Popen([CGPU, "run", "--name", name, "--mem", "64M", *args, "--",
-                              CGPU, "workload", "--seconds", str(seconds), "--json"],
+                              CGPU, "workload", "--seconds", str(seconds), *report],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs[name] = p
         deadline = time.monotonic() + 15
@@ -39,6 +39,15 @@ class Workloads:
             assert time.monotonic() < deadline, f"{name} did not appear"
             time.sleep(0.02)
         return p
+
+    def samples(self, name: str) -> list[tuple[float, int]]:
+        """(monotonic time, iterations so far) of a workload started with
+        report=("--json", "--interval", S)."""
+        out, err = self.procs[name].communicate(timeout=60)
+        assert self.procs[name].returncode == 0, err
+        lines = [json.loads(line) for line in out.splitlines() if line.strip()]
+        return [(x["at"], x["iterations"]) for x in lines if "at" in x]
+
 
     def result(self, name: str) -> dict:
         out, err = self.procs[name].communicate(timeout=60)
@@ -54,6 +63,16 @@ class Workloads:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def iterations_between(samples: list[tuple[float, int]], t0: float, t1: float) -> float:
+    """Iterations done in [t0, t1], interpolated between progress samples."""
+    def at(t: float) -> float:
+        for (ta, ia), (tb, ib) in zip(samples, samples[1:]):
+            if ta <= t <= tb:
+                return ia + (ib - ia) * (t - ta) / (tb - ta)
+        raise AssertionError(f"{t} is outside the samples {samples[0][0]}..{samples[-1][0]}")
+    return at(t1) - at(t0)
 
 
 @pytest.fixture
@@ -86,11 +105,16 @@ def stats(daemon) -> dict:
 def test_policy2_weights_1_to_2_give_iterations_1_to_2(sched):
     d, w = sched
     d.write("0/policy", "2")
-    w.start("weightone001", 6, "--weight", "1")
-    w.start("weighttwo002", 6, "--weight", "2")
-    a, b = w.result("weightone001"), w.result("weighttwo002")
-    ratio = b["it_per_s"] / a["it_per_s"]
-    assert 1.9 <= ratio <= 2.1, (a, b)
+    sampled = ("--json", "--interval", "0.1")
+    w.start("weightone001", 6, "--weight", "1", report=sampled)
+    w.start("weighttwo002", 6, "--weight", "2", report=sampled)
+    a, b = w.samples("weightone001"), w.samples("weighttwo002")
+    # Only the time both ran counts (each runs alone for a moment at its start
+    # or end, and a lone instance takes the whole GPU): the same wall window.
+    t0, t1 = max(a[0][0], b[0][0]) + 0.5, min(a[-1][0], b[-1][0]) - 0.5
+    assert t1 - t0 > 3.5
+    ratio = iterations_between(b, t0, t1) / iterations_between(a, t0, t1)
+    assert 1.9 <= ratio <= 2.1, ratio
     st = stats(d)
     assert st["freezes"] > 0 and st["thaws"] > 0
 
