@@ -148,15 +148,7 @@ def snapshot(node: Node) -> dict:
                 "prio_ratio": g.prio_ratio,
                 "free_weight": g.free_weight,
                 "instances": [
-                    {
-                        "name": i.name,
-                        "id": i.id,
-                        "memsize": i.memsize,
-                        "weight": i.weight,
-                        "highprio": i.highprio,
-                        "used": i.used,
-                        "procs": {str(p): n for p, n in sorted(i.procs.items())},
-                    }
+                    {**i.settings(), "used": i.used, "procs": {str(p): n for p, n in sorted(i.procs.items())}}
                     for i in g.instances.values()
                 ],
             }
@@ -280,7 +272,13 @@ class Control:
         weight = _arg(req, "weight", int, 1)
         highprio = _arg(req, "highprio", bool, False)
         want_group = _arg(req, "cgroup", bool, False)
+        policy = _arg(req, "policy", int, None, allow_none=True)
+        given = _arg(req, "target", dict, None, allow_none=True)
         target = None
+        if given is not None:
+            if want_group:
+                raise Refused(errno.EINVAL, "give cgroup: true or a target, not both")
+            target = self._check_target(given)
         if want_group:
             if self.groups is None:
                 raise Refused(errno.EOPNOTSUPP, "this daemon runs without cgroups; cgpu run cannot place processes")
@@ -295,12 +293,15 @@ class Control:
             made = [n.create_instance(g, name, memsize=m, weight=weight, highprio=highprio) for g, m in zip(gpus, mems)]
             if target is not None:
                 n.attach(name, target)
+            if policy is not None:
+                for g in gpus:
+                    n.set_policy(g, policy)
             return made
 
         try:
             made = self.durable.apply(create)
         except BaseException:
-            if target is not None:
+            if want_group and target is not None:
                 self.groups.remove(target["path"])
             raise
         if target is not None:
@@ -312,8 +313,38 @@ class Control:
             "target": target,
         }
 
+    @staticmethod
+    def _check_target(given: dict) -> dict:
+        """A target a client names (the container hook: the container's own
+        cgroup): a group of a mounted cgroup2 or v1 freezer hierarchy, never
+        its root, never one that holds the daemon or a process it protects
+        (the same checks as the scheduler's). `container` (optional) is kept
+        with it: the container ID that owns the instance."""
+        from .sched.enforce import EnforceError, freezer_from_spec
+
+        kind, path, container = given.get("kind"), given.get("path"), given.get("container")
+        if kind not in ("cgroup2", "cgroup1-freezer") or not isinstance(path, str) or not path.startswith("/"):
+            raise Refused(errno.EINVAL, 'a target is {"kind": "cgroup2" or "cgroup1-freezer", "path": "/abs/dir"}')
+        if container is not None and (not isinstance(container, str) or not container or len(container) > 1024):
+            raise Refused(errno.EINVAL, "a target's container is a non-empty string")
+        if set(given) - {"kind", "path", "container"}:
+            raise Refused(errno.EINVAL, f"unknown target keys: {', '.join(sorted(set(given) - {'kind', 'path', 'container'}))}")
+        try:
+            freezer_from_spec({"kind": kind, "path": path}).close()
+        except EnforceError as exc:
+            raise Refused(errno.EPERM, f"target {path}: {exc}") from None
+        return {k: v for k, v in (("kind", kind), ("path", os.path.realpath(path)), ("container", container))
+                if v is not None}
+
     def deregister(self, req: dict, peer: Peer) -> dict:
         name = check_name(_arg(req, "name", str))
+        container = _arg(req, "container", str, None, allow_none=True)
+        if container is not None:
+            # Only the instances this container registered (a poststop hook of
+            # a container whose start failed must not remove another's).
+            mine = self.node.instances_named(name)
+            if not mine or (mine[0].target or {}).get("container") != container:
+                raise Refused(errno.ENOENT, f"no instance {name} of container {container}")
         gone = self.durable.apply(lambda n: n.destroy(name))
         self._drop_group(name, gone[0].target)
         log.info("deregistered %s (pid %d)", name, peer.pid)
@@ -455,12 +486,22 @@ class Control:
 
     def reap(self) -> list[str]:
         """Deregister instances whose cgroup (made by us) is empty and whose
-        registering connection is gone: `cgpu run` or its command died."""
-        if self.groups is None:
-            return []
+        registering connection is gone: `cgpu run` or its command died. Also
+        a container's instances (target with `container`, from the hook) whose
+        cgroup is gone: the runtime removed the container without its poststop."""
         gone = []
         for inst in list(self.node.instances()):
             t = inst.target
+            if t and t.get("container") and inst.name not in gone and not os.path.isdir(t.get("path", "")):
+                try:
+                    self.durable.apply(lambda n, name=inst.name: n.destroy(name))
+                except ModelError:
+                    continue
+                gone.append(inst.name)
+                log.info("%s: the cgroup of container %s is gone; deregistered", inst.name, t["container"])
+                continue
+            if self.groups is None:
+                continue
             if not t or not t.get("path", "").startswith(self.groups.base + os.sep):
                 continue
             if self.owners.get(inst.name) in self.live_conns or inst.name in gone:

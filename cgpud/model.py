@@ -86,6 +86,11 @@ class Instance:
     def used(self) -> int:
         return sum(self.procs.values())
 
+    def settings(self) -> dict:
+        """What the instance is, as saved and as shown to clients."""
+        return {"name": self.name, "id": self.id, "memsize": self.memsize, "weight": self.weight,
+                "highprio": self.highprio}
+
     @property
     def free(self) -> int:
         return max(0, self.memsize - self.used)
@@ -318,14 +323,7 @@ class Node:
                     "max_inst": g.max_inst,
                     "prio_ratio": g.prio_ratio,
                     "instances": [
-                        {
-                            "name": i.name,
-                            "id": i.id,
-                            "memsize": i.memsize,
-                            "weight": i.weight,
-                            "highprio": i.highprio,
-                            **({"target": i.target} if i.target is not None else {}),
-                        }
+                        {**i.settings(), **({"target": i.target} if i.target is not None else {})}
                         for i in g.instances.values()
                     ],
                 }

@@ -97,6 +97,13 @@ def frozen(name: str) -> bool:
         return "frozen 1" in f.read()
 
 
+def wait_frozen(name: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not frozen(name):
+        assert time.monotonic() < deadline, f"never saw {name} frozen"
+        time.sleep(0.001)
+
+
 def stats(daemon) -> dict:
     with Client(str(daemon.socket)) as c:
         return c.call("stats")[0]
@@ -183,10 +190,7 @@ def test_kill9_of_the_daemon_leaves_nothing_frozen(sched):
     d, w = sched
     d.write("0/policy", "3")  # weight 1 of 16: frozen 15/16 of the time
     w.start("keptfrozen01", 20)
-    deadline = time.monotonic() + 5
-    while not frozen("keptfrozen01"):
-        assert time.monotonic() < deadline, "never saw it frozen"
-        time.sleep(0.001)
+    wait_frozen("keptfrozen01")
     d.kill9()
     t = time.monotonic()
     while frozen("keptfrozen01"):
@@ -201,9 +205,6 @@ def test_sigterm_leaves_nothing_frozen(sched):
     d, w = sched
     d.write("0/policy", "3")
     w.start("termfrozen01", 20)
-    deadline = time.monotonic() + 5
-    while not frozen("termfrozen01"):
-        assert time.monotonic() < deadline, "never saw it frozen"
-        time.sleep(0.001)
+    wait_frozen("termfrozen01")
     d.stop()
     assert not frozen("termfrozen01")
