@@ -30,7 +30,10 @@ def limit_text(g: dict, i: dict) -> str:
     return "shared"
 
 
-def render(snap: dict) -> str:
+def render(snap: dict, stats: list[dict] | None = None) -> str:
+    """The node as a table; `stats` (the scheduler's telemetry) adds each
+    instance's achieved share of its GPU over the last second."""
+    util = {(st["gpu"], n): i["share_1s"] for st in stats or [] for n, i in st["instances"].items()}
     out = [f"cgpu-smi {__version__}   cgpud {snap['version']}   {time.strftime('%a %b %d %H:%M:%S %Y')}"]
     bar = "+" + "-" * 78 + "+"
     for g in snap["gpus"]:
@@ -46,11 +49,13 @@ def render(snap: dict) -> str:
             f"| memory: {used // MIB} MiB used, {alloc // MIB} MiB allocated of {g['memory'] // MIB} MiB".ljust(79) + "|"
         )
         out.append(bar)
-        out.append("| CONTAINER     ID  WEIGHT  LIMIT            MEM USED   MEM ALLOCATED  PROCS   |")
+        out.append("| CONTAINER     ID  WEIGHT  LIMIT           UTIL  MEM USED  MEM ALLOCATED  PROCS |")
         for i in g["instances"]:
+            u = util.get((g["index"], i["name"]))
             out.append(
-                f"| {i['name']:<12} {i['id']:>3}  {i['weight']:>6}  {limit_text(g, i):<15} "
-                f"{i['used'] // MIB:>7} MiB {i['memsize'] // MIB:>10} MiB  {len(i['procs']):>5}   |"
+                f"| {i['name']:<12} {i['id']:>3}  {i['weight']:>6}  {limit_text(g, i):<14} "
+                f"{'-' if u is None else f'{u * 100:.0f}%':>4} {i['used'] // MIB:>6} MiB {i['memsize'] // MIB:>10} MiB "
+                f"{len(i['procs']):>5} |"
             )
         if not g["instances"]:
             out.append("| (no instances)".ljust(79) + "|")
@@ -69,9 +74,15 @@ def main(socket: str | None, interval: float | None, as_json: bool) -> None:
         try:
             with Client(socket) as c:
                 snap = c.call("query")
+                stats = c.call("stats")
         except DaemonUnavailable as exc:
             raise click.ClickException(str(exc)) from None
-        click.echo(json.dumps(snap, indent=2) if as_json else render(snap))
+        if as_json:
+            util = {(st["gpu"], n): i["share_1s"] for st in stats for n, i in st["instances"].items()}
+            for g in snap["gpus"]:
+                for i in g["instances"]:
+                    i["util"] = util.get((g["index"], i["name"]))
+        click.echo(json.dumps(snap, indent=2) if as_json else render(snap, stats))
         if interval is None:
             return
         time.sleep(interval)
