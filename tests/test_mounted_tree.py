@@ -802,3 +802,15 @@ def test_a_restart_shows_the_identical_tree(make_daemon):
     taken = [before[f"{g}/{n}/id"] for g, n in
              [(0, "aaaaaaaaaaaa"), (1, "aaaaaaaaaaaa"), (1, "cccccccccccc"), (0, "dddddddddddd")]]
     assert d.read("1/eeeeeeeeeeee/id") not in taken
+
+
+def test_a_missing_dev_fuse_is_one_clear_line(make_daemon):
+    """The daemon in a mount namespace of its own whose /dev is an empty tmpfs."""
+    d = make_daemon(start=False)
+    cmd = " ".join(f"'{c}'" for c in d.command())
+    r = subprocess.run(["unshare", "-m", "bash", "-c", f"mount -t tmpfs tmpfs /dev && exec {cmd}"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1, r
+    assert r.stderr.strip() == ("Error: /dev/fuse is missing: load the fuse module (modprobe fuse), "
+                                "or give the container the device (--device /dev/fuse)")
+    assert not mounted(d.mount)
