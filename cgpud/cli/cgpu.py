@@ -251,3 +251,25 @@ def mem_hold(ctx: Ctx, size, seconds, gpu) -> None:
                     time.sleep(seconds)
             except KeyboardInterrupt:
                 sys.exit(130)
+
+
+# ---- the OCI runtime hook (docs/containers.md) ----------------------------------
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("stage", type=click.Choice(["createRuntime", "prestart", "poststop", "auto"]))
+@click.argument("rest", nargs=-1, type=click.UNPROCESSED)
+@pass_ctx
+def hook(ctx: Ctx, stage, rest) -> None:
+    """OCI runtime hook: `cgpu hook createRuntime` (or prestart) registers the
+    container whose OCI state is on stdin from its ALIYUN_COM_GPU_* environment
+    and attaches its own cgroup; `cgpu hook poststop` removes it; `cgpu hook
+    auto` does either by the state's status (for a single hooks.d entry).
+
+    A bad value fails with one line naming the variable. With
+    CGPU_HOOK_PASSTHROUGH=1 a container starts unmanaged when the daemon is
+    down; CGPU_HOOK_TIMEOUT (default 5 s) bounds every wait for the daemon.
+    """
+    from ..hook import main as hook_main
+
+    sys.exit(hook_main(stage, sys.stdin, ctx.socket))
