@@ -123,6 +123,20 @@ def wants_gpu(env: Mapping[str, str]) -> bool:
         return True
 
 
+def may_have_registered(env: Mapping[str, str]) -> bool:
+    """For poststop, without parsing everything (envspec's import alone is a
+    good part of the hook's time): False only where createRuntime certainly
+    registered nothing — no memory request, all zeros, or CGPU_DISABLE. When
+    in doubt the daemon is asked; an unknown container is fine there."""
+    mem = (env.get("ALIYUN_COM_GPU_MEM_CONTAINER") or "").strip()
+    if not mem:
+        return False
+    if (env.get("CGPU_DISABLE") or "").strip().lower() in ("true", "1"):
+        return False
+    parts = [p.strip() for p in mem.split(",")]
+    return not all(p and p.isascii() and p.isdigit() and int(p) == 0 for p in parts)
+
+
 def own_cgroup(pid: int) -> dict:
     """The container's own group, from its init pid: cgroup2 if it can be
     frozen there, else its v1 freezer group. Never a root, never a group that
@@ -209,7 +223,7 @@ def remove(state: dict, socket: str | None = None) -> dict | None:
         env = container_env(state)
     except HookError:
         env = None  # the bundle is gone: ask the daemon anyway
-    if env is not None and not wants_gpu(env):
+    if env is not None and not may_have_registered(env):
         return None
     from .client import ControlError
 

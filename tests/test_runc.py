@@ -275,6 +275,27 @@ def test_hook_alone_prints_exactly_one_line(daemon, runc, tmp_path):
     assert daemon.instances(0) == [good[:12]]
 
 
+def test_poststop_skips_the_daemon_only_when_nothing_can_have_been_registered():
+    from cgpud.envspec import EnvError, parse_env
+    from cgpud.hook import may_have_registered
+    from cgpud.model import GpuInfo
+
+    gpus = [GpuInfo(0, "GPU-0", "T4", 15109 << 20)]
+    for env in ({}, {"ALIYUN_COM_GPU_MEM_CONTAINER": ""}, {"ALIYUN_COM_GPU_MEM_CONTAINER": " 0 "},
+                {"ALIYUN_COM_GPU_MEM_CONTAINER": "0,00"}, {"ALIYUN_COM_GPU_MEM_CONTAINER": "6", "CGPU_DISABLE": "TRUE"},
+                {"ALIYUN_COM_GPU_MEM_CONTAINER": "6", "CGPU_DISABLE": "1"}):
+        assert not may_have_registered(env), env
+        assert not parse_env(env, gpus).managed, env  # createRuntime agrees: nothing registered
+    for env in ({"ALIYUN_COM_GPU_MEM_CONTAINER": "6"}, {"ALIYUN_COM_GPU_MEM_CONTAINER": "0,1"},
+                {"ALIYUN_COM_GPU_MEM_CONTAINER": "6", "CGPU_DISABLE": "false"},
+                {"ALIYUN_COM_GPU_MEM_CONTAINER": "six"}):
+        assert may_have_registered(env), env
+        try:
+            parse_env(env, gpus)
+        except EnvError:
+            pass
+
+
 def test_short_names():
     assert short_name("0123456789abcdef" * 4) == "0123456789ab"
     for cid in ("web", "my container with spaces", "ünïcode-container-id"):
