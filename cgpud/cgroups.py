@@ -100,6 +100,3 @@ class InstanceGroups:
                 return False
             raise
         return True
-
-    def procs_file(self, path: str) -> str:
-        return os.path.join(path, "cgroup.procs")
