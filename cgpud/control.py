@@ -182,9 +182,12 @@ class Control:
         groups: InstanceGroups | None = None,
         devices: list[str] | None = None,
         stats: Callable[[], list[dict]] | None = None,
+        strategy: str = "binpack",
+        mode: str = "cgpu",
     ) -> None:
         self.durable = durable
         self._stats = stats
+        self.strategy, self.mode = strategy, mode  # placement: how the container hook picks GPUs
         self.devices = devices or []
         self.admin_gid = admin_gid
         self.groups = groups
@@ -246,7 +249,7 @@ class Control:
         }
 
     def query(self, req: dict, peer: Peer) -> dict:
-        return snapshot(self.node)
+        return {**snapshot(self.node), "strategy": self.strategy, "mode": self.mode}
 
     def stats(self, req: dict, peer: Peer) -> list[dict]:
         """The scheduler's telemetry per GPU (empty when it does not run)."""

@@ -46,6 +46,8 @@ class Config:
     dev_dir: str | None = None
     rt_priority: int = 0
     slice_ms: float = 10.0
+    placement: str = "binpack"
+    mode: str = "cgpu"
     schedule: bool = True
 
 
@@ -185,7 +187,8 @@ async def _serve(cfg: Config) -> None:
                     log.warning("%s: `cgpu run` will be refused", exc)
                     groups = None
                 ctl = control.Control(durable, gid, groups, devices=devices,
-                                      stats=sched.stats if sched is not None else None)
+                                      stats=sched.stats if sched is not None else None,
+                                      strategy=cfg.placement, mode=cfg.mode)
                 try:
                     await nursery.start(control.serve, cfg.socket, ctl, ops.refresh)
                 except OSError as exc:

@@ -464,3 +464,19 @@ def test_same_short_id_is_refused_and_the_first_keeps_its_instance(daemon, runc)
     assert p.returncode != 0
     assert _hook_line(p.stderr) == [f"cgpu hook: cannot register {first[:12]} on GPU 0: {first[:12]} is already on GPU 0 (EEXIST)"]
     assert daemon.instances(0) == [first[:12]] and daemon.value(f"0/{first[:12]}/memsize") == "8449565218"
+
+
+@pytest.mark.parametrize("strategy, spread_out", [("binpack", False), ("spread", True)])
+def test_node_placement_setting_decides_where_unnamed_containers_go(make_daemon, template, tmp_path,
+                                                                     strategy, spread_out):
+    daemon = make_daemon(gpus="sim:2xT4", extra_args=["--placement", strategy])
+    assert query(daemon)["strategy"] == strategy and query(daemon)["mode"] == "cgpu"
+    runc = Runc(tmp_path, template, daemon.socket)
+    try:
+        a = runc.start(runc.bundle({"ALIYUN_COM_GPU_MEM_CONTAINER": "4"}, SLEEP))
+        b = runc.start(runc.bundle({"ALIYUN_COM_GPU_MEM_CONTAINER": "4"}, SLEEP))
+        where = {n: g for g in (0, 1) for n in daemon.instances(g)}
+        assert where[a[:12]] == 0  # both GPUs empty: ties go to the lower index
+        assert where[b[:12]] == (1 if spread_out else 0)
+    finally:
+        runc.cleanup()

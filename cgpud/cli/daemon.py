@@ -44,14 +44,20 @@ def main() -> None:
               help="Real-time priority of the daemon's scheduling (0: normal priority).")
 @click.option("--slice-ms", type=click.FloatRange(0.5, 1000), default=10.0, show_default=True, envvar="CGPUD_SLICE_MS",
               help="The base time slice X of the scheduler, in milliseconds.")
+@click.option("--placement", type=click.Choice(["binpack", "spread"]), default="binpack", show_default=True,
+              envvar="CGPUD_PLACEMENT",
+              help="How containers that name no GPU are placed: the fullest GPU that fits, or the emptiest.")
+@click.option("--mode", type=click.Choice(["exclusive", "share", "cgpu", "mps"]), default="cgpu", show_default=True,
+              envvar="CGPUD_MODE", help="Node mode for placement (docs/containers.md).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, dev_dir: str,
-          rt_priority: int, slice_ms: float, log_level: str) -> None:
+          rt_priority: int, slice_ms: float, placement: str, mode: str, log_level: str) -> None:
     """Mount the tree and serve it until SIGTERM or SIGINT."""
     setup_logging(log_level)
     cfg = Config(gpus=gpus, mount=mountpoint, state_dir=state_dir, admin_group=admin_group, socket=socket_path,
-                 dev_dir=dev_dir, rt_priority=rt_priority, slice_ms=slice_ms)
+                 dev_dir=dev_dir, rt_priority=rt_priority, slice_ms=slice_ms,
+                 placement=placement, mode=mode)
     try:
         trio.run(serve_daemon, cfg)
     except StartError as exc:
