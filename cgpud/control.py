@@ -194,11 +194,15 @@ class Control:
         # name -> the connection that made its cgroup (absent: the connection is gone)
         self.owners: dict[str, int] = {}
         self.live_conns: set[int] = set()
+        # Our cgroups of deregistered instances that still held processes: the reaper removes them.
+        self.pending_groups: set[str] = set()
         # Simulated GPU memory by connection, then by handle. Not durable state:
         # it goes with the connection (the process), never into state.json.
         self.held: dict[int, dict[int, Held]] = {}
         self._handles = itertools.count(1)
         durable.listeners.append(self._forget_gone)
+        durable.listeners.append(self._orphaned_groups)
+        self._our_paths: set[str] = set()
         self.ops: dict[str, tuple[bool, Callable[[dict, Peer], Any]]] = {
             "hello": (False, self.hello),
             "query": (False, self.query),
@@ -481,17 +485,51 @@ class Control:
             if not mine:
                 self.held.pop(conn)
 
+    def _orphaned_groups(self) -> None:
+        """After any change (inst_ctl on the tree included): a cgroup we made
+        whose instance is gone waits for its processes to go, then is removed."""
+        if self.groups is None:
+            return
+        base = self.groups.base + os.sep
+        now = {i.target["path"] for i in self.node.instances()
+               if i.target and i.target.get("path", "").startswith(base)}
+        self.pending_groups |= self._our_paths - now
+        self._our_paths = now
+
+    def node_uses(self, path: str) -> bool:
+        """Whether some instance (again) has `path` as its target."""
+        return any(i.target and i.target.get("path") == path for i in self.node.instances())
+
     def _drop_group(self, name: str, target: dict | None) -> None:
         self.owners.pop(name, None)
         if self.groups is not None and target and target.get("path", "").startswith(self.groups.base + os.sep):
             if not self.groups.remove(target["path"]):
                 log.info("cgroup %s still holds processes; removing it when they are gone", target["path"])
+                self.pending_groups.add(target["path"])
+
+    def close(self) -> None:
+        """At shutdown: a last try at the cgroups still waiting for their processes to go."""
+        for path in list(self.pending_groups):
+            try:
+                if self.groups is not None and not self.node_uses(path) and not self.groups.remove(path):
+                    log.info("cgroup %s still holds processes at shutdown; left in place", path)
+            except (OSError, CgroupError):
+                pass
+        self.pending_groups.clear()
 
     def reap(self) -> list[str]:
         """Deregister instances whose cgroup (made by us) is empty and whose
         registering connection is gone: `cgpu run` or its command died. Also
         a container's instances (target with `container`, from the hook) whose
         cgroup is gone: the runtime removed the container without its poststop."""
+        for path in list(self.pending_groups):  # ours, deregistered while still populated
+            try:
+                done = self.node_uses(path) or self.groups is None or self.groups.remove(path)
+            except (OSError, CgroupError) as exc:
+                log.warning("cannot remove cgroup %s (%s); leaving it", path, exc)
+                done = True
+            if done:
+                self.pending_groups.discard(path)
         gone = []
         for inst in list(self.node.instances()):
             t = inst.target

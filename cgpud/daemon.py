@@ -174,6 +174,7 @@ async def _serve(cfg: Config) -> None:
                 mountpoint,
             )
         prio = raise_priority(cfg.rt_priority)
+        cleanups: list = []
         async with trio.open_nursery() as nursery:
             await nursery.start(_watch_signals)
             devices = sim_devices(node, cfg.dev_dir)
@@ -193,6 +194,7 @@ async def _serve(cfg: Config) -> None:
                     await nursery.start(control.serve, cfg.socket, ctl, ops.refresh)
                 except OSError as exc:
                     raise StartError(f"control socket {cfg.socket}: {exc.strerror or exc}") from None
+                cleanups.append(ctl.close)
                 nursery.start_soon(control.reaper, ctl, ops.refresh)
             try:
                 await nursery.start(_serve_fs, ops, mountpoint, mount.options(FSNAME, allow_other), nursery.cancel_scope)
@@ -201,6 +203,8 @@ async def _serve(cfg: Config) -> None:
             gpus = ", ".join(f"{g.index}: {g.info.name} {g.info.memory >> 20} MiB" for g in node.gpus)
             log.info("cgpud %s serving %s (GPUs %s; state in %s; %s)", __version__, mountpoint, gpus, store.path, prio)
             notify("READY=1")
+        for cleanup in cleanups:
+            cleanup()
         log.info("stopped")
     finally:
         notify("STOPPING=1")

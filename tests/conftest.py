@@ -25,6 +25,7 @@ Teardown always leaves no process and no mount behind (SIGKILL and
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -274,7 +275,35 @@ class Daemon:
             force_unmount(self.mount)
             if mounted(self.mount):
                 problems.append("mount could not be removed")
+        self._remove_own_cgroups()
         return problems
+
+    def _remove_own_cgroups(self, timeout: float = 2.0) -> None:
+        """A daemon killed with SIGKILL cannot remove the cgroups it made for
+        `cgpu run` (<cgroup2>/cgpud/<name>): remove those its state names,
+        once their processes are gone. Groups of others are never touched."""
+        from cgpud.cgroups import PARENT, v2_root
+
+        try:
+            state = json.loads((self.state_dir / "state.json").read_text())["state"]
+        except (OSError, ValueError, KeyError):
+            return
+        root = v2_root()
+        ours = os.path.join(root, PARENT) + os.sep if root else None
+        paths = {i.get("target", {}).get("path", "") for g in state.get("gpus", []) for i in g.get("instances", [])}
+        paths = [p for p in paths if ours and p.startswith(ours)]
+        deadline = time.monotonic() + timeout
+        while paths and time.monotonic() < deadline:
+            for p in list(paths):
+                try:
+                    os.rmdir(p)
+                    paths.remove(p)
+                except FileNotFoundError:
+                    paths.remove(p)
+                except OSError:
+                    pass  # still populated: its processes are on their way out
+            if paths:
+                time.sleep(0.05)
 
     def log_text(self) -> str:
         try:

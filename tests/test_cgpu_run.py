@@ -108,3 +108,14 @@ def test_workload_holds_the_gpu_open_and_reports_its_rate(daemon):
     res = json.loads(out)
     assert res["iterations"] > 0 and 0.99 <= res["seconds"] < 1.5
     assert res["it_per_s"] == pytest.approx(res["iterations"] / res["seconds"])
+
+
+def test_a_cgroup_still_in_use_at_exit_is_removed_once_its_last_process_is_gone(daemon):
+    """CMD exits but leaves a background process in the instance's cgroup: the
+    instance goes at once, the cgroup when that process is gone."""
+    r = cgpu(daemon, "run", "--name", NAME, "--", "sh", "-c", "sleep 1.5 > /dev/null 2>&1 & exit 0")
+    assert r.returncode == 0, r.stderr
+    assert NAME not in os.listdir(daemon.path("0"))
+    group = os.path.join(v2_root(), "cgpud", NAME)
+    assert os.path.isdir(group)  # the sleep still runs in it
+    wait_for(lambda: not os.path.isdir(group), timeout=5, what="the daemon to remove the emptied cgroup")

@@ -123,6 +123,10 @@ def holders():
     made: list[Holder] = []
     yield made
     for h in made:
+        try:  # the holder itself (under `cgpu run` it is cgpu run's child: killing cgpu run orphans it)
+            os.kill(h.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         if h.p.poll() is None:
             h.p.kill()
             h.p.wait(10)
