@@ -503,9 +503,9 @@ class Control:
     def _drop_group(self, name: str, target: dict | None) -> None:
         self.owners.pop(name, None)
         if self.groups is not None and target and target.get("path", "").startswith(self.groups.base + os.sep):
+            # (still populated: _orphaned_groups has marked it; the reaper removes it once empty)
             if not self.groups.remove(target["path"]):
                 log.info("cgroup %s still holds processes; removing it when they are gone", target["path"])
-                self.pending_groups.add(target["path"])
 
     def close(self) -> None:
         """At shutdown: a last try at the cgroups still waiting for their processes to go."""
