@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -187,6 +188,7 @@ class Control:
     ) -> None:
         self.durable = durable
         self._stats = stats
+        self.tracer: Callable[[float, int | None], list[dict]] | None = None  # Scheduling.trace
         self.strategy, self.mode = strategy, mode  # placement: how the container hook picks GPUs
         self.devices = devices or []
         self.admin_gid = admin_gid
@@ -207,6 +209,7 @@ class Control:
             "hello": (False, self.hello),
             "query": (False, self.query),
             "stats": (False, self.stats),
+            "trace": (False, self.trace),
             "register": (True, self.register),
             "deregister": (True, self.deregister),
             # open to all; each acts only on the caller's own instance
@@ -258,6 +261,22 @@ class Control:
     def stats(self, req: dict, peer: Peer) -> list[dict]:
         """The scheduler's telemetry per GPU (empty when it does not run)."""
         return self._stats() if self._stats else []
+
+    def trace(self, req: dict, peer: Peer) -> dict:
+        """The slices of the last `seconds` (default 10, at most the ring's
+        60 s), of every GPU or of `gpu`: who had each GPU when (cgpu trace)."""
+        from .trace import HORIZON
+
+        seconds = _arg(req, "seconds", (int, float), 10.0)
+        if not 0 < seconds <= HORIZON:
+            raise Refused(errno.EINVAL, f"seconds must be more than 0 and at most {HORIZON:g} "
+                                        f"(the daemon keeps the last {HORIZON:g} s of slices), not {seconds}")
+        gpu = self._gpu_arg(req)
+        if gpu is not None and gpu >= len(self.node.gpus):
+            raise Refused(errno.EINVAL, f"no GPU {gpu} on this node (it has {len(self.node.gpus)})")
+        if self.tracer is None:
+            raise Refused(errno.EOPNOTSUPP, "this daemon runs no scheduler: there are no slices to show")
+        return {"seconds": seconds, "wall": time.time(), "gpus": self.tracer(float(seconds), gpu)}
 
     def register(self, req: dict, peer: Peer) -> dict:
         """Create the instances of one container: `name` on each of `gpus`.
