@@ -23,7 +23,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import trio
 
@@ -128,6 +128,17 @@ def _contains(group: str, path: str) -> bool:
     return path == group or path.startswith(group.rstrip("/") + "/")
 
 
+class Streamed:
+    """A result given as JSON text in pieces (a large answer: `trace`): the
+    server sends it whole, but lets the schedulers run between pieces."""
+
+    def __init__(self, pieces: Iterator[str]) -> None:
+        self.pieces = pieces
+
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
 def peer_of(sock: socket.socket) -> Peer:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return Peer(*struct.unpack("3i", raw))
@@ -188,7 +199,7 @@ class Control:
     ) -> None:
         self.durable = durable
         self._stats = stats
-        self.tracer: Callable[[float, int | None], list[dict]] | None = None  # Scheduling.trace
+        self.tracer: Callable[[float, int | None], list[dict]] | None = None  # Scheduling.trace (trace.collect)
         self.strategy, self.mode = strategy, mode  # placement: how the container hook picks GPUs
         self.devices = devices or []
         self.admin_gid = admin_gid
@@ -265,7 +276,7 @@ class Control:
     def trace(self, req: dict, peer: Peer) -> dict:
         """The slices of the last `seconds` (default 10, at most the ring's
         60 s), of every GPU or of `gpu`: who had each GPU when (cgpu trace)."""
-        from .trace import HORIZON
+        from .trace import HORIZON, encode
 
         seconds = _arg(req, "seconds", (int, float), 10.0)
         if not 0 < seconds <= HORIZON:
@@ -276,7 +287,7 @@ class Control:
             raise Refused(errno.EINVAL, f"no GPU {gpu} on this node (it has {len(self.node.gpus)})")
         if self.tracer is None:
             raise Refused(errno.EOPNOTSUPP, "this daemon runs no scheduler: there are no slices to show")
-        return {"seconds": seconds, "wall": time.time(), "gpus": self.tracer(float(seconds), gpu)}
+        return Streamed(encode(self.tracer(float(seconds), gpu), seconds, time.time()))
 
     def register(self, req: dict, peer: Peer) -> dict:
         """Create the instances of one container: `name` on each of `gpus`.
@@ -650,8 +661,16 @@ async def serve(path: str, control: Control, after=_nothing, *, task_status=trio
                 else:
                     resp = control.handle(req, peer)
                     await after()
+                if isinstance(resp.get("result"), Streamed):
+                    parts = ['{"ok": true, "result": ']
+                    for piece in resp["result"].pieces:
+                        parts.append(piece)
+                        await trio.sleep(0)  # the schedulers run between pieces
+                    data = ("".join(parts) + "}\n").encode()
+                else:
+                    data = json.dumps(resp).encode() + b"\n"
                 try:
-                    await stream.send_all(json.dumps(resp).encode() + b"\n")
+                    await stream.send_all(data)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
             if len(buf) > MAX_LINE:

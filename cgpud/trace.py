@@ -19,9 +19,11 @@ or a holder that was idle) and `idle` (nobody to run at all).
 from __future__ import annotations
 
 import html
+import itertools
+import json
 import math
 import time
-from typing import Iterable, Sequence
+from typing import Iterator, Sequence
 
 from .sched.telemetry import HISTORY_SECONDS as HORIZON, SliceRecord  # HORIZON: seconds of slices kept
 
@@ -30,42 +32,77 @@ POLICY_NAMES = ("fair", "preemptive", "weighted", "fixed", "weak", "native")
 
 
 # ---- daemon side ---------------------------------------------------------------
+#
+# The daemon answers `trace` on the thread that also runs the schedulers, and
+# 60 s of 10 ms slices are 6000 records: `collect` only takes a snapshot (a
+# copy of the ring's tail: immutable records), and `encode` turns it into JSON
+# text a chunk at a time, so the control socket can let the schedulers run
+# between chunks (control.Streamed).
 
 
-def collect(gpu, records: Iterable[SliceRecord], decision, now: float, seconds: float,
+def collect(gpu, records: Sequence[SliceRecord], decision, now: float, seconds: float,
             slice_len: float | None = None) -> dict:
     """One GPU's slices that end after `now - seconds`, oldest first, the one in
-    force last (it runs from the end of the last record until `now`).
-
-    `gpu` is the model's Gpu (policy and instances as they are now). Each slice
-    is `[start, end, kind, running, active, waiting]`, the last three lists of
-    indices into `names`."""
+    force last (it runs from the end of the last record until `now`), and
+    what the GPU is now. Cheap: no record is looked into but the window's edge.
+    `gpu` is the model's Gpu."""
     since = now - seconds
-    recs = [r for r in records if r.end > since]
+    inside = 0
+    for r in reversed(records):  # (a deque: indexing its middle is not O(1))
+        if r.end <= since:
+            break
+        inside += 1
+    recs = list(itertools.islice(records, len(records) - inside, None))
     if decision is not None:
         start = recs[-1].end if recs else max(since, decision.start)
         if now > start:
             recs.append(SliceRecord(gpu.index, decision.running, start, now, decision.kind.value,
                                     decision.active, decision.considered - decision.running))
-    names: dict[str, int] = {n: k for k, n in enumerate(gpu.instances)}
-
-    def idx(ns: frozenset[str]) -> list[int]:
-        for n in sorted(ns):
-            names.setdefault(n, len(names))
-        return sorted(names[n] for n in ns)
-
-    slices = [[r.start, r.end, r.kind, idx(r.names), idx(r.active), idx(r.waiting)] for r in recs]
     return {
-        "gpu": gpu.index,
-        "policy": gpu.policy,
-        "max_inst": gpu.max_inst,
-        "slice": slice_len,
-        "now": now,
-        "since": since,
-        "instances": [{"name": i.name, "weight": i.weight, "highprio": i.highprio} for i in gpu.instances.values()],
-        "names": list(names),
-        "slices": slices,
+        "head": {
+            "gpu": gpu.index,
+            "policy": gpu.policy,
+            "max_inst": gpu.max_inst,
+            "slice": slice_len,
+            "now": now,
+            "since": since,
+            "instances": [{"name": i.name, "weight": i.weight, "highprio": i.highprio}
+                          for i in gpu.instances.values()],
+        },
+        "records": recs,
     }
+
+
+def encode(gpus: Sequence[dict], seconds: float, wall: float, chunk: int = 256) -> Iterator[str]:
+    """The `trace` answer as JSON text, in pieces of about `chunk` slices:
+
+    {"seconds", "wall", "gpus": [{...head, "names": [...], "slices": [[start,
+    end, kind, running, active, waiting], ...]}]} — start and end in whole
+    microseconds of the daemon's clock (integers: a tenth of the cost of
+    floats to print), running/active/waiting as indices into names (the GPU's
+    instances first, then any that are gone)."""
+    yield f'{{"seconds": {json.dumps(seconds)}, "wall": {json.dumps(wall)}, "gpus": ['
+    for n, g in enumerate(gpus):
+        recs = g["records"]
+        names = {i["name"]: k for k, i in enumerate(g["head"]["instances"])}
+        for ns in {x for r in recs for x in (r.names, r.active, r.waiting)}:
+            for name in sorted(ns):
+                names.setdefault(name, len(names))
+        sets: dict[frozenset, str] = {}
+
+        def ix(ns: frozenset) -> str:
+            text = sets.get(ns)
+            if text is None:
+                text = sets[ns] = "[" + ",".join(str(k) for k in sorted(names[x] for x in ns)) + "]"
+            return text
+
+        yield (", " if n else "") + json.dumps(g["head"])[:-1] + f', "names": {json.dumps(list(names))}, "slices": ['
+        for k in range(0, len(recs), chunk):
+            yield ("," if k else "") + ",".join(
+                f'[{round(r.start * 1e6)},{round(r.end * 1e6)},"{r.kind}",{ix(r.names)},{ix(r.active)},{ix(r.waiting)}]'
+                for r in recs[k:k + chunk])
+        yield "]}"
+    yield "]}"
 
 
 # ---- client side -----------------------------------------------------------------
@@ -110,11 +147,16 @@ def totals(lane: Sequence[Sequence]) -> dict[str, float]:
     return t
 
 
+def seconds_of(g: dict) -> dict:
+    """A GPU of the `trace` answer with its slices' times in seconds."""
+    return {**g, "slices": [[s / 1e6, e / 1e6, *rest] for s, e, *rest in g["slices"]]}
+
+
 def summary(result: dict) -> dict:
     """What `cgpu trace --json` prints: per GPU the raw slices (as the daemon
-    logged them), the lanes drawn from them and each lane's totals."""
+    logged them, times in seconds), the lanes drawn from them and each lane's totals."""
     gpus = []
-    for g in result["gpus"]:
+    for g in map(seconds_of, result["gpus"]):
         ln = lanes(g)
         gpus.append({
             **g,

@@ -164,6 +164,7 @@ def test_lanes_states_clipping_and_merging():
 def test_svg_bars_are_where_their_intervals_say():
     g = _trace([[6.0, 7.0, "slot", [0], [0], [1]], [7.0, 9.0, "slot", [1], [1], [0]],
                 [9.0, 10.0, "slot", [2], [], [0, 1]]], [A, B, C])
+    g["slices"] = [[round(s * 1e6), round(e * 1e6), *rest] for s, e, *rest in g["slices"]]  # as on the socket
     doc = ET.fromstring(svg(trace_summary({"seconds": 4.0, "wall": 0.0, "gpus": [g]})))
     ns = {"s": "http://www.w3.org/2000/svg"}
     panel = doc.find("s:g", ns)
@@ -180,3 +181,42 @@ def test_svg_bars_are_where_their_intervals_say():
     assert seen[C] == [(-1.0, 0.0, "held")] and seen["gpu"] == [(-1.0, 0.0, "waste")]
     texts = "".join(doc.itertext())
     assert "policy 2 (weighted)" in texts and f"{B} w1" in texts and "-4 s" in texts
+
+
+def test_collect_and_encode_the_ring_in_pieces():
+    """The daemon side of `trace`: a snapshot of the window, the decision in
+    force appended, JSON text in pieces that parse back whole."""
+    import json
+    from collections import deque
+
+    from cgpud.model import GpuInfo, Node
+    from cgpud.trace import collect, encode
+
+    node = Node([GpuInfo(0, "GPU-x", "T4", T4)])
+    node.create_instance(0, A, memsize=GiB)
+    node.create_instance(0, B, memsize=GiB, weight=2)
+    tel = Telemetry(0)
+    t = 100.0
+    for k in range(6):  # A, B, B, A, B, B ... and one by C, gone since
+        who = A if k % 3 == 0 else B
+        tel.record(_dec({who}, {who}, {A, B}, t, t + 0.01), t, t + 0.01)
+        t += 0.01
+    tel.record(_dec({C}, set(), {A}, t, t + 0.01), t, t + 0.01)
+    t += 0.01
+    in_force = _dec({A}, {A}, {A, B}, t, t + 0.01)
+    snap = collect(node.gpu(0), tel.recent, in_force, t + 0.004, 0.0435, 0.01)  # from 100.0305
+    assert [r.start for r in snap["records"]] == pytest.approx([100.03, 100.04, 100.05, 100.06, 100.07])
+    assert snap["head"]["policy"] == 0 and [i["weight"] for i in snap["head"]["instances"]] == [1, 2]
+    pieces = list(encode([snap], 0.0435, 1234.5, chunk=2))
+    assert len(pieces) > 4  # head, 3 chunks of slices, tails
+    got = json.loads("".join(pieces))
+    assert got["seconds"] == 0.0435 and got["wall"] == 1234.5
+    [g] = got["gpus"]
+    assert g["names"] == [A, B, C] and g["now"] == pytest.approx(100.074) and g["since"] == pytest.approx(100.0305)
+    assert g["slices"] == [
+        [100030000, 100040000, "slot", [0], [0], [1]],
+        [100040000, 100050000, "slot", [1], [1], [0]],
+        [100050000, 100060000, "slot", [1], [1], [0]],
+        [100060000, 100070000, "slot", [2], [], [0]],
+        [100070000, 100074000, "slot", [0], [0], [1]],  # in force: open up to now
+    ]
