@@ -41,10 +41,15 @@ def test_svg_matches_the_slices_and_shows_the_weights(daemon, tmp_path):
     daemon.write("0/policy", "2")
     daemon.create(0, IDLE)  # weight 1, no process: it holds its slice, the GPU's time goes unused
     env = dict(os.environ, CGPUD_SOCKET=str(daemon.socket))
-    jobs = [subprocess.Popen([CGPU, "run", "--name", name, "--weight", w, "--", CGPU, "workload", "--seconds", "5"],
+    jobs = [subprocess.Popen([CGPU, "run", "--name", name, "--weight", w, "--", CGPU, "workload", "--seconds", "20"],
                              env=env, stdout=subprocess.DEVNULL) for name, w in ((ONE, "1"), (TWO, "2"))]
     try:
-        time.sleep(3.0)  # both started (start-up under load included) and running for a while
+        with Client(str(daemon.socket)) as c:  # both running (start-up under load included) ...
+            deadline = time.monotonic() + 20
+            while not all(c.call("stats")[0]["instances"].get(n, {}).get("granted_seconds", 0) > 0 for n in (ONE, TWO)):
+                assert time.monotonic() < deadline, "the workloads did not start"
+                time.sleep(0.05)
+        time.sleep(2.2)  # ... for the whole window
         out = tmp_path / "trace.svg"
         r = subprocess.run([CGPU, "trace", "--seconds", "2", "--gpu", "0", "-o", str(out), "--json"],
                            env=env, capture_output=True, text=True, timeout=30)
@@ -53,6 +58,7 @@ def test_svg_matches_the_slices_and_shows_the_weights(daemon, tmp_path):
             later = c.call("trace", seconds=10, gpu=0)
     finally:
         for j in jobs:
+            j.terminate()  # cgpu run passes SIGTERM on to the workload
             j.wait(30)
 
     summ = json.loads(r.stdout)
