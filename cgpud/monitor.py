@@ -26,7 +26,7 @@ import os
 import time
 from typing import Iterable, Mapping, Sequence
 
-from .sched.policies import FAIR, FIXED, NATIVE, POLICY_NAMES, PREEMPTIVE, WEAK, WEIGHTED
+from .sched.policies import FAIR, FIXED, NATIVE, POLICY_NAMES, WEIGHTED
 
 GiB = 1 << 30
 SCHEMA = 1  # cgpu-smi --json: bumped only if a key changes meaning or goes away
@@ -51,7 +51,7 @@ def compute_limits(policy: int, max_inst: int, prio_ratio: int,
             share = w / max_inst
         elif policy == WEIGHTED:
             share = w / total_n
-        else:  # PREEMPTIVE, WEAK
+        else:  # preemptive, weak
             share = 1 / len(normal)
         out[n] = (1 - f_hp) * min(1.0, share)
     total_h = sum(w for _, w in hp)

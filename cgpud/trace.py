@@ -25,10 +25,10 @@ import math
 import time
 from typing import Iterator, Sequence
 
+from .sched.policies import POLICY_NAMES
 from .sched.telemetry import HISTORY_SECONDS as HORIZON, SliceRecord  # HORIZON: seconds of slices kept
 
 STATES = ("run", "held", "frozen")
-POLICY_NAMES = ("fair", "preemptive", "weighted", "fixed", "weak", "native")
 
 
 # ---- daemon side ---------------------------------------------------------------

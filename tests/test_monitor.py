@@ -187,7 +187,6 @@ def test_collect_and_encode_the_ring_in_pieces():
     """The daemon side of `trace`: a snapshot of the window, the decision in
     force appended, JSON text in pieces that parse back whole."""
     import json
-    from collections import deque
 
     from cgpud.model import GpuInfo, Node
     from cgpud.trace import collect, encode
