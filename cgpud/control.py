@@ -77,6 +77,29 @@ class Held:
     nbytes: int
 
 
+class Streamed:
+    """A result given as JSON text in pieces (a large answer: `trace`): the
+    server sends it whole, but lets the schedulers run between pieces."""
+
+    def __init__(self, pieces: Iterator[str]) -> None:
+        self.pieces = pieces
+
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+async def encoded(resp: dict) -> bytes:
+    """A response as its line; a Streamed result a piece at a time, the
+    schedulers running in between."""
+    if not isinstance(resp.get("result"), Streamed):
+        return json.dumps(resp).encode() + b"\n"
+    parts = ['{"ok": true, "result": ']
+    for piece in resp["result"].pieces:
+        parts.append(piece)
+        await trio.sleep(0)
+    return ("".join(parts) + "}\n").encode()
+
+
 def _cgroup_mounts() -> list[tuple[str, str, str, set[str]]]:
     """(mount point, root inside the hierarchy, fstype, super options) per cgroup mount."""
     out = []
@@ -126,17 +149,6 @@ def _proc_cgroups(pid: int) -> dict[str, str]:
 
 def _contains(group: str, path: str) -> bool:
     return path == group or path.startswith(group.rstrip("/") + "/")
-
-
-class Streamed:
-    """A result given as JSON text in pieces (a large answer: `trace`): the
-    server sends it whole, but lets the schedulers run between pieces."""
-
-    def __init__(self, pieces: Iterator[str]) -> None:
-        self.pieces = pieces
-
-    def text(self) -> str:
-        return "".join(self.pieces)
 
 
 def peer_of(sock: socket.socket) -> Peer:
@@ -661,16 +673,8 @@ async def serve(path: str, control: Control, after=_nothing, *, task_status=trio
                 else:
                     resp = control.handle(req, peer)
                     await after()
-                if isinstance(resp.get("result"), Streamed):
-                    parts = ['{"ok": true, "result": ']
-                    for piece in resp["result"].pieces:
-                        parts.append(piece)
-                        await trio.sleep(0)  # the schedulers run between pieces
-                    data = ("".join(parts) + "}\n").encode()
-                else:
-                    data = json.dumps(resp).encode() + b"\n"
                 try:
-                    await stream.send_all(data)
+                    await stream.send_all(await encoded(resp))
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
             if len(buf) > MAX_LINE:
