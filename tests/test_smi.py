@@ -117,11 +117,16 @@ def test_loop_refreshes_until_interrupted(known):
     d, _ = known
     env = dict(os.environ, CGPUD_SOCKET=str(d.socket))
     p = subprocess.Popen([SMI, "-l", "0.2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    seen = 0
+    deadline = time.monotonic() + 30
+    while seen < 3 and time.monotonic() < deadline:  # three tables, however slow the start under load
+        line = p.stdout.readline()
+        assert line, f"cgpu-smi -l stopped: {p.stderr.read()}"
+        seen += "CGPU-SMI" in line
+    assert seen == 3
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=10)
     assert p.returncode == 130 and "Traceback" not in err
-    assert out.count("CGPU-SMI") >= 3
 
 
 def test_no_daemon_is_one_clear_line(tmp_path):
