@@ -114,11 +114,14 @@ def test_svg_matches_the_slices_and_shows_the_weights(daemon, tmp_path):
 
 
 def test_trace_op_is_open_to_everyone_and_refuses_bad_arguments(daemon):
-    script = ("import json, socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
-              "s.sendall(b'{\"op\": \"trace\", \"seconds\": 1}\\n'); print(s.makefile().readline())")
+    """What cgpu-smi, inspect and trace ask (query, stats, trace) a plain user may ask."""
+    script = ("import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); f = s.makefile(); "
+              "s.sendall(b'{\"op\": \"trace\", \"seconds\": 1}\\n{\"op\": \"stats\"}\\n{\"op\": \"query\"}\\n'); "
+              "[print(f.readline(), end='') for _ in range(3)]")
     r = as_nobody([nobody_python(), "-c", script, str(daemon.socket)])
-    resp = json.loads(r.stdout)
-    assert resp["ok"] and resp["result"]["gpus"][0]["gpu"] == 0, r
+    trace, stats, query = (json.loads(x) for x in r.stdout.splitlines())
+    assert trace["ok"] and trace["result"]["gpus"][0]["gpu"] == 0, r
+    assert stats["ok"] and query["ok"] and query["result"]["gpus"][0]["name"] == "Tesla T4", r
     with Client(str(daemon.socket)) as c:
         for args in ({"seconds": 0}, {"seconds": 61}, {"seconds": "5"}, {"seconds": 1, "gpu": 3},
                      {"seconds": 1, "gpu": -1}):
