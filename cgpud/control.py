@@ -21,8 +21,9 @@ import logging
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import trio
 
@@ -74,6 +75,29 @@ class Held:
     gpu: int
     name: str
     nbytes: int
+
+
+class Streamed:
+    """A result given as JSON text in pieces (a large answer: `trace`): the
+    server sends it whole, but lets the schedulers run between pieces."""
+
+    def __init__(self, pieces: Iterator[str]) -> None:
+        self.pieces = pieces
+
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+async def encoded(resp: dict) -> bytes:
+    """A response as its line; a Streamed result a piece at a time, the
+    schedulers running in between."""
+    if not isinstance(resp.get("result"), Streamed):
+        return json.dumps(resp).encode() + b"\n"
+    parts = ['{"ok": true, "result": ']
+    for piece in resp["result"].pieces:
+        parts.append(piece)
+        await trio.sleep(0)
+    return ("".join(parts) + "}\n").encode()
 
 
 def _cgroup_mounts() -> list[tuple[str, str, str, set[str]]]:
@@ -187,6 +211,7 @@ class Control:
     ) -> None:
         self.durable = durable
         self._stats = stats
+        self.tracer: Callable[[float, int | None], list[dict]] | None = None  # Scheduling.trace (trace.collect)
         self.strategy, self.mode = strategy, mode  # placement: how the container hook picks GPUs
         self.devices = devices or []
         self.admin_gid = admin_gid
@@ -207,6 +232,7 @@ class Control:
             "hello": (False, self.hello),
             "query": (False, self.query),
             "stats": (False, self.stats),
+            "trace": (False, self.trace),
             "register": (True, self.register),
             "deregister": (True, self.deregister),
             # open to all; each acts only on the caller's own instance
@@ -258,6 +284,22 @@ class Control:
     def stats(self, req: dict, peer: Peer) -> list[dict]:
         """The scheduler's telemetry per GPU (empty when it does not run)."""
         return self._stats() if self._stats else []
+
+    def trace(self, req: dict, peer: Peer) -> dict:
+        """The slices of the last `seconds` (default 10, at most the ring's
+        60 s), of every GPU or of `gpu`: who had each GPU when (cgpu trace)."""
+        from .trace import HORIZON, encode
+
+        seconds = _arg(req, "seconds", (int, float), 10.0)
+        if not 0 < seconds <= HORIZON:
+            raise Refused(errno.EINVAL, f"seconds must be more than 0 and at most {HORIZON:g} "
+                                        f"(the daemon keeps the last {HORIZON:g} s of slices), not {seconds}")
+        gpu = self._gpu_arg(req)
+        if gpu is not None and gpu >= len(self.node.gpus):
+            raise Refused(errno.EINVAL, f"no GPU {gpu} on this node (it has {len(self.node.gpus)})")
+        if self.tracer is None:
+            raise Refused(errno.EOPNOTSUPP, "this daemon runs no scheduler: there are no slices to show")
+        return Streamed(encode(self.tracer(float(seconds), gpu), seconds, time.time()))
 
     def register(self, req: dict, peer: Peer) -> dict:
         """Create the instances of one container: `name` on each of `gpus`.
@@ -632,7 +674,7 @@ async def serve(path: str, control: Control, after=_nothing, *, task_status=trio
                     resp = control.handle(req, peer)
                     await after()
                 try:
-                    await stream.send_all(json.dumps(resp).encode() + b"\n")
+                    await stream.send_all(await encoded(resp))
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
             if len(buf) > MAX_LINE:

@@ -190,6 +190,7 @@ async def _serve(cfg: Config) -> None:
                 ctl = control.Control(durable, gid, groups, devices=devices,
                                       stats=sched.stats if sched is not None else None,
                                       strategy=cfg.placement, mode=cfg.mode)
+                ctl.tracer = sched.trace if sched is not None else None
                 try:
                     await nursery.start(control.serve, cfg.socket, ctl, ops.refresh)
                 except OSError as exc:

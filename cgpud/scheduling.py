@@ -119,6 +119,15 @@ class Scheduling:
             })
         return out
 
+    def trace(self, seconds: float, gpu: int | None = None) -> list[dict]:
+        """Each GPU's (or one GPU's) slices over the last `seconds`, for
+        `cgpu trace` (cgpud.trace.collect; times on trio's clock)."""
+        from .trace import collect
+
+        now = trio.current_time()
+        return [collect(self.node.gpu(s.gpu), s.telemetry.recent, s.decision, now, seconds, s.params.slice)
+                for s in self.schedulers if gpu is None or s.gpu == gpu]
+
     # ---- service ------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -502,7 +502,9 @@ def test_two_gpus_two_loops_and_published_stats():
         assert p0.instances[B].share_10s == pytest.approx(0.75, abs=2e-3)
         with pytest.raises(TypeError):
             p0.instances["x"] = None  # read-only for the collector thread
-        assert len(p0.recent) == 1024 and all(r.gpu == 0 for r in p0.recent)
+        # the ring keeps the last 60 s: all 12 s of this run, slice after slice
+        assert p0.recent[0].start == pytest.approx(p0.started) and all(r.gpu == 0 for r in p0.recent)
+        assert all(b.start == pytest.approx(a.end) for a, b in zip(p0.recent, p0.recent[1:]))
         assert p0.recent[-1].end <= p0.time + 1e-9
         assert all(r.end >= r.start for r in p0.recent)
 

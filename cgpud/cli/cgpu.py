@@ -273,3 +273,67 @@ def hook(ctx: Ctx, stage, rest) -> None:
     from ..hook import main as hook_main
 
     sys.exit(hook_main(stage, sys.stdin, ctx.socket))
+
+
+# ---- monitoring (docs/monitoring.md) ---------------------------------------------
+
+
+def _ask(ctx: Ctx, op: str, **args):
+    """One read-only request; a missing daemon or a refusal is one line."""
+    with ctx.client() as c:
+        try:
+            return c.call(op, **args)
+        except DaemonUnavailable as exc:
+            raise click.ClickException(str(exc)) from None
+        except ControlError as exc:
+            raise click.ClickException(f"{exc} ({exc.error})") from None
+
+
+@main.command()
+@click.option("-d", "--details", is_flag=True, help="Per instance: its GiB on each GPU.")
+@click.option("--json", "as_json", is_flag=True, help="Print the allocation as JSON.")
+@pass_ctx
+def inspect(ctx: Ctx, details, as_json) -> None:
+    """The node's GPU memory allocation, like `kubectl inspect cgpu`:
+    allocated/total GiB per GPU and for the node."""
+    import socket as _socket
+
+    from ..inspect import allocation, detail, primary_ipv4, summary
+
+    node = allocation(_ask(ctx, "query"), _socket.gethostname(), primary_ipv4())
+    if as_json:
+        click.echo(json.dumps(node, indent=2))
+    else:
+        click.echo(detail([node]) if details else summary([node]))
+
+
+@main.command()
+@click.option("--seconds", type=float, default=10.0, show_default=True,
+              help="How far back (at most 60: the daemon keeps the last 60 s of slices).")
+@click.option("--gpu", type=int, default=None, help="Only this GPU (default: every GPU).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write the timeline picture here (SVG).")
+@click.option("--json", "as_json", is_flag=True, help="Print the slices and each instance's intervals as JSON.")
+@pass_ctx
+def trace(ctx: Ctx, seconds, gpu, output, as_json) -> None:
+    """A timeline of who had each GPU when over the last SECONDS: one lane per
+    instance (ran / held its slot idle / frozen waiting), the GPU's unused time,
+    the policy. Give -o FILE.svg, --json, or both (from the same slices)."""
+    from ..trace import summary as trace_summary, svg
+
+    if output is None and not as_json:
+        raise click.UsageError("give -o FILE.svg for the picture, or --json for the intervals")
+    summ = trace_summary(_ask(ctx, "trace", seconds=seconds, gpu=gpu))
+    if output is not None:
+        try:
+            with open(output, "w") as f:
+                f.write(svg(summ))
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {output}: {exc.strerror}") from None
+    if as_json:
+        click.echo(json.dumps(summ))
+    else:
+        for g in summ["gpus"]:
+            ran = ", ".join(f"{n} {t['run']:.2f} s" for n, t in g["totals"].items() if t["run"] > 0) or "nobody ran"
+            click.echo(f"GPU {g['gpu']} (policy {g['policy']}): {len(g['slices'])} slices; {ran}")
+        click.echo(f"wrote {output}")

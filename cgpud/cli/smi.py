@@ -1,88 +1,130 @@
-"""`cgpu-smi`: per GPU and per instance, what is given and what is used."""
+"""`cgpu-smi`: per GPU and per instance, what is given and what is used,
+laid out like `nvidia-smi` (docs/monitoring.md)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import click
 
 from .. import __version__
-from ..client import Client, DaemonUnavailable
+from ..client import Client, ControlError, DaemonUnavailable
+from ..monitor import node_view
 
-POLICY_NAMES = {0: "fair", 1: "preemptive", 2: "weighted", 3: "fixed", 4: "weak", 5: "native"}
 MIB = 1 << 20
+W = 79  # the width of nvidia-smi's classic table
+COLS = (31, 22, 22)  # the three cells of a GPU's box
 
 
-def limit_text(g: dict, i: dict) -> str:
-    """The configured compute limit of an instance under its GPU's policy."""
-    policy, max_inst = g["policy"], g["max_inst"]
-    if i["highprio"]:
-        return f"<= {g['prio_ratio']}% (high)"
-    if policy == 0:
-        return f"{100 / max_inst:.1f}%"
-    if policy == 3:
-        return f"{100 * i['weight'] / max_inst:.1f}%"
-    if policy == 2:
-        total = sum(x["weight"] for x in g["instances"] if not x["highprio"]) or 1
-        return f"{100 * i['weight'] / total:.1f}%"
-    if policy == 5:
-        return "none"
-    return "shared"
+def _mib(n: int) -> str:
+    return f"{n // MIB}MiB"
 
 
-def render(snap: dict, stats: list[dict] | None = None) -> str:
-    """The node as a table; `stats` (the scheduler's telemetry) adds each
-    instance's achieved share of its GPU over the last second."""
-    util = {(st["gpu"], n): i["share_1s"] for st in stats or [] for n, i in st["instances"].items()}
-    out = [f"cgpu-smi {__version__}   cgpud {snap['version']}   {time.strftime('%a %b %d %H:%M:%S %Y')}"]
-    bar = "+" + "-" * 78 + "+"
-    for g in snap["gpus"]:
-        alloc = sum(i["memsize"] for i in g["instances"])
-        used = sum(i["used"] for i in g["instances"])
-        out.append(bar)
-        out.append(f"| GPU {g['index']}  {g['name']:<28} {g['uuid']}".ljust(79)[:79] + "|")
-        out.append(
-            f"| policy {g['policy']} ({POLICY_NAMES[g['policy']]}) max_inst {g['max_inst']} free_weight "
-            f"{g['free_weight']} prio_ratio {g['prio_ratio']}%".ljust(79) + "|"
-        )
-        out.append(
-            f"| memory: {used // MIB} MiB used, {alloc // MIB} MiB allocated of {g['memory'] // MIB} MiB".ljust(79) + "|"
-        )
-        out.append(bar)
-        out.append("| CONTAINER     ID  WEIGHT  LIMIT           UTIL  MEM USED  MEM ALLOCATED  PROCS |")
+def _pct(x: float | None, digits: int = 0) -> str:
+    return "N/A" if x is None else f"{x * 100:.{digits}f}%"
+
+
+def _line(text: str) -> str:
+    """One full-width row: `| text |`, cut to fit."""
+    return "| " + text[: W - 4].ljust(W - 4) + " |"
+
+
+def _cells(*texts: str) -> str:
+    """One row of the three-cell GPU box."""
+    return "|" + "|".join(" " + t[: w - 2].ljust(w - 2) + " " for t, w in zip(texts, COLS)) + "|"
+
+
+RULE = "+" + "-" * (W - 2) + "+"
+CELL_RULE = "+" + "+".join("-" * w for w in COLS) + "+"
+HEAVY = "|" + "=" * (W - 2) + "|"
+CELL_HEAVY = "|" + "+".join("=" * w for w in COLS) + "|"
+
+INST_HEAD = (f"{'GPU':>3}  {'Container':<12}  {'ID':>3}  {'Weight':>6}  {'Prio':>4}  {'Limit':>7}  {'Util':>5}"
+             f"  {'Memory-Usage':>19}")
+PROC_HEAD = f"{'GPU':>3}  {'Container':<12}  {'PID':>8}  {'Process name':<34}  {'GPU Memory':>10}"
+NAME_W = 34
+
+
+def render(view: dict) -> str:
+    """The node view (`cgpud.monitor.node_view`) as nvidia-smi-like tables:
+    one box per GPU, then its instances, then their processes."""
+    out = [time.strftime("%a %b %d %H:%M:%S %Y"), RULE,
+           _line(f"CGPU-SMI {__version__:<10} cgpud {view['cgpud'] or '?':<10} "
+                 f"Mode: {view['mode'] or '?':<9} Placement: {view['strategy'] or '?'}"),
+           "|" + "+".join("-" * w for w in COLS) + "|",
+           _cells("GPU  Name", "Memory-Usage", "GPU-Util   Inst/Max"),
+           _cells("     Policy       Prio-Ratio", "Memory-Allocated", "Free-Weight"),
+           CELL_HEAVY]
+    for g in view["gpus"]:
+        mem = g["memory"]
+        total = _mib(mem["total"])
+        out.append(_cells(f"{g['index']:>3}  {g['name']}",
+                          f"{_mib(mem['used']):>9} / {total}",
+                          f"{_pct(g['util']):>8}   {len(g['instances']):>3}/{g['max_inst']}"))
+        out.append(_cells(f"     {g['policy']} ({g['policy_name']})".ljust(23) + f"{g['prio_ratio']:>3}%",
+                          f"{_mib(mem['allocated']):>9} / {total}",
+                          f"{g['free_weight']:>11}"))
+        out.append(CELL_RULE)
+    out += ["", RULE, _line("Instances:"), _line(INST_HEAD), HEAVY]
+    any_inst = False
+    for g in view["gpus"]:
         for i in g["instances"]:
-            u = util.get((g["index"], i["name"]))
-            out.append(
-                f"| {i['name']:<12} {i['id']:>3}  {i['weight']:>6}  {limit_text(g, i):<14} "
-                f"{'-' if u is None else f'{u * 100:.0f}%':>4} {i['used'] // MIB:>6} MiB {i['memsize'] // MIB:>10} MiB "
-                f"{len(i['procs']):>5} |"
-            )
-        if not g["instances"]:
-            out.append("| (no instances)".ljust(79) + "|")
-    out.append(bar)
+            any_inst = True
+            usage = f"{_mib(i['memory']['used'])} / {_mib(i['memory']['allocated'])}"
+            limit = _pct(i["limit"], 1) if i["limit"] is not None else "none"
+            out.append(_line(
+                f"{g['index']:>3}  {i['container']:<12}  {i['id']:>3}  {i['weight']:>6}  "
+                f"{'high' if i['highprio'] else '-':>4}  {limit:>7}  {_pct(i['util']):>5}  {usage:>19}"))
+    if not any_inst:
+        out.append(_line("No instances"))
+    out += [RULE, "", RULE, _line("Processes:"), _line(PROC_HEAD), HEAVY]
+    any_proc = False
+    for g in view["gpus"]:
+        for i in g["instances"]:
+            for p in i["processes"]:
+                any_proc = True
+                name = p.get("name", "-")
+                if len(name) > NAME_W:
+                    name = "..." + name[3 - NAME_W:]
+                out.append(_line(f"{g['index']:>3}  {i['container']:<12}  {p['pid']:>8}  {name:<{NAME_W}}  "
+                                 f"{_mib(p['memory']):>10}"))
+    if not any_proc:
+        out.append(_line("No processes hold GPU memory"))
+    out.append(RULE)
     return "\n".join(out)
+
+
+def fetch(socket: str | None) -> dict:
+    """The node view, from one connection (query, then the scheduler's stats)."""
+    with Client(socket) as c:
+        snap = c.call("query")
+        stats = c.call("stats")
+    return node_view(snap, stats)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="cgpu-smi")
 @click.option("--socket", envvar="CGPUD_SOCKET", default=None, help="The daemon's control socket.")
-@click.option("-l", "--loop", "interval", type=float, default=None, help="Refresh every SECONDS.")
-@click.option("--json", "as_json", is_flag=True, help="Print the node as JSON.")
+@click.option("-l", "--loop", "interval", type=click.FloatRange(min=0.1), default=None,
+              help="Refresh every SECONDS (at least 0.1) until interrupted.")
+@click.option("--json", "as_json", is_flag=True, help="Print the node as JSON (docs/monitoring.md).")
 def main(socket: str | None, interval: float | None, as_json: bool) -> None:
-    """Show the GPUs of this node and their instances."""
-    while True:
-        try:
-            with Client(socket) as c:
-                snap = c.call("query")
-                stats = c.call("stats")
-        except DaemonUnavailable as exc:
-            raise click.ClickException(str(exc)) from None
-        if as_json:
-            util = {(st["gpu"], n): i["share_1s"] for st in stats for n, i in st["instances"].items()}
-            for g in snap["gpus"]:
-                for i in g["instances"]:
-                    i["util"] = util.get((g["index"], i["name"]))
-        click.echo(json.dumps(snap, indent=2) if as_json else render(snap, stats))
-        if interval is None:
-            return
-        time.sleep(interval)
+    """Show the GPUs of this node, their instances and the processes holding GPU memory."""
+    try:
+        while True:
+            try:
+                view = fetch(socket)
+            except DaemonUnavailable as exc:
+                raise click.ClickException(str(exc)) from None
+            except ControlError as exc:
+                raise click.ClickException(f"cgpud refused: {exc}") from None
+            text = json.dumps(view, indent=2) if as_json else render(view)
+            if interval is not None and not as_json and sys.stdout.isatty():
+                click.echo("\033[H\033[2J", nl=False)  # clear the screen, as watch(1) does
+            click.echo(text)
+            if interval is None:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -15,8 +15,10 @@ to another thread (the metrics HTTP server reads it, never the live object).
   changed. freezes / thaws: enforcement calls actually made.
 - lateness: actual wake-up minus the planned boundary, per timed boundary
   (recent samples kept, plus count, sum and max over the whole run).
-- recent: the last slices (gpu, names allowed, start, end, kind), for a
-  timeline picture.
+- recent: the last slices (gpu, names allowed, start, end, kind, and who
+  was active and who waited), for the timeline picture of `cgpu trace`: a
+  ring bounded both by time (the last `history_seconds`, 60 s) and by count
+  (`history` records, 8192: 81 s of 10 ms slices), whichever is shorter.
 """
 from __future__ import annotations
 
@@ -29,15 +31,18 @@ from typing import Iterable, Mapping
 from .policies import Decision
 
 SHARE_WINDOWS = (1.0, 10.0)
+HISTORY_SECONDS = 60.0  # the ring of recent slices keeps this long (cgpu trace)
 
 
 @dataclass(frozen=True)
 class SliceRecord:
     gpu: int
-    names: frozenset[str]
+    names: frozenset[str]  # allowed to run (a ring slot: its holder, busy or not)
     start: float
     end: float
     kind: str
+    active: frozenset[str] = frozenset()  # of `names`, the ones that had work: really given the GPU
+    waiting: frozenset[str] = frozenset()  # had work but were not allowed: held frozen
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,8 @@ class Telemetry:
     slice: share_1s covers the latest mark at least 1 s back (1 s to
     1 s + tick), or everything since the start when that is shorter."""
 
-    def __init__(self, gpu: int, *, lateness_samples: int = 4096, history: int = 1024, tick: float = 0.1) -> None:
+    def __init__(self, gpu: int, *, lateness_samples: int = 4096, history: int = 8192,
+                 history_seconds: float = HISTORY_SECONDS, tick: float = 0.1) -> None:
         self.gpu = gpu
         self.started: float | None = None
         self.slices = 0
@@ -92,6 +98,7 @@ class Telemetry:
         self.lateness_sum = 0.0
         self.lateness_max = 0.0
         self.recent: deque[SliceRecord] = deque(maxlen=history)
+        self.history_seconds = history_seconds
         self.tick = tick
         self._granted: dict[str, float] = {}
         self._marks: deque[tuple[float, dict[str, float]]] = deque(
@@ -154,9 +161,14 @@ class Telemetry:
         self._last_end = max(self._last_end, end)
         last = self.recent[-1] if self.recent else None
         if tail and last is not None and last.end == start and last.names == decision.running:
-            self.recent[-1] = SliceRecord(self.gpu, last.names, last.start, end, last.kind)
+            self.recent[-1] = SliceRecord(self.gpu, last.names, last.start, end, last.kind, last.active, last.waiting)
         else:
-            self.recent.append(SliceRecord(self.gpu, decision.running, start, end, decision.kind.value))
+            recent = self.recent
+            recent.append(SliceRecord(self.gpu, decision.running, start, end, decision.kind.value,
+                                      decision.active, decision.considered - decision.running))
+            horizon = end - self.history_seconds
+            while recent[0].end < horizon:
+                recent.popleft()
 
     def granted(self, name: str) -> float:
         return self._granted.get(name, 0.0)
