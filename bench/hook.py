@@ -144,6 +144,25 @@ def bench_runc(d, base: str, rounds: int) -> None:
             one.append(time.perf_counter() - t0)
         print(f"one hook process ({FORMS[form]}), no GPU variables: p50 {ms(pct(one, 50))}  p99 {ms(pct(one, 99))}")
 
+    # one managed container's two hook processes alone, against a container started without hooks
+    cid = secrets.token_hex(32)
+    subprocess.run(runc("run", "-d", "--bundle", bundles["no hook"], cid), stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    try:
+        pid = json.loads(subprocess.run(runc("state", cid), capture_output=True, check=True).stdout)["pid"]
+        env = {"CGPUD_SOCKET": d.socket}
+        add, remove = [], []
+        for _ in range(rounds):
+            state = json.dumps({"id": secrets.token_hex(32), "pid": pid, "bundle": bundles["c, managed"]}).encode()
+            for stage, into in (("createRuntime", add), ("poststop", remove)):
+                t0 = time.perf_counter()
+                subprocess.run([tool("cgpu-hook"), stage], input=state, env=env, check=True)
+                into.append(time.perf_counter() - t0)
+        print(f"one cgpu-hook process, managed: createRuntime (registered) p50 {ms(pct(add, 50))}  "
+              f"p99 {ms(pct(add, 99))}; poststop (deregistered) p50 {ms(pct(remove, 50))}  p99 {ms(pct(remove, 99))}")
+    finally:
+        subprocess.run(runc("delete", "-f", cid), capture_output=True)
+
     def run_returns(bundle: str) -> float:
         cid = secrets.token_hex(32)
         t0 = time.perf_counter()
