@@ -365,6 +365,7 @@ class Control:
         try:
             return hookd.run(self, req, peer)
         except hookd.HookError as exc:
+            log.info("container hook (%s, pid %d) refused: %s", req.get("stage"), peer.pid, exc)
             raise Refused(exc.code, str(exc)) from None
 
     async def prepare(self, req: Any, peer: Peer) -> Any:
