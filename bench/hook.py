@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import secrets
 import shutil
 import subprocess
@@ -202,46 +201,28 @@ def bench_runc(d, base: str, rounds: int) -> None:
 
 def bench_podman(d, base: str, rounds: int) -> None:
     """podman run --rm, with and without our hooks.d entry (the shipped file
-    with this venv's cgpu-hook); podman isolated as tests/test_podman.py does."""
-    tmp = tempfile.mkdtemp(prefix="cgpb-", dir="/tmp")  # podman: runroot <= 50 characters
+    with this venv's cgpu-hook), podman isolated by tests/test_podman.py's Podman."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_podman import Podman
+
+    podman = Podman(d)
     try:
-        rootfs = os.path.join(base, "prootfs")
-        os.rename(make_rootfs(os.path.join(base, "p")), rootfs)
-        hooks = os.path.join(tmp, "hooks.d")
-        os.makedirs(hooks)
-        with open(os.path.join(ROOT, "hooks", "cgpu-hook.json")) as f:
-            spec = json.load(f)
-        spec["hook"].update(path=tool("cgpu-hook"), env=[f"CGPUD_SOCKET={d.socket}"])
-        with open(os.path.join(hooks, "cgpu-hook.json"), "w") as f:
-            json.dump(spec, f)
-        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        nproc = min(32768, resource.getrlimit(resource.RLIMIT_NPROC)[1])
-        conf = os.path.join(tmp, "containers.conf")
-        with open(conf, "w") as f:
-            f.write(f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
-                    '[engine]\nlock_type = "file"\n')
-        env = dict(os.environ, CONTAINERS_CONF=conf, HOME=tmp)
-        podman = ["podman", "--root", f"{tmp}/root", "--runroot", f"{tmp}/runroot", "--tmpdir", f"{tmp}/tmp",
-                  "--storage-driver", "vfs", "--cgroup-manager", "cgroupfs", "--events-backend", "file",
-                  "--runtime", "runc"]
-        run = ["run", "--rm", "--network", "none", "--cgroup-parent", f"/{os.path.basename(tmp)}"]
-
-        def once(with_hooks: bool, genv: dict) -> float:
-            args = podman + (["--hooks-dir", hooks] if with_hooks else []) + run
-            for k, v in genv.items():
-                args += ["-e", f"{k}={v}"]
-            t0 = time.perf_counter()
-            subprocess.run(args + ["--rootfs", rootfs, "true"], env=env, check=True, capture_output=True)
-            return time.perf_counter() - t0
-
         kinds = {"no hooks.d": (False, {}), "hooks.d, no GPU variables": (True, {}),
                  "hooks.d, managed": (True, {"ALIYUN_COM_GPU_MEM_CONTAINER": "1"})}
-        for k, (h, genv) in kinds.items():
-            once(h, genv)
+
+        def once(hooks: bool, genv: dict) -> float:
+            t0 = time.perf_counter()
+            p = podman.run(genv, "true", hooks=hooks)
+            if p.returncode:
+                raise SystemExit(f"podman run failed: {p.stderr}")
+            return time.perf_counter() - t0
+
+        for hooks, genv in kinds.values():
+            once(hooks, genv)
         samples = {k: [] for k in kinds}
         for _ in range(rounds):
-            for k, (h, genv) in kinds.items():
-                samples[k].append(once(h, genv))
+            for k, (hooks, genv) in kinds.items():
+                samples[k].append(once(hooks, genv))
         ref = pct(samples["no hooks.d"], 50)
         print(f"podman run --rm (runc, busybox `true`), {rounds} rounds interleaved:")
         for k, s in samples.items():
@@ -251,16 +232,7 @@ def bench_podman(d, base: str, rounds: int) -> None:
                 line += f"  added p50 {ms(pct(added, 50))} p99 {ms(pct(added, 99))} = {pct(added, 50) / ref:5.2f}x"
             print(line)
     finally:
-        subprocess.run(["podman", "--root", f"{tmp}/root", "--runroot", f"{tmp}/runroot", "--tmpdir", f"{tmp}/tmp",
-                        "--storage-driver", "vfs", "rm", "-a", "-f"], capture_output=True)
-        for h in os.listdir("/sys/fs/cgroup"):
-            for g in (os.path.join("/sys/fs/cgroup", h, os.path.basename(tmp)),
-                      os.path.join("/sys/fs/cgroup", os.path.basename(tmp))):
-                try:
-                    os.rmdir(g)
-                except OSError:
-                    pass
-        shutil.rmtree(tmp, ignore_errors=True)
+        podman.cleanup()
 
 
 def main() -> None:

@@ -39,6 +39,9 @@ ROOT = Path(__file__).parent.parent
 
 
 class Podman:
+    """An isolated podman for one daemon (bench/hook.py --podman uses it too);
+    `cleanup()` removes its containers, cgroups, mounts and files."""
+
     def __init__(self, daemon) -> None:
         # short: podman refuses a runroot longer than 50 characters
         self.tmp = tmp = Path(tempfile.mkdtemp(prefix="cgpm-", dir="/tmp"))
@@ -48,7 +51,7 @@ class Podman:
         self.rootfs = tmp / "rootfs"
         (self.rootfs / "bin").mkdir(parents=True)
         shutil.copy(_tool("busybox"), self.rootfs / "bin" / "busybox")
-        for applet in ("sh", "sleep", "echo", "hostname", "cat"):
+        for applet in ("sh", "sleep", "echo", "hostname", "cat", "true"):
             os.symlink("busybox", self.rootfs / "bin" / applet)
         for d in ("proc", "sys", "dev", "etc", "tmp", "cgpu"):
             (self.rootfs / d).mkdir(exist_ok=True)
@@ -82,18 +85,20 @@ class Podman:
         # our own cgroup parent, removed at cleanup (podman's default, /libpod_parent, would stay behind)
         self.cgroup_parent = f"/{tmp.name}"
 
-    def __call__(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(self.base + list(args), capture_output=True, text=True, env=self.env,
+    def __call__(self, *args: str, timeout: float = 60, hooks: bool = True) -> subprocess.CompletedProcess:
+        base = self.base if hooks else [a for a in self.base if a not in ("--hooks-dir", os.fspath(self.hooks))]
+        return subprocess.run(base + list(args), capture_output=True, text=True, env=self.env,
                               stdin=subprocess.DEVNULL, timeout=timeout)
 
-    def run(self, env: dict[str, str], *cmd: str, detach: bool = False, volumes=()) -> subprocess.CompletedProcess:
+    def run(self, env: dict[str, str], *cmd: str, detach: bool = False, volumes=(),
+            hooks: bool = True) -> subprocess.CompletedProcess:
         args = ["run", "--network", "none", "--cgroup-parent", self.cgroup_parent]
         args += ["-d"] if detach else ["--rm"]
         for k, v in env.items():
             args += ["-e", f"{k}={v}"]
         for v in volumes:
             args += ["-v", v]
-        p = self(*args, "--rootfs", os.fspath(self.rootfs), *cmd)  # --rootfs: the first argument is a directory
+        p = self(*args, "--rootfs", os.fspath(self.rootfs), *cmd, hooks=hooks)  # --rootfs: the first argument is a directory
         if detach and p.returncode == 0:
             self.ids.append(p.stdout.strip())
         return p
@@ -102,11 +107,16 @@ class Podman:
         self("rm", "-a", "-f", "-t", "0")  # every container of this private store, failed starts included
         name = self.cgroup_parent.lstrip("/")
         root = Path("/sys/fs/cgroup")  # cgroup2 itself, or each v1 hierarchy and unified/ under it
-        for g in {root / name, *(h / name for h in root.iterdir() if h.is_dir())}:
-            if g.is_dir():
+        left = [g for g in {root / name, *(h / name for h in root.iterdir() if h.is_dir())} if g.is_dir()]
+        deadline = time.monotonic() + 5  # conmon (in <parent>/conmon) may still be on its way out
+        while left and time.monotonic() < deadline:
+            for g in list(left):
                 for sub in sorted((d for d in g.rglob("*") if d.is_dir()), reverse=True):
                     _rmdir(sub)
-                _rmdir(g)
+                if _rmdir(g):
+                    left.remove(g)
+            if left:
+                time.sleep(0.05)
         mounts = [ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()
                   if ln.split()[4].startswith(f"{self.tmp}/")]
         for m in sorted(mounts, reverse=True):
@@ -114,11 +124,14 @@ class Podman:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _rmdir(path: Path) -> None:
+def _rmdir(path: Path) -> bool:
     try:
         path.rmdir()
+    except FileNotFoundError:
+        return True
     except OSError:
-        pass  # still populated (a process on its way out) or not a cgroup of ours: left
+        return False  # still populated: a process on its way out
+    return True
 
 
 @pytest.fixture
