@@ -235,6 +235,7 @@ class Control:
             "trace": (False, self.trace),
             "register": (True, self.register),
             "deregister": (True, self.deregister),
+            "hook": (True, self.hook),  # the OCI hook's forwarders (cgpud/hookd.py)
             # open to all; each acts only on the caller's own instance
             "gpu_alloc": (False, self.gpu_alloc),
             "gpu_free": (False, self.gpu_free),
@@ -398,6 +399,25 @@ class Control:
         self._drop_group(name, gone[0].target)
         log.info("deregistered %s (pid %d)", name, peer.pid)
         return {"name": name, "gpus": [i.gpu for i in gone]}
+
+    def hook(self, req: dict, peer: Peer) -> dict:
+        """A container's OCI hook stage, done here (cgpud/hookd.py)."""
+        from . import hookd
+
+        try:
+            return hookd.run(self, req, peer)
+        except hookd.HookError as exc:
+            log.info("container hook (%s, pid %d) refused: %s", req.get("stage"), peer.pid, exc)
+            raise Refused(exc.code, str(exc)) from None
+
+    async def prepare(self, req: Any, peer: Peer) -> Any:
+        """Before `handle`, in the serving task: the blocking part of a request
+        (the hook's config.json read, in a worker thread with a time limit)."""
+        if isinstance(req, dict) and req.get("op") == "hook" and self.privileged(peer):
+            from . import hookd
+
+            return await hookd.load(req, peer)
+        return req
 
     # ---- simulated GPU memory (docs/memory.md) -------------------------------
 
@@ -671,7 +691,7 @@ async def serve(path: str, control: Control, after=_nothing, *, task_status=trio
                 except ValueError:
                     resp = {"ok": False, "error": "EINVAL", "message": "not a JSON line"}
                 else:
-                    resp = control.handle(req, peer)
+                    resp = control.handle(await control.prepare(req, peer), peer)
                     await after()
                 try:
                     await stream.send_all(await encoded(resp))

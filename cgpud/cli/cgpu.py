@@ -257,14 +257,15 @@ def mem_hold(ctx: Ctx, size, seconds, gpu) -> None:
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
-@click.argument("stage", type=click.Choice(["createRuntime", "prestart", "poststop", "auto"]))
+@click.argument("stage", metavar="createRuntime|prestart|poststop|auto")  # checked by the hook: one line
 @click.argument("rest", nargs=-1, type=click.UNPROCESSED)
 @pass_ctx
 def hook(ctx: Ctx, stage, rest) -> None:
-    """OCI runtime hook: `cgpu hook createRuntime` (or prestart) registers the
-    container whose OCI state is on stdin from its ALIYUN_COM_GPU_* environment
-    and attaches its own cgroup; `cgpu hook poststop` removes it; `cgpu hook
-    auto` does either by the state's status (for a single hooks.d entry).
+    """OCI runtime hook: forwards the OCI state on stdin to the daemon, which
+    registers the container from its ALIYUN_COM_GPU_* environment and attaches
+    its own cgroup (createRuntime or prestart), removes it (poststop), or
+    either by the state's status (auto, for a single hooks.d entry). The
+    compiled `cgpu-hook` does the same without Python's start-up.
 
     A bad value fails with one line naming the variable. With
     CGPU_HOOK_PASSTHROUGH=1 a container starts unmanaged when the daemon is

@@ -1,0 +1,289 @@
+"""The daemon's side of the OCI runtime hook: the control socket's `hook` op
+(docs/containers.md, SPEC §2).
+
+The hook process the runtime starts — the compiled `cgpu-hook`
+(hooks/cgpu-hook.c), `cgpu hook` or `python3 -S -m cgpud.hook` — only
+forwards the OCI state it got on stdin:
+
+    {"op": "hook", "stage": "createRuntime"|"prestart"|"poststop"|"auto", "state": {…}}
+
+and prints the error's message as its one line. Everything else happens
+here, in the daemon, with no process start-up to pay:
+
+createRuntime/prestart: read `<bundle>/config.json` (`process.env`), parse
+the environment (`envspec.parse_env`) against this node's GPUs, let
+placement pick GPUs when the container names none, find the container's own
+cgroup from its init pid, and register the instances in one step (the
+`register` op's own code and checks): name, GPUs, memsizes, weight, high
+priority, the cgroup as target (with the container ID), policy 2 on the GPUs
+when the weight is above 1. Nothing is registered unless all of it is.
+
+poststop: deregister the container's instances (only those its own ID
+registered); an unknown container is fine.
+
+The op is privileged (root or the admin group, by SO_PEERCRED): it makes the
+daemon read a file the caller names. Checked: the state is an object with an
+`id`, an absolute `bundle` without `..`, and (adding) a live `pid` that is not
+the caller, the daemon or init; config.json is a regular file of at most
+MAX_CONFIG bytes, read in a worker thread within CONFIG_TIMEOUT (a bundle on
+a hung file system cannot stall the daemon).
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import stat
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .control import Control, Peer
+
+STAGES_ADD = ("createRuntime", "prestart")
+STAGES_REMOVE = ("poststop",)
+STAGE_AUTO = "auto"  # one hooks.d entry for both stages: the state's status says which
+STAGES = STAGES_ADD + STAGES_REMOVE + (STAGE_AUTO,)
+
+MAX_CONFIG = 4 << 20  # bytes of config.json read at most (runtimes' specs are tens of KiB)
+CONFIG_TIMEOUT = 3.0  # seconds to read it
+MAX_ID = 1024
+
+# The request key under which `load` leaves config.json's environment for
+# `run`: not a string, so no JSON request can carry it.
+ENV_KEY = object()
+
+_NAME_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_.-")
+
+
+class HookError(Exception):
+    """The container must not start (or be removed): str() is the one line the
+    hook prints after `cgpu hook: `."""
+
+    def __init__(self, message: str, code: int = errno.EINVAL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def short_name(container_id: str) -> str:
+    """The instance name of a container: the first 12 characters of its ID
+    (`docker ps`'s short ID) when they are 12 of [0-9A-Za-z_.-]; otherwise `x`
+    + the first 11 hex digits of the ID's SHA-256 (deterministic, so poststop
+    finds it again)."""
+    head = container_id[:12]
+    if len(head) == 12 and _NAME_CHARS.issuperset(head):
+        return head
+    return "x" + hashlib.sha256(container_id.encode("utf-8", "surrogateescape")).hexdigest()[:11]
+
+
+def stage_of(stage: Any, state: dict) -> str:
+    """createRuntime/prestart → "add", poststop → "remove"; `auto` by the state's status."""
+    if stage in STAGES_ADD:
+        return "add"
+    if stage in STAGES_REMOVE:
+        return "remove"
+    if stage == STAGE_AUTO:
+        status = state.get("status")
+        if status in ("creating", "created"):
+            return "add"
+        if status == "stopped":
+            return "remove"
+        raise HookError(f"container {state['id']}: status {status!r}; the `auto` stage runs at "
+                        "createRuntime (creating/created) or poststop (stopped)")
+    raise HookError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
+
+
+def check_request(req: dict) -> tuple[str, dict]:
+    """(add|remove, state) of a `hook` request, or HookError."""
+    state = req.get("state")
+    if not isinstance(state, dict):
+        raise HookError("the OCI state must be a JSON object")
+    cid = state.get("id")
+    if not isinstance(cid, str) or not cid or len(cid) > MAX_ID or "\0" in cid:
+        raise HookError('the OCI state has no "id" (a non-empty string)')
+    return stage_of(req.get("stage"), state), state
+
+
+def config_path(state: dict) -> str:
+    bundle = state.get("bundle")
+    if not isinstance(bundle, str) or not bundle:
+        raise HookError(f'container {state["id"]}: the OCI state has no "bundle"')
+    if not os.path.isabs(bundle) or "\0" in bundle or ".." in bundle.split("/"):
+        raise HookError(f"container {state['id']}: bundle {bundle!r} is not an absolute path")
+    return os.path.join(bundle, "config.json")
+
+
+def read_env(cid: str, path: str) -> dict[str, str]:
+    """process.env of a config.json as a mapping (later entries win). Blocking:
+    `load` runs it in a worker thread."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HookError(f"container {cid}: cannot read {path}: {exc.strerror}", exc.errno or errno.EIO) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise HookError(f"container {cid}: {path} is not a regular file")
+        chunks, size = [], 0
+        while size <= MAX_CONFIG:
+            chunk = os.read(fd, MAX_CONFIG + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_CONFIG:
+            raise HookError(f"container {cid}: {path} is larger than {MAX_CONFIG} bytes", errno.EFBIG)
+    except OSError as exc:
+        raise HookError(f"container {cid}: cannot read {path}: {exc.strerror}", exc.errno or errno.EIO) from None
+    finally:
+        os.close(fd)
+    try:
+        config = json.loads(b"".join(chunks))
+    except ValueError as exc:
+        raise HookError(f"container {cid}: {path} is not JSON ({exc})") from None
+    env: dict[str, str] = {}
+    process = config.get("process") if isinstance(config, dict) else None
+    entries = process.get("env") if isinstance(process, dict) else None
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, str):
+            k, sep, v = entry.partition("=")
+            if sep:
+                env[k] = v
+    return env
+
+
+async def load(req: dict, peer: "Peer") -> dict:
+    """Before `run` (the serving loop awaits this for `hook` requests of
+    privileged callers): config.json's environment, read in a worker thread
+    with a time limit. A failure is left for `run` to report."""
+    try:
+        kind, state = check_request(req)
+        if kind != "add":
+            return req
+        path = config_path(state)
+        env: Any = HookError(f"container {state['id']}: reading {path} took more than {CONFIG_TIMEOUT:g} s",
+                             errno.ETIMEDOUT)
+        with trio.move_on_after(CONFIG_TIMEOUT):
+            env = await trio.to_thread.run_sync(_catching, read_env, state["id"], path, abandon_on_cancel=True)
+    except HookError as exc:
+        env = exc
+    return {**req, ENV_KEY: env}
+
+
+def _catching(fn, *args):
+    try:
+        return fn(*args)
+    except HookError as exc:
+        return exc
+
+
+def container_pid(state: dict, peer: "Peer") -> int:
+    pid = state.get("pid")
+    cid = state["id"]
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise HookError(f"container {cid}: the OCI state has no init pid (is the hook in createRuntime or prestart?)")
+    if pid in (1, os.getpid(), peer.pid):
+        raise HookError(f"container {cid}: pid {pid} is not a container's init (it is "
+                        f"{'init' if pid == 1 else 'cgpud' if pid == os.getpid() else 'the hook itself'})")
+    if not os.path.isdir(f"/proc/{pid}"):
+        raise HookError(f"container {cid}: no process {pid} (the container's init is gone, or the hook runs in "
+                        "another pid namespace than cgpud)", errno.ESRCH)
+    return pid
+
+
+def own_cgroup(pid: int, hook_pid: int) -> dict:
+    """The container's own group, from its init pid: cgroup2 if it can be
+    frozen there, else its v1 freezer group. Never a root, never a group that
+    holds the daemon, a process it protects, or the hook (the runtime's group,
+    or a parent of the container's)."""
+    from .sched.enforce import KIND_CGROUP2, KIND_FREEZER, EnforceError, freezer_from_spec, proc_cgroups
+
+    try:
+        pc = proc_cgroups(pid)
+    except EnforceError:
+        raise HookError(f"no process {pid}: the container's init is gone", errno.ESRCH) from None
+    try:
+        hook = proc_cgroups(hook_pid) if hook_pid > 0 else None
+    except EnforceError:
+        hook = None  # the hook is gone already: nothing of it to protect
+    reasons = []
+    for kind, path, hook_path in ((KIND_CGROUP2, pc.v2, hook and hook.v2), (KIND_FREEZER, pc.freezer, hook and hook.freezer)):
+        if path is None:
+            reasons.append(f"no {kind} group")
+            continue
+        if hook_path is not None and (hook_path == path or hook_path.startswith(path.rstrip("/") + "/")):
+            reasons.append(f"{path} holds the hook process {hook_pid} too: the container has no {kind} group of its own")
+            continue
+        try:
+            freezer_from_spec({"kind": kind, "path": path}).close()
+        except (EnforceError, OSError) as exc:
+            reasons.append(str(exc))
+            continue
+        return {"kind": kind, "path": path}
+    raise HookError(f"pid {pid} has no cgroup of its own to schedule: " + "; ".join(reasons), errno.EPERM)
+
+
+def run(control: "Control", req: dict, peer: "Peer") -> dict:
+    """The `hook` op. Returns what was done (`{"action": "registered", …}`,
+    `"left alone"`, `"deregistered"`, `"nothing"`); raises HookError."""
+    kind, state = check_request(req)
+    cid = state["id"]
+    name = short_name(cid)
+    if kind == "remove":
+        return remove(control, cid, name, peer)
+    env = req.get(ENV_KEY)
+    if env is None:  # not loaded (called without `load`): read it here
+        env = _catching(read_env, cid, config_path(state))
+    if isinstance(env, HookError):
+        raise env
+    return add(control, state, env, name, peer)
+
+
+def add(control: "Control", state: dict, env: dict[str, str], name: str, peer: "Peer") -> dict:
+    from .control import Refused
+    from .envspec import MEM_CONTAINER, EnvError, parse_env
+    from .model import ModelError
+    from .placement import PlacementError, resolve, states_from_node, unit_for
+    from .tree import ERRNOS
+
+    cid = state["id"]
+    node = control.node
+    try:
+        request = parse_env(env, [g.info for g in node.gpus], max_inst=[g.max_inst for g in node.gpus],
+                            unit=unit_for(control.mode))
+    except EnvError as exc:
+        raise HookError(str(exc)) from None
+    if not request.managed:
+        return {"action": "left alone", "name": name, "reason": request.reason}
+    pid = container_pid(state, peer)
+    try:
+        plan = resolve(request, states_from_node(node), strategy=control.strategy, mode=control.mode)
+    except PlacementError as exc:
+        raise HookError(f"{MEM_CONTAINER}={env.get(MEM_CONTAINER, '').strip()}: {exc}", errno.ENOSPC) from None
+    except ModelError as exc:  # UnevenSplit and other invalid requests
+        raise HookError(f"{MEM_CONTAINER}={env.get(MEM_CONTAINER, '').strip()}: {exc}") from None
+    target = {**own_cgroup(pid, peer.pid), "container": cid}
+    gpus = [g for g, _ in plan]
+    try:
+        result = control.register({"name": name, "gpus": gpus, "memsize": [m for _, m in plan],
+                                   "weight": request.weight, "highprio": request.highprio, "target": target,
+                                   "policy": 2 if request.policy2 else None}, peer)
+    except (Refused, ModelError) as exc:
+        code = exc.code if isinstance(exc, Refused) else next(c for cls, c in ERRNOS.items() if isinstance(exc, cls))
+        raise HookError(f"cannot register {name} on GPU {','.join(map(str, gpus))}: {exc} ({errno.errorcode[code]})",
+                        code) from None
+    return {"action": "registered", "container": cid, **result}
+
+
+def remove(control: "Control", cid: str, name: str, peer: "Peer") -> dict:
+    from .control import Refused
+
+    try:  # only the instances this container registered (its ID is kept with the target)
+        result = control.deregister({"name": name, "container": cid}, peer)
+    except Refused as exc:
+        if exc.code == errno.ENOENT:
+            return {"action": "nothing", "name": name}  # never registered, or another container's
+        raise
+    return {"action": "deregistered", "container": cid, **result}

@@ -1,0 +1,171 @@
+"""The control socket's `hook` op (cgpud/hookd.py) and the two forwarders
+that call it — the compiled `cgpu-hook` and `cgpu hook` — without a runtime:
+the state is given on stdin as a runtime would (tests/test_runc.py runs them
+under runc, tests/test_podman.py under podman).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from cgpud.client import Client, ControlError
+
+from conftest import as_nobody, nobody_python
+from test_runc import FORMS, hook_argv
+
+MANAGED = ["PATH=/bin", "ALIYUN_COM_GPU_MEM_CONTAINER=2"]
+
+
+def bundle(tmp_path, env: list[str], name: str = "bundle") -> str:
+    b = tmp_path / name
+    b.mkdir()
+    (b / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "process": {"env": env, "args": ["true"]}}))
+    return os.fspath(b)
+
+
+def call_hook(daemon, stage: str, state) -> ControlError:
+    with Client(os.fspath(daemon.socket)) as c:
+        with pytest.raises(ControlError) as e:
+            c.call("hook", stage=stage, state=state)
+    return e.value
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_bad_requests_are_refused_with_the_reason_and_register_nothing(daemon, tmp_path):
+    good = bundle(tmp_path, MANAGED)
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "config.json")  # must not block the daemon
+    big = tmp_path / "big"
+    big.mkdir()
+    with open(big / "config.json", "wb") as f:
+        f.truncate((4 << 20) + 1)
+    notjson = tmp_path / "notjson"
+    notjson.mkdir()
+    (notjson / "config.json").write_text("{")
+    cid = "c" * 64
+    cases = [
+        ("createRuntime", [], "EINVAL", "the OCI state must be a JSON object"),
+        ("createRuntime", {"pid": 5}, "EINVAL", 'the OCI state has no "id"'),
+        ("sometime", {"id": cid}, "EINVAL", "unknown stage 'sometime'"),
+        ("auto", {"id": cid, "status": "running"}, "EINVAL", "status 'running'; the `auto` stage runs at"),
+        ("createRuntime", {"id": cid, "pid": os.getpid()}, "EINVAL", 'the OCI state has no "bundle"'),
+        ("createRuntime", {"id": cid, "pid": os.getpid(), "bundle": "rel/dir"}, "EINVAL", "is not an absolute path"),
+        ("createRuntime", {"id": cid, "pid": os.getpid(), "bundle": good + "/../bundle"}, "EINVAL", "is not an absolute path"),
+        ("createRuntime", {"id": cid, "pid": os.getpid(), "bundle": os.fspath(tmp_path / "none")}, "ENOENT",
+         "cannot read"),
+        ("createRuntime", {"id": cid, "pid": os.getpid(), "bundle": os.fspath(fifo)}, "EINVAL", "is not a regular file"),
+        ("createRuntime", {"id": cid, "pid": os.getpid(), "bundle": os.fspath(big)}, "EFBIG",
+         f"is larger than {4 << 20} bytes"),
+        ("createRuntime", {"id": cid, "pid": os.getpid(), "bundle": os.fspath(notjson)}, "EINVAL", "is not JSON"),
+        ("createRuntime", {"id": cid, "bundle": good}, "EINVAL", "has no init pid"),
+        ("createRuntime", {"id": cid, "pid": True, "bundle": good}, "EINVAL", "has no init pid"),
+        ("createRuntime", {"id": cid, "pid": 1, "bundle": good}, "EINVAL", "pid 1 is not a container's init (it is init)"),
+        ("createRuntime", {"id": cid, "pid": os.getpid(), "bundle": good}, "EINVAL", "(it is the hook itself)"),
+        ("createRuntime", {"id": cid, "pid": dead_pid(), "bundle": good}, "ESRCH", "no process"),
+        ("createRuntime", {"id": cid, "pid": daemon.proc.pid, "bundle": good}, "EINVAL", "(it is cgpud)"),
+    ]
+    before = daemon.snapshot()
+    for stage, state, code, words in cases:
+        err = call_hook(daemon, stage, state)
+        assert err.error == code and words in str(err), (state, err.error, str(err))
+        assert "\n" not in str(err)
+    assert daemon.snapshot() == before
+
+
+def test_a_process_in_the_daemons_own_group_is_no_container(daemon, tmp_path):
+    """A pid whose cgroup also holds the hook (this test, calling) is refused:
+    the scheduler would freeze the runtime with it."""
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        err = call_hook(daemon, "createRuntime", {"id": "d" * 64, "pid": sleeper.pid,
+                                                   "bundle": bundle(tmp_path, MANAGED)})
+        assert err.error == "EPERM" and "has no cgroup of its own" in str(err), str(err)
+        assert daemon.instances(0) == []
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_unprivileged_callers_are_refused_before_anything_is_read(daemon, tmp_path):
+    script = (
+        "import json, socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+        "s.sendall(json.dumps({'op': 'hook', 'stage': 'createRuntime', 'state': "
+        "{'id': 'e' * 64, 'pid': 2, 'bundle': sys.argv[2]}}).encode() + b'\\n')\n"
+        "print(s.makefile().readline())\n"
+    )
+    r = as_nobody([nobody_python(), "-c", script, os.fspath(daemon.socket), bundle(tmp_path, MANAGED)])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"ok": False, "error": "EACCES", "message": "hook needs root or the admin group"}
+
+
+def test_poststop_of_an_unknown_container_is_fine(daemon, tmp_path):
+    with Client(os.fspath(daemon.socket)) as c:
+        assert c.call("hook", stage="poststop", state={"id": "f" * 64}) == {"action": "nothing", "name": "f" * 12}
+        assert c.call("hook", stage="auto", state={"id": "f" * 64, "status": "stopped"})["action"] == "nothing"
+
+
+def run_form(form: str, stage: str, stdin: str | bytes, socket, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(hook_argv(form, stage), input=stdin if isinstance(stdin, bytes) else stdin.encode(),
+                          capture_output=True, env={"CGPUD_SOCKET": os.fspath(socket), **env}, timeout=30)
+
+
+@pytest.mark.parametrize("hook_form", FORMS)
+def test_forwarder_input_errors_are_one_line(hook_form, daemon, tmp_path):
+    for stdin, line in (("", "the OCI state on stdin is not a JSON object"),
+                        ("[1, 2]", "the OCI state on stdin is not a JSON object"),
+                        ('{"id": "x"} trailing', "the OCI state on stdin is not a JSON object"),
+                        ('{"pid": 3}', 'the OCI state on stdin has no "id"'),
+                        ('{"id": ""}', 'the OCI state on stdin has no "id"'),
+                        ('{"id": "x", "a": "' + "y" * 70000 + '"}', "the OCI state on stdin is larger than 61440 bytes")):
+        p = run_form(hook_form, "createRuntime", stdin, daemon.socket)
+        assert (p.returncode, p.stderr.decode()) == (1, f"cgpu hook: {line}\n"), stdin[:40]
+    p = run_form(hook_form, "teardown", "{}", daemon.socket)
+    assert p.returncode == 2 and p.stderr.decode().startswith("cgpu hook: unknown stage teardown; one of")
+
+
+@pytest.mark.parametrize("hook_form", FORMS)
+def test_forwarder_reads_escaped_bundle_paths_and_skips_the_daemon_when_nothing_is_asked(hook_form, tmp_path):
+    """The shortcut: a config.json without ALIYUN_COM_GPU_MEM_CONTAINER= is
+    never sent to the daemon (none runs here: exit 0 only if not asked). The
+    bundle path arrives JSON-escaped (\\/, \\u00fc, a surrogate pair)."""
+    gone = tmp_path / "no.sock"
+    plain = bundle(tmp_path, ["PATH=/bin"], "b-ü-😀")
+    asks = bundle(tmp_path, MANAGED, "a-ü-😀")
+    for b, rc in ((plain, 0), (asks, 1)):
+        escaped = json.dumps(b, ensure_ascii=True).replace("/", "\\/")
+        assert "\\ud83d\\ude00" in escaped and "\\u00fc" in escaped
+        state = '{"ociVersion":"1.0.2",\n "id": "%s", "status": "creating", "pid": 7, "bundle": %s,\n' \
+                ' "annotations": {"bundle": "/elsewhere", "n": [1, {"x": null}]}}' % ("a" * 64, escaped)
+        p = run_form(hook_form, "auto", state, gone)
+        assert p.returncode == rc, (b, p.stderr)
+        if rc:
+            assert p.stderr.decode() == (f"cgpu hook: cgpud is not running (nothing answers on {gone}): start it with "
+                                         "`cgpud serve` (set CGPU_HOOK_PASSTHROUGH=1 in the hook's env to start "
+                                         "containers unmanaged then)\n")
+        else:
+            assert p.stderr == b""
+
+
+def test_both_forwarders_say_exactly_the_same(daemon, tmp_path):
+    """The same state through either forwarder: the same exit status and the
+    same bytes on stderr (the daemon makes the message; non-ASCII included)."""
+    envs = [["ALIYUN_COM_GPU_MEM_CONTAINER=sechs-ü"], ["ALIYUN_COM_GPU_MEM_CONTAINER=2", "ALIYUN_COM_GPU_SCHD_WEIGHT=99"],
+            ["ALIYUN_COM_GPU_MEM_CONTAINER=16", "ALIYUN_COM_GPU_MEM_DEV=15"], ["CGPU_DISABLE=1", "ALIYUN_COM_GPU_MEM_CONTAINER=2"]]
+    for i, env in enumerate(envs):
+        b = bundle(tmp_path, env, f"b{i}")
+        state = json.dumps({"id": "9" * 64, "pid": os.getpid(), "bundle": b, "status": "creating"})
+        out = {form: run_form(form, "createRuntime", state, daemon.socket) for form in FORMS}
+        assert out["c"].returncode == out["cli"].returncode, env
+        assert out["c"].stderr == out["cli"].stderr, env
+        assert out["c"].stderr.count(b"\n") == (1 if out["c"].returncode else 0), env
+    assert daemon.instances(0) == []

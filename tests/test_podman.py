@@ -1,0 +1,210 @@
+"""podman end to end (issue 4): `podman run --hooks-dir DIR` with
+hooks/cgpu-hook.json (the compiled `cgpu-hook auto`), a busybox `--rootfs`,
+against a real daemon. The container appears as its 12-character short ID
+(what `podman ps` shows, and its hostname) with the seed's memsize, is
+scheduled through its own cgroup, and is gone after it exits; a bad value
+fails `podman run` with the hook's line; a container without the variables
+is left alone.
+
+podman is isolated from the host's configuration and from other runs: a
+temporary containers.conf (CONTAINERS_CONF) and storage.conf
+(CONTAINERS_STORAGE_CONF), `--root`/`--runroot`/`--tmpdir` under tmp_path,
+the vfs driver, file locks, cgroupfs, file events, no network, no systemd.
+Two settings this host needs (docs/containers.md, "podman"):
+- runc, not crun: this host mounts cgroups in hybrid mode (v1 controllers and
+  cgroup2 at /sys/fs/cgroup/unified), which crun 1.8 refuses ("cgroups in
+  hybrid mode not supported").
+- `default_ulimits` with nofile at most the hard limit the test runs under:
+  podman gives a root container nofile=1048576 by default and the runtime
+  cannot raise its hard limit without CAP_SYS_RESOURCE, which this sandbox
+  does not grant (nofile hard 20000 here).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SIM_T4_BYTES
+from test_runc import _tool, compiled_hook, targets
+
+ROOT = Path(__file__).parent.parent
+
+
+class Podman:
+    """An isolated podman for one daemon (bench/hook.py --podman uses it too);
+    `cleanup()` removes its containers, cgroups, mounts and files."""
+
+    def __init__(self, daemon) -> None:
+        # short: podman refuses a runroot longer than 50 characters
+        self.tmp = tmp = Path(tempfile.mkdtemp(prefix="cgpm-", dir="/tmp"))
+        self.exe = _tool("podman")
+        _tool("runc")
+        _tool("conmon")
+        self.rootfs = tmp / "rootfs"
+        (self.rootfs / "bin").mkdir(parents=True)
+        shutil.copy(_tool("busybox"), self.rootfs / "bin" / "busybox")
+        for applet in ("sh", "sleep", "echo", "hostname", "cat", "true"):
+            os.symlink("busybox", self.rootfs / "bin" / applet)
+        for d in ("proc", "sys", "dev", "etc", "tmp", "cgpu"):
+            (self.rootfs / d).mkdir(exist_ok=True)
+        # hooks.d: the shipped file, with this venv's cgpu-hook and the test daemon's socket
+        spec = json.loads((ROOT / "hooks" / "cgpu-hook.json").read_text())
+        spec["hook"].update(path=compiled_hook(), env=[f"CGPUD_SOCKET={daemon.socket}"])
+        self.hooks = tmp / "hooks.d"
+        self.hooks.mkdir()
+        (self.hooks / "cgpu-hook.json").write_text(json.dumps(spec))
+        nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        nproc = min(32768, resource.getrlimit(resource.RLIMIT_NPROC)[1])  # podman runs conmon at 32768
+        conf = tmp / "containers.conf"
+        conf.write_text(
+            "[containers]\n"
+            f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
+            "[engine]\n"
+            'lock_type = "file"\n'
+            'cgroup_manager = "cgroupfs"\n'
+            'events_logger = "file"\n'
+            'runtime = "runc"\n'
+        )
+        storage = tmp / "storage.conf"
+        storage.write_text(f'[storage]\ndriver = "vfs"\nrunroot = "{tmp}/runroot"\ngraphroot = "{tmp}/root"\n')
+        self.env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "HOME": os.fspath(tmp),
+                    "CONTAINERS_CONF": os.fspath(conf), "CONTAINERS_STORAGE_CONF": os.fspath(storage),
+                    "XDG_CONFIG_HOME": os.fspath(tmp / "config")}
+        self.base = [self.exe, "--root", f"{tmp}/root", "--runroot", f"{tmp}/runroot", "--tmpdir", f"{tmp}/tmp",
+                     "--storage-driver", "vfs", "--cgroup-manager", "cgroupfs", "--events-backend", "file",
+                     "--runtime", "runc", "--hooks-dir", os.fspath(self.hooks)]
+        self.ids: list[str] = []
+        # our own cgroup parent, removed at cleanup (podman's default, /libpod_parent, would stay behind)
+        self.cgroup_parent = f"/{tmp.name}"
+
+    def __call__(self, *args: str, timeout: float = 60, hooks: bool = True) -> subprocess.CompletedProcess:
+        base = self.base if hooks else [a for a in self.base if a not in ("--hooks-dir", os.fspath(self.hooks))]
+        return subprocess.run(base + list(args), capture_output=True, text=True, env=self.env,
+                              stdin=subprocess.DEVNULL, timeout=timeout)
+
+    def run(self, env: dict[str, str], *cmd: str, detach: bool = False, volumes=(),
+            hooks: bool = True) -> subprocess.CompletedProcess:
+        args = ["run", "--network", "none", "--cgroup-parent", self.cgroup_parent]
+        args += ["-d"] if detach else ["--rm"]
+        for k, v in env.items():
+            args += ["-e", f"{k}={v}"]
+        for v in volumes:
+            args += ["-v", v]
+        p = self(*args, "--rootfs", os.fspath(self.rootfs), *cmd, hooks=hooks)  # --rootfs: the first argument is a directory
+        if detach and p.returncode == 0:
+            self.ids.append(p.stdout.strip())
+        return p
+
+    def cleanup(self) -> None:
+        self("rm", "-a", "-f", "-t", "0")  # every container of this private store, failed starts included
+        name = self.cgroup_parent.lstrip("/")
+        root = Path("/sys/fs/cgroup")  # cgroup2 itself, or each v1 hierarchy and unified/ under it
+        left = [g for g in {root / name, *(h / name for h in root.iterdir() if h.is_dir())} if g.is_dir()]
+        deadline = time.monotonic() + 5  # conmon (in <parent>/conmon) may still be on its way out
+        while left and time.monotonic() < deadline:
+            for g in list(left):
+                for sub in sorted((d for d in g.rglob("*") if d.is_dir()), reverse=True):
+                    _rmdir(sub)
+                if _rmdir(g):
+                    left.remove(g)
+            if left:
+                time.sleep(0.05)
+        mounts = [ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+                  if ln.split()[4].startswith(f"{self.tmp}/")]
+        for m in sorted(mounts, reverse=True):
+            subprocess.run(["umount", "-l", m], capture_output=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _rmdir(path: Path) -> bool:
+    try:
+        path.rmdir()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # still populated: a process on its way out
+    return True
+
+
+@pytest.fixture
+def podman(daemon) -> Podman:
+    p = Podman(daemon)
+    yield p
+    p.cleanup()
+
+
+def test_podman_run_registers_schedules_and_removes_the_container(daemon, podman):
+    p = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "6", "ALIYUN_COM_GPU_MEM_DEV": "15"},
+                   "sh", "-c", "exec 3< /dev/simgpu0; while :; do :; done", detach=True,
+                   volumes=[f"{daemon.dev_dir / 'simgpu0'}:/dev/simgpu0"])
+    assert p.returncode == 0, p.stderr
+    cid = p.stdout.strip()
+    assert len(cid) == 64
+    short = podman("ps", "--no-trunc=false", "--format", "{{.ID}}").stdout.split()
+    assert short == [cid[:12]]  # podman ps's ID is the instance's name
+    assert daemon.instances(0) == [cid[:12]]
+    assert daemon.value(f"0/{cid[:12]}/memsize") == str(SIM_T4_BYTES * 6 // 15) == "6337173913"
+    t = targets(daemon)[cid[:12]]
+    assert t["container"] == cid and t["path"].endswith(cid)  # its own cgroup, libpod-<ID>
+    # scheduled: alone at weight 1 under policy 3 it runs 1/16 of the time, frozen the rest
+    daemon.write("0/policy", "3")
+    control = Path(t["path"]) / ("cgroup.events" if t["kind"] == "cgroup2" else "freezer.state")
+    seen = set()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and len(seen) < 2:
+        text = control.read_text()
+        if t["kind"] == "cgroup2":
+            seen |= {ln.split()[1] for ln in text.splitlines() if ln.startswith("frozen ")}
+        else:
+            seen.add(text.strip())
+        time.sleep(0.003)
+    assert len(seen) == 2, f"states seen: {seen}"
+    daemon.write("0/policy", "0")
+    rm = podman("rm", "-f", "-t", "0", cid)
+    assert rm.returncode == 0, rm.stderr
+    podman.ids.remove(cid)
+    assert daemon.instances(0) == []
+    assert targets(daemon) == {}
+
+
+def test_podman_container_sees_itself_and_is_gone_after_exit(daemon, podman):
+    """A foreground `podman run --rm`: the container reads its own memsize
+    from the tree by its hostname (podman's short ID); after it exits the
+    instance is gone."""
+    p = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "3"},
+                   "sh", "-c", "read m < /cgpu/0/$(hostname)/memsize && echo $(hostname) $m",
+                   volumes=[f"{daemon.mount}:/cgpu:ro"])
+    assert p.returncode == 0, p.stderr
+    name, memsize = p.stdout.split()
+    assert len(name) == 12 and memsize == str(3 << 30)
+    assert daemon.instances(0) == []
+
+
+def test_podman_bad_value_fails_the_run_and_registers_nothing(daemon, podman):
+    before = daemon.snapshot()
+    p = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "six"}, "echo", "ran")
+    assert p.returncode != 0 and "ran" not in p.stdout
+    assert ("cgpu hook: ALIYUN_COM_GPU_MEM_CONTAINER=six: six is not a whole number; "
+            "give whole GiB per GPU, e.g. 6 or 3,4,5,6") in p.stderr, p.stderr
+    assert daemon.snapshot() == before
+    p = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "16", "ALIYUN_COM_GPU_MEM_DEV": "15"}, "echo", "ran")
+    assert p.returncode != 0 and "ALIYUN_COM_GPU_MEM_CONTAINER=16: 16 GiB is more than" in p.stderr, p.stderr
+    assert daemon.snapshot() == before
+    assert podman("ps", "-a", "-q").stdout.split() == []  # --rm: nothing left behind either
+
+
+def test_podman_without_variables_is_left_alone(daemon, podman):
+    before = daemon.snapshot()
+    p = podman.run({}, "echo", "ran")
+    assert p.returncode == 0 and p.stdout == "ran\n", p.stderr
+    p = podman.run({"CGPU_DISABLE": "true", "ALIYUN_COM_GPU_MEM_CONTAINER": "6"}, "echo", "ran")
+    assert p.returncode == 0 and p.stdout == "ran\n", p.stderr
+    assert daemon.snapshot() == before
