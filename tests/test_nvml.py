@@ -182,12 +182,14 @@ def test_daemon_serves_the_nvml_gpus(nvml_daemon):
 class Run:
     """`cgpu run --mem MEM -- sleep 60` as instance `name`; `pid` is the sleep's."""
 
-    def __init__(self, daemon, name: str, mem: str) -> None:
+    def __init__(self, daemon, name: str, mem: str, cmd: tuple[str, ...] = ("sleep", "60")) -> None:
         self.name = name
         env = dict(os.environ, CGPUD_SOCKET=str(daemon.socket))
-        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "cgpu"), "run", "--name", name, "--mem", mem,
-                                      "--", "sleep", "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        procs = Path(v2_root()) / "cgpud" / name / "cgroup.procs"
+        bindir = Path(sys.executable).parent
+        self.proc = subprocess.Popen([str(bindir / "cgpu"), "run", "--name", name, "--mem", mem, "--", *cmd],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.group = Path(v2_root()) / "cgpud" / name
+        procs = self.group / "cgroup.procs"
         wait_for(lambda: procs.exists() and procs.read_text().split(), timeout=10, what=f"{name}'s command to start")
         self.pid = int(procs.read_text().split()[0])
 
@@ -196,6 +198,7 @@ class Run:
 
     def stop(self) -> None:
         if self.alive():
+            (self.group / "cgroup.freeze").write_text("0")  # (the daemon thaws too; do not wait for it)
             os.kill(self.pid, signal.SIGTERM)
             self.proc.wait(10)
 
@@ -206,6 +209,22 @@ def runs():
     yield made
     for r in made:
         r.stop()
+
+
+def test_the_scheduler_sees_a_process_open_its_nvidia_device(nvml_daemon, runs):
+    """Activity on NVML GPUs is /dev/nvidia<minor> (here under --dev-dir) held
+    open: `cgpu workload` opens CGPU_DEVICE, which cgpu run sets from the
+    daemon's device list; alone under policy 0 it gets 1 slot of max_inst, so
+    the scheduler freezes its cgroup for the other slots."""
+    d = nvml_daemon()
+    d.write("0/max_inst", "4")
+    job = Run(d, f"busy{os.getpid() % 100000:05d}abc", "1G",
+              (str(Path(sys.executable).parent / "cgpu"), "workload", "--seconds", "30"))
+    runs.append(job)
+    wait_for(lambda: "frozen 1" in (job.group / "cgroup.events").read_text(), timeout=10,
+             what="the scheduler to freeze the instance outside its slot")
+    with Client(str(d.socket)) as c:
+        assert c.call("hello")["devices"][0] == str(d.dev_dir / "nvidia0")
 
 
 def test_watchdog_kills_the_process_past_memsize_and_spares_the_one_below(nvml_daemon, stub, runs):
