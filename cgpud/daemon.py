@@ -141,7 +141,7 @@ async def _start_mps(nursery, node: Node, durable: Durable, cfg: Config):
     from .mps import MpsControl, MpsError
 
     try:
-        mps = MpsControl(node, cfg.mps_control, cfg.mps_pipe_dir)
+        mps = MpsControl(node, cfg.mps_control, cfg.mps_pipe_dir, cfg.state_dir)
         await nursery.start(mps.run)
     except MpsError as exc:
         raise StartError(str(exc)) from None

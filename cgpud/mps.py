@@ -17,7 +17,9 @@ the one in PATH):
   (`0=<MiB>M,1=…`: its memsize per GPU) and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
   (its share: weight / max_inst, rounded up, at least 1, the smallest over its
   GPUs); `cgpu run` puts them into CMD's environment;
-- at stop: `quit`.
+- at stop: `quit`. A marker in the state directory says a control daemon we
+  started runs: after a crash of ours (the marker is still there and `-d`
+  fails) the next start takes that daemon over instead of refusing.
 
 Sizes are floored to whole MiB (MPS takes M or G); a limit is never below 1M.
 """
@@ -92,8 +94,11 @@ def find_program(path: str | None) -> str:
 class MpsControl:
     """The MPS control daemon, for as long as `run` runs."""
 
-    def __init__(self, node: Node, program: str | None = None, pipe_dir: str | None = None) -> None:
+    def __init__(self, node: Node, program: str | None = None, pipe_dir: str | None = None,
+                 state_dir: str | None = None) -> None:
         self.node = node
+        # Exists while a control daemon we started runs: after a crash of ours, we take it over.
+        self.marker = os.path.join(state_dir, "mps-started") if state_dir else None
         self.program = find_program(program)
         self.pipe_dir = pipe_dir
         self.env = dict(os.environ)
@@ -143,8 +148,13 @@ class MpsControl:
         try:
             await self._invoke(["-d"])
         except MpsError as exc:
-            raise MpsError(f"cannot start the MPS control daemon: {exc}; if one is running already, stop it "
-                           f"(echo quit | {PROGRAM})") from None
+            if not (self.marker and os.path.exists(self.marker)):
+                raise MpsError(f"cannot start the MPS control daemon: {exc}; if one is running already, stop it "
+                               f"(echo quit | {PROGRAM})") from None
+            log.warning("mps: %s; it is the one a previous cgpud started and did not stop: taking it over", exc)
+        if self.marker:
+            with open(self.marker, "w"):
+                pass
         try:
             await self._send_defaults()
             log.info("mps: control daemon started (%s)", self.program)
@@ -160,6 +170,8 @@ class MpsControl:
             with trio.CancelScope(shield=True):
                 try:
                     await self.send("quit")
+                    if self.marker:
+                        os.unlink(self.marker)
                     log.info("mps: control daemon stopped")
                 except MpsError as exc:
                     log.error("mps: %s", exc)

@@ -46,7 +46,8 @@ class NvmlStub:
     driver: str = "550.54.15"
 
     @classmethod
-    def build(cls, where: Path) -> "NvmlStub":
+    def build(cls, where: Path, old_driver: bool = False) -> "NvmlStub":
+        """old_driver: without nvmlDeviceGetComputeRunningProcesses_v3 (_v2 instead), as before R510."""
         gcc = shutil.which("gcc")
         if gcc is None:
             pytest.fail("gcc is missing (scripts/setup.sh installs it): the NVML stand-in cannot be built")
@@ -54,7 +55,8 @@ class NvmlStub:
         libdir.mkdir(parents=True, exist_ok=True)
         lib = libdir / "libnvidia-ml.so.1"
         r = subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-Wl,-soname,libnvidia-ml.so.1",
-                            "-o", str(lib), str(SOURCE)], capture_output=True, text=True)
+                            *(["-DSTUB_OLD_DRIVER"] if old_driver else []), "-o", str(lib), str(SOURCE)],
+                           capture_output=True, text=True)
         if r.returncode:
             pytest.fail(f"building the NVML stand-in failed:\n{r.stderr}")
         (libdir / "libnvidia-ml.so").symlink_to("libnvidia-ml.so.1")

@@ -55,6 +55,21 @@ def test_the_daemon_starts_mps_sets_the_defaults_follows_settings_and_quits(make
     assert "mps: control daemon stopped" in d.log_text()
 
 
+def test_after_a_crash_the_next_daemon_takes_the_control_daemon_over(make_daemon, mps_log):
+    d = make_daemon(gpus="sim:T4", extra_args=["--mode", "mps", "--mps-control", str(STUB)])
+    d.kill9()  # no quit: the control daemon runs on
+    assert Path(str(mps_log) + ".running").exists()
+    d.start()
+    assert "taking it over" in d.log_text()
+    d.stop()
+    assert [c["args"] or c["stdin"].strip() for c in calls(mps_log)] == [
+        ["-d"], "set_default_device_pinned_mem_limit 0 15109M", "set_default_active_thread_percentage 7",
+        ["-d"], "set_default_device_pinned_mem_limit 0 15109M", "set_default_active_thread_percentage 7",  # refused -d
+        "quit"]
+    assert not Path(str(mps_log) + ".running").exists()
+    # an MPS daemon someone else started is not taken over (test_mps_start_failures_are_one_line)
+
+
 def test_cgpu_run_gives_cmd_its_limits(make_daemon, mps_log, tmp_path):
     pipe = tmp_path / "pipe"
     d = make_daemon(gpus="sim:T4,A10", extra_args=["--mode", "mps", "--mps-control", str(STUB),

@@ -79,6 +79,16 @@ def test_processes_memory_and_utilisation(stub):
     assert driver == "550.54.15"
 
 
+def test_a_driver_without_the_v3_process_call_is_asked_with_v2(stub, tmp_path):
+    old = NvmlStub.build(tmp_path / "old", old_driver=True)
+    stub.procs = {(0, 4242): 3 * GIB}
+    stub.write()
+    r = py(NvmlStub(old.libdir, stub.config), "from cgpud.gpus.nvml import Nvml\n"
+                                              "with Nvml() as nv:\n    print(nv.processes(0), nv.processes(0))")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == f"{{4242: {3 * GIB}}} {{4242: {3 * GIB}}}"
+
+
 # ---- errors: one line each ----------------------------------------------------------------
 
 

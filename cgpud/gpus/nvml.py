@@ -26,6 +26,8 @@ from .sim import MAX_GPUS, BadSpec
 
 NVIDIA_MAJOR = 195  # the char-device major of /dev/nvidia* (fixed by the driver)
 HINT = "install the NVIDIA driver or use --gpus sim:T4"
+PROCS_V3 = "nvmlDeviceGetComputeRunningProcesses"  # pynvml: _v3, or NVMLLibraryMismatchError without it
+PROCS_V2 = "nvmlDeviceGetComputeRunningProcesses_v2"
 
 
 class NvmlError(BadSpec):
@@ -111,6 +113,7 @@ class Nvml:
         self._nv = _pynvml()
         self._handles: list = []
         self._open = False
+        self._procs_fn = PROCS_V3
 
     def open(self) -> "Nvml":
         nv = self._nv
@@ -179,9 +182,18 @@ class Nvml:
         return [self.gpu(i) for i in range(self.count)]
 
     def processes(self, index: int) -> dict[int, int]:
-        """The compute processes on GPU `index` and the memory each uses (bytes)."""
+        """The compute processes on GPU `index` and the memory each uses (bytes).
+        Drivers before R510 have no _v3 of the call: then _v2 (same fields)."""
         out: dict[int, int] = {}
-        for p in self._call(index, "nvmlDeviceGetComputeRunningProcesses"):
+        fn = self._procs_fn
+        try:
+            found = self._call(index, fn)
+        except NvmlError as exc:
+            if fn != PROCS_V3 or exc.code not in (None, self._nv.NVML_ERROR_FUNCTION_NOT_FOUND):
+                raise
+            self._procs_fn = PROCS_V2
+            found = self._call(index, PROCS_V2)
+        for p in found:
             out[int(p.pid)] = out.get(int(p.pid), 0) + int(p.usedGpuMemory or 0)
         return out
 

@@ -251,10 +251,17 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(void *dev, nvmlUtilization_t *util) {
     return NVML_SUCCESS;
 }
 
-/* As the driver does: with too small a buffer (or none), say how many there are. */
+/* As the driver does: with too small a buffer (or none), say how many there are.
+ * Built with -DSTUB_OLD_DRIVER it is _v2 only, as drivers before R510 are. */
+#ifdef STUB_OLD_DRIVER
+#define PROCS_FN "nvmlDeviceGetComputeRunningProcesses_v2"
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(void *dev, unsigned int *count, nvmlProcessInfo_t *infos) {
+#else
+#define PROCS_FN "nvmlDeviceGetComputeRunningProcesses_v3"
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(void *dev, unsigned int *count, nvmlProcessInfo_t *infos) {
+#endif
     nvmlReturn_t rc;
-    struct gpu *g = device(dev, "nvmlDeviceGetComputeRunningProcesses_v3", &rc);
+    struct gpu *g = device(dev, PROCS_FN, &rc);
     if (!g)
         return rc;
     if (!count)
