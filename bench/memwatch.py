@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,13 +78,19 @@ class Instances:
 
 
 def main() -> None:
+    base = Path(tempfile.mkdtemp(prefix="cgpud-bench-nvml-"))
+    try:
+        run(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def run(base: Path) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--instances", type=int, default=25)
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--window", type=float, default=5.0)
     args = ap.parse_args()
-
-    base = Path(tempfile.mkdtemp(prefix="cgpud-bench-nvml-"))
     stub = NvmlStub.build(base)
     stub.gpus = [StubGpu("GPU-bench-0000", "Tesla T4")]
     stub.write()
