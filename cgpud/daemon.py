@@ -138,8 +138,16 @@ def _admin_gid(name: str | None) -> int | None:
 
 
 async def _start_mps(nursery, node: Node, durable: Durable, cfg: Config):
+    from .guard import registry_path, thaw_all
     from .mps import MpsControl, MpsError
 
+    # No scheduler in mps mode, but what a previous daemon (in another mode) left frozen runs again.
+    path = registry_path(cfg.state_dir)
+    try:
+        if not any(outcome.startswith("refused") for _, outcome in thaw_all(path)) and os.path.exists(path):
+            os.unlink(path)
+    except RegistryError as exc:
+        raise StartError(f"cannot read what a previous daemon froze ({exc}); fix or remove that file") from None
     try:
         mps = MpsControl(node, cfg.mps_control, cfg.mps_pipe_dir, cfg.state_dir)
         await nursery.start(mps.run)

@@ -13,6 +13,7 @@ import pytest
 from cgpud.mps import client_env, default_commands, thread_percentage
 from conftest import SIM_T4_BYTES, cgpud_script
 from test_cgpu_run import cgpu, wait_for
+from test_enforce import lab  # noqa: F401  (a fixture)
 
 STUB = Path(__file__).parent / "mps_stub" / "nvidia-cuda-mps-control"
 MIB = 1 << 20
@@ -68,6 +69,23 @@ def test_after_a_crash_the_next_daemon_takes_the_control_daemon_over(make_daemon
         "quit"]
     assert not Path(str(mps_log) + ".running").exists()
     # an MPS daemon someone else started is not taken over (test_mps_start_failures_are_one_line)
+
+
+def test_no_scheduler_in_mps_mode_but_what_a_previous_daemon_froze_runs_again(make_daemon, mps_log, lab):  # noqa: F811
+    from cgpud.guard import registry_path
+    from cgpud.sched.enforce import KIND_CGROUP2, CgroupV2Freezer
+
+    g = lab.group(KIND_CGROUP2)
+    lab.spawn(g)
+    f = CgroupV2Freezer(g)
+    f.freeze()
+    wait_for(lambda: "frozen 1" in Path(g, "cgroup.events").read_text(), what="the test group frozen")
+    d = make_daemon(gpus="sim:T4", start=False, extra_args=["--mode", "mps", "--mps-control", str(STUB)])
+    d.state_dir.mkdir()
+    Path(registry_path(str(d.state_dir))).write_text(json.dumps([f.spec()]))
+    d.start()
+    assert "frozen 0" in Path(g, "cgroup.events").read_text()
+    assert not os.path.exists(registry_path(str(d.state_dir)))
 
 
 def test_cgpu_run_gives_cmd_its_limits(make_daemon, mps_log, tmp_path):
