@@ -49,7 +49,8 @@ def main() -> None:
               envvar="CGPUD_PLACEMENT",
               help="How containers that name no GPU are placed: the fullest GPU that fits, or the emptiest.")
 @click.option("--mode", type=click.Choice(["exclusive", "share", "cgpu", "mps"]), default="cgpu", show_default=True,
-              envvar="CGPUD_MODE", help="Node mode for placement (docs/containers.md).")
+              envvar="CGPUD_MODE", help="Node mode for placement (docs/containers.md); mps also drives NVIDIA MPS "
+                                         "(docs/mps.md).")
 @click.option("--mem-action", type=click.Choice(["kill", "term", "log"]), default="kill", show_default=True,
               envvar="CGPUD_MEM_ACTION",
               help="Real GPUs (nvml): what to do to a process whose instance passes its memsize.")
