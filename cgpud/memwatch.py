@@ -56,20 +56,20 @@ def _comm(pid: int) -> str:
 
 class MemWatchdog:
     def __init__(self, node: Node, owner: Owner, action: str = "kill", period: float = DEFAULT_PERIOD,
-                 sample: Callable[[], Sequence[GpuSample]] | None = None) -> None:
+                 look: Callable[[], tuple[list[GpuSample], list[NvmlError]]] | None = None) -> None:
         if action not in ACTIONS:
             raise ValueError(f"memory action {action!r}: expected one of {', '.join(ACTIONS)}")
         self.node = node
         self.owner = owner
         self.action = action
         self.period = period
-        self._sample = sample
+        self._look = look
         self.samples: list[GpuSample] = []
         self.over: dict[tuple[int, str], int] = {}   # processes found past their instance's memsize
         self.kills: dict[tuple[int, str], int] = {}  # of them, those signalled (kill/term)
         self._last: dict[tuple[int, int], int] = {}  # (gpu, pid) -> bytes at the previous look
         self._acted: set[tuple[int, int]] = set()    # (gpu, pid) already failed (once per process)
-        self._error: str | None = None
+        self._errors: set[str] = set()  # the NVML failures logged and not yet over
 
     # ---- one look ------------------------------------------------------------
 
@@ -155,27 +155,29 @@ class MemWatchdog:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         nv = None
-        sample = self._sample
-        if sample is None:
+        look = self._look
+        if look is None:
             nv = Nvml()
             await trio.to_thread.run_sync(nv.open)  # NvmlError: the caller's start fails with its line
-            sample = nv.sample
+            look = nv.look
         log.info("memory watchdog: every %.2g s, action %s past memsize", self.period, self.action)
         task_status.started()
         try:
             while True:
-                try:
-                    samples = await trio.to_thread.run_sync(sample)
-                except NvmlError as exc:
-                    if str(exc) != self._error:
-                        log.error("memory watchdog: %s (memory limits are not enforced until NVML answers)", exc)
-                    self._error = str(exc)
-                else:
-                    if self._error is not None:
-                        log.info("memory watchdog: NVML answers again")
-                        self._error = None
-                    self.check(samples)
+                samples, errors = await trio.to_thread.run_sync(look)
+                self.note_errors(errors)
+                self.check(samples)
                 await trio.sleep(self.period)
         finally:
             if nv is not None:
                 nv.close()
+
+    def note_errors(self, errors: Sequence[NvmlError]) -> None:
+        """Log each NVML failure once while it lasts (a GPU that does not answer
+        is not watched; the others are), and when it is over."""
+        now = {str(e) for e in errors}
+        for e in sorted(now - self._errors):
+            log.error("memory watchdog: %s (memory limits on that GPU are not enforced until NVML answers)", e)
+        if self._errors - now:
+            log.info("memory watchdog: NVML answers again (%s)", "; ".join(sorted(self._errors - now)))
+        self._errors = now

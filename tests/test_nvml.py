@@ -354,3 +354,21 @@ def test_watchdog_log_and_term_actions(sleepers):
     wd.check(_sample({p.pid: GIB}))
     assert wd.check(_sample({p.pid: GIB + 1})) == [(0, "instanceaaaa", p.pid)]
     assert p.wait(5) == -signal.SIGTERM and wd.kills == {(0, "instanceaaaa"): 1}
+
+
+def test_a_gpu_that_stops_answering_is_logged_once_and_the_others_stay_watched(nvml_daemon, stub, runs):
+    d = nvml_daemon()
+    job = Run(d, f"lost{os.getpid() % 100000:05d}abc", "1G")
+    runs.append(job)
+    stub.gpus[1].fail = {"nvmlDeviceGetComputeRunningProcesses_v3": 15}  # GPU 1 falls off the bus
+    stub.write()
+    line = ("memory watchdog: GPU 1: nvmlDeviceGetComputeRunningProcesses: NVML_ERROR_GPU_IS_LOST (GPU is lost)")
+    wait_for(lambda: line in d.log_text(), timeout=10, what="the NVML failure logged")
+    stub.procs = {(0, job.pid): 2 * GIB}
+    stub.write()
+    assert job.proc.wait(10) == 128 + signal.SIGKILL, "GPU 0 was not watched while GPU 1 failed"
+    stub.gpus[1].fail = {}
+    stub.write()
+    wait_for(lambda: "memory watchdog: NVML answers again (GPU 1:" in d.log_text(), timeout=10, what="recovery")
+    assert d.log_text().count(line) == 1
+    assert d.alive()

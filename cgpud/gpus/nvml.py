@@ -197,13 +197,23 @@ class Nvml:
             out[int(p.pid)] = out.get(int(p.pid), 0) + int(p.usedGpuMemory or 0)
         return out
 
+    def sample_gpu(self, i: int) -> GpuSample:
+        mem = self._call(i, "nvmlDeviceGetMemoryInfo")
+        util = self._call(i, "nvmlDeviceGetUtilizationRates")
+        return GpuSample(i, self.processes(i), int(mem.used), int(mem.total), int(util.gpu), int(util.memory))
+
     def sample(self) -> list[GpuSample]:
-        out = []
+        return [self.sample_gpu(i) for i in range(self.count)]
+
+    def look(self) -> tuple[list[GpuSample], list[NvmlError]]:
+        """Every GPU that answers, and the errors of those that do not."""
+        out, errors = [], []
         for i in range(self.count):
-            mem = self._call(i, "nvmlDeviceGetMemoryInfo")
-            util = self._call(i, "nvmlDeviceGetUtilizationRates")
-            out.append(GpuSample(i, self.processes(i), int(mem.used), int(mem.total), int(util.gpu), int(util.memory)))
-        return out
+            try:
+                out.append(self.sample_gpu(i))
+            except NvmlError as exc:
+                errors.append(exc)
+        return out, errors
 
 
 def discover_nvml() -> list[GpuInfo]:
