@@ -208,8 +208,11 @@ class Control:
         stats: Callable[[], list[dict]] | None = None,
         strategy: str = "binpack",
         mode: str = "cgpu",
+        client_env: Callable[[str], dict] | None = None,
     ) -> None:
         self.durable = durable
+        self.client_env = client_env  # mps mode: the environment an instance's processes need (cgpud/mps.py)
+        self.watchdog = None  # real GPUs: the memory watchdog (cgpud/memwatch.py), set by the daemon
         self._stats = stats
         self.tracer: Callable[[float, int | None], list[dict]] | None = None  # Scheduling.trace (trace.collect)
         self.strategy, self.mode = strategy, mode  # placement: how the container hook picks GPUs
@@ -361,6 +364,7 @@ class Control:
             "name": name,
             "instances": [{"gpu": i.gpu, "id": i.id, "memsize": i.memsize, "weight": i.weight} for i in made],
             "target": target,
+            **({"env": self.client_env(name)} if self.client_env is not None else {}),
         }
 
     @staticmethod

@@ -49,6 +49,9 @@ class Config:
     placement: str = "binpack"
     mode: str = "cgpu"
     schedule: bool = True
+    mem_action: str = "kill"  # real GPUs: what the memory watchdog does past memsize (kill|term|log)
+    mps_control: str | None = None  # --mode mps: the nvidia-cuda-mps-control to drive (None: from PATH)
+    mps_pipe_dir: str | None = None  # --mode mps: CUDA_MPS_PIPE_DIRECTORY for the daemon and clients
 
 
 def load_node(cfg: Config) -> tuple[Node, Store]:
@@ -112,6 +115,19 @@ def sim_devices(node: Node, dev_dir: str | None) -> list[str]:
     return paths
 
 
+def gpu_devices(node: Node, cfg: Config) -> list[str]:
+    """The device file of each GPU: /dev/nvidia<minor> (under --dev-dir) for
+    real GPUs, which must exist; the daemon's own files for simulated ones."""
+    if cfg.gpus.strip() != "nvml":
+        return sim_devices(node, cfg.dev_dir)
+    from .gpus.nvml import device_files
+
+    try:
+        return device_files([g.info for g in node.gpus], cfg.dev_dir or "/dev")
+    except BadSpec as exc:
+        raise StartError(str(exc)) from None
+
+
 def _admin_gid(name: str | None) -> int | None:
     if name is None:
         return None
@@ -119,6 +135,47 @@ def _admin_gid(name: str | None) -> int | None:
         return grp.getgrnam(name).gr_gid
     except KeyError:
         raise StartError(f"--admin-group {name}: no such group") from None
+
+
+async def _start_mps(nursery, node: Node, durable: Durable, cfg: Config):
+    from .guard import registry_path, thaw_all
+    from .mps import MpsControl, MpsError
+
+    # No scheduler in mps mode, but what a previous daemon (in another mode) left frozen runs again.
+    path = registry_path(cfg.state_dir)
+    try:
+        if not any(outcome.startswith("refused") for _, outcome in thaw_all(path)) and os.path.exists(path):
+            os.unlink(path)
+    except RegistryError as exc:
+        raise StartError(f"cannot read what a previous daemon froze ({exc}); fix or remove that file") from None
+    try:
+        mps = MpsControl(node, cfg.mps_control, cfg.mps_pipe_dir, cfg.state_dir)
+        await nursery.start(mps.run)
+    except MpsError as exc:
+        raise StartError(str(exc)) from None
+    durable.listeners.append(mps.changed)
+    return mps
+
+
+async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Config):
+    """Memory isolation on real GPUs (cgpud/memwatch.py). Instances get their
+    processes (targets) only through the control socket, hence here."""
+    from .gpus.nvml import NvmlError
+    from .memwatch import MemWatchdog
+
+    def owner(pid: int, gpu: int):
+        try:
+            return ctl.instance_of(pid, gpu)
+        except control.Refused:
+            return None
+
+    watchdog = MemWatchdog(node, owner, cfg.mem_action)
+    try:
+        await nursery.start(watchdog.run)
+    except NvmlError as exc:
+        raise StartError(str(exc)) from None
+    ctl.watchdog = watchdog  # for whoever reports it (metrics: kills / over per (gpu, instance))
+    return watchdog
 
 
 async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -158,6 +215,7 @@ async def _serve(cfg: Config) -> None:
     node, store = load_node(cfg)
     gid = _admin_gid(cfg.admin_group)
     try:
+        devices = gpu_devices(node, cfg)
         durable = Durable(node, store)
         store.save(node.to_state())
         ops = Operations(tree.build(durable), errors=tree.ERRNOS, version=lambda: node.version, write_gid=gid)
@@ -177,10 +235,11 @@ async def _serve(cfg: Config) -> None:
         cleanups: list = []
         async with trio.open_nursery() as nursery:
             await nursery.start(_watch_signals)
-            devices = sim_devices(node, cfg.dev_dir)
-            sched = _scheduling(node, durable, cfg, devices) if cfg.schedule else None
+            # In mps mode MPS shares compute (active-thread percentage): no time slices.
+            sched = _scheduling(node, durable, cfg, devices) if cfg.schedule and cfg.mode != "mps" else None
             if sched is not None:
                 await nursery.start(sched.run)
+            mps = await _start_mps(nursery, node, durable, cfg) if cfg.mode == "mps" else None
             if cfg.socket:
                 try:
                     groups = InstanceGroups()
@@ -189,7 +248,8 @@ async def _serve(cfg: Config) -> None:
                     groups = None
                 ctl = control.Control(durable, gid, groups, devices=devices,
                                       stats=sched.stats if sched is not None else None,
-                                      strategy=cfg.placement, mode=cfg.mode)
+                                      strategy=cfg.placement, mode=cfg.mode,
+                                      client_env=mps.client_env if mps is not None else None)
                 ctl.tracer = sched.trace if sched is not None else None
                 try:
                     await nursery.start(control.serve, cfg.socket, ctl, ops.refresh)
@@ -197,6 +257,8 @@ async def _serve(cfg: Config) -> None:
                     raise StartError(f"control socket {cfg.socket}: {exc.strerror or exc}") from None
                 cleanups.append(ctl.close)
                 nursery.start_soon(control.reaper, ctl, ops.refresh)
+                if cfg.gpus.strip() == "nvml":
+                    await _start_watchdog(nursery, node, ctl, cfg)
             try:
                 await nursery.start(_serve_fs, ops, mountpoint, mount.options(FSNAME, allow_other), nursery.cancel_scope)
             except mount.MountError as exc:

@@ -67,6 +67,7 @@ class GpuInfo:
     name: str
     memory: int  # bytes
     major: int = 0
+    minor: int | None = None  # a real GPU's device file is /dev/nvidia<minor> (None: simulated)
 
 
 @dataclass

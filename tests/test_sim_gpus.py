@@ -98,7 +98,6 @@ def test_at_most_ten_gpus():
         ("sim:T4:abc", "cannot read"),
         ("sim:2x", "unknown model"),
         ("sim:a b", "cannot read"),
-        ("nvml", "NVML backend is not part of this version"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(spec, says):

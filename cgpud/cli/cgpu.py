@@ -91,6 +91,7 @@ def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
             f.write(str(os.getpid()))
 
     env = dict(os.environ, CGPU_INSTANCE=name, CGPU_GPUS=",".join(map(str, gpu_ids)))
+    env.update(res.get("env") or {})  # mps mode: the instance's MPS limits (docs/mps.md)
     if devices:
         env["CGPU_DEVICE"] = devices[gpu_ids[0]]
     code = 127

@@ -29,7 +29,7 @@ def main() -> None:
 
 @main.command()
 @click.option("--gpus", default="sim:T4", show_default=True, envvar="CGPUD_GPUS",
-              help="GPUs to manage: sim:T4, sim:4xT4, sim:2xA10,1xV100, sim:NAME:MIB, file:PATH")
+              help="GPUs to manage: nvml (the real ones), sim:T4, sim:4xT4, sim:2xA10,1xV100, sim:NAME:MIB, file:PATH")
 @click.option("--mount", "mountpoint", default=default_mount, show_default="/run/cgpu_km as root",
               envvar="CGPUD_MOUNT", help="Where to mount the cgpu_km tree.")
 @click.option("--state-dir", default=default_state_dir, show_default="/var/lib/cgpud as root",
@@ -38,8 +38,9 @@ def main() -> None:
               help="A group whose members may write the tree too (mode 0664).")
 @click.option("--socket", "socket_path", default=default_socket, show_default="/run/cgpud/cgpud.sock as root",
               envvar="CGPUD_SOCKET", help="The control socket (for cgpu run, the container hook, cgpu-smi).")
-@click.option("--dev-dir", default=default_dev_dir, show_default="/run/cgpud/dev as root", envvar="CGPUD_DEV_DIR",
-              help="Where the device file of each simulated GPU is made.")
+@click.option("--dev-dir", default=None, show_default="/dev for nvml, else /run/cgpud/dev as root", envvar="CGPUD_DEV_DIR",
+              help="Where the device file of each simulated GPU is made; with --gpus nvml, where the "
+                   "nvidiaN device files are.")
 @click.option("--rt-priority", type=click.IntRange(0, 99), default=10, show_default=True, envvar="CGPUD_RT_PRIORITY",
               help="Real-time priority of the daemon's scheduling (0: normal priority).")
 @click.option("--slice-ms", type=click.FloatRange(0.5, 1000), default=10.0, show_default=True, envvar="CGPUD_SLICE_MS",
@@ -48,16 +49,28 @@ def main() -> None:
               envvar="CGPUD_PLACEMENT",
               help="How containers that name no GPU are placed: the fullest GPU that fits, or the emptiest.")
 @click.option("--mode", type=click.Choice(["exclusive", "share", "cgpu", "mps"]), default="cgpu", show_default=True,
-              envvar="CGPUD_MODE", help="Node mode for placement (docs/containers.md).")
+              envvar="CGPUD_MODE", help="Node mode for placement (docs/containers.md); mps also drives NVIDIA MPS "
+                                         "(docs/mps.md).")
+@click.option("--mem-action", type=click.Choice(["kill", "term", "log"]), default="kill", show_default=True,
+              envvar="CGPUD_MEM_ACTION",
+              help="Real GPUs (nvml): what to do to a process whose instance passes its memsize.")
+@click.option("--mps-control", default=None, envvar="CGPUD_MPS_CONTROL", show_default="nvidia-cuda-mps-control in PATH",
+              help="--mode mps: the MPS control program to drive.")
+@click.option("--mps-pipe-dir", default=None, envvar="CUDA_MPS_PIPE_DIRECTORY",
+              help="--mode mps: the MPS pipe directory (CUDA_MPS_PIPE_DIRECTORY) for the daemon and clients.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, dev_dir: str,
-          rt_priority: int, slice_ms: float, placement: str, mode: str, log_level: str) -> None:
+          rt_priority: int, slice_ms: float, placement: str, mode: str, mem_action: str, mps_control: str | None,
+          mps_pipe_dir: str | None, log_level: str) -> None:
     """Mount the tree and serve it until SIGTERM or SIGINT."""
     setup_logging(log_level)
+    if dev_dir is None:
+        dev_dir = "/dev" if gpus.strip() == "nvml" else default_dev_dir()
     cfg = Config(gpus=gpus, mount=mountpoint, state_dir=state_dir, admin_group=admin_group, socket=socket_path,
                  dev_dir=dev_dir, rt_priority=rt_priority, slice_ms=slice_ms,
-                 placement=placement, mode=mode)
+                 placement=placement, mode=mode, mem_action=mem_action, mps_control=mps_control,
+                 mps_pipe_dir=mps_pipe_dir)
     try:
         trio.run(serve_daemon, cfg)
     except StartError as exc:

@@ -3,7 +3,7 @@
     discover(spec) -> list[GpuInfo]
 
 `sim:…` and `file:…` specs give simulated GPUs (gpus/sim.py); `nvml` gives the
-real ones (a later backend behind the same call).
+real ones (gpus/nvml.py; its errors are BadSpec too, one line each).
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ def discover(spec: str) -> list[GpuInfo]:
     if spec.startswith("file:"):
         return load_file(spec[5:])
     if spec == "nvml":
-        raise BadSpec("--gpus nvml: the NVML backend is not part of this version yet; use sim:MODEL")
+        from .nvml import discover_nvml
+
+        return discover_nvml()
     raise BadSpec(
-        f"--gpus {spec!r}: expected sim:MODEL (sim:T4, sim:4xT4, sim:2xA10,1xV100, sim:NAME:MIB) or file:PATH"
+        f"--gpus {spec!r}: expected sim:MODEL (sim:T4, sim:4xT4, sim:2xA10,1xV100, sim:NAME:MIB), file:PATH or nvml"
     )
