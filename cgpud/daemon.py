@@ -140,11 +140,12 @@ async def _serve_fs(fuse, scope, task_status=trio.TASK_STATUS_IGNORED) -> None:
         scope.cancel()
 
 
-async def serve(cfg: Config) -> None:
-    """Run the daemon; a start-up failure comes out as one StartError
-    (not wrapped in the nursery's exception group)."""
+async def serve(cfg: Config) -> int:
+    """Run the daemon; its exit status (0, or upgrade.COLD_EXIT after a cold
+    upgrade). A start-up failure comes out as one StartError (not wrapped in
+    the nursery's exception group)."""
     try:
-        await _serve(cfg)
+        return await _serve(cfg)
     except BaseExceptionGroup as group:
         starts = group.subgroup(StartError)
         if starts is not None and starts.subgroup(lambda e: not isinstance(e, (StartError, BaseExceptionGroup))) is None:
@@ -155,7 +156,7 @@ async def serve(cfg: Config) -> None:
         raise
 
 
-async def _serve(cfg: Config) -> None:
+async def _serve(cfg: Config) -> int:
     takeover = upgrade.Takeover.from_env()  # started by a hot upgrade (cgpud.upgrade)
     node, store = load_node(cfg)
     gid = _admin_gid(cfg.admin_group)
@@ -197,6 +198,15 @@ async def _serve(cfg: Config) -> None:
                     fuse.mount(mount.options(FSNAME, allow_other))
                 except mount.MountError as exc:
                     raise StartError(str(exc)) from None
+            exit_status = 0
+
+            def cold_stop() -> None:
+                nonlocal exit_status
+                exit_status = upgrade.COLD_EXIT
+                pyfuse3.terminate()
+
+            if services.ctl is not None:
+                services.ctl.ops["cold_upgrade"] = (True, upgrade.cold_op(services.ctl, cold_stop))
             try:
                 await services.start(nursery, **(takeover.service_args() if takeover else {}))
                 if takeover is not None:
@@ -216,6 +226,7 @@ async def _serve(cfg: Config) -> None:
         if not upgrader.handed_over:
             services.close()
         log.info("stopped")
+        return exit_status
     finally:
         if upgrader is None or not upgrader.handed_over:
             notify("STOPPING=1")

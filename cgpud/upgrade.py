@@ -96,7 +96,8 @@ def control_state(ctl: Control) -> dict:
         "our_paths": sorted(ctl._our_paths),
         "held": [[h, asdict(x)] for conn in ctl.held.values() for h, x in conn.items()],
         "next_handle": next(ctl._handles),
-        "conns": [{k: v for k, v in asdict(a).items() if k != "fd"} for a in ctl.handed],
+        "conns": [{**{k: v for k, v in asdict(a).items() if k not in ("fd", "buf")}, "buf": a.buf.decode("latin-1")}
+                  for a in ctl.handed],
     }
 
 
@@ -203,16 +204,22 @@ class Upgrader:
         await fuse.pause()
         keep_listen = services.listen_dup()
         await services.stop(handing_over=True)
-        fds = [fuse.fd, keep_listen] + [a.fd for a in services.handed()]
-        payload = {"op": "go", "ops": fuse.ops.export_state(), "control": services.control_state(),
-                   "from_version": __version__, "from_pid": os.getpid()}
         try:
+            fds = [fuse.fd, keep_listen if keep_listen >= 0 else fuse.fd] + [a.fd for a in services.handed()]
+            payload = {"op": "go", "ops": fuse.ops.export_state(), "control": services.control_state(),
+                       "from_version": __version__, "from_pid": os.getpid()}
             await send(sock, payload, fds)
             msg, _ = await receive(sock, SERVING_TIMEOUT)
             if msg.get("op") != "serving":
                 raise UpgradeError(f"the new daemon failed: {msg.get('error', msg)}")
-        except (UpgradeError, trio.TooSlowError, OSError, ValueError) as exc:
-            why = "it did not answer in time" if isinstance(exc, trio.TooSlowError) else str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, this daemon serves again
+            if isinstance(exc, trio.TooSlowError):
+                why = "the new daemon did not answer in time"
+            elif isinstance(exc, (UpgradeError, OSError)):
+                why = str(exc)
+            else:
+                why = f"internal error ({exc!r})"
+                log.exception("hot upgrade")
             _kill(proc)
             sock.close()
             log.error("hot upgrade failed after the switch began (%s): serving again with version %s", why, __version__)
@@ -291,7 +298,7 @@ class Takeover:
         self.go = msg
         self.fuse_fd, self.listen_fd = fds[0], fds[1]
         conns = msg["control"]["conns"]
-        self.adopted = [Adopted(fd=fd, **c) for fd, c in zip(fds[2:], conns)]
+        self.adopted = [Adopted(fd=fd, **{**c, "buf": c["buf"].encode("latin-1")}) for fd, c in zip(fds[2:], conns)]
         log.info("hot upgrade: taking over from pid %d (version %s)", msg["from_pid"], msg["from_version"])
 
     def service_args(self) -> dict:
@@ -326,3 +333,69 @@ async def take_over(t: Takeover, fuse: FuseServer, services, ops, store, status:
         os.close(t.listen_fd)
         t.listen_fd = -1
     status.done(__version__)
+
+
+# ---- cold upgrade ------------------------------------------------------------------------------------
+
+COLD_EXIT = 75  # EX_TEMPFAIL: the service manager starts the daemon again, with the code on disk
+
+
+def cold_op(ctl: Control, stop: Callable[[], None]):
+    """The control op `cold_upgrade` (root or the admin group): refused with
+    EBUSY while any instance exists, as the product's upgrade.sh refuses;
+    otherwise the daemon stops (its exit status COLD_EXIT) so that the
+    service manager restarts it with the installed code."""
+    from .control import Refused
+
+    def op(req: dict, peer) -> dict:
+        names = sorted({i.name for i in ctl.node.instances()})
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise Refused(errno.EBUSY, f"{len(names)} instance(s) exist ({shown}): stop their containers first, "
+                                       "or upgrade hot with `cgpud upgrade` (echo 1 > upgrade), which keeps them")
+        log.info("cold upgrade asked by pid %d: no instances; stopping so that the service manager starts "
+                 "the installed code (exit status %d)", peer.pid, COLD_EXIT)
+        stop()
+        return {"pid": os.getpid(), "version": __version__, "exit_status": COLD_EXIT}
+
+    return op
+
+
+# ---- the command line's side (cgpud upgrade) -----------------------------------------------------------
+
+
+def hot_upgrade(mountpoint: str) -> str:
+    """Write `1` to the tree's `upgrade`; the line to print. ClickException
+    (one line) when it fails."""
+    import click
+
+    path = os.path.join(mountpoint, "upgrade")
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, b"1\n")
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        try:
+            with open(path) as f:
+                said = f.read().strip()
+        except OSError:
+            said = ""
+        detail = f" ({said})" if said.startswith("failed") else ""
+        raise click.ClickException(f"hot upgrade through {path} failed: {exc.strerror}{detail}") from None
+    return f"hot upgrade started: the new daemon is ready and takes over now (cat {path} to follow)"
+
+
+def cold_upgrade(socket_path: str) -> str:
+    import click
+
+    from .client import Client, ControlError, DaemonUnavailable
+
+    try:
+        with Client(socket_path) as c:
+            r = c.call("cold_upgrade")
+    except (DaemonUnavailable, ControlError) as exc:
+        raise click.ClickException(f"cold upgrade refused: {exc}") from None
+    return (f"cgpud {r['version']} (pid {r['pid']}) is stopping (exit status {r['exit_status']}); "
+            "the service manager starts the installed code")

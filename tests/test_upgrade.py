@@ -1,0 +1,261 @@
+"""Hot and cold upgrade (SPEC §7, docs/upgrade.md) on a real daemon.
+
+A reader process loops GNU `cat` over several nodes of the real mount while
+`echo 1 > upgrade` hands the daemon to a freshly started one (the code on
+disk): no read may fail, every value must be the one set before, instances
+and settings stay, and a `cgpu run` workload keeps running, keeps its
+connection (it deregisters through it at the end) and its simulated memory,
+and is frozen again by the new daemon's scheduler.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cgpud.client import Client
+from conftest import _holds_dev_fuse, mounted, shell
+
+CGPU = str(Path(sys.executable).parent / "cgpu")
+CGPUD = str(Path(sys.executable).parent / "cgpud")
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class Adopted:
+    """A daemon started by a hot upgrade: the child of the daemon before it.
+    With this process a subreaper it becomes our child once that one exits,
+    so we can wait for it and see its exit status (as Popen would)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                return None if os.path.exists(f"/proc/{self.pid}") else 0
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+@pytest.fixture
+def subreaper():
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    yield
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def daemon_pid(d) -> int:
+    with Client(str(d.socket)) as c:
+        return c.call("hello")["pid"]
+
+
+def upgrade(d, timeout: float = 30.0) -> str:
+    """`echo 1 > upgrade` with bash, then follow the handover: the old daemon
+    exits 0, the new one serves the mount and answers on the socket. The
+    final `upgrade` text."""
+    old = d.proc
+    r = shell(f"echo 1 > {d.path('upgrade')}")
+    assert r.returncode == 0, f"{r.stderr}\n{d.log_text()}"
+    assert old.wait(timeout) == 0, d.log_text()  # the old daemon hands over, then ends cleanly
+    new = Adopted(daemon_pid(d))
+    assert new.pid != old.pid
+    d.proc = new
+    assert _holds_dev_fuse(new.pid) and mounted(d.mount)
+    return d.value("upgrade")
+
+
+class Reader:
+    """A bash loop of GNU `cat` over `files` of the mount until stopped;
+    every read's outcome is one line of its output."""
+
+    def __init__(self, d, files: list[str]) -> None:
+        self.stop_file = d.base / "reader.stop"
+        self.out = d.base / "reader.out"
+        # (a value of several lines, meminfo, is printed on one, joined by "|")
+        cmds = "; ".join(f'v=$(cat {d.path(f)}) && echo "{f}=${{v//$\'\\n\'/|}}" || echo "FAILED {f}"' for f in files)
+        self.proc = subprocess.Popen(
+            ["bash", "-c", f"while [ ! -e {self.stop_file} ]; do {cmds}; done > {self.out} 2>&1"])
+
+    def count(self) -> int:
+        try:
+            return len(self.out.read_text().splitlines())
+        except FileNotFoundError:
+            return 0
+
+    def finish(self) -> list[str]:
+        self.stop_file.touch()
+        self.proc.wait(20)
+        return self.out.read_text().splitlines()
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def frozen(path: str) -> bool:
+    with open(os.path.join(path, "cgroup.events")) as f:
+        return "frozen 1" in f.read()
+
+
+def test_hot_upgrade_keeps_everything_and_no_read_fails(make_daemon, subreaper):
+    d = make_daemon(extra_args=["--slice-ms", "50"])
+    run_name = f"upgr{os.getpid() % 100000000:08d}"
+    static = f"upgs{os.getpid() % 100000000:08d}"
+    d.write("default_memsize", str(1 << 30))
+    d.write("0/max_inst", "4")
+    d.write("0/prio_ratio", "70")
+    d.create(0, static)
+    d.write(f"0/{static}/weight", "2")
+    d.write("0/policy", "3")  # fixed shares: a lone workload of weight 1 runs 1/4 of the time, frozen the rest
+    env = dict(os.environ, CGPUD_SOCKET=str(d.socket))
+    run = subprocess.Popen([CGPU, "run", "--name", run_name, "--mem", "256M", "--",
+                            CGPU, "workload", "--seconds", "12", "--mem", "64M", "--json", "--interval", "0.01"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: os.path.isdir(d.path(f"0/{run_name}")), 15, "the cgpu run instance")
+        meminfo = d.path(f"0/{run_name}/meminfo")
+        wait_for(lambda: "PID:" in open(meminfo).read(), 15, "the workload's simulated memory")
+        group = json.loads((d.state_dir / "state.json").read_text())["state"]
+        group = next(i["target"]["path"] for g in group["gpus"] for i in g["instances"] if i["name"] == run_name)
+        wait_for(lambda: frozen(group), 10, "the workload frozen by policy 3")
+        before = d.snapshot()
+        files = ["version", "default_memsize", "0/policy", "0/max_inst", "0/free_weight",
+                 f"0/{static}/weight", f"0/{run_name}/memsize", f"0/{run_name}/meminfo"]
+        reader = Reader(d, files)
+        wait_for(lambda: reader.count() > 20, 10, "the reader to start")
+        old_pid = d.proc.pid
+        n0 = reader.count()
+        first = upgrade(d)
+        assert first.startswith("done "), first
+        n1 = reader.count()
+        second = upgrade(d)  # a second upgrade works too (the adopted daemon hands over in turn)
+        assert second.startswith("done "), second
+        lines = reader.finish()
+        after = d.snapshot()
+    finally:
+        out, err = run.communicate(timeout=60)
+    assert n1 > n0, "the reader made no read during the first upgrade"
+    failed = [line for line in lines if line.partition("=")[0] not in files]
+    assert failed == [], f"{len(failed)} failed reads of {len(lines)}: {failed[:5]}\n{d.log_text()}"
+    # every read showed the value set before (the workload's memory included)
+    expect = {f: before[f].rstrip("\n").replace("\n", "|") for f in files}
+    wrong = [line for line in lines if line.split("=", 1)[1] != expect[line.split("=", 1)[0]]]
+    assert wrong == [], wrong[:5]
+    assert {k: v for k, v in after.items() if k != "upgrade"} == {k: v for k, v in before.items() if k != "upgrade"}
+    assert d.proc.pid != old_pid
+    # the workload ran through both upgrades, was scheduled again (frozen by the new daemon),
+    # and `cgpu run` deregistered through its handed-over connection
+    assert run.returncode == 0, err
+    assert "could not deregister" not in err, err
+    samples = [json.loads(x) for x in out.splitlines() if x.strip()]
+    assert samples[-1]["iterations"] > 0
+    assert run_name not in d.instances(0)
+    log = d.log_text()
+    assert log.count("hot upgrade: taking over from pid") == 2, log
+
+
+def test_workload_is_frozen_again_after_the_upgrade(make_daemon, subreaper):
+    d = make_daemon(extra_args=["--slice-ms", "50"])
+    name = f"upgf{os.getpid() % 100000000:08d}"
+    d.write("0/max_inst", "4")
+    d.write("0/policy", "3")
+    env = dict(os.environ, CGPUD_SOCKET=str(d.socket))
+    run = subprocess.Popen([CGPU, "run", "--name", name, "--", CGPU, "workload", "--seconds", "30"],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: os.path.isdir(d.path(f"0/{name}")), 15, "the instance")
+        group = os.path.join(json.loads((d.state_dir / "state.json").read_text())["state"]["gpus"][0]
+                             ["instances"][0]["target"]["path"])
+        wait_for(lambda: frozen(group), 10, "the first freeze")
+        upgrade(d)
+
+        def scheduled() -> bool:  # by the new daemon's own scheduler (its telemetry starts at 0)
+            with Client(str(d.socket)) as c:
+                st = c.call("stats")[0]
+            return st["freezes"] >= 2 and st["thaws"] >= 2
+
+        wait_for(scheduled, 10, "freezes and thaws by the new daemon")
+        wait_for(lambda: frozen(group), 10, "a freeze by the new daemon")
+    finally:
+        run.send_signal(signal.SIGTERM)
+        run.wait(20)
+    # nothing is left frozen once the daemon stops
+    d.stop()
+    assert not os.path.exists(group) or not frozen(group)
+
+
+def test_failed_upgrade_changes_nothing_and_says_why(daemon, subreaper):
+    """The new daemon cannot start (here: it cannot read the state file):
+    the write fails with EIO, `upgrade` says why, the old daemon serves on."""
+    d = daemon
+    d.write("0/policy", "2")
+    pid = d.proc.pid
+    state = d.state_dir / "state.json"
+    good = state.read_bytes()
+    state.write_bytes(b"{not json")
+    try:
+        r = shell(f"echo 1 > {d.path('upgrade')}")
+    finally:
+        state.write_bytes(good)
+    assert r.returncode != 0 and "Input/output error" in r.stderr, r
+    status = d.value("upgrade")
+    assert status.startswith("failed: the new daemon did not get ready"), status
+    assert d.alive() and daemon_pid(d) == pid and d.value("0/policy") == "2"
+    d.write("0/policy", "1")  # still serving writes
+    assert d.value("0/policy") == "1"
+    assert upgrade(d).startswith("done ")  # and a later upgrade works
+    assert d.value("0/policy") == "1"
+
+
+def test_cold_upgrade_refused_with_instances_done_without(daemon):
+    d = daemon
+    name = f"cold{os.getpid() % 100000000:08d}"
+    d.create(0, name)
+    r = subprocess.run([CGPUD, "upgrade", "--cold", "--socket", str(d.socket)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "refused" in lines[0] and name in lines[0] and "instance" in lines[0], r.stderr
+    assert d.alive() and name in d.instances(0)
+    d.destroy(name)
+    r = subprocess.run([CGPUD, "upgrade", "--cold", "--socket", str(d.socket)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "stopping" in r.stdout
+    assert d.proc.wait(15) == 75  # the service manager restarts it (Restart=on-failure)
+    assert not mounted(d.mount)
+    d.start()  # "the service manager": the code on disk, same state
+    assert d.value("upgrade") == "none"
