@@ -163,8 +163,12 @@ async def _serve(cfg: Config) -> int:
     upgrader = None
     try:
         durable = Durable(node, store)
-        if takeover is None:
-            store.save(node.to_state())
+        if takeover is None and store.load() != node.to_state():
+            try:
+                store.save(node.to_state())
+            except OSError as exc:
+                raise StartError(f"cannot write the state file {store.path} ({exc.strerror}): "
+                                 f"make room under {cfg.state_dir}") from None
         status = upgrade.Status()
         upgrader = upgrade.Upgrader(status)
         ops = Operations(tree.build(durable, upgrader), errors=tree.ERRNOS, version=lambda: node.version, write_gid=gid)
