@@ -102,19 +102,25 @@ def check_acked(w: Writer, state: dict[str, str], now: dict[str, str], where: st
     """Every file shows its last acknowledged value (`state`: before the
     round), or the value of the one valid write in flight."""
     for f, got in now.items():
-        acked = w.acked[f]
-        if f == "inst_ctl":
-            last = state[f] if not acked else ("exists" if acked[-1][0] == "0" else "absent")
-        else:
-            last = acked[-1] if acked else state[f]
-        allowed = {last}
-        if w.inflight is not None and w.inflight[0] == f and w.inflight[2]:
-            v = w.inflight[1]
-            allowed.add(("exists" if v[0] == "0" else "absent") if f == "inst_ctl" else v)
+        last, allowed = allowed_values(w, state, f)
         assert got in allowed, (
             f"{where}: {f} shows {got!r}; the last acknowledged write was {last!r}, in flight "
-            f"{w.inflight!r} ({len(acked)} acknowledged writes to it, {w.writes} in all)"
+            f"{w.inflight!r} ({len(w.acked[f])} acknowledged writes to it, {w.writes} in all)"
         )
+
+
+def allowed_values(w: Writer, state: dict[str, str], f: str) -> tuple[str, set[str]]:
+    """The last acknowledged value of `f`, and the values it may show now."""
+    acked = w.acked[f]
+    if f == "inst_ctl":
+        last = state[f] if not acked else ("exists" if acked[-1][0] == "0" else "absent")
+    else:
+        last = acked[-1] if acked else state[f]
+    allowed = {last}
+    if w.inflight is not None and w.inflight[0] == f and w.inflight[2]:
+        v = w.inflight[1]
+        allowed.add(("exists" if v[0] == "0" else "absent") if f == "inst_ctl" else v)
+    return last, allowed
 
 
 def test_acknowledged_writes_survive_kill_9(make_daemon):
