@@ -235,3 +235,66 @@ def test_cold_upgrade_refused_with_instances_done_without(daemon):
     assert not mounted(d.mount)
     d.start()  # "the service manager": the code on disk, same state
     assert d.value("upgrade") == "none"
+
+
+def test_writes_and_socket_clients_through_an_upgrade(daemon, subreaper):
+    """Tree writes (settings and inst_ctl churn), a client on one long-lived
+    connection and clients on fresh connections, all during a hot upgrade:
+    none sees an error, and every acknowledged change is there after."""
+    import threading
+
+    d = daemon
+    d.write("default_memsize", str(1 << 30))
+    toggled = f"upgw{os.getpid() % 100000000:08d}"
+    stop = threading.Event()
+    errors: list[str] = []
+    acked: dict[str, str] = {}
+    counts = {"writes": 0, "queries": 0, "connects": 0}
+
+    def writer() -> None:
+        exists, i = False, 0
+        while not stop.is_set():
+            i += 1
+            try:
+                d.write("0/prio_ratio", str(20 + i % 80))
+                acked["0/prio_ratio"] = str(20 + i % 80)
+                d.write("inst_ctl", ("-" if exists else "0") + toggled)
+                exists = not exists
+                acked["toggled"] = "exists" if exists else "absent"
+                counts["writes"] += 2
+            except OSError as exc:
+                errors.append(f"write: {exc}")
+                return
+
+    def long_client() -> None:
+        try:
+            with Client(str(d.socket)) as c:
+                while not stop.is_set():
+                    c.call("query")
+                    counts["queries"] += 1
+        except Exception as exc:  # noqa: BLE001 - any failure is the finding
+            errors.append(f"query: {exc!r}")
+
+    def fresh_clients() -> None:
+        while not stop.is_set():
+            try:
+                with Client(str(d.socket)) as c:
+                    c.call("hello")
+                counts["connects"] += 1
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"connect: {exc!r}")
+                return
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (writer, long_client, fresh_clients)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: min(counts.values()) > 5, 10, "the clients to get going")
+    before = dict(counts)
+    assert upgrade(d).startswith("done ")
+    wait_for(lambda: all(counts[k] > before[k] + 5 for k in counts), 10, "the clients to go on after the upgrade")
+    stop.set()
+    for t in threads:
+        t.join(20)
+    assert errors == [], errors
+    assert d.value("0/prio_ratio") == acked["0/prio_ratio"]
+    assert (toggled in d.instances(0)) == (acked["toggled"] == "exists")
