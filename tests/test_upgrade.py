@@ -298,3 +298,56 @@ def test_writes_and_socket_clients_through_an_upgrade(daemon, subreaper):
     assert errors == [], errors
     assert d.value("0/prio_ratio") == acked["0/prio_ratio"]
     assert (toggled in d.instances(0)) == (acked["toggled"] == "exists")
+
+
+def test_new_daemon_stuck_after_ready_rolls_back(daemon, subreaper):
+    """The new daemon stops answering after `ready` (SIGSTOP): the old one
+    gives up after its timeout, kills it, and serves again with its mount,
+    socket, connections and scheduler; `upgrade` says why."""
+    import re
+    import threading
+
+    d = daemon
+    d.write("0/policy", "2")
+    pid = d.proc.pid
+    client = Client(str(d.socket))  # a connection held across the attempt
+    client.call("hello")
+    for attempt in range(3):
+        seen = len(d.log_text())
+        stopped: list[int] = []
+
+        def stop_new() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                m = re.search(r"the new daemon \(pid (\d+), version [^)]*\) is ready", d.log_text()[seen:])
+                if m:
+                    os.kill(int(m.group(1)), signal.SIGSTOP)
+                    stopped.append(int(m.group(1)))
+                    return
+                time.sleep(0.0005)
+
+        t = threading.Thread(target=stop_new, daemon=True)
+        t.start()
+        r = shell(f"echo 1 > {d.path('upgrade')}")
+        t.join(60)
+        assert r.returncode == 0 and stopped, (r.stderr, d.log_text())
+        wait_for(lambda: d.value("upgrade") != "in progress", 30, "the attempt to end")
+        if d.value("upgrade").startswith("failed"):
+            break
+        # the new daemon was quicker than SIGSTOP: it serves; follow it and try again
+        os.kill(stopped[0], signal.SIGCONT)
+        d.proc.wait(10)
+        d.proc = Adopted(daemon_pid(d))
+        pid = d.proc.pid
+        client.close()
+        client = Client(str(d.socket))
+    assert d.value("upgrade") == "failed: the new daemon did not answer in time", d.log_text()
+    assert daemon_pid(d) == pid and d.alive()
+    assert not os.path.exists(f"/proc/{stopped[0]}") or open(f"/proc/{stopped[0]}/stat").read().split()[2] == "Z"
+    assert client.call("hello")["pid"] == pid  # the held connection works on
+    client.close()
+    assert d.value("0/policy") == "2"
+    d.write("0/policy", "1")
+    assert d.value("0/policy") == "1"
+    with Client(str(d.socket)) as c:
+        wait_for(lambda: bool(c.call("stats")), 10, "the scheduler to run again")
