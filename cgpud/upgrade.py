@@ -10,10 +10,10 @@ the settings kept (SPEC §7, docs/upgrade.md).
    (fusefs.handover), then says `ready`. Until then the old one serves as
    usual; if the new one fails to get ready, the write fails (EIO), reading
    `upgrade` says why, and nothing changed.
-2. The write returns. The old daemon then stops between two requests: FUSE
-   (requests that arrive now wait in the kernel), the control socket (each
-   connection between two requests), the reaper, and the scheduler, which
-   thaws everything and stops its guard.
+2. The write returns. The old daemon then stops between two requests: the
+   control socket (each connection between two requests), the reaper, the
+   scheduler (which thaws everything and stops its guard), then FUSE
+   (requests that arrive now wait in the kernel).
 3. `go`: the old daemon sends its tables (inode and file-handle numbers,
    connection owners, simulated GPU memory) and passes the /dev/fuse
    descriptor, the listening socket and every open client connection.
@@ -201,9 +201,11 @@ class Upgrader:
         fuse, services = self.fuse, self.services
         assert fuse is not None
         t0 = time.monotonic()
-        await fuse.pause()
         keep_listen = services.listen_dup()
+        # The control socket first, while FUSE still serves: a request that removed
+        # an instance invalidates the kernel's dentry, which may need a lookup answered.
         await services.stop(handing_over=True)
+        await fuse.pause()
         try:
             fds = [fuse.fd, keep_listen if keep_listen >= 0 else fuse.fd] + [a.fd for a in services.handed()]
             payload = {"op": "go", "ops": fuse.ops.export_state(), "control": services.control_state(),

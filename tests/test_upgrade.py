@@ -238,9 +238,10 @@ def test_cold_upgrade_refused_with_instances_done_without(daemon):
 
 
 def test_writes_and_socket_clients_through_an_upgrade(daemon, subreaper):
-    """Tree writes (settings and inst_ctl churn), a client on one long-lived
-    connection and clients on fresh connections, all during a hot upgrade:
-    none sees an error, and every acknowledged change is there after."""
+    """Tree writes (settings and inst_ctl churn), a client registering and
+    deregistering on one long-lived connection, clients on fresh
+    connections, and directory listings, all during a hot upgrade: none sees
+    an error, and every acknowledged change is there after."""
     import threading
 
     d = daemon
@@ -249,7 +250,7 @@ def test_writes_and_socket_clients_through_an_upgrade(daemon, subreaper):
     stop = threading.Event()
     errors: list[str] = []
     acked: dict[str, str] = {}
-    counts = {"writes": 0, "queries": 0, "connects": 0}
+    counts = {"writes": 0, "queries": 0, "connects": 0, "lists": 0}
 
     def writer() -> None:
         exists, i = False, 0
@@ -266,14 +267,33 @@ def test_writes_and_socket_clients_through_an_upgrade(daemon, subreaper):
                 errors.append(f"write: {exc}")
                 return
 
-    def long_client() -> None:
+    registered = f"upgc{os.getpid() % 100000000:08d}"
+
+    def long_client() -> None:  # registers and deregisters (instances vanish: dentries invalidated)
         try:
             with Client(str(d.socket)) as c:
                 while not stop.is_set():
+                    c.call("register", name=registered, gpus=[0], memsize=1 << 26)
+                    acked["registered"] = "exists"
                     c.call("query")
+                    c.call("deregister", name=registered)
+                    acked["registered"] = "absent"
                     counts["queries"] += 1
         except Exception as exc:  # noqa: BLE001 - any failure is the finding
-            errors.append(f"query: {exc!r}")
+            errors.append(f"socket: {exc!r}")
+
+    def lister() -> None:  # lookups in the directory whose entries come and go
+        while not stop.is_set():
+            try:
+                for n in os.listdir(d.path("0")):
+                    try:
+                        os.stat(d.path(f"0/{n}"))
+                    except FileNotFoundError:
+                        pass  # it went between the listing and the stat
+                counts["lists"] += 1
+            except OSError as exc:
+                errors.append(f"list: {exc!r}")
+                return
 
     def fresh_clients() -> None:
         while not stop.is_set():
@@ -285,7 +305,7 @@ def test_writes_and_socket_clients_through_an_upgrade(daemon, subreaper):
                 errors.append(f"connect: {exc!r}")
                 return
 
-    threads = [threading.Thread(target=f, daemon=True) for f in (writer, long_client, fresh_clients)]
+    threads = [threading.Thread(target=f, daemon=True) for f in (writer, long_client, fresh_clients, lister)]
     for t in threads:
         t.start()
     wait_for(lambda: min(counts.values()) > 5, 10, "the clients to get going")
@@ -298,6 +318,7 @@ def test_writes_and_socket_clients_through_an_upgrade(daemon, subreaper):
     assert errors == [], errors
     assert d.value("0/prio_ratio") == acked["0/prio_ratio"]
     assert (toggled in d.instances(0)) == (acked["toggled"] == "exists")
+    assert (registered in d.instances(0)) == (acked["registered"] == "exists")
 
 
 def test_new_daemon_stuck_after_ready_rolls_back(daemon, subreaper):
