@@ -309,6 +309,7 @@ class Takeover:
     async def serving(self) -> None:
         await send(self.sock, {"op": "serving", "pid": os.getpid()})
         self.sock.close()
+        notify(f"MAINPID={os.getpid()}")  # (the old daemon says so too: whichever systemd accepts)
 
     async def failed(self, reason: str) -> None:
         try:
