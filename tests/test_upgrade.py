@@ -372,3 +372,34 @@ def test_new_daemon_stuck_after_ready_rolls_back(daemon, subreaper):
     assert d.value("0/policy") == "1"
     with Client(str(d.socket)) as c:
         wait_for(lambda: bool(c.call("stats")), 10, "the scheduler to run again")
+
+
+def test_systemd_learns_the_new_main_pid(make_daemon, subreaper, monkeypatch, tmp_path):
+    """Under a notify-aware service manager: the old daemon (the main PID)
+    names the new one with MAINPID= before it exits, and does not say
+    STOPPING=1; the new one says READY=1."""
+    import socket
+    import struct
+
+    path = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    d = make_daemon()
+    old = d.proc.pid
+    upgrade(d)
+    new = d.proc.pid
+    sock.setblocking(False)
+    said: list[tuple[int, str]] = []
+    while True:
+        try:
+            data, anc, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(12))
+        except BlockingIOError:
+            break
+        pid = next(struct.unpack("3i", c[2][:12])[0] for c in anc if c[1] == socket.SCM_CREDENTIALS)
+        said.append((pid, data.decode()))
+    sock.close()
+    assert (old, "READY=1") in said and (old, f"MAINPID={new}") in said, said
+    assert (new, "READY=1") in said, said
+    assert not any(pid == old and text.startswith("STOPPING") for pid, text in said), said
