@@ -194,14 +194,6 @@ async def _serve(cfg: Config) -> int:
                 durable, cfg.socket,
                 (lambda: _scheduling(node, durable, cfg, devices)) if cfg.schedule else None, ops.refresh,
                 admin_gid=gid, devices=devices, strategy=cfg.placement, mode=cfg.mode)
-            if takeover is not None:
-                await upgrade.take_over(takeover, fuse, services, ops, store, status,
-                                        cfg.state_dir if cfg.schedule else None)
-            else:
-                try:
-                    fuse.mount(mount.options(FSNAME, allow_other))
-                except mount.MountError as exc:
-                    raise StartError(str(exc)) from None
             exit_status = 0
 
             def cold_stop() -> None:
@@ -212,12 +204,21 @@ async def _serve(cfg: Config) -> int:
             if services.ctl is not None:
                 services.ctl.ops["cold_upgrade"] = (True, upgrade.cold_op(services.ctl, cold_stop))
             try:
+                if takeover is not None:
+                    await upgrade.take_over(takeover, fuse, services, ops, store, status,
+                                            cfg.state_dir if cfg.schedule else None)
+                else:
+                    try:
+                        fuse.mount(mount.options(FSNAME, allow_other))
+                    except mount.MountError as exc:
+                        raise StartError(str(exc)) from None
                 await services.start(nursery, **(takeover.service_args() if takeover else {}))
                 if takeover is not None:
                     fuse.takeover(takeover.fuse_fd)
             except BaseException as exc:
                 if takeover is not None:  # the old daemon serves again
-                    await takeover.failed(str(exc) or type(exc).__name__)
+                    with trio.CancelScope(shield=True):
+                        await takeover.failed(str(exc) or type(exc).__name__)
                 raise
             await nursery.start(_serve_fs, fuse, nursery.cancel_scope)
             upgrader.services, upgrader.fuse, upgrader.nursery = services, fuse, nursery

@@ -307,7 +307,10 @@ class Takeover:
         return {"listen_fd": self.listen_fd, "adopted": self.adopted, "guard": self.guard}
 
     async def serving(self) -> None:
-        await send(self.sock, {"op": "serving", "pid": os.getpid()})
+        try:
+            await send(self.sock, {"op": "serving", "pid": os.getpid()})
+        except OSError as exc:  # the old daemon is gone: we serve on, it cannot
+            log.warning("hot upgrade: could not tell the old daemon (%s); serving anyway", exc.strerror)
         self.sock.close()
         notify(f"MAINPID={os.getpid()}")  # (the old daemon says so too: whichever systemd accepts)
 
