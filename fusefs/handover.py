@@ -29,6 +29,7 @@ import logging
 import os
 import socket
 import struct
+
 import pyfuse3
 import trio
 
