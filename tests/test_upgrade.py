@@ -241,7 +241,8 @@ def test_writes_and_socket_clients_through_an_upgrade(daemon, subreaper):
     """Tree writes (settings and inst_ctl churn), a client registering and
     deregistering on one long-lived connection, clients on fresh
     connections, and directory listings, all during a hot upgrade: none sees
-    an error, and every acknowledged change is there after."""
+    an error, and every acknowledged change is there after. Files opened
+    before the upgrade are read and written after it."""
     import threading
 
     d = daemon
@@ -310,7 +311,18 @@ def test_writes_and_socket_clients_through_an_upgrade(daemon, subreaper):
         t.start()
     wait_for(lambda: min(counts.values()) > 5, 10, "the clients to get going")
     before = dict(counts)
+    # files and a directory opened before the upgrade, used after it (the same handles)
+    rfd = os.open(d.path("0/max_inst"), os.O_RDONLY)
+    wfd = os.open(d.path("0/policy"), os.O_WRONLY)
+    dfd = os.open(d.path("0"), os.O_RDONLY | os.O_DIRECTORY)
     assert upgrade(d).startswith("done ")
+    try:
+        assert os.pread(rfd, 100, 0) == b"16\n"
+        assert os.write(wfd, b"3") == 1 and d.value("0/policy") == "3"
+        assert "max_inst" in os.listdir(dfd)
+    finally:
+        for fd in (rfd, wfd, dfd):
+            os.close(fd)
     wait_for(lambda: all(counts[k] > before[k] + 5 for k in counts), 10, "the clients to go on after the upgrade")
     stop.set()
     for t in threads:
