@@ -231,6 +231,11 @@ class Control:
         durable.listeners.append(self._forget_gone)
         durable.listeners.append(self._orphaned_groups)
         self._our_paths: set[str] = set()
+        # A hot upgrade (cgpud.upgrade): serve() hands the connections on instead of closing them.
+        self.handing_over = False
+        self.handed: list = []
+        self.serve_scope: trio.CancelScope | None = None
+        self.listen_fd = -1
         self.ops: dict[str, tuple[bool, Callable[[dict, Peer], Any]]] = {
             "hello": (False, self.hello),
             "query": (False, self.query),
@@ -277,6 +282,7 @@ class Control:
     def hello(self, req: dict, peer: Peer) -> dict:
         return {
             "version": __version__,
+            "pid": os.getpid(),
             "gpus": len(self.node.gpus),
             "devices": self.devices,
             "privileged": self.privileged(peer),
@@ -636,81 +642,124 @@ async def _nothing() -> None:
     return None
 
 
-async def serve(path: str, control: Control, after=_nothing, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+@dataclass
+class Adopted:
+    """A client connection handed over by the previous daemon (cgpud.upgrade)."""
+
+    fd: int
+    conn: int
+    pid: int
+    uid: int
+    gid: int
+    buf: bytes = b""
+
+
+class _Pending:
+    """Bytes of a connection not yet ending in a newline."""
+
+    def __init__(self, buf: bytes = b"") -> None:
+        self.buf = buf
+
+
+async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int | None = None,
+                adopted: list[Adopted] = (), task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Listen on `path` until cancelled. `after()` is awaited after each
-    request (the tree drops vanished directories from the kernel's cache)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # a socket left by a daemon that is gone
-        else:
-            raise OSError(errno.EADDRINUSE, f"another daemon answers on {path}: stop it, or choose another --socket")
-        finally:
-            probe.close()
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind(path)
-    os.chmod(path, 0o666)  # anyone may query; changes are checked by credentials
-    sock.listen(64)
+    request (the tree drops vanished directories from the kernel's cache).
+
+    A hot upgrade (cgpud.upgrade) gives the listening socket (`listen_fd`)
+    and the open connections (`adopted`) of the daemon before. To hand them
+    on, it sets `control.handing_over` and cancels `control.serve_scope`:
+    each connection stops between two requests (a request received is
+    answered first), leaving what it had read but not yet answered in
+    `control.handed`, and nothing is returned or unlinked."""
+    if listen_fd is None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # a socket left by a daemon that is gone
+            else:
+                raise OSError(errno.EADDRINUSE, f"another daemon answers on {path}: stop it, or choose another --socket")
+            finally:
+                probe.close()
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        await sock.bind(path)
+        os.chmod(path, 0o666)  # anyone may query; changes are checked by credentials
+        sock.listen(64)
+    else:
+        sock = trio.socket.from_stdlib_socket(socket.socket(fileno=listen_fd))
+    control.listen_fd = sock.fileno()
     listener = trio.SocketListener(sock)
 
-    conn_ids = iter(range(1, 1 << 62))
+    conn_ids = iter(range(max([a.conn for a in adopted], default=0) + 1, 1 << 62))
 
-    async def connection(stream: trio.SocketStream) -> None:
-        conn = next(conn_ids)
-        p = peer_of(stream.socket)  # type: ignore[arg-type]
-        peer = Peer(p.pid, p.uid, p.gid, conn)
-        control.live_conns.add(conn)
+    async def connection(stream: trio.SocketStream, peer: Peer | None = None, buf: bytes = b"") -> None:
+        if peer is None:
+            p = peer_of(stream.socket)  # type: ignore[arg-type]
+            peer = Peer(p.pid, p.uid, p.gid, next(conn_ids))
+        control.live_conns.add(peer.conn)
+        pending = _Pending(buf)
         try:
-            await _converse(stream, peer)
+            async with stream:
+                try:
+                    await _lines(stream, peer, pending)
+                finally:
+                    if control.handing_over:
+                        # (before the stream closes: the copy keeps the client connected)
+                        fd = os.dup(stream.socket.fileno())
+                        control.handed.append(Adopted(fd, peer.conn, peer.pid, peer.uid, peer.gid, pending.buf))
+                    else:
+                        # Before the close: a client that waits for EOF knows its memory is back.
+                        control.disconnected(peer.conn)
         finally:
-            control.live_conns.discard(conn)
+            if not control.handing_over:
+                control.live_conns.discard(peer.conn)
 
-    async def _converse(stream: trio.SocketStream, peer: Peer) -> None:
-        async with stream:
-            try:
-                await _lines(stream, peer)
-            finally:
-                # Before the close: a client that waits for EOF knows its memory is back.
-                control.disconnected(peer.conn)
-
-    async def _lines(stream: trio.SocketStream, peer: Peer) -> None:
-        buf = b""
+    async def _lines(stream: trio.SocketStream, peer: Peer, pending: _Pending) -> None:
         while True:
-            try:
-                data = await stream.receive_some(65536)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
-            if not data:
-                return
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                if not line.strip():
-                    continue
+            if b"\n" not in pending.buf:  # between two requests: where a handover may stop us
                 try:
-                    req = json.loads(line)
-                except ValueError:
-                    resp = {"ok": False, "error": "EINVAL", "message": "not a JSON line"}
-                else:
-                    resp = control.handle(await control.prepare(req, peer), peer)
-                    await after()
-                try:
-                    await stream.send_all(await encoded(resp))
+                    data = await stream.receive_some(65536)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
-            if len(buf) > MAX_LINE:
-                await stream.send_all(b'{"ok": false, "error": "EINVAL", "message": "line too long"}\n')
-                return
+                if not data:
+                    return
+                pending.buf += data
+            with trio.CancelScope(shield=True):  # a request read is answered
+                while b"\n" in pending.buf:
+                    line, pending.buf = pending.buf.split(b"\n", 1)
+                    if not line.strip():
+                        continue
+                    try:
+                        req = json.loads(line)
+                    except ValueError:
+                        resp = {"ok": False, "error": "EINVAL", "message": "not a JSON line"}
+                    else:
+                        resp = control.handle(await control.prepare(req, peer), peer)
+                        await after()
+                    try:
+                        with trio.move_on_after(10):
+                            await stream.send_all(await encoded(resp))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return
+                if len(pending.buf) > MAX_LINE:
+                    await stream.send_all(b'{"ok": false, "error": "EINVAL", "message": "line too long"}\n')
+                    return
 
+    control.serve_scope = trio.CancelScope()
     try:
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            await trio.serve_listeners(connection, [listener], handler_nursery=nursery)
+        with control.serve_scope:
+            async with trio.open_nursery() as nursery:
+                for a in adopted:
+                    s = trio.socket.from_stdlib_socket(socket.socket(fileno=a.fd))
+                    nursery.start_soon(connection, trio.SocketStream(s), Peer(a.pid, a.uid, a.gid, a.conn), a.buf)
+                task_status.started()
+                await trio.serve_listeners(connection, [listener], handler_nursery=nursery)
     finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        if not control.handing_over:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass

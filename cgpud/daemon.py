@@ -16,10 +16,10 @@ import pyfuse3
 import trio
 
 from fusefs import mount
+from fusefs.handover import FuseServer
 from fusefs.operations import Operations
 
-from . import __version__, control, tree
-from .cgroups import CgroupError, InstanceGroups
+from . import __version__, tree, upgrade
 from .guard import RegistryError
 from .durable import Durable
 from .gpus import BadSpec, discover
@@ -27,6 +27,7 @@ from .model import InvalidValue, Node
 from .paths import FSNAME
 from .priority import raise_priority
 from .sdnotify import notify
+from .services import Services
 from .store import CorruptState, Store
 
 log = logging.getLogger("cgpud")
@@ -187,20 +188,21 @@ async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
             return
 
 
-async def _serve_fs(ops, mountpoint, opts, scope, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def _serve_fs(fuse, scope, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve the tree; when it ends (terminated, or unmounted from outside),
     stop everything else too."""
     try:
-        await mount.serve(ops, mountpoint, opts, task_status=task_status)
+        await fuse.run(task_status=task_status)
     finally:
         scope.cancel()
 
 
-async def serve(cfg: Config) -> None:
-    """Run the daemon; a start-up failure comes out as one StartError
-    (not wrapped in the nursery's exception group)."""
+async def serve(cfg: Config) -> int:
+    """Run the daemon; its exit status (0, or upgrade.COLD_EXIT after a cold
+    upgrade). A start-up failure comes out as one StartError (not wrapped in
+    the nursery's exception group)."""
     try:
-        await _serve(cfg)
+        return await _serve(cfg)
     except BaseExceptionGroup as group:
         starts = group.subgroup(StartError)
         if starts is not None and starts.subgroup(lambda e: not isinstance(e, (StartError, BaseExceptionGroup))) is None:
@@ -211,19 +213,30 @@ async def serve(cfg: Config) -> None:
         raise
 
 
-async def _serve(cfg: Config) -> None:
+async def _serve(cfg: Config) -> int:
+    takeover = upgrade.Takeover.from_env()  # started by a hot upgrade (cgpud.upgrade)
     node, store = load_node(cfg)
     gid = _admin_gid(cfg.admin_group)
+    upgrader = None
     try:
         devices = gpu_devices(node, cfg)
         durable = Durable(node, store)
-        store.save(node.to_state())
-        ops = Operations(tree.build(durable), errors=tree.ERRNOS, version=lambda: node.version, write_gid=gid)
+        if takeover is None and store.load() != node.to_state():
+            try:
+                store.save(node.to_state())
+            except OSError as exc:
+                raise StartError(f"cannot write the state file {store.path} ({exc.strerror}): "
+                                 f"make room under {cfg.state_dir}") from None
+        status = upgrade.Status()
+        upgrader = upgrade.Upgrader(status)
+        ops = Operations(tree.build(durable, upgrader), errors=tree.ERRNOS, version=lambda: node.version, write_gid=gid)
         mountpoint = os.path.abspath(cfg.mount)
-        try:
-            mount.prepare_mountpoint(mountpoint, FSNAME)
-        except mount.MountError as exc:
-            raise StartError(str(exc)) from None
+        fuse = FuseServer(ops, mountpoint)
+        if takeover is None:
+            try:
+                mount.prepare_mountpoint(mountpoint, FSNAME)
+            except mount.MountError as exc:
+                raise StartError(str(exc)) from None
         allow_other = mount.allow_other_permitted()
         if not allow_other:
             log.warning(
@@ -232,43 +245,63 @@ async def _serve(cfg: Config) -> None:
                 mountpoint,
             )
         prio = raise_priority(cfg.rt_priority)
-        cleanups: list = []
         async with trio.open_nursery() as nursery:
             await nursery.start(_watch_signals)
             # In mps mode MPS shares compute (active-thread percentage): no time slices.
-            sched = _scheduling(node, durable, cfg, devices) if cfg.schedule and cfg.mode != "mps" else None
-            if sched is not None:
-                await nursery.start(sched.run)
+            schedules = cfg.schedule and cfg.mode != "mps"
             mps = await _start_mps(nursery, node, durable, cfg) if cfg.mode == "mps" else None
-            if cfg.socket:
-                try:
-                    groups = InstanceGroups()
-                except CgroupError as exc:
-                    log.warning("%s: `cgpu run` will be refused", exc)
-                    groups = None
-                ctl = control.Control(durable, gid, groups, devices=devices,
-                                      stats=sched.stats if sched is not None else None,
-                                      strategy=cfg.placement, mode=cfg.mode,
-                                      client_env=mps.client_env if mps is not None else None)
-                ctl.tracer = sched.trace if sched is not None else None
-                try:
-                    await nursery.start(control.serve, cfg.socket, ctl, ops.refresh)
-                except OSError as exc:
-                    raise StartError(f"control socket {cfg.socket}: {exc.strerror or exc}") from None
-                cleanups.append(ctl.close)
-                nursery.start_soon(control.reaper, ctl, ops.refresh)
-                if cfg.gpus.strip() == "nvml":
-                    await _start_watchdog(nursery, node, ctl, cfg)
+            services = Services(
+                durable, cfg.socket,
+                (lambda: _scheduling(node, durable, cfg, devices)) if schedules else None, ops.refresh,
+                admin_gid=gid, devices=devices, strategy=cfg.placement, mode=cfg.mode,
+                client_env=mps.client_env if mps is not None else None)
+            exit_status = 0
+
+            def cold_stop() -> None:
+                nonlocal exit_status
+                exit_status = upgrade.COLD_EXIT
+                pyfuse3.terminate()
+
+            if services.ctl is not None:
+                services.ctl.ops["cold_upgrade"] = (True, upgrade.cold_op(services.ctl, cold_stop))
             try:
-                await nursery.start(_serve_fs, ops, mountpoint, mount.options(FSNAME, allow_other), nursery.cancel_scope)
-            except mount.MountError as exc:
-                raise StartError(str(exc)) from None
+                if takeover is not None:
+                    await upgrade.take_over(takeover, fuse, services, ops, store, status,
+                                            cfg.state_dir if cfg.schedule else None)
+                else:
+                    try:
+                        fuse.mount(mount.options(FSNAME, allow_other))
+                    except mount.MountError as exc:
+                        raise StartError(str(exc)) from None
+                await services.start(nursery, **(takeover.service_args() if takeover else {}))
+                if cfg.gpus.strip() == "nvml" and services.ctl is not None:
+                    await _start_watchdog(nursery, node, services.ctl, cfg)
+                if takeover is not None:
+                    fuse.takeover(takeover.fuse_fd)
+            except BaseException as exc:
+                if takeover is not None:  # the old daemon serves again
+                    with trio.CancelScope(shield=True):
+                        await takeover.failed(str(exc) or type(exc).__name__)
+                raise
+            await nursery.start(_serve_fs, fuse, nursery.cancel_scope)
+            upgrader.services, upgrader.fuse, upgrader.nursery = services, fuse, nursery
+
+            def handed_over() -> None:
+                if mps is not None:
+                    mps.keep = True  # the next daemon takes the MPS control daemon over
+                nursery.cancel_scope.cancel()
+
+            upgrader.on_handed_over = handed_over
+            if takeover is not None:
+                await takeover.serving()
             gpus = ", ".join(f"{g.index}: {g.info.name} {g.info.memory >> 20} MiB" for g in node.gpus)
             log.info("cgpud %s serving %s (GPUs %s; state in %s; %s)", __version__, mountpoint, gpus, store.path, prio)
             notify("READY=1")
-        for cleanup in cleanups:
-            cleanup()
+        if not upgrader.handed_over:
+            services.close()
         log.info("stopped")
+        return exit_status
     finally:
-        notify("STOPPING=1")
+        if upgrader is None or not upgrader.handed_over:
+            notify("STOPPING=1")
         store.close()

@@ -83,7 +83,16 @@ class Registry:
     def __init__(self, path: str, entries: Iterable[Any] = ()) -> None:
         self.path = path
         self._entries: list[dict[str, Any]] = []
-        self.replace(entries)
+        try:
+            self.replace(entries)
+        except OSError as exc:
+            # A full disk, say: no stale file may stay behind; nothing is frozen
+            # until a target can be added (Enforcement.attach fails, and the
+            # instance runs unscheduled).
+            log.warning("cannot write %s (%s): instances run unscheduled until it can be written",
+                        path, exc.strerror)
+            self._entries = []
+            self.remove_file()
 
     @property
     def entries(self) -> list[dict[str, Any]]:

@@ -106,6 +106,7 @@ class MpsControl:
             self.env[ENV_PIPE] = pipe_dir
         self._sent: list[str] = []
         self._changed = trio.Event()
+        self.keep = False  # set when a hot upgrade hands the control daemon on
 
     def client_env(self, name: str) -> dict[str, str]:
         return client_env(self.node, name, self.pipe_dir)
@@ -167,11 +168,12 @@ class MpsControl:
                 except MpsError as exc:
                     log.error("mps: %s", exc)
         finally:
-            with trio.CancelScope(shield=True):
-                try:
-                    await self.send("quit")
-                    if self.marker:
-                        os.unlink(self.marker)
-                    log.info("mps: control daemon stopped")
-                except MpsError as exc:
-                    log.error("mps: %s", exc)
+            if not self.keep:  # kept by a hot upgrade: the marker tells the next daemon it is ours
+                with trio.CancelScope(shield=True):
+                    try:
+                        await self.send("quit")
+                        if self.marker:
+                            os.unlink(self.marker)
+                        log.info("mps: control daemon stopped")
+                    except MpsError as exc:
+                        log.error("mps: %s", exc)

@@ -131,10 +131,11 @@ class Scheduling:
     # ---- service ------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            self.guard = Guard.start(self.registry.path)
-        except (GuardError, OSError) as exc:
-            log.error("the guard did not start (%s): a crash could leave instances frozen", exc)
+        if self.guard is None:  # (a hot upgrade starts it ahead, to shorten the switch)
+            try:
+                self.guard = Guard.start(self.registry.path)
+            except (GuardError, OSError) as exc:
+                log.error("the guard did not start (%s): a crash could leave instances frozen", exc)
         self.sync()
         try:
             async with trio.open_nursery() as nursery:

@@ -53,9 +53,11 @@ def parse_inst_ctl(text: str, gpu_count: int) -> tuple[str, int | None, str]:
     raise InvalidInput(f"inst_ctl: {head!r} is neither '-' nor a GPU index below {gpu_count}")
 
 
-def build(d: Durable) -> Dir:
+def build(d: Durable, upgrader=None) -> Dir:
     """Bind the table to one node. Handlers look the node up at each call
-    (its GPU list is replaced when a state is loaded)."""
+    (its GPU list is replaced when a state is loaded). `upgrader`
+    (cgpud.upgrade.Upgrader) answers the `upgrade` node; without one it
+    reads `none` and a write answers EOPNOTSUPP."""
     node = d.node
 
     def gpu(key) -> int:
@@ -77,9 +79,14 @@ def build(d: Durable) -> Dir:
         else:
             d.apply(lambda n: n.destroy(name))
 
+    def upgrade_show(key):
+        return upgrader.status.text if upgrader is not None else "none"
+
     def upgrade_store(key, text):
         parse_uint(text, 1, 1)
-        raise OSError(errno.EOPNOTSUPP, "hot upgrade is not available in this version")
+        if upgrader is None:
+            raise OSError(errno.EOPNOTSUPP, "hot upgrade is not available here")
+        return upgrader.request()  # awaited by the write: returns once the new daemon is ready
 
     def meminfo(key):
         i = inst(key)
@@ -158,7 +165,9 @@ def build(d: Durable) -> Dir:
                 read_errno=errno.EBADF,
                 doc="`<g><name>` creates, `-<name>` destroys everywhere (13 bytes, a 14th `\\n` accepted)",
             ),
-            File("upgrade", show=lambda k: "none", store=upgrade_store, max_bytes=2, doc="state of the last hot upgrade"),
+            File("upgrade", show=upgrade_show, store=upgrade_store, max_bytes=2,
+                 doc="`none`, `in progress`, `done <version> <time>` or `failed: <reason>`; "
+                     "`1` starts a hot upgrade (docs/upgrade.md)"),
             DynDir("N", gpu_keys, gpu_files, doc="one per GPU"),
         ],
     )

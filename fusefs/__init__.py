@@ -3,7 +3,7 @@
 Generic: it knows nothing of GPUs. An application declares its tree once
 (`node.Dir`, `node.DynDir`, `node.File`), hands it to `operations.Operations`
 together with a table mapping its own exception types to errnos, and mounts it
-with `mount.serve`.
+with `handover.FuseServer` (which can also take over a live connection).
 """
 from .node import Dir, DynDir, File, Key, InvalidInput, parse_uint, parse_bool
 

@@ -38,6 +38,8 @@ def boundary(method):
 
     @functools.wraps(method)
     async def wrapper(self, *args, **kwargs):
+        # Counted while in flight: a handover pauses the loop only when none is (fusefs.handover).
+        self.in_flight = getattr(self, "in_flight", 0) + 1
         try:
             return await method(self, *args, **kwargs)
         except pyfuse3.FUSEError:
@@ -50,5 +52,7 @@ def boundary(method):
             else:
                 log.debug("%s: %s -> %s", method.__name__, exc, errno.errorcode.get(code, code))
             raise pyfuse3.FUSEError(code) from None
+        finally:
+            self.in_flight -= 1
 
     return wrapper

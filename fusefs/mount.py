@@ -1,4 +1,4 @@
-"""Mounting: pyfuse3 init/main/close, and the checks around them.
+"""Mounting: the checks around it (serving is fusefs.handover.FuseServer).
 
 A crashed FUSE daemon leaves a dead mount behind: every access answers
 ENOTCONN and `os.path.ismount` says False. We look in /proc/self/mountinfo
@@ -12,9 +12,6 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass
-
-import pyfuse3
-import trio
 
 log = logging.getLogger("fusefs")
 
@@ -122,16 +119,3 @@ def options(fsname: str, allow_other: bool = True) -> set[str]:
     if allow_other:
         opts.add("allow_other")
     return opts
-
-
-async def serve(ops: pyfuse3.Operations, mountpoint: str, opts: set[str], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Mount, report started, serve until `pyfuse3.terminate()` or unmount, unmount."""
-    try:
-        pyfuse3.init(ops, mountpoint, opts)
-    except RuntimeError as exc:
-        raise MountError(f"mounting {mountpoint} failed ({exc}); see the lines above from libfuse") from None
-    try:
-        task_status.started()
-        await pyfuse3.main(min_tasks=1, max_tasks=64)
-    finally:
-        pyfuse3.close(unmount=True)

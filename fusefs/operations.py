@@ -17,6 +17,7 @@ Write rules (one place for all of them):
 from __future__ import annotations
 
 import errno
+import inspect
 import logging
 import os
 import stat
@@ -98,6 +99,7 @@ class Operations(pyfuse3.Operations):
         # Dynamic directories the kernel may hold a dentry for: path -> parent inode.
         self._dyn_seen: dict[Path, int] = {}
         self._invalidate: Callable[[int, bytes], None] = pyfuse3.invalidate_entry
+        self.in_flight = 0  # handlers holding a request (counted by the boundary)
 
     # ---- the tree --------------------------------------------------------
 
@@ -215,6 +217,66 @@ class Operations(pyfuse3.Operations):
                 if exc.errno not in (errno.ENOENT, errno.ENOTCONN, errno.EBADF):
                     log.warning("could not invalidate %s: %s", "/".join(path), exc)
 
+    # ---- handing the connection to another process (fusefs.handover) ---------
+
+    def export_state(self) -> dict:
+        """What the kernel knows of us, as plain data: inode numbers by path,
+        open file and directory handles, the attribute times."""
+        handles = {}
+        for fh, h in self._handles.items():
+            if isinstance(h, _Handle):
+                handles[str(fh)] = {"path": list(h.entry.path),
+                                    "text": None if h.text is None else h.text.decode("ascii")}
+            else:
+                handles[str(fh)] = {"path": list(h.entry.path), "dir": [[n.decode(), i] for n, i in h.names]}
+        return {
+            "inodes": [[list(p), ino] for p, ino in self._by_path.items()],
+            "next_ino": self._next_ino,
+            "handles": handles,
+            "next_fh": self._next_fh,
+            "dyn_seen": [[list(p), parent] for p, parent in self._dyn_seen.items()],
+            "time_ns": self._time_ns,
+        }
+
+    def _resolve(self, path: Path) -> _Entry | None:
+        """The declared node at `path`, whether or not it exists now."""
+        cur = self._by_ino[pyfuse3.ROOT_INODE]
+        for name in path:
+            if isinstance(cur.node, File):
+                return None
+            static = [c for c in cur.node.children if not isinstance(c, DynDir) and c.name == name]
+            dyn = [c for c in cur.node.children if isinstance(c, DynDir)]
+            if static:
+                cur = _Entry(cur.path + (name,), static[0], cur.key)
+            elif dyn:
+                cur = _Entry(cur.path + (name,), dyn[0], cur.key + (name,))
+            else:
+                return None
+        return cur
+
+    def import_state(self, state: dict) -> None:
+        """Take over what another process's `export_state` gave: the same
+        numbers for the same paths, the same open handles. A path this tree
+        no longer declares answers ENOENT."""
+        for p, ino in state["inodes"]:
+            path = tuple(p)
+            self._by_path[path] = ino
+            entry = self._resolve(path)
+            if entry is not None:
+                self._by_ino[ino] = entry
+        self._next_ino = max(self._next_ino, state["next_ino"])
+        for fh, h in state["handles"].items():
+            entry = self._resolve(tuple(h["path"]))
+            if entry is None:
+                continue
+            if "dir" in h:
+                self._handles[int(fh)] = _DirHandle(entry, [(n.encode(), i) for n, i in h["dir"]])
+            else:
+                self._handles[int(fh)] = _Handle(entry, None if h["text"] is None else h["text"].encode("ascii"))
+        self._next_fh = max(self._next_fh, state["next_fh"])
+        self._dyn_seen.update({tuple(p): parent for p, parent in state["dyn_seen"]})
+        self._time_ns = state["time_ns"]
+
     # ---- handlers ----------------------------------------------------------
 
     @boundary
@@ -295,7 +357,9 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EINVAL) from None
         if h.entry.key and not self._key_alive(h.entry):
             raise pyfuse3.FUSEError(errno.ENOENT)
-        node.store(h.entry.key, text)
+        pending = node.store(h.entry.key, text)
+        if inspect.isawaitable(pending):  # a store that takes time (cgpud's hot upgrade)
+            await pending
         await self.refresh()
         return len(buf)
 

@@ -72,8 +72,29 @@ def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, s
                  placement=placement, mode=mode, mem_action=mem_action, mps_control=mps_control,
                  mps_pipe_dir=mps_pipe_dir)
     try:
-        trio.run(serve_daemon, cfg)
+        status = trio.run(serve_daemon, cfg)
     except StartError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
-        pass
+        status = 0
+    if status:
+        sys.exit(status)
+
+
+@main.command()
+@click.option("--cold", is_flag=True, help="Stop the daemon so that the service manager starts the installed "
+              "code; refused while instances exist.")
+@click.option("--mount", "mountpoint", default=default_mount, show_default="/run/cgpu_km as root",
+              envvar="CGPUD_MOUNT", help="The running daemon's tree (hot upgrade).")
+@click.option("--socket", "socket_path", default=default_socket, show_default="/run/cgpud/cgpud.sock as root",
+              envvar="CGPUD_SOCKET", help="The running daemon's control socket (cold upgrade).")
+def upgrade(cold: bool, mountpoint: str, socket_path: str) -> None:
+    """Upgrade the running daemon to the code installed now (docs/upgrade.md).
+
+    Hot (the default): the same as `echo 1 > <mount>/upgrade`: instances,
+    settings, the mount and client connections are kept. Cold: refused while
+    instances exist; otherwise the daemon stops and its service manager
+    starts the new code."""
+    from ..upgrade import cold_upgrade, hot_upgrade
+
+    click.echo(cold_upgrade(socket_path) if cold else hot_upgrade(mountpoint))
