@@ -19,7 +19,7 @@ from fusefs import mount
 from fusefs.handover import FuseServer
 from fusefs.operations import Operations
 
-from . import __version__, tree, upgrade
+from . import __version__, control, tree, upgrade
 from .guard import RegistryError
 from .durable import Durable
 from .gpus import BadSpec, discover
