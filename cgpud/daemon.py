@@ -49,6 +49,7 @@ class Config:
     placement: str = "binpack"
     mode: str = "cgpu"
     schedule: bool = True
+    metrics_addr: str | None = None  # HOST:PORT; None or "off": no metrics
 
 
 def load_node(cfg: Config) -> tuple[Node, Store]:
@@ -139,6 +140,27 @@ async def _serve_fs(ops, mountpoint, opts, scope, task_status=trio.TASK_STATUS_I
         scope.cancel()
 
 
+async def _start_metrics(nursery, cfg: Config, durable: Durable, sched, ctl) -> None:
+    """Prometheus metrics (docs/metrics.md), unless --metrics-addr is off."""
+    from . import metrics
+
+    try:
+        addr = metrics.parse_addr(cfg.metrics_addr)
+    except metrics.BadAddress as exc:
+        raise StartError(str(exc)) from None
+    if addr is None:
+        return
+    pub = metrics.Publisher(durable.node, schedulers=sched.schedulers if sched is not None else (),
+                            oom=ctl.oom_refusals if ctl is not None else None,
+                            mode=cfg.mode, placement=cfg.placement)
+    durable.listeners.append(pub.publish)
+    try:
+        await nursery.start(metrics.serve, addr, pub)
+    except OSError as exc:
+        raise StartError(f"--metrics-addr {cfg.metrics_addr}: {exc.strerror or exc}; choose another "
+                         f"HOST:PORT, or `off`") from None
+
+
 async def serve(cfg: Config) -> None:
     """Run the daemon; a start-up failure comes out as one StartError
     (not wrapped in the nursery's exception group)."""
@@ -196,6 +218,7 @@ async def _serve(cfg: Config) -> None:
                     raise StartError(f"control socket {cfg.socket}: {exc.strerror or exc}") from None
                 cleanups.append(ctl.close)
                 nursery.start_soon(control.reaper, ctl, ops.refresh)
+            await _start_metrics(nursery, cfg, durable, sched, ctl if cfg.socket else None)
             try:
                 await nursery.start(_serve_fs, ops, mountpoint, mount.options(FSNAME, allow_other), nursery.cancel_scope)
             except mount.MountError as exc:

@@ -49,15 +49,17 @@ def main() -> None:
               help="How containers that name no GPU are placed: the fullest GPU that fits, or the emptiest.")
 @click.option("--mode", type=click.Choice(["exclusive", "share", "cgpu", "mps"]), default="cgpu", show_default=True,
               envvar="CGPUD_MODE", help="Node mode for placement (docs/containers.md).")
+@click.option("--metrics-addr", default="127.0.0.1:9400", show_default=True, envvar="CGPUD_METRICS_ADDR",
+              help="Where Prometheus metrics are served (HOST:PORT, port 0 = any free one); `off` for none.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, dev_dir: str,
-          rt_priority: int, slice_ms: float, placement: str, mode: str, log_level: str) -> None:
+          rt_priority: int, slice_ms: float, placement: str, mode: str, metrics_addr: str, log_level: str) -> None:
     """Mount the tree and serve it until SIGTERM or SIGINT."""
     setup_logging(log_level)
     cfg = Config(gpus=gpus, mount=mountpoint, state_dir=state_dir, admin_group=admin_group, socket=socket_path,
                  dev_dir=dev_dir, rt_priority=rt_priority, slice_ms=slice_ms,
-                 placement=placement, mode=mode)
+                 placement=placement, mode=mode, metrics_addr=metrics_addr)
     try:
         trio.run(serve_daemon, cfg)
     except StartError as exc:

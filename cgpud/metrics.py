@@ -1,0 +1,479 @@
+"""Prometheus metrics (SPEC §7): a collector over an immutable snapshot.
+
+Two threads, one rule: the HTTP server's threads never touch trio objects.
+
+- In the trio thread, `Publisher.publish()` copies what the metrics need out
+  of the model (`Node`), the schedulers (their published `GpuStats`, which are
+  immutable already, and the set each holds frozen) and the out-of-memory
+  counter into a `Snapshot` of frozen dataclasses and tuples, and replaces
+  `Publisher.current` with it in one assignment. It runs every `period`
+  seconds and after every change that lands (a `Durable` listener).
+- In the HTTP server's threads, `CgpuCollector.collect()` reads that one
+  reference and turns it into metric families. A scrape costs the trio thread
+  nothing but the GIL it shares.
+
+Every metric is declared once in `METRICS`; docs/metrics.md's table is
+generated from it (`python -m cgpud.metrics`) and a test keeps them equal.
+
+The configured compute limit (`cgpu_instance_compute_limit_ratio`) is what
+the GPU's policy promises the instance when every instance is active and no
+high-priority instance runs (SPEC §5, docs/metrics.md).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.samples import Sample
+
+from . import __version__
+
+log = logging.getLogger("cgpud")
+
+DEFAULT_ADDR = "127.0.0.1:9400"
+LATENESS_QUANTILES = (0.5, 0.99)
+GPU_LABELS = ("gpu", "uuid")
+INSTANCE_LABELS = ("gpu", "uuid", "container")
+
+
+# ---- the declared metrics ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str  # as exposed (an info's `_info`, a counter's `_total` included)
+    kind: str  # gauge, counter, info, summary
+    labels: tuple[str, ...]
+    unit: str
+    help: str
+
+
+METRICS: tuple[Spec, ...] = (
+    Spec("cgpu_daemon_info", "info", ("version", "mode", "placement", "scheduling"), "—",
+         "The daemon: its version, node mode, placement strategy, and whether it schedules (1, else 0)."),
+    Spec("cgpu_snapshot_age_seconds", "gauge", (), "seconds",
+         "How old the snapshot this scrape reads is (it is renewed every 0.5 s and after every change; "
+         "a large value means the daemon's event loop is stuck)."),
+    Spec("cgpu_gpu_info", "info", GPU_LABELS + ("name",), "—", "One per GPU: index (`gpu`), UUID and model name."),
+    Spec("cgpu_gpu_memory_total_bytes", "gauge", GPU_LABELS, "bytes", "The device's memory."),
+    Spec("cgpu_gpu_memory_allocated_bytes", "gauge", GPU_LABELS, "bytes",
+         "Σ memsize of the GPU's instances (what is promised)."),
+    Spec("cgpu_gpu_memory_used_bytes", "gauge", GPU_LABELS, "bytes",
+         "Σ memory the instances' processes hold (simulated GPUs: their allocations)."),
+    Spec("cgpu_gpu_policy", "gauge", GPU_LABELS, "—", "The compute policy, 0..5 (`N/policy`)."),
+    Spec("cgpu_gpu_max_inst", "gauge", GPU_LABELS, "—", "The most instances the GPU may hold (`N/max_inst`)."),
+    Spec("cgpu_gpu_free_weight", "gauge", GPU_LABELS, "—", "max_inst − Σ weight (`N/free_weight`)."),
+    Spec("cgpu_gpu_prio_ratio", "gauge", GPU_LABELS, "ratio",
+         "The most of the GPU high-priority instances may take, 0.20..0.99 (`N/prio_ratio` ÷ 100)."),
+    Spec("cgpu_gpu_instances", "gauge", GPU_LABELS, "—", "How many instances the GPU holds."),
+    Spec("cgpu_gpu_scheduler_slices_total", "counter", GPU_LABELS, "—",
+         "Decisions (slices) the GPU's scheduler has made since the daemon started."),
+    Spec("cgpu_gpu_scheduler_switches_total", "counter", GPU_LABELS, "—",
+         "Slice boundaries at which the set of instances allowed to run changed."),
+    Spec("cgpu_gpu_scheduler_freezes_total", "counter", GPU_LABELS, "—", "Freezes the scheduler made."),
+    Spec("cgpu_gpu_scheduler_thaws_total", "counter", GPU_LABELS, "—", "Thaws the scheduler made."),
+    Spec("cgpu_gpu_scheduler_enforce_errors_total", "counter", GPU_LABELS, "—",
+         "Freezes or thaws that failed (each is retried at the next boundary)."),
+    Spec("cgpu_gpu_slice_lateness_seconds", "summary", GPU_LABELS + ("quantile",), "seconds",
+         "Wake-up minus the planned slice boundary: `_count` and `_sum` over the whole run, quantiles "
+         "0.5 and 0.99 over the last 4096 boundaries."),
+    Spec("cgpu_gpu_slice_lateness_max_seconds", "gauge", GPU_LABELS, "seconds",
+         "The latest wake-up after a planned boundary since the daemon started."),
+    Spec("cgpu_instance_info", "info", INSTANCE_LABELS + ("id", "container_id"), "—",
+         "One per instance: its number (`id`, the cGPU device minor) and the full container ID the "
+         "container hook registered (empty for `cgpu run` and `inst_ctl`)."),
+    Spec("cgpu_instance_memsize_bytes", "gauge", INSTANCE_LABELS, "bytes",
+         "The instance's memory limit, which it sees as its GPU's total (`memsize`)."),
+    Spec("cgpu_instance_memory_used_bytes", "gauge", INSTANCE_LABELS, "bytes",
+         "Memory the instance's processes hold."),
+    Spec("cgpu_instance_weight", "gauge", INSTANCE_LABELS, "—", "The instance's weight, 0..max_inst."),
+    Spec("cgpu_instance_highprio", "gauge", INSTANCE_LABELS, "—", "1 for a high-priority instance, else 0."),
+    Spec("cgpu_instance_compute_limit_ratio", "gauge", INSTANCE_LABELS, "ratio",
+         "The share of the GPU the policy promises the instance (the rule is below)."),
+    Spec("cgpu_instance_share_1s_ratio", "gauge", INSTANCE_LABELS, "ratio",
+         "The share of the GPU's time the instance was allowed to use over the last second (while active)."),
+    Spec("cgpu_instance_share_10s_ratio", "gauge", INSTANCE_LABELS, "ratio",
+         "The same over the last 10 seconds."),
+    Spec("cgpu_instance_granted_seconds_total", "counter", INSTANCE_LABELS, "seconds",
+         "GPU time the instance was allowed to use while active, since it appeared."),
+    Spec("cgpu_instance_oom_refusals_total", "counter", INSTANCE_LABELS, "—",
+         "Out-of-memory events: allocations refused past memsize (simulated GPUs) and processes the "
+         "memory watchdog failed (real GPUs)."),
+    Spec("cgpu_instance_frozen", "gauge", INSTANCE_LABELS, "—",
+         "1 while the scheduler holds the instance frozen (active and not its turn), else 0."),
+)
+
+# The `quantile` label belongs to the summary's samples, not to its families.
+_LABELS = {s.name: tuple(lbl for lbl in s.labels if lbl != "quantile") for s in METRICS}
+
+
+def family_name(spec: Spec) -> str:
+    """The name prometheus_client's families take (without `_info`/`_total`)."""
+    for suffix in ("_info", "_total"):
+        if spec.kind in ("info", "counter") and spec.name.endswith(suffix):
+            return spec.name[: -len(suffix)]
+    return spec.name
+
+
+def markdown() -> str:
+    """docs/metrics.md's table, from METRICS."""
+    lines = ["| name | type | labels | unit | meaning |", "|---|---|---|---|---|"]
+    for s in METRICS:
+        labels = ", ".join(f"`{lbl}`" for lbl in s.labels) or "—"
+        lines.append(f"| `{s.name}` | {s.kind} | {labels} | {s.unit} | {s.help} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- the snapshot (built in the trio thread) ------------------------------------
+
+
+@dataclass(frozen=True)
+class InstanceSnap:
+    gpu: int
+    uuid: str
+    name: str
+    id: int
+    container_id: str
+    memsize: int
+    used: int
+    weight: int
+    highprio: bool
+    limit: float
+    granted_seconds: float
+    share_1s: float
+    share_10s: float
+    oom_refusals: int
+    frozen: bool
+
+
+@dataclass(frozen=True)
+class GpuSnap:
+    index: int
+    uuid: str
+    name: str
+    memory: int
+    allocated: int
+    used: int
+    policy: int
+    max_inst: int
+    free_weight: int
+    prio_ratio: int
+    stats: object | None  # the scheduler's GpuStats (immutable), None when it does not run
+    instances: tuple[InstanceSnap, ...]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    taken: float  # time.monotonic()
+    version: str
+    mode: str
+    placement: str
+    scheduling: bool
+    gpus: tuple[GpuSnap, ...]
+
+
+def compute_limit(policy: int, max_inst: int, prio_ratio: int, inst, normal: Sequence) -> float:
+    """What the GPU's policy promises `inst` (SPEC §5), as a ratio 0..1, when
+    every instance is active and no high-priority one runs. `normal`: the
+    GPU's eligible (weight > 0) instances that are not high priority.
+
+    5 native: 1 (no control). Weight 0: 0 under 0..4. High priority: at most
+    prio_ratio %. Otherwise 0 fair: 1/max_inst; 1 preemptive and 4 weak:
+    1/len(normal); 2 weighted: w/Σw over `normal`; 3 fixed: w/max_inst.
+    """
+    if policy == 5:
+        return 1.0
+    if inst.weight <= 0:
+        return 0.0
+    if inst.highprio:
+        return prio_ratio / 100.0
+    if policy == 0:
+        return 1.0 / max_inst
+    if policy in (1, 4):
+        return 1.0 / max(1, len(normal))
+    if policy == 2:
+        total = sum(i.weight for i in normal)
+        return inst.weight / total if total else 0.0
+    if policy == 3:
+        return min(1.0, inst.weight / max_inst)
+    raise ValueError(f"no policy {policy}")
+
+
+def take(
+    node,
+    *,
+    stats: Mapping[int, object | None] = {},
+    frozen: Mapping[int, frozenset[str]] = {},
+    oom: Mapping[tuple[int, str], int] = {},
+    mode: str = "cgpu",
+    placement: str = "binpack",
+    scheduling: bool = True,
+    now: float | None = None,
+) -> Snapshot:
+    """Copy what the metrics show out of live objects (call in the trio thread)."""
+    gpus = []
+    for g in node.gpus:
+        st = stats.get(g.index)
+        per = st.instances if st is not None else {}
+        held = frozen.get(g.index, frozenset())
+        insts = list(g.instances.values())
+        normal = [i for i in insts if i.weight > 0 and not i.highprio]
+        snaps = []
+        for i in insts:
+            tel = per.get(i.name)
+            snaps.append(InstanceSnap(
+                gpu=g.index, uuid=g.info.uuid, name=i.name, id=i.id,
+                container_id=str((i.target or {}).get("container", "")),
+                memsize=i.memsize, used=i.used, weight=i.weight, highprio=bool(i.highprio),
+                limit=compute_limit(g.policy, g.max_inst, g.prio_ratio, i, normal),
+                granted_seconds=tel.granted_seconds if tel else 0.0,
+                share_1s=tel.share_1s if tel else 0.0,
+                share_10s=tel.share_10s if tel else 0.0,
+                oom_refusals=int(oom.get((g.index, i.name), 0)),
+                frozen=i.name in held,
+            ))
+        gpus.append(GpuSnap(
+            index=g.index, uuid=g.info.uuid, name=g.info.name, memory=g.info.memory,
+            allocated=sum(s.memsize for s in snaps), used=sum(s.used for s in snaps),
+            policy=g.policy, max_inst=g.max_inst, free_weight=g.free_weight, prio_ratio=g.prio_ratio,
+            stats=st, instances=tuple(snaps),
+        ))
+    return Snapshot(time.monotonic() if now is None else now, __version__, mode, placement, scheduling, tuple(gpus))
+
+
+class Publisher:
+    """Keeps `current`, the latest Snapshot (a background service: `run`).
+
+    `schedulers`: objects with `gpu`, `published` (GpuStats or None) and
+    `frozen` (a frozenset), i.e. the daemon's GpuSchedulers. `oom`: counts of
+    out-of-memory events by (gpu, instance name), fed by whoever sees them.
+    """
+
+    def __init__(self, node, *, schedulers: Sequence = (), oom: Mapping[tuple[int, str], int] | None = None,
+                 mode: str = "cgpu", placement: str = "binpack", period: float = 0.5) -> None:
+        self.node = node
+        self.schedulers = list(schedulers)
+        self.oom = oom if oom is not None else {}
+        self.mode, self.placement = mode, placement
+        self.period = period
+        self.current: Snapshot = self._take()
+
+    def _take(self) -> Snapshot:
+        return take(
+            self.node,
+            stats={s.gpu: s.published for s in self.schedulers},
+            frozen={s.gpu: s.frozen for s in self.schedulers},
+            oom=self.oom, mode=self.mode, placement=self.placement, scheduling=bool(self.schedulers),
+        )
+
+    def publish(self) -> None:
+        """Build a new snapshot and make it current (trio thread only)."""
+        self.current = self._take()
+
+    async def run(self, *, task_status=None) -> None:
+        import trio
+
+        if task_status is not None:
+            task_status.started()
+        while True:
+            await trio.sleep(self.period)
+            self.publish()
+
+
+# ---- the collector (runs in the HTTP server's threads) ---------------------------
+
+
+class CgpuCollector(Collector):
+    """Turns the latest snapshot into metric families. `source` returns it
+    (e.g. `lambda: publisher.current`); it is only read, never changed."""
+
+    def __init__(self, source: Callable[[], Snapshot]) -> None:
+        self.source = source
+        self._quantiles: dict[int, tuple[object, tuple[float, ...]]] = {}  # gpu -> (stats, quantiles)
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families().values())
+
+    def _families(self) -> dict[str, Metric]:
+        out: dict[str, Metric] = {}
+        for s in METRICS:
+            fam, labels = family_name(s), list(_LABELS[s.name])
+            if s.kind == "gauge":
+                out[s.name] = GaugeMetricFamily(fam, s.help, labels=labels)
+            elif s.kind == "counter":
+                out[s.name] = CounterMetricFamily(fam, s.help, labels=labels)
+            elif s.kind == "info":
+                out[s.name] = InfoMetricFamily(fam, s.help, labels=[])
+            else:
+                out[s.name] = SummaryMetricFamily(fam, s.help, labels=labels)
+        return out
+
+    def _lateness_quantiles(self, gpu: int, st) -> tuple[float, ...]:
+        cached = self._quantiles.get(gpu)
+        if cached is not None and cached[0] is st:
+            return cached[1]
+        qs = tuple(st.lateness_quantile(q) for q in LATENESS_QUANTILES)
+        self._quantiles[gpu] = (st, qs)
+        return qs
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self.source()
+        f = self._families()
+        f["cgpu_daemon_info"].add_metric([], {"version": snap.version, "mode": snap.mode,
+                                              "placement": snap.placement, "scheduling": str(int(snap.scheduling))})
+        f["cgpu_snapshot_age_seconds"].add_metric([], max(0.0, time.monotonic() - snap.taken))
+        lateness = f["cgpu_gpu_slice_lateness_seconds"]
+        for g in snap.gpus:
+            gl = [str(g.index), g.uuid]
+            f["cgpu_gpu_info"].add_metric([], {"gpu": gl[0], "uuid": g.uuid, "name": g.name})
+            for key, value in (
+                ("cgpu_gpu_memory_total_bytes", g.memory),
+                ("cgpu_gpu_memory_allocated_bytes", g.allocated),
+                ("cgpu_gpu_memory_used_bytes", g.used),
+                ("cgpu_gpu_policy", g.policy),
+                ("cgpu_gpu_max_inst", g.max_inst),
+                ("cgpu_gpu_free_weight", g.free_weight),
+                ("cgpu_gpu_prio_ratio", g.prio_ratio / 100.0),
+                ("cgpu_gpu_instances", len(g.instances)),
+            ):
+                f[key].add_metric(gl, value)
+            st = g.stats
+            if st is not None:
+                for key, value in (
+                    ("cgpu_gpu_scheduler_slices_total", st.slices),
+                    ("cgpu_gpu_scheduler_switches_total", st.switches),
+                    ("cgpu_gpu_scheduler_freezes_total", st.freezes),
+                    ("cgpu_gpu_scheduler_thaws_total", st.thaws),
+                    ("cgpu_gpu_scheduler_enforce_errors_total", st.enforce_errors),
+                    ("cgpu_gpu_slice_lateness_max_seconds", st.lateness_max),
+                ):
+                    f[key].add_metric(gl, value)
+                lateness.add_metric(gl, count_value=st.lateness_count, sum_value=st.lateness_sum)
+                for q, v in zip(LATENESS_QUANTILES, self._lateness_quantiles(g.index, st)):
+                    lateness.samples.append(Sample(lateness.name, {"gpu": gl[0], "uuid": g.uuid, "quantile": str(q)}, v))
+            for i in g.instances:
+                il = [gl[0], g.uuid, i.name]
+                f["cgpu_instance_info"].add_metric([], {"gpu": gl[0], "uuid": g.uuid, "container": i.name,
+                                                        "id": str(i.id), "container_id": i.container_id})
+                for key, value in (
+                    ("cgpu_instance_memsize_bytes", i.memsize),
+                    ("cgpu_instance_memory_used_bytes", i.used),
+                    ("cgpu_instance_weight", i.weight),
+                    ("cgpu_instance_highprio", int(i.highprio)),
+                    ("cgpu_instance_compute_limit_ratio", i.limit),
+                    ("cgpu_instance_share_1s_ratio", i.share_1s),
+                    ("cgpu_instance_share_10s_ratio", i.share_10s),
+                    ("cgpu_instance_granted_seconds_total", i.granted_seconds),
+                    ("cgpu_instance_oom_refusals_total", i.oom_refusals),
+                    ("cgpu_instance_frozen", int(i.frozen)),
+                ):
+                    f[key].add_metric(il, value)
+        return list(f.values())
+
+
+def registry_for(source: Callable[[], Snapshot], registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """A registry (a fresh one unless given) holding our collector only."""
+    registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+    registry.register(CgpuCollector(source))
+    return registry
+
+
+# ---- the HTTP server (its own threads) ---------------------------------------------
+
+
+class BadAddress(ValueError):
+    pass
+
+
+def parse_addr(text: str | None) -> tuple[str, int] | None:
+    """`HOST:PORT` (`[v6]:PORT`; `:PORT` = loopback) -> (host, port); `off`,
+    `none` or empty -> None (no metrics)."""
+    text = (text or "").strip()
+    if text.lower() in ("", "off", "none", "no", "0"):
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise BadAddress(f"--metrics-addr {text}: give HOST:PORT (e.g. {DEFAULT_ADDR}), or `off`")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return host or "127.0.0.1", int(port)
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+class MetricsServer:
+    """Serves a registry over HTTP (`/metrics`, or any path) from a thread of
+    its own, at normal scheduling priority (the daemon runs real-time and
+    threads inherit that)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._httpd = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, host: str, port: int) -> tuple[str, int]:
+        """Bind and serve; the bound (host, port). OSError when it cannot bind."""
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self._httpd = make_server(host, port, make_wsgi_app(self.registry), Server, handler_class=_Quiet)
+        self._thread = threading.Thread(target=self._serve, name="cgpud-metrics", daemon=True)
+        self._thread.start()
+        return self._httpd.server_address[:2]
+
+    def _serve(self) -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # this thread only (Linux)
+        except (OSError, AttributeError):
+            pass
+        self._httpd.serve_forever(poll_interval=0.2)
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
+
+async def serve(addr: tuple[str, int], publisher: Publisher, *, registry: CollectorRegistry | None = None,
+                task_status=None) -> None:
+    """Serve metrics at `addr` and keep the snapshot fresh until cancelled.
+    OSError (before `started`) when the address cannot be bound."""
+    import trio
+
+    server = MetricsServer(registry_for(lambda: publisher.current, registry))
+    host, port = server.start(*addr)
+    try:
+        shown = f"[{host}]" if ":" in host else host
+        log.info("metrics on http://%s:%d/metrics", shown, port)
+        if task_status is not None:
+            task_status.started((host, port))
+        await publisher.run()
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(server.stop)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
