@@ -222,6 +222,30 @@ def test_a_fresh_default_registry_works_too():
         reg.register(CgpuCollector(lambda: pub.current))
 
 
+def samples(text: str) -> dict:
+    """(name, labels) -> value of a scrape, its type per family; the snapshot's age left out (it moves)."""
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name != "cgpu_snapshot_age_seconds":
+                out[(s.name, frozenset(s.labels.items()))] = (fam.type, s.value)
+    return out
+
+
+def test_the_fast_renderer_says_what_generate_latest_says(setup):
+    node, *_, pub, reg = setup
+    node.gpus[0].instances[B].target = {"kind": "cgroup2", "path": "/y", "container": 'we"ird\\id\nline'}
+    pub.publish()
+    from prometheus_client import generate_latest
+    fast = metrics.render(pub.current).decode()
+    ref = generate_latest(reg).decode()
+    assert samples(fast) == samples(ref) and len(samples(fast)) > 50
+    assert val(reg, "cgpu_instance_info", **inst(B), id="2", container_id='we"ird\\id\nline') == 1
+    # the same HELP and TYPE lines, in the same order
+    assert [ln for ln in fast.splitlines() if ln.startswith("#")] == [
+        ln for ln in ref.splitlines() if ln.startswith("#")]
+
+
 def test_http_server_serves_the_registry_on_a_free_port(setup):
     *_, pub, reg = setup
     server = MetricsServer(reg)
@@ -239,6 +263,21 @@ def test_http_server_serves_the_registry_on_a_free_port(setup):
         server.stop()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_the_daemons_app_serves_ours_then_the_process_metrics(setup):
+    *_, pub, _ = setup
+    server = MetricsServer(metrics.wsgi_app(lambda: pub.current, metrics.process_registry()))
+    _, port = server.start("127.0.0.1", 0)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            got = samples(r.read().decode())
+    finally:
+        server.stop()
+    assert got[("cgpu_instance_weight", frozenset(inst(B).items()))] == ("gauge", 3.0)
+    assert got[("cgpu_instance_granted_seconds_total", frozenset(inst(B).items()))] == ("counter", 9.0)
+    assert got[("process_cpu_seconds_total", frozenset())][1] > 0
 
 
 @pytest.mark.parametrize("text, expected", [
