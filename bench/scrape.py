@@ -26,6 +26,7 @@ import argparse
 import http.client
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -195,6 +196,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="rounds of the three share conditions")
     ap.add_argument("--skip-shares", action="store_true")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanups (daemon, Prometheus) on SIGTERM
 
     a, b, c, size = in_process(min(args.n, 100))
     print(f"in process, {GPUS} GPUs x {PER_GPU} instances ({size} bytes): render p50 {ms(pct(a, 50))} "

@@ -153,7 +153,7 @@ async def _start_metrics(nursery, cfg: Config, durable: Durable, sched, ctl) -> 
     pub = metrics.Publisher(durable.node, schedulers=sched.schedulers if sched is not None else (),
                             oom=ctl.oom_refusals if ctl is not None else None,
                             mode=cfg.mode, placement=cfg.placement)
-    durable.listeners.append(pub.publish)
+    durable.listeners.append(pub.changed)
     try:
         await nursery.start(metrics.serve, addr, pub)
     except OSError as exc:

@@ -24,10 +24,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client.core import (
@@ -46,6 +47,7 @@ from . import __version__
 log = logging.getLogger("cgpud")
 
 DEFAULT_ADDR = "127.0.0.1:9400"
+SWITCH_INTERVAL = 0.0005  # s: the longest a scrape holds the GIL before the scheduler's thread gets it
 LATENESS_QUANTILES = (0.5, 0.99)
 GPU_LABELS = ("gpu", "uuid")
 INSTANCE_LABELS = ("gpu", "uuid", "container")
@@ -140,10 +142,11 @@ def markdown() -> str:
 
 
 # ---- the snapshot (built in the trio thread) ------------------------------------
+# Named tuples: immutable, and ~5x cheaper to build than frozen dataclasses
+# (200 instances: ~0.4 ms of the trio thread per snapshot).
 
 
-@dataclass(frozen=True)
-class InstanceSnap:
+class InstanceSnap(NamedTuple):
     gpu: int
     uuid: str
     name: str
@@ -161,8 +164,7 @@ class InstanceSnap:
     frozen: bool
 
 
-@dataclass(frozen=True)
-class GpuSnap:
+class GpuSnap(NamedTuple):
     index: int
     uuid: str
     name: str
@@ -271,6 +273,7 @@ class Publisher:
         self.oom = oom if oom is not None else {}
         self.mode, self.placement = mode, placement
         self.period = period
+        self._wake = None  # a trio.Event while run() runs
         self.current: Snapshot = self._take()
 
     def _take(self) -> Snapshot:
@@ -285,14 +288,28 @@ class Publisher:
         """Build a new snapshot and make it current (trio thread only)."""
         self.current = self._take()
 
+    def changed(self) -> None:
+        """A Durable listener: publish soon. While `run` runs, changes made
+        within one trio step are published once, right after it."""
+        if self._wake is not None:
+            self._wake.set()
+        else:
+            self.publish()
+
     async def run(self, *, task_status=None) -> None:
         import trio
 
+        self._wake = trio.Event()
         if task_status is not None:
             task_status.started()
-        while True:
-            await trio.sleep(self.period)
-            self.publish()
+        try:
+            while True:
+                with trio.move_on_after(self.period):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                self.publish()
+        finally:
+            self._wake = None
 
 
 # ---- reading a snapshot (in the HTTP server's threads) ----------------------------
@@ -548,6 +565,10 @@ async def serve(addr: tuple[str, int], publisher: Publisher, *, extra: Collector
     OSError (before `started`) when the address cannot be bound."""
     import trio
 
+    # A scrape renders in this process, holding the GIL in turns with the
+    # scheduler's thread. The scheduler waits for it at most one switch
+    # interval per wake-up: 5 ms by default, half a slice; 0.5 ms here.
+    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
     server = MetricsServer(wsgi_app(lambda: publisher.current, process_registry() if extra is None else extra))
     host, port = server.start(*addr)
     try:

@@ -321,3 +321,33 @@ def test_daemon_refuses_a_bad_or_busy_address_with_one_line():
     assert r.returncode == 1 and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"Error: --metrics-addr 127.0.0.1:{port}: ") and "in use" in last, r.stderr
+
+
+def test_changes_are_published_right_after_the_trio_step_that_made_them():
+    import trio
+    import trio.testing
+
+    node = Node([GpuInfo(0, "GPU-z", "x", 16 * GiB)])
+    pub = Publisher(node, period=3600)  # only changes publish here
+    taken = []
+    real = pub._take
+    pub._take = lambda: taken.append(1) or real()  # count the snapshots built
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pub.run)
+            before = pub.current
+            node.create_instance(0, A, memsize=GiB)
+            pub.changed()
+            node.set_weight(0, A, 5)
+            pub.changed()
+            assert pub.current is before  # the change's own step is not interrupted
+            await trio.testing.wait_all_tasks_blocked()
+            assert [i.weight for i in pub.current.gpus[0].instances] == [5]
+            assert len(taken) == 1  # two changes, one snapshot
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    node.set_weight(0, A, 6)
+    pub.changed()  # not running: at once
+    assert [i.weight for i in pub.current.gpus[0].instances] == [6]
