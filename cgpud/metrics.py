@@ -274,6 +274,7 @@ class Publisher:
         self.mode, self.placement = mode, placement
         self.period = period
         self._wake = None  # a trio.Event while run() runs
+        self._failed = False
         self.current: Snapshot = self._take()
 
     def _take(self) -> Snapshot:
@@ -307,7 +308,14 @@ class Publisher:
                 with trio.move_on_after(self.period):
                     await self._wake.wait()
                 self._wake = trio.Event()
-                self.publish()
+                try:
+                    self.publish()
+                except Exception:  # noqa: BLE001 - metrics must never stop the daemon
+                    if not self._failed:
+                        log.exception("metrics: building a snapshot failed; scrapes show the last good one")
+                    self._failed = True
+                else:
+                    self._failed = False
         finally:
             self._wake = None
 

@@ -351,3 +351,34 @@ def test_changes_are_published_right_after_the_trio_step_that_made_them():
     node.set_weight(0, A, 6)
     pub.changed()  # not running: at once
     assert [i.weight for i in pub.current.gpus[0].instances] == [6]
+
+
+def test_a_failing_snapshot_never_stops_the_loop_and_the_last_good_one_stays(caplog):
+    import trio
+    import trio.testing
+
+    node = Node([GpuInfo(0, "GPU-z", "x", 16 * GiB)])
+    pub = Publisher(node, period=0.01)
+    good = pub.current
+    boom = [True]
+    real = pub._take
+
+    def take():
+        if boom[0]:
+            raise RuntimeError("broken")
+        return real()
+
+    pub._take = take
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(pub.run)
+            await trio.sleep(0.05)  # several periods, each failing
+            assert pub.current is good
+            boom[0] = False
+            await trio.sleep(0.05)
+            assert pub.current is not good
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sum("building a snapshot failed" in r.message for r in caplog.records) == 1  # said once
