@@ -382,3 +382,29 @@ def test_a_failing_snapshot_never_stops_the_loop_and_the_last_good_one_stays(cap
 
     trio.run(main)
     assert sum("building a snapshot failed" in r.message for r in caplog.records) == 1  # said once
+
+
+def test_oom_counts_of_gone_instances_are_dropped(tmp_path):
+    """A new instance of the same name starts from 0 (Control.oom_refusals
+    forgets instances that are gone after any change)."""
+    from cgpud.control import Control
+    from cgpud.durable import Durable
+    from cgpud.store import Store
+
+    store = Store(str(tmp_path))
+    store.open()
+    try:
+        durable = Durable(Node([GpuInfo(0, "GPU-z", "x", 16 * GiB)]), store)
+        ctl = Control(durable)
+        pub = Publisher(durable.node, oom=ctl.oom_refusals)
+        durable.listeners.append(pub.changed)
+        durable.apply(lambda n: n.create_instance(0, A, memsize=GiB))
+        ctl.oom_refusals[(0, A)] += 2  # as gpu_alloc (or a watchdog) counts them
+        pub.publish()
+        assert [i.oom_refusals for i in pub.current.gpus[0].instances] == [2]
+        durable.apply(lambda n: n.destroy(A))
+        assert (0, A) not in ctl.oom_refusals
+        durable.apply(lambda n: n.create_instance(0, A, memsize=GiB))
+        assert [i.oom_refusals for i in pub.current.gpus[0].instances] == [0]
+    finally:
+        store.close()
