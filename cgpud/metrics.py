@@ -46,7 +46,7 @@ from . import __version__
 
 log = logging.getLogger("cgpud")
 
-DEFAULT_ADDR = "127.0.0.1:9400"
+DEFAULT_ADDR = "127.0.0.1:9402"
 SWITCH_INTERVAL = 0.0005  # s: the longest a scrape holds the GIL before the scheduler's thread gets it
 LATENESS_QUANTILES = (0.5, 0.99)
 GPU_LABELS = ("gpu", "uuid")

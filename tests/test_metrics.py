@@ -281,7 +281,7 @@ def test_the_daemons_app_serves_ours_then_the_process_metrics(setup):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("127.0.0.1:9400", ("127.0.0.1", 9400)),
+    ("127.0.0.1:9402", ("127.0.0.1", 9400)),
     ("0.0.0.0:0", ("0.0.0.0", 0)),
     (":9500", ("127.0.0.1", 9500)),
     ("[::1]:9400", ("::1", 9400)),
@@ -312,7 +312,7 @@ def test_daemon_refuses_a_bad_or_busy_address_with_one_line():
     r = _serve_once(["--metrics-addr", "nonsense"])
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == (
-        "Error: --metrics-addr nonsense: give HOST:PORT (e.g. 127.0.0.1:9400), or `off`")
+        "Error: --metrics-addr nonsense: give HOST:PORT (e.g. 127.0.0.1:9402), or `off`")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

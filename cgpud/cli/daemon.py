@@ -9,6 +9,7 @@ import trio
 
 from .. import __version__
 from ..daemon import Config, StartError, serve as serve_daemon
+from ..metrics import DEFAULT_ADDR as DEFAULT_METRICS_ADDR
 from ..paths import default_dev_dir, default_mount, default_socket, default_state_dir
 
 
@@ -49,7 +50,7 @@ def main() -> None:
               help="How containers that name no GPU are placed: the fullest GPU that fits, or the emptiest.")
 @click.option("--mode", type=click.Choice(["exclusive", "share", "cgpu", "mps"]), default="cgpu", show_default=True,
               envvar="CGPUD_MODE", help="Node mode for placement (docs/containers.md).")
-@click.option("--metrics-addr", default="127.0.0.1:9400", show_default=True, envvar="CGPUD_METRICS_ADDR",
+@click.option("--metrics-addr", default=DEFAULT_METRICS_ADDR, show_default=True, envvar="CGPUD_METRICS_ADDR",
               help="Where Prometheus metrics are served (HOST:PORT, port 0 = any free one); `off` for none.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
