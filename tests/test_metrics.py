@@ -281,7 +281,7 @@ def test_the_daemons_app_serves_ours_then_the_process_metrics(setup):
 
 
 @pytest.mark.parametrize("text, expected", [
-    ("127.0.0.1:9402", ("127.0.0.1", 9400)),
+    ("127.0.0.1:9402", ("127.0.0.1", 9402)),
     ("0.0.0.0:0", ("0.0.0.0", 0)),
     (":9500", ("127.0.0.1", 9500)),
     ("[::1]:9400", ("::1", 9400)),
