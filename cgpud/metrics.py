@@ -341,8 +341,10 @@ class _Quantiles:
         return qs
 
 
-def series(snap: Snapshot, quantiles: Callable[[int, object], tuple[float, ...]] | None = None) -> dict[str, list[Row]]:
-    """Every sample of the snapshot, by declared metric name (METRICS order)."""
+def series(snap: Snapshot, quantiles: Callable[[int, object], tuple[float, ...]] | None = None,
+           *, instances: bool = True) -> dict[str, list[Row]]:
+    """Every sample of the snapshot, by declared metric name (METRICS order);
+    instances=False: without the per-instance ones."""
     quantiles = quantiles or _Quantiles()
     out: dict[str, list[Row]] = {s.name: [] for s in METRICS}
     out["cgpu_daemon_info"].append(("", (("version", snap.version), ("mode", snap.mode), ("placement", snap.placement),
@@ -378,23 +380,32 @@ def series(snap: Snapshot, quantiles: Callable[[int, object], tuple[float, ...]]
                 lateness.append(("", gl + (("quantile", str(q)),), v))
             lateness.append(("_count", gl, st.lateness_count))
             lateness.append(("_sum", gl, st.lateness_sum))
-        for i in g.instances:
-            il = gl + (("container", i.name),)
-            out["cgpu_instance_info"].append(("", il + (("id", str(i.id)), ("container_id", i.container_id)), 1))
-            for key, value in (
-                ("cgpu_instance_memsize_bytes", i.memsize),
-                ("cgpu_instance_memory_used_bytes", i.used),
-                ("cgpu_instance_weight", i.weight),
-                ("cgpu_instance_highprio", int(i.highprio)),
-                ("cgpu_instance_compute_limit_ratio", i.limit),
-                ("cgpu_instance_share_1s_ratio", i.share_1s),
-                ("cgpu_instance_share_10s_ratio", i.share_10s),
-                ("cgpu_instance_granted_seconds_total", i.granted_seconds),
-                ("cgpu_instance_oom_refusals_total", i.oom_refusals),
-                ("cgpu_instance_frozen", int(i.frozen)),
-            ):
-                out[key].append(("", il, value))
+        if instances:
+            for i in g.instances:
+                for key, labels, value in instance_rows(i):
+                    out[key].append(("", labels, value))
     return out
+
+
+def instance_rows(i: InstanceSnap) -> tuple[tuple[str, Labels, float], ...]:
+    """The samples of one instance: (metric name, labels, value)."""
+    il = (("gpu", str(i.gpu)), ("uuid", i.uuid), ("container", i.name))
+    return (
+        ("cgpu_instance_info", il + (("id", str(i.id)), ("container_id", i.container_id)), 1),
+        ("cgpu_instance_memsize_bytes", il, i.memsize),
+        ("cgpu_instance_memory_used_bytes", il, i.used),
+        ("cgpu_instance_weight", il, i.weight),
+        ("cgpu_instance_highprio", il, int(i.highprio)),
+        ("cgpu_instance_compute_limit_ratio", il, i.limit),
+        ("cgpu_instance_share_1s_ratio", il, i.share_1s),
+        ("cgpu_instance_share_10s_ratio", il, i.share_10s),
+        ("cgpu_instance_granted_seconds_total", il, i.granted_seconds),
+        ("cgpu_instance_oom_refusals_total", il, i.oom_refusals),
+        ("cgpu_instance_frozen", il, int(i.frozen)),
+    )
+
+
+INSTANCE_METRICS = frozenset(s.name for s in METRICS if s.name.startswith("cgpu_instance_"))
 
 
 class CgpuCollector(Collector):
@@ -449,23 +460,56 @@ _HEADERS = {
 }
 
 
-def render(snap: Snapshot, quantiles: Callable[[int, object], tuple[float, ...]] | None = None) -> bytes:
-    """The snapshot in the Prometheus text format 0.0.4, fast: each label set
-    is escaped once per scrape, not once per sample (prometheus_client's
-    generate_latest takes ~15 µs a sample; 8 GPUs x 25 instances are ~2300
-    samples). tests/test_metrics.py checks it against generate_latest."""
-    rows = series(snap, quantiles)
-    rendered: dict[int, str] = {}  # by id: one label tuple is shared by all of an instance's rows (all alive here)
-    parts: list[str] = []
-    for s in METRICS:
-        parts.append(_HEADERS[s.name])
-        for suffix, labels, value in rows[s.name]:
-            text = rendered.get(id(labels))
-            if text is None:
-                text = rendered[id(labels)] = (
-                    "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels) + "}" if labels else "")
-            parts.append(f"{s.name}{suffix}{text} {_number(value)}\n")
-    return "".join(parts).encode()
+def _labels_text(labels: Labels) -> str:
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels) + "}" if labels else ""
+
+
+class Renderer:
+    """Renders snapshots in the Prometheus text format 0.0.4, fast.
+
+    prometheus_client's generate_latest takes ~15 µs a sample, and 8 GPUs x
+    25 instances are ~2300 samples. Here each label set is escaped once per
+    scrape, and an instance whose snapshot did not change since the last
+    scrape (most of them: idle instances, settings) reuses its lines.
+    tests/test_metrics.py checks the output against generate_latest.
+    Shared by the server's threads: the cache is replaced whole, never edited."""
+
+    def __init__(self) -> None:
+        self._quantiles = _Quantiles()
+        self._lines: dict[InstanceSnap, dict[str, str]] = {}
+
+    def __call__(self, snap: Snapshot) -> bytes:
+        rows = series(snap, self._quantiles, instances=False)
+        cache, fresh, per_inst = self._lines, {}, []
+        for g in snap.gpus:
+            for i in g.instances:
+                lines = cache.get(i)
+                if lines is None:
+                    lines = {}
+                    for name, labels, value in instance_rows(i):
+                        lines[name] = f"{name}{_labels_text(labels)} {_number(value)}\n"
+                fresh[i] = lines
+                per_inst.append(lines)
+        self._lines = fresh
+        rendered: dict[int, str] = {}  # by id: one label tuple is shared by several rows (all alive here)
+        parts: list[str] = []
+        for s in METRICS:
+            name = s.name
+            parts.append(_HEADERS[name])
+            if name in INSTANCE_METRICS:
+                parts.extend(lines[name] for lines in per_inst)
+                continue
+            for suffix, labels, value in rows[name]:
+                text = rendered.get(id(labels))
+                if text is None:
+                    text = rendered[id(labels)] = _labels_text(labels)
+                parts.append(f"{name}{suffix}{text} {_number(value)}\n")
+        return "".join(parts).encode()
+
+
+def render(snap: Snapshot) -> bytes:
+    """One snapshot in the text format (a Renderer of its own: no reuse)."""
+    return Renderer()(snap)
 
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -474,10 +518,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 def wsgi_app(source: Callable[[], Snapshot], extra: CollectorRegistry | None = None):
     """A WSGI app serving `render(source())`, then whatever `extra` holds
     (e.g. the daemon's process_* metrics)."""
-    quantiles = _Quantiles()
+    renderer = Renderer()
 
     def app(environ, start_response):
-        body = render(source(), quantiles)
+        body = renderer(source())
         if extra is not None:
             body += generate_latest(extra)
         start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
