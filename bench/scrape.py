@@ -5,9 +5,11 @@
    p50/p99 against the same HTTP scrape, in this process, of prometheus_client's
    default registry (process, platform and GC collectors: what any Python
    exporter serves) -- samples interleaved so that noise falls on both alike.
-   Also in-process, no HTTP: rendering a 200-instance snapshot with full
-   scheduler telemetry, every instance anew and as the daemon does (instances
-   unchanged since the last scrape reuse their lines), and the
+   While scraped, the daemon renders each snapshot in its trio thread when it
+   is built, so a scrape mostly sends ready bytes; the rendering's cost is
+   measured in-process, no HTTP: a 200-instance snapshot with full scheduler
+   telemetry, every instance anew and as the daemon does (instances unchanged
+   since the last snapshot reuse their lines), and the
    same through our collector and prometheus_client's generate_latest, against
    generate_latest of the default registry.
 2. Share error while scraped: the same daemon keeps its 200 instances
@@ -194,6 +196,29 @@ class socket_free:
         self.s.close()
 
 
+def _stop(*_) -> None:
+    """SIGTERM: end the running workloads' `cgpu run` first (they deregister
+    while the daemon still runs, so their cgroups go), then the cleanups."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    kids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"run" in argv:
+            os.kill(int(pid), signal.SIGTERM)
+            kids.append(int(pid))
+    deadline = time.monotonic() + 10
+    while kids and time.monotonic() < deadline:
+        kids = [k for k in kids if os.path.exists(f"/proc/{k}") and open(f"/proc/{k}/stat").read().split()[2] != "Z"]
+        time.sleep(0.1)
+    sys.exit(143)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=300, help="scrapes per side")
@@ -201,7 +226,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="rounds of the three share conditions")
     ap.add_argument("--skip-shares", action="store_true")
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanups (daemon, Prometheus) on SIGTERM
+    signal.signal(signal.SIGTERM, _stop)
 
     a, b, c, d, size = in_process(min(args.n, 100))
     print(f"in process, {GPUS} GPUs x {PER_GPU} instances ({size} bytes): render p50 {ms(pct(a, 50))} "

@@ -66,11 +66,11 @@ class Spec:
 
 
 METRICS: tuple[Spec, ...] = (
-    Spec("cgpu_daemon_info", "info", ("version", "mode", "placement", "scheduling"), "—",
-         "The daemon: its version, node mode, placement strategy, and whether it schedules (1, else 0)."),
     Spec("cgpu_snapshot_age_seconds", "gauge", (), "seconds",
          "How old the snapshot this scrape reads is (it is renewed every 0.5 s and after every change; "
          "a large value means the daemon's event loop is stuck)."),
+    Spec("cgpu_daemon_info", "info", ("version", "mode", "placement", "scheduling"), "—",
+         "The daemon: its version, node mode, placement strategy, and whether it schedules (1, else 0)."),
     Spec("cgpu_gpu_info", "info", GPU_LABELS + ("name",), "—", "One per GPU: index (`gpu`), UUID and model name."),
     Spec("cgpu_gpu_memory_total_bytes", "gauge", GPU_LABELS, "bytes", "The device's memory."),
     Spec("cgpu_gpu_memory_allocated_bytes", "gauge", GPU_LABELS, "bytes",
@@ -274,6 +274,7 @@ class Publisher:
         self.mode, self.placement = mode, placement
         self.period = period
         self._wake = None  # a trio.Event while run() runs
+        self.exposition: Exposition | None = None  # told of each new snapshot
         self._failed = False
         self.current: Snapshot = self._take()
 
@@ -288,6 +289,8 @@ class Publisher:
     def publish(self) -> None:
         """Build a new snapshot and make it current (trio thread only)."""
         self.current = self._take()
+        if self.exposition is not None:
+            self.exposition.published(self.current)
 
     def changed(self) -> None:
         """A Durable listener: publish soon. While `run` runs, changes made
@@ -342,14 +345,15 @@ class _Quantiles:
 
 
 def series(snap: Snapshot, quantiles: Callable[[int, object], tuple[float, ...]] | None = None,
-           *, instances: bool = True) -> dict[str, list[Row]]:
+           *, instances: bool = True, age: bool = True) -> dict[str, list[Row]]:
     """Every sample of the snapshot, by declared metric name (METRICS order);
     instances=False: without the per-instance ones."""
     quantiles = quantiles or _Quantiles()
     out: dict[str, list[Row]] = {s.name: [] for s in METRICS}
     out["cgpu_daemon_info"].append(("", (("version", snap.version), ("mode", snap.mode), ("placement", snap.placement),
                                          ("scheduling", str(int(snap.scheduling)))), 1))
-    out["cgpu_snapshot_age_seconds"].append(("", (), max(0.0, time.monotonic() - snap.taken)))
+    if age:
+        out["cgpu_snapshot_age_seconds"].append(("", (), max(0.0, time.monotonic() - snap.taken)))
     for g in snap.gpus:
         gl = (("gpu", str(g.index)), ("uuid", g.uuid))
         out["cgpu_gpu_info"].append(("", gl + (("name", g.name),), 1))
@@ -479,7 +483,7 @@ class Renderer:
         self._lines: dict[InstanceSnap, dict[str, str]] = {}
 
     def __call__(self, snap: Snapshot) -> bytes:
-        rows = series(snap, self._quantiles, instances=False)
+        rows = series(snap, self._quantiles, instances=False, age=False)
         cache, fresh, per_inst = self._lines, {}, []
         for g in snap.gpus:
             for i in g.instances:
@@ -493,7 +497,7 @@ class Renderer:
         self._lines = fresh
         rendered: dict[int, str] = {}  # by id: one label tuple is shared by several rows (all alive here)
         parts: list[str] = []
-        for s in METRICS:
+        for s in METRICS[1:]:  # all but the snapshot's age, which only a scrape knows (Exposition)
             name = s.name
             parts.append(_HEADERS[name])
             if name in INSTANCE_METRICS:
@@ -507,32 +511,69 @@ class Renderer:
         return "".join(parts).encode()
 
 
+def age_text(snap: Snapshot) -> str:
+    return (_HEADERS["cgpu_snapshot_age_seconds"]
+            + f"cgpu_snapshot_age_seconds {_number(max(0.0, time.monotonic() - snap.taken))}\n")
+
+
 def render(snap: Snapshot) -> bytes:
-    """One snapshot in the text format (a Renderer of its own: no reuse)."""
-    return Renderer()(snap)
+    """One snapshot in the text format, all of it (a Renderer of its own: no reuse)."""
+    return age_text(snap).encode() + Renderer()(snap)
 
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def wsgi_app(source: Callable[[], Snapshot], extra: CollectorRegistry | None = None):
-    """A WSGI app serving `render(source())`, then whatever `extra` holds
-    (e.g. the daemon's process_* metrics)."""
-    renderer = Renderer()
+class Exposition:
+    """What a scrape returns: the latest snapshot as text, then `extra`'s
+    metrics (e.g. the daemon's process_* ones).
+
+    While someone scrapes (a scrape in the last `keep` s), the snapshot is
+    rendered right after it is built, in the trio thread (`published`), and a
+    scrape only sends those bytes. Rendering in the HTTP thread instead would
+    hold the GIL for milliseconds in a normal-priority thread: on a loaded
+    machine that thread is preempted while holding it, and the real-time
+    scheduler's wake-up waits for it (measured: mean slice lateness 0.09 ms
+    unscraped, ~1 ms under a 1 s Prometheus, ~4 ms under a tight loop).
+    A scrape finding no bytes for the current snapshot renders it itself."""
+
+    def __init__(self, source: Callable[[], Snapshot], extra: CollectorRegistry | None = None,
+                 keep: float = 60.0) -> None:
+        self.source, self.extra, self.keep = source, extra, keep
+        self.renderer = Renderer()
+        self.rendered: tuple[Snapshot, bytes] | None = None
+        self.last_scrape = -float("inf")  # time.monotonic() of the last scrape (set by the HTTP threads)
+
+    def published(self, snap: Snapshot) -> None:
+        """A new snapshot (trio thread): render it now if it will be scraped."""
+        if time.monotonic() - self.last_scrape < self.keep:
+            self.rendered = (snap, self.renderer(snap))
+
+    def body(self) -> bytes:
+        """A scrape's response body (HTTP threads)."""
+        self.last_scrape = time.monotonic()
+        snap = self.source()
+        done = self.rendered
+        text = done[1] if done is not None and done[0] is snap else self.renderer(snap)
+        body = age_text(snap).encode() + text
+        if self.extra is not None:
+            body += generate_latest(self.extra)
+        return body
+
+
+def wsgi_app(exposition: Exposition):
+    """A WSGI app serving `exposition.body()` at any path."""
 
     def app(environ, start_response):
-        body = renderer(source())
-        if extra is not None:
-            body += generate_latest(extra)
+        body = exposition.body()
         start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
         return [body]
 
     return app
 
 
-
 def registry_for(source: Callable[[], Snapshot], registry: CollectorRegistry | None = None) -> CollectorRegistry:
-    """A registry (a fresh one unless given) holding our collector only."""
+    """A registry (a fresh one unless given) holding our collector."""
     registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
     registry.register(CgpuCollector(source))
     return registry
@@ -621,7 +662,9 @@ async def serve(addr: tuple[str, int], publisher: Publisher, *, extra: Collector
     # scheduler's thread. The scheduler waits for it at most one switch
     # interval per wake-up: 5 ms by default, half a slice; 0.5 ms here.
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
-    server = MetricsServer(wsgi_app(lambda: publisher.current, process_registry() if extra is None else extra))
+    expo = Exposition(lambda: publisher.current, process_registry() if extra is None else extra)
+    publisher.exposition = expo
+    server = MetricsServer(wsgi_app(expo))
     host, port = server.start(*addr)
     try:
         shown = f"[{host}]" if ":" in host else host

@@ -267,7 +267,9 @@ def test_http_server_serves_the_registry_on_a_free_port(setup):
 
 def test_the_daemons_app_serves_ours_then_the_process_metrics(setup):
     *_, pub, _ = setup
-    server = MetricsServer(metrics.wsgi_app(lambda: pub.current, metrics.process_registry()))
+    expo = metrics.Exposition(lambda: pub.current, metrics.process_registry())
+    pub.exposition = expo
+    server = MetricsServer(metrics.wsgi_app(expo))
     _, port = server.start("127.0.0.1", 0)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
@@ -408,3 +410,28 @@ def test_oom_counts_of_gone_instances_are_dropped(tmp_path):
         assert [i.oom_refusals for i in pub.current.gpus[0].instances] == [0]
     finally:
         store.close()
+
+
+def test_while_scraped_each_snapshot_is_rendered_when_published(setup):
+    node, _, _, pub, reg = setup
+    expo = metrics.Exposition(lambda: pub.current, keep=60)
+    pub.exposition = expo
+    pub.publish()
+    assert expo.rendered is None  # nobody scrapes: no work in the trio thread
+    first = expo.body()  # a scrape renders what it finds not rendered
+    pub.publish()
+    snap, text = expo.rendered
+    assert snap is pub.current  # rendered with the snapshot, before any scrape asks
+    node.set_weight(0, A, 2)
+    pub.publish()
+    assert expo.rendered[0] is pub.current and expo.rendered[1] != text
+    body = expo.body().decode()
+    assert body.endswith(expo.rendered[1].decode())  # the scrape sent those bytes
+    assert samples(body)[("cgpu_instance_weight", frozenset(inst(A).items()))] == ("gauge", 2.0)
+    assert samples(first.decode())[("cgpu_instance_weight", frozenset(inst(A).items()))] == ("gauge", 1.0)
+    from prometheus_client import generate_latest
+    assert samples(body) == samples(generate_latest(reg).decode())
+    expo.last_scrape -= 61  # no scrape for a minute: publishing renders nothing again
+    before = expo.rendered
+    pub.publish()
+    assert expo.rendered is before
