@@ -435,3 +435,17 @@ def test_while_scraped_each_snapshot_is_rendered_when_published(setup):
     before = expo.rendered
     pub.publish()
     assert expo.rendered is before
+
+
+def test_lateness_quantiles_cover_the_last_512_boundaries():
+    node = Node([GpuInfo(0, "GPU-z", "x", GiB)])
+    old = tuple([1.0] * 3000)  # long ago: a stall
+    recent = tuple(i / 100000 for i in range(1, 513))  # 0.01 .. 5.12 ms
+    st = gpu_stats(0)
+    st = GpuStats(**{**st.__dict__, "lateness": old + recent})
+    pub = Publisher(node, schedulers=[FakeSched(0, st)])
+    reg = registry_for(lambda: pub.current, CollectorRegistry())
+    g = {"gpu": "0", "uuid": "GPU-z"}
+    assert val(reg, "cgpu_gpu_slice_lateness_seconds", **g, quantile="0.5") == pytest.approx(256 / 100000)
+    assert val(reg, "cgpu_gpu_slice_lateness_seconds", **g, quantile="0.99") == pytest.approx(507 / 100000)
+    assert val(reg, "cgpu_gpu_slice_lateness_max_seconds", **g) == 0.009  # the whole run's, as the scheduler says
