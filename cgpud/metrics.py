@@ -1,16 +1,19 @@
-"""Prometheus metrics (SPEC §7): a collector over an immutable snapshot.
+"""Prometheus metrics (SPEC §7) over an immutable snapshot.
 
 Two threads, one rule: the HTTP server's threads never touch trio objects.
 
 - In the trio thread, `Publisher.publish()` copies what the metrics need out
   of the model (`Node`), the schedulers (their published `GpuStats`, which are
   immutable already, and the set each holds frozen) and the out-of-memory
-  counter into a `Snapshot` of frozen dataclasses and tuples, and replaces
-  `Publisher.current` with it in one assignment. It runs every `period`
-  seconds and after every change that lands (a `Durable` listener).
-- In the HTTP server's threads, `CgpuCollector.collect()` reads that one
-  reference and turns it into metric families. A scrape costs the trio thread
-  nothing but the GIL it shares.
+  counter into a `Snapshot` of named tuples, and replaces `Publisher.current`
+  with it in one assignment. It runs every `period` seconds and after the
+  changes that land (a `Durable` listener, `Publisher.changed`). While
+  someone scrapes, the snapshot is rendered as text right then too
+  (`Exposition.published`; why: docs/metrics.md).
+- In the HTTP server's threads, `Exposition.body()` reads those references
+  and sends the text (rendering it only if it finds none for the current
+  snapshot). `CgpuCollector` offers the same as metric families for any
+  CollectorRegistry.
 
 Every metric is declared once in `METRICS`; docs/metrics.md's table is
 generated from it (`python -m cgpud.metrics`) and a test keeps them equal.
