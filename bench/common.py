@@ -39,6 +39,7 @@ def daemon(gpus: str = "sim:T4", extra: list[str] | None = None, handle: bool = 
                        "--socket", os.path.join(tmp, "cgpud.sock"), "--dev-dir", os.path.join(tmp, "dev")]
         + (extra or []),
         stdout=log, stderr=subprocess.STDOUT,
+        env=dict(os.environ, CGPUD_METRICS_ADDR=os.environ.get("CGPUD_METRICS_ADDR", "127.0.0.1:0")),
     )
     try:
         deadline = time.monotonic() + 20

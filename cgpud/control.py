@@ -22,6 +22,7 @@ import os
 import socket
 import struct
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -32,7 +33,7 @@ from fusefs.mount import _unescape
 from . import __version__
 from .cgroups import CgroupError, InstanceGroups
 from .durable import Durable
-from .model import Instance, ModelError, NotFound, Node, check_name
+from .model import Instance, ModelError, NotFound, Node, OutOfMemory, check_name
 from .tree import ERRNOS
 
 log = logging.getLogger("cgpud")
@@ -228,6 +229,9 @@ class Control:
         # it goes with the connection (the process), never into state.json.
         self.held: dict[int, dict[int, Held]] = {}
         self._handles = itertools.count(1)
+        # Out-of-memory events by (gpu, instance name), for the metrics: refused
+        # allocations here; whatever else sees one (a memory watchdog) adds to it.
+        self.oom_refusals: Counter[tuple[int, str]] = Counter()
         durable.listeners.append(self._forget_gone)
         durable.listeners.append(self._orphaned_groups)
         self._our_paths: set[str] = set()
@@ -495,7 +499,11 @@ class Control:
         if nbytes <= 0:
             raise Refused(errno.EINVAL, f"bytes must be a positive number of bytes, not {nbytes}")
         inst = self.instance_of(peer.pid, gpu)
-        self.node.alloc(inst.gpu, inst.name, peer.pid, nbytes)  # OutOfMemory: nothing changed
+        try:
+            self.node.alloc(inst.gpu, inst.name, peer.pid, nbytes)  # OutOfMemory: nothing changed
+        except OutOfMemory:
+            self.oom_refusals[(inst.gpu, inst.name)] += 1
+            raise
         handle = next(self._handles)
         self.held.setdefault(peer.conn, {})[handle] = Held(peer.conn, peer.pid, inst.gpu, inst.name, nbytes)
         log.debug("pid %d allocated %d bytes of %s on GPU %d (handle %d)", peer.pid, nbytes, inst.name, inst.gpu, handle)
@@ -545,7 +553,10 @@ class Control:
 
     def _forget_gone(self) -> None:
         """After any change: allocations of instances that no longer exist are
-        forgotten (a new instance of the same name must start empty)."""
+        forgotten (a new instance of the same name must start empty), and so
+        are their out-of-memory counts."""
+        for key in [k for k in self.oom_refusals if k[1] not in self.node.gpus[k[0]].instances]:
+            del self.oom_refusals[key]
         if not self.held:
             return
         for conn, mine in list(self.held.items()):

@@ -6,6 +6,7 @@ a bad --gpus spec, an unusable state file, a state written for other GPUs, no
 """
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
@@ -53,6 +54,7 @@ class Config:
     mem_action: str = "kill"  # real GPUs: what the memory watchdog does past memsize (kill|term|log)
     mps_control: str | None = None  # --mode mps: the nvidia-cuda-mps-control to drive (None: from PATH)
     mps_pipe_dir: str | None = None  # --mode mps: CUDA_MPS_PIPE_DIRECTORY for the daemon and clients
+    metrics_addr: str | None = None  # HOST:PORT; None or "off": no metrics
 
 
 def load_node(cfg: Config) -> tuple[Node, Store]:
@@ -175,7 +177,8 @@ async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Conf
         await nursery.start(watchdog.run)
     except NvmlError as exc:
         raise StartError(str(exc)) from None
-    ctl.watchdog = watchdog  # for whoever reports it (metrics: kills / over per (gpu, instance))
+    watchdog.over = ctl.oom_refusals  # each process found past its memsize counts as an out-of-memory event (metrics)
+    ctl.watchdog = watchdog  # for whoever reports it (kills / over per (gpu, instance))
     return watchdog
 
 
@@ -195,6 +198,46 @@ async def _serve_fs(fuse, scope, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await fuse.run(task_status=task_status)
     finally:
         scope.cancel()
+
+
+async def _metrics_when_free(addr, pub, shown: str, patience: float = 30.0) -> None:
+    from . import metrics
+
+    deadline = trio.current_time() + patience
+    while True:
+        try:
+            await metrics.serve(addr, pub)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or trio.current_time() > deadline:
+                log.error("metrics: cannot serve on %s (%s): no metrics until the daemon restarts",
+                          shown, exc.strerror or exc)
+                return
+            await trio.sleep(0.1)
+
+
+async def _start_metrics(nursery, cfg: Config, durable: Durable, services: Services, *, wait_for_port: bool) -> None:
+    """Prometheus metrics (docs/metrics.md), unless --metrics-addr is off."""
+    from . import metrics
+
+    try:
+        addr = metrics.parse_addr(cfg.metrics_addr)
+    except metrics.BadAddress as exc:
+        raise StartError(str(exc)) from None
+    if addr is None:
+        return
+    pub = metrics.Publisher(durable.node, schedulers=lambda: services.sched.schedulers if services.sched is not None else (),
+                            oom=services.ctl.oom_refusals if services.ctl is not None else None,
+                            mode=cfg.mode, placement=cfg.placement)
+    durable.listeners.append(pub.changed)
+    if wait_for_port:  # a hot upgrade: the daemon before still serves the port until it exits
+        nursery.start_soon(_metrics_when_free, addr, pub, cfg.metrics_addr)
+        return
+    try:
+        await nursery.start(metrics.serve, addr, pub)
+    except OSError as exc:
+        raise StartError(f"--metrics-addr {cfg.metrics_addr}: {exc.strerror or exc}; choose another "
+                         f"HOST:PORT, or `off`") from None
 
 
 async def serve(cfg: Config) -> int:
@@ -276,6 +319,7 @@ async def _serve(cfg: Config) -> int:
                 await services.start(nursery, **(takeover.service_args() if takeover else {}))
                 if cfg.gpus.strip() == "nvml" and services.ctl is not None:
                     await _start_watchdog(nursery, node, services.ctl, cfg)
+                await _start_metrics(nursery, cfg, durable, services, wait_for_port=takeover is not None)
                 if takeover is not None:
                     fuse.takeover(takeover.fuse_fd)
             except BaseException as exc:

@@ -42,6 +42,11 @@ import pytest
 from fusefs.mount import find_mount
 from fusefs.node import Node as TreeNode, walk
 
+# Daemons started by tests serve metrics on a free loopback port (several run
+# at once; the default 127.0.0.1:9402 would clash). A test that wants a given
+# address passes --metrics-addr.
+os.environ.setdefault("CGPUD_METRICS_ADDR", "127.0.0.1:0")
+
 SIM_T4_BYTES = 15109 << 20  # SPEC §8: a Tesla T4 has 15109 MiB
 
 NOBODY = 65534
