@@ -415,3 +415,35 @@ def test_systemd_learns_the_new_main_pid(make_daemon, subreaper, monkeypatch, tm
     assert (old, "READY=1") in said and (old, f"MAINPID={new}") in said, said
     assert (new, "READY=1") in said, said
     assert not any(pid == old and text.startswith("STOPPING") for pid, text in said), said
+
+
+def test_metrics_port_follows_a_hot_upgrade(make_daemon, subreaper):
+    """A fixed --metrics-addr: the old daemon holds the port until it exits;
+    the new one serves it afterwards, with the same instances."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = make_daemon(extra_args=["--metrics-addr", f"127.0.0.1:{port}"])
+    d.write("default_memsize", "1073741824")
+    name = f"mu{os.getpid() % 100000:05d}upgra"
+    d.create(0, name)
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    assert f'container="{name}"' in scrape()
+    upgrade(d)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            text = scrape()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"no metrics on port {port} after the upgrade\n{d.log_text()}"
+            time.sleep(0.1)
+    assert f'container="{name}"' in text
+    assert "metrics: cannot serve" not in d.log_text()
