@@ -27,6 +27,7 @@ from .model import InvalidValue, Node
 from .paths import FSNAME
 from .priority import raise_priority
 from .sdnotify import notify
+from .service import Watchdog, watchdog_interval
 from .store import CorruptState, Store
 
 log = logging.getLogger("cgpud")
@@ -126,6 +127,7 @@ async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async for sig in signals:
             log.info("%s received: unmounting and stopping", signal.Signals(sig).name)
+            notify("STOPPING=1")
             pyfuse3.terminate()
             return
 
@@ -202,7 +204,12 @@ async def _serve(cfg: Config) -> None:
                 raise StartError(str(exc)) from None
             gpus = ", ".join(f"{g.index}: {g.info.name} {g.info.memory >> 20} MiB" for g in node.gpus)
             log.info("cgpud %s serving %s (GPUs %s; state in %s; %s)", __version__, mountpoint, gpus, store.path, prio)
-            notify("READY=1")
+            notify("READY=1")  # the tree is mounted, the schedulers and the socket run
+            interval = watchdog_interval()
+            if interval is not None:
+                dog = Watchdog(interval, sched.schedulers if sched is not None else (),
+                               probe=lambda: os.statvfs(mountpoint))
+                await nursery.start(dog.run)
         for cleanup in cleanups:
             cleanup()
         log.info("stopped")
