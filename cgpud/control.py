@@ -31,12 +31,13 @@ from fusefs.mount import _unescape
 from . import __version__
 from .cgroups import CgroupError, InstanceGroups
 from .durable import Durable
-from .model import Instance, ModelError, NotFound, Node, check_name
+from .model import Instance, ModelError, NotFound, Node, check_name, quoted
 from .tree import ERRNOS
 
 log = logging.getLogger("cgpud")
 
-MAX_LINE = 64 * 1024
+MAX_LINE = 64 * 1024  # the longest request line; a longer one is answered EINVAL and the connection closed
+TOO_LONG = {"ok": False, "error": "EINVAL", "message": f"request line too long (over {MAX_LINE} bytes); connection closed"}
 
 
 class Refused(Exception):
@@ -125,6 +126,15 @@ def _proc_cgroups(pid: int) -> dict[str, str]:
 
 def _contains(group: str, path: str) -> bool:
     return path == group or path.startswith(group.rstrip("/") + "/")
+
+
+def decode_line(line: bytes) -> Any:
+    """One request line -> the request, or Refused: not UTF-8, not JSON,
+    nested too deep for the parser (a line of 100,000 `[`), numbers too long."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return Refused(errno.EINVAL, "not a JSON line")
 
 
 def peer_of(sock: socket.socket) -> Peer:
@@ -228,7 +238,7 @@ class Control:
                 raise Refused(errno.EINVAL, 'a request is a JSON object with a string "op"')
             entry = self.ops.get(req["op"])
             if entry is None:
-                raise Refused(errno.EINVAL, f"unknown op {req['op']!r}; known: {', '.join(sorted(self.ops))}")
+                raise Refused(errno.EINVAL, f"unknown op {quoted(req['op'])}; known: {', '.join(sorted(self.ops))}")
             needs_priv, fn = entry
             if needs_priv and not self.privileged(peer):
                 raise Refused(errno.EACCES, f"{req['op']} needs root or the admin group")
@@ -241,6 +251,9 @@ class Control:
         except OSError as exc:
             code = exc.errno or errno.EIO
             return {"ok": False, "error": errno.errorcode.get(code, "EIO"), "message": exc.strerror or str(exc)}
+        except Exception:  # a bug must cost one request, never the daemon
+            log.exception("control request %.200r failed", req)
+            return {"ok": False, "error": "EIO", "message": "internal error; see the daemon's log"}
 
     # ---- ops ---------------------------------------------------------------
 
@@ -594,11 +607,17 @@ async def serve(path: str, control: Control, after=_nothing, *, task_status=trio
 
     async def connection(stream: trio.SocketStream) -> None:
         conn = next(conn_ids)
-        p = peer_of(stream.socket)  # type: ignore[arg-type]
+        try:
+            p = peer_of(stream.socket)  # type: ignore[arg-type]
+        except OSError:  # gone before we looked
+            await stream.aclose()
+            return
         peer = Peer(p.pid, p.uid, p.gid, conn)
         control.live_conns.add(conn)
         try:
             await _converse(stream, peer)
+        except Exception:  # one connection's failure must never stop the daemon
+            log.exception("control connection %d (pid %d) failed; closed", conn, peer.pid)
         finally:
             control.live_conns.discard(conn)
 
@@ -620,14 +639,17 @@ async def serve(path: str, control: Control, after=_nothing, *, task_status=trio
             if not data:
                 return
             buf += data
+            overlong = False
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
+                if len(line) > MAX_LINE:
+                    overlong = True
+                    break
                 if not line.strip():
                     continue
-                try:
-                    req = json.loads(line)
-                except ValueError:
-                    resp = {"ok": False, "error": "EINVAL", "message": "not a JSON line"}
+                req = decode_line(line)
+                if isinstance(req, Refused):
+                    resp = {"ok": False, "error": errno.errorcode[req.code], "message": str(req)}
                 else:
                     resp = control.handle(req, peer)
                     await after()
@@ -635,8 +657,11 @@ async def serve(path: str, control: Control, after=_nothing, *, task_status=trio
                     await stream.send_all(json.dumps(resp).encode() + b"\n")
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     return
-            if len(buf) > MAX_LINE:
-                await stream.send_all(b'{"ok": false, "error": "EINVAL", "message": "line too long"}\n')
+            if overlong or len(buf) > MAX_LINE:
+                try:  # (the rest of an overlong line cannot be told from the next request: close)
+                    await stream.send_all(json.dumps(TOO_LONG).encode() + b"\n")
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
                 return
 
     try:
