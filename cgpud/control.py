@@ -54,8 +54,13 @@ class Peer:
     uid: int
     gid: int
     conn: int = 0  # which connection: registrations made with cgroup=true belong to it
+    # Supplementary groups as the kernel recorded them at connect (SO_PEERGROUPS);
+    # None: unknown, read from /proc (racy: the pid may be another process by now).
+    supplementary: frozenset[int] | None = None
 
     def groups(self) -> set[int]:
+        if self.supplementary is not None:
+            return set(self.supplementary) | {self.gid}
         try:
             with open(f"/proc/{self.pid}/status") as f:
                 for line in f:
@@ -137,9 +142,21 @@ def decode_line(line: bytes) -> Any:
         return Refused(errno.EINVAL, "not a JSON line")
 
 
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
+
+
 def peer_of(sock: socket.socket) -> Peer:
+    """The peer's credentials as of its connect(): pid, uid, gid and its
+    supplementary groups, all recorded by the kernel then."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return Peer(*struct.unpack("3i", raw))
+    pid, uid, gid = struct.unpack("3i", raw)
+    supplementary = None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)  # (CPython allows 1024 bytes: 256 groups)
+        supplementary = frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+    except OSError:
+        pass  # an older kernel, or more than 256 groups (ERANGE): groups() reads /proc
+    return Peer(pid, uid, gid, supplementary=supplementary)
 
 
 def snapshot(node: Node) -> dict:
@@ -612,7 +629,7 @@ async def serve(path: str, control: Control, after=_nothing, *, task_status=trio
         except OSError:  # gone before we looked
             await stream.aclose()
             return
-        peer = Peer(p.pid, p.uid, p.gid, conn)
+        peer = Peer(p.pid, p.uid, p.gid, conn, p.supplementary)
         control.live_conns.add(conn)
         try:
             await _converse(stream, peer)

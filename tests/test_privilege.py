@@ -182,3 +182,29 @@ def test_a_process_touches_only_its_own_instances_memory(daemon, holders):  # no
     assert b.raw("gpu_meminfo", gpu=1).startswith("EPERM")
     assert "Free: %d" % ((1 << 30) - (100 << 20)) in daemon.read(f"0/{NAME}/meminfo")
     assert a.raw("gpu_free", handle=ha).startswith("ok")
+
+
+def test_a_member_by_supplementary_group_is_admin_and_groups_are_taken_at_connect(admin_daemon):
+    """uid 4242 with nogroup as a supplementary group is an admin; the
+    groups come from the kernel's record of the connect (SO_PEERGROUPS), not
+    from /proc/<pid> later, where the pid could be another process by then."""
+    d = admin_daemon
+    r = subprocess.run([nobody_python(), "-c", SOCKET_SCRIPT, str(d.socket), json.dumps([{"op": "hello"}])],
+                       user=OTHER, group=OTHER, extra_groups=[NOBODY], capture_output=True, text=True, cwd="/",
+                       timeout=30, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["result"]["privileged"] is True
+
+
+def test_peer_groups_are_recorded_at_connect():
+    from cgpud.control import peer_of
+
+    a, b = socket.socketpair()
+    try:
+        p = peer_of(a)
+        assert p.pid == os.getpid() and p.uid == os.geteuid()
+        assert p.supplementary == frozenset(os.getgroups())
+        assert p.groups() == set(os.getgroups()) | {os.getegid()}
+    finally:
+        a.close()
+        b.close()
