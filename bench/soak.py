@@ -127,7 +127,7 @@ def load(clients: int, seconds: float, instances: int, interval: float) -> dict:
         with Client(d.socket) as c:
             c.call("register", name=idle, gpus=[0], memsize=64 << 20)
         try:
-            wait_present(d, names)
+            wait_present(d, names, timeout=180)  # (24 Python start-ups on a busy machine)
             time.sleep(2)  # every workload has opened its GPU
             window = seconds  # the same length for all three: the share error shrinks with the window
             quiet, _ = cpu_shares(names, window)
