@@ -162,6 +162,15 @@ def test_request_lines_are_bounded_and_never_stop_the_daemon(daemon):
              b'{"op": "register", "name": "%s", "gpus": [%s]}' % (NAME.encode(), b"9" * 100)]
     r = _converse(daemon.socket, b"\n".join(lines) + b"\n" + hello)
     assert [x.get("error") for x in r] == ["EINVAL"] * len(lines) + [None], r
+    # a client that sends half a line and waits holds up nobody else
+    slow = socket.socket(socket.AF_UNIX)
+    slow.connect(str(daemon.socket))
+    try:
+        slow.sendall(b'{"op": "hel')
+        with Client(str(daemon.socket), timeout=10) as c:
+            assert c.call("hello")["gpus"] == 1
+    finally:
+        slow.close()
     assert daemon.alive() and daemon.instances(0) == []
 
 
