@@ -33,12 +33,13 @@ from fusefs.mount import _unescape
 from . import __version__
 from .cgroups import CgroupError, InstanceGroups
 from .durable import Durable
-from .model import Instance, ModelError, NotFound, Node, OutOfMemory, check_name
+from .model import Instance, ModelError, NotFound, Node, OutOfMemory, check_name, quoted
 from .tree import ERRNOS
 
 log = logging.getLogger("cgpud")
 
-MAX_LINE = 64 * 1024
+MAX_LINE = 64 * 1024  # the longest request line; a longer one is answered EINVAL and the connection closed
+TOO_LONG = {"ok": False, "error": "EINVAL", "message": f"request line too long (over {MAX_LINE} bytes); connection closed"}
 
 
 class Refused(Exception):
@@ -55,8 +56,13 @@ class Peer:
     uid: int
     gid: int
     conn: int = 0  # which connection: registrations made with cgroup=true belong to it
+    # Supplementary groups as the kernel recorded them at connect (SO_PEERGROUPS);
+    # None: unknown, read from /proc (racy: the pid may be another process by now).
+    supplementary: frozenset[int] | None = None
 
     def groups(self) -> set[int]:
+        if self.supplementary is not None:
+            return set(self.supplementary) | {self.gid}
         try:
             with open(f"/proc/{self.pid}/status") as f:
                 for line in f:
@@ -152,9 +158,30 @@ def _contains(group: str, path: str) -> bool:
     return path == group or path.startswith(group.rstrip("/") + "/")
 
 
+def decode_line(line: bytes) -> Any:
+    """One request line -> the request, or Refused: not UTF-8, not JSON,
+    nested too deep for the parser (a line of 100,000 `[`), numbers too long."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):
+        return Refused(errno.EINVAL, "not a JSON line")
+
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
+
+
 def peer_of(sock: socket.socket) -> Peer:
+    """The peer's credentials as of its connect(): pid, uid, gid and its
+    supplementary groups, all recorded by the kernel then."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return Peer(*struct.unpack("3i", raw))
+    pid, uid, gid = struct.unpack("3i", raw)
+    supplementary = None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 1024)  # (CPython allows 1024 bytes: 256 groups)
+        supplementary = frozenset(struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4]))
+    except OSError:
+        pass  # an older kernel, or more than 256 groups (ERANGE): groups() reads /proc
+    return Peer(pid, uid, gid, supplementary=supplementary)
 
 
 def snapshot(node: Node) -> dict:
@@ -267,7 +294,7 @@ class Control:
                 raise Refused(errno.EINVAL, 'a request is a JSON object with a string "op"')
             entry = self.ops.get(req["op"])
             if entry is None:
-                raise Refused(errno.EINVAL, f"unknown op {req['op']!r}; known: {', '.join(sorted(self.ops))}")
+                raise Refused(errno.EINVAL, f"unknown op {quoted(req['op'])}; known: {', '.join(sorted(self.ops))}")
             needs_priv, fn = entry
             if needs_priv and not self.privileged(peer):
                 raise Refused(errno.EACCES, f"{req['op']} needs root or the admin group")
@@ -280,6 +307,9 @@ class Control:
         except OSError as exc:
             code = exc.errno or errno.EIO
             return {"ok": False, "error": errno.errorcode.get(code, "EIO"), "message": exc.strerror or str(exc)}
+        except Exception:  # a bug must cost one request, never the daemon
+            log.exception("control request %.200r failed", req)
+            return {"ok": False, "error": "EIO", "message": "internal error; see the daemon's log"}
 
     # ---- ops ---------------------------------------------------------------
 
@@ -663,6 +693,7 @@ class Adopted:
     uid: int
     gid: int
     buf: bytes = b""
+    groups: list[int] | None = None  # the kernel's record of its supplementary groups (SO_PEERGROUPS)
 
 
 class _Pending:
@@ -708,19 +739,26 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
 
     async def connection(stream: trio.SocketStream, peer: Peer | None = None, buf: bytes = b"") -> None:
         if peer is None:
-            p = peer_of(stream.socket)  # type: ignore[arg-type]
-            peer = Peer(p.pid, p.uid, p.gid, next(conn_ids))
+            try:
+                p = peer_of(stream.socket)  # type: ignore[arg-type]
+            except OSError:  # gone before we looked
+                await stream.aclose()
+                return
+            peer = Peer(p.pid, p.uid, p.gid, next(conn_ids), p.supplementary)
         control.live_conns.add(peer.conn)
         pending = _Pending(buf)
         try:
             async with stream:
                 try:
                     await _lines(stream, peer, pending)
+                except Exception:  # one connection's failure must never stop the daemon
+                    log.exception("control connection %d (pid %d) failed; closed", peer.conn, peer.pid)
                 finally:
                     if control.handing_over:
                         # (before the stream closes: the copy keeps the client connected)
                         fd = os.dup(stream.socket.fileno())
-                        control.handed.append(Adopted(fd, peer.conn, peer.pid, peer.uid, peer.gid, pending.buf))
+                        groups = sorted(peer.supplementary) if peer.supplementary is not None else None
+                        control.handed.append(Adopted(fd, peer.conn, peer.pid, peer.uid, peer.gid, pending.buf, groups))
                     else:
                         # Before the close: a client that waits for EOF knows its memory is back.
                         control.disconnected(peer.conn)
@@ -739,14 +777,17 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
                     return
                 pending.buf += data
             with trio.CancelScope(shield=True):  # a request read is answered
+                overlong = False
                 while b"\n" in pending.buf:
                     line, pending.buf = pending.buf.split(b"\n", 1)
+                    if len(line) > MAX_LINE:
+                        overlong = True
+                        break
                     if not line.strip():
                         continue
-                    try:
-                        req = json.loads(line)
-                    except ValueError:
-                        resp = {"ok": False, "error": "EINVAL", "message": "not a JSON line"}
+                    req = decode_line(line)
+                    if isinstance(req, Refused):
+                        resp = {"ok": False, "error": errno.errorcode[req.code], "message": str(req)}
                     else:
                         resp = control.handle(await control.prepare(req, peer), peer)
                         await after()
@@ -755,8 +796,11 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
                             await stream.send_all(await encoded(resp))
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         return
-                if len(pending.buf) > MAX_LINE:
-                    await stream.send_all(b'{"ok": false, "error": "EINVAL", "message": "line too long"}\n')
+                if overlong or len(pending.buf) > MAX_LINE:
+                    try:  # (the rest of an overlong line cannot be told from the next request: close)
+                        await stream.send_all(json.dumps(TOO_LONG).encode() + b"\n")
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
                     return
 
     control.serve_scope = trio.CancelScope()
@@ -765,7 +809,8 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
             async with trio.open_nursery() as nursery:
                 for a in adopted:
                     s = trio.socket.from_stdlib_socket(socket.socket(fileno=a.fd))
-                    nursery.start_soon(connection, trio.SocketStream(s), Peer(a.pid, a.uid, a.gid, a.conn), a.buf)
+                    nursery.start_soon(connection, trio.SocketStream(s), Peer(a.pid, a.uid, a.gid, a.conn,
+                                                                      None if a.groups is None else frozenset(a.groups)), a.buf)
                 task_status.started()
                 await trio.serve_listeners(connection, [listener], handler_nursery=nursery)
     finally:

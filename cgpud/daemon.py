@@ -29,6 +29,7 @@ from .paths import FSNAME
 from .priority import raise_priority
 from .sdnotify import notify
 from .services import Services
+from .service import Watchdog, watchdog_interval
 from .store import CorruptState, Store
 
 log = logging.getLogger("cgpud")
@@ -187,6 +188,7 @@ async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async for sig in signals:
             log.info("%s received: unmounting and stopping", signal.Signals(sig).name)
+            notify("STOPPING=1")
             pyfuse3.terminate()
             return
 
@@ -340,7 +342,12 @@ async def _serve(cfg: Config) -> int:
                 await takeover.serving()
             gpus = ", ".join(f"{g.index}: {g.info.name} {g.info.memory >> 20} MiB" for g in node.gpus)
             log.info("cgpud %s serving %s (GPUs %s; state in %s; %s)", __version__, mountpoint, gpus, store.path, prio)
-            notify("READY=1")
+            notify("READY=1")  # the tree is mounted, the schedulers and the socket run
+            interval = watchdog_interval()
+            if interval is not None:
+                dog = Watchdog(interval, lambda: services.sched.schedulers if services.sched is not None else (),
+                               probe=lambda: os.statvfs(mountpoint))
+                await nursery.start(dog.run)
         if not upgrader.handed_over:
             services.close()
         log.info("stopped")

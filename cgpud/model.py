@@ -126,9 +126,15 @@ class Gpu:
         return self.info.memory - self.memsize_sum
 
 
+def quoted(value: object, limit: int = 40) -> str:
+    """A value for an error message, cut short: input is echoed, never at length."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
+
+
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise InvalidValue(f"instance names are {NAME_LEN} characters of [0-9A-Za-z_.-]: {name!r}")
+        raise InvalidValue(f"instance names are {NAME_LEN} characters of [0-9A-Za-z_.-]: {quoted(name)}")
     return name
 
 
@@ -136,7 +142,7 @@ def _int_in(value: int, lo: int, hi: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidValue(f"{what} must be an integer")
     if not lo <= value <= hi:
-        raise InvalidValue(f"{what} {value} is out of range {lo}..{hi}")
+        raise InvalidValue(f"{what} {quoted(value)} is out of range {lo}..{hi}")
     return value
 
 

@@ -1,8 +1,11 @@
 """The systemd notify protocol: one datagram to $NOTIFY_SOCKET per message."""
 from __future__ import annotations
 
+import logging
 import os
 import socket
+
+log = logging.getLogger("cgpud")
 
 
 def notify(message: str) -> bool:
@@ -12,7 +15,11 @@ def notify(message: str) -> bool:
         return False
     if addr.startswith("@"):
         addr = "\0" + addr[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-        s.connect(addr)
-        s.sendall(message.encode())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.send(message.encode(), socket.MSG_DONTWAIT)  # never block the event loop on a full queue
+    except OSError as exc:  # the manager went away: nothing to tell, nothing to stop for
+        log.warning("cannot notify %s (%s): %s", addr.lstrip("\0"), message, exc.strerror or exc)
+        return False
     return True

@@ -101,3 +101,36 @@ def upgrade(cold: bool, mountpoint: str, socket_path: str) -> None:
     from ..upgrade import cold_upgrade, hot_upgrade
 
     click.echo(cold_upgrade(socket_path) if cold else hot_upgrade(mountpoint))
+
+
+@main.command("clear-mount")
+@click.option("--mount", "mountpoint", default=default_mount, show_default="/run/cgpu_km as root",
+              envvar="CGPUD_MOUNT", help="The daemon's mount point.")
+def clear_mount(mountpoint: str) -> None:
+    """Clear a dead mount a crashed daemon left (systemd: ExecStartPre)."""
+    from ..service import ServiceError, clear_mount as clear
+
+    try:
+        click.echo(clear(mountpoint))
+    except ServiceError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--state-dir", default=default_state_dir, show_default="/var/lib/cgpud as root",
+              envvar="CGPUD_STATE_DIR", help="The daemon's state directory (its registry of frozen targets).")
+def thaw(state_dir: str) -> None:
+    """Thaw everything the daemon froze (systemd: ExecStopPost). Exit 1 if one refused."""
+    from ..service import ServiceError, thaw_everything
+
+    try:
+        results = thaw_everything(state_dir)
+    except ServiceError as exc:
+        raise click.ClickException(str(exc)) from None
+    for entry, outcome in results:
+        what = entry.get("path") or entry.get("pgid") or entry.get("name") if isinstance(entry, dict) else entry
+        click.echo(f"{what}: {outcome}")
+    if not results:
+        click.echo("nothing frozen by cgpud")
+    if any(outcome.startswith("refused") for _, outcome in results):
+        sys.exit(1)

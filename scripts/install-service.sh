@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Installs cgpud as a systemd service (docs/service.md):
+#   - cgpud into its own virtualenv ($VENV, default /opt/cgpud), or link an
+#     existing one with CGPUD_BIN=/path/to/venv/bin (no build);
+#   - /usr/local/bin/{cgpud,cgpu,cgpu-smi} -> that venv (the unit and the
+#     hooks.d file name these paths);
+#   - /etc/systemd/system/cgpud.service, /etc/default/cgpud (kept if present);
+#   - /etc/containers/oci/hooks.d/cgpu-hook.json (podman, CRI-O);
+#   - then daemon-reload and `systemctl enable --now cgpud` (skip: --no-start).
+# DESTDIR=/some/root stages everything below that directory instead (no systemctl).
+# Run from the source checkout, as root. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+START=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-start) START=0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "install-service: unknown option $arg (known: --no-start)" >&2; exit 2 ;;
+  esac
+done
+DESTDIR=${DESTDIR:-}
+VENV=${VENV:-/opt/cgpud}
+if [ -z "$DESTDIR" ] && [ "$(id -u)" -ne 0 ]; then
+  echo "install-service: run as root (it writes /etc/systemd/system and /usr/local/bin)" >&2
+  exit 1
+fi
+
+if [ -n "${CGPUD_BIN:-}" ]; then
+  BIN=$(cd "$CGPUD_BIN" && pwd)
+else
+  BIN="$VENV/bin"
+  if [ ! -x "$DESTDIR$BIN/python" ]; then
+    echo "install-service: creating $DESTDIR$VENV"
+    "${PYTHON:-python3}" -m venv "$DESTDIR$VENV"
+  fi
+  echo "install-service: installing cgpud into $DESTDIR$VENV (pyfuse3 compiles against libfuse3)"
+  "$DESTDIR$BIN/pip" install -q --upgrade pip >/dev/null
+  "$DESTDIR$BIN/pip" install -q .
+fi
+for tool in cgpud cgpu cgpu-smi; do
+  [ -x "$DESTDIR$BIN/$tool" ] || [ -x "$BIN/$tool" ] || { echo "install-service: $BIN/$tool is missing" >&2; exit 1; }
+done
+
+install -d "$DESTDIR/usr/local/bin" "$DESTDIR/etc/systemd/system" "$DESTDIR/etc/default" \
+  "$DESTDIR/etc/containers/oci/hooks.d"
+for tool in cgpud cgpu cgpu-smi; do
+  ln -sfn "$BIN/$tool" "$DESTDIR/usr/local/bin/$tool"
+done
+install -m 0644 systemd/cgpud.service "$DESTDIR/etc/systemd/system/cgpud.service"
+install -m 0644 hooks/cgpu-hook.json "$DESTDIR/etc/containers/oci/hooks.d/cgpu-hook.json"
+if [ ! -e "$DESTDIR/etc/default/cgpud" ]; then
+  cat > "$DESTDIR/etc/default/cgpud" <<'EOF'
+# Settings of cgpud.service (each is also a `cgpud serve` option; see `cgpud serve --help`).
+# CGPUD_GPUS=sim:T4
+# CGPUD_ADMIN_GROUP=cgpu
+# CGPUD_SLICE_MS=10
+# CGPUD_PLACEMENT=binpack
+# CGPUD_MODE=cgpu
+EOF
+fi
+echo "install-service: installed the unit, /usr/local/bin/{cgpud,cgpu,cgpu-smi} and the hooks.d file under ${DESTDIR:-/}"
+
+if [ -z "$DESTDIR" ] && [ "$START" = 1 ]; then
+  if [ -d /run/systemd/system ]; then
+    systemctl daemon-reload
+    systemctl enable --now cgpud.service
+    systemctl --no-pager status cgpud.service | head -n 5 || true
+  else
+    echo "install-service: systemd is not running here; start it later with: systemctl enable --now cgpud" >&2
+  fi
+fi
