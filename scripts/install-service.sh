@@ -5,7 +5,8 @@
 #   - /usr/local/bin/{cgpud,cgpu,cgpu-smi} -> that venv (the unit and the
 #     hooks.d file name these paths);
 #   - /etc/systemd/system/cgpud.service, /etc/default/cgpud (kept if present);
-#   - /etc/containers/oci/hooks.d/cgpu-hook.json (podman, CRI-O);
+#   - /usr/local/libexec/cgpu-hook, the compiled OCI hook (hooks/cgpu-hook.c, gcc)
+#     and /etc/containers/oci/hooks.d/cgpu-hook.json naming it (podman, CRI-O);
 #   - then daemon-reload and `systemctl enable --now cgpud` (skip: --no-start).
 # DESTDIR=/some/root stages everything below that directory instead (no systemctl).
 # Run from the source checkout, as root. Safe to run again.
@@ -43,12 +44,13 @@ for tool in cgpud cgpu cgpu-smi; do
   [ -x "$DESTDIR$BIN/$tool" ] || [ -x "$BIN/$tool" ] || { echo "install-service: $BIN/$tool is missing" >&2; exit 1; }
 done
 
-install -d "$DESTDIR/usr/local/bin" "$DESTDIR/etc/systemd/system" "$DESTDIR/etc/default" \
+install -d "$DESTDIR/usr/local/bin" "$DESTDIR/usr/local/libexec" "$DESTDIR/etc/systemd/system" "$DESTDIR/etc/default" \
   "$DESTDIR/etc/containers/oci/hooks.d"
 for tool in cgpud cgpu cgpu-smi; do
   ln -sfn "$BIN/$tool" "$DESTDIR/usr/local/bin/$tool"
 done
 install -m 0644 systemd/cgpud.service "$DESTDIR/etc/systemd/system/cgpud.service"
+gcc -O2 -Wall -o "$DESTDIR/usr/local/libexec/cgpu-hook" hooks/cgpu-hook.c
 install -m 0644 hooks/cgpu-hook.json "$DESTDIR/etc/containers/oci/hooks.d/cgpu-hook.json"
 if [ ! -e "$DESTDIR/etc/default/cgpud" ]; then
   cat > "$DESTDIR/etc/default/cgpud" <<'EOF'

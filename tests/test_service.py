@@ -106,7 +106,14 @@ def test_install_script_stages_the_unit_links_and_hooks(tmp_path):
         link = tmp_path / "usr/local/bin" / tool
         assert os.readlink(link) == str(BIN / tool) and os.access(link, os.X_OK)
     hook = (tmp_path / "etc/containers/oci/hooks.d/cgpu-hook.json").read_text()
-    assert '"/usr/local/bin/cgpu"' in hook
+    assert '"/usr/local/libexec/cgpu-hook"' in hook
+    forwarder = tmp_path / "usr/local/libexec/cgpu-hook"
+    assert os.access(forwarder, os.X_OK)
+    # the built forwarder works: a container without GPU variables is left alone at once
+    state = '{"ociVersion": "1.0.2", "id": "x", "status": "creating", "pid": 1, "bundle": "%s"}' % tmp_path
+    (tmp_path / "config.json").write_text('{"process": {"env": ["PATH=/bin"]}}')
+    r = subprocess.run([str(forwarder), "createRuntime"], input=state, capture_output=True, text=True, timeout=10)
+    assert r.returncode == 0, r.stderr
     assert "CGPUD_GPUS" in (tmp_path / "etc/default/cgpud").read_text()
 
 
