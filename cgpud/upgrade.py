@@ -205,7 +205,10 @@ class Upgrader:
         # The control socket first, while FUSE still serves: a request that removed
         # an instance invalidates the kernel's dentry, which may need a lookup answered.
         await services.stop(handing_over=True)
+        t1 = time.monotonic()
         await fuse.pause()
+        t2 = time.monotonic()
+        log.info("hot upgrade: services stopped in %.0f ms, FUSE paused in %.0f ms", (t1 - t0) * 1000, (t2 - t1) * 1000)
         try:
             fds = [fuse.fd, keep_listen if keep_listen >= 0 else fuse.fd] + [a.fd for a in services.handed()]
             payload = {"op": "go", "ops": fuse.ops.export_state(), "control": services.control_state(),

@@ -171,7 +171,17 @@ class FuseServer:
         that arrive meanwhile wait in the kernel."""
         self._pause_wanted = True
         stopped = self._stopped
+        # A write that removed a directory waits for the kernel to drop its
+        # entry, which may wait for a lookup of that directory: one this loop
+        # will no longer read. While pausing, writes hand the invalidation to
+        # pyfuse3's own thread instead (the kernel drops it once served again).
+        self.ops.pausing = True
+        t0 = trio.current_time()
+        told = False
         while not stopped.is_set():
+            if not told and trio.current_time() - t0 > 2:
+                told = True
+                log.warning("pausing FUSE takes long: %d handlers still in flight", self.ops.in_flight)
             if self.ops.in_flight == 0:
                 # Wakes the readers that wait for the descriptor: they return
                 # without reading. (One that has just been woken by a request
@@ -181,6 +191,7 @@ class FuseServer:
                 await stopped.wait()
 
     def resume(self) -> None:
+        self.ops.pausing = False
         self._resume.set()
 
     def _end(self) -> None:

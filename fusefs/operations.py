@@ -100,6 +100,7 @@ class Operations(pyfuse3.Operations):
         self._dyn_seen: dict[Path, int] = {}
         self._invalidate: Callable[[int, bytes], None] = pyfuse3.invalidate_entry
         self.in_flight = 0  # handlers holding a request (counted by the boundary)
+        self.pausing = False  # fusefs.handover is pausing the loop: do not wait for invalidations
 
     # ---- the tree --------------------------------------------------------
 
@@ -211,6 +212,9 @@ class Operations(pyfuse3.Operations):
             # anyway, so that this write too returns only once the entry is gone.
             parent_ino = self._dyn_seen.pop(path, None) or self._by_path[path[:-1]]
             name = path[-1].encode()
+            if self.pausing:
+                pyfuse3.invalidate_entry_async(parent_ino, name, ignore_enoent=True)
+                continue
             try:
                 await trio.to_thread.run_sync(self._invalidate, parent_ino, name)
             except OSError as exc:
