@@ -130,6 +130,7 @@ class FuseServer:
                     raise HandoverError(f"the new session refused FUSE_INIT (error {error})")
                 await self.pause()
             self._pause_wanted = False
+            self.ops.pausing = False
 
     def takeover(self, fuse_fd: int) -> None:
         """Serve `fuse_fd` (an open /dev/fuse of a live mount) from now on,
@@ -181,14 +182,18 @@ class FuseServer:
         while not stopped.is_set():
             if not told and trio.current_time() - t0 > 2:
                 told = True
-                log.warning("pausing FUSE takes long: %d handlers still in flight", self.ops.in_flight)
+                log.warning("pausing FUSE takes long: %d handlers still in flight; tasks:\n%s", self.ops.in_flight,
+                            "\n".join(_task_tree(trio.lowlevel.current_root_task())))
+            # Wakes the reader that waits for the descriptor: it returns without
+            # reading, and the next one takes its place, woken next turn; at every
+            # turn of the loop, not once a millisecond: a reader that reads a
+            # request while no other waits starts another, and at the slower pace
+            # a busy tree kept the loop alive as long as its traffic lasted (seen:
+            # 10-30 s). Never while a handler runs: it may need a request answered
+            # (a write's invalidation started before the pause waits for a lookup).
             if self.ops.in_flight == 0:
-                # Wakes the readers that wait for the descriptor: they return
-                # without reading. (One that has just been woken by a request
-                # reads and answers it, then waits again: woken next turn.)
                 trio.lowlevel.notify_closing(self.fd)
-            with trio.move_on_after(0.001):
-                await stopped.wait()
+            await trio.sleep(0)
 
     def resume(self) -> None:
         self.ops.pausing = False
@@ -210,6 +215,21 @@ class FuseServer:
             pyfuse3.close(unmount=False)
             return
         pyfuse3.close(unmount=True)
+
+
+def _task_tree(task, depth: int = 0) -> list[str]:
+    """Where each trio task waits (for a log line when a pause takes long)."""
+    where, c = "", task.coro
+    while c is not None:
+        frame = getattr(c, "cr_frame", None) or getattr(c, "gi_frame", None)
+        if frame is not None:
+            where = f"{frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
+        c = getattr(c, "cr_await", None) or getattr(c, "gi_yieldfrom", None)
+    out = [f"{'  ' * depth}{task.name} @ {where}"]
+    for nursery in task.child_nurseries:
+        for t in nursery.child_tasks:
+            out += _task_tree(t, depth + 1)
+    return out
 
 
 def dup_for_child(fd: int) -> int:

@@ -237,11 +237,6 @@ def test_cold_upgrade_refused_with_instances_done_without(daemon):
     assert d.value("upgrade") == "none"
 
 
-@pytest.mark.xfail(run=False, reason=(
-    "KNOWN BUG, issue 6 open: about one run in 5-20, pausing FUSE for the handover "
-    "stalls for 10-30 s while lookups, writes and socket clients run concurrently "
-    "(the old daemon logs 'pausing FUSE takes long'); socket clients then time out, and the stuck "
-    "daemon fails the fixture's teardown: not run until fixed"))
 def test_writes_and_socket_clients_through_an_upgrade(daemon, subreaper):
     """Tree writes (settings and inst_ctl churn), a client registering and
     deregistering on one long-lived connection, clients on fresh
