@@ -31,6 +31,7 @@ class Running:
 def daemon(gpus: str = "sim:T4", extra: list[str] | None = None, handle: bool = False):
     """Yield the mount point (or, with handle=True, a Running) of a running
     daemon on temporary paths; stop it afterwards."""
+    groups_before = _our_groups()
     tmp = tempfile.mkdtemp(prefix="cgpud-bench-")
     mnt, state = os.path.join(tmp, "mnt"), os.path.join(tmp, "state")
     log = open(os.path.join(tmp, "daemon.log"), "w+")
@@ -62,6 +63,40 @@ def daemon(gpus: str = "sim:T4", extra: list[str] | None = None, handle: bool = 
         except subprocess.TimeoutExpired:
             proc.kill()
             subprocess.run(["fusermount3", "-uz", mnt], capture_output=True)
+        _remove_new_empty_groups(groups_before)
+
+
+def _our_groups() -> set[str]:
+    """The cgroups under the daemon's parent (<cgroup2>/cgpud/), by path."""
+    from cgpud.cgroups import PARENT, v2_root
+
+    root = v2_root()
+    if root is None:
+        return set()
+    parent = os.path.join(root, PARENT)
+    try:
+        return {e.path for e in os.scandir(parent) if e.is_dir()}
+    except OSError:
+        return set()
+
+
+def _remove_new_empty_groups(before: set[str], patience: float = 3.0) -> None:
+    """Remove the cgroups this run's daemon made for `cgpu run` and left
+    behind when it stopped while their processes were still going (the
+    groups of a stopped daemon are ours to clear; non-empty ones stay)."""
+    deadline = time.monotonic() + patience
+    left = _our_groups() - before
+    while left and time.monotonic() < deadline:
+        for path in list(left):
+            try:
+                os.rmdir(path)
+                left.discard(path)
+            except FileNotFoundError:
+                left.discard(path)
+            except OSError:
+                pass  # still has processes: they are ending
+        if left:
+            time.sleep(0.1)
 
 
 def tool(name: str) -> str:
