@@ -280,6 +280,10 @@ class Daemon:
             force_unmount(self.mount)
             if mounted(self.mount):
                 problems.append("mount could not be removed")
+        elif not self.served and self.base in Path(self.mount).parents and mounted(self.mount):
+            # Its own mount point, mounted by a start that was killed before the
+            # fixture saw it serve: clear it quietly (a later rmtree would miss it).
+            force_unmount(self.mount)
         self._remove_own_cgroups()
         return problems
 
