@@ -84,19 +84,9 @@ def _remove_new_empty_groups(before: set[str], patience: float = 3.0) -> None:
     """Remove the cgroups this run's daemon made for `cgpu run` and left
     behind when it stopped while their processes were still going (the
     groups of a stopped daemon are ours to clear; non-empty ones stay)."""
-    deadline = time.monotonic() + patience
-    left = _our_groups() - before
-    while left and time.monotonic() < deadline:
-        for path in list(left):
-            try:
-                os.rmdir(path)
-                left.discard(path)
-            except FileNotFoundError:
-                left.discard(path)
-            except OSError:
-                pass  # still has processes: they are ending
-        if left:
-            time.sleep(0.1)
+    from cgpud.cgroups import remove_when_empty
+
+    remove_when_empty(_our_groups() - before, patience, step=0.1)
 
 
 def tool(name: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 from fusefs.mount import _unescape
 
@@ -28,6 +29,26 @@ def _mounts() -> list[tuple[str, str, str]]:
             if len(rfields) >= 3 and rfields[0] in ("cgroup", "cgroup2"):
                 out.append((_unescape(fields[4]), rfields[0], rfields[2]))
     return out
+
+
+def remove_when_empty(paths, timeout: float, step: float = 0.05) -> set[str]:
+    """rmdir each group once its processes are gone, for up to `timeout`
+    seconds (a group already gone counts as removed). What is left."""
+    left = set(paths)
+    deadline = time.monotonic() + timeout
+    while left:
+        for path in list(left):
+            try:
+                os.rmdir(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue  # still populated: its processes are on their way out
+            left.discard(path)
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(step)
+    return left
 
 
 def v2_root() -> str | None:

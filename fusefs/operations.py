@@ -20,10 +20,9 @@ import errno
 import inspect
 import logging
 import os
-import stat
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import pyfuse3
 import trio

@@ -291,7 +291,7 @@ class Daemon:
         """A daemon killed with SIGKILL cannot remove the cgroups it made for
         `cgpu run` (<cgroup2>/cgpud/<name>): remove those its state names,
         once their processes are gone. Groups of others are never touched."""
-        from cgpud.cgroups import PARENT, v2_root
+        from cgpud.cgroups import PARENT, remove_when_empty, v2_root
 
         try:
             state = json.loads((self.state_dir / "state.json").read_text())["state"]
@@ -301,18 +301,7 @@ class Daemon:
         ours = os.path.join(root, PARENT) + os.sep if root else None
         paths = {i.get("target", {}).get("path", "") for g in state.get("gpus", []) for i in g.get("instances", [])}
         paths = [p for p in paths if ours and p.startswith(ours)]
-        deadline = time.monotonic() + timeout
-        while paths and time.monotonic() < deadline:
-            for p in list(paths):
-                try:
-                    os.rmdir(p)
-                    paths.remove(p)
-                except FileNotFoundError:
-                    paths.remove(p)
-                except OSError:
-                    pass  # still populated: its processes are on their way out
-            if paths:
-                time.sleep(0.05)
+        remove_when_empty(paths, timeout)
 
     def log_text(self) -> str:
         try:

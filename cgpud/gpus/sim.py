@@ -17,7 +17,6 @@ same at every start with the same spec.
 """
 from __future__ import annotations
 
-import os
 import re
 import socket
 import tomllib
