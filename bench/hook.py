@@ -2,7 +2,7 @@
 
 One busybox bundle under runc, interleaved round by round:
   - no hooks (the reference: runc alone, measured in the same run);
-  - for each hook form — the compiled forwarder `cgpu-hook` (hooks/cgpu-hook.c),
+  - for each hook form — the compiled forwarder `cgpu-hook` (native/hook/cgpu-hook.c),
     `cgpu hook`, `python3 -S -m cgpud.hook` — at createRuntime and poststop:
       managed:   ALIYUN_COM_GPU_MEM_CONTAINER=1, registered, attached, removed;
       unmanaged: no GPU variables (what every other container pays when
@@ -62,7 +62,7 @@ def hook_entry(form: str, stage: str, socket: str) -> dict:
     if form == "c":
         path = tool("cgpu-hook")
         if not os.access(path, os.X_OK):
-            raise SystemExit(f"{path} is missing: run scripts/setup.sh (it builds hooks/cgpu-hook.c)")
+            raise SystemExit(f"{path} is missing: run scripts/setup.sh (it builds native/hook/cgpu-hook.c)")
         return {"path": path, "args": ["cgpu-hook", stage], "env": env, "timeout": 20}
     if form == "cli":
         return {"path": tool("cgpu"), "args": ["cgpu", "hook", stage], "env": env, "timeout": 20}

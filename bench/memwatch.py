@@ -1,7 +1,7 @@
 """bench/memwatch: the memory watchdog on (stand-in) NVML GPUs.
 
 The daemon runs with `--gpus nvml` on the tests' stand-in libnvidia-ml.so.1
-(tests/nvml_stub/, built here with gcc) through the real pynvml.
+(native/stubs/, built here by native/Makefile) through the real pynvml.
 
 1. Reaction: an instance's process is made to pass its memsize (the stand-in's
    file rewritten); the time until the process is dead (SIGKILL), over

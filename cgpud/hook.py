@@ -3,7 +3,7 @@
     cgpu hook createRuntime|prestart|poststop|auto     the OCI state JSON on stdin
     python3 -S -m cgpud.hook STAGE                     the same without the CLI's start-up
 
-It does what the compiled hook (hooks/cgpu-hook.c, installed as
+It does what the compiled hook (native/hook/cgpu-hook.c, installed as
 `cgpu-hook`) does, byte for byte in what it sends and prints: the state goes
 to the daemon as `{"op": "hook", "stage": STAGE, "state": {…}}` and the
 daemon does the work (cgpud/hookd.py). Exit 0, or 1 with one line on stderr,

@@ -2,7 +2,7 @@
 (docs/containers.md, SPEC §2).
 
 The hook process the runtime starts — the compiled `cgpu-hook`
-(hooks/cgpu-hook.c), `cgpu hook` or `python3 -S -m cgpud.hook` — only
+(native/hook/cgpu-hook.c), `cgpu hook` or `python3 -S -m cgpud.hook` — only
 forwards the OCI state it got on stdin:
 
     {"op": "hook", "stage": "createRuntime"|"prestart"|"poststop"|"auto", "state": {…}}

@@ -5,7 +5,7 @@
 #   - /usr/local/bin/{cgpud,cgpu,cgpu-smi} -> that venv (the unit and the
 #     hooks.d file name these paths);
 #   - /etc/systemd/system/cgpud.service, /etc/default/cgpud (kept if present);
-#   - /usr/local/libexec/cgpu-hook, the compiled OCI hook (hooks/cgpu-hook.c, gcc)
+#   - /usr/local/libexec/cgpu-hook, the compiled OCI hook (native/hook/cgpu-hook.c, make -C native)
 #     and /etc/containers/oci/hooks.d/cgpu-hook.json naming it (podman, CRI-O);
 #   - then daemon-reload and `systemctl enable --now cgpud` (skip: --no-start).
 # DESTDIR=/some/root stages everything below that directory instead (no systemctl).
@@ -50,8 +50,8 @@ for tool in cgpud cgpu cgpu-smi; do
   ln -sfn "$BIN/$tool" "$DESTDIR/usr/local/bin/$tool"
 done
 install -m 0644 systemd/cgpud.service "$DESTDIR/etc/systemd/system/cgpud.service"
-gcc -O2 -Wall -o "$DESTDIR/usr/local/libexec/cgpu-hook" hooks/cgpu-hook.c
-install -m 0644 hooks/cgpu-hook.json "$DESTDIR/etc/containers/oci/hooks.d/cgpu-hook.json"
+make -s -C native BIN="$DESTDIR/usr/local/libexec"
+install -m 0644 deploy/hooks.d/cgpu-hook.json "$DESTDIR/etc/containers/oci/hooks.d/cgpu-hook.json"
 if [ ! -e "$DESTDIR/etc/default/cgpud" ]; then
   cat > "$DESTDIR/etc/default/cgpud" <<'EOF'
 # Settings of cgpud.service (each is also a `cgpud serve` option; see `cgpud serve --help`).

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBS=(fuse3 libfuse3-dev pkg-config gcc python3-venv python3-dev runc busybox-static podman conmon prometheus systemd)
+DEBS=(fuse3 libfuse3-dev pkg-config gcc make python3-venv python3-dev runc busybox-static podman conmon prometheus systemd)
 missing=()
 for p in "${DEBS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -43,10 +43,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q -e '.[test]'
   touch "$stamp"
 fi
-# The compiled OCI hook (hooks/cgpu-hook.c, docs/containers.md): it forwards the
-# container's state to the daemon without a Python start-up. Hosts install it
-# as /usr/local/libexec/cgpu-hook.
-if [ ! -x .venv/bin/cgpu-hook ] || [ hooks/cgpu-hook.c -nt .venv/bin/cgpu-hook ]; then
-  echo "setup: building .venv/bin/cgpu-hook"
-  gcc -O2 -Wall -o .venv/bin/cgpu-hook hooks/cgpu-hook.c
-fi
+# The C parts (native/Makefile, one rule): the compiled OCI hook forwarder
+# (docs/containers.md), built into .venv/bin. Hosts get them from
+# scripts/install-service.sh.
+make -s -C native BIN="$PWD/.venv/bin"

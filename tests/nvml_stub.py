@@ -1,5 +1,5 @@
-"""The stand-in NVML library for tests: built with gcc from
-tests/nvml_stub/libnvidia-ml.c into a directory of its own, loaded by the real
+"""The stand-in NVML library for tests: built by native/Makefile (`stubs`) from
+native/stubs/libnvidia-ml.c into a directory of its own, loaded by the real
 pynvml in a child process through LD_LIBRARY_PATH, scripted through a text
 file ($CGPU_NVML_STUB) that the library reads again at every call.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-SOURCE = Path(__file__).parent / "nvml_stub" / "libnvidia-ml.c"
+NATIVE = Path(__file__).resolve().parent.parent / "native"
 MIB = 1 << 20
 T4_TOTAL = 15360 * MIB  # what NVML reports as a T4's total (nvidia-smi shows 15109 MiB usable)
 
@@ -48,18 +48,14 @@ class NvmlStub:
     @classmethod
     def build(cls, where: Path, old_driver: bool = False) -> "NvmlStub":
         """old_driver: without nvmlDeviceGetComputeRunningProcesses_v3 (_v2 instead), as before R510."""
-        gcc = shutil.which("gcc")
-        if gcc is None:
-            pytest.fail("gcc is missing (scripts/setup.sh installs it): the NVML stand-in cannot be built")
+        if shutil.which("gcc") is None or shutil.which("make") is None:
+            pytest.fail("gcc or make is missing (scripts/setup.sh installs them): the NVML stand-in cannot be built")
         libdir = where / "nvml-lib"
-        libdir.mkdir(parents=True, exist_ok=True)
-        lib = libdir / "libnvidia-ml.so.1"
-        r = subprocess.run([gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-Wl,-soname,libnvidia-ml.so.1",
-                            *(["-DSTUB_OLD_DRIVER"] if old_driver else []), "-o", str(lib), str(SOURCE)],
+        r = subprocess.run(["make", "-s", "-B", "-C", str(NATIVE), "stubs", f"STUBS={libdir}",
+                            f"STUB_FLAGS={'-DSTUB_OLD_DRIVER' if old_driver else ''}"],
                            capture_output=True, text=True)
         if r.returncode:
             pytest.fail(f"building the NVML stand-in failed:\n{r.stderr}")
-        (libdir / "libnvidia-ml.so").symlink_to("libnvidia-ml.so.1")
         return cls(libdir, where / "nvml-stub.conf")
 
     def text(self) -> str:

@@ -1,5 +1,5 @@
 """The NVML backend (`--gpus nvml`) and the memory watchdog, without a GPU:
-the real pynvml binding loads a stand-in libnvidia-ml.so.1 (tests/nvml_stub/,
+the real pynvml binding loads a stand-in libnvidia-ml.so.1 (native/stubs/libnvidia-ml.c,
 built with gcc here) through LD_LIBRARY_PATH, and the tests script what it
 reports — GPUs, their processes and memory, failing calls."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """podman end to end (issue 4): `podman run --hooks-dir DIR` with
-hooks/cgpu-hook.json (the compiled `cgpu-hook auto`), a busybox `--rootfs`,
+deploy/hooks.d/cgpu-hook.json (the compiled `cgpu-hook auto`), a busybox `--rootfs`,
 against a real daemon. The container appears as its 12-character short ID
 (what `podman ps` shows, and its hostname) with the seed's memsize, is
 scheduled through its own cgroup, and is gone after it exits; a bad value
@@ -56,7 +56,7 @@ class Podman:
         for d in ("proc", "sys", "dev", "etc", "tmp", "cgpu"):
             (self.rootfs / d).mkdir(exist_ok=True)
         # hooks.d: the shipped file, with this venv's cgpu-hook and the test daemon's socket
-        spec = json.loads((ROOT / "hooks" / "cgpu-hook.json").read_text())
+        spec = json.loads((ROOT / "deploy" / "hooks.d" / "cgpu-hook.json").read_text())
         spec["hook"].update(path=compiled_hook(), env=[f"CGPUD_SOCKET={daemon.socket}"])
         self.hooks = tmp / "hooks.d"
         self.hooks.mkdir()

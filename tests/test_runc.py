@@ -1,6 +1,6 @@
 """The OCI hook under a real runtime: runc runs busybox containers whose
 config.json calls the hook at createRuntime and poststop — the compiled
-forwarder `cgpu-hook` (hooks/cgpu-hook.c) by default, `cgpu hook` where a
+forwarder `cgpu-hook` (native/hook/cgpu-hook.c) by default, `cgpu hook` where a
 test is parametrized over `hook_form` — against a real daemon (SPEC §2,
 issue 4). Nothing skips: without runc, busybox or the built `cgpu-hook`
 (scripts/setup.sh makes all three) every test fails with the reason.
@@ -28,7 +28,7 @@ from conftest import SIM_T4_BYTES
 GIB = 1 << 30
 CGPU = str(Path(sys.executable).parent / "cgpu")
 CGPU_HOOK = Path(sys.executable).parent / "cgpu-hook"
-HOOK_SOURCE = Path(__file__).parent.parent / "hooks" / "cgpu-hook.c"
+HOOK_SOURCE = Path(__file__).parent.parent / "native" / "hook" / "cgpu-hook.c"
 FORMS = ["c", "cli"]  # the compiled forwarder, and `cgpu hook`
 CGROUP2 = "/sys/fs/cgroup/unified" if os.path.isdir("/sys/fs/cgroup/unified") else "/sys/fs/cgroup"
 
@@ -42,7 +42,7 @@ def _tool(name: str) -> str:
 
 def compiled_hook() -> str:
     if not os.access(CGPU_HOOK, os.X_OK):
-        pytest.fail(f"{CGPU_HOOK} is missing: run scripts/setup.sh (it builds hooks/cgpu-hook.c)")
+        pytest.fail(f"{CGPU_HOOK} is missing: run scripts/setup.sh (it builds native/hook/cgpu-hook.c)")
     if CGPU_HOOK.stat().st_mtime < HOOK_SOURCE.stat().st_mtime:
         pytest.fail(f"{CGPU_HOOK} is older than {HOOK_SOURCE}: run scripts/setup.sh to rebuild it")
     return os.fspath(CGPU_HOOK)
@@ -421,11 +421,11 @@ def test_scheduler_freezes_and_thaws_the_container_cgroup(daemon, runc):
 
 
 def test_hooks_d_file_drives_both_stages(daemon, runc):
-    """hooks/cgpu-hook.json (podman/CRI-O hooks.d): one entry for createRuntime
+    """deploy/hooks.d/cgpu-hook.json (podman/CRI-O hooks.d): one entry for createRuntime
     and poststop, the compiled `cgpu-hook auto` telling them apart by the
     state's status. Its hook, with this venv's cgpu-hook and the test daemon's
     socket, under runc."""
-    spec = json.loads((Path(__file__).parent.parent / "hooks" / "cgpu-hook.json").read_text())
+    spec = json.loads((Path(__file__).parent.parent / "deploy" / "hooks.d" / "cgpu-hook.json").read_text())
     assert spec["version"] == "1.0.0" and spec["stages"] == ["createRuntime", "poststop"]
     assert spec["when"] == {"always": True}  # hooks.d cannot match on the environment; the hook decides
     assert spec["hook"]["path"] == "/usr/local/libexec/cgpu-hook" and spec["hook"]["args"] == ["cgpu-hook", "auto"]

@@ -31,7 +31,7 @@
  * A poststop that cannot reach the daemon exits 0 with one line: the daemon
  * deregisters containers whose cgroup is gone by itself once it runs.
  *
- * Build: gcc -O2 -Wall -o cgpu-hook hooks/cgpu-hook.c (scripts/setup.sh
+ * Build: make -C native (native/Makefile; scripts/setup.sh
  * puts it in .venv/bin; hosts: /usr/local/libexec/cgpu-hook).
  */
 #define _GNU_SOURCE
