@@ -68,7 +68,7 @@ def daemon(gpus: str = "sim:T4", extra: list[str] | None = None, handle: bool = 
 
 def _our_groups() -> set[str]:
     """The cgroups under the daemon's parent (<cgroup2>/cgpud/), by path."""
-    from cgpud.cgroups import PARENT, v2_root
+    from cgpud.containers.cgroups import PARENT, v2_root
 
     root = v2_root()
     if root is None:
@@ -84,7 +84,7 @@ def _remove_new_empty_groups(before: set[str], patience: float = 3.0) -> None:
     """Remove the cgroups this run's daemon made for `cgpu run` and left
     behind when it stopped while their processes were still going (the
     groups of a stopped daemon are ours to clear; non-empty ones stay)."""
-    from cgpud.cgroups import remove_when_empty
+    from cgpud.containers.cgroups import remove_when_empty
 
     remove_when_empty(_our_groups() - before, patience, step=0.1)
 

@@ -3,7 +3,7 @@
 One busybox bundle under runc, interleaved round by round:
   - no hooks (the reference: runc alone, measured in the same run);
   - for each hook form — the compiled forwarder `cgpu-hook` (native/hook/cgpu-hook.c),
-    `cgpu hook`, `python3 -S -m cgpud.hook` — at createRuntime and poststop:
+    `cgpu hook`, `python3 -S -m cgpud.containers.hook` — at createRuntime and poststop:
       managed:   ALIYUN_COM_GPU_MEM_CONTAINER=1, registered, attached, removed;
       unmanaged: no GPU variables (what every other container pays when
                  hooks.d says `always`).
@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, daemon, pct, tool  # noqa: E402
 
-FORMS = {"c": "cgpu-hook", "cli": "cgpu hook", "module": "python3 -S -m cgpud.hook"}
+FORMS = {"c": "cgpu-hook", "cli": "cgpu hook", "module": "python3 -S -m cgpud.containers.hook"}
 
 
 def ms(x: float) -> str:
@@ -68,7 +68,7 @@ def hook_entry(form: str, stage: str, socket: str) -> dict:
         return {"path": tool("cgpu"), "args": ["cgpu", "hook", stage], "env": env, "timeout": 20}
     import cgpud
     where = os.path.dirname(os.path.dirname(os.path.abspath(cgpud.__file__)))
-    return {"path": sys.executable, "args": ["python3", "-S", "-m", "cgpud.hook", stage],
+    return {"path": sys.executable, "args": ["python3", "-S", "-m", "cgpud.containers.hook", stage],
             "env": env + [f"PYTHONPATH={where}"], "timeout": 20}
 
 

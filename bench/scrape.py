@@ -43,8 +43,8 @@ from shares import share_run, stats  # noqa: E402
 
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest  # noqa: E402
 
-from cgpud.metrics import MetricsServer, Publisher, Renderer, registry_for, render  # noqa: E402
-from cgpud.model import GpuInfo, Node  # noqa: E402
+from cgpud.observe.metrics import MetricsServer, Publisher, Renderer, registry_for, render  # noqa: E402
+from cgpud.core.model import GpuInfo, Node  # noqa: E402
 from cgpud.sched.telemetry import GpuStats, InstanceStats  # noqa: E402
 
 GPUS, PER_GPU = 8, 25

@@ -29,7 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import daemon, pct, tool  # noqa: E402
 
-from cgpud.cgroups import v2_root  # noqa: E402
+from cgpud.containers.cgroups import v2_root  # noqa: E402
 from cgpud.client import Client  # noqa: E402
 
 MAX_INST = 16
@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=30, help="high-priority arrivals to time")
     ap.add_argument("--skip-shares", action="store_true")
     args = ap.parse_args()
-    from cgpud.workload import kernel
+    from cgpud.gpus.workload import kernel
 
     t = time.perf_counter()
     for _ in range(50):

@@ -145,7 +145,7 @@ def main() -> None:
                               env=r.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while not os.path.isdir(os.path.join(mnt, "0", name)):
             time.sleep(0.05)
-        from cgpud.cgroups import v2_root
+        from cgpud.containers.cgroups import v2_root
 
         watch = FreezeWatch(os.path.join(v2_root(), "cgpud", name))
         watch.start()

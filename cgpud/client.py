@@ -6,7 +6,7 @@ import json
 import os
 import socket
 
-from .paths import default_socket
+from cgpud.state.paths import default_socket
 
 
 class DaemonUnavailable(Exception):

@@ -11,9 +11,9 @@ import sys
 from fusefs import Dir, DynDir, File, InvalidInput, parse_uint
 from fusefs.node import walk
 
-from . import __version__
-from .durable import Durable
-from .model import (
+from cgpud import __version__
+from cgpud.state.durable import Durable
+from cgpud.core.model import (
     MAX_INST,
     MEMSIZE_MAX_DIGITS,
     NAME_LEN,
@@ -56,7 +56,7 @@ def parse_inst_ctl(text: str, gpu_count: int) -> tuple[str, int | None, str]:
 def build(d: Durable, upgrader=None) -> Dir:
     """Bind the table to one node. Handlers look the node up at each call
     (its GPU list is replaced when a state is loaded). `upgrader`
-    (cgpud.upgrade.Upgrader) answers the `upgrade` node; without one it
+    (cgpud.daemon.upgrade.Upgrader) answers the `upgrade` node; without one it
     reads `none` and a write answers EOPNOTSUPP."""
     node = d.node
 
@@ -187,7 +187,7 @@ def markdown(root: Dir) -> str:
 
 
 if __name__ == "__main__":  # python -m cgpud.tree > docs/tree-table.md
-    from .model import GpuInfo, Node
-    from .store import Store
+    from cgpud.core.model import GpuInfo, Node
+    from cgpud.state.store import Store
 
     sys.stdout.write(markdown(build(Durable(Node([GpuInfo(0, "GPU-x", "x", 1)]), Store("/nonexistent")))))

@@ -118,9 +118,9 @@ def as_nobody(cmd: Sequence[str] | str, **kwargs) -> subprocess.CompletedProcess
 def declared_tree() -> dict[str, TreeNode]:
     """The declared /proc/cgpu_km table (cgpud/tree.py), by display path
     (`N/<name>/weight`), depth first: what the tests expect to find mounted."""
-    from cgpud.durable import Durable
-    from cgpud.model import GpuInfo, Node
-    from cgpud.store import Store
+    from cgpud.state.durable import Durable
+    from cgpud.core.model import GpuInfo, Node
+    from cgpud.state.store import Store
     from cgpud.tree import build
 
     root = build(Durable(Node([GpuInfo(0, "GPU-test", "test", 1)]), Store("/nonexistent")))
@@ -291,7 +291,7 @@ class Daemon:
         """A daemon killed with SIGKILL cannot remove the cgroups it made for
         `cgpu run` (<cgroup2>/cgpud/<name>): remove those its state names,
         once their processes are gone. Groups of others are never touched."""
-        from cgpud.cgroups import PARENT, remove_when_empty, v2_root
+        from cgpud.containers.cgroups import PARENT, remove_when_empty, v2_root
 
         try:
             state = json.loads((self.state_dir / "state.json").read_text())["state"]

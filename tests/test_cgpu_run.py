@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.cgroups import v2_root
+from cgpud.containers.cgroups import v2_root
 
 NAME = "runtest00001"
 

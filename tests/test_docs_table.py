@@ -5,9 +5,9 @@ import os
 import subprocess
 import sys
 
-from cgpud.durable import Durable
-from cgpud.model import GpuInfo, Node
-from cgpud.store import Store
+from cgpud.state.durable import Durable
+from cgpud.core.model import GpuInfo, Node
+from cgpud.state.store import Store
 from cgpud.tree import build, markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

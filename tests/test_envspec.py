@@ -1,4 +1,4 @@
-"""A container's environment read as SPEC §2 says (cgpud.envspec).
+"""A container's environment read as SPEC §2 says (cgpud.containers.envspec).
 
 Fast tier: parse_env called directly on simulated GPUs. Every row and
 example of the SPEC's table, the seed's commands (6 and 8 GiB of 15 on a T4;
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgpud.envspec import (
+from cgpud.containers.envspec import (
     COUNT,
     DISABLE,
     HIGH_PRIO,
@@ -30,8 +30,8 @@ from cgpud.envspec import (
     parse_env,
 )
 from cgpud.gpus.sim import parse_sim
-from cgpud.model import GpuInfo
-from cgpud.placement import GIB, SHARE_UNIT, Sizing
+from cgpud.core.model import GpuInfo
+from cgpud.containers.placement import GIB, SHARE_UNIT, Sizing
 
 MIB = 1 << 20
 T4 = 15109 * MIB  # 15 842 934 784 bytes, as nvidia-smi shows a Tesla T4

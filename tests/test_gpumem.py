@@ -1,5 +1,5 @@
 """Memory isolation on simulated GPUs (SPEC §3, docs/memory.md): real daemon,
-real processes inside `cgpu run` instances allocating through cgpud.gpumem,
+real processes inside `cgpu run` instances allocating through cgpud.gpus.gpumem,
 the tree's meminfo read over FUSE."""
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.cgroups import v2_root
+from cgpud.containers.cgroups import v2_root
 from cgpud.client import Client, ControlError
-from cgpud.gpumem import NotInInstanceError, SimGpu
+from cgpud.gpus.gpumem import NotInInstanceError, SimGpu
 from test_cgpu_run import cgpu, wait_for
 
 GiB = 1 << 30
@@ -27,7 +27,7 @@ MiB = 1 << 20
 HOLDER = r"""
 import json, os, sys
 from cgpud.client import ControlError
-from cgpud.gpumem import NotInInstanceError, OutOfMemoryError, SimGpu
+from cgpud.gpus.gpumem import NotInInstanceError, OutOfMemoryError, SimGpu
 g = SimGpu()
 held = {}
 print("ready", os.getpid(), flush=True)
@@ -318,7 +318,7 @@ def test_cgroup_targets_are_compared_inside_their_hierarchy():
     """A target's path on disk becomes the path /proc/<pid>/cgroup shows, also
     where the cgroup mount's root is not the hierarchy's root (a daemon in a
     container without its own cgroup namespace)."""
-    from cgpud.control import _contains, _hierarchy_path
+    from cgpud.control.server import _contains, _hierarchy_path
 
     mounts = [("/sys/fs/cgroup/unified", "/", "cgroup2", {"rw"}),
               ("/sys/fs/cgroup/freezer", "/docker/abc", "cgroup", {"rw", "freezer"})]

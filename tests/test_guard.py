@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from cgpud.guard import Guard, Registry, read_registry, registry_path, thaw_all
+from cgpud.sched.guard import Guard, Registry, read_registry, registry_path, thaw_all
 from cgpud.sched import enforce
 from cgpud.sched.enforce import KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL, CgroupV1Freezer, CgroupV2Freezer, SignalFreezer
 
@@ -24,7 +24,7 @@ GUARD_DEADLINE = 1.0  # s: issue 3, item 8
 
 STAND_IN = """
 import sys, time
-from cgpud.guard import Guard
+from cgpud.sched.guard import Guard
 guard = Guard.start(sys.argv[1])
 if sys.argv[2] == "fork":
     import os

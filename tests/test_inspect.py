@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cgpud.inspect import primary_ipv4
+from cgpud.observe.inspect import primary_ipv4
 from conftest import SIM_T4_BYTES
 
 CGPU = str(Path(sys.executable).parent / "cgpu")

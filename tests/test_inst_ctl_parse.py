@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cgpud.model import InvalidValue, Node, GpuInfo
+from cgpud.core.model import InvalidValue, Node, GpuInfo
 from cgpud.tree import ERRNOS, INST_CTL_LEN, parse_inst_ctl
 from fusefs import InvalidInput, parse_bool, parse_uint
 

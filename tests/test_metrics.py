@@ -17,9 +17,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from cgpud import metrics
-from cgpud.metrics import METRICS, CgpuCollector, MetricsServer, Publisher, compute_limit, parse_addr, registry_for
-from cgpud.model import GpuInfo, Node
+from cgpud.observe import metrics
+from cgpud.observe.metrics import METRICS, CgpuCollector, MetricsServer, Publisher, compute_limit, parse_addr, registry_for
+from cgpud.core.model import GpuInfo, Node
 from cgpud.sched.telemetry import GpuStats, InstanceStats
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,9 +203,9 @@ def documented_table() -> str:
 
 def test_docs_table_is_the_declared_table():
     assert documented_table() == metrics.markdown(), (
-        "docs/metrics.md is out of date: put the output of `python -m cgpud.metrics` between its markers"
+        "docs/metrics.md is out of date: put the output of `python -m cgpud.observe.metrics` between its markers"
     )
-    out = subprocess.run([sys.executable, "-m", "cgpud.metrics"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "cgpud.observe.metrics"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     assert out == metrics.markdown()
 
@@ -389,9 +389,9 @@ def test_a_failing_snapshot_never_stops_the_loop_and_the_last_good_one_stays(cap
 def test_oom_counts_of_gone_instances_are_dropped(tmp_path):
     """A new instance of the same name starts from 0 (Control.oom_refusals
     forgets instances that are gone after any change)."""
-    from cgpud.control import Control
-    from cgpud.durable import Durable
-    from cgpud.store import Store
+    from cgpud.control.server import Control
+    from cgpud.state.durable import Durable
+    from cgpud.state.store import Store
 
     store = Store(str(tmp_path))
     store.open()

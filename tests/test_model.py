@@ -1,6 +1,6 @@
 """The model's exact rules (SPEC §1–§4), one example each.
 
-Fast tier: cgpud.model.Node and cgpud.durable.Durable called directly, no mount.
+Fast tier: cgpud.core.model.Node and cgpud.state.durable.Durable called directly, no mount.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from cgpud.durable import Durable
-from cgpud.model import (
+from cgpud.state.durable import Durable
+from cgpud.core.model import (
     DEFAULT_MAX_INST,
     DEFAULT_PRIO_RATIO,
     Busy,
@@ -27,7 +27,7 @@ from cgpud.model import (
     NotFound,
     OutOfMemory,
 )
-from cgpud.store import Store
+from cgpud.state.store import Store
 from cgpud.tree import ERRNOS
 
 MIB = 1 << 20

@@ -1,6 +1,6 @@
 """The model under random sequences of operations (SPEC §4).
 
-A hypothesis state machine drives cgpud.model.Node on three small simulated
+A hypothesis state machine drives cgpud.core.model.Node on three small simulated
 GPUs. Before each operation the test works out, from the node as it is, which
 refusals the rules allow (several may apply at once: the model may report any
 of them); the operation must then either succeed, doing exactly what it says,
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cgpud.model import (
+from cgpud.core.model import (
     MAX_INST,
     MEMSIZE_MAX_DIGITS,
     NAME_RE,

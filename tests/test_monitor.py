@@ -7,11 +7,11 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from cgpud.inspect import allocation, detail, summary
-from cgpud.monitor import compute_limits, instance_gib, node_view, user_gib
+from cgpud.observe.inspect import allocation, detail, summary
+from cgpud.observe.monitor import compute_limits, instance_gib, node_view, user_gib
 from cgpud.sched.policies import Decision, Kind
 from cgpud.sched.telemetry import Telemetry
-from cgpud.trace import lanes, svg, summary as trace_summary
+from cgpud.observe.trace import lanes, svg, summary as trace_summary
 
 MiB, GiB = 1 << 20, 1 << 30
 T4 = 15109 * MiB
@@ -188,8 +188,8 @@ def test_collect_and_encode_the_ring_in_pieces():
     force appended, JSON text in pieces that parse back whole."""
     import json
 
-    from cgpud.model import GpuInfo, Node
-    from cgpud.trace import collect, encode
+    from cgpud.core.model import GpuInfo, Node
+    from cgpud.observe.trace import collect, encode
 
     node = Node([GpuInfo(0, "GPU-x", "T4", T4)])
     node.create_instance(0, A, memsize=GiB)

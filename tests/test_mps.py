@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.mps import client_env, default_commands, thread_percentage
+from cgpud.gpus.mps import client_env, default_commands, thread_percentage
 from conftest import SIM_T4_BYTES, cgpud_script
 from test_cgpu_run import cgpu, wait_for
 from test_enforce import lab  # noqa: F401  (a fixture)
@@ -72,7 +72,7 @@ def test_after_a_crash_the_next_daemon_takes_the_control_daemon_over(make_daemon
 
 
 def test_no_scheduler_in_mps_mode_but_what_a_previous_daemon_froze_runs_again(make_daemon, mps_log, lab):  # noqa: F811
-    from cgpud.guard import registry_path
+    from cgpud.sched.guard import registry_path
     from cgpud.sched.enforce import KIND_CGROUP2, CgroupV2Freezer
 
     g = lab.group(KIND_CGROUP2)
@@ -132,7 +132,7 @@ def test_mps_start_failures_are_one_line(tmp_path, mps_log):
 
 
 def test_limits_from_memsize_and_weight():
-    from cgpud.model import GpuInfo, Node
+    from cgpud.core.model import GpuInfo, Node
 
     node = Node([GpuInfo(0, "GPU-a", "T4", SIM_T4_BYTES), GpuInfo(1, "GPU-b", "A10", A10_BYTES)])
     node.set_max_inst(1, 4)

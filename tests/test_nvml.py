@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.cgroups import v2_root
+from cgpud.containers.cgroups import v2_root
 from cgpud.client import Client
 from conftest import cgpud_script
 from nvml_stub import MIB, T4_TOTAL, NvmlStub, StubGpu
@@ -283,8 +283,8 @@ def test_mem_action_log_leaves_the_process_running_and_says_so_once(nvml_daemon,
 
 
 def _watchdog(action: str = "kill"):
-    from cgpud.memwatch import MemWatchdog
-    from cgpud.model import GpuInfo, Node
+    from cgpud.gpus.memwatch import MemWatchdog
+    from cgpud.core.model import GpuInfo, Node
 
     node = Node([GpuInfo(0, UUID0, "Tesla T4", T4_TOTAL)])
     a = node.create_instance(0, "instanceaaaa", memsize=GIB)

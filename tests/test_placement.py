@@ -1,4 +1,4 @@
-"""Placement (SPEC §3, §6): cgpud.placement called directly on plain snapshots.
+"""Placement (SPEC §3, §6): cgpud.containers.placement called directly on plain snapshots.
 
 binpack fills the fitting GPU with the least free memory, spread takes the
 most free; ties go to the lower index; N over M GPUs is N/M each; the node
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgpud.control import snapshot
-from cgpud.envspec import COUNT, MEM_CONTAINER, MEM_DEV, NVIDIA, VISIBLE, WEIGHT, parse_env
-from cgpud.model import GpuInfo, InvalidValue, Node, NoSpace
-from cgpud.placement import (
+from cgpud.control.server import snapshot
+from cgpud.containers.envspec import COUNT, MEM_CONTAINER, MEM_DEV, NVIDIA, VISIBLE, WEIGHT, parse_env
+from cgpud.core.model import GpuInfo, InvalidValue, Node, NoSpace
+from cgpud.containers.placement import (
     CGPU_MAX_SHARE,
     GIB,
     MODES,

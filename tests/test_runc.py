@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.client import Client
-from cgpud.hookd import short_name
+from cgpud.containers.hookd import short_name
 
 from conftest import SIM_T4_BYTES
 
@@ -54,11 +54,11 @@ def hook_argv(form: str, stage: str) -> list[str]:
         return [compiled_hook(), stage]
     if form == "cli":
         return [CGPU, "hook", stage]
-    return [sys.executable, "-S", "-m", "cgpud.hook", stage]
+    return [sys.executable, "-S", "-m", "cgpud.containers.hook", stage]
 
 
 def hook_entry(form: str, stage: str, env: list[str]) -> dict:
-    """A config.json hook entry for `form` (c, cli, or module: python3 -S -m cgpud.hook)."""
+    """A config.json hook entry for `form` (c, cli, or module: python3 -S -m cgpud.containers.hook)."""
     argv = hook_argv(form, stage)
     name = {"c": "cgpu-hook", "cli": "cgpu", "module": "python3"}[form]
     if form == "module":
@@ -442,7 +442,7 @@ def test_hooks_d_file_drives_both_stages(daemon, runc):
 
 
 def test_module_form_python_S(daemon, runc):
-    """`python3 -S -m cgpud.hook STAGE` (the Python forwarder without the
+    """`python3 -S -m cgpud.containers.hook STAGE` (the Python forwarder without the
     CLI's start-up, docs/containers.md) does the same as the others."""
     henv = [f"CGPUD_SOCKET={daemon.socket}"]
     hooks = {stage: [hook_entry("module", stage, henv)] for stage in ("createRuntime", "poststop")}

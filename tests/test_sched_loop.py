@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from cgpud.model import GpuInfo, Node
+from cgpud.core.model import GpuInfo, Node
 from cgpud.sched.enforce_api import Activity, Enforcer, UsageMeter
 from cgpud.sched.loop import GpuScheduler, schedulers_for, stats
 from cgpud.sched.policies import Params

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.cgroups import v2_root
+from cgpud.containers.cgroups import v2_root
 from cgpud.client import Client
 
 CGPU = str(Path(sys.executable).parent / "cgpu")

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from cgpud.model import GpuInfo, Node
+from cgpud.core.model import GpuInfo, Node
 from cgpud.sched.loop import EventWaiter, GpuScheduler
 from cgpud.sched.policies import Params
-from cgpud.service import Watchdog, watchdog_interval
+from cgpud.daemon.systemd import Watchdog, watchdog_interval
 from conftest import mounted
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -359,7 +359,7 @@ def _guard_pids(daemon_pid: int) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"cgpud.guard" in cmd and str(daemon_pid).encode() in cmd:
+        if b"cgpud.sched.guard" in cmd and str(daemon_pid).encode() in cmd:
             out.append(int(pid))
     return out
 

@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from cgpud.model import GpuInfo, Node
-from cgpud.store import FILENAME, FORMAT, CorruptState, Store
+from cgpud.core.model import GpuInfo, Node
+from cgpud.state.store import FILENAME, FORMAT, CorruptState, Store
 
 
 @pytest.fixture

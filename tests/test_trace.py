@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.client import Client, ControlError
-from cgpud.trace import seconds_of
+from cgpud.observe.trace import seconds_of
 from conftest import as_nobody, nobody_python
 
 CGPU = str(Path(sys.executable).parent / "cgpu")

@@ -1,6 +1,6 @@
 import pytest
 
-from cgpud.units import human, parse_size
+from cgpud.core.units import human, parse_size
 
 
 @pytest.mark.parametrize("text, value", [

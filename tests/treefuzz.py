@@ -5,8 +5,8 @@ Each *case* is one input: a write of random bytes at a random offset (with
 O_APPEND/O_TRUNC or not) to any node of the tree, or one line (random JSON,
 garbage, a partial line, a line over the limit) on the control socket.
 
-The oracle is a *replica*: the model (cgpud.model.Node) bound to the same
-table (cgpud.tree) and the same request handlers (cgpud.control.Control),
+The oracle is a *replica*: the model (cgpud.core.model.Node) bound to the same
+table (cgpud.tree) and the same request handlers (cgpud.control.server.Control),
 in this process, fed the same input through the write rules of SPEC §1. After
 every case:
 - the daemon answered what the replica answers (bytes written, or the errno;
@@ -31,9 +31,9 @@ from typing import Any, Callable
 
 from hypothesis import strategies as st
 
-from cgpud.control import MAX_LINE, Control, Peer, decode_line, snapshot
-from cgpud.durable import Durable
-from cgpud.model import GpuInfo, Node
+from cgpud.control.server import MAX_LINE, Control, Peer, decode_line, snapshot
+from cgpud.state.durable import Durable
+from cgpud.core.model import GpuInfo, Node
 from cgpud.tree import ERRNOS, build
 from fusefs.node import Dir, DynDir, File, InvalidInput
 

@@ -12,9 +12,9 @@ import time
 
 import click
 
-from .. import __version__
-from ..client import Client, ControlError, DaemonUnavailable
-from ..units import parse_size
+from cgpud import __version__
+from cgpud.client import Client, ControlError, DaemonUnavailable
+from cgpud.core.units import parse_size
 
 
 class Ctx:
@@ -140,8 +140,8 @@ def workload(ctx: Ctx, seconds, gpu, device, interval, mem, as_json) -> None:
     """A stand-in GPU job: opens the simulated GPU, runs fixed-size kernels,
     prints iterations per second. With --mem it allocates that much GPU memory
     at the start (failing at once if it does not fit) and holds it to the end."""
-    from ..gpumem import NotInInstanceError, default_gpu
-    from ..workload import run as run_workload
+    from cgpud.gpus.gpumem import NotInInstanceError, default_gpu
+    from cgpud.gpus.workload import run as run_workload
 
     try:
         nbytes = parse_size(mem) if mem is not None else 0
@@ -171,7 +171,7 @@ def workload(ctx: Ctx, seconds, gpu, device, interval, mem, as_json) -> None:
 @contextlib.contextmanager
 def _memory_errors():
     """The memory library's errors as one line each."""
-    from ..gpumem import NotInInstanceError, OutOfMemoryError
+    from cgpud.gpus.gpumem import NotInInstanceError, OutOfMemoryError
 
     try:
         yield
@@ -204,7 +204,7 @@ def mem() -> None:
 @pass_ctx
 def mem_info(ctx: Ctx, gpu, as_json) -> None:
     """Free and total GPU memory of the caller's instance."""
-    from ..gpumem import SimGpu
+    from cgpud.gpus.gpumem import SimGpu
 
     with _memory_errors():
         with SimGpu(gpu, ctx.socket) as g:
@@ -227,7 +227,7 @@ def mem_hold(ctx: Ctx, size, seconds, gpu) -> None:
     Prints one line once it holds it. Past the instance's memsize it fails with
     "out of memory: …". The memory is returned when this exits, however it exits.
     """
-    from ..gpumem import SimGpu
+    from cgpud.gpus.gpumem import SimGpu
 
     try:
         nbytes = parse_size(size)
@@ -272,7 +272,7 @@ def hook(ctx: Ctx, stage, rest) -> None:
     CGPU_HOOK_PASSTHROUGH=1 a container starts unmanaged when the daemon is
     down; CGPU_HOOK_TIMEOUT (default 5 s) bounds every wait for the daemon.
     """
-    from ..hook import main as hook_main
+    from cgpud.containers.hook import main as hook_main
 
     sys.exit(hook_main(stage, sys.stdin, ctx.socket))
 
@@ -300,7 +300,7 @@ def inspect(ctx: Ctx, details, as_json) -> None:
     allocated/total GiB per GPU and for the node."""
     import socket as _socket
 
-    from ..inspect import allocation, detail, primary_ipv4, summary
+    from cgpud.observe.inspect import allocation, detail, primary_ipv4, summary
 
     node = allocation(_ask(ctx, "query"), _socket.gethostname(), primary_ipv4())
     if as_json:
@@ -321,7 +321,7 @@ def trace(ctx: Ctx, seconds, gpu, output, as_json) -> None:
     """A timeline of who had each GPU when over the last SECONDS: one lane per
     instance (ran / held its slot idle / frozen waiting), the GPU's unused time,
     the policy. Give -o FILE.svg, --json, or both (from the same slices)."""
-    from ..trace import summary as trace_summary, svg
+    from cgpud.observe.trace import summary as trace_summary, svg
 
     if output is None and not as_json:
         raise click.UsageError("give -o FILE.svg for the picture, or --json for the intervals")

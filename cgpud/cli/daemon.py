@@ -7,10 +7,10 @@ import sys
 import click
 import trio
 
-from .. import __version__
-from ..daemon import Config, StartError, serve as serve_daemon
-from ..metrics import DEFAULT_ADDR as DEFAULT_METRICS_ADDR
-from ..paths import default_dev_dir, default_mount, default_socket, default_state_dir
+from cgpud import __version__
+from cgpud.daemon.main import Config, StartError, serve as serve_daemon
+from cgpud.observe.metrics import DEFAULT_ADDR as DEFAULT_METRICS_ADDR
+from cgpud.state.paths import default_dev_dir, default_mount, default_socket, default_state_dir
 
 
 def setup_logging(level: str) -> None:
@@ -98,7 +98,7 @@ def upgrade(cold: bool, mountpoint: str, socket_path: str) -> None:
     settings, the mount and client connections are kept. Cold: refused while
     instances exist; otherwise the daemon stops and its service manager
     starts the new code."""
-    from ..upgrade import cold_upgrade, hot_upgrade
+    from cgpud.daemon.upgrade import cold_upgrade, hot_upgrade
 
     click.echo(cold_upgrade(socket_path) if cold else hot_upgrade(mountpoint))
 
@@ -108,7 +108,7 @@ def upgrade(cold: bool, mountpoint: str, socket_path: str) -> None:
               envvar="CGPUD_MOUNT", help="The daemon's mount point.")
 def clear_mount(mountpoint: str) -> None:
     """Clear a dead mount a crashed daemon left (systemd: ExecStartPre)."""
-    from ..service import ServiceError, clear_mount as clear
+    from cgpud.daemon.systemd import ServiceError, clear_mount as clear
 
     try:
         click.echo(clear(mountpoint))
@@ -121,7 +121,7 @@ def clear_mount(mountpoint: str) -> None:
               envvar="CGPUD_STATE_DIR", help="The daemon's state directory (its registry of frozen targets).")
 def thaw(state_dir: str) -> None:
     """Thaw everything the daemon froze (systemd: ExecStopPost). Exit 1 if one refused."""
-    from ..service import ServiceError, thaw_everything
+    from cgpud.daemon.systemd import ServiceError, thaw_everything
 
     try:
         results = thaw_everything(state_dir)

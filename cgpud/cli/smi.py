@@ -8,9 +8,9 @@ import time
 
 import click
 
-from .. import __version__
-from ..client import Client, ControlError, DaemonUnavailable
-from ..monitor import node_view
+from cgpud import __version__
+from cgpud.client import Client, ControlError, DaemonUnavailable
+from cgpud.observe.monitor import node_view
 
 MIB = 1 << 20
 W = 79  # the width of nvidia-smi's classic table
@@ -47,7 +47,7 @@ NAME_W = 34
 
 
 def render(view: dict) -> str:
-    """The node view (`cgpud.monitor.node_view`) as nvidia-smi-like tables:
+    """The node view (`cgpud.observe.monitor.node_view`) as nvidia-smi-like tables:
     one box per GPU, then its instances, then their processes."""
     out = [time.strftime("%a %b %d %H:%M:%S %Y"), RULE,
            _line(f"CGPU-SMI {__version__:<10} cgpud {view['cgpud'] or '?':<10} "

@@ -7,8 +7,8 @@ real ones (gpus/nvml.py; its errors are BadSpec too, one line each).
 """
 from __future__ import annotations
 
-from ..model import GpuInfo
-from .sim import BadSpec, parse_sim, load_file
+from cgpud.core.model import GpuInfo
+from cgpud.gpus.sim import BadSpec, parse_sim, load_file
 
 __all__ = ["discover", "BadSpec", "GpuInfo"]
 
@@ -20,7 +20,7 @@ def discover(spec: str) -> list[GpuInfo]:
     if spec.startswith("file:"):
         return load_file(spec[5:])
     if spec == "nvml":
-        from .nvml import discover_nvml
+        from cgpud.gpus.nvml import discover_nvml
 
         return discover_nvml()
     raise BadSpec(

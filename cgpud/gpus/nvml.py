@@ -21,8 +21,8 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from ..model import GpuInfo
-from .sim import MAX_GPUS, BadSpec
+from cgpud.core.model import GpuInfo
+from cgpud.gpus.sim import MAX_GPUS, BadSpec
 
 NVIDIA_MAJOR = 195  # the char-device major of /dev/nvidia* (fixed by the driver)
 HINT = "install the NVIDIA driver or use --gpus sim:T4"

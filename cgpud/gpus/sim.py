@@ -22,7 +22,7 @@ import socket
 import tomllib
 import uuid
 
-from ..model import GpuInfo
+from cgpud.core.model import GpuInfo
 
 MIB = 1 << 20
 SIM_MAJOR = 243  # the char-device major reported for simulated GPUs (a local/experimental number)

@@ -3,7 +3,7 @@
 Algorithms: docs/scheduler.md.
 
 Importing this package imports only pure code (no trio, no I/O)."""
-from .policies import (
+from cgpud.sched.policies import (
     EXCLUSIVE_POLICIES,
     POLICY_NAMES,
     Decision,

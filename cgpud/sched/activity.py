@@ -5,8 +5,8 @@ The GPU, seen from a process, is a device file:
 - a real GPU N is `/dev/nvidiaN` (a char device; CUDA opens it when it makes a
   context and keeps it open);
 - a simulated GPU N is the plain file `simgpuN` the daemon keeps in its
-  `--dev-dir` (`/run/cgpud/dev/` as root: `cgpud.paths.default_dev_dir`,
-  made by `cgpud.daemon.sim_devices`, never replaced, so containers that hold
+  `--dev-dir` (`/run/cgpud/dev/` as root: `cgpud.state.paths.default_dev_dir`,
+  made by `cgpud.daemon.main.sim_devices`, never replaced, so containers that hold
   one across a daemon restart stay visible). A container gets it
   bind-mounted (same inode) anywhere, with its name unchanged; a workload
   holds it open for as long as it "uses the GPU" (`cgpu workload` does).
@@ -49,7 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from .enforce import KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL, TargetGone, cgroup_pids, group_members, proc_cgroups, stat_fields
+from cgpud.sched.enforce import KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL, TargetGone, cgroup_pids, group_members, proc_cgroups, stat_fields
 
 # fanotify(7)
 _FAN_CLOEXEC = 0x1

@@ -4,7 +4,7 @@ One object per target, built once when the instance is registered, then
 driven by the scheduler at every slice boundary:
 
     f = freezer_for_pid(container_init_pid)   # or CgroupV2Freezer(path), …
-    registry.add(f)                            # cgpud.guard: before the first freeze
+    registry.add(f)                            # cgpud.sched.guard: before the first freeze
     f.freeze()                                 # one pwrite(2) on an fd kept open
     f.thaw()
 
@@ -540,7 +540,7 @@ class Enforcement:
     A container with instances on several GPUs is one target: it stays frozen
     while at least one GPU holds it frozen. An instance with no target
     attached (nothing to stop) and a target that is gone succeed quietly.
-    `registry` (cgpud.guard.Registry, or anything with add/discard) is told of
+    `registry` (cgpud.sched.guard.Registry, or anything with add/discard) is told of
     a target when it is attached, before any freeze, and after it is detached
     and thawed: the guard then knows everything that may be frozen.
 

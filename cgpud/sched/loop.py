@@ -25,10 +25,10 @@ from typing import Mapping, Sequence
 
 import trio
 
-from ..model import Node
-from .enforce_api import Activity, Enforcer, UsageMeter
-from .policies import Decision, GpuView, InstView, Kind, Params, Planner
-from .telemetry import GpuStats, Telemetry
+from cgpud.core.model import Node
+from cgpud.sched.enforce_api import Activity, Enforcer, UsageMeter
+from cgpud.sched.policies import Decision, GpuView, InstView, Kind, Params, Planner
+from cgpud.sched.telemetry import GpuStats, Telemetry
 
 log = logging.getLogger("cgpud.sched")
 
@@ -61,7 +61,7 @@ class TimerFdWaiter:
     daemon's choice on Linux). `wake()` makes the timer fire at once."""
 
     def __init__(self) -> None:
-        from ..timerfd import TimerFd
+        from cgpud.sched.timerfd import TimerFd
 
         self._timer = TimerFd()
         self._woken = False

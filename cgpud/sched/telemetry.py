@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-from .policies import Decision
+from cgpud.sched.policies import Decision
 
 SHARE_WINDOWS = (1.0, 10.0)
 HISTORY_SECONDS = 60.0  # the ring of recent slices keeps this long (cgpu trace)

@@ -12,7 +12,7 @@
  * line on stderr ("cgpu hook: ...") and exits 1: the runtime then fails the
  * container's start with it. The daemon does the work (cgpud/hookd.py:
  * config.json, the ALIYUN_COM_GPU_* contract, placement, the container's own
- * cgroup, register/deregister). `cgpu hook` and `python3 -S -m cgpud.hook`
+ * cgroup, register/deregister). `cgpu hook` and `python3 -S -m cgpud.containers.hook`
  * (cgpud/hook.py) forward the same way.
  *
  * One shortcut, the only reading of the container it does: when

@@ -25,8 +25,8 @@ import math
 import time
 from typing import Iterator, Sequence
 
-from .sched.policies import POLICY_NAMES
-from .sched.telemetry import HISTORY_SECONDS as HORIZON, SliceRecord  # HORIZON: seconds of slices kept
+from cgpud.sched.policies import POLICY_NAMES
+from cgpud.sched.telemetry import HISTORY_SECONDS as HORIZON, SliceRecord  # HORIZON: seconds of slices kept
 
 STATES = ("run", "held", "frozen")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import socket
 from typing import Mapping, Sequence
 
-from .monitor import instance_gib, user_gib
+from cgpud.observe.monitor import instance_gib, user_gib
 
 PAD = 2  # spaces between columns (kubectl inspect's tabwriter padding)
 

@@ -1,7 +1,7 @@
 """The OCI runtime hook's Python forwarder (docs/containers.md).
 
     cgpu hook createRuntime|prestart|poststop|auto     the OCI state JSON on stdin
-    python3 -S -m cgpud.hook STAGE                     the same without the CLI's start-up
+    python3 -S -m cgpud.containers.hook STAGE                     the same without the CLI's start-up
 
 It does what the compiled hook (native/hook/cgpu-hook.c, installed as
 `cgpu-hook`) does, byte for byte in what it sends and prints: the state goes
@@ -110,7 +110,7 @@ def main(stage: str, stdin=None, socket: str | None = None) -> int:
     if not may_ask(state.get("bundle")):
         return 0  # no ALIYUN_COM_GPU_MEM_CONTAINER in its config.json: left alone
 
-    from .client import Client, ControlError, DaemonUnavailable
+    from cgpud.client import Client, ControlError, DaemonUnavailable
 
     try:
         timeout = float(os.environ.get(TIMEOUT) or DEFAULT_TIMEOUT)
@@ -130,5 +130,5 @@ def main(stage: str, stdin=None, socket: str | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python3 -S -m cgpud.hook STAGE: the fast start (docs/containers.md)
+if __name__ == "__main__":  # python3 -S -m cgpud.containers.hook STAGE: the fast start (docs/containers.md)
     sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "", sys.stdin, os.environ.get("CGPUD_SOCKET")))

@@ -16,7 +16,7 @@ Two threads, one rule: the HTTP server's threads never touch trio objects.
   CollectorRegistry.
 
 Every metric is declared once in `METRICS`; docs/metrics.md's table is
-generated from it (`python -m cgpud.metrics`) and a test keeps them equal.
+generated from it (`python -m cgpud.observe.metrics`) and a test keeps them equal.
 
 The configured compute limit (`cgpu_instance_compute_limit_ratio`) is what
 the GPU's policy promises the instance when every instance is active and no
@@ -46,7 +46,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, generate_latest, m
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
 
-from . import __version__
+from cgpud import __version__
 
 log = logging.getLogger("cgpud")
 

@@ -5,7 +5,7 @@ second are its share of the GPU. Used by the tests, the benchmarks and the
 README's walk-through.
 
 With `mem`, it also holds that much simulated GPU memory of its instance
-(cgpud.gpumem) from before it opens the GPU until it stops: an allocation that
+(cgpud.gpus.gpumem) from before it opens the GPU until it stops: an allocation that
 does not fit raises OutOfMemoryError before anything runs.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def run(device: str, seconds: float, interval: float = 0.0, as_json: bool = Fals
         *, mem: int = 0, gpu: int | None = None, socket: str | None = None) -> dict:
     ctx = None
     if mem:
-        from .gpumem import SimGpu
+        from cgpud.gpus.gpumem import SimGpu
 
         ctx = SimGpu(gpu, socket)
         try:

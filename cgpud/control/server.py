@@ -30,11 +30,11 @@ import trio
 
 from fusefs.mount import _unescape
 
-from . import __version__
-from .cgroups import CgroupError, InstanceGroups
-from .durable import Durable
-from .model import Instance, ModelError, NotFound, Node, OutOfMemory, check_name, quoted
-from .tree import ERRNOS
+from cgpud import __version__
+from cgpud.containers.cgroups import CgroupError, InstanceGroups
+from cgpud.state.durable import Durable
+from cgpud.core.model import Instance, ModelError, NotFound, Node, OutOfMemory, check_name, quoted
+from cgpud.tree import ERRNOS
 
 log = logging.getLogger("cgpud")
 
@@ -262,7 +262,7 @@ class Control:
         durable.listeners.append(self._forget_gone)
         durable.listeners.append(self._orphaned_groups)
         self._our_paths: set[str] = set()
-        # A hot upgrade (cgpud.upgrade): serve() hands the connections on instead of closing them.
+        # A hot upgrade (cgpud.daemon.upgrade): serve() hands the connections on instead of closing them.
         self.handing_over = False
         self.handed: list = []
         self.serve_scope: trio.CancelScope | None = None
@@ -332,7 +332,7 @@ class Control:
     def trace(self, req: dict, peer: Peer) -> dict:
         """The slices of the last `seconds` (default 10, at most the ring's
         60 s), of every GPU or of `gpu`: who had each GPU when (cgpu trace)."""
-        from .trace import HORIZON, encode
+        from cgpud.observe.trace import HORIZON, encode
 
         seconds = _arg(req, "seconds", (int, float), 10.0)
         if not 0 < seconds <= HORIZON:
@@ -414,7 +414,7 @@ class Control:
         its root, never one that holds the daemon or a process it protects
         (the same checks as the scheduler's). `container` (optional) is kept
         with it: the container ID that owns the instance."""
-        from .sched.enforce import EnforceError, freezer_from_spec
+        from cgpud.sched.enforce import EnforceError, freezer_from_spec
 
         kind, path, container = given.get("kind"), given.get("path"), given.get("container")
         if kind not in ("cgroup2", "cgroup1-freezer") or not isinstance(path, str) or not path.startswith("/"):
@@ -446,7 +446,7 @@ class Control:
 
     def hook(self, req: dict, peer: Peer) -> dict:
         """A container's OCI hook stage, done here (cgpud/hookd.py)."""
-        from . import hookd
+        from cgpud.containers import hookd
 
         try:
             return hookd.run(self, req, peer)
@@ -458,7 +458,7 @@ class Control:
         """Before `handle`, in the serving task: the blocking part of a request
         (the hook's config.json read, in a worker thread with a time limit)."""
         if isinstance(req, dict) and req.get("op") == "hook" and self.privileged(peer):
-            from . import hookd
+            from cgpud.containers import hookd
 
             return await hookd.load(req, peer)
         return req
@@ -685,7 +685,7 @@ async def _nothing() -> None:
 
 @dataclass
 class Adopted:
-    """A client connection handed over by the previous daemon (cgpud.upgrade)."""
+    """A client connection handed over by the previous daemon (cgpud.daemon.upgrade)."""
 
     fd: int
     conn: int
@@ -708,7 +708,7 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
     """Listen on `path` until cancelled. `after()` is awaited after each
     request (the tree drops vanished directories from the kernel's cache).
 
-    A hot upgrade (cgpud.upgrade) gives the listening socket (`listen_fd`)
+    A hot upgrade (cgpud.daemon.upgrade) gives the listening socket (`listen_fd`)
     and the open connections (`adopted`) of the daemon before. To hand them
     on, it sets `control.handing_over` and cancels `control.serve_scope`:
     each connection stops between two requests (a request received is

@@ -33,11 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from .model import InvalidValue, NoSpace
+from cgpud.core.model import InvalidValue, NoSpace
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .envspec import Request
-    from .model import Node
+    from cgpud.containers.envspec import Request
+    from cgpud.core.model import Node
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -141,7 +141,7 @@ def states_from_node(node: "Node") -> list[GpuState]:
 
 
 def states_from_snapshot(snap: dict) -> list[GpuState]:
-    """From `cgpud.control.snapshot(node)` / the `query` op's result."""
+    """From `cgpud.control.server.snapshot(node)` / the `query` op's result."""
     out = []
     for g in snap["gpus"]:
         promised = sum(int(i["memsize"]) for i in g["instances"])
@@ -285,7 +285,7 @@ def resolve(
     strategy: str = DEFAULT_STRATEGY,
     mode: str = DEFAULT_MODE,
 ) -> list[tuple[int, int]]:
-    """The instances a parsed container request (cgpud.envspec.Request) gets on
+    """The instances a parsed container request (cgpud.containers.envspec.Request) gets on
     this node: the GPUs it named, checked, or the ones `place` picks.
     An unmanaged request gets none."""
     if not request.managed:

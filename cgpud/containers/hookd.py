@@ -2,7 +2,7 @@
 (docs/containers.md, SPEC §2).
 
 The hook process the runtime starts — the compiled `cgpu-hook`
-(native/hook/cgpu-hook.c), `cgpu hook` or `python3 -S -m cgpud.hook` — only
+(native/hook/cgpu-hook.c), `cgpu hook` or `python3 -S -m cgpud.containers.hook` — only
 forwards the OCI state it got on stdin:
 
     {"op": "hook", "stage": "createRuntime"|"prestart"|"poststop"|"auto", "state": {…}}
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .control import Control, Peer
+    from cgpud.control.server import Control, Peer
 
 STAGES_ADD = ("createRuntime", "prestart")
 STAGES_REMOVE = ("poststop",)
@@ -198,7 +198,7 @@ def own_cgroup(pid: int, hook_pid: int) -> dict:
     frozen there, else its v1 freezer group. Never a root, never a group that
     holds the daemon, a process it protects, or the hook (the runtime's group,
     or a parent of the container's)."""
-    from .sched.enforce import KIND_CGROUP2, KIND_FREEZER, EnforceError, freezer_from_spec, proc_cgroups
+    from cgpud.sched.enforce import KIND_CGROUP2, KIND_FREEZER, EnforceError, freezer_from_spec, proc_cgroups
 
     try:
         pc = proc_cgroups(pid)
@@ -242,11 +242,11 @@ def run(control: "Control", req: dict, peer: "Peer") -> dict:
 
 
 def add(control: "Control", state: dict, env: dict[str, str], name: str, peer: "Peer") -> dict:
-    from .control import Refused
-    from .envspec import MEM_CONTAINER, EnvError, parse_env
-    from .model import ModelError
-    from .placement import PlacementError, resolve, states_from_node, unit_for
-    from .tree import ERRNOS
+    from cgpud.control.server import Refused
+    from cgpud.containers.envspec import MEM_CONTAINER, EnvError, parse_env
+    from cgpud.core.model import ModelError
+    from cgpud.containers.placement import PlacementError, resolve, states_from_node, unit_for
+    from cgpud.tree import ERRNOS
 
     cid = state["id"]
     node = control.node
@@ -278,7 +278,7 @@ def add(control: "Control", state: dict, env: dict[str, str], name: str, peer: "
 
 
 def remove(control: "Control", cid: str, name: str, peer: "Peer") -> dict:
-    from .control import Refused
+    from cgpud.control.server import Refused
 
     try:  # only the instances this container registered (its ID is kept with the target)
         result = control.deregister({"name": name, "container": cid}, peer)

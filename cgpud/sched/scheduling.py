@@ -18,12 +18,12 @@ from typing import Mapping
 
 import trio
 
-from .guard import Guard, GuardError, Registry, registry_path, thaw_all
-from .model import Node
-from .sched.activity import ActivityMonitor
-from .sched.enforce import EnforceError, Enforcement, freezer_from_spec
-from .sched.loop import GpuScheduler, schedulers_for
-from .sched.policies import Params
+from cgpud.sched.guard import Guard, GuardError, Registry, registry_path, thaw_all
+from cgpud.core.model import Node
+from cgpud.sched.activity import ActivityMonitor
+from cgpud.sched.enforce import EnforceError, Enforcement, freezer_from_spec
+from cgpud.sched.loop import GpuScheduler, schedulers_for
+from cgpud.sched.policies import Params
 
 log = logging.getLogger("cgpud")
 
@@ -121,8 +121,8 @@ class Scheduling:
 
     def trace(self, seconds: float, gpu: int | None = None) -> list[dict]:
         """Each GPU's (or one GPU's) slices over the last `seconds`, for
-        `cgpu trace` (cgpud.trace.collect; times on trio's clock)."""
-        from .trace import collect
+        `cgpu trace` (cgpud.observe.trace.collect; times on trio's clock)."""
+        from cgpud.observe.trace import collect
 
         now = trio.current_time()
         return [collect(self.node.gpu(s.gpu), s.telemetry.recent, s.decision, now, seconds, s.params.slice)

@@ -6,7 +6,7 @@ process's pid, may not pass the instance's `memsize`, and is returned when the
 context is closed — or when the process exits or is killed, since the daemon
 sees the connection close.
 
-    from cgpud.gpumem import SimGpu, OutOfMemoryError
+    from cgpud.gpus.gpumem import SimGpu, OutOfMemoryError
 
     with SimGpu() as gpu:                 # GPU from $CGPU_GPUS (set by `cgpu run`)
         free, total = gpu.mem_info()      # total is the instance's memsize
@@ -26,7 +26,7 @@ import os
 import socket as _socket
 from dataclasses import dataclass
 
-from .client import Client, ControlError, DaemonUnavailable
+from cgpud.client import Client, ControlError, DaemonUnavailable
 
 __all__ = ["SimGpu", "Allocation", "MemInfo", "OutOfMemoryError", "NotInInstanceError",
            "ControlError", "DaemonUnavailable"]

@@ -1,7 +1,7 @@
 """The parts of a running daemon that a hot upgrade stops, hands on, and
 starts again: the scheduler (with its guard), the control socket and the
 reaper. Started in one nursery of their own, so that they stop together
-(cgpud.upgrade) while the tree keeps its mount.
+(cgpud.daemon.upgrade) while the tree keeps its mount.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Callable
 
 import trio
 
-from . import control
-from .cgroups import CgroupError, InstanceGroups
-from .durable import Durable
+from cgpud.control import server as control
+from cgpud.containers.cgroups import CgroupError, InstanceGroups
+from cgpud.state.durable import Durable
 
 log = logging.getLogger("cgpud")
 
@@ -52,7 +52,7 @@ class Services:
     async def run(self, *, listen_fd: int | None = None, adopted: list = (), guard=None,
                   task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Start everything, report started, run until `stop`."""
-        from .daemon import StartError
+        from cgpud.daemon.main import StartError
 
         self._scope = trio.CancelScope()
         self._done = trio.Event()
@@ -105,7 +105,7 @@ class Services:
         return list(self.ctl.handed) if self.ctl is not None else []
 
     def control_state(self) -> dict:
-        from .upgrade import control_state
+        from cgpud.daemon.upgrade import control_state
 
         return control_state(self.ctl) if self.ctl is not None else {"conns": []}
 

@@ -32,7 +32,7 @@ import shutil
 
 import trio
 
-from .model import Node
+from cgpud.core.model import Node
 
 log = logging.getLogger("cgpud")
 

@@ -23,9 +23,9 @@ import trio
 
 from fusefs import mount as fmount
 
-from .guard import RegistryError, read_registry, registry_path
-from .sched.enforce import thaw_spec
-from .sdnotify import notify
+from cgpud.sched.guard import RegistryError, read_registry, registry_path
+from cgpud.sched.enforce import thaw_spec
+from cgpud.daemon.sdnotify import notify
 
 log = logging.getLogger("cgpud")
 

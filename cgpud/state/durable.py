@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, TypeVar
 
-from .model import Node
-from .store import Store
+from cgpud.core.model import Node
+from cgpud.state.store import Store
 
 log = logging.getLogger("cgpud")
 T = TypeVar("T")

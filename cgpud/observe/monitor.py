@@ -26,7 +26,7 @@ import os
 import time
 from typing import Iterable, Mapping, Sequence
 
-from .sched.policies import FAIR, FIXED, NATIVE, POLICY_NAMES, WEIGHTED
+from cgpud.sched.policies import FAIR, FIXED, NATIVE, POLICY_NAMES, WEIGHTED
 
 GiB = 1 << 30
 SCHEMA = 1  # cgpu-smi --json: bumped only if a key changes meaning or goes away

@@ -28,8 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from .model import MAX_INST, DEFAULT_MAX_INST, GpuInfo
-from .placement import GIB, Sizing, UnevenSplit, mib, split, unit_name
+from cgpud.core.model import MAX_INST, DEFAULT_MAX_INST, GpuInfo
+from cgpud.containers.placement import GIB, Sizing, UnevenSplit, mib, split, unit_name
 
 MEM_CONTAINER = "ALIYUN_COM_GPU_MEM_CONTAINER"
 MEM_DEV = "ALIYUN_COM_GPU_MEM_DEV"

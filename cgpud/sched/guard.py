@@ -20,7 +20,7 @@ Three pieces:
   at start (before rewriting the registry: anything a crashed daemon left
   frozen) and at shutdown (after its own thaws, before removing the file).
 
-- **The guard process**, `python -m cgpud.guard --registry PATH --fd N
+- **The guard process**, `python -m cgpud.sched.guard --registry PATH --fd N
   --daemon-pid P`, started by `Guard.start(path)`. It waits for the daemon's
   end — EOF on the pipe whose write end only the daemon holds (kill -9
   included), or the daemon's pidfd becoming readable — then runs thaw_all on
@@ -48,9 +48,9 @@ import subprocess
 import sys
 from typing import Any, Iterable
 
-from .sched.enforce import protect_pid, thaw_spec, unprotect_pid
+from cgpud.sched.enforce import protect_pid, thaw_spec, unprotect_pid
 
-log = logging.getLogger("cgpud.guard")
+log = logging.getLogger("cgpud.sched.guard")
 
 REGISTRY_NAME = "enforced.json"
 READY = b"ready\n"
@@ -186,7 +186,7 @@ class Guard:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "cgpud.guard", "--registry", os.path.abspath(registry),
+                [sys.executable, "-m", "cgpud.sched.guard", "--registry", os.path.abspath(registry),
                  "--fd", str(rfd), "--daemon-pid", str(os.getpid())],
                 pass_fds=(rfd,), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 start_new_session=True, env=env,
@@ -277,7 +277,7 @@ def _wait_for_daemon_end(fd: int, daemon_pid: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cgpud.guard", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cgpud.sched.guard", description=__doc__.split("\n\n")[0])
     parser.add_argument("--registry", required=True, help="the daemon's registry file")
     parser.add_argument("--fd", type=int, required=True, help="read end of the daemon's pipe")
     parser.add_argument("--daemon-pid", type=int, required=True)

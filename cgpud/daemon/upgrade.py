@@ -43,9 +43,9 @@ import trio
 
 from fusefs.handover import FuseServer, HandoverError
 
-from . import __version__
-from .control import Adopted, Control, Held
-from .sdnotify import notify
+from cgpud import __version__
+from cgpud.control.server import Adopted, Control, Held
+from cgpud.daemon.sdnotify import notify
 
 log = logging.getLogger("cgpud")
 
@@ -289,7 +289,7 @@ class Takeover:
             # Our guard, ready before the switch (starting a process is the slowest step).
             # Should we die before `go`, it thaws what the old daemon froze: a glitch in
             # its schedule, never a container left frozen.
-            from .guard import Guard, GuardError, registry_path
+            from cgpud.sched.guard import Guard, GuardError, registry_path
 
             try:
                 self.guard = Guard.start(registry_path(self.state_dir))
@@ -354,7 +354,7 @@ def cold_op(ctl: Control, stop: Callable[[], None]):
     EBUSY while any instance exists, as the product's upgrade.sh refuses;
     otherwise the daemon stops (its exit status COLD_EXIT) so that the
     service manager restarts it with the installed code."""
-    from .control import Refused
+    from cgpud.control.server import Refused
 
     def op(req: dict, peer) -> dict:
         names = sorted({i.name for i in ctl.node.instances()})
@@ -399,7 +399,7 @@ def hot_upgrade(mountpoint: str) -> str:
 def cold_upgrade(socket_path: str) -> str:
     import click
 
-    from .client import Client, ControlError, DaemonUnavailable
+    from cgpud.client import Client, ControlError, DaemonUnavailable
 
     try:
         with Client(socket_path) as c:

@@ -35,8 +35,8 @@ from typing import Callable, Sequence
 
 import trio
 
-from .gpus.nvml import GpuSample, Nvml, NvmlError
-from .model import Instance, Node
+from cgpud.gpus.nvml import GpuSample, Nvml, NvmlError
+from cgpud.core.model import Instance, Node
 
 log = logging.getLogger("cgpud")
 

@@ -20,17 +20,21 @@ from fusefs import mount
 from fusefs.handover import FuseServer
 from fusefs.operations import Operations
 
-from . import __version__, control, tree, upgrade
-from .guard import RegistryError
-from .durable import Durable
-from .gpus import BadSpec, discover
-from .model import InvalidValue, Node
-from .paths import FSNAME
-from .priority import raise_priority
-from .sdnotify import notify
-from .services import Services
-from .service import Watchdog, watchdog_interval
-from .store import CorruptState, Store
+from cgpud import __version__, tree
+
+from cgpud.control import server as control
+
+from cgpud.daemon import upgrade
+from cgpud.sched.guard import RegistryError
+from cgpud.state.durable import Durable
+from cgpud.gpus import BadSpec, discover
+from cgpud.core.model import InvalidValue, Node
+from cgpud.state.paths import FSNAME
+from cgpud.sched.priority import raise_priority
+from cgpud.daemon.sdnotify import notify
+from cgpud.daemon.services import Services
+from cgpud.daemon.systemd import Watchdog, watchdog_interval
+from cgpud.state.store import CorruptState, Store
 
 log = logging.getLogger("cgpud")
 
@@ -85,8 +89,8 @@ def load_node(cfg: Config) -> tuple[Node, Store]:
 
 
 def _scheduling(node: Node, durable: Durable, cfg: Config, devices: list[str]):
-    from .sched.policies import Params
-    from .scheduling import Scheduling
+    from cgpud.sched.policies import Params
+    from cgpud.sched.scheduling import Scheduling
 
     if not devices:
         raise StartError("scheduling needs a device file per GPU: give --dev-dir")
@@ -124,7 +128,7 @@ def gpu_devices(node: Node, cfg: Config) -> list[str]:
     real GPUs, which must exist; the daemon's own files for simulated ones."""
     if cfg.gpus.strip() != "nvml":
         return sim_devices(node, cfg.dev_dir)
-    from .gpus.nvml import device_files
+    from cgpud.gpus.nvml import device_files
 
     try:
         return device_files([g.info for g in node.gpus], cfg.dev_dir or "/dev")
@@ -142,8 +146,8 @@ def _admin_gid(name: str | None) -> int | None:
 
 
 async def _start_mps(nursery, node: Node, durable: Durable, cfg: Config):
-    from .guard import registry_path, thaw_all
-    from .mps import MpsControl, MpsError
+    from cgpud.sched.guard import registry_path, thaw_all
+    from cgpud.gpus.mps import MpsControl, MpsError
 
     # No scheduler in mps mode, but what a previous daemon (in another mode) left frozen runs again.
     path = registry_path(cfg.state_dir)
@@ -164,8 +168,8 @@ async def _start_mps(nursery, node: Node, durable: Durable, cfg: Config):
 async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Config):
     """Memory isolation on real GPUs (cgpud/memwatch.py). Instances get their
     processes (targets) only through the control socket, hence here."""
-    from .gpus.nvml import NvmlError
-    from .memwatch import MemWatchdog
+    from cgpud.gpus.nvml import NvmlError
+    from cgpud.gpus.memwatch import MemWatchdog
 
     def owner(pid: int, gpu: int):
         try:
@@ -203,7 +207,7 @@ async def _serve_fs(fuse, scope, task_status=trio.TASK_STATUS_IGNORED) -> None:
 
 
 async def _metrics_when_free(addr, pub, shown: str, patience: float = 30.0) -> None:
-    from . import metrics
+    from cgpud.observe import metrics
 
     deadline = trio.current_time() + patience
     while True:
@@ -220,7 +224,7 @@ async def _metrics_when_free(addr, pub, shown: str, patience: float = 30.0) -> N
 
 async def _start_metrics(nursery, cfg: Config, durable: Durable, services: Services, *, wait_for_port: bool) -> None:
     """Prometheus metrics (docs/metrics.md), unless --metrics-addr is off."""
-    from . import metrics
+    from cgpud.observe import metrics
 
     try:
         addr = metrics.parse_addr(cfg.metrics_addr)
@@ -259,7 +263,7 @@ async def serve(cfg: Config) -> int:
 
 
 async def _serve(cfg: Config) -> int:
-    takeover = upgrade.Takeover.from_env()  # started by a hot upgrade (cgpud.upgrade)
+    takeover = upgrade.Takeover.from_env()  # started by a hot upgrade (cgpud.daemon.upgrade)
     node, store = load_node(cfg)
     gid = _admin_gid(cfg.admin_group)
     upgrader = None
