@@ -43,7 +43,8 @@ from shares import share_run, stats  # noqa: E402
 
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest  # noqa: E402
 
-from cgpud.observe.metrics import MetricsServer, Publisher, Renderer, registry_for, render  # noqa: E402
+from cgpud.observe.exposition import MetricsServer, Renderer, registry_for, render  # noqa: E402
+from cgpud.observe.metrics import Publisher  # noqa: E402
 from cgpud.core.model import GpuInfo, Node  # noqa: E402
 from cgpud.sched.telemetry import GpuStats, InstanceStats  # noqa: E402
 

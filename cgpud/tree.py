@@ -19,22 +19,7 @@ from cgpud.core.model import (
     NAME_LEN,
     POLICIES,
     PRIO_RATIO,
-    Busy,
-    Exists,
-    InvalidValue,
-    NoSpace,
-    NotFound,
-    OutOfMemory,
 )
-
-ERRNOS = {
-    InvalidValue: errno.EINVAL,
-    Busy: errno.EBUSY,
-    NoSpace: errno.ENOSPC,
-    Exists: errno.EEXIST,
-    NotFound: errno.ENOENT,
-    OutOfMemory: errno.ENOMEM,
-}
 
 INST_CTL_LEN = 1 + NAME_LEN
 

@@ -20,7 +20,7 @@ from typing import Callable
 
 import pytest
 
-from cgpud.sched import enforce
+from cgpud.sched import cgroupfs, enforce
 from cgpud.sched.enforce import (
     KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL, CgroupV1Freezer, CgroupV2Freezer, Enforcement, Refused, SignalFreezer, SimFreezer,
     TargetGone, freezer_for_cgroup, freezer_for_pid, stat_fields,
@@ -31,8 +31,8 @@ from cgpud.sched.enforce_api import Enforcer
 BUSY = "import os\nos.fork()\nwhile True: pass\n"
 
 
-def hierarchy(kind: str) -> enforce.Hierarchy:
-    h = enforce.hierarchies().get(kind)
+def hierarchy(kind: str) -> cgroupfs.Hierarchy:
+    h = cgroupfs.hierarchies().get(kind)
     if h is None:
         pytest.fail(f"no {kind} hierarchy is mounted: these tests need cgroup2 and the v1 freezer")
     return h
@@ -65,7 +65,7 @@ class Lab:
 
     def group(self, kind: str, parent: str | None = None) -> str:
         base = parent or hierarchy(kind).mount
-        path = enforce.create_cgroup(os.path.join(base, f"cgpud-test-{secrets.token_hex(4)}"))
+        path = cgroupfs.create_cgroup(os.path.join(base, f"cgpud-test-{secrets.token_hex(4)}"))
         if parent is None:
             self.groups.append(path)
         return path
@@ -75,7 +75,7 @@ class Lab:
         session (so its own process group) unless new_session=False."""
         def enter() -> None:
             for g in groups:
-                enforce.join_cgroup(g)
+                cgroupfs.join_cgroup(g)
 
         kwargs.setdefault("stdin", subprocess.DEVNULL)
         p = subprocess.Popen([sys.executable, "-c", code], preexec_fn=enter, start_new_session=new_session, **kwargs)
@@ -209,7 +209,7 @@ def test_roots_and_foreign_paths_are_refused(tmp_path):
         with pytest.raises(Refused):
             SignalFreezer(pgid)
     # the test's own groups (the roots on this machine, but whatever they are)
-    own = enforce.proc_cgroups()
+    own = cgroupfs.proc_cgroups()
     with pytest.raises(Refused):
         CgroupV2Freezer(own.v2)
     with pytest.raises(Refused):
@@ -220,10 +220,10 @@ def test_roots_and_foreign_paths_are_refused(tmp_path):
 
 CHECK_SELF = textwrap.dedent("""
     import json, os, sys
-    from cgpud.sched import enforce
+    from cgpud.sched import cgroupfs, enforce
     v2_inner, v2_outer, v2_sibling, v1_inner = sys.argv[1:5]
-    enforce.join_cgroup(v2_inner)
-    enforce.join_cgroup(v1_inner)
+    cgroupfs.join_cgroup(v2_inner)
+    cgroupfs.join_cgroup(v1_inner)
     out = {}
     for name, make, path in (("v2 own", enforce.CgroupV2Freezer, v2_inner),
                              ("v2 parent", enforce.CgroupV2Freezer, v2_outer),
@@ -258,14 +258,14 @@ def test_groups_holding_the_daemon_are_refused(lab):
 def test_protected_process_groups_are_refused(lab):
     g = lab.group(KIND_CGROUP2)
     p = lab.spawn(g)
-    enforce.protect_pid(p.pid)
+    cgroupfs.protect_pid(p.pid)
     try:
         with pytest.raises(Refused, match="protected process"):
             CgroupV2Freezer(g)
         with pytest.raises(Refused, match="protected process"):
             SignalFreezer(p.pid)
     finally:
-        enforce.unprotect_pid(p.pid)
+        cgroupfs.unprotect_pid(p.pid)
     CgroupV2Freezer(g)
 
 

@@ -25,13 +25,11 @@ from cgpud.containers.envspec import (
     VISIBLE,
     WEIGHT,
     EnvError,
-    Request,
-    Share,
     parse_env,
 )
 from cgpud.gpus.sim import parse_sim
 from cgpud.core.model import GpuInfo
-from cgpud.containers.placement import GIB, SHARE_UNIT, Sizing
+from cgpud.containers.request import GIB, SHARE_UNIT, Request, Share, Sizing
 
 MIB = 1 << 20
 T4 = 15109 * MIB  # 15 842 934 784 bytes, as nvidia-smi shows a Tesla T4

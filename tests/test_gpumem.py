@@ -318,7 +318,7 @@ def test_cgroup_targets_are_compared_inside_their_hierarchy():
     """A target's path on disk becomes the path /proc/<pid>/cgroup shows, also
     where the cgroup mount's root is not the hierarchy's root (a daemon in a
     container without its own cgroup namespace)."""
-    from cgpud.control.server import _contains, _hierarchy_path
+    from cgpud.sched.cgroupfs import contains as _contains, hierarchy_path as _hierarchy_path
 
     mounts = [("/sys/fs/cgroup/unified", "/", "cgroup2", {"rw"}),
               ("/sys/fs/cgroup/freezer", "/docker/abc", "cgroup", {"rw", "freezer"})]

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from cgpud.sched.guard import Guard, Registry, read_registry, registry_path, thaw_all
-from cgpud.sched import enforce
+from cgpud.sched import cgroupfs, enforce
 from cgpud.sched.enforce import KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL, CgroupV1Freezer, CgroupV2Freezer, SignalFreezer
 
 from test_enforce import cpu_ticks, lab, wait_until  # noqa: F401  (lab is a fixture)
@@ -151,14 +151,14 @@ def test_guard_stop_is_orderly(lab, tmp_path):
     reg = Registry(registry_path(str(tmp_path)), [f])
     guard = Guard.start(reg.path)
     try:
-        assert guard.pid in enforce.protected_pids()
+        assert guard.pid in cgroupfs.protected_pids()
         assert guard.alive()
         assert f.is_frozen()
     finally:
         rc = guard.stop()
     assert rc == 0
     assert not f.is_frozen() and runs(p)
-    assert guard.pid not in enforce.protected_pids()
+    assert guard.pid not in cgroupfs.protected_pids()
 
 
 def test_thaw_all_thaws_what_the_registry_names_and_nothing_else(lab, tmp_path):
@@ -177,8 +177,8 @@ def test_thaw_all_thaws_what_the_registry_names_and_nothing_else(lab, tmp_path):
     bogus = [
         {"kind": KIND_CGROUP2, "path": gone_group},                               # gone
         {"kind": KIND_CGROUP2, "path": str(fake)},                                # not a cgroup
-        {"kind": KIND_CGROUP2, "path": enforce.hierarchies()[KIND_CGROUP2].mount},  # a root
-        {"kind": KIND_FREEZER, "path": enforce.hierarchies()[KIND_FREEZER].mount},
+        {"kind": KIND_CGROUP2, "path": cgroupfs.hierarchies()[KIND_CGROUP2].mount},  # a root
+        {"kind": KIND_FREEZER, "path": cgroupfs.hierarchies()[KIND_FREEZER].mount},
         {"kind": KIND_SIGNAL, "pgid": reused.pid, "start": 1},                     # another process now
         {"kind": KIND_SIGNAL, "pgid": 1},
         {"kind": "teleport", "path": "/"},
@@ -199,7 +199,7 @@ def test_thaw_all_thaws_what_the_registry_names_and_nothing_else(lab, tmp_path):
         assert results[json.dumps(entry)].startswith("refused"), (entry, results[json.dumps(entry)])
     assert results[json.dumps(bogus[8])] == "nothing to do"
     assert (fake / "cgroup.freeze").read_text() == "1"
-    assert enforce.stat_fields(reused.pid)[0] == "T", "a process group that is not ours any more was continued"
+    assert cgroupfs.stat_fields(reused.pid)[0] == "T", "a process group that is not ours any more was continued"
 
 
 def test_thaw_all_without_a_registry_does_nothing(tmp_path):

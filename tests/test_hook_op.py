@@ -1,4 +1,4 @@
-"""The control socket's `hook` op (cgpud/hookd.py) and the two forwarders
+"""The control socket's `hook` op (cgpud/containers/hookd.py) and the two forwarders
 that call it — the compiled `cgpu-hook` and `cgpu hook` — without a runtime:
 the state is given on stdin as a runtime would (tests/test_runc.py runs them
 under runc, tests/test_podman.py under podman).

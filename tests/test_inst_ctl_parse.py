@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cgpud.core.model import InvalidValue, Node, GpuInfo
-from cgpud.tree import ERRNOS, INST_CTL_LEN, parse_inst_ctl
+from cgpud.core.model import ERRNOS
+from cgpud.tree import INST_CTL_LEN, parse_inst_ctl
 from fusefs import InvalidInput, parse_bool, parse_uint
 
 NAME = "abcdef012345"

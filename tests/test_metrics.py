@@ -1,4 +1,4 @@
-"""The Prometheus collector (cgpud/metrics.py) on a fresh registry per test:
+"""The Prometheus collector (cgpud/observe/metrics.py) on a fresh registry per test:
 values from the model, the scheduler's telemetry and the OOM counter; the
 snapshot rule (the collector sees only what was published); the compute-limit
 rule of each policy; the HTTP server; docs/metrics.md in sync; and the
@@ -17,8 +17,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from cgpud.observe import metrics
-from cgpud.observe.metrics import METRICS, CgpuCollector, MetricsServer, Publisher, compute_limit, parse_addr, registry_for
+from cgpud.observe import exposition, metrics
+from cgpud.observe.exposition import CgpuCollector, MetricsServer, parse_addr, registry_for
+from cgpud.observe.metrics import METRICS, Publisher, compute_limit
 from cgpud.core.model import GpuInfo, Node
 from cgpud.sched.telemetry import GpuStats, InstanceStats
 
@@ -237,7 +238,7 @@ def test_the_fast_renderer_says_what_generate_latest_says(setup):
     node.gpus[0].instances[B].target = {"kind": "cgroup2", "path": "/y", "container": 'we"ird\\id\nline'}
     pub.publish()
     from prometheus_client import generate_latest
-    fast = metrics.render(pub.current).decode()
+    fast = exposition.render(pub.current).decode()
     ref = generate_latest(reg).decode()
     assert samples(fast) == samples(ref) and len(samples(fast)) > 50
     assert val(reg, "cgpu_instance_info", **inst(B), id="2", container_id='we"ird\\id\nline') == 1
@@ -267,9 +268,9 @@ def test_http_server_serves_the_registry_on_a_free_port(setup):
 
 def test_the_daemons_app_serves_ours_then_the_process_metrics(setup):
     *_, pub, _ = setup
-    expo = metrics.Exposition(lambda: pub.current, metrics.process_registry())
+    expo = exposition.Exposition(lambda: pub.current, exposition.process_registry())
     pub.exposition = expo
-    server = MetricsServer(metrics.wsgi_app(expo))
+    server = MetricsServer(exposition.wsgi_app(expo))
     _, port = server.start("127.0.0.1", 0)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
@@ -295,7 +296,7 @@ def test_parse_addr(text, expected):
 
 @pytest.mark.parametrize("text", ["9400x", "localhost", "host:port", "127.0.0.1:70000", "127.0.0.1:-1"])
 def test_parse_addr_refuses(text):
-    with pytest.raises(metrics.BadAddress, match="HOST:PORT"):
+    with pytest.raises(exposition.BadAddress, match="HOST:PORT"):
         parse_addr(text)
 
 
@@ -414,7 +415,7 @@ def test_oom_counts_of_gone_instances_are_dropped(tmp_path):
 
 def test_while_scraped_each_snapshot_is_rendered_when_published(setup):
     node, _, _, pub, reg = setup
-    expo = metrics.Exposition(lambda: pub.current, keep=60)
+    expo = exposition.Exposition(lambda: pub.current, keep=60)
     pub.exposition = expo
     pub.publish()
     assert expo.rendered is None  # nobody scrapes: no work in the trio thread

@@ -28,7 +28,7 @@ from cgpud.core.model import (
     OutOfMemory,
 )
 from cgpud.state.store import Store
-from cgpud.tree import ERRNOS
+from cgpud.core.model import ERRNOS
 
 MIB = 1 << 20
 T4 = 15109 * MIB

@@ -189,7 +189,8 @@ def test_collect_and_encode_the_ring_in_pieces():
     import json
 
     from cgpud.core.model import GpuInfo, Node
-    from cgpud.observe.trace import collect, encode
+    from cgpud.observe.trace import encode
+    from cgpud.sched.telemetry import collect
 
     node = Node([GpuInfo(0, "GPU-x", "T4", T4)])
     node.create_instance(0, A, memsize=GiB)

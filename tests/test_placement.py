@@ -11,25 +11,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cgpud.control.server import snapshot
+from cgpud.control.views import snapshot
 from cgpud.containers.envspec import COUNT, MEM_CONTAINER, MEM_DEV, NVIDIA, VISIBLE, WEIGHT, parse_env
 from cgpud.core.model import GpuInfo, InvalidValue, Node, NoSpace
+from cgpud.containers.request import GIB, SHARE_UNIT, Sizing, UnevenSplit, split
 from cgpud.containers.placement import (
     CGPU_MAX_SHARE,
-    GIB,
     MODES,
-    SHARE_UNIT,
     STRATEGIES,
     GpuState,
     PlacementError,
-    Sizing,
-    UnevenSplit,
     check_named,
     instance_cap,
     place,
     place_split,
     resolve,
-    split,
     states_from_node,
     states_from_snapshot,
     unit_for,

@@ -206,7 +206,7 @@ def test_a_member_by_supplementary_group_is_admin_and_groups_are_taken_at_connec
 
 
 def test_peer_groups_are_recorded_at_connect():
-    from cgpud.control.server import peer_of
+    from cgpud.control.protocol import peer_of
 
     a, b = socket.socketpair()
     try:

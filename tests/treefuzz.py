@@ -31,10 +31,13 @@ from typing import Any, Callable
 
 from hypothesis import strategies as st
 
-from cgpud.control.server import MAX_LINE, Control, Peer, decode_line, snapshot
+from cgpud.control.protocol import MAX_LINE, Peer, decode_line
+from cgpud.control.server import Control
+from cgpud.control.views import snapshot
 from cgpud.state.durable import Durable
 from cgpud.core.model import GpuInfo, Node
-from cgpud.tree import ERRNOS, build
+from cgpud.core.model import ERRNOS
+from cgpud.tree import build
 from fusefs.node import Dir, DynDir, File, InvalidInput
 
 NAME_CHARS = string.ascii_letters + string.digits + "_.-"

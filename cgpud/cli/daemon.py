@@ -8,8 +8,9 @@ import click
 import trio
 
 from cgpud import __version__
-from cgpud.daemon.main import Config, StartError, serve as serve_daemon
-from cgpud.observe.metrics import DEFAULT_ADDR as DEFAULT_METRICS_ADDR
+from cgpud.daemon.errors import StartError
+from cgpud.daemon.main import Config, serve as serve_daemon
+from cgpud.observe.exposition import DEFAULT_ADDR as DEFAULT_METRICS_ADDR
 from cgpud.state.paths import default_dev_dir, default_mount, default_socket, default_state_dir
 
 

@@ -25,11 +25,10 @@ the other NVIDIA GPUs are passed through whole.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from cgpud.core.model import MAX_INST, DEFAULT_MAX_INST, GpuInfo
-from cgpud.containers.placement import GIB, Sizing, UnevenSplit, mib, split, unit_name
+from cgpud.containers.request import GIB, Request, Share, Sizing, UnevenSplit, mib, split, unit_name
 
 MEM_CONTAINER = "ALIYUN_COM_GPU_MEM_CONTAINER"
 MEM_DEV = "ALIYUN_COM_GPU_MEM_DEV"
@@ -66,50 +65,6 @@ class EnvError(ValueError):
         self.value = value
         self.reason = reason
         super().__init__(f"{variable}={_show(value)}: {reason}")
-
-
-@dataclass(frozen=True)
-class Share:
-    """One instance the container asks for, on a GPU it named."""
-
-    gpu: int  # index
-    memsize: int  # bytes
-    units: int  # its ALIYUN_COM_GPU_MEM_CONTAINER value, in allocation units
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a container asks of cgpud.
-
-    managed False: leave the container alone (`reason` says why); every other
-    field is empty/default. managed True, then exactly one of:
-      - `shares` non-empty: the GPUs it named with their memsizes, in the order
-        named (its ALIYUN_COM_GPU_MEM_CONTAINER list applies in this order);
-        `count` is 0 and `sizing` None;
-      - `shares` empty: the daemon picks `count` GPUs (placement.resolve),
-        each instance of `sizing` (already N/M per GPU).
-    `passthrough`: GPUs the container sees whole, with no instance and no
-    limit (named by NVIDIA_VISIBLE_DEVICES only, or given 0), ascending.
-    `policy2`: the weight is above 1, so each GPU with one of these instances
-    switches to policy 2; the caller applies it.
-    """
-
-    managed: bool
-    reason: str = ""
-    shares: tuple[Share, ...] = ()
-    passthrough: tuple[int, ...] = ()
-    count: int = 0
-    sizing: Sizing | None = None
-    unit: int = GIB
-    weight: int = 1
-    policy2: bool = False
-    highprio: bool = False
-    pod_units: int | None = None
-
-    @property
-    def gpus(self) -> tuple[int, ...]:
-        """The named GPUs that get an instance (empty when the daemon picks)."""
-        return tuple(s.gpu for s in self.shares)
 
 
 def _get(env: Mapping[str, str], name: str) -> str | None:

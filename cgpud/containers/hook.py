@@ -6,7 +6,7 @@
 It does what the compiled hook (native/hook/cgpu-hook.c, installed as
 `cgpu-hook`) does, byte for byte in what it sends and prints: the state goes
 to the daemon as `{"op": "hook", "stage": STAGE, "state": {…}}` and the
-daemon does the work (cgpud/hookd.py). Exit 0, or 1 with one line on stderr,
+daemon does the work (cgpud/containers/hookd.py). Exit 0, or 1 with one line on stderr,
 `cgpu hook: …`; the runtime fails the start with it.
 
 The only look at the container here: when `<bundle>/config.json` can be read
@@ -29,13 +29,13 @@ import json
 import os
 import sys
 
-STAGES = ("createRuntime", "prestart", "poststop", "auto")  # as cgpud/hookd.py
+STAGES = ("createRuntime", "prestart", "poststop", "auto")  # as cgpud/containers/hookd.py
 
 PASSTHROUGH = "CGPU_HOOK_PASSTHROUGH"
 TIMEOUT = "CGPU_HOOK_TIMEOUT"
 DEFAULT_TIMEOUT = 5.0
 MAX_STATE = 60 * 1024  # the daemon takes request lines of up to 64 KiB
-MAX_CONFIG = 4 << 20  # as cgpud/hookd.py
+MAX_CONFIG = 4 << 20  # as cgpud/containers/hookd.py
 MARK = b"ALIYUN_COM_GPU_MEM_CONTAINER="
 
 

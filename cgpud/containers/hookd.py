@@ -1,6 +1,10 @@
 """The daemon's side of the OCI runtime hook: the control socket's `hook` op
 (docs/containers.md, SPEC §2).
 
+Here is what needs no control socket: reading and checking the request and
+config.json, and `plan`, which turns them into a `register` request; the op
+itself (control.hook) registers or deregisters.
+
 The hook process the runtime starts — the compiled `cgpu-hook`
 (native/hook/cgpu-hook.c), `cgpu hook` or `python3 -S -m cgpud.containers.hook` — only
 forwards the OCI state it got on stdin:
@@ -35,12 +39,16 @@ import hashlib
 import json
 import os
 import stat
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
-if TYPE_CHECKING:  # pragma: no cover
-    from cgpud.control.server import Control, Peer
+from cgpud.containers.envspec import MEM_CONTAINER, EnvError, parse_env
+from cgpud.containers.placement import PlacementError, resolve, states_from_node, unit_for
+from cgpud.core.model import ModelError
+from cgpud.sched.cgroupfs import KIND_CGROUP2, KIND_FREEZER, EnforceError, proc_cgroups
+from cgpud.sched.enforce import freezer_from_spec
+
 
 STAGES_ADD = ("createRuntime", "prestart")
 STAGES_REMOVE = ("poststop",)
@@ -154,7 +162,7 @@ def read_env(cid: str, path: str) -> dict[str, str]:
     return env
 
 
-async def load(req: dict, peer: "Peer") -> dict:
+async def load(req: dict) -> dict:
     """Before `run` (the serving loop awaits this for `hook` requests of
     privileged callers): config.json's environment, read in a worker thread
     with a time limit. A failure is left for `run` to report."""
@@ -179,12 +187,12 @@ def _catching(fn, *args):
         return exc
 
 
-def container_pid(state: dict, peer: "Peer") -> int:
+def container_pid(state: dict, hook_pid: int) -> int:
     pid = state.get("pid")
     cid = state["id"]
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         raise HookError(f"container {cid}: the OCI state has no init pid (is the hook in createRuntime or prestart?)")
-    if pid in (1, os.getpid(), peer.pid):
+    if pid in (1, os.getpid(), hook_pid):
         raise HookError(f"container {cid}: pid {pid} is not a container's init (it is "
                         f"{'init' if pid == 1 else 'cgpud' if pid == os.getpid() else 'the hook itself'})")
     if not os.path.isdir(f"/proc/{pid}"):
@@ -198,8 +206,6 @@ def own_cgroup(pid: int, hook_pid: int) -> dict:
     frozen there, else its v1 freezer group. Never a root, never a group that
     holds the daemon, a process it protects, or the hook (the runtime's group,
     or a parent of the container's)."""
-    from cgpud.sched.enforce import KIND_CGROUP2, KIND_FREEZER, EnforceError, freezer_from_spec, proc_cgroups
-
     try:
         pc = proc_cgroups(pid)
     except EnforceError:
@@ -225,65 +231,28 @@ def own_cgroup(pid: int, hook_pid: int) -> dict:
     raise HookError(f"pid {pid} has no cgroup of its own to schedule: " + "; ".join(reasons), errno.EPERM)
 
 
-def run(control: "Control", req: dict, peer: "Peer") -> dict:
-    """The `hook` op. Returns what was done (`{"action": "registered", …}`,
-    `"left alone"`, `"deregistered"`, `"nothing"`); raises HookError."""
-    kind, state = check_request(req)
+def plan(state: dict, env: dict[str, str], node, *, strategy: str, mode: str, hook_pid: int) -> dict:
+    """What a joining container gets: `{"action": "left alone", …}`, or the
+    `register` request that makes its instances (name, GPUs, memsizes,
+    weight, priority, its own cgroup as target, policy 2 when the weight is
+    above 1). Raises HookError; changes nothing."""
     cid = state["id"]
     name = short_name(cid)
-    if kind == "remove":
-        return remove(control, cid, name, peer)
-    env = req.get(ENV_KEY)
-    if env is None:  # not loaded (called without `load`): read it here
-        env = _catching(read_env, cid, config_path(state))
-    if isinstance(env, HookError):
-        raise env
-    return add(control, state, env, name, peer)
-
-
-def add(control: "Control", state: dict, env: dict[str, str], name: str, peer: "Peer") -> dict:
-    from cgpud.control.server import Refused
-    from cgpud.containers.envspec import MEM_CONTAINER, EnvError, parse_env
-    from cgpud.core.model import ModelError
-    from cgpud.containers.placement import PlacementError, resolve, states_from_node, unit_for
-    from cgpud.tree import ERRNOS
-
-    cid = state["id"]
-    node = control.node
     try:
         request = parse_env(env, [g.info for g in node.gpus], max_inst=[g.max_inst for g in node.gpus],
-                            unit=unit_for(control.mode))
+                            unit=unit_for(mode))
     except EnvError as exc:
         raise HookError(str(exc)) from None
     if not request.managed:
         return {"action": "left alone", "name": name, "reason": request.reason}
-    pid = container_pid(state, peer)
+    pid = container_pid(state, hook_pid)
     try:
-        plan = resolve(request, states_from_node(node), strategy=control.strategy, mode=control.mode)
+        placed = resolve(request, states_from_node(node), strategy=strategy, mode=mode)
     except PlacementError as exc:
         raise HookError(f"{MEM_CONTAINER}={env.get(MEM_CONTAINER, '').strip()}: {exc}", errno.ENOSPC) from None
     except ModelError as exc:  # UnevenSplit and other invalid requests
         raise HookError(f"{MEM_CONTAINER}={env.get(MEM_CONTAINER, '').strip()}: {exc}") from None
-    target = {**own_cgroup(pid, peer.pid), "container": cid}
-    gpus = [g for g, _ in plan]
-    try:
-        result = control.register({"name": name, "gpus": gpus, "memsize": [m for _, m in plan],
-                                   "weight": request.weight, "highprio": request.highprio, "target": target,
-                                   "policy": 2 if request.policy2 else None}, peer)
-    except (Refused, ModelError) as exc:
-        code = exc.code if isinstance(exc, Refused) else next(c for cls, c in ERRNOS.items() if isinstance(exc, cls))
-        raise HookError(f"cannot register {name} on GPU {','.join(map(str, gpus))}: {exc} ({errno.errorcode[code]})",
-                        code) from None
-    return {"action": "registered", "container": cid, **result}
-
-
-def remove(control: "Control", cid: str, name: str, peer: "Peer") -> dict:
-    from cgpud.control.server import Refused
-
-    try:  # only the instances this container registered (its ID is kept with the target)
-        result = control.deregister({"name": name, "container": cid}, peer)
-    except Refused as exc:
-        if exc.code == errno.ENOENT:
-            return {"action": "nothing", "name": name}  # never registered, or another container's
-        raise
-    return {"action": "deregistered", "container": cid, **result}
+    target = {**own_cgroup(pid, hook_pid), "container": cid}
+    return {"name": name, "gpus": [g for g, _ in placed], "memsize": [m for _, m in placed],
+            "weight": request.weight, "highprio": request.highprio, "target": target,
+            "policy": 2 if request.policy2 else None}

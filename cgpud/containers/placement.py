@@ -23,25 +23,22 @@ does not fit (the node may have changed in between).
 - Multi-GPU: N units over M GPUs is N/M units on each; N/M must be whole
   (`split`, `UnevenSplit`); all M GPUs are on this node.
 
-`Sizing` says how many bytes a request takes on a given GPU: `units` × `unit`
-bytes, or — with ALIYUN_COM_GPU_MEM_DEV — the device's total × units ÷ dev,
-rounded down to a byte. The allocation unit is 1 GiB, or 128 MiB on a node in
-`share` mode (`unit_for`). See docs/containers.md.
+The request and its sizing (`Request`, `Sizing`, `split`) are in
+containers.request, which envspec fills in. The allocation unit is 1 GiB, or
+128 MiB on a node in `share` mode (`unit_for`). See docs/containers.md.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
-from cgpud.core.model import InvalidValue, NoSpace
+from cgpud.core.model import NoSpace
+
+from cgpud.containers.request import GIB, SHARE_UNIT, Request, Sizing, mib, split
 
 if TYPE_CHECKING:  # pragma: no cover
-    from cgpud.containers.envspec import Request
     from cgpud.core.model import Node
 
-MIB = 1 << 20
-GIB = 1 << 30
-SHARE_UNIT = 128 * MIB
 CGPU_MAX_SHARE = 16  # instances per GPU where the memory isolation module is the limit (seeds)
 
 MODES = ("exclusive", "share", "cgpu", "mps")
@@ -54,71 +51,10 @@ class PlacementError(NoSpace):
     """Nothing fits: ENOSPC on the control socket, like the model's NoSpace."""
 
 
-class UnevenSplit(InvalidValue):
-    """N units over M GPUs where N/M is not whole: EINVAL."""
-
-
 def unit_for(mode: str) -> int:
     """The allocation unit in bytes: 128 MiB on a `share` node, else 1 GiB."""
     _check_mode(mode)
     return SHARE_UNIT if mode == "share" else GIB
-
-
-def unit_name(unit: int) -> str:
-    if unit == GIB:
-        return "GiB"
-    if unit % MIB == 0:
-        return f"× {unit // MIB} MiB"
-    return f"× {unit} bytes"
-
-
-def mib(n: int) -> str:
-    """Bytes as MiB for a message, rounded DOWN (never shows more than there is)."""
-    if n % MIB == 0:
-        return f"{n // MIB} MiB"
-    hundredths = n * 100 // MIB
-    return f"{hundredths // 100}.{hundredths % 100:02d} MiB"
-
-
-@dataclass(frozen=True)
-class Sizing:
-    """How much one GPU's instance asks: `units` allocation units of `unit`
-    bytes, or with `dev` (ALIYUN_COM_GPU_MEM_DEV, in the same units) the
-    fraction units/dev of whatever the device has."""
-
-    units: int
-    unit: int = GIB
-    dev: int | None = None
-
-    def __post_init__(self) -> None:
-        for what, v in (("units", self.units), ("unit", self.unit)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if what == "units" else 1):
-                raise ValueError(f"Sizing.{what} must be a whole number ({v!r})")
-        if self.dev is not None and (isinstance(self.dev, bool) or not isinstance(self.dev, int) or self.dev < 1):
-            raise ValueError(f"Sizing.dev must be None or a whole number >= 1 ({self.dev!r})")
-
-    def memsize(self, device_memory: int) -> int:
-        """Bytes on a GPU of `device_memory` bytes (floor, in bytes)."""
-        if self.dev is None:
-            return self.units * self.unit
-        return device_memory * self.units // self.dev
-
-    def __str__(self) -> str:
-        if self.dev is None:
-            return f"{self.units} {unit_name(self.unit)}"
-        return f"{self.units}/{self.dev} of the GPU"
-
-
-def split(total: Sizing, count: int) -> Sizing:
-    """N units over M GPUs -> N/M units on each; refused unless whole."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise UnevenSplit(f"a request is spread over 1 or more GPUs, not {count!r}")
-    if total.units % count:
-        raise UnevenSplit(
-            f"{total.units} {unit_name(total.unit)} over {count} GPUs is not a whole number per GPU "
-            f"({total.units}/{count}); ask a multiple of {count}"
-        )
-    return Sizing(total.units // count, total.unit, total.dev)
 
 
 @dataclass(frozen=True)
@@ -141,7 +77,7 @@ def states_from_node(node: "Node") -> list[GpuState]:
 
 
 def states_from_snapshot(snap: dict) -> list[GpuState]:
-    """From `cgpud.control.server.snapshot(node)` / the `query` op's result."""
+    """From `cgpud.control.views.snapshot(node)` / the `query` op's result."""
     out = []
     for g in snap["gpus"]:
         promised = sum(int(i["memsize"]) for i in g["instances"])

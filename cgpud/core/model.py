@@ -16,6 +16,7 @@ Per GPU, after any sequence of operations:
 """
 from __future__ import annotations
 
+import errno
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -56,6 +57,22 @@ class NotFound(ModelError):
 
 class OutOfMemory(ModelError):
     pass
+
+
+# The one errno table: each typed error as the errno the tree and the control
+# socket answer with.
+ERRNOS = {
+    InvalidValue: errno.EINVAL,
+    Busy: errno.EBUSY,
+    NoSpace: errno.ENOSPC,
+    Exists: errno.EEXIST,
+    NotFound: errno.ENOENT,
+    OutOfMemory: errno.ENOMEM,
+}
+
+
+def errno_of(exc: ModelError) -> int:
+    return next(code for cls, code in ERRNOS.items() if isinstance(exc, cls))
 
 
 @dataclass(frozen=True)

@@ -23,24 +23,22 @@ from fusefs.operations import Operations
 from cgpud import __version__, tree
 
 from cgpud.control import server as control
+from cgpud.control.protocol import Refused
 
 from cgpud.daemon import upgrade
 from cgpud.sched.guard import RegistryError
 from cgpud.state.durable import Durable
 from cgpud.gpus import BadSpec, discover
-from cgpud.core.model import InvalidValue, Node
+from cgpud.core.model import ERRNOS, InvalidValue, Node
 from cgpud.state.paths import FSNAME
 from cgpud.sched.priority import raise_priority
 from cgpud.daemon.sdnotify import notify
+from cgpud.daemon.errors import StartError
 from cgpud.daemon.services import Services
 from cgpud.daemon.systemd import Watchdog, watchdog_interval
 from cgpud.state.store import CorruptState, Store
 
 log = logging.getLogger("cgpud")
-
-
-class StartError(Exception):
-    """The daemon cannot start; the message is one line for a person."""
 
 
 @dataclass
@@ -166,7 +164,7 @@ async def _start_mps(nursery, node: Node, durable: Durable, cfg: Config):
 
 
 async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Config):
-    """Memory isolation on real GPUs (cgpud/memwatch.py). Instances get their
+    """Memory isolation on real GPUs (cgpud/gpus/memwatch.py). Instances get their
     processes (targets) only through the control socket, hence here."""
     from cgpud.gpus.nvml import NvmlError
     from cgpud.gpus.memwatch import MemWatchdog
@@ -174,7 +172,7 @@ async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Conf
     def owner(pid: int, gpu: int):
         try:
             return ctl.instance_of(pid, gpu)
-        except control.Refused:
+        except Refused:
             return None
 
     watchdog = MemWatchdog(node, owner, cfg.mem_action)
@@ -207,12 +205,12 @@ async def _serve_fs(fuse, scope, task_status=trio.TASK_STATUS_IGNORED) -> None:
 
 
 async def _metrics_when_free(addr, pub, shown: str, patience: float = 30.0) -> None:
-    from cgpud.observe import metrics
+    from cgpud.observe import exposition
 
     deadline = trio.current_time() + patience
     while True:
         try:
-            await metrics.serve(addr, pub)
+            await exposition.serve(addr, pub)
             return
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE or trio.current_time() > deadline:
@@ -224,11 +222,11 @@ async def _metrics_when_free(addr, pub, shown: str, patience: float = 30.0) -> N
 
 async def _start_metrics(nursery, cfg: Config, durable: Durable, services: Services, *, wait_for_port: bool) -> None:
     """Prometheus metrics (docs/metrics.md), unless --metrics-addr is off."""
-    from cgpud.observe import metrics
+    from cgpud.observe import exposition, metrics
 
     try:
-        addr = metrics.parse_addr(cfg.metrics_addr)
-    except metrics.BadAddress as exc:
+        addr = exposition.parse_addr(cfg.metrics_addr)
+    except exposition.BadAddress as exc:
         raise StartError(str(exc)) from None
     if addr is None:
         return
@@ -240,7 +238,7 @@ async def _start_metrics(nursery, cfg: Config, durable: Durable, services: Servi
         nursery.start_soon(_metrics_when_free, addr, pub, cfg.metrics_addr)
         return
     try:
-        await nursery.start(metrics.serve, addr, pub)
+        await nursery.start(exposition.serve, addr, pub)
     except OSError as exc:
         raise StartError(f"--metrics-addr {cfg.metrics_addr}: {exc.strerror or exc}; choose another "
                          f"HOST:PORT, or `off`") from None
@@ -278,7 +276,7 @@ async def _serve(cfg: Config) -> int:
                                  f"make room under {cfg.state_dir}") from None
         status = upgrade.Status()
         upgrader = upgrade.Upgrader(status)
-        ops = Operations(tree.build(durable, upgrader), errors=tree.ERRNOS, version=lambda: node.version, write_gid=gid)
+        ops = Operations(tree.build(durable, upgrader), errors=ERRNOS, version=lambda: node.version, write_gid=gid)
         mountpoint = os.path.abspath(cfg.mount)
         fuse = FuseServer(ops, mountpoint)
         if takeover is None:

@@ -13,7 +13,9 @@ from typing import Callable
 import trio
 
 from cgpud.control import server as control
+from cgpud.control.instances import reaper
 from cgpud.containers.cgroups import CgroupError, InstanceGroups
+from cgpud.daemon.errors import StartError
 from cgpud.state.durable import Durable
 
 log = logging.getLogger("cgpud")
@@ -52,8 +54,6 @@ class Services:
     async def run(self, *, listen_fd: int | None = None, adopted: list = (), guard=None,
                   task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Start everything, report started, run until `stop`."""
-        from cgpud.daemon.main import StartError
-
         self._scope = trio.CancelScope()
         self._done = trio.Event()
         try:
@@ -71,7 +71,7 @@ class Services:
                             await nursery.start(serve)
                         except OSError as exc:
                             raise StartError(f"control socket {self.socket_path}: {exc.strerror or exc}") from None
-                        nursery.start_soon(control.reaper, self.ctl, self._refresh)
+                        nursery.start_soon(reaper, self.ctl, self._refresh)
                     task_status.started()
         finally:
             if self.sched is not None:

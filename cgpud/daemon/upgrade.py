@@ -44,7 +44,8 @@ import trio
 from fusefs.handover import FuseServer, HandoverError
 
 from cgpud import __version__
-from cgpud.control.server import Adopted, Control, Held
+from cgpud.control.memory import Held
+from cgpud.control.server import Adopted, Control
 from cgpud.daemon.sdnotify import notify
 
 log = logging.getLogger("cgpud")
@@ -354,7 +355,7 @@ def cold_op(ctl: Control, stop: Callable[[], None]):
     EBUSY while any instance exists, as the product's upgrade.sh refuses;
     otherwise the daemon stops (its exit status COLD_EXIT) so that the
     service manager restarts it with the installed code."""
-    from cgpud.control.server import Refused
+    from cgpud.control.protocol import Refused
 
     def op(req: dict, peer) -> dict:
         names = sorted({i.name for i in ctl.node.instances()})

@@ -2,9 +2,9 @@
 
 Two halves, both plain code:
 
-- `collect` (in the daemon, the `trace` control op): a GPU's ring of recent
-  slices (`sched.telemetry.SliceRecord`) plus the decision in force, as plain
-  data — names by index, times on the daemon's clock, nothing clipped.
+- `encode` (in the daemon, the `trace` control op): the slices that
+  `sched.telemetry.collect` took from each GPU's ring, as JSON text a chunk at a
+  time — names by index, times on the daemon's clock, nothing clipped.
 - `lanes` and `svg` (in the client): each instance's lane as intervals of one
   state, and the picture, drawn by hand (no plotting library).
 
@@ -19,14 +19,12 @@ or a holder that was idle) and `idle` (nobody to run at all).
 from __future__ import annotations
 
 import html
-import itertools
 import json
 import math
 import time
 from typing import Iterator, Sequence
 
 from cgpud.sched.policies import POLICY_NAMES
-from cgpud.sched.telemetry import HISTORY_SECONDS as HORIZON, SliceRecord  # HORIZON: seconds of slices kept
 
 STATES = ("run", "held", "frozen")
 
@@ -34,43 +32,10 @@ STATES = ("run", "held", "frozen")
 # ---- daemon side ---------------------------------------------------------------
 #
 # The daemon answers `trace` on the thread that also runs the schedulers, and
-# 60 s of 10 ms slices are 6000 records: `collect` only takes a snapshot (a
-# copy of the ring's tail: immutable records), and `encode` turns it into JSON
+# 60 s of 10 ms slices are 6000 records: `sched.telemetry.collect` only takes a
+# snapshot (a copy of the ring's tail: immutable records), and `encode` turns it into JSON
 # text a chunk at a time, so the control socket can let the schedulers run
 # between chunks (control.Streamed).
-
-
-def collect(gpu, records: Sequence[SliceRecord], decision, now: float, seconds: float,
-            slice_len: float | None = None) -> dict:
-    """One GPU's slices that end after `now - seconds`, oldest first, the one in
-    force last (it runs from the end of the last record until `now`), and
-    what the GPU is now. Cheap: no record is looked into but the window's edge.
-    `gpu` is the model's Gpu."""
-    since = now - seconds
-    inside = 0
-    for r in reversed(records):  # (a deque: indexing its middle is not O(1))
-        if r.end <= since:
-            break
-        inside += 1
-    recs = list(itertools.islice(records, len(records) - inside, None))
-    if decision is not None:
-        start = recs[-1].end if recs else max(since, decision.start)
-        if now > start:
-            recs.append(SliceRecord(gpu.index, decision.running, start, now, decision.kind.value,
-                                    decision.active, decision.considered - decision.running))
-    return {
-        "head": {
-            "gpu": gpu.index,
-            "policy": gpu.policy,
-            "max_inst": gpu.max_inst,
-            "slice": slice_len,
-            "now": now,
-            "since": since,
-            "instances": [{"name": i.name, "weight": i.weight, "highprio": i.highprio}
-                          for i in gpu.instances.values()],
-        },
-        "records": recs,
-    }
 
 
 def encode(gpus: Sequence[dict], seconds: float, wall: float, chunk: int = 256) -> Iterator[str]:

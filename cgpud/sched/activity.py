@@ -49,7 +49,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from cgpud.sched.enforce import KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL, TargetGone, cgroup_pids, group_members, proc_cgroups, stat_fields
+from cgpud.sched.cgroupfs import KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL, TargetGone, cgroup_pids, proc_cgroups, stat_fields
+from cgpud.sched.enforce import group_members
 
 # fanotify(7)
 _FAN_CLOEXEC = 0x1

@@ -48,7 +48,8 @@ import subprocess
 import sys
 from typing import Any, Iterable
 
-from cgpud.sched.enforce import protect_pid, thaw_spec, unprotect_pid
+from cgpud.sched.cgroupfs import protect_pid, unprotect_pid
+from cgpud.sched.enforce import thaw_spec
 
 log = logging.getLogger("cgpud.sched.guard")
 

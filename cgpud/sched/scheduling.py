@@ -24,6 +24,7 @@ from cgpud.sched.activity import ActivityMonitor
 from cgpud.sched.enforce import EnforceError, Enforcement, freezer_from_spec
 from cgpud.sched.loop import GpuScheduler, schedulers_for
 from cgpud.sched.policies import Params
+from cgpud.sched.telemetry import collect
 
 log = logging.getLogger("cgpud")
 
@@ -121,8 +122,7 @@ class Scheduling:
 
     def trace(self, seconds: float, gpu: int | None = None) -> list[dict]:
         """Each GPU's (or one GPU's) slices over the last `seconds`, for
-        `cgpu trace` (cgpud.observe.trace.collect; times on trio's clock)."""
-        from cgpud.observe.trace import collect
+        `cgpu trace` (cgpud.sched.telemetry.collect; times on trio's clock)."""
 
         now = trio.current_time()
         return [collect(self.node.gpu(s.gpu), s.telemetry.recent, s.decision, now, seconds, s.params.slice)

@@ -22,11 +22,12 @@ to another thread (the metrics HTTP server reads it, never the live object).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from cgpud.sched.policies import Decision
 
@@ -208,3 +209,36 @@ class Telemetry:
             instances=MappingProxyType(insts),
             recent=tuple(self.recent),
         )
+
+
+def collect(gpu, records: Sequence[SliceRecord], decision, now: float, seconds: float,
+            slice_len: float | None = None) -> dict:
+    """One GPU's slices that end after `now - seconds`, oldest first, the one in
+    force last (it runs from the end of the last record until `now`), and
+    what the GPU is now. Cheap: no record is looked into but the window's edge.
+    `gpu` is the model's Gpu."""
+    since = now - seconds
+    inside = 0
+    for r in reversed(records):  # (a deque: indexing its middle is not O(1))
+        if r.end <= since:
+            break
+        inside += 1
+    recs = list(itertools.islice(records, len(records) - inside, None))
+    if decision is not None:
+        start = recs[-1].end if recs else max(since, decision.start)
+        if now > start:
+            recs.append(SliceRecord(gpu.index, decision.running, start, now, decision.kind.value,
+                                    decision.active, decision.considered - decision.running))
+    return {
+        "head": {
+            "gpu": gpu.index,
+            "policy": gpu.policy,
+            "max_inst": gpu.max_inst,
+            "slice": slice_len,
+            "now": now,
+            "since": since,
+            "instances": [{"name": i.name, "weight": i.weight, "highprio": i.highprio}
+                          for i in gpu.instances.values()],
+        },
+        "records": recs,
+    }

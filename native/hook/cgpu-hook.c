@@ -10,10 +10,10 @@
  *
  * and exits 0 when the daemon says ok, or prints the daemon's message as ONE
  * line on stderr ("cgpu hook: ...") and exits 1: the runtime then fails the
- * container's start with it. The daemon does the work (cgpud/hookd.py:
+ * container's start with it. The daemon does the work (cgpud/containers/hookd.py:
  * config.json, the ALIYUN_COM_GPU_* contract, placement, the container's own
  * cgroup, register/deregister). `cgpu hook` and `python3 -S -m cgpud.containers.hook`
- * (cgpud/hook.py) forward the same way.
+ * (cgpud/containers/hook.py) forward the same way.
  *
  * One shortcut, the only reading of the container it does: when
  * <bundle>/config.json can be read and does not contain the bytes
@@ -21,7 +21,7 @@
  * the daemon is not contacted (hooks.d runs the hook for every container).
  *
  * Settings (the hook's own environment, the `env` of its hook entry):
- *   CGPUD_SOCKET             the control socket (default as cgpud/paths.py:
+ *   CGPUD_SOCKET             the control socket (default as cgpud/state/paths.py:
  *                            /run/cgpud/cgpud.sock for root)
  *   CGPU_HOOK_PASSTHROUGH=1  daemon unreachable at createRuntime: let the
  *                            container start unmanaged (one line, exit 0)
@@ -50,7 +50,7 @@
 #include <unistd.h>
 
 #define MAX_STATE (60 * 1024)   /* the daemon takes request lines of up to 64 KiB */
-#define MAX_CONFIG (4 << 20)    /* as cgpud/hookd.py MAX_CONFIG */
+#define MAX_CONFIG (4 << 20)    /* as cgpud/containers/hookd.py MAX_CONFIG */
 #define MAX_REPLY (64 * 1024)
 #define MAX_DEPTH 64
 
@@ -327,7 +327,7 @@ static int may_ask(const char *bundle)
 
 static void default_socket(char *out, size_t cap)
 {
-    /* as cgpud/paths.py default_socket() */
+    /* as cgpud/state/paths.py default_socket() */
     if (geteuid() == 0) {
         snprintf(out, cap, "/run/cgpud/cgpud.sock");
         return;

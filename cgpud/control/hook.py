@@ -1,0 +1,69 @@
+"""The `hook` op: a container's OCI hook stage, done in the daemon
+(docs/containers.md). Privileged: it makes the daemon read a file the caller
+names. containers.hookd reads and checks the request and config.json and
+plans the instances; here they are registered or deregistered through the
+instances family's own ops, so a container joins exactly as `register` does."""
+from __future__ import annotations
+
+import errno
+import logging
+from typing import Any
+
+from cgpud.containers import hookd
+from cgpud.control.protocol import Peer, Refused
+from cgpud.core.model import ModelError, errno_of
+
+log = logging.getLogger("cgpud")
+
+
+class Hooks:
+    """hook: a family of Control's ops (control.server)."""
+
+    OPS = {"hook": True}
+
+    def hook(self, req: dict, peer: Peer) -> dict:
+        """Returns what was done (`{"action": "registered", …}`, `"left alone"`,
+        `"deregistered"`, `"nothing"`); a refusal carries the hook's one line."""
+        try:
+            return self._hook(req, peer)
+        except hookd.HookError as exc:
+            log.info("container hook (%s, pid %d) refused: %s", req.get("stage"), peer.pid, exc)
+            raise Refused(exc.code, str(exc)) from None
+
+    def _hook(self, req: dict, peer: Peer) -> dict:
+        kind, state = hookd.check_request(req)
+        cid = state["id"]
+        name = hookd.short_name(cid)
+        if kind == "remove":
+            return self._leave(cid, name, peer)
+        env = req.get(hookd.ENV_KEY)
+        if env is None:  # not loaded (called without `prepare`): read it here
+            env = hookd._catching(hookd.read_env, cid, hookd.config_path(state))
+        if isinstance(env, hookd.HookError):
+            raise env
+        plan = hookd.plan(state, env, self.node, strategy=self.strategy, mode=self.mode, hook_pid=peer.pid)
+        if plan.get("action") == "left alone":
+            return plan
+        try:
+            result = self.register(plan, peer)
+        except (Refused, ModelError) as exc:
+            code = exc.code if isinstance(exc, Refused) else errno_of(exc)
+            raise hookd.HookError(f"cannot register {name} on GPU {','.join(map(str, plan['gpus']))}: {exc} "
+                                  f"({errno.errorcode[code]})", code) from None
+        return {"action": "registered", "container": cid, **result}
+
+    def _leave(self, cid: str, name: str, peer: Peer) -> dict:
+        try:  # only the instances this container registered (its ID is kept with the target)
+            result = self.deregister({"name": name, "container": cid}, peer)
+        except Refused as exc:
+            if exc.code == errno.ENOENT:
+                return {"action": "nothing", "name": name}  # never registered, or another container's
+            raise
+        return {"action": "deregistered", "container": cid, **result}
+
+    async def prepare(self, req: Any, peer: Peer) -> Any:
+        """Before `handle`, in the serving task: the blocking part of a request
+        (the hook's config.json read, in a worker thread with a time limit)."""
+        if isinstance(req, dict) and req.get("op") == "hook" and self.privileged(peer):
+            return await hookd.load(req)
+        return req

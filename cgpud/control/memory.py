@@ -1,0 +1,160 @@
+"""Simulated GPU memory over the socket (docs/memory.md): gpu_alloc,
+gpu_free, gpu_meminfo. Open to every process, but each acts only on the
+instance whose cgroup holds the caller: allocations belong to the connection
+and are returned when it closes, as a CUDA context's memory is when its
+process dies."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+
+from cgpud.control.protocol import Peer, Refused, arg, gpu_arg
+from cgpud.core.model import Instance, NotFound, OutOfMemory
+from cgpud.sched.cgroupfs import cgroup_mounts, contains, hierarchy_path, read_proc_cgroups
+
+log = logging.getLogger("cgpud")
+
+
+@dataclass(frozen=True)
+class Held:
+    """Simulated GPU memory one connection allocated: returned when it closes."""
+
+    conn: int
+    pid: int
+    gpu: int
+    name: str
+    nbytes: int
+
+
+class Memory:
+    """gpu_alloc, gpu_free, gpu_meminfo: a family of Control's ops (control.server)."""
+
+    OPS = {"gpu_alloc": False, "gpu_free": False, "gpu_meminfo": False}
+
+    def instance_of(self, pid: int, gpu: int | None) -> Instance:
+        """The instance of `pid` on `gpu` (None: its lowest GPU): the one whose
+        target cgroup holds the process (the deepest, if targets nest). A
+        process in no instance, or whose instance is not on `gpu`: EPERM."""
+        if pid <= 0:  # SO_PEERCRED says 0 for a process outside our pid namespace
+            raise Refused(errno.EPERM, "the calling process is not visible from the daemon's pid namespace")
+        try:
+            cgroups = read_proc_cgroups(pid)
+        except (OSError, ValueError):
+            raise Refused(errno.EPERM, f"pid {pid} is gone; GPU memory belongs to a live process") from None
+        mounts = None
+        best: tuple[int, str] | None = None
+        for inst in self.node.instances():
+            t = inst.target
+            if not t:
+                continue
+            if t.get("kind") == "pgid":
+                try:
+                    inside = os.getpgid(pid) == t.get("pgid")
+                except OSError:
+                    inside = False
+                depth = 0
+            else:
+                if mounts is None:
+                    mounts = cgroup_mounts()
+                where = hierarchy_path(t, mounts)
+                inside = where is not None and where[0] in cgroups and contains(where[1], cgroups[where[0]])
+                depth = len(where[1]) if where is not None else 0
+            if inside and (best is None or depth > best[0]):
+                best = (depth, inst.name)
+        if best is None:
+            where = cgroups.get("") or cgroups.get("freezer") or "?"
+            raise Refused(
+                errno.EPERM,
+                f"pid {pid} is in no cgpud instance (cgroup {where}): only processes inside an instance "
+                "(cgpu run, or a managed container) have simulated GPU memory",
+            )
+        name = best[1]
+        mine = self.node.instances_named(name)
+        if gpu is None:
+            return mine[0]
+        for inst in mine:
+            if inst.gpu == gpu:
+                return inst
+        raise Refused(
+            errno.EPERM,
+            f"pid {pid} is in instance {name}, which has no share of GPU {gpu} "
+            f"(its GPUs: {','.join(str(i.gpu) for i in mine)})",
+        )
+
+    def gpu_alloc(self, req: dict, peer: Peer) -> dict:
+        """Allocate `bytes` of the caller's instance on `gpu`; ENOMEM past memsize."""
+        gpu = gpu_arg(req)
+        nbytes = arg(req, "bytes", int)
+        if nbytes <= 0:
+            raise Refused(errno.EINVAL, f"bytes must be a positive number of bytes, not {nbytes}")
+        inst = self.instance_of(peer.pid, gpu)
+        try:
+            self.node.alloc(inst.gpu, inst.name, peer.pid, nbytes)  # OutOfMemory: nothing changed
+        except OutOfMemory:
+            self.oom_refusals[(inst.gpu, inst.name)] += 1
+            raise
+        handle = next(self._handles)
+        self.held.setdefault(peer.conn, {})[handle] = Held(peer.conn, peer.pid, inst.gpu, inst.name, nbytes)
+        log.debug("pid %d allocated %d bytes of %s on GPU %d (handle %d)", peer.pid, nbytes, inst.name, inst.gpu, handle)
+        return {"handle": handle, "gpu": inst.gpu, "instance": inst.name, "bytes": nbytes,
+                "free": inst.free, "total": inst.memsize}
+
+    def gpu_free(self, req: dict, peer: Peer) -> dict:
+        """Return one allocation this connection made."""
+        gpu = gpu_arg(req)
+        handle = arg(req, "handle", int)
+        h = self.held.get(peer.conn, {}).get(handle)
+        if h is None or (gpu is not None and gpu != h.gpu):
+            on = f" on GPU {gpu}" if gpu is not None else ""
+            raise Refused(errno.ENOENT, f"no allocation {handle}{on} made on this connection")
+        self._release(handle, h)
+        try:
+            inst = self.node.instance(h.gpu, h.name)
+        except NotFound:
+            return {"gpu": h.gpu, "free": 0, "total": 0}
+        return {"gpu": h.gpu, "free": inst.free, "total": inst.memsize}
+
+    def gpu_meminfo(self, req: dict, peer: Peer) -> dict:
+        """What the caller's instance sees of its GPU: memsize as the total."""
+        inst = self.instance_of(peer.pid, gpu_arg(req))
+        return {"gpu": inst.gpu, "instance": inst.name, "free": inst.free, "total": inst.memsize, "used": inst.used}
+
+    def _release(self, handle: int, h: Held) -> None:
+        mine = self.held.get(h.conn, {})
+        mine.pop(handle, None)
+        if not mine:
+            self.held.pop(h.conn, None)
+        try:
+            self.node.free(h.gpu, h.name, h.pid, h.nbytes)
+        except NotFound:  # the instance is gone, and its memory with it
+            pass
+
+    def disconnected(self, conn: int) -> int:
+        """A connection closed (its process exited, was killed, or closed its
+        client): everything it allocated is returned. The bytes returned."""
+        total = 0
+        for handle, h in list(self.held.get(conn, {}).items()):
+            self._release(handle, h)
+            total += h.nbytes
+        if total:
+            log.debug("connection %d closed: %d bytes of GPU memory returned", conn, total)
+        return total
+
+    def _forget_gone(self) -> None:
+        """After any change: allocations of instances that no longer exist are
+        forgotten (a new instance of the same name must start empty), and so
+        are their out-of-memory counts."""
+        for key in [k for k in self.oom_refusals if k[1] not in self.node.gpus[k[0]].instances]:
+            del self.oom_refusals[key]
+        if not self.held:
+            return
+        for conn, mine in list(self.held.items()):
+            for handle, h in list(mine.items()):
+                try:
+                    self.node.instance(h.gpu, h.name)
+                except NotFound:
+                    mine.pop(handle)
+            if not mine:
+                self.held.pop(conn)

@@ -1,0 +1,75 @@
+"""Read-only ops: who the daemon is, what the node holds, how the
+schedulers did (docs/control.md: hello, query, stats, trace). Open to anyone."""
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+from cgpud import __version__
+from cgpud.control.protocol import Peer, Refused, Streamed, arg, gpu_arg
+from cgpud.core.model import Node
+
+
+def snapshot(node: Node) -> dict:
+    """Everything a client may want to see, as plain data."""
+    return {
+        "version": __version__,
+        "default_memsize": node.default_memsize,
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": g.info.uuid,
+                "name": g.info.name,
+                "memory": g.info.memory,
+                "policy": g.policy,
+                "max_inst": g.max_inst,
+                "prio_ratio": g.prio_ratio,
+                "free_weight": g.free_weight,
+                "instances": [
+                    {**i.settings(), "used": i.used, "procs": {str(p): n for p, n in sorted(i.procs.items())}}
+                    for i in g.instances.values()
+                ],
+            }
+            for g in node.gpus
+        ],
+    }
+
+
+class Views:
+    """hello, query, stats, trace: a family of Control's ops (control.server)."""
+
+    OPS = {"hello": False, "query": False, "stats": False, "trace": False}
+
+    def hello(self, req: dict, peer: Peer) -> dict:
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "gpus": len(self.node.gpus),
+            "devices": self.devices,
+            "privileged": self.privileged(peer),
+        }
+
+    def query(self, req: dict, peer: Peer) -> dict:
+        return {**snapshot(self.node), "strategy": self.strategy, "mode": self.mode}
+
+    def stats(self, req: dict, peer: Peer) -> list[dict]:
+        """The scheduler's telemetry per GPU (empty when it does not run)."""
+        return self._stats() if self._stats else []
+
+    def trace(self, req: dict, peer: Peer) -> dict:
+        """The slices of the last `seconds` (default 10, at most the ring's
+        60 s), of every GPU or of `gpu`: who had each GPU when (cgpu trace)."""
+        from cgpud.observe.trace import encode
+        from cgpud.sched.telemetry import HISTORY_SECONDS as HORIZON
+
+        seconds = arg(req, "seconds", (int, float), 10.0)
+        if not 0 < seconds <= HORIZON:
+            raise Refused(errno.EINVAL, f"seconds must be more than 0 and at most {HORIZON:g} "
+                                        f"(the daemon keeps the last {HORIZON:g} s of slices), not {seconds}")
+        gpu = gpu_arg(req)
+        if gpu is not None and gpu >= len(self.node.gpus):
+            raise Refused(errno.EINVAL, f"no GPU {gpu} on this node (it has {len(self.node.gpus)})")
+        if self.tracer is None:
+            raise Refused(errno.EOPNOTSUPP, "this daemon runs no scheduler: there are no slices to show")
+        return Streamed(encode(self.tracer(float(seconds), gpu), seconds, time.time()))
