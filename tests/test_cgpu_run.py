@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.containers.cgroups import v2_root
+from conftest import SIM_T4_BYTES
 
 NAME = "runtest00001"
 
@@ -119,3 +120,34 @@ def test_a_cgroup_still_in_use_at_exit_is_removed_once_its_last_process_is_gone(
     group = os.path.join(v2_root(), "cgpud", NAME)
     assert os.path.isdir(group)  # the sleep still runs in it
     wait_for(lambda: not os.path.isdir(group), timeout=5, what="the daemon to remove the emptied cgroup")
+
+
+def test_runs_without_mem_promise_nothing_and_share_the_gpu(daemon):
+    """SPEC §3: `cgpu run` without --mem gets default_memsize (0: the whole
+    device) and promises nothing, so a second one runs beside it; one that
+    asks for memory is admitted only within what is not promised yet."""
+    first = subprocess.Popen([str(Path(sys.executable).parent / "cgpu"), "run", "--gpu", "0", "--name", "runfree00001",
+                              "--", "sleep", "30"], env=dict(os.environ, CGPUD_SOCKET=str(daemon.socket)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: "runfree00001" in os.listdir(daemon.path("0")), 10, "the first instance")
+        r = cgpu(daemon, "run", "--gpu", "0", "--", "sh", "-c", f"cat {daemon.path()}/0/$CGPU_INSTANCE/memsize")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == daemon.value("0/runfree00001/memsize") == str(SIM_T4_BYTES)
+        # promises: 10 GiB, then 6 GiB more does not fit a 14.75 GiB T4 (the unpromised instance counts for nothing)
+        held = subprocess.Popen([str(Path(sys.executable).parent / "cgpu"), "run", "--gpu", "0", "--mem", "10G",
+                                 "--name", "runmem000001", "--", "sleep", "30"],
+                                env=dict(os.environ, CGPUD_SOCKET=str(daemon.socket)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: "runmem000001" in os.listdir(daemon.path("0")), 10, "the 10 GiB instance")
+            r = cgpu(daemon, "run", "--gpu", "0", "--mem", "6G", "--", "true")
+            assert r.returncode != 0 and "not promised" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+            r = cgpu(daemon, "run", "--gpu", "0", "--mem", "4G", "--", "true")
+            assert r.returncode == 0, r.stderr
+        finally:
+            held.terminate()
+            held.wait(20)
+    finally:
+        first.terminate()
+        first.wait(20)

@@ -57,8 +57,8 @@ def test_register_shows_in_the_tree_and_deregister_removes_it(daemon):
 @pytest.mark.parametrize("daemon", ["sim:2xT4"], indirect=True)
 def test_register_on_several_gpus_is_all_or_nothing(daemon):
     daemon.write("default_memsize", str(4 << 30))
-    daemon.create(1, "occupied0001")
-    daemon.write("1/occupied0001/memsize", str(SIM_T4_BYTES - (1 << 30)))  # 1 GiB left on GPU 1
+    with Client(str(daemon.socket)) as c:  # a promise of all but 1 GiB of GPU 1
+        c.call("register", name="occupied0001", gpus=[1], memsize=SIM_T4_BYTES - (1 << 30))
     before = daemon.snapshot()
     with Client(str(daemon.socket)) as c:
         with pytest.raises(ControlError) as err:

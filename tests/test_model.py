@@ -95,8 +95,8 @@ def test_gpu_indices_must_be_in_order():
 def test_default_memsize_zero_gives_the_whole_device():
     n = node(T4)
     inst = n.create_instance(0, A)
-    assert inst.memsize == T4
-    assert n.gpus[0].free_memory == 0
+    assert inst.memsize == T4 and not inst.promised
+    assert n.gpus[0].free_memory == T4  # it promises nothing
 
 
 def test_default_memsize_is_used_when_no_memsize_is_given():
@@ -107,25 +107,35 @@ def test_default_memsize_is_used_when_no_memsize_is_given():
     assert n.create_instance(0, C, memsize=0).memsize == 0  # an explicit 0 is 0, not the device
 
 
-def test_second_whole_device_instance_does_not_fit():
+def test_memsizes_overcommit_as_on_the_real_module():
+    """SPEC §3: a second whole-device instance is created; memsizes may sum past the device."""
     n = node(T4)
     n.create_instance(0, A)
-    refused(n, NoSpace, n.create_instance, 0, B)
+    n.create_instance(0, B)
+    assert n.gpus[0].memsize_sum == 2 * T4 and n.gpus[0].promised_sum == 0
 
 
-def test_memory_that_does_not_fit_is_nospace():
+def test_promised_memory_that_does_not_fit_is_nospace():
     n = node(1000)
-    n.create_instance(0, A, memsize=600)
-    refused(n, NoSpace, n.create_instance, 0, B, memsize=401)
-    assert n.create_instance(0, B, memsize=400).memsize == 400  # exactly full is fine
-    refused(n, NoSpace, n.create_instance, 0, C, memsize=1)
+    n.create_instance(0, A, memsize=600, promise=True)
+    refused(n, NoSpace, n.create_instance, 0, B, memsize=401, promise=True)
+    assert n.create_instance(0, B, memsize=400, promise=True).memsize == 400  # exactly full is fine
+    refused(n, NoSpace, n.create_instance, 0, C, memsize=1, promise=True)
+    assert n.create_instance(0, C, memsize=1000).memsize == 1000  # promising nothing, it still may be made
 
 
-def test_default_memsize_larger_than_the_device_is_nospace_not_einval():
+def test_unpromised_instances_do_not_take_from_promises():
+    n = node(1000)
+    n.create_instance(0, A)  # the whole device, no promise
+    assert n.create_instance(0, B, memsize=1000, promise=True).promised
+
+
+def test_a_memsize_past_the_device_is_nospace_on_create():
     # e.g. a node with a T4 and a V100 and a default sized for the V100
     n = node(1000, 2000)
     n.set_default_memsize(1500)
     refused(n, NoSpace, n.create_instance, 0, A)
+    refused(n, NoSpace, n.create_instance, 0, A, memsize=1001)
     assert n.create_instance(1, A).memsize == 1500
 
 
@@ -375,16 +385,38 @@ def test_memsize_below_used_is_busy():
     assert n.instance(0, A).free == 0
 
 
-def test_memsize_that_does_not_fit_the_device_is_refused():
+def test_memsize_writes_keep_promises_and_the_device():
     n = node(1000)
-    n.create_instance(0, A, memsize=600)
-    n.create_instance(0, B, memsize=300)
-    refused(n, Busy, n.set_memsize, 0, B, 401)  # 600 + 401 > 1000
-    refused(n, Busy, n.set_memsize, 0, B, 1001)  # more than the whole device does not fit either
+    n.create_instance(0, A, memsize=600, promise=True)
+    n.create_instance(0, B, memsize=300, promise=True)
+    n.create_instance(0, C, memsize=900)  # overcommitted, promising nothing
+    refused(n, Busy, n.set_memsize, 0, B, 401)  # 600 + 401 promised > 1000
+    refused(n, InvalidValue, n.set_memsize, 0, C, 1001)  # one memsize past the device: EINVAL (SPEC §3)
     refused(n, InvalidValue, n.set_memsize, 0, B, 10**14)  # past what the file takes
     refused(n, InvalidValue, n.set_memsize, 0, B, -1)
     n.set_memsize(0, B, 400)
-    assert n.gpus[0].free_memory == 0
+    n.set_memsize(0, C, 1000)  # not promised: may overcommit
+    assert n.gpus[0].free_memory == 0 and n.gpus[0].memsize_sum == 2000
+
+
+def test_memory_held_never_passes_the_device():
+    """Memsizes overcommit; what processes hold cannot: past the device is out of memory."""
+    n = node(1000)
+    n.create_instance(0, A)
+    n.create_instance(0, B)
+    n.alloc(0, A, 1, 700)
+    refused(n, OutOfMemory, n.alloc, 0, B, 2, 301)
+    n.alloc(0, B, 2, 300)
+    assert n.gpus[0].used == 1000
+
+
+def test_a_state_from_before_overcommit_keeps_its_memsizes_promised():
+    n = node(1000)
+    state = n.to_state()
+    state["gpus"][0]["instances"] = [{"name": A, "id": 1, "memsize": 600, "weight": 1, "highprio": False}]
+    n.load_state(state)
+    assert n.instance(0, A).promised
+    refused(n, NoSpace, n.create_instance, 0, B, memsize=401, promise=True)
 
 
 def test_default_memsize_range():

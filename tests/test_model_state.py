@@ -101,10 +101,11 @@ class NodeMachine(RuleBasedStateMachine):
         for gpu, value in enumerate(max_inst):
             self.set_max_inst(gpu, value)
         for gpu, name, memsize, weight in creates:
-            self.create_instance(gpu, name, memsize, weight, False)
+            self.create_instance(gpu, name, memsize, weight, False, True)
 
-    @rule(gpu=gpus, name=names, memsize=st.none() | memsizes, weight=weights, highprio=st.booleans())
-    def create_instance(self, gpu, name, memsize, weight, highprio):
+    @rule(gpu=gpus, name=names, memsize=st.none() | memsizes, weight=weights, highprio=st.booleans(),
+          promise=st.booleans())
+    def create_instance(self, gpu, name, memsize, weight, highprio, promise=False):
         n = self.node
         allowed: set[type] = set()
         if not NAME_RE.match(name):
@@ -122,24 +123,27 @@ class NodeMachine(RuleBasedStateMachine):
                 allowed.add(NoSpace)
             if not 0 <= want_mem <= MEM_MAX:
                 allowed.add(InvalidValue)
-            elif want_mem > g.free_memory:
-                allowed.add(NoSpace)
+            elif want_mem > g.info.memory or (promise and want_mem > g.free_memory):
+                allowed.add(NoSpace)  # past the device, or past what is not promised yet (SPEC §3)
             if not 0 <= weight <= g.max_inst:
                 allowed.add(InvalidValue)
             free_weight = g.free_weight
             expected_id = min(set(range(1, 100)) - {i.id for i in n.instances()})
-        result = self.attempt(allowed, n.create_instance, gpu, name, memsize=memsize, weight=weight, highprio=highprio)
+        result = self.attempt(allowed, n.create_instance, gpu, name, memsize=memsize, weight=weight, highprio=highprio,
+                              promise=promise)
         if self.refused(result):
             return
         assert result is n.instance(gpu, name)
         assert (result.gpu, result.name, result.memsize, result.highprio) == (gpu, name, want_mem, highprio)
+        assert result.promised == promise
         assert result.weight == min(weight, free_weight), "granted weight is min(requested, free_weight)"
         assert result.id == expected_id, "a new instance takes the smallest free id"
         assert result.procs == {}
 
-    @rule(gpu=existing_gpus, name=valid_names, memsize=st.integers(0, 300), weight=st.integers(0, 4))
-    def create_likely(self, gpu, name, memsize, weight):
-        self.create_instance(gpu, name, memsize, weight, False)
+    @rule(gpu=existing_gpus, name=valid_names, memsize=st.integers(0, 300), weight=st.integers(0, 4),
+          promise=st.booleans())
+    def create_likely(self, gpu, name, memsize, weight, promise):
+        self.create_instance(gpu, name, memsize, weight, False, promise)
 
     @rule(data=st.data())
     def destroy(self, data):
@@ -243,8 +247,10 @@ class NodeMachine(RuleBasedStateMachine):
         allowed, g, inst = self._inst_errors(gpu, name)
         if g is not None and not 0 <= value <= MEM_MAX:
             allowed.add(InvalidValue)
+        if g is not None and value > g.info.memory:
+            allowed.add(InvalidValue)  # one memsize past the device (SPEC §3)
         if not allowed:
-            if g.memsize_sum - inst.memsize + value > g.info.memory or value < inst.used:
+            if (inst.promised and g.promised_sum - inst.memsize + value > g.info.memory) or value < inst.used:
                 allowed.add(Busy)
         if not self.refused(self.attempt(allowed, self.node.set_memsize, gpu, name, value)):
             assert self.node.instance(gpu, name).memsize == value
@@ -315,8 +321,9 @@ class NodeMachine(RuleBasedStateMachine):
         allowed, _, inst = self._inst_errors(gpu, name)
         if nbytes < 0:
             allowed.add(InvalidValue)
-        elif inst is not None and inst.used + nbytes > inst.memsize:
-            allowed.add(OutOfMemory)
+        elif inst is not None and (inst.used + nbytes > inst.memsize
+                                   or self.node.gpus[gpu].used + nbytes > self.node.gpus[gpu].info.memory):
+            allowed.add(OutOfMemory)  # past its memsize, or past the device (memsizes overcommit)
         held = inst.procs.get(pid, 0) if inst is not None else 0
         if not self.refused(self.attempt(allowed, self.node.alloc, gpu, name, pid, nbytes)):
             assert self.node.instance(gpu, name).procs[pid] == held + nbytes
@@ -374,8 +381,9 @@ class NodeMachine(RuleBasedStateMachine):
             gs["instances"].append(dict(inst, name="dupdupdupdup", memsize=0, weight=0))
         elif how == "weight":
             inst["weight"] = gs["max_inst"] + 1
-        elif how == "memsize":
-            inst["memsize"] = MEMORIES[gi] - sum(i["memsize"] for i in gs["instances"][1:]) + 1
+        elif how == "memsize":  # promises past the device (a lone memsize past it, when nothing else is promised)
+            inst["promised"] = True
+            inst["memsize"] = MEMORIES[gi] - sum(i["memsize"] for i in gs["instances"][1:] if i["promised"]) + 1
         elif how == "name":
             inst["name"] = "bad"
         elif how == "max_inst":
@@ -428,8 +436,9 @@ class NodeMachine(RuleBasedStateMachine):
             weight_sum = sum(i.weight for i in g.instances.values())
             assert weight_sum <= g.max_inst
             assert g.free_weight == g.max_inst - weight_sum >= 0
-            assert sum(i.memsize for i in g.instances.values()) <= g.info.memory
+            assert sum(i.memsize for i in g.instances.values() if i.promised) <= g.info.memory
             assert g.free_memory >= 0
+            assert sum(i.used for i in g.instances.values()) <= g.info.memory
             for name, i in g.instances.items():
                 assert i.name == name and NAME_RE.match(name)
                 assert i.gpu == index

@@ -467,24 +467,33 @@ def test_ebusy_when_a_change_would_break_an_invariant(make_daemon):
     # lowering is always fine, and frees weight
     d.write("0/aaaaaaaaaaaa/weight", "0")
     assert d.value("0/free_weight") == "5"
-    # memsize past the device: the others' memsizes + this one > device memory
-    assert d.write_errno("0/aaaaaaaaaaaa/memsize", str(T4 - GIB)) == errno.EBUSY
-    d.write("0/aaaaaaaaaaaa/memsize", str(T4 - 2 * GIB))
-    assert d.value("0/aaaaaaaaaaaa/memsize") == str(T4 - 2 * GIB)
+    # memsizes on the tree may overcommit (SPEC §3); one memsize past the device may not (EINVAL)
+    d.write("0/aaaaaaaaaaaa/memsize", str(T4 - GIB))
+    assert d.value("0/aaaaaaaaaaaa/memsize") == str(T4 - GIB)
+    before = d.snapshot()
+    assert d.write_errno("0/aaaaaaaaaaaa/memsize", str(T4 + 1)) == errno.EINVAL
+    assert d.snapshot() == before
 
 
 def test_enospc_beyond_max_inst_and_memory(make_daemon):
     d = make_daemon(gpus="sim:2xT4")
-    # memory: default_memsize 0 gives the whole device, so a second instance has no room
+    # memory overcommits on the tree, as on the real cgpu_km: default_memsize 0 gives each
+    # instance the whole device, and a second one is made too (SPEC §3)
     d.create(0, "aaaaaaaaaaaa")
-    before = d.snapshot()
-    assert d.write_errno("inst_ctl", "0bbbbbbbbbbbb") == errno.ENOSPC
     res = shell(f"echo 0bbbbbbbbbbbb > {d.path('inst_ctl')}")
+    assert res.returncode == 0, res.stderr
+    assert d.instances(0) == ["aaaaaaaaaaaa", "bbbbbbbbbbbb"]
+    assert d.value("0/aaaaaaaaaaaa/memsize") == d.value("0/bbbbbbbbbbbb/memsize") == str(T4)
+    d.destroy("bbbbbbbbbbbb")
+    # ... but a memsize past the device does not fit on it: ENOSPC
+    d.write("default_memsize", str(T4 + 1))
+    before = d.snapshot()
+    assert d.write_errno("inst_ctl", "1bbbbbbbbbbbb") == errno.ENOSPC
+    res = shell(f"echo 1bbbbbbbbbbbb > {d.path('inst_ctl')}")
     assert res.returncode != 0 and "No space left on device" in res.stderr
     assert d.snapshot() == before
     d.write("default_memsize", str(10 * GIB))
     d.create(1, "aaaaaaaaaaaa")
-    assert d.write_errno("inst_ctl", "1bbbbbbbbbbbb") == errno.ENOSPC
     # instances: max_inst of them and no more (13 GiB of 14.75 given: memory is not the limit)
     d.write("default_memsize", str(GIB))
     d.create(1, "bbbbbbbbbbbb")
@@ -499,7 +508,6 @@ def test_enospc_beyond_max_inst_and_memory(make_daemon):
     d.write("0/max_inst", "1")
     assert d.write_errno("inst_ctl", "0eeeeeeeeeeee") == errno.ENOSPC
     d.write("0/max_inst", "2")
-    d.write("0/aaaaaaaaaaaa/memsize", str(GIB))
     d.create(0, "eeeeeeeeeeee")
     assert d.instances(0) == ["aaaaaaaaaaaa", "eeeeeeeeeeee"]
 

@@ -45,7 +45,7 @@ def node_with(*used_gib: int, n: int | None = None) -> Node:
     node = Node([GpuInfo(i, f"GPU-p{i}", "Tesla T4", T4) for i in range(n or len(used_gib))])
     for i, u in enumerate(used_gib):
         if u:
-            node.create_instance(i, NAMES[i], memsize=u * GIB)
+            node.create_instance(i, NAMES[i], memsize=u * GIB, promise=True)
     return node
 
 
@@ -79,7 +79,7 @@ def test_binpack_fills_one_gpu_before_the_next_and_spread_alternates():
         got = []
         for k in range(6):
             [(g, m)] = place(states_from_node(node), 4 * GIB, strategy=strategy)
-            node.create_instance(g, NAMES[k], memsize=m)
+            node.create_instance(g, NAMES[k], memsize=m, promise=True)
             got.append(g)
         assert got == expect, strategy
         with pytest.raises(PlacementError):  # 3 × 4 GiB on each: 3 GiB left, a 4th does not fit
@@ -213,7 +213,7 @@ def test_bad_arguments_are_programming_errors():
 def test_states_from_a_node_and_from_its_snapshot_agree():
     node = node_with(6, 0, 3)
     node.set_max_inst(1, 8)
-    node.create_instance(2, NAMES[9], memsize=GIB)
+    node.create_instance(2, NAMES[9], memsize=GIB, promise=True)
     want = [
         GpuState(0, T4, T4 - 6 * GIB, 1, 16, "GPU-p0"),
         GpuState(1, T4, T4, 0, 8, "GPU-p1"),
@@ -254,7 +254,7 @@ def test_resolve_a_parsed_request():
     # the plan is what the model accepts
     req = parse_env({MEM_CONTAINER: "3,4", NVIDIA: "2,3"}, infos)
     for g, m in resolve(req, states):
-        node.create_instance(g, NAMES[20], memsize=m)
+        node.create_instance(g, NAMES[20], memsize=m, promise=True)
     assert [i.memsize for i in node.instances_named(NAMES[20])] == [3 * GIB, 4 * GIB]
 
 
@@ -331,7 +331,7 @@ def test_every_plan_is_accepted_by_the_model(requests, strategy, mode):
             assert len(fitting) < count
             continue
         for g, m in plan:
-            node.create_instance(g, NAMES[k], memsize=m)  # raises NoSpace on an overcommit
+            node.create_instance(g, NAMES[k], memsize=m, promise=True)  # raises NoSpace on an overcommit
         for g in node.gpus:
             assert g.memsize_sum <= g.info.memory
             if mode == "exclusive":

@@ -11,10 +11,12 @@ does not fit (the node may have changed in between).
   LEAST free memory, so whole GPUs stay free; spread: the MOST free memory, so
   replicas do not share a failure. Ties go to the lower index. A request for M
   GPUs takes the first M candidates in that order.
-- "free memory" is the GPU's memory minus the memsizes of its instances (what
-  is promised, not what processes hold right now), taken before this request.
-- No overcommit: a GPU is a candidate only when the request's memsize fits in
-  its free memory. When fewer than M GPUs qualify: `PlacementError`, one line
+- "free memory" is the GPU's memory minus the memsizes promised to its
+  instances (admitted with a memory request; not what processes hold right
+  now, and not the memsizes of instances that asked for none, which may
+  overcommit: SPEC §3), taken before this request.
+- Admission keeps promises: a GPU is a candidate only when the request's
+  memsize fits in its free memory. When fewer than M GPUs qualify: `PlacementError`, one line
   saying what was asked and what each GPU has.
 - Modes (a node setting): `exclusive` (a GPU that holds any instance is not a
   candidate), `share` (sharing without isolation: up to max_inst instances,
@@ -80,7 +82,8 @@ def states_from_snapshot(snap: dict) -> list[GpuState]:
     """From `cgpud.control.views.snapshot(node)` / the `query` op's result."""
     out = []
     for g in snap["gpus"]:
-        promised = sum(int(i["memsize"]) for i in g["instances"])
+        # (a daemon from before overcommit sends no "promised": every memsize was promised then)
+        promised = sum(int(i["memsize"]) for i in g["instances"] if i.get("promised", True))
         out.append(
             GpuState(int(g["index"]), int(g["memory"]), int(g["memory"]) - promised, len(g["instances"]),
                      int(g["max_inst"]), str(g.get("uuid", "")))

@@ -26,8 +26,9 @@ class Instances:
     def register(self, req: dict, peer: Peer) -> dict:
         """Create the instances of one container: `name` on each of `gpus`.
 
-        memsize: bytes, one for every GPU or a list GPU by GPU; None or absent
-        = default_memsize. All are created, or none.
+        memsize: bytes, one for every GPU or a list GPU by GPU, promised (it
+        must fit in what the GPU has not promised to others); None or absent
+        = default_memsize, promising nothing. All are created, or none.
         """
         name = check_name(arg(req, "name", str))
         gpus = arg(req, "gpus", list)
@@ -61,7 +62,9 @@ class Instances:
                 raise Refused(errno.EBUSY, f"cannot make a cgroup for {name}: {exc}") from None
 
         def create(n: Node):
-            made = [n.create_instance(g, name, memsize=m, weight=weight, highprio=highprio) for g, m in zip(gpus, mems)]
+            # A memsize asked for is promised (admission keeps it: SPEC §3); none asked: default_memsize, no promise
+            made = [n.create_instance(g, name, memsize=m, weight=weight, highprio=highprio, promise=m is not None)
+                    for g, m in zip(gpus, mems)]
             if target is not None:
                 n.attach(name, target)
             if policy is not None:

@@ -12,7 +12,14 @@ break one raises a typed error and changes nothing:
 
 Per GPU, after any sequence of operations:
   len(instances) <= max_inst;  sum(weight) <= max_inst;  free_weight >= 0;
-  sum(memsize) <= device memory;  each instance's used memory <= its memsize.
+  each memsize <= device memory;  sum(memsize of promised instances) <= device
+  memory;  each instance's used memory <= its memsize;  sum(used) <= device memory.
+
+Memsizes may overcommit, as on the real cgpu_km (SPEC §3): an instance made
+through `inst_ctl` or without a memory request promises nothing, and the sum
+of memsizes may pass the device. An instance made by admission with a memory
+request (a container's ALIYUN_COM_GPU_MEM_CONTAINER, `cgpu run --mem`) is
+`promised`: the promised memsizes of a GPU never pass its memory.
 """
 from __future__ import annotations
 
@@ -95,6 +102,9 @@ class Instance:
     memsize: int
     weight: int
     highprio: bool = False
+    # Made by admission with a memory request: its memsize is promised, and the
+    # promised memsizes of a GPU never pass the device (SPEC §3).
+    promised: bool = False
     procs: dict[int, int] = field(default_factory=dict)  # pid -> bytes held
     # Where its processes are, for the scheduler: {"kind": "cgroup2"|"cgroup1-freezer", "path": …}
     # or {"kind": "pgid", "pgid": N}; None while nothing is attached.
@@ -107,7 +117,7 @@ class Instance:
     def settings(self) -> dict:
         """What the instance is, as saved and as shown to clients."""
         return {"name": self.name, "id": self.id, "memsize": self.memsize, "weight": self.weight,
-                "highprio": self.highprio}
+                "highprio": self.highprio, "promised": self.promised}
 
     @property
     def free(self) -> int:
@@ -139,8 +149,18 @@ class Gpu:
         return sum(i.memsize for i in self.instances.values())
 
     @property
+    def promised_sum(self) -> int:
+        return sum(i.memsize for i in self.instances.values() if i.promised)
+
+    @property
     def free_memory(self) -> int:
-        return self.info.memory - self.memsize_sum
+        """Memory not promised to any instance: what admission may still give."""
+        return self.info.memory - self.promised_sum
+
+    @property
+    def used(self) -> int:
+        """What the processes of all its instances hold."""
+        return sum(i.used for i in self.instances.values())
 
 
 def quoted(value: object, limit: int = 40) -> str:
@@ -211,10 +231,13 @@ class Node:
         memsize: int | None = None,
         weight: int = 1,
         highprio: bool = False,
+        promise: bool = False,
     ) -> Instance:
         """Add an instance of `name` on GPU `gpu`.
 
-        memsize None: `default_memsize`, where 0 means the whole device.
+        memsize None: `default_memsize`, where 0 means the whole device. A
+        memsize past the device: InvalidValue. `promise` (admission with a
+        memory request): NoSpace unless it fits in what is not promised yet.
         The weight granted is min(weight, free_weight): 0 when none is free.
         """
         check_name(name)
@@ -226,9 +249,11 @@ class Node:
         if memsize is None:
             memsize = self.default_memsize or g.info.memory
         _int_in(memsize, 0, 10**MEMSIZE_MAX_DIGITS - 1, "memsize")
-        if memsize > g.free_memory:  # also when it is more than the whole device: it does not fit
+        if memsize > g.info.memory:  # (a default_memsize sized for a larger GPU, too)
+            raise NoSpace(f"GPU {gpu} has {g.info.memory} bytes; {name} asks {memsize}")
+        if promise and memsize > g.free_memory:
             raise NoSpace(
-                f"GPU {gpu} has {g.free_memory} bytes not given to instances; {name} asks {memsize}"
+                f"GPU {gpu} has {g.free_memory} bytes not promised to instances; {name} asks {memsize}"
             )
         _int_in(weight, 0, g.max_inst, "weight")
         inst = Instance(
@@ -238,6 +263,7 @@ class Node:
             memsize=memsize,
             weight=min(weight, g.free_weight),
             highprio=bool(highprio),
+            promised=bool(promise),
         )
         g.instances[name] = inst
         self.version += 1
@@ -299,8 +325,11 @@ class Node:
         g = self.gpu(gpu)
         inst = self.instance(gpu, name)
         _int_in(value, 0, 10**MEMSIZE_MAX_DIGITS - 1, "memsize")
-        if g.memsize_sum - inst.memsize + value > g.info.memory:
-            raise Busy(f"GPU {gpu} has {g.free_memory + inst.memsize} bytes for {name}; {value} does not fit")
+        if value > g.info.memory:
+            raise InvalidValue(f"memsize {value} is more than GPU {gpu}'s {g.info.memory} bytes")
+        if inst.promised and g.promised_sum - inst.memsize + value > g.info.memory:
+            raise Busy(f"GPU {gpu} has {g.free_memory + inst.memsize} bytes not promised to others for {name}; "
+                       f"{value} does not fit")
         if value < inst.used:
             raise Busy(f"{name} holds {inst.used} bytes on GPU {gpu}; memsize cannot go below that")
         inst.memsize = value
@@ -314,6 +343,12 @@ class Node:
         if inst.used + nbytes > inst.memsize:
             raise OutOfMemory(
                 f"{name} on GPU {gpu}: {nbytes} bytes asked, {inst.free} free of memsize {inst.memsize}"
+            )
+        g = self.gpu(gpu)
+        if g.used + nbytes > g.info.memory:  # memsizes overcommit; the device does not
+            raise OutOfMemory(
+                f"{name} on GPU {gpu}: {nbytes} bytes asked, but the device has {g.info.memory - g.used} bytes "
+                f"left of {g.info.memory} (its instances' memsizes overcommit it)"
             )
         inst.procs[pid] = inst.procs.get(pid, 0) + nbytes
 
@@ -394,8 +429,10 @@ class Node:
                 if inst_id in ids:
                     raise InvalidValue(f"instance id {inst_id} appears twice")
                 ids.add(inst_id)
+                # (a state from before overcommit has no "promised": every memsize was reserved then)
                 inst = self.create_instance(
-                    g.index, s["name"], memsize=s["memsize"], weight=0, highprio=bool(s["highprio"])
+                    g.index, s["name"], memsize=s["memsize"], weight=0, highprio=bool(s["highprio"]),
+                    promise=bool(s.get("promised", True)),
                 )
                 inst.id = inst_id
                 target = s.get("target")
