@@ -66,7 +66,7 @@ METRICS: tuple[Spec, ...] = (
     Spec("cgpu_gpu_info", "info", GPU_LABELS + ("name",), "—", "One per GPU: index (`gpu`), UUID and model name."),
     Spec("cgpu_gpu_memory_total_bytes", "gauge", GPU_LABELS, "bytes", "The device's memory."),
     Spec("cgpu_gpu_memory_allocated_bytes", "gauge", GPU_LABELS, "bytes",
-         "Σ memsize of the GPU's instances (what is promised)."),
+         "Σ memsize of the GPU's instances; it may pass the device, since memsizes overcommit (SPEC §3)."),
     Spec("cgpu_gpu_memory_used_bytes", "gauge", GPU_LABELS, "bytes",
          "Σ memory the instances' processes hold (simulated GPUs: their allocations)."),
     Spec("cgpu_gpu_policy", "gauge", GPU_LABELS, "—", "The compute policy, 0..5 (`N/policy`)."),
