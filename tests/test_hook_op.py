@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 
 import pytest
 
 from cgpud.client import Client, ControlError
+from cgpud.sched import cgroupfs, enforce
 
 from conftest import as_nobody, nobody_python
 from test_runc import FORMS, hook_argv
@@ -169,3 +171,34 @@ def test_both_forwarders_say_exactly_the_same(daemon, tmp_path):
         assert out["c"].stderr == out["cli"].stderr, env
         assert out["c"].stderr.count(b"\n") == (1 if out["c"].returncode else 0), env
     assert daemon.instances(0) == []
+
+
+@pytest.mark.parametrize("hook_form", [*FORMS, "module"])
+def test_a_hook_without_a_stage_reads_it_from_the_state(hook_form, daemon, tmp_path):
+    """`args: ["cgpu", "hook"]` (no stage): creating/created join, stopped
+    leaves, any other status is one line and exit 1, nothing registered."""
+    b = bundle(tmp_path, ["ALIYUN_COM_GPU_MEM_CONTAINER=2"])
+    argv = [a for a in hook_argv(hook_form, "STAGE") if a != "STAGE"]
+    sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    group = cgroupfs.create_cgroup(os.path.join(cgroupfs.hierarchies()[cgroupfs.KIND_CGROUP2].mount,
+                                                f"cgpud-test-{secrets.token_hex(4)}"))
+    try:
+        cgroupfs.join_cgroup(group, sleeper.pid)  # the "container": a process in a group of its own
+        cid = "a" * 64
+        for status, line in (("running", "the OCI state's status is 'running'"),
+                             (None, "the OCI state's status is '(none)'")):
+            state = {"id": cid, "pid": sleeper.pid, "bundle": b, **({"status": status} if status else {})}
+            r = subprocess.run(argv, input=json.dumps(state).encode(), capture_output=True, timeout=30,
+                               env={"CGPUD_SOCKET": os.fspath(daemon.socket)})
+            assert r.returncode == 1 and r.stderr.decode().startswith(f"cgpu hook: {line}"), r.stderr
+            assert r.stderr.count(b"\n") == 1 and daemon.instances(0) == []
+        for status, present in (("creating", True), ("stopped", False)):
+            state = {"id": cid, "pid": sleeper.pid, "bundle": b, "status": status}
+            r = subprocess.run(argv, input=json.dumps(state).encode(), capture_output=True, timeout=30,
+                               env={"CGPUD_SOCKET": os.fspath(daemon.socket)})
+            assert r.returncode == 0, r.stderr
+            assert (cid[:12] in daemon.instances(0)) == present
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        enforce.remove_cgroup(group)

@@ -258,15 +258,16 @@ def mem_hold(ctx: Ctx, size, seconds, gpu) -> None:
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
-@click.argument("stage", metavar="createRuntime|prestart|poststop|auto")  # checked by the hook: one line
+@click.argument("stage", metavar="[createRuntime|prestart|poststop|auto]", required=False, default="auto")  # checked by the hook
 @click.argument("rest", nargs=-1, type=click.UNPROCESSED)
 @pass_ctx
 def hook(ctx: Ctx, stage, rest) -> None:
     """OCI runtime hook: forwards the OCI state on stdin to the daemon, which
     registers the container from its ALIYUN_COM_GPU_* environment and attaches
     its own cgroup (createRuntime or prestart), removes it (poststop), or
-    either by the state's status (auto, for a single hooks.d entry). The
-    compiled `cgpu-hook` does the same without Python's start-up.
+    either by the state's status (auto, or no stage at all: a hooks entry
+    written as `args: ["cgpu", "hook"]` works). The compiled `cgpu-hook`
+    does the same without Python's start-up.
 
     A bad value fails with one line naming the variable. With
     CGPU_HOOK_PASSTHROUGH=1 a container starts unmanaged when the daemon is

@@ -30,6 +30,7 @@ import os
 import sys
 
 STAGES = ("createRuntime", "prestart", "poststop", "auto")  # as cgpud/containers/hookd.py
+AUTO_STATUSES = ("creating", "created", "stopped")  # the status tells `auto` (or no stage) what to do
 
 PASSTHROUGH = "CGPU_HOOK_PASSTHROUGH"
 TIMEOUT = "CGPU_HOOK_TIMEOUT"
@@ -90,7 +91,9 @@ def _say(message: str) -> int:
 
 
 def main(stage: str, stdin=None, socket: str | None = None) -> int:
-    """Forward one stage; returns the exit status, having printed at most one line."""
+    """Forward one stage (none given: `auto`, the stage read from the state's
+    status); returns the exit status, having printed at most one line."""
+    stage = stage or "auto"
     if stage not in STAGES:
         print(f"cgpu hook: unknown stage {stage}; one of {', '.join(STAGES)}", file=sys.stderr)
         return 2
@@ -106,6 +109,10 @@ def main(stage: str, stdin=None, socket: str | None = None) -> int:
         return _say("the OCI state on stdin is not a JSON object")
     if not isinstance(state.get("id"), str) or not state["id"]:
         return _say('the OCI state on stdin has no "id"')
+    if stage == "auto" and state.get("status") not in AUTO_STATUSES:
+        status = state.get("status") if isinstance(state.get("status"), str) else "(none)"
+        return _say(f"the OCI state's status is '{status}': with no stage (auto) the hook runs at "
+                    "createRuntime or prestart (creating, created: join) or poststop (stopped: leave)")
     removing = stage == "poststop" or (stage == "auto" and state.get("status") == "stopped")
     if not may_ask(state.get("bundle")):
         return 0  # no ALIYUN_COM_GPU_MEM_CONTAINER in its config.json: left alone
@@ -131,4 +138,4 @@ def main(stage: str, stdin=None, socket: str | None = None) -> int:
 
 
 if __name__ == "__main__":  # python3 -S -m cgpud.containers.hook STAGE: the fast start (docs/containers.md)
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "", sys.stdin, os.environ.get("CGPUD_SOCKET")))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "auto", sys.stdin, os.environ.get("CGPUD_SOCKET")))
