@@ -38,6 +38,7 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import stat
 from typing import Any
 
@@ -123,9 +124,9 @@ def config_path(state: dict) -> str:
     return os.path.join(bundle, "config.json")
 
 
-def read_env(cid: str, path: str) -> dict[str, str]:
-    """process.env of a config.json as a mapping (later entries win). Blocking:
-    `load` runs it in a worker thread."""
+def read_config(cid: str, path: str) -> dict:
+    """A config.json, whole (a regular file of at most MAX_CONFIG bytes, a JSON
+    object). Blocking: callers in the daemon run it in a worker thread."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
@@ -149,10 +150,17 @@ def read_env(cid: str, path: str) -> dict[str, str]:
         os.close(fd)
     try:
         config = json.loads(b"".join(chunks))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise HookError(f"container {cid}: {path} is not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise HookError(f"container {cid}: {path} is not a JSON object")
+    return config
+
+
+def env_of(config: dict) -> dict[str, str]:
+    """process.env of a spec as a mapping (later entries win)."""
     env: dict[str, str] = {}
-    process = config.get("process") if isinstance(config, dict) else None
+    process = config.get("process")
     entries = process.get("env") if isinstance(process, dict) else None
     for entry in entries if isinstance(entries, list) else []:
         if isinstance(entry, str):
@@ -160,6 +168,44 @@ def read_env(cid: str, path: str) -> dict[str, str]:
             if sep:
                 env[k] = v
     return env
+
+
+def read_env(cid: str, path: str) -> dict[str, str]:
+    """process.env of a config.json. Blocking: `load` runs it in a worker thread."""
+    return env_of(read_config(cid, path))
+
+
+def write_config(cid: str, path: str, config: dict) -> None:
+    """Replace a config.json atomically: the whole new text in a file beside
+    it (same mode and owner), synced, renamed over it, the directory synced.
+    Whoever reads it sees the old spec or the new one, never a part.
+    Blocking: run in a worker thread."""
+    data = json.dumps(config, separators=(",", ":")).encode()
+    folder = os.path.dirname(path)
+    tmp = os.path.join(folder, f".config.json.cgpud-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        st = os.stat(path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, stat.S_IMODE(st.st_mode))
+        try:
+            os.fchown(fd, st.st_uid, st.st_gid)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise HookError(f"container {cid}: cannot write {path}: {exc.strerror}", exc.errno or errno.EIO) from None
 
 
 async def load(req: dict) -> dict:
@@ -174,13 +220,13 @@ async def load(req: dict) -> dict:
         env: Any = HookError(f"container {state['id']}: reading {path} took more than {CONFIG_TIMEOUT:g} s",
                              errno.ETIMEDOUT)
         with trio.move_on_after(CONFIG_TIMEOUT):
-            env = await trio.to_thread.run_sync(_catching, read_env, state["id"], path, abandon_on_cancel=True)
+            env = await trio.to_thread.run_sync(catching, read_env, state["id"], path, abandon_on_cancel=True)
     except HookError as exc:
         env = exc
     return {**req, ENV_KEY: env}
 
 
-def _catching(fn, *args):
+def catching(fn, *args):
     try:
         return fn(*args)
     except HookError as exc:

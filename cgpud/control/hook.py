@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Any
 
 from cgpud.containers import hookd
 from cgpud.control.protocol import Peer, Refused
@@ -20,6 +19,7 @@ class Hooks:
     """hook: a family of Control's ops (control.server)."""
 
     OPS = {"hook": True}
+    LOADERS = {"hook": "load_hook"}
 
     def hook(self, req: dict, peer: Peer) -> dict:
         """Returns what was done (`{"action": "registered", …}`, `"left alone"`,
@@ -37,8 +37,8 @@ class Hooks:
         if kind == "remove":
             return self._leave(cid, name, peer)
         env = req.get(hookd.ENV_KEY)
-        if env is None:  # not loaded (called without `prepare`): read it here
-            env = hookd._catching(hookd.read_env, cid, hookd.config_path(state))
+        if env is None:  # not loaded (called without `load_hook`): read it here
+            env = hookd.catching(hookd.read_env, cid, hookd.config_path(state))
         if isinstance(env, hookd.HookError):
             raise env
         plan = hookd.plan(state, env, self.node, strategy=self.strategy, mode=self.mode, hook_pid=peer.pid)
@@ -61,9 +61,6 @@ class Hooks:
             raise
         return {"action": "deregistered", "container": cid, **result}
 
-    async def prepare(self, req: Any, peer: Peer) -> Any:
-        """Before `handle`, in the serving task: the blocking part of a request
-        (the hook's config.json read, in a worker thread with a time limit)."""
-        if isinstance(req, dict) and req.get("op") == "hook" and self.privileged(peer):
-            return await hookd.load(req)
-        return req
+    async def load_hook(self, req: dict, peer: Peer) -> dict:
+        """The hook's config.json read, in a worker thread with a time limit."""
+        return await hookd.load(req)

@@ -6,7 +6,8 @@ control.protocol. The ops come in families, one module each, mixed into
 `Control` (each family's `OPS` says which of its methods are ops and whether
 they are privileged): control.views (hello, query, stats, trace),
 control.instances (register, deregister, the reaper), control.hook (the OCI
-hook), control.memory (simulated GPU memory). Here: the state they share,
+hook), control.runtime (cgpu-runtime's prepare), control.memory (simulated
+GPU memory). Here: the state they share,
 dispatch, and `serve`, the listening loop (with a hot upgrade's handover).
 
 Peer credentials (SO_PEERCRED) are checked: anyone may read (`hello`,
@@ -28,9 +29,11 @@ from typing import Any, Callable
 import trio
 
 from cgpud.containers.cgroups import InstanceGroups
+from cgpud.containers.spec import DEFAULT_HOOK_PATH
 from cgpud.control.hook import Hooks
 from cgpud.control.instances import Instances
 from cgpud.control.memory import Held, Memory
+from cgpud.control.runtime import Runtime
 from cgpud.control.protocol import MAX_LINE, TOO_LONG, Peer, Refused, decode_line, encoded, error_response, peer_of
 from cgpud.control.views import Views
 from cgpud.core.model import Node, quoted
@@ -39,7 +42,10 @@ from cgpud.state.durable import Durable
 log = logging.getLogger("cgpud")
 
 
-class Control(Views, Instances, Hooks, Memory):
+FAMILIES = (Views, Instances, Hooks, Runtime, Memory)
+
+
+class Control(Views, Instances, Hooks, Runtime, Memory):
     """Request handlers. Synchronous: each runs whole between two awaits."""
 
     def __init__(
@@ -52,8 +58,12 @@ class Control(Views, Instances, Hooks, Memory):
         strategy: str = "binpack",
         mode: str = "cgpu",
         client_env: Callable[[str], dict] | None = None,
+        hook_path: str = DEFAULT_HOOK_PATH,
+        socket_path: str | None = None,
     ) -> None:
         self.durable = durable
+        # cgpu-runtime's `prepare` writes these into a container's hooks (containers.spec)
+        self.hook_path, self.socket_path = hook_path, socket_path
         self.client_env = client_env  # mps mode: the environment an instance's processes need (cgpud/gpus/mps.py)
         self.watchdog = None  # real GPUs: the memory watchdog (cgpud/gpus/memwatch.py), set by the daemon
         self._stats = stats
@@ -86,8 +96,20 @@ class Control(Views, Instances, Hooks, Memory):
         # method and a row in its family's OPS.
         self.ops: dict[str, tuple[bool, Callable[[dict, Peer], Any]]] = {
             name: (privileged, getattr(self, name))
-            for family in (Views, Instances, Hooks, Memory) for name, privileged in family.OPS.items()
+            for family in FAMILIES for name, privileged in family.OPS.items()
         }
+        # Ops whose blocking part (files) runs first, in the serving task: name -> its loader
+        self.loaders = {name: getattr(self, method) for family in FAMILIES
+                        for name, method in getattr(family, "LOADERS", {}).items()}
+
+    async def load(self, req: Any, peer: Peer) -> Any:
+        """Before `handle`, in the serving task: the blocking part of a
+        privileged request (a bundle's config.json read or written, in a
+        worker thread with a time limit), by its family's loader."""
+        if isinstance(req, dict) and isinstance(req.get("op"), str) and req["op"] in self.loaders \
+                and self.privileged(peer):
+            return await self.loaders[req["op"]](req, peer)
+        return req
 
     @property
     def node(self) -> Node:
@@ -222,7 +244,7 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
                     if isinstance(req, Refused):
                         resp = {"ok": False, "error": errno.errorcode[req.code], "message": str(req)}
                     else:
-                        resp = control.handle(await control.prepare(req, peer), peer)
+                        resp = control.handle(await control.load(req, peer), peer)
                         await after()
                     try:
                         with trio.move_on_after(10):

@@ -58,6 +58,7 @@ class Config:
     mps_control: str | None = None  # --mode mps: the nvidia-cuda-mps-control to drive (None: from PATH)
     mps_pipe_dir: str | None = None  # --mode mps: CUDA_MPS_PIPE_DIRECTORY for the daemon and clients
     metrics_addr: str | None = None  # HOST:PORT; None or "off": no metrics
+    hook_path: str | None = None  # the OCI hook cgpu-runtime's `prepare` puts in containers (None: the default)
 
 
 def load_node(cfg: Config) -> tuple[Node, Store]:
@@ -301,7 +302,7 @@ async def _serve(cfg: Config) -> int:
                 durable, cfg.socket,
                 (lambda: _scheduling(node, durable, cfg, devices)) if schedules else None, ops.refresh,
                 admin_gid=gid, devices=devices, strategy=cfg.placement, mode=cfg.mode,
-                client_env=mps.client_env if mps is not None else None)
+                client_env=mps.client_env if mps is not None else None, hook_path=cfg.hook_path)
             exit_status = 0
 
             def cold_stop() -> None:

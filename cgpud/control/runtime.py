@@ -1,0 +1,101 @@
+"""The `prepare` op: `cgpu-runtime` (native/runtime/cgpu-runtime.c) asks it
+before the real runtime creates a container whose config.json may ask for
+cgpud (docs/containers.md, "Docker and containerd"). Privileged: it makes the
+daemon read and rewrite a file the caller names.
+
+    {"op": "prepare", "bundle": "/abs/bundle", "id": "<container id>"}
+
+The environment is checked as the hook will check it (SPEC §2: a bad value,
+or no GPU with room, fails `docker run` now, with the hook's own line); a
+container that asks for nothing (CGPU_DISABLE, 0) is left alone; otherwise
+containers.spec's modifiers (cgpud's hooks) are applied to config.json,
+atomically (containers.hookd.write_config). Reading and writing happen in
+worker threads within CONFIG_TIMEOUT, before `handle`; `prepare` then
+answers what was done."""
+from __future__ import annotations
+
+import errno
+import logging
+from typing import Any
+
+import trio
+
+from cgpud.containers import hookd, spec
+from cgpud.containers.envspec import MEM_CONTAINER, EnvError, parse_env
+from cgpud.containers.placement import PlacementError, resolve, states_from_node, unit_for
+from cgpud.control.protocol import Peer, Refused
+from cgpud.core.model import ModelError
+
+log = logging.getLogger("cgpud")
+
+RESULT_KEY = object()  # where `load_bundle` leaves its outcome for `prepare` (no JSON request can carry it)
+
+
+class Runtime:
+    """prepare: a family of Control's ops (control.server)."""
+
+    OPS = {"prepare": True}
+    LOADERS = {"prepare": "load_bundle"}
+
+    def prepare(self, req: dict, peer: Peer) -> dict:
+        outcome = req.get(RESULT_KEY)
+        if outcome is None:
+            raise Refused(errno.EINVAL, "prepare runs only as a request on the control socket")
+        if isinstance(outcome, hookd.HookError):
+            log.info("runtime prepare (pid %d) refused: %s", peer.pid, outcome)
+            raise Refused(outcome.code, str(outcome))
+        return outcome
+
+    async def load_bundle(self, req: dict, peer: Peer) -> dict:
+        try:
+            outcome: Any = await self._prepare_bundle(req)
+        except hookd.HookError as exc:
+            outcome = exc
+        return {**req, RESULT_KEY: outcome}
+
+    async def _prepare_bundle(self, req: dict) -> dict:
+        cid = req.get("id")
+        if not isinstance(cid, str) or not cid or len(cid) > hookd.MAX_ID or "\0" in cid:
+            raise hookd.HookError('prepare needs the container\'s "id" (a non-empty string)')
+        path = hookd.config_path({"id": cid, "bundle": req.get("bundle")})
+        config = await self._in_thread(hookd.read_config, cid, path, what=f"reading {path}")
+        env = hookd.env_of(config)
+        if not self._check(env).managed:
+            return {"action": "left alone", "id": cid}
+        try:
+            new = spec.prepare(config, spec.Hooks(self.hook_path, self.socket_path))
+        except spec.SpecError as exc:
+            raise hookd.HookError(f"container {cid}: {exc}") from None
+        if new == config:
+            return {"action": "prepared already", "id": cid}
+        await self._in_thread(hookd.write_config, cid, path, new, what=f"writing {path}")
+        log.info("container %s: cgpud's hooks added to %s", cid, path)
+        return {"action": "prepared", "id": cid}
+
+    def _check(self, env: dict[str, str]):
+        """As the hook will: the environment, and whether some GPU has room.
+        The request (containers.request.Request), or HookError."""
+        node = self.node
+        try:
+            request = parse_env(env, [g.info for g in node.gpus], max_inst=[g.max_inst for g in node.gpus],
+                                unit=unit_for(self.mode))
+        except EnvError as exc:
+            raise hookd.HookError(str(exc)) from None
+        if request.managed:
+            try:
+                resolve(request, states_from_node(node), strategy=self.strategy, mode=self.mode)
+            except PlacementError as exc:
+                raise hookd.HookError(f"{MEM_CONTAINER}={env.get(MEM_CONTAINER, '').strip()}: {exc}",
+                                      errno.ENOSPC) from None
+            except ModelError as exc:
+                raise hookd.HookError(f"{MEM_CONTAINER}={env.get(MEM_CONTAINER, '').strip()}: {exc}") from None
+        return request
+
+    @staticmethod
+    async def _in_thread(fn, *args, what: str):
+        result: Any = hookd.HookError(f"{what} took more than {hookd.CONFIG_TIMEOUT:g} s", errno.ETIMEDOUT)
+        with trio.move_on_after(hookd.CONFIG_TIMEOUT):
+            result = await trio.to_thread.run_sync(hookd.catching, fn, *args, abandon_on_cancel=True)
+        if isinstance(result, hookd.HookError):
+            raise result
+        return result
