@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBS=(fuse3 libfuse3-dev pkg-config gcc make python3-venv python3-dev runc busybox-static podman conmon prometheus systemd)
+DEBS=(fuse3 libfuse3-dev pkg-config gcc make python3-venv python3-dev runc busybox-static podman conmon prometheus systemd docker.io containerd)
 missing=()
 for p in "${DEBS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -210,3 +210,20 @@ def test_runc_through_the_wrapper_joins_and_leaves(make_daemon, template, tmp_pa
         q = subprocess.run([wrapper(), *root, "delete", "-f", cid], capture_output=True, text=True, env=env, timeout=30)
     assert q.returncode == 0, q.stderr
     assert cid[:12] not in d.instances(0)
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_a_refusal_is_in_the_runtime_log_where_the_shim_reads_it(fmt, daemon, tmp_path, fake_runtime):
+    """containerd's shim shows the last error of runc's --log: so `docker run` and
+    `kubectl describe pod` show the reason, not just 'exit status 1'."""
+    b = make_bundle(tmp_path, {"ALIYUN_COM_GPU_MEM_CONTAINER": "six"})
+    log = tmp_path / "log.json"
+    r = run_wrapper(["--log", os.fspath(log), f"--log-format={fmt}", "create", "--bundle", os.fspath(b), "h" * 64],
+                    tmp_path, fake_runtime, daemon.socket)
+    assert r.returncode == 1
+    line = log.read_text().splitlines()[-1]
+    if fmt == "json":
+        rec = json.loads(line)
+        assert rec["level"] == "error" and rec["msg"].startswith("cgpu-runtime: ALIYUN_COM_GPU_MEM_CONTAINER=six: ")
+    else:
+        assert "level=error" in line and 'msg="cgpu-runtime: ALIYUN_COM_GPU_MEM_CONTAINER=six: ' in line

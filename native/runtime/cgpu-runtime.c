@@ -26,10 +26,12 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "../common/cgpu.h"
@@ -141,6 +143,39 @@ static int jquote(char *out, size_t cap, const char *s)
     return 0;
 }
 
+/* The real runtime's log (`--log`, `--log-format`): where containerd's shim
+ * reads why a create failed (the last error), and so what `docker run` and
+ * `kubectl describe pod` show. NULL: none given. */
+static const char *log_path, *log_format = "text";
+
+/* Say it on stderr, and as an error record in the runtime's log. */
+static void refuse(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void refuse(const char *fmt, ...)
+{
+    char msg[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    say("%s", msg);
+    if (!log_path)
+        return;
+    FILE *f = fopen(log_path, "ae");
+    if (!f)
+        return;
+    char line[sizeof msg + 64], q[3 * sizeof line], when[64];
+    time_t now = time(NULL);
+    strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", gmtime(&now));
+    snprintf(line, sizeof line, "%s: %s", cgpu_prog, msg);
+    if (jquote(q, sizeof q, line))
+        snprintf(q, sizeof q, "\"%s: refused\"", cgpu_prog);
+    if (!strcmp(log_format, "json"))
+        fprintf(f, "{\"level\":\"error\",\"msg\":%s,\"time\":\"%s\"}\n", q, when);
+    else
+        fprintf(f, "time=\"%s\" level=error msg=%s\n", when, q);
+    fclose(f);
+}
+
 /* Ask the daemon to prepare the bundle of a container that may ask for cgpud.
  * 0: go on; 1: fail the create (said). */
 static int prepare(const char *bundle, const char *id)
@@ -148,7 +183,7 @@ static int prepare(const char *bundle, const char *id)
     char abs[PATH_MAX];
     if (bundle[0] != '/') {
         if (!realpath(bundle, abs)) {
-            say("bundle %s: %s", bundle, strerror(errno));
+            refuse("bundle %s: %s", bundle, strerror(errno));
             return 1;
         }
         bundle = abs;
@@ -157,7 +192,7 @@ static int prepare(const char *bundle, const char *id)
         return 0;  /* its config.json does not name ALIYUN_COM_GPU_MEM_CONTAINER: not ours */
     static char qb[2 * PATH_MAX * 3], qi[4096 * 3], req[sizeof qb + sizeof qi + 64];
     if (jquote(qb, sizeof qb, bundle) || jquote(qi, sizeof qi, id)) {
-        say("bundle path or container id too long");
+        refuse("bundle path or container id too long");
         return 1;
     }
     int len = snprintf(req, sizeof req, "{\"op\":\"prepare\",\"bundle\":%s,\"id\":%s}\n", qb, qi);
@@ -167,15 +202,15 @@ static int prepare(const char *bundle, const char *id)
     if (rc == CALL_OK)
         return 0;
     if (rc == CALL_REFUSED) {
-        say("%s", message);
+        refuse("%s", message);
         return 1;
     }
     if (env_yes("CGPU_HOOK_PASSTHROUGH")) {
         say("%s; CGPU_HOOK_PASSTHROUGH=1: container %s starts unmanaged", message, id);
         return 0;
     }
-    say("%s; container %s asks for cgpud and is not started (CGPU_HOOK_PASSTHROUGH=1 starts such containers "
-        "unmanaged while cgpud is down)", message, id);
+    refuse("%s; container %s asks for cgpud and is not started (CGPU_HOOK_PASSTHROUGH=1 starts such containers "
+           "unmanaged while cgpud is down)", message, id);
     return 1;
 }
 
@@ -184,8 +219,18 @@ int main(int argc, char **argv)
     cgpu_prog = "cgpu-runtime";
     int cmd = 1;  /* the command: the first argument that is not a global option or its value */
     while (cmd < argc && argv[cmd][0] == '-') {
-        if (valued(argv[cmd], GLOBAL_VALUED) && cmd + 1 < argc)
+        const char *a = argv[cmd];
+        if (!strncmp(a, "--log=", 6))
+            log_path = a + 6;
+        else if (!strncmp(a, "--log-format=", 13))
+            log_format = a + 13;
+        if (valued(a, GLOBAL_VALUED) && cmd + 1 < argc) {
+            if (!strcmp(a, "--log"))
+                log_path = argv[cmd + 1];
+            else if (!strcmp(a, "--log-format"))
+                log_format = argv[cmd + 1];
             cmd++;
+        }
         cmd++;
     }
     if (cmd < argc && (!strcmp(argv[cmd], "create") || !strcmp(argv[cmd], "run"))) {
