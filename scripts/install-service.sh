@@ -7,6 +7,8 @@
 #   - /etc/systemd/system/cgpud.service, /etc/default/cgpud (kept if present);
 #   - /usr/local/libexec/cgpu-hook, the compiled OCI hook (native/hook/cgpu-hook.c, make -C native)
 #     and /etc/containers/oci/hooks.d/cgpu-hook.json naming it (podman, CRI-O);
+#   - /usr/local/bin/cgpu-runtime, the OCI runtime wrapper (native/runtime), and, where Docker or
+#     containerd is installed, their settings naming it (`cgpu runtime-config`; --no-runtimes: not);
 #   - then daemon-reload and `systemctl enable --now cgpud` (skip: --no-start).
 # DESTDIR=/some/root stages everything below that directory instead (no systemctl).
 # Run from the source checkout, as root. Safe to run again.
@@ -14,11 +16,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 START=1
+RUNTIMES=1
 for arg in "$@"; do
   case "$arg" in
     --no-start) START=0 ;;
+    --no-runtimes) RUNTIMES=0 ;;
     -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
-    *) echo "install-service: unknown option $arg (known: --no-start)" >&2; exit 2 ;;
+    *) echo "install-service: unknown option $arg (known: --no-start, --no-runtimes)" >&2; exit 2 ;;
   esac
 done
 DESTDIR=${DESTDIR:-}
@@ -52,6 +56,16 @@ done
 install -m 0644 systemd/cgpud.service "$DESTDIR/etc/systemd/system/cgpud.service"
 make -s -C native BIN="$DESTDIR/usr/local/libexec"
 install -m 0644 deploy/hooks.d/cgpu-hook.json "$DESTDIR/etc/containers/oci/hooks.d/cgpu-hook.json"
+ln -sfn /usr/local/libexec/cgpu-runtime "$DESTDIR/usr/local/bin/cgpu-runtime"
+if [ "$RUNTIMES" = 1 ]; then
+  # Docker and containerd, where installed: their settings name cgpu-runtime (others are kept)
+  if command -v dockerd >/dev/null || [ -d "$DESTDIR/etc/docker" ]; then
+    "$BIN/cgpu" runtime-config docker --etc "$DESTDIR/etc"
+  fi
+  if command -v containerd >/dev/null || [ -d "$DESTDIR/etc/containerd" ]; then
+    "$BIN/cgpu" runtime-config containerd --etc "$DESTDIR/etc"
+  fi
+fi
 if [ ! -e "$DESTDIR/etc/default/cgpud" ]; then
   cat > "$DESTDIR/etc/default/cgpud" <<'EOF'
 # Settings of cgpud.service (each is also a `cgpud serve` option; see `cgpud serve --help`).
@@ -62,7 +76,7 @@ if [ ! -e "$DESTDIR/etc/default/cgpud" ]; then
 # CGPUD_MODE=cgpu
 EOF
 fi
-echo "install-service: installed the unit, /usr/local/bin/{cgpud,cgpu,cgpu-smi} and the hooks.d file under ${DESTDIR:-/}"
+echo "install-service: installed the unit, /usr/local/bin/{cgpud,cgpu,cgpu-smi,cgpu-runtime} and the hooks.d file under ${DESTDIR:-/}"
 
 if [ -z "$DESTDIR" ] && [ "$START" = 1 ]; then
   if [ -d /run/systemd/system ]; then

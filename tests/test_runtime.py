@@ -227,3 +227,38 @@ def test_a_refusal_is_in_the_runtime_log_where_the_shim_reads_it(fmt, daemon, tm
         assert rec["level"] == "error" and rec["msg"].startswith("cgpu-runtime: ALIYUN_COM_GPU_MEM_CONTAINER=six: ")
     else:
         assert "level=error" in line and 'msg="cgpu-runtime: ALIYUN_COM_GPU_MEM_CONTAINER=six: ' in line
+
+
+# ---- Docker's and containerd's settings (cgpu runtime-config) ---------------------------
+
+
+def test_runtime_config_merges_and_refuses_what_it_cannot_write_safely(tmp_path):
+    import tomllib
+
+    from cgpud.containers import hostconfig
+
+    cgpu = [str(Path(sys.executable).parent / "cgpu"), "runtime-config"]
+    toml = tmp_path / "containerd" / "config.toml"
+    toml.parent.mkdir()
+    toml.write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
+                    '  runtime_type = "io.containerd.runc.v2"\n')
+    r = subprocess.run([*cgpu, "containerd", "--etc", os.fspath(tmp_path), "--default", "--wrapper", "/w"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    cri = tomllib.loads(toml.read_text())["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+    assert cri["default_runtime_name"] == "cgpu"
+    assert cri["runtimes"]["runc"] == {"runtime_type": "io.containerd.runc.v2"}
+    assert cri["runtimes"]["cgpu"]["options"] == {"BinaryName": "/w"}
+    # a table containerd already has is never written twice: one line saying what to do, the file unchanged
+    before = toml.read_text().replace('default_runtime_name = "cgpu"', 'default_runtime_name = "runc"')
+    toml.write_text(before)
+    r = subprocess.run([*cgpu, "containerd", "--etc", os.fspath(tmp_path), "--default", "--wrapper", "/w"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "set default_runtime_name" in r.stderr and r.stderr.count("\n") == 1
+    assert toml.read_text() == before
+    for bad in ("[1]", "{nope"):
+        with pytest.raises(hostconfig.ConfigError):
+            hostconfig.docker(bad)
+    with pytest.raises(hostconfig.ConfigError, match="BinaryName"):
+        hostconfig.containerd('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.cgpu]\n'
+                              '  runtime_type = "io.containerd.runc.v1"\n')

@@ -9,6 +9,7 @@ systemd itself is not PID 1 on the test machines: the unit is checked by
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -16,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tomllib
 import sys
 import threading
 import time
@@ -98,6 +100,8 @@ def test_each_exec_line_runs_as_written(tmp_path):
 
 
 def test_install_script_stages_the_unit_links_and_hooks(tmp_path):
+    (tmp_path / "etc/docker").mkdir(parents=True)  # a host with Docker set up its own way already
+    (tmp_path / "etc/docker/daemon.json").write_text('{"log-level": "warn", "runtimes": {"nvidia": {"path": "/n"}}}')
     env = dict(os.environ, DESTDIR=str(tmp_path), CGPUD_BIN=str(BIN))
     r = subprocess.run([str(ROOT / "scripts" / "install-service.sh")], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -115,6 +119,18 @@ def test_install_script_stages_the_unit_links_and_hooks(tmp_path):
     r = subprocess.run([str(forwarder), "createRuntime"], input=state, capture_output=True, text=True, timeout=10)
     assert r.returncode == 0, r.stderr
     assert "CGPUD_GPUS" in (tmp_path / "etc/default/cgpud").read_text()
+    # the runtime wrapper, on PATH, and named by Docker's and containerd's settings (theirs kept)
+    assert os.readlink(tmp_path / "usr/local/bin/cgpu-runtime") == "/usr/local/libexec/cgpu-runtime"
+    assert os.access(tmp_path / "usr/local/libexec/cgpu-runtime", os.X_OK)
+    docker = json.loads((tmp_path / "etc/docker/daemon.json").read_text())
+    assert docker == {"log-level": "warn", "runtimes": {"nvidia": {"path": "/n"},
+                                                        "cgpu": {"path": "/usr/local/bin/cgpu-runtime"}}}
+    toml = tomllib.loads((tmp_path / "etc/containerd/config.toml").read_text())
+    runtime = toml["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["cgpu"]
+    assert runtime == {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": "/usr/local/bin/cgpu-runtime"}}
+    again = subprocess.run([str(ROOT / "scripts" / "install-service.sh")], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 0 and "set already" in again.stdout, again.stderr
 
 
 def test_the_unit_capabilities_are_enough(make_daemon):

@@ -281,6 +281,51 @@ def hook(ctx: Ctx, stage, rest) -> None:
 # ---- monitoring (docs/monitoring.md) ---------------------------------------------
 
 
+@main.command("runtime-config")
+@click.argument("engine", type=click.Choice(["docker", "containerd"]))
+@click.option("--etc", default="/etc", show_default=True, help="Where Docker's and containerd's settings are.")
+@click.option("--wrapper", default=None, help="cgpu-runtime's path (default: /usr/local/bin/cgpu-runtime).")
+@click.option("--default", "default", is_flag=True, help="Make cgpu the default runtime too.")
+def runtime_config(engine: str, etc: str, wrapper: str | None, default: bool) -> None:
+    """Put cgpu-runtime in Docker's (daemon.json) or containerd's
+    (config.toml) settings, keeping every other setting; then restart that
+    engine. docs/containers.md, "Docker and containerd"."""
+    from cgpud.containers import hostconfig
+
+    path = os.path.join(etc, "docker", "daemon.json") if engine == "docker" else \
+        os.path.join(etc, "containerd", "config.toml")
+    try:
+        with open(path) as f:
+            old = f.read()
+    except FileNotFoundError:
+        old = None
+    except OSError as exc:
+        raise click.ClickException(f"cannot read {path}: {exc.strerror}") from None
+    edit = hostconfig.docker if engine == "docker" else hostconfig.containerd
+    try:
+        new = edit(old, wrapper or hostconfig.DEFAULT_WRAPPER, default)
+    except hostconfig.ConfigError as exc:
+        raise click.ClickException(f"{path}: {exc}") from None
+    if new == old:
+        click.echo(f"{path}: cgpu-runtime is set already")
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.cgpu-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(new)
+            f.flush()
+            os.fsync(f.fileno())
+        if old is not None:
+            st = os.stat(path)
+            os.chmod(tmp, st.st_mode & 0o7777)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {path}: {exc.strerror}") from None
+    how = "systemctl restart docker" if engine == "docker" else "systemctl restart containerd"
+    click.echo(f"{path}: cgpu-runtime added{' as the default runtime' if default else ''}; apply it with `{how}`")
+
+
 def _ask(ctx: Ctx, op: str, **args):
     """One read-only request; a missing daemon or a refusal is one line."""
     with ctx.client() as c:
