@@ -11,6 +11,7 @@ import grp
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass
 
 import pyfuse3
@@ -30,7 +31,9 @@ from cgpud.sched.guard import RegistryError
 from cgpud.state.durable import Durable
 from cgpud.gpus import BadSpec, discover
 from cgpud.core.model import ERRNOS, InvalidValue, Node
+from cgpud.state.lock import Locked, StateLock
 from cgpud.state.paths import FSNAME
+from cgpud.sched.policies import Params
 from cgpud.sched.priority import raise_priority
 from cgpud.daemon.sdnotify import notify
 from cgpud.daemon.errors import StartError
@@ -88,7 +91,6 @@ def load_node(cfg: Config) -> tuple[Node, Store]:
 
 
 def _scheduling(node: Node, durable: Durable, cfg: Config, devices: list[str]):
-    from cgpud.sched.policies import Params
     from cgpud.sched.scheduling import Scheduling
 
     if not devices:
@@ -261,9 +263,59 @@ async def serve(cfg: Config) -> int:
         raise
 
 
+def _check_flags(cfg: Config) -> None:
+    """What the flags say, checked before anything is done (a refused start touches nothing)."""
+    from cgpud.observe import exposition
+
+    try:
+        Params(slice=cfg.slice_ms / 1000.0, merge_runs=True)
+    except ValueError as exc:
+        raise StartError(f"--slice-ms {cfg.slice_ms}: {exc}") from None
+    try:
+        exposition.parse_addr(cfg.metrics_addr)
+    except exposition.BadAddress as exc:
+        raise StartError(str(exc)) from None
+    _admin_gid(cfg.admin_group)
+
+
+def _lock_state(cfg: Config) -> StateLock:
+    try:
+        return StateLock.acquire(cfg.state_dir)
+    except Locked as exc:
+        raise StartError(str(exc)) from None
+    except OSError as exc:
+        raise StartError(f"cannot use state directory {cfg.state_dir}: {exc.strerror}") from None
+
+
+def _check_socket(path: str | None) -> None:
+    """Refuse, before doing anything, when another daemon answers on the socket."""
+    if not path or not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return  # a socket left by a daemon that is gone: serving replaces it
+    else:
+        raise StartError(f"another daemon answers on {path}: stop it, or choose another --socket")
+    finally:
+        probe.close()
+
+
 async def _serve(cfg: Config) -> int:
     takeover = upgrade.Takeover.from_env()  # started by a hot upgrade (cgpud.daemon.upgrade)
-    node, store = load_node(cfg)
+    # Every refusal comes before any side effect: flags, the state directory's lock
+    # (one daemon per state directory), the socket; then the mount point (load_node
+    # reads the state; the mount, the guard and cgroups come after all of them).
+    _check_flags(cfg)
+    lock = _lock_state(cfg)
+    try:
+        if takeover is None:
+            _check_socket(cfg.socket)
+        node, store = load_node(cfg)
+    except BaseException:
+        lock.close()
+        raise
     gid = _admin_gid(cfg.admin_group)
     upgrader = None
     try:
@@ -277,6 +329,7 @@ async def _serve(cfg: Config) -> int:
                                  f"make room under {cfg.state_dir}") from None
         status = upgrade.Status()
         upgrader = upgrade.Upgrader(status)
+        upgrader.lock_fd = lock.fd  # handed on to the next daemon with everything else
         ops = Operations(tree.build(durable, upgrader), errors=ERRNOS, version=lambda: node.version, write_gid=gid)
         mountpoint = os.path.abspath(cfg.mount)
         fuse = FuseServer(ops, mountpoint)
@@ -359,3 +412,4 @@ async def _serve(cfg: Config) -> int:
         if upgrader is None or not upgrader.handed_over:
             notify("STOPPING=1")
         store.close()
+        lock.close()  # (after a handover the new daemon holds the same lock: it stays taken)

@@ -47,6 +47,7 @@ from cgpud import __version__
 from cgpud.control.memory import Held
 from cgpud.control.server import Adopted, Control
 from cgpud.daemon.sdnotify import notify
+from cgpud.state.lock import LOCK_ENV
 
 log = logging.getLogger("cgpud")
 
@@ -145,6 +146,7 @@ class Upgrader:
     daemon serves (the old one then ends without unmounting)."""
 
     def __init__(self, status: Status) -> None:
+        self.lock_fd: int | None = None  # the state directory's lock (cgpud.state.lock), passed on
         self.status = status
         self.services: Any = None
         self.fuse: FuseServer | None = None
@@ -175,10 +177,14 @@ class Upgrader:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours.setblocking(False)
         env = dict(os.environ, **{ENV: str(theirs.fileno())})
+        fds = [theirs.fileno()]
+        if self.lock_fd is not None:  # the state directory's lock goes with the rest (cgpud.state.lock)
+            env[LOCK_ENV] = str(self.lock_fd)
+            fds.append(self.lock_fd)
         argv = list(sys.orig_argv)
         log.info("hot upgrade: starting %s", " ".join(argv))
         try:
-            proc = subprocess.Popen(argv, env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(argv, env=env, pass_fds=fds, stdin=subprocess.DEVNULL)
         except OSError as exc:
             ours.close()
             raise UpgradeError(f"cannot start {argv[0]}: {exc.strerror}") from None
