@@ -10,6 +10,7 @@ import trio
 from cgpud import __version__
 from cgpud.containers.spec import DEFAULT_HOOK_PATH
 from cgpud.daemon.errors import StartError
+from cgpud.daemon.foreground import in_terminal, relay
 from cgpud.daemon.main import Config, serve as serve_daemon
 from cgpud.observe.exposition import DEFAULT_ADDR as DEFAULT_METRICS_ADDR
 from cgpud.state.paths import default_dev_dir, default_mount, default_socket, default_state_dir
@@ -84,6 +85,9 @@ def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, s
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         status = 0
+    if cfg.successor is not None and in_terminal():
+        # handed over by a hot upgrade: stay the process this terminal's Ctrl-C stops
+        status = relay(cfg.successor, state_dir)
     if status:
         sys.exit(status)
 

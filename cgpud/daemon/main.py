@@ -62,6 +62,7 @@ class Config:
     mps_pipe_dir: str | None = None  # --mode mps: CUDA_MPS_PIPE_DIRECTORY for the daemon and clients
     metrics_addr: str | None = None  # HOST:PORT; None or "off": no metrics
     hook_path: str | None = None  # the OCI hook cgpu-runtime's `prepare` puts in containers (None: the default)
+    successor: int | None = None  # set by serve: after a hot upgrade, the pid of the daemon that serves now
 
 
 def load_node(cfg: Config) -> tuple[Node, Store]:
@@ -191,11 +192,15 @@ async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Conf
 async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         task_status.started()
-        async for sig in signals:
+        stopping = False
+        async for sig in signals:  # (until the daemon's nursery ends: a second Ctrl-C changes nothing)
+            if stopping:
+                log.info("%s received: already stopping", signal.Signals(sig).name)
+                continue
             log.info("%s received: unmounting and stopping", signal.Signals(sig).name)
             notify("STOPPING=1")
             pyfuse3.terminate()
-            return
+            stopping = True
 
 
 async def _serve_fs(fuse, scope, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -406,6 +411,8 @@ async def _serve(cfg: Config) -> int:
                 await nursery.start(dog.run)
         if not upgrader.handed_over:
             services.close()
+        else:
+            cfg.successor = upgrader.successor
         log.info("stopped")
         return exit_status
     finally:

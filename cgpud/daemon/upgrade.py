@@ -146,6 +146,7 @@ class Upgrader:
     daemon serves (the old one then ends without unmounting)."""
 
     def __init__(self, status: Status) -> None:
+        self.successor: int | None = None  # the new daemon's pid, once it serves
         self.lock_fd: int | None = None  # the state directory's lock (cgpud.state.lock), passed on
         self.status = status
         self.services: Any = None
@@ -245,6 +246,7 @@ class Upgrader:
         log.info("hot upgrade: pid %d serves now (switch took %.0f ms); this daemon (version %s) ends",
                  proc.pid, (time.monotonic() - t0) * 1000, __version__)
         notify(f"MAINPID={proc.pid}")
+        self.successor = proc.pid
         self.handed_over = True
         fuse.handed_over = True
         self.on_handed_over()
