@@ -1,5 +1,5 @@
 # The two commands of the README. Both install what they need first.
-.PHONY: setup run test bench
+.PHONY: setup run test bench install-hooks
 
 setup:
 	./scripts/setup.sh
@@ -13,3 +13,13 @@ test: setup
 
 bench: setup
 	.venv/bin/python bench/tree_ops.py
+
+# The container hook and the runtime wrapper where the shipped configs name them
+# (deploy/hooks.d/cgpu-hook.json: /usr/local/libexec/cgpu-hook; Docker and containerd:
+# /usr/local/bin/cgpu-runtime). As root; DESTDIR=/some/root stages them there instead.
+install-hooks: setup
+	install -d $(DESTDIR)/usr/local/libexec $(DESTDIR)/usr/local/bin
+	$(MAKE) -s -C native BIN=$(abspath $(DESTDIR)/usr/local/libexec)
+	ln -sfn /usr/local/libexec/cgpu-runtime $(DESTDIR)/usr/local/bin/cgpu-runtime
+	@echo "install-hooks: $(DESTDIR)/usr/local/libexec/cgpu-hook and $(DESTDIR)/usr/local/bin/cgpu-runtime"
+
