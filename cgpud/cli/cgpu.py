@@ -326,6 +326,31 @@ def runtime_config(engine: str, etc: str, wrapper: str | None, default: bool) ->
     click.echo(f"{path}: cgpu-runtime added{' as the default runtime' if default else ''}; apply it with `{how}`")
 
 
+@main.command()
+@click.option("--mount", "mountpoint", default=None, envvar="CGPUD_MOUNT", help="The tree (default: the daemon's default).")
+@click.option("--etc", default="/etc", show_default=True, help="Where Docker's and containerd's settings are.")
+@click.option("--hooks-dir", "hooks_dirs", multiple=True, help="hooks.d directories to look in (default: podman's).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON list of {check, status, message}.")
+@pass_ctx
+def doctor(ctx: Ctx, mountpoint: str | None, etc: str, hooks_dirs: tuple[str, ...], as_json: bool) -> None:
+    """Check every part of a container's path into cgpud, one line each with
+    what to do: the daemon, the tree, FUSE, cgroups, hooks.d, Docker,
+    containerd, NVML. Exit 0 only when nothing failed."""
+    from cgpud.observe import doctor as dr
+    from cgpud.state.paths import default_mount
+
+    host = dr.Host(socket=ctx.socket, mount=mountpoint or default_mount(), etc=etc,
+                   **({"hooks_dirs": hooks_dirs} if hooks_dirs else {}))
+    results = dr.run(host)
+    if as_json:
+        click.echo(json.dumps([{"check": r.name, "status": r.status, "message": r.message} for r in results]))
+    else:
+        for r in results:
+            click.echo(f"{r.status.upper():5} {r.name:11} {r.message}")
+    if any(r.status == dr.FAIL for r in results):
+        sys.exit(1)
+
+
 def _ask(ctx: Ctx, op: str, **args):
     """One read-only request; a missing daemon or a refusal is one line."""
     with ctx.client() as c:
