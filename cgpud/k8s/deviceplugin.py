@@ -1,0 +1,203 @@
+"""`cgpu device-plugin`: the kubelet device plugin for `aliyun.com/gpu-mem`
+(docs/kubernetes.md), its own process beside the node daemon, which it asks
+over the control socket (cgpud.client) only.
+
+The server (gRPC from the kubelet's own api.proto, package v1beta1) stands
+apart from the resource logic (cgpud.k8s.resources):
+
+- `Plugin` answers the kubelet: GetDevicePluginOptions (preferred allocation
+  available), ListAndWatch (the units, Healthy while the daemon answers and
+  has their GPU, Unhealthy otherwise, sent again on every change),
+  GetPreferredAllocation, Allocate (the environment the node's hook reads; a
+  request that cannot be met is a gRPC error whose message says why),
+  PreStartContainer (nothing to do).
+- `serve` keeps it registered: it serves `<plugin dir>/cgpu.sock`, registers
+  with `<plugin dir>/kubelet.sock`, and when the kubelet restarts (its socket
+  is made anew) or our socket is removed (the kubelet clears the directory at
+  start), serves and registers again, within POLL seconds.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from cgpud.client import Client, ControlError, DaemonUnavailable
+from cgpud.k8s import resources as res
+from cgpud.k8s.proto import api_pb2 as pb
+from cgpud.k8s.proto import api_pb2_grpc as rpc
+
+log = logging.getLogger("cgpud.k8s")
+
+VERSION = "v1beta1"
+DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+ENDPOINT = "cgpu.sock"
+POLL = 0.1  # s: how often the kubelet's socket and ours are looked at
+REFRESH = 1.0  # s: how often the daemon is asked what GPUs it has
+
+
+class Source:
+    """The daemon's GPUs, asked again every `refresh` seconds; `gpus` None while
+    it does not answer (its units are then Unhealthy)."""
+
+    def __init__(self, socket: str | None, refresh: float = REFRESH) -> None:
+        self.socket, self.refresh = socket, refresh
+        self.gpus: list[res.Gpu] | None = None
+        self.known: dict[str, res.Gpu] = {}  # every GPU ever seen, by UUID: lost ones are listed Unhealthy
+        self.changed = threading.Condition()
+        self.version = 0
+
+    def poll(self) -> None:
+        try:
+            with Client(self.socket, timeout=5) as c:
+                gpus = res.gpus_from_query(c.call("query"))
+        except (DaemonUnavailable, ControlError, OSError, ValueError, KeyError) as exc:
+            if self.gpus is not None:
+                log.warning("cgpud does not answer (%s): every unit is Unhealthy until it does", exc)
+            gpus = None
+        with self.changed:
+            before = (self.gpus and [g.uuid for g in self.gpus], set(self.known))
+            self.gpus = gpus
+            for g in gpus or ():
+                self.known[g.uuid] = g
+            if (self.gpus and [g.uuid for g in self.gpus], set(self.known)) != before:
+                self.version += 1
+                self.changed.notify_all()
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.poll()
+            stop.wait(self.refresh)
+
+
+class Plugin(rpc.DevicePluginServicer):
+    def __init__(self, source: Source, unit: int = res.GIB, strategy: str = "binpack",
+                 disable_isolation: bool = False) -> None:
+        self.source, self.unit, self.strategy, self.disable_isolation = source, unit, strategy, disable_isolation
+        self.stopping = threading.Event()
+
+    def _gpus(self, context) -> list[res.Gpu]:
+        gpus = self.source.gpus
+        if gpus is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "cgpud does not answer on the node: start it (cgpud serve)")
+        return gpus
+
+    def device_list(self) -> pb.ListAndWatchResponse:
+        up = {g.uuid for g in self.source.gpus or ()}
+        known = sorted(self.source.known.values(), key=lambda g: g.index)
+        return pb.ListAndWatchResponse(devices=[
+            pb.Device(ID=dev, health="Healthy" if g.uuid in up else "Unhealthy")
+            for g in known for dev, _ in res.devices([g], self.unit)])
+
+    def GetDevicePluginOptions(self, request, context):
+        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request, context):
+        seen = -1
+        while context.is_active() and not self.stopping.is_set():
+            with self.source.changed:
+                if self.source.version == seen:
+                    self.source.changed.wait(0.5)
+                if self.source.version == seen:
+                    continue
+                seen = self.source.version
+                resp = self.device_list()
+            yield resp
+
+    def GetPreferredAllocation(self, request, context):
+        gpus = self._gpus(context)
+        out = []
+        for creq in request.container_requests:
+            try:
+                ids = res.preferred(list(creq.available_deviceIDs), list(creq.must_include_deviceIDs),
+                                    creq.allocation_size, gpus, self.unit, self.strategy)
+            except res.AllocationError as exc:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            out.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        return pb.PreferredAllocationResponse(container_responses=out)
+
+    def Allocate(self, request, context):
+        gpus = self._gpus(context)
+        out = []
+        for creq in request.container_requests:
+            try:
+                env = res.allocation(list(creq.devices_ids), gpus, self.unit, disable_isolation=self.disable_isolation)
+            except res.AllocationError as exc:
+                log.info("Allocate refused: %s", exc)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
+            out.append(pb.ContainerAllocateResponse(envs=env))
+        return pb.AllocateResponse(container_responses=out)
+
+    def PreStartContainer(self, request, context):
+        return pb.PreStartContainerResponse()
+
+
+def _ino(path: str) -> tuple[int, int] | None:
+    """Which file is at `path` now: its inode and change time (a socket made
+    anew may get the same inode number back)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
+def register(plugin_dir: str) -> None:
+    with grpc.insecure_channel(f"unix://{os.path.join(plugin_dir, 'kubelet.sock')}") as ch:
+        rpc.RegistrationStub(ch).Register(pb.RegisterRequest(
+            version=VERSION, endpoint=ENDPOINT, resource_name=res.RESOURCE,
+            options=pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)),
+            timeout=5)
+
+
+def serve(plugin: Plugin, plugin_dir: str, stop: threading.Event) -> None:
+    """Serve and stay registered until `stop`."""
+    ours = os.path.join(plugin_dir, ENDPOINT)
+    kubelet = os.path.join(plugin_dir, "kubelet.sock")
+    while not stop.is_set():
+        try:
+            os.unlink(ours)
+        except FileNotFoundError:
+            pass
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        rpc.add_DevicePluginServicer_to_server(plugin, server)
+        server.add_insecure_port(f"unix://{ours}")
+        server.start()
+        served, registered_with = _ino(ours), None
+        while not stop.is_set():
+            now = _ino(kubelet)
+            if _ino(ours) != served:
+                log.info("%s was removed (the kubelet restarted?): serving it again", ours)
+                break
+            if now is not None and now != registered_with:
+                try:
+                    register(plugin_dir)
+                    registered_with = now
+                    log.info("registered %s with the kubelet at %s", res.RESOURCE, kubelet)
+                except grpc.RpcError as exc:
+                    log.warning("registering with the kubelet failed (%s); trying again", exc.details())
+            stop.wait(POLL)
+        plugin.stopping.set()
+        server.stop(grace=0.5).wait()
+        plugin.stopping.clear()
+
+
+def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, disable_isolation: bool) -> None:
+    source = Source(socket)
+    plugin = Plugin(source, res.UNITS[unit_name], strategy, disable_isolation)
+    stop = threading.Event()
+    poller = threading.Thread(target=source.run, args=(stop,), daemon=True)
+    poller.start()
+    log.info("cgpu device plugin: %s in units of %s, %s; kubelet at %s", res.RESOURCE, unit_name, strategy, plugin_dir)
+    try:
+        serve(plugin, plugin_dir, stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()
+        time.sleep(0)

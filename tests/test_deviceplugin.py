@@ -1,0 +1,193 @@
+"""`cgpu device-plugin` against a kubelet stand-in written from the kubelet's
+own api.proto (tests/kubelet_standin.py) and a real node daemon: units per
+GPU with gpushare's IDs, health from the daemon, re-registration when the
+kubelet restarts, preferred allocation, Allocate's environment, refusals as
+gRPC errors with the reason — and end to end, a real runc container started
+with exactly Allocate's environment joins the tree with the right memsize."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cgpud.k8s import resources as res
+from cgpud.k8s.proto import api_pb2 as pb
+from kubelet_standin import Kubelet
+from test_runc import Runc, template  # noqa: F401  (a fixture)
+
+CGPU = str(Path(sys.executable).parent / "cgpu")
+T4_UNITS = 14  # a 15109 MiB T4 has 14 whole GiB
+A10_UNITS = 22  # 23028 MiB
+
+
+@pytest.fixture
+def node(make_daemon, tmp_path):
+    """A daemon on a T4 and an A10, a kubelet stand-in, and the plugin as its own process."""
+    d = make_daemon(gpus="sim:1xT4,1xA10")
+    plugin_dir = tmp_path / "device-plugins"
+    plugin_dir.mkdir()
+    kubelet = Kubelet(os.fspath(plugin_dir))
+    log = open(tmp_path / "plugin.log", "wb")
+    proc = subprocess.Popen([CGPU, "--socket", os.fspath(d.socket), "device-plugin", "--plugin-dir",
+                             os.fspath(plugin_dir)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    yield d, kubelet, proc, tmp_path / "plugin.log"
+    proc.terminate()
+    proc.wait(10)
+    kubelet.stop()
+    log.close()
+
+
+def registered(kubelet, n: int = 1, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while len(kubelet.registrations) < n:
+        assert time.monotonic() < deadline, "the plugin did not register"
+        time.sleep(0.01)
+
+
+def uuids(d) -> list[str]:
+    from cgpud.client import Client
+
+    with Client(os.fspath(d.socket)) as c:
+        return [g["uuid"] for g in c.call("query")["gpus"]]
+
+
+def test_registers_and_lists_each_gpus_own_units(node):
+    d, kubelet, _, _ = node
+    registered(kubelet)
+    req = kubelet.registrations[0][1]
+    assert (req.version, req.endpoint, req.resource_name) == ("v1beta1", "cgpu.sock", "aliyun.com/gpu-mem")
+    assert req.options.get_preferred_allocation_available and kubelet.options.get_preferred_allocation_available
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    t4, a10 = uuids(d)
+    assert {f"{t4}-_-{j}" for j in range(T4_UNITS)} | {f"{a10}-_-{j}" for j in range(A10_UNITS)} == set(devs)
+    assert set(devs.values()) == {"Healthy"}
+
+
+def test_units_go_unhealthy_when_the_daemon_goes_and_healthy_when_it_is_back(node):
+    d, kubelet, _, _ = node
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    d.stop()
+    devs = kubelet.wait_devices(lambda ds: ds and set(ds.values()) == {"Unhealthy"})
+    assert len(devs) == T4_UNITS + A10_UNITS
+    d.start()
+    kubelet.wait_devices(lambda ds: ds and set(ds.values()) == {"Healthy"})
+
+
+def test_registers_again_when_the_kubelet_restarts(node):
+    _, kubelet, _, _ = node
+    registered(kubelet)
+    for n in (2, 3):
+        back = kubelet.restart()
+        registered(kubelet, n, timeout=5)
+        assert kubelet.registrations[-1][0] - back < 1.0, "re-registration took a second or more"
+        kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+
+
+def test_preferred_allocation_binpacks_on_one_gpu(node):
+    d, kubelet, _, _ = node
+    registered(kubelet)
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    t4, a10 = uuids(d)
+    picked = kubelet.preferred(sorted(devs), 3)
+    assert len(picked) == 3 and {p.rpartition("-_-")[0] for p in picked} == {t4}, "binpack: the smaller GPU that fits"
+    picked = kubelet.preferred(sorted(devs), 20)
+    assert {p.rpartition("-_-")[0] for p in picked} == {a10}, "only the A10 has 20 units"
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.preferred(sorted(devs), 30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "no 1 GPU(s) with 30 free" in err.value.details()
+
+
+def test_allocate_gives_the_hooks_environment_and_refuses_with_the_reason(node):
+    d, kubelet, _, _ = node
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    t4, a10 = uuids(d)
+    (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1", f"{t4}-_-2"])
+    assert env == {"NVIDIA_VISIBLE_DEVICES": t4, "ALIYUN_COM_GPU_MEM_IDX": "0", "ALIYUN_COM_GPU_MEM_CONTAINER": "3",
+                   "ALIYUN_COM_GPU_MEM_DEV": str(T4_UNITS), "ALIYUN_COM_GPU_MEM_POD": "3"}
+    for ids, words in (([f"{t4}-_-99"], "is not one of this node's"),
+                       (["GPU-foreign-_-0"], "is not one of this node's"),
+                       ([f"{t4}-_-0", f"{a10}-_-0", f"{a10}-_-1"], "unevenly"),
+                       ([], "no aliyun.com/gpu-mem units")):
+        with pytest.raises(grpc.RpcError) as err:
+            kubelet.allocate(ids)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details(), err.value
+
+
+def test_a_gpu_filled_outside_kubernetes_is_refused_not_overfilled(node):
+    """Memory promised to a container started without Kubernetes counts: the plugin refuses."""
+    d, kubelet, _, _ = node
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    t4, _ = uuids(d)
+    from cgpud.client import Client
+
+    with Client(os.fspath(d.socket)) as c:
+        c.call("register", name="outside00001", gpus=[0], memsize=12 << 30)
+    time.sleep(1.5)  # the plugin asks the daemon every second
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate([f"{t4}-_-{j}" for j in range(3)])
+    assert "GPU 0 has 2 aliyun.com/gpu-mem units not promised" in err.value.details()
+
+
+def test_a_pod_started_with_allocates_environment_joins_with_that_memsize(node, template, tmp_path):  # noqa: F811
+    """End to end on this node: Allocate's environment, a real runc container with the hook, the tree."""
+    d, kubelet, _, _ = node
+    registered(kubelet)
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    (env,) = kubelet.allocate(kubelet.preferred(sorted(devs), 3))
+    runc = Runc(tmp_path, template, d.socket)
+    cid = runc.start(runc.bundle(env, ["sleep", "60"]))
+    try:
+        # 3 of the T4's 14 units: the hook gives 3/14 of its memory (gpushare's ALIYUN_COM_GPU_MEM_DEV rule)
+        assert d.instances(0) == [cid[:12]]
+        assert d.value(f"0/{cid[:12]}/memsize") == str((15109 << 20) * 3 // 14)
+    finally:
+        runc.cleanup()
+    assert d.instances(0) == []
+
+
+def test_resources_never_overfill_over_random_sequences():
+    """Placement on mixed GPU sizes: whatever the sequence, no GPU gives more units than it has free."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        gpus = [res.Gpu(i, f"GPU-{i}", rng.choice([15109, 23028, 40960, 81920]) << 20, 0) for i in range(4)]
+        used: dict[str, bool] = {}
+        for _ in range(20):
+            avail = [dev for dev, _ in res.devices(gpus, res.GIB) if dev not in used]
+            size = rng.randint(1, 12)
+            try:
+                ids = res.preferred(avail, [], size, gpus, res.GIB, rng.choice(res.STRATEGIES))
+            except res.AllocationError:
+                continue
+            env = res.allocation(ids, gpus, res.GIB)
+            g = int(env["ALIYUN_COM_GPU_MEM_IDX"])
+            gpus[g] = res.Gpu(g, gpus[g].uuid, gpus[g].memory, gpus[g].promised + size * res.GIB)
+            used.update(dict.fromkeys(ids, True))
+            assert all(x.promised <= x.memory for x in gpus)
+
+
+def test_the_committed_grpc_code_is_the_proto_compiled(tmp_path):
+    """cgpud/k8s/proto/api_pb2*.py are grpcio-tools' output for api.proto (the kubelet's, unchanged)."""
+    from grpc_tools import protoc
+
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "cgpud" / "k8s" / "proto", tmp_path / "cgpud" / "k8s" / "proto",
+                    ignore=shutil.ignore_patterns("*_pb2*.py", "__pycache__"))
+    assert protoc.main(["protoc", f"-I{tmp_path}", f"--python_out={tmp_path}", f"--grpc_python_out={tmp_path}",
+                        os.fspath(tmp_path / "cgpud/k8s/proto/api.proto")]) == 0
+    for name in ("api_pb2.py", "api_pb2_grpc.py"):
+        fresh = (tmp_path / "cgpud/k8s/proto" / name).read_text().splitlines()
+        committed = (root / "cgpud/k8s/proto" / name).read_text().splitlines()
+        keep = [ln for ln in fresh if not ln.startswith("# Protobuf Python Version")]
+        assert keep == [ln for ln in committed if not ln.startswith("# Protobuf Python Version")], name
+    assert pb.DESCRIPTOR.package == "v1beta1" and "DevicePlugin" in pb.DESCRIPTOR.services_by_name
