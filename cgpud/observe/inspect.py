@@ -111,7 +111,7 @@ def detail(nodes: Sequence[dict]) -> str:
         idx = [g["index"] for g in n["gpus"]]
         rows = [["NAME", "NAMESPACE", *(f"GPU{k}(Allocated)" for k in idx), ""]]
         for i in n["instances"]:
-            rows.append([i["name"], "-", *(str(i["gpus"].get(str(k), 0)) for k in idx), ""])
+            rows.append([i["name"], i.get("namespace") or "-", *(str(i["gpus"].get(str(k), 0)) for k in idx), ""])
         rows.append(["Allocated :", f"{n['allocated']} ({n['percent']}%)", *([""] * len(idx)), ""])
         rows.append(["Total :", str(n["total"]), *([""] * len(idx)), ""])
         table = [r.rstrip() for r in _table(rows)]

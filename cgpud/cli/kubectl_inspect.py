@@ -1,0 +1,43 @@
+"""`kubectl inspect cgpu [-d]`: the cluster's GPU memory, per node and per GPU
+(and with -d per pod), from the API server (docs/kubernetes.md). kubectl
+runs it as a plugin: `kubectl-inspect-cgpu` on PATH."""
+from __future__ import annotations
+
+import click
+
+from cgpud.k8s import cluster
+from cgpud.observe.inspect import detail, summary
+
+
+def _client():
+    from kubernetes import client, config
+
+    try:
+        config.load_kube_config()
+    except Exception as first:  # no kubeconfig: in a pod, the service account
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            raise click.ClickException(f"no cluster to ask: {first} (set KUBECONFIG, or run in a pod)") from None
+    return client.CoreV1Api(), client.ApiClient()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-d", "--details", is_flag=True, help="Each node's pods and what they hold on each GPU.")
+def main(details: bool) -> None:
+    """The GPU memory allocated on each node and GPU of the cluster (aliyun.com/gpu-mem)."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    api, raw = _client()
+    try:
+        nodes = raw.sanitize_for_serialization(api.list_node().items)
+        pods = raw.sanitize_for_serialization(api.list_pod_for_all_namespaces().items)
+    except ApiException as exc:
+        raise click.ClickException(f"the API server refused: {exc.status} {exc.reason}") from None
+    except (HTTPError, OSError) as exc:
+        raise click.ClickException(f"cannot reach the API server: {exc}") from None
+    views = [cluster.node_view(n, pods) for n in nodes if cluster.gpu_units(n)]
+    if not views:
+        raise click.ClickException("no node of this cluster has aliyun.com/gpu-mem: is the cgpu device plugin running?")
+    click.echo(detail(views) if details else summary(views))
