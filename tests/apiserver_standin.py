@@ -9,7 +9,7 @@ over HTTP on 127.0.0.1 through a kubeconfig it writes.
     GET   /api/v1/pods, /api/v1/namespaces/NS/pods   list, fieldSelector spec.nodeName=, status.phase=
     GET   /api/v1/namespaces/NS/pods/NAME            get
     PATCH /api/v1/namespaces/NS/pods/NAME            merge patch
-    POST  /api/v1/namespaces/NS/pods/NAME/binding    bind: spec.nodeName
+    POST  /api/v1/namespaces/NS/bindings             bind: spec.nodeName (or pods/NAME/binding)
     POST  /api/v1/namespaces/NS/events               accepted
 """
 from __future__ import annotations
@@ -160,7 +160,10 @@ class ApiServer:
         return self._missing(path)
 
     def post(self, path: str, body: dict) -> tuple[int, dict]:
-        if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/binding", path):
+        m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/binding", path)
+        if m is None and (b := re.fullmatch(r"/api/v1/namespaces/([^/]+)/bindings", path)):
+            m = (path, b[1], (body.get("metadata") or {}).get("name", ""))  # the same, named in the body
+        if m:
             pod = self.pods.get((m[1], m[2]))
             if pod is None:
                 return self._missing(f'pods "{m[2]}"')

@@ -14,21 +14,8 @@ import click
 
 from cgpud import __version__
 from cgpud.client import Client, ControlError, DaemonUnavailable
+from cgpud.cli.common import Ctx, pass_ctx
 from cgpud.core.units import parse_size
-
-
-class Ctx:
-    def __init__(self, socket: str | None) -> None:
-        self.socket = socket
-
-    def client(self) -> Client:
-        try:
-            return Client(self.socket)
-        except DaemonUnavailable as exc:
-            raise click.ClickException(str(exc)) from None
-
-
-pass_ctx = click.make_pass_decorator(Ctx)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -281,101 +268,6 @@ def hook(ctx: Ctx, stage, rest) -> None:
 # ---- monitoring (docs/monitoring.md) ---------------------------------------------
 
 
-@main.command("runtime-config")
-@click.argument("engine", type=click.Choice(["docker", "containerd"]))
-@click.option("--etc", default="/etc", show_default=True, help="Where Docker's and containerd's settings are.")
-@click.option("--wrapper", default=None, help="cgpu-runtime's path (default: /usr/local/bin/cgpu-runtime).")
-@click.option("--default", "default", is_flag=True, help="Make cgpu the default runtime too.")
-def runtime_config(engine: str, etc: str, wrapper: str | None, default: bool) -> None:
-    """Put cgpu-runtime in Docker's (daemon.json) or containerd's
-    (config.toml) settings, keeping every other setting; then restart that
-    engine. docs/containers.md, "Docker and containerd"."""
-    from cgpud.containers import hostconfig
-
-    path = os.path.join(etc, "docker", "daemon.json") if engine == "docker" else \
-        os.path.join(etc, "containerd", "config.toml")
-    try:
-        with open(path) as f:
-            old = f.read()
-    except FileNotFoundError:
-        old = None
-    except OSError as exc:
-        raise click.ClickException(f"cannot read {path}: {exc.strerror}") from None
-    edit = hostconfig.docker if engine == "docker" else hostconfig.containerd
-    try:
-        new = edit(old, wrapper or hostconfig.DEFAULT_WRAPPER, default)
-    except hostconfig.ConfigError as exc:
-        raise click.ClickException(f"{path}: {exc}") from None
-    if new == old:
-        click.echo(f"{path}: cgpu-runtime is set already")
-        return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.cgpu-{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(new)
-            f.flush()
-            os.fsync(f.fileno())
-        if old is not None:
-            st = os.stat(path)
-            os.chmod(tmp, st.st_mode & 0o7777)
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise click.ClickException(f"cannot write {path}: {exc.strerror}") from None
-    how = "systemctl restart docker" if engine == "docker" else "systemctl restart containerd"
-    click.echo(f"{path}: cgpu-runtime added{' as the default runtime' if default else ''}; apply it with `{how}`")
-
-
-@main.command()
-@click.option("--mount", "mountpoint", default=None, envvar="CGPUD_MOUNT", help="The tree (default: the daemon's default).")
-@click.option("--etc", default="/etc", show_default=True, help="Where Docker's and containerd's settings are.")
-@click.option("--hooks-dir", "hooks_dirs", multiple=True, help="hooks.d directories to look in (default: podman's).")
-@click.option("--json", "as_json", is_flag=True, help="One JSON list of {check, status, message}.")
-@pass_ctx
-def doctor(ctx: Ctx, mountpoint: str | None, etc: str, hooks_dirs: tuple[str, ...], as_json: bool) -> None:
-    """Check every part of a container's path into cgpud, one line each with
-    what to do: the daemon, the tree, FUSE, cgroups, hooks.d, Docker,
-    containerd, NVML. Exit 0 only when nothing failed."""
-    from cgpud.observe import doctor as dr
-    from cgpud.state.paths import default_mount
-
-    host = dr.Host(socket=ctx.socket, mount=mountpoint or default_mount(), etc=etc,
-                   **({"hooks_dirs": hooks_dirs} if hooks_dirs else {}))
-    results = dr.run(host)
-    if as_json:
-        click.echo(json.dumps([{"check": r.name, "status": r.status, "message": r.message} for r in results]))
-    else:
-        for r in results:
-            click.echo(f"{r.status.upper():5} {r.name:11} {r.message}")
-    if any(r.status == dr.FAIL for r in results):
-        sys.exit(1)
-
-
-@main.command("device-plugin")
-@click.option("--plugin-dir", default="/var/lib/kubelet/device-plugins", show_default=True,
-              envvar="CGPU_PLUGIN_DIR", help="Where the kubelet's device plugin sockets are.")
-@click.option("--unit", type=click.Choice(["GiB", "MiB", "128MiB"]), default="GiB", show_default=True,
-              help="The memory of one aliyun.com/gpu-mem device.")
-@click.option("--placement", type=click.Choice(["binpack", "spread"]), default="binpack", show_default=True,
-              envvar="CGPU_PLACEMENT", help="Which GPU a pod's units come from (GetPreferredAllocation).")
-@click.option("--disable-isolation", is_flag=True, envvar="CGPU_DISABLE_ISOLATION",
-              help="Containers get CGPU_DISABLE=true (a node labelled cgpu.disable.isolation=true).")
-@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
-@pass_ctx
-def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_isolation: bool,
-                  log_level: str) -> None:
-    """The kubelet device plugin for aliyun.com/gpu-mem (docs/kubernetes.md):
-    one device per memory unit of each GPU the node's cgpud has."""
-    import logging
-
-    from cgpud.k8s import deviceplugin
-
-    logging.basicConfig(level=log_level.upper(), format="cgpu device-plugin: %(levelname)s: %(message)s")
-    if not os.path.isdir(plugin_dir):
-        raise click.ClickException(f"{plugin_dir} does not exist: is this a Kubernetes node (kubelet running)?")
-    deviceplugin.main(ctx.socket, plugin_dir, unit, placement, disable_isolation)
-
-
 def _ask(ctx: Ctx, op: str, **args):
     """One read-only request; a missing daemon or a refusal is one line."""
     with ctx.client() as c:
@@ -435,3 +327,13 @@ def trace(ctx: Ctx, seconds, gpu, output, as_json) -> None:
             ran = ", ".join(f"{n} {t['run']:.2f} s" for n, t in g["totals"].items() if t["run"] > 0) or "nobody ran"
             click.echo(f"GPU {g['gpu']} (policy {g['policy']}): {len(g['slices'])} slices; {ran}")
         click.echo(f"wrote {output}")
+
+
+def _add_commands() -> None:
+    from cgpud.cli import host, k8s
+
+    for cmd in (host.runtime_config, host.doctor, k8s.device_plugin, k8s.scheduler_extender):
+        main.add_command(cmd)
+
+
+_add_commands()

@@ -10,16 +10,12 @@ from cgpud.observe.inspect import detail, summary
 
 
 def _client():
-    from kubernetes import client, config
+    from cgpud.k8s.api import NoCluster, connect
 
     try:
-        config.load_kube_config()
-    except Exception as first:  # no kubeconfig: in a pod, the service account
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            raise click.ClickException(f"no cluster to ask: {first} (set KUBECONFIG, or run in a pod)") from None
-    return client.CoreV1Api(), client.ApiClient()
+        return connect()
+    except NoCluster as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

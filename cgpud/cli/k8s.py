@@ -1,0 +1,58 @@
+"""`cgpu device-plugin` and `cgpu scheduler-extender`: the Kubernetes parts
+(docs/kubernetes.md)."""
+from __future__ import annotations
+
+import os
+
+import click
+
+from cgpud.cli.common import Ctx, pass_ctx
+
+
+@click.command("device-plugin")
+@click.option("--plugin-dir", default="/var/lib/kubelet/device-plugins", show_default=True,
+              envvar="CGPU_PLUGIN_DIR", help="Where the kubelet's device plugin sockets are.")
+@click.option("--unit", type=click.Choice(["GiB", "MiB", "128MiB"]), default="GiB", show_default=True,
+              help="The memory of one aliyun.com/gpu-mem device.")
+@click.option("--placement", type=click.Choice(["binpack", "spread"]), default="binpack", show_default=True,
+              envvar="CGPU_PLACEMENT", help="Which GPU a pod's units come from (GetPreferredAllocation).")
+@click.option("--disable-isolation", is_flag=True, envvar="CGPU_DISABLE_ISOLATION",
+              help="Containers get CGPU_DISABLE=true (a node labelled cgpu.disable.isolation=true).")
+@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
+@pass_ctx
+def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_isolation: bool,
+                  log_level: str) -> None:
+    """The kubelet device plugin for aliyun.com/gpu-mem (docs/kubernetes.md):
+    one device per memory unit of each GPU the node's cgpud has."""
+    import logging
+
+    from cgpud.k8s import deviceplugin
+
+    logging.basicConfig(level=log_level.upper(), format="cgpu device-plugin: %(levelname)s: %(message)s")
+    if not os.path.isdir(plugin_dir):
+        raise click.ClickException(f"{plugin_dir} does not exist: is this a Kubernetes node (kubelet running)?")
+    deviceplugin.main(ctx.socket, plugin_dir, unit, placement, disable_isolation)
+
+
+@click.command("scheduler-extender")
+@click.option("--addr", default="0.0.0.0:32766", show_default=True, envvar="CGPU_EXTENDER_ADDR",
+              help="HOST:PORT kube-scheduler calls (the extender's Service).")
+@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
+def scheduler_extender(addr: str, log_level: str) -> None:
+    """kube-scheduler's extender for aliyun.com/gpu-mem, gpushare-compatible
+    (docs/kubernetes.md): filter, bind, inspect."""
+    import logging
+
+    from cgpud.k8s import extender
+    from cgpud.k8s.api import NoCluster
+
+    logging.basicConfig(level=log_level.upper(), format="cgpu scheduler-extender: %(levelname)s: %(message)s")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise click.ClickException(f"--addr {addr}: give HOST:PORT")
+    try:
+        extender.main(addr)
+    except NoCluster as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"--addr {addr}: {exc.strerror or exc}") from None

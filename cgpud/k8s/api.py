@@ -1,0 +1,24 @@
+"""The API server, through the official kubernetes client: kubeconfig
+($KUBECONFIG or ~/.kube/config), else the pod's service account."""
+from __future__ import annotations
+
+import os
+
+
+class NoCluster(Exception):
+    """No API server to ask; str() is one line."""
+
+
+def connect():
+    """(CoreV1Api, ApiClient), or NoCluster."""
+    from kubernetes import client, config
+
+    try:
+        # (KUBECONFIG read now: the client reads it once, when it is first imported)
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
+    except Exception as first:  # noqa: BLE001 - any kubeconfig trouble: try in-cluster next
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            raise NoCluster(f"no cluster to ask: {first} (set KUBECONFIG, or run in a pod)") from None
+    return client.CoreV1Api(), client.ApiClient()

@@ -1,0 +1,212 @@
+"""`cgpu scheduler-extender`: kube-scheduler's extender for
+`aliyun.com/gpu-mem`, compatible with gpushare-scheduler-extender
+(docs/kubernetes.md): the same paths, the kube-scheduler extender v1 JSON,
+and gpushare's pod annotations.
+
+    POST /gpushare-scheduler/filter   ExtenderArgs -> ExtenderFilterResult
+    POST /gpushare-scheduler/bind     ExtenderBindingArgs -> ExtenderBindingResult
+    GET  /gpushare-scheduler/inspect[/NODE]
+
+A node passes the filter only if one GPU (or, with aliyun.com/gpu-count, M
+GPUs) has the pod's units free; bind chooses the GPU(s) by the node's
+placement (label ack.node.gpu.placement: binpack, the default, or spread),
+writes the annotations (ALIYUN_COM_GPU_MEM_IDX, _DEV, _POD, _ASSIGNED=false,
+_ASSUME_TIME) and creates the Binding. The cluster is read with the official
+client and kept for CACHE_SECONDS; what bind assumes counts at once.
+Bad input (not JSON, a pod or node that does not exist) is a clear error and
+changes nothing.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from cgpud.k8s import cluster
+
+log = logging.getLogger("cgpud.k8s")
+PREFIX = "/gpushare-scheduler"
+CACHE_SECONDS = 1.0
+MAX_BODY = 16 << 20
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class State:
+    """Nodes and pods as the API's JSON, read at most every CACHE_SECONDS."""
+
+    def __init__(self, api, raw) -> None:
+        self.api, self.raw = api, raw
+        self.lock = threading.Lock()
+        self.at = -1e9
+        self.nodes: dict[str, dict] = {}
+        self.pods: list[dict] = []
+
+    def refresh(self, force: bool = False) -> None:
+        with self.lock:
+            if not force and time.monotonic() - self.at < CACHE_SECONDS:
+                return
+            nodes = self.raw.sanitize_for_serialization(self.api.list_node().items)
+            pods = self.raw.sanitize_for_serialization(self.api.list_pod_for_all_namespaces().items)
+            self.nodes = {n["metadata"]["name"]: n for n in nodes}
+            self.pods = pods
+            self.at = time.monotonic()
+
+    def room(self, name: str) -> tuple[list[int], list[int]]:
+        node = self.nodes[name]
+        units = cluster.gpu_units(node)
+        return units, cluster.used_units(name, self.pods, len(units))
+
+
+def gpu_count(pod: dict) -> int:
+    count = 0
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        try:
+            count = max(count, int(((c.get("resources") or {}).get("limits") or {}).get(cluster.COUNT, 0)))
+        except (TypeError, ValueError):
+            raise BadRequest(f"{cluster.COUNT} is not a whole number") from None
+    return count or 1
+
+
+def strategy_of(node: dict) -> str:
+    label = ((node.get("metadata") or {}).get("labels") or {}).get(cluster.PLACEMENT_LABEL, "binpack")
+    return label if label in ("binpack", "spread") else "binpack"
+
+
+def filter_nodes(state: State, args: dict) -> dict:
+    pod = args.get("Pod") or args.get("pod")
+    if not isinstance(pod, dict):
+        raise BadRequest("ExtenderArgs has no Pod")
+    need = cluster.pod_units(pod)
+    names = args.get("NodeNames") or args.get("nodenames")
+    items = ((args.get("Nodes") or args.get("nodes") or {}).get("items")) or []
+    if names is None:
+        names = [(n.get("metadata") or {}).get("name") for n in items]
+    if need <= 0:  # not ours to judge
+        return {"Nodes": args.get("Nodes"), "NodeNames": names, "FailedNodes": {}, "Error": ""}
+    count = gpu_count(pod)
+    state.refresh()
+    ok, failed = [], {}
+    for name in names:
+        if name not in state.nodes:
+            failed[name] = f"node {name} is not known to the API server"
+            continue
+        units, used = state.room(name)
+        if not units:
+            failed[name] = f"no {cluster.RESOURCE} on this node"
+        elif cluster.choose(units, used, need, count, strategy_of(state.nodes[name])) is None:
+            free = ", ".join(f"GPU{i} {u - x}/{u}" for i, (u, x) in enumerate(zip(units, used)))
+            failed[name] = f"no {count} GPU(s) with {need // max(count, 1)} free {cluster.RESOURCE} ({free})"
+        else:
+            ok.append(name)
+    result = {"NodeNames": ok, "FailedNodes": failed, "Error": ""}
+    if args.get("NodeNames") is None:
+        result["Nodes"] = {"items": [n for n in items if (n.get("metadata") or {}).get("name") in ok]}
+    return result
+
+
+def bind(state: State, args: dict) -> dict:
+    from kubernetes.client import V1Binding, V1ObjectMeta, V1ObjectReference
+
+    name, ns, node_name = args.get("PodName"), args.get("PodNamespace"), args.get("Node")
+    if not all(isinstance(x, str) and x for x in (name, ns, node_name)):
+        raise BadRequest("ExtenderBindingArgs needs PodName, PodNamespace and Node")
+    state.refresh(force=True)
+    if node_name not in state.nodes:
+        raise BadRequest(f"node {node_name} is not known to the API server")
+    pod = next((p for p in state.pods if p["metadata"]["name"] == name and p["metadata"]["namespace"] == ns), None)
+    if pod is None:
+        raise BadRequest(f"pod {ns}/{name} is not known to the API server")
+    need = cluster.pod_units(pod)
+    patch = {}
+    if need > 0:
+        units, used = state.room(node_name)
+        gpus = cluster.choose(units, used, need, gpu_count(pod), strategy_of(state.nodes[node_name]))
+        if gpus is None:
+            raise BadRequest(f"node {node_name} has no GPU with {need} free {cluster.RESOURCE} any more")
+        patch = cluster.assume_annotations(gpus, need, min(units[i] for i in gpus))
+        state.api.patch_namespaced_pod(name, ns, {"metadata": {"annotations": patch}})
+    body = V1Binding(metadata=V1ObjectMeta(name=name, namespace=ns, uid=args.get("PodUID")),
+                     target=V1ObjectReference(kind="Node", name=node_name, api_version="v1"))
+    state.api.create_namespaced_binding(ns, body, _preload_content=False)
+    with state.lock:  # what was just assumed counts before the next read
+        pod["metadata"].setdefault("annotations", {}).update(patch)
+        pod.setdefault("spec", {})["nodeName"] = node_name
+    log.info("bound %s/%s to %s %s", ns, name, node_name, patch.get(cluster.IDX, ""))
+    return {"Error": ""}
+
+
+def inspect(state: State, node: str | None) -> dict:
+    state.refresh()
+    if node is not None and node not in state.nodes:
+        raise BadRequest(f"node {node} is not known to the API server")
+    names = [node] if node else [n for n in state.nodes if cluster.gpu_units(state.nodes[n])]
+    return {"nodes": [cluster.node_view(state.nodes[n], state.pods) for n in names]}
+
+
+def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt, *a):
+            log.debug("%s " + fmt, self.address_string(), *a)
+
+        def _send(self, code: int, obj: dict) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _answer(self, fn, *args) -> None:
+            from kubernetes.client.exceptions import ApiException
+
+            try:
+                self._send(200, fn(state, *args))
+            except BadRequest as exc:
+                self._send(400, {"Error": str(exc)})
+            except ApiException as exc:
+                self._send(502, {"Error": f"the API server refused: {exc.status} {exc.reason}"})
+            except Exception as exc:  # noqa: BLE001 - one request's failure, said, never the server's
+                log.exception("extender request failed")
+                self._send(500, {"Error": f"internal error: {exc}"})
+
+        def do_POST(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            if n > MAX_BODY:
+                return self._send(413, {"Error": f"body larger than {MAX_BODY} bytes"})
+            try:
+                args = json.loads(self.rfile.read(n) or b"null")
+                if not isinstance(args, dict):
+                    raise ValueError("not an object")
+            except ValueError as exc:
+                return self._send(400, {"Error": f"the body is not a JSON object ({exc})"})
+            fn = {f"{PREFIX}/filter": filter_nodes, f"{PREFIX}/bind": bind}.get(self.path)
+            if fn is None:
+                return self._send(404, {"Error": f"no such path {self.path}"})
+            self._answer(fn, args)
+
+        def do_GET(self):
+            if self.path == f"{PREFIX}/inspect":
+                return self._answer(inspect, None)
+            if self.path.startswith(f"{PREFIX}/inspect/"):
+                return self._answer(inspect, self.path[len(PREFIX) + 9:])
+            self._send(404, {"Error": f"no such path {self.path}"})
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def main(addr: str) -> None:
+    from cgpud.k8s.api import connect
+
+    host, _, port = addr.rpartition(":")
+    api, raw = connect()
+    server = make_server(State(api, raw), host or "0.0.0.0", int(port))
+    log.info("scheduler extender on http://%s:%d%s", *server.server_address[:2], PREFIX)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass

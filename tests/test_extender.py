@@ -1,0 +1,117 @@
+"""The scheduler extender (cgpud/k8s/extender.py) with kube-scheduler's
+extender v1 JSON, against the API server stand-in through the official
+client: filter keeps the nodes where a GPU has the pod's units free, bind
+chooses the GPU by the node's placement, writes gpushare's annotations and
+creates the Binding; bad input is a clear error that changes nothing."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from apiserver_standin import ApiServer
+from cgpud.k8s import extender
+from cgpud.k8s.api import connect
+
+
+@pytest.fixture
+def ext(tmp_path, monkeypatch):
+    api = ApiServer(tmp_path)
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    monkeypatch.setattr(extender, "CACHE_SECONDS", 0.0)
+    server = extender.make_server(extender.State(*connect()), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/gpushare-scheduler"
+    yield api, url
+    server.shutdown()
+    api.close()
+
+
+def call(url: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url + path, data=data, method="POST" if data is not None else "GET",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def nodes(api: ApiServer) -> None:
+    api.add_node("t4", gpus=1, units=15, per_device="15")
+    api.add_node("mixed", gpus=2, units=37, per_device="15,22")
+    api.add_node("spread", gpus=2, units=30, labels={"ack.node.gpu.placement": "spread"})
+    api.add_pod("holder", [9], node="t4", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "0"})
+
+
+def test_filter_keeps_nodes_with_a_gpu_that_has_room(ext):
+    api, url = ext
+    nodes(api)
+    pod = api.add_pod("asks8", [8])
+    code, res = call(url, "/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "ghost"]})
+    assert code == 200 and res["Error"] == ""
+    assert res["NodeNames"] == ["mixed"]
+    assert "GPU0 6/15" in res["FailedNodes"]["t4"] and "not known" in res["FailedNodes"]["ghost"]
+    # the Nodes form (a scheduler not node-cache-capable)
+    code, res = call(url, "/filter", {"Pod": pod, "Nodes": {"items": [api.nodes["t4"], api.nodes["mixed"]]}})
+    assert [n["metadata"]["name"] for n in res["Nodes"]["items"]] == ["mixed"]
+
+
+def test_bind_binpacks_writes_gpushares_annotations_and_binds(ext):
+    api, url = ext
+    nodes(api)
+    for name in ("a", "b"):
+        api.add_pod(name, [5])
+        code, res = call(url, "/bind", {"PodName": name, "PodNamespace": "default", "PodUID": f"uid-default-{name}",
+                                        "Node": "mixed"})
+        assert code == 200 and res == {"Error": ""}, res
+    ann = api.pods[("default", "a")]["metadata"]["annotations"]
+    assert ann["ALIYUN_COM_GPU_MEM_IDX"] == "0" and ann["ALIYUN_COM_GPU_MEM_POD"] == "5"
+    assert ann["ALIYUN_COM_GPU_MEM_DEV"] == "15" and ann["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+    assert int(ann["ALIYUN_COM_GPU_MEM_ASSUME_TIME"]) > 0
+    # binpack: the second 5 goes to the same, fuller GPU (10 of 15), GPU 1 stays whole
+    assert api.pods[("default", "b")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] == "0"
+    assert api.bindings == [("default", "a", "mixed"), ("default", "b", "mixed")]
+    code, res = call(url, "/inspect/mixed")
+    assert res["nodes"][0]["gpus"] == [{"index": 0, "allocated": 10, "total": 15},
+                                       {"index": 1, "allocated": 0, "total": 22}]
+
+
+def test_spread_by_the_nodes_label(ext):
+    api, url = ext
+    nodes(api)
+    for name in ("s1", "s2"):
+        api.add_pod(name, [3])
+        assert call(url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "spread"})[0] == 200
+    idx = [api.pods[("default", n)]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] for n in ("s1", "s2")]
+    assert idx == ["0", "1"]
+
+
+@pytest.mark.parametrize("path, body, raw, words", [
+    ("/filter", None, b"not json", "not a JSON object"),
+    ("/filter", None, b"[1, 2]", "not a JSON object"),
+    ("/filter", {"NodeNames": ["t4"]}, None, "no Pod"),
+    ("/bind", {"PodName": "p", "PodNamespace": "default", "Node": "ghost"}, None, "node ghost is not known"),
+    ("/bind", {"PodName": "ghost", "PodNamespace": "default", "Node": "t4"}, None, "pod default/ghost is not known"),
+    ("/bind", {"PodName": "p"}, None, "needs PodName, PodNamespace and Node"),
+])
+def test_bad_input_is_a_clear_error_and_changes_nothing(ext, path, body, raw, words):
+    api, url = ext
+    nodes(api)
+    api.add_pod("p", [4])
+    code, res = call(url, path, body, raw)
+    assert code == 400 and words in res["Error"], res
+    assert api.bindings == [] and "ALIYUN_COM_GPU_MEM_IDX" not in api.pods[("default", "p")]["metadata"]["annotations"]
+
+
+def test_a_pod_that_no_longer_fits_is_not_bound(ext):
+    api, url = ext
+    nodes(api)
+    api.add_pod("big", [7])
+    code, res = call(url, "/bind", {"PodName": "big", "PodNamespace": "default", "Node": "t4"})
+    assert code == 400 and "no GPU with 7 free" in res["Error"]
+    assert api.bindings == []
