@@ -58,8 +58,9 @@ def uuids(d) -> list[str]:
 
 
 def test_registers_and_lists_each_gpus_own_units(node):
-    d, kubelet, _, _ = node
+    d, kubelet, _, log = node
     registered(kubelet)
+    assert log.read_text().count("without the API server") == 1, "says once what it cannot do without it"
     req = kubelet.registrations[0][1]
     assert (req.version, req.endpoint, req.resource_name) == ("v1beta1", "cgpu.sock", "aliyun.com/gpu-mem")
     assert req.options.get_preferred_allocation_available and kubelet.options.get_preferred_allocation_available
@@ -191,3 +192,57 @@ def test_the_committed_grpc_code_is_the_proto_compiled(tmp_path):
         keep = [ln for ln in fresh if not ln.startswith("# Protobuf Python Version")]
         assert keep == [ln for ln in committed if not ln.startswith("# Protobuf Python Version")], name
     assert pb.DESCRIPTOR.package == "v1beta1" and "DevicePlugin" in pb.DESCRIPTOR.services_by_name
+
+
+# ---- with the API server (stand-in) ----------------------------------------------------------
+
+
+@pytest.fixture
+def node_with_api(make_daemon, tmp_path):
+    from apiserver_standin import ApiServer
+
+    d = make_daemon(gpus="sim:1xT4,1xA10")
+    api = ApiServer(tmp_path)
+    api.add_node("gpu-node-1", labels={"cgpu.disable.isolation": "true"})
+    plugin_dir = tmp_path / "device-plugins"
+    plugin_dir.mkdir()
+    kubelet = Kubelet(os.fspath(plugin_dir))
+    log = open(tmp_path / "plugin.log", "wb")
+    proc = subprocess.Popen([CGPU, "--socket", os.fspath(d.socket), "device-plugin", "--plugin-dir",
+                             os.fspath(plugin_dir)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="gpu-node-1"))
+    yield d, api, kubelet
+    proc.terminate()
+    proc.wait(10)
+    kubelet.stop()
+    api.close()
+    log.close()
+
+
+def test_publishes_the_node_and_follows_the_extenders_choice_per_container(node_with_api):
+    d, api, kubelet = node_with_api
+    registered(kubelet)
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    deadline = time.monotonic() + 10
+    while "cgpu.aliyun.com/gpu-mem-per-device" not in api.nodes["gpu-node-1"]["metadata"]["annotations"]:
+        assert time.monotonic() < deadline, "the node was not published"
+        time.sleep(0.05)
+    node = api.nodes["gpu-node-1"]
+    assert node["status"]["capacity"]["aliyun.com/gpu-count"] == "2"
+    assert node["metadata"]["annotations"]["cgpu.aliyun.com/gpu-mem-per-device"] == f"{T4_UNITS},{A10_UNITS}"
+    # the extender put a two-container pod (2 + 4 units) on GPU 1; the kubelet's fake IDs are on GPU 0
+    api.add_pod("two", [2, 4], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_POD": "6", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    t4, a10 = uuids(d)
+    (first,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+    assert first["ALIYUN_COM_GPU_MEM_IDX"] == "1" and first["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
+    assert first["CGPU_DISABLE"] == "true", "the node's cgpu.disable.isolation label"
+    assert api.pods[("default", "two")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+    (second,) = kubelet.allocate([f"{t4}-_-{j}" for j in range(2, 6)])
+    assert second["ALIYUN_COM_GPU_MEM_IDX"] == "1" and second["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
+    assert api.pods[("default", "two")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+    # no extender's choice left: the kubelet's own units decide
+    (third,) = kubelet.allocate([f"{a10}-_-0"])
+    assert third["ALIYUN_COM_GPU_MEM_IDX"] == "1" and third["ALIYUN_COM_GPU_MEM_CONTAINER"] == "1"
+    assert sorted(devs) == sorted(kubelet.devices)

@@ -28,6 +28,8 @@ import grpc
 
 from cgpud.client import Client, ControlError, DaemonUnavailable
 from cgpud.k8s import resources as res
+from cgpud.k8s.cluster import DISABLE_LABEL, PLACEMENT_LABEL
+from cgpud.k8s.nodeapi import NodeApi
 from cgpud.k8s.proto import api_pb2 as pb
 from cgpud.k8s.proto import api_pb2_grpc as rpc
 
@@ -50,6 +52,7 @@ class Source:
         self.known: dict[str, res.Gpu] = {}  # every GPU ever seen, by UUID: lost ones are listed Unhealthy
         self.changed = threading.Condition()
         self.version = 0
+        self.on_change = None  # called with the GPUs after a change (outside the lock)
 
     def poll(self) -> None:
         try:
@@ -64,9 +67,12 @@ class Source:
             self.gpus = gpus
             for g in gpus or ():
                 self.known[g.uuid] = g
-            if (self.gpus and [g.uuid for g in self.gpus], set(self.known)) != before:
+            changed = (self.gpus and [g.uuid for g in self.gpus], set(self.known)) != before
+            if changed:
                 self.version += 1
                 self.changed.notify_all()
+        if changed and gpus and self.on_change is not None:
+            self.on_change(gpus)
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -76,9 +82,20 @@ class Source:
 
 class Plugin(rpc.DevicePluginServicer):
     def __init__(self, source: Source, unit: int = res.GIB, strategy: str = "binpack",
-                 disable_isolation: bool = False) -> None:
+                 disable_isolation: bool = False, node: "NodeApi | None" = None) -> None:
         self.source, self.unit, self.strategy, self.disable_isolation = source, unit, strategy, disable_isolation
+        self.node = node  # the API server's side (cgpud.k8s.nodeapi), when there is one
         self.stopping = threading.Event()
+
+    def node_changed(self, gpus: list[res.Gpu]) -> None:
+        """The daemon's GPUs changed (or were first seen): the node's labels and what it publishes."""
+        if self.node is None or not self.node.usable:
+            return
+        self.node.publish([g.units(self.unit) for g in gpus])
+        labels = self.node.labels()
+        if labels.get(PLACEMENT_LABEL) in res.STRATEGIES:
+            self.strategy = labels[PLACEMENT_LABEL]
+        self.disable_isolation = self.disable_isolation or labels.get(DISABLE_LABEL) == "true"
 
     def _gpus(self, context) -> list[res.Gpu]:
         gpus = self.source.gpus
@@ -124,8 +141,18 @@ class Plugin(rpc.DevicePluginServicer):
         gpus = self._gpus(context)
         out = []
         for creq in request.container_requests:
+            ids = list(creq.devices_ids)
             try:
-                env = res.allocation(list(creq.devices_ids), gpus, self.unit, disable_isolation=self.disable_isolation)
+                chosen = self.node.assumed(len(ids)) if self.node is not None and ids else None
+                if chosen is not None:  # the scheduler extender chose the GPU(s): that is where it goes
+                    gpu_idx, ns, pod = chosen
+                    log.info("Allocate: %s/%s, assumed on GPU %s by the scheduler extender", ns, pod, gpu_idx)
+                    for dev in ids:
+                        res.gpu_of(dev, gpus, self.unit)  # (still only this node's units)
+                    env = res.environment(gpu_idx, len(ids) // len(gpu_idx), gpus, self.unit,
+                                          disable_isolation=self.disable_isolation)
+                else:
+                    env = res.allocation(ids, gpus, self.unit, disable_isolation=self.disable_isolation)
             except res.AllocationError as exc:
                 log.info("Allocate refused: %s", exc)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -187,9 +214,13 @@ def serve(plugin: Plugin, plugin_dir: str, stop: threading.Event) -> None:
         plugin.stopping.clear()
 
 
-def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, disable_isolation: bool) -> None:
+def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, disable_isolation: bool,
+         node_name: str | None = None) -> None:
     source = Source(socket)
-    plugin = Plugin(source, res.UNITS[unit_name], strategy, disable_isolation)
+    node = NodeApi(node_name)
+    node.say_once()
+    plugin = Plugin(source, res.UNITS[unit_name], strategy, disable_isolation, node)
+    source.on_change = plugin.node_changed
     stop = threading.Event()
     poller = threading.Thread(target=source.run, args=(stop,), daemon=True)
     poller.start()

@@ -103,7 +103,6 @@ def allocation(ids: list[str], gpus: list[Gpu], unit: int, *, disable_isolation:
     if len(set(ids)) != len(ids):
         raise AllocationError("the same device ID was given twice")
     count: dict[int, int] = {}
-    by_index = {g.index: g for g in gpus}
     for dev in ids:
         g = gpu_of(dev, gpus, unit)
         count[g.index] = count.get(g.index, 0) + 1
@@ -111,7 +110,18 @@ def allocation(ids: list[str], gpus: list[Gpu], unit: int, *, disable_isolation:
     if len(per) != 1:
         raise AllocationError(f"units spread unevenly over GPUs {sorted(count)}: a container takes the same "
                               "number of units from each of its GPUs")
-    units = per.pop()
+    return environment(sorted(count), per.pop(), gpus, unit, disable_isolation=disable_isolation)
+
+
+def environment(indices: list[int], units: int, gpus: list[Gpu], unit: int, *,
+                disable_isolation: bool = False) -> dict[str, str]:
+    """The environment of a container of `units` units on each GPU of `indices`, or
+    AllocationError when one of them has not that much unpromised memory."""
+    by_index = {g.index: g for g in gpus}
+    count = {i: units for i in indices}
+    for i in count:
+        if i not in by_index:
+            raise AllocationError(f"no GPU {i} on this node (it has {len(gpus)})")
     for i in count:
         if by_index[i].free_units(unit) < units:
             raise AllocationError(f"GPU {i} has {by_index[i].free_units(unit)} {RESOURCE} units not promised to "
