@@ -14,6 +14,8 @@ done
 if ! python3 -c 'import sys; sys.exit(0 if sys.prefix.startswith("/usr") and not sys.prefix.startswith("/usr/local") else 1)'; then
   missing=("${missing[@]/python3-venv}"); missing=("${missing[@]/python3-dev}")
 fi
+# kubectl (the tests run `kubectl inspect cgpu` through it): Debian's kubernetes-client when none is installed
+command -v kubectl >/dev/null || missing+=(kubernetes-client)
 want=(); for p in "${missing[@]}"; do [ -n "$p" ] && want+=("$p"); done
 if [ ${#want[@]} -gt 0 ]; then
   SUDO=""

@@ -80,7 +80,9 @@ class Kubelet(rpc.RegistrationServicer):
 
     def allocate(self, *containers: list[str]) -> list[dict[str, str]]:
         req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids) for ids in containers])
-        return [dict(r.envs) for r in self.plugin.Allocate(req, timeout=5).container_responses]
+        resp = self.plugin.Allocate(req, timeout=5).container_responses
+        self.mounts = [[(m.host_path, m.container_path, m.read_only) for m in r.mounts] for r in resp]
+        return [dict(r.envs) for r in resp]
 
     # ---- life ------------------------------------------------------------------------
 

@@ -144,8 +144,12 @@ def test_a_pod_started_with_allocates_environment_joins_with_that_memsize(node, 
     registered(kubelet)
     devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     (env,) = kubelet.allocate(kubelet.preferred(sorted(devs), 3))
+    (mounts,) = kubelet.mounts
+    assert mounts == [(os.fspath(d.socket.parent), os.fspath(d.socket.parent), False)], "the daemon's socket directory"
     runc = Runc(tmp_path, template, d.socket)
-    cid = runc.start(runc.bundle(env, ["sleep", "60"]))
+    binds = [{"destination": c, "source": h, "type": "bind", "options": ["rbind", "ro" if ro else "rw"]}
+             for h, c, ro in mounts]
+    cid = runc.start(runc.bundle(env, ["sleep", "60"], mounts=binds))  # exactly Allocate's env and mounts
     try:
         # 3 of the T4's 14 units: the hook gives 3/14 of its memory (gpushare's ALIYUN_COM_GPU_MEM_DEV rule)
         assert d.instances(0) == [cid[:12]]
@@ -246,3 +250,68 @@ def test_publishes_the_node_and_follows_the_extenders_choice_per_container(node_
     (third,) = kubelet.allocate([f"{a10}-_-0"])
     assert third["ALIYUN_COM_GPU_MEM_IDX"] == "1" and third["ALIYUN_COM_GPU_MEM_CONTAINER"] == "1"
     assert sorted(devs) == sorted(kubelet.devices)
+
+
+def test_the_whole_path_extender_plugin_container_tree_and_kubectl(node_with_api, template, tmp_path):  # noqa: F811
+    """A pod asking 3 GiB: the extender binds it to the node and a GPU, the kubelet stand-in's
+    Allocate gives its container env and mounts, a real runc container with exactly those joins
+    the tree with its memsize, and the real `kubectl inspect cgpu` shows it on that GPU."""
+    import json as _json
+    import threading
+    import urllib.request
+
+    from cgpud.k8s import extender
+    from cgpud.k8s.api import connect
+
+    d, api, kubelet = node_with_api
+    registered(kubelet)
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    deadline = time.monotonic() + 10
+    while "cgpu.aliyun.com/gpu-mem-per-device" not in api.nodes["gpu-node-1"]["metadata"]["annotations"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.environ["KUBECONFIG"] = os.fspath(api.kubeconfig)
+    try:
+        server = extender.make_server(extender.State(*connect()), "127.0.0.1", 0)
+    finally:
+        del os.environ["KUBECONFIG"]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api.add_pod("sees3", [3])
+        url = f"http://127.0.0.1:{server.server_address[1]}/gpushare-scheduler/bind"
+        body = _json.dumps({"PodName": "sees3", "PodNamespace": "default", "Node": "gpu-node-1"}).encode()
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST"), timeout=10) as r:
+            assert _json.loads(r.read()) == {"Error": ""}
+    finally:
+        server.shutdown()
+    gpu = int(api.pods[("default", "sees3")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"])
+    assert gpu == 0, "binpack: the T4 (fewer free units) before the A10"
+    (env,) = kubelet.allocate(kubelet.preferred(sorted(devs), 3))
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0"
+    assert api.pods[("default", "sees3")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+    env.pop("CGPU_DISABLE")  # (this node is labelled for no isolation; here the container is isolated)
+    runc = Runc(tmp_path, template, d.socket)
+    binds = [{"destination": c, "source": h, "type": "bind", "options": ["rbind", "rw"]} for h, c, _ in kubelet.mounts[0]]
+    cid = runc.start(runc.bundle(env, ["sleep", "60"], mounts=binds))
+    try:
+        assert d.value(f"0/{cid[:12]}/memsize") == str((15109 << 20) * 3 // 14)
+        api.pods[("default", "sees3")]["status"]["phase"] = "Running"
+        r = subprocess.run([shutil.which("kubectl"), "inspect", "cgpu"], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig),
+                                    PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[1].split() == ["gpu-node-1", "192.168.0.1", f"3/{T4_UNITS}", f"0/{A10_UNITS}",
+                                                    f"3/{T4_UNITS + A10_UNITS}"]
+    finally:
+        runc.cleanup()
+
+
+def test_allocate_while_the_daemon_is_down_says_so(node):
+    d, kubelet, _, _ = node
+    registered(kubelet)
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    d.stop()
+    kubelet.wait_devices(lambda ds: set(ds.values()) == {"Unhealthy"})
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate(sorted(devs)[:1])
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "cgpud does not answer" in err.value.details()

@@ -43,6 +43,8 @@ def cluster(api: ApiServer) -> None:
     api.add_pod("finished", [4], node="cn-beijing.192.168.0.5", phase="Succeeded",
                 annotations={"ALIYUN_COM_GPU_MEM_IDX": "0"})
     api.add_pod("unplaced", [4], phase="Pending")
+    api.add_pod("malformed", [2], node="cn-beijing.192.168.0.4", phase="Running",  # a bad annotation is not counted
+                annotations={"ALIYUN_COM_GPU_MEM_IDX": "one"})
 
 
 def test_kubectl_inspect_cgpu_shows_each_node_and_gpu(api):
@@ -64,7 +66,7 @@ def test_kubectl_inspect_cgpu_details_per_pod(api):
     rows = [ln.split() for ln in r.stdout.splitlines()]
     assert ["binpack-1", "default", "6"] in rows
     assert ["binpack-2", "ml", "0", "5"] in rows
-    assert not any("finished" in row or "unplaced" in row for row in rows)
+    assert not any("finished" in row or "unplaced" in row or "malformed" in row for row in rows)
     assert r.stdout.rstrip().endswith("Allocated/Total GPU Memory In Cluster: 11/52 (21%)")
 
 

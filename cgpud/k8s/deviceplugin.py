@@ -85,6 +85,9 @@ class Plugin(rpc.DevicePluginServicer):
                  disable_isolation: bool = False, node: "NodeApi | None" = None) -> None:
         self.source, self.unit, self.strategy, self.disable_isolation = source, unit, strategy, disable_isolation
         self.node = node  # the API server's side (cgpud.k8s.nodeapi), when there is one
+        # The daemon's socket directory, mounted into each container: `cgpu mem` and the simulated
+        # GPUs' device files work inside it (the in-container library's mounts will join it).
+        self.socket_dir: str | None = os.path.dirname(os.path.abspath(source.socket)) if source.socket else None
         self.stopping = threading.Event()
 
     def node_changed(self, gpus: list[res.Gpu]) -> None:
@@ -157,7 +160,9 @@ class Plugin(rpc.DevicePluginServicer):
                 log.info("Allocate refused: %s", exc)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-            out.append(pb.ContainerAllocateResponse(envs=env))
+            mounts = [pb.Mount(container_path=self.socket_dir, host_path=self.socket_dir, read_only=False)] \
+                if self.socket_dir else []
+            out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts))
         return pb.AllocateResponse(container_responses=out)
 
     def PreStartContainer(self, request, context):
@@ -216,7 +221,9 @@ def serve(plugin: Plugin, plugin_dir: str, stop: threading.Event) -> None:
 
 def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, disable_isolation: bool,
          node_name: str | None = None) -> None:
-    source = Source(socket)
+    from cgpud.state.paths import default_socket
+
+    source = Source(socket or default_socket())
     node = NodeApi(node_name)
     node.say_once()
     plugin = Plugin(source, res.UNITS[unit_name], strategy, disable_isolation, node)
