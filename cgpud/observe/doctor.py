@@ -149,7 +149,7 @@ def check_docker(h: Host) -> Result:
                                       "restart dockerd")
     why = _executable(str(wrapper))
     if why:
-        return Result("docker", FAIL, f"{path}'s runtime cgpu is {why}: run `sudo make install-hooks`")
+        return Result("docker", FAIL, f"{path}'s runtime cgpu is {why}: run `make install-hooks`")
     return Result("docker", OK, f"{path}: --runtime=cgpu runs {wrapper}"
                   + (" (the default runtime)" if conf.get("default-runtime") == "cgpu" else ""))
 
@@ -175,7 +175,7 @@ def check_containerd(h: Host) -> Result:
                                           "run `cgpu runtime-config containerd`, restart containerd")
     why = _executable(str(wrapper))
     if why:
-        return Result("containerd", FAIL, f"{path}'s runtime cgpu is {why}: run `sudo make install-hooks`")
+        return Result("containerd", FAIL, f"{path}'s runtime cgpu is {why}: run `make install-hooks`")
     return Result("containerd", OK, f"{path}: the runtime cgpu runs {wrapper}")
 
 
