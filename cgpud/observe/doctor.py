@@ -123,8 +123,8 @@ def check_hooks_d(h: Host) -> Result:
             why = _executable(str(hook.get("path", "")))
             (broken if why else found).append(f"{path}" + (f" names {why}" if why else ""))
     if broken:
-        return Result("hooks.d", FAIL, f"{broken[0]}: podman skips such a hook silently; run `sudo make "
-                                       "install-hooks` (or fix the path)")
+        return Result("hooks.d", FAIL, f"{broken[0]}: podman skips such a hook silently; run `make "
+                                       "install-hooks` as root (or fix the path)")
     if found:
         return Result("hooks.d", OK, f"{found[0]} names an executable hook")
     if not users:
