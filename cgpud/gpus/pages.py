@@ -1,0 +1,60 @@
+"""The per-container pages the daemon shares with libcgpu (docs/isolation.md),
+in the layout of native/libcgpu/cgpu_page.h (a test compiles the header and
+compares): `limits` (the container's memsize per GPU, read-only to it) and
+`usage` (what its processes hold, per GPU and per process)."""
+from __future__ import annotations
+
+import os
+import struct
+
+MAGIC = 0x55504743  # "CGPU"
+VERSION = 1
+MAX_GPUS = 16
+MAX_PROCS = 256
+LIMITS = struct.Struct(f"<4I{MAX_GPUS}Q")
+PROC = struct.Struct(f"<iI{MAX_GPUS}Q")
+USAGE_HEAD = struct.Struct(f"<2I{MAX_GPUS}Q")
+USAGE_SIZE = USAGE_HEAD.size + MAX_PROCS * PROC.size
+
+
+def create(directory: str, memsizes: list[int]) -> None:
+    """Make a container's pages: its limits (mode 0444) and an empty usage page (0666)."""
+    if not 0 < len(memsizes) <= MAX_GPUS:
+        raise ValueError(f"1 to {MAX_GPUS} GPUs, not {len(memsizes)}")
+    os.makedirs(directory, exist_ok=True)
+    limits = LIMITS.pack(MAGIC, VERSION, len(memsizes), 0, *memsizes, *[0] * (MAX_GPUS - len(memsizes)))
+    _write(os.path.join(directory, "limits"), limits, 0o444)
+    usage = USAGE_HEAD.pack(MAGIC, VERSION, *[0] * MAX_GPUS) + bytes(MAX_PROCS * PROC.size)
+    _write(os.path.join(directory, "usage"), usage, 0o666)
+
+
+def _write(path: str, data: bytes, mode: int) -> None:
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def used(directory: str) -> list[int]:
+    """What the container's processes hold now, per GPU."""
+    with open(os.path.join(directory, "usage"), "rb") as f:
+        head = USAGE_HEAD.unpack(f.read(USAGE_HEAD.size))
+    return list(head[2:])
+
+
+def held_by(directory: str) -> dict[int, list[int]]:
+    """pid -> bytes per GPU, for each process slot in use."""
+    with open(os.path.join(directory, "usage"), "rb") as f:
+        f.seek(USAGE_HEAD.size)
+        raw = f.read(MAX_PROCS * PROC.size)
+    out = {}
+    for k in range(MAX_PROCS):
+        pid, _, *held = PROC.unpack_from(raw, k * PROC.size)
+        if pid > 0:
+            out[pid] = held
+    return out

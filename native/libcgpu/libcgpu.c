@@ -1,0 +1,348 @@
+/*
+ * libcgpu: the in-container interception library (docs/isolation.md), loaded
+ * into a container's processes (LD_PRELOAD or /etc/ld.so.preload).
+ *
+ * This first part holds GPU memory to the container's memsize, to the byte and
+ * across all its processes, and shows memsize as the card:
+ *   - cuMemAlloc_v2 charges the container's usage page BEFORE the real call
+ *     (a compare-and-swap loop: racing processes can never pass memsize),
+ *     allocates, and gives the charge back if the driver fails;
+ *     past memsize: CUDA_ERROR_OUT_OF_MEMORY, nothing allocated;
+ *   - cuMemFree_v2 gives it back, and so does a process's exit; a process
+ *     killed without a chance to is given back by the next process that
+ *     starts (its slot's pid is gone);
+ *   - cuMemGetInfo_v2 -> (memsize - used, memsize), never an error when over;
+ *     cuDeviceTotalMem_v2 -> memsize.
+ * It interposes the exported names, `dlsym` itself (what a client that
+ * dlopens libcuda.so.1 finds), and cuGetProcAddress / _v2 (how CUDA >= 11.3
+ * and NVIDIA's cuda-bindings resolve the driver), wrapping a returned
+ * cuGetProcAddress. The real driver is dlopen'ed: CGPU_REAL_LIBCUDA, else
+ * libcuda.so.1.
+ *
+ * Fail closed: with CGPU_PAGE_DIR set (the container asked for isolation) but
+ * its pages missing, foreign or of another version, cuInit returns
+ * CUDA_ERROR_NOT_INITIALIZED and one line on stderr says why; the process
+ * never runs unisolated. Without CGPU_PAGE_DIR it passes everything through.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cgpu_page.h"
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+enum { CU_OK = 0, CU_OUT_OF_MEMORY = 2, CU_NOT_INITIALIZED = 3 };
+
+typedef CUresult (*init_fn)(unsigned);
+typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
+typedef CUresult (*free_fn)(CUdeviceptr);
+typedef CUresult (*info_fn)(size_t *, size_t *);
+typedef CUresult (*total_fn)(size_t *, CUdevice);
+typedef CUresult (*getproc_fn)(const char *, void **, int, uint64_t);
+typedef CUresult (*getproc2_fn)(const char *, void **, int, uint64_t, int *);
+typedef void *(*dlsym_fn)(void *, const char *);
+
+static struct {
+    void *lib;
+    init_fn init;
+    alloc_fn alloc;
+    free_fn free;
+    info_fn info;
+    total_fn total;
+    getproc_fn getproc;
+    getproc2_fn getproc2;
+} real;
+
+static dlsym_fn real_dlsym;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static const struct cgpu_limits *limits;  /* read-only */
+static struct cgpu_usage *usage;
+static struct cgpu_proc *mine;
+static int asked;          /* CGPU_PAGE_DIR is set: this process must be isolated */
+static char why[8192];     /* why the pages are not usable ("" when they are) */
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { CUdeviceptr ptr; size_t size; } table[8192];
+
+static void *sym(const char *name)
+{
+    return real.lib && real_dlsym ? real_dlsym(real.lib, name) : NULL;
+}
+
+static int alive(int32_t pid)
+{
+    return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH);
+}
+
+/* What a slot's process held back to the container, and the slot free. */
+static void release(struct cgpu_proc *p)
+{
+    for (int g = 0; g < CGPU_MAX_GPUS; g++) {
+        uint64_t held = __atomic_exchange_n(&p->held[g], 0, __ATOMIC_ACQ_REL);
+        if (held)
+            __atomic_sub_fetch(&usage->used[g], held, __ATOMIC_ACQ_REL);
+    }
+    __atomic_store_n(&p->pid, 0, __ATOMIC_RELEASE);
+}
+
+/* A dead process's memory back to the container: clear its slot first (one finder wins). */
+static void reclaim(struct cgpu_proc *p)
+{
+    int32_t pid = __atomic_load_n(&p->pid, __ATOMIC_ACQUIRE);
+    if (pid <= 0 || alive(pid) || !__atomic_compare_exchange_n(&p->pid, &pid, -1, 0, __ATOMIC_ACQ_REL,
+                                                                __ATOMIC_ACQUIRE))
+        return;
+    release(p);
+}
+
+static void *map(const char *dir, const char *name, size_t size, int writable)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(why, sizeof why, "%s: %s", path, strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(fd, &st) || (size_t)st.st_size < size) {
+        snprintf(why, sizeof why, "%s is not a cgpud page (%lld bytes, %zu wanted)", path,
+                 (long long)st.st_size, size);
+        close(fd);
+        return NULL;
+    }
+    void *p = mmap(NULL, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        snprintf(why, sizeof why, "%s: cannot map it: %s", path, strerror(errno));
+        return NULL;
+    }
+    return p;
+}
+
+static void setup(void)
+{
+    real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!real_dlsym)
+        real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    const char *path = getenv("CGPU_REAL_LIBCUDA");
+    real.lib = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    real.init = (init_fn)sym("cuInit");
+    real.alloc = (alloc_fn)sym("cuMemAlloc_v2");
+    real.free = (free_fn)sym("cuMemFree_v2");
+    real.info = (info_fn)sym("cuMemGetInfo_v2");
+    real.total = (total_fn)sym("cuDeviceTotalMem_v2");
+    real.getproc = (getproc_fn)sym("cuGetProcAddress");
+    real.getproc2 = (getproc2_fn)sym("cuGetProcAddress_v2");
+
+    const char *dir = getenv("CGPU_PAGE_DIR");
+    asked = dir && *dir;
+    if (!asked)
+        return;
+    limits = map(dir, "limits", sizeof *limits, 0);
+    if (limits && (limits->magic != CGPU_MAGIC || limits->version != CGPU_VERSION
+                   || limits->ngpus == 0 || limits->ngpus > CGPU_MAX_GPUS)) {
+        snprintf(why, sizeof why, "%s/limits is %s", dir,
+                 limits->magic != CGPU_MAGIC ? "not a cgpud page (foreign magic)"
+                 : limits->version != CGPU_VERSION ? "of another version of cgpud: restart the container"
+                 : "malformed (its GPU count)");
+        limits = NULL;
+    }
+    if (!limits)
+        return;
+    usage = map(dir, "usage", sizeof *usage, 1);
+    if (usage && (usage->magic != CGPU_MAGIC || usage->version != CGPU_VERSION)) {
+        snprintf(why, sizeof why, "%s/usage is not a cgpud usage page of this version", dir);
+        usage = NULL;
+    }
+    if (!usage) {
+        limits = NULL;
+        return;
+    }
+    for (int i = 0; i < CGPU_MAX_PROCS; i++)
+        reclaim(&usage->procs[i]);
+    for (int i = 0; i < CGPU_MAX_PROCS && !mine; i++) {
+        int32_t zero = 0;
+        if (__atomic_compare_exchange_n(&usage->procs[i].pid, &zero, (int32_t)getpid(), 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            mine = &usage->procs[i];
+    }
+    if (!mine) {
+        snprintf(why, sizeof why, "%s/usage has no free process slot (%d processes use the GPU)", dir,
+                 CGPU_MAX_PROCS);
+        limits = NULL;
+        usage = NULL;
+    }
+    why[0] = limits ? 0 : why[0];
+}
+
+/* At exit the driver frees what the process held: so does its page. */
+__attribute__((destructor)) static void give_back(void)
+{
+    if (mine && usage)
+        release(mine);
+}
+
+static int isolated(void)
+{
+    pthread_once(&once, setup);
+    return limits != NULL;
+}
+
+static int current_gpu(void)
+{
+    return 0;  /* one GPU per process context here; the device's ordinal as the container sees it */
+}
+
+CUresult cuInit(unsigned flags)
+{
+    pthread_once(&once, setup);
+    if (asked && !limits) {
+        fprintf(stderr, "cgpu: GPU isolation was asked for but cannot be applied (%s): CUDA is not started\n", why);
+        return CU_NOT_INITIALIZED;
+    }
+    return real.init ? real.init(flags) : CU_NOT_INITIALIZED;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
+{
+    if (!isolated())
+        return asked ? CU_NOT_INITIALIZED : real.alloc ? real.alloc(p, size) : CU_NOT_INITIALIZED;
+    int g = current_gpu();
+    uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
+    do {  /* reserve before the real call: racing processes can never pass memsize together */
+        if (size > cap || used > cap - size)
+            return CU_OUT_OF_MEMORY;
+    } while (!__atomic_compare_exchange_n(&usage->used[g], &used, used + size, 0, __ATOMIC_ACQ_REL,
+                                          __ATOMIC_ACQUIRE));
+    CUresult r = real.alloc(p, size);
+    if (r != CU_OK) {
+        __atomic_sub_fetch(&usage->used[g], size, __ATOMIC_ACQ_REL);
+        return r;
+    }
+    __atomic_add_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
+    pthread_mutex_lock(&table_lock);
+    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+        if (!table[i].ptr) {
+            table[i].ptr = *p;
+            table[i].size = size;
+            break;
+        }
+    pthread_mutex_unlock(&table_lock);
+    return CU_OK;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    if (!isolated())
+        return asked ? CU_NOT_INITIALIZED : real.free ? real.free(p) : CU_NOT_INITIALIZED;
+    CUresult r = real.free(p);
+    if (r != CU_OK)
+        return r;
+    size_t size = 0;
+    pthread_mutex_lock(&table_lock);
+    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+        if (table[i].ptr == p && p) {
+            size = table[i].size;
+            table[i].ptr = 0;
+            break;
+        }
+    pthread_mutex_unlock(&table_lock);
+    int g = current_gpu();
+    if (size) {
+        __atomic_sub_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
+        __atomic_sub_fetch(&usage->used[g], size, __ATOMIC_ACQ_REL);
+    }
+    return CU_OK;
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
+{
+    if (!isolated())
+        return asked ? CU_NOT_INITIALIZED : real.info ? real.info(free_, total_) : CU_NOT_INITIALIZED;
+    int g = current_gpu();
+    size_t f, t;
+    CUresult r = real.info(&f, &t);  /* (the driver must answer: a context exists) */
+    if (r != CU_OK)
+        return r;
+    uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
+    *total_ = cap;
+    *free_ = used >= cap ? 0 : cap - used;  /* never an error when over */
+    if (*free_ > f)
+        *free_ = f;  /* nor more than the card has left */
+    return CU_OK;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
+{
+    if (!isolated())
+        return asked ? CU_NOT_INITIALIZED : real.total ? real.total(bytes, d) : CU_NOT_INITIALIZED;
+    CUresult r = real.total(bytes, d);
+    if (r == CU_OK && d >= 0 && (uint32_t)d < limits->ngpus)
+        *bytes = limits->memsize[d];
+    return r;
+}
+
+/* ---- how clients find the functions -------------------------------------------- */
+
+static void *ours(const char *name)
+{
+    static const struct { const char *name; void *fn; } T[] = {
+        {"cuInit", (void *)cuInit},
+        {"cuMemAlloc", (void *)cuMemAlloc_v2}, {"cuMemAlloc_v2", (void *)cuMemAlloc_v2},
+        {"cuMemFree", (void *)cuMemFree_v2}, {"cuMemFree_v2", (void *)cuMemFree_v2},
+        {"cuMemGetInfo", (void *)cuMemGetInfo_v2}, {"cuMemGetInfo_v2", (void *)cuMemGetInfo_v2},
+        {"cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2}, {"cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2},
+    };
+    for (size_t i = 0; i < sizeof T / sizeof *T; i++)
+        if (!strcmp(name, T[i].name))
+            return T[i].fn;
+    return NULL;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags)
+{
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status)
+{
+    pthread_once(&once, setup);
+    CUresult r = real.getproc2 ? real.getproc2(symbol, pfn, version, flags, status)
+               : real.getproc ? real.getproc(symbol, pfn, version, flags) : CU_NOT_INITIALIZED;
+    if (r != CU_OK || !symbol || !pfn)
+        return r;
+    if (!strcmp(symbol, "cuGetProcAddress"))  /* the one it returns must be ours too */
+        *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
+    else if (ours(symbol))
+        *pfn = ours(symbol);
+    return r;
+}
+
+void *dlsym(void *handle, const char *name)
+{
+    pthread_once(&once, setup);
+    if (!strncmp(name, "cu", 2)) {
+        if (!strcmp(name, "cuGetProcAddress"))
+            return (void *)cuGetProcAddress;
+        if (!strcmp(name, "cuGetProcAddress_v2"))
+            return (void *)cuGetProcAddress_v2;
+        void *fn = ours(name);
+        if (fn && real_dlsym && real_dlsym(handle, name))  /* only where the real driver has it */
+            return fn;
+    }
+    return real_dlsym ? real_dlsym(handle, name) : NULL;
+}

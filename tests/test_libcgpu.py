@@ -1,0 +1,209 @@
+"""libcgpu, the in-container interception library (native/libcgpu), first
+part: GPU memory held to memsize and memsize shown as the card.
+
+No GPU here: a stand-in libcuda.so.1 (native/stubs/libcuda.c, one card shared
+by its processes) is the driver; NVIDIA's own `cuda-bindings` (which finds the
+driver through cuGetProcAddress_v2) and a small C client that uses plain
+dlopen + dlsym are the clients. The container's pages are made as the daemon
+makes them (cgpud.gpus.pages)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+from pathlib import Path
+
+import pytest
+
+from cgpud.gpus import pages
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+V100 = 16160 * MIB
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("libcgpu")
+    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), "stubs", "libcgpu", f"STUBS={d}",
+                        f"LIB={d}"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+@pytest.fixture
+def card(libs, tmp_path):
+    """A V100-sized stand-in card of this test's own, and a container's page directory."""
+    env = {"LD_LIBRARY_PATH": os.fspath(libs), "LD_PRELOAD": os.fspath(libs / "libcgpu.so"),
+           "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"), "CGPU_STUB_CUDA_MIB": str(V100 // MIB),
+           "CGPU_PAGE_DIR": os.fspath(tmp_path / "pages"), "PATH": os.environ["PATH"]}
+    return env, tmp_path / "pages"
+
+
+PRELUDE = """
+import sys
+from cuda.bindings import driver as d
+def ok(r):
+    assert r[0] == d.CUresult.CUDA_SUCCESS, r
+    return r[1:] if len(r) > 2 else (r[1] if len(r) == 2 else None)
+"""
+
+
+def py(env: dict, code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_seed_000s_v100_shows_its_memsize_as_the_card(card):
+    """4 GiB of a 16160 MiB V100 counted as 15 (seed 000): memsize 4309 MiB, what
+    nvidia-smi and TensorFlow show there (totalMemory: 4.21GiB)."""
+    env, dirp = card
+    memsize = V100 * 4 // 15
+    pages.create(os.fspath(dirp), [memsize])
+    r = py(env, """
+        ok(d.cuInit(0)); dev = ok(d.cuDeviceGet(0))
+        total = ok(d.cuDeviceTotalMem(dev)); free, total2 = ok(d.cuMemGetInfo())
+        print(total, free, total2)
+    """)
+    assert r.returncode == 0, r.stderr
+    total, free, total2 = map(int, r.stdout.split())
+    assert total == total2 == free == memsize
+    assert total // MIB == 4309 and f"{total / (1 << 30):.2f}" == "4.21"
+
+
+def test_allocations_fit_to_the_byte_and_fail_one_byte_past(card):
+    env, dirp = card
+    pages.create(os.fspath(dirp), [64 * MIB])
+    r = py(env, """
+        ok(d.cuInit(0))
+        a = ok(d.cuMemAlloc(64 * 2**20 - 100))
+        e = d.cuMemAlloc(101)[0]
+        b = ok(d.cuMemAlloc(100))
+        free, total = ok(d.cuMemGetInfo())
+        ok(d.cuMemFree(a))
+        after = ok(d.cuMemGetInfo())
+        print(e == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY, free, total, after[0])
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "0", str(64 * MIB), str(64 * MIB - 100)]
+    assert pages.used(os.fspath(dirp))[0] == 0, "every process's memory is given back when it ends"
+
+
+def test_racing_processes_never_pass_memsize_together(card):
+    """Four processes allocate 1 MiB pieces at once until refused: together they hold
+    exactly memsize, never a byte more, and the card agrees."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [200 * MIB])
+    code = """
+        import os
+        ok(d.cuInit(0)); n = 0
+        while d.cuMemAlloc(2**20)[0] == d.CUresult.CUDA_SUCCESS:
+            n += 1
+        print(n, flush=True)
+        sys.stdin.read()  # hold it until told
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
+    counts = [int(p.stdout.readline()) for p in procs]
+    assert sum(counts) == 200, counts
+    assert pages.used(os.fspath(dirp))[0] == 200 * MIB
+    state = int.from_bytes((Path(env["CGPU_STUB_CUDA_STATE"])).read_bytes()[:8], "little")
+    assert state == 200 * MIB, "the card holds what the page says"
+    for p in procs:
+        p.communicate("", timeout=30)
+
+
+def test_a_killed_processs_memory_comes_back(card):
+    env, dirp = card
+    pages.create(os.fspath(dirp), [100 * MIB])
+    holder = subprocess.Popen([sys.executable, "-c", PRELUDE + "ok(d.cuInit(0)); ok(d.cuMemAlloc(60 * 2**20));"
+                               "print('held', flush=True); import time; time.sleep(60)"],
+                              env=env, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    assert pages.used(os.fspath(dirp))[0] == 60 * MIB
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    r = py(env, "ok(d.cuInit(0)); print(ok(d.cuMemGetInfo())[0])")
+    assert r.returncode == 0 and int(r.stdout) == 100 * MIB, r.stderr + r.stdout
+    assert pages.used(os.fspath(dirp))[0] == 0 and holder.pid not in pages.held_by(os.fspath(dirp))
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("missing", "No such file or directory"),
+    ("magic", "foreign magic"),
+    ("version", "another version of cgpud"),
+    ("short", "is not a cgpud page"),
+])
+def test_asked_for_isolation_but_no_usable_page_fails_closed(card, damage, words):
+    env, dirp = card
+    if damage != "missing":
+        pages.create(os.fspath(dirp), [MIB])
+        limits = dirp / "limits"
+        raw = bytearray(limits.read_bytes())
+        limits.chmod(0o644)
+        if damage == "magic":
+            raw[0:4] = b"XXXX"
+        elif damage == "version":
+            raw[4:8] = (99).to_bytes(4, "little")
+        else:
+            raw = raw[:10]
+        limits.write_bytes(bytes(raw))
+    r = py(env, "print(d.cuInit(0)[0] == d.CUresult.CUDA_ERROR_NOT_INITIALIZED)")
+    assert r.stdout.strip() == "True", r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cgpu: GPU isolation was asked for but cannot be applied")
+    assert words in lines[0]
+
+
+def test_a_process_not_asking_for_isolation_sees_the_whole_card(card):
+    env, _ = card
+    env = {k: v for k, v in env.items() if k != "CGPU_PAGE_DIR"}
+    r = py(env, "ok(d.cuInit(0)); print(ok(d.cuDeviceTotalMem(ok(d.cuDeviceGet(0)))))")
+    assert r.returncode == 0 and int(r.stdout) == V100, r.stderr
+
+
+C_CLIENT = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+typedef int (*i_t)(unsigned); typedef int (*a_t)(unsigned long long *, size_t); typedef int (*t_t)(size_t *, int);
+int main(void) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!h) { puts("no libcuda"); return 2; }
+    i_t init = (i_t)dlsym(h, "cuInit"); a_t alloc = (a_t)dlsym(h, "cuMemAlloc_v2");
+    t_t total = (t_t)dlsym(h, "cuDeviceTotalMem_v2");
+    unsigned long long p; size_t t;
+    if (init(0)) return 3;
+    total(&t, 0);
+    int fit = alloc(&p, 8 << 20);
+    int past = alloc(&p, 1);
+    printf("%zu %d %d\n", t, fit, past);
+    return 0;
+}
+"""
+
+
+def test_a_c_client_with_plain_dlsym_is_held_too(card, tmp_path):
+    env, dirp = card
+    pages.create(os.fspath(dirp), [8 * MIB])
+    (tmp_path / "client.c").write_text(C_CLIENT)
+    r = subprocess.run(["gcc", "-o", os.fspath(tmp_path / "client"), os.fspath(tmp_path / "client.c"), "-ldl"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([os.fspath(tmp_path / "client")], env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert r.stdout.split() == [str(8 * MIB), "0", "2"], "8 MiB fit; one byte more is CUDA_ERROR_OUT_OF_MEMORY (2)"
+
+
+def test_the_python_layout_is_the_headers(tmp_path):
+    prog = tmp_path / "sizes.c"
+    prog.write_text('#include <stdio.h>\n#include <stddef.h>\n#include "cgpu_page.h"\n'
+                    'int main(void){printf("%zu %zu %zu %zu\\n", sizeof(struct cgpu_limits), sizeof(struct cgpu_usage),'
+                    ' offsetof(struct cgpu_usage, procs), sizeof(struct cgpu_proc)); return 0;}\n')
+    r = subprocess.run(["gcc", f"-I{ROOT / 'native' / 'libcgpu'}", "-o", os.fspath(tmp_path / "sizes"),
+                        os.fspath(prog)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = subprocess.run([os.fspath(tmp_path / "sizes")], capture_output=True, text=True).stdout.split()
+    assert list(map(int, out)) == [pages.LIMITS.size, pages.USAGE_SIZE, pages.USAGE_HEAD.size, pages.PROC.size]
