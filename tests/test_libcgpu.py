@@ -207,3 +207,26 @@ def test_the_python_layout_is_the_headers(tmp_path):
     assert r.returncode == 0, r.stderr
     out = subprocess.run([os.fspath(tmp_path / "sizes")], capture_output=True, text=True).stdout.split()
     assert list(map(int, out)) == [pages.LIMITS.size, pages.USAGE_SIZE, pages.USAGE_HEAD.size, pages.PROC.size]
+
+
+def test_nvml_shows_memsize_and_the_containers_usage(card, libs, tmp_path):
+    """What nvidia-smi reads: nvmlDeviceGetMemoryInfo and _v2, through NVIDIA's nvidia-ml-py."""
+    from nvml_stub import NvmlStub, StubGpu
+
+    env, dirp = card
+    stub = NvmlStub(libs, tmp_path / "nvml.conf")
+    stub.gpus = [StubGpu("GPU-5e4b1c2a-0000-4000-8000-000000000001", "Tesla V100-SXM2-16GB", V100, used=3 << 30)]
+    stub.write()
+    memsize = V100 * 4 // 15
+    pages.create(os.fspath(dirp), [memsize])
+    r = py({**env, "CGPU_NVML_STUB": os.fspath(stub.config)}, """
+        import pynvml
+        ok(d.cuInit(0)); ok(d.cuMemAlloc(100 * 2**20))
+        pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        m = pynvml.nvmlDeviceGetMemoryInfo(h); m2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+        print(m.total, m.used, m.free, m2.total, m2.used, m2.free)
+    """)
+    assert r.returncode == 0, r.stderr
+    total, used, free, total2, used2, free2 = map(int, r.stdout.split())
+    assert (total, used, free) == (memsize, 100 * MIB, memsize - 100 * MIB) == (total2, used2, free2)
+    assert total // MIB == 4309

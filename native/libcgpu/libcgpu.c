@@ -12,7 +12,9 @@
  *     killed without a chance to is given back by the next process that
  *     starts (its slot's pid is gone);
  *   - cuMemGetInfo_v2 -> (memsize - used, memsize), never an error when over;
- *     cuDeviceTotalMem_v2 -> memsize.
+ *     cuDeviceTotalMem_v2 -> memsize; nvmlDeviceGetMemoryInfo and _v2 ->
+ *     total memsize, used the container's usage, free the rest (nvidia-smi);
+ *     the real NVML is CGPU_REAL_LIBNVML, else libnvidia-ml.so.1.
  * It interposes the exported names, `dlsym` itself (what a client that
  * dlopens libcuda.so.1 finds), and cuGetProcAddress / _v2 (how CUDA >= 11.3
  * and NVIDIA's cuda-bindings resolve the driver), wrapping a returned
@@ -53,6 +55,11 @@ typedef CUresult (*total_fn)(size_t *, CUdevice);
 typedef CUresult (*getproc_fn)(const char *, void **, int, uint64_t);
 typedef CUresult (*getproc2_fn)(const char *, void **, int, uint64_t, int *);
 typedef void *(*dlsym_fn)(void *, const char *);
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
+typedef int (*nvml_mem_fn)(void *, nvmlMemory_t *);
+typedef int (*nvml_mem2_fn)(void *, nvmlMemory_v2_t *);
+typedef int (*nvml_index_fn)(void *, unsigned int *);
 
 static struct {
     void *lib;
@@ -63,6 +70,10 @@ static struct {
     total_fn total;
     getproc_fn getproc;
     getproc2_fn getproc2;
+    void *nvml;
+    nvml_mem_fn nvml_mem;
+    nvml_mem2_fn nvml_mem2;
+    nvml_index_fn nvml_index;
 } real;
 
 static dlsym_fn real_dlsym;
@@ -145,6 +156,13 @@ static void setup(void)
     real.total = (total_fn)sym("cuDeviceTotalMem_v2");
     real.getproc = (getproc_fn)sym("cuGetProcAddress");
     real.getproc2 = (getproc2_fn)sym("cuGetProcAddress_v2");
+    const char *npath = getenv("CGPU_REAL_LIBNVML");
+    real.nvml = dlopen(npath && *npath ? npath : "libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (real.nvml && real_dlsym) {
+        real.nvml_mem = (nvml_mem_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo");
+        real.nvml_mem2 = (nvml_mem2_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo_v2");
+        real.nvml_index = (nvml_index_fn)real_dlsym(real.nvml, "nvmlDeviceGetIndex");
+    }
 
     const char *dir = getenv("CGPU_PAGE_DIR");
     asked = dir && *dir;
@@ -294,6 +312,49 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
     return r;
 }
 
+/* ---- NVML: what nvidia-smi and NVML clients see ------------------------------------ */
+
+enum { NVML_OK = 0, NVML_UNINITIALIZED = 1, NVML_NOT_SUPPORTED = 3, NVML_UNKNOWN = 999 };
+
+/* total = memsize, used = the container's usage, free = the rest (never negative) */
+static int nvml_view(void *dev, unsigned long long *total, unsigned long long *free_, unsigned long long *used_)
+{
+    unsigned int idx;
+    if (!real.nvml_index || real.nvml_index(dev, &idx) != NVML_OK || idx >= limits->ngpus)
+        return 0;
+    uint64_t cap = limits->memsize[idx], used = __atomic_load_n(&usage->used[idx], __ATOMIC_ACQUIRE);
+    *total = cap;
+    *used_ = used > cap ? cap : used;
+    *free_ = cap - *used_;
+    return 1;
+}
+
+int nvmlDeviceGetMemoryInfo(void *dev, nvmlMemory_t *mem)
+{
+    pthread_once(&once, setup);
+    if (asked && !limits)
+        return NVML_UNKNOWN;
+    if (!real.nvml_mem)
+        return NVML_NOT_SUPPORTED;
+    int r = real.nvml_mem(dev, mem);
+    if (r == NVML_OK && limits)
+        nvml_view(dev, &mem->total, &mem->free, &mem->used);
+    return r;
+}
+
+int nvmlDeviceGetMemoryInfo_v2(void *dev, nvmlMemory_v2_t *mem)
+{
+    pthread_once(&once, setup);
+    if (asked && !limits)
+        return NVML_UNKNOWN;
+    if (!real.nvml_mem2)
+        return NVML_NOT_SUPPORTED;
+    int r = real.nvml_mem2(dev, mem);
+    if (r == NVML_OK && limits && nvml_view(dev, &mem->total, &mem->free, &mem->used))
+        mem->reserved = 0;
+    return r;
+}
+
 /* ---- how clients find the functions -------------------------------------------- */
 
 static void *ours(const char *name)
@@ -304,6 +365,8 @@ static void *ours(const char *name)
         {"cuMemFree", (void *)cuMemFree_v2}, {"cuMemFree_v2", (void *)cuMemFree_v2},
         {"cuMemGetInfo", (void *)cuMemGetInfo_v2}, {"cuMemGetInfo_v2", (void *)cuMemGetInfo_v2},
         {"cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2}, {"cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2},
+        {"nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo},
+        {"nvmlDeviceGetMemoryInfo_v2", (void *)nvmlDeviceGetMemoryInfo_v2},
     };
     for (size_t i = 0; i < sizeof T / sizeof *T; i++)
         if (!strcmp(name, T[i].name))
@@ -335,7 +398,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
 void *dlsym(void *handle, const char *name)
 {
     pthread_once(&once, setup);
-    if (!strncmp(name, "cu", 2)) {
+    if (!strncmp(name, "cu", 2) || !strncmp(name, "nvmlDeviceGetMemoryInfo", 23)) {
         if (!strcmp(name, "cuGetProcAddress"))
             return (void *)cuGetProcAddress;
         if (!strcmp(name, "cuGetProcAddress_v2"))

@@ -241,6 +241,32 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(void *dev, nvmlMemory_t *mem) {
     return NVML_SUCCESS;
 }
 
+typedef struct {
+    unsigned int version;
+    unsigned long long total, reserved, free, used;
+} nvmlMemory_v2_t;
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(void *dev, nvmlMemory_v2_t *mem) {
+    nvmlMemory_t m;
+    nvmlReturn_t rc = nvmlDeviceGetMemoryInfo(dev, &m);
+    if (rc != NVML_SUCCESS)
+        return rc;
+    mem->total = m.total;
+    mem->reserved = 0;
+    mem->free = m.free;
+    mem->used = m.used;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(void *dev, unsigned int *index) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, "nvmlDeviceGetIndex", &rc);
+    if (!g)
+        return rc;
+    *index = (unsigned int)(g - cfg.gpus);
+    return NVML_SUCCESS;
+}
+
 nvmlReturn_t nvmlDeviceGetUtilizationRates(void *dev, nvmlUtilization_t *util) {
     nvmlReturn_t rc;
     struct gpu *g = device(dev, "nvmlDeviceGetUtilizationRates", &rc);
