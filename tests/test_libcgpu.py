@@ -230,3 +230,27 @@ def test_nvml_shows_memsize_and_the_containers_usage(card, libs, tmp_path):
     total, used, free, total2, used2, free2 = map(int, r.stdout.split())
     assert (total, used, free) == (memsize, 100 * MIB, memsize - 100 * MIB) == (total2, used2, free2)
     assert total // MIB == 4309
+
+
+def test_every_allocator_is_held_to_memsize_and_given_back(card):
+    """Pitched, managed, stream-ordered and array allocations count against the
+    same memsize, fail past it, and come back at their frees."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [16 * MIB])
+    r = py(env, """
+        OOM = d.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        ok(d.cuInit(0)); s = ok(d.cuStreamCreate(0))
+        p, pitch = ok(d.cuMemAllocPitch(1000, 4096, 4))          # 1024-byte rows: 4 MiB
+        m = ok(d.cuMemAllocManaged(4 * 2**20, 1))
+        a = ok(d.cuMemAllocAsync(4 * 2**20, s))
+        desc = d.CUDA_ARRAY_DESCRIPTOR(); desc.Width = 2**20; desc.Height = 1
+        desc.Format = d.CUarray_format.CU_AD_FORMAT_FLOAT; desc.NumChannels = 1
+        arr = ok(d.cuArrayCreate(desc))                            # 4 MiB
+        full = ok(d.cuMemGetInfo())
+        refused = [d.cuMemAllocManaged(1, 1)[0] == OOM, d.cuMemAllocAsync(1, s)[0] == OOM,
+                   d.cuArrayCreate(desc)[0] == OOM, d.cuMemAllocPitch(1, 1, 1)[0] == OOM]
+        ok(d.cuMemFree(p)); ok(d.cuMemFree(m)); ok(d.cuMemFreeAsync(a, s)); ok(d.cuArrayDestroy(arr))
+        print(pitch, full[0], all(refused), ok(d.cuMemGetInfo())[0])
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1024", "0", "True", str(16 * MIB)]

@@ -4,11 +4,14 @@
  *
  * This first part holds GPU memory to the container's memsize, to the byte and
  * across all its processes, and shows memsize as the card:
- *   - cuMemAlloc_v2 charges the container's usage page BEFORE the real call
+ *   - every allocator here — cuMemAlloc_v2, cuMemAllocPitch_v2 (charged for
+ *     512-byte rows), cuMemAllocManaged, cuMemAllocAsync, cuArrayCreate_v2 —
+ *     charges the container's usage page BEFORE the real call
  *     (a compare-and-swap loop: racing processes can never pass memsize),
  *     allocates, and gives the charge back if the driver fails;
  *     past memsize: CUDA_ERROR_OUT_OF_MEMORY, nothing allocated;
- *   - cuMemFree_v2 gives it back, and so does a process's exit; a process
+ *   - cuMemFree_v2, cuMemFreeAsync and cuArrayDestroy give it back, and so
+ *     does a process's exit; a process
  *     killed without a chance to is given back by the next process that
  *     starts (its slot's pid is gone);
  *   - cuMemGetInfo_v2 -> (memsize - used, memsize), never an error when over;
@@ -53,6 +56,11 @@ typedef CUresult (*free_fn)(CUdeviceptr);
 typedef CUresult (*info_fn)(size_t *, size_t *);
 typedef CUresult (*total_fn)(size_t *, CUdevice);
 typedef CUresult (*getproc_fn)(const char *, void **, int, uint64_t);
+typedef CUresult (*pitch_fn)(CUdeviceptr *, size_t *, size_t, size_t, unsigned);
+typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned);
+typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
+typedef CUresult (*free_async_fn)(CUdeviceptr, void *);
+typedef CUresult (*array_fn)(CUdeviceptr *, const void *);
 typedef CUresult (*getproc2_fn)(const char *, void **, int, uint64_t, int *);
 typedef void *(*dlsym_fn)(void *, const char *);
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
@@ -70,6 +78,12 @@ static struct {
     total_fn total;
     getproc_fn getproc;
     getproc2_fn getproc2;
+    pitch_fn pitch;
+    managed_fn managed;
+    alloc_async_fn alloc_async;
+    free_async_fn free_async;
+    array_fn array;
+    free_fn array_free;
     void *nvml;
     nvml_mem_fn nvml_mem;
     nvml_mem2_fn nvml_mem2;
@@ -84,6 +98,9 @@ static struct cgpu_proc *mine;
 static int asked;          /* CGPU_PAGE_DIR is set: this process must be isolated */
 static char why[8192];     /* why the pages are not usable ("" when they are) */
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+/* >0 while this thread is inside the real driver: a driver that calls its own exported
+ * functions (through its PLT, so through ours) must not be charged twice. */
+static __thread int in_driver;
 static struct { CUdeviceptr ptr; size_t size; } table[8192];
 
 static void *sym(const char *name)
@@ -156,6 +173,12 @@ static void setup(void)
     real.total = (total_fn)sym("cuDeviceTotalMem_v2");
     real.getproc = (getproc_fn)sym("cuGetProcAddress");
     real.getproc2 = (getproc2_fn)sym("cuGetProcAddress_v2");
+    real.pitch = (pitch_fn)sym("cuMemAllocPitch_v2");
+    real.managed = (managed_fn)sym("cuMemAllocManaged");
+    real.alloc_async = (alloc_async_fn)sym("cuMemAllocAsync");
+    real.free_async = (free_async_fn)sym("cuMemFreeAsync");
+    real.array = (array_fn)sym("cuArrayCreate_v2");
+    real.array_free = (free_fn)sym("cuArrayDestroy");
     const char *npath = getenv("CGPU_REAL_LIBNVML");
     real.nvml = dlopen(npath && *npath ? npath : "libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     if (real.nvml && real_dlsym) {
@@ -233,56 +256,159 @@ CUresult cuInit(unsigned flags)
     return real.init ? real.init(flags) : CU_NOT_INITIALIZED;
 }
 
-CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
+/* Reserve `size` on GPU g before the driver is asked: racing processes can never pass memsize together. */
+static int reserve(int g, size_t size)
 {
-    if (!isolated())
-        return asked ? CU_NOT_INITIALIZED : real.alloc ? real.alloc(p, size) : CU_NOT_INITIALIZED;
-    int g = current_gpu();
     uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
-    do {  /* reserve before the real call: racing processes can never pass memsize together */
+    do {
         if (size > cap || used > cap - size)
-            return CU_OUT_OF_MEMORY;
+            return 0;
     } while (!__atomic_compare_exchange_n(&usage->used[g], &used, used + size, 0, __ATOMIC_ACQ_REL,
                                           __ATOMIC_ACQUIRE));
-    CUresult r = real.alloc(p, size);
-    if (r != CU_OK) {
-        __atomic_sub_fetch(&usage->used[g], size, __ATOMIC_ACQ_REL);
-        return r;
-    }
+    return 1;
+}
+
+static void refund(int g, size_t size)
+{
+    __atomic_sub_fetch(&usage->used[g], size, __ATOMIC_ACQ_REL);
+}
+
+/* The driver gave it: this process holds it, and its size is kept for the free. */
+static void commit(int g, CUdeviceptr key, size_t size)
+{
     __atomic_add_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
     pthread_mutex_lock(&table_lock);
     for (size_t i = 0; i < sizeof table / sizeof *table; i++)
         if (!table[i].ptr) {
-            table[i].ptr = *p;
+            table[i].ptr = key;
             table[i].size = size;
             break;
         }
     pthread_mutex_unlock(&table_lock);
-    return CU_OK;
 }
 
-CUresult cuMemFree_v2(CUdeviceptr p)
+/* Freed: what it held comes back (nothing for a pointer we never saw). */
+static void forget(CUdeviceptr key)
 {
-    if (!isolated())
-        return asked ? CU_NOT_INITIALIZED : real.free ? real.free(p) : CU_NOT_INITIALIZED;
-    CUresult r = real.free(p);
-    if (r != CU_OK)
-        return r;
     size_t size = 0;
     pthread_mutex_lock(&table_lock);
     for (size_t i = 0; i < sizeof table / sizeof *table; i++)
-        if (table[i].ptr == p && p) {
+        if (table[i].ptr == key && key) {
             size = table[i].size;
             table[i].ptr = 0;
             break;
         }
     pthread_mutex_unlock(&table_lock);
-    int g = current_gpu();
     if (size) {
+        int g = current_gpu();
         __atomic_sub_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
-        __atomic_sub_fetch(&usage->used[g], size, __ATOMIC_ACQ_REL);
+        refund(g, size);
     }
-    return CU_OK;
+}
+
+/* An allocation of `size` bytes done by `call` (the real driver's), held to memsize. */
+#define CHARGED(size, key, call)                                                        \
+    do {                                                                                 \
+        int g_ = current_gpu();                                                          \
+        if (!reserve(g_, (size)))                                                        \
+            return CU_OUT_OF_MEMORY;                                                     \
+        in_driver++;                                                                     \
+        CUresult r_ = (call);                                                            \
+        in_driver--;                                                                     \
+        if (r_ != CU_OK) {                                                               \
+            refund(g_, (size));                                                          \
+            return r_;                                                                   \
+        }                                                                                \
+        commit(g_, (key), (size));                                                       \
+        return CU_OK;                                                                    \
+    } while (0)
+
+#define PASS_THROUGH(fn, ...)                                                                      \
+    do {                                                                                           \
+        if (in_driver)                                                                             \
+            return (fn) ? (fn)(__VA_ARGS__) : CU_NOT_INITIALIZED;                                  \
+        if (!isolated())                                                                           \
+            return asked ? CU_NOT_INITIALIZED : (fn) ? (fn)(__VA_ARGS__) : CU_NOT_INITIALIZED;     \
+    } while (0)
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
+{
+    PASS_THROUGH(real.alloc, p, size);
+    CHARGED(size, *p, real.alloc(p, size));
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    PASS_THROUGH(real.free, p);
+    in_driver++;
+    CUresult r = real.free(p);
+    in_driver--;
+    if (r == CU_OK)
+        forget(p);
+    return r;
+}
+
+/* Pitched: the driver picks the pitch; charged for the widest it picks (512-byte rows). */
+CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, size_t height, unsigned elem)
+{
+    PASS_THROUGH(real.pitch, p, pitch, width, height, elem);
+    size_t size = ((width + 511) & ~(size_t)511) * height;
+    CHARGED(size, *p, real.pitch(p, pitch, width, height, elem));
+}
+
+/* Managed (unified) memory escapes the real product's isolation; here it is counted (SPEC §3). */
+CUresult cuMemAllocManaged(CUdeviceptr *p, size_t size, unsigned flags)
+{
+    PASS_THROUGH(real.managed, p, size, flags);
+    CHARGED(size, *p, real.managed(p, size, flags));
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, void *stream)
+{
+    PASS_THROUGH(real.alloc_async, p, size, stream);
+    CHARGED(size, *p, real.alloc_async(p, size, stream));
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr p, void *stream)
+{
+    PASS_THROUGH(real.free_async, p, stream);
+    in_driver++;
+    CUresult r = real.free_async(p, stream);
+    in_driver--;
+    if (r == CU_OK)
+        forget(p);
+    return r;
+}
+
+typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } array_desc;
+
+static size_t format_bytes(int f)
+{
+    switch (f) {
+    case 0x01: case 0x08: return 1;
+    case 0x02: case 0x09: case 0x10: return 2;
+    default: return 4;
+    }
+}
+
+CUresult cuArrayCreate_v2(CUdeviceptr *h, const array_desc *d)
+{
+    PASS_THROUGH(real.array, h, d);
+    if (!d)
+        return real.array(h, d);
+    size_t size = d->Width * (d->Height ? d->Height : 1) * format_bytes(d->Format) * (d->NumChannels ? d->NumChannels : 1);
+    CHARGED(size, *h, real.array(h, d));
+}
+
+CUresult cuArrayDestroy(CUdeviceptr h)
+{
+    PASS_THROUGH(real.array_free, h);
+    in_driver++;
+    CUresult r = real.array_free(h);
+    in_driver--;
+    if (r == CU_OK)
+        forget(h);
+    return r;
 }
 
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
@@ -365,6 +491,11 @@ static void *ours(const char *name)
         {"cuMemFree", (void *)cuMemFree_v2}, {"cuMemFree_v2", (void *)cuMemFree_v2},
         {"cuMemGetInfo", (void *)cuMemGetInfo_v2}, {"cuMemGetInfo_v2", (void *)cuMemGetInfo_v2},
         {"cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2}, {"cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2},
+        {"cuMemAllocPitch", (void *)cuMemAllocPitch_v2}, {"cuMemAllocPitch_v2", (void *)cuMemAllocPitch_v2},
+        {"cuMemAllocManaged", (void *)cuMemAllocManaged},
+        {"cuMemAllocAsync", (void *)cuMemAllocAsync}, {"cuMemFreeAsync", (void *)cuMemFreeAsync},
+        {"cuArrayCreate", (void *)cuArrayCreate_v2}, {"cuArrayCreate_v2", (void *)cuArrayCreate_v2},
+        {"cuArrayDestroy", (void *)cuArrayDestroy},
         {"nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo},
         {"nvmlDeviceGetMemoryInfo_v2", (void *)nvmlDeviceGetMemoryInfo_v2},
     };

@@ -7,7 +7,10 @@
  * It answers what the CUDA driver API's clients need to allocate and ask about
  * memory: cuInit, versions, one device, contexts, cuMemAlloc_v2 / cuMemFree_v2
  * (fake device pointers, sizes kept per process), cuMemGetInfo_v2,
- * cuDeviceTotalMem_v2, error names, and cuGetProcAddress / _v2 by name.
+ * cuDeviceTotalMem_v2, pitched, managed and stream-ordered allocations, arrays,
+ * streams, error names, and cuGetProcAddress / _v2 by name. Its other allocators
+ * call its own exported cuMemAlloc_v2 (through the PLT, so through an interposer):
+ * libcgpu must not charge such a nested call twice.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -123,6 +126,38 @@ CUresult cuMemFree_v2(CUdeviceptr p)
         }
     return INVALID_VALUE;
 }
+CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, size_t height, unsigned elem)
+{
+    (void)elem;
+    if (!pitch) return INVALID_VALUE;
+    *pitch = (width + 511) & ~(size_t)511;
+    return cuMemAlloc_v2(p, *pitch * height);
+}
+CUresult cuMemAllocManaged(CUdeviceptr *p, size_t size, unsigned flags) { (void)flags; return cuMemAlloc_v2(p, size); }
+typedef void *CUstream;
+CUresult cuStreamCreate(CUstream *s, unsigned flags) { (void)flags; *s = (CUstream)0x2; return inited ? OK : NOT_INITIALIZED; }
+CUresult cuStreamDestroy_v2(CUstream s) { (void)s; return OK; }
+CUresult cuStreamSynchronize(CUstream s) { (void)s; return OK; }
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return cuMemAlloc_v2(p, size); }
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return cuMemFree_v2(p); }
+
+typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR;
+static size_t format_bytes(int f)
+{
+    switch (f) {
+    case 0x01: case 0x08: return 1;   /* (UNSIGNED|SIGNED)_INT8 */
+    case 0x02: case 0x09: case 0x10: return 2;   /* INT16, HALF */
+    default: return 4;                 /* INT32, FLOAT, ... */
+    }
+}
+CUresult cuArrayCreate_v2(CUdeviceptr *h, const CUDA_ARRAY_DESCRIPTOR *d)
+{
+    if (!d || !h) return INVALID_VALUE;
+    size_t bytes = d->Width * (d->Height ? d->Height : 1) * format_bytes(d->Format) * (d->NumChannels ? d->NumChannels : 1);
+    return cuMemAlloc_v2(h, bytes);
+}
+CUresult cuArrayDestroy(CUdeviceptr h) { return cuMemFree_v2(h); }
+
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
 {
     uint64_t used;
@@ -150,6 +185,11 @@ static const struct { const char *name; void *fn; } TABLE[] = {
     {"cuCtxSynchronize", (void *)cuCtxSynchronize}, {"cuMemAlloc", (void *)cuMemAlloc_v2},
     {"cuMemFree", (void *)cuMemFree_v2}, {"cuMemGetInfo", (void *)cuMemGetInfo_v2},
     {"cuGetErrorName", (void *)cuGetErrorName}, {"cuGetErrorString", (void *)cuGetErrorString},
+    {"cuMemAllocPitch", (void *)cuMemAllocPitch_v2}, {"cuMemAllocManaged", (void *)cuMemAllocManaged},
+    {"cuStreamCreate", (void *)cuStreamCreate}, {"cuStreamDestroy", (void *)cuStreamDestroy_v2},
+    {"cuStreamSynchronize", (void *)cuStreamSynchronize}, {"cuMemAllocAsync", (void *)cuMemAllocAsync},
+    {"cuMemFreeAsync", (void *)cuMemFreeAsync}, {"cuArrayCreate", (void *)cuArrayCreate_v2},
+    {"cuArrayDestroy", (void *)cuArrayDestroy},
 };
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
