@@ -323,6 +323,17 @@ static void forget(CUdeviceptr key)
         return CU_OK;                                                                    \
     } while (0)
 
+/* A free done by `call`: what `key` held comes back once the driver has let it go. */
+#define RELEASED(key, call)              \
+    do {                                 \
+        in_driver++;                     \
+        CUresult r_ = (call);            \
+        in_driver--;                     \
+        if (r_ == CU_OK)                 \
+            forget(key);                 \
+        return r_;                       \
+    } while (0)
+
 #define PASS_THROUGH(fn, ...)                                                                      \
     do {                                                                                           \
         if (in_driver)                                                                             \
@@ -340,12 +351,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
 CUresult cuMemFree_v2(CUdeviceptr p)
 {
     PASS_THROUGH(real.free, p);
-    in_driver++;
-    CUresult r = real.free(p);
-    in_driver--;
-    if (r == CU_OK)
-        forget(p);
-    return r;
+    RELEASED(p, real.free(p));
 }
 
 /* Pitched: the driver picks the pitch; charged for the widest it picks (512-byte rows). */
@@ -372,12 +378,7 @@ CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, void *stream)
 CUresult cuMemFreeAsync(CUdeviceptr p, void *stream)
 {
     PASS_THROUGH(real.free_async, p, stream);
-    in_driver++;
-    CUresult r = real.free_async(p, stream);
-    in_driver--;
-    if (r == CU_OK)
-        forget(p);
-    return r;
+    RELEASED(p, real.free_async(p, stream));
 }
 
 typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } array_desc;
@@ -403,12 +404,7 @@ CUresult cuArrayCreate_v2(CUdeviceptr *h, const array_desc *d)
 CUresult cuArrayDestroy(CUdeviceptr h)
 {
     PASS_THROUGH(real.array_free, h);
-    in_driver++;
-    CUresult r = real.array_free(h);
-    in_driver--;
-    if (r == CU_OK)
-        forget(h);
-    return r;
+    RELEASED(h, real.array_free(h));
 }
 
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
