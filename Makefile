@@ -14,12 +14,13 @@ test: setup
 bench: setup
 	.venv/bin/python bench/tree_ops.py
 
-# The container hook and the runtime wrapper where the shipped configs name them
+# The container hook, the runtime wrapper and the in-container library where the shipped configs name them
 # (deploy/hooks.d/cgpu-hook.json: /usr/local/libexec/cgpu-hook; Docker and containerd:
 # /usr/local/bin/cgpu-runtime). As root; DESTDIR=/some/root stages them there instead.
 install-hooks: setup
 	install -d $(DESTDIR)/usr/local/libexec $(DESTDIR)/usr/local/bin
 	$(MAKE) -s -C native BIN=$(abspath $(DESTDIR)/usr/local/libexec)
 	ln -sfn /usr/local/libexec/cgpu-runtime $(DESTDIR)/usr/local/bin/cgpu-runtime
-	@echo "install-hooks: $(DESTDIR)/usr/local/libexec/cgpu-hook and $(DESTDIR)/usr/local/bin/cgpu-runtime"
+	$(MAKE) -s -C native libcgpu LIB=$(abspath $(DESTDIR)/usr/local/lib/cgpu)
+	@echo "install-hooks: $(DESTDIR)/usr/local/libexec/cgpu-hook, $(DESTDIR)/usr/local/bin/cgpu-runtime, $(DESTDIR)/usr/local/lib/cgpu/libcgpu.so"
 

@@ -254,3 +254,70 @@ def test_every_allocator_is_held_to_memsize_and_given_back(card):
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1024", "0", "True", str(16 * MIB)]
+
+
+# ---- in a container: cgpu-runtime puts the library and the pages in ------------------------------
+
+MOUNT_CLIENT = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+typedef int (*i_t)(unsigned); typedef int (*a_t)(unsigned long long *, size_t); typedef int (*t_t)(size_t *, int);
+int main(void) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!h) { printf("no libcuda: %s\n", dlerror()); return 2; }
+    i_t init = (i_t)dlsym(h, "cuInit"); a_t alloc = (a_t)dlsym(h, "cuMemAlloc_v2");
+    t_t total = (t_t)dlsym(h, "cuDeviceTotalMem_v2");
+    unsigned long long p; size_t t = 0;
+    int r = init(0);
+    if (r) { printf("cuInit %d\n", r); return 3; }
+    total(&t, 0);
+    int fit = alloc(&p, t);
+    int past = alloc(&p, 1);
+    printf("%zu %d %d %s\n", t, fit, past, getenv("CGPU_PAGE_DIR"));
+    return 0;
+}
+"""
+
+
+def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(make_daemon, libs, tmp_path):
+    """cgpu-runtime in front of real runc: the daemon's `prepare` makes the container's pages and
+    mounts the library and them; the hook fills its memsize; the container's own process (a C
+    client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it."""
+    import json
+
+    from test_runc import compiled_hook
+    from test_runtime import wrapper
+
+    d = make_daemon(extra_args=["--hook-path", compiled_hook(), "--libcgpu", os.fspath(libs / "libcgpu.so")])
+    share = tmp_path / "share"
+    (share / "lib").mkdir(parents=True)
+    subprocess.run(["cp", os.fspath(libs / "libcuda.so.1"), os.fspath(share / "lib" / "libcuda.so.1")], check=True)
+    (tmp_path / "client.c").write_text(MOUNT_CLIENT)
+    subprocess.run(["gcc", "-o", os.fspath(share / "client"), os.fspath(tmp_path / "client.c"), "-ldl"], check=True)
+    rootfs = tmp_path / "rootfs"
+    for sub in ("usr", "proc", "dev", "sys", "run", "tmp", "share"):
+        (rootfs / sub).mkdir(parents=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        os.symlink(f"usr/{link}", rootfs / link)
+    subprocess.run(["runc", "spec", "--bundle", os.fspath(tmp_path)], check=True)
+    spec = json.loads((tmp_path / "config.json").read_text())
+    spec["root"] = {"path": os.fspath(rootfs), "readonly": False}
+    spec["process"].update(terminal=False, args=["/share/client"], env=[
+        "PATH=/usr/bin", "LD_LIBRARY_PATH=/share/lib", "CGPU_STUB_CUDA_STATE=/share/card",
+        "ALIYUN_COM_GPU_MEM_CONTAINER=1"])
+    spec["mounts"] += [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
+                       {"destination": "/share", "type": "bind", "source": os.fspath(share), "options": ["rbind", "rw"]}]
+    (tmp_path / "config.json").write_text(json.dumps(spec))
+    cid = "cafe" + os.urandom(30).hex()
+    env = {"PATH": os.environ["PATH"], "CGPUD_SOCKET": os.fspath(d.socket)}
+    root = ["--root", os.fspath(tmp_path / "runc-root")]
+    r = subprocess.run([wrapper(), *root, "run", "--bundle", os.fspath(tmp_path), cid], capture_output=True,
+                       text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
+    subprocess.run([wrapper(), *root, "delete", "-f", cid], capture_output=True, env=env, timeout=30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.split() == [str(1 << 30), "0", "2", "/run/cgpu"], r.stdout + r.stderr
+    prepared = json.loads((tmp_path / "config.json").read_text())
+    mounts = {m["destination"]: m for m in prepared["mounts"]}
+    assert mounts["/run/cgpu/limits"]["options"] == ["bind", "ro"], "only usage is writable by the container"
+    assert not (d.socket.parent / "pages" / cid[:12]).exists(), "its pages went with it"

@@ -8,7 +8,7 @@ import click
 import trio
 
 from cgpud import __version__
-from cgpud.containers.spec import DEFAULT_HOOK_PATH
+from cgpud.containers.spec import DEFAULT_HOOK_PATH, DEFAULT_LIBCGPU
 from cgpud.daemon.errors import StartError
 from cgpud.daemon.foreground import in_terminal, relay
 from cgpud.daemon.main import Config, serve as serve_daemon
@@ -66,11 +66,13 @@ def main() -> None:
               help="Where Prometheus metrics are served (HOST:PORT, port 0 = any free one); `off` for none.")
 @click.option("--hook-path", default=DEFAULT_HOOK_PATH, show_default=True, envvar="CGPUD_HOOK_PATH",
               help="The compiled OCI hook that cgpu-runtime puts into the containers it prepares (Docker, containerd).")
+@click.option("--libcgpu", default=DEFAULT_LIBCGPU, show_default=True, envvar="CGPUD_LIBCGPU",
+              help="The in-container library cgpu-runtime mounts into the containers it prepares (when it exists).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, dev_dir: str,
           rt_priority: int, slice_ms: float, placement: str, mode: str, mem_action: str, mps_control: str | None,
-          mps_pipe_dir: str | None, metrics_addr: str, hook_path: str, log_level: str) -> None:
+          mps_pipe_dir: str | None, metrics_addr: str, hook_path: str, libcgpu: str, log_level: str) -> None:
     """Mount the tree and serve it until SIGTERM or SIGINT."""
     setup_logging(log_level)
     if dev_dir is None:
@@ -78,7 +80,8 @@ def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, s
     cfg = Config(gpus=gpus, mount=mountpoint, state_dir=state_dir, admin_group=admin_group, socket=socket_path,
                  dev_dir=dev_dir, rt_priority=rt_priority, slice_ms=slice_ms,
                  placement=placement, mode=mode, mem_action=mem_action, mps_control=mps_control,
-                 mps_pipe_dir=mps_pipe_dir, metrics_addr=metrics_addr, hook_path=hook_path)
+                 mps_pipe_dir=mps_pipe_dir, metrics_addr=metrics_addr, hook_path=hook_path,
+                 libcgpu=libcgpu)
     try:
         status = trio.run(serve_daemon, cfg)
     except StartError as exc:

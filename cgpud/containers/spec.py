@@ -10,8 +10,11 @@ as once):
   with the daemon's socket in its environment: the container then joins
   exactly as one started by runc or podman with hooks.d does.
 
-The in-container library (issue 12) will be one more modifier here: its
-mounts and environment.
+- `add_library`: the in-container library (docs/isolation.md) and the
+  container's pages: the library read-only at LIB_IN_CONTAINER, preloaded
+  (LD_PRELOAD), the pages' directory at PAGES_IN_CONTAINER with its `limits`
+  file mounted again read-only over it (only `usage` is writable), and
+  CGPU_PAGE_DIR naming them — only when the daemon has a library to give.
 
 `Hooks` says where the hook is and which socket it talks to; the daemon's
 `--hook-path` and `--socket` (docs/containers.md).
@@ -29,10 +32,17 @@ class SpecError(ValueError):
     """The spec cannot be prepared; str() is one line."""
 
 
+DEFAULT_LIBCGPU = "/usr/local/lib/cgpu/libcgpu.so"  # where make install-hooks puts it
+LIB_IN_CONTAINER = "/run/cgpu-lib/libcgpu.so"  # (under /run: a mount point any image can take)
+PAGES_IN_CONTAINER = "/run/cgpu"
+
+
 @dataclass(frozen=True)
 class Hooks:
     path: str = DEFAULT_HOOK_PATH
     socket: str | None = None  # the daemon's control socket, for the hook's environment
+    library: str | None = None  # libcgpu.so on the host (None: no in-container library)
+    pages: str | None = None  # this container's pages directory on the host
 
 
 def _entry(hooks: Hooks, stage: str) -> dict:
@@ -62,7 +72,35 @@ def add_hooks(spec: dict, hooks: Hooks) -> dict:
     return out
 
 
-MODIFIERS = (add_hooks,)
+def _env_set(env: list, name: str, value: str) -> list:
+    return [e for e in env if not (isinstance(e, str) and e.startswith(name + "="))] + [f"{name}={value}"]
+
+
+def add_library(spec: dict, hooks: Hooks) -> dict:
+    """libcgpu and the container's pages, when the daemon has them; once."""
+    if not hooks.library or not hooks.pages:
+        return spec
+    out = dict(spec)
+    mounts = [m for m in spec.get("mounts") or [] if not (isinstance(m, dict) and m.get("destination") in
+                                                          (LIB_IN_CONTAINER, PAGES_IN_CONTAINER,
+                                                           PAGES_IN_CONTAINER + "/limits"))]
+    out["mounts"] = mounts + [
+        {"destination": LIB_IN_CONTAINER, "type": "bind", "source": hooks.library, "options": ["rbind", "ro"]},
+        {"destination": PAGES_IN_CONTAINER, "type": "bind", "source": hooks.pages, "options": ["rbind", "rw"]},
+        {"destination": PAGES_IN_CONTAINER + "/limits", "type": "bind", "source": hooks.pages + "/limits",
+         "options": ["bind", "ro"]},
+    ]
+    process = dict(spec.get("process") or {})
+    env = list(process.get("env") or [])
+    preload = next((e.partition("=")[2] for e in env if isinstance(e, str) and e.startswith("LD_PRELOAD=")), "")
+    if LIB_IN_CONTAINER not in preload.split():
+        env = _env_set(env, "LD_PRELOAD", f"{LIB_IN_CONTAINER} {preload}".strip())
+    process["env"] = _env_set(env, "CGPU_PAGE_DIR", PAGES_IN_CONTAINER)
+    out["process"] = process
+    return out
+
+
+MODIFIERS = (add_hooks, add_library)
 
 
 def prepare(spec: dict, hooks: Hooks) -> dict:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 
 from cgpud.containers import hookd
 from cgpud.control.protocol import Peer, Refused
 from cgpud.core.model import ModelError, errno_of
+from cgpud.gpus import pages
 
 log = logging.getLogger("cgpud")
 
@@ -50,6 +52,13 @@ class Hooks:
             code = exc.code if isinstance(exc, Refused) else errno_of(exc)
             raise hookd.HookError(f"cannot register {name} on GPU {','.join(map(str, plan['gpus']))}: {exc} "
                                   f"({errno.errorcode[code]})", code) from None
+        where = os.path.join(self.pages_dir, name)
+        if os.path.isdir(where):  # prepared by cgpu-runtime: the limits the container's library reads
+            try:
+                pages.fill(where, [i["memsize"] for i in result["instances"]])
+            except (OSError, ValueError) as exc:
+                self.deregister({"name": name, "container": cid}, peer)
+                raise hookd.HookError(f"cannot write the GPU isolation pages of {name} in {where}: {exc}") from None
         return {"action": "registered", "container": cid, **result}
 
     def _leave(self, cid: str, name: str, peer: Peer) -> dict:
@@ -59,6 +68,7 @@ class Hooks:
             if exc.code == errno.ENOENT:
                 return {"action": "nothing", "name": name}  # never registered, or another container's
             raise
+        pages.remove(os.path.join(self.pages_dir, name))
         return {"action": "deregistered", "container": cid, **result}
 
     async def load_hook(self, req: dict, peer: Peer) -> dict:

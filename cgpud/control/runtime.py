@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 from typing import Any
 
 import trio
@@ -25,6 +26,7 @@ from cgpud.containers.envspec import MEM_CONTAINER, EnvError, parse_env
 from cgpud.containers.placement import PlacementError, resolve, states_from_node, unit_for
 from cgpud.control.protocol import Peer, Refused
 from cgpud.core.model import ModelError
+from cgpud.gpus import pages
 
 log = logging.getLogger("cgpud")
 
@@ -62,8 +64,12 @@ class Runtime:
         env = hookd.env_of(config)
         if not self._check(env).managed:
             return {"action": "left alone", "id": cid}
+        library = self.library if self.library and os.path.isfile(self.library) else None
+        where = os.path.join(self.pages_dir, hookd.short_name(cid)) if library else None
+        if where is not None:  # the pages' files must exist before the runtime mounts them
+            await self._in_thread(_make_pages, cid, where, what=f"making {where}")
         try:
-            new = spec.prepare(config, spec.Hooks(self.hook_path, self.socket_path))
+            new = spec.prepare(config, spec.Hooks(self.hook_path, self.socket_path, library, where))
         except spec.SpecError as exc:
             raise hookd.HookError(f"container {cid}: {exc}") from None
         if new == config:
@@ -99,3 +105,11 @@ class Runtime:
         if isinstance(result, hookd.HookError):
             raise result
         return result
+
+
+def _make_pages(cid: str, where: str) -> None:
+    try:
+        pages.prepare(where)
+    except OSError as exc:
+        raise hookd.HookError(f"container {cid}: cannot make its GPU isolation pages in {where}: {exc.strerror}",
+                              exc.errno or errno.EIO) from None

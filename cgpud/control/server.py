@@ -60,10 +60,16 @@ class Control(Views, Instances, Hooks, Runtime, Memory):
         client_env: Callable[[str], dict] | None = None,
         hook_path: str = DEFAULT_HOOK_PATH,
         socket_path: str | None = None,
+        library: str | None = None,
+        pages_dir: str | None = None,
     ) -> None:
         self.durable = durable
         # cgpu-runtime's `prepare` writes these into a container's hooks (containers.spec)
         self.hook_path, self.socket_path = hook_path, socket_path
+        # the in-container library it puts in prepared containers (if the file is there), and where
+        # each container's pages are kept (docs/isolation.md)
+        self.library = library
+        self.pages_dir = pages_dir or os.path.join(os.path.dirname(socket_path or "/run/cgpud/cgpud.sock"), "pages")
         self.client_env = client_env  # mps mode: the environment an instance's processes need (cgpud/gpus/mps.py)
         self.watchdog = None  # real GPUs: the memory watchdog (cgpud/gpus/memwatch.py), set by the daemon
         self._stats = stats

@@ -62,6 +62,7 @@ class Config:
     mps_pipe_dir: str | None = None  # --mode mps: CUDA_MPS_PIPE_DIRECTORY for the daemon and clients
     metrics_addr: str | None = None  # HOST:PORT; None or "off": no metrics
     hook_path: str | None = None  # the OCI hook cgpu-runtime's `prepare` puts in containers (None: the default)
+    libcgpu: str | None = None  # the in-container library cgpu-runtime's `prepare` mounts (if the file exists)
     successor: int | None = None  # set by serve: after a hot upgrade, the pid of the daemon that serves now
 
 
@@ -360,7 +361,8 @@ async def _serve(cfg: Config) -> int:
                 durable, cfg.socket,
                 (lambda: _scheduling(node, durable, cfg, devices)) if schedules else None, ops.refresh,
                 admin_gid=gid, devices=devices, strategy=cfg.placement, mode=cfg.mode,
-                client_env=mps.client_env if mps is not None else None, hook_path=cfg.hook_path)
+                client_env=mps.client_env if mps is not None else None, hook_path=cfg.hook_path,
+                library=cfg.libcgpu)
             exit_status = 0
 
             def cold_stop() -> None:

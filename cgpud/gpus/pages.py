@@ -58,3 +58,44 @@ def held_by(directory: str) -> dict[int, list[int]]:
         if pid > 0:
             out[pid] = held
     return out
+
+
+def prepare(directory: str) -> None:
+    """A container's pages before it exists (cgpu-runtime's `prepare`): the files
+    its mounts need, the limits not yet valid (magic 0: libcgpu refuses them)
+    until `fill` writes them at the hook, in place, so the container's mount of
+    the same file sees them."""
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    if not os.path.exists(os.path.join(directory, "limits")):
+        _write(os.path.join(directory, "limits"), bytes(LIMITS.size), 0o444)
+    if not os.path.exists(os.path.join(directory, "usage")):
+        usage = USAGE_HEAD.pack(MAGIC, VERSION, *[0] * MAX_GPUS) + bytes(MAX_PROCS * PROC.size)
+        _write(os.path.join(directory, "usage"), usage, 0o666)
+
+
+def fill(directory: str, memsizes: list[int]) -> None:
+    """The limits the daemon decided, written into the existing file: memsizes first, the magic last."""
+    if not 0 < len(memsizes) <= MAX_GPUS:
+        raise ValueError(f"1 to {MAX_GPUS} GPUs, not {len(memsizes)}")
+    data = LIMITS.pack(MAGIC, VERSION, len(memsizes), 0, *memsizes, *[0] * (MAX_GPUS - len(memsizes)))
+    fd = os.open(os.path.join(directory, "limits"), os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.pwrite(fd, data[4:], 4)
+        os.fsync(fd)
+        os.pwrite(fd, data[:4], 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove(directory: str) -> None:
+    for name in ("limits", "usage"):
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass
+
