@@ -144,8 +144,12 @@ def test_kill_9_during_writes_churn_and_workloads(make_daemon):
             s = SocketChurn(str(d.socket), sock_state == "exists")
             w.start()
             s.start()
-            time.sleep(rng.uniform(0.05, 0.4))
-            frozen_seen += any(frozen(p) for p in groups.values())
+            until = time.monotonic() + rng.uniform(0.05, 0.4)  # the kill comes at a random moment;
+            seen = False                                        # meanwhile, is a workload held frozen?
+            while time.monotonic() < until:
+                seen = seen or any(frozen(p) for p in groups.values())
+                time.sleep(0.005)
+            frozen_seen += seen
             d.kill9()
             # the guard thaws what the dead daemon froze
             left = wait_thawed(groups.values())
