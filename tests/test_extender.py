@@ -115,3 +115,48 @@ def test_a_pod_that_no_longer_fits_is_not_bound(ext):
     code, res = call(url, "/bind", {"PodName": "big", "PodNamespace": "default", "Node": "t4"})
     assert code == 400 and "no GPU with 7 free" in res["Error"]
     assert api.bindings == []
+
+
+def test_concurrent_binds_never_overfill_a_gpu(ext):
+    """kube-scheduler binds concurrently: 16 binds at once for 7 pods' worth of room bind exactly 7."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api, url = ext
+    nodes(api)
+    names = [f"c{k:02d}" for k in range(16)]
+    for name in names:
+        api.add_pod(name, [5])
+
+    def bind(name):
+        return call(url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "mixed"})[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(bind, names))
+    assert sorted(codes) == [200] * 7 + [400] * 9, codes  # GPU 0: 3 × 5 of 15; GPU 1: 4 × 5 of 22
+    on = {}
+    for name in names:
+        ann = api.pods[("default", name)]["metadata"]["annotations"]
+        if "ALIYUN_COM_GPU_MEM_IDX" in ann:
+            on[ann["ALIYUN_COM_GPU_MEM_IDX"]] = on.get(ann["ALIYUN_COM_GPU_MEM_IDX"], 0) + 5
+    assert on == {"0": 15, "1": 20} and len(api.bindings) == 7
+
+
+def test_a_binding_the_api_server_refuses_leaves_no_annotation(ext):
+    api, url = ext
+    nodes(api)
+    api.add_pod("elsewhere", [2], node="spread")  # already bound: the Binding is a 409
+    api.pods[("default", "elsewhere")]["spec"]["nodeName"] = "spread"
+    code, res = call(url, "/bind", {"PodName": "elsewhere", "PodNamespace": "default", "Node": "mixed"})
+    assert code == 502 and "409" in res["Error"] and "already assigned to node spread" in res["Error"], res
+    ann = api.pods[("default", "elsewhere")]["metadata"]["annotations"]
+    assert not any(k.startswith("ALIYUN_COM_GPU_MEM") for k in ann), ann
+    assert call(url, "/inspect/mixed")[1]["nodes"][0]["allocated"] == 0
+
+
+def test_bind_of_a_recreated_pod_is_refused(ext):
+    api, url = ext
+    nodes(api)
+    api.add_pod("again", [2])
+    code, res = call(url, "/bind", {"PodName": "again", "PodNamespace": "default", "PodUID": "an-older-uid",
+                                    "Node": "mixed"})
+    assert code == 400 and "recreated" in res["Error"] and api.bindings == []

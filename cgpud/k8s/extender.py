@@ -42,6 +42,7 @@ class State:
     def __init__(self, api, raw) -> None:
         self.api, self.raw = api, raw
         self.lock = threading.Lock()
+        self.binding = threading.Lock()  # one bind at a time: read, choose, annotate, bind
         self.at = -1e9
         self.nodes: dict[str, dict] = {}
         self.pods: list[dict] = []
@@ -110,17 +111,27 @@ def filter_nodes(state: State, args: dict) -> dict:
 
 
 def bind(state: State, args: dict) -> dict:
-    from kubernetes.client import V1Binding, V1ObjectMeta, V1ObjectReference
-
     name, ns, node_name = args.get("PodName"), args.get("PodNamespace"), args.get("Node")
     if not all(isinstance(x, str) and x for x in (name, ns, node_name)):
         raise BadRequest("ExtenderBindingArgs needs PodName, PodNamespace and Node")
+    # kube-scheduler binds pods concurrently: two binds choosing from the same free units would
+    # over-fill a GPU, so a bind reads, chooses, annotates and binds alone.
+    with state.binding:
+        return _bind(state, name, ns, node_name, args.get("PodUID"))
+
+
+def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> dict:
+    from kubernetes.client import V1Binding, V1ObjectMeta, V1ObjectReference
+    from kubernetes.client.exceptions import ApiException
+
     state.refresh(force=True)
     if node_name not in state.nodes:
         raise BadRequest(f"node {node_name} is not known to the API server")
     pod = next((p for p in state.pods if p["metadata"]["name"] == name and p["metadata"]["namespace"] == ns), None)
     if pod is None:
         raise BadRequest(f"pod {ns}/{name} is not known to the API server")
+    if uid and pod["metadata"].get("uid") not in (None, uid):
+        raise BadRequest(f"pod {ns}/{name} is not the pod with UID {uid} any more (it was recreated)")
     need = cluster.pod_units(pod)
     patch = {}
     if need > 0:
@@ -130,9 +141,17 @@ def bind(state: State, args: dict) -> dict:
             raise BadRequest(f"node {node_name} has no GPU with {need} free {cluster.RESOURCE} any more")
         patch = cluster.assume_annotations(gpus, need, min(units[i] for i in gpus))
         state.api.patch_namespaced_pod(name, ns, {"metadata": {"annotations": patch}})
-    body = V1Binding(metadata=V1ObjectMeta(name=name, namespace=ns, uid=args.get("PodUID")),
+    body = V1Binding(metadata=V1ObjectMeta(name=name, namespace=ns, uid=uid),
                      target=V1ObjectReference(kind="Node", name=node_name, api_version="v1"))
-    state.api.create_namespaced_binding(ns, body, _preload_content=False)
+    try:
+        state.api.create_namespaced_binding(ns, body, _preload_content=False)
+    except ApiException:
+        if patch:  # not bound: take the choice back, so no GPU counts units for a pod that is not there
+            try:
+                state.api.patch_namespaced_pod(name, ns, {"metadata": {"annotations": dict.fromkeys(patch)}})
+            except ApiException as exc:
+                log.warning("bind of %s/%s failed and its annotations could not be removed (%s)", ns, name, exc)
+        raise
     with state.lock:  # what was just assumed counts before the next read
         pod["metadata"].setdefault("annotations", {}).update(patch)
         pod.setdefault("spec", {})["nodeName"] = node_name
@@ -164,12 +183,14 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
         def _answer(self, fn, *args) -> None:
             from kubernetes.client.exceptions import ApiException
 
+            from cgpud.k8s.api import refusal
+
             try:
                 self._send(200, fn(state, *args))
             except BadRequest as exc:
                 self._send(400, {"Error": str(exc)})
             except ApiException as exc:
-                self._send(502, {"Error": f"the API server refused: {exc.status} {exc.reason}"})
+                self._send(502, {"Error": refusal(exc)})
             except Exception as exc:  # noqa: BLE001 - one request's failure, said, never the server's
                 log.exception("extender request failed")
                 self._send(500, {"Error": f"internal error: {exc}"})
