@@ -213,7 +213,8 @@ def node_with_api(make_daemon, tmp_path):
     kubelet = Kubelet(os.fspath(plugin_dir))
     log = open(tmp_path / "plugin.log", "wb")
     proc = subprocess.Popen([CGPU, "--socket", os.fspath(d.socket), "device-plugin", "--plugin-dir",
-                             os.fspath(plugin_dir)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             os.fspath(plugin_dir), "--node-refresh", "0.2"], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
                             env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="gpu-node-1"))
     yield d, api, kubelet
     proc.terminate()
@@ -315,3 +316,106 @@ def test_allocate_while_the_daemon_is_down_says_so(node):
     with pytest.raises(grpc.RpcError) as err:
         kubelet.allocate(sorted(devs)[:1])
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "cgpud does not answer" in err.value.details()
+
+
+def wait_for(pred, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.05)
+
+
+def published(api) -> None:
+    wait_for(lambda: "cgpu.aliyun.com/gpu-mem-per-device" in api.nodes["gpu-node-1"]["metadata"]["annotations"],
+             "the node was not published")
+
+
+def test_a_gpu_the_daemon_loses_goes_unhealthy_alone_and_comes_back(node):
+    """The daemon restarted with the A10 gone: only the A10's units are Unhealthy; back, all Healthy."""
+    d, kubelet, _, _ = node
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    t4, a10 = uuids(d)
+    d.stop()
+    d.gpus = "sim:1xT4"
+    (d.state_dir / "state.json").unlink()  # (its state names both GPUs: the daemon would refuse it)
+    d.start()
+    devs = kubelet.wait_devices(lambda ds: ds.get(f"{a10}-_-0") == "Unhealthy" and ds.get(f"{t4}-_-0") == "Healthy")
+    assert {dev for dev, h in devs.items() if h == "Unhealthy"} == {f"{a10}-_-{j}" for j in range(A10_UNITS)}
+    with pytest.raises(grpc.RpcError) as err:  # the lost GPU's units are not allocated
+        kubelet.allocate([f"{a10}-_-0"])
+    assert "is not one of this node's" in err.value.details()
+    d.stop()
+    d.gpus = "sim:1xT4,1xA10"
+    (d.state_dir / "state.json").unlink()
+    d.start()
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS and set(ds.values()) == {"Healthy"})
+
+
+def test_the_nodes_labels_are_followed_while_it_runs(node_with_api):
+    d, api, kubelet = node_with_api
+    registered(kubelet)
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    published(api)
+    t4, a10 = uuids(d)
+    assert kubelet.allocate([f"{t4}-_-0"])[0]["CGPU_DISABLE"] == "true"
+    assert {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {t4}, "binpack by default"
+    labels = api.nodes["gpu-node-1"]["metadata"]["labels"]
+    labels["ack.node.gpu.placement"] = "spread"
+    del labels["cgpu.disable.isolation"]
+    wait_for(lambda: {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {a10},
+             "spread: the GPU with the most free units")
+    assert "CGPU_DISABLE" not in kubelet.allocate([f"{t4}-_-0"])[0], "the label is gone: isolated again"
+
+
+def test_allocate_when_the_api_server_is_down_refuses_and_gives_nothing_away(node_with_api):
+    d, api, kubelet = node_with_api
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    published(api)
+    t4, _ = uuids(d)
+    api.add_pod("waits", [2], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_POD": "2", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    api.failing = True
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "cannot ask the API server which GPU the scheduler extender chose (" in err.value.details()
+    assert "503" in err.value.details()
+    api.failing = False
+    (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "1", "the extender's choice, still there"
+    assert api.pods[("default", "waits")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+
+
+def test_an_extenders_choice_that_cannot_be_met_is_refused_and_kept(node_with_api):
+    """A choice that cannot be met now (the GPU filled outside Kubernetes, a GPU the node lacks) is a
+    gRPC error with the reason; the pod is not marked assigned, and its choice is taken once it can be."""
+    d, api, kubelet = node_with_api
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    published(api)
+    t4, _ = uuids(d)
+    from cgpud.client import Client
+
+    api.add_pod("nogpu7", [1], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "7", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate([f"{t4}-_-0"])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no GPU 7 on this node" in err.value.details()
+    del api.pods[("default", "nogpu7")]
+    api.add_pod("full", [4], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "0", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "2"})
+    with Client(os.fspath(d.socket)) as c:
+        c.call("register", name="outside00002", gpus=[0], memsize=12 << 30)
+        time.sleep(1.5)  # the plugin asks the daemon every second
+        with pytest.raises(grpc.RpcError) as err:
+            kubelet.allocate([f"{t4}-_-{j}" for j in range(4)])
+        assert "GPU 0 has 2 aliyun.com/gpu-mem units not promised" in err.value.details()
+        assert api.pods[("default", "full")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+        c.call("deregister", name="outside00002")
+    time.sleep(1.5)
+    (env,) = kubelet.allocate([f"{t4}-_-{j}" for j in range(4)])
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0" and env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
+    assert api.pods[("default", "full")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"

@@ -33,3 +33,11 @@ def refusal(exc) -> str:
     except (ValueError, AttributeError, TypeError):
         message = ""
     return f"the API server refused: {exc.status} {exc.reason}" + (f": {message}" if message else "")
+
+
+def one_line(exc: BaseException) -> str:
+    """What went wrong talking to the API server, in one line."""
+    if hasattr(exc, "status") and hasattr(exc, "reason") and hasattr(exc, "body"):
+        return refusal(exc)
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
