@@ -419,3 +419,19 @@ def test_an_extenders_choice_that_cannot_be_met_is_refused_and_kept(node_with_ap
     (env,) = kubelet.allocate([f"{t4}-_-{j}" for j in range(4)])
     assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0" and env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
     assert api.pods[("default", "full")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+
+
+def test_preferred_allocation_takes_the_units_of_the_gpu_the_extender_chose(node_with_api):
+    """So the kubelet's count of each GPU's units stays true: binpack alone would take the T4's."""
+    d, api, kubelet = node_with_api
+    registered(kubelet)
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    published(api)
+    t4, a10 = uuids(d)
+    assert {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {t4}
+    api.add_pod("ona10", [3], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    picked = kubelet.preferred(sorted(devs), 3)
+    assert {p.rpartition("-_-")[0] for p in picked} == {a10}
+    (env,) = kubelet.allocate(picked)
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "1" and env["NVIDIA_VISIBLE_DEVICES"] == a10

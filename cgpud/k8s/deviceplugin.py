@@ -161,13 +161,31 @@ class Plugin(rpc.DevicePluginServicer):
         gpus = self._gpus(context)
         out = []
         for creq in request.container_requests:
+            available, must = list(creq.available_deviceIDs), list(creq.must_include_deviceIDs)
             try:
-                ids = res.preferred(list(creq.available_deviceIDs), list(creq.must_include_deviceIDs),
-                                    creq.allocation_size, gpus, self.unit, self.strategy)
+                ids = self._extenders_units(available, must, creq.allocation_size, gpus) \
+                    or res.preferred(available, must, creq.allocation_size, gpus, self.unit, self.strategy)
             except res.AllocationError as exc:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             out.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return pb.PreferredAllocationResponse(container_responses=out)
+
+    def _extenders_units(self, available: list[str], must: list[str], size: int, gpus: list[res.Gpu]) -> list[str]:
+        """The kubelet's units on the GPU(s) the scheduler extender chose for this container, when
+        it chose and they are free: so the kubelet counts each GPU's units as they are really used
+        (gpushare takes the GPU from the annotation and leaves the kubelet counting others). [] when
+        there is no such choice, or the API server cannot be asked now (Allocate will say)."""
+        try:
+            choice = self.node.assumed(size, reserve=False) if self.node is not None else None
+        except Unreachable:
+            return []
+        if choice is None or size % len(choice.gpus):
+            return []
+        try:
+            return res.preferred(available, must, size, gpus, self.unit, self.strategy, count=len(choice.gpus),
+                                 only=choice.gpus)
+        except res.AllocationError:
+            return []
 
     def Allocate(self, request, context):
         gpus = self._gpus(context)

@@ -81,10 +81,11 @@ class NodeApi:
             return None
         return (node.get("metadata") or {}).get("labels") or {}
 
-    def assumed(self, units: int) -> "Choice | None":
+    def assumed(self, units: int, reserve: bool = True) -> "Choice | None":
         """The extender's choice for a container of `units` units on this node, reserved until
         `confirm` (the container got it) or `release` (Allocate failed after all); None when there is
-        no extender's choice to follow; Unreachable when the API server cannot be asked."""
+        no extender's choice to follow; Unreachable when the API server cannot be asked.
+        `reserve=False` only looks (GetPreferredAllocation, which comes before Allocate)."""
         if not self.usable:
             return None
         try:
@@ -113,8 +114,10 @@ class NodeApi:
             _, pod, idx, n = min(candidates, key=lambda c: c[0])
             meta = pod["metadata"]
             uid = meta.get("uid", "")
-            self.given[uid] = self.given.get(uid, 0) + 1
-            return Choice(idx, meta["namespace"], meta["name"], uid, last=self.given[uid] == n)
+            done = self.given.get(uid, 0) + 1
+            if reserve:
+                self.given[uid] = done
+            return Choice(idx, meta["namespace"], meta["name"], uid, last=done == n)
 
     def release(self, choice: "Choice") -> None:
         with self.lock:

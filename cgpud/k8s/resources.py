@@ -72,9 +72,10 @@ def gpu_of(dev: str, gpus: list[Gpu], unit: int) -> Gpu:
 
 
 def preferred(available: list[str], must: list[str], size: int, gpus: list[Gpu], unit: int,
-              strategy: str = "binpack", count: int = 1) -> list[str]:
+              strategy: str = "binpack", count: int = 1, only: list[int] | None = None) -> list[str]:
     """`size` units from `available` (keeping `must`), from `count` GPUs (size/count each), chosen
-    by the strategy; AllocationError when no GPU (or not `count` GPUs) has room."""
+    by the strategy among all GPUs or those of `only`; AllocationError when no GPU (or not `count`
+    GPUs) has room."""
     if strategy not in STRATEGIES:
         raise AllocationError(f"placement {strategy!r} is not one of {', '.join(STRATEGIES)}")
     if count < 1 or size % count:
@@ -83,7 +84,8 @@ def preferred(available: list[str], must: list[str], size: int, gpus: list[Gpu],
     on: dict[int, list[str]] = {}
     for dev in available:
         on.setdefault(gpu_of(dev, gpus, unit).index, []).append(dev)
-    fits = [g for g in gpus if len(on.get(g.index, [])) >= per and g.free_units(unit) >= per]
+    fits = [g for g in gpus if len(on.get(g.index, [])) >= per and g.free_units(unit) >= per
+            and (only is None or g.index in only)]
     fits.sort(key=lambda g: (g.free_units(unit) if strategy == "binpack" else -g.free_units(unit), g.index))
     if len(fits) < count:
         have = ", ".join(f"GPU {g.index}: {g.free_units(unit)} free" for g in gpus) or "no GPUs"
