@@ -77,6 +77,7 @@ class ApiServer:
                     self._send(*outer.down() or outer.post(urlparse(self.path).path, self._body()))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.kubeconfig = tmp / "kubeconfig"

@@ -47,8 +47,11 @@ def scheduler_extender(addr: str, log_level: str) -> None:
     (docs/kubernetes.md): filter, bind, inspect."""
     import logging
 
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
     from cgpud.k8s import extender
-    from cgpud.k8s.api import NoCluster
+    from cgpud.k8s.api import NoCluster, refusal
 
     logging.basicConfig(level=log_level.upper(), format="cgpu scheduler-extender: %(levelname)s: %(message)s")
     host, sep, port = addr.rpartition(":")
@@ -58,5 +61,9 @@ def scheduler_extender(addr: str, log_level: str) -> None:
         extender.main(addr)
     except NoCluster as exc:
         raise click.ClickException(str(exc)) from None
+    except ApiException as exc:
+        raise click.ClickException(f"cannot read the cluster: {refusal(exc)}") from None
+    except HTTPError as exc:
+        raise click.ClickException(f"cannot reach the API server: {exc}") from None
     except OSError as exc:
         raise click.ClickException(f"--addr {addr}: {exc.strerror or exc}") from None
