@@ -435,3 +435,18 @@ def test_preferred_allocation_takes_the_units_of_the_gpu_the_extender_chose(node
     assert {p.rpartition("-_-")[0] for p in picked} == {a10}
     (env,) = kubelet.allocate(picked)
     assert env["ALIYUN_COM_GPU_MEM_IDX"] == "1" and env["NVIDIA_VISIBLE_DEVICES"] == a10
+
+
+def test_a_pod_the_extender_put_on_two_gpus_gets_both(node_with_api):
+    d, api, kubelet = node_with_api
+    registered(kubelet)
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    published(api)
+    t4, a10 = uuids(d)
+    api.add_pod("both", [8], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "0,1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    picked = kubelet.preferred(sorted(devs), 8)
+    assert sorted(p.rpartition("-_-")[0] for p in picked) == sorted([t4] * 4 + [a10] * 4), "4 units of each"
+    (env,) = kubelet.allocate(picked)
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0,1" and env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
+    assert env["NVIDIA_VISIBLE_DEVICES"] == f"{t4},{a10}" and env["ALIYUN_COM_GPU_MEM_POD"] == "8"

@@ -160,3 +160,22 @@ def test_bind_of_a_recreated_pod_is_refused(ext):
     code, res = call(url, "/bind", {"PodName": "again", "PodNamespace": "default", "PodUID": "an-older-uid",
                                     "Node": "mixed"})
     assert code == 400 and "recreated" in res["Error"] and api.bindings == []
+
+
+def test_a_pod_asking_for_two_gpus_gets_half_on_each(ext):
+    """aliyun.com/gpu-count 2 with 8 units: 4 free on each of two GPUs (SPEC §3), or the node fails."""
+    api, url = ext
+    nodes(api)
+    pod = api.add_pod("two", [8])
+    pod["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-count"] = "2"
+    code, res = call(url, "/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "spread"]})
+    assert res["NodeNames"] == ["mixed", "spread"] and "no 2 GPU(s) with 4 free" in res["FailedNodes"]["t4"], res
+    assert call(url, "/bind", {"PodName": "two", "PodNamespace": "default", "Node": "mixed"}) == (200, {"Error": ""})
+    ann = api.pods[("default", "two")]["metadata"]["annotations"]
+    assert ann["ALIYUN_COM_GPU_MEM_IDX"] == "0,1" and ann["ALIYUN_COM_GPU_MEM_POD"] == "8"
+    gpus = call(url, "/inspect/mixed")[1]["nodes"][0]["gpus"]
+    assert [g["allocated"] for g in gpus] == [4, 4]
+    odd = api.add_pod("odd", [5])
+    odd["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-count"] = "2"
+    code, res = call(url, "/filter", {"Pod": odd, "NodeNames": ["mixed"]})
+    assert res["NodeNames"] == [] and "mixed" in res["FailedNodes"], "5 units do not split over 2 GPUs"
