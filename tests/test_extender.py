@@ -76,6 +76,8 @@ def test_bind_binpacks_writes_gpushares_annotations_and_binds(ext):
     # binpack: the second 5 goes to the same, fuller GPU (10 of 15), GPU 1 stays whole
     assert api.pods[("default", "b")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] == "0"
     assert api.bindings == [("default", "a", "mixed"), ("default", "b", "mixed")]
+    assert [(e["involvedObject"]["name"], e["reason"], e["message"]) for e in api.events] == [
+        (p, "CgpuAssumed", "5 aliyun.com/gpu-mem on GPU 0 of node mixed (binpack)") for p in ("a", "b")]
     code, res = call(url, "/inspect/mixed")
     assert res["nodes"][0]["gpus"] == [{"index": 0, "allocated": 10, "total": 15},
                                        {"index": 1, "allocated": 0, "total": 22}]
@@ -105,7 +107,8 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(ext, path, body, raw, wo
     api.add_pod("p", [4])
     code, res = call(url, path, body, raw)
     assert code == 400 and words in res["Error"], res
-    assert api.bindings == [] and "ALIYUN_COM_GPU_MEM_IDX" not in api.pods[("default", "p")]["metadata"]["annotations"]
+    assert api.bindings == [] and api.events == []
+    assert "ALIYUN_COM_GPU_MEM_IDX" not in api.pods[("default", "p")]["metadata"]["annotations"]
 
 
 def test_a_pod_that_no_longer_fits_is_not_bound(ext):

@@ -182,7 +182,32 @@ def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> 
         raise
     state.placed(pod, node_name, patch)
     log.info("bound %s/%s to %s %s", ns, name, node_name, patch.get(cluster.IDX, ""))
+    if patch:
+        event(state.api, pod, "CgpuAssumed", f"{need} {cluster.RESOURCE} on GPU {patch[cluster.IDX]} of node "
+              f"{node_name} ({strategy_of(state.nodes[node_name])})")
     return {"Error": ""}
+
+
+def event(api, pod: dict, reason: str, message: str) -> None:
+    """An Event on the pod (`kubectl describe pod` shows it); a failure is logged, not raised."""
+    from datetime import datetime, timezone
+
+    from kubernetes.client import CoreV1Event, V1EventSource, V1ObjectMeta, V1ObjectReference
+
+    from cgpud.k8s.api import one_line
+
+    meta = pod["metadata"]
+    now = datetime.now(timezone.utc)
+    body = CoreV1Event(
+        metadata=V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
+        involved_object=V1ObjectReference(kind="Pod", name=meta["name"], namespace=meta["namespace"],
+                                          uid=meta.get("uid"), api_version="v1"),
+        reason=reason, message=message, type="Normal", count=1, first_timestamp=now, last_timestamp=now,
+        source=V1EventSource(component="cgpu-scheduler-extender"))
+    try:
+        api.create_namespaced_event(meta["namespace"], body, _preload_content=False)
+    except Exception as exc:  # noqa: BLE001 - an event is a courtesy; the bind is done
+        log.warning("cannot record an event on %s/%s (%s)", meta["namespace"], meta["name"], one_line(exc))
 
 
 def inspect(state: State, node: str | None) -> dict:
