@@ -5,7 +5,8 @@
    Goal p99 <= 1 s. Reference: one gRPC Register round trip measured alone.
 2. Allocate p99 with 100 pods' worth of instances on the node (the daemon's
    query grows with them), against GetDevicePluginOptions (no work) in the
-   same run. Goal p99 <= 10 ms.
+   same run; and again with the API server (stand-in; 100 pods on the node),
+   where each Allocate asks it for the extender's choice. Goal p99 <= 10 ms.
 3. Extender filter p99 for 100 nodes x 8 GPUs (the API server stand-in holds
    them and 400 pods), against an empty filter (a pod asking no gpu-mem).
    Goal p99 <= 20 ms. The extender reads the cluster in the background, as
@@ -89,6 +90,48 @@ def plugin_figures(restarts: int, calls: int) -> None:
             proc.terminate()
             proc.wait(10)
             kubelet.stop()
+        allocate_with_api(run.socket, ids, calls, pct(opts, 50))
+
+
+def allocate_with_api(socket: str, ids: list[str], calls: int, reference: float) -> None:
+    """Allocate again, the plugin now with the API server (stand-in): each call lists the node's
+    pending pods for the extender's choice; 100 running pods on the node, 5 pending ones of others."""
+    from apiserver_standin import ApiServer
+    from kubelet_standin import Kubelet
+
+    tmp = Path(tempfile.mkdtemp(prefix="cgpud-bench-k8s-api-"))
+    api = ApiServer(tmp)
+    api.add_node("bench-node", gpus=8, units=8 * 22)
+    for k in range(100):
+        api.add_pod(f"run{k}", [1], node="bench-node", phase="Running",
+                    annotations={"ALIYUN_COM_GPU_MEM_IDX": str(k % 8), "ALIYUN_COM_GPU_MEM_ASSIGNED": "true"})
+    for k in range(5):
+        api.add_pod(f"wait{k}", [7], node="bench-node", annotations={
+            "ALIYUN_COM_GPU_MEM_IDX": "3", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    plugins = tmp / "device-plugins"
+    plugins.mkdir()
+    kubelet = Kubelet(os.fspath(plugins))
+    proc = subprocess.Popen([tool("cgpu"), "--socket", socket, "device-plugin", "--plugin-dir", os.fspath(plugins)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="bench-node"))
+    try:
+        deadline = time.monotonic() + 20
+        while not kubelet.registrations:
+            assert time.monotonic() < deadline, "the plugin did not register"
+            time.sleep(0.01)
+        kubelet.wait_devices(lambda ds: len(ds) > 0)
+        times = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            kubelet.allocate(ids)
+            times.append(time.perf_counter() - t)
+        print(f"Allocate with the API server, 100 pods on the node ({calls}): p50 {ms(pct(times, 50))}  "
+              f"p99 {ms(pct(times, 99))} ({pct(times, 99) / reference:.1f}x GetDevicePluginOptions; goal p99 <= 10 ms)")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        kubelet.stop()
+        api.close()
 
 
 def extender_figures(calls: int) -> None:
