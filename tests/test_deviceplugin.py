@@ -216,7 +216,7 @@ def node_with_api(make_daemon, tmp_path):
                              os.fspath(plugin_dir), "--node-refresh", "0.2"], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL,
                             env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="gpu-node-1"))
-    yield d, api, kubelet
+    yield d, api, kubelet, proc
     proc.terminate()
     proc.wait(10)
     kubelet.stop()
@@ -225,7 +225,7 @@ def node_with_api(make_daemon, tmp_path):
 
 
 def test_publishes_the_node_and_follows_the_extenders_choice_per_container(node_with_api):
-    d, api, kubelet = node_with_api
+    d, api, kubelet, _ = node_with_api
     registered(kubelet)
     devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     deadline = time.monotonic() + 10
@@ -264,7 +264,7 @@ def test_the_whole_path_extender_plugin_container_tree_and_kubectl(node_with_api
     from cgpud.k8s import extender
     from cgpud.k8s.api import connect
 
-    d, api, kubelet = node_with_api
+    d, api, kubelet, _ = node_with_api
     registered(kubelet)
     devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     deadline = time.monotonic() + 10
@@ -353,7 +353,7 @@ def test_a_gpu_the_daemon_loses_goes_unhealthy_alone_and_comes_back(node):
 
 
 def test_the_nodes_labels_are_followed_while_it_runs(node_with_api):
-    d, api, kubelet = node_with_api
+    d, api, kubelet, _ = node_with_api
     registered(kubelet)
     devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     published(api)
@@ -369,7 +369,7 @@ def test_the_nodes_labels_are_followed_while_it_runs(node_with_api):
 
 
 def test_allocate_when_the_api_server_is_down_refuses_and_gives_nothing_away(node_with_api):
-    d, api, kubelet = node_with_api
+    d, api, kubelet, _ = node_with_api
     registered(kubelet)
     kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     published(api)
@@ -392,7 +392,7 @@ def test_allocate_when_the_api_server_is_down_refuses_and_gives_nothing_away(nod
 def test_an_extenders_choice_that_cannot_be_met_is_refused_and_kept(node_with_api):
     """A choice that cannot be met now (the GPU filled outside Kubernetes, a GPU the node lacks) is a
     gRPC error with the reason; the pod is not marked assigned, and its choice is taken once it can be."""
-    d, api, kubelet = node_with_api
+    d, api, kubelet, _ = node_with_api
     registered(kubelet)
     kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     published(api)
@@ -423,7 +423,7 @@ def test_an_extenders_choice_that_cannot_be_met_is_refused_and_kept(node_with_ap
 
 def test_preferred_allocation_takes_the_units_of_the_gpu_the_extender_chose(node_with_api):
     """So the kubelet's count of each GPU's units stays true: binpack alone would take the T4's."""
-    d, api, kubelet = node_with_api
+    d, api, kubelet, _ = node_with_api
     registered(kubelet)
     devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     published(api)
@@ -438,7 +438,7 @@ def test_preferred_allocation_takes_the_units_of_the_gpu_the_extender_chose(node
 
 
 def test_a_pod_the_extender_put_on_two_gpus_gets_both(node_with_api):
-    d, api, kubelet = node_with_api
+    d, api, kubelet, _ = node_with_api
     registered(kubelet)
     devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     published(api)
@@ -450,3 +450,35 @@ def test_a_pod_the_extender_put_on_two_gpus_gets_both(node_with_api):
     (env,) = kubelet.allocate(picked)
     assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0,1" and env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
     assert env["NVIDIA_VISIBLE_DEVICES"] == f"{t4},{a10}" and env["ALIYUN_COM_GPU_MEM_POD"] == "8"
+
+
+def test_a_restarted_plugin_goes_on_with_the_pods_next_container(node_with_api, tmp_path):
+    """How many of a pod's containers have their units is on the pod: a plugin restarted between
+    a pod's two containers gives the second its own size (4), not the first's again."""
+    d, api, kubelet, first = node_with_api
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    published(api)
+    t4, _ = uuids(d)
+    api.add_pod("two", [2, 2, 4], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+    assert api.pods[("default", "two")]["metadata"]["annotations"]["cgpu.aliyun.com/gpu-mem-containers-given"] == "1"
+    n = len(kubelet.registrations)
+    first.terminate()
+    first.wait(10)
+    again = subprocess.Popen([CGPU, "--socket", os.fspath(d.socket), "device-plugin", "--plugin-dir",
+                              kubelet.dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="gpu-node-1"))
+    try:
+        registered(kubelet, n + 1)
+        kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+        (second,) = kubelet.allocate([f"{t4}-_-2", f"{t4}-_-3"])
+        assert second["ALIYUN_COM_GPU_MEM_IDX"] == "1", "the second container (2 units) is the extender's too"
+        assert api.pods[("default", "two")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+        (third,) = kubelet.allocate([f"{t4}-_-{j}" for j in range(4, 8)])
+        assert third["ALIYUN_COM_GPU_MEM_IDX"] == "1" and third["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
+        assert api.pods[("default", "two")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+    finally:
+        again.terminate()
+        again.wait(10)

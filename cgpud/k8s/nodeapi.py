@@ -11,7 +11,9 @@ the kubelet fully and says once what it cannot do.
   ALIYUN_COM_GPU_MEM_ASSIGNED=false, the oldest (ALIYUN_COM_GPU_MEM_ASSUME_TIME)
   that has a container asking exactly this many units not yet given — but per
   container, so a pod with two gpu-mem containers works; the pod is marked
-  ASSIGNED=true once all its containers have been given theirs.
+  ASSIGNED=true once all its containers have been given theirs. How many
+  have is also written on the pod (GIVEN), so a restarted plugin goes on
+  with the right container.
 """
 from __future__ import annotations
 
@@ -102,7 +104,7 @@ class NodeApi:
                 if ann.get(cluster.ASSIGNED) != "false" or idx is None:
                     continue
                 asks = [a for a in map(_units, pod["spec"].get("containers") or []) if a > 0]
-                done = self.given.get(pod["metadata"].get("uid", ""), 0)
+                done = max(self.given.get(pod["metadata"].get("uid", ""), 0), _count(ann.get(cluster.GIVEN)))
                 if done < len(asks) and asks[done] == units:
                     try:
                         when = int(ann.get(cluster.ASSUME_TIME, "0"))
@@ -114,24 +116,26 @@ class NodeApi:
             _, pod, idx, n = min(candidates, key=lambda c: c[0])
             meta = pod["metadata"]
             uid = meta.get("uid", "")
-            done = self.given.get(uid, 0) + 1
+            done = max(self.given.get(uid, 0), _count((meta.get("annotations") or {}).get(cluster.GIVEN))) + 1
             if reserve:
                 self.given[uid] = done
-            return Choice(idx, meta["namespace"], meta["name"], uid, last=done == n)
+            return Choice(idx, meta["namespace"], meta["name"], uid, last=done == n, number=done)
 
     def release(self, choice: "Choice") -> None:
         with self.lock:
             self.given[choice.uid] -= 1
 
     def confirm(self, choice: "Choice") -> None:
-        """The container got its units: after a pod's last container, mark it ASSIGNED=true."""
-        if not choice.last:
-            return
+        """The container got its units: count it on the pod, and after the pod's last container
+        mark it ASSIGNED=true."""
+        ann = {cluster.GIVEN: str(choice.number)}
+        if choice.last:
+            ann[cluster.ASSIGNED] = "true"
         try:
-            self.api.patch_namespaced_pod(choice.name, choice.namespace,
-                                          {"metadata": {"annotations": {cluster.ASSIGNED: "true"}}})
+            self.api.patch_namespaced_pod(choice.name, choice.namespace, {"metadata": {"annotations": ann}})
         except Exception as exc:  # noqa: BLE001
-            log.warning("cannot mark %s/%s assigned (%s)", choice.namespace, choice.name, one_line(exc))
+            log.warning("cannot mark %s/%s's container %d given (%s)", choice.namespace, choice.name, choice.number,
+                        one_line(exc))
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,14 @@ class Choice:
     name: str
     uid: str
     last: bool  # the pod's last gpu-mem container
+    number: int  # which of the pod's gpu-mem containers (1, 2, …)
+
+
+def _count(raw: str | None) -> int:
+    try:
+        return max(0, int(raw or 0))
+    except ValueError:
+        return 0
 
 
 def _units(container: dict) -> int:
