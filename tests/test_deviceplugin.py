@@ -482,3 +482,21 @@ def test_a_restarted_plugin_goes_on_with_the_pods_next_container(node_with_api, 
     finally:
         again.terminate()
         again.wait(10)
+
+
+@pytest.mark.parametrize("idx", ["zero", "-1", "0,,1", ""])
+def test_a_malformed_choice_is_not_followed_and_is_said(node_with_api, idx, tmp_path):
+    d, api, kubelet, _ = node_with_api
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    published(api)
+    t4, a10 = uuids(d)
+    api.add_pod("odd", [2], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": idx, "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "soon",
+        "cgpu.aliyun.com/gpu-mem-containers-given": "many"})
+    (env,) = kubelet.allocate([f"{a10}-_-0", f"{a10}-_-1"])
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "1" and env["NVIDIA_VISIBLE_DEVICES"] == a10, "the kubelet's own units"
+    assert api.pods[("default", "odd")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+    if idx:
+        wait_for(lambda: "ALIYUN_COM_GPU_MEM_IDX=" in (tmp_path / "plugin.log").read_text(), "the log says so")
+        assert (tmp_path / "plugin.log").read_text().count("is not a list of GPU indices") == 1

@@ -37,6 +37,7 @@ class NodeApi:
         self.api = self.raw = None
         self.why_not: str | None = None
         self.given: dict[str, int] = {}  # pod uid -> containers given their units
+        self.warned: set[str] = set()  # pods whose malformed annotation was logged
         self.lock = threading.Lock()
         if not node:
             self.why_not = "no node name (set NODE_NAME from the downward API, or --node-name)"
@@ -101,7 +102,10 @@ class NodeApi:
             for pod in pods:
                 ann = pod["metadata"].get("annotations") or {}
                 idx = cluster.pod_gpus(pod)
-                if ann.get(cluster.ASSIGNED) != "false" or idx is None:
+                if ann.get(cluster.ASSIGNED) != "false":
+                    continue
+                if idx is None:
+                    self._malformed(pod, ann.get(cluster.IDX))
                     continue
                 asks = [a for a in map(_units, pod["spec"].get("containers") or []) if a > 0]
                 done = max(self.given.get(pod["metadata"].get("uid", ""), 0), _count(ann.get(cluster.GIVEN)))
@@ -120,6 +124,13 @@ class NodeApi:
             if reserve:
                 self.given[uid] = done
             return Choice(idx, meta["namespace"], meta["name"], uid, last=done == n, number=done)
+
+    def _malformed(self, pod: dict, raw) -> None:
+        uid = pod["metadata"].get("uid", "")
+        if uid not in self.warned:
+            self.warned.add(uid)
+            log.warning("pod %s/%s: %s=%r is not a list of GPU indices; its containers get the kubelet's own "
+                        "units", pod["metadata"].get("namespace"), pod["metadata"].get("name"), cluster.IDX, raw)
 
     def release(self, choice: "Choice") -> None:
         with self.lock:
