@@ -43,25 +43,34 @@ def ms(x: float) -> str:
     return f"{x * 1e3:7.2f} ms"
 
 
+def start_plugin(socket: str, plugin_dir: Path, env: dict | None = None):
+    """A kubelet stand-in on `plugin_dir` and `cgpu device-plugin` registered with it and listing units."""
+    from kubelet_standin import Kubelet
+
+    kubelet = Kubelet(os.fspath(plugin_dir))
+    proc = subprocess.Popen([tool("cgpu"), "--socket", socket, "device-plugin", "--plugin-dir", os.fspath(plugin_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 20
+    while not kubelet.registrations:
+        if time.monotonic() > deadline:
+            proc.kill()
+            kubelet.stop()
+            raise SystemExit("the plugin did not register")
+        time.sleep(0.01)
+    kubelet.wait_devices(lambda ds: len(ds) > 0)
+    return kubelet, proc
+
+
 def plugin_figures(restarts: int, calls: int) -> None:
     from cgpud.client import Client
     from cgpud.k8s.proto import api_pb2 as pb
-    from kubelet_standin import Kubelet
 
     with daemon(gpus="sim:8xA10", handle=True) as run:
         with Client(run.socket) as c:  # 100 pods' instances: 12-13 per GPU
             for k in range(100):
                 c.call("register", name=f"pod{k:09d}", gpus=[k % 8], memsize=1 << 30)
-        tmp = Path(tempfile.mkdtemp(prefix="cgpud-bench-k8s-"))
-        kubelet = Kubelet(os.fspath(tmp))
-        proc = subprocess.Popen([tool("cgpu"), "--socket", run.socket, "device-plugin", "--plugin-dir",
-                                 os.fspath(tmp)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        kubelet, proc = start_plugin(run.socket, Path(tempfile.mkdtemp(prefix="cgpud-bench-k8s-")))
         try:
-            deadline = time.monotonic() + 20
-            while not kubelet.registrations:
-                assert time.monotonic() < deadline, "the plugin did not register"
-                time.sleep(0.01)
-            kubelet.wait_devices(lambda ds: len(ds) > 0)
             waits = []
             for n in range(restarts):
                 back = kubelet.restart()
@@ -97,7 +106,6 @@ def allocate_with_api(socket: str, ids: list[str], calls: int, reference: float)
     """Allocate again, the plugin now with the API server (stand-in): each call lists the node's
     pending pods for the extender's choice; 100 running pods on the node, 5 pending ones of others."""
     from apiserver_standin import ApiServer
-    from kubelet_standin import Kubelet
 
     tmp = Path(tempfile.mkdtemp(prefix="cgpud-bench-k8s-api-"))
     api = ApiServer(tmp)
@@ -110,16 +118,9 @@ def allocate_with_api(socket: str, ids: list[str], calls: int, reference: float)
             "ALIYUN_COM_GPU_MEM_IDX": "3", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
     plugins = tmp / "device-plugins"
     plugins.mkdir()
-    kubelet = Kubelet(os.fspath(plugins))
-    proc = subprocess.Popen([tool("cgpu"), "--socket", socket, "device-plugin", "--plugin-dir", os.fspath(plugins)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="bench-node"))
+    kubelet, proc = start_plugin(socket, plugins, dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig),
+                                                       NODE_NAME="bench-node"))
     try:
-        deadline = time.monotonic() + 20
-        while not kubelet.registrations:
-            assert time.monotonic() < deadline, "the plugin did not register"
-            time.sleep(0.01)
-        kubelet.wait_devices(lambda ds: len(ds) > 0)
         times = []
         for _ in range(calls):
             t = time.perf_counter()

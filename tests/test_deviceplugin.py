@@ -128,14 +128,19 @@ def test_a_gpu_filled_outside_kubernetes_is_refused_not_overfilled(node):
     registered(kubelet)
     kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     t4, _ = uuids(d)
-    from cgpud.client import Client
-
-    with Client(os.fspath(d.socket)) as c:
-        c.call("register", name="outside00001", gpus=[0], memsize=12 << 30)
-    time.sleep(1.5)  # the plugin asks the daemon every second
+    outside(d, "register", name="outside00001", gpus=[0], memsize=12 << 30)
     with pytest.raises(grpc.RpcError) as err:
         kubelet.allocate([f"{t4}-_-{j}" for j in range(3)])
     assert "GPU 0 has 2 aliyun.com/gpu-mem units not promised" in err.value.details()
+
+
+def outside(d, op: str, **args) -> None:
+    """A container outside Kubernetes comes or goes (`register`/`deregister`); the plugin has seen it."""
+    from cgpud.client import Client
+
+    with Client(os.fspath(d.socket)) as c:
+        c.call(op, **args)
+    time.sleep(1.5)  # the plugin asks the daemon every second
 
 
 def test_a_pod_started_with_allocates_environment_joins_with_that_memsize(node, template, tmp_path):  # noqa: F811
@@ -330,6 +335,14 @@ def published(api) -> None:
              "the node was not published")
 
 
+def up(d, api, kubelet) -> tuple[dict[str, str], str, str]:
+    """Registered, listing every unit, the node published: (devices, T4's UUID, A10's UUID)."""
+    registered(kubelet)
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    published(api)
+    return devs, *uuids(d)
+
+
 def test_a_gpu_the_daemon_loses_goes_unhealthy_alone_and_comes_back(node):
     """The daemon restarted with the A10 gone: only the A10's units are Unhealthy; back, all Healthy."""
     d, kubelet, _, _ = node
@@ -354,10 +367,7 @@ def test_a_gpu_the_daemon_loses_goes_unhealthy_alone_and_comes_back(node):
 
 def test_the_nodes_labels_are_followed_while_it_runs(node_with_api):
     d, api, kubelet, _ = node_with_api
-    registered(kubelet)
-    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
-    published(api)
-    t4, a10 = uuids(d)
+    devs, t4, a10 = up(d, api, kubelet)
     assert kubelet.allocate([f"{t4}-_-0"])[0]["CGPU_DISABLE"] == "true"
     assert {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {t4}, "binpack by default"
     labels = api.nodes["gpu-node-1"]["metadata"]["labels"]
@@ -370,10 +380,7 @@ def test_the_nodes_labels_are_followed_while_it_runs(node_with_api):
 
 def test_allocate_when_the_api_server_is_down_refuses_and_gives_nothing_away(node_with_api):
     d, api, kubelet, _ = node_with_api
-    registered(kubelet)
-    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
-    published(api)
-    t4, _ = uuids(d)
+    _, t4, _ = up(d, api, kubelet)
     api.add_pod("waits", [2], node="gpu-node-1", annotations={
         "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_POD": "2", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
         "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
@@ -393,12 +400,7 @@ def test_an_extenders_choice_that_cannot_be_met_is_refused_and_kept(node_with_ap
     """A choice that cannot be met now (the GPU filled outside Kubernetes, a GPU the node lacks) is a
     gRPC error with the reason; the pod is not marked assigned, and its choice is taken once it can be."""
     d, api, kubelet, _ = node_with_api
-    registered(kubelet)
-    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
-    published(api)
-    t4, _ = uuids(d)
-    from cgpud.client import Client
-
+    _, t4, _ = up(d, api, kubelet)
     api.add_pod("nogpu7", [1], node="gpu-node-1", annotations={
         "ALIYUN_COM_GPU_MEM_IDX": "7", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
     with pytest.raises(grpc.RpcError) as err:
@@ -407,15 +409,12 @@ def test_an_extenders_choice_that_cannot_be_met_is_refused_and_kept(node_with_ap
     del api.pods[("default", "nogpu7")]
     api.add_pod("full", [4], node="gpu-node-1", annotations={
         "ALIYUN_COM_GPU_MEM_IDX": "0", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "2"})
-    with Client(os.fspath(d.socket)) as c:
-        c.call("register", name="outside00002", gpus=[0], memsize=12 << 30)
-        time.sleep(1.5)  # the plugin asks the daemon every second
-        with pytest.raises(grpc.RpcError) as err:
-            kubelet.allocate([f"{t4}-_-{j}" for j in range(4)])
-        assert "GPU 0 has 2 aliyun.com/gpu-mem units not promised" in err.value.details()
-        assert api.pods[("default", "full")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
-        c.call("deregister", name="outside00002")
-    time.sleep(1.5)
+    outside(d, "register", name="outside00002", gpus=[0], memsize=12 << 30)
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate([f"{t4}-_-{j}" for j in range(4)])
+    assert "GPU 0 has 2 aliyun.com/gpu-mem units not promised" in err.value.details()
+    assert api.pods[("default", "full")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+    outside(d, "deregister", name="outside00002")
     (env,) = kubelet.allocate([f"{t4}-_-{j}" for j in range(4)])
     assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0" and env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
     assert api.pods[("default", "full")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
@@ -424,10 +423,7 @@ def test_an_extenders_choice_that_cannot_be_met_is_refused_and_kept(node_with_ap
 def test_preferred_allocation_takes_the_units_of_the_gpu_the_extender_chose(node_with_api):
     """So the kubelet's count of each GPU's units stays true: binpack alone would take the T4's."""
     d, api, kubelet, _ = node_with_api
-    registered(kubelet)
-    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
-    published(api)
-    t4, a10 = uuids(d)
+    devs, t4, a10 = up(d, api, kubelet)
     assert {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {t4}
     api.add_pod("ona10", [3], node="gpu-node-1", annotations={
         "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
@@ -439,10 +435,7 @@ def test_preferred_allocation_takes_the_units_of_the_gpu_the_extender_chose(node
 
 def test_a_pod_the_extender_put_on_two_gpus_gets_both(node_with_api):
     d, api, kubelet, _ = node_with_api
-    registered(kubelet)
-    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
-    published(api)
-    t4, a10 = uuids(d)
+    devs, t4, a10 = up(d, api, kubelet)
     api.add_pod("both", [8], node="gpu-node-1", annotations={
         "ALIYUN_COM_GPU_MEM_IDX": "0,1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
     picked = kubelet.preferred(sorted(devs), 8)
@@ -456,10 +449,7 @@ def test_a_restarted_plugin_goes_on_with_the_pods_next_container(node_with_api, 
     """How many of a pod's containers have their units is on the pod: a plugin restarted between
     a pod's two containers gives the second its own size (4), not the first's again."""
     d, api, kubelet, first = node_with_api
-    registered(kubelet)
-    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
-    published(api)
-    t4, _ = uuids(d)
+    _, t4, _ = up(d, api, kubelet)
     api.add_pod("two", [2, 2, 4], node="gpu-node-1", annotations={
         "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
     kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
@@ -487,10 +477,7 @@ def test_a_restarted_plugin_goes_on_with_the_pods_next_container(node_with_api, 
 @pytest.mark.parametrize("idx", ["zero", "-1", "0,,1", ""])
 def test_a_malformed_choice_is_not_followed_and_is_said(node_with_api, idx, tmp_path):
     d, api, kubelet, _ = node_with_api
-    registered(kubelet)
-    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
-    published(api)
-    t4, a10 = uuids(d)
+    _, t4, a10 = up(d, api, kubelet)
     api.add_pod("odd", [2], node="gpu-node-1", annotations={
         "ALIYUN_COM_GPU_MEM_IDX": idx, "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "soon",
         "cgpu.aliyun.com/gpu-mem-containers-given": "many"})
