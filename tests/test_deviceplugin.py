@@ -443,6 +443,17 @@ def test_a_pod_the_extender_put_on_two_gpus_gets_both(node_with_api):
     (env,) = kubelet.allocate(picked)
     assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0,1" and env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
     assert env["NVIDIA_VISIBLE_DEVICES"] == f"{t4},{a10}" and env["ALIYUN_COM_GPU_MEM_POD"] == "8"
+    # what the node's hook makes of it: 4 units on each, never more than the units counted for it
+    from cgpud.client import Client
+    from cgpud.containers.envspec import parse_env
+    from cgpud.core.model import GpuInfo
+
+    with Client(os.fspath(d.socket)) as c:
+        gpus = [GpuInfo(g["index"], g["uuid"], g["name"], g["memory"]) for g in c.call("query")["gpus"]]
+    assert env.pop("CGPU_DISABLE") == "true"  # (this node is labelled for no isolation; here: with it)
+    shares = parse_env(env, gpus).shares
+    assert [(s.gpu, s.memsize) for s in shares] == [(0, 4 << 30), (1, 4 << 30)]
+    assert all(s.memsize <= 4 * g.memory // u for s, g, u in zip(shares, gpus, (T4_UNITS, A10_UNITS)))
 
 
 def test_a_restarted_plugin_goes_on_with_the_pods_next_container(node_with_api, tmp_path):

@@ -10,8 +10,9 @@ the node as the daemon's `query` answer in, devices and decisions out.
   GPU (or N/M from each of M GPUs), binpack (the GPU with the least free
   units that fits) or spread (the most).
 - `allocation`: a container's units → the environment the node's hook and
-  `cgpu-runtime` understand (ALIYUN_COM_GPU_MEM_IDX, _CONTAINER, _DEV, _POD,
-  NVIDIA_VISIBLE_DEVICES; CGPU_DISABLE on nodes that ask for no isolation),
+  `cgpu-runtime` understand (ALIYUN_COM_GPU_MEM_IDX, _CONTAINER, _DEV (when
+  its GPUs are of one size), _POD, NVIDIA_VISIBLE_DEVICES; CGPU_DISABLE on
+  nodes that ask for no isolation),
   or AllocationError saying why — never a success with a bogus device.
 """
 from __future__ import annotations
@@ -133,9 +134,15 @@ def environment(indices: list[int], units: int, gpus: list[Gpu], unit: int, *,
         "NVIDIA_VISIBLE_DEVICES": ",".join(by_index[i].uuid for i in sorted(count)),
         "ALIYUN_COM_GPU_MEM_IDX": idx,
         "ALIYUN_COM_GPU_MEM_CONTAINER": str(units),
-        "ALIYUN_COM_GPU_MEM_DEV": str(min(by_index[i].units(unit) for i in count)),
         "ALIYUN_COM_GPU_MEM_POD": str(units * len(count)),
     }
+    # gpushare's rule: the container gets CONTAINER/DEV of each GPU. DEV is one number, so it is
+    # given only when every GPU of the container has as many units; GPUs of different sizes get
+    # `units` whole units each instead (DEV = the smaller's units would give the larger GPU more
+    # than the units its pods were counted for).
+    devs = {by_index[i].units(unit) for i in count}
+    if len(devs) == 1:
+        env["ALIYUN_COM_GPU_MEM_DEV"] = str(devs.pop())
     if disable_isolation:
         env["CGPU_DISABLE"] = "true"
     return env
