@@ -11,6 +11,9 @@ over HTTP on 127.0.0.1 through a kubeconfig it writes.
     PATCH /api/v1/namespaces/NS/pods/NAME            merge patch
     POST  /api/v1/namespaces/NS/bindings             bind: spec.nodeName (or pods/NAME/binding)
     POST  /api/v1/namespaces/NS/events               accepted
+
+`failing = True` makes every call a 503, as an API server that is down
+behind its load balancer answers.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ class ApiServer:
         self.events: list[dict] = []
         self.lock = threading.Lock()
         self.version = 1
+        self.failing = False
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -62,17 +66,18 @@ class ApiServer:
 
             def do_GET(self):
                 with outer.lock:
-                    self._send(*outer.get(urlparse(self.path)))
+                    self._send(*outer.down() or outer.get(urlparse(self.path)))
 
             def do_PATCH(self):
                 with outer.lock:
-                    self._send(*outer.patch(urlparse(self.path).path, self._body()))
+                    self._send(*outer.down() or outer.patch(urlparse(self.path).path, self._body()))
 
             def do_POST(self):
                 with outer.lock:
-                    self._send(*outer.post(urlparse(self.path).path, self._body()))
+                    self._send(*outer.down() or outer.post(urlparse(self.path).path, self._body()))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.kubeconfig = tmp / "kubeconfig"
@@ -115,6 +120,12 @@ class ApiServer:
         self.version += 1
         return 200, {"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": str(self.version)},
                      "items": items}
+
+    def down(self) -> tuple[int, dict] | None:
+        if not self.failing:
+            return None
+        return 503, {"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": "ServiceUnavailable",
+                     "message": "the stand-in is down", "code": 503}
 
     @staticmethod
     def _missing(what: str) -> tuple[int, dict]:

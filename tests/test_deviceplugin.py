@@ -128,14 +128,19 @@ def test_a_gpu_filled_outside_kubernetes_is_refused_not_overfilled(node):
     registered(kubelet)
     kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     t4, _ = uuids(d)
-    from cgpud.client import Client
-
-    with Client(os.fspath(d.socket)) as c:
-        c.call("register", name="outside00001", gpus=[0], memsize=12 << 30)
-    time.sleep(1.5)  # the plugin asks the daemon every second
+    outside(d, "register", name="outside00001", gpus=[0], memsize=12 << 30)
     with pytest.raises(grpc.RpcError) as err:
         kubelet.allocate([f"{t4}-_-{j}" for j in range(3)])
     assert "GPU 0 has 2 aliyun.com/gpu-mem units not promised" in err.value.details()
+
+
+def outside(d, op: str, **args) -> None:
+    """A container outside Kubernetes comes or goes (`register`/`deregister`); the plugin has seen it."""
+    from cgpud.client import Client
+
+    with Client(os.fspath(d.socket)) as c:
+        c.call(op, **args)
+    time.sleep(1.5)  # the plugin asks the daemon every second
 
 
 def test_a_pod_started_with_allocates_environment_joins_with_that_memsize(node, template, tmp_path):  # noqa: F811
@@ -213,9 +218,10 @@ def node_with_api(make_daemon, tmp_path):
     kubelet = Kubelet(os.fspath(plugin_dir))
     log = open(tmp_path / "plugin.log", "wb")
     proc = subprocess.Popen([CGPU, "--socket", os.fspath(d.socket), "device-plugin", "--plugin-dir",
-                             os.fspath(plugin_dir)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             os.fspath(plugin_dir), "--node-refresh", "0.2"], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
                             env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="gpu-node-1"))
-    yield d, api, kubelet
+    yield d, api, kubelet, proc
     proc.terminate()
     proc.wait(10)
     kubelet.stop()
@@ -224,7 +230,7 @@ def node_with_api(make_daemon, tmp_path):
 
 
 def test_publishes_the_node_and_follows_the_extenders_choice_per_container(node_with_api):
-    d, api, kubelet = node_with_api
+    d, api, kubelet, _ = node_with_api
     registered(kubelet)
     devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     deadline = time.monotonic() + 10
@@ -263,7 +269,7 @@ def test_the_whole_path_extender_plugin_container_tree_and_kubectl(node_with_api
     from cgpud.k8s import extender
     from cgpud.k8s.api import connect
 
-    d, api, kubelet = node_with_api
+    d, api, kubelet, _ = node_with_api
     registered(kubelet)
     devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     deadline = time.monotonic() + 10
@@ -315,3 +321,180 @@ def test_allocate_while_the_daemon_is_down_says_so(node):
     with pytest.raises(grpc.RpcError) as err:
         kubelet.allocate(sorted(devs)[:1])
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "cgpud does not answer" in err.value.details()
+
+
+def wait_for(pred, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.05)
+
+
+def published(api) -> None:
+    wait_for(lambda: "cgpu.aliyun.com/gpu-mem-per-device" in api.nodes["gpu-node-1"]["metadata"]["annotations"],
+             "the node was not published")
+
+
+def up(d, api, kubelet) -> tuple[dict[str, str], str, str]:
+    """Registered, listing every unit, the node published: (devices, T4's UUID, A10's UUID)."""
+    registered(kubelet)
+    devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    published(api)
+    return devs, *uuids(d)
+
+
+def test_a_gpu_the_daemon_loses_goes_unhealthy_alone_and_comes_back(node):
+    """The daemon restarted with the A10 gone: only the A10's units are Unhealthy; back, all Healthy."""
+    d, kubelet, _, _ = node
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    t4, a10 = uuids(d)
+    d.stop()
+    d.gpus = "sim:1xT4"
+    (d.state_dir / "state.json").unlink()  # (its state names both GPUs: the daemon would refuse it)
+    d.start()
+    devs = kubelet.wait_devices(lambda ds: ds.get(f"{a10}-_-0") == "Unhealthy" and ds.get(f"{t4}-_-0") == "Healthy")
+    assert {dev for dev, h in devs.items() if h == "Unhealthy"} == {f"{a10}-_-{j}" for j in range(A10_UNITS)}
+    with pytest.raises(grpc.RpcError) as err:  # the lost GPU's units are not allocated
+        kubelet.allocate([f"{a10}-_-0"])
+    assert "is not one of this node's" in err.value.details()
+    d.stop()
+    d.gpus = "sim:1xT4,1xA10"
+    (d.state_dir / "state.json").unlink()
+    d.start()
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS and set(ds.values()) == {"Healthy"})
+
+
+def test_the_nodes_labels_are_followed_while_it_runs(node_with_api):
+    d, api, kubelet, _ = node_with_api
+    devs, t4, a10 = up(d, api, kubelet)
+    assert kubelet.allocate([f"{t4}-_-0"])[0]["CGPU_DISABLE"] == "true"
+    assert {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {t4}, "binpack by default"
+    labels = api.nodes["gpu-node-1"]["metadata"]["labels"]
+    labels["ack.node.gpu.placement"] = "spread"
+    del labels["cgpu.disable.isolation"]
+    wait_for(lambda: {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {a10},
+             "spread: the GPU with the most free units")
+    assert "CGPU_DISABLE" not in kubelet.allocate([f"{t4}-_-0"])[0], "the label is gone: isolated again"
+
+
+def test_allocate_when_the_api_server_is_down_refuses_and_gives_nothing_away(node_with_api):
+    d, api, kubelet, _ = node_with_api
+    _, t4, _ = up(d, api, kubelet)
+    api.add_pod("waits", [2], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_POD": "2", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    api.failing = True
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "cannot ask the API server which GPU the scheduler extender chose (" in err.value.details()
+    assert "503" in err.value.details()
+    api.failing = False
+    (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "1", "the extender's choice, still there"
+    assert api.pods[("default", "waits")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+
+
+def test_an_extenders_choice_that_cannot_be_met_is_refused_and_kept(node_with_api):
+    """A choice that cannot be met now (the GPU filled outside Kubernetes, a GPU the node lacks) is a
+    gRPC error with the reason; the pod is not marked assigned, and its choice is taken once it can be."""
+    d, api, kubelet, _ = node_with_api
+    _, t4, _ = up(d, api, kubelet)
+    api.add_pod("nogpu7", [1], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "7", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate([f"{t4}-_-0"])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no GPU 7 on this node" in err.value.details()
+    del api.pods[("default", "nogpu7")]
+    api.add_pod("full", [4], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "0", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "2"})
+    outside(d, "register", name="outside00002", gpus=[0], memsize=12 << 30)
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate([f"{t4}-_-{j}" for j in range(4)])
+    assert "GPU 0 has 2 aliyun.com/gpu-mem units not promised" in err.value.details()
+    assert api.pods[("default", "full")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+    outside(d, "deregister", name="outside00002")
+    (env,) = kubelet.allocate([f"{t4}-_-{j}" for j in range(4)])
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0" and env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
+    assert api.pods[("default", "full")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+
+
+def test_preferred_allocation_takes_the_units_of_the_gpu_the_extender_chose(node_with_api):
+    """So the kubelet's count of each GPU's units stays true: binpack alone would take the T4's."""
+    d, api, kubelet, _ = node_with_api
+    devs, t4, a10 = up(d, api, kubelet)
+    assert {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {t4}
+    api.add_pod("ona10", [3], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    picked = kubelet.preferred(sorted(devs), 3)
+    assert {p.rpartition("-_-")[0] for p in picked} == {a10}
+    (env,) = kubelet.allocate(picked)
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "1" and env["NVIDIA_VISIBLE_DEVICES"] == a10
+
+
+def test_a_pod_the_extender_put_on_two_gpus_gets_both(node_with_api):
+    d, api, kubelet, _ = node_with_api
+    devs, t4, a10 = up(d, api, kubelet)
+    api.add_pod("both", [8], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "0,1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    picked = kubelet.preferred(sorted(devs), 8)
+    assert sorted(p.rpartition("-_-")[0] for p in picked) == sorted([t4] * 4 + [a10] * 4), "4 units of each"
+    (env,) = kubelet.allocate(picked)
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "0,1" and env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
+    assert env["NVIDIA_VISIBLE_DEVICES"] == f"{t4},{a10}" and env["ALIYUN_COM_GPU_MEM_POD"] == "8"
+    # what the node's hook makes of it: 4 units on each, never more than the units counted for it
+    from cgpud.client import Client
+    from cgpud.containers.envspec import parse_env
+    from cgpud.core.model import GpuInfo
+
+    with Client(os.fspath(d.socket)) as c:
+        gpus = [GpuInfo(g["index"], g["uuid"], g["name"], g["memory"]) for g in c.call("query")["gpus"]]
+    assert env.pop("CGPU_DISABLE") == "true"  # (this node is labelled for no isolation; here: with it)
+    shares = parse_env(env, gpus).shares
+    assert [(s.gpu, s.memsize) for s in shares] == [(0, 4 << 30), (1, 4 << 30)]
+    assert all(s.memsize <= 4 * g.memory // u for s, g, u in zip(shares, gpus, (T4_UNITS, A10_UNITS)))
+
+
+def test_a_restarted_plugin_goes_on_with_the_pods_next_container(node_with_api, tmp_path):
+    """How many of a pod's containers have their units is on the pod: a plugin restarted between
+    a pod's two containers gives the second its own size (4), not the first's again."""
+    d, api, kubelet, first = node_with_api
+    _, t4, _ = up(d, api, kubelet)
+    api.add_pod("two", [2, 2, 4], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+    kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+    assert api.pods[("default", "two")]["metadata"]["annotations"]["cgpu.aliyun.com/gpu-mem-containers-given"] == "1"
+    n = len(kubelet.registrations)
+    first.terminate()
+    first.wait(10)
+    again = subprocess.Popen([CGPU, "--socket", os.fspath(d.socket), "device-plugin", "--plugin-dir",
+                              kubelet.dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="gpu-node-1"))
+    try:
+        registered(kubelet, n + 1)
+        kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+        (second,) = kubelet.allocate([f"{t4}-_-2", f"{t4}-_-3"])
+        assert second["ALIYUN_COM_GPU_MEM_IDX"] == "1", "the second container (2 units) is the extender's too"
+        assert api.pods[("default", "two")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+        (third,) = kubelet.allocate([f"{t4}-_-{j}" for j in range(4, 8)])
+        assert third["ALIYUN_COM_GPU_MEM_IDX"] == "1" and third["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
+        assert api.pods[("default", "two")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
+    finally:
+        again.terminate()
+        again.wait(10)
+
+
+@pytest.mark.parametrize("idx", ["zero", "-1", "0,,1", ""])
+def test_a_malformed_choice_is_not_followed_and_is_said(node_with_api, idx, tmp_path):
+    d, api, kubelet, _ = node_with_api
+    _, t4, a10 = up(d, api, kubelet)
+    api.add_pod("odd", [2], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": idx, "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "soon",
+        "cgpu.aliyun.com/gpu-mem-containers-given": "many"})
+    (env,) = kubelet.allocate([f"{a10}-_-0", f"{a10}-_-1"])
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == "1" and env["NVIDIA_VISIBLE_DEVICES"] == a10, "the kubelet's own units"
+    assert api.pods[("default", "odd")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "false"
+    if idx:
+        wait_for(lambda: "ALIYUN_COM_GPU_MEM_IDX=" in (tmp_path / "plugin.log").read_text(), "the log says so")
+        assert (tmp_path / "plugin.log").read_text().count("is not a list of GPU indices") == 1

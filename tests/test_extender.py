@@ -76,6 +76,8 @@ def test_bind_binpacks_writes_gpushares_annotations_and_binds(ext):
     # binpack: the second 5 goes to the same, fuller GPU (10 of 15), GPU 1 stays whole
     assert api.pods[("default", "b")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] == "0"
     assert api.bindings == [("default", "a", "mixed"), ("default", "b", "mixed")]
+    assert [(e["involvedObject"]["name"], e["reason"], e["message"]) for e in api.events] == [
+        (p, "CgpuAssumed", "5 aliyun.com/gpu-mem on GPU 0 of node mixed (binpack)") for p in ("a", "b")]
     code, res = call(url, "/inspect/mixed")
     assert res["nodes"][0]["gpus"] == [{"index": 0, "allocated": 10, "total": 15},
                                        {"index": 1, "allocated": 0, "total": 22}]
@@ -105,7 +107,8 @@ def test_bad_input_is_a_clear_error_and_changes_nothing(ext, path, body, raw, wo
     api.add_pod("p", [4])
     code, res = call(url, path, body, raw)
     assert code == 400 and words in res["Error"], res
-    assert api.bindings == [] and "ALIYUN_COM_GPU_MEM_IDX" not in api.pods[("default", "p")]["metadata"]["annotations"]
+    assert api.bindings == [] and api.events == []
+    assert "ALIYUN_COM_GPU_MEM_IDX" not in api.pods[("default", "p")]["metadata"]["annotations"]
 
 
 def test_a_pod_that_no_longer_fits_is_not_bound(ext):
@@ -115,3 +118,67 @@ def test_a_pod_that_no_longer_fits_is_not_bound(ext):
     code, res = call(url, "/bind", {"PodName": "big", "PodNamespace": "default", "Node": "t4"})
     assert code == 400 and "no GPU with 7 free" in res["Error"]
     assert api.bindings == []
+
+
+def test_concurrent_binds_never_overfill_a_gpu(ext):
+    """kube-scheduler binds concurrently: 16 binds at once for 7 pods' worth of room bind exactly 7."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api, url = ext
+    nodes(api)
+    names = [f"c{k:02d}" for k in range(16)]
+    for name in names:
+        api.add_pod(name, [5])
+
+    def bind(name):
+        return call(url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "mixed"})[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(bind, names))
+    assert sorted(codes) == [200] * 7 + [400] * 9, codes  # GPU 0: 3 × 5 of 15; GPU 1: 4 × 5 of 22
+    on = {}
+    for name in names:
+        ann = api.pods[("default", name)]["metadata"]["annotations"]
+        if "ALIYUN_COM_GPU_MEM_IDX" in ann:
+            on[ann["ALIYUN_COM_GPU_MEM_IDX"]] = on.get(ann["ALIYUN_COM_GPU_MEM_IDX"], 0) + 5
+    assert on == {"0": 15, "1": 20} and len(api.bindings) == 7
+
+
+def test_a_binding_the_api_server_refuses_leaves_no_annotation(ext):
+    api, url = ext
+    nodes(api)
+    api.add_pod("elsewhere", [2], node="spread")  # already bound: the Binding is a 409
+    api.pods[("default", "elsewhere")]["spec"]["nodeName"] = "spread"
+    code, res = call(url, "/bind", {"PodName": "elsewhere", "PodNamespace": "default", "Node": "mixed"})
+    assert code == 502 and "409" in res["Error"] and "already assigned to node spread" in res["Error"], res
+    ann = api.pods[("default", "elsewhere")]["metadata"]["annotations"]
+    assert not any(k.startswith("ALIYUN_COM_GPU_MEM") for k in ann), ann
+    assert call(url, "/inspect/mixed")[1]["nodes"][0]["allocated"] == 0
+
+
+def test_bind_of_a_recreated_pod_is_refused(ext):
+    api, url = ext
+    nodes(api)
+    api.add_pod("again", [2])
+    code, res = call(url, "/bind", {"PodName": "again", "PodNamespace": "default", "PodUID": "an-older-uid",
+                                    "Node": "mixed"})
+    assert code == 400 and "recreated" in res["Error"] and api.bindings == []
+
+
+def test_a_pod_asking_for_two_gpus_gets_half_on_each(ext):
+    """aliyun.com/gpu-count 2 with 8 units: 4 free on each of two GPUs (SPEC §3), or the node fails."""
+    api, url = ext
+    nodes(api)
+    pod = api.add_pod("two", [8])
+    pod["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-count"] = "2"
+    code, res = call(url, "/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "spread"]})
+    assert res["NodeNames"] == ["mixed", "spread"] and "no 2 GPU(s) with 4 free" in res["FailedNodes"]["t4"], res
+    assert call(url, "/bind", {"PodName": "two", "PodNamespace": "default", "Node": "mixed"}) == (200, {"Error": ""})
+    ann = api.pods[("default", "two")]["metadata"]["annotations"]
+    assert ann["ALIYUN_COM_GPU_MEM_IDX"] == "0,1" and ann["ALIYUN_COM_GPU_MEM_POD"] == "8"
+    gpus = call(url, "/inspect/mixed")[1]["nodes"][0]["gpus"]
+    assert [g["allocated"] for g in gpus] == [4, 4]
+    odd = api.add_pod("odd", [5])
+    odd["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-count"] = "2"
+    code, res = call(url, "/filter", {"Pod": odd, "NodeNames": ["mixed"]})
+    assert res["NodeNames"] == [] and "mixed" in res["FailedNodes"], "5 units do not split over 2 GPUs"

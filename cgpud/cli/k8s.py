@@ -20,10 +20,12 @@ from cgpud.cli.common import Ctx, pass_ctx
               help="Containers get CGPU_DISABLE=true (a node labelled cgpu.disable.isolation=true).")
 @click.option("--node-name", default=None, envvar="NODE_NAME",
               help="This node's name in the API server (a DaemonSet gives it from spec.nodeName).")
+@click.option("--node-refresh", default=5.0, show_default=True, type=click.FloatRange(min=0.05),
+              help="Seconds between reads of the node's labels (placement, isolation) from the API server.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
 @pass_ctx
 def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_isolation: bool,
-                  node_name: str | None, log_level: str) -> None:
+                  node_name: str | None, node_refresh: float, log_level: str) -> None:
     """The kubelet device plugin for aliyun.com/gpu-mem (docs/kubernetes.md):
     one device per memory unit of each GPU the node's cgpud has."""
     import logging
@@ -33,7 +35,7 @@ def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_
     logging.basicConfig(level=log_level.upper(), format="cgpu device-plugin: %(levelname)s: %(message)s")
     if not os.path.isdir(plugin_dir):
         raise click.ClickException(f"{plugin_dir} does not exist: is this a Kubernetes node (kubelet running)?")
-    deviceplugin.main(ctx.socket, plugin_dir, unit, placement, disable_isolation, node_name)
+    deviceplugin.main(ctx.socket, plugin_dir, unit, placement, disable_isolation, node_name, node_refresh)
 
 
 @click.command("scheduler-extender")
@@ -45,8 +47,11 @@ def scheduler_extender(addr: str, log_level: str) -> None:
     (docs/kubernetes.md): filter, bind, inspect."""
     import logging
 
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
     from cgpud.k8s import extender
-    from cgpud.k8s.api import NoCluster
+    from cgpud.k8s.api import NoCluster, refusal
 
     logging.basicConfig(level=log_level.upper(), format="cgpu scheduler-extender: %(levelname)s: %(message)s")
     host, sep, port = addr.rpartition(":")
@@ -56,5 +61,9 @@ def scheduler_extender(addr: str, log_level: str) -> None:
         extender.main(addr)
     except NoCluster as exc:
         raise click.ClickException(str(exc)) from None
+    except ApiException as exc:
+        raise click.ClickException(f"cannot read the cluster: {refusal(exc)}") from None
+    except HTTPError as exc:
+        raise click.ClickException(f"cannot reach the API server: {exc}") from None
     except OSError as exc:
         raise click.ClickException(f"--addr {addr}: {exc.strerror or exc}") from None

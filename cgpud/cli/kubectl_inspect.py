@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from cgpud.k8s import cluster
+from cgpud.k8s.api import refusal
 from cgpud.observe.inspect import detail, summary
 
 
@@ -30,7 +31,7 @@ def main(details: bool) -> None:
         nodes = raw.sanitize_for_serialization(api.list_node().items)
         pods = raw.sanitize_for_serialization(api.list_pod_for_all_namespaces().items)
     except ApiException as exc:
-        raise click.ClickException(f"the API server refused: {exc.status} {exc.reason}") from None
+        raise click.ClickException(refusal(exc)) from None
     except (HTTPError, OSError) as exc:
         raise click.ClickException(f"cannot reach the API server: {exc}") from None
     views = [cluster.node_view(n, pods) for n in nodes if cluster.gpu_units(n)]

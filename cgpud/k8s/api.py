@@ -22,3 +22,22 @@ def connect():
         except config.ConfigException:
             raise NoCluster(f"no cluster to ask: {first} (set KUBECONFIG, or run in a pod)") from None
     return client.CoreV1Api(), client.ApiClient()
+
+
+def refusal(exc) -> str:
+    """One line for the API server's refusal (an ApiException): status, reason, and its message."""
+    import json
+
+    try:
+        message = json.loads(exc.body or "{}").get("message", "")
+    except (ValueError, AttributeError, TypeError):
+        message = ""
+    return f"the API server refused: {exc.status} {exc.reason}" + (f": {message}" if message else "")
+
+
+def one_line(exc: BaseException) -> str:
+    """What went wrong talking to the API server, in one line."""
+    if hasattr(exc, "status") and hasattr(exc, "reason") and hasattr(exc, "body"):
+        return refusal(exc)
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -22,6 +22,7 @@ COUNT = "aliyun.com/gpu-count"
 GPU_MEM_PER_DEVICE = "cgpu.aliyun.com/gpu-mem-per-device"
 IDX, POD, DEV, ASSIGNED, ASSUME_TIME = ("ALIYUN_COM_GPU_MEM_IDX", "ALIYUN_COM_GPU_MEM_POD", "ALIYUN_COM_GPU_MEM_DEV",
                                         "ALIYUN_COM_GPU_MEM_ASSIGNED", "ALIYUN_COM_GPU_MEM_ASSUME_TIME")
+GIVEN = "cgpu.aliyun.com/gpu-mem-containers-given"  # ours: how many of a pod's containers have their units
 PLACEMENT_LABEL = "ack.node.gpu.placement"
 DISABLE_LABEL = "cgpu.disable.isolation"
 

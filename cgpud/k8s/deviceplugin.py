@@ -29,7 +29,7 @@ import grpc
 from cgpud.client import Client, ControlError, DaemonUnavailable
 from cgpud.k8s import resources as res
 from cgpud.k8s.cluster import DISABLE_LABEL, PLACEMENT_LABEL
-from cgpud.k8s.nodeapi import NodeApi
+from cgpud.k8s.nodeapi import NodeApi, Unreachable
 from cgpud.k8s.proto import api_pb2 as pb
 from cgpud.k8s.proto import api_pb2_grpc as rpc
 
@@ -40,6 +40,7 @@ DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 ENDPOINT = "cgpu.sock"
 POLL = 0.1  # s: how often the kubelet's socket and ours are looked at
 REFRESH = 1.0  # s: how often the daemon is asked what GPUs it has
+NODE_REFRESH = 5.0  # s: how often the node's labels are read again (and a failed publish retried)
 
 
 class Source:
@@ -83,22 +84,50 @@ class Source:
 class Plugin(rpc.DevicePluginServicer):
     def __init__(self, source: Source, unit: int = res.GIB, strategy: str = "binpack",
                  disable_isolation: bool = False, node: "NodeApi | None" = None) -> None:
-        self.source, self.unit, self.strategy, self.disable_isolation = source, unit, strategy, disable_isolation
+        self.source, self.unit = source, unit
+        # the flags; the node's labels, when read, say otherwise (placement) or add (no isolation)
+        self.flag_strategy, self.flag_disable = strategy, disable_isolation
+        self.labels: dict[str, str] = {}
         self.node = node  # the API server's side (cgpud.k8s.nodeapi), when there is one
+        self.published: list[int] | None = None  # the per-GPU units the API server last accepted
         # The daemon's socket directory, mounted into each container: `cgpu mem` and the simulated
-        # GPUs' device files work inside it (the in-container library's mounts will join it).
+        # GPUs' device files work inside it.
         self.socket_dir: str | None = os.path.dirname(os.path.abspath(source.socket)) if source.socket else None
         self.stopping = threading.Event()
 
-    def node_changed(self, gpus: list[res.Gpu]) -> None:
-        """The daemon's GPUs changed (or were first seen): the node's labels and what it publishes."""
+    @property
+    def strategy(self) -> str:
+        label = self.labels.get(PLACEMENT_LABEL)
+        return label if label in res.STRATEGIES else self.flag_strategy
+
+    @property
+    def disable_isolation(self) -> bool:
+        return self.flag_disable or self.labels.get(DISABLE_LABEL) == "true"
+
+    def node_changed(self, gpus: list[res.Gpu] | None) -> None:
+        """The daemon's GPUs changed (or NODE_REFRESH passed): publish them if the API server does
+        not have them yet, and read the node's labels again."""
         if self.node is None or not self.node.usable:
             return
-        self.node.publish([g.units(self.unit) for g in gpus])
+        units = [g.units(self.unit) for g in gpus] if gpus else None
+        if units is not None and units != self.published and self.node.publish(units):
+            self.published = units
         labels = self.node.labels()
-        if labels.get(PLACEMENT_LABEL) in res.STRATEGIES:
-            self.strategy = labels[PLACEMENT_LABEL]
-        self.disable_isolation = self.disable_isolation or labels.get(DISABLE_LABEL) == "true"
+        if labels is not None:
+            if labels.get(PLACEMENT_LABEL) not in (None, *res.STRATEGIES):
+                log.warning("node label %s=%s is neither binpack nor spread: placing by --placement (%s)",
+                            PLACEMENT_LABEL, labels[PLACEMENT_LABEL], self.flag_strategy)
+            self.labels = labels
+
+    def follow_node(self, stop: threading.Event, every: float = NODE_REFRESH) -> None:
+        while not stop.wait(every):
+            self.node_changed(self.source.gpus)
+
+    def library_mounts(self) -> list[pb.Mount]:
+        """HOOK for the in-container library (libcgpu, docs/isolation.md): the mounts that put it and
+        its container's pages into the container will be returned here once the daemon makes the
+        pages at join. Nothing yet: isolation comes from the daemon's tree and the node's hook."""
+        return []
 
     def _gpus(self, context) -> list[res.Gpu]:
         gpus = self.source.gpus
@@ -132,38 +161,70 @@ class Plugin(rpc.DevicePluginServicer):
         gpus = self._gpus(context)
         out = []
         for creq in request.container_requests:
+            available, must = list(creq.available_deviceIDs), list(creq.must_include_deviceIDs)
             try:
-                ids = res.preferred(list(creq.available_deviceIDs), list(creq.must_include_deviceIDs),
-                                    creq.allocation_size, gpus, self.unit, self.strategy)
+                ids = self._extenders_units(available, must, creq.allocation_size, gpus) \
+                    or res.preferred(available, must, creq.allocation_size, gpus, self.unit, self.strategy)
             except res.AllocationError as exc:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             out.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return pb.PreferredAllocationResponse(container_responses=out)
 
+    def _extenders_units(self, available: list[str], must: list[str], size: int, gpus: list[res.Gpu]) -> list[str]:
+        """The kubelet's units on the GPU(s) the scheduler extender chose for this container, when
+        it chose and they are free: so the kubelet counts each GPU's units as they are really used
+        (gpushare takes the GPU from the annotation and leaves the kubelet counting others). [] when
+        there is no such choice, or the API server cannot be asked now (Allocate will say)."""
+        try:
+            choice = self.node.assumed(size, reserve=False) if self.node is not None else None
+        except Unreachable:
+            return []
+        if choice is None or size % len(choice.gpus):
+            return []
+        try:
+            return res.preferred(available, must, size, gpus, self.unit, self.strategy, count=len(choice.gpus),
+                                 only=choice.gpus)
+        except res.AllocationError:
+            return []
+
     def Allocate(self, request, context):
         gpus = self._gpus(context)
-        out = []
-        for creq in request.container_requests:
-            ids = list(creq.devices_ids)
-            try:
-                chosen = self.node.assumed(len(ids)) if self.node is not None and ids else None
-                if chosen is not None:  # the scheduler extender chose the GPU(s): that is where it goes
-                    gpu_idx, ns, pod = chosen
-                    log.info("Allocate: %s/%s, assumed on GPU %s by the scheduler extender", ns, pod, gpu_idx)
-                    for dev in ids:
-                        res.gpu_of(dev, gpus, self.unit)  # (still only this node's units)
-                    env = res.environment(gpu_idx, len(ids) // len(gpu_idx), gpus, self.unit,
-                                          disable_isolation=self.disable_isolation)
-                else:
-                    env = res.allocation(ids, gpus, self.unit, disable_isolation=self.disable_isolation)
-            except res.AllocationError as exc:
-                log.info("Allocate refused: %s", exc)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-            mounts = [pb.Mount(container_path=self.socket_dir, host_path=self.socket_dir, read_only=False)] \
-                if self.socket_dir else []
-            out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts))
+        out, choices = [], []
+        try:
+            for creq in request.container_requests:
+                env = self._allocate_one(list(creq.devices_ids), gpus, choices)
+                log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
+                mounts = [pb.Mount(container_path=self.socket_dir, host_path=self.socket_dir, read_only=False)] \
+                    if self.socket_dir else []
+                mounts += self.library_mounts()
+                out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts))
+        except (res.AllocationError, Unreachable) as exc:
+            for choice in choices:  # nothing half-done: the extender's choices stay for the next try
+                self.node.release(choice)
+            log.warning("Allocate refused: %s", exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE if isinstance(exc, Unreachable)
+                          else grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        for choice in choices:
+            self.node.confirm(choice)
         return pb.AllocateResponse(container_responses=out)
+
+    def _allocate_one(self, ids: list[str], gpus: list[res.Gpu], choices: list) -> dict[str, str]:
+        """One container's environment: on the GPU(s) the scheduler extender chose for it, when it
+        did (its choice reserved in `choices`), else on the GPU(s) of the kubelet's units."""
+        for dev in ids:
+            res.gpu_of(dev, gpus, self.unit)  # only this node's units, whoever chose the GPU
+        choice = self.node.assumed(len(ids)) if self.node is not None and ids else None
+        if choice is None:
+            return res.allocation(ids, gpus, self.unit, disable_isolation=self.disable_isolation)
+        choices.append(choice)
+        log.info("Allocate: %s/%s, on GPU %s as the scheduler extender chose", choice.namespace, choice.name,
+                 ",".join(map(str, choice.gpus)))
+        if len(ids) % len(choice.gpus):
+            raise res.AllocationError(f"{len(ids)} units cannot be split evenly over GPUs "
+                                      f"{','.join(map(str, choice.gpus))} (pod {choice.namespace}/{choice.name}'s "
+                                      "ALIYUN_COM_GPU_MEM_IDX)")
+        return res.environment(choice.gpus, len(ids) // len(choice.gpus), gpus, self.unit,
+                               disable_isolation=self.disable_isolation)
 
     def PreStartContainer(self, request, context):
         return pb.PreStartContainerResponse()
@@ -220,7 +281,7 @@ def serve(plugin: Plugin, plugin_dir: str, stop: threading.Event) -> None:
 
 
 def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, disable_isolation: bool,
-         node_name: str | None = None) -> None:
+         node_name: str | None = None, node_refresh: float = NODE_REFRESH) -> None:
     from cgpud.state.paths import default_socket
 
     source = Source(socket or default_socket())
@@ -231,6 +292,8 @@ def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, dis
     stop = threading.Event()
     poller = threading.Thread(target=source.run, args=(stop,), daemon=True)
     poller.start()
+    if node.usable:
+        threading.Thread(target=plugin.follow_node, args=(stop, node_refresh), daemon=True).start()
     log.info("cgpu device plugin: %s in units of %s, %s; kubelet at %s", res.RESOURCE, unit_name, strategy, plugin_dir)
     try:
         serve(plugin, plugin_dir, stop)

@@ -37,29 +37,58 @@ class BadRequest(ValueError):
 
 
 class State:
-    """Nodes and pods as the API's JSON, read at most every CACHE_SECONDS."""
+    """Nodes and pods as the API's JSON, read again when older than CACHE_SECONDS; `keep_fresh`
+    reads them in the background so that filter never waits for the API server."""
 
     def __init__(self, api, raw) -> None:
         self.api, self.raw = api, raw
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the swap of what was read, and bind's own updates
+        self.reading = threading.Lock()  # one read of the cluster at a time
+        self.binding = threading.Lock()  # one bind at a time: read, choose, annotate, bind
         self.at = -1e9
         self.nodes: dict[str, dict] = {}
         self.pods: list[dict] = []
+        self.on_node: dict[str, list[dict]] = {}  # node name -> its pods
 
     def refresh(self, force: bool = False) -> None:
-        with self.lock:
+        if not force and time.monotonic() - self.at < CACHE_SECONDS:
+            return
+        with self.reading:
             if not force and time.monotonic() - self.at < CACHE_SECONDS:
-                return
-            nodes = self.raw.sanitize_for_serialization(self.api.list_node().items)
-            pods = self.raw.sanitize_for_serialization(self.api.list_pod_for_all_namespaces().items)
-            self.nodes = {n["metadata"]["name"]: n for n in nodes}
-            self.pods = pods
-            self.at = time.monotonic()
+                return  # (read while this one waited)
+            began = time.monotonic()
+            # the lists' JSON as it came (the client's models for 400 pods cost tens of ms of CPU, and
+            # filter requests would wait for the interpreter meanwhile)
+            nodes = json.loads(self.api.list_node(_preload_content=False).data)["items"]
+            pods = json.loads(self.api.list_pod_for_all_namespaces(_preload_content=False).data)["items"]
+            on_node: dict[str, list[dict]] = {}
+            for pod in pods:
+                on_node.setdefault((pod.get("spec") or {}).get("nodeName") or "", []).append(pod)
+            with self.lock:
+                self.nodes = {n["metadata"]["name"]: n for n in nodes}
+                self.pods, self.on_node, self.at = pods, on_node, began
+
+    def keep_fresh(self, stop: threading.Event) -> None:
+        """Read the cluster every CACHE_SECONDS / 2 until `stop` (its errors logged, not raised)."""
+        while not stop.wait(CACHE_SECONDS / 2):
+            try:
+                self.refresh(force=True)
+            except Exception as exc:  # noqa: BLE001 - the next request reads again and says why
+                from cgpud.k8s.api import one_line
+
+                log.warning("cannot read the cluster (%s)", one_line(exc))
 
     def room(self, name: str) -> tuple[list[int], list[int]]:
         node = self.nodes[name]
         units = cluster.gpu_units(node)
-        return units, cluster.used_units(name, self.pods, len(units))
+        return units, cluster.used_units(name, self.on_node.get(name, []), len(units))
+
+    def placed(self, pod: dict, node_name: str, annotations: dict) -> None:
+        """What bind just did counts before the next read."""
+        with self.lock:
+            pod["metadata"].setdefault("annotations", {}).update(annotations)
+            pod.setdefault("spec", {})["nodeName"] = node_name
+            self.on_node.setdefault(node_name, []).append(pod)
 
 
 def gpu_count(pod: dict) -> int:
@@ -110,17 +139,27 @@ def filter_nodes(state: State, args: dict) -> dict:
 
 
 def bind(state: State, args: dict) -> dict:
-    from kubernetes.client import V1Binding, V1ObjectMeta, V1ObjectReference
-
     name, ns, node_name = args.get("PodName"), args.get("PodNamespace"), args.get("Node")
     if not all(isinstance(x, str) and x for x in (name, ns, node_name)):
         raise BadRequest("ExtenderBindingArgs needs PodName, PodNamespace and Node")
+    # kube-scheduler binds pods concurrently: two binds choosing from the same free units would
+    # over-fill a GPU, so a bind reads, chooses, annotates and binds alone.
+    with state.binding:
+        return _bind(state, name, ns, node_name, args.get("PodUID"))
+
+
+def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> dict:
+    from kubernetes.client import V1Binding, V1ObjectMeta, V1ObjectReference
+    from kubernetes.client.exceptions import ApiException
+
     state.refresh(force=True)
     if node_name not in state.nodes:
         raise BadRequest(f"node {node_name} is not known to the API server")
     pod = next((p for p in state.pods if p["metadata"]["name"] == name and p["metadata"]["namespace"] == ns), None)
     if pod is None:
         raise BadRequest(f"pod {ns}/{name} is not known to the API server")
+    if uid and pod["metadata"].get("uid") not in (None, uid):
+        raise BadRequest(f"pod {ns}/{name} is not the pod with UID {uid} any more (it was recreated)")
     need = cluster.pod_units(pod)
     patch = {}
     if need > 0:
@@ -130,14 +169,45 @@ def bind(state: State, args: dict) -> dict:
             raise BadRequest(f"node {node_name} has no GPU with {need} free {cluster.RESOURCE} any more")
         patch = cluster.assume_annotations(gpus, need, min(units[i] for i in gpus))
         state.api.patch_namespaced_pod(name, ns, {"metadata": {"annotations": patch}})
-    body = V1Binding(metadata=V1ObjectMeta(name=name, namespace=ns, uid=args.get("PodUID")),
+    body = V1Binding(metadata=V1ObjectMeta(name=name, namespace=ns, uid=uid),
                      target=V1ObjectReference(kind="Node", name=node_name, api_version="v1"))
-    state.api.create_namespaced_binding(ns, body, _preload_content=False)
-    with state.lock:  # what was just assumed counts before the next read
-        pod["metadata"].setdefault("annotations", {}).update(patch)
-        pod.setdefault("spec", {})["nodeName"] = node_name
+    try:
+        state.api.create_namespaced_binding(ns, body, _preload_content=False)
+    except ApiException:
+        if patch:  # not bound: take the choice back, so no GPU counts units for a pod that is not there
+            try:
+                state.api.patch_namespaced_pod(name, ns, {"metadata": {"annotations": dict.fromkeys(patch)}})
+            except ApiException as exc:
+                log.warning("bind of %s/%s failed and its annotations could not be removed (%s)", ns, name, exc)
+        raise
+    state.placed(pod, node_name, patch)
     log.info("bound %s/%s to %s %s", ns, name, node_name, patch.get(cluster.IDX, ""))
+    if patch:
+        event(state.api, pod, "CgpuAssumed", f"{need} {cluster.RESOURCE} on GPU {patch[cluster.IDX]} of node "
+              f"{node_name} ({strategy_of(state.nodes[node_name])})")
     return {"Error": ""}
+
+
+def event(api, pod: dict, reason: str, message: str) -> None:
+    """An Event on the pod (`kubectl describe pod` shows it); a failure is logged, not raised."""
+    from datetime import datetime, timezone
+
+    from kubernetes.client import CoreV1Event, V1EventSource, V1ObjectMeta, V1ObjectReference
+
+    from cgpud.k8s.api import one_line
+
+    meta = pod["metadata"]
+    now = datetime.now(timezone.utc)
+    body = CoreV1Event(
+        metadata=V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
+        involved_object=V1ObjectReference(kind="Pod", name=meta["name"], namespace=meta["namespace"],
+                                          uid=meta.get("uid"), api_version="v1"),
+        reason=reason, message=message, type="Normal", count=1, first_timestamp=now, last_timestamp=now,
+        source=V1EventSource(component="cgpu-scheduler-extender"))
+    try:
+        api.create_namespaced_event(meta["namespace"], body, _preload_content=False)
+    except Exception as exc:  # noqa: BLE001 - an event is a courtesy; the bind is done
+        log.warning("cannot record an event on %s/%s (%s)", meta["namespace"], meta["name"], one_line(exc))
 
 
 def inspect(state: State, node: str | None) -> dict:
@@ -145,7 +215,7 @@ def inspect(state: State, node: str | None) -> dict:
     if node is not None and node not in state.nodes:
         raise BadRequest(f"node {node} is not known to the API server")
     names = [node] if node else [n for n in state.nodes if cluster.gpu_units(state.nodes[n])]
-    return {"nodes": [cluster.node_view(state.nodes[n], state.pods) for n in names]}
+    return {"nodes": [cluster.node_view(state.nodes[n], state.on_node.get(n, [])) for n in names]}
 
 
 def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
@@ -164,12 +234,14 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
         def _answer(self, fn, *args) -> None:
             from kubernetes.client.exceptions import ApiException
 
+            from cgpud.k8s.api import refusal
+
             try:
                 self._send(200, fn(state, *args))
             except BadRequest as exc:
                 self._send(400, {"Error": str(exc)})
             except ApiException as exc:
-                self._send(502, {"Error": f"the API server refused: {exc.status} {exc.reason}"})
+                self._send(502, {"Error": refusal(exc)})
             except Exception as exc:  # noqa: BLE001 - one request's failure, said, never the server's
                 log.exception("extender request failed")
                 self._send(500, {"Error": f"internal error: {exc}"})
@@ -196,7 +268,12 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
                 return self._answer(inspect, self.path[len(PREFIX) + 9:])
             self._send(404, {"Error": f"no such path {self.path}"})
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return Server((host, port), Handler)
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # kube-scheduler asks in parallel; the default backlog of 5 resets connections
 
 
 def main(addr: str) -> None:
@@ -204,7 +281,10 @@ def main(addr: str) -> None:
 
     host, _, port = addr.rpartition(":")
     api, raw = connect()
-    server = make_server(State(api, raw), host or "0.0.0.0", int(port))
+    state = State(api, raw)
+    state.refresh()  # (an API server that refuses us is said now, at start)
+    server = make_server(state, host or "0.0.0.0", int(port))
+    threading.Thread(target=state.keep_fresh, args=(threading.Event(),), daemon=True).start()
     log.info("scheduler extender on http://%s:%d%s", *server.server_address[:2], PREFIX)
     try:
         server.serve_forever()

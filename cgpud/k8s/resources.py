@@ -10,8 +10,9 @@ the node as the daemon's `query` answer in, devices and decisions out.
   GPU (or N/M from each of M GPUs), binpack (the GPU with the least free
   units that fits) or spread (the most).
 - `allocation`: a container's units → the environment the node's hook and
-  `cgpu-runtime` understand (ALIYUN_COM_GPU_MEM_IDX, _CONTAINER, _DEV, _POD,
-  NVIDIA_VISIBLE_DEVICES; CGPU_DISABLE on nodes that ask for no isolation),
+  `cgpu-runtime` understand (ALIYUN_COM_GPU_MEM_IDX, _CONTAINER, _DEV (when
+  its GPUs are of one size), _POD, NVIDIA_VISIBLE_DEVICES; CGPU_DISABLE on
+  nodes that ask for no isolation),
   or AllocationError saying why — never a success with a bogus device.
 """
 from __future__ import annotations
@@ -72,9 +73,10 @@ def gpu_of(dev: str, gpus: list[Gpu], unit: int) -> Gpu:
 
 
 def preferred(available: list[str], must: list[str], size: int, gpus: list[Gpu], unit: int,
-              strategy: str = "binpack", count: int = 1) -> list[str]:
+              strategy: str = "binpack", count: int = 1, only: list[int] | None = None) -> list[str]:
     """`size` units from `available` (keeping `must`), from `count` GPUs (size/count each), chosen
-    by the strategy; AllocationError when no GPU (or not `count` GPUs) has room."""
+    by the strategy among all GPUs or those of `only`; AllocationError when no GPU (or not `count`
+    GPUs) has room."""
     if strategy not in STRATEGIES:
         raise AllocationError(f"placement {strategy!r} is not one of {', '.join(STRATEGIES)}")
     if count < 1 or size % count:
@@ -83,7 +85,8 @@ def preferred(available: list[str], must: list[str], size: int, gpus: list[Gpu],
     on: dict[int, list[str]] = {}
     for dev in available:
         on.setdefault(gpu_of(dev, gpus, unit).index, []).append(dev)
-    fits = [g for g in gpus if len(on.get(g.index, [])) >= per and g.free_units(unit) >= per]
+    fits = [g for g in gpus if len(on.get(g.index, [])) >= per and g.free_units(unit) >= per
+            and (only is None or g.index in only)]
     fits.sort(key=lambda g: (g.free_units(unit) if strategy == "binpack" else -g.free_units(unit), g.index))
     if len(fits) < count:
         have = ", ".join(f"GPU {g.index}: {g.free_units(unit)} free" for g in gpus) or "no GPUs"
@@ -131,9 +134,15 @@ def environment(indices: list[int], units: int, gpus: list[Gpu], unit: int, *,
         "NVIDIA_VISIBLE_DEVICES": ",".join(by_index[i].uuid for i in sorted(count)),
         "ALIYUN_COM_GPU_MEM_IDX": idx,
         "ALIYUN_COM_GPU_MEM_CONTAINER": str(units),
-        "ALIYUN_COM_GPU_MEM_DEV": str(min(by_index[i].units(unit) for i in count)),
         "ALIYUN_COM_GPU_MEM_POD": str(units * len(count)),
     }
+    # gpushare's rule: the container gets CONTAINER/DEV of each GPU. DEV is one number, so it is
+    # given only when every GPU of the container has as many units; GPUs of different sizes get
+    # `units` whole units each instead (DEV = the smaller's units would give the larger GPU more
+    # than the units its pods were counted for).
+    devs = {by_index[i].units(unit) for i in count}
+    if len(devs) == 1:
+        env["ALIYUN_COM_GPU_MEM_DEV"] = str(devs.pop())
     if disable_isolation:
         env["CGPU_DISABLE"] = "true"
     return env
