@@ -52,7 +52,9 @@ def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
 
     The instance is registered before CMD starts and removed when it exits
     (also when CMD is killed). CMD sees CGPU_INSTANCE, CGPU_GPUS and
-    CGPU_DEVICE (the simulated GPU's device file) in its environment.
+    CGPU_DEVICE (the simulated GPU's device file) in its environment, and,
+    when the daemon has the in-container library, LD_PRELOAD and
+    CGPU_PAGE_DIR: CMD's CUDA is held to its memsize (docs/isolation.md).
     """
     gpu_ids = _gpu_list(gpu, gpus)
     try:
@@ -66,7 +68,7 @@ def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
     c = ctx.client()
     try:
         res = c.call("register", name=name, gpus=gpu_ids, memsize=memsize, weight=weight,
-                     highprio=highprio, cgroup=True)
+                     highprio=highprio, cgroup=True, isolate=True)
         devices = c.call("hello")["devices"]
     except ControlError as exc:
         c.close()
@@ -79,6 +81,10 @@ def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
 
     env = dict(os.environ, CGPU_INSTANCE=name, CGPU_GPUS=",".join(map(str, gpu_ids)))
     env.update(res.get("env") or {})  # mps mode: the instance's MPS limits (docs/mps.md)
+    isolation = (res.get("isolation") or {}).get("env") or {}  # libcgpu and its pages (docs/isolation.md)
+    if isolation:
+        preload = [isolation["LD_PRELOAD"], *[p for p in env.get("LD_PRELOAD", "").split() if p]]
+        env.update(isolation, LD_PRELOAD=" ".join(dict.fromkeys(preload)))
     if devices:
         env["CGPU_DEVICE"] = devices[gpu_ids[0]]
     code = 127

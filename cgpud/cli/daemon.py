@@ -68,11 +68,16 @@ def main() -> None:
               help="The compiled OCI hook that cgpu-runtime puts into the containers it prepares (Docker, containerd).")
 @click.option("--libcgpu", default=DEFAULT_LIBCGPU, show_default=True, envvar="CGPUD_LIBCGPU",
               help="The in-container library cgpu-runtime mounts into the containers it prepares (when it exists).")
+@click.option("--compute", default="auto", show_default=True, envvar="CGPUD_COMPUTE",
+              type=click.Choice(["auto", "gate", "freeze"]),
+              help="How a container that carries libcgpu is held to its compute share: gate its kernel launches "
+                   "(its CPU side runs on), or freeze its cgroup; auto: gate on real GPUs, freeze on simulated "
+                   "ones (their workloads do not launch through CUDA).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, dev_dir: str,
           rt_priority: int, slice_ms: float, placement: str, mode: str, mem_action: str, mps_control: str | None,
-          mps_pipe_dir: str | None, metrics_addr: str, hook_path: str, libcgpu: str, log_level: str) -> None:
+          mps_pipe_dir: str | None, metrics_addr: str, hook_path: str, libcgpu: str, compute: str, log_level: str) -> None:
     """Mount the tree and serve it until SIGTERM or SIGINT."""
     setup_logging(log_level)
     if dev_dir is None:
@@ -81,7 +86,7 @@ def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, s
                  dev_dir=dev_dir, rt_priority=rt_priority, slice_ms=slice_ms,
                  placement=placement, mode=mode, mem_action=mem_action, mps_control=mps_control,
                  mps_pipe_dir=mps_pipe_dir, metrics_addr=metrics_addr, hook_path=hook_path,
-                 libcgpu=libcgpu)
+                 libcgpu=libcgpu, compute=compute)
     try:
         status = trio.run(serve_daemon, cfg)
     except StartError as exc:

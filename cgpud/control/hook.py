@@ -46,14 +46,15 @@ class Hooks:
         plan = hookd.plan(state, env, self.node, strategy=self.strategy, mode=self.mode, hook_pid=peer.pid)
         if plan.get("action") == "left alone":
             return plan
+        where = os.path.join(self.pages_dir, name)
+        prepared = os.path.isdir(where)  # by cgpu-runtime: the container carries libcgpu
         try:
-            result = self.register(plan, peer)
+            result = self.register(plan, peer, gate=where if prepared and self.gate else None)
         except (Refused, ModelError) as exc:
             code = exc.code if isinstance(exc, Refused) else errno_of(exc)
             raise hookd.HookError(f"cannot register {name} on GPU {','.join(map(str, plan['gpus']))}: {exc} "
                                   f"({errno.errorcode[code]})", code) from None
-        where = os.path.join(self.pages_dir, name)
-        if os.path.isdir(where):  # prepared by cgpu-runtime: the limits the container's library reads
+        if prepared:  # the limits the container's library reads
             try:
                 pages.fill(where, [i["memsize"] for i in result["instances"]])
             except (OSError, ValueError) as exc:

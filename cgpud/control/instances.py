@@ -13,6 +13,7 @@ import trio
 from cgpud.containers.cgroups import CgroupError
 from cgpud.control.protocol import Peer, Refused, arg
 from cgpud.core.model import ModelError, Node, check_name
+from cgpud.gpus import pages
 from cgpud.sched.enforce import EnforceError, freezer_from_spec
 
 log = logging.getLogger("cgpud")
@@ -23,12 +24,17 @@ class Instances:
 
     OPS = {"register": True, "deregister": True}
 
-    def register(self, req: dict, peer: Peer) -> dict:
+    def register(self, req: dict, peer: Peer, *, gate: str | None = None) -> dict:
         """Create the instances of one container: `name` on each of `gpus`.
 
         memsize: bytes, one for every GPU or a list GPU by GPU, promised (it
         must fit in what the GPU has not promised to others); None or absent
         = default_memsize, promising nothing. All are created, or none.
+        isolate (with cgroup, `cgpu run`): when the daemon has libcgpu, the
+        instance gets pages of its own and the reply says how to load it
+        (`isolation`: library, pages, env).
+        gate (the container hook only, never from a client): the pages whose
+        gate holds the instance to its share instead of its cgroup's freezer.
         """
         name = check_name(arg(req, "name", str))
         gpus = arg(req, "gpus", list)
@@ -46,6 +52,10 @@ class Instances:
         want_group = arg(req, "cgroup", bool, False)
         policy = arg(req, "policy", int, None, allow_none=True)
         given = arg(req, "target", dict, None, allow_none=True)
+        isolate = arg(req, "isolate", bool, False)
+        library = self.library if isolate and self.library and os.path.isfile(self.library) else None
+        if library and not want_group:
+            raise Refused(errno.EINVAL, "isolate is for instances in a cgroup the daemon makes (cgroup: true)")
         target = None
         if given is not None:
             if want_group:
@@ -60,6 +70,16 @@ class Instances:
                 target = {"kind": self.groups.kind, "path": self.groups.create(name)}
             except (CgroupError, OSError) as exc:
                 raise Refused(errno.EBUSY, f"cannot make a cgroup for {name}: {exc}") from None
+            if library:
+                gate = os.path.join(self.pages_dir, name)
+                try:
+                    pages.prepare(gate)  # (filled with the memsizes once they are known, below)
+                except OSError as exc:
+                    self.groups.remove(target["path"])
+                    raise Refused(errno.EIO, f"cannot make the isolation pages of {name} in {gate}: "
+                                  f"{exc.strerror}") from None
+        if gate is not None and target is not None and self.gate:
+            target = {**target, "gate": gate}
 
         def create(n: Node):
             # A memsize asked for is promised (admission keeps it: SPEC §3); none asked: default_memsize, no promise
@@ -72,12 +92,24 @@ class Instances:
                     n.set_policy(g, policy)
             return made
 
+        def undo() -> None:
+            if want_group and target is not None:
+                self.groups.remove(target["path"])
+            if library:
+                pages.remove(gate)
+
         try:
             made = self.durable.apply(create)
         except BaseException:
-            if want_group and target is not None:
-                self.groups.remove(target["path"])
+            undo()
             raise
+        if library:
+            try:
+                pages.fill(gate, [i.memsize for i in made])
+            except (OSError, ValueError) as exc:
+                self.durable.apply(lambda n: n.destroy(name))
+                undo()
+                raise Refused(errno.EIO, f"cannot write the isolation pages of {name} in {gate}: {exc}") from None
         if target is not None:
             self.owners[name] = peer.conn
         log.info("registered %s on GPU %s (pid %d)", name, ",".join(map(str, gpus)), peer.pid)
@@ -86,6 +118,8 @@ class Instances:
             "instances": [{"gpu": i.gpu, "id": i.id, "memsize": i.memsize, "weight": i.weight} for i in made],
             "target": target,
             **({"env": self.client_env(name)} if self.client_env is not None else {}),
+            **({"isolation": {"library": library, "pages": gate,
+                              "env": {"LD_PRELOAD": library, "CGPU_PAGE_DIR": gate}}} if library else {}),
         }
 
     @staticmethod
@@ -120,6 +154,7 @@ class Instances:
                 raise Refused(errno.ENOENT, f"no instance {name} of container {container}")
         gone = self.durable.apply(lambda n: n.destroy(name))
         self._drop_group(name, gone[0].target)
+        self._drop_pages(name)
         log.info("deregistered %s (pid %d)", name, peer.pid)
         return {"name": name, "gpus": [i.gpu for i in gone]}
 
@@ -193,7 +228,14 @@ class Instances:
                 self._drop_group(inst.name, t)
                 gone.append(inst.name)
                 log.info("%s: its processes are gone; deregistered", inst.name)
+        for name in gone:
+            self._drop_pages(name)
         return gone
+
+    def _drop_pages(self, name: str) -> None:
+        where = os.path.join(self.pages_dir, name)
+        if os.path.isdir(where) and not self.node.instances_named(name):
+            pages.remove(where)
 
 
 async def reaper(control: "Instances", after, interval: float = 0.5, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

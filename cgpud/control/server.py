@@ -62,6 +62,7 @@ class Control(Views, Instances, Hooks, Runtime, Memory):
         socket_path: str | None = None,
         library: str | None = None,
         pages_dir: str | None = None,
+        gate: bool = False,
     ) -> None:
         self.durable = durable
         # cgpu-runtime's `prepare` writes these into a container's hooks (containers.spec)
@@ -69,6 +70,9 @@ class Control(Views, Instances, Hooks, Runtime, Memory):
         # the in-container library it puts in prepared containers (if the file is there), and where
         # each container's pages are kept (docs/isolation.md)
         self.library = library
+        # whether the instances whose processes carry it are gated at their launches (cgpud.sched.gate)
+        # instead of frozen (`cgpud serve --compute`)
+        self.gate = gate
         self.pages_dir = pages_dir or os.path.join(os.path.dirname(socket_path or "/run/cgpud/cgpud.sock"), "pages")
         self.client_env = client_env  # mps mode: the environment an instance's processes need (cgpud/gpus/mps.py)
         self.watchdog = None  # real GPUs: the memory watchdog (cgpud/gpus/memwatch.py), set by the daemon

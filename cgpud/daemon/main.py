@@ -63,6 +63,14 @@ class Config:
     metrics_addr: str | None = None  # HOST:PORT; None or "off": no metrics
     hook_path: str | None = None  # the OCI hook cgpu-runtime's `prepare` puts in containers (None: the default)
     libcgpu: str | None = None  # the in-container library cgpu-runtime's `prepare` mounts (if the file exists)
+    # how the compute share of an instance whose processes carry libcgpu is enforced: "gate" (its kernel
+    # launches), "freeze" (its cgroup), "auto" (gate on real GPUs; on simulated ones workloads do not launch
+    # through CUDA, so freeze) (docs/isolation.md)
+    compute: str = "auto"
+
+    @property
+    def gates(self) -> bool:
+        return self.compute == "gate" or (self.compute == "auto" and self.gpus.strip() == "nvml")
     successor: int | None = None  # set by serve: after a hot upgrade, the pid of the daemon that serves now
 
 
@@ -362,7 +370,7 @@ async def _serve(cfg: Config) -> int:
                 (lambda: _scheduling(node, durable, cfg, devices)) if schedules else None, ops.refresh,
                 admin_gid=gid, devices=devices, strategy=cfg.placement, mode=cfg.mode,
                 client_env=mps.client_env if mps is not None else None, hook_path=cfg.hook_path,
-                library=cfg.libcgpu)
+                library=cfg.libcgpu, gate=cfg.gates)
             exit_status = 0
 
             def cold_stop() -> None:

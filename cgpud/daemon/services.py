@@ -25,7 +25,7 @@ class Services:
     def __init__(self, durable: Durable, socket_path: str | None, make_scheduling: Callable | None,
                  refresh: Callable, *, admin_gid: int | None, devices: list[str], strategy: str, mode: str,
                  client_env: Callable | None = None, hook_path: str | None = None,
-                 library: str | None = None) -> None:
+                 library: str | None = None, gate: bool = False) -> None:
         self.durable = durable
         self.socket_path = socket_path
         self._make_scheduling = make_scheduling
@@ -42,7 +42,7 @@ class Services:
                                        stats=lambda: self.sched.stats() if self.sched is not None else [],
                                        strategy=strategy, mode=mode, client_env=client_env,
                                        **({"hook_path": hook_path} if hook_path else {}), socket_path=socket_path,
-                                       library=library)
+                                       library=library, gate=gate)
             if make_scheduling is not None:
                 self.ctl.tracer = self._trace
         self._scope: trio.CancelScope | None = None

@@ -1,18 +1,24 @@
 """The per-container pages the daemon shares with libcgpu (docs/isolation.md),
 in the layout of native/libcgpu/cgpu_page.h (a test compiles the header and
-compares): `limits` (the container's memsize per GPU, read-only to it) and
-`usage` (what its processes hold, per GPU and per process)."""
+compares): `limits` (the container's memsize per GPU and its compute gate,
+read-only to it), `usage` (what its processes hold, per GPU and per process,
+and which processes answer the gate) and `drained` (a FIFO: a byte from a
+process that has finished its queued work after the gate closed).
+cgpud.sched.gate drives the gate."""
 from __future__ import annotations
 
 import os
 import struct
 
 MAGIC = 0x55504743  # "CGPU"
-VERSION = 1
+VERSION = 2
 MAX_GPUS = 16
 MAX_PROCS = 256
-LIMITS = struct.Struct(f"<4I{MAX_GPUS}Q")
-PROC = struct.Struct(f"<iI{MAX_GPUS}Q")
+LIMITS = struct.Struct(f"<4I{MAX_GPUS}Q2I")
+GATE_OFFSET = LIMITS.size - 8  # uint32 gate: odd open, even closed
+GATE_OPEN = 1
+_GATE = struct.Struct("<2I")
+PROC = struct.Struct(f"<i3I{MAX_GPUS}Q")
 USAGE_HEAD = struct.Struct(f"<2I{MAX_GPUS}Q")
 USAGE_SIZE = USAGE_HEAD.size + MAX_PROCS * PROC.size
 
@@ -22,10 +28,24 @@ def create(directory: str, memsizes: list[int]) -> None:
     if not 0 < len(memsizes) <= MAX_GPUS:
         raise ValueError(f"1 to {MAX_GPUS} GPUs, not {len(memsizes)}")
     os.makedirs(directory, exist_ok=True)
-    limits = LIMITS.pack(MAGIC, VERSION, len(memsizes), 0, *memsizes, *[0] * (MAX_GPUS - len(memsizes)))
-    _write(os.path.join(directory, "limits"), limits, 0o444)
+    _write(os.path.join(directory, "limits"), _limits(memsizes), 0o444)
     usage = USAGE_HEAD.pack(MAGIC, VERSION, *[0] * MAX_GPUS) + bytes(MAX_PROCS * PROC.size)
     _write(os.path.join(directory, "usage"), usage, 0o666)
+    _fifo(directory)
+
+
+def _limits(memsizes: list[int]) -> bytes:
+    return LIMITS.pack(MAGIC, VERSION, len(memsizes), 0, *memsizes, *[0] * (MAX_GPUS - len(memsizes)),
+                       GATE_OPEN, 0)
+
+
+def _fifo(directory: str) -> None:
+    path = os.path.join(directory, "drained")
+    try:
+        os.mkfifo(path, 0o622)
+    except FileExistsError:
+        return
+    os.chmod(path, 0o622)  # (not the umask's: any user of the container writes to it)
 
 
 def _write(path: str, data: bytes, mode: int) -> None:
@@ -54,7 +74,7 @@ def held_by(directory: str) -> dict[int, list[int]]:
         raw = f.read(MAX_PROCS * PROC.size)
     out = {}
     for k in range(MAX_PROCS):
-        pid, _, *held = PROC.unpack_from(raw, k * PROC.size)
+        pid, _, _, _, *held = PROC.unpack_from(raw, k * PROC.size)
         if pid > 0:
             out[pid] = held
     return out
@@ -64,23 +84,27 @@ def prepare(directory: str) -> None:
     """A container's pages before it exists (cgpu-runtime's `prepare`): the files
     its mounts need, the limits not yet valid (magic 0: libcgpu refuses them)
     until `fill` writes them at the hook, in place, so the container's mount of
-    the same file sees them."""
+    the same file sees them. The gate is there from the start (open), so the
+    scheduler may drive it before `fill`."""
     os.makedirs(directory, mode=0o755, exist_ok=True)
     if not os.path.exists(os.path.join(directory, "limits")):
-        _write(os.path.join(directory, "limits"), bytes(LIMITS.size), 0o444)
+        _write(os.path.join(directory, "limits"), bytes(4) + _limits([0])[4:GATE_OFFSET] + _GATE.pack(GATE_OPEN, 0),
+               0o444)
     if not os.path.exists(os.path.join(directory, "usage")):
         usage = USAGE_HEAD.pack(MAGIC, VERSION, *[0] * MAX_GPUS) + bytes(MAX_PROCS * PROC.size)
         _write(os.path.join(directory, "usage"), usage, 0o666)
+    _fifo(directory)
 
 
 def fill(directory: str, memsizes: list[int]) -> None:
-    """The limits the daemon decided, written into the existing file: memsizes first, the magic last."""
+    """The limits the daemon decided, written into the existing file: memsizes first, the magic last;
+    the gate is left as it is (the scheduler's)."""
     if not 0 < len(memsizes) <= MAX_GPUS:
         raise ValueError(f"1 to {MAX_GPUS} GPUs, not {len(memsizes)}")
-    data = LIMITS.pack(MAGIC, VERSION, len(memsizes), 0, *memsizes, *[0] * (MAX_GPUS - len(memsizes)))
+    data = _limits(memsizes)
     fd = os.open(os.path.join(directory, "limits"), os.O_WRONLY | os.O_CLOEXEC)
     try:
-        os.pwrite(fd, data[4:], 4)
+        os.pwrite(fd, data[4:GATE_OFFSET], 4)
         os.fsync(fd)
         os.pwrite(fd, data[:4], 0)
         os.fsync(fd)
@@ -89,7 +113,7 @@ def fill(directory: str, memsizes: list[int]) -> None:
 
 
 def remove(directory: str) -> None:
-    for name in ("limits", "usage"):
+    for name in ("limits", "usage", "drained"):
         try:
             os.unlink(os.path.join(directory, name))
         except FileNotFoundError:

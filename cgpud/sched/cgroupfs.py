@@ -18,6 +18,7 @@ KIND_CGROUP2 = "cgroup2"
 KIND_FREEZER = "cgroup1-freezer"
 KIND_SIGNAL = "pgid"
 KIND_SIM = "sim"
+KIND_GATE = "gate"  # libcgpu's compute gate in a container's pages (cgpud.sched.gate)
 
 # errno of a pwrite on a control file whose group was removed (ENODEV), of an
 # open in a vanished directory (ENOENT), of a signal to nobody (ESRCH)

@@ -59,6 +59,7 @@ from cgpud.sched.cgroupfs import (
     _GONE,
     KIND_CGROUP2,
     KIND_FREEZER,
+    KIND_GATE,
     KIND_SIGNAL,
     KIND_SIM,
     cgroup_pids,
@@ -74,6 +75,7 @@ from cgpud.sched.cgroupfs import (
     _subgroups_deepest_first,
     TargetGone,
 )
+from cgpud.sched.gate import GateFreezer, thaw_gate
 
 # ---- the backends ----------------------------------------------------------------------
 
@@ -313,8 +315,14 @@ def freezer_for_cgroup(path: str, *, label: str | None = None) -> Freezer:
 
 
 def freezer_from_spec(entry: dict[str, Any]) -> Freezer:
-    """A backend from a registry entry (checked like any other)."""
+    """A backend from a registry entry (checked like any other). A target
+    with a "gate" (its container's pages: it carries libcgpu and the daemon
+    gates launches) gets the gate instead of its group's freezer."""
     kind, label = entry.get("kind"), entry.get("label")
+    if entry.get("gate"):
+        return GateFreezer(entry["gate"], label=label)
+    if kind == KIND_GATE:
+        return GateFreezer(entry["path"], label=label)
     if kind == KIND_CGROUP2:
         return CgroupV2Freezer(entry["path"], label=label)
     if kind == KIND_FREEZER:
@@ -364,6 +372,9 @@ def thaw_spec(entry: Any) -> str:
         return "thawed"
     if kind == KIND_SIM:
         return "nothing to do"
+    if kind == KIND_GATE:
+        path = entry.get("path")
+        return thaw_gate(path) if isinstance(path, str) else "refused: no path"
     return f"refused: unknown kind {kind!r}"
 
 
@@ -436,6 +447,17 @@ class Enforcement:
         target = self._targets.get(name)
         if target is not None:
             target.thaw()
+
+    def undrained(self, names: Any) -> list[Any]:
+        """Of the instances `names`, the targets whose processes still run work
+        they queued before being stopped (the gate: cgpud.sched.gate); the
+        loop waits for them, bounded, before it lets the next instance run."""
+        out = []
+        for name in names:
+            t = self._targets.get(name)
+            if t is not None and t.frozen and getattr(t, "undrained", None) and t.undrained():
+                out.append(t)
+        return out
 
     def _apply(self, name: str, action: Any) -> None:
         try:

@@ -167,7 +167,7 @@ class GpuScheduler:
             view = self._view()
             tel.retain(view.names)
             dec = planner.plan(view, now)
-            self._enforce(view, dec)
+            await self._enforce(view, dec)
             start = trio.current_time()
             if prev is not None:
                 if start > now:  # the old set ran on until it was frozen just now: its time, not the new set's
@@ -188,7 +188,7 @@ class GpuScheduler:
                 view = self._view()  # poked
                 if planner.preempt(view, dec, now) or self._basis() != basis:
                     break  # (a setting changed: it takes effect now)
-                self._enforce(view, dec)
+                await self._enforce(view, dec)
             if now - self._last_publish >= self._publish_every:
                 self._last_publish = now
                 self._account(now)
@@ -282,24 +282,58 @@ class GpuScheduler:
                 out[name] = 0.0
         return out
 
-    def _enforce(self, view: GpuView, dec: Decision) -> None:
-        """Freeze the active instances that may not run, thaw the others: only changes."""
+    async def _enforce(self, view: GpuView, dec: Decision) -> None:
+        """Freeze the active instances that may not run, thaw the others: only changes.
+        Between the two, an instance stopped at a gate (libcgpu: cgpud.sched.gate)
+        finishes the work it had queued, for at most one long slice, so that the
+        next instance's slice starts on a free GPU."""
         if dec.kind is Kind.NATIVE:
             want: frozenset[str] = frozenset()
         else:
             want = frozenset(i.name for i in view.instances if i.active and i.name not in dec.running)
         present = view.names
         tel = self.telemetry
+        stopped = []
         for name in sorted(want - self._frozen):  # freeze before thawing: never two at once
             if self._call(self._enforcer.freeze, "freeze", name):
                 self._frozen.add(name)
+                stopped.append(name)
                 tel.freezes += 1
+        if stopped and self._frozen - want:
+            await self._drain(stopped)
         for name in sorted(self._frozen - want):
             if self._call(self._enforcer.thaw, "thaw", name):
                 tel.thaws += 1
                 self._frozen.discard(name)
             elif name not in present:  # gone: nothing left to thaw
                 self._frozen.discard(name)
+
+    async def _drain(self, names: list[str]) -> None:
+        """Wait until the gated instances `names` have drained (each wakes us
+        through its FIFO), for at most `max_slice`; who did not answer by then
+        is not waited for again until it does."""
+        undrained = getattr(self._enforcer, "undrained", None)
+        if undrained is None:
+            return
+        waiting = undrained(names)
+        if not waiting:
+            return
+        t0 = trio.current_time()
+        with trio.move_on_after(self.planner.params.max_slice):
+            while waiting:
+                try:
+                    await trio.lowlevel.wait_readable(waiting[0].fileno())
+                except trio.BusyResourceError:  # (another GPU's loop waits on it: look again soon)
+                    await trio.sleep(0.0005)
+                waiting[0].consume()
+                waiting = undrained(names)
+        if waiting:
+            for target in waiting:
+                log.warning("%s: the processes of slots %s did not finish their queued GPU work within %.0f ms of their "
+                            "slice's end; they are not waited for until they answer", target,
+                            target.give_up(), self.planner.params.max_slice * 1000)
+        self.telemetry.drains += 1
+        self.telemetry.drain_seconds += trio.current_time() - t0
 
     def _call(self, fn, what: str, name: str) -> bool:
         try:

@@ -105,6 +105,8 @@ class Scheduling:
                 "freezes": st.freezes,
                 "thaws": st.thaws,
                 "enforce_errors": st.enforce_errors,
+                "drains": st.drains,
+                "drain_seconds": st.drain_seconds,
                 "lateness": {
                     "count": st.lateness_count,
                     "sum": st.lateness_sum,

@@ -12,7 +12,8 @@ to another thread (the metrics HTTP server reads it, never the live object).
   10 to 10.1 s; shorter just after the start) and ends with the last slice
   accounted.
 - switches: slice boundaries at which the set of instances allowed to run
-  changed. freezes / thaws: enforcement calls actually made.
+  changed. freezes / thaws: enforcement calls actually made. drains /
+  drain_seconds: slice ends that waited for gated work to finish, and how long.
 - lateness: actual wake-up minus the planned boundary, per timed boundary
   (recent samples kept, plus count, sum and max over the whole run).
 - recent: the last slices (gpu, names allowed, start, end, kind, and who
@@ -70,6 +71,8 @@ class GpuStats:
     lateness_max: float
     instances: Mapping[str, InstanceStats]
     recent: tuple[SliceRecord, ...]
+    drains: int = 0  # slice ends that waited for gated instances to finish their queued work
+    drain_seconds: float = 0.0  # how long in all
 
     def lateness_quantile(self, q: float) -> float:
         """Quantile of the recent lateness samples (0 when there are none)."""
@@ -94,6 +97,8 @@ class Telemetry:
         self.freezes = 0
         self.thaws = 0
         self.enforce_errors = 0
+        self.drains = 0
+        self.drain_seconds = 0.0
         self.lateness: deque[float] = deque(maxlen=lateness_samples)
         self.lateness_count = 0
         self.lateness_sum = 0.0
@@ -208,6 +213,8 @@ class Telemetry:
             lateness_max=self.lateness_max,
             instances=MappingProxyType(insts),
             recent=tuple(self.recent),
+            drains=self.drains,
+            drain_seconds=self.drain_seconds,
         )
 
 

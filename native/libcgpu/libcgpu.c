@@ -40,7 +40,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <linux/futex.h>
+#include <sched.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cgpu_page.h"
@@ -68,6 +72,16 @@ typedef struct { unsigned int version; unsigned long long total, reserved, free,
 typedef int (*nvml_mem_fn)(void *, nvmlMemory_t *);
 typedef int (*nvml_mem2_fn)(void *, nvmlMemory_v2_t *);
 typedef int (*nvml_index_fn)(void *, unsigned int *);
+typedef void *CUcontext;
+typedef CUresult (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                              void **, void **);
+typedef CUresult (*launch_coop_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                   void *, void **);
+typedef CUresult (*launch_ex_fn)(const void *, void *, void **, void **);
+typedef CUresult (*graph_launch_fn)(void *, void *);
+typedef CUresult (*ctx_get_fn)(CUcontext *);
+typedef CUresult (*ctx_push_fn)(CUcontext);
+typedef CUresult (*ctx_sync_fn)(void);
 
 static struct {
     void *lib;
@@ -88,6 +102,14 @@ static struct {
     nvml_mem_fn nvml_mem;
     nvml_mem2_fn nvml_mem2;
     nvml_index_fn nvml_index;
+    launch_fn launch, launch_ptsz;
+    launch_coop_fn launch_coop, launch_coop_ptsz;
+    launch_ex_fn launch_ex, launch_ex_ptsz;
+    graph_launch_fn graph_launch, graph_launch_ptsz;
+    ctx_get_fn ctx_get;
+    ctx_push_fn ctx_push;
+    ctx_get_fn ctx_pop;
+    ctx_sync_fn ctx_sync;
 } real;
 
 static dlsym_fn real_dlsym;
@@ -97,6 +119,7 @@ static struct cgpu_usage *usage;
 static struct cgpu_proc *mine;
 static int asked;          /* CGPU_PAGE_DIR is set: this process must be isolated */
 static char why[8192];     /* why the pages are not usable ("" when they are) */
+static char page_dir[4096];
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 /* >0 while this thread is inside the real driver: a driver that calls its own exported
  * functions (through its PLT, so through ours) must not be charged twice. */
@@ -159,6 +182,23 @@ static void *map(const char *dir, const char *name, size_t size, int writable)
     return p;
 }
 
+/* A process slot of its own in the usage page (mine stays NULL if all are taken). */
+static void claim_slot(void)
+{
+    mine = NULL;
+    for (int i = 0; i < CGPU_MAX_PROCS && !mine; i++) {
+        int32_t zero = 0;
+        if (__atomic_compare_exchange_n(&usage->procs[i].pid, &zero, (int32_t)getpid(), 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
+            mine = &usage->procs[i];
+            __atomic_store_n(&mine->gated, 0, __ATOMIC_RELEASE);
+            __atomic_store_n(&mine->acked, 0, __ATOMIC_RELEASE);
+        }
+    }
+}
+
+static void forked(void);
+
 static void setup(void)
 {
     real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
@@ -179,6 +219,18 @@ static void setup(void)
     real.free_async = (free_async_fn)sym("cuMemFreeAsync");
     real.array = (array_fn)sym("cuArrayCreate_v2");
     real.array_free = (free_fn)sym("cuArrayDestroy");
+    real.launch = (launch_fn)sym("cuLaunchKernel");
+    real.launch_ptsz = (launch_fn)sym("cuLaunchKernel_ptsz");
+    real.launch_coop = (launch_coop_fn)sym("cuLaunchCooperativeKernel");
+    real.launch_coop_ptsz = (launch_coop_fn)sym("cuLaunchCooperativeKernel_ptsz");
+    real.launch_ex = (launch_ex_fn)sym("cuLaunchKernelEx");
+    real.launch_ex_ptsz = (launch_ex_fn)sym("cuLaunchKernelEx_ptsz");
+    real.graph_launch = (graph_launch_fn)sym("cuGraphLaunch");
+    real.graph_launch_ptsz = (graph_launch_fn)sym("cuGraphLaunch_ptsz");
+    real.ctx_get = (ctx_get_fn)sym("cuCtxGetCurrent");
+    real.ctx_push = (ctx_push_fn)sym("cuCtxPushCurrent_v2");
+    real.ctx_pop = (ctx_get_fn)sym("cuCtxPopCurrent_v2");
+    real.ctx_sync = (ctx_sync_fn)sym("cuCtxSynchronize");
     const char *npath = getenv("CGPU_REAL_LIBNVML");
     real.nvml = dlopen(npath && *npath ? npath : "libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     if (real.nvml && real_dlsym) {
@@ -191,6 +243,7 @@ static void setup(void)
     asked = dir && *dir;
     if (!asked)
         return;
+    snprintf(page_dir, sizeof page_dir, "%s", dir);
     limits = map(dir, "limits", sizeof *limits, 0);
     if (limits && (limits->magic != CGPU_MAGIC || limits->version != CGPU_VERSION
                    || limits->ngpus == 0 || limits->ngpus > CGPU_MAX_GPUS)) {
@@ -213,12 +266,8 @@ static void setup(void)
     }
     for (int i = 0; i < CGPU_MAX_PROCS; i++)
         reclaim(&usage->procs[i]);
-    for (int i = 0; i < CGPU_MAX_PROCS && !mine; i++) {
-        int32_t zero = 0;
-        if (__atomic_compare_exchange_n(&usage->procs[i].pid, &zero, (int32_t)getpid(), 0, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_ACQUIRE))
-            mine = &usage->procs[i];
-    }
+    claim_slot();
+    pthread_atfork(NULL, NULL, forked);
     if (!mine) {
         snprintf(why, sizeof why, "%s/usage has no free process slot (%d processes use the GPU)", dir,
                  CGPU_MAX_PROCS);
@@ -434,6 +483,194 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
     return r;
 }
 
+/* ---- compute: kernel launches wait at the container's gate ----------------------------
+ *
+ * The daemon closes the gate (makes it even) when the container's slice ends and
+ * opens it (odd, and a FUTEX_WAKE) when the next begins. A launch that finds it
+ * closed waits on it with a futex: no polling, no sleep steps; the CPU side of the
+ * process runs on. A helper thread, started with the first launch, answers each
+ * closing: once no thread is inside a launch, it synchronizes every context the
+ * process launched in (the work it had already queued is done), writes the closed
+ * gate's value into the process's `acked` and a byte into the `drained` FIFO, so
+ * the daemon can start the next container's slice knowing the GPU is free. */
+
+static unsigned launching;   /* threads of this process inside a launch now */
+static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+static CUcontext ctxs[64];
+static int nctxs;
+static __thread CUcontext known_ctx;  /* the last context this thread was seen to launch in */
+
+static uint32_t gate_value(void)
+{
+    return __atomic_load_n(&limits->gate, __ATOMIC_SEQ_CST);
+}
+
+static void gate_wait(uint32_t closed)
+{
+    /* (a read-only shared mapping: the futex is keyed by the file, so the daemon's wake reaches it) */
+    syscall(SYS_futex, &limits->gate, FUTEX_WAIT, closed, NULL, NULL, 0);
+}
+
+static void note_context(void)
+{
+    CUcontext c = NULL;
+    if (!real.ctx_get || real.ctx_get(&c) != CU_OK || !c || c == known_ctx)
+        return;
+    known_ctx = c;
+    pthread_mutex_lock(&ctx_lock);
+    int seen = 0;
+    for (int i = 0; i < nctxs; i++)
+        seen |= ctxs[i] == c;
+    if (!seen && nctxs < (int)(sizeof ctxs / sizeof *ctxs))
+        ctxs[nctxs++] = c;
+    pthread_mutex_unlock(&ctx_lock);
+}
+
+static void drained(uint32_t closed)
+{
+    static int fifo = -1;
+    while (__atomic_load_n(&launching, __ATOMIC_SEQ_CST))
+        sched_yield();  /* a launch that passed the gate before it closed: a few µs */
+    pthread_mutex_lock(&ctx_lock);
+    in_driver++;
+    for (int i = 0; i < nctxs && real.ctx_push && real.ctx_pop && real.ctx_sync; i++) {
+        CUcontext prev;
+        if (real.ctx_push(ctxs[i]) == CU_OK) {
+            real.ctx_sync();
+            real.ctx_pop(&prev);
+        }
+    }
+    in_driver--;
+    pthread_mutex_unlock(&ctx_lock);
+    __atomic_store_n(&mine->acked, closed, __ATOMIC_SEQ_CST);
+    if (fifo < 0) {
+        char path[4200];
+        snprintf(path, sizeof path, "%s/drained", page_dir);
+        fifo = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);  /* (no reader: the daemon is away; later) */
+    }
+    if (fifo >= 0 && write(fifo, "d", 1) < 0 && errno != EAGAIN) {
+        close(fifo);
+        fifo = -1;
+    }
+}
+
+static void *gate_helper(void *arg)
+{
+    (void)arg;
+    for (;;) {
+        uint32_t g = gate_value();
+        if (!(g & 1) && __atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != g)
+            drained(g);
+        syscall(SYS_futex, &limits->gate, FUTEX_WAIT, g, NULL, NULL, 0);
+    }
+    return NULL;
+}
+
+static void start_helper(void)
+{
+    pthread_t t;
+    pthread_attr_t a;
+    sigset_t all, old;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&a, 64 << 10);
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with the process's own threads */
+    if (pthread_create(&t, &a, gate_helper, NULL) == 0)
+        __atomic_store_n(&mine->gated, 1, __ATOMIC_SEQ_CST);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&a);
+}
+
+/* Pass the gate: on return this thread counts in `launching` and the gate was open. */
+static void gate_enter(void)
+{
+    pthread_once(&helper_once, start_helper);
+    for (;;) {
+        __atomic_add_fetch(&launching, 1, __ATOMIC_SEQ_CST);
+        uint32_t g = gate_value();
+        if (g & 1)
+            return;
+        __atomic_sub_fetch(&launching, 1, __ATOMIC_SEQ_CST);
+        gate_wait(g);
+    }
+}
+
+#define GATED(fn, ...)                                          \
+    do {                                                        \
+        PASS_THROUGH(fn, __VA_ARGS__);                          \
+        if (!(fn))                                              \
+            return CU_NOT_INITIALIZED;                          \
+        note_context();                                         \
+        gate_enter();                                           \
+        in_driver++;                                            \
+        CUresult r_ = (fn)(__VA_ARGS__);                        \
+        in_driver--;                                            \
+        __atomic_sub_fetch(&launching, 1, __ATOMIC_SEQ_CST);    \
+        return r_;                                              \
+    } while (0)
+
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shmem, void *stream, void **params, void **extra)
+{
+    GATED(real.launch, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
+}
+
+CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                             unsigned shmem, void *stream, void **params, void **extra)
+{
+    GATED(real.launch_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
+}
+
+CUresult cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                   unsigned bz, unsigned shmem, void *stream, void **params)
+{
+    GATED(real.launch_coop, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
+}
+
+CUresult cuLaunchCooperativeKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                        unsigned bz, unsigned shmem, void *stream, void **params)
+{
+    GATED(real.launch_coop_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
+}
+
+CUresult cuLaunchKernelEx(const void *config, void *f, void **params, void **extra)
+{
+    GATED(real.launch_ex, config, f, params, extra);
+}
+
+CUresult cuLaunchKernelEx_ptsz(const void *config, void *f, void **params, void **extra)
+{
+    GATED(real.launch_ex_ptsz, config, f, params, extra);
+}
+
+CUresult cuGraphLaunch(void *exec, void *stream)
+{
+    GATED(real.graph_launch, exec, stream);
+}
+
+CUresult cuGraphLaunch_ptsz(void *exec, void *stream)
+{
+    GATED(real.graph_launch_ptsz, exec, stream);
+}
+
+/* A forked child holds nothing yet, has no helper thread, and needs a slot of its own. */
+static void forked(void)
+{
+    pthread_once_t fresh = PTHREAD_ONCE_INIT;
+    helper_once = fresh;
+    launching = 0;
+    nctxs = 0;
+    known_ctx = NULL;
+    memset(table, 0, sizeof table);  /* what the parent allocated is the parent's */
+    if (!usage)
+        return;
+    claim_slot();
+    if (!mine)
+        limits = NULL;  /* (its cuInit then fails closed, as at a start with no slot) */
+}
+
 /* ---- NVML: what nvidia-smi and NVML clients see ------------------------------------ */
 
 enum { NVML_OK = 0, NVML_UNINITIALIZED = 1, NVML_NOT_SUPPORTED = 3, NVML_UNKNOWN = 999 };
@@ -492,6 +729,11 @@ static void *ours(const char *name)
         {"cuMemAllocAsync", (void *)cuMemAllocAsync}, {"cuMemFreeAsync", (void *)cuMemFreeAsync},
         {"cuArrayCreate", (void *)cuArrayCreate_v2}, {"cuArrayCreate_v2", (void *)cuArrayCreate_v2},
         {"cuArrayDestroy", (void *)cuArrayDestroy},
+        {"cuLaunchKernel", (void *)cuLaunchKernel}, {"cuLaunchKernel_ptsz", (void *)cuLaunchKernel_ptsz},
+        {"cuLaunchCooperativeKernel", (void *)cuLaunchCooperativeKernel},
+        {"cuLaunchCooperativeKernel_ptsz", (void *)cuLaunchCooperativeKernel_ptsz},
+        {"cuLaunchKernelEx", (void *)cuLaunchKernelEx}, {"cuLaunchKernelEx_ptsz", (void *)cuLaunchKernelEx_ptsz},
+        {"cuGraphLaunch", (void *)cuGraphLaunch}, {"cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
         {"nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo},
         {"nvmlDeviceGetMemoryInfo_v2", (void *)nvmlDeviceGetMemoryInfo_v2},
     };
@@ -517,8 +759,12 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
         return r;
     if (!strcmp(symbol, "cuGetProcAddress"))  /* the one it returns must be ours too */
         *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
-    else if (ours(symbol))
-        *pfn = ours(symbol);
+    else if (ours(symbol)) {
+        char ptsz[128];
+        snprintf(ptsz, sizeof ptsz, "%s_ptsz", symbol);
+        void *alt = sym(ptsz);  /* the driver chose the per-thread default stream's: so do we */
+        *pfn = alt && *pfn == alt && ours(ptsz) ? ours(ptsz) : ours(symbol);
+    }
     return r;
 }
 

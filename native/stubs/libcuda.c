@@ -8,7 +8,20 @@
  * memory: cuInit, versions, one device, contexts, cuMemAlloc_v2 / cuMemFree_v2
  * (fake device pointers, sizes kept per process), cuMemGetInfo_v2,
  * cuDeviceTotalMem_v2, pitched, managed and stream-ordered allocations, arrays,
- * streams, error names, and cuGetProcAddress / _v2 by name. Its other allocators
+ * streams, error names, and cuGetProcAddress / _v2 by name.
+ *
+ * Kernels: the card runs one kernel at a time, for everyone. A launch
+ * (cuLaunchKernel, _ptsz, cooperative, cuLaunchKernelEx, cuGraphLaunch) takes
+ * gridX*gridY*gridZ microseconds of the card (a graph: CGPU_STUB_GRAPH_US, 1000),
+ * queued after whatever the card has (the state file's second word: when it is
+ * next free); it returns at once, as a real launch does, but a process has at most
+ * one kernel waiting behind its running one (a launch waits until its previous one
+ * has started). cuCtxSynchronize / cuStreamSynchronize wait until the process's
+ * last kernel has ended. With CGPU_STUB_CUDA_LOG set, each kernel appends
+ * "pid start_ns end_ns" (CLOCK_MONOTONIC) to it; CGPU_STUB_CUDA_FAST=1 makes
+ * launches free and instant (to time what an interposer adds). cuInit opens
+ * CGPU_STUB_CUDA_DEVICE, if set, and keeps it open, as the real driver keeps
+ * /dev/nvidiaN: the daemon sees the process use the GPU. Its other allocators
  * call its own exported cuMemAlloc_v2 (through the PLT, so through an interposer):
  * libcgpu must not charge such a nested call twice.
  */
@@ -19,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -63,7 +77,16 @@ static int card(int64_t delta, uint64_t *used_out)
     return rc;
 }
 
-CUresult cuInit(unsigned flags) { (void)flags; inited = 1; return OK; }
+CUresult cuInit(unsigned flags)
+{
+    static int device = -1;
+    const char *dev = getenv("CGPU_STUB_CUDA_DEVICE");
+    (void)flags;
+    if (device < 0 && dev && *dev)
+        device = open(dev, O_RDONLY | O_CLOEXEC);
+    inited = 1;
+    return OK;
+}
 CUresult cuDriverGetVersion(int *v) { if (!v) return INVALID_VALUE; *v = 13000; return OK; }
 CUresult cuDeviceGetCount(int *n) { if (!inited) return NOT_INITIALIZED; *n = 1; return OK; }
 CUresult cuDeviceGet(CUdevice *d, int ordinal)
@@ -97,7 +120,92 @@ CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d) { return cuCtxCreate_v2(ctx, 0, d); }
 CUresult cuCtxSetCurrent(CUcontext ctx) { (void)ctx; return inited ? OK : NOT_INITIALIZED; }
 CUresult cuCtxDestroy_v2(CUcontext ctx) { (void)ctx; return OK; }
-CUresult cuCtxSynchronize(void) { return OK; }
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+static void sleep_until(uint64_t ns)
+{
+    struct timespec t = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL))
+        ;
+}
+
+static uint64_t last_start, last_end;  /* this process's last kernel on the card */
+
+static CUresult run_kernel(uint64_t us)
+{
+    const char *fast = getenv("CGPU_STUB_CUDA_FAST");
+    if (!inited) return NOT_INITIALIZED;
+    if (fast && *fast == '1') return OK;
+    sleep_until(last_start);  /* one kernel waiting behind the running one, at most */
+    const char *p = getenv("CGPU_STUB_CUDA_STATE");
+    int fd = open(p && *p ? p : "/tmp/cgpu-stub-cuda.state", O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0) return OUT_OF_MEMORY;
+    flock(fd, LOCK_EX);
+    uint64_t free_at = 0, now = now_ns();
+    if (pread(fd, &free_at, sizeof free_at, 8) != sizeof free_at)
+        free_at = 0;
+    uint64_t start = free_at > now ? free_at : now, end = start + us * 1000;
+    int bad = pwrite(fd, &end, sizeof end, 8) != sizeof end;
+    flock(fd, LOCK_UN);
+    close(fd);
+    if (bad) return OUT_OF_MEMORY;
+    last_start = start;
+    last_end = end;
+    const char *log = getenv("CGPU_STUB_CUDA_LOG");
+    if (log && *log) {
+        int lf = open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666);
+        if (lf >= 0) {
+            char line[96];
+            int n = snprintf(line, sizeof line, "%d %llu %llu\n", (int)getpid(), (unsigned long long)start,
+                             (unsigned long long)end);
+            if (write(lf, line, (size_t)n) < 0) { /* (a log, best effort) */ }
+            close(lf);
+        }
+    }
+    return OK;
+}
+
+CUresult cuCtxSynchronize(void) { sleep_until(last_end); return OK; }
+CUresult cuCtxGetCurrent(CUcontext *ctx) { if (!ctx) return INVALID_VALUE; *ctx = inited ? (CUcontext)0x1 : NULL; return OK; }
+CUresult cuCtxPushCurrent_v2(CUcontext ctx) { (void)ctx; return inited ? OK : NOT_INITIALIZED; }
+CUresult cuCtxPopCurrent_v2(CUcontext *ctx) { if (ctx) *ctx = (CUcontext)0x1; return inited ? OK : NOT_INITIALIZED; }
+
+typedef void *CUfunction;
+CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name) { (void)module; (void)name; *f = (CUfunction)0x3; return OK; }
+CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shmem, void *stream, void **params, void **extra)
+{
+    (void)f; (void)bx; (void)by; (void)bz; (void)shmem; (void)stream; (void)params; (void)extra;
+    return run_kernel((uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1));
+}
+CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                             unsigned shmem, void *stream, void **params, void **extra)
+{
+    return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
+}
+CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                   unsigned bz, unsigned shmem, void *stream, void **params)
+{
+    return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, NULL);
+}
+typedef struct { unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes; } launch_config;
+CUresult cuLaunchKernelEx(const launch_config *c, CUfunction f, void **params, void **extra)
+{
+    (void)f; (void)params; (void)extra;
+    if (!c) return INVALID_VALUE;
+    return run_kernel((uint64_t)c->gridDimX * (c->gridDimY ? c->gridDimY : 1) * (c->gridDimZ ? c->gridDimZ : 1));
+}
+CUresult cuGraphLaunch(void *exec, void *stream)
+{
+    const char *us = getenv("CGPU_STUB_GRAPH_US");
+    (void)exec; (void)stream;
+    return run_kernel(us && *us ? strtoull(us, NULL, 10) : 1000);
+}
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
 {
@@ -137,7 +245,7 @@ CUresult cuMemAllocManaged(CUdeviceptr *p, size_t size, unsigned flags) { (void)
 typedef void *CUstream;
 CUresult cuStreamCreate(CUstream *s, unsigned flags) { (void)flags; *s = (CUstream)0x2; return inited ? OK : NOT_INITIALIZED; }
 CUresult cuStreamDestroy_v2(CUstream s) { (void)s; return OK; }
-CUresult cuStreamSynchronize(CUstream s) { (void)s; return OK; }
+CUresult cuStreamSynchronize(CUstream s) { (void)s; return cuCtxSynchronize(); }
 CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return cuMemAlloc_v2(p, size); }
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return cuMemFree_v2(p); }
 
@@ -190,6 +298,10 @@ static const struct { const char *name; void *fn; } TABLE[] = {
     {"cuStreamSynchronize", (void *)cuStreamSynchronize}, {"cuMemAllocAsync", (void *)cuMemAllocAsync},
     {"cuMemFreeAsync", (void *)cuMemFreeAsync}, {"cuArrayCreate", (void *)cuArrayCreate_v2},
     {"cuArrayDestroy", (void *)cuArrayDestroy},
+    {"cuCtxGetCurrent", (void *)cuCtxGetCurrent}, {"cuCtxPushCurrent", (void *)cuCtxPushCurrent_v2},
+    {"cuCtxPopCurrent", (void *)cuCtxPopCurrent_v2}, {"cuModuleGetFunction", (void *)cuModuleGetFunction},
+    {"cuLaunchKernel", (void *)cuLaunchKernel}, {"cuLaunchCooperativeKernel", (void *)cuLaunchCooperativeKernel},
+    {"cuLaunchKernelEx", (void *)cuLaunchKernelEx}, {"cuGraphLaunch", (void *)cuGraphLaunch},
 };
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
@@ -199,10 +311,15 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t 
 }
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status)
 {
-    (void)version; (void)flags;
+    (void)version;
     if (!symbol || !pfn) return INVALID_VALUE;
     if (!strcmp(symbol, "cuGetProcAddress")) {
         *pfn = (void *)cuGetProcAddress_v2;
+        if (status) *status = 0;
+        return OK;
+    }
+    if ((flags & 2) && !strcmp(symbol, "cuLaunchKernel")) {  /* CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM */
+        *pfn = (void *)cuLaunchKernel_ptsz;
         if (status) *status = 0;
         return OK;
     }

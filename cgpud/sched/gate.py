@@ -1,0 +1,205 @@
+"""The compute gate: enforcement for containers whose processes carry libcgpu
+(docs/isolation.md), in place of freezing their cgroup.
+
+The container's `limits` page holds a gate word (odd: open, even: closed;
+every change adds one, and wakes the futex). Closing it stops the
+container's *kernel launches*:
+libcgpu makes a launch that finds it closed wait on it with a futex, while
+the container's CPU side runs on. Opening it wakes them (FUTEX_WAKE on the
+shared file mapping: the futex is keyed by the file, so the container's
+read-only mapping of the same file is woken).
+
+Work already queued on the GPU runs on after the gate closes, so a closing
+is complete only when every process that launches has drained: its helper
+thread synchronized its contexts and wrote the closed value into its slot's
+`acked`, then a byte into the `drained` FIFO, which the daemon waits on
+(`fileno()`), never polling. `is_frozen()` says whether that is so. A process
+that does not answer within the scheduler's bound is taken as stale (killed,
+stopped, or lying) and is not waited for again until it answers: it cannot
+hold the GPU from the others for longer than one bound.
+
+The surface is the freezers' (cgpud.sched.enforce): freeze(), thaw(),
+is_frozen(), spec(), close(), `frozen`; thaw_gate(path) opens a gate from
+its registry entry (the guard, when the daemon dies: nothing stays gated).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import struct
+from typing import Any
+
+from cgpud.gpus import pages
+from cgpud.sched.cgroupfs import KIND_GATE, Refused, TargetGone
+
+_SYS_FUTEX = 202  # x86_64
+_FUTEX_WAKE = 1
+_INT_MAX = 0x7FFFFFFF
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_U32 = struct.Struct("<I")
+_SLOT_HEAD = struct.Struct("<i3I")  # pid, gated, acked, reserved
+
+
+class _Page:
+    """The limits page of one container, mapped writable by the daemon."""
+
+    def __init__(self, directory: str) -> None:
+        path = os.path.join(directory, "limits")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise TargetGone(f"{path} is gone") from None
+        except OSError as exc:
+            raise Refused(f"{path}: {exc.strerror}") from None
+        try:
+            if os.fstat(fd).st_size < pages.LIMITS.size:
+                raise Refused(f"{path} is not a cgpud limits page")
+            self.map = mmap.mmap(fd, pages.LIMITS.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        magic, version = struct.unpack_from("<2I", self.map, 0)
+        if magic not in (pages.MAGIC, 0) or version != pages.VERSION:  # (0: prepared, its memsizes not yet written)
+            self.map.close()
+            raise Refused(f"{path} is not a cgpud limits page of version {pages.VERSION}")
+        self._word = ctypes.c_uint32.from_buffer(self.map, pages.GATE_OFFSET)
+        self.addr = ctypes.addressof(self._word)
+
+    @property
+    def gate(self) -> int:
+        return self._word.value
+
+    def set(self, value: int) -> None:
+        self._word.value = value & 0xFFFFFFFF
+
+    def wake(self) -> None:
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.addr), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+
+    def close(self) -> None:
+        del self._word
+        self.map.close()
+
+
+def open_gate(page: _Page) -> None:
+    g = page.gate
+    if not g & 1:
+        page.set(g + 1)
+    page.wake()  # (also when it was open: a waiter that read an old value wakes and looks again)
+
+
+class GateFreezer:
+    """Gate one container's kernel launches (see the module's text)."""
+    kind = KIND_GATE
+
+    def __init__(self, directory: str, *, label: str | None = None) -> None:
+        self.path = os.path.realpath(directory)
+        self.label = label
+        self._page = _Page(self.path)
+        fifo = os.path.join(self.path, "drained")
+        try:
+            self._fifo = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            # our own writer: the FIFO never reads as hung up between the processes' writes
+            self._keep = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            self._page.close()
+            raise Refused(f"{fifo}: {exc.strerror}") from None
+        self._usage = os.path.join(self.path, "usage")
+        self._stale: dict[int, int] = {}  # slot -> its pid, while not waited for
+        self.frozen = False
+        open_gate(self._page)  # the loop assumes every instance starts thawed
+
+    def freeze(self) -> None:
+        g = self._page.gate
+        if g & 1:
+            self._page.set(g + 1)
+            self._page.wake()  # the processes' helper threads: drain and answer
+        self.frozen = True
+
+    def thaw(self) -> bool:
+        self.frozen = False
+        open_gate(self._page)
+        return True
+
+    def fileno(self) -> int:
+        return self._fifo
+
+    def consume(self) -> None:
+        """Empty the FIFO (its bytes only wake us; the page says who drained)."""
+        try:
+            while os.read(self._fifo, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _slots(self) -> list[tuple[int, int, int, int]]:
+        """(slot, pid, gated, acked) of the slots in use."""
+        try:
+            with open(self._usage, "rb") as f:
+                f.seek(pages.USAGE_HEAD.size)
+                raw = f.read(pages.MAX_PROCS * pages.PROC.size)
+        except FileNotFoundError:
+            return []
+        out = []
+        for k in range(len(raw) // pages.PROC.size):
+            pid, gated, acked, _ = _SLOT_HEAD.unpack_from(raw, k * pages.PROC.size)
+            if pid > 0:
+                out.append((k, pid, gated, acked))
+        return out
+
+    def undrained(self) -> list[int]:
+        """The slots of launching processes that have not drained the current
+        closing (none when the gate is open), leaving out the stale ones."""
+        g = self._page.gate
+        if g & 1:
+            return []
+        waiting = []
+        for slot, pid, gated, acked in self._slots():
+            if not gated or acked == g:
+                self._stale.pop(slot, None)  # it answers again
+                continue
+            if self._stale.get(slot) != pid:
+                waiting.append(slot)
+        return waiting
+
+    def give_up(self) -> list[int]:
+        """The bound passed: those who did not answer are not waited for again
+        (until they answer). Returns their slots."""
+        late = self.undrained()
+        pids = {slot: pid for slot, pid, _, _ in self._slots()}
+        for slot in late:
+            self._stale[slot] = pids.get(slot, 0)
+        return late
+
+    def is_frozen(self) -> bool:
+        return not self._page.gate & 1 and not self.undrained()
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": self.path, **({"label": self.label} if self.label else {})}
+
+    def close(self) -> None:
+        """Forget the page; the gate keeps the state it has (thaw first)."""
+        if self._fifo >= 0:
+            os.close(self._fifo)
+            os.close(self._keep)
+            self._fifo = self._keep = -1
+            self._page.close()
+
+    def __repr__(self) -> str:
+        return f"GateFreezer({self.path!r})"
+
+
+def thaw_gate(path: str) -> str:
+    """Open the gate in the pages at `path` (a registry entry's): "thawed",
+    "gone", or "refused: why". Never raises."""
+    try:
+        page = _Page(path)
+    except TargetGone:
+        return "gone"
+    except Refused as exc:
+        return f"refused: {exc}"
+    try:
+        open_gate(page)
+    finally:
+        page.close()
+    return "thawed"
