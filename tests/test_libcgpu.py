@@ -25,13 +25,17 @@ MIB = 1 << 20
 V100 = 16160 * MIB
 
 
-@pytest.fixture(scope="module")
-def libs(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("libcgpu")
+def build_libs(d: Path) -> Path:
+    """The stand-in libcuda.so.1 and libnvidia-ml.so.1 and libcgpu.so, built into `d`."""
     r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), "stubs", "libcgpu", f"STUBS={d}",
                         f"LIB={d}"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     return d
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory) -> Path:
+    return build_libs(tmp_path_factory.mktemp("libcgpu"))
 
 
 @pytest.fixture

@@ -1,0 +1,283 @@
+"""The compute gate (issue 12, part 4): libcgpu holds a container's kernel
+launches at a gate the scheduler opens and closes (cgpud.sched.gate), in place
+of freezing its cgroup; the container's CPU side runs on.
+
+No GPU here: the stand-in libcuda.so.1 (native/stubs/libcuda.c) is a card that
+runs one kernel at a time for everyone, a launch taking gridX µs of it, and
+logs each kernel (pid, start, end). The client is a small C program that finds
+the driver with plain dlopen + dlsym, launches kernels in one thread and counts
+a CPU loop in another; NVIDIA's cuda-bindings (cuGetProcAddress_v2) launches
+through the gate too."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cgpud.gpus import pages
+from cgpud.client import Client
+from cgpud.sched.enforce import thaw_spec
+from cgpud.sched.gate import GateFreezer
+
+CGPU = str(Path(sys.executable).parent / "cgpu")
+
+LAUNCHER = r"""
+/* launcher SECONDS KERNEL_US CPU: launches kernels of KERNEL_US for SECONDS (a CPU loop
+   counting in a second thread when CPU is 1); prints "launches beats_per_s". */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+typedef int (*i_t)(unsigned);
+typedef int (*l_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **,
+                   void **);
+typedef int (*s_t)(void);
+static volatile int stop;
+static volatile long beats;
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec / 1e9; }
+static void *cpu(void *a) {
+    (void)a;
+    while (!stop) { volatile long x = 0; for (int i = 0; i < 20000; i++) x += i; beats++; }
+    return NULL;
+}
+int main(int argc, char **argv) {
+    double seconds = atof(argv[1]);
+    unsigned us = (unsigned)atoi(argv[2]);
+    int with_cpu = atoi(argv[3]);
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    if (!h) { fprintf(stderr, "%s\n", dlerror()); return 2; }
+    i_t init = (i_t)dlsym(h, "cuInit");
+    l_t launch = (l_t)dlsym(h, "cuLaunchKernel");
+    s_t sync = (s_t)dlsym(h, "cuCtxSynchronize");
+    int r = init(0);
+    if (r) { fprintf(stderr, "cuInit %d\n", r); return 3; }
+    pthread_t t;
+    if (with_cpu) pthread_create(&t, NULL, cpu, NULL);
+    printf("started\n");
+    fflush(stdout);
+    double t0 = now();
+    long n = 0;
+    while (now() - t0 < seconds) {
+        if ((r = launch(NULL, us, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL))) { fprintf(stderr, "launch %d\n", r); return 4; }
+        n++;
+    }
+    sync();
+    double el = now() - t0;
+    stop = 1;
+    if (with_cpu) pthread_join(t, NULL);
+    printf("%ld %.0f\n", n, beats / el);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory) -> Path:
+    from test_libcgpu import build_libs
+    d = build_libs(tmp_path_factory.mktemp("gate"))
+    (d / "launcher.c").write_text(LAUNCHER)
+    subprocess.run(["gcc", "-O2", "-o", os.fspath(d / "launcher"), os.fspath(d / "launcher.c"), "-ldl", "-lpthread"],
+                   check=True)
+    return d
+
+
+def kernels(log: Path) -> list[tuple[int, int, int]]:
+    """(pid, start ns, end ns) of each kernel the stand-in ran."""
+    if not log.exists():
+        return []
+    return [tuple(map(int, line.split())) for line in log.read_text().splitlines() if line.strip()]
+
+
+def busy(log: Path, t0: int = 0, t1: int = 1 << 62) -> float:
+    """Seconds of the card the kernels in `log` took inside [t0, t1]."""
+    return sum(max(0, min(e, t1) - max(s, t0)) for _, s, e in kernels(log)) / 1e9
+
+
+# ---- the gate itself, driven as the scheduler drives it ---------------------------------------
+
+@pytest.fixture
+def gated(libs, tmp_path):
+    """A container's pages, its gate, and how to start a launcher in it."""
+    pages.create(os.fspath(tmp_path / "pages"), [1 << 30])
+    gate = GateFreezer(os.fspath(tmp_path / "pages"))
+    env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs), "LD_PRELOAD": os.fspath(libs / "libcgpu.so"),
+           "CGPU_PAGE_DIR": os.fspath(tmp_path / "pages"), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"),
+           "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / "kernels")}
+    procs = []
+
+    def start(*args: str, code: str | None = None) -> subprocess.Popen:
+        cmd = [os.fspath(libs / "launcher"), *args] if code is None else [sys.executable, "-c", code]
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(p)
+        assert p.stdout.readline().strip() == "started", p.stderr.read()
+        return p
+
+    yield gate, start, tmp_path / "kernels"
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    gate.thaw()
+    gate.close()
+
+
+def closed_for(gate: GateFreezer, seconds: float, p: subprocess.Popen) -> tuple[float, int, int, str]:
+    """Close the gate, wait until drained, keep it closed `seconds`, open it, let `p` end:
+    (seconds to drain, drained at, opened at (monotonic ns), p's output)."""
+    gate.freeze()
+    took = wait_drained(gate)
+    drained = time.monotonic_ns()
+    time.sleep(seconds)
+    opened = time.monotonic_ns()
+    gate.thaw()
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    return took, drained, opened, out
+
+
+def wait_drained(gate: GateFreezer, timeout: float = 2.0) -> float:
+    t0 = time.monotonic()
+    while not gate.is_frozen():
+        assert time.monotonic() - t0 < timeout, f"not drained: slots {gate.undrained()}"
+        time.sleep(0.0002)
+    return time.monotonic() - t0
+
+
+def test_a_closed_gate_holds_launches_and_the_cpu_side_runs_on(gated):
+    gate, start, log = gated
+    p = start("2.0", "1000", "1")
+    time.sleep(0.3)
+    closed = time.monotonic_ns()
+    took, drained, opened, out = closed_for(gate, 0.5, p)
+    ks = kernels(log)
+    # the queued kernels (one running, one waiting behind it) finish; then nothing starts until it opens
+    assert took < 0.1
+    assert all(e <= drained for _, s, e in ks if s < drained), "drained before its queued work ended"
+    assert not [s for _, s, _ in ks if drained <= s < opened], "a kernel started while the gate was closed"
+    assert len([s for _, s, _ in ks if closed <= s < drained]) <= 2
+    assert [s for _, s, _ in ks if s >= opened], "launches did not go on once the gate opened"
+    launches, beats = map(float, out.split())
+    # 1.5 of its 2 s were open: about 1500 kernels of 1 ms; and its CPU loop never stopped
+    assert 1000 < launches < 1700
+    assert beats > 0
+
+
+def test_cuda_bindings_launches_wait_at_the_gate_too(gated):
+    """NVIDIA's cuda-bindings finds cuLaunchKernel through cuGetProcAddress_v2: the gate holds it."""
+    gate, start, log = gated
+    code = textwrap.dedent("""
+        import time
+        from cuda.bindings import driver as d
+        assert d.cuInit(0)[0] == d.CUresult.CUDA_SUCCESS
+        print("started", flush=True)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:
+            r = d.cuLaunchKernel(d.CUfunction(), 1000, 1, 1, 1, 1, 1, 0, d.CUstream(0), 0, 0)
+            assert r[0] == d.CUresult.CUDA_SUCCESS, r
+        """)
+    p = start(code=code)
+    time.sleep(0.3)
+    _, drained, opened, _ = closed_for(gate, 0.4, p)
+    ks = kernels(log)
+    assert [s for _, s, _ in ks if s < drained] and [s for _, s, _ in ks if s >= opened]
+    assert not [s for _, s, _ in ks if drained <= s < opened], "a cuda-bindings launch passed a closed gate"
+
+
+def test_a_process_that_does_not_answer_is_waited_for_once(gated):
+    """Killed (or stopped) with its slot still saying it launches: the bound passes once, then it
+    is not waited for again; a process that answers is waited for as before."""
+    gate, start, _ = gated
+    dead = start("30", "1000", "0")
+    time.sleep(0.2)
+    dead.send_signal(signal.SIGSTOP)  # it cannot answer
+    gate.freeze()
+    time.sleep(0.1)
+    assert gate.undrained(), "a stopped launching process was taken as drained"
+    late = gate.give_up()
+    assert late and not gate.undrained() and gate.is_frozen()
+    gate.thaw()
+    live = start("30", "1000", "0")
+    time.sleep(0.2)
+    gate.freeze()
+    wait_drained(gate)  # the live one answered; the stopped one is still not waited for
+    gate.thaw()
+    dead.send_signal(signal.SIGCONT)  # back: it answers the next closing and counts again
+    time.sleep(0.2)
+    gate.freeze()
+    wait_drained(gate)
+    gate.thaw()
+    for p in (dead, live):
+        p.kill()
+
+
+def test_a_gate_left_closed_is_opened_from_its_registry_entry(gated):
+    """What the guard does when the daemon dies: thaw_spec of the gate's entry opens it, and a
+    launch that waited goes on."""
+    gate, start, log = gated
+    p = start("1.5", "1000", "0")
+    time.sleep(0.2)
+    gate.freeze()
+    wait_drained(gate)
+    entry = gate.spec()
+    assert entry["kind"] == "gate"
+    time.sleep(0.2)
+    opened = time.monotonic_ns()
+    assert thaw_spec(entry) == "thawed"
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
+    assert [s for _, s, _ in kernels(log) if s >= opened]
+    assert thaw_spec({"kind": "gate", "path": "/nowhere"}) == "gone"
+
+
+# ---- through the daemon: cgpu run, policy 2 at 1:2 -------------------------------------------
+
+def run_launcher(d, libs: Path, tmp: Path, name: str, weight: int, seconds: float) -> subprocess.Popen:
+    env = dict(os.environ, CGPUD_SOCKET=str(d.socket), LD_LIBRARY_PATH=os.fspath(libs),
+               CGPU_STUB_CUDA_STATE=os.fspath(tmp / "card"), CGPU_STUB_CUDA_LOG=os.fspath(tmp / f"{name}.kernels"))
+    # the stand-in keeps the GPU's device file open from cuInit on, as the driver keeps /dev/nvidiaN
+    cmd = f'CGPU_STUB_CUDA_DEVICE="$CGPU_DEVICE" exec {libs / "launcher"} {seconds} 1000 1'
+    return subprocess.Popen([CGPU, "run", "--name", name, "--mem", "64M", "--weight", str(weight), "--",
+                             "sh", "-c", cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("compute", ["gate", "freeze"])
+def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon, libs, tmp_path, compute):
+    """Two instances under `cgpu run`, libcgpu preloaded by it, launching 1 ms kernels on one card
+    while a CPU loop runs beside: the kernel time is 1:2 either way; gated, the weight-1 instance's
+    CPU loop runs as fast as the other's, frozen it runs at its share."""
+    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", compute])
+    d.write("0/policy", "2")
+    one = run_launcher(d, libs, tmp_path, "gatedone0001", 1, 4)
+    two = run_launcher(d, libs, tmp_path, "gatedtwo0002", 2, 4)
+    for p in (one, two):
+        assert p.stdout.readline().strip() == "started", p.stderr.read()
+    time.sleep(1.0)
+    with Client(str(d.socket)) as c:
+        st = c.call("stats")[0]
+        inst = c.call("register", name="probe0000001", gpus=[0], cgroup=True, isolate=True)
+        c.call("deregister", name="probe0000001")
+    assert inst["isolation"]["env"]["CGPU_PAGE_DIR"].endswith("/pages/probe0000001")
+    outs = [p.communicate(timeout=60) for p in (one, two)]
+    for p, (out, err) in zip((one, two), outs):
+        assert p.returncode == 0, err
+    # the same wall window, both running: from the later first kernel to the earlier last one
+    logs = [tmp_path / "gatedone0001.kernels", tmp_path / "gatedtwo0002.kernels"]
+    t0 = max(min(s for _, s, _ in kernels(lg)) for lg in logs) + 300_000_000
+    t1 = min(max(e for _, _, e in kernels(lg)) for lg in logs) - 300_000_000
+    assert t1 - t0 > 2.5e9
+    ratio = busy(logs[1], t0, t1) / busy(logs[0], t0, t1)
+    assert 1.6 <= ratio <= 2.5, ratio  # 1:1 would be 1.0
+    beats = [float(out.split()[1]) for out, _ in outs]
+    if compute == "gate":
+        assert beats[0] > 0.75 * beats[1], beats  # its CPU side was never stopped
+        assert st["drains"] > 0, st
+    else:
+        assert beats[0] < 0.7 * beats[1], beats  # frozen with its cgroup: CPU and all
+        assert st["drains"] == 0, st
