@@ -260,6 +260,132 @@ def test_every_allocator_is_held_to_memsize_and_given_back(card):
     assert r.stdout.split() == ["1024", "0", "True", str(16 * MIB)]
 
 
+def test_pool_vmm_3d_and_mipmapped_allocators_are_held_to_memsize_to_the_byte(card):
+    """cuMemAllocFromPoolAsync, cuMemCreate (device memory), cuArray3DCreate and
+    cuMipmappedArrayCreate: each fits in exactly its size of room (the container's
+    last byte) and is refused with CUDA_ERROR_OUT_OF_MEMORY with one byte less,
+    nothing allocated on the card; its free gives it all back. The sizes are
+    worked out here from the descriptors, not taken from the library."""
+    env, dirp = card
+    memsize = 16 * MIB
+    pages.create(os.fspath(dirp), [memsize])
+    r = py(env, f"""
+        import json, os
+        M = {memsize}; OOM = d.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        def on_card():
+            with open(os.environ["CGPU_STUB_CUDA_STATE"], "rb") as f:
+                return int.from_bytes(f.read(8), "little")
+        def free_now():
+            return ok(d.cuMemGetInfo())[0]
+        def room(n):  # leave exactly n bytes of memsize: what holds the rest
+            return ok(d.cuMemAlloc(M - n)) if n < M else None
+        def let_go(pad):
+            if pad is not None:
+                ok(d.cuMemFree(pad))
+        def held(size, alloc, free):  # in `size` bytes of room it fits, taking the last; in size - 1 not
+            pad = room(size)
+            h = ok(alloc())
+            full = [free_now(), on_card()]
+            ok(free(h))
+            back = free_now()
+            let_go(pad)
+            pad = room(size - 1)
+            e = alloc()[0]
+            refused = [e == OOM, on_card(), free_now()]
+            let_go(pad)
+            return full + [back] + refused + [free_now(), on_card()]
+
+        ok(d.cuInit(0)); dev = ok(d.cuDeviceGet(0)); s = ok(d.cuStreamCreate(0))
+        pool = ok(d.cuDeviceGetDefaultMemPool(dev))
+        F = d.CUarray_format
+        def desc(w, h, depth, fmt, ch, flags=0):
+            a = d.CUDA_ARRAY3D_DESCRIPTOR()
+            a.Width, a.Height, a.Depth, a.Format, a.NumChannels, a.Flags = w, h, depth, fmt, ch, flags
+            return a
+        def prop(kind):
+            p = d.CUmemAllocationProp()
+            p.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            p.location.type = getattr(d.CUmemLocationType, "CU_MEM_LOCATION_TYPE_" + kind)
+            p.location.id = 0
+            return p
+        LT = d.CUmemLocationType
+        cases = {{
+            "pool, all of memsize": (M, lambda: d.cuMemAllocFromPoolAsync(M, pool, s),
+                                     lambda p: d.cuMemFreeAsync(p, s)),
+            "pool, 3 MiB + 1": (3 * 2**20 + 1, lambda: d.cuMemAllocFromPoolAsync(3 * 2**20 + 1, pool, s),
+                                lambda p: d.cuMemFreeAsync(p, s)),
+            "cuMemCreate device, all": (M, lambda: d.cuMemCreate(M, prop("DEVICE"), 0), d.cuMemRelease),
+            "cuMemCreate device, 2 MiB": (2 * 2**20, lambda: d.cuMemCreate(2 * 2**20, prop("DEVICE"), 0),
+                                          d.cuMemRelease),
+            "cuMemCreate locality domain": (4 * 2**20,
+                                            lambda: d.cuMemCreate(4 * 2**20, prop("DEVICE_LOCALITY_DOMAIN"), 0),
+                                            d.cuMemRelease),
+            # 256 x 128 x 32 of float4: 16 MiB
+            "3-D, all": (M, lambda: d.cuArray3DCreate(desc(256, 128, 32, F.CU_AD_FORMAT_FLOAT, 4)),
+                         d.cuArrayDestroy),
+            # 2-D (depth 0 counts as 1): 1000 x 3 of 2 x int16
+            "3-D, depth 0": (12000, lambda: d.cuArray3DCreate(desc(1000, 3, 0, F.CU_AD_FORMAT_SIGNED_INT16, 2)),
+                             d.cuArrayDestroy),
+            # 1-D: 5 MiB + 3 bytes of uint8
+            "3-D, 1-D": (5 * 2**20 + 3, lambda: d.cuArray3DCreate(desc(5 * 2**20 + 3, 0, 0,
+                                                                          F.CU_AD_FORMAT_UNSIGNED_INT8, 1)),
+                         d.cuArrayDestroy),
+            # 64x32x16 + 32x16x8 + 16x8x4 + 8x4x2 + 4x2x1 floats
+            "mipmapped 3-D": (4 * (32768 + 4096 + 512 + 64 + 8),
+                              lambda: d.cuMipmappedArrayCreate(desc(64, 32, 16, F.CU_AD_FORMAT_FLOAT, 1), 5),
+                              d.cuMipmappedArrayDestroy),
+            # 4x16x8 + 2x8x4 + 1x4x2 + 1x2x1 + 1x1x1 floats: a side at 1 stays 1
+            "mipmapped, a side at 1": (4 * (512 + 64 + 8 + 2 + 1),
+                                       lambda: d.cuMipmappedArrayCreate(desc(4, 16, 8, F.CU_AD_FORMAT_FLOAT, 1), 5),
+                                       d.cuMipmappedArrayDestroy),
+            # 1-D, 2 x uint8: 8 + 4 + 2 + 1 texels
+            "mipmapped 1-D": (2 * 15, lambda: d.cuMipmappedArrayCreate(desc(8, 0, 0, F.CU_AD_FORMAT_UNSIGNED_INT8,
+                                                                           2), 4),
+                              d.cuMipmappedArrayDestroy),
+            # 6 layers of 512x256, 256x128, 128x64, half: the layers are not halved
+            "mipmapped layered": (2 * 6 * (512 * 256 + 256 * 128 + 128 * 64),
+                                  lambda: d.cuMipmappedArrayCreate(desc(512, 256, 6, F.CU_AD_FORMAT_HALF, 1,
+                                                                        d.CUDA_ARRAY3D_LAYERED), 3),
+                                  d.cuMipmappedArrayDestroy),
+        }}
+        out = {{name: [size] + held(size, alloc, free) for name, (size, alloc, free) in cases.items()}}
+
+        # host memory made by cuMemCreate is not the card's: not charged even with no room
+        pad = room(0)
+        hh = ok(d.cuMemCreate(M, prop("HOST"), 0))
+        out["host"] = [free_now(), on_card()]
+        ok(d.cuMemRelease(hh)); let_go(pad)
+        print(json.dumps(out))
+    """)
+    assert r.returncode == 0, r.stderr
+    import json
+    out = json.loads(r.stdout)
+    host = out.pop("host")
+    assert len(out) == 12
+    for name, (size, *seen) in out.items():
+        # full: nothing free, the card holds memsize; freed: size back;
+        # one byte less room: refused, the card holds only the padding; at the end nothing held
+        assert seen == [0, memsize, size, True, memsize - size + 1, size - 1, memsize, 0], name
+    assert host == [0, memsize], "host memory is not charged to the container"
+    assert pages.used(os.fspath(dirp))[0] == 0
+
+
+def test_the_pool_vmm_3d_and_mipmapped_allocators_are_ours_through_dlsym(card, libs):
+    """A client that dlopens libcuda.so.1 and looks the allocators up by name gets libcgpu's."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [MIB])
+    names = ["cuMemAllocFromPoolAsync", "cuMemCreate", "cuMemRelease", "cuArray3DCreate_v2",
+             "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy"]
+    r = py(env, f"""
+        import ctypes
+        cuda = ctypes.CDLL("libcuda.so.1"); ours = ctypes.CDLL({os.fspath(libs / "libcgpu.so")!r})
+        addr = lambda lib, n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
+        print(*[addr(cuda, n) == addr(ours, n) for n in {names!r}])
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True"] * len(names)
+
+
 # ---- in a container: cgpu-runtime puts the library and the pages in ------------------------------
 
 MOUNT_CLIENT = r"""

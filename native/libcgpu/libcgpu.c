@@ -5,13 +5,17 @@
  * This first part holds GPU memory to the container's memsize, to the byte and
  * across all its processes, and shows memsize as the card:
  *   - every allocator here — cuMemAlloc_v2, cuMemAllocPitch_v2 (charged for
- *     512-byte rows), cuMemAllocManaged, cuMemAllocAsync, cuArrayCreate_v2 —
+ *     512-byte rows), cuMemAllocManaged, cuMemAllocAsync,
+ *     cuMemAllocFromPoolAsync, cuMemCreate (device memory: location
+ *     CU_MEM_LOCATION_TYPE_DEVICE or _DEVICE_LOCALITY_DOMAIN; host memory is
+ *     not charged), cuArrayCreate_v2, cuArray3DCreate_v2 and
+ *     cuMipmappedArrayCreate (every level) —
  *     charges the container's usage page BEFORE the real call
  *     (a compare-and-swap loop: racing processes can never pass memsize),
  *     allocates, and gives the charge back if the driver fails;
  *     past memsize: CUDA_ERROR_OUT_OF_MEMORY, nothing allocated;
- *   - cuMemFree_v2, cuMemFreeAsync and cuArrayDestroy give it back, and so
- *     does a process's exit; a process
+ *   - cuMemFree_v2, cuMemFreeAsync, cuMemRelease, cuArrayDestroy and
+ *     cuMipmappedArrayDestroy give it back, and so does a process's exit; a process
  *     killed without a chance to is given back by the next process that
  *     starts (its slot's pid is gone);
  *   - cuMemGetInfo_v2 -> (memsize - used, memsize), never an error when over;
@@ -65,6 +69,9 @@ typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned);
 typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
 typedef CUresult (*free_async_fn)(CUdeviceptr, void *);
 typedef CUresult (*array_fn)(CUdeviceptr *, const void *);
+typedef CUresult (*pool_alloc_fn)(CUdeviceptr *, size_t, void *, void *);
+typedef CUresult (*mem_create_fn)(CUdeviceptr *, size_t, const void *, unsigned long long);
+typedef CUresult (*mipmap_fn)(CUdeviceptr *, const void *, unsigned);
 typedef CUresult (*getproc2_fn)(const char *, void **, int, uint64_t, int *);
 typedef void *(*dlsym_fn)(void *, const char *);
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
@@ -98,6 +105,12 @@ static struct {
     free_async_fn free_async;
     array_fn array;
     free_fn array_free;
+    pool_alloc_fn pool_alloc;
+    mem_create_fn mem_create;
+    free_fn mem_release;
+    array_fn array3d;
+    mipmap_fn mipmap;
+    free_fn mipmap_free;
     void *nvml;
     nvml_mem_fn nvml_mem;
     nvml_mem2_fn nvml_mem2;
@@ -231,6 +244,12 @@ static void setup(void)
     real.ctx_push = (ctx_push_fn)sym("cuCtxPushCurrent_v2");
     real.ctx_pop = (ctx_get_fn)sym("cuCtxPopCurrent_v2");
     real.ctx_sync = (ctx_sync_fn)sym("cuCtxSynchronize");
+    real.pool_alloc = (pool_alloc_fn)sym("cuMemAllocFromPoolAsync");
+    real.mem_create = (mem_create_fn)sym("cuMemCreate");
+    real.mem_release = (free_fn)sym("cuMemRelease");
+    real.array3d = (array_fn)sym("cuArray3DCreate_v2");
+    real.mipmap = (mipmap_fn)sym("cuMipmappedArrayCreate");
+    real.mipmap_free = (free_fn)sym("cuMipmappedArrayDestroy");
     const char *npath = getenv("CGPU_REAL_LIBNVML");
     real.nvml = dlopen(npath && *npath ? npath : "libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
     if (real.nvml && real_dlsym) {
@@ -389,6 +408,17 @@ static void forget(CUdeviceptr key)
             return (fn) ? (fn)(__VA_ARGS__) : CU_NOT_INITIALIZED;                                  \
         if (!isolated())                                                                           \
             return asked ? CU_NOT_INITIALIZED : (fn) ? (fn)(__VA_ARGS__) : CU_NOT_INITIALIZED;     \
+        if (!(fn))                                                                                 \
+            return CU_NOT_INITIALIZED; /* a driver without it (older): nothing to call */          \
+    } while (0)
+
+/* A call that allocates nothing charged here (host memory; a descriptor the driver will refuse). */
+#define UNCHARGED(call)         \
+    do {                        \
+        in_driver++;            \
+        CUresult r_ = (call);   \
+        in_driver--;            \
+        return r_;              \
     } while (0)
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
@@ -430,7 +460,42 @@ CUresult cuMemFreeAsync(CUdeviceptr p, void *stream)
     RELEASED(p, real.free_async(p, stream));
 }
 
+/* From a named pool (CUmemoryPool), stream-ordered: freed by cuMemFreeAsync. */
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, void *pool, void *stream)
+{
+    PASS_THROUGH(real.pool_alloc, p, size, pool, stream);
+    CHARGED(size, *p, real.pool_alloc(p, size, pool, stream));
+}
+
+/* cuda.h's CUmemAllocationProp, as far as it is read: where the memory is. (CUDA 13 puts
+ * `localized` {deviceId, localityDomainId} in a union with location.id: same bytes.) */
+typedef struct {
+    int type, requestedHandleTypes;
+    struct { int type, id; } location;
+    void *win32HandleMetaData;
+    unsigned char allocFlags[8];
+} mem_prop;
+enum { LOC_DEVICE = 1, LOC_DEVICE_LOCALITY_DOMAIN = 6 };
+
+/* Virtual memory management: the physical memory is made here, keyed by its handle (cuMemMap
+ * only maps it); device memory is charged, host memory (HOST, HOST_NUMA) is not. */
+CUresult cuMemCreate(CUdeviceptr *handle, size_t size, const mem_prop *prop, unsigned long long flags)
+{
+    PASS_THROUGH(real.mem_create, handle, size, prop, flags);
+    if (!prop || (prop->location.type != LOC_DEVICE && prop->location.type != LOC_DEVICE_LOCALITY_DOMAIN))
+        UNCHARGED(real.mem_create(handle, size, prop, flags));
+    CHARGED(size, *handle, real.mem_create(handle, size, prop, flags));
+}
+
+CUresult cuMemRelease(CUdeviceptr handle)
+{
+    PASS_THROUGH(real.mem_release, handle);
+    RELEASED(handle, real.mem_release(handle));
+}
+
 typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } array_desc;
+typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, Flags; } array3d_desc;
+enum { ARRAY3D_LAYERED = 0x01, ARRAY3D_CUBEMAP = 0x04 };
 
 static size_t format_bytes(int f)
 {
@@ -441,19 +506,80 @@ static size_t format_bytes(int f)
     }
 }
 
+static size_t at_least_1(size_t n)
+{
+    return n ? n : 1;
+}
+
+/* An array's bytes: width x height x depth (0 counts as 1) of `channels` elements of `format`;
+ * too large for size_t: SIZE_MAX (more than any memsize: refused, never charged short). */
+static size_t array_bytes(size_t w, size_t h, size_t depth, int format, unsigned channels)
+{
+    size_t n = w, by[] = {at_least_1(h), at_least_1(depth), format_bytes(format), at_least_1(channels)};
+    for (size_t i = 0; i < sizeof by / sizeof *by; i++)
+        if (__builtin_mul_overflow(n, by[i], &n))
+            return SIZE_MAX;
+    return n;
+}
+
 CUresult cuArrayCreate_v2(CUdeviceptr *h, const array_desc *d)
 {
     PASS_THROUGH(real.array, h, d);
     if (!d)
-        return real.array(h, d);
-    size_t size = d->Width * (d->Height ? d->Height : 1) * format_bytes(d->Format) * (d->NumChannels ? d->NumChannels : 1);
+        UNCHARGED(real.array(h, d));
+    size_t size = array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels);
     CHARGED(size, *h, real.array(h, d));
+}
+
+CUresult cuArray3DCreate_v2(CUdeviceptr *h, const array3d_desc *d)
+{
+    PASS_THROUGH(real.array3d, h, d);
+    if (!d)
+        UNCHARGED(real.array3d(h, d));
+    size_t size = array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels);
+    CHARGED(size, *h, real.array3d(h, d));
 }
 
 CUresult cuArrayDestroy(CUdeviceptr h)
 {
     PASS_THROUGH(real.array_free, h);
     RELEASED(h, real.array_free(h));
+}
+
+/* Every level: each half the one before in every dimension (at least 1), but the depth of a
+ * layered or cubemap array is its layers (faces), the same at every level. */
+static size_t mipmap_bytes(const array3d_desc *d, unsigned levels)
+{
+    size_t w = at_least_1(d->Width), h = at_least_1(d->Height), depth = at_least_1(d->Depth), total = 0;
+    int layers = (d->Flags & (ARRAY3D_LAYERED | ARRAY3D_CUBEMAP)) != 0;
+    for (unsigned l = 0; l < levels; l++) {
+        size_t level = array_bytes(w, h, depth, d->Format, d->NumChannels);
+        int last = w == 1 && h == 1 && (layers || depth == 1);  /* the levels left are all this one */
+        if ((last && __builtin_mul_overflow(level, (size_t)(levels - l), &level))
+            || __builtin_add_overflow(total, level, &total))
+            return SIZE_MAX;
+        if (last)
+            break;
+        w = at_least_1(w / 2);
+        h = at_least_1(h / 2);
+        depth = layers ? depth : at_least_1(depth / 2);
+    }
+    return total;
+}
+
+CUresult cuMipmappedArrayCreate(CUdeviceptr *h, const array3d_desc *d, unsigned levels)
+{
+    PASS_THROUGH(real.mipmap, h, d, levels);
+    if (!d)
+        UNCHARGED(real.mipmap(h, d, levels));
+    size_t size = mipmap_bytes(d, levels);
+    CHARGED(size, *h, real.mipmap(h, d, levels));
+}
+
+CUresult cuMipmappedArrayDestroy(CUdeviceptr h)
+{
+    PASS_THROUGH(real.mipmap_free, h);
+    RELEASED(h, real.mipmap_free(h));
 }
 
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
@@ -734,6 +860,11 @@ static void *ours(const char *name)
         {"cuLaunchCooperativeKernel_ptsz", (void *)cuLaunchCooperativeKernel_ptsz},
         {"cuLaunchKernelEx", (void *)cuLaunchKernelEx}, {"cuLaunchKernelEx_ptsz", (void *)cuLaunchKernelEx_ptsz},
         {"cuGraphLaunch", (void *)cuGraphLaunch}, {"cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
+        {"cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
+        {"cuMemCreate", (void *)cuMemCreate}, {"cuMemRelease", (void *)cuMemRelease},
+        {"cuArray3DCreate", (void *)cuArray3DCreate_v2}, {"cuArray3DCreate_v2", (void *)cuArray3DCreate_v2},
+        {"cuMipmappedArrayCreate", (void *)cuMipmappedArrayCreate},
+        {"cuMipmappedArrayDestroy", (void *)cuMipmappedArrayDestroy},
         {"nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo},
         {"nvmlDeviceGetMemoryInfo_v2", (void *)nvmlDeviceGetMemoryInfo_v2},
     };

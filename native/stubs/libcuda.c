@@ -7,8 +7,15 @@
  * It answers what the CUDA driver API's clients need to allocate and ask about
  * memory: cuInit, versions, one device, contexts, cuMemAlloc_v2 / cuMemFree_v2
  * (fake device pointers, sizes kept per process), cuMemGetInfo_v2,
- * cuDeviceTotalMem_v2, pitched, managed and stream-ordered allocations, arrays,
- * streams, error names, and cuGetProcAddress / _v2 by name.
+ * cuDeviceTotalMem_v2, pitched, managed and stream-ordered allocations (from the
+ * default pool or a named one), cuMemCreate / cuMemRelease (device memory from the
+ * card; host memory, CU_MEM_LOCATION_TYPE_HOST(_NUMA), not), arrays (2-D, 3-D and
+ * mipmapped), streams, error names, and cuGetProcAddress / _v2 by name. Its
+ * pitched, managed, stream-ordered and 2-D array allocators call its own exported
+ * cuMemAlloc_v2 (through the PLT, so through an interposer): libcgpu must not
+ * charge such a nested call twice. The pool, cuMemCreate, 3-D and mipmapped ones
+ * and their frees take from the card directly, as a real driver does inside
+ * itself: only libcgpu's own wrappers of them can charge them.
  *
  * Kernels: the card runs one kernel at a time, for everyone. A launch
  * (cuLaunchKernel, _ptsz, cooperative, cuLaunchKernelEx, cuGraphLaunch) takes
@@ -21,9 +28,7 @@
  * "pid start_ns end_ns" (CLOCK_MONOTONIC) to it; CGPU_STUB_CUDA_FAST=1 makes
  * launches free and instant (to time what an interposer adds). cuInit opens
  * CGPU_STUB_CUDA_DEVICE, if set, and keeps it open, as the real driver keeps
- * /dev/nvidiaN: the daemon sees the process use the GPU. Its other allocators
- * call its own exported cuMemAlloc_v2 (through the PLT, so through an interposer):
- * libcgpu must not charge such a nested call twice.
+ * /dev/nvidiaN: the daemon sees the process use the GPU.
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -43,7 +48,7 @@ enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALI
        NOT_FOUND = 500 };
 
 static int inited;
-static struct { CUdeviceptr ptr; size_t size; } allocs[4096];
+static struct { CUdeviceptr ptr; size_t size; int host; } allocs[4096];  /* host: not on the card */
 
 static uint64_t total(void)
 {
@@ -207,32 +212,46 @@ CUresult cuGraphLaunch(void *exec, void *stream)
     return run_kernel(us && *us ? strtoull(us, NULL, 10) : 1000);
 }
 
-CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
+/* a new fake pointer (or handle) for `size` bytes, taken from the card unless `host` */
+static CUresult take(CUdeviceptr *p, size_t size, int host)
 {
     static CUdeviceptr next = 0x7f0000000000ull;
-    if (!inited) return NOT_INITIALIZED;
-    if (!p || !size) return INVALID_VALUE;
-    if (card((int64_t)size, NULL)) return OUT_OF_MEMORY;
+    if (!host && card((int64_t)size, NULL)) return OUT_OF_MEMORY;
     for (size_t i = 0; i < sizeof allocs / sizeof *allocs; i++)
         if (!allocs[i].ptr) {
             allocs[i].ptr = next;
             allocs[i].size = size;
+            allocs[i].host = host;
             *p = next;
             next += (size + 0xfffff) & ~(CUdeviceptr)0xfffff;
             return OK;
         }
-    card(-(int64_t)size, NULL);
+    if (!host) card(-(int64_t)size, NULL);
     return OUT_OF_MEMORY;
 }
-CUresult cuMemFree_v2(CUdeviceptr p)
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
+{
+    if (!inited) return NOT_INITIALIZED;
+    if (!p || !size) return INVALID_VALUE;
+    return take(p, size, 0);
+}
+static CUresult drop(CUdeviceptr p)
 {
     for (size_t i = 0; i < sizeof allocs / sizeof *allocs; i++)
         if (allocs[i].ptr == p && p) {
-            card(-(int64_t)allocs[i].size, NULL);
+            if (!allocs[i].host) card(-(int64_t)allocs[i].size, NULL);
             allocs[i].ptr = 0;
             return OK;
         }
     return INVALID_VALUE;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) { return drop(p); }
+/* the card's memory, not through the exported cuMemAlloc_v2 */
+static CUresult device(CUdeviceptr *p, size_t size)
+{
+    if (!inited) return NOT_INITIALIZED;
+    if (!p || !size) return INVALID_VALUE;
+    return take(p, size, 0);
 }
 CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, size_t height, unsigned elem)
 {
@@ -248,6 +267,52 @@ CUresult cuStreamDestroy_v2(CUstream s) { (void)s; return OK; }
 CUresult cuStreamSynchronize(CUstream s) { (void)s; return cuCtxSynchronize(); }
 CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return cuMemAlloc_v2(p, size); }
 CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return cuMemFree_v2(p); }
+typedef void *CUmemoryPool;
+CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
+{
+    if (!inited) return NOT_INITIALIZED;
+    if (d != 0) return INVALID_DEVICE;
+    *pool = (CUmemoryPool)0x3;
+    return OK;
+}
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
+{
+    (void)s;
+    if (!pool) return INVALID_VALUE;
+    return device(p, size);
+}
+
+/* Virtual memory management: a handle is a fake pointer; cuda.h's layout (CUDA 13: id or `localized`). */
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct {
+    int type;  /* CUmemLocationType */
+    union { int id; struct { unsigned char deviceId, localityDomainId; } localized; };
+} CUmemLocation;
+typedef struct {
+    int type, requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct { unsigned char compressionType, gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } allocFlags;
+} CUmemAllocationProp;
+enum { LOC_DEVICE = 1, LOC_HOST = 2, LOC_HOST_NUMA = 3, LOC_DEVICE_LOCALITY_DOMAIN = 6 };
+CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
+                     unsigned long long flags)
+{
+    if (!inited) return NOT_INITIALIZED;
+    if (!h || !prop || !size || flags) return INVALID_VALUE;
+    switch (prop->location.type) {
+    case LOC_DEVICE:
+        return prop->location.id == 0 ? device(h, size) : INVALID_DEVICE;
+    case LOC_DEVICE_LOCALITY_DOMAIN:
+        return prop->location.localized.deviceId == 0 && prop->location.localized.localityDomainId == 0
+                   ? device(h, size) : INVALID_DEVICE;
+    case LOC_HOST: case LOC_HOST_NUMA:
+        return take(h, size, 1);  /* host memory: not the card's */
+    default:
+        return INVALID_VALUE;
+    }
+}
+CUresult cuMemRelease(CUmemGenericAllocationHandle h) { return drop(h); }
 
 typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR;
 static size_t format_bytes(int f)
@@ -265,6 +330,30 @@ CUresult cuArrayCreate_v2(CUdeviceptr *h, const CUDA_ARRAY_DESCRIPTOR *d)
     return cuMemAlloc_v2(h, bytes);
 }
 CUresult cuArrayDestroy(CUdeviceptr h) { return cuMemFree_v2(h); }
+typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, Flags; } CUDA_ARRAY3D_DESCRIPTOR;
+enum { ARRAY3D_LAYERED = 0x01, ARRAY3D_CUBEMAP = 0x04 };
+static size_t at_least_1(size_t n) { return n ? n : 1; }
+CUresult cuArray3DCreate_v2(CUdeviceptr *h, const CUDA_ARRAY3D_DESCRIPTOR *d)
+{
+    if (!d || !h) return INVALID_VALUE;
+    return device(h, d->Width * at_least_1(d->Height) * at_least_1(d->Depth) * format_bytes(d->Format)
+                                * at_least_1(d->NumChannels));
+}
+/* every level half the one before (at least 1); a layered or cubemap array's depth is its layers: kept */
+CUresult cuMipmappedArrayCreate(CUdeviceptr *h, const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels)
+{
+    if (!d || !h || !levels) return INVALID_VALUE;
+    size_t w = d->Width, ht = at_least_1(d->Height), dp = at_least_1(d->Depth), elements = 0;
+    for (unsigned l = 0; l < levels; l++) {
+        elements += w * ht * dp;
+        w = at_least_1(w / 2);
+        ht = at_least_1(ht / 2);
+        if (!(d->Flags & (ARRAY3D_LAYERED | ARRAY3D_CUBEMAP)))
+            dp = at_least_1(dp / 2);
+    }
+    return device(h, elements * format_bytes(d->Format) * at_least_1(d->NumChannels));
+}
+CUresult cuMipmappedArrayDestroy(CUdeviceptr h) { return drop(h); }
 
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
 {
@@ -284,6 +373,14 @@ CUresult cuGetErrorName(CUresult e, const char **s)
 }
 CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e, s); }
 
+/* The driver's own `fn`, as a real cuGetProcAddress gives it: a hidden alias binds here, never to an
+ * interposer's same-named export (the plain address would be libcgpu's when it is preloaded). */
+#define OWN(fn) extern __typeof__(fn) own_##fn __attribute__((alias(#fn), visibility("hidden")))
+OWN(cuMemAllocFromPoolAsync); OWN(cuMemCreate); OWN(cuMemRelease); OWN(cuArray3DCreate_v2);
+OWN(cuMipmappedArrayCreate); OWN(cuMipmappedArrayDestroy);
+OWN(cuLaunchKernel); OWN(cuLaunchKernel_ptsz); OWN(cuLaunchCooperativeKernel); OWN(cuLaunchKernelEx);
+OWN(cuGraphLaunch);
+
 static const struct { const char *name; void *fn; } TABLE[] = {
     {"cuInit", (void *)cuInit}, {"cuDriverGetVersion", (void *)cuDriverGetVersion},
     {"cuDeviceGetCount", (void *)cuDeviceGetCount}, {"cuDeviceGet", (void *)cuDeviceGet},
@@ -300,8 +397,13 @@ static const struct { const char *name; void *fn; } TABLE[] = {
     {"cuArrayDestroy", (void *)cuArrayDestroy},
     {"cuCtxGetCurrent", (void *)cuCtxGetCurrent}, {"cuCtxPushCurrent", (void *)cuCtxPushCurrent_v2},
     {"cuCtxPopCurrent", (void *)cuCtxPopCurrent_v2}, {"cuModuleGetFunction", (void *)cuModuleGetFunction},
-    {"cuLaunchKernel", (void *)cuLaunchKernel}, {"cuLaunchCooperativeKernel", (void *)cuLaunchCooperativeKernel},
-    {"cuLaunchKernelEx", (void *)cuLaunchKernelEx}, {"cuGraphLaunch", (void *)cuGraphLaunch},
+    {"cuLaunchKernel", (void *)own_cuLaunchKernel}, {"cuLaunchCooperativeKernel", (void *)own_cuLaunchCooperativeKernel},
+    {"cuLaunchKernelEx", (void *)own_cuLaunchKernelEx}, {"cuGraphLaunch", (void *)own_cuGraphLaunch},
+    {"cuArrayDestroy", (void *)cuArrayDestroy}, {"cuDeviceGetDefaultMemPool", (void *)cuDeviceGetDefaultMemPool},
+    {"cuMemAllocFromPoolAsync", (void *)own_cuMemAllocFromPoolAsync}, {"cuMemCreate", (void *)own_cuMemCreate},
+    {"cuMemRelease", (void *)own_cuMemRelease}, {"cuArray3DCreate", (void *)own_cuArray3DCreate_v2},
+    {"cuMipmappedArrayCreate", (void *)own_cuMipmappedArrayCreate},
+    {"cuMipmappedArrayDestroy", (void *)own_cuMipmappedArrayDestroy},
 };
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
@@ -319,7 +421,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
         return OK;
     }
     if ((flags & 2) && !strcmp(symbol, "cuLaunchKernel")) {  /* CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM */
-        *pfn = (void *)cuLaunchKernel_ptsz;
+        *pfn = (void *)own_cuLaunchKernel_ptsz;
         if (status) *status = 0;
         return OK;
     }
