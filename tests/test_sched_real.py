@@ -113,18 +113,21 @@ def test_policy2_weights_1_to_2_give_iterations_1_to_2(sched):
     d, w = sched
     d.write("0/policy", "2")
     sampled = ("--json", "--interval", "0.1")
-    w.start("weightone001", 6, "--weight", "1", report=sampled)
-    w.start("weighttwo002", 6, "--weight", "2", report=sampled)
+    w.start("weightone001", 7, "--weight", "1", report=sampled)
+    w.start("weighttwo002", 7, "--weight", "2", report=sampled)
     a, b = w.samples("weightone001"), w.samples("weighttwo002")
     # Only the time both ran counts (each runs alone for a moment at its start
-    # or end, and a lone instance takes the whole GPU): the same wall window.
+    # or end, and a lone instance takes the whole GPU): the same wall window,
+    # cut into seconds. The median second counts: a burst of other work on a
+    # shared 2-core machine takes CPU from whichever holds the GPU then, and
+    # moves one second's ratio a long way (0.93 and 2.48 seen), not the median.
     t0, t1 = max(a[0][0], b[0][0]) + 0.5, min(a[-1][0], b[-1][0]) - 0.5
-    assert t1 - t0 > 3.5
-    ratio = iterations_between(b, t0, t1) / iterations_between(a, t0, t1)
-    # 2 within 15 %: 1:1 would be 1.0 and 1:3 3.0; other processes on a shared
-    # 2-core machine take CPU from the running holder and move it a little
-    # (2.22 seen while another test suite ran on the machine).
-    assert 1.7 <= ratio <= 2.3, ratio
+    assert t1 - t0 > 4.5
+    seconds = [t0 + k for k in range(int(t1 - t0))]
+    ratios = sorted(iterations_between(b, s, s + 1) / iterations_between(a, s, s + 1) for s in seconds)
+    ratio = ratios[len(ratios) // 2]
+    # 2 within 15 %: 1:1 would be 1.0 and 1:3 3.0
+    assert 1.7 <= ratio <= 2.3, ratios
     st = stats(d)
     assert st["freezes"] > 0 and st["thaws"] > 0
 
