@@ -30,6 +30,8 @@ import os
 import struct
 from typing import Any
 
+import trio
+
 from cgpud.gpus import pages
 from cgpud.sched.cgroupfs import KIND_GATE, Refused, TargetGone
 
@@ -126,6 +128,8 @@ class GateFreezer:
 
     def consume(self) -> None:
         """Empty the FIFO (its bytes only wake us; the page says who drained)."""
+        if self._fifo < 0:
+            return
         try:
             while os.read(self._fifo, 4096):
                 pass
@@ -149,7 +153,10 @@ class GateFreezer:
 
     def undrained(self) -> list[int]:
         """The slots of launching processes that have not drained the current
-        closing (none when the gate is open), leaving out the stale ones."""
+        closing (none when the gate is open, or once closed here), leaving out
+        the stale ones."""
+        if self._fifo < 0:
+            return []
         g = self._page.gate
         if g & 1:
             return []
@@ -180,6 +187,10 @@ class GateFreezer:
     def close(self) -> None:
         """Forget the page; the gate keeps the state it has (thaw first)."""
         if self._fifo >= 0:
+            try:  # the scheduler may be waiting on it (trio must know before the number is reused)
+                trio.lowlevel.notify_closing(self._fifo)
+            except RuntimeError:  # (not in a trio thread)
+                pass
             os.close(self._fifo)
             os.close(self._keep)
             self._fifo = self._keep = -1

@@ -299,7 +299,7 @@ class GpuScheduler:
                 self._frozen.add(name)
                 stopped.append(name)
                 tel.freezes += 1
-        if stopped and self._frozen - want:
+        if stopped:  # (also before an idle slot: the work that runs on is the stopped one's, charged to it)
             await self._drain(stopped)
         for name in sorted(self._frozen - want):
             if self._call(self._enforcer.thaw, "thaw", name):
@@ -325,6 +325,8 @@ class GpuScheduler:
                     await trio.lowlevel.wait_readable(waiting[0].fileno())
                 except trio.BusyResourceError:  # (another GPU's loop waits on it: look again soon)
                     await trio.sleep(0.0005)
+                except trio.ClosedResourceError:  # its instance went meanwhile (closed: no longer undrained)
+                    pass
                 waiting[0].consume()
                 waiting = undrained(names)
         if waiting:
