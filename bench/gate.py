@@ -1,0 +1,248 @@
+"""bench/gate: what the compute gate (libcgpu + cgpud.sched.gate, issue 12)
+costs and how well it shares, against the stand-in libcuda.so.1 in the same run.
+
+1. Added cost per ungated cuLaunchKernel: a C client times N launches through
+   plain dlsym (the stand-in's launches made free: CGPU_STUB_CUDA_FAST=1), with
+   and without libcgpu (gate open), interleaved rounds. Goal: p50 <= 100 ns.
+2. Gate opened -> a waiting launch proceeds: the gate driven as the scheduler
+   drives it (GateFreezer); the time from just before thaw() to the start of
+   the first kernel the stand-in logs after it. Goal: p99 <= 200 us.
+3. Share error through the gate: `cgpud serve --compute gate`, max_inst 4,
+   10 ms slices, 2 and 3 instances under `cgpu run` launching 1 ms kernels, for
+   policies 0-3; each instance's share of the card's kernel time against what
+   its policy gives it. Goal: <= 0.5 pp.
+4. Daemon CPU with 25 gated instances (policy 2, max_inst 25, weight 1 each,
+   10 ms), and the same with freezing, in the same run. Goal: gated <= 2 % of
+   a core.
+
+    .venv/bin/python bench/gate.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from cgpud.gpus import pages  # noqa: E402
+from cgpud.sched.gate import GateFreezer  # noqa: E402
+from test_gate import LAUNCHER  # noqa: E402  (the tests' client)
+
+CGPU = str(Path(sys.executable).parent / "cgpu")
+CGPUD = str(Path(sys.executable).parent / "cgpud")
+
+TIMER = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+typedef int (*i_t)(unsigned);
+typedef int (*l_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
+int main(int argc, char **argv) {
+    long n = atol(argv[1]);
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    i_t init = (i_t)dlsym(h, "cuInit"); l_t launch = (l_t)dlsym(h, "cuLaunchKernel");
+    if (init(0)) return 1;
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    for (long i = 0; i < n; i++) if (launch(NULL, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL)) return 2;
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    printf("%.2f\n", ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / n);
+    return 0;
+}
+"""
+
+
+def build(tmp: Path) -> Path:
+    r = subprocess.run(["make", "-s", "-B", "-C", str(ROOT / "native"), "stubs", "libcgpu", f"STUBS={tmp}",
+                        f"LIB={tmp}"], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(r.stderr)
+    for name, src in (("timer", TIMER), ("launcher", LAUNCHER)):
+        (tmp / f"{name}.c").write_text(src)
+        subprocess.run(["gcc", "-O2", "-o", str(tmp / name), str(tmp / f"{name}.c"), "-ldl", "-lpthread"], check=True)
+    return tmp
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def launch_cost(tmp: Path, n: int, rounds: int) -> None:
+    pages.create(str(tmp / "p1"), [1 << 30])
+    base = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": str(tmp), "CGPU_STUB_CUDA_FAST": "1",
+            "CGPU_STUB_CUDA_STATE": str(tmp / "card1")}
+    lib = {**base, "LD_PRELOAD": str(tmp / "libcgpu.so"), "CGPU_PAGE_DIR": str(tmp / "p1")}
+    plain, held = [], []
+    for _ in range(rounds):
+        for env, out in ((base, plain), (lib, held)):
+            out.append(float(subprocess.run([str(tmp / "timer"), str(n)], env=env, capture_output=True, text=True,
+                                            check=True).stdout))
+    p, h = statistics.median(plain), statistics.median(held)
+    print(f"1. cuLaunchKernel through dlsym, gate open: stand-in alone {p:.1f} ns, with libcgpu {h:.1f} ns; "
+          f"added p50 {h - p:.1f} ns ({h / p:.2f}x; goal <= 100 ns)")
+
+
+def wake_latency(tmp: Path, rounds: int) -> None:
+    pages.create(str(tmp / "p2"), [1 << 30])
+    env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": str(tmp), "LD_PRELOAD": str(tmp / "libcgpu.so"),
+           "CGPU_PAGE_DIR": str(tmp / "p2"), "CGPU_STUB_CUDA_STATE": str(tmp / "card2"),
+           "CGPU_STUB_CUDA_LOG": str(tmp / "k2")}
+    gate = GateFreezer(str(tmp / "p2"))
+    p = subprocess.Popen([str(tmp / "launcher"), "600", "50", "0"], env=env, stdout=subprocess.PIPE, text=True)
+    p.stdout.readline()
+    opens = []
+    try:
+        for _ in range(rounds):
+            gate.freeze()
+            while not gate.is_frozen():
+                time.sleep(0.0001)
+            time.sleep(0.002)  # its launch is waiting at the gate now
+            opens.append(time.monotonic_ns())
+            gate.thaw()
+            time.sleep(0.003)
+    finally:
+        p.kill()
+        p.wait()
+        gate.thaw()
+    starts = sorted(int(line.split()[1]) for line in (tmp / "k2").read_text().splitlines())
+    import bisect
+    lat = [(starts[bisect.bisect_left(starts, t)] - t) / 1000 for t in opens if bisect.bisect_left(starts, t) < len(starts)]
+    print(f"2. gate opened -> the waiting launch's kernel starts: p50 {pct(lat, 0.5):.0f} us, p99 {pct(lat, 0.99):.0f} us "
+          f"over {len(lat)} openings (goal p99 <= 200 us)")
+
+
+class Daemon:
+    def __init__(self, tmp: Path, compute: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="d", dir=tmp))
+        (self.dir / "mnt").mkdir()
+        self.sock = self.dir / "sock"
+        self.proc = subprocess.Popen([CGPUD, "serve", "--gpus", "sim:T4", "--mount", str(self.dir / "mnt"),
+                                      "--state-dir", str(self.dir / "state"), "--socket", str(self.sock),
+                                      "--dev-dir", str(self.dir / "dev"), "--metrics-addr", "off",
+                                      "--libcgpu", str(tmp / "libcgpu.so"), "--compute", compute],
+                                     stdout=subprocess.DEVNULL, stderr=open(self.dir / "log", "w"))
+        deadline = time.monotonic() + 20
+        while not (self.dir / "mnt" / "version").exists():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise SystemExit(f"cgpud did not start: {(self.dir / 'log').read_text()}")
+            time.sleep(0.05)
+
+    def write(self, rel: str, value: str) -> None:
+        try:
+            with open(self.dir / "mnt" / rel, "w") as f:
+                f.write(value)
+        except OSError as exc:
+            raise SystemExit(f"{rel}: {exc}; the daemon said:\n{(self.dir / 'log').read_text()}") from None
+
+    def cpu_seconds(self) -> float:
+        f = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+    def run(self, tmp: Path, name: str, weight: int, seconds: float, cpu: int = 0) -> subprocess.Popen:
+        env = dict(os.environ, CGPUD_SOCKET=str(self.sock), LD_LIBRARY_PATH=str(tmp),
+                   CGPU_STUB_CUDA_STATE=str(self.dir / "card"), CGPU_STUB_CUDA_LOG=str(self.dir / f"{name}.k"))
+        cmd = f'CGPU_STUB_CUDA_DEVICE="$CGPU_DEVICE" exec {tmp / "launcher"} {seconds} 1000 {cpu}'
+        return subprocess.Popen([CGPU, "run", "--name", name, "--mem", "16M", "--weight", str(weight), "--",
+                                 "sh", "-c", cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def expected(policy: int, weights: list[int], max_inst: int) -> list[float]:
+    n = len(weights)
+    if policy == 0:
+        return [1 / max_inst] * n
+    if policy == 1:
+        return [1 / n] * n
+    if policy == 2:
+        return [w / sum(weights) for w in weights]
+    return [w / max_inst for w in weights]
+
+
+def shares(tmp: Path, seconds: float) -> None:
+    d = Daemon(tmp, "gate")
+    worst = worst_split = 0.0
+    try:
+        d.write("0/max_inst", "4")
+        for n in (2, 3):
+            weights = [1, 2, 1][:n]
+            for policy in range(4):
+                d.write("0/policy", str(policy))
+                names = [f"p{policy}n{n}i{k}".ljust(12, "x") for k in range(n)]
+                procs = [d.run(tmp, nm, w, seconds) for nm, w in zip(names, weights)]
+                for p in procs:
+                    p.stdout.readline()
+                for p in procs:
+                    p.communicate(timeout=60)
+                logs = [[tuple(map(int, line.split())) for line in (d.dir / f"{nm}.k").read_text().splitlines()]
+                        for nm in names]
+                t0 = max(ks[0][1] for ks in logs) + 500_000_000
+                t1 = min(ks[-1][2] for ks in logs) - 500_000_000
+                got = [sum(max(0, min(e, t1) - max(s, t0)) for _, s, e in ks) / (t1 - t0) for ks in logs]
+                want = expected(policy, weights, 4)
+                err = max(abs(g - w) for g, w in zip(got, want)) * 100
+                # how the card's kernel time was split among them (the time lost at switches left out)
+                split = max(abs(g / sum(got) - w / sum(want)) for g, w in zip(got, want)) * 100
+                worst, worst_split = max(worst, err), max(worst_split, split)
+                print(f"3. policy {policy}, {n} instances (weights {weights}): kernel-time shares "
+                      f"{' '.join(f'{g:.3f}' for g in got)} want {' '.join(f'{w:.3f}' for w in want)}: "
+                      f"error {err:.2f} pp; split error {split:.2f} pp")
+    finally:
+        d.stop()
+    print(f"3. share error through the gate, worst of the 8: {worst:.2f} pp against the ideal shares "
+          f"(switches cost every instance alike), {worst_split:.2f} pp in the split of the kernel time "
+          f"(goal <= 0.5 pp)")
+
+
+def daemon_cpu(tmp: Path, seconds: float, count: int) -> None:
+    out = {}
+    for compute in ("gate", "freeze"):
+        d = Daemon(tmp, compute)
+        try:
+            d.write("0/max_inst", "25")  # (the most there may be; weight 1 each: Σ weight = max_inst)
+            d.write("0/policy", "2")
+            procs = [d.run(tmp, f"{compute[:4]}{k:08d}", 1, seconds + 3) for k in range(count)]
+            for p in procs:
+                p.stdout.readline()
+            time.sleep(1.0)
+            c0, t0 = d.cpu_seconds(), time.monotonic()
+            time.sleep(seconds)
+            out[compute] = (d.cpu_seconds() - c0) / (time.monotonic() - t0) * 100
+            for p in procs:
+                p.communicate(timeout=120)
+        finally:
+            d.stop()
+    print(f"4. daemon CPU with {count} instances at 10 ms slices, policy 2: gated {out['gate']:.1f} % of a core, "
+          f"frozen {out['freeze']:.1f} % ({out['gate'] / max(out['freeze'], 1e-9):.2f}x; goal gated <= 2 %)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="cgpud-bench-gate-"))
+    try:
+        build(tmp)
+        launch_cost(tmp, 200_000 if args.quick else 2_000_000, 5)
+        wake_latency(tmp, 100 if args.quick else 500)
+        shares(tmp, 3 if args.quick else 6)
+        daemon_cpu(tmp, 3 if args.quick else 6, 25)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
