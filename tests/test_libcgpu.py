@@ -433,7 +433,10 @@ def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(mak
     subprocess.run(["runc", "spec", "--bundle", os.fspath(tmp_path)], check=True)
     spec = json.loads((tmp_path / "config.json").read_text())
     spec["root"] = {"path": os.fspath(rootfs), "readonly": False}
-    spec["process"].update(terminal=False, args=["/share/client"], env=[
+    # the second run clears its environment (no LD_PRELOAD, no CGPU_PAGE_DIR): /etc/ld.so.preload
+    # loads the library still, and it finds the pages where cgpu-runtime mounts them
+    spec["process"].update(terminal=False, args=["/usr/bin/sh", "-c", "/share/client; env -i LD_LIBRARY_PATH=/share/lib "
+                                                 "CGPU_STUB_CUDA_STATE=/share/card /share/client"], env=[
         "PATH=/usr/bin", "LD_LIBRARY_PATH=/share/lib", "CGPU_STUB_CUDA_STATE=/share/card",
         "ALIYUN_COM_GPU_MEM_CONTAINER=1"])
     spec["mounts"] += [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
@@ -446,8 +449,10 @@ def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(mak
                        text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
     subprocess.run([wrapper(), *root, "delete", "-f", cid], capture_output=True, env=env, timeout=30)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.split() == [str(1 << 30), "0", "2", "/run/cgpu"], r.stdout + r.stderr
+    assert r.stdout.split() == [str(1 << 30), "0", "2", "/run/cgpu", str(1 << 30), "0", "2", "(null)"], \
+        r.stdout + r.stderr
     prepared = json.loads((tmp_path / "config.json").read_text())
     mounts = {m["destination"]: m for m in prepared["mounts"]}
     assert mounts["/run/cgpu/limits"]["options"] == ["bind", "ro"], "only usage is writable by the container"
+    assert mounts["/etc/ld.so.preload"]["options"] == ["bind", "ro"]
     assert not (d.socket.parent / "pages" / cid[:12]).exists(), "its pages went with it"

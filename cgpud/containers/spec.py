@@ -13,7 +13,9 @@ as once):
 - `add_library`: the in-container library (docs/isolation.md) and the
   container's pages: the library read-only at LIB_IN_CONTAINER, preloaded
   (LD_PRELOAD), the pages' directory at PAGES_IN_CONTAINER with its `limits`
-  file mounted again read-only over it (only `usage` is writable), and
+  file mounted again read-only over it (only `usage` is writable), a file
+  naming the library over /etc/ld.so.preload (a process that clears its
+  environment loads it still, and finds the pages where they always are), and
   CGPU_PAGE_DIR naming them — only when the daemon has a library to give.
 
 `Hooks` says where the hook is and which socket it talks to; the daemon's
@@ -35,6 +37,7 @@ class SpecError(ValueError):
 DEFAULT_LIBCGPU = "/usr/local/lib/cgpu/libcgpu.so"  # where make install-hooks puts it
 LIB_IN_CONTAINER = "/run/cgpu-lib/libcgpu.so"  # (under /run: a mount point any image can take)
 PAGES_IN_CONTAINER = "/run/cgpu"
+PRELOAD = "/etc/ld.so.preload"  # naming the library: loaded also into processes that clear their environment
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,13 @@ def add_library(spec: dict, hooks: Hooks) -> dict:
     out = dict(spec)
     mounts = [m for m in spec.get("mounts") or [] if not (isinstance(m, dict) and m.get("destination") in
                                                           (LIB_IN_CONTAINER, PAGES_IN_CONTAINER,
-                                                           PAGES_IN_CONTAINER + "/limits"))]
+                                                           PAGES_IN_CONTAINER + "/limits", PRELOAD))]
     out["mounts"] = mounts + [
         {"destination": LIB_IN_CONTAINER, "type": "bind", "source": hooks.library, "options": ["rbind", "ro"]},
         {"destination": PAGES_IN_CONTAINER, "type": "bind", "source": hooks.pages, "options": ["rbind", "rw"]},
         {"destination": PAGES_IN_CONTAINER + "/limits", "type": "bind", "source": hooks.pages + "/limits",
          "options": ["bind", "ro"]},
+        {"destination": PRELOAD, "type": "bind", "source": hooks.pages + "/ld.so.preload", "options": ["bind", "ro"]},
     ]
     process = dict(spec.get("process") or {})
     env = list(process.get("env") or [])

@@ -19,7 +19,9 @@ GATE_OFFSET = LIMITS.size - 8  # uint32 gate: odd open, even closed
 GATE_OPEN = 1
 _GATE = struct.Struct("<2I")
 PROC = struct.Struct(f"<i3I{MAX_GPUS}Q")
-USAGE_HEAD = struct.Struct(f"<2I{MAX_GPUS}Q")
+USAGE_HEAD = struct.Struct(f"<2I{MAX_GPUS}Q{MAX_PROCS // 32}I")  # magic, version, used, gated_slots
+GATED_OFFSET = 8 + 8 * MAX_GPUS
+GATED = struct.Struct(f"<{MAX_PROCS // 32}I")
 USAGE_SIZE = USAGE_HEAD.size + MAX_PROCS * PROC.size
 
 
@@ -29,7 +31,7 @@ def create(directory: str, memsizes: list[int]) -> None:
         raise ValueError(f"1 to {MAX_GPUS} GPUs, not {len(memsizes)}")
     os.makedirs(directory, exist_ok=True)
     _write(os.path.join(directory, "limits"), _limits(memsizes), 0o444)
-    usage = USAGE_HEAD.pack(MAGIC, VERSION, *[0] * MAX_GPUS) + bytes(MAX_PROCS * PROC.size)
+    usage = USAGE_HEAD.pack(MAGIC, VERSION, *[0] * (MAX_GPUS + MAX_PROCS // 32)) + bytes(MAX_PROCS * PROC.size)
     _write(os.path.join(directory, "usage"), usage, 0o666)
     _fifo(directory)
 
@@ -64,7 +66,7 @@ def used(directory: str) -> list[int]:
     """What the container's processes hold now, per GPU."""
     with open(os.path.join(directory, "usage"), "rb") as f:
         head = USAGE_HEAD.unpack(f.read(USAGE_HEAD.size))
-    return list(head[2:])
+    return list(head[2:2 + MAX_GPUS])
 
 
 def held_by(directory: str) -> dict[int, list[int]]:
@@ -91,9 +93,15 @@ def prepare(directory: str) -> None:
         _write(os.path.join(directory, "limits"), bytes(4) + _limits([0])[4:GATE_OFFSET] + _GATE.pack(GATE_OPEN, 0),
                0o444)
     if not os.path.exists(os.path.join(directory, "usage")):
-        usage = USAGE_HEAD.pack(MAGIC, VERSION, *[0] * MAX_GPUS) + bytes(MAX_PROCS * PROC.size)
+        usage = USAGE_HEAD.pack(MAGIC, VERSION, *[0] * (MAX_GPUS + MAX_PROCS // 32)) + bytes(MAX_PROCS * PROC.size)
         _write(os.path.join(directory, "usage"), usage, 0o666)
     _fifo(directory)
+
+
+def write_preload(directory: str, library: str) -> None:
+    """`ld.so.preload` in the pages' directory: what the container's /etc/ld.so.preload shows
+    (mounted over it), so a process that clears its environment still loads the library."""
+    _write(os.path.join(directory, "ld.so.preload"), f"{library}\n".encode(), 0o444)
 
 
 def fill(directory: str, memsizes: list[int]) -> None:
@@ -113,7 +121,7 @@ def fill(directory: str, memsizes: list[int]) -> None:
 
 
 def remove(directory: str) -> None:
-    for name in ("limits", "usage", "drained"):
+    for name in ("limits", "usage", "drained", "ld.so.preload"):
         try:
             os.unlink(os.path.join(directory, name))
         except FileNotFoundError:

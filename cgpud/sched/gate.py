@@ -106,7 +106,17 @@ class GateFreezer:
         except OSError as exc:
             self._page.close()
             raise Refused(f"{fifo}: {exc.strerror}") from None
-        self._usage = os.path.join(self.path, "usage")
+        try:
+            fd = os.open(os.path.join(self.path, "usage"), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                self._usage = mmap.mmap(fd, pages.USAGE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError) as exc:
+            self._page.close()
+            os.close(self._fifo)
+            os.close(self._keep)
+            raise Refused(f"{self.path}/usage: {exc}") from None
         self._stale: dict[int, int] = {}  # slot -> its pid, while not waited for
         self.frozen = False
         open_gate(self._page)  # the loop assumes every instance starts thawed
@@ -137,18 +147,17 @@ class GateFreezer:
             pass
 
     def _slots(self) -> list[tuple[int, int, int, int]]:
-        """(slot, pid, gated, acked) of the slots in use."""
-        try:
-            with open(self._usage, "rb") as f:
-                f.seek(pages.USAGE_HEAD.size)
-                raw = f.read(pages.MAX_PROCS * pages.PROC.size)
-        except FileNotFoundError:
-            return []
+        """(slot, pid, gated, acked) of the slots whose processes launch (the
+        page's bitmap names them: a few words read, not 256 slots)."""
         out = []
-        for k in range(len(raw) // pages.PROC.size):
-            pid, gated, acked, _ = _SLOT_HEAD.unpack_from(raw, k * pages.PROC.size)
-            if pid > 0:
-                out.append((k, pid, gated, acked))
+        for word, bits in enumerate(pages.GATED.unpack_from(self._usage, pages.GATED_OFFSET)):
+            while bits:
+                low = bits & -bits
+                k = word * 32 + low.bit_length() - 1
+                bits ^= low
+                pid, gated, acked, _ = _SLOT_HEAD.unpack_from(self._usage, pages.USAGE_HEAD.size + k * pages.PROC.size)
+                if pid > 0:
+                    out.append((k, pid, gated, acked))
         return out
 
     def undrained(self) -> list[int]:
@@ -195,6 +204,7 @@ class GateFreezer:
             os.close(self._keep)
             self._fifo = self._keep = -1
             self._page.close()
+            self._usage.close()
 
     def __repr__(self) -> str:
         return f"GateFreezer({self.path!r})"

@@ -42,6 +42,7 @@ struct cgpu_proc {
 struct cgpu_usage {
     uint32_t magic, version;
     uint64_t used[CGPU_MAX_GPUS];
+    uint32_t gated_slots[CGPU_MAX_PROCS / 32];  /* bit k: procs[k] is gated (the daemon reads only those) */
     struct cgpu_proc procs[CGPU_MAX_PROCS];
 };
 

@@ -31,7 +31,9 @@
  * Fail closed: with CGPU_PAGE_DIR set (the container asked for isolation) but
  * its pages missing, foreign or of another version, cuInit returns
  * CUDA_ERROR_NOT_INITIALIZED and one line on stderr says why; the process
- * never runs unisolated. Without CGPU_PAGE_DIR it passes everything through.
+ * never runs unisolated. Without CGPU_PAGE_DIR, a process of a container whose
+ * pages are mounted at /run/cgpu (it cleared its environment; /etc/ld.so.preload
+ * loaded the library) uses those; anywhere else it passes everything through.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -152,6 +154,8 @@ static int alive(int32_t pid)
 /* What a slot's process held back to the container, and the slot free. */
 static void release(struct cgpu_proc *p)
 {
+    unsigned k = (unsigned)(p - usage->procs);
+    __atomic_fetch_and(&usage->gated_slots[k / 32], ~(1u << (k % 32)), __ATOMIC_ACQ_REL);
     for (int g = 0; g < CGPU_MAX_GPUS; g++) {
         uint64_t held = __atomic_exchange_n(&p->held[g], 0, __ATOMIC_ACQ_REL);
         if (held)
@@ -259,6 +263,8 @@ static void setup(void)
     }
 
     const char *dir = getenv("CGPU_PAGE_DIR");
+    if ((!dir || !*dir) && access("/run/cgpu/limits", F_OK) == 0)
+        dir = "/run/cgpu";  /* a container's (cgpu-runtime's mount): its processes are isolated, environment or not */
     asked = dir && *dir;
     if (!asked)
         return;
@@ -703,8 +709,11 @@ static void start_helper(void)
     pthread_attr_setstacksize(&a, 64 << 10);
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with the process's own threads */
-    if (pthread_create(&t, &a, gate_helper, NULL) == 0)
+    if (pthread_create(&t, &a, gate_helper, NULL) == 0) {
+        unsigned k = (unsigned)(mine - usage->procs);
         __atomic_store_n(&mine->gated, 1, __ATOMIC_SEQ_CST);
+        __atomic_fetch_or(&usage->gated_slots[k / 32], 1u << (k % 32), __ATOMIC_SEQ_CST);
+    }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&a);
 }
