@@ -123,12 +123,6 @@ class Plugin(rpc.DevicePluginServicer):
         while not stop.wait(every):
             self.node_changed(self.source.gpus)
 
-    def library_mounts(self) -> list[pb.Mount]:
-        """HOOK for the in-container library (libcgpu, docs/isolation.md): the mounts that put it and
-        its container's pages into the container will be returned here once the daemon makes the
-        pages at join. Nothing yet: isolation comes from the daemon's tree and the node's hook."""
-        return []
-
     def _gpus(self, context) -> list[res.Gpu]:
         gpus = self.source.gpus
         if gpus is None:
@@ -196,7 +190,6 @@ class Plugin(rpc.DevicePluginServicer):
                 log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
                 mounts = [pb.Mount(container_path=self.socket_dir, host_path=self.socket_dir, read_only=False)] \
                     if self.socket_dir else []
-                mounts += self.library_mounts()
                 out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts))
         except (res.AllocationError, Unreachable) as exc:
             for choice in choices:  # nothing half-done: the extender's choices stay for the next try
