@@ -208,9 +208,18 @@ def test_a_process_that_does_not_answer_is_waited_for_once(gated):
     gate.freeze()
     wait_drained(gate)  # the live one answered; the stopped one is still not waited for
     gate.thaw()
-    dead.send_signal(signal.SIGCONT)  # back: it answers the next closing and counts again
+    dead.send_signal(signal.SIGCONT)  # back: it answers the next closing ...
     time.sleep(0.2)
     gate.freeze()
+    gate.undrained()  # (as the daemon: one look when it closes; it has not answered yet)
+    time.sleep(0.1)  # (now it has, unseen)
+    gate.thaw()
+    time.sleep(0.1)
+    dead.send_signal(signal.SIGSTOP)  # ... and is waited for again at the one after
+    gate.freeze()
+    time.sleep(0.1)
+    assert gate.undrained(), "a process that answered again was still not waited for"
+    dead.send_signal(signal.SIGCONT)
     wait_drained(gate)
     gate.thaw()
     for p in (dead, live):
@@ -281,3 +290,35 @@ def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon
     else:
         assert beats[0] < 0.7 * beats[1], beats  # frozen with its cgroup: CPU and all
         assert st["drains"] == 0, st
+
+
+@pytest.mark.parametrize("how", ["hot upgrade", "restart"])
+def test_the_gate_holds_across_a_daemon_restart(make_daemon, libs, tmp_path, how):
+    """The daemon replaced mid-run, by a hot upgrade or a stop and a start: the instances, their
+    pages and gates are taken up again, and 1:2 holds after it as before."""
+    from test_upgrade import upgrade
+
+    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
+    d.write("0/policy", "2")
+    one = run_launcher(d, libs, tmp_path, "restartone01", 1, 7)
+    two = run_launcher(d, libs, tmp_path, "restarttwo02", 2, 7)
+    for p in (one, two):
+        assert p.stdout.readline().strip() == "started", p.stderr.read()
+    time.sleep(1.5)
+    if how == "hot upgrade":
+        upgrade(d)
+    else:
+        d.restart()
+    after = time.monotonic_ns()
+    outs = [p.communicate(timeout=60) for p in (one, two)]
+    for p, (out, err) in zip((one, two), outs):
+        assert p.returncode == 0, err
+    logs = [tmp_path / "restartone01.kernels", tmp_path / "restarttwo02.kernels"]
+    t0 = after + 500_000_000
+    t1 = min(max(e for _, _, e in kernels(lg)) for lg in logs) - 300_000_000
+    assert t1 - t0 > 3e9
+    ratio = busy(logs[1], t0, t1) / busy(logs[0], t0, t1)
+    with Client(str(d.socket)) as c:
+        st = c.call("stats")[0]
+    assert 1.6 <= ratio <= 2.5, (ratio, st, d.log_text()[-3000:])
+    assert st["drains"] > 0

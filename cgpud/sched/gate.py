@@ -117,7 +117,7 @@ class GateFreezer:
             os.close(self._fifo)
             os.close(self._keep)
             raise Refused(f"{self.path}/usage: {exc}") from None
-        self._stale: dict[int, int] = {}  # slot -> its pid, while not waited for
+        self._stale: dict[int, tuple[int, int]] = {}  # slot -> (its pid, its acked) when it was given up on
         self.frozen = False
         open_gate(self._page)  # the loop assumes every instance starts thawed
 
@@ -171,20 +171,20 @@ class GateFreezer:
             return []
         waiting = []
         for slot, pid, gated, acked in self._slots():
-            if not gated or acked == g:
-                self._stale.pop(slot, None)  # it answers again
+            if self._stale.get(slot, (pid, acked)) != (pid, acked):
+                del self._stale[slot]  # it has answered a closing since (or is another process): waited for again
+            if not gated or acked == g or slot in self._stale:
                 continue
-            if self._stale.get(slot) != pid:
-                waiting.append(slot)
+            waiting.append(slot)
         return waiting
 
     def give_up(self) -> list[int]:
         """The bound passed: those who did not answer are not waited for again
         (until they answer). Returns their slots."""
         late = self.undrained()
-        pids = {slot: pid for slot, pid, _, _ in self._slots()}
+        now = {slot: (pid, acked) for slot, pid, _, acked in self._slots()}
         for slot in late:
-            self._stale[slot] = pids.get(slot, 0)
+            self._stale[slot] = now.get(slot, (0, 0))
         return late
 
     def is_frozen(self) -> bool:
