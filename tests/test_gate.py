@@ -256,17 +256,23 @@ def run_launcher(d, libs: Path, tmp: Path, name: str, weight: int, seconds: floa
                              "sh", "-c", cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def one_to_two(make_daemon, libs: Path, tmp: Path, compute: str, names: tuple[str, str], seconds: float):
+    """A daemon with libcgpu at policy 2, and two launchers under it at weights 1 and 2, started."""
+    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", compute])
+    d.write("0/policy", "2")
+    one = run_launcher(d, libs, tmp, names[0], 1, seconds)
+    two = run_launcher(d, libs, tmp, names[1], 2, seconds)
+    for p in (one, two):
+        assert p.stdout.readline().strip() == "started", p.stderr.read()
+    return d, one, two
+
+
 @pytest.mark.parametrize("compute", ["gate", "freeze"])
 def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon, libs, tmp_path, compute):
     """Two instances under `cgpu run`, libcgpu preloaded by it, launching 1 ms kernels on one card
     while a CPU loop runs beside: the kernel time is 1:2 either way; gated, the weight-1 instance's
     CPU loop runs as fast as the other's, frozen it runs at its share."""
-    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", compute])
-    d.write("0/policy", "2")
-    one = run_launcher(d, libs, tmp_path, "gatedone0001", 1, 4)
-    two = run_launcher(d, libs, tmp_path, "gatedtwo0002", 2, 4)
-    for p in (one, two):
-        assert p.stdout.readline().strip() == "started", p.stderr.read()
+    d, one, two = one_to_two(make_daemon, libs, tmp_path, compute, ("gatedone0001", "gatedtwo0002"), 4)
     time.sleep(1.0)
     with Client(str(d.socket)) as c:
         st = c.call("stats")[0]
@@ -298,12 +304,7 @@ def test_the_gate_holds_across_a_daemon_restart(make_daemon, libs, tmp_path, how
     pages and gates are taken up again, and 1:2 holds after it as before."""
     from test_upgrade import upgrade
 
-    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
-    d.write("0/policy", "2")
-    one = run_launcher(d, libs, tmp_path, "restartone01", 1, 7)
-    two = run_launcher(d, libs, tmp_path, "restarttwo02", 2, 7)
-    for p in (one, two):
-        assert p.stdout.readline().strip() == "started", p.stderr.read()
+    d, one, two = one_to_two(make_daemon, libs, tmp_path, "gate", ("restartone01", "restarttwo02"), 7)
     time.sleep(1.5)
     if how == "hot upgrade":
         upgrade(d)
