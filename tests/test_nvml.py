@@ -279,6 +279,40 @@ def test_mem_action_log_leaves_the_process_running_and_says_so_once(nvml_daemon,
     assert "left running (--mem-action log)" in d.log_text()
 
 
+def test_meminfo_shows_the_larger_of_nvml_and_the_in_container_librarys_views(nvml_daemon, stub, runs, tmp_path):
+    """An instance whose processes carry libcgpu (cgpu run preloads it when the daemon has it) says
+    in its usage page what it holds; NVML says what the driver sees. Each look compares them:
+    meminfo's Free is memsize less the larger; only NVML's view fails a process."""
+    from cgpud.gpus import pages
+    lib = tmp_path / "lib"
+    subprocess.run(["make", "-s", "-C", str(Path(__file__).resolve().parent.parent / "native"), "libcgpu",
+                    f"LIB={lib}"], check=True)
+    d = nvml_daemon("--libcgpu", str(lib / "libcgpu.so"))
+    job = Run(d, f"both{os.getpid() % 100000:05d}abc", "1G")
+    runs.append(job)
+    page = d.socket.parent / "pages" / job.name / "usage"
+    assert pages.used(str(page.parent))[0] == 0, "cgpu run made the instance's pages"
+    environ = (Path("/proc") / str(job.pid) / "environ").read_bytes().split(b"\0")
+    assert f"LD_PRELOAD={lib / 'libcgpu.so'}".encode() in environ
+    with open(page, "r+b") as f:  # what the library would write: 700 MiB held on its first GPU
+        f.seek(8)
+        f.write((700 * MIB).to_bytes(8, "little"))
+    stub.procs = {(0, job.pid): 200 * MIB}  # the driver sees less (memory it has not touched yet)
+    stub.write()
+    wait_for(lambda: d.read(f"0/{job.name}/meminfo") == f"Free: {GIB - 700 * MIB}\nPID: {job.pid} Mem: {200 * MIB}\n",
+             timeout=10, what="the library's view in meminfo")
+    stub.procs = {(0, job.pid): 900 * MIB}  # the driver sees more (its contexts, or a way around the library)
+    stub.write()
+    wait_for(lambda: d.read(f"0/{job.name}/meminfo") == f"Free: {GIB - 900 * MIB}\nPID: {job.pid} Mem: {900 * MIB}\n",
+             timeout=10, what="NVML's view in meminfo")
+    with open(page, "r+b") as f:  # the container claims to hold more than its memsize: nobody is failed for it
+        f.seek(8)
+        f.write((2 * GIB).to_bytes(8, "little"))
+    wait_for(lambda: d.read(f"0/{job.name}/meminfo").startswith("Free: 0\n"), timeout=10, what="a look")
+    time.sleep(1.2)
+    assert job.alive() and f"memory watchdog: {job.name}" not in d.log_text()
+
+
 # ---- the watchdog's rule, on the model with real processes (no daemon) ------------------------
 
 

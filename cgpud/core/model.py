@@ -106,13 +106,16 @@ class Instance:
     # promised memsizes of a GPU never pass the device (SPEC §3).
     promised: bool = False
     procs: dict[int, int] = field(default_factory=dict)  # pid -> bytes held
+    # What its in-container library (libcgpu) says its processes hold, on real GPUs: NVML's view
+    # (procs) and the library's are compared, and the larger counts (docs/isolation.md).
+    library_used: int = 0
     # Where its processes are, for the scheduler: {"kind": "cgroup2"|"cgroup1-freezer", "path": …}
     # or {"kind": "pgid", "pgid": N}; None while nothing is attached.
     target: dict | None = None
 
     @property
     def used(self) -> int:
-        return sum(self.procs.values())
+        return max(sum(self.procs.values()), self.library_used)
 
     def settings(self) -> dict:
         """What the instance is, as saved and as shown to clients."""

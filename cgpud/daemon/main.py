@@ -10,6 +10,7 @@ import errno
 import grp
 import logging
 import os
+import struct
 import signal
 import socket
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from cgpud.control.protocol import Refused
 from cgpud.daemon import upgrade
 from cgpud.sched.guard import RegistryError
 from cgpud.state.durable import Durable
-from cgpud.gpus import BadSpec, discover
+from cgpud.gpus import BadSpec, discover, pages
 from cgpud.core.model import ERRNOS, InvalidValue, Node
 from cgpud.state.lock import Locked, StateLock
 from cgpud.state.paths import FSNAME
@@ -188,7 +189,16 @@ async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Conf
         except Refused:
             return None
 
-    watchdog = MemWatchdog(node, owner, cfg.mem_action)
+    def library(inst) -> int | None:
+        """What the instance's usage page says it holds on its GPU (the k-th of its GPUs in index order)."""
+        where = os.path.join(ctl.pages_dir, inst.name)
+        gpus = sorted(i.gpu for i in node.instances_named(inst.name))
+        try:
+            return pages.used(where)[gpus.index(inst.gpu)]
+        except (OSError, ValueError, IndexError, struct.error):
+            return None
+
+    watchdog = MemWatchdog(node, owner, cfg.mem_action, library=library)
     try:
         await nursery.start(watchdog.run)
     except NvmlError as exc:

@@ -22,6 +22,12 @@ Each look also replaces every instance's process table (`Instance.procs`:
 latest `samples` (per-GPU memory and utilisation). NVML calls run in a worker
 thread: they may take milliseconds and must not delay the schedulers.
 
+An instance whose processes carry libcgpu (docs/isolation.md) also says what
+it holds, in its usage page: each look reads it (`library`), keeps it as
+`Instance.library_used`, and the larger of the two views is what the
+instance uses (`meminfo`'s Free). NVML's view alone decides whom to fail: the
+page is the container's to write, the driver's count is not.
+
 Between two looks an instance can be over its limit for up to `period`
 seconds; memory outside NVML's view (unified memory, processes in another pid
 namespace than the daemon's) is not seen. docs/gpus.md says more.
@@ -56,7 +62,8 @@ def _comm(pid: int) -> str:
 
 class MemWatchdog:
     def __init__(self, node: Node, owner: Owner, action: str = "kill", period: float = DEFAULT_PERIOD,
-                 look: Callable[[], tuple[list[GpuSample], list[NvmlError]]] | None = None) -> None:
+                 look: Callable[[], tuple[list[GpuSample], list[NvmlError]]] | None = None,
+                 library: Callable[[Instance], int | None] | None = None) -> None:
         if action not in ACTIONS:
             raise ValueError(f"memory action {action!r}: expected one of {', '.join(ACTIONS)}")
         self.node = node
@@ -64,6 +71,8 @@ class MemWatchdog:
         self.action = action
         self.period = period
         self._look = look
+        # what an instance's in-container library says it holds (its usage page), None without one
+        self._library = library
         self.samples: list[GpuSample] = []
         self.over: dict[tuple[int, str], int] = {}   # processes found past their instance's memsize
         self.kills: dict[tuple[int, str], int] = {}  # of them, those signalled (kill/term)
@@ -89,6 +98,7 @@ class MemWatchdog:
                     mine.setdefault(inst.name, {})[pid] = nbytes
             for inst in gpu.instances.values():
                 inst.procs = mine.get(inst.name, {})
+                inst.library_used = (self._library(inst) or 0) if self._library is not None else 0
             for name, procs in mine.items():
                 inst = gpu.instances.get(name)
                 if inst is None:
@@ -119,6 +129,9 @@ class MemWatchdog:
         self.over[key] = self.over.get(key, 0) + 1
         what = (f"memory watchdog: {inst.name} on GPU {inst.gpu} uses {sum(procs.values())} bytes, past its memsize "
                 f"{inst.memsize}: pid {pid} ({_comm(pid)}) holds {procs[pid]} bytes")
+        if self._library is not None and self._library(inst) is not None:
+            what += (f" (its in-container library accounts for {inst.library_used}: the rest went around it — "
+                     "a process without libcgpu, raw ioctls — or is the driver's own, its contexts)")
         sig = ACTIONS[self.action]
         if sig is None:
             log.warning("%s; left running (--mem-action log)", what)
