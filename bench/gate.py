@@ -11,6 +11,13 @@ costs and how well it shares, against the stand-in libcuda.so.1 in the same run.
    10 ms slices, 2 and 3 instances under `cgpu run` launching 1 ms kernels, for
    policies 0-3; each instance's share of the card's kernel time against what
    its policy gives it. Goal: <= 0.5 pp.
+5. High-priority takeover, from timestamps: a normal instance keeps the card
+   busy with 1 ms kernels (one queued behind the running one); a high-priority
+   instance waits at its closed gate; the takeover is done as the scheduler
+   does it (the normal gate closed, its work drained, the high-priority gate
+   opened). Printed: gate opened -> the high-priority kernel starts, and
+   takeover decided -> it starts, from the same clock (CLOCK_MONOTONIC: the
+   stand-in's kernel log), no kernel time subtracted.
 4. Daemon CPU with 25 gated instances (policy 2, max_inst 25, weight 1 each,
    10 ms), and the same with freezing, in the same run. Goal: gated <= 2 % of
    a core.
@@ -119,6 +126,52 @@ def wake_latency(tmp: Path, rounds: int) -> None:
     lat = [(starts[bisect.bisect_left(starts, t)] - t) / 1000 for t in opens if bisect.bisect_left(starts, t) < len(starts)]
     print(f"2. gate opened -> the waiting launch's kernel starts: p50 {pct(lat, 0.5):.0f} us, p99 {pct(lat, 0.99):.0f} us "
           f"over {len(lat)} openings (goal p99 <= 200 us)")
+
+
+def takeover(tmp: Path, rounds: int) -> None:
+    env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": str(tmp), "LD_PRELOAD": str(tmp / "libcgpu.so"),
+           "CGPU_STUB_CUDA_STATE": str(tmp / "card5")}
+    gates, procs = {}, []
+    for who, us in (("normal", "1000"), ("prio", "100")):
+        pages.create(str(tmp / f"p5{who}"), [1 << 30])
+        gates[who] = GateFreezer(str(tmp / f"p5{who}"))
+        procs.append(subprocess.Popen([str(tmp / "launcher"), "600", us, "0"], stdout=subprocess.PIPE, text=True,
+                                      env={**env, "CGPU_PAGE_DIR": str(tmp / f"p5{who}"),
+                                           "CGPU_STUB_CUDA_LOG": str(tmp / f"k5{who}")}))
+        procs[-1].stdout.readline()
+    normal, prio = gates["normal"], gates["prio"]
+    decided, opened = [], []
+    try:
+        for _ in range(rounds):
+            prio.freeze()  # the normal instance has the card for a while
+            while not prio.is_frozen():
+                time.sleep(0.0001)
+            normal.thaw()
+            time.sleep(0.02)
+            decided.append(time.monotonic_ns())  # the high-priority instance takes over
+            normal.freeze()
+            while not normal.is_frozen():
+                time.sleep(0.00005)
+            opened.append(time.monotonic_ns())
+            prio.thaw()
+            time.sleep(0.005)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        normal.thaw()
+        prio.thaw()
+    import bisect
+    starts = sorted(int(line.split()[1]) for line in (tmp / "k5prio").read_text().splitlines())
+
+    def first(t: int) -> float:
+        return (starts[bisect.bisect_left(starts, t)] - t) / 1000
+    from_open = [first(t) for t in opened]
+    from_decision = [first(t) for t in decided]
+    print(f"5. high-priority takeover with a normal instance running 1 ms kernels: gate opened -> its kernel starts "
+          f"p50 {pct(from_open, 0.5):.0f} us, p99 {pct(from_open, 0.99):.0f} us; takeover decided -> its kernel "
+          f"starts p50 {pct(from_decision, 0.5) / 1000:.2f} ms, p99 {pct(from_decision, 0.99) / 1000:.2f} ms "
+          f"(the normal instance's queued work drains first) over {rounds} takeovers")
 
 
 class Daemon:
@@ -238,6 +291,7 @@ def main() -> None:
         build(tmp)
         launch_cost(tmp, 200_000 if args.quick else 2_000_000, 5)
         wake_latency(tmp, 100 if args.quick else 500)
+        takeover(tmp, 100 if args.quick else 300)
         shares(tmp, 3 if args.quick else 6)
         daemon_cpu(tmp, 3 if args.quick else 6, 25)
     finally:
