@@ -208,3 +208,45 @@ def test_podman_without_variables_is_left_alone(daemon, podman):
     p = podman.run({"CGPU_DISABLE": "true", "ALIYUN_COM_GPU_MEM_CONTAINER": "6"}, "echo", "ran")
     assert p.returncode == 0 and p.stdout == "ran\n", p.stderr
     assert daemon.snapshot() == before
+
+
+def test_a_hooks_d_podman_container_gets_the_library_from_the_hook(make_daemon, tmp_path):
+    """No cgpu-runtime: podman runs runc with hooks.d only. At createRuntime the daemon mounts the
+    library, the container's pages and /etc/ld.so.preload into the container's mount namespace;
+    no environment can be set from a hook, and none is needed: the container's own process (a C
+    client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it."""
+    from test_libcgpu import MOUNT_CLIENT, build_libs
+
+    libs = build_libs(tmp_path / "libs")
+    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so")])
+    podman = Podman(d)
+    try:
+        share = tmp_path / "share"
+        (share / "lib").mkdir(parents=True)
+        shutil.copy(libs / "libcuda.so.1", share / "lib" / "libcuda.so.1")
+        (tmp_path / "client.c").write_text(MOUNT_CLIENT)
+        subprocess.run(["gcc", "-o", os.fspath(share / "client"), os.fspath(tmp_path / "client.c"), "-ldl"], check=True)
+        rootfs = podman.tmp / "glibc-rootfs"
+        for sub in ("usr", "proc", "dev", "sys", "etc", "tmp", "share"):
+            (rootfs / sub).mkdir(parents=True)
+        for link in ("bin", "lib", "lib64", "sbin"):
+            os.symlink(f"usr/{link}", rootfs / link)
+        podman.rootfs = rootfs
+        p = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib",
+                        "CGPU_STUB_CUDA_STATE": "/share/card"},
+                       "sh", "-c", "/share/client && cat /etc/ld.so.preload && echo x > /run/cgpu/limits",
+                       volumes=["/usr:/usr:ro", f"{share}:/share"])
+        out = p.stdout.split()
+        assert out[:5] == [str(1 << 30), "0", "2", "(null)", "/run/cgpu-lib/libcgpu.so"], p.stdout + p.stderr
+        assert p.returncode != 0 and "Read-only file system" in p.stderr, "the container wrote its limits"
+        assert not (d.socket.parent / "pages").exists() or not list((d.socket.parent / "pages").iterdir()), \
+            "its pages went with it"
+        # an image whose /run is a symbolic link (absolute: before the pivot it would name the host's
+        # /tmp): no mount is made through it, and the container does not start
+        shutil.rmtree(rootfs / "run", ignore_errors=True)  # (podman made it for the first run)
+        os.symlink("/tmp", rootfs / "run")
+        bad = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "1"}, "/share/client", volumes=["/usr:/usr:ro"])
+        assert bad.returncode != 0 and "/run is a symbolic link in the image" in bad.stderr, bad.stdout + bad.stderr
+        assert not Path("/tmp/cgpu-lib").exists() and not Path("/tmp/cgpu").exists()
+    finally:
+        podman.cleanup()

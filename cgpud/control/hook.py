@@ -9,12 +9,21 @@ import errno
 import logging
 import os
 
-from cgpud.containers import hookd
+import trio
+
+from cgpud.containers import hookd, inject
 from cgpud.control.protocol import Peer, Refused
 from cgpud.core.model import ModelError, errno_of
 from cgpud.gpus import pages
 
 log = logging.getLogger("cgpud")
+INJECTED_KEY = object()  # (load_hook's failure to put the library in, for the hook to report)
+
+
+def _inject(state: dict, pid: int, library: str, where: str) -> None:
+    cid = state["id"]
+    rootfs = inject.rootfs_of(cid, hookd.read_config(cid, hookd.config_path(state)), state["bundle"])
+    inject.into_container(cid, pid, rootfs, library, where)
 
 
 class Hooks:
@@ -38,6 +47,8 @@ class Hooks:
         name = hookd.short_name(cid)
         if kind == "remove":
             return self._leave(cid, name, peer)
+        if isinstance(req.get(INJECTED_KEY), hookd.HookError):
+            raise req[INJECTED_KEY]  # asked for isolation, and it could not be put in: the container does not start
         env = req.get(hookd.ENV_KEY)
         if env is None:  # not loaded (called without `load_hook`): read it here
             env = hookd.catching(hookd.read_env, cid, hookd.config_path(state))
@@ -73,5 +84,23 @@ class Hooks:
         return {"action": "deregistered", "container": cid, **result}
 
     async def load_hook(self, req: dict, peer: Peer) -> dict:
-        """The hook's config.json read, in a worker thread with a time limit."""
-        return await hookd.load(req)
+        """The hook's config.json read, in a worker thread with a time limit; and, for a
+        container that joins through the hook alone (not prepared by cgpu-runtime), the
+        in-container library mounted into it when the daemon has one (containers.inject)."""
+        req = await hookd.load(req)
+        env = req.get(hookd.ENV_KEY)
+        library = self.library if self.library and os.path.isfile(self.library) else None
+        if library is None or not isinstance(env, dict):
+            return req
+        try:
+            kind, state = hookd.check_request(req)
+            if kind != "add" or not self._check(env).managed:  # (CGPU_DISABLE=true: not managed, nothing put in)
+                return req
+            where = os.path.join(self.pages_dir, hookd.short_name(state["id"]))
+            if os.path.isdir(where):
+                return req  # prepared by cgpu-runtime: its mounts are in the spec
+            pid = hookd.container_pid(state, peer.pid)
+        except hookd.HookError:
+            return req  # (the hook itself says what is wrong)
+        done = await trio.to_thread.run_sync(hookd.catching, _inject, state, pid, library, where)
+        return {**req, INJECTED_KEY: done} if isinstance(done, hookd.HookError) else req
