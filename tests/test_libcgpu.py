@@ -96,6 +96,35 @@ def test_allocations_fit_to_the_byte_and_fail_one_byte_past(card):
     assert pages.used(os.fspath(dirp))[0] == 0, "every process's memory is given back when it ends"
 
 
+def test_a_container_on_two_gpus_is_held_to_each_ones_memsize(card):
+    """Its page lists its GPUs in the order CUDA numbers them: an allocation is charged to the
+    device of the calling thread's context, and its free gives it back there, whichever context
+    frees it; each device shows its own memsize."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [64 * MIB, 128 * MIB])
+    r = py({**env, "CGPU_STUB_CUDA_DEVICES": "2"}, """
+        ok(d.cuInit(0))
+        c0, c1 = (ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(i)))) for i in (0, 1))
+        ok(d.cuCtxSetCurrent(c1))
+        big = ok(d.cuMemAlloc(128 * 2**20))           # all of GPU 1
+        past1 = d.cuMemAlloc(1)[0]
+        info1 = ok(d.cuMemGetInfo())
+        ok(d.cuCtxSetCurrent(c0))
+        small = ok(d.cuMemAlloc(64 * 2**20))          # all of GPU 0: GPU 1's use is not counted here
+        past0 = d.cuMemAlloc(1)[0]
+        info0 = ok(d.cuMemGetInfo())
+        ok(d.cuMemFree(big))                          # GPU 1's, freed from GPU 0's context
+        ok(d.cuCtxSetCurrent(c1))
+        again = ok(d.cuMemAlloc(128 * 2**20))
+        oom = d.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        totals = [ok(d.cuDeviceTotalMem(ok(d.cuDeviceGet(i)))) for i in (0, 1)]
+        print(past1 == oom, past0 == oom, *info1, *info0, *totals)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True", "0", str(128 * MIB), "0", str(64 * MIB), str(64 * MIB),
+                                str(128 * MIB)], r.stdout + r.stderr
+
+
 def test_racing_processes_never_pass_memsize_together(card):
     """Four processes allocate 1 MiB pieces at once until refused: together they hold
     exactly memsize, never a byte more, and the card agrees."""

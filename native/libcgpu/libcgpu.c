@@ -89,6 +89,7 @@ typedef CUresult (*launch_coop_fn)(void *, unsigned, unsigned, unsigned, unsigne
 typedef CUresult (*launch_ex_fn)(const void *, void *, void **, void **);
 typedef CUresult (*graph_launch_fn)(void *, void *);
 typedef CUresult (*ctx_get_fn)(CUcontext *);
+typedef CUresult (*ctx_device_fn)(CUdevice *);
 typedef CUresult (*ctx_push_fn)(CUcontext);
 typedef CUresult (*ctx_sync_fn)(void);
 
@@ -122,6 +123,7 @@ static struct {
     launch_ex_fn launch_ex, launch_ex_ptsz;
     graph_launch_fn graph_launch, graph_launch_ptsz;
     ctx_get_fn ctx_get;
+    ctx_device_fn ctx_get_device;
     ctx_push_fn ctx_push;
     ctx_get_fn ctx_pop;
     ctx_sync_fn ctx_sync;
@@ -139,7 +141,7 @@ static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 /* >0 while this thread is inside the real driver: a driver that calls its own exported
  * functions (through its PLT, so through ours) must not be charged twice. */
 static __thread int in_driver;
-static struct { CUdeviceptr ptr; size_t size; } table[8192];
+static struct { CUdeviceptr ptr; size_t size; int gpu; } table[8192];
 
 static void *sym(const char *name)
 {
@@ -245,6 +247,7 @@ static void setup(void)
     real.graph_launch = (graph_launch_fn)sym("cuGraphLaunch");
     real.graph_launch_ptsz = (graph_launch_fn)sym("cuGraphLaunch_ptsz");
     real.ctx_get = (ctx_get_fn)sym("cuCtxGetCurrent");
+    real.ctx_get_device = (ctx_device_fn)sym("cuCtxGetDevice");
     real.ctx_push = (ctx_push_fn)sym("cuCtxPushCurrent_v2");
     real.ctx_pop = (ctx_get_fn)sym("cuCtxPopCurrent_v2");
     real.ctx_sync = (ctx_sync_fn)sym("cuCtxSynchronize");
@@ -315,9 +318,15 @@ static int isolated(void)
     return limits != NULL;
 }
 
+/* The page's GPU of the calling thread's current context: its device's ordinal as the container
+ * sees it (the page lists the container's GPUs in the same order). -1 for a device past the
+ * page's (a GPU given whole, not shared): not charged. */
 static int current_gpu(void)
 {
-    return 0;  /* one GPU per process context here; the device's ordinal as the container sees it */
+    CUdevice dev = 0;
+    if (!real.ctx_get_device || real.ctx_get_device(&dev) != CU_OK)
+        return 0;  /* (no context yet: the driver refuses the allocation itself) */
+    return dev >= 0 && (uint32_t)dev < limits->ngpus ? dev : -1;
 }
 
 CUresult cuInit(unsigned flags)
@@ -356,6 +365,7 @@ static void commit(int g, CUdeviceptr key, size_t size)
         if (!table[i].ptr) {
             table[i].ptr = key;
             table[i].size = size;
+            table[i].gpu = g;
             break;
         }
     pthread_mutex_unlock(&table_lock);
@@ -365,16 +375,17 @@ static void commit(int g, CUdeviceptr key, size_t size)
 static void forget(CUdeviceptr key)
 {
     size_t size = 0;
+    int g = 0;
     pthread_mutex_lock(&table_lock);
     for (size_t i = 0; i < sizeof table / sizeof *table; i++)
         if (table[i].ptr == key && key) {
             size = table[i].size;
+            g = table[i].gpu;
             table[i].ptr = 0;
             break;
         }
     pthread_mutex_unlock(&table_lock);
     if (size) {
-        int g = current_gpu();
         __atomic_sub_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
         refund(g, size);
     }
@@ -384,6 +395,8 @@ static void forget(CUdeviceptr key)
 #define CHARGED(size, key, call)                                                        \
     do {                                                                                 \
         int g_ = current_gpu();                                                          \
+        if (g_ < 0)                                                                      \
+            return (call); /* a GPU given whole: the driver's to hold */                 \
         if (!reserve(g_, (size)))                                                        \
             return CU_OUT_OF_MEMORY;                                                     \
         in_driver++;                                                                     \
@@ -595,8 +608,11 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
     int g = current_gpu();
     size_t f, t;
     CUresult r = real.info(&f, &t);  /* (the driver must answer: a context exists) */
-    if (r != CU_OK)
+    if (r != CU_OK || g < 0) {  /* (a GPU given whole: as the driver says) */
+        if (r == CU_OK)
+            *free_ = f, *total_ = t;
         return r;
+    }
     uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
     *total_ = cap;
     *free_ = used >= cap ? 0 : cap - used;  /* never an error when over */

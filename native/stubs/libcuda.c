@@ -48,7 +48,7 @@ enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALI
        NOT_FOUND = 500 };
 
 static int inited;
-static struct { CUdeviceptr ptr; size_t size; int host; } allocs[4096];  /* host: not on the card */
+static struct { CUdeviceptr ptr; size_t size; int host, dev; } allocs[4096];  /* host: not on the card */
 
 static uint64_t total(void)
 {
@@ -56,8 +56,22 @@ static uint64_t total(void)
     return (uint64_t)(m && *m ? strtoull(m, NULL, 10) : 15109) << 20;
 }
 
-/* add `delta` to the bytes in use if the card has room; 0 or -1 */
-static int card(int64_t delta, uint64_t *used_out)
+/* CGPU_STUB_CUDA_DEVICES cards (default 1), each of the same size; a thread's current
+ * device is its current context's (cuCtxSetCurrent, cuCtxCreate, cuCtxPushCurrent),
+ * device 0 until it makes one current. In the state file, card d keeps its bytes in use
+ * at 16*d and when it is next free at 16*d + 8. */
+static int devices(void)
+{
+    const char *n = getenv("CGPU_STUB_CUDA_DEVICES");
+    int v = n && *n ? atoi(n) : 1;
+    return v < 1 ? 1 : v > 16 ? 16 : v;
+}
+static __thread int cur_dev;
+
+/* add `delta` to the bytes in use on the current device if it has room; 0 or -1 */
+static int card_of(int dev, int64_t delta, uint64_t *used_out);
+static int card(int64_t delta, uint64_t *used_out) { return card_of(cur_dev, delta, used_out); }
+static int card_of(int dev, int64_t delta, uint64_t *used_out)
 {
     const char *p = getenv("CGPU_STUB_CUDA_STATE");
     int fd = open(p && *p ? p : "/tmp/cgpu-stub-cuda.state", O_RDWR | O_CREAT | O_CLOEXEC, 0666);
@@ -65,14 +79,14 @@ static int card(int64_t delta, uint64_t *used_out)
         return -1;
     flock(fd, LOCK_EX);
     uint64_t used = 0;
-    if (pread(fd, &used, sizeof used, 0) != sizeof used)
+    if (pread(fd, &used, sizeof used, 16 * dev) != sizeof used)
         used = 0;
     int rc = 0;
     if (delta > 0 && used + (uint64_t)delta > total())
         rc = -1;
     else {
         used = delta < 0 && (uint64_t)-delta > used ? 0 : used + (uint64_t)delta;
-        if (pwrite(fd, &used, sizeof used, 0) != sizeof used)
+        if (pwrite(fd, &used, sizeof used, 16 * dev) != sizeof used)
             rc = -1;
     }
     if (used_out)
@@ -93,37 +107,50 @@ CUresult cuInit(unsigned flags)
     return OK;
 }
 CUresult cuDriverGetVersion(int *v) { if (!v) return INVALID_VALUE; *v = 13000; return OK; }
-CUresult cuDeviceGetCount(int *n) { if (!inited) return NOT_INITIALIZED; *n = 1; return OK; }
+CUresult cuDeviceGetCount(int *n) { if (!inited) return NOT_INITIALIZED; *n = devices(); return OK; }
 CUresult cuDeviceGet(CUdevice *d, int ordinal)
 {
     if (!inited) return NOT_INITIALIZED;
-    if (ordinal != 0) return INVALID_DEVICE;
-    *d = 0;
+    if (ordinal < 0 || ordinal >= devices()) return INVALID_DEVICE;
+    *d = ordinal;
     return OK;
 }
 CUresult cuDeviceGetName(char *name, int len, CUdevice d)
 {
-    if (d != 0) return INVALID_DEVICE;
+    if (d < 0 || d >= devices()) return INVALID_DEVICE;
     snprintf(name, (size_t)len, "Stand-in Tesla T4");
     return OK;
 }
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
 {
     if (!inited) return NOT_INITIALIZED;
-    if (d != 0) return INVALID_DEVICE;
+    if (d < 0 || d >= devices()) return INVALID_DEVICE;
     *bytes = total();
+    return OK;
+}
+/* a context is its device + 1 */
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
+{
+    if (!inited) return NOT_INITIALIZED;
+    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    *ctx = (CUcontext)(uintptr_t)(d + 1);
     return OK;
 }
 CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
 {
     (void)flags;
+    CUresult r = cuDevicePrimaryCtxRetain(ctx, d);
+    if (r == OK)
+        cur_dev = d;
+    return r;
+}
+CUresult cuCtxSetCurrent(CUcontext ctx)
+{
     if (!inited) return NOT_INITIALIZED;
-    if (d != 0) return INVALID_DEVICE;
-    *ctx = (CUcontext)0x1;
+    if (ctx) cur_dev = (int)(uintptr_t)ctx - 1;
     return OK;
 }
-CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d) { return cuCtxCreate_v2(ctx, 0, d); }
-CUresult cuCtxSetCurrent(CUcontext ctx) { (void)ctx; return inited ? OK : NOT_INITIALIZED; }
+CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return INVALID_VALUE; if (!inited) return NOT_INITIALIZED; *d = cur_dev; return OK; }
 CUresult cuCtxDestroy_v2(CUcontext ctx) { (void)ctx; return OK; }
 static uint64_t now_ns(void)
 {
@@ -152,10 +179,10 @@ static CUresult run_kernel(uint64_t us)
     if (fd < 0) return OUT_OF_MEMORY;
     flock(fd, LOCK_EX);
     uint64_t free_at = 0, now = now_ns();
-    if (pread(fd, &free_at, sizeof free_at, 8) != sizeof free_at)
+    if (pread(fd, &free_at, sizeof free_at, 16 * cur_dev + 8) != sizeof free_at)
         free_at = 0;
     uint64_t start = free_at > now ? free_at : now, end = start + us * 1000;
-    int bad = pwrite(fd, &end, sizeof end, 8) != sizeof end;
+    int bad = pwrite(fd, &end, sizeof end, 16 * cur_dev + 8) != sizeof end;
     flock(fd, LOCK_UN);
     close(fd);
     if (bad) return OUT_OF_MEMORY;
@@ -176,9 +203,27 @@ static CUresult run_kernel(uint64_t us)
 }
 
 CUresult cuCtxSynchronize(void) { sleep_until(last_end); return OK; }
-CUresult cuCtxGetCurrent(CUcontext *ctx) { if (!ctx) return INVALID_VALUE; *ctx = inited ? (CUcontext)0x1 : NULL; return OK; }
-CUresult cuCtxPushCurrent_v2(CUcontext ctx) { (void)ctx; return inited ? OK : NOT_INITIALIZED; }
-CUresult cuCtxPopCurrent_v2(CUcontext *ctx) { if (ctx) *ctx = (CUcontext)0x1; return inited ? OK : NOT_INITIALIZED; }
+CUresult cuCtxGetCurrent(CUcontext *ctx)
+{
+    if (!ctx) return INVALID_VALUE;
+    *ctx = inited ? (CUcontext)(uintptr_t)(cur_dev + 1) : NULL;
+    return OK;
+}
+static __thread int pushed[16], npushed;
+CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    if (!inited) return NOT_INITIALIZED;
+    if (npushed < 16) pushed[npushed++] = cur_dev;
+    if (ctx) cur_dev = (int)(uintptr_t)ctx - 1;
+    return OK;
+}
+CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
+{
+    if (!inited) return NOT_INITIALIZED;
+    if (ctx) *ctx = (CUcontext)(uintptr_t)(cur_dev + 1);
+    if (npushed) cur_dev = pushed[--npushed];
+    return OK;
+}
 
 typedef void *CUfunction;
 CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name) { (void)module; (void)name; *f = (CUfunction)0x3; return OK; }
@@ -222,6 +267,7 @@ static CUresult take(CUdeviceptr *p, size_t size, int host)
             allocs[i].ptr = next;
             allocs[i].size = size;
             allocs[i].host = host;
+            allocs[i].dev = cur_dev;
             *p = next;
             next += (size + 0xfffff) & ~(CUdeviceptr)0xfffff;
             return OK;
@@ -239,7 +285,7 @@ static CUresult drop(CUdeviceptr p)
 {
     for (size_t i = 0; i < sizeof allocs / sizeof *allocs; i++)
         if (allocs[i].ptr == p && p) {
-            if (!allocs[i].host) card(-(int64_t)allocs[i].size, NULL);
+            if (!allocs[i].host) card_of(allocs[i].dev, -(int64_t)allocs[i].size, NULL);
             allocs[i].ptr = 0;
             return OK;
         }
@@ -395,7 +441,7 @@ static const struct { const char *name; void *fn; } TABLE[] = {
     {"cuStreamSynchronize", (void *)cuStreamSynchronize}, {"cuMemAllocAsync", (void *)cuMemAllocAsync},
     {"cuMemFreeAsync", (void *)cuMemFreeAsync}, {"cuArrayCreate", (void *)cuArrayCreate_v2},
     {"cuArrayDestroy", (void *)cuArrayDestroy},
-    {"cuCtxGetCurrent", (void *)cuCtxGetCurrent}, {"cuCtxPushCurrent", (void *)cuCtxPushCurrent_v2},
+    {"cuCtxGetCurrent", (void *)cuCtxGetCurrent}, {"cuCtxGetDevice", (void *)cuCtxGetDevice}, {"cuCtxPushCurrent", (void *)cuCtxPushCurrent_v2},
     {"cuCtxPopCurrent", (void *)cuCtxPopCurrent_v2}, {"cuModuleGetFunction", (void *)cuModuleGetFunction},
     {"cuLaunchKernel", (void *)own_cuLaunchKernel}, {"cuLaunchCooperativeKernel", (void *)own_cuLaunchCooperativeKernel},
     {"cuLaunchKernelEx", (void *)own_cuLaunchKernelEx}, {"cuGraphLaunch", (void *)own_cuGraphLaunch},
