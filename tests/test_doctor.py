@@ -26,8 +26,14 @@ def doctor(socket, mount, etc, hooks, *extra, prefix=()) -> tuple[int, dict[str,
 
 
 @pytest.fixture
-def good(daemon, tmp_path):
-    """A host set up as the docs say: hooks.d, Docker and containerd all name this venv's programs."""
+def good(make_daemon, tmp_path):
+    """A host set up as the docs say: hooks.d, Docker and containerd all name this venv's programs,
+    and the daemon has the in-container library."""
+    lib = tmp_path / "lib"
+    subprocess.run(["make", "-s", "-C", str(Path(__file__).resolve().parent.parent / "native"), "libcgpu",
+                    f"LIB={lib}"], check=True)
+    daemon = make_daemon(extra_args=["--libcgpu", os.fspath(lib / "libcgpu.so")])
+    daemon.libcgpu = os.fspath(lib / "libcgpu.so")  # (for the tests' other daemons)
     etc, hooks = tmp_path / "etc", tmp_path / "hooks.d"
     hooks.mkdir()
     spec = json.loads((Path(__file__).parent.parent / "deploy/hooks.d/cgpu-hook.json").read_text())
@@ -46,11 +52,11 @@ def test_all_good_exits_0_and_says_each_check(good):
     rc, out = doctor(d.socket, d.mount, etc, hooks)
     assert rc == 0, out
     assert {k: v["status"] for k, v in out.items()} == {
-        "daemon": "ok", "tree": "ok", "fuse": "ok", "cgroups": "ok", "hooks.d": "ok", "docker": "ok",
-        "containerd": "ok", "nvml": "skip"}
+        "daemon": "ok", "tree": "ok", "fuse": "ok", "cgroups": "ok", "hooks.d": "ok", "libcgpu": "ok",
+        "docker": "ok", "containerd": "ok", "nvml": "skip"}
     text = subprocess.run([CGPU, "--socket", os.fspath(d.socket), "doctor", "--mount", os.fspath(d.mount), "--etc",
                            os.fspath(etc), "--hooks-dir", os.fspath(hooks)], capture_output=True, text=True)
-    assert text.returncode == 0 and len(text.stdout.splitlines()) == 8
+    assert text.returncode == 0 and len(text.stdout.splitlines()) == 9
 
 
 def failing(out: dict, name: str, words: str) -> None:
@@ -81,6 +87,18 @@ def test_a_hooks_d_file_whose_hook_is_missing(good):
     rc, out = doctor(d.socket, d.mount, etc, hooks)
     assert rc == 1
     failing(out, "hooks.d", "install-hooks")
+
+
+@pytest.mark.parametrize("libcgpu, words", [("/nowhere/libcgpu.so", "No such file or directory"),
+                                              ("/etc/hostname", "is not a shared library"),
+                                              ("", "no in-container library")])
+def test_a_daemon_whose_library_is_not_there(make_daemon, good, libcgpu, words):
+    _, etc, hooks = good
+    d = make_daemon(extra_args=["--libcgpu", libcgpu])
+    rc, out = doctor(d.socket, d.mount, etc, hooks)
+    assert rc == 1
+    failing(out, "libcgpu", "install-hooks")
+    failing(out, "libcgpu", words)
 
 
 @pytest.mark.parametrize("engine, path, broken", [
@@ -121,8 +139,8 @@ def test_no_cgroup_hierarchy(good):
 
 
 def test_nvml_answers_and_a_missing_device_file(nvml_daemon, stub, good, monkeypatch):  # noqa: F811
-    _, etc, hooks = good
-    d = nvml_daemon()
+    first, etc, hooks = good
+    d = nvml_daemon("--libcgpu", first.libcgpu)
     rc, out = doctor(d.socket, d.mount, etc, hooks)
     assert out["nvml"]["status"] == "ok" and "2 GPUs" in out["nvml"]["message"], out["nvml"]
     assert rc == 0

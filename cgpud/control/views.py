@@ -48,6 +48,10 @@ class Views:
             "gpus": len(self.node.gpus),
             "devices": self.devices,
             "privileged": self.privileged(peer),
+            # the in-container library it puts into containers (docs/isolation.md), and whether it is there
+            "library": self.library,
+            "library_present": bool(self.library and os.path.isfile(self.library)),
+            "compute": "gate" if self.gate else "freeze",
         }
 
     def query(self, req: dict, peer: Peer) -> dict:

@@ -134,6 +134,29 @@ def check_hooks_d(h: Host) -> Result:
                                    "podman --hooks-dir")
 
 
+def check_library(h: Host) -> Result:
+    """The in-container library the daemon puts into containers (libcgpu, docs/isolation.md)."""
+    if h.hello is None:
+        return Result("libcgpu", SKIP, "the daemon does not answer: which library it gives is not known")
+    if "library" not in h.hello:
+        return Result("libcgpu", SKIP, f"cgpud {h.hello.get('version')} does not say which library it gives")
+    path = h.hello.get("library") or ""
+    fix = "run `make install-hooks` as root, or start cgpud with --libcgpu PATH"
+    if not path:
+        return Result("libcgpu", FAIL, f"cgpud gives containers no in-container library (--libcgpu is empty): "
+                                       f"their memory is held only by the watchdog; {fix}")
+    try:
+        with open(path, "rb") as f:
+            elf = f.read(4) == b"\x7fELF"
+    except OSError as exc:
+        return Result("libcgpu", FAIL, f"{path}: {exc.strerror}: containers start without in-container "
+                                       f"isolation (allocations past memsize succeed until the watchdog acts); {fix}")
+    if not elf:
+        return Result("libcgpu", FAIL, f"{path} is not a shared library; {fix}")
+    return Result("libcgpu", OK, f"{path}: put into every container that asks for GPU memory "
+                                 f"(compute: {h.hello.get('compute', '?')})")
+
+
 def check_docker(h: Host) -> Result:
     path = os.path.join(h.etc, "docker", "daemon.json")
     if shutil.which("dockerd") is None and not os.path.exists(path):
@@ -198,7 +221,8 @@ def check_nvml(h: Host) -> Result:
 
 
 CHECKS: tuple[Callable[[Host], Result], ...] = (check_daemon, check_tree, check_fuse, check_cgroups,
-                                                check_hooks_d, check_docker, check_containerd, check_nvml)
+                                                check_hooks_d, check_library, check_docker, check_containerd,
+                                                check_nvml)
 
 
 def run(h: Host) -> list[Result]:
