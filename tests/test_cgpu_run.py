@@ -151,3 +151,19 @@ def test_runs_without_mem_promise_nothing_and_share_the_gpu(daemon):
     finally:
         first.terminate()
         first.wait(20)
+
+
+def test_a_weight_cut_to_the_free_weight_is_said(daemon):
+    """SPEC §4: a new instance gets min(asked, free_weight). cgpu run says so when it got less, and
+    that weight 0 means no compute under policies 2 and 3; the command runs as asked."""
+    daemon.write("0/max_inst", "4")
+    r = cgpu(daemon, "run", "--name", "cutweight001", "--weight", "3", "--", "sh", "-c",
+             f"{Path(sys.executable).parent / 'cgpu'} run --name cutweight002 --weight 2 -- true; "
+             f"{Path(sys.executable).parent / 'cgpu'} run --name cutweight003 --weight 1 -- "
+             f"{Path(sys.executable).parent / 'cgpu'} run --name cutweight004 --weight 1 -- true")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert "cgpu run: cutweight002 got weight 1 on GPU 0, not 2: the GPU's free_weight was 1" in lines, r.stderr
+    assert ("cgpu run: cutweight004 got weight 0 on GPU 0, not 1: the GPU's free_weight was 0; with weight 0 it "
+            "gets no compute under policies 2 and 3") in lines, r.stderr
+    assert not [line for line in lines if "cutweight001" in line or "cutweight003" in line]

@@ -74,6 +74,12 @@ def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
         c.close()
         raise click.ClickException(f"cannot register {name}: {exc}") from None
     procs = os.path.join(res["target"]["path"], "cgroup.procs")
+    for inst in res.get("instances", []):
+        if inst.get("weight", weight) < weight:  # (SPEC §4: a new instance gets min(asked, free_weight))
+            click.echo(f"cgpu run: {name} got weight {inst['weight']} on GPU {inst['gpu']}, not {weight}: the GPU's "
+                       f"free_weight was {inst['weight']}"
+                       + ("; with weight 0 it gets no compute under policies 2 and 3" if inst["weight"] == 0 else ""),
+                       err=True)
 
     def join_cgroup() -> None:
         with open(procs, "w") as f:
