@@ -118,11 +118,19 @@ def test_a_container_on_two_gpus_is_held_to_each_ones_memsize(card):
         again = ok(d.cuMemAlloc(128 * 2**20))
         oom = d.CUresult.CUDA_ERROR_OUT_OF_MEMORY
         totals = [ok(d.cuDeviceTotalMem(ok(d.cuDeviceGet(i)))) for i in (0, 1)]
-        print(past1 == oom, past0 == oom, *info1, *info0, *totals)
+        ok(d.cuMemFree(again)); ok(d.cuCtxSetCurrent(c0))
+        p = d.CUmemAllocationProp()                   # cuMemCreate names its device: GPU 1, from GPU 0's context
+        p.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        p.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        p.location.id = 1
+        h = ok(d.cuMemCreate(128 * 2**20, p, 0))
+        past_vmm = d.cuMemCreate(1, p, 0)[0]
+        ok(d.cuMemRelease(h))
+        print(past1 == oom, past0 == oom, *info1, *info0, *totals, past_vmm == oom)
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True", "0", str(128 * MIB), "0", str(64 * MIB), str(64 * MIB),
-                                str(128 * MIB)], r.stdout + r.stderr
+                                str(128 * MIB), "True"], r.stdout + r.stderr
 
 
 def test_racing_processes_never_pass_memsize_together(card):

@@ -391,10 +391,12 @@ static void forget(CUdeviceptr key)
     }
 }
 
-/* An allocation of `size` bytes done by `call` (the real driver's), held to memsize. */
-#define CHARGED(size, key, call)                                                        \
+/* An allocation of `size` bytes done by `call` (the real driver's), held to memsize on the page's
+ * GPU `gpu` (-1: a GPU given whole, not charged). */
+#define CHARGED(size, key, call) CHARGED_ON(current_gpu(), size, key, call)
+#define CHARGED_ON(gpu, size, key, call)                                                \
     do {                                                                                 \
-        int g_ = current_gpu();                                                          \
+        int g_ = (gpu);                                                                  \
         if (g_ < 0)                                                                      \
             return (call); /* a GPU given whole: the driver's to hold */                 \
         if (!reserve(g_, (size)))                                                        \
@@ -503,6 +505,9 @@ CUresult cuMemCreate(CUdeviceptr *handle, size_t size, const mem_prop *prop, uns
     PASS_THROUGH(real.mem_create, handle, size, prop, flags);
     if (!prop || (prop->location.type != LOC_DEVICE && prop->location.type != LOC_DEVICE_LOCALITY_DOMAIN))
         UNCHARGED(real.mem_create(handle, size, prop, flags));
+    if (prop->location.type == LOC_DEVICE)  /* on the device it names, whichever context is current */
+        CHARGED_ON(prop->location.id >= 0 && (uint32_t)prop->location.id < limits->ngpus ? prop->location.id : -1,
+                   size, *handle, real.mem_create(handle, size, prop, flags));
     CHARGED(size, *handle, real.mem_create(handle, size, prop, flags));
 }
 

@@ -257,24 +257,25 @@ CUresult cuGraphLaunch(void *exec, void *stream)
     return run_kernel(us && *us ? strtoull(us, NULL, 10) : 1000);
 }
 
-/* a new fake pointer (or handle) for `size` bytes, taken from the card unless `host` */
-static CUresult take(CUdeviceptr *p, size_t size, int host)
+/* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
+static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
 {
     static CUdeviceptr next = 0x7f0000000000ull;
-    if (!host && card((int64_t)size, NULL)) return OUT_OF_MEMORY;
+    if (!host && card_of(dev, (int64_t)size, NULL)) return OUT_OF_MEMORY;
     for (size_t i = 0; i < sizeof allocs / sizeof *allocs; i++)
         if (!allocs[i].ptr) {
             allocs[i].ptr = next;
             allocs[i].size = size;
             allocs[i].host = host;
-            allocs[i].dev = cur_dev;
+            allocs[i].dev = dev;
             *p = next;
             next += (size + 0xfffff) & ~(CUdeviceptr)0xfffff;
             return OK;
         }
-    if (!host) card(-(int64_t)size, NULL);
+    if (!host) card_of(dev, -(int64_t)size, NULL);
     return OUT_OF_MEMORY;
 }
+static CUresult take(CUdeviceptr *p, size_t size, int host) { return take_on(cur_dev, p, size, host); }
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
 {
     if (!inited) return NOT_INITIALIZED;
@@ -348,7 +349,8 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAl
     if (!h || !prop || !size || flags) return INVALID_VALUE;
     switch (prop->location.type) {
     case LOC_DEVICE:
-        return prop->location.id == 0 ? device(h, size) : INVALID_DEVICE;
+        return prop->location.id >= 0 && prop->location.id < devices() ? take_on(prop->location.id, h, size, 0)
+                                                                      : INVALID_DEVICE;
     case LOC_DEVICE_LOCALITY_DOMAIN:
         return prop->location.localized.deviceId == 0 && prop->location.localized.localityDomainId == 0
                    ? device(h, size) : INVALID_DEVICE;
