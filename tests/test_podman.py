@@ -210,28 +210,38 @@ def test_podman_without_variables_is_left_alone(daemon, podman):
     assert daemon.snapshot() == before
 
 
+def glibc_podman(make_daemon, tmp_path: Path, *extra: str) -> tuple:
+    """A daemon with libcgpu, a podman with hooks.d, and a root filesystem of the host's /usr (mounted
+    read-only) with /share: the stand-in libcuda in /share/lib. (daemon, podman, share, libs)."""
+    from test_libcgpu import build_libs
+
+    libs = build_libs(tmp_path / "libs")
+    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), *extra])
+    podman = Podman(d)
+    share = tmp_path / "share"
+    (share / "lib").mkdir(parents=True)
+    shutil.copy(libs / "libcuda.so.1", share / "lib" / "libcuda.so.1")
+    rootfs = podman.tmp / "glibc-rootfs"
+    for sub in ("usr", "proc", "dev", "sys", "etc", "tmp", "share"):
+        (rootfs / sub).mkdir(parents=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        os.symlink(f"usr/{link}", rootfs / link)
+    podman.rootfs = rootfs
+    return d, podman, share, libs
+
+
 def test_a_hooks_d_podman_container_gets_the_library_from_the_hook(make_daemon, tmp_path):
     """No cgpu-runtime: podman runs runc with hooks.d only. At createRuntime the daemon mounts the
     library, the container's pages and /etc/ld.so.preload into the container's mount namespace;
     no environment can be set from a hook, and none is needed: the container's own process (a C
     client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it."""
-    from test_libcgpu import MOUNT_CLIENT, build_libs
+    from test_libcgpu import MOUNT_CLIENT
 
-    libs = build_libs(tmp_path / "libs")
-    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so")])
-    podman = Podman(d)
+    d, podman, share, _ = glibc_podman(make_daemon, tmp_path)
     try:
-        share = tmp_path / "share"
-        (share / "lib").mkdir(parents=True)
-        shutil.copy(libs / "libcuda.so.1", share / "lib" / "libcuda.so.1")
+        rootfs = podman.rootfs
         (tmp_path / "client.c").write_text(MOUNT_CLIENT)
         subprocess.run(["gcc", "-o", os.fspath(share / "client"), os.fspath(tmp_path / "client.c"), "-ldl"], check=True)
-        rootfs = podman.tmp / "glibc-rootfs"
-        for sub in ("usr", "proc", "dev", "sys", "etc", "tmp", "share"):
-            (rootfs / sub).mkdir(parents=True)
-        for link in ("bin", "lib", "lib64", "sbin"):
-            os.symlink(f"usr/{link}", rootfs / link)
-        podman.rootfs = rootfs
         p = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib",
                         "CGPU_STUB_CUDA_STATE": "/share/card"},
                        "sh", "-c", "/share/client && cat /etc/ld.so.preload && echo x > /run/cgpu/limits",
@@ -248,5 +258,44 @@ def test_a_hooks_d_podman_container_gets_the_library_from_the_hook(make_daemon, 
         bad = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "1"}, "/share/client", volumes=["/usr:/usr:ro"])
         assert bad.returncode != 0 and "/run is a symbolic link in the image" in bad.stderr, bad.stdout + bad.stderr
         assert not Path("/tmp/cgpu-lib").exists() and not Path("/tmp/cgpu").exists()
+    finally:
+        podman.cleanup()
+
+
+def test_two_hooks_d_containers_share_a_gpu_1_to_2_through_the_gate(make_daemon, tmp_path):
+    """Two podman containers (hooks.d only) on one simulated GPU, weights 1 and 2 (the hook sets
+    policy 2), each launching 1 ms kernels on the shared stand-in card while a CPU loop runs beside:
+    their kernel time is 1:2 through their gates, and the weight-1 container's CPU loop is not
+    stopped with its launches."""
+    from test_gate import LAUNCHER, median_ratio
+
+    d, podman, share, _ = glibc_podman(make_daemon, tmp_path, "--compute", "gate")
+    try:
+        (tmp_path / "launcher.c").write_text(LAUNCHER)
+        subprocess.run(["gcc", "-O2", "-o", os.fspath(share / "launcher"), os.fspath(tmp_path / "launcher.c"),
+                        "-ldl", "-lpthread"], check=True)
+        ids = {}
+        for name, weight in (("one", 1), ("two", 2)):
+            p = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_SCHD_WEIGHT": str(weight),
+                            "LD_LIBRARY_PATH": "/share/lib", "CGPU_STUB_CUDA_STATE": "/share/card",
+                            "CGPU_STUB_CUDA_LOG": f"/share/{name}.kernels", "CGPU_STUB_CUDA_DEVICE": "/dev/simgpu0"},
+                           "/share/launcher", "6", "1000", "1", detach=True,
+                           volumes=["/usr:/usr:ro", f"{share}:/share", f"{d.dev_dir / 'simgpu0'}:/dev/simgpu0"])
+            assert p.returncode == 0, p.stderr
+            ids[name] = p.stdout.strip()
+        assert d.value("0/policy") == "2"
+        outs = {}
+        for name, cid in ids.items():
+            w = podman("wait", cid, timeout=60)
+            assert w.stdout.strip() == "0", w.stdout + w.stderr
+            outs[name] = podman("logs", cid).stdout.split()
+        logs = [share / "one.kernels", share / "two.kernels"]
+        kernels = [[tuple(map(int, line.split())) for line in lg.read_text().splitlines()] for lg in logs]
+        t0 = max(k[0][1] for k in kernels) + 300_000_000
+        t1 = min(k[-1][2] for k in kernels) - 300_000_000
+        assert t1 - t0 > 3e9
+        ratio = median_ratio(logs, t0, t1)
+        assert 1.6 <= ratio <= 2.5, ratio
+        assert float(outs["one"][3]) < 0.25, outs  # ("started", launches, beats/s, stood still)
     finally:
         podman.cleanup()
