@@ -21,6 +21,7 @@ idle time is handed on where the policy gives it to others.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Mapping, Sequence
 
 import trio
@@ -31,6 +32,7 @@ from cgpud.sched.policies import Decision, GpuView, InstView, Kind, Params, Plan
 from cgpud.sched.telemetry import GpuStats, Telemetry
 
 log = logging.getLogger("cgpud.sched")
+_SETTINGS = operator.attrgetter("name", "weight", "highprio")  # an instance's part of the basis (C speed)
 
 
 class EventWaiter:
@@ -116,6 +118,9 @@ class GpuScheduler:
         self._waiting = False
         self._current: tuple[Decision, float, dict[str, float] | None] | None = None
         self._last_publish = -float("inf")
+        self._cached_view: GpuView | None = None  # (_view: the last view and what it was built from)
+        self._cached_basis: tuple | None = None
+        self._cached_snap: dict | None = None
         self.decision: Decision | None = None  # the decision in force
 
     # ---- service -----------------------------------------------------------
@@ -229,17 +234,26 @@ class GpuScheduler:
     # ---- model, activity, enforcement ---------------------------------------
 
     def _view(self) -> GpuView:
+        """The view as of now: the one built last while nothing it is made
+        of changed (the settings and the activity), so that the planner can
+        reuse what it derived from it."""
         g = self.node.gpu(self.gpu)
+        basis = self._basis(g)
         snap = self._activity_snapshot()
         if snap is not None:
+            cached = self._cached_view
+            if cached is not None and basis == self._cached_basis and snap == self._cached_snap:
+                return cached
+            self._cached_basis, self._cached_snap = basis, dict(snap)
             gpu = self.gpu
-            insts = tuple(InstView(i.name, i.weight, i.highprio, snap.get((gpu, i.name), False))
-                          for i in g.instances.values())
+            insts = tuple(InstView(name, weight, highprio, snap.get((gpu, name), False))
+                          for name, weight, highprio in basis[3])
         else:
-            insts = tuple(
-                InstView(i.name, i.weight, i.highprio, self._is_active(i.name)) for i in g.instances.values()
-            )
-        return GpuView(g.policy, g.max_inst, g.prio_ratio, insts)
+            self._cached_basis = self._cached_snap = None
+            insts = tuple(InstView(name, weight, highprio, self._is_active(name))
+                          for name, weight, highprio in basis[3])
+        self._cached_view = view = GpuView(g.policy, g.max_inst, g.prio_ratio, insts)
+        return view
 
     def _activity_snapshot(self) -> Mapping | None:
         """Every instance's activity in one call, when the detector offers it
@@ -256,11 +270,11 @@ class GpuScheduler:
                 log.exception("GPU %d: activity unknown; everyone taken as idle", self.gpu)
             return {}
 
-    def _basis(self) -> tuple:
+    def _basis(self, g=None) -> tuple:
         """The settings a decision was made on: when they change, replan."""
-        g = self.node.gpu(self.gpu)
-        return (g.policy, g.max_inst, g.prio_ratio,
-                tuple((i.name, i.weight, i.highprio) for i in g.instances.values()))
+        if g is None:
+            g = self.node.gpu(self.gpu)
+        return g.policy, g.max_inst, g.prio_ratio, tuple(map(_SETTINGS, g.instances.values()))
 
     def _is_active(self, name: str) -> bool:
         try:
@@ -290,7 +304,9 @@ class GpuScheduler:
         if dec.kind is Kind.NATIVE:
             want: frozenset[str] = frozenset()
         else:
-            want = frozenset(i.name for i in view.instances if i.active and i.name not in dec.running)
+            want = view.active_names - dec.running
+        if want == self._frozen:
+            return  # (nothing to change: the usual case within a slice)
         present = view.names
         tel = self.telemetry
         stopped = []

@@ -121,8 +121,7 @@ class Telemetry:
 
     def retain(self, names: Iterable[str]) -> None:
         """Forget instances that are gone (a new one of the same name starts from 0)."""
-        keep = set(names)
-        gone = [n for n in self._granted if n not in keep]
+        gone = self._granted.keys() - (names if isinstance(names, (set, frozenset)) else set(names))
         for n in gone:
             del self._granted[n]
             for _, m in self._marks:
