@@ -76,7 +76,4 @@ class TimerFd:
             return
         self._arm(time.monotonic() + (deadline - now))
         await trio.lowlevel.wait_readable(self.fd)
-        try:
-            os.read(self.fd, 8)
-        except BlockingIOError:
-            pass
+        # (its expiration count is left unread: arming it again, as every sleep does first, resets it)
