@@ -172,7 +172,7 @@ class GpuScheduler:
             view = self._view()
             tel.retain(view.names)
             dec = planner.plan(view, now)
-            await self._enforce(view, dec)
+            waited = await self._enforce(view, dec)
             start = trio.current_time()
             if prev is not None:
                 if start > now:  # the old set ran on until it was frozen just now: its time, not the new set's
@@ -181,7 +181,8 @@ class GpuScheduler:
                 if dec.running != prev.running:
                     tel.switches += 1
             prev = self.decision = dec
-            basis = self._basis()
+            # (what the view was made of, unless others ran while we waited for a drain)
+            basis = self._cached_basis if not waited and self._cached_basis is not None else self._basis()
             self._current = (dec, start, self._read_usage(dec))
             while True:
                 waiter.reset()
@@ -296,17 +297,17 @@ class GpuScheduler:
                 out[name] = 0.0
         return out
 
-    async def _enforce(self, view: GpuView, dec: Decision) -> None:
+    async def _enforce(self, view: GpuView, dec: Decision) -> bool:
         """Freeze the active instances that may not run, thaw the others: only changes.
         Between the two, an instance stopped at a gate (libcgpu: cgpud.sched.gate)
         finishes the work it had queued, for at most one long slice, so that the
-        next instance's slice starts on a free GPU."""
+        next instance's slice starts on a free GPU. Returns whether it waited for that."""
         if dec.kind is Kind.NATIVE:
             want: frozenset[str] = frozenset()
         else:
             want = view.active_names - dec.running
         if want == self._frozen:
-            return  # (nothing to change: the usual case within a slice)
+            return False  # (nothing to change: the usual case within a slice)
         present = view.names
         tel = self.telemetry
         stopped = []
@@ -315,25 +316,27 @@ class GpuScheduler:
                 self._frozen.add(name)
                 stopped.append(name)
                 tel.freezes += 1
+        waited = False
         if stopped:  # (also before an idle slot: the work that runs on is the stopped one's, charged to it)
-            await self._drain(stopped)
+            waited = await self._drain(stopped)
         for name in sorted(self._frozen - want):
             if self._call(self._enforcer.thaw, "thaw", name):
                 tel.thaws += 1
                 self._frozen.discard(name)
             elif name not in present:  # gone: nothing left to thaw
                 self._frozen.discard(name)
+        return waited
 
-    async def _drain(self, names: list[str]) -> None:
+    async def _drain(self, names: list[str]) -> bool:
         """Wait until the gated instances `names` have drained (each wakes us
         through its FIFO), for at most `max_slice`; who did not answer by then
         is not waited for again until it does."""
         undrained = getattr(self._enforcer, "undrained", None)
         if undrained is None:
-            return
+            return False
         waiting = undrained(names)
         if not waiting:
-            return
+            return False
         t0 = trio.current_time()
         with trio.move_on_after(self.planner.params.max_slice):
             while waiting:
@@ -352,6 +355,7 @@ class GpuScheduler:
                             target.give_up(), self.planner.params.max_slice * 1000)
         self.telemetry.drains += 1
         self.telemetry.drain_seconds += trio.current_time() - t0
+        return True
 
     def _call(self, fn, what: str, name: str) -> bool:
         try:
