@@ -23,8 +23,10 @@ to another thread (the metrics HTTP server reads it, never the live object).
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -33,6 +35,7 @@ from typing import Iterable, Mapping, Sequence
 from cgpud.sched.policies import Decision
 
 SHARE_WINDOWS = (1.0, 10.0)
+_MARK_TIME = operator.itemgetter(0)
 HISTORY_SECONDS = 60.0  # the ring of recent slices keeps this long (cgpu trace)
 
 
@@ -183,12 +186,9 @@ class Telemetry:
         if name not in self._granted or not self._marks:
             return 0.0
         end = self._last_end
-        target = end - window + 1e-9
-        best = self._marks[0]
-        for m in self._marks:
-            if m[0] > target:
-                break
-            best = m
+        # the last mark at or before the window's start (the first if none): marks are in time order
+        i = bisect.bisect_right(self._marks, end - window + 1e-9, key=_MARK_TIME)
+        best = self._marks[i - 1] if i else self._marks[0]
         span = end - best[0]
         return (self._granted[name] - best[1].get(name, 0.0)) / span if span > 0 else 0.0
 
