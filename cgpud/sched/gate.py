@@ -153,14 +153,15 @@ class GateFreezer:
         """(slot, pid, gated, acked) of the slots whose processes launch (the
         page's bitmap names them: a few words read, not 256 slots)."""
         out = []
-        for word, bits in enumerate(pages.GATED.unpack_from(self._usage, pages.GATED_OFFSET)):
-            while bits:
-                low = bits & -bits
-                k = word * 32 + low.bit_length() - 1
-                bits ^= low
-                pid, gated, acked, _ = _SLOT_HEAD.unpack_from(self._usage, pages.USAGE_HEAD.size + k * pages.PROC.size)
-                if pid > 0:
-                    out.append((k, pid, gated, acked))
+        # (its little-endian words read as one little-endian number: bit k is slot k)
+        bits = int.from_bytes(self._usage[pages.GATED_OFFSET:pages.GATED_OFFSET + pages.GATED.size], "little")
+        while bits:
+            low = bits & -bits
+            k = low.bit_length() - 1
+            bits ^= low
+            pid, gated, acked, _ = _SLOT_HEAD.unpack_from(self._usage, pages.USAGE_HEAD.size + k * pages.PROC.size)
+            if pid > 0:
+                out.append((k, pid, gated, acked))
         return out
 
     def undrained(self) -> list[int]:
