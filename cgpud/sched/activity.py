@@ -362,7 +362,9 @@ class ActivityMonitor:
     def _still_member(self, w: _Watch, pid: int) -> bool:
         try:
             pc = proc_cgroups(pid)
-            return self._member(w, pid, int(stat_fields(pid)[2]), pc.v2, pc.freezer)
+            # (its process group is read only when it could decide: a cgroup's member needs no /proc/PID/stat)
+            pgid = int(stat_fields(pid)[2]) if w.pgids and pid not in w.pids else -1
+            return self._member(w, pid, pgid, pc.v2, pc.freezer)
         except (TargetGone, IndexError, ValueError):
             return False
 
