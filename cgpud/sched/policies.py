@@ -110,15 +110,15 @@ class Params:
         if not (self.window >= 2 * self.slice and math.isfinite(self.window)):
             raise ValueError(f"window ({self.window!r} s) must be at least two slices ({self.slice} s)")
 
-    @property
+    @cached_property  # (frozen: worked out once; read several times a slice)
     def min_slice(self) -> float:
         return self.slice / 4
 
-    @property
+    @cached_property
     def max_slice(self) -> float:
         return self.slice * 2
 
-    @property
+    @cached_property
     def credit_bound(self) -> float:
         return self.slice * 2
 

@@ -145,7 +145,8 @@ class Telemetry:
         """The decision was in force from `start` to `end` (actual times).
         tail: more time for the decision recorded last (it ran on while the
         next one was being put in place)."""
-        self.start(start)
+        if self.started is None:
+            self.start(start)
         if not tail:
             self.slices += 1
         act = decision.active
