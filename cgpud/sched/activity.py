@@ -32,8 +32,8 @@ How we see it (numbers in docs/enforcement.md):
   `watch(…, root_pid=)`), and is the only mechanism without fanotify.
 
 The scheduler calls `active(gpu, name)` (cgpud.sched.enforce_api.Activity) at
-each slice boundary: it drains the fanotify queue (one non-blocking read when
-nothing happened), looks at what is dirty, and answers from a dict. The trio
+each slice boundary: it drains the fanotify queue (one poll(2) when nothing
+happened), looks at what is dirty, and answers from a dict. The trio
 task `run(on_change)` wakes on the fanotify descriptor and calls
 `on_change(gpu)` for a GPU whose instances changed between boundaries (the
 daemon passes the GPU's `GpuScheduler.poke`). Single-threaded: call it from
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import stat
 import struct
 import time
@@ -86,6 +87,8 @@ class _Fanotify:
             err = ctypes.get_errno()
             raise OSError(err, f"fanotify_init: {os.strerror(err)}")
         self.fd = fd
+        self._poll = select.poll()  # (an empty queue is the usual case: seen without a failing read)
+        self._poll.register(fd, select.POLLIN)
 
     def mark(self, path: str) -> None:
         if self._libc.fanotify_mark(self.fd, _FAN_MARK_ADD, _FAN_OPEN | _FAN_CLOSE, _AT_FDCWD, os.fsencode(path)) < 0:
@@ -95,6 +98,8 @@ class _Fanotify:
     def read(self) -> list[tuple[int, int]]:
         """(mask, pid) of every queued event; [] when none."""
         out: list[tuple[int, int]] = []
+        if not self._poll.poll(0):
+            return out
         for _ in range(64):  # a bounded drain: a storm of events waits for the next call
             try:
                 buf = os.read(self.fd, 16384)
@@ -171,6 +176,9 @@ class ActivityMonitor:
         self._recheck: dict[Key, float] = {}  # key -> until when an open event is looked for
         self._changed: set[Key] = set()       # changed since the last update()
         self._ring: list[Key] = []
+        self._generation = 0  # moves whenever an answer or the set of instances changes
+        self._snap: dict[Key, bool] = {}
+        self._snap_seen = -1
         self._next_rescan = clock()
         self.stats = {"events": 0, "scans": 0, "fds_read": 0}
         for gpu, paths in devices.items():
@@ -216,6 +224,7 @@ class ActivityMonitor:
         if gpu not in self._devices:
             raise KeyError(f"GPU {gpu} has no device file (add_device first)")
         key = (gpu, name)
+        self._generation += 1
         self._watches[key] = _Watch(tuple(os.path.realpath(c) for c in cgroups), frozenset(pgids), frozenset(pids))
         if key not in self._ring:
             self._ring.append(key)
@@ -235,6 +244,7 @@ class ActivityMonitor:
 
     def unwatch(self, gpu: int, name: str) -> None:
         key = (gpu, name)
+        self._generation += 1
         self._watches.pop(key, None)
         self._dirty.discard(key)
         self._recheck.pop(key, None)
@@ -263,8 +273,12 @@ class ActivityMonitor:
         return w is not None and w.active
 
     def snapshot(self) -> dict[Key, bool]:
+        """Every instance's answer (the same dict while none changed: do not change it)."""
         self.update()
-        return {k: w.active for k, w in self._watches.items()}
+        if self._snap_seen != self._generation:
+            self._snap = {k: w.active for k, w in self._watches.items()}
+            self._snap_seen = self._generation
+        return self._snap
 
     def update(self) -> set[Key]:
         """Drain events, look at dirty instances, advance the round robin.
@@ -348,7 +362,9 @@ class ActivityMonitor:
     def _still_member(self, w: _Watch, pid: int) -> bool:
         try:
             pc = proc_cgroups(pid)
-            return self._member(w, pid, int(stat_fields(pid)[2]), pc.v2, pc.freezer)
+            # (its process group is read only when it could decide: a cgroup's member needs no /proc/PID/stat)
+            pgid = int(stat_fields(pid)[2]) if w.pgids and pid not in w.pids else -1
+            return self._member(w, pid, pgid, pc.v2, pc.freezer)
         except (TargetGone, IndexError, ValueError):
             return False
 
@@ -376,6 +392,7 @@ class ActivityMonitor:
         w.active = self._holding(w, self._devices[key[0]])
         if w.active != was:
             self._changed.add(key)
+            self._generation += 1
 
     def _holding(self, w: _Watch, dev: _Device) -> bool:
         self.stats["scans"] += 1

@@ -40,6 +40,8 @@ _FUTEX_WAKE = 1
 _INT_MAX = 0x7FFFFFFF
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
+_libc.syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                          ctypes.c_int]  # (only the futex call is made: its arguments converted without guessing)
 _U32 = struct.Struct("<I")
 _SLOT_HEAD = struct.Struct("<i3I")  # pid, gated, acked, reserved
 
@@ -67,6 +69,7 @@ class _Page:
             raise Refused(f"{path} is not a cgpud limits page of version {pages.VERSION}")
         self._word = ctypes.c_uint32.from_buffer(self.map, pages.GATE_OFFSET)
         self.addr = ctypes.addressof(self._word)
+        self._wake_args = (_SYS_FUTEX, self.addr, _FUTEX_WAKE, _INT_MAX, None, None, 0)
 
     @property
     def gate(self) -> int:
@@ -76,7 +79,7 @@ class _Page:
         self._word.value = value & 0xFFFFFFFF
 
     def wake(self) -> None:
-        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(self.addr), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+        _libc.syscall(*self._wake_args)
 
     def close(self) -> None:
         del self._word
@@ -141,7 +144,7 @@ class GateFreezer:
         if self._fifo < 0:
             return
         try:
-            while os.read(self._fifo, 4096):
+            while len(os.read(self._fifo, 4096)) == 4096:  # (a short read emptied it: no second call)
                 pass
         except BlockingIOError:
             pass
@@ -150,14 +153,15 @@ class GateFreezer:
         """(slot, pid, gated, acked) of the slots whose processes launch (the
         page's bitmap names them: a few words read, not 256 slots)."""
         out = []
-        for word, bits in enumerate(pages.GATED.unpack_from(self._usage, pages.GATED_OFFSET)):
-            while bits:
-                low = bits & -bits
-                k = word * 32 + low.bit_length() - 1
-                bits ^= low
-                pid, gated, acked, _ = _SLOT_HEAD.unpack_from(self._usage, pages.USAGE_HEAD.size + k * pages.PROC.size)
-                if pid > 0:
-                    out.append((k, pid, gated, acked))
+        # (its little-endian words read as one little-endian number: bit k is slot k)
+        bits = int.from_bytes(self._usage[pages.GATED_OFFSET:pages.GATED_OFFSET + pages.GATED.size], "little")
+        while bits:
+            low = bits & -bits
+            k = low.bit_length() - 1
+            bits ^= low
+            pid, gated, acked, _ = _SLOT_HEAD.unpack_from(self._usage, pages.USAGE_HEAD.size + k * pages.PROC.size)
+            if pid > 0:
+                out.append((k, pid, gated, acked))
         return out
 
     def undrained(self) -> list[int]:

@@ -21,6 +21,7 @@ idle time is handed on where the policy gives it to others.
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Mapping, Sequence
 
 import trio
@@ -31,6 +32,7 @@ from cgpud.sched.policies import Decision, GpuView, InstView, Kind, Params, Plan
 from cgpud.sched.telemetry import GpuStats, Telemetry
 
 log = logging.getLogger("cgpud.sched")
+_SETTINGS = operator.attrgetter("name", "weight", "highprio")  # an instance's part of the basis (C speed)
 
 
 class EventWaiter:
@@ -116,6 +118,9 @@ class GpuScheduler:
         self._waiting = False
         self._current: tuple[Decision, float, dict[str, float] | None] | None = None
         self._last_publish = -float("inf")
+        self._cached_view: GpuView | None = None  # (_view: the last view and what it was built from)
+        self._cached_basis: tuple | None = None
+        self._cached_snap: dict | None = None
         self.decision: Decision | None = None  # the decision in force
 
     # ---- service -----------------------------------------------------------
@@ -167,7 +172,7 @@ class GpuScheduler:
             view = self._view()
             tel.retain(view.names)
             dec = planner.plan(view, now)
-            await self._enforce(view, dec)
+            waited = await self._enforce(view, dec)
             start = trio.current_time()
             if prev is not None:
                 if start > now:  # the old set ran on until it was frozen just now: its time, not the new set's
@@ -176,7 +181,8 @@ class GpuScheduler:
                 if dec.running != prev.running:
                     tel.switches += 1
             prev = self.decision = dec
-            basis = self._basis()
+            # (what the view was made of, unless others ran while we waited for a drain)
+            basis = self._cached_basis if not waited and self._cached_basis is not None else self._basis()
             self._current = (dec, start, self._read_usage(dec))
             while True:
                 waiter.reset()
@@ -229,17 +235,26 @@ class GpuScheduler:
     # ---- model, activity, enforcement ---------------------------------------
 
     def _view(self) -> GpuView:
+        """The view as of now: the one built last while nothing it is made
+        of changed (the settings and the activity), so that the planner can
+        reuse what it derived from it."""
         g = self.node.gpu(self.gpu)
+        basis = self._basis(g)
         snap = self._activity_snapshot()
         if snap is not None:
+            cached = self._cached_view
+            if cached is not None and basis == self._cached_basis and snap == self._cached_snap:
+                return cached
+            self._cached_basis, self._cached_snap = basis, dict(snap)
             gpu = self.gpu
-            insts = tuple(InstView(i.name, i.weight, i.highprio, snap.get((gpu, i.name), False))
-                          for i in g.instances.values())
+            insts = tuple(InstView(name, weight, highprio, snap.get((gpu, name), False))
+                          for name, weight, highprio in basis[3])
         else:
-            insts = tuple(
-                InstView(i.name, i.weight, i.highprio, self._is_active(i.name)) for i in g.instances.values()
-            )
-        return GpuView(g.policy, g.max_inst, g.prio_ratio, insts)
+            self._cached_basis = self._cached_snap = None
+            insts = tuple(InstView(name, weight, highprio, self._is_active(name))
+                          for name, weight, highprio in basis[3])
+        self._cached_view = view = GpuView(g.policy, g.max_inst, g.prio_ratio, insts)
+        return view
 
     def _activity_snapshot(self) -> Mapping | None:
         """Every instance's activity in one call, when the detector offers it
@@ -256,11 +271,11 @@ class GpuScheduler:
                 log.exception("GPU %d: activity unknown; everyone taken as idle", self.gpu)
             return {}
 
-    def _basis(self) -> tuple:
+    def _basis(self, g=None) -> tuple:
         """The settings a decision was made on: when they change, replan."""
-        g = self.node.gpu(self.gpu)
-        return (g.policy, g.max_inst, g.prio_ratio,
-                tuple((i.name, i.weight, i.highprio) for i in g.instances.values()))
+        if g is None:
+            g = self.node.gpu(self.gpu)
+        return g.policy, g.max_inst, g.prio_ratio, tuple(map(_SETTINGS, g.instances.values()))
 
     def _is_active(self, name: str) -> bool:
         try:
@@ -282,15 +297,17 @@ class GpuScheduler:
                 out[name] = 0.0
         return out
 
-    async def _enforce(self, view: GpuView, dec: Decision) -> None:
+    async def _enforce(self, view: GpuView, dec: Decision) -> bool:
         """Freeze the active instances that may not run, thaw the others: only changes.
         Between the two, an instance stopped at a gate (libcgpu: cgpud.sched.gate)
         finishes the work it had queued, for at most one long slice, so that the
-        next instance's slice starts on a free GPU."""
+        next instance's slice starts on a free GPU. Returns whether it waited for that."""
         if dec.kind is Kind.NATIVE:
             want: frozenset[str] = frozenset()
         else:
-            want = frozenset(i.name for i in view.instances if i.active and i.name not in dec.running)
+            want = view.active_names - dec.running
+        if want == self._frozen:
+            return False  # (nothing to change: the usual case within a slice)
         present = view.names
         tel = self.telemetry
         stopped = []
@@ -299,25 +316,27 @@ class GpuScheduler:
                 self._frozen.add(name)
                 stopped.append(name)
                 tel.freezes += 1
+        waited = False
         if stopped:  # (also before an idle slot: the work that runs on is the stopped one's, charged to it)
-            await self._drain(stopped)
+            waited = await self._drain(stopped)
         for name in sorted(self._frozen - want):
             if self._call(self._enforcer.thaw, "thaw", name):
                 tel.thaws += 1
                 self._frozen.discard(name)
             elif name not in present:  # gone: nothing left to thaw
                 self._frozen.discard(name)
+        return waited
 
-    async def _drain(self, names: list[str]) -> None:
+    async def _drain(self, names: list[str]) -> bool:
         """Wait until the gated instances `names` have drained (each wakes us
         through its FIFO), for at most `max_slice`; who did not answer by then
         is not waited for again until it does."""
         undrained = getattr(self._enforcer, "undrained", None)
         if undrained is None:
-            return
+            return False
         waiting = undrained(names)
         if not waiting:
-            return
+            return False
         t0 = trio.current_time()
         with trio.move_on_after(self.planner.params.max_slice):
             while waiting:
@@ -336,6 +355,7 @@ class GpuScheduler:
                             target.give_up(), self.planner.params.max_slice * 1000)
         self.telemetry.drains += 1
         self.telemetry.drain_seconds += trio.current_time() - t0
+        return True
 
     def _call(self, fn, what: str, name: str) -> bool:
         try:

@@ -110,15 +110,15 @@ class Params:
         if not (self.window >= 2 * self.slice and math.isfinite(self.window)):
             raise ValueError(f"window ({self.window!r} s) must be at least two slices ({self.slice} s)")
 
-    @property
+    @cached_property  # (frozen: worked out once; read several times a slice)
     def min_slice(self) -> float:
         return self.slice / 4
 
-    @property
+    @cached_property
     def max_slice(self) -> float:
         return self.slice * 2
 
-    @property
+    @cached_property
     def credit_bound(self) -> float:
         return self.slice * 2
 
@@ -215,11 +215,11 @@ class _Ring:
         self.cur, self.cur_seq, self.used, self.open = None, -math.inf, 0, False
         self.credit.clear()
 
-    def next(self, holders: list[tuple[str, float, int]], p: Params) -> tuple[str, float]:
+    def next(self, holders: list[tuple[str, float, int]], p: Params, table: dict | None = None) -> tuple[str, float]:
         """The holder of the next slot (or the rest of an open one) and its length.
-        `holders`: (key, order, slots) sorted by order, non-empty, slots >= 1."""
-        table = {k: n for k, _, n in holders}
-        for k in [k for k in self.credit if k not in table]:
+        `holders`: (key, order, slots) sorted by order, non-empty, slots >= 1 (`table`: {key: slots})."""
+        table = {k: n for k, _, n in holders} if table is None else table
+        for k in self.credit.keys() - table.keys():
             del self.credit[k]
         if self.cur in table and self.open:
             c = self.credit.get(self.cur, 0.0)
@@ -255,10 +255,14 @@ class Planner:
         self._policy: int | None = None
         self._usage: dict[str, Window] = {}  # per instance, for policy 4
         self._prio = Window(self.params.window)
+        self._synced, self._derived = None, {}  # the view _sync saw last; what plan() derived from it
 
     # ---- bookkeeping -------------------------------------------------------
 
     def _sync(self, view: GpuView) -> None:
+        if view is self._synced:  # (the loop hands the same view again while nothing changed)
+            return
+        self._synced, self._derived = view, {}
         if view.policy != self._policy:
             if self._policy is not None:
                 for r in self._rings.values():
@@ -304,25 +308,27 @@ class Planner:
         """Who may use the GPU from `now`, and until when."""
         self._sync(view)
         p = self.params
-        eligible = [i for i in view.instances if i.weight > 0]
-        considered = frozenset(i.name for i in eligible if i.active)
+        if "plan" not in self._derived:
+            eligible = [i for i in view.instances if i.weight > 0]
+            self._derived["plan"] = (frozenset(i.name for i in eligible if i.active),
+                                     [i for i in eligible if i.highprio and i.active],
+                                     [i for i in eligible if not i.highprio])
+        considered, hp, normal = self._derived["plan"]
         if view.policy == NATIVE:
             names = view.names
             return Decision(names, now + p.slice, now, Kind.NATIVE, active=view.active_names, considered=considered)
-        hp = [i for i in eligible if i.highprio and i.active]
-        normal = [i for i in eligible if not i.highprio]
         if hp:
             room = self.prio_headroom(view, now)
             if room >= p.min_slice:
                 d = self._plan_group(PRIO, hp, view, now, considered)
                 assert d is not None
-                return _with(d, kind=Kind.PRIO, until=min(d.until, now + room))
+                return replace(d, kind=Kind.PRIO, until=min(d.until, now + room))
         d = self._plan_group(NORMAL, normal, view, now, considered)
         if d is None:
             if hp:  # nobody else holds or wants the time (policies 1 and 4, or no normal holder)
                 f = self._plan_group(PRIO, hp, view, now, considered)
                 assert f is not None
-                return _with(f, kind=Kind.FILL)
+                return replace(f, kind=Kind.FILL)
             return Decision(frozenset(), now + p.slice, now, Kind.IDLE, considered=considered)
         return d
 
@@ -334,22 +340,26 @@ class Planner:
         pol = view.policy
         if pol == WEAK:
             return self._plan_weak(group, [i for i in insts if i.active], now, considered)
-        if group == PRIO:  # only active members, no waste; 0 and 1 round robin, 2 and 3 by weight
-            slots = (lambda i: 1) if pol in (FAIR, PREEMPTIVE) else (lambda i: i.weight)
-            holders = self._holders(insts, slots, 0)
-        elif pol == FAIR:
-            holders = self._holders(insts, lambda i: 1, view.max_inst - len(insts))
-        elif pol == PREEMPTIVE:
-            holders = self._holders([i for i in insts if i.active], lambda i: 1, 0)
-        elif pol == WEIGHTED:
-            holders = self._holders(insts, lambda i: i.weight, 0)
-        elif pol == FIXED:
-            holders = self._holders(insts, lambda i: i.weight, view.max_inst - sum(i.weight for i in insts))
-        else:
-            raise ValueError(f"no policy {pol}")
+        cached = self._derived.get(group)
+        if cached is None or cached[0] is not insts:  # (else the same view's: _sync kept the order keys)
+            if group == PRIO:  # only active members, no waste; 0 and 1 round robin, 2 and 3 by weight
+                slots = (lambda i: 1) if pol in (FAIR, PREEMPTIVE) else (lambda i: i.weight)
+                holders = self._holders(insts, slots, 0)
+            elif pol == FAIR:
+                holders = self._holders(insts, lambda i: 1, view.max_inst - len(insts))
+            elif pol == PREEMPTIVE:
+                holders = self._holders([i for i in insts if i.active], lambda i: 1, 0)
+            elif pol == WEIGHTED:
+                holders = self._holders(insts, lambda i: i.weight, 0)
+            elif pol == FIXED:
+                holders = self._holders(insts, lambda i: i.weight, view.max_inst - sum(i.weight for i in insts))
+            else:
+                raise ValueError(f"no policy {pol}")
+            cached = self._derived[group] = (insts, holders, {k: n for k, _, n in holders})
+        holders = cached[1]
         if not holders:
             return None
-        key, length = self._rings[group].next(holders, p)
+        key, length = self._rings[group].next(holders, p, cached[2])
         if key == WASTE:
             return Decision(frozenset(), now + length, now, Kind.WASTE, group, WASTE, considered=considered)
         act = frozenset({key}) if key in considered else frozenset()
@@ -413,10 +423,6 @@ class Planner:
                     continue
                 amount = usage.get(name, 0.0) if usage is not None else ran / len(act)
                 w.add(start, end, amount)
-
-
-def _with(d: Decision, **changes) -> Decision:
-    return replace(d, **changes)
 
 
 def entitled_share(view: GpuView, name: str) -> float:

@@ -23,8 +23,10 @@ to another thread (the metrics HTTP server reads it, never the live object).
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
+import operator
 from collections import deque
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -33,6 +35,7 @@ from typing import Iterable, Mapping, Sequence
 from cgpud.sched.policies import Decision
 
 SHARE_WINDOWS = (1.0, 10.0)
+_MARK_TIME = operator.itemgetter(0)
 HISTORY_SECONDS = 60.0  # the ring of recent slices keeps this long (cgpu trace)
 
 
@@ -121,8 +124,7 @@ class Telemetry:
 
     def retain(self, names: Iterable[str]) -> None:
         """Forget instances that are gone (a new one of the same name starts from 0)."""
-        keep = set(names)
-        gone = [n for n in self._granted if n not in keep]
+        gone = self._granted.keys() - (names if isinstance(names, (set, frozenset)) else set(names))
         for n in gone:
             del self._granted[n]
             for _, m in self._marks:
@@ -143,7 +145,8 @@ class Telemetry:
         """The decision was in force from `start` to `end` (actual times).
         tail: more time for the decision recorded last (it ran on while the
         next one was being put in place)."""
-        self.start(start)
+        if self.started is None:
+            self.start(start)
         if not tail:
             self.slices += 1
         act = decision.active
@@ -184,12 +187,9 @@ class Telemetry:
         if name not in self._granted or not self._marks:
             return 0.0
         end = self._last_end
-        target = end - window + 1e-9
-        best = self._marks[0]
-        for m in self._marks:
-            if m[0] > target:
-                break
-            best = m
+        # the last mark at or before the window's start (the first if none): marks are in time order
+        i = bisect.bisect_right(self._marks, end - window + 1e-9, key=_MARK_TIME)
+        best = self._marks[i - 1] if i else self._marks[0]
         span = end - best[0]
         return (self._granted[name] - best[1].get(name, 0.0)) / span if span > 0 else 0.0
 

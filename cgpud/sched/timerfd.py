@@ -42,27 +42,30 @@ class TimerFd:
             raise OSError(ctypes.get_errno(), "timerfd_create failed")
         self.fd = fd
         self._spec = _itimerspec()
+        self._value = self._spec.it_value
+        self._set_args = (fd, TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None)  # (made once: armed every slice)
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+            self._set_args = (-1, *self._set_args[1:])  # (a number reused after this is not ours)
 
     def _arm(self, monotonic_deadline: float) -> None:
         sec = int(monotonic_deadline)
         nsec = int((monotonic_deadline - sec) * 1e9)
         if sec <= 0 and nsec <= 0:
             nsec = 1  # 0 would disarm the timer
-        self._spec.it_value.tv_sec = sec
-        self._spec.it_value.tv_nsec = nsec
-        if _libc.timerfd_settime(self.fd, TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) != 0:
+        self._value.tv_sec = sec
+        self._value.tv_nsec = nsec
+        if _libc.timerfd_settime(*self._set_args) != 0:
             raise OSError(ctypes.get_errno(), "timerfd_settime failed")
 
     def fire_now(self) -> None:
         """Make a pending (or the next) wait return at once."""
-        self._spec.it_value.tv_sec = 0
-        self._spec.it_value.tv_nsec = 1  # an absolute time long past: expires immediately
-        if _libc.timerfd_settime(self.fd, TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) != 0:
+        self._value.tv_sec = 0
+        self._value.tv_nsec = 1  # an absolute time long past: expires immediately
+        if _libc.timerfd_settime(*self._set_args) != 0:
             raise OSError(ctypes.get_errno(), "timerfd_settime failed")
 
     async def sleep_until(self, deadline: float) -> None:
@@ -73,7 +76,4 @@ class TimerFd:
             return
         self._arm(time.monotonic() + (deadline - now))
         await trio.lowlevel.wait_readable(self.fd)
-        try:
-            os.read(self.fd, 8)
-        except BlockingIOError:
-            pass
+        # (its expiration count is left unread: arming it again, as every sleep does first, resets it)
