@@ -27,6 +27,7 @@ costs and how well it shares, against the stand-in libcuda.so.1 in the same run.
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import shutil
 import statistics
@@ -99,20 +100,39 @@ def launch_cost(tmp: Path, n: int, rounds: int) -> None:
           f"added p50 {h - p:.1f} ns ({h / p:.2f}x; goal <= 100 ns)")
 
 
-def wake_latency(tmp: Path, rounds: int) -> None:
-    pages.create(str(tmp / "p2"), [1 << 30])
+def gated_launcher(tmp: Path, tag: str, kernel_us: int, card: str) -> tuple[GateFreezer, subprocess.Popen, Path]:
+    """A launcher of `kernel_us` kernels under libcgpu with pages of its own, started, and its gate;
+    its kernels are logged to the returned file."""
+    pages.create(str(tmp / f"pages-{tag}"), [1 << 30])
     env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": str(tmp), "LD_PRELOAD": str(tmp / "libcgpu.so"),
-           "CGPU_PAGE_DIR": str(tmp / "p2"), "CGPU_STUB_CUDA_STATE": str(tmp / "card2"),
-           "CGPU_STUB_CUDA_LOG": str(tmp / "k2")}
-    gate = GateFreezer(str(tmp / "p2"))
-    p = subprocess.Popen([str(tmp / "launcher"), "600", "50", "0"], env=env, stdout=subprocess.PIPE, text=True)
+           "CGPU_PAGE_DIR": str(tmp / f"pages-{tag}"), "CGPU_STUB_CUDA_STATE": str(tmp / card),
+           "CGPU_STUB_CUDA_LOG": str(tmp / f"kernels-{tag}")}
+    gate = GateFreezer(str(tmp / f"pages-{tag}"))
+    p = subprocess.Popen([str(tmp / "launcher"), "600", str(kernel_us), "0"], env=env, stdout=subprocess.PIPE,
+                         text=True)
     p.stdout.readline()
+    return gate, p, tmp / f"kernels-{tag}"
+
+
+def close(gate: GateFreezer, poll: float = 0.0001) -> None:
+    """Close the gate and wait until its process has drained."""
+    gate.freeze()
+    while not gate.is_frozen():
+        time.sleep(poll)
+
+
+def first_kernels_after(log: Path, times: list[int]) -> list[float]:
+    """µs from each time to the start of the first kernel in `log` after it."""
+    starts = sorted(int(line.split()[1]) for line in log.read_text().splitlines())
+    return [(starts[i] - t) / 1000 for t in times if (i := bisect.bisect_left(starts, t)) < len(starts)]
+
+
+def wake_latency(tmp: Path, rounds: int) -> None:
+    gate, p, log = gated_launcher(tmp, "wake", 50, "card2")
     opens = []
     try:
         for _ in range(rounds):
-            gate.freeze()
-            while not gate.is_frozen():
-                time.sleep(0.0001)
+            close(gate)
             time.sleep(0.002)  # its launch is waiting at the gate now
             opens.append(time.monotonic_ns())
             gate.thaw()
@@ -121,53 +141,32 @@ def wake_latency(tmp: Path, rounds: int) -> None:
         p.kill()
         p.wait()
         gate.thaw()
-    starts = sorted(int(line.split()[1]) for line in (tmp / "k2").read_text().splitlines())
-    import bisect
-    lat = [(starts[bisect.bisect_left(starts, t)] - t) / 1000 for t in opens if bisect.bisect_left(starts, t) < len(starts)]
+    lat = first_kernels_after(log, opens)
     print(f"2. gate opened -> the waiting launch's kernel starts: p50 {pct(lat, 0.5):.0f} us, p99 {pct(lat, 0.99):.0f} us "
           f"over {len(lat)} openings (goal p99 <= 200 us)")
 
 
 def takeover(tmp: Path, rounds: int) -> None:
-    env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": str(tmp), "LD_PRELOAD": str(tmp / "libcgpu.so"),
-           "CGPU_STUB_CUDA_STATE": str(tmp / "card5")}
-    gates, procs = {}, []
-    for who, us in (("normal", "1000"), ("prio", "100")):
-        pages.create(str(tmp / f"p5{who}"), [1 << 30])
-        gates[who] = GateFreezer(str(tmp / f"p5{who}"))
-        procs.append(subprocess.Popen([str(tmp / "launcher"), "600", us, "0"], stdout=subprocess.PIPE, text=True,
-                                      env={**env, "CGPU_PAGE_DIR": str(tmp / f"p5{who}"),
-                                           "CGPU_STUB_CUDA_LOG": str(tmp / f"k5{who}")}))
-        procs[-1].stdout.readline()
-    normal, prio = gates["normal"], gates["prio"]
+    normal, p_normal, _ = gated_launcher(tmp, "normal", 1000, "card5")
+    prio, p_prio, log = gated_launcher(tmp, "prio", 100, "card5")
     decided, opened = [], []
     try:
         for _ in range(rounds):
-            prio.freeze()  # the normal instance has the card for a while
-            while not prio.is_frozen():
-                time.sleep(0.0001)
+            close(prio)  # the normal instance has the card for a while
             normal.thaw()
             time.sleep(0.02)
             decided.append(time.monotonic_ns())  # the high-priority instance takes over
-            normal.freeze()
-            while not normal.is_frozen():
-                time.sleep(0.00005)
+            close(normal, 0.00005)
             opened.append(time.monotonic_ns())
             prio.thaw()
             time.sleep(0.005)
     finally:
-        for p in procs:
+        for p in (p_normal, p_prio):
             p.kill()
             p.wait()
         normal.thaw()
         prio.thaw()
-    import bisect
-    starts = sorted(int(line.split()[1]) for line in (tmp / "k5prio").read_text().splitlines())
-
-    def first(t: int) -> float:
-        return (starts[bisect.bisect_left(starts, t)] - t) / 1000
-    from_open = [first(t) for t in opened]
-    from_decision = [first(t) for t in decided]
+    from_open, from_decision = first_kernels_after(log, opened), first_kernels_after(log, decided)
     print(f"5. high-priority takeover with a normal instance running 1 ms kernels: gate opened -> its kernel starts "
           f"p50 {pct(from_open, 0.5):.0f} us, p99 {pct(from_open, 0.99):.0f} us; takeover decided -> its kernel "
           f"starts p50 {pct(from_decision, 0.5) / 1000:.2f} ms, p99 {pct(from_decision, 0.99) / 1000:.2f} ms "

@@ -63,6 +63,7 @@ MAX_ID = 1024
 # The request key under which `load` leaves config.json's environment for
 # `run`: not a string, so no JSON request can carry it.
 ENV_KEY = object()
+CONFIG_KEY = object()  # (and config.json itself, for what else the daemon reads from it: containers.inject)
 
 _NAME_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_.-")
 
@@ -210,20 +211,23 @@ def write_config(cid: str, path: str, config: dict) -> None:
 
 async def load(req: dict) -> dict:
     """Before `run` (the serving loop awaits this for `hook` requests of
-    privileged callers): config.json's environment, read in a worker thread
-    with a time limit. A failure is left for `run` to report."""
+    privileged callers): config.json, read in a worker thread with a time
+    limit, left as its environment (ENV_KEY) and whole (CONFIG_KEY). A failure
+    is left for `run` to report."""
     try:
         kind, state = check_request(req)
         if kind != "add":
             return req
         path = config_path(state)
-        env: Any = HookError(f"container {state['id']}: reading {path} took more than {CONFIG_TIMEOUT:g} s",
-                             errno.ETIMEDOUT)
+        config: Any = HookError(f"container {state['id']}: reading {path} took more than {CONFIG_TIMEOUT:g} s",
+                                errno.ETIMEDOUT)
         with trio.move_on_after(CONFIG_TIMEOUT):
-            env = await trio.to_thread.run_sync(catching, read_env, state["id"], path, abandon_on_cancel=True)
+            config = await trio.to_thread.run_sync(catching, read_config, state["id"], path, abandon_on_cancel=True)
     except HookError as exc:
-        env = exc
-    return {**req, ENV_KEY: env}
+        config = exc
+    if isinstance(config, HookError):
+        return {**req, ENV_KEY: config}
+    return {**req, ENV_KEY: env_of(config), CONFIG_KEY: config}
 
 
 def catching(fn, *args):

@@ -61,8 +61,7 @@ def into_container(cid: str, pid: int, rootfs: str, library: str, where: str) ->
     """The container's pages made in `where`, and the library and them mounted into the mount
     namespace of its process `pid`; HookError (nothing left behind) if that cannot be done."""
     try:
-        pages.prepare(where)
-        pages.write_preload(where, LIB_IN_CONTAINER)
+        pages.prepare(where, preload=LIB_IN_CONTAINER)
     except OSError as exc:
         pages.remove(where)
         raise HookError(f"container {cid}: cannot make its GPU isolation pages in {where}: {exc.strerror}",

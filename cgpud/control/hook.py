@@ -20,10 +20,9 @@ log = logging.getLogger("cgpud")
 INJECTED_KEY = object()  # (load_hook's failure to put the library in, for the hook to report)
 
 
-def _inject(state: dict, pid: int, library: str, where: str) -> None:
+def _inject(state: dict, config: dict, pid: int, library: str, where: str) -> None:
     cid = state["id"]
-    rootfs = inject.rootfs_of(cid, hookd.read_config(cid, hookd.config_path(state)), state["bundle"])
-    inject.into_container(cid, pid, rootfs, library, where)
+    inject.into_container(cid, pid, inject.rootfs_of(cid, config, state["bundle"]), library, where)
 
 
 class Hooks:
@@ -80,8 +79,7 @@ class Hooks:
             if exc.code == errno.ENOENT:
                 return {"action": "nothing", "name": name}  # never registered, or another container's
             raise
-        pages.remove(os.path.join(self.pages_dir, name))
-        return {"action": "deregistered", "container": cid, **result}
+        return {"action": "deregistered", "container": cid, **result}  # (its pages went with it: deregister)
 
     async def load_hook(self, req: dict, peer: Peer) -> dict:
         """The hook's config.json read, in a worker thread with a time limit; and, for a
@@ -102,5 +100,6 @@ class Hooks:
             pid = hookd.container_pid(state, peer.pid)
         except hookd.HookError:
             return req  # (the hook itself says what is wrong)
-        done = await trio.to_thread.run_sync(hookd.catching, _inject, state, pid, library, where)
+        done = await trio.to_thread.run_sync(hookd.catching, _inject, state, req[hookd.CONFIG_KEY], pid, library,
+                                             where)
         return {**req, INJECTED_KEY: done} if isinstance(done, hookd.HookError) else req

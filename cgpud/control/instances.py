@@ -70,16 +70,17 @@ class Instances:
                 target = {"kind": self.groups.kind, "path": self.groups.create(name)}
             except (CgroupError, OSError) as exc:
                 raise Refused(errno.EBUSY, f"cannot make a cgroup for {name}: {exc}") from None
-            if library:
-                gate = os.path.join(self.pages_dir, name)
-                try:
-                    pages.prepare(gate)  # (filled with the memsizes once they are known, below)
-                except OSError as exc:
-                    self.groups.remove(target["path"])
-                    raise Refused(errno.EIO, f"cannot make the isolation pages of {name} in {gate}: "
-                                  f"{exc.strerror}") from None
-        if gate is not None and target is not None and self.gate:
-            target = {**target, "gate": gate}
+        where = gate  # the instance's pages (the hook's, or made here for cgpu run)
+        if library:
+            where = os.path.join(self.pages_dir, name)
+            try:
+                pages.prepare(where)  # (filled with the memsizes once they are known, below)
+            except OSError as exc:
+                self.groups.remove(target["path"])
+                raise Refused(errno.EIO, f"cannot make the isolation pages of {name} in {where}: "
+                              f"{exc.strerror}") from None
+        if where is not None and target is not None and self.gate:
+            target = {**target, "gate": where}
 
         def create(n: Node):
             # A memsize asked for is promised (admission keeps it: SPEC §3); none asked: default_memsize, no promise
@@ -96,7 +97,7 @@ class Instances:
             if want_group and target is not None:
                 self.groups.remove(target["path"])
             if library:
-                pages.remove(gate)
+                pages.remove(where)
 
         try:
             made = self.durable.apply(create)
@@ -105,11 +106,11 @@ class Instances:
             raise
         if library:
             try:
-                pages.fill(gate, [i.memsize for i in made])
+                pages.fill(where, [i.memsize for i in made])
             except (OSError, ValueError) as exc:
                 self.durable.apply(lambda n: n.destroy(name))
                 undo()
-                raise Refused(errno.EIO, f"cannot write the isolation pages of {name} in {gate}: {exc}") from None
+                raise Refused(errno.EIO, f"cannot write the isolation pages of {name} in {where}: {exc}") from None
         if target is not None:
             self.owners[name] = peer.conn
         log.info("registered %s on GPU %s (pid %d)", name, ",".join(map(str, gpus)), peer.pid)
@@ -118,8 +119,8 @@ class Instances:
             "instances": [{"gpu": i.gpu, "id": i.id, "memsize": i.memsize, "weight": i.weight} for i in made],
             "target": target,
             **({"env": self.client_env(name)} if self.client_env is not None else {}),
-            **({"isolation": {"library": library, "pages": gate,
-                              "env": {"LD_PRELOAD": library, "CGPU_PAGE_DIR": gate}}} if library else {}),
+            **({"isolation": {"library": library, "pages": where,
+                              "env": {"LD_PRELOAD": library, "CGPU_PAGE_DIR": where}}} if library else {}),
         }
 
     @staticmethod

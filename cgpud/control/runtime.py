@@ -109,8 +109,7 @@ class Runtime:
 
 def _make_pages(cid: str, where: str) -> None:
     try:
-        pages.prepare(where)
-        pages.write_preload(where, spec.LIB_IN_CONTAINER)
+        pages.prepare(where, preload=spec.LIB_IN_CONTAINER)
     except OSError as exc:
         raise hookd.HookError(f"container {cid}: cannot make its GPU isolation pages in {where}: {exc.strerror}",
                               exc.errno or errno.EIO) from None

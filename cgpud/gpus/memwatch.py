@@ -73,6 +73,7 @@ class MemWatchdog:
         self._look = look
         # what an instance's in-container library says it holds (its usage page), None without one
         self._library = library
+        self._with_library: set[tuple[int, str]] = set()  # (gpu, instance) whose page answered at the last look
         self.samples: list[GpuSample] = []
         self.over: dict[tuple[int, str], int] = {}   # processes found past their instance's memsize
         self.kills: dict[tuple[int, str], int] = {}  # of them, those signalled (kill/term)
@@ -85,6 +86,7 @@ class MemWatchdog:
     def check(self, samples: Sequence[GpuSample]) -> list[tuple[int, str, int]]:
         """Apply one look at the GPUs; the processes failed, as (gpu, instance, pid)."""
         failed = []
+        self._with_library = with_library = set()
         now_over: set[tuple[int, int]] = set()  # the processes of instances past their memsize now
         for s in samples:
             try:
@@ -98,7 +100,10 @@ class MemWatchdog:
                     mine.setdefault(inst.name, {})[pid] = nbytes
             for inst in gpu.instances.values():
                 inst.procs = mine.get(inst.name, {})
-                inst.library_used = (self._library(inst) or 0) if self._library is not None else 0
+                held = self._library(inst) if self._library is not None else None
+                inst.library_used = held or 0
+                if held is not None:
+                    with_library.add((inst.gpu, inst.name))
             for name, procs in mine.items():
                 inst = gpu.instances.get(name)
                 if inst is None:
@@ -129,7 +134,7 @@ class MemWatchdog:
         self.over[key] = self.over.get(key, 0) + 1
         what = (f"memory watchdog: {inst.name} on GPU {inst.gpu} uses {sum(procs.values())} bytes, past its memsize "
                 f"{inst.memsize}: pid {pid} ({_comm(pid)}) holds {procs[pid]} bytes")
-        if self._library is not None and self._library(inst) is not None:
+        if (inst.gpu, inst.name) in self._with_library:
             what += (f" (its in-container library accounts for {inst.library_used}: the rest went around it — "
                      "a process without libcgpu, raw ioctls — or is the driver's own, its contexts)")
         sig = ACTIONS[self.action]

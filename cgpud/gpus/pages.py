@@ -17,8 +17,8 @@ MAX_PROCS = 256
 LIMITS = struct.Struct(f"<4I{MAX_GPUS}Q2I")
 GATE_OFFSET = LIMITS.size - 8  # uint32 gate: odd open, even closed
 GATE_OPEN = 1
-_GATE = struct.Struct("<2I")
 PROC = struct.Struct(f"<i3I{MAX_GPUS}Q")
+PROC_HEAD = struct.Struct("<i3I")  # a slot's pid, gated, acked, reserved
 USAGE_HEAD = struct.Struct(f"<2I{MAX_GPUS}Q{MAX_PROCS // 32}I")  # magic, version, used, gated_slots
 GATED_OFFSET = 8 + 8 * MAX_GPUS
 GATED = struct.Struct(f"<{MAX_PROCS // 32}I")
@@ -27,18 +27,22 @@ USAGE_SIZE = USAGE_HEAD.size + MAX_PROCS * PROC.size
 
 def create(directory: str, memsizes: list[int]) -> None:
     """Make a container's pages: its limits (mode 0444) and an empty usage page (0666)."""
-    if not 0 < len(memsizes) <= MAX_GPUS:
-        raise ValueError(f"1 to {MAX_GPUS} GPUs, not {len(memsizes)}")
+    limits = _limits(memsizes)
     os.makedirs(directory, exist_ok=True)
-    _write(os.path.join(directory, "limits"), _limits(memsizes), 0o444)
-    usage = USAGE_HEAD.pack(MAGIC, VERSION, *[0] * (MAX_GPUS + MAX_PROCS // 32)) + bytes(MAX_PROCS * PROC.size)
-    _write(os.path.join(directory, "usage"), usage, 0o666)
+    _write(os.path.join(directory, "limits"), limits, 0o444)
+    _write(os.path.join(directory, "usage"), _empty_usage(), 0o666)
     _fifo(directory)
 
 
 def _limits(memsizes: list[int]) -> bytes:
+    if not 0 < len(memsizes) <= MAX_GPUS:
+        raise ValueError(f"1 to {MAX_GPUS} GPUs, not {len(memsizes)}")
     return LIMITS.pack(MAGIC, VERSION, len(memsizes), 0, *memsizes, *[0] * (MAX_GPUS - len(memsizes)),
                        GATE_OPEN, 0)
+
+
+def _empty_usage() -> bytes:
+    return USAGE_HEAD.pack(MAGIC, VERSION, *[0] * (MAX_GPUS + MAX_PROCS // 32)) + bytes(MAX_PROCS * PROC.size)
 
 
 def _fifo(directory: str) -> None:
@@ -82,33 +86,28 @@ def held_by(directory: str) -> dict[int, list[int]]:
     return out
 
 
-def prepare(directory: str) -> None:
+def prepare(directory: str, preload: str | None = None) -> None:
     """A container's pages before it exists (cgpu-runtime's `prepare`): the files
     its mounts need, the limits not yet valid (magic 0: libcgpu refuses them)
     until `fill` writes them at the hook, in place, so the container's mount of
     the same file sees them. The gate is there from the start (open), so the
-    scheduler may drive it before `fill`."""
+    scheduler may drive it before `fill`. With `preload` (the library's path in
+    the container), also `ld.so.preload` naming it: what the container's
+    /etc/ld.so.preload shows (mounted over it), so a process that clears its
+    environment still loads the library."""
     os.makedirs(directory, mode=0o755, exist_ok=True)
     if not os.path.exists(os.path.join(directory, "limits")):
-        _write(os.path.join(directory, "limits"), bytes(4) + _limits([0])[4:GATE_OFFSET] + _GATE.pack(GATE_OPEN, 0),
-               0o444)
+        _write(os.path.join(directory, "limits"), bytes(4) + _limits([0])[4:], 0o444)
     if not os.path.exists(os.path.join(directory, "usage")):
-        usage = USAGE_HEAD.pack(MAGIC, VERSION, *[0] * (MAX_GPUS + MAX_PROCS // 32)) + bytes(MAX_PROCS * PROC.size)
-        _write(os.path.join(directory, "usage"), usage, 0o666)
+        _write(os.path.join(directory, "usage"), _empty_usage(), 0o666)
     _fifo(directory)
-
-
-def write_preload(directory: str, library: str) -> None:
-    """`ld.so.preload` in the pages' directory: what the container's /etc/ld.so.preload shows
-    (mounted over it), so a process that clears its environment still loads the library."""
-    _write(os.path.join(directory, "ld.so.preload"), f"{library}\n".encode(), 0o444)
+    if preload is not None:
+        _write(os.path.join(directory, "ld.so.preload"), f"{preload}\n".encode(), 0o444)
 
 
 def fill(directory: str, memsizes: list[int]) -> None:
     """The limits the daemon decided, written into the existing file: memsizes first, the magic last;
     the gate is left as it is (the scheduler's)."""
-    if not 0 < len(memsizes) <= MAX_GPUS:
-        raise ValueError(f"1 to {MAX_GPUS} GPUs, not {len(memsizes)}")
     data = _limits(memsizes)
     fd = os.open(os.path.join(directory, "limits"), os.O_WRONLY | os.O_CLOEXEC)
     try:

@@ -42,8 +42,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _libc.syscall.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                           ctypes.c_int]  # (only the futex call is made: its arguments converted without guessing)
-_U32 = struct.Struct("<I")
-_SLOT_HEAD = struct.Struct("<i3I")  # pid, gated, acked, reserved
 
 
 class _Page:
@@ -159,7 +157,7 @@ class GateFreezer:
             low = bits & -bits
             k = low.bit_length() - 1
             bits ^= low
-            pid, gated, acked, _ = _SLOT_HEAD.unpack_from(self._usage, pages.USAGE_HEAD.size + k * pages.PROC.size)
+            pid, gated, acked, _ = pages.PROC_HEAD.unpack_from(self._usage, pages.USAGE_HEAD.size + k * pages.PROC.size)
             if pid > 0:
                 out.append((k, pid, gated, acked))
         return out
@@ -168,6 +166,10 @@ class GateFreezer:
         """The slots of launching processes that have not drained the current
         closing (none when the gate is open, or once closed here), leaving out
         the stale ones."""
+        return [slot for slot, _, _ in self._undrained()]
+
+    def _undrained(self) -> list[tuple[int, int, int]]:
+        """(slot, pid, acked) of each process undrained() names."""
         if self._fifo < 0:
             return []
         g = self._page.gate
@@ -179,17 +181,16 @@ class GateFreezer:
                 del self._stale[slot]  # it has answered a closing since (or is another process): waited for again
             if not gated or acked == g or slot in self._stale:
                 continue
-            waiting.append(slot)
+            waiting.append((slot, pid, acked))
         return waiting
 
     def give_up(self) -> list[int]:
         """The bound passed: those who did not answer are not waited for again
         (until they answer). Returns their slots."""
-        late = self.undrained()
-        now = {slot: (pid, acked) for slot, pid, _, acked in self._slots()}
-        for slot in late:
-            self._stale[slot] = now.get(slot, (0, 0))
-        return late
+        late = self._undrained()
+        for slot, pid, acked in late:
+            self._stale[slot] = (pid, acked)
+        return [slot for slot, _, _ in late]
 
     def is_frozen(self) -> bool:
         return not self._page.gate & 1 and not self.undrained()

@@ -659,10 +659,11 @@ static uint32_t gate_value(void)
     return __atomic_load_n(&limits->gate, __ATOMIC_SEQ_CST);
 }
 
-static void gate_wait(uint32_t closed)
+/* Sleep while the gate still reads `seen` (any change wakes it). */
+static void gate_wait(uint32_t seen)
 {
     /* (a read-only shared mapping: the futex is keyed by the file, so the daemon's wake reaches it) */
-    syscall(SYS_futex, &limits->gate, FUTEX_WAIT, closed, NULL, NULL, 0);
+    syscall(SYS_futex, &limits->gate, FUTEX_WAIT, seen, NULL, NULL, 0);
 }
 
 static void note_context(void)
@@ -715,7 +716,7 @@ static void *gate_helper(void *arg)
         uint32_t g = gate_value();
         if (!(g & 1) && __atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != g)
             drained(g);
-        syscall(SYS_futex, &limits->gate, FUTEX_WAIT, g, NULL, NULL, 0);
+        gate_wait(g);
     }
     return NULL;
 }
