@@ -202,3 +202,39 @@ def test_a_hook_without_a_stage_reads_it_from_the_state(hook_form, daemon, tmp_p
         sleeper.kill()
         sleeper.wait()
         enforce.remove_cgroup(group)
+
+
+def test_a_refused_join_takes_its_prepared_pages_with_it_but_not_another_containers(daemon, tmp_path):
+    """Pages made before the hook (by cgpu-runtime's prepare) are removed when the
+    container is refused; a container refused for a clash of short IDs leaves the
+    pages of the registered one that owns them."""
+    from cgpud.gpus import pages
+
+    root = daemon.socket.parent / "pages"
+    sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    group = cgroupfs.create_cgroup(os.path.join(cgroupfs.hierarchies()[cgroupfs.KIND_CGROUP2].mount,
+                                                f"cgpud-test-{secrets.token_hex(4)}"))
+    try:
+        cgroupfs.join_cgroup(group, sleeper.pid)
+        # refused by what it asks (more than the GPU): its prepared pages go
+        bad = "e" * 64
+        pages.prepare(os.fspath(root / bad[:12]), preload="/usr/lib/cgpu/libcgpu.so")
+        err = call_hook(daemon, "createRuntime", {"id": bad, "pid": sleeper.pid,
+                                                   "bundle": bundle(tmp_path, ["ALIYUN_COM_GPU_MEM_CONTAINER=99"])})
+        assert "ALIYUN_COM_GPU_MEM_CONTAINER" in str(err), str(err)
+        assert not (root / bad[:12]).exists()
+        # joined with its pages; then another ID of the same first 12 characters is refused
+        owner = "f" * 64
+        pages.prepare(os.fspath(root / owner[:12]))
+        b = bundle(tmp_path, MANAGED, "owner")
+        with Client(os.fspath(daemon.socket)) as c:
+            c.call("hook", stage="createRuntime", state={"id": owner, "pid": sleeper.pid, "bundle": b})
+        assert owner[:12] in daemon.instances(0)
+        err = call_hook(daemon, "createRuntime", {"id": owner[:12] + "0" * 52, "pid": sleeper.pid, "bundle": b})
+        assert err.error == "EEXIST", str(err)
+        assert (root / owner[:12] / "limits").exists()  # the owner's, kept
+        assert pages.used(os.fspath(root / owner[:12])) == [0] * pages.MAX_GPUS
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        enforce.remove_cgroup(group)

@@ -46,6 +46,15 @@ class Hooks:
         name = hookd.short_name(cid)
         if kind == "remove":
             return self._leave(cid, name, peer)
+        try:
+            return self._join(req, state, cid, name, peer)
+        except hookd.HookError:
+            # Pages made for it (cgpu-runtime's prepare, the injection) go with the refusal, unless a
+            # registered container of the same short name owns them (the clash it was refused for).
+            self._drop_pages(name)
+            raise
+
+    def _join(self, req: dict, state: dict, cid: str, name: str, peer: Peer) -> dict:
         if isinstance(req.get(INJECTED_KEY), hookd.HookError):
             raise req[INJECTED_KEY]  # asked for isolation, and it could not be put in: the container does not start
         env = req.get(hookd.ENV_KEY)
