@@ -32,6 +32,7 @@
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -168,14 +169,42 @@ static void sleep_until(uint64_t ns)
 
 static uint64_t last_start, last_end;  /* this process's last kernel on the card */
 
+/* The state file and the kernel log, opened once per process and kept (a launch is then
+ * a lock, a read and a write, as cheap as a stand-in can make it). A forked child opens
+ * its own: flock's lock belongs to the open file, which the child would share. */
+static pthread_mutex_t kernel_files_lock = PTHREAD_MUTEX_INITIALIZER;
+static int kernel_state_fd = -1, kernel_log_fd = -1;
+static pid_t kernel_files_pid;
+static char kernel_files_named[2][4096];  /* the paths they were opened by (the environment may change) */
+
+static int kernel_files(int *log_fd)
+{
+    const char *p = getenv("CGPU_STUB_CUDA_STATE"), *log = getenv("CGPU_STUB_CUDA_LOG");
+    p = p && *p ? p : "/tmp/cgpu-stub-cuda.state";
+    log = log ? log : "";
+    pthread_mutex_lock(&kernel_files_lock);
+    if (kernel_files_pid != getpid() || strcmp(p, kernel_files_named[0]) || strcmp(log, kernel_files_named[1])) {
+        if (kernel_state_fd >= 0) close(kernel_state_fd);
+        if (kernel_log_fd >= 0) close(kernel_log_fd);
+        kernel_state_fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+        kernel_log_fd = *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
+        snprintf(kernel_files_named[0], sizeof kernel_files_named[0], "%s", p);
+        snprintf(kernel_files_named[1], sizeof kernel_files_named[1], "%s", log);
+        kernel_files_pid = kernel_state_fd >= 0 ? getpid() : 0;
+    }
+    int fd = kernel_state_fd;
+    *log_fd = kernel_log_fd;
+    pthread_mutex_unlock(&kernel_files_lock);
+    return fd;
+}
+
 static CUresult run_kernel(uint64_t us)
 {
     const char *fast = getenv("CGPU_STUB_CUDA_FAST");
     if (!inited) return NOT_INITIALIZED;
     if (fast && *fast == '1') return OK;
     sleep_until(last_start);  /* one kernel waiting behind the running one, at most */
-    const char *p = getenv("CGPU_STUB_CUDA_STATE");
-    int fd = open(p && *p ? p : "/tmp/cgpu-stub-cuda.state", O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    int lf, fd = kernel_files(&lf);
     if (fd < 0) return OUT_OF_MEMORY;
     flock(fd, LOCK_EX);
     uint64_t free_at = 0, now = now_ns();
@@ -184,20 +213,14 @@ static CUresult run_kernel(uint64_t us)
     uint64_t start = free_at > now ? free_at : now, end = start + us * 1000;
     int bad = pwrite(fd, &end, sizeof end, 16 * cur_dev + 8) != sizeof end;
     flock(fd, LOCK_UN);
-    close(fd);
     if (bad) return OUT_OF_MEMORY;
     last_start = start;
     last_end = end;
-    const char *log = getenv("CGPU_STUB_CUDA_LOG");
-    if (log && *log) {
-        int lf = open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666);
-        if (lf >= 0) {
-            char line[96];
-            int n = snprintf(line, sizeof line, "%d %llu %llu\n", (int)getpid(), (unsigned long long)start,
-                             (unsigned long long)end);
-            if (write(lf, line, (size_t)n) < 0) { /* (a log, best effort) */ }
-            close(lf);
-        }
+    if (lf >= 0) {
+        char line[96];
+        int n = snprintf(line, sizeof line, "%d %llu %llu\n", (int)getpid(), (unsigned long long)start,
+                         (unsigned long long)end);
+        if (write(lf, line, (size_t)n) < 0) { /* (a log, best effort) */ }
     }
     return OK;
 }
