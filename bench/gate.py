@@ -69,12 +69,64 @@ int main(int argc, char **argv) {
 """
 
 
+FUTEX = r"""
+#define _GNU_SOURCE
+#include <linux/futex.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+static long now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000L + t.tv_nsec; }
+int main(int argc, char **argv) {
+    int n = atoi(argv[1]);
+    struct { uint32_t word; long sent, got[100000]; } *m = mmap(NULL, sizeof *m, PROT_READ | PROT_WRITE,
+                                                               MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (fork() == 0) {  /* the waiter: as a launch at a closed gate */
+        for (uint32_t k = 0; k < (uint32_t)n; k++) {
+            while (__atomic_load_n(&m->word, __ATOMIC_SEQ_CST) == k)
+                syscall(SYS_futex, &m->word, FUTEX_WAIT, k, NULL, NULL, 0);
+            m->got[k] = now() - m->sent;
+        }
+        _exit(0);
+    }
+    for (int k = 0; k < n; k++) {
+        usleep(3000);  /* the waiter sleeps, its CPU idle, as between slices */
+        m->sent = now();
+        __atomic_add_fetch(&m->word, 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, &m->word, FUTEX_WAKE, 1, NULL, NULL, 0);
+    }
+    wait(NULL);
+    for (int k = 0; k < n; k++) printf("%ld\n", m->got[k]);
+    return 0;
+}
+"""
+
+TRIO_LOOP = """
+import sys, time, trio
+from cgpud.sched.timerfd import TimerFd
+rate, seconds = float(sys.argv[1]), float(sys.argv[2])
+async def main():
+    t = TimerFd()
+    c0, w0 = time.process_time(), time.monotonic()
+    due = trio.current_time()
+    while time.monotonic() - w0 < seconds:
+        due += 1 / rate
+        await t.sleep_until(due)
+    print((time.process_time() - c0) / (time.monotonic() - w0) * 100)
+trio.run(main)
+"""
+
+
 def build(tmp: Path) -> Path:
     r = subprocess.run(["make", "-s", "-B", "-C", str(ROOT / "native"), "stubs", "libcgpu", f"STUBS={tmp}",
                         f"LIB={tmp}"], capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(r.stderr)
-    for name, src in (("timer", TIMER), ("launcher", LAUNCHER)):
+    for name, src in (("timer", TIMER), ("launcher", LAUNCHER), ("futex", FUTEX)):
         (tmp / f"{name}.c").write_text(src)
         subprocess.run(["gcc", "-O2", "-o", str(tmp / name), str(tmp / f"{name}.c"), "-ldl", "-lpthread"], check=True)
     return tmp
@@ -142,8 +194,16 @@ def wake_latency(tmp: Path, rounds: int) -> None:
         p.wait()
         gate.thaw()
     lat = first_kernels_after(log, opens)
+    floor = futex_wakes(tmp, rounds)
     print(f"2. gate opened -> the waiting launch's kernel starts: p50 {pct(lat, 0.5):.0f} us, p99 {pct(lat, 0.99):.0f} us "
-          f"over {len(lat)} openings (goal p99 <= 200 us)")
+          f"over {len(lat)} openings (goal p99 <= 200 us); this machine's floor, a bare futex wake of a sleeping "
+          f"process: p50 {pct(floor, 0.5):.0f} us, p99 {pct(floor, 0.99):.0f} us")
+
+
+def futex_wakes(tmp: Path, rounds: int) -> list[float]:
+    """µs from FUTEX_WAKE to the woken process running, a waiter idle in between (C, no library)."""
+    out = subprocess.run([str(tmp / "futex"), str(rounds)], capture_output=True, text=True, check=True).stdout
+    return [int(x) / 1000 for x in out.split()]
 
 
 def takeover(tmp: Path, rounds: int) -> None:
@@ -196,6 +256,12 @@ class Daemon:
         except OSError as exc:
             raise SystemExit(f"{rel}: {exc}; the daemon said:\n{(self.dir / 'log').read_text()}") from None
 
+    def stats(self) -> dict:
+        from cgpud.client import Client
+
+        with Client(str(self.sock)) as c:
+            return c.call("stats")[0]
+
     def cpu_seconds(self) -> float:
         f = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
         return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -227,6 +293,7 @@ def expected(policy: int, weights: list[int], max_inst: int) -> list[float]:
 def shares(tmp: Path, seconds: float) -> None:
     d = Daemon(tmp, "gate")
     worst = worst_split = 0.0
+    gaps: list[float] = []
     try:
         d.write("0/max_inst", "4")
         for n in (2, 3):
@@ -249,6 +316,10 @@ def shares(tmp: Path, seconds: float) -> None:
                 # how the card's kernel time was split among them (the time lost at switches left out)
                 split = max(abs(g / sum(got) - w / sum(want)) for g, w in zip(got, want)) * 100
                 worst, worst_split = max(worst, err), max(worst_split, split)
+                # the card idle where one instance's kernels give way to another's (policies 1 and 2 leave
+                # no slot idle on purpose): what every switch costs
+                if policy in (1, 2):
+                    gaps += switch_gaps(logs, t0, t1)
                 print(f"3. policy {policy}, {n} instances (weights {weights}): kernel-time shares "
                       f"{' '.join(f'{g:.3f}' for g in got)} want {' '.join(f'{w:.3f}' for w in want)}: "
                       f"error {err:.2f} pp; split error {split:.2f} pp")
@@ -257,10 +328,21 @@ def shares(tmp: Path, seconds: float) -> None:
     print(f"3. share error through the gate, worst of the 8: {worst:.2f} pp against the ideal shares "
           f"(switches cost every instance alike), {worst_split:.2f} pp in the split of the kernel time "
           f"(goal <= 0.5 pp)")
+    floor = futex_wakes(tmp, 300)
+    print(f"3. the card idle at a switch (policies 1 and 2, {len(gaps)} switches): p50 {pct(gaps, 0.5):.0f} us, "
+          f"mean {statistics.mean(gaps):.0f} us, {statistics.mean(gaps) / 100:.1f} % of a 10 ms slice; a switch "
+          f"waits on three wakes (the helper's, the daemon's, the next launcher's): 3 x {pct(floor, 0.5):.0f} us, "
+          f"this machine's bare futex wake p50, is {3 * pct(floor, 0.5):.0f} us")
+
+
+def switch_gaps(logs: list[list[tuple[int, int, int]]], t0: int, t1: int) -> list[float]:
+    """µs the card stood idle between the last kernel of one instance and the first of the next."""
+    ks = sorted((s, e, k) for k, ks in enumerate(logs) for _, s, e in ks if t0 <= s and e <= t1)
+    return [max(0, b[0] - a[1]) / 1000 for a, b in zip(ks, ks[1:]) if a[2] != b[2]]
 
 
 def daemon_cpu(tmp: Path, seconds: float, count: int) -> None:
-    out = {}
+    out, wakes = {}, {}
     for compute in ("gate", "freeze"):
         d = Daemon(tmp, compute)
         try:
@@ -270,15 +352,22 @@ def daemon_cpu(tmp: Path, seconds: float, count: int) -> None:
             for p in procs:
                 p.stdout.readline()
             time.sleep(1.0)
-            c0, t0 = d.cpu_seconds(), time.monotonic()
+            c0, t0, s0 = d.cpu_seconds(), time.monotonic(), d.stats()
             time.sleep(seconds)
             out[compute] = (d.cpu_seconds() - c0) / (time.monotonic() - t0) * 100
+            s1 = d.stats()
+            wakes[compute] = (s1["slices"] - s0["slices"] + s1["drains"] - s0["drains"]) / (time.monotonic() - t0)
             for p in procs:
                 p.communicate(timeout=120)
         finally:
             d.stop()
+    # the floor: a bare trio task on a timerfd, waking as often as the gated loop did (its slices and drains)
+    bare = float(subprocess.run([sys.executable, "-c", TRIO_LOOP, str(wakes["gate"]), str(seconds)], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout)
     print(f"4. daemon CPU with {count} instances at 10 ms slices, policy 2: gated {out['gate']:.1f} % of a core, "
-          f"frozen {out['freeze']:.1f} % ({out['gate'] / max(out['freeze'], 1e-9):.2f}x; goal gated <= 2 %)")
+          f"frozen {out['freeze']:.1f} % ({out['gate'] / max(out['freeze'], 1e-9):.2f}x; goal gated <= 2 %); "
+          f"the gated loop woke {wakes['gate']:.0f} times a second (slices and drains), and a bare trio loop "
+          f"waking as often takes {bare:.1f} % ({out['gate'] / max(bare, 1e-9):.1f}x)")
 
 
 def main() -> None:
