@@ -28,9 +28,10 @@ from cgpud.sched.gate import GateFreezer
 CGPU = str(Path(sys.executable).parent / "cgpu")
 
 LAUNCHER = r"""
-/* launcher SECONDS KERNEL_US CPU: launches kernels of KERNEL_US for SECONDS (a CPU loop
-   counting in a second thread when CPU is 1); prints "launches beats_per_s stopped_fraction"
-   (the share of the time the CPU loop stood still for 8 ms or more at a time). */
+/* launcher SECONDS KERNEL_US CPU [DEVICE]: launches kernels of KERNEL_US for SECONDS (a CPU loop
+   counting in a second thread when CPU is 1) on DEVICE (0: a context of its own on it); prints
+   "launches beats_per_s stopped_fraction" (the share of the time the CPU loop stood still for
+   8 ms or more at a time). */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -68,6 +69,11 @@ int main(int argc, char **argv) {
     s_t sync = (s_t)dlsym(h, "cuCtxSynchronize");
     int r = init(0);
     if (r) { fprintf(stderr, "cuInit %d\n", r); return 3; }
+    if (argc > 4) {
+        typedef int (*c_t)(void **, unsigned, int);
+        void *ctx;
+        if ((r = ((c_t)dlsym(h, "cuCtxCreate_v2"))(&ctx, 0, atoi(argv[4])))) { fprintf(stderr, "ctx %d\n", r); return 3; }
+    }
     pthread_t t;
     if (with_cpu) pthread_create(&t, NULL, cpu, NULL);
     printf("started\n");
@@ -263,6 +269,87 @@ def test_a_gate_left_closed_is_opened_from_its_registry_entry(gated):
     assert thaw_spec({"kind": "gate", "path": "/nowhere"}) == "gone"
 
 
+def test_a_container_on_two_gpus_is_gated_on_each_alone(libs, tmp_path):
+    """Pages of two GPUs driven per GPU (gpus=[3, 5]: the node's GPUs of the page's 0 and 1):
+    closing GPU 3's gate stops the container's launches there, and only there; its process on
+    the other GPU runs on and is not waited for, even when it cannot answer."""
+    pages.create(os.fspath(tmp_path / "pages"), [1 << 30, 1 << 30])
+    gate = GateFreezer(os.fspath(tmp_path / "pages"), gpus=[3, 5])
+    assert gate.drives_gpus
+    procs = []
+
+    def start(device: int) -> subprocess.Popen:
+        env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs),
+               "LD_PRELOAD": os.fspath(libs / "libcgpu.so"), "CGPU_PAGE_DIR": os.fspath(tmp_path / "pages"),
+               "CGPU_STUB_CUDA_DEVICES": "2", "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"),
+               "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / f"kernels{device}")}
+        p = subprocess.Popen([os.fspath(libs / "launcher"), "3", "1000", "0", str(device)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(p)
+        assert p.stdout.readline().strip() == "started", p.stderr.read()
+        return p
+
+    try:
+        on0, on1 = start(0), start(1)
+        time.sleep(0.3)
+        gate.freeze(3)
+        took = wait_drained(gate)
+        closed = time.monotonic_ns()
+        assert took < 0.1 and gate.undrained(3) == [] and gate.undrained(5) == []
+        time.sleep(0.5)
+        opened = time.monotonic_ns()
+        gate.thaw(3)
+        k0, k1 = kernels(tmp_path / "kernels0"), kernels(tmp_path / "kernels1")
+        assert not [s for _, s, _ in k0 if closed <= s < opened], "a launch passed GPU 3's closed gate"
+        assert busy(tmp_path / "kernels1", closed, opened) > 0.4, "GPU 5's launches were held with GPU 3's"
+        # the process on GPU 5 is not one GPU 3's closing waits for, even when it cannot answer
+        on1.send_signal(signal.SIGSTOP)
+        gate.freeze(3)
+        wait_drained(gate)
+        gate.thaw(3)
+        gate.freeze(5)  # it is one GPU 5's closing waits for
+        time.sleep(0.1)
+        assert gate.undrained(5) and not gate.undrained(3)
+        on1.send_signal(signal.SIGCONT)
+        wait_drained(gate)
+        gate.thaw(5)
+        for p in (on0, on1):
+            out, err = p.communicate(timeout=30)
+            assert p.returncode == 0, err
+        assert [s for _, s, _ in kernels(tmp_path / "kernels0") if s >= opened], "GPU 3's launches never went on"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        gate.thaw()
+        gate.close()
+
+
+def test_a_page_of_an_older_cgpud_keeps_the_containers_one_gate(gated, tmp_path):
+    """Pages made before per-GPU gates (the limits end at the container's gate): the library in
+    the container waits on that one gate, and the daemon drives it as before."""
+    _, start, log = gated
+    limits = tmp_path / "pages" / "limits"
+    data = limits.read_bytes()[:pages.SHARED_GATE_SIZE]
+    limits.unlink()
+    limits.write_bytes(data)
+    gate = GateFreezer(os.fspath(tmp_path / "pages"), gpus=[0])
+    try:
+        assert not gate.drives_gpus
+        p = start("1.5", "1000", "0")
+        time.sleep(0.2)
+        with open(tmp_path / "pages" / "usage", "rb") as f:
+            f.seek(pages.USAGE_HEAD.size)
+            assert pages.PROC_HEAD.unpack(f.read(pages.PROC_HEAD.size))[1] == pages.GATED_SHARED
+        _, drained, opened, _ = closed_for(gate, 0.4, p)
+        assert not [s for _, s, _ in kernels(log) if drained <= s < opened], "a launch passed the closed gate"
+        assert [s for _, s, _ in kernels(log) if s >= opened]
+    finally:
+        gate.thaw()
+        gate.close()
+
+
 # ---- through the daemon: cgpu run, policy 2 at 1:2 -------------------------------------------
 
 def run_launcher(d, libs: Path, tmp: Path, name: str, weight: int, seconds: float) -> subprocess.Popen:
@@ -316,6 +403,50 @@ def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon
     else:
         assert stood > 0.4, stood  # frozen with its cgroup, CPU and all: 2/3 of the time
         assert st["drains"] == 0, st
+
+
+def test_a_container_on_two_gpus_runs_on_the_one_while_it_waits_its_turn_on_the_other(make_daemon, libs, tmp_path):
+    """Through the daemon: a container on GPUs 0 and 1 (alone on GPU 1) and another on GPU 0,
+    policy 1. On GPU 0 they take turns; on GPU 1 the first keeps the card busy, its gate there
+    open while GPU 0's closes and opens (one gate for the container would hold it half the time)."""
+    d = make_daemon(gpus="sim:2xT4", extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
+    d.write("0/policy", "1")
+    d.write("1/policy", "1")  # (alone there: the whole GPU)
+    with Client(str(d.socket)) as c:
+        devices = c.call("hello")["devices"]
+    env = dict(os.environ, CGPUD_SOCKET=str(d.socket), LD_LIBRARY_PATH=os.fspath(libs), CGPU_STUB_CUDA_DEVICES="2",
+               CGPU_STUB_CUDA_STATE=os.fspath(tmp_path / "card"))
+
+    def launcher(log: str, device: int) -> str:
+        return (f'CGPU_STUB_CUDA_DEVICE={devices[device]} CGPU_STUB_CUDA_LOG={tmp_path / log} '
+                f'{libs / "launcher"} 4 1000 0 {device}')
+
+    both = subprocess.Popen([CGPU, "run", "--name", "twogpus00001", "--gpus", "0,1", "--mem", "64M", "--", "sh", "-c",
+                             f"{launcher('x0', 0)} & {launcher('x1', 1)}; wait"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    one = subprocess.Popen([CGPU, "run", "--name", "onegpu000001", "--gpu", "0", "--mem", "64M", "--", "sh", "-c",
+                            launcher("y0", 0)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for p, n in ((both, 2), (one, 1)):
+            for _ in range(n):
+                assert p.stdout.readline().strip() == "started", p.stderr.read()
+        for p in (both, one):
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+    finally:
+        for p in (both, one):
+            if p.poll() is None:
+                p.kill()
+    logs = [tmp_path / n for n in ("x0", "y0", "x1")]
+    t0 = max(min(s for _, s, _ in kernels(lg)) for lg in logs) + 300_000_000
+    t1 = min(max(e for _, _, e in kernels(lg)) for lg in logs) - 300_000_000
+    assert t1 - t0 > 2e9
+    x0, y0, x1 = (busy(lg, t0, t1) / ((t1 - t0) / 1e9) for lg in logs)
+    assert 0.6 <= x0 / y0 <= 1.6, (x0, y0)  # turns on GPU 0
+    assert x1 > 0.85, (x0, y0, x1)  # GPU 1 its own, whatever GPU 0's gate does
+    with Client(str(d.socket)) as c:
+        st = c.call("stats")[0]
+    assert st["drains"] > 0, st
 
 
 @pytest.mark.parametrize("how", ["hot upgrade", "restart"])

@@ -80,7 +80,7 @@ class Instances:
                 raise Refused(errno.EIO, f"cannot make the isolation pages of {name} in {where}: "
                               f"{exc.strerror}") from None
         if where is not None and target is not None and self.gate:
-            target = {**target, "gate": where}
+            target = {**target, "gate": where, "gpus": list(gpus)}  # (the page's GPUs, in its order)
 
         def create(n: Node):
             # A memsize asked for is promised (admission keeps it: SPEC §3); none asked: default_memsize, no promise

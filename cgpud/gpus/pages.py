@@ -1,7 +1,7 @@
 """The per-container pages the daemon shares with libcgpu (docs/isolation.md),
 in the layout of native/libcgpu/cgpu_page.h (a test compiles the header and
-compares): `limits` (the container's memsize per GPU and its compute gate,
-read-only to it), `usage` (what its processes hold, per GPU and per process,
+compares): `limits` (the container's memsize per GPU and its compute gates,
+one per GPU and the container's, read-only to it), `usage` (what its processes hold, per GPU and per process,
 and which processes answer the gate) and `drained` (a FIFO: a byte from a
 process that has finished its queued work after the gate closed).
 cgpud.sched.gate drives the gate."""
@@ -14,11 +14,15 @@ MAGIC = 0x55504743  # "CGPU"
 VERSION = 2
 MAX_GPUS = 16
 MAX_PROCS = 256
-LIMITS = struct.Struct(f"<4I{MAX_GPUS}Q2I")
-GATE_OFFSET = LIMITS.size - 8  # uint32 gate: odd open, even closed
+LIMITS = struct.Struct(f"<4I{MAX_GPUS}Q2I2I{MAX_GPUS}I")
+GATE_OFFSET = 16 + 8 * MAX_GPUS  # uint32 gate, the container's: odd open, even closed
+SHARED_GATE_SIZE = GATE_OFFSET + 8  # a page made by an older cgpud ends here: its container has that one gate
+CLOSINGS_OFFSET = SHARED_GATE_SIZE  # uint32: how many times any GPU's gate closed
+GPU_GATE_OFFSET = CLOSINGS_OFFSET + 8  # uint32 per GPU of the page: its gate
 GATE_OPEN = 1
 PROC = struct.Struct(f"<i3I{MAX_GPUS}Q")
-PROC_HEAD = struct.Struct("<i3I")  # a slot's pid, gated, acked, reserved
+PROC_HEAD = struct.Struct("<i3I")  # a slot's pid, gated (1: the container's gate, 2: per GPU), acked, gpus
+GATED_SHARED, GATED_PER_GPU = 1, 2
 USAGE_HEAD = struct.Struct(f"<2I{MAX_GPUS}Q{MAX_PROCS // 32}I")  # magic, version, used, gated_slots
 GATED_OFFSET = 8 + 8 * MAX_GPUS
 GATED = struct.Struct(f"<{MAX_PROCS // 32}I")
@@ -38,7 +42,7 @@ def _limits(memsizes: list[int]) -> bytes:
     if not 0 < len(memsizes) <= MAX_GPUS:
         raise ValueError(f"1 to {MAX_GPUS} GPUs, not {len(memsizes)}")
     return LIMITS.pack(MAGIC, VERSION, len(memsizes), 0, *memsizes, *[0] * (MAX_GPUS - len(memsizes)),
-                       GATE_OPEN, 0)
+                       GATE_OPEN, 0, 0, 0, *[GATE_OPEN] * MAX_GPUS)
 
 
 def _empty_usage() -> bytes:

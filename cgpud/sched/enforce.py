@@ -320,7 +320,7 @@ def freezer_from_spec(entry: dict[str, Any]) -> Freezer:
     gates launches) gets the gate instead of its group's freezer."""
     kind, label = entry.get("kind"), entry.get("label")
     if entry.get("gate"):
-        return GateFreezer(entry["gate"], label=label)
+        return GateFreezer(entry["gate"], label=label, gpus=entry.get("gpus"))
     if kind == KIND_GATE:
         return GateFreezer(entry["path"], label=label)
     if kind == KIND_CGROUP2:
@@ -386,7 +386,9 @@ class Enforcement:
     and thaw(gpu, name) carried out on one backend per instance name.
 
     A container with instances on several GPUs is one target: it stays frozen
-    while at least one GPU holds it frozen. An instance with no target
+    while at least one GPU holds it frozen, unless the target stops it per GPU
+    (a gate with `drives_gpus`: each GPU closes and opens its own gate, and
+    the container runs on where it may). An instance with no target
     attached (nothing to stop) and a target that is gone succeed quietly.
     `registry` (cgpud.sched.guard.Registry, or anything with add/discard) is told of
     a target when it is attached, before any freeze, and after it is detached
@@ -413,8 +415,10 @@ class Enforcement:
         if self._registry is not None:
             self._registry.add(target)
         self._targets[name] = target
-        if self._holders.get(name):
-            self._apply(name, target.freeze)
+        for gpu in sorted(self._holders.get(name, ())):
+            self._apply(name, target.freeze, gpu)
+            if not getattr(target, "drives_gpus", False):
+                break  # (one freeze holds it whole)
 
     def detach(self, name: str, *, keep_holders: bool = False) -> None:
         """Thaw instance `name`'s target and forget it."""
@@ -435,33 +439,38 @@ class Enforcement:
         self._holders.setdefault(name, set()).add(gpu)
         target = self._targets.get(name)
         if target is not None:
-            self._apply(name, target.freeze)
+            self._apply(name, target.freeze, gpu)
 
     def thaw(self, gpu: int, name: str) -> None:
         holders = self._holders.get(name)
+        target = self._targets.get(name)
+        per_gpu = getattr(target, "drives_gpus", False)
         if holders is not None:
             holders.discard(gpu)
-            if holders:
+            if holders and not per_gpu:
                 return  # another GPU still holds it
-            del self._holders[name]
-        target = self._targets.get(name)
+            if not holders:
+                del self._holders[name]
         if target is not None:
-            target.thaw()
+            target.thaw(gpu) if per_gpu else target.thaw()
 
-    def undrained(self, names: Any) -> list[Any]:
+    def undrained(self, names: Any, gpu: int | None = None) -> list[Any]:
         """Of the instances `names`, the targets whose processes still run work
-        they queued before being stopped (the gate: cgpud.sched.gate); the
-        loop waits for them, bounded, before it lets the next instance run."""
+        they queued before being stopped (the gate: cgpud.sched.gate), on GPU
+        `gpu` when the target stops them per GPU; the loop waits for them,
+        bounded, before it lets the next instance run."""
         out = []
         for name in names:
             t = self._targets.get(name)
-            if t is not None and t.frozen and getattr(t, "undrained", None) and t.undrained():
+            if t is None or not t.frozen or not getattr(t, "undrained", None):
+                continue
+            if t.undrained(gpu) if getattr(t, "drives_gpus", False) else t.undrained():
                 out.append(t)
         return out
 
-    def _apply(self, name: str, action: Any) -> None:
+    def _apply(self, name: str, action: Any, gpu: int | None = None) -> None:
         try:
-            action()
+            action(gpu) if gpu is not None and getattr(self._targets.get(name), "drives_gpus", False) else action()
         except TargetGone:
             self.detach(name, keep_holders=True)  # nothing left to stop
 

@@ -334,7 +334,7 @@ class GpuScheduler:
         undrained = getattr(self._enforcer, "undrained", None)
         if undrained is None:
             return False
-        waiting = undrained(names)
+        waiting = undrained(names, self.gpu)
         if not waiting:
             return False
         t0 = trio.current_time()
@@ -347,12 +347,12 @@ class GpuScheduler:
                 except trio.ClosedResourceError:  # its instance went meanwhile (closed: no longer undrained)
                     pass
                 waiting[0].consume()
-                waiting = undrained(names)
+                waiting = undrained(names, self.gpu)
         if waiting:
             for target in waiting:
                 log.warning("%s: the processes of slots %s did not finish their queued GPU work within %.0f ms of their "
                             "slice's end; they are not waited for until they answer", target,
-                            target.give_up(), self.planner.params.max_slice * 1000)
+                            target.give_up(self.gpu), self.planner.params.max_slice * 1000)
         self.telemetry.drains += 1
         self.telemetry.drain_seconds += trio.current_time() - t0
         return True

@@ -5,13 +5,15 @@
  *
  * <dir>/limits  written by the daemon, mapped READ-ONLY into the container:
  *               what the container may not change (its memsize per GPU) and
- *               its compute gate (odd: open, even: closed; every change adds
- *               one; kernel launches wait on it with a futex while it is even).
+ *               its compute gates, one per GPU and one for the container (odd:
+ *               open, even: closed; every change adds one; a kernel launch waits
+ *               on its GPU's with a futex while it is even).
  * <dir>/usage   mapped read-write: what its processes hold, per GPU in all and
  *               per process (a slot per pid, so a dead process's memory is
  *               given back by whoever finds it dead), and per process whether
- *               it launches kernels (`gated`) and the closed gate value whose
- *               work it has finished (`acked`: its queued kernels are done).
+ *               it launches kernels (`gated`), on which GPUs (`gpus`), and the
+ *               closing whose work it has finished (`acked`: its queued kernels
+ *               are done).
  * <dir>/drained a FIFO the daemon reads: a process writes a byte to it when
  *               it has set `acked`, so the daemon wakes without polling.
  */
@@ -28,14 +30,20 @@
 struct cgpu_limits {
     uint32_t magic, version, ngpus, reserved;
     uint64_t memsize[CGPU_MAX_GPUS];
-    uint32_t gate, reserved2;
+    uint32_t gate, reserved2;  /* the container's gate: closed while any of its GPUs' is */
+    /* Per-GPU gates (a page made by an older cgpud ends above, CGPU_LIMITS_SHARED_GATE bytes:
+     * its container has the one gate). gpu_gate[k]: GPU k of the page, odd open, even closed;
+     * `closings` counts the closings of any of them (the helper threads wait on it). */
+    uint32_t closings, reserved3;
+    uint32_t gpu_gate[CGPU_MAX_GPUS];
 };
+#define CGPU_LIMITS_SHARED_GATE (4 * 4 + 8 * CGPU_MAX_GPUS + 2 * 4)
 
 struct cgpu_proc {
     int32_t pid;  /* 0: free */
-    uint32_t gated;  /* 1: it launches kernels (its helper thread answers the gate) */
-    uint32_t acked;  /* the closed gate value it has drained its work for */
-    uint32_t reserved;
+    uint32_t gated;  /* it launches kernels, its helper thread answering: 1 the container's gate, 2 per GPU */
+    uint32_t acked;  /* 1: the closed gate value it has drained its work for; 2: the `closings` count */
+    uint32_t gpus;   /* 2: bit k, it launches on GPU k (it is waited for when that GPU's gate closes) */
     uint64_t held[CGPU_MAX_GPUS];
 };
 

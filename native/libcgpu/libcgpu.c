@@ -133,6 +133,7 @@ static struct {
 static dlsym_fn real_dlsym;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static const struct cgpu_limits *limits;  /* read-only */
+static int per_gpu;        /* the page has a gate per GPU (else the container's one gate) */
 static struct cgpu_usage *usage;
 static struct cgpu_proc *mine;
 static int asked;          /* CGPU_PAGE_DIR is set: this process must be isolated */
@@ -177,7 +178,8 @@ static void reclaim(struct cgpu_proc *p)
     release(p);
 }
 
-static void *map(const char *dir, const char *name, size_t size, int writable)
+/* Map `size` bytes of the page `name`, or `least` of an older, shorter one (*got: what was mapped). */
+static void *map_least(const char *dir, const char *name, size_t size, size_t least, size_t *got, int writable)
 {
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -187,12 +189,14 @@ static void *map(const char *dir, const char *name, size_t size, int writable)
         return NULL;
     }
     struct stat st;
-    if (fstat(fd, &st) || (size_t)st.st_size < size) {
+    if (fstat(fd, &st) || (size_t)st.st_size < least) {
         snprintf(why, sizeof why, "%s is not a cgpud page (%lld bytes, %zu wanted)", path,
                  (long long)st.st_size, size);
         close(fd);
         return NULL;
     }
+    size = (size_t)st.st_size < size ? least : size;
+    *got = size;
     void *p = mmap(NULL, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     if (p == MAP_FAILED) {
@@ -200,6 +204,12 @@ static void *map(const char *dir, const char *name, size_t size, int writable)
         return NULL;
     }
     return p;
+}
+
+static void *map(const char *dir, const char *name, size_t size, int writable)
+{
+    size_t got;
+    return map_least(dir, name, size, size, &got, writable);
 }
 
 /* A process slot of its own in the usage page (mine stays NULL if all are taken). */
@@ -213,6 +223,7 @@ static void claim_slot(void)
             mine = &usage->procs[i];
             __atomic_store_n(&mine->gated, 0, __ATOMIC_RELEASE);
             __atomic_store_n(&mine->acked, 0, __ATOMIC_RELEASE);
+            __atomic_store_n(&mine->gpus, 0, __ATOMIC_RELEASE);
         }
     }
 }
@@ -273,7 +284,9 @@ static void setup(void)
     if (!asked)
         return;
     snprintf(page_dir, sizeof page_dir, "%s", dir);
-    limits = map(dir, "limits", sizeof *limits, 0);
+    size_t got = 0;
+    limits = map_least(dir, "limits", sizeof *limits, CGPU_LIMITS_SHARED_GATE, &got, 0);
+    per_gpu = got == sizeof *limits;
     if (limits && (limits->magic != CGPU_MAGIC || limits->version != CGPU_VERSION
                    || limits->ngpus == 0 || limits->ngpus > CGPU_MAX_GPUS)) {
         snprintf(why, sizeof why, "%s/limits is %s", dir,
@@ -648,57 +661,86 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
  * gate's value into the process's `acked` and a byte into the `drained` FIFO, so
  * the daemon can start the next container's slice knowing the GPU is free. */
 
-static unsigned launching;   /* threads of this process inside a launch now */
+/* Threads of this process inside a launch now: [0] on the container's gate, [1 + k] on GPU k's. */
+static unsigned launching[1 + CGPU_MAX_GPUS];
 static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 static CUcontext ctxs[64];
+static int ctx_gpu[64];  /* the page's GPU of each (-1: past the page's) */
 static int nctxs;
 static __thread CUcontext known_ctx;  /* the last context this thread was seen to launch in */
+static __thread int known_gpu;        /* and its page GPU */
 
-static uint32_t gate_value(void)
+/* The gate a launch on page GPU `k` waits at (-1: the container's). */
+static const uint32_t *gate_word(int k)
 {
-    return __atomic_load_n(&limits->gate, __ATOMIC_SEQ_CST);
+    return k >= 0 ? &limits->gpu_gate[k] : &limits->gate;
 }
 
-/* Sleep while the gate still reads `seen` (any change wakes it). */
-static void gate_wait(uint32_t seen)
+static uint32_t gate_value(int k)
+{
+    return __atomic_load_n(gate_word(k), __ATOMIC_SEQ_CST);
+}
+
+/* Sleep while `word` still reads `seen` (any change wakes it). */
+static void futex_wait_on(const uint32_t *word, uint32_t seen)
 {
     /* (a read-only shared mapping: the futex is keyed by the file, so the daemon's wake reaches it) */
-    syscall(SYS_futex, &limits->gate, FUTEX_WAIT, seen, NULL, NULL, 0);
+    syscall(SYS_futex, word, FUTEX_WAIT, seen, NULL, NULL, 0);
 }
 
-static void note_context(void)
+/* The page GPU the calling thread launches on (its current context's device), -1 for the
+ * container's gate: a page without per-GPU gates, or a device past the page's. */
+static int note_context(void)
 {
     CUcontext c = NULL;
-    if (!real.ctx_get || real.ctx_get(&c) != CU_OK || !c || c == known_ctx)
-        return;
+    if (!real.ctx_get || real.ctx_get(&c) != CU_OK || !c)
+        return per_gpu ? 0 : -1;  /* (no context: the driver refuses the launch itself) */
+    if (c == known_ctx)
+        return known_gpu;
+    CUdevice dev = -1;
+    int k = -1;
+    if (per_gpu && real.ctx_get_device && real.ctx_get_device(&dev) == CU_OK && dev >= 0
+        && (uint32_t)dev < limits->ngpus)
+        k = dev;
     known_ctx = c;
+    known_gpu = k;
     pthread_mutex_lock(&ctx_lock);
     int seen = 0;
     for (int i = 0; i < nctxs; i++)
         seen |= ctxs[i] == c;
-    if (!seen && nctxs < (int)(sizeof ctxs / sizeof *ctxs))
+    if (!seen && nctxs < (int)(sizeof ctxs / sizeof *ctxs)) {
+        ctx_gpu[nctxs] = k;
         ctxs[nctxs++] = c;
+    }
     pthread_mutex_unlock(&ctx_lock);
+    return k;
 }
 
-static void drained(uint32_t closed)
+/* Finish the work queued on page GPU `k` (all of it for -1): once no launch there is in
+ * flight, synchronize the contexts of that GPU. */
+static void drain(int k)
 {
-    static int fifo = -1;
-    while (__atomic_load_n(&launching, __ATOMIC_SEQ_CST))
+    while (__atomic_load_n(&launching[1 + k], __ATOMIC_SEQ_CST))
         sched_yield();  /* a launch that passed the gate before it closed: a few µs */
     pthread_mutex_lock(&ctx_lock);
     in_driver++;
     for (int i = 0; i < nctxs && real.ctx_push && real.ctx_pop && real.ctx_sync; i++) {
         CUcontext prev;
-        if (real.ctx_push(ctxs[i]) == CU_OK) {
+        if ((k < 0 || ctx_gpu[i] == k) && real.ctx_push(ctxs[i]) == CU_OK) {
             real.ctx_sync();
             real.ctx_pop(&prev);
         }
     }
     in_driver--;
     pthread_mutex_unlock(&ctx_lock);
-    __atomic_store_n(&mine->acked, closed, __ATOMIC_SEQ_CST);
+}
+
+/* Tell the daemon: `acked` says which closing was answered, a byte in the FIFO wakes it. */
+static void answer(uint32_t closing)
+{
+    static int fifo = -1;
+    __atomic_store_n(&mine->acked, closing, __ATOMIC_SEQ_CST);
     if (fifo < 0) {
         char path[4200];
         snprintf(path, sizeof path, "%s/drained", page_dir);
@@ -717,10 +759,26 @@ static void *gate_helper(void *arg)
      * synchronizes by sleeping) end when due, not up to the default 50 µs of timer slack later. */
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
     for (;;) {
-        uint32_t g = gate_value();
-        if (!(g & 1) && __atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != g)
-            drained(g);
-        gate_wait(g);
+        if (!per_gpu) {  /* the container's one gate: answer each closing with its value */
+            uint32_t g = gate_value(-1);
+            if (!(g & 1) && __atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != g) {
+                drain(-1);
+                answer(g);
+            }
+            futex_wait_on(&limits->gate, g);
+            continue;
+        }
+        /* per GPU: at each closing (of any GPU's gate), drain the GPUs it launches on whose
+         * gates are closed now, and answer with the count of closings */
+        uint32_t c = __atomic_load_n(&limits->closings, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != c) {
+            uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
+            for (uint32_t k = 0; k < limits->ngpus; k++)
+                if (on & (1u << k) && !(gate_value((int)k) & 1))
+                    drain((int)k);
+            answer(c);
+        }
+        futex_wait_on(&limits->closings, c);
     }
     return NULL;
 }
@@ -737,24 +795,28 @@ static void start_helper(void)
     pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with the process's own threads */
     if (pthread_create(&t, &a, gate_helper, NULL) == 0) {
         unsigned k = (unsigned)(mine - usage->procs);
-        __atomic_store_n(&mine->gated, 1, __ATOMIC_SEQ_CST);
+        __atomic_store_n(&mine->gated, per_gpu ? 2 : 1, __ATOMIC_SEQ_CST);
         __atomic_fetch_or(&usage->gated_slots[k / 32], 1u << (k % 32), __ATOMIC_SEQ_CST);
     }
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&a);
 }
 
-/* Pass the gate: on return this thread counts in `launching` and the gate was open. */
-static void gate_enter(void)
+/* Pass the gate of page GPU `k` (-1: the container's): on return this thread counts in
+ * launching[1 + k] and the gate was open. The process says it launches on GPU k before it
+ * looks at the gate, so a closing either sees it (and waits for its answer) or stops it. */
+static void gate_enter(int k)
 {
     pthread_once(&helper_once, start_helper);
+    if (k >= 0 && !(__atomic_load_n(&mine->gpus, __ATOMIC_RELAXED) & (1u << k)))
+        __atomic_fetch_or(&mine->gpus, 1u << k, __ATOMIC_SEQ_CST);
     for (;;) {
-        __atomic_add_fetch(&launching, 1, __ATOMIC_SEQ_CST);
-        uint32_t g = gate_value();
+        __atomic_add_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+        uint32_t g = gate_value(k);
         if (g & 1)
             return;
-        __atomic_sub_fetch(&launching, 1, __ATOMIC_SEQ_CST);
-        gate_wait(g);
+        __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+        futex_wait_on(gate_word(k), g);
     }
 }
 
@@ -763,12 +825,12 @@ static void gate_enter(void)
         PASS_THROUGH(fn, __VA_ARGS__);                          \
         if (!(fn))                                              \
             return CU_NOT_INITIALIZED;                          \
-        note_context();                                         \
-        gate_enter();                                           \
+        int k_ = note_context();                                \
+        gate_enter(k_);                                         \
         in_driver++;                                            \
         CUresult r_ = (fn)(__VA_ARGS__);                        \
         in_driver--;                                            \
-        __atomic_sub_fetch(&launching, 1, __ATOMIC_SEQ_CST);    \
+        __atomic_sub_fetch(&launching[1 + k_], 1, __ATOMIC_SEQ_CST); \
         return r_;                                              \
     } while (0)
 
@@ -821,7 +883,7 @@ static void forked(void)
 {
     pthread_once_t fresh = PTHREAD_ONCE_INIT;
     helper_once = fresh;
-    launching = 0;
+    memset(launching, 0, sizeof launching);
     nctxs = 0;
     known_ctx = NULL;
     memset(table, 0, sizeof table);  /* what the parent allocated is the parent's */
