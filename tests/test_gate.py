@@ -144,6 +144,11 @@ def gated(libs, tmp_path):
         return p
 
     yield gate, start, tmp_path / "kernels"
+    end(procs, gate)
+
+
+def end(procs: list[subprocess.Popen], gate: GateFreezer) -> None:
+    """Kill the launchers that still run; the gate left open, and let go."""
     for p in procs:
         if p.poll() is None:
             p.kill()
@@ -318,12 +323,7 @@ def test_a_container_on_two_gpus_is_gated_on_each_alone(libs, tmp_path):
             assert p.returncode == 0, err
         assert [s for _, s, _ in kernels(tmp_path / "kernels0") if s >= opened], "GPU 3's launches never went on"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        gate.thaw()
-        gate.close()
+        end(procs, gate)
 
 
 def test_a_page_of_an_older_cgpud_keeps_the_containers_one_gate(gated, tmp_path):
