@@ -7,6 +7,7 @@ a bad --gpus spec, an unusable state file, a state written for other GPUs, no
 from __future__ import annotations
 
 import errno
+import faulthandler
 import grp
 import logging
 import os
@@ -208,6 +209,9 @@ async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Conf
     return watchdog
 
 
+STOP_REPORT_AFTER = 8.0  # s after SIGTERM/SIGINT: a daemon still stopping then prints where it is
+
+
 async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         task_status.started()
@@ -218,6 +222,9 @@ async def _watch_signals(task_status=trio.TASK_STATUS_IGNORED) -> None:
                 continue
             log.info("%s received: unmounting and stopping", signal.Signals(sig).name)
             notify("STOPPING=1")
+            # A stop takes well under a second. Should one hang, its stacks go to stderr (the journal)
+            # after STOP_REPORT_AFTER s, "Timeout" first: what to attach to a report.
+            faulthandler.dump_traceback_later(STOP_REPORT_AFTER, exit=False)
             pyfuse3.terminate()
             stopping = True
 
