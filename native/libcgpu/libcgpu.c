@@ -690,26 +690,29 @@ static void futex_wait_on(const uint32_t *word, uint32_t seen)
 }
 
 /* The page GPU the calling thread launches on (its current context's device), -1 for the
- * container's gate: a page without per-GPU gates, or a device past the page's. */
+ * container's gate: a page without per-GPU gates, or a device past the page's. The device is
+ * asked at every launch (a context's address may come back for another device once destroyed). */
 static int note_context(void)
 {
     CUcontext c = NULL;
     if (!real.ctx_get || real.ctx_get(&c) != CU_OK || !c)
         return per_gpu ? 0 : -1;  /* (no context: the driver refuses the launch itself) */
-    if (c == known_ctx)
-        return known_gpu;
     CUdevice dev = -1;
     int k = -1;
     if (per_gpu && real.ctx_get_device && real.ctx_get_device(&dev) == CU_OK && dev >= 0
         && (uint32_t)dev < limits->ngpus)
         k = dev;
+    if (c == known_ctx && k == known_gpu)
+        return k;
     known_ctx = c;
     known_gpu = k;
     pthread_mutex_lock(&ctx_lock);
-    int seen = 0;
-    for (int i = 0; i < nctxs; i++)
-        seen |= ctxs[i] == c;
-    if (!seen && nctxs < (int)(sizeof ctxs / sizeof *ctxs)) {
+    int i = 0;
+    while (i < nctxs && ctxs[i] != c)
+        i++;
+    if (i < nctxs)
+        ctx_gpu[i] = k;  /* (drained with that GPU from now on) */
+    else if (nctxs < (int)(sizeof ctxs / sizeof *ctxs)) {
         ctx_gpu[nctxs] = k;
         ctxs[nctxs++] = c;
     }
