@@ -455,6 +455,22 @@ def test_a_container_on_two_gpus_runs_on_the_one_while_it_waits_its_turn_on_the_
     assert st["drains"] > 0, st
 
 
+def test_an_instances_pages_name_its_gpus_by_uuid(make_daemon, libs):
+    """What lets the library find each GPU whatever order CUDA numbers them in: the page names
+    the instance's GPUs' UUIDs, in its order (here GPU 1, then GPU 0)."""
+    d = make_daemon(gpus="sim:2xT4", extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so")])
+    with Client(str(d.socket)) as c:
+        uuids = {g["index"]: g["uuid"] for g in c.call("query")["gpus"]}
+        iso = c.call("register", name="uuidpages001", gpus=[1, 0], cgroup=True, isolate=True)["isolation"]
+        try:
+            limits = Path(iso["pages"], "limits").read_bytes()
+        finally:
+            c.call("deregister", name="uuidpages001")
+    named = [limits[pages.UUID_OFFSET + 16 * k:pages.UUID_OFFSET + 16 * (k + 1)] for k in range(3)]
+    assert named == [pages.uuid_bytes(uuids[1]), pages.uuid_bytes(uuids[0]), bytes(16)]
+    assert bytes(16) not in named[:2]
+
+
 @pytest.mark.parametrize("how", ["hot upgrade", "restart"])
 def test_the_gate_holds_across_a_daemon_restart(make_daemon, libs, tmp_path, how):
     """The daemon replaced mid-run, by a hot upgrade or a stop and a start: the instances, their

@@ -133,6 +133,56 @@ def test_a_container_on_two_gpus_is_held_to_each_ones_memsize(card):
                                 str(128 * MIB), "True"], r.stdout + r.stderr
 
 
+def test_a_page_naming_its_gpus_uuids_is_matched_by_uuid_not_by_cudas_numbers(card):
+    """The page's GPU 0 is CUDA's device 1 and its GPU 1 device 0 (CUDA numbers a container's
+    GPUs in its own order): with the UUIDs in the page each device gets its own GPU's memsize,
+    by cuDeviceTotalMem and at its allocations. A device whose UUID the page does not name
+    (a MIG device's is its own), or a driver that cannot say UUIDs: by number, as before."""
+    env, dirp = card
+    u0, u1, other = (f"GPU-5e4b1c2a-0000-4000-8000-00000000000{k}" for k in (0, 1, 9))
+    pages.create(os.fspath(dirp), [64 * MIB, 128 * MIB], [u1, u0])
+    code = """
+        ok(d.cuInit(0))
+        totals = [ok(d.cuDeviceTotalMem(ok(d.cuDeviceGet(i)))) for i in (0, 1)]
+        c0, c1 = (ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(i)))) for i in (0, 1))
+        ok(d.cuCtxSetCurrent(c0))
+        a = d.cuMemAlloc(128 * 2**20)[0] == d.CUresult.CUDA_SUCCESS
+        ok(d.cuCtxSetCurrent(c1))
+        b = d.cuMemAlloc(64 * 2**20 + 1)[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        print(*totals, a, b)
+    """
+    r = py({**env, "CGPU_STUB_CUDA_DEVICES": "2", "CGPU_STUB_CUDA_UUIDS": f"{u0},{u1}"}, code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(128 * MIB), str(64 * MIB), "True", "True"], r.stdout + r.stderr
+    # device 1's UUID is not the page's: by its number (GPU 1 of the page), never unheld
+    r = py({**env, "CGPU_STUB_CUDA_DEVICES": "2", "CGPU_STUB_CUDA_UUIDS": f"{u1},{other}"}, code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(64 * MIB), str(128 * MIB), "False", "False"], r.stdout + r.stderr
+    # no UUIDs from the driver: by CUDA's numbers, as a page without UUIDs
+    r = py({**env, "CGPU_STUB_CUDA_DEVICES": "2"}, code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(64 * MIB), str(128 * MIB), "False", "False"], r.stdout + r.stderr
+
+
+def test_nvml_matches_a_page_naming_its_gpus_uuids_by_uuid(card, libs, tmp_path):
+    """NVML numbers the GPUs its own way too: its GPU with the page's GPU 1's UUID shows GPU 1's memsize."""
+    from nvml_stub import NvmlStub, StubGpu
+
+    env, dirp = card
+    u0, u1 = (f"GPU-5e4b1c2a-0000-4000-8000-00000000000{k}" for k in (0, 1))
+    stub = NvmlStub(libs, tmp_path / "nvml.conf")
+    stub.gpus = [StubGpu(u, "Tesla V100-SXM2-16GB", V100) for u in (u0, u1)]
+    stub.write()
+    pages.create(os.fspath(dirp), [64 * MIB, 128 * MIB], [u1, u0])
+    r = py({**env, "CGPU_NVML_STUB": os.fspath(stub.config)}, """
+        import pynvml
+        pynvml.nvmlInit()
+        print(*(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total for i in (0, 1)))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(128 * MIB), str(64 * MIB)], r.stdout + r.stderr
+
+
 def test_racing_processes_never_pass_memsize_together(card):
     """Four processes allocate 1 MiB pieces at once until refused: together they hold
     exactly memsize, never a byte more, and the card agrees."""

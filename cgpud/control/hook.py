@@ -75,7 +75,8 @@ class Hooks:
                                   f"({errno.errorcode[code]})", code) from None
         if prepared:  # the limits the container's library reads
             try:
-                pages.fill(where, [i["memsize"] for i in result["instances"]])
+                made = result["instances"]
+                pages.fill(where, [i["memsize"] for i in made], [self.node.gpu(i["gpu"]).info.uuid for i in made])
             except (OSError, ValueError) as exc:
                 self.deregister({"name": name, "container": cid}, peer)
                 raise hookd.HookError(f"cannot write the GPU isolation pages of {name} in {where}: {exc}") from None

@@ -106,7 +106,7 @@ class Instances:
             raise
         if library:
             try:
-                pages.fill(where, [i.memsize for i in made])
+                pages.fill(where, [i.memsize for i in made], [self.node.gpu(i.gpu).info.uuid for i in made])
             except (OSError, ValueError) as exc:
                 self.durable.apply(lambda n: n.destroy(name))
                 undo()

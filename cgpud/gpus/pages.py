@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import os
 import struct
+import uuid
 
 MAGIC = 0x55504743  # "CGPU"
 VERSION = 2
 MAX_GPUS = 16
 MAX_PROCS = 256
-LIMITS = struct.Struct(f"<4I{MAX_GPUS}Q2I2I{MAX_GPUS}I")
+LIMITS = struct.Struct(f"<4I{MAX_GPUS}Q2I2I{MAX_GPUS}I{16 * MAX_GPUS}s")
 GATE_OFFSET = 16 + 8 * MAX_GPUS  # uint32 gate, the container's: odd open, even closed
 SHARED_GATE_SIZE = GATE_OFFSET + 8  # a page made by an older cgpud ends here: its container has that one gate
 CLOSINGS_OFFSET = SHARED_GATE_SIZE  # uint32: how many times any GPU's gate closed
 GPU_GATE_OFFSET = CLOSINGS_OFFSET + 8  # uint32 per GPU of the page: its gate
+UUID_OFFSET = GPU_GATE_OFFSET + 4 * MAX_GPUS  # 16 bytes per GPU of the page: its UUID (zero: not known)
 GATE_OPEN = 1
 PROC = struct.Struct(f"<i3I{MAX_GPUS}Q")
 PROC_HEAD = struct.Struct("<i3I")  # a slot's pid, gated (1: the container's gate, 2: per GPU), acked, gpus
@@ -29,20 +31,31 @@ GATED = struct.Struct(f"<{MAX_PROCS // 32}I")
 USAGE_SIZE = USAGE_HEAD.size + MAX_PROCS * PROC.size
 
 
-def create(directory: str, memsizes: list[int]) -> None:
+def create(directory: str, memsizes: list[int], uuids: list[str] | None = None) -> None:
     """Make a container's pages: its limits (mode 0444) and an empty usage page (0666)."""
-    limits = _limits(memsizes)
+    limits = _limits(memsizes, uuids)
     os.makedirs(directory, exist_ok=True)
     _write(os.path.join(directory, "limits"), limits, 0o444)
     _write(os.path.join(directory, "usage"), _empty_usage(), 0o666)
     _fifo(directory)
 
 
-def _limits(memsizes: list[int]) -> bytes:
+def _limits(memsizes: list[int], uuids: list[str] | None = None) -> bytes:
     if not 0 < len(memsizes) <= MAX_GPUS:
         raise ValueError(f"1 to {MAX_GPUS} GPUs, not {len(memsizes)}")
+    if uuids is not None and len(uuids) != len(memsizes):
+        raise ValueError(f"{len(uuids)} UUIDs for {len(memsizes)} GPUs")
     return LIMITS.pack(MAGIC, VERSION, len(memsizes), 0, *memsizes, *[0] * (MAX_GPUS - len(memsizes)),
-                       GATE_OPEN, 0, 0, 0, *[GATE_OPEN] * MAX_GPUS)
+                       GATE_OPEN, 0, 0, 0, *[GATE_OPEN] * MAX_GPUS, b"".join(map(uuid_bytes, uuids or [])))
+
+
+def uuid_bytes(text: str | None) -> bytes:
+    """A GPU's UUID as NVML writes it ("GPU-8-4-4-4-12" hex digits) in its 16 bytes; zeros when it
+    is not one (the library then goes by CUDA's device numbers)."""
+    try:
+        return uuid.UUID(text.removeprefix("GPU-")).bytes if text else bytes(16)
+    except ValueError:
+        return bytes(16)
 
 
 def _empty_usage() -> bytes:
@@ -109,13 +122,15 @@ def prepare(directory: str, preload: str | None = None) -> None:
         _write(os.path.join(directory, "ld.so.preload"), f"{preload}\n".encode(), 0o444)
 
 
-def fill(directory: str, memsizes: list[int]) -> None:
-    """The limits the daemon decided, written into the existing file: memsizes first, the magic last;
-    the gate is left as it is (the scheduler's)."""
-    data = _limits(memsizes)
+def fill(directory: str, memsizes: list[int], uuids: list[str] | None = None) -> None:
+    """The limits the daemon decided, written into the existing file: memsizes and the GPUs' UUIDs
+    first, the magic last; the gates are left as they are (the scheduler's)."""
+    data = _limits(memsizes, uuids)
     fd = os.open(os.path.join(directory, "limits"), os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.pwrite(fd, data[4:GATE_OFFSET], 4)
+        if os.fstat(fd).st_size >= LIMITS.size:
+            os.pwrite(fd, data[UUID_OFFSET:], UUID_OFFSET)
         os.fsync(fd)
         os.pwrite(fd, data[:4], 0)
         os.fsync(fd)

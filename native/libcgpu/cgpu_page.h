@@ -36,6 +36,9 @@ struct cgpu_limits {
      * `closings` counts the closings of any of them (the helper threads wait on it). */
     uint32_t closings, reserved3;
     uint32_t gpu_gate[CGPU_MAX_GPUS];
+    /* uuid[k]: GPU k's UUID (all zero: not known). The driver's device with that UUID is GPU k
+     * of the page, however CUDA numbers the container's devices; without UUIDs, device k is. */
+    uint8_t uuid[CGPU_MAX_GPUS][16];
 };
 #define CGPU_LIMITS_SHARED_GATE (4 * 4 + 8 * CGPU_MAX_GPUS + 2 * 4)
 

@@ -82,6 +82,8 @@ typedef struct { unsigned int version; unsigned long long total, reserved, free,
 typedef int (*nvml_mem_fn)(void *, nvmlMemory_t *);
 typedef int (*nvml_mem2_fn)(void *, nvmlMemory_v2_t *);
 typedef int (*nvml_index_fn)(void *, unsigned int *);
+typedef int (*nvml_uuid_fn)(void *, char *, unsigned int);
+typedef CUresult (*device_uuid_fn)(unsigned char *, CUdevice);
 typedef void *CUcontext;
 typedef CUresult (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
                               void **, void **);
@@ -119,6 +121,8 @@ static struct {
     nvml_mem_fn nvml_mem;
     nvml_mem2_fn nvml_mem2;
     nvml_index_fn nvml_index;
+    nvml_uuid_fn nvml_uuid;
+    device_uuid_fn device_uuid;
     launch_fn launch, launch_ptsz;
     launch_coop_fn launch_coop, launch_coop_ptsz;
     launch_ex_fn launch_ex, launch_ex_ptsz;
@@ -134,6 +138,9 @@ static dlsym_fn real_dlsym;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static const struct cgpu_limits *limits;  /* read-only */
 static int per_gpu;        /* the page has a gate per GPU (else the container's one gate) */
+static int has_uuids;      /* the page names its GPUs' UUIDs (read once: written before its magic) */
+static int dev_page[64];   /* per CUDA device: its page GPU once known; -2 not asked yet, -3 no UUID */
+static int uuids_in_page(void);
 static struct cgpu_usage *usage;
 static struct cgpu_proc *mine;
 static int asked;          /* CGPU_PAGE_DIR is set: this process must be isolated */
@@ -260,6 +267,9 @@ static void setup(void)
     real.graph_launch_ptsz = (graph_launch_fn)sym("cuGraphLaunch_ptsz");
     real.ctx_get = (ctx_get_fn)sym("cuCtxGetCurrent");
     real.ctx_get_device = (ctx_device_fn)sym("cuCtxGetDevice");
+    real.device_uuid = (device_uuid_fn)sym("cuDeviceGetUuid_v2");
+    if (!real.device_uuid)
+        real.device_uuid = (device_uuid_fn)sym("cuDeviceGetUuid");
     real.ctx_push = (ctx_push_fn)sym("cuCtxPushCurrent_v2");
     real.ctx_pop = (ctx_get_fn)sym("cuCtxPopCurrent_v2");
     real.ctx_sync = (ctx_sync_fn)sym("cuCtxSynchronize");
@@ -275,6 +285,7 @@ static void setup(void)
         real.nvml_mem = (nvml_mem_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo");
         real.nvml_mem2 = (nvml_mem2_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo_v2");
         real.nvml_index = (nvml_index_fn)real_dlsym(real.nvml, "nvmlDeviceGetIndex");
+        real.nvml_uuid = (nvml_uuid_fn)real_dlsym(real.nvml, "nvmlDeviceGetUUID");
     }
 
     const char *dir = getenv("CGPU_PAGE_DIR");
@@ -287,6 +298,8 @@ static void setup(void)
     size_t got = 0;
     limits = map_least(dir, "limits", sizeof *limits, CGPU_LIMITS_SHARED_GATE, &got, 0);
     per_gpu = got == sizeof *limits;
+    for (int i = 0; i < 64; i++)
+        dev_page[i] = -2;
     if (limits && (limits->magic != CGPU_MAGIC || limits->version != CGPU_VERSION
                    || limits->ngpus == 0 || limits->ngpus > CGPU_MAX_GPUS)) {
         snprintf(why, sizeof why, "%s/limits is %s", dir,
@@ -317,6 +330,7 @@ static void setup(void)
         usage = NULL;
     }
     why[0] = limits ? 0 : why[0];
+    has_uuids = limits && uuids_in_page();
 }
 
 /* At exit the driver frees what the process held: so does its page. */
@@ -332,15 +346,56 @@ static int isolated(void)
     return limits != NULL;
 }
 
-/* The page's GPU of the calling thread's current context: its device's ordinal as the container
- * sees it (the page lists the container's GPUs in the same order). -1 for a device past the
- * page's (a GPU given whole, not shared): not charged. */
+/* The page's GPU of a CUDA device. With the GPUs' UUIDs in the page: the one whose UUID the
+ * driver gives the device, whatever order CUDA numbers them in (CUDA_DEVICE_ORDER). Without
+ * them, from a driver that cannot say a UUID, or for a UUID the page does not name (a MIG
+ * device's is its own): device k is GPU k of the page, -1 past the page's (a GPU given whole),
+ * as before UUIDs: a device is never less held for them. */
+
+static int uuids_in_page(void)
+{
+    static const unsigned char zero[16];
+    if (!per_gpu)
+        return 0;
+    for (uint32_t k = 0; k < limits->ngpus; k++)
+        if (memcmp(limits->uuid[k], zero, 16))
+            return 1;
+    return 0;
+}
+
+static int uuid_to_page(const unsigned char *u)
+{
+    for (uint32_t k = 0; k < limits->ngpus; k++)
+        if (!memcmp(limits->uuid[k], u, 16))
+            return (int)k;
+    return -1;
+}
+
+static int page_index(int dev)
+{
+    if (dev < 0)
+        return -1;
+    if (dev < 64 && real.device_uuid && has_uuids) {
+        int k = __atomic_load_n(&dev_page[dev], __ATOMIC_RELAXED);
+        if (k == -2) {
+            unsigned char u[16];
+            k = real.device_uuid(u, dev) == CU_OK ? uuid_to_page(u) : -3;
+            k = k == -1 ? -3 : k;
+            __atomic_store_n(&dev_page[dev], k, __ATOMIC_RELAXED);
+        }
+        if (k != -3)
+            return k;
+    }
+    return (uint32_t)dev < limits->ngpus ? dev : -1;
+}
+
+/* The page's GPU of the calling thread's current context (see page_index). */
 static int current_gpu(void)
 {
     CUdevice dev = 0;
     if (!real.ctx_get_device || real.ctx_get_device(&dev) != CU_OK)
         return 0;  /* (no context yet: the driver refuses the allocation itself) */
-    return dev >= 0 && (uint32_t)dev < limits->ngpus ? dev : -1;
+    return page_index(dev);
 }
 
 CUresult cuInit(unsigned flags)
@@ -520,7 +575,7 @@ CUresult cuMemCreate(CUdeviceptr *handle, size_t size, const mem_prop *prop, uns
     if (!prop || (prop->location.type != LOC_DEVICE && prop->location.type != LOC_DEVICE_LOCALITY_DOMAIN))
         UNCHARGED(real.mem_create(handle, size, prop, flags));
     if (prop->location.type == LOC_DEVICE)  /* on the device it names, whichever context is current */
-        CHARGED_ON(prop->location.id >= 0 && (uint32_t)prop->location.id < limits->ngpus ? prop->location.id : -1,
+        CHARGED_ON(page_index(prop->location.id),
                    size, *handle, real.mem_create(handle, size, prop, flags));
     CHARGED(size, *handle, real.mem_create(handle, size, prop, flags));
 }
@@ -645,8 +700,9 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
     if (!isolated())
         return asked ? CU_NOT_INITIALIZED : real.total ? real.total(bytes, d) : CU_NOT_INITIALIZED;
     CUresult r = real.total(bytes, d);
-    if (r == CU_OK && d >= 0 && (uint32_t)d < limits->ngpus)
-        *bytes = limits->memsize[d];
+    int k = page_index(d);
+    if (r == CU_OK && k >= 0)
+        *bytes = limits->memsize[k];
     return r;
 }
 
@@ -699,9 +755,8 @@ static int note_context(void)
         return per_gpu ? 0 : -1;  /* (no context: the driver refuses the launch itself) */
     CUdevice dev = -1;
     int k = -1;
-    if (per_gpu && real.ctx_get_device && real.ctx_get_device(&dev) == CU_OK && dev >= 0
-        && (uint32_t)dev < limits->ngpus)
-        k = dev;
+    if (per_gpu && real.ctx_get_device && real.ctx_get_device(&dev) == CU_OK)
+        k = page_index(dev);
     if (c == known_ctx && k == known_gpu)
         return k;
     known_ctx = c;
@@ -902,11 +957,46 @@ static void forked(void)
 enum { NVML_OK = 0, NVML_UNINITIALIZED = 1, NVML_NOT_SUPPORTED = 3, NVML_UNKNOWN = 999 };
 
 /* total = memsize, used = the container's usage, free = the rest (never negative) */
+/* "GPU-8-4-4-4-12" hex digits (NVML's UUID) into 16 bytes; 0 if it is not one */
+static int parse_uuid(const char *text, unsigned char *u)
+{
+    int n = 0;
+    if (strncmp(text, "GPU-", 4))
+        return 0;
+    for (const char *p = text + 4; *p && n < 32; p++) {
+        int v = *p >= '0' && *p <= '9' ? *p - '0' : *p >= 'a' && *p <= 'f' ? *p - 'a' + 10
+              : *p >= 'A' && *p <= 'F' ? *p - 'A' + 10 : *p == '-' ? -1 : -2;
+        if (v == -2)
+            return 0;
+        if (v >= 0) {
+            u[n / 2] = (unsigned char)(n % 2 ? (u[n / 2] | v) : v << 4);
+            n++;
+        }
+    }
+    return n == 32;
+}
+
+/* The page's GPU of an NVML device: by UUID when the page names it, else by NVML's index. */
+static int nvml_page_index(void *dev)
+{
+    char text[96];
+    unsigned char u[16];
+    unsigned int idx;
+    int k;
+    if (has_uuids && real.nvml_uuid && real.nvml_uuid(dev, text, sizeof text) == NVML_OK && parse_uuid(text, u)
+        && (k = uuid_to_page(u)) >= 0)
+        return k;
+    if (!real.nvml_index || real.nvml_index(dev, &idx) != NVML_OK || idx >= limits->ngpus)
+        return -1;
+    return (int)idx;
+}
+
 static int nvml_view(void *dev, unsigned long long *total, unsigned long long *free_, unsigned long long *used_)
 {
-    unsigned int idx;
-    if (!real.nvml_index || real.nvml_index(dev, &idx) != NVML_OK || idx >= limits->ngpus)
+    int k = nvml_page_index(dev);
+    if (k < 0)
         return 0;
+    unsigned int idx = (unsigned int)k;
     uint64_t cap = limits->memsize[idx], used = __atomic_load_n(&usage->used[idx], __ATOMIC_ACQUIRE);
     *total = cap;
     *used_ = used > cap ? cap : used;

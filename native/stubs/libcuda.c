@@ -45,7 +45,7 @@ typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
 typedef void *CUcontext;
-enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALID_DEVICE = 101,
+enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALID_DEVICE = 101, NOT_SUPPORTED = 801,
        NOT_FOUND = 500 };
 
 static int inited;
@@ -116,6 +116,27 @@ CUresult cuDeviceGet(CUdevice *d, int ordinal)
     *d = ordinal;
     return OK;
 }
+/* Device d's UUID: the d-th of CGPU_STUB_CUDA_UUIDS ("GPU-8-4-4-4-12" hex, comma separated), as a
+ * real driver says the UUIDs nvidia-smi shows; without it, CUDA_ERROR_NOT_SUPPORTED. */
+CUresult cuDeviceGetUuid_v2(unsigned char *uuid, CUdevice d)
+{
+    const char *list = getenv("CGPU_STUB_CUDA_UUIDS");
+    if (!uuid) return INVALID_VALUE;
+    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    if (!list || !*list) return NOT_SUPPORTED;
+    for (int i = 0; i < d && list; i++)
+        list = (list = strchr(list, ',')) ? list + 1 : NULL;
+    if (!list || strncmp(list, "GPU-", 4)) return INVALID_VALUE;
+    int n = 0;
+    for (const char *p = list + 4; *p && *p != ',' && n < 32; p++) {
+        int v = *p >= '0' && *p <= '9' ? *p - '0' : *p >= 'a' && *p <= 'f' ? *p - 'a' + 10 : -1;
+        if (v < 0) continue;  /* (the dashes) */
+        uuid[n / 2] = (unsigned char)(n % 2 ? (uuid[n / 2] | v) : v << 4);
+        n++;
+    }
+    return n == 32 ? OK : INVALID_VALUE;
+}
+CUresult cuDeviceGetUuid(unsigned char *uuid, CUdevice d) { return cuDeviceGetUuid_v2(uuid, d); }
 CUresult cuDeviceGetName(char *name, int len, CUdevice d)
 {
     if (d < 0 || d >= devices()) return INVALID_DEVICE;
