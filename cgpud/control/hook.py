@@ -14,7 +14,6 @@ import trio
 from cgpud.containers import hookd, inject
 from cgpud.control.protocol import Peer, Refused
 from cgpud.core.model import ModelError, errno_of
-from cgpud.gpus import pages
 
 log = logging.getLogger("cgpud")
 INJECTED_KEY = object()  # (load_hook's failure to put the library in, for the hook to report)
@@ -75,8 +74,7 @@ class Hooks:
                                   f"({errno.errorcode[code]})", code) from None
         if prepared:  # the limits the container's library reads
             try:
-                made = result["instances"]
-                pages.fill(where, [i["memsize"] for i in made], [self.node.gpu(i["gpu"]).info.uuid for i in made])
+                self._fill_pages(where, [(i["gpu"], i["memsize"]) for i in result["instances"]])
             except (OSError, ValueError) as exc:
                 self.deregister({"name": name, "container": cid}, peer)
                 raise hookd.HookError(f"cannot write the GPU isolation pages of {name} in {where}: {exc}") from None

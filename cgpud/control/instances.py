@@ -106,7 +106,7 @@ class Instances:
             raise
         if library:
             try:
-                pages.fill(where, [i.memsize for i in made], [self.node.gpu(i.gpu).info.uuid for i in made])
+                self._fill_pages(where, [(i.gpu, i.memsize) for i in made])
             except (OSError, ValueError) as exc:
                 self.durable.apply(lambda n: n.destroy(name))
                 undo()
@@ -232,6 +232,10 @@ class Instances:
         for name in gone:
             self._drop_pages(name)
         return gone
+
+    def _fill_pages(self, where: str, made: list[tuple[int, int]]) -> None:
+        """Write the limits of an instance's pages: (GPU, memsize) of each of its GPUs, in the page's order."""
+        pages.fill(where, [m for _, m in made], [self.node.gpu(g).info.uuid for g, _ in made])
 
     def _drop_pages(self, name: str) -> None:
         where = os.path.join(self.pages_dir, name)

@@ -191,11 +191,12 @@ async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Conf
             return None
 
     def library(inst) -> int | None:
-        """What the instance's usage page says it holds on its GPU (the k-th of its GPUs in index order)."""
+        """What the instance's usage page says it holds on its GPU: the page's GPU of that UUID (a page
+        of an older cgpud names none: the k-th of its GPUs in index order)."""
         where = os.path.join(ctl.pages_dir, inst.name)
         gpus = sorted(i.gpu for i in node.instances_named(inst.name))
         try:
-            return pages.used(where)[gpus.index(inst.gpu)]
+            return pages.used_on(where, node.gpu(inst.gpu).info.uuid, gpus.index(inst.gpu))
         except (OSError, ValueError, IndexError, struct.error):
             return None
 

@@ -90,6 +90,16 @@ def used(directory: str) -> list[int]:
     return list(head[2:2 + MAX_GPUS])
 
 
+def used_on(directory: str, gpu_uuid: str, default: int) -> int:
+    """What the container's processes hold on the GPU with UUID `gpu_uuid`: the page's GPU that
+    names it, or, in a page that names none (an older cgpud's), its GPU `default`."""
+    with open(os.path.join(directory, "limits"), "rb") as f:
+        limits = f.read(LIMITS.size)
+    named = [limits[UUID_OFFSET + 16 * i:UUID_OFFSET + 16 * (i + 1)] for i in range(MAX_GPUS)]
+    want = uuid_bytes(gpu_uuid)
+    return used(directory)[named.index(want) if want != bytes(16) and want in named else default]
+
+
 def held_by(directory: str) -> dict[int, list[int]]:
     """pid -> bytes per GPU, for each process slot in use."""
     with open(os.path.join(directory, "usage"), "rb") as f:

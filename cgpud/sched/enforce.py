@@ -49,6 +49,7 @@ process (a thaw cannot hurt).
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import statistics
@@ -381,6 +382,11 @@ def thaw_spec(entry: Any) -> str:
 # ---- the scheduler's side -----------------------------------------------------------------
 
 
+def _per_gpu(target: Any) -> bool:
+    """The target stops its container on one GPU at a time (a gate with per-GPU gates)."""
+    return getattr(target, "drives_gpus", False)
+
+
 class Enforcement:
     """The scheduler's Enforcer (cgpud.sched.enforce_api): freeze(gpu, name)
     and thaw(gpu, name) carried out on one backend per instance name.
@@ -415,10 +421,12 @@ class Enforcement:
         if self._registry is not None:
             self._registry.add(target)
         self._targets[name] = target
-        for gpu in sorted(self._holders.get(name, ())):
-            self._apply(name, target.freeze, gpu)
-            if not getattr(target, "drives_gpus", False):
-                break  # (one freeze holds it whole)
+        holders = self._holders.get(name)
+        if holders and _per_gpu(target):
+            for gpu in sorted(holders):
+                self._apply(name, functools.partial(target.freeze, gpu))
+        elif holders:
+            self._apply(name, target.freeze)
 
     def detach(self, name: str, *, keep_holders: bool = False) -> None:
         """Thaw instance `name`'s target and forget it."""
@@ -439,12 +447,12 @@ class Enforcement:
         self._holders.setdefault(name, set()).add(gpu)
         target = self._targets.get(name)
         if target is not None:
-            self._apply(name, target.freeze, gpu)
+            self._apply(name, functools.partial(target.freeze, gpu) if _per_gpu(target) else target.freeze)
 
     def thaw(self, gpu: int, name: str) -> None:
         holders = self._holders.get(name)
         target = self._targets.get(name)
-        per_gpu = getattr(target, "drives_gpus", False)
+        per_gpu = _per_gpu(target)
         if holders is not None:
             holders.discard(gpu)
             if holders and not per_gpu:
@@ -464,13 +472,13 @@ class Enforcement:
             t = self._targets.get(name)
             if t is None or not t.frozen or not getattr(t, "undrained", None):
                 continue
-            if t.undrained(gpu) if getattr(t, "drives_gpus", False) else t.undrained():
+            if t.undrained(gpu) if _per_gpu(t) else t.undrained():
                 out.append(t)
         return out
 
-    def _apply(self, name: str, action: Any, gpu: int | None = None) -> None:
+    def _apply(self, name: str, action: Any) -> None:
         try:
-            action(gpu) if gpu is not None and getattr(self._targets.get(name), "drives_gpus", False) else action()
+            action()
         except TargetGone:
             self.detach(name, keep_holders=True)  # nothing left to stop
 
