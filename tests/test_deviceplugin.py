@@ -498,3 +498,16 @@ def test_a_malformed_choice_is_not_followed_and_is_said(node_with_api, idx, tmp_
     if idx:
         wait_for(lambda: "ALIYUN_COM_GPU_MEM_IDX=" in (tmp_path / "plugin.log").read_text(), "the log says so")
         assert (tmp_path / "plugin.log").read_text().count("is not a list of GPU indices") == 1
+
+
+def test_the_plugin_implements_every_method_the_kubelet_calls():
+    """api_pb2_grpc.py is grpcio-tools' output, kept as generated: its servicer base classes
+    raise NotImplementedError. Every DevicePlugin method is ours (cgpud.k8s.deviceplugin.Plugin),
+    and Registration.Register is the kubelet's side (tests/kubelet_standin.py)."""
+    from cgpud.k8s.deviceplugin import Plugin
+    from cgpud.k8s.proto import api_pb2_grpc as rpc
+
+    for servicer, ours in ((rpc.DevicePluginServicer, Plugin), (rpc.RegistrationServicer, Kubelet)):
+        methods = [m for m in vars(servicer) if not m.startswith("_")]
+        assert methods and all(getattr(ours, m) is not getattr(servicer, m) for m in methods), (ours, methods)
+    assert len([m for m in vars(rpc.DevicePluginServicer) if not m.startswith("_")]) == 5
