@@ -3,6 +3,10 @@
 Start-up refuses with one clear line (`StartError`) when it cannot do its job:
 a bad --gpus spec, an unusable state file, a state written for other GPUs, no
 /dev/fuse, a mount point in use. SIGTERM and SIGINT unmount cleanly.
+
+Longer than 450 lines on purpose: it is the one place where the parts are
+wired together in their start-up order; split, that order would be spread
+over several files.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from cgpud.control import server as control
 from cgpud.control.protocol import Refused
 
 from cgpud.daemon import upgrade
+from cgpud.sched import native
 from cgpud.sched.guard import RegistryError
 from cgpud.state.durable import Durable
 from cgpud.gpus import BadSpec, discover, pages
@@ -72,7 +77,9 @@ class Config:
 
     @property
     def gates(self) -> bool:
-        return self.compute == "gate" or (self.compute == "auto" and self.gpus.strip() == "nvml")
+        """"auto" gates on real GPUs if the native part is built ("gate" without it: refused at start)."""
+        auto = self.compute == "auto" and self.gpus.strip() == "nvml"
+        return self.compute == "gate" or (auto and native.missing(warn="containers with libcgpu are frozen") is None)
     successor: int | None = None  # set by serve: after a hot upgrade, the pid of the daemon that serves now
 
 
@@ -308,6 +315,8 @@ def _check_flags(cfg: Config) -> None:
     except exposition.BadAddress as exc:
         raise StartError(str(exc)) from None
     _admin_gid(cfg.admin_group)
+    if cfg.compute == "gate" and (why := native.missing()) is not None:
+        raise StartError(f"--compute gate: {why}")
 
 
 def _lock_state(cfg: Config) -> StateLock:

@@ -1,0 +1,775 @@
+/*
+ * libcgpu-switch.so: the daemon's native part of the compute gate (docs/isolation.md),
+ * loaded by cgpud/sched/native.py through ctypes.
+ *
+ * 1. Pages. A container's `limits` and `usage` pages and its `drained` FIFO, opened and
+ *    mapped once, shared (counted references) by the Python GateFreezer that owns the
+ *    instance and by the switcher threads that drive its gates. Every operation on a page
+ *    takes its lock: the gate words, the count of closings, which of its GPUs' gates are
+ *    closed and with which closing, and the processes given up on.
+ *
+ * 2. The switcher. One thread per GPU carries out a batch of steps the scheduler (trio,
+ *    cgpud/sched/loop.py) planned: at each step it closes the gates of the instances that
+ *    must stop, waits (bounded) until their processes have drained the work they queued,
+ *    opens the gate of the one that runs, and sleeps to the step's end. The switch is then
+ *    three futex wakes and a poll, not a trio wake-up and the Python between; and trio
+ *    wakes once a batch, not once a slice. A step's times are reported back: the scheduler
+ *    charges what really happened.
+ *
+ * Nothing here decides who runs: it only does, at the times it is told, what it is told.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "../libcgpu/cgpu_page.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define GATED_PER_GPU 2u
+
+static int64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void wake_all(uint32_t *word)
+{
+    syscall(SYS_futex, word, FUTEX_WAKE, 0x7FFFFFFF, NULL, NULL, 0);
+}
+
+/* ---- pages ------------------------------------------------------------------------------ */
+
+struct page {
+    pthread_mutex_t mu;
+    int refs;
+    struct cgpu_limits *lim;
+    size_t lim_size;
+    int per_gpu;                 /* the page has a gate per GPU (else: the container's one gate) */
+    const struct cgpu_usage *use;
+    int fifo, keep;              /* the drained FIFO: our read end, and a writer of our own */
+    int gpus[CGPU_MAX_GPUS];     /* the node GPU of each page GPU */
+    int ngpus_known;             /* how many of gpus[] are known (0: none) */
+    int drives;                  /* per-GPU gates driven one node GPU at a time */
+    uint32_t closed[CGPU_MAX_GPUS];  /* page GPU k closed: the count of closings its closing made */
+    uint32_t closed_mask;
+    int frozen;
+    uint8_t stale[CGPU_MAX_PROCS];   /* a slot given up on: its pid and acked then */
+    int32_t stale_pid[CGPU_MAX_PROCS];
+    uint32_t stale_acked[CGPU_MAX_PROCS];
+};
+
+/* Open the pages in `dir`. gpus/n: the node GPU of each page GPU (n 0: none known). On
+ * failure NULL, *why says why and *gone is 1 when the pages are not there. */
+EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *why, size_t whylen, int *gone)
+{
+    char path[4200];
+    struct stat st;
+    *gone = 0;
+    struct page *p = calloc(1, sizeof *p);
+    if (!p) {
+        snprintf(why, whylen, "out of memory");
+        return NULL;
+    }
+    p->fifo = p->keep = -1;
+    snprintf(path, sizeof path, "%s/limits", dir);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        *gone = errno == ENOENT;
+        snprintf(why, whylen, "%s%s%s", path, *gone ? " is gone" : ": ", *gone ? "" : strerror(errno));
+        free(p);
+        return NULL;
+    }
+    if (fstat(fd, &st) || (size_t)st.st_size < CGPU_LIMITS_SHARED_GATE) {
+        snprintf(why, whylen, "%s is not a cgpud limits page", path);
+        close(fd);
+        free(p);
+        return NULL;
+    }
+    p->per_gpu = (size_t)st.st_size >= sizeof(struct cgpu_limits);
+    p->lim_size = p->per_gpu ? sizeof(struct cgpu_limits) : CGPU_LIMITS_SHARED_GATE;
+    void *m = mmap(NULL, p->lim_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) {
+        snprintf(why, whylen, "%s: %s", path, strerror(errno));
+        free(p);
+        return NULL;
+    }
+    p->lim = m;
+    uint32_t magic = p->lim->magic;  /* (0: prepared, its memsizes not yet written) */
+    if ((magic != CGPU_MAGIC && magic != 0) || p->lim->version != CGPU_VERSION) {
+        snprintf(why, whylen, "%s is not a cgpud limits page of version %u", path, CGPU_VERSION);
+        goto fail;
+    }
+    snprintf(path, sizeof path, "%s/drained", dir);
+    p->fifo = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (p->fifo >= 0)  /* our own writer: the FIFO never reads as hung up between the processes' writes */
+        p->keep = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (p->fifo < 0 || p->keep < 0) {
+        snprintf(why, whylen, "%s: %s", path, strerror(errno));
+        goto fail;
+    }
+    snprintf(path, sizeof path, "%s/usage", dir);
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || fstat(fd, &st) || (size_t)st.st_size < sizeof(struct cgpu_usage)) {
+        snprintf(why, whylen, "%s: %s", path, fd < 0 ? strerror(errno) : "too short for a usage page");
+        if (fd >= 0) close(fd);
+        goto fail;
+    }
+    m = mmap(NULL, sizeof(struct cgpu_usage), PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED) {
+        snprintf(why, whylen, "%s: %s", path, strerror(errno));
+        goto fail;
+    }
+    p->use = m;
+    p->ngpus_known = n > 0 && n <= CGPU_MAX_GPUS ? n : 0;
+    for (int k = 0; k < p->ngpus_known; k++)
+        p->gpus[k] = gpus[k];
+    p->drives = p->per_gpu && p->ngpus_known > 0;
+    pthread_mutex_init(&p->mu, NULL);
+    p->refs = 1;
+    return p;
+fail:
+    if (p->fifo >= 0) close(p->fifo);
+    if (p->keep >= 0) close(p->keep);
+    munmap(p->lim, p->lim_size);
+    free(p);
+    return NULL;
+}
+
+EXPORT void cg_page_ref(struct page *p)
+{
+    __atomic_add_fetch(&p->refs, 1, __ATOMIC_ACQ_REL);
+}
+
+EXPORT void cg_page_release(struct page *p)
+{
+    if (!p || __atomic_sub_fetch(&p->refs, 1, __ATOMIC_ACQ_REL))
+        return;
+    close(p->fifo);
+    close(p->keep);
+    munmap(p->lim, p->lim_size);
+    munmap((void *)p->use, sizeof(struct cgpu_usage));
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+}
+
+EXPORT int cg_page_per_gpu(struct page *p) { return p->per_gpu; }
+EXPORT int cg_page_drives(struct page *p) { return p->drives; }
+EXPORT int cg_page_fifo(struct page *p) { return p->fifo; }
+
+static uint32_t load(const uint32_t *w) { return __atomic_load_n(w, __ATOMIC_SEQ_CST); }
+static void store(uint32_t *w, uint32_t v) { __atomic_store_n(w, v, __ATOMIC_SEQ_CST); }
+
+/* The page's GPUs (read each time: a prepared page learns them when it is filled). */
+static unsigned ngpus(struct page *p)
+{
+    unsigned n = load(&p->lim->ngpus);
+    return n < 1 ? 1 : n > CGPU_MAX_GPUS ? CGPU_MAX_GPUS : n;
+}
+
+/* The page GPUs a freeze or thaw of node GPU `gpu` (-1: all) is about, as a mask. */
+static uint32_t ks(struct page *p, int gpu)
+{
+    if (gpu < 0 || !p->drives)
+        return (uint32_t)((1ull << ngpus(p)) - 1);
+    for (int k = 0; k < p->ngpus_known; k++)
+        if (p->gpus[k] == gpu)
+            return 1u << k;
+    return 0;
+}
+
+static void open_gate(uint32_t *w)
+{
+    uint32_t g = load(w);
+    if (!(g & 1))
+        store(w, g + 1);
+    wake_all(w);  /* (also when it was open: a waiter that read an old value wakes and looks again) */
+}
+
+static void freeze_locked(struct page *p, int gpu)
+{
+    if (p->per_gpu) {
+        uint32_t m = ks(p, gpu);
+        for (unsigned k = 0; k < CGPU_MAX_GPUS; k++) {
+            if (!(m >> k & 1))
+                continue;
+            uint32_t g = load(&p->lim->gpu_gate[k]);
+            if (g & 1)
+                store(&p->lim->gpu_gate[k], g + 1);
+            if (!(p->closed_mask >> k & 1)) {  /* count one more closing; it wakes the helper threads */
+                uint32_t c = load(&p->lim->closings) + 1;
+                store(&p->lim->closings, c);
+                wake_all(&p->lim->closings);
+                p->closed[k] = c;
+                p->closed_mask |= 1u << k;
+            }
+        }
+    }
+    uint32_t g = load(&p->lim->gate);
+    if (g & 1) {
+        store(&p->lim->gate, g + 1);
+        wake_all(&p->lim->gate);  /* the helper threads of an older libcgpu: drain and answer */
+    }
+    p->frozen = 1;
+}
+
+static void thaw_locked(struct page *p, int gpu)
+{
+    if (p->per_gpu) {
+        uint32_t m = ks(p, gpu);
+        for (unsigned k = 0; k < CGPU_MAX_GPUS; k++)
+            if (m >> k & 1) {
+                p->closed_mask &= ~(1u << k);
+                open_gate(&p->lim->gpu_gate[k]);
+            }
+    }
+    if (!p->closed_mask)
+        open_gate(&p->lim->gate);
+    p->frozen = p->closed_mask != 0;
+}
+
+/* Close the container's gate on node GPU `gpu` (-1, or a page that is not driven per GPU: all). */
+EXPORT void cg_page_freeze(struct page *p, int gpu)
+{
+    pthread_mutex_lock(&p->mu);
+    freeze_locked(p, gpu);
+    pthread_mutex_unlock(&p->mu);
+}
+
+EXPORT void cg_page_thaw(struct page *p, int gpu)
+{
+    pthread_mutex_lock(&p->mu);
+    thaw_locked(p, gpu);
+    pthread_mutex_unlock(&p->mu);
+}
+
+EXPORT int cg_page_frozen(struct page *p)
+{
+    pthread_mutex_lock(&p->mu);
+    int f = p->frozen;
+    pthread_mutex_unlock(&p->mu);
+    return f;
+}
+
+/* Whether node GPU `gpu`'s gate is closed (a page not driven per GPU: whether it is frozen). */
+static int closed_on_locked(struct page *p, int gpu)
+{
+    if (!p->drives)
+        return p->frozen;
+    uint32_t m = ks(p, gpu);
+    return m && (p->closed_mask & m) == m;
+}
+
+EXPORT int cg_page_closed_on(struct page *p, int gpu)
+{
+    pthread_mutex_lock(&p->mu);
+    int c = closed_on_locked(p, gpu);
+    pthread_mutex_unlock(&p->mu);
+    return c;
+}
+
+/* `acked` answers a closing older than `closing` (counts that wrap). */
+static int before(uint32_t acked, uint32_t closing)
+{
+    return (uint32_t)(acked - closing) >= 0x80000000u;
+}
+
+/* The slots of launching processes that have not drained the current closing (of node GPU
+ * `gpu`'s gate; -1: of any), leaving out those given up on; written to out[max], counted. */
+static int undrained_locked(struct page *p, int gpu, int *out, int max)
+{
+    uint32_t shared = load(&p->lim->gate);
+    uint32_t closing = gpu < 0 || !p->drives ? p->closed_mask : p->closed_mask & ks(p, gpu);
+    if ((shared & 1) && !closing)
+        return 0;
+    int n = 0;
+    for (unsigned w = 0; w < CGPU_MAX_PROCS / 32; w++) {
+        uint32_t bits = load(&p->use->gated_slots[w]);
+        while (bits) {
+            unsigned slot = w * 32 + (unsigned)__builtin_ctz(bits);
+            bits &= bits - 1;
+            const struct cgpu_proc *s = &p->use->procs[slot];
+            int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
+            uint32_t gated = load(&s->gated), acked = load(&s->acked), on = load(&s->gpus);
+            if (pid <= 0)
+                continue;
+            if (p->stale[slot] && (p->stale_pid[slot] != pid || p->stale_acked[slot] != acked))
+                p->stale[slot] = 0;  /* it has answered a closing since (or is another process) */
+            if (p->stale[slot])
+                continue;
+            if (gated == GATED_PER_GPU) {
+                int wait = 0;
+                for (unsigned k = 0; k < CGPU_MAX_GPUS && !wait; k++)
+                    wait = (closing >> k & 1) && (on >> k & 1) && before(acked, p->closed[k]);
+                if (!wait)
+                    continue;
+            } else if (!gated || (shared & 1) || acked == shared)
+                continue;
+            if (n < max)
+                out[n] = (int)slot;
+            n++;
+        }
+    }
+    return n;
+}
+
+EXPORT int cg_page_undrained(struct page *p, int gpu, int *out, int max)
+{
+    pthread_mutex_lock(&p->mu);
+    int n = undrained_locked(p, gpu, out, max);
+    pthread_mutex_unlock(&p->mu);
+    return n;
+}
+
+static int give_up_locked(struct page *p, int gpu, int *out, int max)
+{
+    int slots[CGPU_MAX_PROCS];
+    int n = undrained_locked(p, gpu, slots, CGPU_MAX_PROCS);
+    for (int i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
+        const struct cgpu_proc *s = &p->use->procs[slots[i]];
+        p->stale[slots[i]] = 1;
+        p->stale_pid[slots[i]] = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
+        p->stale_acked[slots[i]] = load(&s->acked);
+        if (i < max)
+            out[i] = slots[i];
+    }
+    return n;
+}
+
+/* The bound passed: those who did not answer are not waited for again (until they answer). */
+EXPORT int cg_page_give_up(struct page *p, int gpu, int *out, int max)
+{
+    pthread_mutex_lock(&p->mu);
+    int n = give_up_locked(p, gpu, out, max);
+    pthread_mutex_unlock(&p->mu);
+    return n;
+}
+
+/* Empty the FIFO (its bytes only wake us; the page says who drained). */
+EXPORT void cg_page_consume(struct page *p)
+{
+    char buf[512];
+    while (read(p->fifo, buf, sizeof buf) == (ssize_t)sizeof buf)
+        ;
+}
+
+/* ---- the switcher ------------------------------------------------------------------------ */
+
+#define NOTIFY 1u  /* step flag: tell the scheduler when this step starts */
+
+struct step {
+    int64_t len_ns;   /* how long it lasts from the moment its switch begins */
+    int32_t run;      /* the universe index of the instance that runs (-1: nobody) */
+    uint32_t flags;
+};
+
+struct report {
+    int64_t begin, start, end;  /* its switch began, its instance's gate opened, it ended (0: not yet) */
+    int64_t drain_ns;           /* of the switch: waiting for the stopped instances' queued work */
+    int64_t late_ns;            /* how late it ended, past its due time */
+    int32_t batch, step;        /* which step of which batch */
+    int32_t gave_up;            /* the universe index of an instance not waited for past the bound (-1) */
+    int32_t closed;             /* how many gates its switch closed */
+};
+
+struct batch {
+    int32_t id;
+    int nuni;
+    struct page **uni;  /* the gated instances of this GPU (a reference each) */
+    uint8_t *active;    /* which of them use the GPU: those not running are held at their gate */
+    int nsteps;
+    struct step *steps;
+};
+
+#define REPORTS 1024
+
+struct sw {
+    pthread_t thread;
+    pthread_mutex_t mu;
+    int gpu;
+    int64_t bound_ns;
+    int cmd;                  /* eventfd: the scheduler has something for the thread */
+    int note;                 /* eventfd: the thread has something for the scheduler */
+    struct batch *cur, *next; /* the batch being carried out, and the one after it */
+    int pos;                  /* the step of `cur` carried out now (-1: none yet) */
+    int cancel, stopping, idle;
+    struct report reports[REPORTS];
+    unsigned head, tail;      /* reports [tail, head) not taken yet; the last one may still be open */
+};
+
+static void free_batch(struct batch *b)
+{
+    if (!b) return;
+    for (int i = 0; i < b->nuni; i++)
+        cg_page_release(b->uni[i]);
+    free(b->uni);
+    free(b->active);
+    free(b->steps);
+    free(b);
+}
+
+static void notify(struct sw *s)
+{
+    uint64_t one = 1;
+    if (write(s->note, &one, sizeof one) < 0) { /* (a counter: it cannot fill up in practice) */ }
+}
+
+static void drain_fd(int fd)
+{
+    uint64_t v;
+    if (read(fd, &v, sizeof v) < 0) { /* (nonblocking: nothing there) */ }
+}
+
+/* Sleep until `until` (CLOCK_MONOTONIC ns) or until the scheduler writes `cmd`. */
+static void sleep_or_cmd(struct sw *s, int64_t until)
+{
+    int64_t left = until - now_ns();
+    if (left <= 0)
+        return;
+    struct timespec t = {(time_t)(left / 1000000000), (long)(left % 1000000000)};
+    struct pollfd pf = {.fd = s->cmd, .events = POLLIN};
+    if (ppoll(&pf, 1, until == INT64_MAX ? NULL : &t, NULL) > 0)
+        drain_fd(s->cmd);
+}
+
+/* Wait until the pages `uni[i]` for i in `which` have drained node GPU `gpu`'s closing, until
+ * `deadline`; who has not answered by then is given up on. Returns the index given up on, or -1. */
+static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, int64_t deadline)
+{
+    struct pollfd pf[CGPU_MAX_PROCS];
+    int idx[CGPU_MAX_PROCS];
+    for (;;) {
+        int m = 0, shared = 0;
+        for (int i = 0; i < n && m < CGPU_MAX_PROCS; i++) {
+            struct page *p = b->uni[which[i]];
+            if (cg_page_undrained(p, s->gpu, NULL, 0) > 0) {
+                pf[m] = (struct pollfd){.fd = p->fifo, .events = POLLIN};
+                idx[m++] = which[i];
+                shared |= p->drives && ngpus(p) > 1;  /* another GPU's switcher may take its FIFO's byte */
+            }
+        }
+        if (!m)
+            return -1;
+        int64_t left = deadline - now_ns();
+        if (left <= 0) {
+            int late = -1;
+            for (int i = 0; i < m; i++) {
+                int slots[1];
+                if (cg_page_give_up(b->uni[idx[i]], s->gpu, slots, 1) > 0 && late < 0)
+                    late = idx[i];
+            }
+            return late;
+        }
+        if (shared && left > 1000000)
+            left = 1000000;  /* (look again every ms) */
+        struct timespec t = {(time_t)(left / 1000000000), (long)(left % 1000000000)};
+        if (ppoll(pf, (nfds_t)m, &t, NULL) > 0)
+            for (int i = 0; i < m; i++)
+                if (pf[i].revents)
+                    cg_page_consume(b->uni[idx[i]]);
+    }
+}
+
+static struct report *open_report(struct sw *s)
+{
+    pthread_mutex_lock(&s->mu);
+    struct report *r = NULL;
+    if (s->head != s->tail) {
+        r = &s->reports[(s->head - 1) % REPORTS];
+        if (r->end)
+            r = NULL;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return r;
+}
+
+/* Carry out one step of `b`. */
+static void run_step(struct sw *s, struct batch *b, int pos)
+{
+    const struct step *st = &b->steps[pos];
+    int64_t begin = now_ns();
+    struct report *prev = open_report(s);
+    if (prev) {
+        pthread_mutex_lock(&s->mu);
+        prev->end = begin;
+        pthread_mutex_unlock(&s->mu);
+    }
+    /* close: the active instances that do not run now */
+    int closing[CGPU_MAX_PROCS], nclose = 0;
+    for (int i = 0; i < b->nuni; i++) {
+        if (!b->active[i] || i == st->run)
+            continue;
+        struct page *p = b->uni[i];
+        pthread_mutex_lock(&p->mu);
+        if (!closed_on_locked(p, s->gpu)) {
+            freeze_locked(p, s->gpu);
+            if (nclose < CGPU_MAX_PROCS)
+                closing[nclose++] = i;
+        }
+        pthread_mutex_unlock(&p->mu);
+    }
+    int gave_up = -1;
+    int64_t drained = begin;
+    if (nclose) {  /* (also before an idle step: the work that runs on is the stopped ones', charged to them) */
+        gave_up = wait_drained(s, b, closing, nclose, begin + s->bound_ns);
+        drained = now_ns();
+    }
+    /* open: everyone else this GPU knows (the runner, the idle) */
+    for (int i = 0; i < b->nuni; i++) {
+        if (b->active[i] && i != st->run)
+            continue;
+        struct page *p = b->uni[i];
+        pthread_mutex_lock(&p->mu);
+        if (closed_on_locked(p, s->gpu))
+            thaw_locked(p, s->gpu);
+        pthread_mutex_unlock(&p->mu);
+    }
+    int64_t start = now_ns();
+    pthread_mutex_lock(&s->mu);
+    if (s->head - s->tail >= REPORTS)
+        s->tail++;  /* (the scheduler has not read them for REPORTS steps: the oldest go) */
+    s->reports[s->head++ % REPORTS] = (struct report){
+        .begin = begin, .start = start, .drain_ns = nclose ? drained - begin : 0,
+        .batch = b->id, .step = pos, .gave_up = gave_up, .closed = nclose};
+    pthread_mutex_unlock(&s->mu);
+    if (st->flags & NOTIFY)
+        notify(s);
+}
+
+static void *switcher(void *arg)
+{
+    struct sw *s = arg;
+    char name[16];
+    snprintf(name, sizeof name, "cgpu-switch%d", s->gpu);
+    pthread_setname_np(pthread_self(), name);  /* (what top -H and /proc/PID/task show) */
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);  /* wake at the step's end, not up to 50 µs after */
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        if (s->stopping)
+            break;
+        if (s->cancel) {  /* end the step now, drop the batches; the gates stay as they are */
+            struct report *r = s->head != s->tail ? &s->reports[(s->head - 1) % REPORTS] : NULL;
+            if (r && !r->end)
+                r->end = now_ns();
+            free_batch(s->cur);
+            free_batch(s->next);
+            s->cur = s->next = NULL;
+            s->pos = -1;
+            s->cancel = 0;
+            s->idle = 1;
+            notify(s);
+            continue;
+        }
+        struct batch *b = s->cur;
+        if (b && s->pos + 1 >= b->nsteps && s->next) {  /* on to the next batch */
+            struct batch *n = s->next;
+            /* gates of instances the new batch no longer has: open (idle, or gone) */
+            for (int i = 0; i < b->nuni; i++) {
+                int kept = 0;
+                for (int j = 0; j < n->nuni && !kept; j++)
+                    kept = n->uni[j] == b->uni[i];
+                if (!kept)
+                    cg_page_thaw(b->uni[i], s->gpu);
+            }
+            free_batch(b);
+            s->cur = b = n;
+            s->next = NULL;
+            s->pos = -1;
+        }
+        if (!b || s->pos + 1 >= b->nsteps) {  /* nothing more to do: hold the gates as they are */
+            s->idle = 1;
+            pthread_mutex_unlock(&s->mu);
+            notify(s);
+            sleep_or_cmd(s, INT64_MAX);
+            pthread_mutex_lock(&s->mu);
+            continue;
+        }
+        s->idle = 0;
+        int pos = ++s->pos;
+        pthread_mutex_unlock(&s->mu);
+        run_step(s, b, pos);
+        int64_t until = 0;
+        pthread_mutex_lock(&s->mu);
+        until = s->reports[(s->head - 1) % REPORTS].begin + b->steps[pos].len_ns;
+        while (!s->cancel && !s->stopping && now_ns() < until) {
+            pthread_mutex_unlock(&s->mu);
+            sleep_or_cmd(s, until);
+            pthread_mutex_lock(&s->mu);
+        }
+        struct report *r = &s->reports[(s->head - 1) % REPORTS];
+        int64_t t = now_ns();
+        if (!s->cancel && !s->stopping && t > until)
+            r->late_ns = t - until;
+    }
+    s->idle = 1;
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* A switcher for node GPU `gpu`; `bound_ns`: the longest wait for a stopped instance's queued
+ * work. NULL (errno set) when its thread cannot start. */
+EXPORT struct sw *cg_sw_new(int gpu, int64_t bound_ns)
+{
+    struct sw *s = calloc(1, sizeof *s);
+    if (!s)
+        return NULL;
+    s->gpu = gpu;
+    s->bound_ns = bound_ns;
+    s->pos = -1;
+    s->idle = 1;
+    pthread_mutex_init(&s->mu, NULL);
+    s->cmd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    s->note = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with the daemon's own thread */
+    int e = s->cmd < 0 || s->note < 0 ? errno : pthread_create(&s->thread, NULL, switcher, s);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (e) {
+        if (s->cmd >= 0) close(s->cmd);
+        if (s->note >= 0) close(s->note);
+        free(s);
+        errno = e;
+        return NULL;
+    }
+    return s;
+}
+
+/* The descriptor that reads ready when the switcher has something to say (a step that asked
+ * for it started, it ran out of steps, a cancel is done). cg_sw_ack empties it. */
+EXPORT int cg_sw_fd(struct sw *s) { return s->note; }
+EXPORT void cg_sw_ack(struct sw *s) { drain_fd(s->note); }
+
+static void poke(struct sw *s)
+{
+    uint64_t one = 1;
+    if (write(s->cmd, &one, sizeof one) < 0) { /* (a counter) */ }
+}
+
+/* Hand the switcher a batch: `nuni` pages (each given a reference of its own) with whether
+ * each is active, and `nsteps` steps. It follows the batch being carried out (or starts now
+ * when there is none). Returns 0, or -1 when a batch is already waiting (refused). */
+EXPORT int cg_sw_submit(struct sw *s, int32_t id, int nuni, struct page *const *uni, const uint8_t *active,
+                        int nsteps, const struct step *steps)
+{
+    struct batch *b = calloc(1, sizeof *b);
+    if (!b || nsteps <= 0)
+        return free(b), -1;
+    b->id = id;
+    b->nuni = nuni;
+    b->uni = calloc((size_t)(nuni ? nuni : 1), sizeof *b->uni);
+    b->active = calloc((size_t)(nuni ? nuni : 1), 1);
+    b->steps = malloc((size_t)nsteps * sizeof *b->steps);
+    if (!b->uni || !b->active || !b->steps) {
+        b->nuni = 0;
+        free_batch(b);
+        return -1;
+    }
+    for (int i = 0; i < nuni; i++) {
+        cg_page_ref(uni[i]);
+        b->uni[i] = uni[i];
+        b->active[i] = active[i];
+    }
+    b->nsteps = nsteps;
+    memcpy(b->steps, steps, (size_t)nsteps * sizeof *steps);
+    pthread_mutex_lock(&s->mu);
+    int busy = s->next != NULL;
+    if (!busy) {
+        if (s->cur)  /* (after the batch being carried out, or its last step, running now) */
+            s->next = b;
+        else {
+            s->cur = b;
+            s->pos = -1;
+        }
+        s->idle = 0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (busy) {
+        free_batch(b);
+        return -1;
+    }
+    poke(s);
+    return 0;
+}
+
+/* End the step being carried out now and drop the batches; the gates stay as they are.
+ * Returns at once: cg_sw_idle says when it is done (cg_sw_fd reads ready then). */
+EXPORT void cg_sw_cancel(struct sw *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->cancel = 1;
+    s->idle = 0;
+    pthread_mutex_unlock(&s->mu);
+    poke(s);
+}
+
+EXPORT int cg_sw_idle(struct sw *s)
+{
+    pthread_mutex_lock(&s->mu);
+    int i = s->idle && !s->cancel;
+    pthread_mutex_unlock(&s->mu);
+    return i;
+}
+
+/* Take the reports of the steps that have ended (up to `max`), oldest first; `*current`
+ * gets the open one (the step in force), if any, and the function returns how many ended. */
+EXPORT int cg_sw_take(struct sw *s, struct report *out, int max, struct report *current, int *has_current)
+{
+    pthread_mutex_lock(&s->mu);
+    int n = 0;
+    while (s->tail != s->head && n < max) {
+        struct report *r = &s->reports[s->tail % REPORTS];
+        if (!r->end)
+            break;
+        out[n++] = *r;
+        s->tail++;
+    }
+    *has_current = 0;
+    if (s->head != s->tail) {
+        struct report *r = &s->reports[(s->head - 1) % REPORTS];
+        if (!r->end) {
+            *current = *r;
+            *has_current = 1;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return n;
+}
+
+/* Stop the thread and free the switcher (the gates stay as they are: open them first). */
+EXPORT void cg_sw_free(struct sw *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->stopping = 1;
+    pthread_mutex_unlock(&s->mu);
+    poke(s);
+    pthread_join(s->thread, NULL);
+    free_batch(s->cur);
+    free_batch(s->next);
+    close(s->cmd);
+    close(s->note);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+EXPORT size_t cg_sizeof_report(void) { return sizeof(struct report); }
+EXPORT size_t cg_sizeof_step(void) { return sizeof(struct step); }
