@@ -462,6 +462,19 @@ class Enforcement:
         if target is not None:
             target.thaw(gpu) if per_gpu else target.thaw()
 
+    def release(self, gpu: int, name: str) -> None:
+        """GPU `gpu` no longer holds `name` stopped, its gate left as it is:
+        the GPU's switcher thread drives it now (cgpud.sched.batching)."""
+        holders = self._holders.get(name)
+        if holders is not None:
+            holders.discard(gpu)
+            if not holders:
+                del self._holders[name]
+
+    def adopt(self, gpu: int, name: str) -> None:
+        """GPU `gpu` holds `name` stopped (its switcher left its gate closed)."""
+        self._holders.setdefault(name, set()).add(gpu)
+
     def undrained(self, names: Any, gpu: int | None = None) -> list[Any]:
         """Of the instances `names`, the targets whose processes still run work
         they queued before being stopped (the gate: cgpud.sched.gate), on GPU

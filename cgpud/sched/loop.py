@@ -27,6 +27,8 @@ from typing import Mapping, Sequence
 import trio
 
 from cgpud.core.model import Node
+from cgpud.sched import native
+from cgpud.sched.batching import NativeSwitching
 from cgpud.sched.enforce_api import Activity, Enforcer, UsageMeter
 from cgpud.sched.policies import Decision, GpuView, InstView, Kind, Params, Planner
 from cgpud.sched.telemetry import GpuStats, Telemetry
@@ -85,8 +87,12 @@ class TimerFdWaiter:
         self._timer.close()
 
 
-class GpuScheduler:
-    """The time-slice scheduler of one GPU (a background service: `run`, `stop`)."""
+class GpuScheduler(NativeSwitching):
+    """The time-slice scheduler of one GPU (a background service: `run`, `stop`).
+
+    With a `switcher` (cgpud.sched.native), the slices of gated instances
+    under the ring policies are carried out by its thread, planned ahead a
+    batch at a time (cgpud.sched.batching); the rest as below."""
 
     def __init__(
         self,
@@ -99,6 +105,8 @@ class GpuScheduler:
         usage: UsageMeter | None = None,
         publish_every: float = 0.5,
         waiter: EventWaiter | TimerFdWaiter | None = None,
+        switcher: native.Switcher | None = None,
+        batch: float = 0.25,
     ) -> None:
         self.node = node
         self.gpu = gpu
@@ -122,6 +130,8 @@ class GpuScheduler:
         self._cached_basis: tuple | None = None
         self._cached_snap: dict | None = None
         self.decision: Decision | None = None  # the decision in force
+        self._switcher = switcher
+        self._batch_horizon = batch
 
     # ---- service -----------------------------------------------------------
 
@@ -147,13 +157,15 @@ class GpuScheduler:
 
     def poke(self) -> None:
         """Activity changed: look again now rather than at the next boundary."""
+        if self._native_poke():
+            return
         if self._waiting:
             self._waiter.wake()
 
     @property
     def frozen(self) -> frozenset[str]:
-        """The instances this loop holds frozen now."""
-        return frozenset(self._frozen)
+        """The instances this loop holds frozen now (or its switcher holds at their gates)."""
+        return frozenset(self._frozen) | self._native_frozen
 
     def snapshot(self) -> GpuStats:
         """Telemetry as of now (call from the trio thread)."""
@@ -171,6 +183,12 @@ class GpuScheduler:
             self._account(now)  # the slice that just ended, up to the wake-up
             view = self._view()
             tel.retain(view.names)
+            if self._switcher is not None and (gates := self._native_gates(view)) is not None:
+                ran = await self._native_run(view, gates, prev)
+                if ran is not None:  # (it charged everything up to now)
+                    prev = self.decision = ran
+                    now = trio.current_time()
+                    continue
             dec = planner.plan(view, now)
             waited = await self._enforce(view, dec)
             start = trio.current_time()
@@ -217,6 +235,9 @@ class GpuScheduler:
         """Leave nothing frozen; account the slice that was cut short."""
         self._waiting = False
         self._waiter.close()
+        if self._switcher is not None:
+            self._switcher.close()
+            self._switcher = None
         try:
             self._account(trio.current_time())
         finally:
@@ -378,12 +399,18 @@ def schedulers_for(
     params: Params | None = None,
     usage: UsageMeter | None = None,
     precise: bool = False,
+    switch: bool = False,
 ) -> list[GpuScheduler]:
     """One scheduler per GPU of the node (start each with `nursery.start(s.run)`).
-    precise: wait on timerfds instead of trio's millisecond timers."""
+    precise: wait on timerfds instead of trio's millisecond timers. switch:
+    give each a switcher thread for its gated instances (cgpud.sched.native),
+    when the daemon's native part is built."""
+    p = params or Params()
+    switch = switch and native.load() is not None
     return [
         GpuScheduler(node, g.index, enforcer, activity, params=params, usage=usage,
-                     waiter=TimerFdWaiter() if precise else None)
+                     waiter=TimerFdWaiter() if precise else None,
+                     switcher=native.Switcher(g.index, p.max_slice) if switch else None)
         for g in node.gpus
     ]
 

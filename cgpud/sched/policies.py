@@ -1,5 +1,9 @@
 """The compute policies of SPEC §5 as pure code: who may use a GPU now, and until when.
 
+Longer than 450 lines on purpose: the policies, their accounting and the
+planning ahead of a batch (plan_ahead, settle, rewind) all work on the one
+ring state; split apart, each part would reach into the others' internals.
+
 Nothing here reads a clock, sleeps or touches a process. The loop
 (`cgpud.sched.loop`) hands a `GpuView` and the current time to
 `Planner.plan`, enforces the `Decision` it gets back, and reports what really
@@ -147,6 +151,17 @@ class Decision:
     @property
     def length(self) -> float:
         return self.until - self.start
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A decision planned ahead (Planner.plan_ahead): where the ring was
+    before it, and what planning it (and charging its planned length) changed
+    its holder's credit by."""
+
+    decision: Decision
+    position: tuple
+    delta: float
 
 
 class Window:
@@ -402,6 +417,59 @@ class Planner:
                 return True
         return False
 
+    # ---- planning ahead (a batch carried out by a switcher thread) ------------
+
+    def plan_ahead(self, view: GpuView, now: float, horizon: float, max_steps: int = 64) -> list[Ahead]:
+        """The decisions from `now` on for about `horizon` seconds, as if each
+        ran its planned length: the ring is charged that length as it plans
+        (so that the next one follows). Only ring decisions of the normal
+        group (SLOT, WASTE) are planned ahead; planning stops before anything
+        else (high priority, idle, policies 4 and 5), which the caller plans
+        one at a time. `settle` charges what really ran, `rewind` takes back
+        what did not start."""
+        out: list[Ahead] = []
+        t = now
+        while len(out) < max_steps and t - now < horizon:
+            ring = self._rings[NORMAL]
+            pos = (ring.cur, ring.cur_seq, ring.used, ring.open)
+            before = dict(ring.credit)
+            d = self.plan(view, t)
+            if d.kind not in (Kind.SLOT, Kind.WASTE) or d.group != NORMAL:
+                ring.cur, ring.cur_seq, ring.used, ring.open = pos
+                ring.credit = before
+                break
+            ring.charge(d.holder, d.length, self.params)
+            delta = ring.credit.get(d.holder, 0.0) - before.get(d.holder, 0.0)
+            out.append(Ahead(d, pos, delta))
+            t = d.until
+        return out
+
+    def settle(self, ahead: Ahead, start: float, end: float, tail_of: Decision | None = None,
+               tail_start: float | None = None) -> None:
+        """A decision planned ahead ran from `start` to `end` (actual times):
+        charge the difference from its planned length, and the windows. With
+        `tail_of`, the decision before it ran on from `tail_start` to `start`
+        (its queued work, drained at the switch)."""
+        d, p = ahead.decision, self.params
+        ring = self._rings[NORMAL]
+        ring.charge(d.holder, (end - start) - d.length, p)
+        if d.holder == ring.cur:
+            ring.open = ring.credit.get(d.holder, 0.0) >= p.min_slice
+        if tail_of is not None and tail_start is not None and start > tail_start:
+            self.charge(tail_of, tail_start, start)
+        self._windows(d, start, end)
+
+    def rewind(self, aheads: list[Ahead]) -> None:
+        """Take back decisions planned ahead that never started (the last ones
+        planned, in order): the ring is where it was before the first."""
+        if not aheads:
+            return
+        ring, b = self._rings[NORMAL], self.params.credit_bound
+        ring.cur, ring.cur_seq, ring.used, ring.open = aheads[0].position
+        for a in aheads:
+            if a.decision.holder in ring.credit:
+                ring.credit[a.decision.holder] = max(-b, min(b, ring.credit[a.decision.holder] - a.delta))
+
     def charge(
         self, decision: Decision, start: float, end: float, usage: Mapping[str, float] | None = None
     ) -> None:
@@ -413,6 +481,12 @@ class Planner:
         p = self.params
         if decision.holder is not None and decision.group is not None:
             self._rings[decision.group].charge(decision.holder, ran, p)
+        self._windows(decision, start, end, usage)
+
+    def _windows(self, decision: Decision, start: float, end: float,
+                 usage: Mapping[str, float] | None = None) -> None:
+        """The time windows' part of a charge (high priority's, policy 4's)."""
+        ran = max(0.0, end - start)
         if decision.kind == Kind.PRIO:
             self._prio.add(start, end, ran)
         act = decision.active

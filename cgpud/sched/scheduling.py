@@ -39,7 +39,7 @@ class Scheduling:
         self.enforcement = Enforcement(self.registry)
         self.activity = ActivityMonitor(dict(devices))
         self.schedulers: list[GpuScheduler] = schedulers_for(
-            node, self.enforcement, self.activity, params=params, precise=precise
+            node, self.enforcement, self.activity, params=params, precise=precise, switch=precise
         )
         self.guard: Guard | None = None
         self._targets: dict[str, dict] = {}        # attached: name -> target
@@ -107,6 +107,7 @@ class Scheduling:
                 "enforce_errors": st.enforce_errors,
                 "drains": st.drains,
                 "drain_seconds": st.drain_seconds,
+                "switched": st.switched,
                 "lateness": {
                     "count": st.lateness_count,
                     "sum": st.lateness_sum,

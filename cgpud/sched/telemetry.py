@@ -76,6 +76,7 @@ class GpuStats:
     recent: tuple[SliceRecord, ...]
     drains: int = 0  # slice ends that waited for gated instances to finish their queued work
     drain_seconds: float = 0.0  # how long in all
+    switched: int = 0  # slices carried out by the GPU's switcher thread (cgpud.sched.batching)
 
     def lateness_quantile(self, q: float) -> float:
         """Quantile of the recent lateness samples (0 when there are none)."""
@@ -102,6 +103,7 @@ class Telemetry:
         self.enforce_errors = 0
         self.drains = 0
         self.drain_seconds = 0.0
+        self.switched = 0
         self.lateness: deque[float] = deque(maxlen=lateness_samples)
         self.lateness_count = 0
         self.lateness_sum = 0.0
@@ -215,6 +217,7 @@ class Telemetry:
             recent=tuple(self.recent),
             drains=self.drains,
             drain_seconds=self.drain_seconds,
+            switched=self.switched,
         )
 
 
