@@ -53,6 +53,8 @@ from typing import Any, Callable, Iterable, Mapping
 from cgpud.sched.cgroupfs import KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL, TargetGone, cgroup_pids, proc_cgroups, stat_fields
 from cgpud.sched.enforce import group_members
 
+RESCAN_WAKES = 8  # the round robin wakes at most this many times a rescan_interval
+
 # fanotify(7)
 _FAN_CLOEXEC = 0x1
 _FAN_NONBLOCK = 0x2
@@ -300,10 +302,14 @@ class ActivityMonitor:
                 if key in self._watches:
                     self._look(key)
         if self._ring and now >= self._next_rescan:
-            key = self._ring.pop(0)
-            self._ring.append(key)
-            self._look(key)
-            self._next_rescan = now + self.rescan_interval / len(self._ring)
+            # the instances due: each every rescan_interval, looked at in groups so that the
+            # monitor wakes at most RESCAN_WAKES times an interval however many there are
+            n = max(1, -(-len(self._ring) // RESCAN_WAKES))
+            for _ in range(min(n, len(self._ring))):
+                key = self._ring.pop(0)
+                self._ring.append(key)
+                self._look(key)
+            self._next_rescan = now + self.rescan_interval * n / len(self._ring)
         changed, self._changed = self._changed, set()
         return changed
 
@@ -316,7 +322,8 @@ class ActivityMonitor:
         if task_status is not None:
             task_status.started()
         while True:
-            step = self.rescan_interval / max(1, len(self._ring))
+            n = max(1, len(self._ring))
+            step = self.rescan_interval * max(1, -(-n // RESCAN_WAKES)) / n
             with trio.move_on_after(step):
                 if self._fan is not None:
                     await trio.lowlevel.wait_readable(self._fan.fd)
