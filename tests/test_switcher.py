@@ -357,3 +357,44 @@ def test_the_scheduler_carries_out_gated_slices_through_the_switcher(tmp_path):
     assert all(gate_open(tmp_path / n) for n in ("aaaaaaaaaaaa", "bbbbbbbbbbbb")), "a gate was left closed"
     assert sched.frozen == frozenset()
     enf.close()
+
+
+def test_an_instance_detached_while_the_switcher_runs_is_left_with_its_gate_open(tmp_path):
+    """Removed mid-batch (its GateFreezer detached, which opens its gate): whatever the switcher
+    did with the page in between, the scheduler, poked, leaves that gate open and goes on with the
+    others."""
+    node = Node([GpuInfo(0, "GPU-test-0", "Sim", 16 * GIB)])
+    node.set_default_memsize(GIB)
+    node.set_policy(0, 1)
+    enf = Enforcement()
+    names = ("aaaaaaaaaaaa", "bbbbbbbbbbbb", "cccccccccccc")
+    for name in names:
+        node.create_instance(0, name, weight=1)
+        pages.create(os.fspath(tmp_path / name), [GIB])
+        enf.attach(name, GateFreezer(os.fspath(tmp_path / name), gpus=[0]))
+    sched = GpuScheduler(node, 0, enf, Active(), params=Params(slice=0.01, merge_runs=True), waiter=TimerFdWaiter(),
+                         switcher=native.Switcher(0, 0.02), publish_every=0.05)
+    seen = {}
+
+    async def main():
+        async with trio.open_nursery() as n:
+            await n.start(sched.run)
+            for _ in range(20):  # (detached at various points of the switcher's steps)
+                await trio.sleep(0.037)
+                name = "aaaaaaaaaaaa"
+                enf.detach(name)
+                node.destroy(name)
+                sched.poke()
+                await trio.sleep(0.05)
+                seen.setdefault("open", []).append(gate_open(tmp_path / name))
+                node.create_instance(0, name, weight=1)
+                enf.attach(name, GateFreezer(os.fspath(tmp_path / name), gpus=[0]))
+                sched.poke()
+            seen["switched"] = sched.snapshot().switched
+            sched.stop()
+
+    trio.run(main)
+    assert all(seen["open"]), "a detached instance's gate was left closed"
+    assert seen["switched"] > 20
+    assert all(gate_open(tmp_path / n) for n in names)
+    enf.close()

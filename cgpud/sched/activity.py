@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterable, Mapping
 from cgpud.sched.cgroupfs import KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL, TargetGone, cgroup_pids, proc_cgroups, stat_fields
 from cgpud.sched.enforce import group_members
 
-RESCAN_WAKES = 8  # the round robin wakes at most this many times a rescan_interval
+RESCAN_WAKES = 4  # the round robin wakes at most this many times a rescan_interval
 
 # fanotify(7)
 _FAN_CLOEXEC = 0x1

@@ -107,14 +107,14 @@ class NativeSwitching:
         basis = self._basis()
         names = sorted(gates)
         index = {n: k for k, n in enumerate(names)}
-        pages = [gates[n].page for n in names]
+        pages = [gates[n].page.share() for n in names]  # (ours: an instance detached meanwhile stays mapped)
         active = [n in view.active_names for n in names]
         release = getattr(self._enforcer, "release", None)
         for n in self._frozen:  # what the loop closed is the switcher's to open now
             if release is not None:
                 release(gpu, n)
         self._frozen.clear()
-        self._native_state = {"names": names, "gates": gates}
+        self._native_state = {"names": names, "gates": gates, "pages": pages}
         batches: dict[int, _Batch] = {}
         last: list[Any] = [prev]  # the decision whose report came last
 
@@ -225,17 +225,23 @@ class NativeSwitching:
             self.published = self.telemetry.snapshot(now)
 
     def _native_handback(self) -> None:
-        """The gates the switcher left closed on this GPU are the loop's."""
+        """The gates the switcher left closed on this GPU are the loop's; those of
+        instances detached meanwhile (their GateFreezer closed) are opened."""
         state, self._native_state = self._native_state, None
         if state is None:
             return
         adopt = getattr(self._enforcer, "adopt", None)
-        for n in state["names"]:
-            g = state["gates"][n]
-            if g.page.handle is not None and g.closed_on(self.gpu):
-                self._frozen.add(n)
-                if adopt is not None:
-                    adopt(self.gpu, n)
+        target = getattr(self._enforcer, "target", lambda name: None)
+        for n, page in zip(state["names"], state["pages"]):
+            if page.closed_on(self.gpu):
+                g = state["gates"][n]
+                if target(n) is g and g.page.handle is not None:
+                    self._frozen.add(n)
+                    if adopt is not None:
+                        adopt(self.gpu, n)
+                else:
+                    page.thaw(self.gpu)
+            page.release()
 
     def _native_abandon(self) -> None:
         """The loop is cancelled (the daemon stops): stop the switcher (a few ms
@@ -254,5 +260,4 @@ class NativeSwitching:
         state = self._native_state
         if state is None:
             return frozenset()
-        return frozenset(n for n in state["names"]
-                         if state["gates"][n].page.handle is not None and state["gates"][n].closed_on(self.gpu))
+        return frozenset(n for n, page in zip(state["names"], state["pages"]) if page.closed_on(self.gpu))

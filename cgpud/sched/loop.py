@@ -106,7 +106,7 @@ class GpuScheduler(NativeSwitching):
         publish_every: float = 0.5,
         waiter: EventWaiter | TimerFdWaiter | None = None,
         switcher: native.Switcher | None = None,
-        batch: float = 0.25,
+        batch: float = 0.5,
     ) -> None:
         self.node = node
         self.gpu = gpu

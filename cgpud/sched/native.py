@@ -163,6 +163,14 @@ class Page:
     def consume(self) -> None:
         self._lib.cg_page_consume(self.handle)
 
+    def share(self) -> "Page":
+        """Another reference to the same page (it stays mapped until both are released)."""
+        other = object.__new__(Page)
+        other.__dict__.update(self.__dict__)
+        other._slots = (ctypes.c_int * 256)()
+        self._lib.cg_page_ref(self.handle)
+        return other
+
     def release(self) -> None:
         if self.handle:
             self._lib.cg_page_release(self.handle)
