@@ -409,7 +409,7 @@ def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon
         assert st["switched"] > 0, st  # the slices were carried out by the switcher thread (cgpud.sched.batching)
     else:
         assert stood > 0.4, stood  # frozen with its cgroup, CPU and all: 2/3 of the time
-        assert st["drains"] == 0 and st["switched"] == 0, st
+        assert (st["drains"], st["switched"]) == (0, 0), st
 
 
 def test_a_container_on_two_gpus_runs_on_the_one_while_it_waits_its_turn_on_the_other(make_daemon, libs, tmp_path):

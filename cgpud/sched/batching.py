@@ -87,7 +87,7 @@ class NativeSwitching:
                 gates[i.name] = t
             elif i.active and i.weight > 0:
                 return None
-        if any(n not in gates for n in self._frozen):
+        if not gates or any(n not in gates for n in self._frozen):
             return None
         return gates
 
