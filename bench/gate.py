@@ -20,7 +20,9 @@ costs and how well it shares, against the stand-in libcuda.so.1 in the same run.
    stand-in's kernel log), no kernel time subtracted.
 4. Daemon CPU with 25 gated instances (policy 2, max_inst 25, weight 1 each,
    10 ms), and the same with freezing, in the same run. Goal: gated <= 2 % of
-   a core.
+   a core. By thread (schedstat: nanoseconds, not clock ticks): the switcher
+   thread against a bare C thread waking as often; the trio thread against a
+   bare trio loop waking as often.
 
     .venv/bin/python bench/gate.py [--quick]
 """
@@ -105,6 +107,48 @@ int main(int argc, char **argv) {
 }
 """
 
+WAKES = r"""
+#define _GNU_SOURCE
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+/* wakes RATE SECONDS: a thread that, RATE times a second, sleeps to a step's end and then waits for an
+   answer from another process (which gives it 1 ms later), as the switcher does; prints its CPU % */
+static double cpu(void) { struct timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); return t.tv_sec + t.tv_nsec / 1e9; }
+int main(int argc, char **argv) {
+    double rate = atof(argv[1]), seconds = atof(argv[2]);
+    int ask[2], answer[2];
+    if (pipe(ask) || pipe(answer)) return 1;
+    pid_t child = fork();
+    if (child == 0) {
+        char c;
+        fclose(stdout);
+        while (read(ask[0], &c, 1) == 1) { usleep(1000); if (write(answer[1], &c, 1) != 1) return 1; }
+        return 0;
+    }
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    long step = (long)(1e9 / rate), n = (long)(rate * seconds);
+    double c0 = cpu();
+    for (long i = 0; i < n; i++) {
+        t.tv_nsec += step;
+        while (t.tv_nsec >= 1000000000) { t.tv_nsec -= 1000000000; t.tv_sec++; }
+        clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL);
+        char c = 'x';
+        if (write(ask[1], &c, 1) != 1) return 1;
+        struct pollfd p = {.fd = answer[0], .events = POLLIN};
+        poll(&p, 1, -1);
+        if (read(answer[0], &c, 1) != 1) return 1;
+    }
+    printf("%.3f\n", (cpu() - c0) / seconds * 100);
+    kill(child, SIGKILL);
+    return 0;
+}
+"""
+
 TRIO_LOOP = """
 import sys, time, trio
 from cgpud.sched.timerfd import TimerFd
@@ -126,7 +170,7 @@ def build(tmp: Path) -> Path:
                         f"LIB={tmp}"], capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(r.stderr)
-    for name, src in (("timer", TIMER), ("launcher", LAUNCHER), ("futex", FUTEX)):
+    for name, src in (("timer", TIMER), ("launcher", LAUNCHER), ("futex", FUTEX), ("wakes", WAKES)):
         (tmp / f"{name}.c").write_text(src)
         subprocess.run(["gcc", "-O2", "-o", str(tmp / name), str(tmp / f"{name}.c"), "-ldl", "-lpthread"], check=True)
     return tmp
@@ -341,8 +385,24 @@ def switch_gaps(logs: list[list[tuple[int, int, int]]], t0: int, t1: int) -> lis
     return [max(0, b[0] - a[1]) / 1000 for a, b in zip(ks, ks[1:]) if a[2] != b[2]]
 
 
+def threads(pid: int) -> dict[str, tuple[int, int]]:
+    """Each thread of `pid` by name: (CPU ns, voluntary context switches: its wake-ups)."""
+    out = {}
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{t}/comm").read_text().strip()
+            ns = int(Path(f"/proc/{pid}/task/{t}/schedstat").read_text().split()[0])
+            status = Path(f"/proc/{pid}/task/{t}/status").read_text()
+        except OSError:
+            continue
+        wakes = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+        a, b = out.get(name, (0, 0))
+        out[name] = (a + ns, b + wakes)
+    return out
+
+
 def daemon_cpu(tmp: Path, seconds: float, count: int) -> None:
-    out, wakes = {}, {}
+    out, per = {}, {}
     for compute in ("gate", "freeze"):
         d = Daemon(tmp, compute)
         try:
@@ -352,22 +412,32 @@ def daemon_cpu(tmp: Path, seconds: float, count: int) -> None:
             for p in procs:
                 p.stdout.readline()
             time.sleep(1.0)
-            c0, t0, s0 = d.cpu_seconds(), time.monotonic(), d.stats()
+            a, t0, s0 = threads(d.proc.pid), time.monotonic(), d.stats()
             time.sleep(seconds)
-            out[compute] = (d.cpu_seconds() - c0) / (time.monotonic() - t0) * 100
-            s1 = d.stats()
-            wakes[compute] = (s1["slices"] - s0["slices"] + s1["drains"] - s0["drains"]) / (time.monotonic() - t0)
+            b, el, s1 = threads(d.proc.pid), time.monotonic() - t0, d.stats()
+            per[compute] = {n: ((b[n][0] - a.get(n, (0, 0))[0]) / 1e9 / el * 100, (b[n][1] - a.get(n, (0, 0))[1]) / el)
+                            for n in b}
+            out[compute] = sum(c for c, _ in per[compute].values())
+            per[compute]["switched"] = ((s1["switched"] - s0["switched"]) / el, 0)
             for p in procs:
                 p.communicate(timeout=120)
         finally:
             d.stop()
-    # the floor: a bare trio task on a timerfd, waking as often as the gated loop did (its slices and drains)
-    bare = float(subprocess.run([sys.executable, "-c", TRIO_LOOP, str(wakes["gate"]), str(seconds)], cwd=ROOT,
+    main, switcher = per["gate"].get("cgpud", (0.0, 0.0)), per["gate"].get("cgpu-switch0", (0.0, 0.0))
+    # the floors, in the same run: a bare C thread waking twice a switch as the switcher does (at the step's
+    # end, and at the stopped instance's answer), and a bare trio loop waking as often as the daemon's thread
+    switches = per["gate"]["switched"][0]
+    floor = float(subprocess.run([str(tmp / "wakes"), str(switches), str(seconds)], capture_output=True, text=True,
+                                 check=True).stdout)
+    bare = float(subprocess.run([sys.executable, "-c", TRIO_LOOP, str(max(main[1], 1.0)), str(seconds)], cwd=ROOT,
                                 capture_output=True, text=True, check=True).stdout)
-    print(f"4. daemon CPU with {count} instances at 10 ms slices, policy 2: gated {out['gate']:.1f} % of a core, "
-          f"frozen {out['freeze']:.1f} % ({out['gate'] / max(out['freeze'], 1e-9):.2f}x; goal gated <= 2 %); "
-          f"the gated loop woke {wakes['gate']:.0f} times a second (slices and drains), and a bare trio loop "
-          f"waking as often takes {bare:.1f} % ({out['gate'] / max(bare, 1e-9):.1f}x)")
+    print(f"4. daemon CPU with {count} instances at 10 ms slices, policy 2: gated {out['gate']:.2f} % of a core, "
+          f"frozen {out['freeze']:.2f} % in the same run ({out['gate'] / max(out['freeze'], 1e-9):.2f}x; goal gated "
+          f"<= 2 %)")
+    print(f"4. gated, by thread: the switcher thread {switcher[0]:.2f} % ({switches:.0f} slices a second, "
+          f"{switcher[1]:.0f} wake-ups); a bare C thread waking as often (twice a slice) takes {floor:.2f} %. "
+          f"The trio thread {main[0]:.2f} % ({main[1]:.1f} wake-ups a second); a bare trio loop waking as often "
+          f"takes {bare:.2f} %")
 
 
 def main() -> None:

@@ -101,6 +101,7 @@ class NativeSwitching:
         now = trio.current_time()
         # (a high-priority instance is active: one step at a time, so that its share is looked at each slice)
         horizon = 1e-9 if any(i.highprio and i.active for i in view.instances) else self._batch_horizon
+        planner.ahead_reset()
         first = planner.plan_ahead(view, now, horizon)
         if not first:
             return None
@@ -127,7 +128,7 @@ class NativeSwitching:
                 raise RuntimeError("the switcher refused a batch while one was waiting")
             self._native_last = (seq, len(steps) - 1)
 
-        def account(reports: list, offset: float) -> None:
+        def account(reports: list, offset: float, cut: Any = None) -> None:
             for r in reports:
                 b = batches.get(r.batch)
                 if b is None or r.step >= len(b.steps):
@@ -135,13 +136,11 @@ class NativeSwitching:
                 b.started = max(b.started, r.step)
                 ahead = b.steps[r.step]
                 d = ahead.decision
-                begin, start, end = r.begin / 1e9 + offset, r.start / 1e9 + offset, r.end / 1e9 + offset
-                planner.settle(ahead, start, end, last[0], begin)
-                if last[0] is not None:
-                    if start > begin:
-                        tel.record(last[0], begin, start, tail=True)
-                    if d.running != last[0].running:
-                        tel.switches += 1
+                start, end = r.start / 1e9 + offset, r.end / 1e9 + offset
+                # (to the next one's start: its queued work ran until then)
+                planner.settle(ahead, start, end, cut is not None and (r.batch, r.step) == (cut.batch, cut.step))
+                if last[0] is not None and d.running != last[0].running:
+                    tel.switches += 1
                 tel.record(d, start, end)
                 tel.switched += 1
                 if r.late_ns:
@@ -176,7 +175,7 @@ class NativeSwitching:
             # what never started goes back into the ring (in the order it was planned)
             planner.rewind([a for bid in sorted(batches) for k, a in enumerate(batches[bid].steps)
                             if k > batches[bid].started])
-            account(reports, offset)
+            account(reports, offset, cur)
             self._native_handback()
             return last[0]
 
@@ -205,9 +204,9 @@ class NativeSwitching:
                 step = batches[cur.batch].steps[cur.step].decision
                 if self._view() is not view or self._basis() != basis:
                     return await stop(cur)
-                nxt = planner.plan_ahead(view, cur.begin / 1e9 + offset + step.length, horizon)
+                nxt = planner.plan_ahead(view, cur.start / 1e9 + offset + step.length, horizon)
                 if not nxt:  # (not planned ahead: the loop plans it, when this step ends)
-                    with trio.move_on_at(cur.begin / 1e9 + offset + step.length):
+                    with trio.move_on_at(cur.start / 1e9 + offset + step.length):
                         self._native_poked = False
                         with trio.CancelScope() as self._native_scope:
                             await trio.sleep_forever()

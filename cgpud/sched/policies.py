@@ -153,15 +153,22 @@ class Decision:
         return self.until - self.start
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Ahead:
     """A decision planned ahead (Planner.plan_ahead): where the ring was
-    before it, and what planning it (and charging its planned length) changed
-    its holder's credit by."""
+    before it, what planning it (and charging its planned length) changed
+    its holder's credit by, its number (which one is the ring's latest), and
+    the time charged for it so far: its length, and, once the next step is
+    planned and is another holder's, the tail its queued work is expected
+    to drain for after its slot (`tail`, the step that caused it `after`)."""
 
     decision: Decision
     position: tuple
     delta: float
+    seq: int
+    charged: float
+    before: "Ahead | None" = None  # the step planned before it (whose tail planning it charged)
+    tail: float = 0.0
 
 
 class Window:
@@ -271,6 +278,9 @@ class Planner:
         self._usage: dict[str, Window] = {}  # per instance, for policy 4
         self._prio = Window(self.params.window)
         self._synced, self._derived = None, {}  # the view _sync saw last; what plan() derived from it
+        self._ahead_seq = 0  # the count of decisions planned ahead (less those rewound)
+        self._drift: dict[str, float] = {}  # per ring key: how long its queued work drains after its slot (a mean)
+        self._ahead_last: Ahead | None = None  # the last decision planned ahead
 
     # ---- bookkeeping -------------------------------------------------------
 
@@ -287,6 +297,7 @@ class Planner:
         for gone in [n for n in self._seq if n not in names]:
             del self._seq[gone]
             self._usage.pop(gone, None)
+            self._drift.pop(gone, None)
         for i in view.instances:
             if i.name not in self._seq:
                 self._seq[i.name] = self._next_seq
@@ -422,13 +433,18 @@ class Planner:
     def plan_ahead(self, view: GpuView, now: float, horizon: float, max_steps: int = 64) -> list[Ahead]:
         """The decisions from `now` on for about `horizon` seconds, as if each
         ran its planned length: the ring is charged that length as it plans
-        (so that the next one follows). Only ring decisions of the normal
-        group (SLOT, WASTE) are planned ahead; planning stops before anything
-        else (high priority, idle, policies 4 and 5), which the caller plans
-        one at a time. `settle` charges what really ran, `rewind` takes back
-        what did not start."""
+        (so that the next one follows), and, where the holder changes, the
+        previous holder the tail its queued work has been draining for after
+        its slot (a mean of what its steps ran past their length: charged
+        as the loop charges the time a switch waited for it). Only ring
+        decisions of the normal group (SLOT, WASTE) are planned ahead;
+        planning stops before anything else (high priority, idle, policies 4
+        and 5), which the caller plans one at a time. `settle` charges what
+        really ran, `rewind` takes back what did not start; `ahead_reset`
+        when decisions not planned ahead were in force in between."""
         out: list[Ahead] = []
         t = now
+        p = self.params
         while len(out) < max_steps and t - now < horizon:
             ring = self._rings[NORMAL]
             pos = (ring.cur, ring.cur_seq, ring.used, ring.open)
@@ -438,37 +454,63 @@ class Planner:
                 ring.cur, ring.cur_seq, ring.used, ring.open = pos
                 ring.credit = before
                 break
-            ring.charge(d.holder, d.length, self.params)
+            ring.charge(d.holder, d.length, p)
             delta = ring.credit.get(d.holder, 0.0) - before.get(d.holder, 0.0)
-            out.append(Ahead(d, pos, delta))
+            prev = self._ahead_last
+            if prev is not None and prev.decision.holder != d.holder and not prev.tail:
+                prev.tail = self._drift.get(prev.decision.holder, 0.0)
+                if prev.tail:
+                    ring.charge(prev.decision.holder, prev.tail, p)
+                    prev.charged += prev.tail
+            self._ahead_seq += 1
+            a = Ahead(d, pos, delta, self._ahead_seq, d.length, prev)
+            out.append(a)
+            self._ahead_last = a
             t = d.until
         return out
 
-    def settle(self, ahead: Ahead, start: float, end: float, tail_of: Decision | None = None,
-               tail_start: float | None = None) -> None:
-        """A decision planned ahead ran from `start` to `end` (actual times):
-        charge the difference from its planned length, and the windows. With
-        `tail_of`, the decision before it ran on from `tail_start` to `start`
-        (its queued work, drained at the switch)."""
+    def ahead_reset(self) -> None:
+        """The decision in force was not planned ahead: a next one planned ahead charges no tail."""
+        self._ahead_last = None
+
+    def settle(self, ahead: Ahead, start: float, end: float, cut: bool = False) -> None:
+        """A decision planned ahead was in force from `start` to `end` (actual
+        times; to the next one's start, its queued work drained until then):
+        charge the difference from what was charged for it, and the windows.
+        `cut`: ended early (the batch was cut), not a measure of its tail."""
         d, p = ahead.decision, self.params
         ring = self._rings[NORMAL]
-        ring.charge(d.holder, (end - start) - d.length, p)
-        if d.holder == ring.cur:
+        ran = end - start
+        ring.charge(d.holder, ran - ahead.charged, p)
+        if ahead.seq == self._ahead_seq:  # the ring's latest: its slot stays open while time is owed on it
             ring.open = ring.credit.get(d.holder, 0.0) >= p.min_slice
-        if tail_of is not None and tail_start is not None and start > tail_start:
-            self.charge(tail_of, tail_start, start)
+        if not cut and ahead.tail and d.holder is not None:  # (followed by another holder's step)
+            drift = self._drift.get(d.holder, 0.0)
+            self._drift[d.holder] = max(0.0, min(p.slice, drift + (ran - d.length - drift) / 4))
+        elif not cut and d.holder is not None and d.holder not in self._drift and ran > d.length:
+            self._drift[d.holder] = min(p.slice, ran - d.length) / 4  # (its first: a start)
         self._windows(d, start, end)
 
     def rewind(self, aheads: list[Ahead]) -> None:
         """Take back decisions planned ahead that never started (the last ones
-        planned, in order): the ring is where it was before the first."""
+        planned, in order): the ring is where it was before the first, and
+        the tail its planning charged the step before it is taken back too."""
         if not aheads:
             return
         ring, b = self._rings[NORMAL], self.params.credit_bound
-        ring.cur, ring.cur_seq, ring.used, ring.open = aheads[0].position
+        first = aheads[0]
+        ring.cur, ring.cur_seq, ring.used, ring.open = first.position
+        self._ahead_seq = first.seq - 1
+        self._ahead_last = first.before
         for a in aheads:
             if a.decision.holder in ring.credit:
                 ring.credit[a.decision.holder] = max(-b, min(b, ring.credit[a.decision.holder] - a.delta))
+        prev = first.before
+        if prev is not None and prev.tail:
+            h = prev.decision.holder
+            ring.credit[h] = max(-b, min(b, ring.credit.get(h, 0.0) + prev.tail))
+            prev.charged -= prev.tail
+            prev.tail = 0.0
 
     def charge(
         self, decision: Decision, start: float, end: float, usage: Mapping[str, float] | None = None

@@ -377,13 +377,15 @@ EXPORT void cg_page_consume(struct page *p)
 #define NOTIFY 1u  /* step flag: tell the scheduler when this step starts */
 
 struct step {
-    int64_t len_ns;   /* how long it lasts from the moment its switch begins */
+    int64_t len_ns;   /* how long it lasts from the moment its gate opens */
     int32_t run;      /* the universe index of the instance that runs (-1: nobody) */
     uint32_t flags;
 };
 
 struct report {
-    int64_t begin, start, end;  /* its switch began, its instance's gate opened, it ended (0: not yet) */
+    /* its switch began (the step before it was due to end), its gate opened, it ended (0: not yet):
+     * a step is in force from its start to the next one's start (its queued work drains meanwhile) */
+    int64_t begin, start, end;
     int64_t drain_ns;           /* of the switch: waiting for the stopped instances' queued work */
     int64_t late_ns;            /* how late it ended, past its due time */
     int32_t batch, step;        /* which step of which batch */
@@ -507,12 +509,7 @@ static void run_step(struct sw *s, struct batch *b, int pos)
 {
     const struct step *st = &b->steps[pos];
     int64_t begin = now_ns();
-    struct report *prev = open_report(s);
-    if (prev) {
-        pthread_mutex_lock(&s->mu);
-        prev->end = begin;
-        pthread_mutex_unlock(&s->mu);
-    }
+    struct report *prev = open_report(s);  /* in force until this step's gate opens: its work drains meanwhile */
     /* close: the active instances that do not run now */
     int closing[CGPU_MAX_PROCS], nclose = 0;
     for (int i = 0; i < b->nuni; i++) {
@@ -545,6 +542,8 @@ static void run_step(struct sw *s, struct batch *b, int pos)
     }
     int64_t start = now_ns();
     pthread_mutex_lock(&s->mu);
+    if (prev)
+        prev->end = start;
     if (s->head - s->tail >= REPORTS)
         s->tail++;  /* (the scheduler has not read them for REPORTS steps: the oldest go) */
     s->reports[s->head++ % REPORTS] = (struct report){
@@ -609,7 +608,7 @@ static void *switcher(void *arg)
         run_step(s, b, pos);
         int64_t until = 0;
         pthread_mutex_lock(&s->mu);
-        until = s->reports[(s->head - 1) % REPORTS].begin + b->steps[pos].len_ns;
+        until = s->reports[(s->head - 1) % REPORTS].start + b->steps[pos].len_ns;  /* (its length from its gate opening) */
         while (!s->cancel && !s->stopping && now_ns() < until) {
             pthread_mutex_unlock(&s->mu);
             sleep_or_cmd(s, until);
