@@ -6,7 +6,8 @@
 #     hooks.d file name these paths);
 #   - /etc/systemd/system/cgpud.service, /etc/default/cgpud (kept if present);
 #   - /usr/local/libexec/cgpu-hook, the compiled OCI hook (native/hook/cgpu-hook.c, make -C native)
-#     and /etc/containers/oci/hooks.d/cgpu-hook.json naming it (podman, CRI-O);
+#     and /etc/containers/oci/hooks.d/cgpu-hook.json naming it (podman, CRI-O); beside it
+#     libcgpu-switch.so, the daemon's native part of the compute gate (native/switch);
 #   - /usr/local/bin/cgpu-runtime, the OCI runtime wrapper (native/runtime), and, where Docker or
 #     containerd is installed, their settings naming it (`cgpu runtime-config`; --no-runtimes: not);
 #   - then daemon-reload and `systemctl enable --now cgpud` (skip: --no-start).
@@ -21,7 +22,7 @@ for arg in "$@"; do
   case "$arg" in
     --no-start) START=0 ;;
     --no-runtimes) RUNTIMES=0 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "install-service: unknown option $arg (known: --no-start, --no-runtimes)" >&2; exit 2 ;;
   esac
 done
