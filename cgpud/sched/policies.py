@@ -40,6 +40,7 @@ The algorithms are documented in docs/scheduler.md. In short:
 """
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from collections import deque
@@ -232,6 +233,10 @@ class _Ring:
     used: int = 0  # slots of the current holder's run begun so far
     open: bool = False  # the current slot still has time owed (it was cut short)
     credit: dict[str, float] = field(default_factory=dict)
+    # (the holders table the credits were last cleaned for, and the holders' order keys: a slot's
+    # choice is then a lookup and a bisection, not a walk over every holder)
+    _seen: object = field(default=None, repr=False, compare=False)
+    _orders: tuple = field(default=(None, []), repr=False, compare=False)
 
     def reset(self) -> None:
         self.cur, self.cur_seq, self.used, self.open = None, -math.inf, 0, False
@@ -241,8 +246,10 @@ class _Ring:
         """The holder of the next slot (or the rest of an open one) and its length.
         `holders`: (key, order, slots) sorted by order, non-empty, slots >= 1 (`table`: {key: slots})."""
         table = {k: n for k, _, n in holders} if table is None else table
-        for k in self.credit.keys() - table.keys():
-            del self.credit[k]
+        if table is not self._seen or len(self.credit) > len(table):
+            for k in self.credit.keys() - table.keys():
+                del self.credit[k]
+            self._seen = table
         if self.cur in table and self.open:
             c = self.credit.get(self.cur, 0.0)
             if c >= p.min_slice:
@@ -250,7 +257,10 @@ class _Ring:
         if self.cur in table and self.used < table[self.cur]:
             self.used += 1
         else:
-            nxt = next((h for h in holders if h[1] > self.cur_seq), holders[0])
+            if self._orders[0] is not holders:
+                self._orders = (holders, [h[1] for h in holders])
+            i = bisect.bisect_right(self._orders[1], self.cur_seq)  # (the first holder after the current)
+            nxt = holders[i] if i < len(holders) else holders[0]
             self.cur, self.cur_seq, self.used = nxt[0], nxt[1], 1
         n = table[self.cur] - self.used + 1 if p.merge_runs else 1  # slots of the run given now
         self.used += n - 1
