@@ -6,17 +6,16 @@ while every instance it must stop is gated (libcgpu) and the policy is a ring
     planner.plan_ahead(view, now, horizon)  ->  a batch of steps
     switcher: for each step, close / wait for the drain / open / sleep to its end
     trio wakes when the batch's last step starts (it plans the next, handed on
-    before that step ends: no gap), when a step's report says something went
-    wrong, or when poked (activity or settings changed: the batch is cut now
-    and planning starts again from what really ran).
+    before that step ends: no gap), or when poked (activity or settings
+    changed: the batch is cut now and planning starts again from what really
+    ran).
 
-Every step's real times come back in a report and are charged as the loop
-charges its own slices: the decision from its start (gate opened) to its end,
-and the switch before it (closing, waiting for the stopped instances' queued
-work) to the decision before it. What was planned ahead and did not start is
-taken back (Planner.rewind). When it hands back to the loop, the gates closed
-on this GPU are the loop's again (Enforcement.adopt): nothing is left closed
-that nobody knows of.
+Every step's real times come back in a report and are charged
+(Planner.settle): a step from its gate opening to the next one's, the switch
+in between (closing, waiting for its queued work) being its own. What was
+planned ahead and did not start is taken back (Planner.rewind). When it hands
+back to the loop, the gates closed on this GPU are the loop's again
+(Enforcement.adopt): nothing is left closed that nobody knows of.
 """
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ class NativeSwitching:
     """Mixed into GpuScheduler: `_switcher`, `_native_run`, `_native_poke`."""
 
     _switcher: native.Switcher | None = None
-    _batch_horizon: float = 0.25
+    _batch_horizon: float  # (GpuScheduler's `batch`)
     _native_scope: trio.CancelScope | None = None
     _native_state: dict | None = None  # while running: its universe (for `frozen` and the stop)
     _native_seq = 0  # the last batch's number
@@ -57,10 +56,7 @@ class NativeSwitching:
     decision: Decision | None
     _enforcer: Any
     _frozen: set[str]
-    _last_publish: float
-    _publish_every: float
-    published: Any
-    # and its _view() and _basis()
+    # and its _view(), _basis() and _publish()
 
     def _native_poke(self) -> bool:
         """Poked while the switcher runs: wake the planner (True), else False."""
@@ -119,6 +115,12 @@ class NativeSwitching:
         batches: dict[int, _Batch] = {}
         last: list[Any] = [prev]  # the decision whose report came last
 
+        def started(batch: int, step: int) -> _Batch | None:
+            b = batches.get(batch)
+            if b is not None:
+                b.started = max(b.started, step)
+            return b
+
         def submit(steps: list[Ahead]) -> None:
             self._native_seq = seq = (self._native_seq + 1) & 0x7FFFFFFF
             batches[seq] = _Batch(seq, steps)
@@ -130,10 +132,9 @@ class NativeSwitching:
 
         def account(reports: list, offset: float, cut: Any = None) -> None:
             for r in reports:
-                b = batches.get(r.batch)
+                b = started(r.batch, r.step)
                 if b is None or r.step >= len(b.steps):
                     continue
-                b.started = max(b.started, r.step)
                 ahead = b.steps[r.step]
                 d = ahead.decision
                 start, end = r.start / 1e9 + offset, r.end / 1e9 + offset
@@ -167,11 +168,8 @@ class NativeSwitching:
                 sw.ack()
             offset = trio.current_time() - time.monotonic()
             reports, _ = sw.take()
-            for r in reports:
-                if r.batch in batches:
-                    batches[r.batch].started = max(batches[r.batch].started, r.step)
-            if cur is not None and cur.batch in batches:
-                batches[cur.batch].started = max(batches[cur.batch].started, cur.step)
+            for r in reports + ([cur] if cur is not None else []):
+                started(r.batch, r.step)
             # what never started goes back into the ring (in the order it was planned)
             planner.rewind([a for bid in sorted(batches) for k, a in enumerate(batches[bid].steps)
                             if k > batches[bid].started])
@@ -190,20 +188,18 @@ class NativeSwitching:
                 offset = trio.current_time() - time.monotonic()
                 reports, cur = sw.take()
                 account(reports, offset)
-                if cur is not None and (b := batches.get(cur.batch)) is not None and cur.step < len(b.steps):
-                    b.started = max(b.started, cur.step)
+                if cur is not None and (b := started(cur.batch, cur.step)) is not None and cur.step < len(b.steps):
                     self.decision = b.steps[cur.step].decision
-                now = trio.current_time()
-                self._native_publish(now)
-                changed = self._native_poked and (self._view() is not view or self._basis() != basis)
-                if changed:
+                self._publish(trio.current_time())
+                at_last = cur is not None and (cur.batch, cur.step) == self._native_last
+                if not (at_last or self._native_poked):
+                    continue
+                if self._view() is not view or self._basis() != basis:  # (changed: cut the batch now)
                     return await stop(cur)
-                if cur is None or (cur.batch, cur.step) != self._native_last:
+                if not at_last:
                     continue
                 # the last step handed over has started: plan on from its planned end, handed over before it
                 step = batches[cur.batch].steps[cur.step].decision
-                if self._view() is not view or self._basis() != basis:
-                    return await stop(cur)
                 nxt = planner.plan_ahead(view, cur.start / 1e9 + offset + step.length, horizon)
                 if not nxt:  # (not planned ahead: the loop plans it, when this step ends)
                     with trio.move_on_at(cur.start / 1e9 + offset + step.length):
@@ -217,11 +213,6 @@ class NativeSwitching:
             self._native_scope = None
             if self._native_state is not None:  # (cancelled from outside: the daemon stops)
                 self._native_abandon()
-
-    def _native_publish(self, now: float) -> None:
-        if now - self._last_publish >= self._publish_every:
-            self._last_publish = now
-            self.published = self.telemetry.snapshot(now)
 
     def _native_handback(self) -> None:
         """The gates the switcher left closed on this GPU are the loop's; those of

@@ -450,15 +450,11 @@ class Enforcement:
             self._apply(name, functools.partial(target.freeze, gpu) if _per_gpu(target) else target.freeze)
 
     def thaw(self, gpu: int, name: str) -> None:
-        holders = self._holders.get(name)
         target = self._targets.get(name)
         per_gpu = _per_gpu(target)
-        if holders is not None:
-            holders.discard(gpu)
-            if holders and not per_gpu:
-                return  # another GPU still holds it
-            if not holders:
-                del self._holders[name]
+        self.release(gpu, name)
+        if name in self._holders and not per_gpu:
+            return  # another GPU still holds it
         if target is not None:
             target.thaw(gpu) if per_gpu else target.thaw()
 

@@ -213,10 +213,14 @@ class GpuScheduler(NativeSwitching):
                 if planner.preempt(view, dec, now) or self._basis() != basis:
                     break  # (a setting changed: it takes effect now)
                 await self._enforce(view, dec)
-            if now - self._last_publish >= self._publish_every:
-                self._last_publish = now
-                self._account(now)
-                self.published = tel.snapshot(now)
+            self._publish(now)
+
+    def _publish(self, now: float) -> None:
+        """Publish the telemetry as of `now` when `publish_every` has passed (the slice in force charged first)."""
+        if now - self._last_publish >= self._publish_every:
+            self._last_publish = now
+            self._account(now)
+            self.published = self.telemetry.snapshot(now)
 
     def _account(self, end: float) -> None:
         """Charge the decision in force from its start to `end`."""

@@ -161,7 +161,8 @@ class Ahead:
     its holder's credit by, its number (which one is the ring's latest), and
     the time charged for it so far: its length, and, once the next step is
     planned and is another holder's, the tail its queued work is expected
-    to drain for after its slot (`tail`, the step that caused it `after`)."""
+    to drain for after its slot (`tail`; `followed`: another holder's step
+    was planned after it)."""
 
     decision: Decision
     position: tuple
@@ -170,6 +171,7 @@ class Ahead:
     charged: float
     before: "Ahead | None" = None  # the step planned before it (whose tail planning it charged)
     tail: float = 0.0
+    followed: bool = False
 
 
 class Window:
@@ -467,7 +469,8 @@ class Planner:
             ring.charge(d.holder, d.length, p)
             delta = ring.credit.get(d.holder, 0.0) - before.get(d.holder, 0.0)
             prev = self._ahead_last
-            if prev is not None and prev.decision.holder != d.holder and not prev.tail:
+            if prev is not None and prev.decision.holder != d.holder and not prev.followed:
+                prev.followed = True
                 prev.tail = self._drift.get(prev.decision.holder, 0.0)
                 if prev.tail:
                     ring.charge(prev.decision.holder, prev.tail, p)
@@ -494,11 +497,9 @@ class Planner:
         ring.charge(d.holder, ran - ahead.charged, p)
         if ahead.seq == self._ahead_seq:  # the ring's latest: its slot stays open while time is owed on it
             ring.open = ring.credit.get(d.holder, 0.0) >= p.min_slice
-        if not cut and ahead.tail and d.holder is not None:  # (followed by another holder's step)
+        if ahead.followed and not cut:  # (what ran past its length is the tail its queued work drained for)
             drift = self._drift.get(d.holder, 0.0)
             self._drift[d.holder] = max(0.0, min(p.slice, drift + (ran - d.length - drift) / 4))
-        elif not cut and d.holder is not None and d.holder not in self._drift and ran > d.length:
-            self._drift[d.holder] = min(p.slice, ran - d.length) / 4  # (its first: a start)
         self._windows(d, start, end)
 
     def rewind(self, aheads: list[Ahead]) -> None:
@@ -516,11 +517,12 @@ class Planner:
             if a.decision.holder in ring.credit:
                 ring.credit[a.decision.holder] = max(-b, min(b, ring.credit[a.decision.holder] - a.delta))
         prev = first.before
-        if prev is not None and prev.tail:
+        if prev is not None and prev.followed:
             h = prev.decision.holder
-            ring.credit[h] = max(-b, min(b, ring.credit.get(h, 0.0) + prev.tail))
+            if prev.tail:
+                ring.credit[h] = max(-b, min(b, ring.credit.get(h, 0.0) + prev.tail))
             prev.charged -= prev.tail
-            prev.tail = 0.0
+            prev.tail, prev.followed = 0.0, False
 
     def charge(
         self, decision: Decision, start: float, end: float, usage: Mapping[str, float] | None = None

@@ -491,17 +491,11 @@ static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, 
     }
 }
 
-static struct report *open_report(struct sw *s)
+/* The report of the step in force (not ended yet), or NULL; with the switcher's lock held. */
+static struct report *open_report_locked(struct sw *s)
 {
-    pthread_mutex_lock(&s->mu);
-    struct report *r = NULL;
-    if (s->head != s->tail) {
-        r = &s->reports[(s->head - 1) % REPORTS];
-        if (r->end)
-            r = NULL;
-    }
-    pthread_mutex_unlock(&s->mu);
-    return r;
+    struct report *r = s->head != s->tail ? &s->reports[(s->head - 1) % REPORTS] : NULL;
+    return r && !r->end ? r : NULL;
 }
 
 /* Carry out one step of `b`. */
@@ -509,7 +503,9 @@ static void run_step(struct sw *s, struct batch *b, int pos)
 {
     const struct step *st = &b->steps[pos];
     int64_t begin = now_ns();
-    struct report *prev = open_report(s);  /* in force until this step's gate opens: its work drains meanwhile */
+    pthread_mutex_lock(&s->mu);
+    struct report *prev = open_report_locked(s);  /* in force until this step's gate opens: its work drains meanwhile */
+    pthread_mutex_unlock(&s->mu);
     /* close: the active instances that do not run now */
     int closing[CGPU_MAX_PROCS], nclose = 0;
     for (int i = 0; i < b->nuni; i++) {
@@ -566,8 +562,8 @@ static void *switcher(void *arg)
         if (s->stopping)
             break;
         if (s->cancel) {  /* end the step now, drop the batches; the gates stay as they are */
-            struct report *r = s->head != s->tail ? &s->reports[(s->head - 1) % REPORTS] : NULL;
-            if (r && !r->end)
+            struct report *r = open_report_locked(s);
+            if (r)
                 r->end = now_ns();
             free_batch(s->cur);
             free_batch(s->next);
@@ -606,9 +602,8 @@ static void *switcher(void *arg)
         int pos = ++s->pos;
         pthread_mutex_unlock(&s->mu);
         run_step(s, b, pos);
-        int64_t until = 0;
         pthread_mutex_lock(&s->mu);
-        until = s->reports[(s->head - 1) % REPORTS].start + b->steps[pos].len_ns;  /* (its length from its gate opening) */
+        int64_t until = s->reports[(s->head - 1) % REPORTS].start + b->steps[pos].len_ns;  /* (its length from its gate opening) */
         while (!s->cancel && !s->stopping && now_ns() < until) {
             pthread_mutex_unlock(&s->mu);
             sleep_or_cmd(s, until);
@@ -742,14 +737,10 @@ EXPORT int cg_sw_take(struct sw *s, struct report *out, int max, struct report *
         out[n++] = *r;
         s->tail++;
     }
-    *has_current = 0;
-    if (s->head != s->tail) {
-        struct report *r = &s->reports[(s->head - 1) % REPORTS];
-        if (!r->end) {
-            *current = *r;
-            *has_current = 1;
-        }
-    }
+    struct report *r = open_report_locked(s);
+    *has_current = r != NULL;
+    if (r)
+        *current = *r;
     pthread_mutex_unlock(&s->mu);
     return n;
 }
