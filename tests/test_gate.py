@@ -163,10 +163,12 @@ def end(procs: list[subprocess.Popen], gate: GateFreezer) -> None:
     gate.close()
 
 
-def closed_for(gate: GateFreezer, seconds: float, p: subprocess.Popen) -> tuple[float, int, int, str]:
+def closed_for(gate: GateFreezer, seconds: float, p: subprocess.Popen) -> tuple[float, int, int, int, str]:
     """Close the gate, wait until drained, keep it closed `seconds`, open it, let `p` end:
-    (seconds to drain, drained at, opened at (monotonic ns), p's output)."""
+    (seconds to drain, closed at (once freeze() returned), drained at, opened at (monotonic ns),
+    p's output)."""
     gate.freeze()
+    closed = time.monotonic_ns()
     took = wait_drained(gate)
     drained = time.monotonic_ns()
     time.sleep(seconds)
@@ -174,7 +176,7 @@ def closed_for(gate: GateFreezer, seconds: float, p: subprocess.Popen) -> tuple[
     gate.thaw()
     out, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
-    return took, drained, opened, out
+    return took, closed, drained, opened, out
 
 
 def wait_drained(gate: GateFreezer, timeout: float = 2.0) -> float:
@@ -189,8 +191,9 @@ def test_a_closed_gate_holds_launches_and_the_cpu_side_runs_on(gated):
     gate, start, log = gated
     p = start("2.0", "1000", "1")
     time.sleep(0.3)
-    closed = time.monotonic_ns()
-    took, drained, opened, out = closed_for(gate, 0.5, p)
+    # (counted from the gate's closing, not from before it: a launch that passed the gate while the test
+    # was descheduled before freeze() is not one the closed gate let through)
+    took, closed, drained, opened, out = closed_for(gate, 0.5, p)
     ks = kernels(log)
     # the queued kernels (one running, one waiting behind it) finish; then nothing starts until it opens
     assert took < 0.1
@@ -219,7 +222,7 @@ def test_cuda_bindings_launches_wait_at_the_gate_too(gated):
         """)
     p = start(code=code)
     time.sleep(0.3)
-    _, drained, opened, _ = closed_for(gate, 0.4, p)
+    _, _, drained, opened, _ = closed_for(gate, 0.4, p)
     ks = kernels(log)
     assert [s for _, s, _ in ks if s < drained] and [s for _, s, _ in ks if s >= opened]
     assert not [s for _, s, _ in ks if drained <= s < opened], "a cuda-bindings launch passed a closed gate"
@@ -348,7 +351,7 @@ def test_a_page_of_an_older_cgpud_keeps_the_containers_one_gate(gated, tmp_path)
         with open(tmp_path / "pages" / "usage", "rb") as f:
             f.seek(pages.USAGE_HEAD.size)
             assert pages.PROC_HEAD.unpack(f.read(pages.PROC_HEAD.size))[1] == pages.GATED_SHARED
-        _, drained, opened, _ = closed_for(gate, 0.4, p)
+        _, _, drained, opened, _ = closed_for(gate, 0.4, p)
         assert not [s for _, s, _ in kernels(log) if drained <= s < opened], "a launch passed the closed gate"
         assert [s for _, s, _ in kernels(log) if s >= opened]
     finally:
