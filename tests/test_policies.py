@@ -499,6 +499,21 @@ def test_window_is_exact_against_brute_force_and_merges_runs():
     assert len(w2._segs) == 1 and w2.sum(10.0) == pytest.approx(1.0)
 
 
+
+def test_a_window_never_summed_keeps_only_its_length_of_entries():
+    """Policies 0-3 never sum the per-instance usage windows (policy 4 reads them): fed one
+    slot in four for an hour of simulated time, they keep a window's worth, not every slot."""
+    p = Planner(Params(slice=0.01))
+    view = GpuView(WEIGHTED, 4, 50, tuple(InstView(n, 1, False, True) for n in "abcd"))
+    t = 0.0
+    for _ in range(360_000):
+        d = p.plan(view, t)
+        p.charge(d, t, d.until)
+        t = d.until
+    assert t == pytest.approx(3600.0)
+    assert all(len(w._segs) <= 1.0 / 0.04 + 2 for w in p._usage.values())  # 1 s of 10 ms slots, one in four
+    assert all(w.sum(t) == pytest.approx(0.25) for w in p._usage.values())
+
 def test_params_validation():
     with pytest.raises(ValueError):
         Params(slice=0)

@@ -181,7 +181,9 @@ class Window:
     it; a sum counts the part of each interval inside the window. Intervals
     that follow one another at (nearly) the same rate are merged, so an
     instance that runs for a long time costs one entry. Adding and summing
-    are O(1) amortized; memory is one entry per separate run in the window."""
+    are O(1) amortized; memory is one entry per separate run in the window,
+    whether it is summed or not (sums are asked for a time at or after the
+    latest amount's end)."""
 
     def __init__(self, length: float, merge_gap: float | None = None) -> None:
         self.length = float(length)
@@ -208,6 +210,9 @@ class Window:
                     return
         segs.append([start, end, amount])
         self._total += amount
+        lo = end - self.length  # (what ended before the window of its latest end: never summed again)
+        while segs[0][1] <= lo:
+            self._total -= segs.popleft()[2]
         self._adds += 1
         if self._adds >= 4096:  # drop accumulated rounding now and then
             self._adds = 0
