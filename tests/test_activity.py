@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cgpud.sched.activity import ActivityMonitor
+from cgpud.sched.activity import MEMBER_RECHECK, ActivityMonitor
 from cgpud.sched.enforce import KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL
 from cgpud.sched.enforce_api import Activity
 
@@ -175,6 +175,33 @@ def test_a_device_node_no_mark_covers_is_found_by_the_rescan(lab, tmp_path, caps
     finally:
         mon.close()
 
+
+
+def test_a_holder_moved_out_of_the_instance_stops_counting_within_the_member_recheck(lab, devices):
+    """The holder found last is looked at first, its descriptor each time, whether it is still
+    the instance's (its /proc/PID/cgroup) every MEMBER_RECHECK s: moved to another cgroup while
+    it holds the GPU, it keeps the instance active that long and no longer (a clock of our own)."""
+    now = [1000.0]
+    mon = ActivityMonitor({0: devices[0]}, fanotify=True, rescan_interval=1.0, clock=lambda: now[0])
+    try:
+        g, other = lab.group(KIND_CGROUP2), lab.group(KIND_CGROUP2)
+        h = Holder(lab, g)
+        mon.watch(0, "a", cgroups=[g])
+        h.do("open", devices[0])
+        assert mon.active(0, "a")
+        with open(os.path.join(other, "cgroup.procs"), "w") as f:  # moved, the device still open
+            f.write(str(h.pid))
+        scans = mon.stats["scans"]
+        now[0] += MEMBER_RECHECK / 2  # the round robin looks at it again: the descriptor is still there
+        assert mon.active(0, "a") and mon.stats["scans"] > scans
+        now[0] += MEMBER_RECHECK / 2 + 0.01  # its membership is looked at again: not the instance's
+        assert not mon.active(0, "a")
+        with open(os.path.join(g, "cgroup.procs"), "w") as f:  # back: found by the next look
+            f.write(str(h.pid))
+        now[0] += 1.01
+        assert mon.active(0, "a")
+    finally:
+        mon.close()
 
 def test_root_pid_marks_the_container_own_node(lab, tmp_path):
     """With the container's init given, its /dev/nvidia0 is marked: seen at

@@ -243,7 +243,7 @@ class Instances:
             pages.remove(where)
 
 
-async def reaper(control: "Instances", after, interval: float = 0.5, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def reaper(control: "Instances", after, interval: float = 1.0, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     task_status.started()
     while True:
         if control.reap():

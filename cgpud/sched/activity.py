@@ -53,7 +53,8 @@ from typing import Any, Callable, Iterable, Mapping
 from cgpud.sched.cgroupfs import KIND_CGROUP2, KIND_FREEZER, KIND_SIGNAL, TargetGone, cgroup_pids, proc_cgroups, stat_fields
 from cgpud.sched.enforce import group_members
 
-RESCAN_WAKES = 4  # the round robin wakes at most this many times a rescan_interval
+RESCAN_WAKES = 2  # the round robin wakes at most this many times a rescan_interval
+MEMBER_RECHECK = 4.0  # s: how long a holder seen in the instance is taken to stay in it (see _holding)
 
 # fanotify(7)
 _FAN_CLOEXEC = 0x1
@@ -139,6 +140,7 @@ class _Watch:
     pids: frozenset[int]
     active: bool = False
     holder: tuple[int, int] | None = None  # (pid, fd) that held the device at the last look
+    member_at: float = float("-inf")  # when the holder was last seen to be the instance's (its /proc/PID/cgroup)
 
 
 def _identity(st: os.stat_result) -> tuple:
@@ -403,8 +405,17 @@ class ActivityMonitor:
 
     def _holding(self, w: _Watch, dev: _Device) -> bool:
         self.stats["scans"] += 1
-        if w.holder is not None and self._holds(*w.holder, dev) and self._still_member(w, w.holder[0]):
-            return True
+        # The holder found last, first: does it still hold the device (a readlink and a stat)? Whether it
+        # is still the instance's (its /proc/PID/cgroup: twice the cost of the rest) is looked at again
+        # every MEMBER_RECHECK s only: a process moves out of its container's cgroups seldom, and one
+        # that does while holding the GPU keeps the instance active that long at most.
+        if w.holder is not None and self._holds(*w.holder, dev):
+            now = self._clock()
+            if now - w.member_at < MEMBER_RECHECK:
+                return True
+            if self._still_member(w, w.holder[0]):
+                w.member_at = now
+                return True
         w.holder = None
         for pid in self._pids(w):
             try:
@@ -416,7 +427,7 @@ class ActivityMonitor:
                 self.stats["fds_read"] += len(names)
                 for name in names:
                     if self._holds(pid, name, dev, dir_fd):
-                        w.holder = (pid, int(name))
+                        w.holder, w.member_at = (pid, int(name)), self._clock()  # (listed as the instance's)
                         return True
             except OSError:
                 continue
