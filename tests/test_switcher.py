@@ -91,6 +91,8 @@ def test_a_batch_is_carried_out_step_by_step_and_each_step_reported(two):
     assert ended[0].end == ended[1].start and ended[1].end == sw.take()[1].start
     assert ended[1].end - ended[1].begin >= 30_000_000, "a step ended before its length"
     assert ended[1].closed == 1 and ended[0].closed == 1  # (the runner's neighbour at each switch)
+    # charged until its closing was answered (nobody launches here: at once), not to the next opening
+    assert ended[1].begin <= ended[0].drained <= ended[1].start
     # cut now: the step in force ends at once, the gates stay as they are
     last = cancel(sw)
     assert [(r.batch, r.step) for r in last] == [(1, 2)] and last[0].end - last[0].start < 5_000_000_000
@@ -154,7 +156,7 @@ def test_a_switch_opens_the_next_gate_only_once_the_stopped_ones_work_is_done(tw
     dirs, ps, sw = two
     launching(dirs[1], 5_000)
     assert sw.submit(1, ps, [True, True], [(0.3, 1, 0), (30.0, 0, native.NOTIFY)])
-    wait_step(sw, 1, 1)
+    ended = wait_step(sw, 1, 1)
     cur = sw.take()[1]
     switch, opened = cur.begin, cur.start  # (the switch to a began, a's gate opened)
     assert opened > switch
@@ -162,6 +164,9 @@ def test_a_switch_opens_the_next_gate_only_once_the_stopped_ones_work_is_done(tw
     assert [s for _, s, _ in ks if s < switch], "b launched nothing in its step"
     assert all(e <= opened for _, s, e in ks if s < switch), "a's gate opened before b's queued work ended"
     assert max(e for _, s, e in ks if s < switch) > switch, "nothing was queued at the switch (no drain to wait for)"
+    # b's step is charged until its helper answered: after its last kernel ended, before a's gate opened
+    b_step = [r for r in ended if (r.batch, r.step) == (1, 0)][0]
+    assert max(e for _, s, e in ks if s < switch) <= b_step.drained <= opened == b_step.end
     last = cancel(sw)
     assert last[0].drain_ns > 0 and last[0].gave_up == -1
     assert not [s for _, s, _ in kernels(tmp_path / "b.kernels") if opened <= s < last[0].end], \

@@ -11,8 +11,12 @@ while every instance it must stop is gated (libcgpu) and the policy is a ring
     ran).
 
 Every step's real times come back in a report and are charged
-(Planner.settle): a step from its gate opening to the next one's, the switch
-in between (closing, waiting for its queued work) being its own. What was
+(Planner.settle): a step from its gate opening until its queued work was done
+(the next switch's closing answered: its drain is its own); the rest of the
+switch, from that answer to the next gate's opening, is nobody's (else each
+instance would pay for every switch that ends its run, and one that runs a
+slot at a time, for more of them than one given runs of several). The
+telemetry's timeline runs on from one gate opening to the next. What was
 planned ahead and did not start is taken back (Planner.rewind). When it hands
 back to the loop, the gates closed on this GPU are the loop's again
 (Enforcement.adopt): nothing is left closed that nobody knows of.
@@ -138,8 +142,9 @@ class NativeSwitching:
                 ahead = b.steps[r.step]
                 d = ahead.decision
                 start, end = r.start / 1e9 + offset, r.end / 1e9 + offset
-                # (to the next one's start: its queued work ran until then)
-                planner.settle(ahead, start, end, cut is not None and (r.batch, r.step) == (cut.batch, cut.step))
+                # (to when its queued work was done: the rest of the switch, opening the next gate, is nobody's)
+                planner.settle(ahead, start, r.drained / 1e9 + offset,
+                               cut is not None and (r.batch, r.step) == (cut.batch, cut.step))
                 if last[0] is not None and d.running != last[0].running:
                     tel.switches += 1
                 tel.record(d, start, end)

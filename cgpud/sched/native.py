@@ -38,7 +38,7 @@ NAME = "libcgpu-switch.so"
 
 class Report(ctypes.Structure):
     _fields_ = [("begin", ctypes.c_int64), ("start", ctypes.c_int64), ("end", ctypes.c_int64),
-                ("drain_ns", ctypes.c_int64), ("late_ns", ctypes.c_int64), ("batch", ctypes.c_int32),
+                ("drained", ctypes.c_int64), ("drain_ns", ctypes.c_int64), ("late_ns", ctypes.c_int64), ("batch", ctypes.c_int32),
                 ("step", ctypes.c_int32), ("gave_up", ctypes.c_int32), ("closed", ctypes.c_int32)]
 
 

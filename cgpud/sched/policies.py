@@ -493,7 +493,7 @@ class Planner:
 
     def settle(self, ahead: Ahead, start: float, end: float, cut: bool = False) -> None:
         """A decision planned ahead was in force from `start` to `end` (actual
-        times; to the next one's start, its queued work drained until then):
+        times; to when its queued work was done, the next switch's closing answered):
         charge the difference from what was charged for it, and the windows.
         `cut`: ended early (the batch was cut), not a measure of its tail."""
         d, p = ahead.decision, self.params

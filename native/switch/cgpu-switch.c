@@ -386,6 +386,9 @@ struct report {
     /* its switch began (the step before it was due to end), its gate opened, it ended (0: not yet):
      * a step is in force from its start to the next one's start (its queued work drains meanwhile) */
     int64_t begin, start, end;
+    int64_t drained;            /* when its queued work was done (the next switch's closing answered;
+                                 * its end when that closed nothing): what is charged to it ends here,
+                                 * the rest of the switch (opening the next gate) is nobody's */
     int64_t drain_ns;           /* of the switch: waiting for the stopped instances' queued work */
     int64_t late_ns;            /* how late it ended, past its due time */
     int32_t batch, step;        /* which step of which batch */
@@ -538,8 +541,10 @@ static void run_step(struct sw *s, struct batch *b, int pos)
     }
     int64_t start = now_ns();
     pthread_mutex_lock(&s->mu);
-    if (prev)
+    if (prev) {
         prev->end = start;
+        prev->drained = nclose ? drained : start;
+    }
     if (s->head - s->tail >= REPORTS)
         s->tail++;  /* (the scheduler has not read them for REPORTS steps: the oldest go) */
     s->reports[s->head++ % REPORTS] = (struct report){
@@ -564,7 +569,7 @@ static void *switcher(void *arg)
         if (s->cancel) {  /* end the step now, drop the batches; the gates stay as they are */
             struct report *r = open_report_locked(s);
             if (r)
-                r->end = now_ns();
+                r->end = r->drained = now_ns();
             free_batch(s->cur);
             free_batch(s->next);
             s->cur = s->next = NULL;
