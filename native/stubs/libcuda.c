@@ -24,7 +24,8 @@
  * next free); it returns at once, as a real launch does, but a process has at most
  * one kernel waiting behind its running one (a launch waits until its previous one
  * has started). cuCtxSynchronize / cuStreamSynchronize wait until the process's
- * last kernel has ended. With CGPU_STUB_CUDA_LOG set, each kernel appends
+ * last kernel has ended (asleep, spinning its last 200 µs, as the real driver's default
+ * scheduling spins). With CGPU_STUB_CUDA_LOG set, each kernel appends
  * "pid start_ns end_ns" (CLOCK_MONOTONIC) to it; CGPU_STUB_CUDA_FAST=1 makes
  * launches free and instant (to time what an interposer adds). cuInit opens
  * CGPU_STUB_CUDA_DEVICE, if set, and keeps it open, as the real driver keeps
@@ -246,7 +247,19 @@ static CUresult run_kernel(uint64_t us)
     return OK;
 }
 
-CUresult cuCtxSynchronize(void) { sleep_until(last_end); return OK; }
+/* Wait for this process's last kernel to end: asleep until shortly before, then spinning, as the
+ * real driver's default (CU_CTX_SCHED_AUTO: it spins while a process has no more contexts than
+ * the machine has cores) returns as the work ends, not a timer's wake-up (~100 µs here) later. */
+#define SYNC_SPIN_NS 200000ull
+CUresult cuCtxSynchronize(void)
+{
+    uint64_t end = last_end;
+    if (end > SYNC_SPIN_NS)
+        sleep_until(end - SYNC_SPIN_NS);
+    while (now_ns() < end)
+        ;
+    return OK;
+}
 CUresult cuCtxGetCurrent(CUcontext *ctx)
 {
     if (!ctx) return INVALID_VALUE;
