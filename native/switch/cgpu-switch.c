@@ -529,7 +529,9 @@ static void run_step(struct sw *s, struct batch *b, int pos)
         gave_up = wait_drained(s, b, closing, nclose, begin + s->bound_ns);
         drained = now_ns();
     }
-    /* open: everyone else this GPU knows (the runner, the idle) */
+    /* open: everyone else this GPU knows (the runner, the idle). The step starts now: a launcher
+     * woken on this CPU may run before this thread takes the time again. */
+    int64_t start = now_ns();
     for (int i = 0; i < b->nuni; i++) {
         if (b->active[i] && i != st->run)
             continue;
@@ -539,7 +541,6 @@ static void run_step(struct sw *s, struct batch *b, int pos)
             thaw_locked(p, s->gpu);
         pthread_mutex_unlock(&p->mu);
     }
-    int64_t start = now_ns();
     pthread_mutex_lock(&s->mu);
     if (prev) {
         prev->end = start;
