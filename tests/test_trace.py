@@ -55,7 +55,9 @@ def test_svg_matches_the_slices_and_shows_the_weights(daemon, tmp_path):
                            env=env, capture_output=True, text=True, timeout=30)
         assert r.returncode == 0, r.stderr
         with Client(str(daemon.socket)) as c:
+            asked = time.monotonic()
             later = c.call("trace", seconds=10, gpu=0)
+            answered = time.monotonic()
     finally:
         for j in jobs:
             j.terminate()  # cgpu run passes SIGTERM on to the workload
@@ -72,6 +74,8 @@ def test_svg_matches_the_slices_and_shows_the_weights(daemon, tmp_path):
     # What the CLI drew from is the daemon's ring: asked again, the daemon
     # still has those slices, to the digit (the last one was in force and open).
     g2 = seconds_of(later["gpus"][0])  # (on the socket: whole microseconds)
+    # the daemon's times are CLOCK_MONOTONIC's, as this process's (trio's own clock would add an offset)
+    assert asked <= later["gpus"][0]["now"] <= answered
     again = {s[:4] for s in _slices(g2)}
     assert all(s[:4] in again for s in slices[:-1])
     assert any(s[0] == slices[-1][0] and s[1] >= slices[-1][1] for s in _slices(g2))

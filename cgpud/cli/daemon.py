@@ -13,6 +13,7 @@ from cgpud.daemon.errors import StartError
 from cgpud.daemon.foreground import in_terminal, relay
 from cgpud.daemon.main import Config, serve as serve_daemon
 from cgpud.observe.exposition import DEFAULT_ADDR as DEFAULT_METRICS_ADDR
+from cgpud.sched.timerfd import MonotonicClock
 from cgpud.state.paths import default_dev_dir, default_mount, default_socket, default_state_dir
 
 
@@ -88,7 +89,7 @@ def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, s
                  mps_pipe_dir=mps_pipe_dir, metrics_addr=metrics_addr, hook_path=hook_path,
                  libcgpu=libcgpu, compute=compute)
     try:
-        status = trio.run(serve_daemon, cfg)
+        status = trio.run(serve_daemon, cfg, clock=MonotonicClock())  # (its times: CLOCK_MONOTONIC's)
     except StartError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:

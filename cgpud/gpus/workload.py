@@ -45,6 +45,7 @@ def run(device: str, seconds: float, interval: float = 0.0, as_json: bool = Fals
 
 
 def _run(device: str, seconds: float, interval: float, as_json: bool, out, mem: int) -> dict:
+    opening = time.monotonic()  # (the daemon may see the open, and act on it, before open() returns)
     fd = os.open(device, os.O_RDONLY)  # "opening the GPU": the instance is active from here
     try:
         start = last = time.monotonic()
@@ -70,7 +71,7 @@ def _run(device: str, seconds: float, interval: float, as_json: bool, out, mem: 
     finally:
         os.close(fd)
     result = {"iterations": total, "seconds": round(elapsed, 6), "it_per_s": total / elapsed,
-              "first_kernel_s": round(first, 6), "mem_bytes": mem}
+              "first_kernel_s": round(first, 6), "opened_at": opening, "mem_bytes": mem}
     if as_json:
         print(json.dumps(result), file=out, flush=True)
     else:

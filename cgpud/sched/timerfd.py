@@ -6,6 +6,11 @@ deadline and wakes epoll at once. `TimerFd.sleep_until(deadline)` takes a
 deadline on trio's clock (so the scheduler keeps reading time only through
 `trio.current_time()`) and converts it to CLOCK_MONOTONIC, which trio's system
 clock counts in too.
+
+`MonotonicClock` is the daemon's trio clock: CLOCK_MONOTONIC itself (trio's
+own adds a random offset of its run), so that the times the daemon reports
+(`cgpu trace`, the switcher's reports) compare with any other process's
+`time.monotonic()` or `clock_gettime(CLOCK_MONOTONIC)`.
 """
 from __future__ import annotations
 
@@ -33,6 +38,19 @@ class _itimerspec(ctypes.Structure):
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.timerfd_create.argtypes = [ctypes.c_int, ctypes.c_int]
 _libc.timerfd_settime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(_itimerspec), ctypes.c_void_p]
+
+
+class MonotonicClock(trio.abc.Clock):
+    """trio.run(..., clock=MonotonicClock()): trio's time is time.monotonic()."""
+
+    def start_clock(self) -> None:
+        pass
+
+    def current_time(self) -> float:
+        return time.monotonic()
+
+    def deadline_to_sleep_time(self, deadline: float) -> float:
+        return deadline - time.monotonic()
 
 
 class TimerFd:
