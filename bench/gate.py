@@ -22,7 +22,8 @@ costs and how well it shares, against the stand-in libcuda.so.1 in the same run.
    takeover decided -> it starts, from the same clock (CLOCK_MONOTONIC: the
    stand-in's kernel log), no kernel time subtracted.
 4. Daemon CPU with 25 gated instances (policy 2, max_inst 25, weight 1 each,
-   10 ms), and the same with freezing, in the same run. Goal: gated <= 2 % of
+   10 ms; metrics served, as by default), and the same with freezing, in the
+   same run. Goal: gated <= 2 % of
    a core. By thread (schedstat: nanoseconds, not clock ticks): the switcher
    thread against a bare C thread waking as often; the trio thread against a
    bare trio loop waking as often.
@@ -300,13 +301,13 @@ def takeover(tmp: Path, rounds: int) -> None:
 
 
 class Daemon:
-    def __init__(self, tmp: Path, compute: str) -> None:
+    def __init__(self, tmp: Path, compute: str, metrics: str = "off") -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="d", dir=tmp))
         (self.dir / "mnt").mkdir()
         self.sock = self.dir / "sock"
         self.proc = subprocess.Popen([CGPUD, "serve", "--gpus", "sim:T4", "--mount", str(self.dir / "mnt"),
                                       "--state-dir", str(self.dir / "state"), "--socket", str(self.sock),
-                                      "--dev-dir", str(self.dir / "dev"), "--metrics-addr", "off",
+                                      "--dev-dir", str(self.dir / "dev"), "--metrics-addr", metrics,
                                       "--libcgpu", str(tmp / "libcgpu.so"), "--compute", compute],
                                      stdout=subprocess.DEVNULL, stderr=open(self.dir / "log", "w"))
         deadline = time.monotonic() + 20
@@ -437,7 +438,7 @@ def threads(pid: int) -> dict[str, tuple[int, int]]:
 def daemon_cpu(tmp: Path, seconds: float, count: int) -> None:
     out, per = {}, {}
     for compute in ("gate", "freeze"):
-        d = Daemon(tmp, compute)
+        d = Daemon(tmp, compute, metrics="127.0.0.1:0")  # (as it runs by default: metrics on, any free port)
         try:
             d.write("0/max_inst", "25")  # (the most there may be; weight 1 each: Σ weight = max_inst)
             d.write("0/policy", "2")
@@ -470,7 +471,7 @@ def daemon_cpu(tmp: Path, seconds: float, count: int) -> None:
     print(f"4. gated, by thread: the switcher thread {switcher[0]:.2f} % ({switches:.0f} slices a second, "
           f"{switcher[1]:.0f} wake-ups); a bare C thread waking as often (twice a slice) takes {floor:.2f} %. "
           f"The trio thread {main[0]:.2f} % ({main[1]:.1f} wake-ups a second); a bare trio loop waking as often "
-          f"takes {bare:.2f} %")
+          f"takes {bare:.2f} %; the metrics server's thread {per['gate'].get('cgpud-metrics', (0.0, 0.0))[0]:.2f} %")
 
 
 def main() -> None:

@@ -204,6 +204,7 @@ class MetricsServer:
         self.app = make_wsgi_app(what) if isinstance(what, CollectorRegistry) else what
         self._httpd = None
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     def start(self, host: str, port: int) -> tuple[str, int]:
         """Bind and serve; the bound (host, port). OSError when it cannot bind."""
@@ -221,16 +222,32 @@ class MetricsServer:
             os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # this thread only (Linux)
         except (OSError, AttributeError):
             pass
-        self._httpd.serve_forever(poll_interval=0.2)
+        try:  # its name for top -H and /proc/PID/task (Python names its threads for itself only)
+            import ctypes
+
+            ctypes.CDLL(None).prctl(15, b"cgpud-metrics", 0, 0, 0)  # PR_SET_NAME: this thread
+        except (OSError, AttributeError):
+            pass
+        # One request at a time, blocking until one comes: no polling (serve_forever wakes every
+        # poll_interval to look for a shutdown). stop() shuts the listening socket down, which
+        # wakes the wait; its accept then fails and the loop sees it is stopping.
+        httpd = self._httpd
+        while not self._stopping:
+            httpd.handle_request()
 
     def stop(self) -> None:
         if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+            self._stopping = True
+            try:
+                self._httpd.socket.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
+        if self._httpd is not None:
+            self._httpd.server_close()
+            self._httpd = None
 
 
 def process_registry() -> CollectorRegistry:
