@@ -304,9 +304,7 @@ class ActivityMonitor:
                 if key in self._watches:
                     self._look(key)
         if self._ring and now >= self._next_rescan:
-            # the instances due: each every rescan_interval, looked at in groups so that the
-            # monitor wakes at most RESCAN_WAKES times an interval however many there are
-            n = max(1, -(-len(self._ring) // RESCAN_WAKES))
+            n = self._rescan_group()
             for _ in range(min(n, len(self._ring))):
                 key = self._ring.pop(0)
                 self._ring.append(key)
@@ -314,6 +312,12 @@ class ActivityMonitor:
             self._next_rescan = now + self.rescan_interval * n / len(self._ring)
         changed, self._changed = self._changed, set()
         return changed
+
+    def _rescan_group(self) -> int:
+        """How many instances the round robin looks at a wake-up: each is due every
+        rescan_interval, looked at in groups so that the monitor wakes at most
+        RESCAN_WAKES times an interval however many there are."""
+        return max(1, -(-len(self._ring) // RESCAN_WAKES))
 
     async def run(self, on_change: Callable[[int], Any], *, task_status: Any = None) -> None:
         """A trio task: wake when a marked device is opened or closed (and for
@@ -324,8 +328,7 @@ class ActivityMonitor:
         if task_status is not None:
             task_status.started()
         while True:
-            n = max(1, len(self._ring))
-            step = self.rescan_interval * max(1, -(-n // RESCAN_WAKES)) / n
+            step = self.rescan_interval * self._rescan_group() / max(1, len(self._ring))
             with trio.move_on_after(step):
                 if self._fan is not None:
                     await trio.lowlevel.wait_readable(self._fan.fd)
