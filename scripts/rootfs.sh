@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A Debian root filesystem made by debootstrap, kept in a cache that the tests and the
+# image builds share: scripts/rootfs.sh SUITE [VARIANT]  ->  prints its directory.
+#
+#   scripts/rootfs.sh bullseye   # glibc 2.31: an older-glibc image (libcgpu must run in it)
+#   scripts/rootfs.sh bookworm   # the release deploy/kubernetes/Containerfile builds on
+#
+# CGPUD_ROOTFS_CACHE (default /var/cache/cgpud/rootfs) holds one directory per suite and
+# variant; a finished one has a .cgpud-done stamp and is reused; a half-made one (an
+# interrupted run) is made again. Needs root and Debian's debootstrap (scripts/setup.sh
+# installs it). The first run of a suite takes a few minutes (it downloads ~40 MB).
+set -euo pipefail
+suite=${1:?usage: rootfs.sh SUITE [VARIANT]}
+variant=${2:-minbase}
+cache=${CGPUD_ROOTFS_CACHE:-/var/cache/cgpud/rootfs}
+dir="$cache/$suite-$variant"
+if [ -f "$dir/.cgpud-done" ]; then
+  echo "$dir"
+  exit 0
+fi
+command -v debootstrap >/dev/null || { echo "rootfs: debootstrap is not installed (scripts/setup.sh installs it)" >&2; exit 1; }
+[ "$(id -u)" -eq 0 ] || { echo "rootfs: debootstrap needs root" >&2; exit 1; }
+mkdir -p "$cache"
+# One maker at a time per suite (the tests of two sessions may ask at once).
+exec 9>"$cache/.$suite-$variant.lock"
+flock 9
+if [ ! -f "$dir/.cgpud-done" ]; then
+  rm -rf "$dir.tmp"
+  mirror=${CGPUD_DEBIAN_MIRROR:-$(sed -n 's/^URIs: *\(http[^ ]*debian\/*\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)}
+  debootstrap --variant="$variant" "$suite" "$dir.tmp" ${mirror:+"$mirror"} >"$cache/$suite-$variant.log" 2>&1 \
+    || { echo "rootfs: debootstrap $suite failed; its log: $cache/$suite-$variant.log" >&2; tail -5 "$cache/$suite-$variant.log" >&2; exit 1; }
+  rm -rf "$dir"
+  mv "$dir.tmp" "$dir"
+  touch "$dir/.cgpud-done"
+fi
+echo "$dir"
