@@ -1,0 +1,247 @@
+/*
+ * libcgpu: the in-container interception library (docs/isolation.md), loaded
+ * into a container's processes (LD_PRELOAD or /etc/ld.so.preload).
+ *
+ * This first part holds GPU memory to the container's memsize, to the byte and
+ * across all its processes, and shows memsize as the card:
+ *   - every allocator here — cuMemAlloc_v2, cuMemAllocPitch_v2 (charged for
+ *     512-byte rows), cuMemAllocManaged, cuMemAllocAsync,
+ *     cuMemAllocFromPoolAsync, cuMemCreate (device memory: location
+ *     CU_MEM_LOCATION_TYPE_DEVICE or _DEVICE_LOCALITY_DOMAIN; host memory is
+ *     not charged), cuArrayCreate_v2, cuArray3DCreate_v2 and
+ *     cuMipmappedArrayCreate (every level) —
+ *     charges the container's usage page BEFORE the real call
+ *     (a compare-and-swap loop: racing processes can never pass memsize),
+ *     allocates, and gives the charge back if the driver fails;
+ *     past memsize: CUDA_ERROR_OUT_OF_MEMORY, nothing allocated;
+ *   - cuMemFree_v2, cuMemFreeAsync, cuMemRelease, cuArrayDestroy and
+ *     cuMipmappedArrayDestroy give it back, and so does a process's exit; a process
+ *     killed without a chance to is given back by the next process that
+ *     starts (its slot's pid is gone);
+ *   - cuMemGetInfo_v2 -> (memsize - used, memsize), never an error when over;
+ *     cuDeviceTotalMem_v2 -> memsize; nvmlDeviceGetMemoryInfo and _v2 ->
+ *     total memsize, used the container's usage, free the rest (nvidia-smi);
+ *     the real NVML is CGPU_REAL_LIBNVML, else libnvidia-ml.so.1.
+ * It interposes the exported names, `dlsym` itself (what a client that
+ * dlopens libcuda.so.1 finds), and cuGetProcAddress / _v2 (how CUDA >= 11.3
+ * and NVIDIA's cuda-bindings resolve the driver), wrapping a returned
+ * cuGetProcAddress. The real driver is dlopen'ed: CGPU_REAL_LIBCUDA, else
+ * libcuda.so.1.
+ *
+ * Fail closed: with CGPU_PAGE_DIR set (the container asked for isolation) but
+ * its pages missing, foreign or of another version, cuInit returns
+ * CUDA_ERROR_NOT_INITIALIZED and one line on stderr says why; the process
+ * never runs unisolated. Without CGPU_PAGE_DIR, a process of a container whose
+ * pages are mounted at /run/cgpu (it cleared its environment; /etc/ld.so.preload
+ * loaded the library) uses those; anywhere else it passes everything through.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cgpu_internal.h"
+
+/* What every exported wrapper here is (memory.c, gate.c, nvml.c). */
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
+CUresult cuMemAllocPitch_v2(CUdeviceptr *, size_t *, size_t, size_t, unsigned);
+CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, void *);
+CUresult cuMemFreeAsync(CUdeviceptr, void *);
+CUresult cuArrayCreate_v2(CUdeviceptr *, const void *);
+CUresult cuArrayDestroy(CUdeviceptr);
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, void *, void *);
+CUresult cuMemCreate(CUdeviceptr *, size_t, const void *, unsigned long long);
+CUresult cuMemRelease(CUdeviceptr);
+CUresult cuArray3DCreate_v2(CUdeviceptr *, const void *);
+CUresult cuMipmappedArrayCreate(CUdeviceptr *, const void *, unsigned);
+CUresult cuMipmappedArrayDestroy(CUdeviceptr);
+CUresult cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **,
+                        void **);
+CUresult cuLaunchKernel_ptsz(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                             void **, void **);
+CUresult cuLaunchCooperativeKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                   void *, void **);
+CUresult cuLaunchCooperativeKernel_ptsz(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                        void *, void **);
+CUresult cuLaunchKernelEx(const void *, void *, void **, void **);
+CUresult cuLaunchKernelEx_ptsz(const void *, void *, void **, void **);
+CUresult cuGraphLaunch(void *, void *);
+CUresult cuGraphLaunch_ptsz(void *, void *);
+int nvmlDeviceGetMemoryInfo(void *, nvmlMemory_t *);
+int nvmlDeviceGetMemoryInfo_v2(void *, nvmlMemory_v2_t *);
+
+struct real_driver real;
+dlsym_fn real_dlsym;
+__thread int in_driver;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+void *sym(const char *name)
+{
+    return real.lib && real_dlsym ? real_dlsym(real.lib, name) : NULL;
+}
+
+static void forked(void);
+
+static void setup(void)
+{
+    real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!real_dlsym)
+        real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    const char *path = getenv("CGPU_REAL_LIBCUDA");
+    real.lib = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    real.init = (init_fn)sym("cuInit");
+    real.alloc = (alloc_fn)sym("cuMemAlloc_v2");
+    real.free = (free_fn)sym("cuMemFree_v2");
+    real.info = (info_fn)sym("cuMemGetInfo_v2");
+    real.total = (total_fn)sym("cuDeviceTotalMem_v2");
+    real.getproc = (getproc_fn)sym("cuGetProcAddress");
+    real.getproc2 = (getproc2_fn)sym("cuGetProcAddress_v2");
+    real.pitch = (pitch_fn)sym("cuMemAllocPitch_v2");
+    real.managed = (managed_fn)sym("cuMemAllocManaged");
+    real.alloc_async = (alloc_async_fn)sym("cuMemAllocAsync");
+    real.free_async = (free_async_fn)sym("cuMemFreeAsync");
+    real.array = (array_fn)sym("cuArrayCreate_v2");
+    real.array_free = (free_fn)sym("cuArrayDestroy");
+    real.launch = (launch_fn)sym("cuLaunchKernel");
+    real.launch_ptsz = (launch_fn)sym("cuLaunchKernel_ptsz");
+    real.launch_coop = (launch_coop_fn)sym("cuLaunchCooperativeKernel");
+    real.launch_coop_ptsz = (launch_coop_fn)sym("cuLaunchCooperativeKernel_ptsz");
+    real.launch_ex = (launch_ex_fn)sym("cuLaunchKernelEx");
+    real.launch_ex_ptsz = (launch_ex_fn)sym("cuLaunchKernelEx_ptsz");
+    real.graph_launch = (graph_launch_fn)sym("cuGraphLaunch");
+    real.graph_launch_ptsz = (graph_launch_fn)sym("cuGraphLaunch_ptsz");
+    real.ctx_get = (ctx_get_fn)sym("cuCtxGetCurrent");
+    real.ctx_get_device = (ctx_device_fn)sym("cuCtxGetDevice");
+    real.device_uuid = (device_uuid_fn)sym("cuDeviceGetUuid_v2");
+    if (!real.device_uuid)
+        real.device_uuid = (device_uuid_fn)sym("cuDeviceGetUuid");
+    real.ctx_push = (ctx_push_fn)sym("cuCtxPushCurrent_v2");
+    real.ctx_pop = (ctx_get_fn)sym("cuCtxPopCurrent_v2");
+    real.ctx_sync = (ctx_sync_fn)sym("cuCtxSynchronize");
+    real.pool_alloc = (pool_alloc_fn)sym("cuMemAllocFromPoolAsync");
+    real.mem_create = (mem_create_fn)sym("cuMemCreate");
+    real.mem_release = (free_fn)sym("cuMemRelease");
+    real.array3d = (array_fn)sym("cuArray3DCreate_v2");
+    real.mipmap = (mipmap_fn)sym("cuMipmappedArrayCreate");
+    real.mipmap_free = (free_fn)sym("cuMipmappedArrayDestroy");
+    const char *npath = getenv("CGPU_REAL_LIBNVML");
+    real.nvml = dlopen(npath && *npath ? npath : "libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (real.nvml && real_dlsym) {
+        real.nvml_mem = (nvml_mem_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo");
+        real.nvml_mem2 = (nvml_mem2_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo_v2");
+        real.nvml_index = (nvml_index_fn)real_dlsym(real.nvml, "nvmlDeviceGetIndex");
+        real.nvml_uuid = (nvml_uuid_fn)real_dlsym(real.nvml, "nvmlDeviceGetUUID");
+    }
+    page_setup();
+    if (asked)
+        pthread_atfork(NULL, NULL, forked);
+}
+
+void setup_once(void)
+{
+    pthread_once(&once, setup);
+}
+
+int isolated(void)
+{
+    pthread_once(&once, setup);
+    return limits != NULL;
+}
+
+CUresult cuInit(unsigned flags)
+{
+    pthread_once(&once, setup);
+    if (asked && !limits) {
+        fprintf(stderr, "cgpu: GPU isolation was asked for but cannot be applied (%s): CUDA is not started\n", why);
+        return CU_NOT_INITIALIZED;
+    }
+    return real.init ? real.init(flags) : CU_NOT_INITIALIZED;
+}
+
+/* A forked child holds nothing yet, has no helper thread, and needs a slot of its own. */
+static void forked(void)
+{
+    gate_forked();
+    memory_forked();
+    page_forked();
+}
+
+/* ---- how clients find the functions -------------------------------------------- */
+
+static void *ours(const char *name)
+{
+    static const struct { const char *name; void *fn; } T[] = {
+        {"cuInit", (void *)cuInit},
+        {"cuMemAlloc", (void *)cuMemAlloc_v2}, {"cuMemAlloc_v2", (void *)cuMemAlloc_v2},
+        {"cuMemFree", (void *)cuMemFree_v2}, {"cuMemFree_v2", (void *)cuMemFree_v2},
+        {"cuMemGetInfo", (void *)cuMemGetInfo_v2}, {"cuMemGetInfo_v2", (void *)cuMemGetInfo_v2},
+        {"cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2}, {"cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2},
+        {"cuMemAllocPitch", (void *)cuMemAllocPitch_v2}, {"cuMemAllocPitch_v2", (void *)cuMemAllocPitch_v2},
+        {"cuMemAllocManaged", (void *)cuMemAllocManaged},
+        {"cuMemAllocAsync", (void *)cuMemAllocAsync}, {"cuMemFreeAsync", (void *)cuMemFreeAsync},
+        {"cuArrayCreate", (void *)cuArrayCreate_v2}, {"cuArrayCreate_v2", (void *)cuArrayCreate_v2},
+        {"cuArrayDestroy", (void *)cuArrayDestroy},
+        {"cuLaunchKernel", (void *)cuLaunchKernel}, {"cuLaunchKernel_ptsz", (void *)cuLaunchKernel_ptsz},
+        {"cuLaunchCooperativeKernel", (void *)cuLaunchCooperativeKernel},
+        {"cuLaunchCooperativeKernel_ptsz", (void *)cuLaunchCooperativeKernel_ptsz},
+        {"cuLaunchKernelEx", (void *)cuLaunchKernelEx}, {"cuLaunchKernelEx_ptsz", (void *)cuLaunchKernelEx_ptsz},
+        {"cuGraphLaunch", (void *)cuGraphLaunch}, {"cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
+        {"cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
+        {"cuMemCreate", (void *)cuMemCreate}, {"cuMemRelease", (void *)cuMemRelease},
+        {"cuArray3DCreate", (void *)cuArray3DCreate_v2}, {"cuArray3DCreate_v2", (void *)cuArray3DCreate_v2},
+        {"cuMipmappedArrayCreate", (void *)cuMipmappedArrayCreate},
+        {"cuMipmappedArrayDestroy", (void *)cuMipmappedArrayDestroy},
+        {"nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo},
+        {"nvmlDeviceGetMemoryInfo_v2", (void *)nvmlDeviceGetMemoryInfo_v2},
+    };
+    for (size_t i = 0; i < sizeof T / sizeof *T; i++)
+        if (!strcmp(name, T[i].name))
+            return T[i].fn;
+    return NULL;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags)
+{
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status)
+{
+    pthread_once(&once, setup);
+    CUresult r = real.getproc2 ? real.getproc2(symbol, pfn, version, flags, status)
+               : real.getproc ? real.getproc(symbol, pfn, version, flags) : CU_NOT_INITIALIZED;
+    if (r != CU_OK || !symbol || !pfn)
+        return r;
+    if (!strcmp(symbol, "cuGetProcAddress"))  /* the one it returns must be ours too */
+        *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
+    else if (ours(symbol)) {
+        char ptsz[128];
+        snprintf(ptsz, sizeof ptsz, "%s_ptsz", symbol);
+        void *alt = sym(ptsz);  /* the driver chose the per-thread default stream's: so do we */
+        *pfn = alt && *pfn == alt && ours(ptsz) ? ours(ptsz) : ours(symbol);
+    }
+    return r;
+}
+
+void *dlsym(void *handle, const char *name)
+{
+    pthread_once(&once, setup);
+    if (!strncmp(name, "cu", 2) || !strncmp(name, "nvmlDeviceGetMemoryInfo", 23)) {
+        if (!strcmp(name, "cuGetProcAddress"))
+            return (void *)cuGetProcAddress;
+        if (!strcmp(name, "cuGetProcAddress_v2"))
+            return (void *)cuGetProcAddress_v2;
+        void *fn = ours(name);
+        if (fn && real_dlsym && real_dlsym(handle, name))  /* only where the real driver has it */
+            return fn;
+    }
+    return real_dlsym ? real_dlsym(handle, name) : NULL;
+}

@@ -1,0 +1,305 @@
+/*
+ * libcgpu, memory: every allocator charges the container's usage page BEFORE the real call (a
+ * compare-and-swap loop: racing processes can never pass memsize), allocates, and gives the
+ * charge back if the driver fails; every free gives back what its allocation held.
+ */
+#include <string.h>
+
+#include "cgpu_internal.h"
+
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { CUdeviceptr ptr; size_t size; int gpu; } table[8192];
+
+/* Reserve `size` on GPU g before the driver is asked: racing processes can never pass memsize together. */
+static int reserve(int g, size_t size)
+{
+    uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
+    do {
+        if (size > cap || used > cap - size)
+            return 0;
+    } while (!__atomic_compare_exchange_n(&usage->used[g], &used, used + size, 0, __ATOMIC_ACQ_REL,
+                                          __ATOMIC_ACQUIRE));
+    return 1;
+}
+
+static void refund(int g, size_t size)
+{
+    __atomic_sub_fetch(&usage->used[g], size, __ATOMIC_ACQ_REL);
+}
+
+/* The driver gave it: this process holds it, and its size is kept for the free. */
+static void commit(int g, CUdeviceptr key, size_t size)
+{
+    __atomic_add_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
+    pthread_mutex_lock(&table_lock);
+    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+        if (!table[i].ptr) {
+            table[i].ptr = key;
+            table[i].size = size;
+            table[i].gpu = g;
+            break;
+        }
+    pthread_mutex_unlock(&table_lock);
+}
+
+/* Freed: what it held comes back (nothing for a pointer we never saw). */
+static void forget(CUdeviceptr key)
+{
+    size_t size = 0;
+    int g = 0;
+    pthread_mutex_lock(&table_lock);
+    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
+        if (table[i].ptr == key && key) {
+            size = table[i].size;
+            g = table[i].gpu;
+            table[i].ptr = 0;
+            break;
+        }
+    pthread_mutex_unlock(&table_lock);
+    if (size) {
+        __atomic_sub_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
+        refund(g, size);
+    }
+}
+
+/* An allocation of `size` bytes done by `call` (the real driver's), held to memsize on the page's
+ * GPU `gpu` (-1: a GPU given whole, not charged). */
+#define CHARGED(size, key, call) CHARGED_ON(current_gpu(), size, key, call)
+#define CHARGED_ON(gpu, size, key, call)                                                \
+    do {                                                                                 \
+        int g_ = (gpu);                                                                  \
+        if (g_ < 0)                                                                      \
+            return (call); /* a GPU given whole: the driver's to hold */                 \
+        if (!reserve(g_, (size)))                                                        \
+            return CU_OUT_OF_MEMORY;                                                     \
+        in_driver++;                                                                     \
+        CUresult r_ = (call);                                                            \
+        in_driver--;                                                                     \
+        if (r_ != CU_OK) {                                                               \
+            refund(g_, (size));                                                          \
+            return r_;                                                                   \
+        }                                                                                \
+        commit(g_, (key), (size));                                                       \
+        return CU_OK;                                                                    \
+    } while (0)
+
+/* A free done by `call`: what `key` held comes back once the driver has let it go. */
+#define RELEASED(key, call)              \
+    do {                                 \
+        in_driver++;                     \
+        CUresult r_ = (call);            \
+        in_driver--;                     \
+        if (r_ == CU_OK)                 \
+            forget(key);                 \
+        return r_;                       \
+    } while (0)
+
+/* A call that allocates nothing charged here (host memory; a descriptor the driver will refuse). */
+#define UNCHARGED(call)         \
+    do {                        \
+        in_driver++;            \
+        CUresult r_ = (call);   \
+        in_driver--;            \
+        return r_;              \
+    } while (0)
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
+{
+    PASS_THROUGH(real.alloc, p, size);
+    CHARGED(size, *p, real.alloc(p, size));
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    PASS_THROUGH(real.free, p);
+    RELEASED(p, real.free(p));
+}
+
+/* Pitched: the driver picks the pitch; charged for the widest it picks (512-byte rows). */
+CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, size_t height, unsigned elem)
+{
+    PASS_THROUGH(real.pitch, p, pitch, width, height, elem);
+    size_t size = ((width + 511) & ~(size_t)511) * height;
+    CHARGED(size, *p, real.pitch(p, pitch, width, height, elem));
+}
+
+/* Managed (unified) memory escapes the real product's isolation; here it is counted (SPEC §3). */
+CUresult cuMemAllocManaged(CUdeviceptr *p, size_t size, unsigned flags)
+{
+    PASS_THROUGH(real.managed, p, size, flags);
+    CHARGED(size, *p, real.managed(p, size, flags));
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, void *stream)
+{
+    PASS_THROUGH(real.alloc_async, p, size, stream);
+    CHARGED(size, *p, real.alloc_async(p, size, stream));
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr p, void *stream)
+{
+    PASS_THROUGH(real.free_async, p, stream);
+    RELEASED(p, real.free_async(p, stream));
+}
+
+/* From a named pool (CUmemoryPool), stream-ordered: freed by cuMemFreeAsync. */
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, void *pool, void *stream)
+{
+    PASS_THROUGH(real.pool_alloc, p, size, pool, stream);
+    CHARGED(size, *p, real.pool_alloc(p, size, pool, stream));
+}
+
+/* cuda.h's CUmemAllocationProp, as far as it is read: where the memory is. (CUDA 13 puts
+ * `localized` {deviceId, localityDomainId} in a union with location.id: same bytes.) */
+typedef struct {
+    int type, requestedHandleTypes;
+    struct { int type, id; } location;
+    void *win32HandleMetaData;
+    unsigned char allocFlags[8];
+} mem_prop;
+enum { LOC_DEVICE = 1, LOC_DEVICE_LOCALITY_DOMAIN = 6 };
+
+/* Virtual memory management: the physical memory is made here, keyed by its handle (cuMemMap
+ * only maps it); device memory is charged, host memory (HOST, HOST_NUMA) is not. */
+CUresult cuMemCreate(CUdeviceptr *handle, size_t size, const mem_prop *prop, unsigned long long flags)
+{
+    PASS_THROUGH(real.mem_create, handle, size, prop, flags);
+    if (!prop || (prop->location.type != LOC_DEVICE && prop->location.type != LOC_DEVICE_LOCALITY_DOMAIN))
+        UNCHARGED(real.mem_create(handle, size, prop, flags));
+    if (prop->location.type == LOC_DEVICE)  /* on the device it names, whichever context is current */
+        CHARGED_ON(page_index(prop->location.id),
+                   size, *handle, real.mem_create(handle, size, prop, flags));
+    CHARGED(size, *handle, real.mem_create(handle, size, prop, flags));
+}
+
+CUresult cuMemRelease(CUdeviceptr handle)
+{
+    PASS_THROUGH(real.mem_release, handle);
+    RELEASED(handle, real.mem_release(handle));
+}
+
+typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } array_desc;
+typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, Flags; } array3d_desc;
+enum { ARRAY3D_LAYERED = 0x01, ARRAY3D_CUBEMAP = 0x04 };
+
+static size_t format_bytes(int f)
+{
+    switch (f) {
+    case 0x01: case 0x08: return 1;
+    case 0x02: case 0x09: case 0x10: return 2;
+    default: return 4;
+    }
+}
+
+static size_t at_least_1(size_t n)
+{
+    return n ? n : 1;
+}
+
+/* An array's bytes: width x height x depth (0 counts as 1) of `channels` elements of `format`;
+ * too large for size_t: SIZE_MAX (more than any memsize: refused, never charged short). */
+static size_t array_bytes(size_t w, size_t h, size_t depth, int format, unsigned channels)
+{
+    size_t n = w, by[] = {at_least_1(h), at_least_1(depth), format_bytes(format), at_least_1(channels)};
+    for (size_t i = 0; i < sizeof by / sizeof *by; i++)
+        if (__builtin_mul_overflow(n, by[i], &n))
+            return SIZE_MAX;
+    return n;
+}
+
+CUresult cuArrayCreate_v2(CUdeviceptr *h, const array_desc *d)
+{
+    PASS_THROUGH(real.array, h, d);
+    if (!d)
+        UNCHARGED(real.array(h, d));
+    size_t size = array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels);
+    CHARGED(size, *h, real.array(h, d));
+}
+
+CUresult cuArray3DCreate_v2(CUdeviceptr *h, const array3d_desc *d)
+{
+    PASS_THROUGH(real.array3d, h, d);
+    if (!d)
+        UNCHARGED(real.array3d(h, d));
+    size_t size = array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels);
+    CHARGED(size, *h, real.array3d(h, d));
+}
+
+CUresult cuArrayDestroy(CUdeviceptr h)
+{
+    PASS_THROUGH(real.array_free, h);
+    RELEASED(h, real.array_free(h));
+}
+
+/* Every level: each half the one before in every dimension (at least 1), but the depth of a
+ * layered or cubemap array is its layers (faces), the same at every level. */
+static size_t mipmap_bytes(const array3d_desc *d, unsigned levels)
+{
+    size_t w = at_least_1(d->Width), h = at_least_1(d->Height), depth = at_least_1(d->Depth), total = 0;
+    int layers = (d->Flags & (ARRAY3D_LAYERED | ARRAY3D_CUBEMAP)) != 0;
+    for (unsigned l = 0; l < levels; l++) {
+        size_t level = array_bytes(w, h, depth, d->Format, d->NumChannels);
+        int last = w == 1 && h == 1 && (layers || depth == 1);  /* the levels left are all this one */
+        if ((last && __builtin_mul_overflow(level, (size_t)(levels - l), &level))
+            || __builtin_add_overflow(total, level, &total))
+            return SIZE_MAX;
+        if (last)
+            break;
+        w = at_least_1(w / 2);
+        h = at_least_1(h / 2);
+        depth = layers ? depth : at_least_1(depth / 2);
+    }
+    return total;
+}
+
+CUresult cuMipmappedArrayCreate(CUdeviceptr *h, const array3d_desc *d, unsigned levels)
+{
+    PASS_THROUGH(real.mipmap, h, d, levels);
+    if (!d)
+        UNCHARGED(real.mipmap(h, d, levels));
+    size_t size = mipmap_bytes(d, levels);
+    CHARGED(size, *h, real.mipmap(h, d, levels));
+}
+
+CUresult cuMipmappedArrayDestroy(CUdeviceptr h)
+{
+    PASS_THROUGH(real.mipmap_free, h);
+    RELEASED(h, real.mipmap_free(h));
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
+{
+    if (!isolated())
+        return asked ? CU_NOT_INITIALIZED : real.info ? real.info(free_, total_) : CU_NOT_INITIALIZED;
+    int g = current_gpu();
+    size_t f, t;
+    CUresult r = real.info(&f, &t);  /* (the driver must answer: a context exists) */
+    if (r != CU_OK || g < 0) {  /* (a GPU given whole: as the driver says) */
+        if (r == CU_OK)
+            *free_ = f, *total_ = t;
+        return r;
+    }
+    uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
+    *total_ = cap;
+    *free_ = used >= cap ? 0 : cap - used;  /* never an error when over */
+    if (*free_ > f)
+        *free_ = f;  /* nor more than the card has left */
+    return CU_OK;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
+{
+    if (!isolated())
+        return asked ? CU_NOT_INITIALIZED : real.total ? real.total(bytes, d) : CU_NOT_INITIALIZED;
+    CUresult r = real.total(bytes, d);
+    int k = page_index(d);
+    if (r == CU_OK && k >= 0)
+        *bytes = limits->memsize[k];
+    return r;
+}
+
+/* What the parent allocated is the parent's. */
+void memory_forked(void)
+{
+    memset(table, 0, sizeof table);
+}
