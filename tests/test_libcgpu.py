@@ -543,3 +543,116 @@ def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(mak
     assert mounts["/run/cgpu/limits"]["options"] == ["bind", "ro"], "only usage is writable by the container"
     assert mounts["/etc/ld.so.preload"]["options"] == ["bind", "ro"]
     assert not (d.socket.parent / "pages" / cid[:12]).exists(), "its pages went with it"
+
+
+# ---- issue 20: what the real stack does that the first stand-in was kind about ------------------------
+
+
+def test_ten_thousand_live_allocations_all_come_back_when_freed(card):
+    """The allocation table never drops one: 10,000 allocations live at once (more than the
+    first table's 8,192 slots), all freed, leave nothing charged."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [64 * MIB])
+    r = py(env, """
+        import os
+        from cgpud.gpus import pages
+        ok(d.cuInit(0))
+        ps = [ok(d.cuMemAlloc(4096)) for _ in range(10000)]
+        held = pages.used(os.environ["CGPU_PAGE_DIR"])[0]
+        for p in ps:
+            ok(d.cuMemFree(p))
+        print(held, pages.used(os.environ["CGPU_PAGE_DIR"])[0], ok(d.cuMemGetInfo())[0])
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(10000 * 4096), "0", str(64 * MIB)]
+
+
+VMM = """
+    import os
+    from cgpud.gpus import pages
+    OOM, INVALID = d.CUresult.CUDA_ERROR_OUT_OF_MEMORY, d.CUresult.CUDA_ERROR_INVALID_VALUE
+    def used():
+        return pages.used(os.environ["CGPU_PAGE_DIR"])[0]
+    def on_card():
+        with open(os.environ["CGPU_STUB_CUDA_STATE"], "rb") as f:
+            return int.from_bytes(f.read(8), "little")
+    ok(d.cuInit(0))
+    p = d.CUmemAllocationProp()
+    p.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.location.id = 0
+    a = d.CUmemAccessDesc()
+    a.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    a.location.id = 0
+    a.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    def mapped(size):  # create, reserve, map, set access: what PyTorch's expandable segments do
+        h = ok(d.cuMemCreate(size, p, 0))
+        va = int(ok(d.cuMemAddressReserve(size, 0, 0, 0)))
+        ok(d.cuMemMap(va, size, 0, h, 0))
+        ok(d.cuMemSetAccess(va, size, [a], 1))
+        return h, va
+"""
+
+
+def test_vmm_memory_is_charged_until_released_and_unmapped(card):
+    """The driver frees cuMemCreate's physical memory at its release AND its last unmap:
+    released while mapped it is still the container's (PyTorch's expandable segments,
+    PaddlePaddle and the CUDA samples release right after mapping)."""
+    env, dirp = card
+    M = 16 * MIB
+    pages.create(os.fspath(dirp), [M])
+    r = py(env, VMM + f"""
+    M = {M}
+    h, va = mapped(M)
+    ok(d.cuMemRelease(h))                                  # released, still mapped: still there
+    out = [used(), on_card(), ok(d.cuMemGetInfo())[0], d.cuMemAlloc(1)[0] == OOM]
+    ok(d.cuMemUnmap(va, M))                                # the last mapping gone: now it is freed
+    out += [used(), on_card(), ok(d.cuMemGetInfo())[0]]
+    ok(d.cuMemAddressFree(va, M))
+    # mapped twice, released, unmapped one at a time: freed at the last unmap
+    h = ok(d.cuMemCreate(M, p, 0))
+    va = int(ok(d.cuMemAddressReserve(2 * M, 0, 0, 0)))
+    ok(d.cuMemMap(va, M, 0, h, 0)); ok(d.cuMemMap(va + M, M, 0, h, 0))
+    ok(d.cuMemRelease(h))
+    ok(d.cuMemUnmap(va, M))
+    out += [used()]
+    ok(d.cuMemUnmap(va + M, M))
+    out += [used()]
+    # a handle retained from its address needs its own release too
+    h, va = mapped(M)
+    h2 = ok(d.cuMemRetainAllocationHandle(va + 4096))
+    ok(d.cuMemRelease(h)); ok(d.cuMemUnmap(va, M))
+    out += [used()]
+    ok(d.cuMemRelease(h2))
+    out += [used(), on_card()]
+    print(*out)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(M), str(M), "0", "True", "0", "0", str(M), str(M), "0", str(M), "0", "0"], \
+        r.stdout
+
+
+def test_the_stand_in_is_as_strict_as_the_driver_about_vmm(libs, tmp_path):
+    """Without libcgpu: unmapping what is not mapped, mapping a released handle or into no
+    reservation, releasing twice, or freeing a reservation still mapped are refused."""
+    env = {"LD_LIBRARY_PATH": os.fspath(libs), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"),
+           "PATH": os.environ["PATH"]}
+    r = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(VMM.replace("from cgpud.gpus import pages", "")
+                                                                         + """
+    M = 2 * 2**20
+    h, va = mapped(M)
+    out = [d.cuMemUnmap(va + M, M)[0] == INVALID,            # nothing mapped there
+           d.cuMemUnmap(va, M // 2)[0] == INVALID,           # part of a mapping
+           d.cuMemAddressFree(va, M)[0] == INVALID,          # still mapped
+           d.cuMemMap(va, M, 0, h, 0)[0] == INVALID,         # mapped already
+           d.cuMemMap(12345 << 21, M, 0, h, 0)[0] == INVALID]  # not reserved
+    ok(d.cuMemRelease(h))
+    out += [d.cuMemRelease(h)[0] == INVALID, on_card() == M]  # released twice; mapped: still on the card
+    va2 = int(ok(d.cuMemAddressReserve(M, 0, 0, 0)))
+    out += [d.cuMemMap(va2, M, 0, h, 0)[0] == INVALID]        # a released handle is not mapped again
+    ok(d.cuMemUnmap(va, M))
+    out += [on_card() == 0, d.cuMemUnmap(va, M)[0] == INVALID]
+    print(*out)
+    """)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True"] * 10, r.stdout

@@ -58,6 +58,9 @@ CUresult cuArrayDestroy(CUdeviceptr);
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, void *, void *);
 CUresult cuMemCreate(CUdeviceptr *, size_t, const void *, unsigned long long);
 CUresult cuMemRelease(CUdeviceptr);
+CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUdeviceptr, unsigned long long);
+CUresult cuMemUnmap(CUdeviceptr, size_t);
+CUresult cuMemRetainAllocationHandle(CUdeviceptr *, void *);
 CUresult cuArray3DCreate_v2(CUdeviceptr *, const void *);
 CUresult cuMipmappedArrayCreate(CUdeviceptr *, const void *, unsigned);
 CUresult cuMipmappedArrayDestroy(CUdeviceptr);
@@ -127,6 +130,9 @@ static void setup(void)
     real.pool_alloc = (pool_alloc_fn)sym("cuMemAllocFromPoolAsync");
     real.mem_create = (mem_create_fn)sym("cuMemCreate");
     real.mem_release = (free_fn)sym("cuMemRelease");
+    real.mem_map = (mem_map_fn)sym("cuMemMap");
+    real.mem_unmap = (mem_unmap_fn)sym("cuMemUnmap");
+    real.mem_retain = (mem_retain_fn)sym("cuMemRetainAllocationHandle");
     real.array3d = (array_fn)sym("cuArray3DCreate_v2");
     real.mipmap = (mipmap_fn)sym("cuMipmappedArrayCreate");
     real.mipmap_free = (free_fn)sym("cuMipmappedArrayDestroy");
@@ -194,6 +200,8 @@ static void *ours(const char *name)
         {"cuGraphLaunch", (void *)cuGraphLaunch}, {"cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
         {"cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
         {"cuMemCreate", (void *)cuMemCreate}, {"cuMemRelease", (void *)cuMemRelease},
+        {"cuMemMap", (void *)cuMemMap}, {"cuMemUnmap", (void *)cuMemUnmap},
+        {"cuMemRetainAllocationHandle", (void *)cuMemRetainAllocationHandle},
         {"cuArray3DCreate", (void *)cuArray3DCreate_v2}, {"cuArray3DCreate_v2", (void *)cuArray3DCreate_v2},
         {"cuMipmappedArrayCreate", (void *)cuMipmappedArrayCreate},
         {"cuMipmappedArrayDestroy", (void *)cuMipmappedArrayDestroy},

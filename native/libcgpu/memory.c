@@ -3,12 +3,93 @@
  * compare-and-swap loop: racing processes can never pass memsize), allocates, and gives the
  * charge back if the driver fails; every free gives back what its allocation held.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "cgpu_internal.h"
 
+/* ---- what this process holds: a hash table by pointer (or VMM handle), never full -------------
+ *
+ * Open addressing with linear probing and backward-shift deletion (no tombstones), grown to twice
+ * its size at 3/4 full: an allocation and its free cost a hash and a probe or two under one lock,
+ * however many are live. It never drops an entry: if it cannot grow (no host memory left), the
+ * allocation stays charged until the process ends (never less held than the driver holds). */
+struct entry {
+    uint64_t key;   /* the pointer, handle or mapped address */
+    uint64_t size;
+    uint64_t handle; /* a mapping: its handle */
+    int32_t gpu;
+    int32_t refs;   /* a VMM handle: its references (cuMemCreate's, cuMemRetainAllocationHandle's) */
+    int32_t maps;   /* and its mappings */
+    int32_t used;
+};
+struct table { struct entry *e; size_t cap, n; };
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct { CUdeviceptr ptr; size_t size; int gpu; } table[8192];
+static struct table allocs;  /* what an allocator returned (a VMM handle too) */
+static struct table mapped;  /* VMM: a mapped address -> its handle */
+
+static size_t home(const struct table *t, uint64_t key)
+{
+    return (size_t)(key * 0x9E3779B97F4A7C15ull >> 32) & (t->cap - 1);  /* (Fibonacci hashing: aligned keys spread) */
+}
+
+static struct entry *lookup(struct table *t, uint64_t key)
+{
+    if (!t->cap)
+        return NULL;
+    for (size_t i = home(t, key);; i = (i + 1) & (t->cap - 1)) {
+        if (!t->e[i].used)
+            return NULL;
+        if (t->e[i].key == key)
+            return &t->e[i];
+    }
+}
+
+static void place(struct table *t, const struct entry *x)
+{
+    size_t i = home(t, x->key);
+    while (t->e[i].used)
+        i = (i + 1) & (t->cap - 1);
+    t->e[i] = *x;
+    t->n++;
+}
+
+/* A new entry for `key` (0 if the table cannot grow). */
+static struct entry *add(struct table *t, uint64_t key)
+{
+    if ((t->n + 1) * 4 > t->cap * 3) {
+        size_t cap = t->cap ? t->cap * 2 : 1024;
+        struct entry *e = calloc(cap, sizeof *e), *old = t->e;
+        if (!e)
+            return NULL;
+        size_t oldcap = t->cap;
+        t->e = e;
+        t->cap = cap;
+        t->n = 0;
+        for (size_t i = 0; i < oldcap; i++)
+            if (old[i].used)
+                place(t, &old[i]);
+        free(old);
+    }
+    struct entry x = {.key = key, .used = 1};
+    place(t, &x);
+    return lookup(t, key);
+}
+
+static void erase(struct table *t, struct entry *x)
+{
+    size_t i = (size_t)(x - t->e), mask = t->cap - 1;
+    t->e[i].used = 0;
+    t->n--;
+    for (size_t j = (i + 1) & mask; t->e[j].used; j = (j + 1) & mask) {
+        size_t h = home(t, t->e[j].key);
+        if (((j - h) & mask) >= ((j - i) & mask)) {  /* it may move back into the hole */
+            t->e[i] = t->e[j];
+            t->e[j].used = 0;
+            i = j;
+        }
+    }
+}
 
 /* Reserve `size` on GPU g before the driver is asked: racing processes can never pass memsize together. */
 static int reserve(int g, size_t size)
@@ -27,39 +108,42 @@ static void refund(int g, size_t size)
     __atomic_sub_fetch(&usage->used[g], size, __ATOMIC_ACQ_REL);
 }
 
+/* Under the lock: what `e` held back to the container, its entry gone. */
+static void let_go(struct entry *e)
+{
+    int g = e->gpu;
+    uint64_t size = e->size;
+    erase(&allocs, e);
+    __atomic_sub_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
+    refund(g, size);
+}
+
 /* The driver gave it: this process holds it, and its size is kept for the free. */
 static void commit(int g, CUdeviceptr key, size_t size)
 {
     __atomic_add_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
     pthread_mutex_lock(&table_lock);
-    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
-        if (!table[i].ptr) {
-            table[i].ptr = key;
-            table[i].size = size;
-            table[i].gpu = g;
-            break;
-        }
+    struct entry *e = lookup(&allocs, key);
+    if (e)
+        let_go(e);  /* (the driver gave the same pointer again: the old one was freed behind our back) */
+    e = add(&allocs, key);
+    if (e) {
+        e->size = size;
+        e->gpu = g;
+        e->refs = 1;
+    }
     pthread_mutex_unlock(&table_lock);
 }
 
-/* Freed: what it held comes back (nothing for a pointer we never saw). */
+/* Freed: what it held comes back (nothing for a pointer we never saw). A VMM handle's memory
+ * comes back at its last release only once it is mapped nowhere (the driver's rule). */
 static void forget(CUdeviceptr key)
 {
-    size_t size = 0;
-    int g = 0;
     pthread_mutex_lock(&table_lock);
-    for (size_t i = 0; i < sizeof table / sizeof *table; i++)
-        if (table[i].ptr == key && key) {
-            size = table[i].size;
-            g = table[i].gpu;
-            table[i].ptr = 0;
-            break;
-        }
+    struct entry *e = lookup(&allocs, key);
+    if (e && --e->refs <= 0 && e->maps <= 0)
+        let_go(e);
     pthread_mutex_unlock(&table_lock);
-    if (size) {
-        __atomic_sub_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
-        refund(g, size);
-    }
 }
 
 /* An allocation of `size` bytes done by `call` (the real driver's), held to memsize on the page's
@@ -176,6 +260,67 @@ CUresult cuMemRelease(CUdeviceptr handle)
 {
     PASS_THROUGH(real.mem_release, handle);
     RELEASED(handle, real.mem_release(handle));
+}
+
+/* Mapped: the handle's memory lives on until its last unmap, whenever it is released. */
+CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUdeviceptr handle, unsigned long long flags)
+{
+    PASS_THROUGH(real.mem_map, va, size, offset, handle, flags);
+    in_driver++;
+    CUresult r = real.mem_map(va, size, offset, handle, flags);
+    in_driver--;
+    if (r != CU_OK)
+        return r;
+    pthread_mutex_lock(&table_lock);
+    struct entry *h = lookup(&allocs, handle), *m;
+    if (h && (m = add(&mapped, va))) {  /* (a handle we did not charge: another process's, imported) */
+        m->size = size;
+        m->handle = handle;
+        h->maps++;
+    }
+    pthread_mutex_unlock(&table_lock);
+    return r;
+}
+
+/* Unmapped: [va, va + size) is whole mappings, one after the other; a handle released and mapped
+ * nowhere any more is freed by the driver now, and comes back. */
+CUresult cuMemUnmap(CUdeviceptr va, size_t size)
+{
+    PASS_THROUGH(real.mem_unmap, va, size);
+    in_driver++;
+    CUresult r = real.mem_unmap(va, size);
+    in_driver--;
+    if (r != CU_OK)
+        return r;
+    pthread_mutex_lock(&table_lock);
+    struct entry *m;
+    for (CUdeviceptr at = va; at - va < size && (m = lookup(&mapped, at));) {
+        uint64_t handle = m->handle;
+        at += m->size ? m->size : size;
+        erase(&mapped, m);
+        struct entry *h = lookup(&allocs, handle);
+        if (h && --h->maps <= 0 && h->refs <= 0)
+            let_go(h);
+    }
+    pthread_mutex_unlock(&table_lock);
+    return r;
+}
+
+/* One more reference to a mapped handle: it needs its own cuMemRelease. */
+CUresult cuMemRetainAllocationHandle(CUdeviceptr *handle, void *addr)
+{
+    PASS_THROUGH(real.mem_retain, handle, addr);
+    in_driver++;
+    CUresult r = real.mem_retain(handle, addr);
+    in_driver--;
+    if (r != CU_OK || !handle)
+        return r;
+    pthread_mutex_lock(&table_lock);
+    struct entry *h = lookup(&allocs, *handle);
+    if (h)
+        h->refs++;
+    pthread_mutex_unlock(&table_lock);
+    return r;
 }
 
 typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } array_desc;
@@ -301,5 +446,8 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
 /* What the parent allocated is the parent's. */
 void memory_forked(void)
 {
-    memset(table, 0, sizeof table);
+    free(allocs.e);
+    free(mapped.e);
+    memset(&allocs, 0, sizeof allocs);
+    memset(&mapped, 0, sizeof mapped);
 }
