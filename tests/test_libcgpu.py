@@ -656,3 +656,78 @@ def test_the_stand_in_is_as_strict_as_the_driver_about_vmm(libs, tmp_path):
     """)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True"] * 10, r.stdout
+
+
+FORKER = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+typedef int (*i_t)(unsigned); typedef int (*a_t)(unsigned long long *, size_t);
+int main(int argc, char **argv) {
+    int quiet = atoi(argv[1]), busy = atoi(argv[2]);
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    i_t init = (i_t)dlsym(h, "cuInit"); a_t alloc = (a_t)dlsym(h, "cuMemAlloc_v2");
+    unsigned long long p;
+    if (init(0) || alloc(&p, 1 << 20)) return 3;
+    for (int i = 0; i < quiet; i++) {      /* children that never use CUDA and leave by _exit */
+        pid_t c = fork();
+        if (c == 0) _exit(0);
+        waitpid(c, NULL, 0);
+    }
+    int fine = 0;
+    for (int i = 0; i < busy; i++) {       /* children that allocate, then leave by _exit */
+        pid_t c = fork();
+        if (c == 0) _exit(alloc(&p, 4096) ? 1 : 0);
+        int st;
+        waitpid(c, &st, 0);
+        fine += WIFEXITED(st) && WEXITSTATUS(st) == 0;
+    }
+    printf("%d\n", fine);
+    fflush(stdout);
+    getchar();  /* hold on until told */
+    return 0;
+}
+"""
+
+
+def test_forked_children_that_exit_leave_no_slot_taken(card, tmp_path):
+    """A child takes a slot when it first uses CUDA, not at fork: 1,000 children that leave by
+    _exit without using it take none; 300 that allocate (more than the page's 256 slots) all
+    get one, the dead ones' slots taken back as they are needed."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [64 * MIB])
+    (tmp_path / "forker.c").write_text(FORKER)
+    subprocess.run(["gcc", "-O2", "-o", os.fspath(tmp_path / "forker"), os.fspath(tmp_path / "forker.c"), "-ldl"],
+                   check=True)
+    for quiet, busy, fine in ((1000, 0, 0), (0, 300, 300)):
+        p = subprocess.Popen([os.fspath(tmp_path / "forker"), str(quiet), str(busy)], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert int(p.stdout.readline()) == fine
+        taken = pages.held_by(os.fspath(dirp))
+        alive = [pid for pid in taken if os.path.exists(f"/proc/{pid}")]
+        assert alive == [p.pid], taken
+        if not busy:
+            assert list(taken) == [p.pid], "a child that never used CUDA took no slot"
+        p.communicate("", timeout=30)
+
+
+def test_python_multiprocessing_children_take_no_slot(card):
+    """multiprocessing's children (fork, leaving through os._exit) of a process using CUDA."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [64 * MIB])
+    r = py(env, """
+        import multiprocessing, os
+        from cgpud.gpus import pages
+        ok(d.cuInit(0)); ok(d.cuMemAlloc(2**20))
+        ctx = multiprocessing.get_context("fork")
+        for _ in range(300):
+            c = ctx.Process(target=os.getpid)
+            c.start(); c.join()
+            assert c.exitcode == 0
+        print(*pages.held_by(os.environ["CGPU_PAGE_DIR"]), os.getpid())
+    """, timeout=120)
+    assert r.returncode == 0, r.stderr
+    pids = r.stdout.split()
+    assert pids == [pids[-1]] * 2, "only the parent holds a slot"

@@ -25,7 +25,7 @@
 typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
-enum { CU_OK = 0, CU_OUT_OF_MEMORY = 2, CU_NOT_INITIALIZED = 3 };
+enum { CU_OK = 0, CU_OUT_OF_MEMORY = 2, CU_NOT_INITIALIZED = 3, CU_LAUNCH_OUT_OF_RESOURCES = 701 };
 
 typedef CUresult (*init_fn)(unsigned);
 typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
@@ -129,6 +129,8 @@ extern char why[8192];    /* why the pages are not usable ("" when they are) */
 extern char page_dir[4096];
 void page_setup(void);
 void page_forked(void);
+int need_slot(void);      /* this process's slot, taken at its first use of CUDA; 0: none left */
+void reclaim_dead(void);  /* what dead processes held back to the container */
 int uuid_to_page(const unsigned char *u);
 int page_index(int dev);
 int current_gpu(void);

@@ -191,6 +191,8 @@ static void gate_enter(int k)
         PASS_THROUGH(fn, __VA_ARGS__);                          \
         if (!(fn))                                              \
             return CU_NOT_INITIALIZED;                          \
+        if (!need_slot())                                       \
+            return CU_LAUNCH_OUT_OF_RESOURCES;                  \
         int k_ = note_context();                                \
         gate_enter(k_);                                         \
         in_driver++;                                            \

@@ -167,6 +167,11 @@ CUresult cuInit(unsigned flags)
         fprintf(stderr, "cgpu: GPU isolation was asked for but cannot be applied (%s): CUDA is not started\n", why);
         return CU_NOT_INITIALIZED;
     }
+    if (limits) {  /* the process starts using CUDA: dead processes' memory back, a slot of its own */
+        reclaim_dead();
+        if (!need_slot())
+            return CU_NOT_INITIALIZED;
+    }
     return real.init ? real.init(flags) : CU_NOT_INITIALIZED;
 }
 

@@ -154,7 +154,7 @@ static void forget(CUdeviceptr key)
         int g_ = (gpu);                                                                  \
         if (g_ < 0)                                                                      \
             return (call); /* a GPU given whole: the driver's to hold */                 \
-        if (!reserve(g_, (size)))                                                        \
+        if (!need_slot() || !reserve(g_, (size)))                                        \
             return CU_OUT_OF_MEMORY;                                                     \
         in_driver++;                                                                     \
         CUresult r_ = (call);                                                            \

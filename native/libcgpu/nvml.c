@@ -44,6 +44,9 @@ static int nvml_page_index(void *dev)
 
 static int nvml_view(void *dev, unsigned long long *total, unsigned long long *free_, unsigned long long *used_)
 {
+    static int swept;
+    if (!__atomic_exchange_n(&swept, 1, __ATOMIC_ACQ_REL))
+        reclaim_dead();  /* (what killed processes held is not the container's any more) */
     int k = nvml_page_index(dev);
     if (k < 0)
         return 0;

@@ -87,21 +87,57 @@ static void *map(const char *dir, const char *name, size_t size, int writable)
     return map_least(dir, name, size, size, &got, writable);
 }
 
-/* A process slot of its own in the usage page (mine stays NULL if all are taken). */
-static void claim_slot(void)
+/* A free slot of the usage page for this process (NULL if all are taken). */
+static struct cgpu_proc *claim_slot(void)
 {
-    mine = NULL;
-    for (int i = 0; i < CGPU_MAX_PROCS && !mine; i++) {
+    for (int i = 0; i < CGPU_MAX_PROCS; i++) {
         int32_t zero = 0;
-        if (__atomic_compare_exchange_n(&usage->procs[i].pid, &zero, (int32_t)getpid(), 0, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_ACQUIRE)) {
-            mine = &usage->procs[i];
-            __atomic_store_n(&mine->gated, 0, __ATOMIC_RELEASE);
-            __atomic_store_n(&mine->acked, 0, __ATOMIC_RELEASE);
-            __atomic_store_n(&mine->gpus, 0, __ATOMIC_RELEASE);
+        if (__atomic_load_n(&usage->procs[i].pid, __ATOMIC_RELAXED) == 0
+            && __atomic_compare_exchange_n(&usage->procs[i].pid, &zero, (int32_t)getpid(), 0, __ATOMIC_ACQ_REL,
+                                           __ATOMIC_ACQUIRE)) {
+            struct cgpu_proc *p = &usage->procs[i];
+            __atomic_store_n(&p->gated, 0, __ATOMIC_RELEASE);
+            __atomic_store_n(&p->acked, 0, __ATOMIC_RELEASE);
+            __atomic_store_n(&p->gpus, 0, __ATOMIC_RELEASE);
+            return p;
         }
     }
+    return NULL;
 }
+
+/* Give back what dead processes held, their slots free again. */
+void reclaim_dead(void)
+{
+    for (int i = 0; i < CGPU_MAX_PROCS; i++)
+        reclaim(&usage->procs[i]);
+}
+
+/* This process's slot, taken when it first uses CUDA (cuInit, its first allocation or launch),
+ * not when the library is loaded or the process forked: a child that never uses CUDA (Python
+ * multiprocessing's, a DataLoader worker) takes none, and one that leaves by _exit is found
+ * dead and its slot taken back whenever a slot is needed and none is free. 0: none left. */
+static pthread_mutex_t slot_lock = PTHREAD_MUTEX_INITIALIZER;
+int need_slot(void)
+{
+    if (__atomic_load_n(&mine, __ATOMIC_ACQUIRE))
+        return 1;
+    pthread_mutex_lock(&slot_lock);
+    struct cgpu_proc *p = __atomic_load_n(&mine, __ATOMIC_ACQUIRE);
+    if (!p && !(p = claim_slot())) {
+        reclaim_dead();
+        p = claim_slot();
+    }
+    __atomic_store_n(&mine, p, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&slot_lock);
+    if (!p) {
+        static int said;
+        if (!__atomic_exchange_n(&said, 1, __ATOMIC_ACQ_REL))
+            fprintf(stderr, "cgpu: %s/usage has no free process slot (%d processes use the GPU): "
+                    "CUDA is refused to this process\n", page_dir, CGPU_MAX_PROCS);
+    }
+    return p != NULL;
+}
+
 void page_setup(void)
 {
     const char *dir = getenv("CGPU_PAGE_DIR");
@@ -135,16 +171,7 @@ void page_setup(void)
         limits = NULL;
         return;
     }
-    for (int i = 0; i < CGPU_MAX_PROCS; i++)
-        reclaim(&usage->procs[i]);
-    claim_slot();
-    if (!mine) {
-        snprintf(why, sizeof why, "%s/usage has no free process slot (%d processes use the GPU)", dir,
-                 CGPU_MAX_PROCS);
-        limits = NULL;
-        usage = NULL;
-    }
-    why[0] = limits ? 0 : why[0];
+    why[0] = 0;
     has_uuids = limits && uuids_in_page();
 }
 
@@ -155,14 +182,10 @@ __attribute__((destructor)) static void give_back(void)
         release(mine);
 }
 
-/* A forked child needs a slot of its own. */
+/* A forked child holds nothing: the slot is the parent's; it takes its own if it uses CUDA. */
 void page_forked(void)
 {
-    if (!usage)
-        return;
-    claim_slot();
-    if (!mine)
-        limits = NULL;  /* (its cuInit then fails closed, as at a start with no slot) */
+    mine = NULL;
 }
 
 /* The page's GPU of a CUDA device. With the GPUs' UUIDs in the page: the one whose UUID the
