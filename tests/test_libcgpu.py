@@ -731,3 +731,62 @@ def test_python_multiprocessing_children_take_no_slot(card):
     assert r.returncode == 0, r.stderr
     pids = r.stdout.split()
     assert pids == [pids[-1]] * 2, "only the parent holds a slot"
+
+
+GETPROC = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+typedef int (*gp_t)(const char *, void **, int, unsigned long long, int *);
+typedef int (*i_t)(unsigned); typedef int (*aa_t)(unsigned long long *, size_t, void *);
+typedef int (*fa_t)(unsigned long long, void *); typedef int (*pool_t)(void **, int);
+typedef int (*pa_t)(unsigned long long *, size_t, void *, void *); typedef int (*info1_t)(unsigned *, unsigned *);
+int main(void) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    gp_t gp = (gp_t)dlsym(h, "cuGetProcAddress_v2");
+    void *f; int st;
+    enum { LEGACY = 1, PER_THREAD = 2 };
+    gp("cuInit", &f, 12000, 0, &st); ((i_t)f)(0);
+    unsigned long long p, q;
+    /* per-thread-default-stream forms stay theirs, and are still charged */
+    gp("cuMemAllocAsync", &f, 12000, PER_THREAD, &st); int a = ((aa_t)f)(&p, 3 << 20, 0);
+    gp("cuMemFreeAsync", &f, 12000, PER_THREAD, &st); void *free_ptsz = f;
+    void *pool; gp("cuDeviceGetDefaultMemPool", &f, 12000, 0, &st); ((pool_t)f)(&pool, 0);
+    gp("cuMemAllocFromPoolAsync", &f, 12000, PER_THREAD, &st); int b = ((pa_t)f)(&q, 5 << 20, pool, 0);
+    int past = ((pa_t)f)(&q, 1, pool, 0);           /* memsize is 8 MiB: full */
+    printf("%d %d %d\n", a, b, past);
+    ((fa_t)free_ptsz)(p, 0);
+    gp("cuMemFreeAsync", &f, 12000, LEGACY, &st); ((fa_t)f)(q, 0);
+    /* cuMemGetInfo asked for at CUDA 2.0 is the 32-bit one: two unsigned ints, nothing past them */
+    struct { unsigned free, guard1, total, guard2; } m = {0, 0xdeadbeef, 0, 0xdeadbeef};
+    int r = gp("cuMemGetInfo", &f, 2000, 0, &st);
+    int info = ((info1_t)f)(&m.free, &m.total);
+    printf("%d %d %x %x\n", r, info, m.guard1, m.guard2);
+    /* asked for below the version that brought it: the driver's answer, not ours */
+    f = (void *)1;
+    r = gp("cuMemAllocAsync", &f, 11000, 0, &st);
+    printf("%d %p %d\n", r, f, st);
+    return 0;
+}
+"""
+
+
+def test_cugetprocaddress_wraps_exactly_what_the_driver_returns(card, tmp_path):
+    """By (name, version, flags): the per-thread-stream forms of the stream-ordered allocators
+    are not swapped for the legacy-stream ones (the stand-in logs which ran), and are charged;
+    cuMemGetInfo at version 2000 is CUDA 2.0's 32-bit one, passed through; a name asked for
+    below its version gets the driver's CUDA_ERROR_NOT_FOUND."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [8 * MIB])
+    calls = tmp_path / "calls"
+    (tmp_path / "gp.c").write_text(GETPROC)
+    subprocess.run(["gcc", "-o", os.fspath(tmp_path / "gp"), os.fspath(tmp_path / "gp.c"), "-ldl"], check=True)
+    r = subprocess.run([os.fspath(tmp_path / "gp")], env={**env, "CGPU_STUB_CUDA_CALLS": os.fspath(calls)},
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["0", "0", "2"], "3 + 5 MiB fit in 8, one byte more is refused"
+    assert lines[1].split() == ["0", "0", "deadbeef", "deadbeef"], "the 32-bit cuMemGetInfo wrote only its two"
+    assert lines[2].split() == ["500", "(nil)", "2"], "CUDA_ERROR_NOT_FOUND, VERSION_NOT_SUFFICIENT"
+    assert calls.read_text().split() == ["cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync_ptsz",  # (past: refused)
+                                         "cuMemFreeAsync_ptsz", "cuMemFreeAsync", "cuMemGetInfo"]

@@ -76,11 +76,11 @@ struct real_driver {
     getproc2_fn getproc2;
     pitch_fn pitch;
     managed_fn managed;
-    alloc_async_fn alloc_async;
-    free_async_fn free_async;
+    alloc_async_fn alloc_async, alloc_async_ptsz;
+    free_async_fn free_async, free_async_ptsz;
     array_fn array;
     free_fn array_free;
-    pool_alloc_fn pool_alloc;
+    pool_alloc_fn pool_alloc, pool_alloc_ptsz;
     mem_create_fn mem_create;
     free_fn mem_release;
     mem_map_fn mem_map;

@@ -52,6 +52,11 @@ CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
 CUresult cuMemAllocPitch_v2(CUdeviceptr *, size_t *, size_t, size_t, unsigned);
 CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
 CUresult cuMemAllocAsync(CUdeviceptr *, size_t, void *);
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *, size_t, void *);
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr, void *);
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *, size_t, void *, void *);
+CUresult cuGetProcAddress(const char *, void **, int, uint64_t);
+CUresult cuGetProcAddress_v2(const char *, void **, int, uint64_t, int *);
 CUresult cuMemFreeAsync(CUdeviceptr, void *);
 CUresult cuArrayCreate_v2(CUdeviceptr *, const void *);
 CUresult cuArrayDestroy(CUdeviceptr);
@@ -109,6 +114,9 @@ static void setup(void)
     real.managed = (managed_fn)sym("cuMemAllocManaged");
     real.alloc_async = (alloc_async_fn)sym("cuMemAllocAsync");
     real.free_async = (free_async_fn)sym("cuMemFreeAsync");
+    real.alloc_async_ptsz = (alloc_async_fn)sym("cuMemAllocAsync_ptsz");
+    real.free_async_ptsz = (free_async_fn)sym("cuMemFreeAsync_ptsz");
+    real.pool_alloc_ptsz = (pool_alloc_fn)sym("cuMemAllocFromPoolAsync_ptsz");
     real.array = (array_fn)sym("cuArrayCreate_v2");
     real.array_free = (free_fn)sym("cuArrayDestroy");
     real.launch = (launch_fn)sym("cuLaunchKernel");
@@ -185,45 +193,82 @@ static void forked(void)
 
 /* ---- how clients find the functions -------------------------------------------- */
 
+/* Every form of every name wrapped here, as the driver's cuGetProcAddress chooses among them by
+ * (name, version, flags): `since` the CUDA version that brought the form (cudaTypedefs.h's
+ * PFN_<name>_v<since>), `ptsz` its per-thread-default-stream form. `ours` NULL: a form left to
+ * the driver (CUDA 2.0's 32-bit ones, whose arguments our wrappers do not take). Read from
+ * cudaTypedefs.h of CUDA 13.5: CUDA 13 brought no new form of these names. */
+#define KNOWN_CUDA 13050
+static const struct form {
+    const char *name;
+    int since, ptsz;
+    const char *export;
+    void *ours;
+} FORMS[] = {
+    {"cuInit", 2000, 0, "cuInit", (void *)cuInit},
+    {"cuMemAlloc", 2000, 0, "cuMemAlloc", NULL}, {"cuMemAlloc", 3020, 0, "cuMemAlloc_v2", (void *)cuMemAlloc_v2},
+    {"cuMemFree", 2000, 0, "cuMemFree", NULL}, {"cuMemFree", 3020, 0, "cuMemFree_v2", (void *)cuMemFree_v2},
+    {"cuMemGetInfo", 2000, 0, "cuMemGetInfo", NULL},
+    {"cuMemGetInfo", 3020, 0, "cuMemGetInfo_v2", (void *)cuMemGetInfo_v2},
+    {"cuDeviceTotalMem", 2000, 0, "cuDeviceTotalMem", NULL},
+    {"cuDeviceTotalMem", 3020, 0, "cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2},
+    {"cuMemAllocPitch", 2000, 0, "cuMemAllocPitch", NULL},
+    {"cuMemAllocPitch", 3020, 0, "cuMemAllocPitch_v2", (void *)cuMemAllocPitch_v2},
+    {"cuMemAllocManaged", 6000, 0, "cuMemAllocManaged", (void *)cuMemAllocManaged},
+    {"cuMemAllocAsync", 11020, 0, "cuMemAllocAsync", (void *)cuMemAllocAsync},
+    {"cuMemAllocAsync", 11020, 1, "cuMemAllocAsync_ptsz", (void *)cuMemAllocAsync_ptsz},
+    {"cuMemFreeAsync", 11020, 0, "cuMemFreeAsync", (void *)cuMemFreeAsync},
+    {"cuMemFreeAsync", 11020, 1, "cuMemFreeAsync_ptsz", (void *)cuMemFreeAsync_ptsz},
+    {"cuMemAllocFromPoolAsync", 11020, 0, "cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
+    {"cuMemAllocFromPoolAsync", 11020, 1, "cuMemAllocFromPoolAsync_ptsz", (void *)cuMemAllocFromPoolAsync_ptsz},
+    {"cuArrayCreate", 2000, 0, "cuArrayCreate", NULL},
+    {"cuArrayCreate", 3020, 0, "cuArrayCreate_v2", (void *)cuArrayCreate_v2},
+    {"cuArray3DCreate", 2000, 0, "cuArray3DCreate", NULL},
+    {"cuArray3DCreate", 3020, 0, "cuArray3DCreate_v2", (void *)cuArray3DCreate_v2},
+    {"cuArrayDestroy", 2000, 0, "cuArrayDestroy", (void *)cuArrayDestroy},
+    {"cuMipmappedArrayCreate", 5000, 0, "cuMipmappedArrayCreate", (void *)cuMipmappedArrayCreate},
+    {"cuMipmappedArrayDestroy", 5000, 0, "cuMipmappedArrayDestroy", (void *)cuMipmappedArrayDestroy},
+    {"cuMemCreate", 10020, 0, "cuMemCreate", (void *)cuMemCreate},
+    {"cuMemRelease", 10020, 0, "cuMemRelease", (void *)cuMemRelease},
+    {"cuMemMap", 10020, 0, "cuMemMap", (void *)cuMemMap},
+    {"cuMemUnmap", 10020, 0, "cuMemUnmap", (void *)cuMemUnmap},
+    {"cuMemRetainAllocationHandle", 11000, 0, "cuMemRetainAllocationHandle", (void *)cuMemRetainAllocationHandle},
+    {"cuLaunchKernel", 4000, 0, "cuLaunchKernel", (void *)cuLaunchKernel},
+    {"cuLaunchKernel", 7000, 1, "cuLaunchKernel_ptsz", (void *)cuLaunchKernel_ptsz},
+    {"cuLaunchCooperativeKernel", 9000, 0, "cuLaunchCooperativeKernel", (void *)cuLaunchCooperativeKernel},
+    {"cuLaunchCooperativeKernel", 9000, 1, "cuLaunchCooperativeKernel_ptsz", (void *)cuLaunchCooperativeKernel_ptsz},
+    {"cuLaunchKernelEx", 11060, 0, "cuLaunchKernelEx", (void *)cuLaunchKernelEx},
+    {"cuLaunchKernelEx", 11060, 1, "cuLaunchKernelEx_ptsz", (void *)cuLaunchKernelEx_ptsz},
+    {"cuGraphLaunch", 10000, 0, "cuGraphLaunch", (void *)cuGraphLaunch},
+    {"cuGraphLaunch", 10000, 1, "cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
+    {"cuGetProcAddress", 11030, 0, "cuGetProcAddress", (void *)cuGetProcAddress},
+    {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
+    {"nvmlDeviceGetMemoryInfo", 0, 0, "nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo},
+    {"nvmlDeviceGetMemoryInfo_v2", 0, 0, "nvmlDeviceGetMemoryInfo_v2", (void *)nvmlDeviceGetMemoryInfo_v2},
+};
+
+/* Our wrapper of an exported name (what dlsym finds), NULL if it is not wrapped. */
 static void *ours(const char *name)
 {
-    static const struct { const char *name; void *fn; } T[] = {
-        {"cuInit", (void *)cuInit},
-        {"cuMemAlloc", (void *)cuMemAlloc_v2}, {"cuMemAlloc_v2", (void *)cuMemAlloc_v2},
-        {"cuMemFree", (void *)cuMemFree_v2}, {"cuMemFree_v2", (void *)cuMemFree_v2},
-        {"cuMemGetInfo", (void *)cuMemGetInfo_v2}, {"cuMemGetInfo_v2", (void *)cuMemGetInfo_v2},
-        {"cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2}, {"cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2},
-        {"cuMemAllocPitch", (void *)cuMemAllocPitch_v2}, {"cuMemAllocPitch_v2", (void *)cuMemAllocPitch_v2},
-        {"cuMemAllocManaged", (void *)cuMemAllocManaged},
-        {"cuMemAllocAsync", (void *)cuMemAllocAsync}, {"cuMemFreeAsync", (void *)cuMemFreeAsync},
-        {"cuArrayCreate", (void *)cuArrayCreate_v2}, {"cuArrayCreate_v2", (void *)cuArrayCreate_v2},
-        {"cuArrayDestroy", (void *)cuArrayDestroy},
-        {"cuLaunchKernel", (void *)cuLaunchKernel}, {"cuLaunchKernel_ptsz", (void *)cuLaunchKernel_ptsz},
-        {"cuLaunchCooperativeKernel", (void *)cuLaunchCooperativeKernel},
-        {"cuLaunchCooperativeKernel_ptsz", (void *)cuLaunchCooperativeKernel_ptsz},
-        {"cuLaunchKernelEx", (void *)cuLaunchKernelEx}, {"cuLaunchKernelEx_ptsz", (void *)cuLaunchKernelEx_ptsz},
-        {"cuGraphLaunch", (void *)cuGraphLaunch}, {"cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
-        {"cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
-        {"cuMemCreate", (void *)cuMemCreate}, {"cuMemRelease", (void *)cuMemRelease},
-        {"cuMemMap", (void *)cuMemMap}, {"cuMemUnmap", (void *)cuMemUnmap},
-        {"cuMemRetainAllocationHandle", (void *)cuMemRetainAllocationHandle},
-        {"cuArray3DCreate", (void *)cuArray3DCreate_v2}, {"cuArray3DCreate_v2", (void *)cuArray3DCreate_v2},
-        {"cuMipmappedArrayCreate", (void *)cuMipmappedArrayCreate},
-        {"cuMipmappedArrayDestroy", (void *)cuMipmappedArrayDestroy},
-        {"nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo},
-        {"nvmlDeviceGetMemoryInfo_v2", (void *)nvmlDeviceGetMemoryInfo_v2},
-    };
-    for (size_t i = 0; i < sizeof T / sizeof *T; i++)
-        if (!strcmp(name, T[i].name))
-            return T[i].fn;
+    for (size_t i = 0; i < sizeof FORMS / sizeof *FORMS; i++)
+        if (!strcmp(name, FORMS[i].export))
+            return FORMS[i].ours;
     return NULL;
 }
 
-CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
-
-CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags)
+/* The form the driver gives for (name, version, flags): the newest one not newer than `version`,
+ * the per-thread-default-stream one when flags ask for it (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM). */
+static const struct form *chosen(const char *name, int version, uint64_t flags)
 {
-    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+    const struct form *best = NULL;
+    for (size_t i = 0; i < sizeof FORMS / sizeof *FORMS; i++) {
+        const struct form *f = &FORMS[i];
+        if (strcmp(name, f->name) || f->since > version || (f->ptsz && !(flags & 2)))
+            continue;
+        if (!best || f->ptsz > best->ptsz || (f->ptsz == best->ptsz && f->since > best->since))
+            best = f;
+    }
+    return best;
 }
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status)
@@ -231,17 +276,27 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
     pthread_once(&once, setup);
     CUresult r = real.getproc2 ? real.getproc2(symbol, pfn, version, flags, status)
                : real.getproc ? real.getproc(symbol, pfn, version, flags) : CU_NOT_INITIALIZED;
-    if (r != CU_OK || !symbol || !pfn)
+    if (r != CU_OK || !symbol || !pfn || !*pfn)
         return r;
-    if (!strcmp(symbol, "cuGetProcAddress"))  /* the one it returns must be ours too */
-        *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
-    else if (ours(symbol)) {
-        char ptsz[128];
-        snprintf(ptsz, sizeof ptsz, "%s_ptsz", symbol);
-        void *alt = sym(ptsz);  /* the driver chose the per-thread default stream's: so do we */
-        *pfn = alt && *pfn == alt && ours(ptsz) ? ours(ptsz) : ours(symbol);
+    const struct form *f = chosen(symbol, version, flags);
+    if (!f || !f->ours)
+        return r;  /* not ours to wrap: exactly what the driver gave */
+    if (version > KNOWN_CUDA && *pfn != sym(f->export)) {
+        /* a CUDA newer than this library knows may have brought a newer form: never wrap it with
+         * an older one's arguments */
+        static int said;
+        if (!__atomic_exchange_n(&said, 1, __ATOMIC_ACQ_REL))
+            fprintf(stderr, "cgpu: %s asked for at CUDA version %d, newer than this libcgpu knows (%d): "
+                    "passed through unwrapped; update libcgpu\n", symbol, version, KNOWN_CUDA);
+        return r;
     }
+    *pfn = f->ours;
     return r;
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags)
+{
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
 }
 
 void *dlsym(void *handle, const char *name)

@@ -226,11 +226,30 @@ CUresult cuMemFreeAsync(CUdeviceptr p, void *stream)
     RELEASED(p, real.free_async(p, stream));
 }
 
+/* The per-thread-default-stream forms (_ptsz): the same, on the driver's own form. */
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, void *stream)
+{
+    PASS_THROUGH(real.alloc_async_ptsz, p, size, stream);
+    CHARGED(size, *p, real.alloc_async_ptsz(p, size, stream));
+}
+
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, void *stream)
+{
+    PASS_THROUGH(real.free_async_ptsz, p, stream);
+    RELEASED(p, real.free_async_ptsz(p, stream));
+}
+
 /* From a named pool (CUmemoryPool), stream-ordered: freed by cuMemFreeAsync. */
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, void *pool, void *stream)
 {
     PASS_THROUGH(real.pool_alloc, p, size, pool, stream);
     CHARGED(size, *p, real.pool_alloc(p, size, pool, stream));
+}
+
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t size, void *pool, void *stream)
+{
+    PASS_THROUGH(real.pool_alloc_ptsz, p, size, pool, stream);
+    CHARGED(size, *p, real.pool_alloc_ptsz(p, size, pool, stream));
 }
 
 /* cuda.h's CUmemAllocationProp, as far as it is read: where the memory is. (CUDA 13 puts
