@@ -790,3 +790,66 @@ def test_cugetprocaddress_wraps_exactly_what_the_driver_returns(card, tmp_path):
     assert lines[2].split() == ["500", "(nil)", "2"], "CUDA_ERROR_NOT_FOUND, VERSION_NOT_SUFFICIENT"
     assert calls.read_text().split() == ["cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync_ptsz",  # (past: refused)
                                          "cuMemFreeAsync_ptsz", "cuMemFreeAsync", "cuMemGetInfo"]
+
+
+NEXT_A = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+const char *which(void) { return "a"; }
+void *next_which(void) { return dlsym(RTLD_NEXT, "which"); }  /* the one after this library: b's */
+"""
+NEXT_B = 'const char *which(void) { return "b"; }\n'
+NEXT_MAIN = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+typedef const char *(*w_t)(void);
+void *next_which(void);
+int main(void) {
+    void *n = next_which();
+    printf("%s ", n ? ((w_t)n)() : "none");
+    dlsym(RTLD_DEFAULT, "printf");                 /* a process that merely calls dlsym */
+    FILE *m = fopen("/proc/self/maps", "r");
+    char line[4096]; int cuda = 0, nvml = 0;
+    while (fgets(line, sizeof line, m)) { cuda |= !!strstr(line, "libcuda"); nvml |= !!strstr(line, "libnvidia-ml"); }
+    printf("%d %d\n", cuda, nvml);
+    return 0;
+}
+"""
+
+
+def test_dlsym_is_correct_at_any_optimisation_and_loads_no_driver(card, tmp_path):
+    """libcgpu built with -O0 (no tail call to lean on): a library's dlsym(RTLD_NEXT) still finds
+    the definition after that library, not after libcgpu; and a process that only calls dlsym
+    gets neither libcuda nor NVML loaded into it."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [MIB])
+    lib = tmp_path / "o0"
+    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), "libcgpu", f"LIB={lib}",
+                        "LIBCGPU_OPT=-O0"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for name, src in (("a", NEXT_A), ("b", NEXT_B)):
+        (tmp_path / f"{name}.c").write_text(src)
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", os.fspath(tmp_path / f"lib{name}.so"),
+                        os.fspath(tmp_path / f"{name}.c"), "-ldl"], check=True)
+    (tmp_path / "main.c").write_text(NEXT_MAIN)
+    subprocess.run(["gcc", "-o", os.fspath(tmp_path / "main"), os.fspath(tmp_path / "main.c"), f"-L{tmp_path}",
+                    "-Wl,--no-as-needed", "-la", "-lb", "-ldl", f"-Wl,-rpath,{tmp_path}"], check=True)
+    for preload in (lib / "libcgpu.so", env["LD_PRELOAD"]):
+        r = subprocess.run([os.fspath(tmp_path / "main")], env={**env, "LD_PRELOAD": os.fspath(preload)},
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["b", "0", "0"], (preload, r.stdout)
+
+
+def test_a_driver_whose_constructor_calls_dlsym_does_not_deadlock(card):
+    """The stand-in's constructor calls dlsym (CGPU_STUB_CUDA_CTOR_DLSYM) while libcgpu is loading
+    it at the first CUDA call: it comes back, and the process is held as ever."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [8 * MIB])
+    r = py({**env, "CGPU_STUB_CUDA_CTOR_DLSYM": "1"}, """
+        ok(d.cuInit(0))
+        print(ok(d.cuDeviceTotalMem(ok(d.cuDeviceGet(0)))), d.cuMemAlloc(8 * 2**20 + 1)[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+    """, timeout=20)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(8 * MIB), "True"]

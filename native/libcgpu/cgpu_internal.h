@@ -111,6 +111,8 @@ struct real_driver {
 /* ---- interpose.c ---- */
 extern struct real_driver real;
 extern dlsym_fn real_dlsym;
+extern void *(*cgpu_next_dlsym)(void *, const char *);  /* libc's dlsym */
+void *cgpu_dlsym_ours(void *handle, const char *name);
 /* >0 while this thread is inside the real driver: a driver that calls its own exported
  * functions (through its PLT, so through ours) must not be charged twice. */
 extern __thread int in_driver;

@@ -89,6 +89,24 @@ dlsym_fn real_dlsym;
 __thread int in_driver;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
+/* libc's dlsym (the one after us), found once without any lock: dlsym may be called from
+ * anywhere, a driver's constructor while we load it included. */
+void *(*cgpu_next_dlsym)(void *, const char *);
+static void next_dlsym(void)
+{
+    if (__atomic_load_n(&cgpu_next_dlsym, __ATOMIC_ACQUIRE))
+        return;
+    dlsym_fn f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!f)
+        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    if (!f) {
+        fprintf(stderr, "cgpu: cannot find the C library's dlsym\n");
+        abort();
+    }
+    real_dlsym = f;
+    __atomic_store_n(&cgpu_next_dlsym, f, __ATOMIC_RELEASE);
+}
+
 void *sym(const char *name)
 {
     return real.lib && real_dlsym ? real_dlsym(real.lib, name) : NULL;
@@ -98,9 +116,8 @@ static void forked(void);
 
 static void setup(void)
 {
-    real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-    if (!real_dlsym)
-        real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    next_dlsym();
+    in_driver++;  /* (the driver's constructors may call back into us while it loads: straight through) */
     const char *path = getenv("CGPU_REAL_LIBCUDA");
     real.lib = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     real.init = (init_fn)sym("cuInit");
@@ -144,8 +161,11 @@ static void setup(void)
     real.array3d = (array_fn)sym("cuArray3DCreate_v2");
     real.mipmap = (mipmap_fn)sym("cuMipmappedArrayCreate");
     real.mipmap_free = (free_fn)sym("cuMipmappedArrayDestroy");
+    in_driver--;
     const char *npath = getenv("CGPU_REAL_LIBNVML");
+    in_driver++;
     real.nvml = dlopen(npath && *npath ? npath : "libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    in_driver--;
     if (real.nvml && real_dlsym) {
         real.nvml_mem = (nvml_mem_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo");
         real.nvml_mem2 = (nvml_mem2_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo_v2");
@@ -170,6 +190,8 @@ int isolated(void)
 
 CUresult cuInit(unsigned flags)
 {
+    if (in_driver)
+        return real.init ? real.init(flags) : CU_NOT_INITIALIZED;
     pthread_once(&once, setup);
     if (asked && !limits) {
         fprintf(stderr, "cgpu: GPU isolation was asked for but cannot be applied (%s): CUDA is not started\n", why);
@@ -273,6 +295,9 @@ static const struct form *chosen(const char *name, int version, uint64_t flags)
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status)
 {
+    if (in_driver)  /* (the driver asking itself, or loading) */
+        return real.getproc2 ? real.getproc2(symbol, pfn, version, flags, status)
+             : real.getproc ? real.getproc(symbol, pfn, version, flags) : CU_NOT_INITIALIZED;
     pthread_once(&once, setup);
     CUresult r = real.getproc2 ? real.getproc2(symbol, pfn, version, flags, status)
                : real.getproc ? real.getproc(symbol, pfn, version, flags) : CU_NOT_INITIALIZED;
@@ -299,17 +324,63 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t 
     return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
 }
 
-void *dlsym(void *handle, const char *name)
+/* ---- dlsym -------------------------------------------------------------------------------
+ *
+ * dlsym's answer for RTLD_NEXT (and RTLD_DEFAULT in a library opened RTLD_LOCAL) depends on who
+ * calls it: glibc looks at its return address. So our dlsym must hand over to libc's with the
+ * caller's return address still in place, whatever the compiler does (at -O0 a C call through a
+ * pointer is no tail call, and libc would search from libcgpu). It is a few instructions of
+ * assembly: ask cgpu_dlsym_ours (C), which answers our wrapper for a name we wrap (where the
+ * handle's object has it), and otherwise jump (not call) to libc's dlsym with the caller's
+ * arguments. It takes no lock and sets nothing up: it is lazy (a process that only calls dlsym
+ * never loads libcuda or NVML) and re-entrant (a driver's constructor may call it while we load
+ * the driver). */
+void *cgpu_dlsym_ours(void *handle, const char *name);
+void *cgpu_dlsym_ours(void *handle, const char *name)
 {
-    pthread_once(&once, setup);
-    if (!strncmp(name, "cu", 2) || !strncmp(name, "nvmlDeviceGetMemoryInfo", 23)) {
-        if (!strcmp(name, "cuGetProcAddress"))
-            return (void *)cuGetProcAddress;
-        if (!strcmp(name, "cuGetProcAddress_v2"))
-            return (void *)cuGetProcAddress_v2;
-        void *fn = ours(name);
-        if (fn && real_dlsym && real_dlsym(handle, name))  /* only where the real driver has it */
-            return fn;
-    }
-    return real_dlsym ? real_dlsym(handle, name) : NULL;
+    next_dlsym();
+    if (!name || !((name[0] == 'c' && name[1] == 'u') || !strncmp(name, "nvml", 4)))
+        return NULL;
+    void *fn = ours(name);
+    return fn && cgpu_next_dlsym(handle, name) ? fn : NULL;  /* only where the real library has it */
 }
+
+#if defined(__x86_64__)
+__asm__(".text\n"
+        ".globl dlsym\n"
+        ".type dlsym, @function\n"
+        "dlsym:\n"
+        "    push %rdi\n"
+        "    push %rsi\n"
+        "    sub $8, %rsp\n"                   /* (the stack 16-byte aligned at the call) */
+        "    call cgpu_dlsym_ours\n"
+        "    add $8, %rsp\n"
+        "    pop %rsi\n"
+        "    pop %rdi\n"
+        "    test %rax, %rax\n"
+        "    jz 1f\n"
+        "    ret\n"
+        "1:  jmp *cgpu_next_dlsym(%rip)\n"      /* libc's, with the caller's return address */
+        ".size dlsym, .-dlsym\n");
+#elif defined(__aarch64__)
+__asm__(".text\n"
+        ".globl dlsym\n"
+        ".type dlsym, %function\n"
+        "dlsym:\n"
+        "    stp x29, x30, [sp, #-32]!\n"
+        "    mov x29, sp\n"
+        "    stp x0, x1, [sp, #16]\n"
+        "    bl cgpu_dlsym_ours\n"
+        "    mov x2, x0\n"
+        "    ldp x0, x1, [sp, #16]\n"
+        "    ldp x29, x30, [sp], #32\n"
+        "    cbz x2, 1f\n"
+        "    mov x0, x2\n"
+        "    ret\n"
+        "1:  adrp x16, cgpu_next_dlsym\n"
+        "    ldr x16, [x16, #:lo12:cgpu_next_dlsym]\n"
+        "    br x16\n"                          /* libc's, with the caller's return address */
+        ".size dlsym, .-dlsym\n");
+#else
+#error "libcgpu's dlsym is written for x86_64 and aarch64"
+#endif

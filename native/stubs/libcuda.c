@@ -32,6 +32,7 @@
  * /dev/nvidiaN: the daemon sees the process use the GPU.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -194,6 +195,14 @@ static int card_of(int dev, int64_t delta, uint64_t *used_out)
     flock(fd, LOCK_UN);
     close(fd);
     return rc;
+}
+
+/* With CGPU_STUB_CUDA_CTOR_DLSYM=1 its constructor calls dlsym, as a driver may while it loads. */
+__attribute__((constructor)) static void loaded(void)
+{
+    const char *c = getenv("CGPU_STUB_CUDA_CTOR_DLSYM");
+    if (c && *c == '1' && (!dlsym(RTLD_DEFAULT, "getenv") || !dlsym(RTLD_NEXT, "malloc")))
+        abort();
 }
 
 CUresult cuInit(unsigned flags)
