@@ -497,16 +497,40 @@ int main(void) {
 """
 
 
-def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(make_daemon, libs, tmp_path):
-    """cgpu-runtime in front of real runc: the daemon's `prepare` makes the container's pages and
-    mounts the library and them; the hook fills its memsize; the container's own process (a C
-    client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it."""
+def run_prepared(make_daemon, lib: Path, tmp_path: Path, rootfs: Path, share: Path, script: str,
+                 extra_mounts: list[dict]) -> tuple[subprocess.CompletedProcess, dict, object, str]:
+    """`script` (sh) in a container of `rootfs` run by cgpu-runtime in front of real runc, the
+    daemon preparing it with `lib` as its libcgpu; its /share is `share`."""
     import json
 
     from test_runc import compiled_hook
     from test_runtime import wrapper
 
-    d = make_daemon(extra_args=["--hook-path", compiled_hook(), "--libcgpu", os.fspath(libs / "libcgpu.so")])
+    d = make_daemon(extra_args=["--hook-path", compiled_hook(), "--libcgpu", os.fspath(lib)])
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    subprocess.run(["runc", "spec", "--bundle", os.fspath(bundle)], check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["root"] = {"path": os.fspath(rootfs), "readonly": False}
+    spec["process"].update(terminal=False, args=["/bin/sh", "-c", script], env=[
+        "PATH=/usr/bin:/bin", "LD_LIBRARY_PATH=/share/lib", "CGPU_STUB_CUDA_STATE=/share/card",
+        "ALIYUN_COM_GPU_MEM_CONTAINER=1"])
+    spec["mounts"] += extra_mounts + [{"destination": "/share", "type": "bind", "source": os.fspath(share),
+                                       "options": ["rbind", "rw"]}]
+    (bundle / "config.json").write_text(json.dumps(spec))
+    cid = "cafe" + os.urandom(30).hex()
+    env = {"PATH": os.environ["PATH"], "CGPUD_SOCKET": os.fspath(d.socket)}
+    root = ["--root", os.fspath(tmp_path / "runc-root")]
+    r = subprocess.run([wrapper(), *root, "run", "--bundle", os.fspath(bundle), cid], capture_output=True,
+                       text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
+    subprocess.run([wrapper(), *root, "delete", "-f", cid], capture_output=True, env=env, timeout=30)
+    return r, json.loads((bundle / "config.json").read_text()), d, cid
+
+
+def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(make_daemon, libs, tmp_path):
+    """cgpu-runtime in front of real runc: the daemon's `prepare` makes the container's pages and
+    mounts the library and them; the hook fills its memsize; the container's own process (a C
+    client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it."""
     share = tmp_path / "share"
     (share / "lib").mkdir(parents=True)
     subprocess.run(["cp", os.fspath(libs / "libcuda.so.1"), os.fspath(share / "lib" / "libcuda.so.1")], check=True)
@@ -517,32 +541,81 @@ def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(mak
         (rootfs / sub).mkdir(parents=True)
     for link in ("bin", "lib", "lib64", "sbin"):
         os.symlink(f"usr/{link}", rootfs / link)
-    subprocess.run(["runc", "spec", "--bundle", os.fspath(tmp_path)], check=True)
-    spec = json.loads((tmp_path / "config.json").read_text())
-    spec["root"] = {"path": os.fspath(rootfs), "readonly": False}
     # the second run clears its environment (no LD_PRELOAD, no CGPU_PAGE_DIR): /etc/ld.so.preload
     # loads the library still, and it finds the pages where cgpu-runtime mounts them
-    spec["process"].update(terminal=False, args=["/usr/bin/sh", "-c", "/share/client; env -i LD_LIBRARY_PATH=/share/lib "
-                                                 "CGPU_STUB_CUDA_STATE=/share/card /share/client"], env=[
-        "PATH=/usr/bin", "LD_LIBRARY_PATH=/share/lib", "CGPU_STUB_CUDA_STATE=/share/card",
-        "ALIYUN_COM_GPU_MEM_CONTAINER=1"])
-    spec["mounts"] += [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
-                       {"destination": "/share", "type": "bind", "source": os.fspath(share), "options": ["rbind", "rw"]}]
-    (tmp_path / "config.json").write_text(json.dumps(spec))
-    cid = "cafe" + os.urandom(30).hex()
-    env = {"PATH": os.environ["PATH"], "CGPUD_SOCKET": os.fspath(d.socket)}
-    root = ["--root", os.fspath(tmp_path / "runc-root")]
-    r = subprocess.run([wrapper(), *root, "run", "--bundle", os.fspath(tmp_path), cid], capture_output=True,
-                       text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
-    subprocess.run([wrapper(), *root, "delete", "-f", cid], capture_output=True, env=env, timeout=30)
+    r, prepared, d, cid = run_prepared(
+        make_daemon, libs / "libcgpu.so", tmp_path, rootfs, share,
+        "/share/client; env -i LD_LIBRARY_PATH=/share/lib CGPU_STUB_CUDA_STATE=/share/card /share/client",
+        [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]}])
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.split() == [str(1 << 30), "0", "2", "/run/cgpu", str(1 << 30), "0", "2", "(null)"], \
         r.stdout + r.stderr
-    prepared = json.loads((tmp_path / "config.json").read_text())
     mounts = {m["destination"]: m for m in prepared["mounts"]}
     assert mounts["/run/cgpu/limits"]["options"] == ["bind", "ro"], "only usage is writable by the container"
     assert mounts["/etc/ld.so.preload"]["options"] == ["bind", "ro"]
     assert not (d.socket.parent / "pages" / cid[:12]).exists(), "its pages went with it"
+
+
+def test_libcgpu_needs_nothing_newer_than_glibc_2_17(libs):
+    """Built by zig cc for glibc 2.17: every GLIBC_ version it needs is 2.17 or older."""
+    out = subprocess.run(["objdump", "-T", os.fspath(libs / "libcgpu.so")], capture_output=True, text=True,
+                         check=True).stdout
+    import re
+    versions = {tuple(map(int, v.split("."))) for v in re.findall(r"GLIBC_([0-9][0-9.]*)", out)}
+    assert versions and max(versions) <= (2, 17), sorted(versions)
+
+
+def test_the_build_fails_if_libcgpu_would_need_a_newer_glibc(tmp_path):
+    """A compiler that links against this machine's glibc (2.36) in zig's place: the build stops,
+    says why, and leaves no library behind."""
+    fake = tmp_path / "zig"
+    fake.write_text("#!/bin/sh\nshift 3\nexec gcc \"$@\"\n")  # drops `cc -target <triple>`
+    fake.chmod(0o755)
+    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), "libcgpu", f"LIB={tmp_path / 'lib'}",
+                        f"ZIG={fake}"], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "newer than 2.17: it would break older images; not installed" in r.stderr, r.stderr
+    assert not list((tmp_path / "lib").iterdir())
+
+
+@pytest.fixture
+def bullseye(tmp_path):
+    """Debian bullseye's root filesystem (glibc 2.31, scripts/rootfs.sh's cache) under an overlay
+    of this test's own: the container writes nothing into the cache."""
+    r = subprocess.run([os.fspath(ROOT / "scripts" / "rootfs.sh"), "bullseye"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    layers = {k: tmp_path / "overlay" / k for k in ("upper", "work", "root")}
+    for p in layers.values():
+        p.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={r.stdout.strip()},"
+                    f"upperdir={layers['upper']},workdir={layers['work']}", os.fspath(layers["root"])], check=True)
+    yield layers["root"]
+    subprocess.run(["umount", "-l", os.fspath(layers["root"])], check=True)
+
+
+def test_an_older_glibc_image_starts_and_is_held(make_daemon, libs, bullseye, tmp_path):
+    """A Debian bullseye image (glibc 2.31) with libcgpu in its /etc/ld.so.preload, as cgpu-runtime
+    prepares it: its shell and its tools start (the library built for 2.31 + would stop every
+    process), and a CUDA client built for glibc 2.17 (with the stand-in) is held to memsize."""
+    zig = os.fspath(ROOT / ".venv" / "bin" / "python-zig")
+    share = tmp_path / "share"
+    (share / "lib").mkdir(parents=True)
+    cc = f"{zig} cc -target x86_64-linux-gnu.2.17"
+    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), f"{share / 'lib' / 'libcuda.so.1'}",
+                        f"STUBS={share / 'lib'}", f"CC={cc}"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "client.c").write_text(MOUNT_CLIENT)
+    subprocess.run([zig, "cc", "-target", "x86_64-linux-gnu.2.17", "-o", os.fspath(share / "client"),
+                    os.fspath(tmp_path / "client.c"), "-ldl"], check=True)
+    r, prepared, d, cid = run_prepared(
+        make_daemon, libs / "libcgpu.so", tmp_path, bullseye, share,
+        "cat /etc/ld.so.preload; ldd --version | head -1; ls /run/cgpu >/dev/null && echo shell-ok; /share/client", [])
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "/run/cgpu-lib/libcgpu.so", "the preload file cgpu-runtime mounts"
+    assert lines[1].endswith("2.31"), lines[1]
+    assert lines[2] == "shell-ok"
+    assert lines[3].split() == [str(1 << 30), "0", "2", "/run/cgpu"], r.stdout + r.stderr
 
 
 # ---- issue 20: what the real stack does that the first stand-in was kind about ------------------------
