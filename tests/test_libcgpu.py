@@ -926,3 +926,39 @@ def test_a_driver_whose_constructor_calls_dlsym_does_not_deadlock(card):
     """, timeout=20)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(8 * MIB), "True"]
+
+
+def test_a_process_filling_what_it_is_told_is_free_is_not_killed(make_daemon, libs, tmp_path, monkeypatch):
+    """The driver's own memory (a context: 300 MiB of the stand-in's card, CGPU_STUB_CTX_MIB, which
+    NVML's per-process view shows) is the container's too: a `cgpu run --mem 1G` process that
+    allocates all cuMemGetInfo calls free gets CUDA_ERROR_OUT_OF_MEMORY one MiB further, and the
+    daemon's NVML watchdog (--mem-action kill) never sees it past memsize."""
+    from nvml_stub import NvmlStub, StubGpu
+
+    stub = NvmlStub(libs, tmp_path / "nvml.conf", cuda_state=tmp_path / "card.state")
+    stub.gpus = [StubGpu("GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab")]
+    stub.write()
+    for k, v in {**stub.env({}), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"),
+                 "CGPU_STUB_CTX_MIB": "300"}.items():
+        monkeypatch.setenv(k, v)
+    d = make_daemon(gpus="nvml", start=False, extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so")])
+    d.dev_dir.mkdir()
+    (d.dev_dir / "nvidia0").write_text("")
+    d.start()
+    code = PRELUDE + textwrap.dedent("""
+        import time
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        free, total = ok(d.cuMemGetInfo())
+        got = [ok(d.cuMemAlloc(free))]
+        more = d.cuMemAlloc(2**20)[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        print(free, total, more, ok(d.cuMemGetInfo())[0], flush=True)
+        time.sleep(2)  # four looks of the watchdog
+        print("alive", flush=True)
+    """)
+    name = f"fill{os.getpid() % 100000:05d}abc"
+    r = subprocess.run([os.fspath(Path(sys.executable).parent / "cgpu"), "run", "--name", name, "--mem", "1G", "--",
+                        sys.executable, "-c", code], env={**os.environ, "CGPUD_SOCKET": os.fspath(d.socket)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.split() == [str((1 << 30) - 300 * MIB), str(1 << 30), "True", "0", "alive"], r.stdout
+    assert f"memory watchdog: {name}" not in d.log_text()

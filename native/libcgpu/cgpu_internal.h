@@ -137,6 +137,9 @@ int uuid_to_page(const unsigned char *u);
 int page_index(int dev);
 int current_gpu(void);
 
+/* ---- nvml.c ---- */
+uint64_t nvml_process_bytes(int g);
+
 /* ---- memory.c ---- */
 void memory_forked(void);
 

@@ -146,6 +146,43 @@ static void forget(CUdeviceptr key)
     pthread_mutex_unlock(&table_lock);
 }
 
+/* ---- the driver's own memory ---------------------------------------------------------------
+ *
+ * A context, the local memory of its threads and the device heap are memory the driver takes for
+ * the process beside its allocations: NVML's per-process view counts them (and the daemon's
+ * watchdog fails the process by that view), so they are the container's too. They are found once
+ * per process and GPU, at the first allocation or cuMemGetInfo there (a context exists then): what
+ * NVML says this process holds less what it holds through us; where NVML cannot tell (no NVML,
+ * or the container's PIDs are not the host's NVML names), CGPU_CONTEXT_MIB (default 0: not
+ * known). It is charged to the process's slot whatever room is left (the driver took it
+ * already): a process that fills what cuMemGetInfo calls free is refused there, never past
+ * memsize, and it comes back when the process ends. (HAMi-core charges a per-context figure.) */
+static int driver_counted[CGPU_MAX_GPUS];
+static pthread_mutex_t driver_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void driver_share(int g)
+{
+    if (__atomic_load_n(&driver_counted[g], __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&driver_lock);
+    if (!driver_counted[g]) {
+        uint64_t seen = nvml_process_bytes(g), own = 0;
+        uint64_t ours = __atomic_load_n(&mine->held[g], __ATOMIC_ACQUIRE);
+        if (seen != UINT64_MAX)
+            own = seen > ours ? seen - ours : 0;
+        else {
+            const char *mib = getenv("CGPU_CONTEXT_MIB");
+            own = mib && *mib ? strtoull(mib, NULL, 10) << 20 : 0;
+        }
+        if (own) {
+            __atomic_add_fetch(&mine->held[g], own, __ATOMIC_ACQ_REL);
+            __atomic_add_fetch(&usage->used[g], own, __ATOMIC_ACQ_REL);
+        }
+        __atomic_store_n(&driver_counted[g], 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&driver_lock);
+}
+
 /* An allocation of `size` bytes done by `call` (the real driver's), held to memsize on the page's
  * GPU `gpu` (-1: a GPU given whole, not charged). */
 #define CHARGED(size, key, call) CHARGED_ON(current_gpu(), size, key, call)
@@ -154,7 +191,10 @@ static void forget(CUdeviceptr key)
         int g_ = (gpu);                                                                  \
         if (g_ < 0)                                                                      \
             return (call); /* a GPU given whole: the driver's to hold */                 \
-        if (!need_slot() || !reserve(g_, (size)))                                        \
+        if (!need_slot())                                                                \
+            return CU_OUT_OF_MEMORY;                                                     \
+        driver_share(g_);                                                                \
+        if (!reserve(g_, (size)))                                                        \
             return CU_OUT_OF_MEMORY;                                                     \
         in_driver++;                                                                     \
         CUresult r_ = (call);                                                            \
@@ -443,6 +483,8 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
             *free_ = f, *total_ = t;
         return r;
     }
+    if (need_slot())
+        driver_share(g);
     uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
     *total_ = cap;
     *free_ = used >= cap ? 0 : cap - used;  /* never an error when over */
@@ -465,6 +507,7 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
 /* What the parent allocated is the parent's. */
 void memory_forked(void)
 {
+    memset(driver_counted, 0, sizeof driver_counted);  /* (a child's contexts are its own) */
     free(allocs.e);
     free(mapped.e);
     memset(&allocs, 0, sizeof allocs);

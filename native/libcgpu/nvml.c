@@ -1,7 +1,9 @@
 /*
  * libcgpu, NVML: what nvidia-smi and NVML clients see (memsize as the card, the container's usage).
  */
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cgpu_internal.h"
 
@@ -82,4 +84,38 @@ int nvmlDeviceGetMemoryInfo_v2(void *dev, nvmlMemory_v2_t *mem)
     if (r == NVML_OK && limits && nvml_view(dev, &mem->total, &mem->free, &mem->used))
         mem->reserved = 0;
     return r;
+}
+/* What NVML's per-process view says this process holds on page GPU g (its allocations and what
+ * the driver itself uses for it: contexts, local memory, the device heap), UINT64_MAX when NVML
+ * cannot tell: no NVML, or this process not among the GPU's (inside a PID namespace NVML names
+ * processes by the host's PIDs). */
+uint64_t nvml_process_bytes(int g)
+{
+    typedef int (*init_fn_)(void);
+    typedef int (*count_fn_)(unsigned int *);
+    typedef int (*handle_fn_)(unsigned int, void **);
+    typedef struct { unsigned int pid; unsigned long long used; unsigned int gi, ci; } proc_info;
+    typedef int (*procs_fn_)(void *, unsigned int *, proc_info *);
+    if (!real.nvml)
+        return UINT64_MAX;
+    init_fn_ init = (init_fn_)real_dlsym(real.nvml, "nvmlInit_v2");
+    count_fn_ count = (count_fn_)real_dlsym(real.nvml, "nvmlDeviceGetCount_v2");
+    handle_fn_ handle = (handle_fn_)real_dlsym(real.nvml, "nvmlDeviceGetHandleByIndex_v2");
+    procs_fn_ procs = (procs_fn_)real_dlsym(real.nvml, "nvmlDeviceGetComputeRunningProcesses_v3");
+    if (!procs)
+        procs = (procs_fn_)real_dlsym(real.nvml, "nvmlDeviceGetComputeRunningProcesses_v2");
+    unsigned int n = 0;
+    if (!init || !count || !handle || !procs || init() != NVML_OK || count(&n) != NVML_OK)
+        return UINT64_MAX;
+    static proc_info list[1024];  /* (once per process and GPU, under the caller's lock) */
+    for (unsigned int i = 0; i < n; i++) {
+        void *dev;
+        unsigned int m = sizeof list / sizeof *list;
+        if (handle(i, &dev) != NVML_OK || nvml_page_index(dev) != g || procs(dev, &m, list) != NVML_OK)
+            continue;
+        for (unsigned int k = 0; k < m; k++)
+            if (list[k].pid == (unsigned int)getpid())
+                return list[k].used;
+    }
+    return UINT64_MAX;
 }
