@@ -115,7 +115,7 @@ extern void *(*cgpu_next_dlsym)(void *, const char *);  /* libc's dlsym */
 void *cgpu_dlsym_ours(void *handle, const char *name);
 /* >0 while this thread is inside the real driver: a driver that calls its own exported
  * functions (through its PLT, so through ours) must not be charged twice. */
-extern __thread int in_driver;
+extern __thread int in_driver __attribute__((tls_model("initial-exec")));  /* (loaded at start: static TLS) */
 void *sym(const char *name);
 int isolated(void);  /* set up; the process is held by its pages */
 void setup_once(void);

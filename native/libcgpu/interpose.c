@@ -86,8 +86,9 @@ int nvmlDeviceGetMemoryInfo_v2(void *, nvmlMemory_v2_t *);
 
 struct real_driver real;
 dlsym_fn real_dlsym;
-__thread int in_driver;
+__thread int in_driver __attribute__((tls_model("initial-exec")));
 static pthread_once_t once = PTHREAD_ONCE_INIT;
+static int set_up;  /* setup has run (read without pthread_once's call on the allocators' path) */
 
 /* libc's dlsym (the one after us), found once without any lock: dlsym may be called from
  * anywhere, a driver's constructor while we load it included. */
@@ -175,6 +176,7 @@ static void setup(void)
     page_setup();
     if (asked)
         pthread_atfork(NULL, NULL, forked);
+    __atomic_store_n(&set_up, 1, __ATOMIC_RELEASE);
 }
 
 void setup_once(void)
@@ -184,7 +186,8 @@ void setup_once(void)
 
 int isolated(void)
 {
-    pthread_once(&once, setup);
+    if (__builtin_expect(!__atomic_load_n(&set_up, __ATOMIC_ACQUIRE), 0))
+        pthread_once(&once, setup);
     return limits != NULL;
 }
 

@@ -3,6 +3,7 @@
  * compare-and-swap loop: racing processes can never pass memsize), allocates, and gives the
  * charge back if the driver fails; every free gives back what its allocation held.
  */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -24,7 +25,7 @@ struct entry {
     int32_t used;
 };
 struct table { struct entry *e; size_t cap, n; };
-static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+static int table_lock;       /* a spin lock: one locked instruction to take, none to leave */
 static struct table allocs;  /* what an allocator returned (a VMM handle too) */
 static struct table mapped;  /* VMM: a mapped address -> its handle */
 
@@ -45,16 +46,17 @@ static struct entry *lookup(struct table *t, uint64_t key)
     }
 }
 
-static void place(struct table *t, const struct entry *x)
+static struct entry *place(struct table *t, const struct entry *x)
 {
     size_t i = home(t, x->key);
     while (t->e[i].used)
         i = (i + 1) & (t->cap - 1);
     t->e[i] = *x;
     t->n++;
+    return &t->e[i];
 }
 
-/* A new entry for `key` (0 if the table cannot grow). */
+/* A new entry for `key` (NULL if the table cannot grow). */
 static struct entry *add(struct table *t, uint64_t key)
 {
     if ((t->n + 1) * 4 > t->cap * 3) {
@@ -72,8 +74,7 @@ static struct entry *add(struct table *t, uint64_t key)
         free(old);
     }
     struct entry x = {.key = key, .used = 1};
-    place(t, &x);
-    return lookup(t, key);
+    return place(t, &x);
 }
 
 static void erase(struct table *t, struct entry *x)
@@ -108,21 +109,42 @@ static void refund(int g, size_t size)
     __atomic_sub_fetch(&usage->used[g], size, __ATOMIC_ACQ_REL);
 }
 
+static void lock(void)
+{
+    while (__atomic_exchange_n(&table_lock, 1, __ATOMIC_ACQUIRE))
+        while (__atomic_load_n(&table_lock, __ATOMIC_RELAXED))
+            sched_yield();
+}
+
+static void unlock(void)
+{
+    __atomic_store_n(&table_lock, 0, __ATOMIC_RELEASE);
+}
+
+/* Under the lock: this process's bytes held on GPU g, in its slot (only this process writes its
+ * slot, and only under the lock: no locked instruction needed; the reader of a dead process's
+ * slot reads it once it is dead). */
+static void hold(int g, int64_t delta)
+{
+    uint64_t *h = &mine->held[g];
+    __atomic_store_n(h, __atomic_load_n(h, __ATOMIC_RELAXED) + (uint64_t)delta, __ATOMIC_RELEASE);
+}
+
 /* Under the lock: what `e` held back to the container, its entry gone. */
 static void let_go(struct entry *e)
 {
     int g = e->gpu;
     uint64_t size = e->size;
     erase(&allocs, e);
-    __atomic_sub_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
+    hold(g, -(int64_t)size);
     refund(g, size);
 }
 
 /* The driver gave it: this process holds it, and its size is kept for the free. */
 static void commit(int g, CUdeviceptr key, size_t size)
 {
-    __atomic_add_fetch(&mine->held[g], size, __ATOMIC_ACQ_REL);
-    pthread_mutex_lock(&table_lock);
+    lock();
+    hold(g, (int64_t)size);
     struct entry *e = lookup(&allocs, key);
     if (e)
         let_go(e);  /* (the driver gave the same pointer again: the old one was freed behind our back) */
@@ -132,18 +154,18 @@ static void commit(int g, CUdeviceptr key, size_t size)
         e->gpu = g;
         e->refs = 1;
     }
-    pthread_mutex_unlock(&table_lock);
+    unlock();
 }
 
 /* Freed: what it held comes back (nothing for a pointer we never saw). A VMM handle's memory
  * comes back at its last release only once it is mapped nowhere (the driver's rule). */
 static void forget(CUdeviceptr key)
 {
-    pthread_mutex_lock(&table_lock);
+    lock();
     struct entry *e = lookup(&allocs, key);
     if (e && --e->refs <= 0 && e->maps <= 0)
         let_go(e);
-    pthread_mutex_unlock(&table_lock);
+    unlock();
 }
 
 /* ---- the driver's own memory ---------------------------------------------------------------
@@ -175,7 +197,9 @@ static void driver_share(int g)
             own = mib && *mib ? strtoull(mib, NULL, 10) << 20 : 0;
         }
         if (own) {
-            __atomic_add_fetch(&mine->held[g], own, __ATOMIC_ACQ_REL);
+            lock();
+            hold(g, (int64_t)own);
+            unlock();
             __atomic_add_fetch(&usage->used[g], own, __ATOMIC_ACQ_REL);
         }
         __atomic_store_n(&driver_counted[g], 1, __ATOMIC_RELEASE);
@@ -330,14 +354,14 @@ CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUdeviceptr handle
     in_driver--;
     if (r != CU_OK)
         return r;
-    pthread_mutex_lock(&table_lock);
+    lock();
     struct entry *h = lookup(&allocs, handle), *m;
     if (h && (m = add(&mapped, va))) {  /* (a handle we did not charge: another process's, imported) */
         m->size = size;
         m->handle = handle;
         h->maps++;
     }
-    pthread_mutex_unlock(&table_lock);
+    unlock();
     return r;
 }
 
@@ -351,7 +375,7 @@ CUresult cuMemUnmap(CUdeviceptr va, size_t size)
     in_driver--;
     if (r != CU_OK)
         return r;
-    pthread_mutex_lock(&table_lock);
+    lock();
     struct entry *m;
     for (CUdeviceptr at = va; at - va < size && (m = lookup(&mapped, at));) {
         uint64_t handle = m->handle;
@@ -361,7 +385,7 @@ CUresult cuMemUnmap(CUdeviceptr va, size_t size)
         if (h && --h->maps <= 0 && h->refs <= 0)
             let_go(h);
     }
-    pthread_mutex_unlock(&table_lock);
+    unlock();
     return r;
 }
 
@@ -374,11 +398,11 @@ CUresult cuMemRetainAllocationHandle(CUdeviceptr *handle, void *addr)
     in_driver--;
     if (r != CU_OK || !handle)
         return r;
-    pthread_mutex_lock(&table_lock);
+    lock();
     struct entry *h = lookup(&allocs, *handle);
     if (h)
         h->refs++;
-    pthread_mutex_unlock(&table_lock);
+    unlock();
     return r;
 }
 
@@ -507,6 +531,7 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
 /* What the parent allocated is the parent's. */
 void memory_forked(void)
 {
+    table_lock = 0;  /* (a thread of the parent may have held it: none runs here) */
     memset(driver_counted, 0, sizeof driver_counted);  /* (a child's contexts are its own) */
     free(allocs.e);
     free(mapped.e);

@@ -96,6 +96,35 @@ static int devices(void)
 }
 static __thread int cur_dev;
 
+/* The state file and the kernel log, opened once per process and kept (a launch is then
+ * a lock, a read and a write, as cheap as a stand-in can make it). A forked child opens
+ * its own: flock's lock belongs to the open file, which the child would share. */
+static pthread_mutex_t kernel_files_lock = PTHREAD_MUTEX_INITIALIZER;
+static int kernel_state_fd = -1, kernel_log_fd = -1;
+static pid_t kernel_files_pid;
+static char kernel_files_named[2][4096];  /* the paths they were opened by (the environment may change) */
+
+static int kernel_files(int *log_fd)
+{
+    const char *p = getenv("CGPU_STUB_CUDA_STATE"), *log = getenv("CGPU_STUB_CUDA_LOG");
+    p = p && *p ? p : "/tmp/cgpu-stub-cuda.state";
+    log = log ? log : "";
+    pthread_mutex_lock(&kernel_files_lock);
+    if (kernel_files_pid != getpid() || strcmp(p, kernel_files_named[0]) || strcmp(log, kernel_files_named[1])) {
+        if (kernel_state_fd >= 0) close(kernel_state_fd);
+        if (kernel_log_fd >= 0) close(kernel_log_fd);
+        kernel_state_fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+        kernel_log_fd = *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
+        snprintf(kernel_files_named[0], sizeof kernel_files_named[0], "%s", p);
+        snprintf(kernel_files_named[1], sizeof kernel_files_named[1], "%s", log);
+        kernel_files_pid = kernel_state_fd >= 0 ? getpid() : 0;
+    }
+    int fd = kernel_state_fd;
+    *log_fd = kernel_log_fd;
+    pthread_mutex_unlock(&kernel_files_lock);
+    return fd;
+}
+
 /* The card's state file: card d keeps its bytes in use at 16*d and when it is next free at
  * 16*d + 8; from PROC_AT, a record per (process, card) of what it holds there, so that, as the
  * real driver does, what a dead process held comes back to the card (looked for when an
@@ -107,8 +136,8 @@ struct record { int32_t pid, dev; uint64_t bytes; };
 
 static int state_fd(void)
 {
-    const char *p = getenv("CGPU_STUB_CUDA_STATE");
-    return open(p && *p ? p : "/tmp/cgpu-stub-cuda.state", O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    int log_fd;
+    return kernel_files(&log_fd);  /* (opened once per process, kept) */
 }
 
 static uint64_t read_word(int fd, off_t at)
@@ -193,7 +222,6 @@ static int card_of(int dev, int64_t delta, uint64_t *used_out)
     if (used_out)
         *used_out = used;
     flock(fd, LOCK_UN);
-    close(fd);
     return rc;
 }
 
@@ -319,35 +347,6 @@ static void sleep_until(uint64_t ns)
 
 static uint64_t last_start, last_end;  /* this process's last kernel on the card */
 
-/* The state file and the kernel log, opened once per process and kept (a launch is then
- * a lock, a read and a write, as cheap as a stand-in can make it). A forked child opens
- * its own: flock's lock belongs to the open file, which the child would share. */
-static pthread_mutex_t kernel_files_lock = PTHREAD_MUTEX_INITIALIZER;
-static int kernel_state_fd = -1, kernel_log_fd = -1;
-static pid_t kernel_files_pid;
-static char kernel_files_named[2][4096];  /* the paths they were opened by (the environment may change) */
-
-static int kernel_files(int *log_fd)
-{
-    const char *p = getenv("CGPU_STUB_CUDA_STATE"), *log = getenv("CGPU_STUB_CUDA_LOG");
-    p = p && *p ? p : "/tmp/cgpu-stub-cuda.state";
-    log = log ? log : "";
-    pthread_mutex_lock(&kernel_files_lock);
-    if (kernel_files_pid != getpid() || strcmp(p, kernel_files_named[0]) || strcmp(log, kernel_files_named[1])) {
-        if (kernel_state_fd >= 0) close(kernel_state_fd);
-        if (kernel_log_fd >= 0) close(kernel_log_fd);
-        kernel_state_fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-        kernel_log_fd = *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
-        snprintf(kernel_files_named[0], sizeof kernel_files_named[0], "%s", p);
-        snprintf(kernel_files_named[1], sizeof kernel_files_named[1], "%s", log);
-        kernel_files_pid = kernel_state_fd >= 0 ? getpid() : 0;
-    }
-    int fd = kernel_state_fd;
-    *log_fd = kernel_log_fd;
-    pthread_mutex_unlock(&kernel_files_lock);
-    return fd;
-}
-
 static CUresult run_kernel(uint64_t us)
 {
     const char *fast = getenv("CGPU_STUB_CUDA_FAST");
@@ -444,10 +443,22 @@ CUresult cuGraphLaunch(void *exec, void *stream)
 
 /* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
 static size_t nallocs;
+/* CGPU_STUB_CUDA_FAST=1: allocations do not touch the card's file either (to time what an
+ * interposer adds): the card is then as large as it is said to be, for this process alone. */
+static int memory_is_free(void)
+{
+    static int fast = -1;
+    if (fast < 0) {
+        const char *f = getenv("CGPU_STUB_CUDA_FAST");
+        fast = f && *f == '1';
+    }
+    return fast;
+}
 static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
 {
     static CUdeviceptr next = 0x7f0000000000ull;
     if (nallocs >= NALLOCS / 2) return OUT_OF_MEMORY;  /* (the stand-in's own bound: 32,768 live) */
+    host |= memory_is_free();
     if (!host && card_of(dev, (int64_t)size, NULL)) return OUT_OF_MEMORY;
     size_t i = alloc_slot(next);
     while (allocs[i].ptr)
