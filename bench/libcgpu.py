@@ -194,7 +194,7 @@ def main() -> None:
 
     # 2. racing plain allocations into one memsize
     memsize = 3 * 1000 * (1 << 20) // 2  # 1.5 GB: about 3,000 of the 10,000 random allocations fit
-    (tmp / "card").unlink()
+    (tmp / "card").unlink(missing_ok=True)
     pages.create(page, [memsize])
     procs = [subprocess.Popen([str(progs["racer"]), str(seed)], env=lib, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for seed in range(4)]
