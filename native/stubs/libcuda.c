@@ -198,11 +198,13 @@ static void note_held(int fd, int dev, int64_t delta)
 /* add `delta` to the bytes in use on the current device if it has room; 0 or -1 */
 static int card_of(int dev, int64_t delta, uint64_t *used_out);
 static int card(int64_t delta, uint64_t *used_out) { return card_of(cur_dev, delta, used_out); }
+static pthread_mutex_t card_lock = PTHREAD_MUTEX_INITIALIZER;  /* (flock on one open file: not between threads) */
 static int card_of(int dev, int64_t delta, uint64_t *used_out)
 {
     int fd = state_fd();
     if (fd < 0)
         return -1;
+    pthread_mutex_lock(&card_lock);
     flock(fd, LOCK_EX);
     uint64_t used = read_word(fd, 16 * dev);
     if ((delta > 0 && used + (uint64_t)delta > total()) || (delta == 0 && used_out)) {
@@ -222,6 +224,7 @@ static int card_of(int dev, int64_t delta, uint64_t *used_out)
     if (used_out)
         *used_out = used;
     flock(fd, LOCK_UN);
+    pthread_mutex_unlock(&card_lock);
     return rc;
 }
 
