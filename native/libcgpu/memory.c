@@ -499,6 +499,8 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
 {
     if (!isolated())
         return asked ? CU_NOT_INITIALIZED : real.info ? real.info(free_, total_) : CU_NOT_INITIALIZED;
+    if (!real.info)
+        return CU_NOT_INITIALIZED;
     int g = current_gpu();
     size_t f, t;
     CUresult r = real.info(&f, &t);  /* (the driver must answer: a context exists) */

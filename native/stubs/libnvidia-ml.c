@@ -51,7 +51,7 @@ struct gpu {
     unsigned int minor, util, memutil;
     unsigned long long total, used;
     char uuid[96], name[96];
-    char fail_fn[8][64];
+    char fail_fn[8][96];
     int fail_rc[8];
     int nfail;
 };
@@ -89,7 +89,7 @@ static void load(void) {
         unsigned int i, a, b, c;
         unsigned long long x, y;
         int n = 0, rc;
-        char word[64];
+        char word[96];
         if (sscanf(line, "init %d", &rc) == 1) {
             cfg.init_rc = rc;
         } else if (sscanf(line, "driver %79s", cfg.driver) == 1) {
