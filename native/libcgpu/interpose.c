@@ -349,7 +349,7 @@ void *cgpu_dlsym_ours(void *handle, const char *name)
 }
 
 #if defined(__x86_64__)
-__asm__(".text\n"
+__asm__(".pushsection .text\n"
         ".globl dlsym\n"
         ".type dlsym, @function\n"
         "dlsym:\n"
@@ -364,9 +364,10 @@ __asm__(".text\n"
         "    jz 1f\n"
         "    ret\n"
         "1:  jmp *cgpu_next_dlsym(%rip)\n"      /* libc's, with the caller's return address */
-        ".size dlsym, .-dlsym\n");
+        ".size dlsym, .-dlsym\n"
+        ".popsection\n");
 #elif defined(__aarch64__)
-__asm__(".text\n"
+__asm__(".pushsection .text\n"
         ".globl dlsym\n"
         ".type dlsym, %function\n"
         "dlsym:\n"
@@ -383,7 +384,8 @@ __asm__(".text\n"
         "1:  adrp x16, cgpu_next_dlsym\n"
         "    ldr x16, [x16, #:lo12:cgpu_next_dlsym]\n"
         "    br x16\n"                          /* libc's, with the caller's return address */
-        ".size dlsym, .-dlsym\n");
+        ".size dlsym, .-dlsym\n"
+        ".popsection\n");
 #else
 #error "libcgpu's dlsym is written for x86_64 and aarch64"
 #endif
