@@ -593,6 +593,7 @@ def bullseye(tmp_path):
     subprocess.run(["umount", "-l", os.fspath(layers["root"])], check=True)
 
 
+@pytest.mark.timeout(900)  # (a fresh machine's first scripts/rootfs.sh bullseye runs debootstrap: minutes)
 def test_an_older_glibc_image_starts_and_is_held(make_daemon, libs, bullseye, tmp_path):
     """A Debian bullseye image (glibc 2.31) with libcgpu in its /etc/ld.so.preload, as cgpu-runtime
     prepares it: its shell and its tools start (the library built for 2.31 + would stop every
