@@ -44,6 +44,7 @@ class NvmlStub:
     procs: dict[tuple[int, int], int] = field(default_factory=dict)  # (gpu, pid) -> bytes
     init_rc: int = 0
     driver: str = "550.54.15"
+    cuda_state: Path | None = None  # the stand-in libcuda's state file: its processes shown too
 
     @classmethod
     def build(cls, where: Path, old_driver: bool = False) -> "NvmlStub":
@@ -65,6 +66,8 @@ class NvmlStub:
             lines.append(f"gpu {i} {minor} {g.total} {g.used} {g.util} {g.memutil} {g.uuid} {g.name}")
             lines += [f"fail {i} {fn} {rc}" for fn, rc in g.fail.items()]
         lines += [f"proc {gpu} {pid} {n}" for (gpu, pid), n in self.procs.items()]
+        if self.cuda_state is not None:
+            lines.append(f"cuda {self.cuda_state}")
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:

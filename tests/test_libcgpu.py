@@ -497,16 +497,40 @@ int main(void) {
 """
 
 
-def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(make_daemon, libs, tmp_path):
-    """cgpu-runtime in front of real runc: the daemon's `prepare` makes the container's pages and
-    mounts the library and them; the hook fills its memsize; the container's own process (a C
-    client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it."""
+def run_prepared(make_daemon, lib: Path, tmp_path: Path, rootfs: Path, share: Path, script: str,
+                 extra_mounts: list[dict]) -> tuple[subprocess.CompletedProcess, dict, object, str]:
+    """`script` (sh) in a container of `rootfs` run by cgpu-runtime in front of real runc, the
+    daemon preparing it with `lib` as its libcgpu; its /share is `share`."""
     import json
 
     from test_runc import compiled_hook
     from test_runtime import wrapper
 
-    d = make_daemon(extra_args=["--hook-path", compiled_hook(), "--libcgpu", os.fspath(libs / "libcgpu.so")])
+    d = make_daemon(extra_args=["--hook-path", compiled_hook(), "--libcgpu", os.fspath(lib)])
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    subprocess.run(["runc", "spec", "--bundle", os.fspath(bundle)], check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["root"] = {"path": os.fspath(rootfs), "readonly": False}
+    spec["process"].update(terminal=False, args=["/bin/sh", "-c", script], env=[
+        "PATH=/usr/bin:/bin", "LD_LIBRARY_PATH=/share/lib", "CGPU_STUB_CUDA_STATE=/share/card",
+        "ALIYUN_COM_GPU_MEM_CONTAINER=1"])
+    spec["mounts"] += extra_mounts + [{"destination": "/share", "type": "bind", "source": os.fspath(share),
+                                       "options": ["rbind", "rw"]}]
+    (bundle / "config.json").write_text(json.dumps(spec))
+    cid = "cafe" + os.urandom(30).hex()
+    env = {"PATH": os.environ["PATH"], "CGPUD_SOCKET": os.fspath(d.socket)}
+    root = ["--root", os.fspath(tmp_path / "runc-root")]
+    r = subprocess.run([wrapper(), *root, "run", "--bundle", os.fspath(bundle), cid], capture_output=True,
+                       text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
+    subprocess.run([wrapper(), *root, "delete", "-f", cid], capture_output=True, env=env, timeout=30)
+    return r, json.loads((bundle / "config.json").read_text()), d, cid
+
+
+def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(make_daemon, libs, tmp_path):
+    """cgpu-runtime in front of real runc: the daemon's `prepare` makes the container's pages and
+    mounts the library and them; the hook fills its memsize; the container's own process (a C
+    client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it."""
     share = tmp_path / "share"
     (share / "lib").mkdir(parents=True)
     subprocess.run(["cp", os.fspath(libs / "libcuda.so.1"), os.fspath(share / "lib" / "libcuda.so.1")], check=True)
@@ -517,29 +541,425 @@ def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(mak
         (rootfs / sub).mkdir(parents=True)
     for link in ("bin", "lib", "lib64", "sbin"):
         os.symlink(f"usr/{link}", rootfs / link)
-    subprocess.run(["runc", "spec", "--bundle", os.fspath(tmp_path)], check=True)
-    spec = json.loads((tmp_path / "config.json").read_text())
-    spec["root"] = {"path": os.fspath(rootfs), "readonly": False}
     # the second run clears its environment (no LD_PRELOAD, no CGPU_PAGE_DIR): /etc/ld.so.preload
     # loads the library still, and it finds the pages where cgpu-runtime mounts them
-    spec["process"].update(terminal=False, args=["/usr/bin/sh", "-c", "/share/client; env -i LD_LIBRARY_PATH=/share/lib "
-                                                 "CGPU_STUB_CUDA_STATE=/share/card /share/client"], env=[
-        "PATH=/usr/bin", "LD_LIBRARY_PATH=/share/lib", "CGPU_STUB_CUDA_STATE=/share/card",
-        "ALIYUN_COM_GPU_MEM_CONTAINER=1"])
-    spec["mounts"] += [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
-                       {"destination": "/share", "type": "bind", "source": os.fspath(share), "options": ["rbind", "rw"]}]
-    (tmp_path / "config.json").write_text(json.dumps(spec))
-    cid = "cafe" + os.urandom(30).hex()
-    env = {"PATH": os.environ["PATH"], "CGPUD_SOCKET": os.fspath(d.socket)}
-    root = ["--root", os.fspath(tmp_path / "runc-root")]
-    r = subprocess.run([wrapper(), *root, "run", "--bundle", os.fspath(tmp_path), cid], capture_output=True,
-                       text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
-    subprocess.run([wrapper(), *root, "delete", "-f", cid], capture_output=True, env=env, timeout=30)
+    r, prepared, d, cid = run_prepared(
+        make_daemon, libs / "libcgpu.so", tmp_path, rootfs, share,
+        "/share/client; env -i LD_LIBRARY_PATH=/share/lib CGPU_STUB_CUDA_STATE=/share/card /share/client",
+        [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]}])
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.split() == [str(1 << 30), "0", "2", "/run/cgpu", str(1 << 30), "0", "2", "(null)"], \
         r.stdout + r.stderr
-    prepared = json.loads((tmp_path / "config.json").read_text())
     mounts = {m["destination"]: m for m in prepared["mounts"]}
     assert mounts["/run/cgpu/limits"]["options"] == ["bind", "ro"], "only usage is writable by the container"
     assert mounts["/etc/ld.so.preload"]["options"] == ["bind", "ro"]
     assert not (d.socket.parent / "pages" / cid[:12]).exists(), "its pages went with it"
+
+
+def test_libcgpu_needs_nothing_newer_than_glibc_2_17(libs):
+    """Built by zig cc for glibc 2.17: every GLIBC_ version it needs is 2.17 or older."""
+    out = subprocess.run(["objdump", "-T", os.fspath(libs / "libcgpu.so")], capture_output=True, text=True,
+                         check=True).stdout
+    import re
+    versions = {tuple(map(int, v.split("."))) for v in re.findall(r"GLIBC_([0-9][0-9.]*)", out)}
+    assert versions and max(versions) <= (2, 17), sorted(versions)
+
+
+def test_the_build_fails_if_libcgpu_would_need_a_newer_glibc(tmp_path):
+    """A compiler that links against this machine's glibc (2.36) in zig's place: the build stops,
+    says why, and leaves no library behind."""
+    fake = tmp_path / "zig"
+    fake.write_text("#!/bin/sh\nshift 3\nexec gcc \"$@\"\n")  # drops `cc -target <triple>`
+    fake.chmod(0o755)
+    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), "libcgpu", f"LIB={tmp_path / 'lib'}",
+                        f"ZIG={fake}"], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "newer than 2.17: it would break older images; not installed" in r.stderr, r.stderr
+    assert not list((tmp_path / "lib").iterdir())
+
+
+@pytest.fixture
+def bullseye(tmp_path):
+    """Debian bullseye's root filesystem (glibc 2.31, scripts/rootfs.sh's cache) under an overlay
+    of this test's own: the container writes nothing into the cache."""
+    r = subprocess.run([os.fspath(ROOT / "scripts" / "rootfs.sh"), "bullseye"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    layers = {k: tmp_path / "overlay" / k for k in ("upper", "work", "root")}
+    for p in layers.values():
+        p.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={r.stdout.strip()},"
+                    f"upperdir={layers['upper']},workdir={layers['work']}", os.fspath(layers["root"])], check=True)
+    yield layers["root"]
+    subprocess.run(["umount", "-l", os.fspath(layers["root"])], check=True)
+
+
+@pytest.mark.timeout(900)  # (a fresh machine's first scripts/rootfs.sh bullseye runs debootstrap: minutes)
+def test_an_older_glibc_image_starts_and_is_held(make_daemon, libs, bullseye, tmp_path):
+    """A Debian bullseye image (glibc 2.31) with libcgpu in its /etc/ld.so.preload, as cgpu-runtime
+    prepares it: its shell and its tools start (the library built for 2.31 + would stop every
+    process), and a CUDA client built for glibc 2.17 (with the stand-in) is held to memsize."""
+    zig = os.fspath(ROOT / ".venv" / "bin" / "python-zig")
+    share = tmp_path / "share"
+    (share / "lib").mkdir(parents=True)
+    cc = f"{zig} cc -target x86_64-linux-gnu.2.17"
+    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), f"{share / 'lib' / 'libcuda.so.1'}",
+                        f"STUBS={share / 'lib'}", f"CC={cc}"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "client.c").write_text(MOUNT_CLIENT)
+    subprocess.run([zig, "cc", "-target", "x86_64-linux-gnu.2.17", "-o", os.fspath(share / "client"),
+                    os.fspath(tmp_path / "client.c"), "-ldl"], check=True)
+    r, prepared, d, cid = run_prepared(
+        make_daemon, libs / "libcgpu.so", tmp_path, bullseye, share,
+        "cat /etc/ld.so.preload; ldd --version | head -1; ls /run/cgpu >/dev/null && echo shell-ok; /share/client", [])
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "/run/cgpu-lib/libcgpu.so", "the preload file cgpu-runtime mounts"
+    assert lines[1].endswith("2.31"), lines[1]
+    assert lines[2] == "shell-ok"
+    assert lines[3].split() == [str(1 << 30), "0", "2", "/run/cgpu"], r.stdout + r.stderr
+
+
+# ---- issue 20: what the real stack does that the first stand-in was kind about ------------------------
+
+
+def test_ten_thousand_live_allocations_all_come_back_when_freed(card):
+    """The allocation table never drops one: 10,000 allocations live at once (more than the
+    first table's 8,192 slots), all freed, leave nothing charged."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [64 * MIB])
+    r = py(env, """
+        import os
+        from cgpud.gpus import pages
+        ok(d.cuInit(0))
+        ps = [ok(d.cuMemAlloc(4096)) for _ in range(10000)]
+        held = pages.used(os.environ["CGPU_PAGE_DIR"])[0]
+        for p in ps:
+            ok(d.cuMemFree(p))
+        print(held, pages.used(os.environ["CGPU_PAGE_DIR"])[0], ok(d.cuMemGetInfo())[0])
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(10000 * 4096), "0", str(64 * MIB)]
+
+
+VMM = """
+    import os
+    from cgpud.gpus import pages
+    OOM, INVALID = d.CUresult.CUDA_ERROR_OUT_OF_MEMORY, d.CUresult.CUDA_ERROR_INVALID_VALUE
+    def used():
+        return pages.used(os.environ["CGPU_PAGE_DIR"])[0]
+    def on_card():
+        with open(os.environ["CGPU_STUB_CUDA_STATE"], "rb") as f:
+            return int.from_bytes(f.read(8), "little")
+    ok(d.cuInit(0))
+    p = d.CUmemAllocationProp()
+    p.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.location.id = 0
+    a = d.CUmemAccessDesc()
+    a.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    a.location.id = 0
+    a.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    def mapped(size):  # create, reserve, map, set access: what PyTorch's expandable segments do
+        h = ok(d.cuMemCreate(size, p, 0))
+        va = int(ok(d.cuMemAddressReserve(size, 0, 0, 0)))
+        ok(d.cuMemMap(va, size, 0, h, 0))
+        ok(d.cuMemSetAccess(va, size, [a], 1))
+        return h, va
+"""
+
+
+def test_vmm_memory_is_charged_until_released_and_unmapped(card):
+    """The driver frees cuMemCreate's physical memory at its release AND its last unmap:
+    released while mapped it is still the container's (PyTorch's expandable segments,
+    PaddlePaddle and the CUDA samples release right after mapping)."""
+    env, dirp = card
+    M = 16 * MIB
+    pages.create(os.fspath(dirp), [M])
+    r = py(env, VMM + f"""
+    M = {M}
+    h, va = mapped(M)
+    ok(d.cuMemRelease(h))                                  # released, still mapped: still there
+    out = [used(), on_card(), ok(d.cuMemGetInfo())[0], d.cuMemAlloc(1)[0] == OOM]
+    ok(d.cuMemUnmap(va, M))                                # the last mapping gone: now it is freed
+    out += [used(), on_card(), ok(d.cuMemGetInfo())[0]]
+    ok(d.cuMemAddressFree(va, M))
+    # mapped twice, released, unmapped one at a time: freed at the last unmap
+    h = ok(d.cuMemCreate(M, p, 0))
+    va = int(ok(d.cuMemAddressReserve(2 * M, 0, 0, 0)))
+    ok(d.cuMemMap(va, M, 0, h, 0)); ok(d.cuMemMap(va + M, M, 0, h, 0))
+    ok(d.cuMemRelease(h))
+    ok(d.cuMemUnmap(va, M))
+    out += [used()]
+    ok(d.cuMemUnmap(va + M, M))
+    out += [used()]
+    # a handle retained from its address needs its own release too
+    h, va = mapped(M)
+    h2 = ok(d.cuMemRetainAllocationHandle(va + 4096))
+    ok(d.cuMemRelease(h)); ok(d.cuMemUnmap(va, M))
+    out += [used()]
+    ok(d.cuMemRelease(h2))
+    out += [used(), on_card()]
+    print(*out)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(M), str(M), "0", "True", "0", "0", str(M), str(M), "0", str(M), "0", "0"], \
+        r.stdout
+
+
+def test_the_stand_in_is_as_strict_as_the_driver_about_vmm(libs, tmp_path):
+    """Without libcgpu: unmapping what is not mapped, mapping a released handle or into no
+    reservation, releasing twice, or freeing a reservation still mapped are refused."""
+    env = {"LD_LIBRARY_PATH": os.fspath(libs), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"),
+           "PATH": os.environ["PATH"]}
+    r = subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(VMM.replace("from cgpud.gpus import pages", "")
+                                                                         + """
+    M = 2 * 2**20
+    h, va = mapped(M)
+    out = [d.cuMemUnmap(va + M, M)[0] == INVALID,            # nothing mapped there
+           d.cuMemUnmap(va, M // 2)[0] == INVALID,           # part of a mapping
+           d.cuMemAddressFree(va, M)[0] == INVALID,          # still mapped
+           d.cuMemMap(va, M, 0, h, 0)[0] == INVALID,         # mapped already
+           d.cuMemMap(12345 << 21, M, 0, h, 0)[0] == INVALID]  # not reserved
+    ok(d.cuMemRelease(h))
+    out += [d.cuMemRelease(h)[0] == INVALID, on_card() == M]  # released twice; mapped: still on the card
+    va2 = int(ok(d.cuMemAddressReserve(M, 0, 0, 0)))
+    out += [d.cuMemMap(va2, M, 0, h, 0)[0] == INVALID]        # a released handle is not mapped again
+    ok(d.cuMemUnmap(va, M))
+    out += [on_card() == 0, d.cuMemUnmap(va, M)[0] == INVALID]
+    print(*out)
+    """)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True"] * 10, r.stdout
+
+
+FORKER = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+typedef int (*i_t)(unsigned); typedef int (*a_t)(unsigned long long *, size_t);
+int main(int argc, char **argv) {
+    int quiet = atoi(argv[1]), busy = atoi(argv[2]);
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    i_t init = (i_t)dlsym(h, "cuInit"); a_t alloc = (a_t)dlsym(h, "cuMemAlloc_v2");
+    unsigned long long p;
+    if (init(0) || alloc(&p, 1 << 20)) return 3;
+    for (int i = 0; i < quiet; i++) {      /* children that never use CUDA and leave by _exit */
+        pid_t c = fork();
+        if (c == 0) _exit(0);
+        waitpid(c, NULL, 0);
+    }
+    int fine = 0;
+    for (int i = 0; i < busy; i++) {       /* children that allocate, then leave by _exit */
+        pid_t c = fork();
+        if (c == 0) _exit(alloc(&p, 4096) ? 1 : 0);
+        int st;
+        waitpid(c, &st, 0);
+        fine += WIFEXITED(st) && WEXITSTATUS(st) == 0;
+    }
+    printf("%d\n", fine);
+    fflush(stdout);
+    getchar();  /* hold on until told */
+    return 0;
+}
+"""
+
+
+def test_forked_children_that_exit_leave_no_slot_taken(card, tmp_path):
+    """A child takes a slot when it first uses CUDA, not at fork: 1,000 children that leave by
+    _exit without using it take none; 300 that allocate (more than the page's 256 slots) all
+    get one, the dead ones' slots taken back as they are needed."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [64 * MIB])
+    (tmp_path / "forker.c").write_text(FORKER)
+    subprocess.run(["gcc", "-O2", "-o", os.fspath(tmp_path / "forker"), os.fspath(tmp_path / "forker.c"), "-ldl"],
+                   check=True)
+    for quiet, busy, fine in ((1000, 0, 0), (0, 300, 300)):
+        p = subprocess.Popen([os.fspath(tmp_path / "forker"), str(quiet), str(busy)], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert int(p.stdout.readline()) == fine
+        taken = pages.held_by(os.fspath(dirp))
+        alive = [pid for pid in taken if os.path.exists(f"/proc/{pid}")]
+        assert alive == [p.pid], taken
+        if not busy:
+            assert list(taken) == [p.pid], "a child that never used CUDA took no slot"
+        p.communicate("", timeout=30)
+
+
+def test_python_multiprocessing_children_take_no_slot(card):
+    """multiprocessing's children (fork, leaving through os._exit) of a process using CUDA."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [64 * MIB])
+    r = py(env, """
+        import multiprocessing, os
+        from cgpud.gpus import pages
+        ok(d.cuInit(0)); ok(d.cuMemAlloc(2**20))
+        ctx = multiprocessing.get_context("fork")
+        for _ in range(300):
+            c = ctx.Process(target=os.getpid)
+            c.start(); c.join()
+            assert c.exitcode == 0
+        print(*pages.held_by(os.environ["CGPU_PAGE_DIR"]), os.getpid())
+    """, timeout=120)
+    assert r.returncode == 0, r.stderr
+    pids = r.stdout.split()
+    assert pids == [pids[-1]] * 2, "only the parent holds a slot"
+
+
+GETPROC = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+typedef int (*gp_t)(const char *, void **, int, unsigned long long, int *);
+typedef int (*i_t)(unsigned); typedef int (*aa_t)(unsigned long long *, size_t, void *);
+typedef int (*fa_t)(unsigned long long, void *); typedef int (*pool_t)(void **, int);
+typedef int (*pa_t)(unsigned long long *, size_t, void *, void *); typedef int (*info1_t)(unsigned *, unsigned *);
+int main(void) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    gp_t gp = (gp_t)dlsym(h, "cuGetProcAddress_v2");
+    void *f; int st;
+    enum { LEGACY = 1, PER_THREAD = 2 };
+    gp("cuInit", &f, 12000, 0, &st); ((i_t)f)(0);
+    unsigned long long p, q;
+    /* per-thread-default-stream forms stay theirs, and are still charged */
+    gp("cuMemAllocAsync", &f, 12000, PER_THREAD, &st); int a = ((aa_t)f)(&p, 3 << 20, 0);
+    gp("cuMemFreeAsync", &f, 12000, PER_THREAD, &st); void *free_ptsz = f;
+    void *pool; gp("cuDeviceGetDefaultMemPool", &f, 12000, 0, &st); ((pool_t)f)(&pool, 0);
+    gp("cuMemAllocFromPoolAsync", &f, 12000, PER_THREAD, &st); int b = ((pa_t)f)(&q, 5 << 20, pool, 0);
+    int past = ((pa_t)f)(&q, 1, pool, 0);           /* memsize is 8 MiB: full */
+    printf("%d %d %d\n", a, b, past);
+    ((fa_t)free_ptsz)(p, 0);
+    gp("cuMemFreeAsync", &f, 12000, LEGACY, &st); ((fa_t)f)(q, 0);
+    /* cuMemGetInfo asked for at CUDA 2.0 is the 32-bit one: two unsigned ints, nothing past them */
+    struct { unsigned free, guard1, total, guard2; } m = {0, 0xdeadbeef, 0, 0xdeadbeef};
+    int r = gp("cuMemGetInfo", &f, 2000, 0, &st);
+    int info = ((info1_t)f)(&m.free, &m.total);
+    printf("%d %d %x %x\n", r, info, m.guard1, m.guard2);
+    /* asked for below the version that brought it: the driver's answer, not ours */
+    f = (void *)1;
+    r = gp("cuMemAllocAsync", &f, 11000, 0, &st);
+    printf("%d %p %d\n", r, f, st);
+    return 0;
+}
+"""
+
+
+def test_cugetprocaddress_wraps_exactly_what_the_driver_returns(card, tmp_path):
+    """By (name, version, flags): the per-thread-stream forms of the stream-ordered allocators
+    are not swapped for the legacy-stream ones (the stand-in logs which ran), and are charged;
+    cuMemGetInfo at version 2000 is CUDA 2.0's 32-bit one, passed through; a name asked for
+    below its version gets the driver's CUDA_ERROR_NOT_FOUND."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [8 * MIB])
+    calls = tmp_path / "calls"
+    (tmp_path / "gp.c").write_text(GETPROC)
+    subprocess.run(["gcc", "-o", os.fspath(tmp_path / "gp"), os.fspath(tmp_path / "gp.c"), "-ldl"], check=True)
+    r = subprocess.run([os.fspath(tmp_path / "gp")], env={**env, "CGPU_STUB_CUDA_CALLS": os.fspath(calls)},
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["0", "0", "2"], "3 + 5 MiB fit in 8, one byte more is refused"
+    assert lines[1].split() == ["0", "0", "deadbeef", "deadbeef"], "the 32-bit cuMemGetInfo wrote only its two"
+    assert lines[2].split() == ["500", "(nil)", "2"], "CUDA_ERROR_NOT_FOUND, VERSION_NOT_SUFFICIENT"
+    assert calls.read_text().split() == ["cuMemAllocAsync_ptsz", "cuMemAllocFromPoolAsync_ptsz",  # (past: refused)
+                                         "cuMemFreeAsync_ptsz", "cuMemFreeAsync", "cuMemGetInfo"]
+
+
+NEXT_A = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+const char *which(void) { return "a"; }
+void *next_which(void) { return dlsym(RTLD_NEXT, "which"); }  /* the one after this library: b's */
+"""
+NEXT_B = 'const char *which(void) { return "b"; }\n'
+NEXT_MAIN = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+typedef const char *(*w_t)(void);
+void *next_which(void);
+int main(void) {
+    void *n = next_which();
+    printf("%s ", n ? ((w_t)n)() : "none");
+    dlsym(RTLD_DEFAULT, "printf");                 /* a process that merely calls dlsym */
+    FILE *m = fopen("/proc/self/maps", "r");
+    char line[4096]; int cuda = 0, nvml = 0;
+    while (fgets(line, sizeof line, m)) { cuda |= !!strstr(line, "libcuda"); nvml |= !!strstr(line, "libnvidia-ml"); }
+    printf("%d %d\n", cuda, nvml);
+    return 0;
+}
+"""
+
+
+def test_dlsym_is_correct_at_any_optimisation_and_loads_no_driver(card, tmp_path):
+    """libcgpu built with -O0 (no tail call to lean on): a library's dlsym(RTLD_NEXT) still finds
+    the definition after that library, not after libcgpu; and a process that only calls dlsym
+    gets neither libcuda nor NVML loaded into it."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [MIB])
+    lib = tmp_path / "o0"
+    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), "libcgpu", f"LIB={lib}",
+                        "LIBCGPU_OPT=-O0"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for name, src in (("a", NEXT_A), ("b", NEXT_B)):
+        (tmp_path / f"{name}.c").write_text(src)
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", os.fspath(tmp_path / f"lib{name}.so"),
+                        os.fspath(tmp_path / f"{name}.c"), "-ldl"], check=True)
+    (tmp_path / "main.c").write_text(NEXT_MAIN)
+    subprocess.run(["gcc", "-o", os.fspath(tmp_path / "main"), os.fspath(tmp_path / "main.c"), f"-L{tmp_path}",
+                    "-Wl,--no-as-needed", "-la", "-lb", "-ldl", f"-Wl,-rpath,{tmp_path}"], check=True)
+    for preload in (lib / "libcgpu.so", env["LD_PRELOAD"]):
+        r = subprocess.run([os.fspath(tmp_path / "main")], env={**env, "LD_PRELOAD": os.fspath(preload)},
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == ["b", "0", "0"], (preload, r.stdout)
+
+
+def test_a_driver_whose_constructor_calls_dlsym_does_not_deadlock(card):
+    """The stand-in's constructor calls dlsym (CGPU_STUB_CUDA_CTOR_DLSYM) while libcgpu is loading
+    it at the first CUDA call: it comes back, and the process is held as ever."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [8 * MIB])
+    r = py({**env, "CGPU_STUB_CUDA_CTOR_DLSYM": "1"}, """
+        ok(d.cuInit(0))
+        print(ok(d.cuDeviceTotalMem(ok(d.cuDeviceGet(0)))), d.cuMemAlloc(8 * 2**20 + 1)[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+    """, timeout=20)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(8 * MIB), "True"]
+
+
+def test_a_process_filling_what_it_is_told_is_free_is_not_killed(make_daemon, libs, tmp_path, monkeypatch):
+    """The driver's own memory (a context: 300 MiB of the stand-in's card, CGPU_STUB_CTX_MIB, which
+    NVML's per-process view shows) is the container's too: a `cgpu run --mem 1G` process that
+    allocates all cuMemGetInfo calls free gets CUDA_ERROR_OUT_OF_MEMORY one MiB further, and the
+    daemon's NVML watchdog (--mem-action kill) never sees it past memsize."""
+    from nvml_stub import NvmlStub, StubGpu
+
+    stub = NvmlStub(libs, tmp_path / "nvml.conf", cuda_state=tmp_path / "card.state")
+    stub.gpus = [StubGpu("GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab")]
+    stub.write()
+    for k, v in {**stub.env({}), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"),
+                 "CGPU_STUB_CTX_MIB": "300"}.items():
+        monkeypatch.setenv(k, v)
+    d = make_daemon(gpus="nvml", start=False, extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so")])
+    d.dev_dir.mkdir()
+    (d.dev_dir / "nvidia0").write_text("")
+    d.start()
+    code = PRELUDE + textwrap.dedent("""
+        import time
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        free, total = ok(d.cuMemGetInfo())
+        got = [ok(d.cuMemAlloc(free))]
+        more = d.cuMemAlloc(2**20)[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        print(free, total, more, ok(d.cuMemGetInfo())[0], flush=True)
+        time.sleep(2)  # four looks of the watchdog
+        print("alive", flush=True)
+    """)
+    name = f"fill{os.getpid() % 100000:05d}abc"
+    r = subprocess.run([os.fspath(Path(sys.executable).parent / "cgpu"), "run", "--name", name, "--mem", "1G", "--",
+                        sys.executable, "-c", code], env={**os.environ, "CGPUD_SOCKET": os.fspath(d.socket)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout.split() == [str((1 << 30) - 300 * MIB), str(1 << 30), "True", "0", "alive"], r.stdout
+    assert f"memory watchdog: {name}" not in d.log_text()

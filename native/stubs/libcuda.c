@@ -32,12 +32,15 @@
  * /dev/nvidiaN: the daemon sees the process use the GPU.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <time.h>
 #include <unistd.h>
@@ -50,7 +53,30 @@ enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALI
        NOT_FOUND = 500 };
 
 static int inited;
-static struct { CUdeviceptr ptr; size_t size; int host, dev; } allocs[4096];  /* host: not on the card */
+/* This process's allocations and VMM handles, hashed by pointer (open addressing, linear probing):
+ * host: not on the card; vmm: a cuMemCreate handle, whose memory lives while it has references
+ * (cuMemCreate's, cuMemRetainAllocationHandle's, less cuMemRelease's) or mappings. */
+#define NALLOCS (1 << 16)
+static struct { CUdeviceptr ptr; size_t size; int host, dev, vmm, refs, maps; } allocs[NALLOCS];
+static size_t alloc_slot(CUdeviceptr p) { return (size_t)((p * 0x9E3779B97F4A7C15ull) >> 48) & (NALLOCS - 1); }
+static int alloc_find(CUdeviceptr p)  /* its index, -1 if unknown */
+{
+    for (size_t i = alloc_slot(p), n = 0; p && allocs[i].ptr && n < NALLOCS; i = (i + 1) & (NALLOCS - 1), n++)
+        if (allocs[i].ptr == p) return (int)i;
+    return -1;
+}
+static void alloc_erase(size_t i)  /* backward-shift deletion: no tombstones */
+{
+    allocs[i].ptr = 0;
+    for (size_t j = (i + 1) & (NALLOCS - 1); allocs[j].ptr; j = (j + 1) & (NALLOCS - 1)) {
+        size_t home = alloc_slot(allocs[j].ptr);
+        if (((j - home) & (NALLOCS - 1)) >= ((j - i) & (NALLOCS - 1))) {
+            allocs[i] = allocs[j];
+            allocs[j].ptr = 0;
+            i = j;
+        }
+    }
+}
 
 static uint64_t total(void)
 {
@@ -70,32 +96,144 @@ static int devices(void)
 }
 static __thread int cur_dev;
 
+/* The state file and the kernel log, opened once per process and kept (a launch is then
+ * a lock, a read and a write, as cheap as a stand-in can make it). A forked child opens
+ * its own: flock's lock belongs to the open file, which the child would share. */
+static pthread_mutex_t kernel_files_lock = PTHREAD_MUTEX_INITIALIZER;
+static int kernel_state_fd = -1, kernel_log_fd = -1;
+static pid_t kernel_files_pid;
+static char kernel_files_named[2][4096];  /* the paths they were opened by (the environment may change) */
+
+static int kernel_files(int *log_fd)
+{
+    const char *p = getenv("CGPU_STUB_CUDA_STATE"), *log = getenv("CGPU_STUB_CUDA_LOG");
+    p = p && *p ? p : "/tmp/cgpu-stub-cuda.state";
+    log = log ? log : "";
+    pthread_mutex_lock(&kernel_files_lock);
+    if (kernel_files_pid != getpid() || strcmp(p, kernel_files_named[0]) || strcmp(log, kernel_files_named[1])) {
+        if (kernel_state_fd >= 0) close(kernel_state_fd);
+        if (kernel_log_fd >= 0) close(kernel_log_fd);
+        kernel_state_fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+        kernel_log_fd = *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
+        snprintf(kernel_files_named[0], sizeof kernel_files_named[0], "%s", p);
+        snprintf(kernel_files_named[1], sizeof kernel_files_named[1], "%s", log);
+        kernel_files_pid = kernel_state_fd >= 0 ? getpid() : 0;
+    }
+    int fd = kernel_state_fd;
+    *log_fd = kernel_log_fd;
+    pthread_mutex_unlock(&kernel_files_lock);
+    return fd;
+}
+
+/* The card's state file: card d keeps its bytes in use at 16*d and when it is next free at
+ * 16*d + 8; from PROC_AT, a record per (process, card) of what it holds there, so that, as the
+ * real driver does, what a dead process held comes back to the card (looked for when an
+ * allocation would not fit, and when someone asks) and NVML's per-process view can show it
+ * (libnvidia-ml.c's `cuda` line). */
+#define PROC_AT 256
+#define NRECORDS 1024
+struct record { int32_t pid, dev; uint64_t bytes; };
+
+static int state_fd(void)
+{
+    int log_fd;
+    return kernel_files(&log_fd);  /* (opened once per process, kept) */
+}
+
+static uint64_t read_word(int fd, off_t at)
+{
+    uint64_t v = 0;
+    return pread(fd, &v, sizeof v, at) == sizeof v ? v : 0;
+}
+
+/* Under the lock: give back what dead processes held. */
+static void sweep_dead(int fd)
+{
+    static struct record r[NRECORDS];
+    ssize_t n = pread(fd, r, sizeof r, PROC_AT);
+    for (ssize_t i = 0; n > 0 && i < n / (ssize_t)sizeof *r; i++)
+        if (r[i].pid > 0 && kill(r[i].pid, 0) && errno == ESRCH) {
+            uint64_t used = read_word(fd, 16 * r[i].dev);
+            used = r[i].bytes > used ? 0 : used - r[i].bytes;
+            struct record none = {0, 0, 0};
+            if (pwrite(fd, &used, sizeof used, 16 * r[i].dev) != sizeof used
+                || pwrite(fd, &none, sizeof none, PROC_AT + i * (off_t)sizeof none) != sizeof none)
+                return;
+        }
+}
+
+/* Under the lock: add `delta` to this process's record for card `dev`. */
+static void note_held(int fd, int dev, int64_t delta)
+{
+    static pid_t cached_pid;
+    static int cached[16];
+    pid_t me = getpid();
+    struct record r;
+    if (cached_pid != me) {
+        cached_pid = me;
+        for (int d = 0; d < 16; d++) cached[d] = -1;
+    }
+    int i = cached[dev];
+    if (i < 0 || pread(fd, &r, sizeof r, PROC_AT + i * (off_t)sizeof r) != sizeof r || r.pid != me || r.dev != dev) {
+        static struct record all[NRECORDS];
+        ssize_t n = pread(fd, all, sizeof all, PROC_AT);
+        int free_at = -1;
+        i = -1;
+        for (int k = 0; k < NRECORDS; k++) {
+            int there = n > 0 && k < n / (ssize_t)sizeof *all;
+            if (there && all[k].pid == me && all[k].dev == dev) { i = k; break; }
+            if (free_at < 0 && (!there || all[k].pid == 0)) free_at = k;
+        }
+        if (i < 0 && (i = free_at) < 0)
+            return;  /* (no record left: the card's total still counts it) */
+        r = (struct record){me, dev, 0};
+        cached[dev] = i;
+    }
+    r.bytes = delta < 0 && (uint64_t)-delta > r.bytes ? 0 : r.bytes + (uint64_t)delta;
+    if (!r.bytes) r.pid = 0;
+    if (pwrite(fd, &r, sizeof r, PROC_AT + i * (off_t)sizeof r) != sizeof r) { /* (best effort) */ }
+    if (!r.bytes) cached[dev] = -1;
+}
+
 /* add `delta` to the bytes in use on the current device if it has room; 0 or -1 */
 static int card_of(int dev, int64_t delta, uint64_t *used_out);
 static int card(int64_t delta, uint64_t *used_out) { return card_of(cur_dev, delta, used_out); }
+static pthread_mutex_t card_lock = PTHREAD_MUTEX_INITIALIZER;  /* (flock on one open file: not between threads) */
 static int card_of(int dev, int64_t delta, uint64_t *used_out)
 {
-    const char *p = getenv("CGPU_STUB_CUDA_STATE");
-    int fd = open(p && *p ? p : "/tmp/cgpu-stub-cuda.state", O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    int fd = state_fd();
     if (fd < 0)
         return -1;
+    pthread_mutex_lock(&card_lock);
     flock(fd, LOCK_EX);
-    uint64_t used = 0;
-    if (pread(fd, &used, sizeof used, 16 * dev) != sizeof used)
-        used = 0;
+    uint64_t used = read_word(fd, 16 * dev);
+    if ((delta > 0 && used + (uint64_t)delta > total()) || (delta == 0 && used_out)) {
+        sweep_dead(fd);  /* (a dead process's memory is the card's again) */
+        used = read_word(fd, 16 * dev);
+    }
     int rc = 0;
     if (delta > 0 && used + (uint64_t)delta > total())
         rc = -1;
-    else {
+    else if (delta) {
         used = delta < 0 && (uint64_t)-delta > used ? 0 : used + (uint64_t)delta;
         if (pwrite(fd, &used, sizeof used, 16 * dev) != sizeof used)
             rc = -1;
+        else
+            note_held(fd, dev, delta);
     }
     if (used_out)
         *used_out = used;
     flock(fd, LOCK_UN);
-    close(fd);
+    pthread_mutex_unlock(&card_lock);
     return rc;
+}
+
+/* With CGPU_STUB_CUDA_CTOR_DLSYM=1 its constructor calls dlsym, as a driver may while it loads. */
+__attribute__((constructor)) static void loaded(void)
+{
+    const char *c = getenv("CGPU_STUB_CUDA_CTOR_DLSYM");
+    if (c && *c == '1' && (!dlsym(RTLD_DEFAULT, "getenv") || !dlsym(RTLD_NEXT, "malloc")))
+        abort();
 }
 
 CUresult cuInit(unsigned flags)
@@ -151,14 +289,35 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
     *bytes = total();
     return OK;
 }
+/* What the driver itself uses for a process's contexts on a card (context, local memory, the
+ * device heap), as on a real card: CGPU_STUB_CTX_MIB (default 0) of the card, taken by the
+ * process's first context there and held until it ends (NVML's per-process view shows it). */
+static CUresult context_memory(CUdevice d)
+{
+    static pid_t paid_by;
+    static int paid[16];
+    const char *m = getenv("CGPU_STUB_CTX_MIB");
+    uint64_t bytes = (uint64_t)(m && *m ? strtoull(m, NULL, 10) : 0) << 20;
+    if (paid_by != getpid()) {
+        paid_by = getpid();
+        memset(paid, 0, sizeof paid);
+    }
+    if (paid[d] || !bytes) return OK;
+    if (card_of(d, (int64_t)bytes, NULL)) return OUT_OF_MEMORY;
+    paid[d] = 1;
+    return OK;
+}
 /* a context is its device + 1 */
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
 {
     if (!inited) return NOT_INITIALIZED;
     if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    CUresult r = context_memory(d);
+    if (r != OK) return r;
     *ctx = (CUcontext)(uintptr_t)(d + 1);
     return OK;
 }
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return d < 0 || d >= devices() ? INVALID_DEVICE : OK; }
 CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
 {
     (void)flags;
@@ -190,35 +349,6 @@ static void sleep_until(uint64_t ns)
 }
 
 static uint64_t last_start, last_end;  /* this process's last kernel on the card */
-
-/* The state file and the kernel log, opened once per process and kept (a launch is then
- * a lock, a read and a write, as cheap as a stand-in can make it). A forked child opens
- * its own: flock's lock belongs to the open file, which the child would share. */
-static pthread_mutex_t kernel_files_lock = PTHREAD_MUTEX_INITIALIZER;
-static int kernel_state_fd = -1, kernel_log_fd = -1;
-static pid_t kernel_files_pid;
-static char kernel_files_named[2][4096];  /* the paths they were opened by (the environment may change) */
-
-static int kernel_files(int *log_fd)
-{
-    const char *p = getenv("CGPU_STUB_CUDA_STATE"), *log = getenv("CGPU_STUB_CUDA_LOG");
-    p = p && *p ? p : "/tmp/cgpu-stub-cuda.state";
-    log = log ? log : "";
-    pthread_mutex_lock(&kernel_files_lock);
-    if (kernel_files_pid != getpid() || strcmp(p, kernel_files_named[0]) || strcmp(log, kernel_files_named[1])) {
-        if (kernel_state_fd >= 0) close(kernel_state_fd);
-        if (kernel_log_fd >= 0) close(kernel_log_fd);
-        kernel_state_fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-        kernel_log_fd = *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
-        snprintf(kernel_files_named[0], sizeof kernel_files_named[0], "%s", p);
-        snprintf(kernel_files_named[1], sizeof kernel_files_named[1], "%s", log);
-        kernel_files_pid = kernel_state_fd >= 0 ? getpid() : 0;
-    }
-    int fd = kernel_state_fd;
-    *log_fd = kernel_log_fd;
-    pthread_mutex_unlock(&kernel_files_lock);
-    return fd;
-}
 
 static CUresult run_kernel(uint64_t us)
 {
@@ -315,22 +445,37 @@ CUresult cuGraphLaunch(void *exec, void *stream)
 }
 
 /* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
+static size_t nallocs;
+/* CGPU_STUB_CUDA_FAST=1: allocations do not touch the card's file either (to time what an
+ * interposer adds): the card is then as large as it is said to be, for this process alone. */
+static int memory_is_free(void)
+{
+    static int fast = -1;
+    if (fast < 0) {
+        const char *f = getenv("CGPU_STUB_CUDA_FAST");
+        fast = f && *f == '1';
+    }
+    return fast;
+}
 static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
 {
     static CUdeviceptr next = 0x7f0000000000ull;
+    if (nallocs >= NALLOCS / 2) return OUT_OF_MEMORY;  /* (the stand-in's own bound: 32,768 live) */
+    host |= memory_is_free();
     if (!host && card_of(dev, (int64_t)size, NULL)) return OUT_OF_MEMORY;
-    for (size_t i = 0; i < sizeof allocs / sizeof *allocs; i++)
-        if (!allocs[i].ptr) {
-            allocs[i].ptr = next;
-            allocs[i].size = size;
-            allocs[i].host = host;
-            allocs[i].dev = dev;
-            *p = next;
-            next += (size + 0xfffff) & ~(CUdeviceptr)0xfffff;
-            return OK;
-        }
-    if (!host) card_of(dev, -(int64_t)size, NULL);
-    return OUT_OF_MEMORY;
+    size_t i = alloc_slot(next);
+    while (allocs[i].ptr)
+        i = (i + 1) & (NALLOCS - 1);
+    allocs[i].ptr = next;
+    allocs[i].size = size;
+    allocs[i].host = host;
+    allocs[i].dev = dev;
+    allocs[i].vmm = allocs[i].maps = 0;
+    allocs[i].refs = 1;
+    nallocs++;
+    *p = next;
+    next += (size + 0xfffff) & ~(CUdeviceptr)0xfffff;
+    return OK;
 }
 static CUresult take(CUdeviceptr *p, size_t size, int host) { return take_on(cur_dev, p, size, host); }
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
@@ -339,15 +484,19 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
     if (!p || !size) return INVALID_VALUE;
     return take(p, size, 0);
 }
+/* its memory back to the card, the entry gone */
+static void let_go(int i)
+{
+    if (!allocs[i].host) card_of(allocs[i].dev, -(int64_t)allocs[i].size, NULL);
+    alloc_erase((size_t)i);
+    nallocs--;
+}
 static CUresult drop(CUdeviceptr p)
 {
-    for (size_t i = 0; i < sizeof allocs / sizeof *allocs; i++)
-        if (allocs[i].ptr == p && p) {
-            if (!allocs[i].host) card_of(allocs[i].dev, -(int64_t)allocs[i].size, NULL);
-            allocs[i].ptr = 0;
-            return OK;
-        }
-    return INVALID_VALUE;
+    int i = alloc_find(p);
+    if (i < 0 || allocs[i].vmm) return INVALID_VALUE;  /* (a VMM handle goes by cuMemRelease) */
+    let_go(i);
+    return OK;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) { return drop(p); }
 /* the card's memory, not through the exported cuMemAlloc_v2 */
@@ -369,8 +518,21 @@ typedef void *CUstream;
 CUresult cuStreamCreate(CUstream *s, unsigned flags) { (void)flags; *s = (CUstream)0x2; return inited ? OK : NOT_INITIALIZED; }
 CUresult cuStreamDestroy_v2(CUstream s) { (void)s; return OK; }
 CUresult cuStreamSynchronize(CUstream s) { (void)s; return cuCtxSynchronize(); }
-CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return cuMemAlloc_v2(p, size); }
-CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return cuMemFree_v2(p); }
+/* With CGPU_STUB_CUDA_CALLS set, the entry points that have a per-thread-stream (_ptsz) or an
+ * older form append their name to it: which one a lookup gave is seen. */
+static void called(const char *name)
+{
+    const char *path = getenv("CGPU_STUB_CUDA_CALLS");
+    int fd = path && *path ? open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
+    if (fd >= 0) {
+        if (write(fd, name, strlen(name)) < 0 || write(fd, "\n", 1) < 0) { /* (a log, best effort) */ }
+        close(fd);
+    }
+}
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { (void)s; called(__func__); return cuMemAlloc_v2(p, size); }
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, CUstream s) { (void)s; called(__func__); return cuMemAlloc_v2(p, size); }
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; called(__func__); return cuMemFree_v2(p); }
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; called(__func__); return cuMemFree_v2(p); }
 typedef void *CUmemoryPool;
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
 {
@@ -382,6 +544,14 @@ CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
 {
     (void)s;
+    called(__func__);
+    if (!pool) return INVALID_VALUE;
+    return device(p, size);
+}
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
+{
+    (void)s;
+    called(__func__);
     if (!pool) return INVALID_VALUE;
     return device(p, size);
 }
@@ -404,20 +574,151 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAl
 {
     if (!inited) return NOT_INITIALIZED;
     if (!h || !prop || !size || flags) return INVALID_VALUE;
+    CUresult r;
     switch (prop->location.type) {
     case LOC_DEVICE:
-        return prop->location.id >= 0 && prop->location.id < devices() ? take_on(prop->location.id, h, size, 0)
-                                                                      : INVALID_DEVICE;
+        r = prop->location.id >= 0 && prop->location.id < devices() ? take_on(prop->location.id, h, size, 0)
+                                                                   : INVALID_DEVICE;
+        break;
     case LOC_DEVICE_LOCALITY_DOMAIN:
-        return prop->location.localized.deviceId == 0 && prop->location.localized.localityDomainId == 0
-                   ? device(h, size) : INVALID_DEVICE;
+        r = prop->location.localized.deviceId == 0 && prop->location.localized.localityDomainId == 0
+                ? device(h, size) : INVALID_DEVICE;
+        break;
     case LOC_HOST: case LOC_HOST_NUMA:
-        return take(h, size, 1);  /* host memory: not the card's */
+        r = take(h, size, 1);  /* host memory: not the card's */
+        break;
     default:
         return INVALID_VALUE;
     }
+    if (r == OK)
+        allocs[alloc_find(*h)].vmm = 1;
+    return r;
 }
-CUresult cuMemRelease(CUmemGenericAllocationHandle h) { return drop(h); }
+/* The driver's rule: the physical memory of a handle lives until cuMemRelease (and every
+ * cuMemRetainAllocationHandle's release) AND the last cuMemUnmap of it. Strict: an unknown or
+ * released handle, a range not reserved, mapped twice, or not exactly mapped is CUDA_ERROR_INVALID_VALUE. */
+static void vmm_maybe_gone(int i)
+{
+    if (allocs[i].refs == 0 && allocs[i].maps == 0)
+        let_go(i);
+}
+CUresult cuMemRelease(CUmemGenericAllocationHandle h)
+{
+    int i = alloc_find(h);
+    if (!inited) return NOT_INITIALIZED;
+    if (i < 0 || !allocs[i].vmm || allocs[i].refs <= 0) return INVALID_VALUE;
+    allocs[i].refs--;
+    vmm_maybe_gone(i);
+    return OK;
+}
+#define NVAS 4096
+static struct { CUdeviceptr va; size_t size; } vas[NVAS];                         /* reservations */
+static struct { CUdeviceptr va; size_t size; CUmemGenericAllocationHandle h; } maps[NVAS];  /* mappings */
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags)
+{
+    static CUdeviceptr next_va = 0x200000000000ull;
+    (void)alignment; (void)addr;  /* (a hint: the stand-in picks its own) */
+    if (!inited) return NOT_INITIALIZED;
+    if (!ptr || !size || flags) return INVALID_VALUE;
+    for (int i = 0; i < NVAS; i++)
+        if (!vas[i].va) {
+            vas[i].va = *ptr = next_va;
+            vas[i].size = size;
+            next_va += (size + 0x1fffff) & ~(CUdeviceptr)0x1fffff;
+            return OK;
+        }
+    return OUT_OF_MEMORY;
+}
+static int mapping_at(CUdeviceptr va)
+{
+    for (int i = 0; i < NVAS; i++)
+        if (maps[i].va == va && va) return i;
+    return -1;
+}
+static int overlaps_a_mapping(CUdeviceptr va, size_t size)
+{
+    for (int i = 0; i < NVAS; i++)
+        if (maps[i].va && maps[i].va < va + size && va < maps[i].va + maps[i].size) return 1;
+    return 0;
+}
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    if (!inited) return NOT_INITIALIZED;
+    for (int i = 0; i < NVAS; i++)
+        if (vas[i].va == ptr && ptr) {
+            if (vas[i].size != size || overlaps_a_mapping(ptr, size)) return INVALID_VALUE;  /* (unmap first) */
+            vas[i].va = 0;
+            return OK;
+        }
+    return INVALID_VALUE;
+}
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                  unsigned long long flags)
+{
+    int i = alloc_find(h), reserved = 0;
+    if (!inited) return NOT_INITIALIZED;
+    if (i < 0 || !allocs[i].vmm || allocs[i].refs <= 0 || flags || offset || !size || size > allocs[i].size)
+        return INVALID_VALUE;
+    for (int k = 0; k < NVAS; k++)
+        reserved |= vas[k].va && vas[k].va <= ptr && ptr + size <= vas[k].va + vas[k].size;
+    if (!reserved || overlaps_a_mapping(ptr, size)) return INVALID_VALUE;
+    for (int k = 0; k < NVAS; k++)
+        if (!maps[k].va) {
+            maps[k].va = ptr;
+            maps[k].size = size;
+            maps[k].h = h;
+            allocs[i].maps++;
+            return OK;
+        }
+    return OUT_OF_MEMORY;
+}
+/* [ptr, ptr + size) must be exactly whole mappings, one after the other */
+static int whole_mappings(CUdeviceptr ptr, size_t size)
+{
+    CUdeviceptr at = ptr;
+    int k;
+    while (at < ptr + size && (k = mapping_at(at)) >= 0)
+        at += maps[k].size;
+    return size && at == ptr + size;
+}
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    if (!inited) return NOT_INITIALIZED;
+    if (!whole_mappings(ptr, size)) return INVALID_VALUE;
+    for (CUdeviceptr at = ptr; at < ptr + size;) {
+        int k = mapping_at(at), i = alloc_find(maps[k].h);
+        at += maps[k].size;
+        maps[k].va = 0;
+        if (i >= 0) {
+            allocs[i].maps--;
+            vmm_maybe_gone(i);
+        }
+    }
+    return OK;
+}
+typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
+{
+    if (!inited) return NOT_INITIALIZED;
+    return desc && count && whole_mappings(ptr, size) ? OK : INVALID_VALUE;
+}
+/* the handle of the mapping that holds `addr` (anywhere in it), with one more reference */
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr)
+{
+    CUdeviceptr a = (CUdeviceptr)(uintptr_t)addr;
+    if (!inited) return NOT_INITIALIZED;
+    if (!h) return INVALID_VALUE;
+    for (int k = 0; k < NVAS; k++)
+        if (maps[k].va && maps[k].va <= a && a < maps[k].va + maps[k].size) {
+            int i = alloc_find(maps[k].h);
+            if (i < 0) return INVALID_VALUE;
+            allocs[i].refs++;
+            *h = maps[k].h;
+            return OK;
+        }
+    return INVALID_VALUE;
+}
 
 typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } CUDA_ARRAY_DESCRIPTOR;
 static size_t format_bytes(int f)
@@ -469,6 +770,17 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
     *total_ = total();
     return OK;
 }
+/* CUDA 2.0's, for 32-bit sizes (what cuGetProcAddress gives for cuMemGetInfo below version 3020) */
+CUresult cuMemGetInfo(unsigned int *free_, unsigned int *total_)
+{
+    size_t f, t;
+    CUresult r = cuMemGetInfo_v2(&f, &t);
+    called(__func__);
+    if (r != OK) return r;
+    *free_ = f > 0xffffffffu ? 0xffffffffu : (unsigned int)f;
+    *total_ = t > 0xffffffffu ? 0xffffffffu : (unsigned int)t;
+    return OK;
+}
 CUresult cuGetErrorName(CUresult e, const char **s)
 {
     *s = e == OK ? "CUDA_SUCCESS" : e == OUT_OF_MEMORY ? "CUDA_ERROR_OUT_OF_MEMORY"
@@ -481,34 +793,119 @@ CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e,
 /* The driver's own `fn`, as a real cuGetProcAddress gives it: a hidden alias binds here, never to an
  * interposer's same-named export (the plain address would be libcgpu's when it is preloaded). */
 #define OWN(fn) extern __typeof__(fn) own_##fn __attribute__((alias(#fn), visibility("hidden")))
-OWN(cuMemAllocFromPoolAsync); OWN(cuMemCreate); OWN(cuMemRelease); OWN(cuArray3DCreate_v2);
-OWN(cuMipmappedArrayCreate); OWN(cuMipmappedArrayDestroy);
-OWN(cuLaunchKernel); OWN(cuLaunchKernel_ptsz); OWN(cuLaunchCooperativeKernel); OWN(cuLaunchKernelEx);
+OWN(cuInit);
+OWN(cuDriverGetVersion);
+OWN(cuDeviceGetCount);
+OWN(cuDeviceGet);
+OWN(cuDeviceGetName);
+OWN(cuDeviceTotalMem_v2);
+OWN(cuDeviceGetUuid_v2);
+OWN(cuCtxCreate_v2);
+OWN(cuDevicePrimaryCtxRetain);
+OWN(cuDevicePrimaryCtxRelease_v2);
+OWN(cuCtxSetCurrent);
+OWN(cuCtxDestroy_v2);
+OWN(cuCtxSynchronize);
+OWN(cuMemAlloc_v2);
+OWN(cuMemFree_v2);
+OWN(cuMemGetInfo);
+OWN(cuMemGetInfo_v2);
+OWN(cuGetErrorName);
+OWN(cuGetErrorString);
+OWN(cuMemAllocPitch_v2);
+OWN(cuMemAllocManaged);
+OWN(cuStreamCreate);
+OWN(cuStreamDestroy_v2);
+OWN(cuStreamSynchronize);
+OWN(cuMemAllocAsync);
+OWN(cuMemAllocAsync_ptsz);
+OWN(cuMemFreeAsync);
+OWN(cuMemFreeAsync_ptsz);
+OWN(cuArrayCreate_v2);
+OWN(cuArrayDestroy);
+OWN(cuCtxGetCurrent);
+OWN(cuCtxGetDevice);
+OWN(cuCtxPushCurrent_v2);
+OWN(cuCtxPopCurrent_v2);
+OWN(cuModuleGetFunction);
+OWN(cuLaunchKernel);
+OWN(cuLaunchKernel_ptsz);
+OWN(cuLaunchCooperativeKernel);
+OWN(cuLaunchKernelEx);
 OWN(cuGraphLaunch);
+OWN(cuDeviceGetDefaultMemPool);
+OWN(cuMemAllocFromPoolAsync);
+OWN(cuMemAllocFromPoolAsync_ptsz);
+OWN(cuMemCreate);
+OWN(cuMemRelease);
+OWN(cuMemAddressReserve);
+OWN(cuMemAddressFree);
+OWN(cuMemMap);
+OWN(cuMemUnmap);
+OWN(cuMemSetAccess);
+OWN(cuMemRetainAllocationHandle);
+OWN(cuArray3DCreate_v2);
+OWN(cuMipmappedArrayCreate);
+OWN(cuMipmappedArrayDestroy);
 
-static const struct { const char *name; void *fn; } TABLE[] = {
-    {"cuInit", (void *)cuInit}, {"cuDriverGetVersion", (void *)cuDriverGetVersion},
-    {"cuDeviceGetCount", (void *)cuDeviceGetCount}, {"cuDeviceGet", (void *)cuDeviceGet},
-    {"cuDeviceGetName", (void *)cuDeviceGetName}, {"cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2},
-    {"cuCtxCreate", (void *)cuCtxCreate_v2}, {"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
-    {"cuCtxSetCurrent", (void *)cuCtxSetCurrent}, {"cuCtxDestroy", (void *)cuCtxDestroy_v2},
-    {"cuCtxSynchronize", (void *)cuCtxSynchronize}, {"cuMemAlloc", (void *)cuMemAlloc_v2},
-    {"cuMemFree", (void *)cuMemFree_v2}, {"cuMemGetInfo", (void *)cuMemGetInfo_v2},
-    {"cuGetErrorName", (void *)cuGetErrorName}, {"cuGetErrorString", (void *)cuGetErrorString},
-    {"cuMemAllocPitch", (void *)cuMemAllocPitch_v2}, {"cuMemAllocManaged", (void *)cuMemAllocManaged},
-    {"cuStreamCreate", (void *)cuStreamCreate}, {"cuStreamDestroy", (void *)cuStreamDestroy_v2},
-    {"cuStreamSynchronize", (void *)cuStreamSynchronize}, {"cuMemAllocAsync", (void *)cuMemAllocAsync},
-    {"cuMemFreeAsync", (void *)cuMemFreeAsync}, {"cuArrayCreate", (void *)cuArrayCreate_v2},
-    {"cuArrayDestroy", (void *)cuArrayDestroy},
-    {"cuCtxGetCurrent", (void *)cuCtxGetCurrent}, {"cuCtxGetDevice", (void *)cuCtxGetDevice}, {"cuCtxPushCurrent", (void *)cuCtxPushCurrent_v2},
-    {"cuCtxPopCurrent", (void *)cuCtxPopCurrent_v2}, {"cuModuleGetFunction", (void *)cuModuleGetFunction},
-    {"cuLaunchKernel", (void *)own_cuLaunchKernel}, {"cuLaunchCooperativeKernel", (void *)own_cuLaunchCooperativeKernel},
-    {"cuLaunchKernelEx", (void *)own_cuLaunchKernelEx}, {"cuGraphLaunch", (void *)own_cuGraphLaunch},
-    {"cuArrayDestroy", (void *)cuArrayDestroy}, {"cuDeviceGetDefaultMemPool", (void *)cuDeviceGetDefaultMemPool},
-    {"cuMemAllocFromPoolAsync", (void *)own_cuMemAllocFromPoolAsync}, {"cuMemCreate", (void *)own_cuMemCreate},
-    {"cuMemRelease", (void *)own_cuMemRelease}, {"cuArray3DCreate", (void *)own_cuArray3DCreate_v2},
-    {"cuMipmappedArrayCreate", (void *)own_cuMipmappedArrayCreate},
-    {"cuMipmappedArrayDestroy", (void *)own_cuMipmappedArrayDestroy},
+/* What cuGetProcAddress answers, as the real driver does, by (name, version, flags): each form of a
+ * name from the CUDA version that introduced it (cudaTypedefs.h's PFN_<name>_v<version>), and
+ * its per-thread-default-stream form (_ptsz) for CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM. */
+static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
+    {"cuInit", 2000, 0, (void *)own_cuInit},
+    {"cuDriverGetVersion", 2020, 0, (void *)own_cuDriverGetVersion},
+    {"cuDeviceGetCount", 2000, 0, (void *)own_cuDeviceGetCount},
+    {"cuDeviceGet", 2000, 0, (void *)own_cuDeviceGet},
+    {"cuDeviceGetName", 2000, 0, (void *)own_cuDeviceGetName},
+    {"cuDeviceTotalMem", 3020, 0, (void *)own_cuDeviceTotalMem_v2},
+    {"cuDeviceGetUuid", 11040, 0, (void *)own_cuDeviceGetUuid_v2},
+    {"cuCtxCreate", 3020, 0, (void *)own_cuCtxCreate_v2},
+    {"cuDevicePrimaryCtxRetain", 7000, 0, (void *)own_cuDevicePrimaryCtxRetain},
+    {"cuDevicePrimaryCtxRelease", 11000, 0, (void *)own_cuDevicePrimaryCtxRelease_v2},
+    {"cuCtxSetCurrent", 4000, 0, (void *)own_cuCtxSetCurrent},
+    {"cuCtxDestroy", 4000, 0, (void *)own_cuCtxDestroy_v2},
+    {"cuCtxSynchronize", 2000, 0, (void *)own_cuCtxSynchronize},
+    {"cuMemAlloc", 3020, 0, (void *)own_cuMemAlloc_v2},
+    {"cuMemFree", 3020, 0, (void *)own_cuMemFree_v2},
+    {"cuMemGetInfo", 2000, 0, (void *)own_cuMemGetInfo},
+    {"cuMemGetInfo", 3020, 0, (void *)own_cuMemGetInfo_v2},
+    {"cuGetErrorName", 6000, 0, (void *)own_cuGetErrorName},
+    {"cuGetErrorString", 6000, 0, (void *)own_cuGetErrorString},
+    {"cuMemAllocPitch", 3020, 0, (void *)own_cuMemAllocPitch_v2},
+    {"cuMemAllocManaged", 6000, 0, (void *)own_cuMemAllocManaged},
+    {"cuStreamCreate", 2000, 0, (void *)own_cuStreamCreate},
+    {"cuStreamDestroy", 4000, 0, (void *)own_cuStreamDestroy_v2},
+    {"cuStreamSynchronize", 2000, 0, (void *)own_cuStreamSynchronize},
+    {"cuMemAllocAsync", 11020, 0, (void *)own_cuMemAllocAsync},
+    {"cuMemAllocAsync", 11020, 1, (void *)own_cuMemAllocAsync_ptsz},
+    {"cuMemFreeAsync", 11020, 0, (void *)own_cuMemFreeAsync},
+    {"cuMemFreeAsync", 11020, 1, (void *)own_cuMemFreeAsync_ptsz},
+    {"cuArrayCreate", 3020, 0, (void *)own_cuArrayCreate_v2},
+    {"cuArrayDestroy", 2000, 0, (void *)own_cuArrayDestroy},
+    {"cuCtxGetCurrent", 4000, 0, (void *)own_cuCtxGetCurrent},
+    {"cuCtxGetDevice", 2000, 0, (void *)own_cuCtxGetDevice},
+    {"cuCtxPushCurrent", 4000, 0, (void *)own_cuCtxPushCurrent_v2},
+    {"cuCtxPopCurrent", 4000, 0, (void *)own_cuCtxPopCurrent_v2},
+    {"cuModuleGetFunction", 2000, 0, (void *)own_cuModuleGetFunction},
+    {"cuLaunchKernel", 4000, 0, (void *)own_cuLaunchKernel},
+    {"cuLaunchKernel", 7000, 1, (void *)own_cuLaunchKernel_ptsz},
+    {"cuLaunchCooperativeKernel", 9000, 0, (void *)own_cuLaunchCooperativeKernel},
+    {"cuLaunchKernelEx", 11060, 0, (void *)own_cuLaunchKernelEx},
+    {"cuGraphLaunch", 10000, 0, (void *)own_cuGraphLaunch},
+    {"cuDeviceGetDefaultMemPool", 11020, 0, (void *)own_cuDeviceGetDefaultMemPool},
+    {"cuMemAllocFromPoolAsync", 11020, 0, (void *)own_cuMemAllocFromPoolAsync},
+    {"cuMemAllocFromPoolAsync", 11020, 1, (void *)own_cuMemAllocFromPoolAsync_ptsz},
+    {"cuMemCreate", 10020, 0, (void *)own_cuMemCreate},
+    {"cuMemRelease", 10020, 0, (void *)own_cuMemRelease},
+    {"cuMemAddressReserve", 10020, 0, (void *)own_cuMemAddressReserve},
+    {"cuMemAddressFree", 10020, 0, (void *)own_cuMemAddressFree},
+    {"cuMemMap", 10020, 0, (void *)own_cuMemMap},
+    {"cuMemUnmap", 10020, 0, (void *)own_cuMemUnmap},
+    {"cuMemSetAccess", 10020, 0, (void *)own_cuMemSetAccess},
+    {"cuMemRetainAllocationHandle", 11000, 0, (void *)own_cuMemRetainAllocationHandle},
+    {"cuArray3DCreate", 3020, 0, (void *)own_cuArray3DCreate_v2},
+    {"cuMipmappedArrayCreate", 5000, 0, (void *)own_cuMipmappedArrayCreate},
+    {"cuMipmappedArrayDestroy", 5000, 0, (void *)own_cuMipmappedArrayDestroy},
 };
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
@@ -518,24 +915,31 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t 
 }
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status)
 {
-    (void)version;
-    if (!symbol || !pfn) return INVALID_VALUE;
+    if (!symbol || !pfn || flags > 2) return INVALID_VALUE;  /* DEFAULT 0, LEGACY_STREAM 1, PER_THREAD 2 */
     if (!strcmp(symbol, "cuGetProcAddress")) {
-        *pfn = (void *)cuGetProcAddress_v2;
+        *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
         if (status) *status = 0;
         return OK;
     }
-    if ((flags & 2) && !strcmp(symbol, "cuLaunchKernel")) {  /* CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM */
-        *pfn = (void *)own_cuLaunchKernel_ptsz;
-        if (status) *status = 0;
+    int best = -1, named = 0;
+    for (int i = 0; i < (int)(sizeof TABLE / sizeof *TABLE); i++) {
+        if (strcmp(symbol, TABLE[i].name)) continue;
+        named = 1;
+        if (TABLE[i].since > version || (TABLE[i].ptsz && !(flags & 2))) continue;
+        if (best < 0 || TABLE[i].ptsz > TABLE[best].ptsz
+            || (TABLE[i].ptsz == TABLE[best].ptsz && TABLE[i].since > TABLE[best].since))
+            best = i;
+    }
+    if (best >= 0) {
+        *pfn = TABLE[best].fn;
+        if (status) *status = 0;  /* CU_GET_PROC_ADDRESS_SUCCESS */
         return OK;
     }
-    for (size_t i = 0; i < sizeof TABLE / sizeof *TABLE; i++)
-        if (!strcmp(symbol, TABLE[i].name)) {
-            *pfn = TABLE[i].fn;
-            if (status) *status = 0;  /* CU_GET_PROC_ADDRESS_SUCCESS */
-            return OK;
-        }
+    if (named) {
+        *pfn = NULL;
+        if (status) *status = 2;  /* CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT */
+        return NOT_FOUND;
+    }
     *pfn = NULL;
     if (status) *status = 1;  /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
     return NOT_FOUND;

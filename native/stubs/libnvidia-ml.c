@@ -11,9 +11,13 @@
  *   gpu <i> <minor> <total> <used> <util> <memutil> <uuid> <name...>
  *   proc <i> <pid> <bytes>        a compute process on GPU i
  *   fail <i> <function> <rc>      that device call returns rc for GPU i
+ *   cuda <state file>             also every live process the stand-in libcuda's state file
+ *                                 (libcuda.c) says holds memory on card i, as on GPU i: what
+ *                                 its allocations and its contexts take (the driver's view)
  *
  * Built by tests/nvml_stub.py with gcc -shared -Wl,-soname,libnvidia-ml.so.1.
  */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,7 +51,7 @@ struct gpu {
     unsigned int minor, util, memutil;
     unsigned long long total, used;
     char uuid[96], name[96];
-    char fail_fn[8][64];
+    char fail_fn[8][96];
     int fail_rc[8];
     int nfail;
 };
@@ -70,6 +74,8 @@ static int refcount;
 /* Handles are pointers into this array: stable across re-reads of the file. */
 static char handles[MAX_GPUS];
 
+static void cuda_processes(const char *state);
+
 static void load(void) {
     memset(&cfg, 0, sizeof cfg);
     strcpy(cfg.driver, "550.54.15");
@@ -83,7 +89,7 @@ static void load(void) {
         unsigned int i, a, b, c;
         unsigned long long x, y;
         int n = 0, rc;
-        char word[64];
+        char word[96];
         if (sscanf(line, "init %d", &rc) == 1) {
             cfg.init_rc = rc;
         } else if (sscanf(line, "driver %79s", cfg.driver) == 1) {
@@ -102,6 +108,8 @@ static void load(void) {
                 cfg.ngpus = i + 1;
         } else if (sscanf(line, "proc %u %u %llu", &i, &a, &x) == 3 && i < MAX_GPUS && cfg.nprocs < MAX_PROCS) {
             cfg.procs[cfg.nprocs++] = (struct proc){i, a, x};
+        } else if (strncmp(line, "cuda ", 5) == 0) {
+            cuda_processes(line + 5);
         } else if (sscanf(line, "fail %u %63s %d", &i, word, &rc) == 3 && i < MAX_GPUS && cfg.gpus[i].nfail < 8) {
             struct gpu *g = &cfg.gpus[i];
             snprintf(g->fail_fn[g->nfail], sizeof g->fail_fn[0], "%s", word);
@@ -109,6 +117,19 @@ static void load(void) {
         }
     }
     fclose(f);
+}
+
+/* The stand-in libcuda's record per (process, card) of the bytes it holds there (libcuda.c:
+ * from byte 256 of its state file, 1024 records of {int32 pid, int32 card, uint64 bytes}). */
+static void cuda_processes(const char *state) {
+    struct { int pid, dev; unsigned long long bytes; } r[1024];
+    FILE *f = fopen(state, "rb");
+    size_t n = f && fseek(f, 256, SEEK_SET) == 0 ? fread(r, sizeof r[0], 1024, f) : 0;
+    if (f)
+        fclose(f);
+    for (size_t k = 0; k < n && cfg.nprocs < MAX_PROCS; k++)
+        if (r[k].pid > 0 && r[k].bytes && r[k].dev >= 0 && r[k].dev < MAX_GPUS && kill(r[k].pid, 0) == 0)
+            cfg.procs[cfg.nprocs++] = (struct proc){(unsigned)r[k].dev, (unsigned)r[k].pid, r[k].bytes};
 }
 
 /* Load the file, check initialisation and the handle; the GPU or NULL (*rc says why). */

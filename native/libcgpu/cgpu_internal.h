@@ -1,0 +1,163 @@
+/*
+ * libcgpu's internal header: what its parts share (docs/isolation.md). The library is split by
+ * concern, as HAMi-core splits its src/:
+ *   interpose.c  how clients reach us: the exported names' table, dlsym, cuGetProcAddress, the
+ *                real driver's and NVML's functions (loaded once), cuInit, fork;
+ *   memory.c     charge and refund: every allocator and free, the allocations' sizes,
+ *                cuMemGetInfo and cuDeviceTotalMem;
+ *   gate.c       compute: kernel launches wait at the gate (futex), the helper thread drains
+ *                and answers the daemon's closings;
+ *   nvml.c       the container's view through NVML (nvidia-smi);
+ *   page.c       the shared pages (cgpu_page.h): mapping them, process slots, a dead process's
+ *                memory back, which page GPU a CUDA device is.
+ * Everything declared here is hidden: only the CUDA/NVML names and dlsym are exported.
+ */
+#ifndef CGPU_INTERNAL_H
+#define CGPU_INTERNAL_H
+
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cgpu_page.h"
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+enum { CU_OK = 0, CU_OUT_OF_MEMORY = 2, CU_NOT_INITIALIZED = 3, CU_LAUNCH_OUT_OF_RESOURCES = 701 };
+
+typedef CUresult (*init_fn)(unsigned);
+typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
+typedef CUresult (*free_fn)(CUdeviceptr);
+typedef CUresult (*info_fn)(size_t *, size_t *);
+typedef CUresult (*total_fn)(size_t *, CUdevice);
+typedef CUresult (*getproc_fn)(const char *, void **, int, uint64_t);
+typedef CUresult (*pitch_fn)(CUdeviceptr *, size_t *, size_t, size_t, unsigned);
+typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned);
+typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
+typedef CUresult (*free_async_fn)(CUdeviceptr, void *);
+typedef CUresult (*array_fn)(CUdeviceptr *, const void *);
+typedef CUresult (*pool_alloc_fn)(CUdeviceptr *, size_t, void *, void *);
+typedef CUresult (*mem_create_fn)(CUdeviceptr *, size_t, const void *, unsigned long long);
+typedef CUresult (*mipmap_fn)(CUdeviceptr *, const void *, unsigned);
+typedef CUresult (*mem_map_fn)(CUdeviceptr, size_t, size_t, CUdeviceptr, unsigned long long);
+typedef CUresult (*mem_unmap_fn)(CUdeviceptr, size_t);
+typedef CUresult (*mem_retain_fn)(CUdeviceptr *, void *);
+typedef CUresult (*getproc2_fn)(const char *, void **, int, uint64_t, int *);
+typedef void *(*dlsym_fn)(void *, const char *);
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
+typedef int (*nvml_mem_fn)(void *, nvmlMemory_t *);
+typedef int (*nvml_mem2_fn)(void *, nvmlMemory_v2_t *);
+typedef int (*nvml_index_fn)(void *, unsigned int *);
+typedef int (*nvml_uuid_fn)(void *, char *, unsigned int);
+typedef CUresult (*device_uuid_fn)(unsigned char *, CUdevice);
+typedef void *CUcontext;
+typedef CUresult (*launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                              void **, void **);
+typedef CUresult (*launch_coop_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                   void *, void **);
+typedef CUresult (*launch_ex_fn)(const void *, void *, void **, void **);
+typedef CUresult (*graph_launch_fn)(void *, void *);
+typedef CUresult (*ctx_get_fn)(CUcontext *);
+typedef CUresult (*ctx_device_fn)(CUdevice *);
+typedef CUresult (*ctx_push_fn)(CUcontext);
+typedef CUresult (*ctx_sync_fn)(void);
+
+struct real_driver {
+    void *lib;
+    init_fn init;
+    alloc_fn alloc;
+    free_fn free;
+    info_fn info;
+    total_fn total;
+    getproc_fn getproc;
+    getproc2_fn getproc2;
+    pitch_fn pitch;
+    managed_fn managed;
+    alloc_async_fn alloc_async, alloc_async_ptsz;
+    free_async_fn free_async, free_async_ptsz;
+    array_fn array;
+    free_fn array_free;
+    pool_alloc_fn pool_alloc, pool_alloc_ptsz;
+    mem_create_fn mem_create;
+    free_fn mem_release;
+    mem_map_fn mem_map;
+    mem_unmap_fn mem_unmap;
+    mem_retain_fn mem_retain;
+    array_fn array3d;
+    mipmap_fn mipmap;
+    free_fn mipmap_free;
+    void *nvml;
+    nvml_mem_fn nvml_mem;
+    nvml_mem2_fn nvml_mem2;
+    nvml_index_fn nvml_index;
+    nvml_uuid_fn nvml_uuid;
+    device_uuid_fn device_uuid;
+    launch_fn launch, launch_ptsz;
+    launch_coop_fn launch_coop, launch_coop_ptsz;
+    launch_ex_fn launch_ex, launch_ex_ptsz;
+    graph_launch_fn graph_launch, graph_launch_ptsz;
+    ctx_get_fn ctx_get;
+    ctx_device_fn ctx_get_device;
+    ctx_push_fn ctx_push;
+    ctx_get_fn ctx_pop;
+    ctx_sync_fn ctx_sync;
+};
+
+#pragma GCC visibility push(hidden)
+
+/* ---- interpose.c ---- */
+extern struct real_driver real;
+extern dlsym_fn real_dlsym;
+extern void *(*cgpu_next_dlsym)(void *, const char *);  /* libc's dlsym */
+void *cgpu_dlsym_ours(void *handle, const char *name);
+/* >0 while this thread is inside the real driver: a driver that calls its own exported
+ * functions (through its PLT, so through ours) must not be charged twice. */
+extern __thread int in_driver __attribute__((tls_model("initial-exec")));  /* (loaded at start: static TLS) */
+void *sym(const char *name);
+int isolated(void);  /* set up; the process is held by its pages */
+void setup_once(void);
+
+/* ---- page.c ---- */
+extern const struct cgpu_limits *limits;  /* read-only */
+extern int per_gpu;       /* the page has a gate per GPU (else the container's one gate) */
+extern int has_uuids;     /* the page names its GPUs' UUIDs (read once: written before its magic) */
+extern struct cgpu_usage *usage;
+extern struct cgpu_proc *mine;
+extern int asked;         /* CGPU_PAGE_DIR is set: this process must be isolated */
+extern char why[8192];    /* why the pages are not usable ("" when they are) */
+extern char page_dir[4096];
+void page_setup(void);
+void page_forked(void);
+int need_slot(void);      /* this process's slot, taken at its first use of CUDA; 0: none left */
+void reclaim_dead(void);  /* what dead processes held back to the container */
+int uuid_to_page(const unsigned char *u);
+int page_index(int dev);
+int current_gpu(void);
+
+/* ---- nvml.c ---- */
+uint64_t nvml_process_bytes(int g);
+
+/* ---- memory.c ---- */
+void memory_forked(void);
+
+/* ---- gate.c ---- */
+void gate_forked(void);
+
+#pragma GCC visibility pop
+
+/* A wrapped call: straight through while inside the driver; refused when isolation was asked
+ * for and cannot be applied; passed through when it was not asked for. */
+#define PASS_THROUGH(fn, ...)                                                                      \
+    do {                                                                                           \
+        if (in_driver)                                                                             \
+            return (fn) ? (fn)(__VA_ARGS__) : CU_NOT_INITIALIZED;                                  \
+        if (!isolated())                                                                           \
+            return asked ? CU_NOT_INITIALIZED : (fn) ? (fn)(__VA_ARGS__) : CU_NOT_INITIALIZED;     \
+        if (!(fn))                                                                                 \
+            return CU_NOT_INITIALIZED; /* a driver without it (older): nothing to call */          \
+    } while (0)
+
+#endif

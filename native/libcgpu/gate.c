@@ -1,0 +1,257 @@
+/*
+ * libcgpu, compute: kernel launches wait at the gate (docs/isolation.md, "Compute").
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "cgpu_internal.h"
+
+/* ---- compute: kernel launches wait at the container's gate ----------------------------
+ *
+ * The daemon closes the gate (makes it even) when the container's slice ends and
+ * opens it (odd, and a FUTEX_WAKE) when the next begins. A launch that finds it
+ * closed waits on it with a futex: no polling, no sleep steps; the CPU side of the
+ * process runs on. A helper thread, started with the first launch, answers each
+ * closing: once no thread is inside a launch, it synchronizes every context the
+ * process launched in (the work it had already queued is done), writes the closed
+ * gate's value into the process's `acked` and a byte into the `drained` FIFO, so
+ * the daemon can start the next container's slice knowing the GPU is free. */
+
+/* Threads of this process inside a launch now: [0] on the container's gate, [1 + k] on GPU k's. */
+static unsigned launching[1 + CGPU_MAX_GPUS];
+static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
+static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+static CUcontext ctxs[64];
+static int ctx_gpu[64];  /* the page's GPU of each (-1: past the page's) */
+static int nctxs;
+static __thread CUcontext known_ctx;  /* the last context this thread was seen to launch in */
+static __thread int known_gpu;        /* and its page GPU */
+
+/* The gate a launch on page GPU `k` waits at (-1: the container's). */
+static const uint32_t *gate_word(int k)
+{
+    return k >= 0 ? &limits->gpu_gate[k] : &limits->gate;
+}
+
+static uint32_t gate_value(int k)
+{
+    return __atomic_load_n(gate_word(k), __ATOMIC_SEQ_CST);
+}
+
+/* Sleep while `word` still reads `seen` (any change wakes it). */
+static void futex_wait_on(const uint32_t *word, uint32_t seen)
+{
+    /* (a read-only shared mapping: the futex is keyed by the file, so the daemon's wake reaches it) */
+    syscall(SYS_futex, word, FUTEX_WAIT, seen, NULL, NULL, 0);
+}
+
+/* The page GPU the calling thread launches on (its current context's device), -1 for the
+ * container's gate: a page without per-GPU gates, or a device past the page's. The device is
+ * asked at every launch (a context's address may come back for another device once destroyed). */
+static int note_context(void)
+{
+    CUcontext c = NULL;
+    if (!real.ctx_get || real.ctx_get(&c) != CU_OK || !c)
+        return per_gpu ? 0 : -1;  /* (no context: the driver refuses the launch itself) */
+    CUdevice dev = -1;
+    int k = -1;
+    if (per_gpu && real.ctx_get_device && real.ctx_get_device(&dev) == CU_OK)
+        k = page_index(dev);
+    if (c == known_ctx && k == known_gpu)
+        return k;
+    known_ctx = c;
+    known_gpu = k;
+    pthread_mutex_lock(&ctx_lock);
+    int i = 0;
+    while (i < nctxs && ctxs[i] != c)
+        i++;
+    if (i < nctxs)
+        ctx_gpu[i] = k;  /* (drained with that GPU from now on) */
+    else if (nctxs < (int)(sizeof ctxs / sizeof *ctxs)) {
+        ctx_gpu[nctxs] = k;
+        ctxs[nctxs++] = c;
+    }
+    pthread_mutex_unlock(&ctx_lock);
+    return k;
+}
+
+/* Finish the work queued on page GPU `k` (all of it for -1): once no launch there is in
+ * flight, synchronize the contexts of that GPU. */
+static void drain(int k)
+{
+    while (__atomic_load_n(&launching[1 + k], __ATOMIC_SEQ_CST))
+        sched_yield();  /* a launch that passed the gate before it closed: a few µs */
+    pthread_mutex_lock(&ctx_lock);
+    in_driver++;
+    for (int i = 0; i < nctxs && real.ctx_push && real.ctx_pop && real.ctx_sync; i++) {
+        CUcontext prev;
+        if ((k < 0 || ctx_gpu[i] == k) && real.ctx_push(ctxs[i]) == CU_OK) {
+            real.ctx_sync();
+            real.ctx_pop(&prev);
+        }
+    }
+    in_driver--;
+    pthread_mutex_unlock(&ctx_lock);
+}
+
+/* Tell the daemon: `acked` says which closing was answered, a byte in the FIFO wakes it. */
+static void answer(uint32_t closing)
+{
+    static int fifo = -1;
+    __atomic_store_n(&mine->acked, closing, __ATOMIC_SEQ_CST);
+    if (fifo < 0) {
+        char path[4200];
+        snprintf(path, sizeof path, "%s/drained", page_dir);
+        fifo = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);  /* (no reader: the daemon is away; later) */
+    }
+    if (fifo >= 0 && write(fifo, "d", 1) < 0 && errno != EAGAIN) {
+        close(fifo);
+        fifo = -1;
+    }
+}
+
+static void *gate_helper(void *arg)
+{
+    (void)arg;
+    /* The next container's slice waits for this thread's answer: its timed waits (a driver that
+     * synchronizes by sleeping) end when due, not up to the default 50 µs of timer slack later. */
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    for (;;) {
+        if (!per_gpu) {  /* the container's one gate: answer each closing with its value */
+            uint32_t g = gate_value(-1);
+            if (!(g & 1) && __atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != g) {
+                drain(-1);
+                answer(g);
+            }
+            futex_wait_on(&limits->gate, g);
+            continue;
+        }
+        /* per GPU: at each closing (of any GPU's gate), drain the GPUs it launches on whose
+         * gates are closed now, and answer with the count of closings */
+        uint32_t c = __atomic_load_n(&limits->closings, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != c) {
+            uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
+            for (uint32_t k = 0; k < limits->ngpus; k++)
+                if (on & (1u << k) && !(gate_value((int)k) & 1))
+                    drain((int)k);
+            answer(c);
+        }
+        futex_wait_on(&limits->closings, c);
+    }
+    return NULL;
+}
+
+static void start_helper(void)
+{
+    pthread_t t;
+    pthread_attr_t a;
+    sigset_t all, old;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&a, 64 << 10);
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with the process's own threads */
+    if (pthread_create(&t, &a, gate_helper, NULL) == 0) {
+        unsigned k = (unsigned)(mine - usage->procs);
+        __atomic_store_n(&mine->gated, per_gpu ? 2 : 1, __ATOMIC_SEQ_CST);
+        __atomic_fetch_or(&usage->gated_slots[k / 32], 1u << (k % 32), __ATOMIC_SEQ_CST);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&a);
+}
+
+/* Pass the gate of page GPU `k` (-1: the container's): on return this thread counts in
+ * launching[1 + k] and the gate was open. The process says it launches on GPU k before it
+ * looks at the gate, so a closing either sees it (and waits for its answer) or stops it. */
+static void gate_enter(int k)
+{
+    pthread_once(&helper_once, start_helper);
+    if (k >= 0 && !(__atomic_load_n(&mine->gpus, __ATOMIC_RELAXED) & (1u << k)))
+        __atomic_fetch_or(&mine->gpus, 1u << k, __ATOMIC_SEQ_CST);
+    for (;;) {
+        __atomic_add_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+        uint32_t g = gate_value(k);
+        if (g & 1)
+            return;
+        __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+        futex_wait_on(gate_word(k), g);
+    }
+}
+
+#define GATED(fn, ...)                                          \
+    do {                                                        \
+        PASS_THROUGH(fn, __VA_ARGS__);                          \
+        if (!(fn))                                              \
+            return CU_NOT_INITIALIZED;                          \
+        if (!need_slot())                                       \
+            return CU_LAUNCH_OUT_OF_RESOURCES;                  \
+        int k_ = note_context();                                \
+        gate_enter(k_);                                         \
+        in_driver++;                                            \
+        CUresult r_ = (fn)(__VA_ARGS__);                        \
+        in_driver--;                                            \
+        __atomic_sub_fetch(&launching[1 + k_], 1, __ATOMIC_SEQ_CST); \
+        return r_;                                              \
+    } while (0)
+
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shmem, void *stream, void **params, void **extra)
+{
+    GATED(real.launch, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
+}
+
+CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                             unsigned shmem, void *stream, void **params, void **extra)
+{
+    GATED(real.launch_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
+}
+
+CUresult cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                   unsigned bz, unsigned shmem, void *stream, void **params)
+{
+    GATED(real.launch_coop, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
+}
+
+CUresult cuLaunchCooperativeKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                        unsigned bz, unsigned shmem, void *stream, void **params)
+{
+    GATED(real.launch_coop_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
+}
+
+CUresult cuLaunchKernelEx(const void *config, void *f, void **params, void **extra)
+{
+    GATED(real.launch_ex, config, f, params, extra);
+}
+
+CUresult cuLaunchKernelEx_ptsz(const void *config, void *f, void **params, void **extra)
+{
+    GATED(real.launch_ex_ptsz, config, f, params, extra);
+}
+
+CUresult cuGraphLaunch(void *exec, void *stream)
+{
+    GATED(real.graph_launch, exec, stream);
+}
+
+CUresult cuGraphLaunch_ptsz(void *exec, void *stream)
+{
+    GATED(real.graph_launch_ptsz, exec, stream);
+}
+
+/* A forked child has no helper thread and no launches in flight. */
+void gate_forked(void)
+{
+    pthread_once_t fresh = PTHREAD_ONCE_INIT;
+    helper_once = fresh;
+    memset(launching, 0, sizeof launching);
+    nctxs = 0;
+    known_ctx = NULL;
+}

@@ -1,0 +1,391 @@
+/*
+ * libcgpu: the in-container interception library (docs/isolation.md), loaded
+ * into a container's processes (LD_PRELOAD or /etc/ld.so.preload).
+ *
+ * This first part holds GPU memory to the container's memsize, to the byte and
+ * across all its processes, and shows memsize as the card:
+ *   - every allocator here — cuMemAlloc_v2, cuMemAllocPitch_v2 (charged for
+ *     512-byte rows), cuMemAllocManaged, cuMemAllocAsync,
+ *     cuMemAllocFromPoolAsync, cuMemCreate (device memory: location
+ *     CU_MEM_LOCATION_TYPE_DEVICE or _DEVICE_LOCALITY_DOMAIN; host memory is
+ *     not charged), cuArrayCreate_v2, cuArray3DCreate_v2 and
+ *     cuMipmappedArrayCreate (every level) —
+ *     charges the container's usage page BEFORE the real call
+ *     (a compare-and-swap loop: racing processes can never pass memsize),
+ *     allocates, and gives the charge back if the driver fails;
+ *     past memsize: CUDA_ERROR_OUT_OF_MEMORY, nothing allocated;
+ *   - cuMemFree_v2, cuMemFreeAsync, cuMemRelease, cuArrayDestroy and
+ *     cuMipmappedArrayDestroy give it back, and so does a process's exit; a process
+ *     killed without a chance to is given back by the next process that
+ *     starts (its slot's pid is gone);
+ *   - cuMemGetInfo_v2 -> (memsize - used, memsize), never an error when over;
+ *     cuDeviceTotalMem_v2 -> memsize; nvmlDeviceGetMemoryInfo and _v2 ->
+ *     total memsize, used the container's usage, free the rest (nvidia-smi);
+ *     the real NVML is CGPU_REAL_LIBNVML, else libnvidia-ml.so.1.
+ * It interposes the exported names, `dlsym` itself (what a client that
+ * dlopens libcuda.so.1 finds), and cuGetProcAddress / _v2 (how CUDA >= 11.3
+ * and NVIDIA's cuda-bindings resolve the driver), wrapping a returned
+ * cuGetProcAddress. The real driver is dlopen'ed: CGPU_REAL_LIBCUDA, else
+ * libcuda.so.1.
+ *
+ * Fail closed: with CGPU_PAGE_DIR set (the container asked for isolation) but
+ * its pages missing, foreign or of another version, cuInit returns
+ * CUDA_ERROR_NOT_INITIALIZED and one line on stderr says why; the process
+ * never runs unisolated. Without CGPU_PAGE_DIR, a process of a container whose
+ * pages are mounted at /run/cgpu (it cleared its environment; /etc/ld.so.preload
+ * loaded the library) uses those; anywhere else it passes everything through.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cgpu_internal.h"
+
+/* What every exported wrapper here is (memory.c, gate.c, nvml.c). */
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
+CUresult cuMemAllocPitch_v2(CUdeviceptr *, size_t *, size_t, size_t, unsigned);
+CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, void *);
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *, size_t, void *);
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr, void *);
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *, size_t, void *, void *);
+CUresult cuGetProcAddress(const char *, void **, int, uint64_t);
+CUresult cuGetProcAddress_v2(const char *, void **, int, uint64_t, int *);
+CUresult cuMemFreeAsync(CUdeviceptr, void *);
+CUresult cuArrayCreate_v2(CUdeviceptr *, const void *);
+CUresult cuArrayDestroy(CUdeviceptr);
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, void *, void *);
+CUresult cuMemCreate(CUdeviceptr *, size_t, const void *, unsigned long long);
+CUresult cuMemRelease(CUdeviceptr);
+CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUdeviceptr, unsigned long long);
+CUresult cuMemUnmap(CUdeviceptr, size_t);
+CUresult cuMemRetainAllocationHandle(CUdeviceptr *, void *);
+CUresult cuArray3DCreate_v2(CUdeviceptr *, const void *);
+CUresult cuMipmappedArrayCreate(CUdeviceptr *, const void *, unsigned);
+CUresult cuMipmappedArrayDestroy(CUdeviceptr);
+CUresult cuLaunchKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **,
+                        void **);
+CUresult cuLaunchKernel_ptsz(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                             void **, void **);
+CUresult cuLaunchCooperativeKernel(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                   void *, void **);
+CUresult cuLaunchCooperativeKernel_ptsz(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                        void *, void **);
+CUresult cuLaunchKernelEx(const void *, void *, void **, void **);
+CUresult cuLaunchKernelEx_ptsz(const void *, void *, void **, void **);
+CUresult cuGraphLaunch(void *, void *);
+CUresult cuGraphLaunch_ptsz(void *, void *);
+int nvmlDeviceGetMemoryInfo(void *, nvmlMemory_t *);
+int nvmlDeviceGetMemoryInfo_v2(void *, nvmlMemory_v2_t *);
+
+struct real_driver real;
+dlsym_fn real_dlsym;
+__thread int in_driver __attribute__((tls_model("initial-exec")));
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static int set_up;  /* setup has run (read without pthread_once's call on the allocators' path) */
+
+/* libc's dlsym (the one after us), found once without any lock: dlsym may be called from
+ * anywhere, a driver's constructor while we load it included. */
+void *(*cgpu_next_dlsym)(void *, const char *);
+static void next_dlsym(void)
+{
+    if (__atomic_load_n(&cgpu_next_dlsym, __ATOMIC_ACQUIRE))
+        return;
+    dlsym_fn f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!f)
+        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    if (!f) {
+        fprintf(stderr, "cgpu: cannot find the C library's dlsym\n");
+        abort();
+    }
+    real_dlsym = f;
+    __atomic_store_n(&cgpu_next_dlsym, f, __ATOMIC_RELEASE);
+}
+
+void *sym(const char *name)
+{
+    return real.lib && real_dlsym ? real_dlsym(real.lib, name) : NULL;
+}
+
+static void forked(void);
+
+static void setup(void)
+{
+    next_dlsym();
+    in_driver++;  /* (the driver's constructors may call back into us while it loads: straight through) */
+    const char *path = getenv("CGPU_REAL_LIBCUDA");
+    real.lib = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    real.init = (init_fn)sym("cuInit");
+    real.alloc = (alloc_fn)sym("cuMemAlloc_v2");
+    real.free = (free_fn)sym("cuMemFree_v2");
+    real.info = (info_fn)sym("cuMemGetInfo_v2");
+    real.total = (total_fn)sym("cuDeviceTotalMem_v2");
+    real.getproc = (getproc_fn)sym("cuGetProcAddress");
+    real.getproc2 = (getproc2_fn)sym("cuGetProcAddress_v2");
+    real.pitch = (pitch_fn)sym("cuMemAllocPitch_v2");
+    real.managed = (managed_fn)sym("cuMemAllocManaged");
+    real.alloc_async = (alloc_async_fn)sym("cuMemAllocAsync");
+    real.free_async = (free_async_fn)sym("cuMemFreeAsync");
+    real.alloc_async_ptsz = (alloc_async_fn)sym("cuMemAllocAsync_ptsz");
+    real.free_async_ptsz = (free_async_fn)sym("cuMemFreeAsync_ptsz");
+    real.pool_alloc_ptsz = (pool_alloc_fn)sym("cuMemAllocFromPoolAsync_ptsz");
+    real.array = (array_fn)sym("cuArrayCreate_v2");
+    real.array_free = (free_fn)sym("cuArrayDestroy");
+    real.launch = (launch_fn)sym("cuLaunchKernel");
+    real.launch_ptsz = (launch_fn)sym("cuLaunchKernel_ptsz");
+    real.launch_coop = (launch_coop_fn)sym("cuLaunchCooperativeKernel");
+    real.launch_coop_ptsz = (launch_coop_fn)sym("cuLaunchCooperativeKernel_ptsz");
+    real.launch_ex = (launch_ex_fn)sym("cuLaunchKernelEx");
+    real.launch_ex_ptsz = (launch_ex_fn)sym("cuLaunchKernelEx_ptsz");
+    real.graph_launch = (graph_launch_fn)sym("cuGraphLaunch");
+    real.graph_launch_ptsz = (graph_launch_fn)sym("cuGraphLaunch_ptsz");
+    real.ctx_get = (ctx_get_fn)sym("cuCtxGetCurrent");
+    real.ctx_get_device = (ctx_device_fn)sym("cuCtxGetDevice");
+    real.device_uuid = (device_uuid_fn)sym("cuDeviceGetUuid_v2");
+    if (!real.device_uuid)
+        real.device_uuid = (device_uuid_fn)sym("cuDeviceGetUuid");
+    real.ctx_push = (ctx_push_fn)sym("cuCtxPushCurrent_v2");
+    real.ctx_pop = (ctx_get_fn)sym("cuCtxPopCurrent_v2");
+    real.ctx_sync = (ctx_sync_fn)sym("cuCtxSynchronize");
+    real.pool_alloc = (pool_alloc_fn)sym("cuMemAllocFromPoolAsync");
+    real.mem_create = (mem_create_fn)sym("cuMemCreate");
+    real.mem_release = (free_fn)sym("cuMemRelease");
+    real.mem_map = (mem_map_fn)sym("cuMemMap");
+    real.mem_unmap = (mem_unmap_fn)sym("cuMemUnmap");
+    real.mem_retain = (mem_retain_fn)sym("cuMemRetainAllocationHandle");
+    real.array3d = (array_fn)sym("cuArray3DCreate_v2");
+    real.mipmap = (mipmap_fn)sym("cuMipmappedArrayCreate");
+    real.mipmap_free = (free_fn)sym("cuMipmappedArrayDestroy");
+    in_driver--;
+    const char *npath = getenv("CGPU_REAL_LIBNVML");
+    in_driver++;
+    real.nvml = dlopen(npath && *npath ? npath : "libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+    in_driver--;
+    if (real.nvml && real_dlsym) {
+        real.nvml_mem = (nvml_mem_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo");
+        real.nvml_mem2 = (nvml_mem2_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo_v2");
+        real.nvml_index = (nvml_index_fn)real_dlsym(real.nvml, "nvmlDeviceGetIndex");
+        real.nvml_uuid = (nvml_uuid_fn)real_dlsym(real.nvml, "nvmlDeviceGetUUID");
+    }
+    page_setup();
+    if (asked)
+        pthread_atfork(NULL, NULL, forked);
+    __atomic_store_n(&set_up, 1, __ATOMIC_RELEASE);
+}
+
+void setup_once(void)
+{
+    pthread_once(&once, setup);
+}
+
+int isolated(void)
+{
+    if (__builtin_expect(!__atomic_load_n(&set_up, __ATOMIC_ACQUIRE), 0))
+        pthread_once(&once, setup);
+    return limits != NULL;
+}
+
+CUresult cuInit(unsigned flags)
+{
+    if (in_driver)
+        return real.init ? real.init(flags) : CU_NOT_INITIALIZED;
+    pthread_once(&once, setup);
+    if (asked && !limits) {
+        fprintf(stderr, "cgpu: GPU isolation was asked for but cannot be applied (%s): CUDA is not started\n", why);
+        return CU_NOT_INITIALIZED;
+    }
+    if (limits) {  /* the process starts using CUDA: dead processes' memory back, a slot of its own */
+        reclaim_dead();
+        if (!need_slot())
+            return CU_NOT_INITIALIZED;
+    }
+    return real.init ? real.init(flags) : CU_NOT_INITIALIZED;
+}
+
+/* A forked child holds nothing yet, has no helper thread, and needs a slot of its own. */
+static void forked(void)
+{
+    gate_forked();
+    memory_forked();
+    page_forked();
+}
+
+/* ---- how clients find the functions -------------------------------------------- */
+
+/* Every form of every name wrapped here, as the driver's cuGetProcAddress chooses among them by
+ * (name, version, flags): `since` the CUDA version that brought the form (cudaTypedefs.h's
+ * PFN_<name>_v<since>), `ptsz` its per-thread-default-stream form. `ours` NULL: a form left to
+ * the driver (CUDA 2.0's 32-bit ones, whose arguments our wrappers do not take). Read from
+ * cudaTypedefs.h of CUDA 13.5: CUDA 13 brought no new form of these names. */
+#define KNOWN_CUDA 13050
+static const struct form {
+    const char *name;
+    int since, ptsz;
+    const char *export;
+    void *ours;
+} FORMS[] = {
+    {"cuInit", 2000, 0, "cuInit", (void *)cuInit},
+    {"cuMemAlloc", 2000, 0, "cuMemAlloc", NULL}, {"cuMemAlloc", 3020, 0, "cuMemAlloc_v2", (void *)cuMemAlloc_v2},
+    {"cuMemFree", 2000, 0, "cuMemFree", NULL}, {"cuMemFree", 3020, 0, "cuMemFree_v2", (void *)cuMemFree_v2},
+    {"cuMemGetInfo", 2000, 0, "cuMemGetInfo", NULL},
+    {"cuMemGetInfo", 3020, 0, "cuMemGetInfo_v2", (void *)cuMemGetInfo_v2},
+    {"cuDeviceTotalMem", 2000, 0, "cuDeviceTotalMem", NULL},
+    {"cuDeviceTotalMem", 3020, 0, "cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2},
+    {"cuMemAllocPitch", 2000, 0, "cuMemAllocPitch", NULL},
+    {"cuMemAllocPitch", 3020, 0, "cuMemAllocPitch_v2", (void *)cuMemAllocPitch_v2},
+    {"cuMemAllocManaged", 6000, 0, "cuMemAllocManaged", (void *)cuMemAllocManaged},
+    {"cuMemAllocAsync", 11020, 0, "cuMemAllocAsync", (void *)cuMemAllocAsync},
+    {"cuMemAllocAsync", 11020, 1, "cuMemAllocAsync_ptsz", (void *)cuMemAllocAsync_ptsz},
+    {"cuMemFreeAsync", 11020, 0, "cuMemFreeAsync", (void *)cuMemFreeAsync},
+    {"cuMemFreeAsync", 11020, 1, "cuMemFreeAsync_ptsz", (void *)cuMemFreeAsync_ptsz},
+    {"cuMemAllocFromPoolAsync", 11020, 0, "cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
+    {"cuMemAllocFromPoolAsync", 11020, 1, "cuMemAllocFromPoolAsync_ptsz", (void *)cuMemAllocFromPoolAsync_ptsz},
+    {"cuArrayCreate", 2000, 0, "cuArrayCreate", NULL},
+    {"cuArrayCreate", 3020, 0, "cuArrayCreate_v2", (void *)cuArrayCreate_v2},
+    {"cuArray3DCreate", 2000, 0, "cuArray3DCreate", NULL},
+    {"cuArray3DCreate", 3020, 0, "cuArray3DCreate_v2", (void *)cuArray3DCreate_v2},
+    {"cuArrayDestroy", 2000, 0, "cuArrayDestroy", (void *)cuArrayDestroy},
+    {"cuMipmappedArrayCreate", 5000, 0, "cuMipmappedArrayCreate", (void *)cuMipmappedArrayCreate},
+    {"cuMipmappedArrayDestroy", 5000, 0, "cuMipmappedArrayDestroy", (void *)cuMipmappedArrayDestroy},
+    {"cuMemCreate", 10020, 0, "cuMemCreate", (void *)cuMemCreate},
+    {"cuMemRelease", 10020, 0, "cuMemRelease", (void *)cuMemRelease},
+    {"cuMemMap", 10020, 0, "cuMemMap", (void *)cuMemMap},
+    {"cuMemUnmap", 10020, 0, "cuMemUnmap", (void *)cuMemUnmap},
+    {"cuMemRetainAllocationHandle", 11000, 0, "cuMemRetainAllocationHandle", (void *)cuMemRetainAllocationHandle},
+    {"cuLaunchKernel", 4000, 0, "cuLaunchKernel", (void *)cuLaunchKernel},
+    {"cuLaunchKernel", 7000, 1, "cuLaunchKernel_ptsz", (void *)cuLaunchKernel_ptsz},
+    {"cuLaunchCooperativeKernel", 9000, 0, "cuLaunchCooperativeKernel", (void *)cuLaunchCooperativeKernel},
+    {"cuLaunchCooperativeKernel", 9000, 1, "cuLaunchCooperativeKernel_ptsz", (void *)cuLaunchCooperativeKernel_ptsz},
+    {"cuLaunchKernelEx", 11060, 0, "cuLaunchKernelEx", (void *)cuLaunchKernelEx},
+    {"cuLaunchKernelEx", 11060, 1, "cuLaunchKernelEx_ptsz", (void *)cuLaunchKernelEx_ptsz},
+    {"cuGraphLaunch", 10000, 0, "cuGraphLaunch", (void *)cuGraphLaunch},
+    {"cuGraphLaunch", 10000, 1, "cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
+    {"cuGetProcAddress", 11030, 0, "cuGetProcAddress", (void *)cuGetProcAddress},
+    {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
+    {"nvmlDeviceGetMemoryInfo", 0, 0, "nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo},
+    {"nvmlDeviceGetMemoryInfo_v2", 0, 0, "nvmlDeviceGetMemoryInfo_v2", (void *)nvmlDeviceGetMemoryInfo_v2},
+};
+
+/* Our wrapper of an exported name (what dlsym finds), NULL if it is not wrapped. */
+static void *ours(const char *name)
+{
+    for (size_t i = 0; i < sizeof FORMS / sizeof *FORMS; i++)
+        if (!strcmp(name, FORMS[i].export))
+            return FORMS[i].ours;
+    return NULL;
+}
+
+/* The form the driver gives for (name, version, flags): the newest one not newer than `version`,
+ * the per-thread-default-stream one when flags ask for it (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM). */
+static const struct form *chosen(const char *name, int version, uint64_t flags)
+{
+    const struct form *best = NULL;
+    for (size_t i = 0; i < sizeof FORMS / sizeof *FORMS; i++) {
+        const struct form *f = &FORMS[i];
+        if (strcmp(name, f->name) || f->since > version || (f->ptsz && !(flags & 2)))
+            continue;
+        if (!best || f->ptsz > best->ptsz || (f->ptsz == best->ptsz && f->since > best->since))
+            best = f;
+    }
+    return best;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status)
+{
+    if (in_driver)  /* (the driver asking itself, or loading) */
+        return real.getproc2 ? real.getproc2(symbol, pfn, version, flags, status)
+             : real.getproc ? real.getproc(symbol, pfn, version, flags) : CU_NOT_INITIALIZED;
+    pthread_once(&once, setup);
+    CUresult r = real.getproc2 ? real.getproc2(symbol, pfn, version, flags, status)
+               : real.getproc ? real.getproc(symbol, pfn, version, flags) : CU_NOT_INITIALIZED;
+    if (r != CU_OK || !symbol || !pfn || !*pfn)
+        return r;
+    const struct form *f = chosen(symbol, version, flags);
+    if (!f || !f->ours)
+        return r;  /* not ours to wrap: exactly what the driver gave */
+    if (version > KNOWN_CUDA && *pfn != sym(f->export)) {
+        /* a CUDA newer than this library knows may have brought a newer form: never wrap it with
+         * an older one's arguments */
+        static int said;
+        if (!__atomic_exchange_n(&said, 1, __ATOMIC_ACQ_REL))
+            fprintf(stderr, "cgpu: %s asked for at CUDA version %d, newer than this libcgpu knows (%d): "
+                    "passed through unwrapped; update libcgpu\n", symbol, version, KNOWN_CUDA);
+        return r;
+    }
+    *pfn = f->ours;
+    return r;
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags)
+{
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+}
+
+/* ---- dlsym -------------------------------------------------------------------------------
+ *
+ * dlsym's answer for RTLD_NEXT (and RTLD_DEFAULT in a library opened RTLD_LOCAL) depends on who
+ * calls it: glibc looks at its return address. So our dlsym must hand over to libc's with the
+ * caller's return address still in place, whatever the compiler does (at -O0 a C call through a
+ * pointer is no tail call, and libc would search from libcgpu). It is a few instructions of
+ * assembly: ask cgpu_dlsym_ours (C), which answers our wrapper for a name we wrap (where the
+ * handle's object has it), and otherwise jump (not call) to libc's dlsym with the caller's
+ * arguments. It takes no lock and sets nothing up: it is lazy (a process that only calls dlsym
+ * never loads libcuda or NVML) and re-entrant (a driver's constructor may call it while we load
+ * the driver). */
+void *cgpu_dlsym_ours(void *handle, const char *name);
+void *cgpu_dlsym_ours(void *handle, const char *name)
+{
+    next_dlsym();
+    if (!name || !((name[0] == 'c' && name[1] == 'u') || !strncmp(name, "nvml", 4)))
+        return NULL;
+    void *fn = ours(name);
+    return fn && cgpu_next_dlsym(handle, name) ? fn : NULL;  /* only where the real library has it */
+}
+
+#if defined(__x86_64__)
+__asm__(".pushsection .text\n"
+        ".globl dlsym\n"
+        ".type dlsym, @function\n"
+        "dlsym:\n"
+        "    push %rdi\n"
+        "    push %rsi\n"
+        "    sub $8, %rsp\n"                   /* (the stack 16-byte aligned at the call) */
+        "    call cgpu_dlsym_ours\n"
+        "    add $8, %rsp\n"
+        "    pop %rsi\n"
+        "    pop %rdi\n"
+        "    test %rax, %rax\n"
+        "    jz 1f\n"
+        "    ret\n"
+        "1:  jmp *cgpu_next_dlsym(%rip)\n"      /* libc's, with the caller's return address */
+        ".size dlsym, .-dlsym\n"
+        ".popsection\n");
+#elif defined(__aarch64__)
+__asm__(".pushsection .text\n"
+        ".globl dlsym\n"
+        ".type dlsym, %function\n"
+        "dlsym:\n"
+        "    stp x29, x30, [sp, #-32]!\n"
+        "    mov x29, sp\n"
+        "    stp x0, x1, [sp, #16]\n"
+        "    bl cgpu_dlsym_ours\n"
+        "    mov x2, x0\n"
+        "    ldp x0, x1, [sp, #16]\n"
+        "    ldp x29, x30, [sp], #32\n"
+        "    cbz x2, 1f\n"
+        "    mov x0, x2\n"
+        "    ret\n"
+        "1:  adrp x16, cgpu_next_dlsym\n"
+        "    ldr x16, [x16, #:lo12:cgpu_next_dlsym]\n"
+        "    br x16\n"                          /* libc's, with the caller's return address */
+        ".size dlsym, .-dlsym\n"
+        ".popsection\n");
+#else
+#error "libcgpu's dlsym is written for x86_64 and aarch64"
+#endif

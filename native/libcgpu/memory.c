@@ -1,0 +1,542 @@
+/*
+ * libcgpu, memory: every allocator charges the container's usage page BEFORE the real call (a
+ * compare-and-swap loop: racing processes can never pass memsize), allocates, and gives the
+ * charge back if the driver fails; every free gives back what its allocation held.
+ */
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cgpu_internal.h"
+
+/* ---- what this process holds: a hash table by pointer (or VMM handle), never full -------------
+ *
+ * Open addressing with linear probing and backward-shift deletion (no tombstones), grown to twice
+ * its size at 3/4 full: an allocation and its free cost a hash and a probe or two under one lock,
+ * however many are live. It never drops an entry: if it cannot grow (no host memory left), the
+ * allocation stays charged until the process ends (never less held than the driver holds). */
+struct entry {
+    uint64_t key;   /* the pointer, handle or mapped address */
+    uint64_t size;
+    uint64_t handle; /* a mapping: its handle */
+    int32_t gpu;
+    int32_t refs;   /* a VMM handle: its references (cuMemCreate's, cuMemRetainAllocationHandle's) */
+    int32_t maps;   /* and its mappings */
+    int32_t used;
+};
+struct table { struct entry *e; size_t cap, n; };
+static int table_lock;       /* a spin lock: one locked instruction to take, none to leave */
+static struct table allocs;  /* what an allocator returned (a VMM handle too) */
+static struct table mapped;  /* VMM: a mapped address -> its handle */
+
+static size_t home(const struct table *t, uint64_t key)
+{
+    return (size_t)(key * 0x9E3779B97F4A7C15ull >> 32) & (t->cap - 1);  /* (Fibonacci hashing: aligned keys spread) */
+}
+
+static struct entry *lookup(struct table *t, uint64_t key)
+{
+    if (!t->cap)
+        return NULL;
+    for (size_t i = home(t, key);; i = (i + 1) & (t->cap - 1)) {
+        if (!t->e[i].used)
+            return NULL;
+        if (t->e[i].key == key)
+            return &t->e[i];
+    }
+}
+
+static struct entry *place(struct table *t, const struct entry *x)
+{
+    size_t i = home(t, x->key);
+    while (t->e[i].used)
+        i = (i + 1) & (t->cap - 1);
+    t->e[i] = *x;
+    t->n++;
+    return &t->e[i];
+}
+
+/* A new entry for `key` (NULL if the table cannot grow). */
+static struct entry *add(struct table *t, uint64_t key)
+{
+    if ((t->n + 1) * 4 > t->cap * 3) {
+        size_t cap = t->cap ? t->cap * 2 : 1024;
+        struct entry *e = calloc(cap, sizeof *e), *old = t->e;
+        if (!e)
+            return NULL;
+        size_t oldcap = t->cap;
+        t->e = e;
+        t->cap = cap;
+        t->n = 0;
+        for (size_t i = 0; i < oldcap; i++)
+            if (old[i].used)
+                place(t, &old[i]);
+        free(old);
+    }
+    struct entry x = {.key = key, .used = 1};
+    return place(t, &x);
+}
+
+static void erase(struct table *t, struct entry *x)
+{
+    size_t i = (size_t)(x - t->e), mask = t->cap - 1;
+    t->e[i].used = 0;
+    t->n--;
+    for (size_t j = (i + 1) & mask; t->e[j].used; j = (j + 1) & mask) {
+        size_t h = home(t, t->e[j].key);
+        if (((j - h) & mask) >= ((j - i) & mask)) {  /* it may move back into the hole */
+            t->e[i] = t->e[j];
+            t->e[j].used = 0;
+            i = j;
+        }
+    }
+}
+
+/* Reserve `size` on GPU g before the driver is asked: racing processes can never pass memsize together. */
+static int reserve(int g, size_t size)
+{
+    uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
+    do {
+        if (size > cap || used > cap - size)
+            return 0;
+    } while (!__atomic_compare_exchange_n(&usage->used[g], &used, used + size, 0, __ATOMIC_ACQ_REL,
+                                          __ATOMIC_ACQUIRE));
+    return 1;
+}
+
+static void refund(int g, size_t size)
+{
+    __atomic_sub_fetch(&usage->used[g], size, __ATOMIC_ACQ_REL);
+}
+
+static void lock(void)
+{
+    while (__atomic_exchange_n(&table_lock, 1, __ATOMIC_ACQUIRE))
+        while (__atomic_load_n(&table_lock, __ATOMIC_RELAXED))
+            sched_yield();
+}
+
+static void unlock(void)
+{
+    __atomic_store_n(&table_lock, 0, __ATOMIC_RELEASE);
+}
+
+/* Under the lock: this process's bytes held on GPU g, in its slot (only this process writes its
+ * slot, and only under the lock: no locked instruction needed; the reader of a dead process's
+ * slot reads it once it is dead). */
+static void hold(int g, int64_t delta)
+{
+    uint64_t *h = &mine->held[g];
+    __atomic_store_n(h, __atomic_load_n(h, __ATOMIC_RELAXED) + (uint64_t)delta, __ATOMIC_RELEASE);
+}
+
+/* Under the lock: what `e` held back to the container, its entry gone. */
+static void let_go(struct entry *e)
+{
+    int g = e->gpu;
+    uint64_t size = e->size;
+    erase(&allocs, e);
+    hold(g, -(int64_t)size);
+    refund(g, size);
+}
+
+/* The driver gave it: this process holds it, and its size is kept for the free. */
+static void commit(int g, CUdeviceptr key, size_t size)
+{
+    lock();
+    hold(g, (int64_t)size);
+    struct entry *e = lookup(&allocs, key);
+    if (e)
+        let_go(e);  /* (the driver gave the same pointer again: the old one was freed behind our back) */
+    e = add(&allocs, key);
+    if (e) {
+        e->size = size;
+        e->gpu = g;
+        e->refs = 1;
+    }
+    unlock();
+}
+
+/* Freed: what it held comes back (nothing for a pointer we never saw). A VMM handle's memory
+ * comes back at its last release only once it is mapped nowhere (the driver's rule). */
+static void forget(CUdeviceptr key)
+{
+    lock();
+    struct entry *e = lookup(&allocs, key);
+    if (e && --e->refs <= 0 && e->maps <= 0)
+        let_go(e);
+    unlock();
+}
+
+/* ---- the driver's own memory ---------------------------------------------------------------
+ *
+ * A context, the local memory of its threads and the device heap are memory the driver takes for
+ * the process beside its allocations: NVML's per-process view counts them (and the daemon's
+ * watchdog fails the process by that view), so they are the container's too. They are found once
+ * per process and GPU, at the first allocation or cuMemGetInfo there (a context exists then): what
+ * NVML says this process holds less what it holds through us; where NVML cannot tell (no NVML,
+ * or the container's PIDs are not the host's NVML names), CGPU_CONTEXT_MIB (default 0: not
+ * known). It is charged to the process's slot whatever room is left (the driver took it
+ * already): a process that fills what cuMemGetInfo calls free is refused there, never past
+ * memsize, and it comes back when the process ends. (HAMi-core charges a per-context figure.) */
+static int driver_counted[CGPU_MAX_GPUS];
+static pthread_mutex_t driver_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void driver_share(int g)
+{
+    if (__atomic_load_n(&driver_counted[g], __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&driver_lock);
+    if (!driver_counted[g]) {
+        uint64_t seen = nvml_process_bytes(g), own = 0;
+        uint64_t ours = __atomic_load_n(&mine->held[g], __ATOMIC_ACQUIRE);
+        if (seen != UINT64_MAX)
+            own = seen > ours ? seen - ours : 0;
+        else {
+            const char *mib = getenv("CGPU_CONTEXT_MIB");
+            own = mib && *mib ? strtoull(mib, NULL, 10) << 20 : 0;
+        }
+        if (own) {
+            lock();
+            hold(g, (int64_t)own);
+            unlock();
+            __atomic_add_fetch(&usage->used[g], own, __ATOMIC_ACQ_REL);
+        }
+        __atomic_store_n(&driver_counted[g], 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&driver_lock);
+}
+
+/* An allocation of `size` bytes done by `call` (the real driver's), held to memsize on the page's
+ * GPU `gpu` (-1: a GPU given whole, not charged). */
+#define CHARGED(size, key, call) CHARGED_ON(current_gpu(), size, key, call)
+#define CHARGED_ON(gpu, size, key, call)                                                \
+    do {                                                                                 \
+        int g_ = (gpu);                                                                  \
+        if (g_ < 0)                                                                      \
+            return (call); /* a GPU given whole: the driver's to hold */                 \
+        if (!need_slot())                                                                \
+            return CU_OUT_OF_MEMORY;                                                     \
+        driver_share(g_);                                                                \
+        if (!reserve(g_, (size)))                                                        \
+            return CU_OUT_OF_MEMORY;                                                     \
+        in_driver++;                                                                     \
+        CUresult r_ = (call);                                                            \
+        in_driver--;                                                                     \
+        if (r_ != CU_OK) {                                                               \
+            refund(g_, (size));                                                          \
+            return r_;                                                                   \
+        }                                                                                \
+        commit(g_, (key), (size));                                                       \
+        return CU_OK;                                                                    \
+    } while (0)
+
+/* A free done by `call`: what `key` held comes back once the driver has let it go. */
+#define RELEASED(key, call)              \
+    do {                                 \
+        in_driver++;                     \
+        CUresult r_ = (call);            \
+        in_driver--;                     \
+        if (r_ == CU_OK)                 \
+            forget(key);                 \
+        return r_;                       \
+    } while (0)
+
+/* A call that allocates nothing charged here (host memory; a descriptor the driver will refuse). */
+#define UNCHARGED(call)         \
+    do {                        \
+        in_driver++;            \
+        CUresult r_ = (call);   \
+        in_driver--;            \
+        return r_;              \
+    } while (0)
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
+{
+    PASS_THROUGH(real.alloc, p, size);
+    CHARGED(size, *p, real.alloc(p, size));
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    PASS_THROUGH(real.free, p);
+    RELEASED(p, real.free(p));
+}
+
+/* Pitched: the driver picks the pitch; charged for the widest it picks (512-byte rows). */
+CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, size_t height, unsigned elem)
+{
+    PASS_THROUGH(real.pitch, p, pitch, width, height, elem);
+    size_t size = ((width + 511) & ~(size_t)511) * height;
+    CHARGED(size, *p, real.pitch(p, pitch, width, height, elem));
+}
+
+/* Managed (unified) memory escapes the real product's isolation; here it is counted (SPEC §3). */
+CUresult cuMemAllocManaged(CUdeviceptr *p, size_t size, unsigned flags)
+{
+    PASS_THROUGH(real.managed, p, size, flags);
+    CHARGED(size, *p, real.managed(p, size, flags));
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, void *stream)
+{
+    PASS_THROUGH(real.alloc_async, p, size, stream);
+    CHARGED(size, *p, real.alloc_async(p, size, stream));
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr p, void *stream)
+{
+    PASS_THROUGH(real.free_async, p, stream);
+    RELEASED(p, real.free_async(p, stream));
+}
+
+/* The per-thread-default-stream forms (_ptsz): the same, on the driver's own form. */
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, void *stream)
+{
+    PASS_THROUGH(real.alloc_async_ptsz, p, size, stream);
+    CHARGED(size, *p, real.alloc_async_ptsz(p, size, stream));
+}
+
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, void *stream)
+{
+    PASS_THROUGH(real.free_async_ptsz, p, stream);
+    RELEASED(p, real.free_async_ptsz(p, stream));
+}
+
+/* From a named pool (CUmemoryPool), stream-ordered: freed by cuMemFreeAsync. */
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, void *pool, void *stream)
+{
+    PASS_THROUGH(real.pool_alloc, p, size, pool, stream);
+    CHARGED(size, *p, real.pool_alloc(p, size, pool, stream));
+}
+
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t size, void *pool, void *stream)
+{
+    PASS_THROUGH(real.pool_alloc_ptsz, p, size, pool, stream);
+    CHARGED(size, *p, real.pool_alloc_ptsz(p, size, pool, stream));
+}
+
+/* cuda.h's CUmemAllocationProp, as far as it is read: where the memory is. (CUDA 13 puts
+ * `localized` {deviceId, localityDomainId} in a union with location.id: same bytes.) */
+typedef struct {
+    int type, requestedHandleTypes;
+    struct { int type, id; } location;
+    void *win32HandleMetaData;
+    unsigned char allocFlags[8];
+} mem_prop;
+enum { LOC_DEVICE = 1, LOC_DEVICE_LOCALITY_DOMAIN = 6 };
+
+/* Virtual memory management: the physical memory is made here, keyed by its handle (cuMemMap
+ * only maps it); device memory is charged, host memory (HOST, HOST_NUMA) is not. */
+CUresult cuMemCreate(CUdeviceptr *handle, size_t size, const mem_prop *prop, unsigned long long flags)
+{
+    PASS_THROUGH(real.mem_create, handle, size, prop, flags);
+    if (!prop || (prop->location.type != LOC_DEVICE && prop->location.type != LOC_DEVICE_LOCALITY_DOMAIN))
+        UNCHARGED(real.mem_create(handle, size, prop, flags));
+    if (prop->location.type == LOC_DEVICE)  /* on the device it names, whichever context is current */
+        CHARGED_ON(page_index(prop->location.id),
+                   size, *handle, real.mem_create(handle, size, prop, flags));
+    CHARGED(size, *handle, real.mem_create(handle, size, prop, flags));
+}
+
+CUresult cuMemRelease(CUdeviceptr handle)
+{
+    PASS_THROUGH(real.mem_release, handle);
+    RELEASED(handle, real.mem_release(handle));
+}
+
+/* Mapped: the handle's memory lives on until its last unmap, whenever it is released. */
+CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUdeviceptr handle, unsigned long long flags)
+{
+    PASS_THROUGH(real.mem_map, va, size, offset, handle, flags);
+    in_driver++;
+    CUresult r = real.mem_map(va, size, offset, handle, flags);
+    in_driver--;
+    if (r != CU_OK)
+        return r;
+    lock();
+    struct entry *h = lookup(&allocs, handle), *m;
+    if (h && (m = add(&mapped, va))) {  /* (a handle we did not charge: another process's, imported) */
+        m->size = size;
+        m->handle = handle;
+        h->maps++;
+    }
+    unlock();
+    return r;
+}
+
+/* Unmapped: [va, va + size) is whole mappings, one after the other; a handle released and mapped
+ * nowhere any more is freed by the driver now, and comes back. */
+CUresult cuMemUnmap(CUdeviceptr va, size_t size)
+{
+    PASS_THROUGH(real.mem_unmap, va, size);
+    in_driver++;
+    CUresult r = real.mem_unmap(va, size);
+    in_driver--;
+    if (r != CU_OK)
+        return r;
+    lock();
+    struct entry *m;
+    for (CUdeviceptr at = va; at - va < size && (m = lookup(&mapped, at));) {
+        uint64_t handle = m->handle;
+        at += m->size ? m->size : size;
+        erase(&mapped, m);
+        struct entry *h = lookup(&allocs, handle);
+        if (h && --h->maps <= 0 && h->refs <= 0)
+            let_go(h);
+    }
+    unlock();
+    return r;
+}
+
+/* One more reference to a mapped handle: it needs its own cuMemRelease. */
+CUresult cuMemRetainAllocationHandle(CUdeviceptr *handle, void *addr)
+{
+    PASS_THROUGH(real.mem_retain, handle, addr);
+    in_driver++;
+    CUresult r = real.mem_retain(handle, addr);
+    in_driver--;
+    if (r != CU_OK || !handle)
+        return r;
+    lock();
+    struct entry *h = lookup(&allocs, *handle);
+    if (h)
+        h->refs++;
+    unlock();
+    return r;
+}
+
+typedef struct { size_t Width, Height; int Format; unsigned NumChannels; } array_desc;
+typedef struct { size_t Width, Height, Depth; int Format; unsigned NumChannels, Flags; } array3d_desc;
+enum { ARRAY3D_LAYERED = 0x01, ARRAY3D_CUBEMAP = 0x04 };
+
+static size_t format_bytes(int f)
+{
+    switch (f) {
+    case 0x01: case 0x08: return 1;
+    case 0x02: case 0x09: case 0x10: return 2;
+    default: return 4;
+    }
+}
+
+static size_t at_least_1(size_t n)
+{
+    return n ? n : 1;
+}
+
+/* An array's bytes: width x height x depth (0 counts as 1) of `channels` elements of `format`;
+ * too large for size_t: SIZE_MAX (more than any memsize: refused, never charged short). */
+static size_t array_bytes(size_t w, size_t h, size_t depth, int format, unsigned channels)
+{
+    size_t n = w, by[] = {at_least_1(h), at_least_1(depth), format_bytes(format), at_least_1(channels)};
+    for (size_t i = 0; i < sizeof by / sizeof *by; i++)
+        if (__builtin_mul_overflow(n, by[i], &n))
+            return SIZE_MAX;
+    return n;
+}
+
+CUresult cuArrayCreate_v2(CUdeviceptr *h, const array_desc *d)
+{
+    PASS_THROUGH(real.array, h, d);
+    if (!d)
+        UNCHARGED(real.array(h, d));
+    size_t size = array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels);
+    CHARGED(size, *h, real.array(h, d));
+}
+
+CUresult cuArray3DCreate_v2(CUdeviceptr *h, const array3d_desc *d)
+{
+    PASS_THROUGH(real.array3d, h, d);
+    if (!d)
+        UNCHARGED(real.array3d(h, d));
+    size_t size = array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels);
+    CHARGED(size, *h, real.array3d(h, d));
+}
+
+CUresult cuArrayDestroy(CUdeviceptr h)
+{
+    PASS_THROUGH(real.array_free, h);
+    RELEASED(h, real.array_free(h));
+}
+
+/* Every level: each half the one before in every dimension (at least 1), but the depth of a
+ * layered or cubemap array is its layers (faces), the same at every level. */
+static size_t mipmap_bytes(const array3d_desc *d, unsigned levels)
+{
+    size_t w = at_least_1(d->Width), h = at_least_1(d->Height), depth = at_least_1(d->Depth), total = 0;
+    int layers = (d->Flags & (ARRAY3D_LAYERED | ARRAY3D_CUBEMAP)) != 0;
+    for (unsigned l = 0; l < levels; l++) {
+        size_t level = array_bytes(w, h, depth, d->Format, d->NumChannels);
+        int last = w == 1 && h == 1 && (layers || depth == 1);  /* the levels left are all this one */
+        if ((last && __builtin_mul_overflow(level, (size_t)(levels - l), &level))
+            || __builtin_add_overflow(total, level, &total))
+            return SIZE_MAX;
+        if (last)
+            break;
+        w = at_least_1(w / 2);
+        h = at_least_1(h / 2);
+        depth = layers ? depth : at_least_1(depth / 2);
+    }
+    return total;
+}
+
+CUresult cuMipmappedArrayCreate(CUdeviceptr *h, const array3d_desc *d, unsigned levels)
+{
+    PASS_THROUGH(real.mipmap, h, d, levels);
+    if (!d)
+        UNCHARGED(real.mipmap(h, d, levels));
+    size_t size = mipmap_bytes(d, levels);
+    CHARGED(size, *h, real.mipmap(h, d, levels));
+}
+
+CUresult cuMipmappedArrayDestroy(CUdeviceptr h)
+{
+    PASS_THROUGH(real.mipmap_free, h);
+    RELEASED(h, real.mipmap_free(h));
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
+{
+    if (!isolated())
+        return asked ? CU_NOT_INITIALIZED : real.info ? real.info(free_, total_) : CU_NOT_INITIALIZED;
+    if (!real.info)
+        return CU_NOT_INITIALIZED;
+    int g = current_gpu();
+    size_t f, t;
+    CUresult r = real.info(&f, &t);  /* (the driver must answer: a context exists) */
+    if (r != CU_OK || g < 0) {  /* (a GPU given whole: as the driver says) */
+        if (r == CU_OK)
+            *free_ = f, *total_ = t;
+        return r;
+    }
+    if (need_slot())
+        driver_share(g);
+    uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
+    *total_ = cap;
+    *free_ = used >= cap ? 0 : cap - used;  /* never an error when over */
+    if (*free_ > f)
+        *free_ = f;  /* nor more than the card has left */
+    return CU_OK;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
+{
+    if (!isolated())
+        return asked ? CU_NOT_INITIALIZED : real.total ? real.total(bytes, d) : CU_NOT_INITIALIZED;
+    CUresult r = real.total(bytes, d);
+    int k = page_index(d);
+    if (r == CU_OK && k >= 0)
+        *bytes = limits->memsize[k];
+    return r;
+}
+
+/* What the parent allocated is the parent's. */
+void memory_forked(void)
+{
+    table_lock = 0;  /* (a thread of the parent may have held it: none runs here) */
+    memset(driver_counted, 0, sizeof driver_counted);  /* (a child's contexts are its own) */
+    free(allocs.e);
+    free(mapped.e);
+    memset(&allocs, 0, sizeof allocs);
+    memset(&mapped, 0, sizeof mapped);
+}

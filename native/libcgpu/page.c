@@ -1,0 +1,241 @@
+/*
+ * libcgpu, the pages (cgpu_page.h): mapping the container's pages, a process slot of its own,
+ * a dead process's memory back to the container, and which GPU of the page a CUDA device is.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "cgpu_internal.h"
+
+const struct cgpu_limits *limits;
+int per_gpu;
+int has_uuids;
+static int dev_page[64];   /* per CUDA device: its page GPU once known; -2 not asked yet, -3 no UUID */
+static int uuids_in_page(void);
+struct cgpu_usage *usage;
+struct cgpu_proc *mine;
+int asked;
+char why[8192];
+char page_dir[4096];
+
+static int alive(int32_t pid)
+{
+    return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH);
+}
+
+/* What a slot's process held back to the container, and the slot free. */
+static void release(struct cgpu_proc *p)
+{
+    unsigned k = (unsigned)(p - usage->procs);
+    __atomic_fetch_and(&usage->gated_slots[k / 32], ~(1u << (k % 32)), __ATOMIC_ACQ_REL);
+    for (int g = 0; g < CGPU_MAX_GPUS; g++) {
+        uint64_t held = __atomic_exchange_n(&p->held[g], 0, __ATOMIC_ACQ_REL);
+        if (held)
+            __atomic_sub_fetch(&usage->used[g], held, __ATOMIC_ACQ_REL);
+    }
+    __atomic_store_n(&p->pid, 0, __ATOMIC_RELEASE);
+}
+
+/* A dead process's memory back to the container: clear its slot first (one finder wins). */
+static void reclaim(struct cgpu_proc *p)
+{
+    int32_t pid = __atomic_load_n(&p->pid, __ATOMIC_ACQUIRE);
+    if (pid <= 0 || alive(pid) || !__atomic_compare_exchange_n(&p->pid, &pid, -1, 0, __ATOMIC_ACQ_REL,
+                                                                __ATOMIC_ACQUIRE))
+        return;
+    release(p);
+}
+
+/* Map `size` bytes of the page `name`, or `least` of an older, shorter one (*got: what was mapped). */
+static void *map_least(const char *dir, const char *name, size_t size, size_t least, size_t *got, int writable)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(why, sizeof why, "%s: %s", path, strerror(errno));
+        return NULL;
+    }
+    struct stat st;
+    if (fstat(fd, &st) || (size_t)st.st_size < least) {
+        snprintf(why, sizeof why, "%s is not a cgpud page (%lld bytes, %zu wanted)", path,
+                 (long long)st.st_size, size);
+        close(fd);
+        return NULL;
+    }
+    size = (size_t)st.st_size < size ? least : size;
+    *got = size;
+    void *p = mmap(NULL, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        snprintf(why, sizeof why, "%s: cannot map it: %s", path, strerror(errno));
+        return NULL;
+    }
+    return p;
+}
+
+static void *map(const char *dir, const char *name, size_t size, int writable)
+{
+    size_t got;
+    return map_least(dir, name, size, size, &got, writable);
+}
+
+/* A free slot of the usage page for this process (NULL if all are taken). */
+static struct cgpu_proc *claim_slot(void)
+{
+    for (int i = 0; i < CGPU_MAX_PROCS; i++) {
+        int32_t zero = 0;
+        if (__atomic_load_n(&usage->procs[i].pid, __ATOMIC_RELAXED) == 0
+            && __atomic_compare_exchange_n(&usage->procs[i].pid, &zero, (int32_t)getpid(), 0, __ATOMIC_ACQ_REL,
+                                           __ATOMIC_ACQUIRE)) {
+            struct cgpu_proc *p = &usage->procs[i];
+            __atomic_store_n(&p->gated, 0, __ATOMIC_RELEASE);
+            __atomic_store_n(&p->acked, 0, __ATOMIC_RELEASE);
+            __atomic_store_n(&p->gpus, 0, __ATOMIC_RELEASE);
+            return p;
+        }
+    }
+    return NULL;
+}
+
+/* Give back what dead processes held, their slots free again. */
+void reclaim_dead(void)
+{
+    for (int i = 0; i < CGPU_MAX_PROCS; i++)
+        reclaim(&usage->procs[i]);
+}
+
+/* This process's slot, taken when it first uses CUDA (cuInit, its first allocation or launch),
+ * not when the library is loaded or the process forked: a child that never uses CUDA (Python
+ * multiprocessing's, a DataLoader worker) takes none, and one that leaves by _exit is found
+ * dead and its slot taken back whenever a slot is needed and none is free. 0: none left. */
+static pthread_mutex_t slot_lock = PTHREAD_MUTEX_INITIALIZER;
+int need_slot(void)
+{
+    if (__atomic_load_n(&mine, __ATOMIC_ACQUIRE))
+        return 1;
+    pthread_mutex_lock(&slot_lock);
+    struct cgpu_proc *p = __atomic_load_n(&mine, __ATOMIC_ACQUIRE);
+    if (!p && !(p = claim_slot())) {
+        reclaim_dead();
+        p = claim_slot();
+    }
+    __atomic_store_n(&mine, p, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&slot_lock);
+    if (!p) {
+        static int said;
+        if (!__atomic_exchange_n(&said, 1, __ATOMIC_ACQ_REL))
+            fprintf(stderr, "cgpu: %s/usage has no free process slot (%d processes use the GPU): "
+                    "CUDA is refused to this process\n", page_dir, CGPU_MAX_PROCS);
+    }
+    return p != NULL;
+}
+
+void page_setup(void)
+{
+    const char *dir = getenv("CGPU_PAGE_DIR");
+    if ((!dir || !*dir) && access("/run/cgpu/limits", F_OK) == 0)
+        dir = "/run/cgpu";  /* a container's (cgpu-runtime's mount): its processes are isolated, environment or not */
+    asked = dir && *dir;
+    if (!asked)
+        return;
+    snprintf(page_dir, sizeof page_dir, "%s", dir);
+    size_t got = 0;
+    limits = map_least(dir, "limits", sizeof *limits, CGPU_LIMITS_SHARED_GATE, &got, 0);
+    per_gpu = got == sizeof *limits;
+    for (int i = 0; i < 64; i++)
+        dev_page[i] = -2;
+    if (limits && (limits->magic != CGPU_MAGIC || limits->version != CGPU_VERSION
+                   || limits->ngpus == 0 || limits->ngpus > CGPU_MAX_GPUS)) {
+        snprintf(why, sizeof why, "%s/limits is %s", dir,
+                 limits->magic != CGPU_MAGIC ? "not a cgpud page (foreign magic)"
+                 : limits->version != CGPU_VERSION ? "of another version of cgpud: restart the container"
+                 : "malformed (its GPU count)");
+        limits = NULL;
+    }
+    if (!limits)
+        return;
+    usage = map(dir, "usage", sizeof *usage, 1);
+    if (usage && (usage->magic != CGPU_MAGIC || usage->version != CGPU_VERSION)) {
+        snprintf(why, sizeof why, "%s/usage is not a cgpud usage page of this version", dir);
+        usage = NULL;
+    }
+    if (!usage) {
+        limits = NULL;
+        return;
+    }
+    why[0] = 0;
+    has_uuids = limits && uuids_in_page();
+}
+
+/* At exit the driver frees what the process held: so does its page. */
+__attribute__((destructor)) static void give_back(void)
+{
+    if (mine && usage)
+        release(mine);
+}
+
+/* A forked child holds nothing: the slot is the parent's; it takes its own if it uses CUDA. */
+void page_forked(void)
+{
+    mine = NULL;
+}
+
+/* The page's GPU of a CUDA device. With the GPUs' UUIDs in the page: the one whose UUID the
+ * driver gives the device, whatever order CUDA numbers them in (CUDA_DEVICE_ORDER). Without
+ * them, from a driver that cannot say a UUID, or for a UUID the page does not name (a MIG
+ * device's is its own): device k is GPU k of the page, -1 past the page's (a GPU given whole),
+ * as before UUIDs: a device is never less held for them. */
+
+static int uuids_in_page(void)
+{
+    static const unsigned char zero[16];
+    if (!per_gpu)
+        return 0;
+    for (uint32_t k = 0; k < limits->ngpus; k++)
+        if (memcmp(limits->uuid[k], zero, 16))
+            return 1;
+    return 0;
+}
+
+int uuid_to_page(const unsigned char *u)
+{
+    for (uint32_t k = 0; k < limits->ngpus; k++)
+        if (!memcmp(limits->uuid[k], u, 16))
+            return (int)k;
+    return -1;
+}
+
+int page_index(int dev)
+{
+    if (dev < 0)
+        return -1;
+    if (dev < 64 && real.device_uuid && has_uuids) {
+        int k = __atomic_load_n(&dev_page[dev], __ATOMIC_RELAXED);
+        if (k == -2) {
+            unsigned char u[16];
+            k = real.device_uuid(u, dev) == CU_OK ? uuid_to_page(u) : -3;
+            k = k == -1 ? -3 : k;
+            __atomic_store_n(&dev_page[dev], k, __ATOMIC_RELAXED);
+        }
+        if (k != -3)
+            return k;
+    }
+    return (uint32_t)dev < limits->ngpus ? dev : -1;
+}
+
+/* The page's GPU of the calling thread's current context (see page_index). */
+int current_gpu(void)
+{
+    CUdevice dev = 0;
+    if (!real.ctx_get_device || real.ctx_get_device(&dev) != CU_OK)
+        return 0;  /* (no context yet: the driver refuses the allocation itself) */
+    return page_index(dev);
+}
