@@ -10,12 +10,14 @@
  * fat binary must hold an ELF this card runs (the same major architecture, minor not above the
  * card's 7.5) or PTX no newer than the card, else CUDA_ERROR_NO_BINARY_FOR_GPU; anything else
  * is CUDA_ERROR_INVALID_IMAGE. A function's or global's name must be in the image: an ELF's
- * symbol table (STT_FUNC / STT_OBJECT), or PTX's ".entry" / ".global" lines; compressed entries
- * (flags 0x2000 LZ4, 0x8000 zstd, as nvcc 13 packs PTX) are not read, so a name only they hold
- * is not found. Else CUDA_ERROR_NOT_FOUND, as the driver says. Nothing runs: a launch takes the
+ * symbol table (STT_FUNC / STT_OBJECT), or PTX's ".entry" / ".global" lines; a compressed
+ * entry (flags 0x2000 LZ4, 0x8000 zstd: nvcc 13 packs PTX so, CuPy's own fat binaries every
+ * entry) is read through the system's liblz4.so.1 / libzstd.so.1. Else CUDA_ERROR_NOT_FOUND,
+ * as the driver says. Nothing runs: a launch takes the
  * card's time (libcuda.c), a global is an address range the copies accept, with no contents.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <elf.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -141,6 +143,32 @@ static int read_ptx(struct module *m, const char *p, size_t n, int *version)
     return 0;
 }
 
+/* A compressed entry's payload, decompressed by the system's libzstd.so.1 or liblz4.so.1 (loaded
+ * when first needed), into a buffer to free; NULL if it cannot be. */
+static void *decompress(const unsigned char *p, size_t n, size_t size, int zstd)
+{
+    static void *z, *l;
+    static size_t (*zstd_decompress)(void *, size_t, const void *, size_t);
+    static unsigned (*zstd_is_error)(size_t);
+    static int (*lz4_decompress)(const char *, char *, int, int);
+    if (zstd && !z && (z = dlopen("libzstd.so.1", RTLD_NOW | RTLD_LOCAL))) {
+        zstd_decompress = (size_t (*)(void *, size_t, const void *, size_t))dlsym(z, "ZSTD_decompress");
+        zstd_is_error = (unsigned (*)(size_t))dlsym(z, "ZSTD_isError");
+    }
+    if (!zstd && !l && (l = dlopen("liblz4.so.1", RTLD_NOW | RTLD_LOCAL)))
+        lz4_decompress = (int (*)(const char *, char *, int, int))dlsym(l, "LZ4_decompress_safe");
+    if (!size || size > (256u << 20)) return NULL;
+    void *out = malloc(size);
+    if (out && zstd && zstd_decompress && zstd_is_error) {
+        size_t got = zstd_decompress(out, size, p, n);
+        if (!zstd_is_error(got)) return out;
+    } else if (out && !zstd && lz4_decompress && lz4_decompress((const char *)p, out, (int)n, (int)size) >= 0)
+        return out;
+    stub_trace("a compressed entry (%s) could not be read", zstd ? "zstd" : "lz4");
+    free(out);
+    return NULL;
+}
+
 /* the fat binary's entries; INVALID_IMAGE, NO_BINARY_FOR_GPU or OK */
 static CUresult read_fatbin(struct module *m, const unsigned char *p)
 {
@@ -155,12 +183,21 @@ static CUresult read_fatbin(struct module *m, const unsigned char *p)
         if (e->header_size < sizeof *e - 8) return STUB_INVALID_IMAGE;
         const unsigned char *payload = p + off + e->header_size;
         int major = (int)e->sm / 10, minor = (int)e->sm % 10, compressed = (e->flags & 0xa000) != 0;
-        if (e->kind == 2 && major == CARD_MAJOR && minor <= CARD_MINOR) {
+        size_t n = e->payload_size;
+        void *plain = NULL;
+        int ours = (e->kind == 2 && major == CARD_MAJOR && minor <= CARD_MINOR)
+                   || (e->kind == 1 && (int)e->sm <= CARD_MAJOR * 10 + CARD_MINOR);
+        if (ours && compressed && (plain = decompress(payload, e->compressed_size, e->uncompressed, e->flags & 0x8000)))
+            payload = plain, n = e->uncompressed;
+        if (e->kind == 2 && ours) {
             runs = 1;
-            if (!compressed && read_elf(m, payload, e->payload_size)) return STUB_INVALID_IMAGE;
-        } else if (e->kind == 1 && (int)e->sm <= CARD_MAJOR * 10 + CARD_MINOR) {
+            int bad = (!compressed || plain) && read_elf(m, payload, n);
+            free(plain);
+            if (bad) return STUB_INVALID_IMAGE;
+        } else if (e->kind == 1 && ours) {
             runs = 1;
-            if (!compressed) read_ptx(m, (const char *)payload, e->payload_size, NULL);
+            if (!compressed || plain) read_ptx(m, (const char *)payload, strnlen((const char *)payload, n), NULL);
+            free(plain);
         } else if (e->kind != 1 && e->kind != 2)
             return STUB_INVALID_IMAGE;
         off += e->header_size + e->payload_size;
