@@ -123,7 +123,7 @@ def test_cudamemgetinfo_shows_memsize_with_libcgpu(probes, stubs, tmp_path, cont
 def test_cudamalloc_past_memsize_fails_and_takes_nothing(probes, stubs, tmp_path, container, rt):
     e = env(stubs, rt, tmp_path, page_dir=container)
     out = run(probes, rt, e, "alloc", str(1024 * MIB + 1))
-    assert out[0] == "cudaErrorMemoryAllocation", out
+    assert out[:2] == ["cudaErrorMemoryAllocation"] * 2, out  # the call's error, and cudaGetLastError's
     assert out[2:] == [str(1024 * MIB), "1"], out  # all of memsize still free; no pointer
     assert card_used(tmp_path) == 0, "nothing was taken from the card"
     assert pages.used(os.fspath(container))[0] == 0
@@ -204,3 +204,32 @@ def test_the_runtime_will_not_start_on_a_device_without_a_uuid(probes, stubs, tm
     r = subprocess.run([os.fspath(probes[13]), "info"], env=e, capture_output=True, text=True, timeout=60)
     assert r.stdout.split()[:2] == ["count", "cudaErrorInitializationError"], r.stdout + r.stderr
     assert UUID.startswith("GPU-")
+
+
+def test_a_podman_container_runs_the_program_through_the_runtime_held_to_its_memsize(make_daemon, probes, tmp_path):
+    """A real container (podman, the hooks.d hook only; tests/test_podman.py's host-/usr root file
+    system): the runtime-13 program, NVIDIA's libcudart.so.13 and the stand-in driver in /share.
+    The daemon's hook joins it to cgpud with 1 GiB and preloads libcgpu: the runtime inside sees
+    1 GiB as the card, one byte past it is cudaErrorMemoryAllocation with nothing taken, and its
+    kernels run on the card."""
+    import shutil
+    from test_podman import glibc_podman
+
+    d, podman, share, _ = glibc_podman(make_daemon, tmp_path)
+    try:
+        shutil.copy(probes[13], share / "probe")
+        shutil.copy(RUNTIMES[13]["lib"] / RUNTIMES[13]["so"], share / "lib")
+        e = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib", "CGPU_STUB_CUDA_UUIDS": UUID,
+             "CGPU_STUB_CUDA_STATE": "/share/card.state", "CGPU_STUB_CUDA_LOG": "/share/kernels"}
+        p = podman.run(e, "sh", "-c", f"/share/probe info && /share/probe alloc {1024 * MIB + 1} && "
+                                      "/share/probe kernels 3 200 && cat /etc/ld.so.preload",
+                       volumes=["/usr:/usr:ro", f"{share}:/share"])
+        assert p.returncode == 0, p.stdout + p.stderr
+        out = p.stdout.split()
+        assert out[2:5] == ["1", str(1024 * MIB), str(1024 * MIB)], out  # info: count, free, total
+        assert out[9:13] == ["cudaErrorMemoryAllocation"] * 2 + [str(1024 * MIB), "1"], out
+        assert out[13] == "cudaSuccess" and out[15] == "/run/cgpu-lib/libcgpu.so", out
+        assert int.from_bytes((share / "card.state").read_bytes()[:8], "little") == 0, "nothing left on the card"
+        assert [end - start for _, start, end in kernels(share)] == [200_000] * 3
+    finally:
+        podman.cleanup()
