@@ -351,7 +351,7 @@ static CUresult drop(CUdeviceptr p)
         }
     return INVALID_VALUE;
 }
-CUresult cuMemFree_v2(CUdeviceptr p) { return drop(p); }
+CUresult cuMemFree_v2(CUdeviceptr p) { return p ? drop(p) : OK; }  /* 0: nothing, as the driver (cudaFree(0) passes it on) */
 /* the card's memory, not through the exported cuMemAlloc_v2 */
 static CUresult device(CUdeviceptr *p, size_t size)
 {
