@@ -54,6 +54,19 @@ def test_cupy_counts_the_device_and_sees_memsize(stubs, tmp_path, container):
     assert out == ["1", str(256 * MIB), str(256 * MIB), str(256 * MIB), "75", "13"]
 
 
+def test_cupy_on_the_stand_in_alone_sees_the_whole_card_and_runs_kernels(stubs, tmp_path):
+    """No libcgpu: the card's 15109 MiB, and a kernel (cupy's own `+`, NVRTC) of 1,000 blocks."""
+    out = cupy(stubs, tmp_path, None, """
+        x = cupy.ones(128000, dtype=cupy.float32)
+        y = x + x
+        cupy.cuda.Device().synchronize()
+        print(*runtime.memGetInfo(), os.getpid())
+    """)
+    card = 15109 * MIB
+    assert out[:2] == [str(card - 2 * 512000), str(card)], out  # x and y, 512,000 bytes each, on the card
+    assert (int(out[2]), 1_000_000) in [(p, e - s) for p, s, e in kernels(tmp_path)]
+
+
 def test_cupy_past_memsize_raises_out_of_memory_and_takes_nothing(stubs, tmp_path, container):
     out = cupy(stubs, tmp_path, container, """
         state = os.environ["CGPU_STUB_CUDA_STATE"]
