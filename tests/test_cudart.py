@@ -234,3 +234,59 @@ def test_a_podman_container_runs_the_program_through_the_runtime_held_to_its_mem
         assert [end - start for _, start, end in kernels(share)] == [200_000] * 3
     finally:
         podman.cleanup()
+
+
+@pytest.mark.slow
+def test_a_docker_container_through_cgpu_runtime_runs_the_program_held_to_its_memsize(make_daemon, probes, stubs,
+                                                                                     tmp_path):
+    """`docker run --runtime=cgpu` (Debian's dockerd, tests/test_docker.py's own instance): cgpu-runtime
+    joins the container to cgpud with 1 GiB and mounts libcgpu into it; the image is the host's
+    /usr (bind-mounted read-only) and /share with the runtime-13 program, libcudart.so.13 and the
+    stand-in. The runtime inside sees 1 GiB as the card, one byte past it is refused taking
+    nothing, and its kernels run on the card."""
+    import io
+    import shutil
+    import tarfile
+
+    from test_docker import DOCKER_CLI, Dockerd
+    from test_runc import compiled_hook
+
+    d = make_daemon(extra_args=["--hook-path", compiled_hook(), "--libcgpu", os.fspath(stubs / "libcgpu.so")])
+    share = tmp_path / "share"
+    (share / "lib").mkdir(parents=True)
+    shutil.copy(probes[13], share / "probe")
+    shutil.copy(RUNTIMES[13]["lib"] / RUNTIMES[13]["so"], share / "lib")
+    shutil.copy(stubs / "libcuda.so.1", share / "lib")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:  # an image of directories: /usr comes from the host
+        for sub in ("usr", "proc", "sys", "dev", "etc", "tmp", "run", "share"):
+            info = tarfile.TarInfo(sub)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        for link in ("bin", "lib", "lib64", "sbin"):
+            info = tarfile.TarInfo(link)
+            info.type, info.linkname = tarfile.SYMTYPE, f"usr/{link}"
+            tar.addfile(info)
+    dk = Dockerd(d)
+    try:
+        p = subprocess.run([DOCKER_CLI, "-H", f"unix://{dk.sock}", "import", "-", "cgpud-hostusr:test"],
+                           input=buf.getvalue(), capture_output=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        env_args = []
+        for k, v in {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib",
+                     "CGPU_STUB_CUDA_UUIDS": UUID, "CGPU_STUB_CUDA_STATE": "/share/card.state",
+                     "CGPU_STUB_CUDA_LOG": "/share/kernels"}.items():
+            env_args += ["-e", f"{k}={v}"]
+        p = dk("run", "--rm", "--runtime=cgpu", "--network", "none", *env_args, "-v", "/usr:/usr:ro",
+               "-v", f"{share}:/share", "cgpud-hostusr:test", "sh", "-c",
+               f"/share/probe info && /share/probe alloc {1024 * MIB + 1} && /share/probe kernels 3 200 && "
+               "cat /etc/ld.so.preload")
+        assert p.returncode == 0, p.stdout + p.stderr + dk.log_text()
+        out = p.stdout.split()
+        assert out[2:5] == ["1", str(1024 * MIB), str(1024 * MIB)], out
+        assert out[10:14] == ["cudaErrorMemoryAllocation"] * 2 + [str(1024 * MIB), "1"], out
+        assert out[14] == "cudaSuccess" and out[16].endswith("libcgpu.so"), out
+        assert int.from_bytes((share / "card.state").read_bytes()[:8], "little") == 0, "nothing left on the card"
+        assert [end - start for _, start, end in kernels(share)] == [200_000] * 3
+    finally:
+        dk.cleanup()
