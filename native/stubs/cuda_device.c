@@ -21,9 +21,7 @@
 
 typedef void *CUcontext;
 typedef void *CUstream;
-int stub_find_global(CUdeviceptr p, size_t n);
 CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int dev);
-uint64_t stub_work_end(void);
 
 static uint64_t now_ns(void)
 {
@@ -212,6 +210,16 @@ CUresult cuStreamGetCaptureInfo_v2(CUstream s, int *status, unsigned long long *
                                    size_t *ndeps)
 {
     return cuStreamGetCaptureInfo_v3(s, status, id, graph, deps, NULL, ndeps);
+}
+CUresult cuStreamGetCaptureInfo(CUstream s, int *status, unsigned long long *id)
+{
+    return cuStreamGetCaptureInfo_v3(s, status, id, NULL, NULL, NULL, NULL);
+}
+/* the form the caller was built for: CUDA 12.3's (edges), 11.3's (graph and dependencies), 10.1's */
+void *stub_capture_info(int version)
+{
+    return version >= 12030 ? (void *)cuStreamGetCaptureInfo_v3
+         : version >= 11030 ? (void *)cuStreamGetCaptureInfo_v2 : (void *)cuStreamGetCaptureInfo;
 }
 CUresult cuThreadExchangeStreamCaptureMode(int *mode)
 {

@@ -362,9 +362,7 @@ CUresult cuModuleGetLoadingMode(int *mode)
     return STUB_OK;
 }
 
-/* [p, p + n) inside a module's global: 0, else -1 */
-int stub_find_global(CUdeviceptr p, size_t n);
-HIDDEN int stub_find_global(CUdeviceptr p, size_t n)
+int stub_find_global(CUdeviceptr p, size_t n)
 {
     int found = -1;
     pthread_mutex_lock(&lock);

@@ -30,6 +30,7 @@ HIDDEN uint64_t stub_card_bytes(void);         /* one card's memory */
 /* the live device allocation holding [p, p + n): 0 and its base and size, or -1 */
 HIDDEN int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
 HIDDEN CUresult stub_synchronize(void);        /* wait for this process's kernels */
+HIDDEN uint64_t stub_work_end(void);           /* when this process's last kernel ends (CLOCK_MONOTONIC ns) */
 
 /* cuda_export.c: a name cuGetProcAddress's table in libcuda.c does not know, or NULL */
 HIDDEN void *stub_more_proc(const char *symbol, int version, uint64_t flags);
@@ -37,4 +38,8 @@ HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)
 
 /* cuda_modules.c */
 HIDDEN int stub_function_valid(const void *f);
+HIDDEN int stub_find_global(CUdeviceptr p, size_t n);  /* [p, p + n) inside a module's global: 0, else -1 */
+
+/* cuda_device.c: cuStreamGetCaptureInfo in the form of the caller's CUDA version */
+HIDDEN void *stub_capture_info(int version);
 #endif
