@@ -290,3 +290,27 @@ def test_a_docker_container_through_cgpu_runtime_runs_the_program_held_to_its_me
         assert [end - start for _, start, end in kernels(share)] == [200_000] * 3
     finally:
         dk.cleanup()
+
+
+def test_pointer_attributes_know_the_cards_memory_and_default_the_rest(stubs, tmp_path, monkeypatch):
+    """cuPointerGetAttribute: a device pointer inside an allocation is the card's (memory type 2,
+    its range); memory the driver does not know is CUDA_ERROR_INVALID_VALUE. cuPointerGetAttributes
+    gives such memory default NULL values and CUDA_SUCCESS, as cuda.h says."""
+    monkeypatch.setenv("CGPU_STUB_CUDA_STATE", os.fspath(tmp_path / "card.state"))
+    cuda = ctypes.CDLL(os.fspath(stubs / "libcuda.so.1"))
+    assert cuda.cuInit(0) == 0
+    p = ctypes.c_ulonglong()
+    assert cuda.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(4096)) == 0
+    kind, start, size = ctypes.c_uint(), ctypes.c_ulonglong(), ctypes.c_size_t()
+    assert cuda.cuPointerGetAttribute(ctypes.byref(kind), 2, ctypes.c_ulonglong(p.value + 100)) == 0 and kind.value == 2
+    assert cuda.cuPointerGetAttribute(ctypes.byref(start), 11, ctypes.c_ulonglong(p.value + 100)) == 0
+    assert cuda.cuPointerGetAttribute(ctypes.byref(size), 12, ctypes.c_ulonglong(p.value + 100)) == 0
+    assert (start.value, size.value) == (p.value, 4096)
+    host = ctypes.create_string_buffer(64)
+    assert cuda.cuPointerGetAttribute(ctypes.byref(kind), 2, ctypes.c_ulonglong(ctypes.addressof(host))) == 1
+    kind.value, start.value = 7, 7
+    attrs = (ctypes.c_int * 2)(2, 11)
+    data = (ctypes.c_void_p * 2)(ctypes.addressof(kind), ctypes.addressof(start))
+    assert cuda.cuPointerGetAttributes(2, attrs, data, ctypes.c_ulonglong(ctypes.addressof(host))) == 0
+    assert (kind.value, start.value) == (0, 0)
+    assert cuda.cuMemFree_v2(p) == 0 and cuda.cuMemFree_v2(ctypes.c_ulonglong(0)) == 0

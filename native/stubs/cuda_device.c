@@ -459,13 +459,22 @@ CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p)
     }
     return STUB_OK;
 }
+/* cuda.h: "will not return an error when the ptr encountered is not a valid CUDA pointer. Instead,
+ * the attributes are assigned default NULL values" (an attribute a pointer has not: the same) */
 CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr p)
 {
     if (!attrs || !data) return STUB_INVALID_VALUE;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
     for (unsigned i = 0; i < n; i++) {
-        CUresult r = cuPointerGetAttribute(data[i], attrs[i], p);
-        if (r == STUB_INVALID_VALUE && attrs[i] == 2) { *(unsigned *)data[i] = 0; continue; }  /* unregistered: type 0 */
-        if (r && r != STUB_INVALID_VALUE) return r;
+        if (!data[i]) return STUB_INVALID_VALUE;
+        if (attrs[i] < 1 || attrs[i] > 22) return STUB_INVALID_VALUE;
+        if (cuPointerGetAttribute(data[i], attrs[i], p) == STUB_OK) continue;
+        switch (attrs[i]) {
+        case 1: case 3: case 4: case 7: case 11: case 12: case 17: case 18: case 19: case 20:
+            memset(data[i], 0, 8); break;             /* pointers, sizes, 64-bit ids */
+        case 5: memset(data[i], 0, 16); break;        /* CUDA_POINTER_ATTRIBUTE_P2P_TOKENS */
+        default: memset(data[i], 0, 4);
+        }
     }
     return STUB_OK;
 }
