@@ -17,17 +17,26 @@ from pathlib import Path
 import pytest
 
 from cgpud.gpus import pages
-from real_cuda import RUNTIMES, UUID, build, card_used, env, kernels
+from real_cuda import RUNTIMES, UUID, build, env, kernels
 
 MIB = 1 << 20
 
 PROBE = r"""
-/* probe info | probe alloc BYTES | probe kernels N GRID: one line of results (see the tests) */
+/* probe info | probe fill | probe kernels N GRID: one line of results (see the tests) */
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <cuda_runtime.h>
+#include <fcntl.h>
+#include <unistd.h>
 __global__ void step(int *p) { p[blockIdx.x % 1024] += threadIdx.x; }
+static unsigned long long card_used() {  /* the stand-in card's bytes in use (its state file's first word) */
+    unsigned long long used = 0;
+    int fd = open(getenv("CGPU_STUB_CUDA_STATE"), O_RDONLY);
+    if (fd >= 0 && pread(fd, &used, sizeof used, 0) != sizeof used) used = 0;
+    if (fd >= 0) close(fd);
+    return used;
+}
 int main(int argc, char **argv) {
     int n = 0, rt = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
@@ -39,14 +48,20 @@ int main(int argc, char **argv) {
         cudaError_t e1 = cudaMemGetInfo(&f, &t), e2 = cudaGetDeviceProperties(&p, 0), e3 = cudaFree(0);
         printf("%d %d %d %zu %zu %d.%d %zu %s %s %s\n", CUDART_VERSION, rt, n, f, t, p.major, p.minor, p.totalGlobalMem,
                cudaGetErrorName(e1), cudaGetErrorName(e2), cudaGetErrorName(e3));
-    } else if (!strcmp(argv[1], "alloc")) {
-        void *p = NULL;
-        e = cudaMalloc(&p, strtoull(argv[2], NULL, 10));
+    } else if (!strcmp(argv[1], "fill")) {  /* one byte past what is free, then all of it */
+        void *p = NULL, *q = NULL;
+        size_t f0 = 0, t = 0, f1 = 0, f2 = 0;
+        cudaMemGetInfo(&f0, &t);
+        unsigned long long u0 = card_used();
+        e = cudaMalloc(&p, f0 + 1);
         cudaError_t last = cudaGetLastError();
-        size_t f = 0, t = 0;
-        cudaMemGetInfo(&f, &t);
-        printf("%s %s %zu %d\n", cudaGetErrorName(e), cudaGetErrorName(last), f, p == NULL);
-        if (p) cudaFree(p);
+        unsigned long long u1 = card_used();
+        cudaMemGetInfo(&f1, &t);
+        cudaError_t e2 = cudaMalloc(&q, f1);
+        cudaMemGetInfo(&f2, &t);
+        printf("%zu %zu %s %s %llu %zu %d %s %zu\n", t, f0, cudaGetErrorName(e), cudaGetErrorName(last), u1 - u0, f1,
+               p == NULL, cudaGetErrorName(e2), f2);
+        if (q) cudaFree(q);
     } else if (!strcmp(argv[1], "kernels")) {
         int *d = NULL, h[1024] = {0};
         cudaStream_t s;
@@ -104,6 +119,17 @@ def container(tmp_path):
 RT = pytest.mark.parametrize("rt", sorted(RUNTIMES))
 
 
+# What the driver itself may keep of the card for a context (none in the stand-in today; a real
+# driver's few hundred MiB are modelled by the libcgpu issue's work): free is at most this below total.
+CONTEXT_ALLOWANCE = 512 * MIB
+
+
+def memory(out: list[str], total: int) -> None:
+    """`info`'s free and total: total is exactly `total`, free is total less at most a context."""
+    free, tot = int(out[3]), int(out[4])
+    assert tot == total and 0 <= tot - free < CONTEXT_ALLOWANCE, out
+
+
 @RT
 def test_the_runtime_starts_on_the_stand_in_alone_and_sees_the_whole_card(probes, stubs, tmp_path, rt):
     """No libcgpu: the runtime's own version, one device of compute capability 7.5, the card's memory;
@@ -111,24 +137,30 @@ def test_the_runtime_starts_on_the_stand_in_alone_and_sees_the_whole_card(probes
     out = run(probes, rt, env(stubs, rt, tmp_path, preload=False), "info")
     card = 15109 * MIB
     assert out[0] == out[1] and int(out[1]) // 1000 == rt, out  # built against and running on runtime `rt`
-    assert out[2:] == ["1", str(card), str(card), "7.5", str(card)] + ["cudaSuccess"] * 3, out
+    memory(out, card)
+    assert [out[2]] + out[5:] == ["1", "7.5", str(card)] + ["cudaSuccess"] * 3, out
 
 
 @RT
 def test_cudamemgetinfo_shows_memsize_with_libcgpu(probes, stubs, tmp_path, container, rt):
     out = run(probes, rt, env(stubs, rt, tmp_path, page_dir=container), "info")
-    assert out[2:] == ["1", str(1024 * MIB), str(1024 * MIB), "7.5", str(1024 * MIB)] + ["cudaSuccess"] * 3, out
+    memory(out, 1024 * MIB)
+    assert [out[2]] + out[5:] == ["1", "7.5", str(1024 * MIB)] + ["cudaSuccess"] * 3, out
+
+
+def filled(out: list[str], total: int) -> None:
+    """`fill`'s line: one byte past what cudaMemGetInfo calls free is cudaErrorMemoryAllocation (the
+    call's, then cudaGetLastError's), taking nothing from the card and leaving free as it was, no
+    pointer; then all of what is free is granted and nothing is left free."""
+    free = int(out[1])
+    assert int(out[0]) == total and 0 <= total - free < CONTEXT_ALLOWANCE, out
+    assert out[2:] == ["cudaErrorMemoryAllocation"] * 2 + ["0", str(free), "1", "cudaSuccess", "0"], out
 
 
 @RT
 def test_cudamalloc_past_memsize_fails_and_takes_nothing(probes, stubs, tmp_path, container, rt):
-    e = env(stubs, rt, tmp_path, page_dir=container)
-    out = run(probes, rt, e, "alloc", str(1024 * MIB + 1))
-    assert out[:2] == ["cudaErrorMemoryAllocation"] * 2, out  # the call's error, and cudaGetLastError's
-    assert out[2:] == [str(1024 * MIB), "1"], out  # all of memsize still free; no pointer
-    assert card_used(tmp_path) == 0, "nothing was taken from the card"
-    assert pages.used(os.fspath(container))[0] == 0
-    assert run(probes, rt, e, "alloc", str(1024 * MIB))[0] == "cudaSuccess"  # exactly memsize fits
+    filled(run(probes, rt, env(stubs, rt, tmp_path, page_dir=container), "fill"), 1024 * MIB)
+    assert pages.used(os.fspath(container))[0] == 0, "all of it given back at the end"
 
 
 @RT
@@ -222,15 +254,14 @@ def test_a_podman_container_runs_the_program_through_the_runtime_held_to_its_mem
         shutil.copy(RUNTIMES[13]["lib"] / RUNTIMES[13]["so"], share / "lib")
         e = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib", "CGPU_STUB_CUDA_UUIDS": UUID,
              "CGPU_STUB_CUDA_STATE": "/share/card.state", "CGPU_STUB_CUDA_LOG": "/share/kernels"}
-        p = podman.run(e, "sh", "-c", f"/share/probe info && /share/probe alloc {1024 * MIB + 1} && "
-                                      "/share/probe kernels 3 200 && cat /etc/ld.so.preload",
+        p = podman.run(e, "sh", "-c", "/share/probe info && /share/probe fill && /share/probe kernels 3 200 && "
+                                      "cat /etc/ld.so.preload",
                        volumes=["/usr:/usr:ro", f"{share}:/share"])
         assert p.returncode == 0, p.stdout + p.stderr
-        out = p.stdout.split()
-        assert out[2:5] == ["1", str(1024 * MIB), str(1024 * MIB)], out  # info: count, free, total
-        assert out[10:14] == ["cudaErrorMemoryAllocation"] * 2 + [str(1024 * MIB), "1"], out
-        assert out[14] == "cudaSuccess" and out[16] == "/run/cgpu-lib/libcgpu.so", out
-        assert int.from_bytes((share / "card.state").read_bytes()[:8], "little") == 0, "nothing left on the card"
+        lines = p.stdout.splitlines()
+        memory(lines[0].split(), 1024 * MIB)
+        filled(lines[1].split(), 1024 * MIB)
+        assert lines[2].split()[0] == "cudaSuccess" and lines[3] == "/run/cgpu-lib/libcgpu.so", lines
         assert [end - start for _, start, end in kernels(share)] == [200_000] * 3
     finally:
         podman.cleanup()
@@ -279,14 +310,12 @@ def test_a_docker_container_through_cgpu_runtime_runs_the_program_held_to_its_me
             env_args += ["-e", f"{k}={v}"]
         p = dk("run", "--rm", "--runtime=cgpu", "--network", "none", *env_args, "-v", "/usr:/usr:ro",
                "-v", f"{share}:/share", "cgpud-hostusr:test", "sh", "-c",
-               f"/share/probe info && /share/probe alloc {1024 * MIB + 1} && /share/probe kernels 3 200 && "
-               "cat /etc/ld.so.preload")
+               "/share/probe info && /share/probe fill && /share/probe kernels 3 200 && cat /etc/ld.so.preload")
         assert p.returncode == 0, p.stdout + p.stderr + dk.log_text()
-        out = p.stdout.split()
-        assert out[2:5] == ["1", str(1024 * MIB), str(1024 * MIB)], out
-        assert out[10:14] == ["cudaErrorMemoryAllocation"] * 2 + [str(1024 * MIB), "1"], out
-        assert out[14] == "cudaSuccess" and out[16].endswith("libcgpu.so"), out
-        assert int.from_bytes((share / "card.state").read_bytes()[:8], "little") == 0, "nothing left on the card"
+        lines = p.stdout.splitlines()
+        memory(lines[0].split(), 1024 * MIB)
+        filled(lines[1].split(), 1024 * MIB)
+        assert lines[2].split()[0] == "cudaSuccess" and lines[3].endswith("libcgpu.so"), lines
         assert [end - start for _, start, end in kernels(share)] == [200_000] * 3
     finally:
         dk.cleanup()
