@@ -8,9 +8,10 @@ Each program is built once per runtime for the module (nvcc from the `nvidia-cud
 tests/real_cuda.py)."""
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
+import sys
+import textwrap
 
 from pathlib import Path
 
@@ -188,13 +189,23 @@ def test_a_fat_binary_without_code_for_the_card_is_refused(stubs, tmp_path, rt):
     assert kernels(tmp_path) == []
 
 
-def test_the_export_tables_are_what_the_runtime_was_given(stubs, tmp_path, monkeypatch):
+def in_child(stubs: Path, tmp: Path, body: str) -> None:
+    """`body` (its asserts) in a Python of its own with the stand-in loaded by ctypes as `cuda` and
+    initialised: the test process itself never loads a libcuda.so.1 (later tests asking for one by
+    its soname would be given it)."""
+    code = ("import ctypes, os\ncuda = ctypes.CDLL(os.environ['STUB'])\nassert cuda.cuInit(0) == 0\n"
+            + textwrap.dedent(body))
+    e = {"PATH": os.environ["PATH"], "STUB": os.fspath(stubs / "libcuda.so.1"),
+         "CGPU_STUB_CUDA_STATE": os.fspath(tmp / "card.state")}
+    r = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_export_tables_are_what_the_runtime_was_given(stubs, tmp_path):
     """cuGetExportTable through ctypes: a known table starts with its size; an unknown UUID (the one
     CUDA 13's runtime asks first, f8cff951-...) is CUDA_ERROR_NOT_FOUND with no table; the
     integrity check answers its fixed versions as documented (ZLUDA's dark_api)."""
-    monkeypatch.setenv("CGPU_STUB_CUDA_STATE", os.fspath(tmp_path / "card.state"))
-    cuda = ctypes.CDLL(os.fspath(stubs / "libcuda.so.1"))
-    assert cuda.cuInit(0) == 0
+    in_child(stubs, tmp_path, r"""
     table = ctypes.c_void_p()
 
     def get(uuid: str) -> int:
@@ -211,14 +222,13 @@ def test_the_export_tables_are_what_the_runtime_was_given(stubs, tmp_path, monke
     assert list(out) == [0x3341181C03CB675C, 0x8ED383AA1F4CD1E8]
     assert check(1232, 0, None) == 1  # CUDA_ERROR_INVALID_VALUE: no result to fill
     assert cuda.cuGetExportTable(None, bytes(16)) == 1
+    """)
 
 
-def test_a_module_names_only_its_own_functions(stubs, tmp_path, monkeypatch):
+def test_a_module_names_only_its_own_functions(stubs, tmp_path):
     """cuModuleLoadData of PTX: cuModuleGetFunction finds its .entry and refuses any other name
     (CUDA_ERROR_NOT_FOUND); text that is not an image is CUDA_ERROR_INVALID_IMAGE."""
-    monkeypatch.setenv("CGPU_STUB_CUDA_STATE", os.fspath(tmp_path / "card.state"))
-    cuda = ctypes.CDLL(os.fspath(stubs / "libcuda.so.1"))
-    assert cuda.cuInit(0) == 0
+    in_child(stubs, tmp_path, r"""
     ptx = b".version 8.0\n.target sm_75\n.address_size 64\n.visible .entry twice(\n.param .u64 p\n)\n{\nret;\n}\n"
     mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
     assert cuda.cuModuleLoadData(ctypes.byref(mod), ptx) == 0
@@ -227,6 +237,7 @@ def test_a_module_names_only_its_own_functions(stubs, tmp_path, monkeypatch):
     assert cuda.cuModuleLoadData(ctypes.byref(mod), b"not an image") == 200
     assert cuda.cuModuleLoadData(ctypes.byref(mod), ptx.replace(b"sm_75", b"sm_90")) == 209
     assert cuda.cuModuleGetFunction(ctypes.byref(fn), ctypes.c_void_p(0x1234), b"twice") == 400
+    """)
 
 
 def test_the_runtime_will_not_start_on_a_device_without_a_uuid(probes, stubs, tmp_path):
@@ -321,13 +332,11 @@ def test_a_docker_container_through_cgpu_runtime_runs_the_program_held_to_its_me
         dk.cleanup()
 
 
-def test_pointer_attributes_know_the_cards_memory_and_default_the_rest(stubs, tmp_path, monkeypatch):
+def test_pointer_attributes_know_the_cards_memory_and_default_the_rest(stubs, tmp_path):
     """cuPointerGetAttribute: a device pointer inside an allocation is the card's (memory type 2,
     its range); memory the driver does not know is CUDA_ERROR_INVALID_VALUE. cuPointerGetAttributes
     gives such memory default NULL values and CUDA_SUCCESS, as cuda.h says."""
-    monkeypatch.setenv("CGPU_STUB_CUDA_STATE", os.fspath(tmp_path / "card.state"))
-    cuda = ctypes.CDLL(os.fspath(stubs / "libcuda.so.1"))
-    assert cuda.cuInit(0) == 0
+    in_child(stubs, tmp_path, r"""
     p = ctypes.c_ulonglong()
     assert cuda.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(4096)) == 0
     kind, start, size = ctypes.c_uint(), ctypes.c_ulonglong(), ctypes.c_size_t()
@@ -343,3 +352,4 @@ def test_pointer_attributes_know_the_cards_memory_and_default_the_rest(stubs, tm
     assert cuda.cuPointerGetAttributes(2, attrs, data, ctypes.c_ulonglong(ctypes.addressof(host))) == 0
     assert (kind.value, start.value) == (0, 0)
     assert cuda.cuMemFree_v2(p) == 0 and cuda.cuMemFree_v2(ctypes.c_ulonglong(0)) == 0
+    """)
