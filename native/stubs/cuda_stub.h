@@ -38,6 +38,7 @@ HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)
 
 /* cuda_modules.c */
 HIDDEN int stub_function_valid(const void *f);
+HIDDEN CUresult stub_module_function(void **f, void *module, const char *name);  /* cuModuleGetFunction's */
 HIDDEN int stub_find_global(CUdeviceptr p, size_t n);  /* [p, p + n) inside a module's global: 0, else -1 */
 
 /* cuda_device.c: cuStreamGetCaptureInfo in the form of the caller's CUDA version */

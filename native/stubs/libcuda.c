@@ -285,7 +285,7 @@ CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
 }
 
 typedef void *CUfunction;
-CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name);  /* cuda_modules.c */
+CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name) { return stub_module_function(f, module, name); }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
