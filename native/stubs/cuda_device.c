@@ -104,14 +104,14 @@ CUresult cuDeviceGetTexture1DLinearMaxWidth(size_t *w, int format, unsigned chan
 
 /* ---- the primary context ---- */
 static unsigned primary_flags[16];
-CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active)
+WEAK CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active)
 {
     if (!flags || !active) return STUB_INVALID_VALUE;
     CUresult r = check_device(dev);
     if (!r) { *flags = primary_flags[dev]; *active = 1; }
     return r;
 }
-CUresult cuDevicePrimaryCtxSetFlags_v2(int dev, unsigned flags)
+WEAK CUresult cuDevicePrimaryCtxSetFlags_v2(int dev, unsigned flags)
 {
     CUresult r = check_device(dev);
     if (r) return r;
@@ -119,9 +119,9 @@ CUresult cuDevicePrimaryCtxSetFlags_v2(int dev, unsigned flags)
     primary_flags[dev] = flags;
     return STUB_OK;
 }
-CUresult cuDevicePrimaryCtxRelease_v2(int dev) { return check_device(dev); }
-CUresult cuDevicePrimaryCtxReset_v2(int dev) { return check_device(dev); }
-CUresult cuCtxGetFlags(unsigned *flags)
+WEAK CUresult cuDevicePrimaryCtxRelease_v2(int dev) { return check_device(dev); }
+WEAK CUresult cuDevicePrimaryCtxReset_v2(int dev) { return check_device(dev); }
+WEAK CUresult cuCtxGetFlags(unsigned *flags)
 {
     if (!flags) return STUB_INVALID_VALUE;
     if (!stub_inited()) return STUB_NOT_INITIALIZED;

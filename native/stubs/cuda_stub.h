@@ -10,6 +10,8 @@
 #include <stdint.h>
 
 #define HIDDEN __attribute__((visibility("hidden")))
+/* A definition libcuda.c may make too (where the card's memory model needs it): libcuda.c's wins. */
+#define WEAK __attribute__((weak))
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 
