@@ -28,7 +28,6 @@ enum {
 HIDDEN int stub_inited(void);                  /* cuInit has been called */
 HIDDEN int stub_device_count(void);
 HIDDEN int stub_current_device(void);          /* the calling thread's current context's device */
-HIDDEN uint64_t stub_card_bytes(void);         /* one card's memory */
 /* the live device allocation holding [p, p + n): 0 and its base and size, or -1 */
 HIDDEN int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
 HIDDEN CUresult stub_synchronize(void);        /* wait for this process's kernels */

@@ -484,7 +484,6 @@ CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e,
 int stub_inited(void) { return inited; }
 int stub_device_count(void) { return devices(); }
 int stub_current_device(void) { return cur_dev; }
-uint64_t stub_card_bytes(void) { return total(); }
 CUresult stub_synchronize(void) { return cuCtxSynchronize(); }
 uint64_t stub_work_end(void) { return last_end; }
 int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size)
