@@ -1,0 +1,178 @@
+"""CuPy (cupy-cuda13x: NVIDIA's CUDA runtime 13 inside, kernels compiled by NVRTC) on the
+stand-in driver with libcgpu preloaded and a container's page (issue 20): it counts the device,
+memGetInfo shows memsize, an allocation past memsize raises OutOfMemoryError and takes
+nothing, the memory pool's frees come back to the page, its elementwise kernels run on the
+card; and two CuPy loops under policy 2 at 1:2 get 1:2 of the card through the compute gate."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from pathlib import Path
+
+import pytest
+
+from cgpud.gpus import pages
+from real_cuda import env, kernels
+
+MIB = 1 << 20
+MEMSIZE = 1024 * MIB  # the container's
+CONTEXT_ALLOWANCE = 512 * MIB  # what the driver may keep for a context (test_cudart.CONTEXT_ALLOWANCE)
+CGPU = str(Path(sys.executable).parent / "cgpu")
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory) -> Path:
+    from test_libcgpu import build_libs
+    d = build_libs(tmp_path_factory.mktemp("cupy"))
+    (d / "cupy-cache").mkdir()  # NVRTC's output, kept for the module (CuPy's own cache)
+    return d
+
+
+@pytest.fixture
+def container(tmp_path):
+    dirp = tmp_path / "pages"
+    pages.create(os.fspath(dirp), [MEMSIZE])
+    return dirp
+
+
+def cupy(stubs: Path, tmp: Path, page_dir: Path | None, code: str, timeout: float = 120) -> list[str]:
+    e = env(stubs, None, tmp, page_dir=page_dir, preload=page_dir is not None,
+            CUPY_CACHE_DIR=os.fspath(stubs / "cupy-cache"))
+    prelude = "import os, sys, cupy\nfrom cupy.cuda import runtime\n"
+    r = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=e, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.split()
+
+
+def test_cupy_counts_the_device_and_sees_memsize(stubs, tmp_path, container):
+    out = cupy(stubs, tmp_path, container, """
+        from cgpud.gpus import pages
+        print(runtime.getDeviceCount(), *runtime.memGetInfo(), runtime.getDeviceProperties(0)["totalGlobalMem"])
+        print(cupy.cuda.Device(0).compute_capability, runtime.runtimeGetVersion() // 1000)
+        print(pages.used(os.environ["CGPU_PAGE_DIR"])[0])
+    """)
+    free, held = int(out[1]), int(out[6])
+    assert out[:1] + out[2:6] == ["1", str(MEMSIZE), str(MEMSIZE), "75", "13"], out
+    assert free == MEMSIZE - held and held < CONTEXT_ALLOWANCE, out  # free: memsize less what the container holds
+
+
+def test_cupy_on_the_stand_in_alone_sees_the_whole_card_and_runs_kernels(stubs, tmp_path):
+    """No libcgpu: the card's 15109 MiB, and a kernel (cupy's own `+`, NVRTC) of 1,000 blocks."""
+    out = cupy(stubs, tmp_path, None, """
+        x = cupy.ones(128000, dtype=cupy.float32)
+        y = x + x
+        cupy.cuda.Device().synchronize()
+        print(*runtime.memGetInfo(), os.getpid())
+    """)
+    card, free = 15109 * MIB, int(out[0])
+    assert out[1] == str(card) and 0 <= card - free - 2 * 512000 < CONTEXT_ALLOWANCE, out  # x and y, 512,000 B each
+    assert (int(out[2]), 1_000_000) in [(p, e - s) for p, s, e in kernels(tmp_path)]
+
+
+def test_cupy_past_memsize_raises_out_of_memory_and_takes_nothing(stubs, tmp_path, container):
+    out = cupy(stubs, tmp_path, container, """
+        state = os.environ["CGPU_STUB_CUDA_STATE"]
+        used = lambda: int.from_bytes(open(state, "rb").read(8), "little") if os.path.exists(state) else 0
+        free = runtime.memGetInfo()[0]  # (the runtime and its context up first)
+        before = used()
+        for size in (1073741824 + 1, free + 1):  # past memsize, past what is free
+            try:
+                cupy.empty(size, dtype=cupy.uint8)
+                print("allocated")
+            except cupy.cuda.memory.OutOfMemoryError:
+                print("OutOfMemoryError")
+        assert free == runtime.memGetInfo()[0]
+        print(used() - before, free, cupy.get_default_memory_pool().total_bytes())
+        a = cupy.empty(free, dtype=cupy.uint8)  # all of what is free fits
+        print(used() - before - free, runtime.memGetInfo()[0])
+    """)
+    assert out[:3] == ["OutOfMemoryError", "OutOfMemoryError", "0"] and out[4:] == ["0", "0", "0"], out
+    assert MEMSIZE - CONTEXT_ALLOWANCE < int(out[3]) <= MEMSIZE, out
+
+
+def test_the_memory_pools_frees_come_back_to_the_page(stubs, tmp_path, container):
+    """Freed arrays stay in CuPy's pool (charged, as on a real card); free_all_blocks gives them
+    back: the page's count of the container's bytes drops to zero and the room is there again."""
+    out = cupy(stubs, tmp_path, container, """
+        from cgpud.gpus import pages
+        pool = cupy.get_default_memory_pool()
+        used = lambda: pages.used(os.environ["CGPU_PAGE_DIR"])[0]
+        free = runtime.memGetInfo()[0]
+        base = used()  # (what the container holds before: its context, if the driver charges one)
+        arrays = [cupy.empty(32 * 2**20, dtype=cupy.uint8) for _ in range(6)]
+        held = used() - base
+        del arrays
+        pooled = used() - base
+        pool.free_all_blocks()
+        print(held, pooled, used() - base, runtime.memGetInfo()[0] - free, pool.total_bytes())
+        b = cupy.empty(free, dtype=cupy.uint8)  # all of what was free, again
+        print(used() - base - free, runtime.memGetInfo()[0])
+    """)
+    assert out == [str(192 * MIB), str(192 * MIB), "0", "0", "0", "0", "0"], out
+
+
+def test_an_elementwise_kernel_compiled_by_nvrtc_runs_on_the_card(stubs, tmp_path, container):
+    """An ElementwiseKernel (NVRTC compiles it to a cubin; the runtime loads it as a library) over
+    128,000 floats: CuPy launches 1,000 blocks of 128, a kernel of 1 ms on the stand-in."""
+    out = cupy(stubs, tmp_path, container, """
+        twice = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 2 * x", "twice")
+        x = cupy.ones(128000, dtype=cupy.float32)
+        n0 = len(open(os.environ["CGPU_STUB_CUDA_LOG"]).readlines())
+        for _ in range(3):
+            y = twice(x)
+        cupy.cuda.Device().synchronize()
+        print(n0, os.getpid())
+    """)
+    n0, pid = int(out[0]), int(out[1])
+    ks = kernels(tmp_path)[n0:]
+    assert [(p, e - s) for p, s, e in ks] == [(pid, 1_000_000)] * 3, ks
+
+
+LOOP = """
+import sys, time, cupy
+twice = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 2 * x", "twice")
+x = cupy.ones(128000, dtype=cupy.float32)  # 1,000 blocks of 128: 1 ms of the card a kernel
+y = twice(x); cupy.cuda.Device().synchronize()
+print("started", flush=True)
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    for _ in range(10):
+        y = twice(x)
+    cupy.cuda.Device().synchronize()
+"""
+
+
+def test_two_cupy_loops_at_1_to_2_get_1_to_2_of_the_card_through_the_gate(make_daemon, stubs, tmp_path):
+    """Policy 2, weights 1 and 2, the daemon's compute gate (`--compute gate`): two `cgpu run`
+    instances, libcgpu preloaded by it, each a CuPy loop of 1 ms kernels on the one card. The kernel
+    time they get, second by second while both run, is 1:2 (the median second; a loose band)."""
+    from test_gate import median_ratio
+    (tmp_path / "loop.py").write_text(LOOP)
+    d = make_daemon(extra_args=["--libcgpu", os.fspath(stubs / "libcgpu.so"), "--compute", "gate"])
+    d.write("0/policy", "2")
+    procs = []
+    for name, weight in (("cupyone00001", 1), ("cupytwo00002", 2)):
+        e = {**os.environ, **env(stubs, None, tmp_path, preload=False, CGPUD_SOCKET=str(d.socket),
+                                 CGPU_STUB_CUDA_LOG=os.fspath(tmp_path / f"{name}.kernels"),
+                                 CUPY_CACHE_DIR=os.fspath(stubs / "cupy-cache"))}
+        cmd = f'CGPU_STUB_CUDA_DEVICE="$CGPU_DEVICE" exec {sys.executable} {tmp_path / "loop.py"} 5'
+        procs.append(subprocess.Popen([CGPU, "run", "--name", name, "--mem", "1G", "--weight", str(weight), "--",
+                                       "sh", "-c", cmd], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    for p in procs:
+        line = p.stdout.readline().strip()
+        assert line == "started", line + p.stderr.read()
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    logs = [tmp_path / "cupyone00001.kernels", tmp_path / "cupytwo00002.kernels"]
+    ks = [[tuple(map(int, line.split())) for line in lg.read_text().splitlines()] for lg in logs]
+    t0 = max(min(s for _, s, _ in k) for k in ks) + 300_000_000
+    t1 = min(max(e for _, _, e in k) for k in ks) - 300_000_000
+    assert t1 - t0 > 2.5e9, (t0, t1)
+    ratio = median_ratio(logs, t0, t1)
+    assert 1.6 <= ratio <= 2.4, ratio
