@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Builds the DaemonSet's image (deploy/kubernetes/Containerfile) with podman, offline but for
+# Debian's and PyPI's package registries: the Containerfile's base, Debian 12 (bookworm), is made
+# here by debootstrap (scripts/rootfs.sh) and imported under the base's name, so nothing is
+# pulled from a container registry.
+#   scripts/build-image.sh [TAG]     (default: cgpud:<version of cgpud>)
+# Then push TAG where the nodes pull from and name it in deploy/kubernetes/kustomization.yaml
+# (docs/kubernetes.md). Needs root (debootstrap) and podman.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+version=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' cgpud/__init__.py)
+tag=${1:-cgpud:$version}
+base=$(sed -n 's/^FROM //p' deploy/kubernetes/Containerfile | head -1)
+if ! podman image exists "$base"; then
+  rootfs=$(scripts/rootfs.sh bookworm)
+  echo "build-image: importing $rootfs as $base"
+  tar -C "$rootfs" --exclude=./.cgpud-done -c . | podman import - "$base" >/dev/null
+fi
+# The build's RUN steps trust what this host trusts (a proxy's CA in front of the registries, say).
+trust=()
+[ -f /etc/ssl/certs/ca-certificates.crt ] && trust=(--volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro)
+podman build --pull=never --network=host "${trust[@]}" -f deploy/kubernetes/Containerfile -t "$tag" .
+echo "build-image: built $tag"
