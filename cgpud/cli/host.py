@@ -22,6 +22,11 @@ def runtime_config(engine: str, etc: str, wrapper: str | None, default: bool) ->
     engine. docs/containers.md, "Docker and containerd"."""
     from cgpud.containers import hostconfig
 
+    wrapper = wrapper or hostconfig.DEFAULT_WRAPPER
+    if not (os.path.isfile(wrapper) and os.access(wrapper, os.X_OK)):
+        raise click.ClickException(f"{wrapper} is not there (or not executable): install it first with `make "
+                                   "install-hooks` as root (a Kubernetes node: `cgpu node install`), or name it with "
+                                   "--wrapper")
     path = os.path.join(etc, "docker", "daemon.json") if engine == "docker" else \
         os.path.join(etc, "containerd", "config.toml")
     try:
@@ -33,7 +38,7 @@ def runtime_config(engine: str, etc: str, wrapper: str | None, default: bool) ->
         raise click.ClickException(f"cannot read {path}: {exc.strerror}") from None
     edit = hostconfig.docker if engine == "docker" else hostconfig.containerd
     try:
-        new = edit(old, wrapper or hostconfig.DEFAULT_WRAPPER, default)
+        new = edit(old, wrapper, default)
     except hostconfig.ConfigError as exc:
         raise click.ClickException(f"{path}: {exc}") from None
     if new == old:
