@@ -45,21 +45,12 @@ DRIVER_LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_
 LIBRARY = "libnvidia-ml.so.1"
 
 
-def _inside(root: str, path: str, hops: int = 16) -> str | None:
-    """`path` (below `root`) with its symbolic links followed as the host would, staying below root."""
-    for _ in range(hops):
-        if not os.path.islink(path):
-            return path if os.path.isfile(path) else None
-        target = os.readlink(path)
-        path = os.path.join(root, target.lstrip("/")) if target.startswith("/") else \
-            os.path.join(os.path.dirname(path), target)
-    return None
-
-
 def find_in_driver_root(root: str) -> str | None:
     """The host's libnvidia-ml.so.1 below `root` (None: none there)."""
+    from cgpud.core.hostroot import resolve
+
     for d in DRIVER_LIB_DIRS:
-        found = _inside(root, os.path.join(root, d, LIBRARY))
+        found = resolve(root, os.path.join(d, LIBRARY))
         if found:
             return found
     return None
