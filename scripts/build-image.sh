@@ -20,4 +20,6 @@ fi
 trust=()
 [ -f /etc/ssl/certs/ca-certificates.crt ] && trust=(--volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro)
 podman build --pull=never --network=host "${trust[@]}" -f deploy/kubernetes/Containerfile -t "$tag" .
+# a rebuild leaves the image it replaces untagged: remove those (ours only, by the label)
+podman image prune -f --filter label=io.cgpud.image=daemonset >/dev/null || true
 echo "build-image: built $tag"

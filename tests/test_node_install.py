@@ -139,7 +139,7 @@ def test_install_in_a_container_then_containerd_runs_a_container_that_joins(root
     r = in_container(podman, rootfs, host, source, "node", "install", "--host-root", "/host", "--from", "/image", "--json")
     assert r.returncode == 0, r.stderr
     second = json.loads(r.stdout)
-    assert second["written"] == [] and second["restarted"] == [] and second["engines"] == {"containerd": "kept"}
+    assert second["written"] == [] and second["restarted"] == [] and second["engines"] == {"containerd": "cgpu runtime set already"}
     assert len(second["kept"]) == 4
     assert (host / "var/log/systemctl.calls").read_text() == "restart containerd.service\n"
 

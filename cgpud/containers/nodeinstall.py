@@ -246,7 +246,7 @@ def _engine(host: Host, rec: dict, report: Report, engine: str, default_runtime:
         raise InstallError(f"{conf} on the host: {exc}") from None
     entry = rec["engines"].get(engine)
     if new == old:
-        report.engines[engine] = "kept"
+        report.engines[engine] = "cgpu runtime set already"
         return False
     if entry is None:
         entry = {"before": old, "previous_default": previous if previous != "cgpu" else None}
