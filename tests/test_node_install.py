@@ -172,7 +172,11 @@ def test_install_in_a_container_then_containerd_runs_a_container_that_joins(root
         wait_for(lambda: daemon.instances(0) == [], 10, "the instance to go with the task (poststop)")
     finally:
         ct.cleanup()
-        shutil.rmtree(address.parent.parent, ignore_errors=True)
+        state = address.parent.parent  # (the host's containerd root and state: the test's)
+        for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+            if line.split()[4].startswith(f"{state}/"):
+                subprocess.run(["umount", "-l", line.split()[4]], capture_output=True)
+        shutil.rmtree(state, ignore_errors=True)
 
     # uninstall: the host exactly as before, containerd restarted once more
     r = in_container(podman, rootfs, host, source, "node", "uninstall", "--host-root", "/host", "--json")
