@@ -75,6 +75,8 @@ def host(tmp_path) -> Path:
     for old, new in (("/var/lib/containerd", f"{base}/root"), ("/run/containerd", f"{base}/state"),
                      ("/opt/containerd", f"{base}/opt")):
         conf = conf.replace(f'"{old}', f'"{new}')
+    # (the pause container asks for oom_score_adj -998; where the test runs it may not go below its own)
+    conf = conf.replace("restrict_oom_score_adj = false", "restrict_oom_score_adj = true")
     (host / "etc" / "containerd").mkdir(parents=True)
     (host / "etc" / "containerd" / "config.toml").write_text("# this node's own settings: kept as they are\n" + conf)
     (host / "bin").mkdir()
@@ -228,3 +230,113 @@ def test_refusals_are_one_line_and_change_nothing(tmp_path, source):
         assert "Traceback" not in r.stderr
     # (a config that is not TOML is found before anything is written)
     assert snapshot(host) == before
+
+
+# ---- the kubelet's path: containerd's CRI plugin, a pod that names no runtime ------------------
+
+
+def crictl() -> str:
+    """crictl (cri-tools, built by scripts/setup.sh from the Go module proxy)."""
+    path = ROOT / ".venv" / "bin" / "crictl"
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"{path} is missing: run scripts/setup.sh (it builds crictl from sigs.k8s.io/cri-tools)")
+    return os.fspath(path)
+
+
+def oci_archive(path: Path, tag: str, cmd: list[str]) -> None:
+    """A docker-archive image of the busybox root file system, `cmd` its command."""
+    import hashlib
+    import io
+    import tarfile
+
+    from test_docker import busybox_tar
+
+    layer = busybox_tar()
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Cmd": cmd, "Env": ["PATH=/bin"]},
+                         "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(layer).hexdigest()]}
+                         }).encode()
+    cname = hashlib.sha256(config).hexdigest() + ".json"
+    manifest = json.dumps([{"Config": cname, "RepoTags": [tag], "Layers": ["layer.tar"]}]).encode()
+    with tarfile.open(path, "w") as tar:
+        for name, data in ((cname, config), ("layer.tar", layer), ("manifest.json", manifest)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_a_pod_that_names_no_runtime_goes_through_cgpu_and_joins(host, source, make_daemon, tmp_path):
+    """What the kubelet does, through containerd's CRI plugin on the config the installer wrote: a pod
+    sandbox and a container with the device plugin's environment and no runtime handler (no
+    runtimeClassName) run through the default runtime, cgpu, and the container joins cgpud."""
+    from cgpud.containers.nodeinstall import install
+
+    tool = crictl()
+    install(os.fspath(host), os.fspath(source), restart="none")
+    conf = host / "etc/containerd/config.toml"
+    doc = tomllib.loads(conf.read_text())
+    # the installed paths as the host's /: here below the host directory
+    conf.write_text(conf.read_text().replace(f'BinaryName = "{WRAPPER}"',
+                                             f'BinaryName = "{host / WRAPPER.lstrip("/")}"'))
+    sandbox_image = doc["plugins"]["io.containerd.grpc.v1.cri"]["sandbox_image"]
+    address = Path(doc["grpc"]["address"])
+    daemon = make_daemon(extra_args=["--hook-path", os.fspath(host / HOOK.lstrip("/")),
+                                     "--libcgpu", os.fspath(host / LIB.lstrip("/"))])
+    ct = Containerd(daemon, config=conf, address=address)
+    (tmp_path / "crictl.yaml").write_text("")  # (none of /etc/crictl.yaml's)
+    cri = [tool, "--config", os.fspath(tmp_path / "crictl.yaml"), "--runtime-endpoint", f"unix://{address}",
+           "--image-endpoint", f"unix://{address}", "--timeout", "60s"]
+
+    def run(*args: str) -> str:
+        r = subprocess.run([*cri, *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, f"crictl {' '.join(args)}: {r.stderr}\n{ct.log_text()}"
+        return r.stdout.strip()
+
+    pod = None
+    try:
+        for tag, cmd in ((sandbox_image, ["sleep", "86400"]), ("docker.io/library/cgpud-busybox:test", ["sh"])):
+            archive = tmp_path / f"{abs(hash(tag))}.tar"
+            oci_archive(archive, tag, cmd)
+            r = subprocess.run(["ctr", "--address", os.fspath(address), "--namespace", "k8s.io", "image", "import",
+                                os.fspath(archive)], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+        parent = f"/cgpud-test-{ct.tmp.name}"
+        pod_json = tmp_path / "pod.json"
+        pod_json.write_text(json.dumps({
+            "metadata": {"name": "binpack-1", "namespace": "default", "uid": os.urandom(8).hex(), "attempt": 0},
+            "log_directory": os.fspath(tmp_path / "logs"),
+            "linux": {"cgroup_parent": parent, "security_context": {"namespace_options": {"network": 2}}}}))
+        ctr_json = tmp_path / "container.json"
+        ctr_json.write_text(json.dumps({
+            "metadata": {"name": "app"}, "image": {"image": "docker.io/library/cgpud-busybox:test"},
+            "command": BUSY, "log_path": "app.log",
+            "envs": [{"key": "ALIYUN_COM_GPU_MEM_CONTAINER", "value": "6"},
+                     {"key": "ALIYUN_COM_GPU_MEM_DEV", "value": "15"}],  # (what Allocate gives)
+            "mounts": [{"container_path": "/dev/simgpu0", "host_path": os.fspath(daemon.dev_dir / "simgpu0"),
+                        "readonly": True}]}))
+        pod = run("runp", os.fspath(pod_json))  # (no --runtime: the default runtime handler)
+        assert daemon.instances(0) == []  # the sandbox asks for nothing: passed straight through
+        cid = run("create", pod, os.fspath(ctr_json), os.fspath(pod_json))
+        run("start", cid)
+        assert daemon.instances(0) == [cid[:12]]
+        assert daemon.value(f"0/{cid[:12]}/memsize") == "6337173913"
+        run("stop", "--timeout", "0", cid)
+        run("rm", cid)
+        wait_for(lambda: daemon.instances(0) == [], 10, "the instance to go with the container")
+    finally:
+        if pod is not None:
+            subprocess.run([*cri, "stopp", pod], capture_output=True, timeout=60)
+            subprocess.run([*cri, "rmp", "-f", pod], capture_output=True, timeout=60)
+        ct.cleanup()
+        state = address.parent.parent
+        for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
+            if line.split()[4].startswith(f"{state}/"):
+                subprocess.run(["umount", "-l", line.split()[4]], capture_output=True)
+        shutil.rmtree(state, ignore_errors=True)
+        for hierarchy in [Path("/sys/fs/cgroup"), *Path("/sys/fs/cgroup").iterdir()]:
+            group = hierarchy / f"cgpud-test-{ct.tmp.name}"
+            for d in [*sorted((g for g in group.rglob("*") if g.is_dir()), reverse=True), group] \
+                    if group.is_dir() else ():
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
