@@ -340,3 +340,28 @@ def test_a_pod_that_names_no_runtime_goes_through_cgpu_and_joins(host, source, m
                     d.rmdir()
                 except OSError:
                     pass
+
+
+def test_a_failed_restart_is_tried_again_by_the_next_run(tmp_path, source):
+    """A restart that failed (the init container fails, the kubelet runs it again) is not forgotten
+    because the settings are already written: the next run restarts containerd though it writes nothing."""
+    from cgpud.containers.nodeinstall import InstallError, install
+
+    host = tmp_path / "host"
+    (host / "etc/containerd").mkdir(parents=True)
+    (host / "etc/containerd/config.toml").write_text("version = 2\n")
+    calls = []
+
+    def systemctl(rc: int, err: str = ""):
+        def run(cmd):
+            calls.append(cmd)
+            return subprocess.CompletedProcess(cmd, rc, "", err)
+        return run
+
+    with pytest.raises(InstallError, match=r"`systemctl restart containerd.service` failed \(Job for containerd"):
+        install(os.fspath(host), os.fspath(source), runner=systemctl(1, "Job for containerd.service failed.\n"))
+    again = install(os.fspath(host), os.fspath(source), runner=systemctl(0))
+    assert again.written == [] and again.restarted == ["containerd"]
+    third = install(os.fspath(host), os.fspath(source), runner=systemctl(0))
+    assert third.written == [] and third.restarted == []
+    assert calls == [["chroot", os.fspath(host), "systemctl", "restart", "containerd.service"]] * 2

@@ -18,7 +18,8 @@ install:
   runtime, and when the runtime that was the default ran another program
   (nvidia-container-runtime), /etc/cgpud/runtime.conf names it, so cgpu-runtime
   hands containers to it (NVIDIA's hook still mounts the driver);
-- gets containerd to load a changed config: `restart="systemd"` runs the
+- gets containerd to load a changed config (again on a later run if that
+  restart did not happen): `restart="systemd"` runs the
   host's `systemctl restart containerd` (chroot into the host's root; running
   containers survive a containerd restart); "none" leaves it to the caller.
   Docker is never restarted (without live-restore that stops its containers):
@@ -254,6 +255,7 @@ def _engine(host: Host, rec: dict, report: Report, engine: str, default_runtime:
     host.write(conf, new.encode(), mode, made)
     report.written.append(conf)
     entry["written"] = new
+    entry["restart_pending"] = engine == "containerd"  # (Docker is never restarted by us)
     rec["engines"][engine] = entry
     report.engines[engine] = "cgpu runtime added" + (" (the default runtime)" if default_runtime and
                                                       engine == "containerd" else "")
@@ -303,8 +305,15 @@ def install(root: str, source: str = "/", engines: tuple[str, ...] = ("auto",), 
         if json.dumps(rec, sort_keys=True) != before:
             host.makedirs(os.path.dirname(RECORD), rec["dirs"])  # (noted before the record is written)
             host.write(RECORD, (json.dumps(rec, indent=2) + "\n").encode(), 0o644, rec["dirs"])
-    for e in changed:
-        _restart(host, e, restart, report, runner)
+    # containerd is restarted when its settings changed, and again on a later run when a restart
+    # has not happened since they were written (it failed, or --restart none): never left unloaded
+    for e in chosen:
+        entry = rec["engines"].get(e) or {}
+        if e in changed or entry.get("restart_pending"):
+            _restart(host, e, restart, report, runner)
+            if e in report.restarted:
+                entry["restart_pending"] = False
+                host.write(RECORD, (json.dumps(rec, indent=2) + "\n").encode(), 0o644, rec["dirs"])
     return report
 
 
