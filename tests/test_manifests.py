@@ -217,7 +217,7 @@ def test_the_containerd_settings_are_what_runtime_config_writes(name, version):
     assert hostconfig.containerd_version(text) == version
     path = hostconfig.cri_table(version)
     node = tomllib.loads(text)
-    for key in hostconfig._split(path):
+    for key in hostconfig.split_dotted(path):
         node = node[key]
     assert node == {"default_runtime_name": "cgpu", "runtimes": {"cgpu": {
         "runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": "/usr/local/bin/cgpu-runtime"}}}}

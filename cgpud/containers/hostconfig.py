@@ -38,7 +38,7 @@ class ConfigError(ValueError):
 
 def docker(text: str | None, wrapper: str = DEFAULT_WRAPPER, default: bool = False) -> str:
     """daemon.json with the cgpu runtime (text None or blank: a new file)."""
-    conf = _docker_conf(text)
+    conf = docker_settings(text)
     runtimes = conf.setdefault("runtimes", {})
     if not isinstance(runtimes, dict):
         raise ConfigError('daemon.json\'s "runtimes" is not an object; fix it first')
@@ -46,10 +46,10 @@ def docker(text: str | None, wrapper: str = DEFAULT_WRAPPER, default: bool = Fal
     if default:
         conf["default-runtime"] = "cgpu"
     new = json.dumps(conf, indent=2) + "\n"
-    return text if text is not None and _docker_conf(text) == conf and text.endswith("\n") else new
+    return text if text is not None and docker_settings(text) == conf and text.endswith("\n") else new
 
 
-def _docker_conf(text: str | None) -> dict:
+def docker_settings(text: str | None) -> dict:
     try:
         conf = json.loads(text) if text and text.strip() else {}
     except ValueError as exc:
@@ -61,7 +61,7 @@ def _docker_conf(text: str | None) -> dict:
 
 def undo_docker(text: str, previous_default: str | None) -> str:
     """daemon.json without the cgpu runtime; the default runtime back to `previous_default`."""
-    conf = _docker_conf(text)
+    conf = docker_settings(text)
     runtimes = conf.get("runtimes")
     if isinstance(runtimes, dict):
         runtimes.pop("cgpu", None)
@@ -95,7 +95,7 @@ def cri_table(version: int) -> str:
     return CRI if version == 2 else CRI_V3
 
 
-def _split(dotted: str) -> list[str]:
+def split_dotted(dotted: str) -> list[str]:
     out, cur, quoted = [], "", False
     for ch in dotted:
         if ch == '"':
@@ -110,7 +110,7 @@ def _split(dotted: str) -> list[str]:
 
 def _table(doc, dotted: str, create: bool = False):
     node = doc
-    for key in _split(dotted):
+    for key in split_dotted(dotted):
         nxt = node.get(key) if hasattr(node, "get") else None
         if nxt is None:
             if not create:
@@ -180,7 +180,7 @@ def default_binary(text: str | None, name: str | None) -> str | None:
         return None
     doc = tomllib.loads(text)
     node = doc
-    for key in _split(f"{cri_table(containerd_version(text))}.runtimes.{name}.options"):
+    for key in split_dotted(f"{cri_table(containerd_version(text))}.runtimes.{name}.options"):
         node = node.get(key) if isinstance(node, dict) else None
     binary = node.get("BinaryName") if isinstance(node, dict) else None
     return binary or None

@@ -242,7 +242,7 @@ def _engine(host: Host, rec: dict, report: Report, engine: str, default_runtime:
             new, previous = hostconfig.containerd_edit(old, hostconfig.DEFAULT_WRAPPER, default_runtime)
         else:
             new = hostconfig.docker(old, hostconfig.DEFAULT_WRAPPER, False)
-            previous = hostconfig._docker_conf(old).get("default-runtime")
+            previous = hostconfig.docker_settings(old).get("default-runtime")
     except hostconfig.ConfigError as exc:
         raise InstallError(f"{conf} on the host: {exc}") from None
     entry = rec["engines"].get(engine)

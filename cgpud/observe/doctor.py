@@ -206,7 +206,7 @@ def check_containerd(h: Host) -> Result:
         return Result("containerd", FAIL, f"{path} cannot be read ({exc}): fix it")
     where = hostconfig.cri_table(3 if doc.get("version") == 3 else 2)
     cri = doc
-    for key in hostconfig._split(where):
+    for key in hostconfig.split_dotted(where):
         cri = cri.get(key, {}) if isinstance(cri, dict) else {}
     node = cri
     for key in ("runtimes", "cgpu", "options"):
