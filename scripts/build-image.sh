@@ -16,9 +16,10 @@ if ! podman image exists "$base"; then
   echo "build-image: importing $rootfs as $base"
   tar -C "$rootfs" --exclude=./.cgpud-done -c . | podman import - "$base" >/dev/null
 fi
-# The build's RUN steps trust what this host trusts (a proxy's CA in front of the registries, say).
+# pip in the build trusts what this host trusts (a proxy's CA in front of the registries, say).
 trust=()
-[ -f /etc/ssl/certs/ca-certificates.crt ] && trust=(--volume /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro)
+[ -f /etc/ssl/certs/ca-certificates.crt ] && \
+  trust=(--volume /etc/ssl/certs/ca-certificates.crt:/host-ca.crt:ro --build-arg PIP_CERT=/host-ca.crt)
 podman build --pull=never --network=host "${trust[@]}" -f deploy/kubernetes/Containerfile -t "$tag" .
 # a rebuild leaves the image it replaces untagged: remove those (ours only, by the label)
 podman image prune -f --filter label=io.cgpud.image=daemonset >/dev/null || true
