@@ -365,3 +365,27 @@ def test_a_failed_restart_is_tried_again_by_the_next_run(tmp_path, source):
     third = install(os.fspath(host), os.fspath(source), runner=systemctl(0))
     assert third.written == [] and third.restarted == []
     assert calls == [["chroot", os.fspath(host), "systemctl", "restart", "containerd.service"]] * 2
+
+
+def test_docker_gets_the_runtime_and_is_told_not_restarted(tmp_path, source):
+    """A host with Docker: daemon.json gets the runtime cgpu, everything else kept; Docker is never
+    restarted by the installer (without live-restore that stops its containers): the report says to.
+    Uninstall gives back the file's very bytes."""
+    from cgpud.containers.nodeinstall import install, uninstall
+
+    host = tmp_path / "host"
+    (host / "etc/docker").mkdir(parents=True)
+    original = '{"log-level": "warn",\n "runtimes": {"nvidia": {"path": "nvidia-container-runtime"}}}'
+    (host / "etc/docker/daemon.json").write_text(original)
+    calls = []
+    report = install(os.fspath(host), os.fspath(source), runner=lambda cmd: calls.append(cmd))
+    assert report.engines == {"docker": "cgpu runtime added"} and report.restarted == [] and calls == []
+    assert report.todo == ["systemctl restart docker.service on the node (not done here: without live-restore it "
+                           "stops Docker's containers)"]
+    assert json.loads((host / "etc/docker/daemon.json").read_text()) == {
+        "log-level": "warn", "runtimes": {"nvidia": {"path": "nvidia-container-runtime"}, "cgpu": {"path": WRAPPER}}}
+    assert install(os.fspath(host), os.fspath(source), runner=lambda cmd: calls.append(cmd)).written == []
+    uninstall(os.fspath(host), runner=lambda cmd: calls.append(cmd))
+    assert (host / "etc/docker/daemon.json").read_text() == original and calls == []
+    assert sorted(os.fspath(p.relative_to(host)) for p in host.rglob("*")) == ["etc", "etc/docker",
+                                                                              "etc/docker/daemon.json"]
