@@ -318,6 +318,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
     return OK;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return d < 0 || d >= devices() ? INVALID_DEVICE : OK; }
+CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return cuDevicePrimaryCtxRelease_v2(d); }  /* (CUDA 7.0's form) */
 CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
 {
     (void)flags;
@@ -800,6 +801,8 @@ OWN(cuDeviceGet);
 OWN(cuDeviceGetName);
 OWN(cuDeviceTotalMem_v2);
 OWN(cuDeviceGetUuid_v2);
+OWN(cuDeviceGetUuid);
+OWN(cuDevicePrimaryCtxRelease);
 OWN(cuCtxCreate_v2);
 OWN(cuDevicePrimaryCtxRetain);
 OWN(cuDevicePrimaryCtxRelease_v2);
@@ -858,9 +861,11 @@ static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuDeviceGet", 2000, 0, (void *)own_cuDeviceGet},
     {"cuDeviceGetName", 2000, 0, (void *)own_cuDeviceGetName},
     {"cuDeviceTotalMem", 3020, 0, (void *)own_cuDeviceTotalMem_v2},
+    {"cuDeviceGetUuid", 9020, 0, (void *)own_cuDeviceGetUuid},
     {"cuDeviceGetUuid", 11040, 0, (void *)own_cuDeviceGetUuid_v2},
     {"cuCtxCreate", 3020, 0, (void *)own_cuCtxCreate_v2},
     {"cuDevicePrimaryCtxRetain", 7000, 0, (void *)own_cuDevicePrimaryCtxRetain},
+    {"cuDevicePrimaryCtxRelease", 7000, 0, (void *)own_cuDevicePrimaryCtxRelease},
     {"cuDevicePrimaryCtxRelease", 11000, 0, (void *)own_cuDevicePrimaryCtxRelease_v2},
     {"cuCtxSetCurrent", 4000, 0, (void *)own_cuCtxSetCurrent},
     {"cuCtxDestroy", 4000, 0, (void *)own_cuCtxDestroy_v2},
