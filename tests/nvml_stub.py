@@ -45,6 +45,7 @@ class NvmlStub:
     init_rc: int = 0
     driver: str = "550.54.15"
     cuda_state: Path | None = None  # the stand-in libcuda's state file: its processes shown too
+    cuda_pid_offset: int = 0  # ... by their PID plus this (NVML names a container's processes by host PIDs)
 
     @classmethod
     def build(cls, where: Path, old_driver: bool = False) -> "NvmlStub":
@@ -67,7 +68,7 @@ class NvmlStub:
             lines += [f"fail {i} {fn} {rc}" for fn, rc in g.fail.items()]
         lines += [f"proc {gpu} {pid} {n}" for (gpu, pid), n in self.procs.items()]
         if self.cuda_state is not None:
-            lines.append(f"cuda {self.cuda_state}")
+            lines.append(f"cuda {self.cuda_state} {self.cuda_pid_offset}")
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:
