@@ -269,7 +269,7 @@ def test_http_server_serves_the_registry_on_a_free_port(setup):
 def test_the_daemons_app_serves_ours_then_the_process_metrics(setup):
     *_, pub, _ = setup
     expo = exposition.Exposition(lambda: pub.current, exposition.process_registry())
-    pub.exposition = expo
+    pub.subscribe(expo.published)
     server = MetricsServer(exposition.wsgi_app(expo))
     _, port = server.start("127.0.0.1", 0)
     try:
@@ -416,7 +416,7 @@ def test_oom_counts_of_gone_instances_are_dropped(tmp_path):
 def test_while_scraped_each_snapshot_is_rendered_when_published(setup):
     node, _, _, pub, reg = setup
     expo = exposition.Exposition(lambda: pub.current, keep=60)
-    pub.exposition = expo
+    pub.subscribe(expo.published)
     pub.publish()
     assert expo.rendered is None  # nobody scrapes: no work in the trio thread
     first = expo.body()  # a scrape renders what it finds not rendered

@@ -271,7 +271,7 @@ async def serve(addr: tuple[str, int], publisher: Publisher, *, extra: Collector
     # interval per wake-up: 5 ms by default, half a slice; 0.5 ms here.
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
     expo = Exposition(lambda: publisher.current, process_registry() if extra is None else extra)
-    publisher.exposition = expo
+    publisher.subscribe(expo.published)
     server = MetricsServer(wsgi_app(expo))
     host, port = server.start(*addr)
     try:

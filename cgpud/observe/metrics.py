@@ -13,7 +13,9 @@ Two threads, one rule: the HTTP server's threads never touch trio objects.
 - In the HTTP server's threads (observe.exposition), `Exposition.body()` reads those references
   and sends the text (rendering it only if it finds none for the current
   snapshot). `CgpuCollector` (there too) offers the same as metric
-  families for any CollectorRegistry.
+  families for any CollectorRegistry. The exposition learns of each new
+  snapshot as any reader would, by `Publisher.subscribe`: this module knows
+  nothing of who reads it.
 
 Every metric is declared once in `METRICS`; docs/metrics.md's table is
 generated from it (`python -m cgpud.observe.metrics`) and a test keeps them equal.
@@ -28,13 +30,10 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 
 from cgpud import __version__
-
-if TYPE_CHECKING:  # pragma: no cover
-    from cgpud.observe.exposition import Exposition
 
 log = logging.getLogger("cgpud")
 
@@ -267,7 +266,7 @@ class Publisher:
         self.mode, self.placement = mode, placement
         self.period = period
         self._wake = None  # a trio.Event while run() runs
-        self.exposition: Exposition | None = None  # told of each new snapshot
+        self._listeners: list[Callable[[Snapshot], None]] = []  # told of each new snapshot
         self._failed = False
         self.current: Snapshot = self._take()
 
@@ -284,11 +283,16 @@ class Publisher:
             oom=self.oom, mode=self.mode, placement=self.placement, scheduling=bool(scheds),
         )
 
+    def subscribe(self, listener: Callable[[Snapshot], None]) -> None:
+        """Call `listener(snapshot)` with each snapshot made current, in the trio thread (the
+        exposition renders it there while someone scrapes)."""
+        self._listeners.append(listener)
+
     def publish(self) -> None:
         """Build a new snapshot and make it current (trio thread only)."""
         self.current = self._take()
-        if self.exposition is not None:
-            self.exposition.published(self.current)
+        for listener in self._listeners:
+            listener(self.current)
 
     def changed(self) -> None:
         """A Durable listener: publish soon. While `run` runs, changes made
