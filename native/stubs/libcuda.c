@@ -42,6 +42,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cuda_stub.h"
+
 typedef int CUresult;
 typedef int CUdevice;
 typedef unsigned long long CUdeviceptr;
@@ -283,7 +285,7 @@ CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
 }
 
 typedef void *CUfunction;
-CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name) { (void)module; (void)name; *f = (CUfunction)0x3; return OK; }
+CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name);  /* cuda_modules.c */
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
@@ -349,7 +351,7 @@ static CUresult drop(CUdeviceptr p)
         }
     return INVALID_VALUE;
 }
-CUresult cuMemFree_v2(CUdeviceptr p) { return drop(p); }
+CUresult cuMemFree_v2(CUdeviceptr p) { return p ? drop(p) : OK; }  /* 0: nothing, as the driver (cudaFree(0) passes it on) */
 /* the card's memory, not through the exported cuMemAlloc_v2 */
 static CUresult device(CUdeviceptr *p, size_t size)
 {
@@ -478,6 +480,25 @@ CUresult cuGetErrorName(CUresult e, const char **s)
 }
 CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e, s); }
 
+/* For the other files of the stand-in (cuda_stub.h) */
+int stub_inited(void) { return inited; }
+int stub_device_count(void) { return devices(); }
+int stub_current_device(void) { return cur_dev; }
+uint64_t stub_card_bytes(void) { return total(); }
+CUresult stub_synchronize(void) { return cuCtxSynchronize(); }
+uint64_t stub_work_end(void) { return last_end; }
+int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size)
+{
+    for (size_t i = 0; i < sizeof allocs / sizeof *allocs; i++)
+        if (allocs[i].ptr && !allocs[i].host && p >= allocs[i].ptr && p - allocs[i].ptr <= allocs[i].size
+            && n <= allocs[i].size - (p - allocs[i].ptr)) {
+            *base = allocs[i].ptr;
+            *size = allocs[i].size;
+            return 0;
+        }
+    return -1;
+}
+
 /* The driver's own `fn`, as a real cuGetProcAddress gives it: a hidden alias binds here, never to an
  * interposer's same-named export (the plain address would be libcgpu's when it is preloaded). */
 #define OWN(fn) extern __typeof__(fn) own_##fn __attribute__((alias(#fn), visibility("hidden")))
@@ -536,7 +557,10 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
             if (status) *status = 0;  /* CU_GET_PROC_ADDRESS_SUCCESS */
             return OK;
         }
-    *pfn = NULL;
+    if ((*pfn = stub_more_proc(symbol, version, flags))) {  /* cuda_export.c: what the real runtime asks for */
+        if (status) *status = 0;
+        return OK;
+    }
     if (status) *status = 1;  /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
     return NOT_FOUND;
 }

@@ -1,0 +1,493 @@
+/*
+ * The rest of what NVIDIA's CUDA runtime and CuPy ask the stand-in driver: device attributes
+ * (a Tesla T4's, compute capability 7.5, 40 SMs), the primary context's state and limits,
+ * events, stream queries, copies and sets, page-locked host memory and pointer attributes.
+ *
+ * Copies and sets check their device side as the driver does: a range inside one live
+ * allocation (or a module's global), else CUDA_ERROR_INVALID_VALUE; nothing is moved (the
+ * card has no contents: a copy to the host writes zeros). Synchronous ones wait for this
+ * process's kernels first, as on the legacy stream. An event completes when the work before it
+ * does: recorded, it takes the time this process's last kernel ends (or now); cuEventQuery
+ * says CUDA_ERROR_NOT_READY until then, cuEventElapsedTime gives the difference.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cuda_stub.h"
+
+typedef void *CUcontext;
+typedef void *CUstream;
+int stub_find_global(CUdeviceptr p, size_t n);
+CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int dev);
+uint64_t stub_work_end(void);
+
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+static CUresult check_device(int d)
+{
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    return d >= 0 && d < stub_device_count() ? STUB_OK : STUB_INVALID_DEVICE;
+}
+
+/* ---- attributes: CUdevice_attribute -> a T4's value; 0 where a T4 says no ---- */
+static const struct { int attr, value; } T4[] = {
+    {1, 1024}, {2, 1024}, {3, 1024}, {4, 64}, {5, 2147483647}, {6, 65535}, {7, 65535}, {8, 49152}, {9, 65536},
+    {10, 32}, {11, 2147483647}, {12, 65536}, {13, 1590000}, {14, 512}, {15, 1}, {16, 40}, {17, 0}, {18, 0},
+    {19, 1}, {20, 0}, {21, 131072}, {22, 131072}, {23, 65536}, {24, 16384}, {25, 16384}, {26, 16384},
+    {27, 32768}, {28, 32768}, {29, 2048}, {30, 512}, {31, 1}, {32, 1}, {33, 0x3b}, {34, 0}, {35, 0},
+    {36, 5001000}, {37, 256}, {38, 4194304}, {39, 1024}, {40, 3}, {41, 1}, {42, 32768}, {43, 2048}, {44, 1},
+    {45, 32768}, {46, 32768}, {47, 8192}, {48, 8192}, {49, 32768}, {50, 0}, {51, 32}, {52, 32768},
+    {53, 32768}, {54, 2046}, {55, 32768}, {56, 131072}, {57, 65536}, {58, 16384}, {59, 16384}, {60, 16384},
+    {61, 32768}, {62, 2048}, {63, 32768}, {64, 32768}, {65, 2048}, {66, 32768}, {67, 32768}, {68, 2046},
+    {69, 268435456}, {70, 131072}, {71, 65000}, {72, 2097120}, {73, 32768}, {74, 32768}, {75, 7}, {76, 5},
+    {77, 32768}, {78, 1}, {79, 1}, {80, 1}, {81, 65536}, {82, 65536}, {83, 1}, {84, 0}, {85, 0}, {86, 0},
+    {87, 32}, {88, 0}, {89, 1}, {90, 1}, {91, 1}, {95, 1}, {96, 1}, {97, 65536}, {99, 1}, {102, 1}, {103, 1},
+    {106, 16}, {107, 0}, {110, 1}, {111, 0}, {112, 1}, {113, 1}, {115, 1}, {116, 1}, {117, 1}, {118, 0},
+    {119, 1}, {121, 1}, {122, 1}, {123, 1}, {124, 1}, {125, 1}, {126, 1}, {130, 0}, {131, -1}, {134, -1},
+    {139, 0x1eb810de}, {140, 0x12a210de}, {149, 1}, {157, 40},
+};
+CUresult cuDeviceGetAttribute(int *v, int attr, int dev)
+{
+    if (!v) return STUB_INVALID_VALUE;
+    CUresult r = check_device(dev);
+    if (r) return r;
+    if (attr <= 0 || attr > 161) {
+        stub_trace("cuDeviceGetAttribute %d unknown", attr);
+        return STUB_INVALID_VALUE;
+    }
+    *v = 0;
+    for (size_t i = 0; i < sizeof T4 / sizeof *T4; i++)
+        if (T4[i].attr == attr) *v = T4[i].value;
+    if (attr == 33) *v += dev;  /* PCI_BUS_ID: each card its own bus */
+    return STUB_OK;
+}
+CUresult cuDeviceComputeCapability(int *major, int *minor, int dev)
+{
+    if (!major || !minor) return STUB_INVALID_VALUE;
+    CUresult r = check_device(dev);
+    if (!r) { *major = 7; *minor = 5; }
+    return r;
+}
+CUresult cuDeviceGetPCIBusId(char *id, int len, int dev)
+{
+    if (!id || len <= 0) return STUB_INVALID_VALUE;
+    CUresult r = check_device(dev);
+    if (r) return r;
+    char s[16];
+    int n = snprintf(s, sizeof s, "0000:%02x:00.0", 0x3b + dev);
+    snprintf(id, (size_t)len, "%s", s);
+    return n < len ? STUB_OK : STUB_INVALID_VALUE;
+}
+CUresult cuDeviceCanAccessPeer(int *can, int dev, int peer)
+{
+    if (!can) return STUB_INVALID_VALUE;
+    CUresult r = check_device(dev);
+    if (!r) r = check_device(peer);
+    if (!r) *can = 0;
+    return r;
+}
+CUresult cuDeviceGetLuid(char *luid, unsigned *mask, int dev) { (void)luid; (void)mask; return check_device(dev) ?: STUB_NOT_SUPPORTED; }
+CUresult cuDeviceGetTexture1DLinearMaxWidth(size_t *w, int format, unsigned channels, int dev)
+{
+    (void)format; (void)channels;
+    if (!w) return STUB_INVALID_VALUE;
+    CUresult r = check_device(dev);
+    if (!r) *w = 268435456;
+    return r;
+}
+
+/* ---- the primary context ---- */
+static unsigned primary_flags[16];
+CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active)
+{
+    if (!flags || !active) return STUB_INVALID_VALUE;
+    CUresult r = check_device(dev);
+    if (!r) { *flags = primary_flags[dev]; *active = 1; }
+    return r;
+}
+CUresult cuDevicePrimaryCtxSetFlags_v2(int dev, unsigned flags)
+{
+    CUresult r = check_device(dev);
+    if (r) return r;
+    if (flags & ~0x1fu) return STUB_INVALID_VALUE;
+    primary_flags[dev] = flags;
+    return STUB_OK;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(int dev) { return check_device(dev); }
+CUresult cuDevicePrimaryCtxReset_v2(int dev) { return check_device(dev); }
+CUresult cuCtxGetFlags(unsigned *flags)
+{
+    if (!flags) return STUB_INVALID_VALUE;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    *flags = primary_flags[stub_current_device()];
+    return STUB_OK;
+}
+CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned *v)
+{
+    (void)ctx;
+    if (!v) return STUB_INVALID_VALUE;
+    *v = 3020;
+    return STUB_OK;
+}
+CUresult cuCtxGetId(CUcontext ctx, unsigned long long *id)
+{
+    if (!id) return STUB_INVALID_VALUE;
+    *id = ctx ? (unsigned long long)(uintptr_t)ctx : (unsigned long long)stub_current_device() + 1;
+    return STUB_OK;
+}
+static size_t limits[10] = {1024, 1048576, 8388608, 2, 2048, 32, 0, 0, 0, 0};
+CUresult cuCtxGetLimit(size_t *v, int limit)
+{
+    if (!v || limit < 0 || limit > 9) return STUB_INVALID_VALUE;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    *v = limits[limit];
+    return STUB_OK;
+}
+CUresult cuCtxSetLimit(int limit, size_t v)
+{
+    if (limit < 0 || limit > 6) return limit >= 7 && limit <= 9 ? STUB_NOT_SUPPORTED : STUB_INVALID_VALUE;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    if (limit == 5 && v > 128) return STUB_INVALID_VALUE;
+    limits[limit] = v;
+    return STUB_OK;
+}
+static int cache_config;
+CUresult cuCtxGetCacheConfig(int *c) { if (!c) return STUB_INVALID_VALUE; *c = cache_config; return STUB_OK; }
+CUresult cuCtxSetCacheConfig(int c) { if (c < 0 || c > 3) return STUB_INVALID_VALUE; cache_config = c; return STUB_OK; }
+CUresult cuCtxGetSharedMemConfig(int *c) { if (!c) return STUB_INVALID_VALUE; *c = 1; return STUB_OK; }
+CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest)
+{
+    if (least) *least = 0;
+    if (greatest) *greatest = -1;
+    return STUB_OK;
+}
+
+/* ---- streams ---- */
+CUresult cuStreamQuery(CUstream s)
+{
+    (void)s;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    return now_ns() < stub_work_end() ? STUB_NOT_READY : STUB_OK;
+}
+CUresult cuStreamCreateWithPriority(CUstream *s, unsigned flags, int priority)
+{
+    CUresult cuStreamCreate(CUstream *, unsigned);
+    if (priority > 0 || priority < -1) return STUB_INVALID_VALUE;  /* (clamped by a real driver; the range is [-1, 0]) */
+    return cuStreamCreate(s, flags);
+}
+CUresult cuStreamGetPriority(CUstream s, int *p) { (void)s; if (!p) return STUB_INVALID_VALUE; *p = 0; return STUB_OK; }
+CUresult cuStreamGetFlags(CUstream s, unsigned *f) { (void)s; if (!f) return STUB_INVALID_VALUE; *f = 0; return STUB_OK; }
+CUresult cuStreamGetId(CUstream s, unsigned long long *id)
+{
+    if (!id) return STUB_INVALID_VALUE;
+    *id = (unsigned long long)(uintptr_t)s;
+    return STUB_OK;
+}
+CUresult cuStreamGetCtx(CUstream s, CUcontext *ctx)
+{
+    (void)s;
+    if (!ctx) return STUB_INVALID_VALUE;
+    *ctx = (CUcontext)(uintptr_t)(stub_current_device() + 1);
+    return STUB_OK;
+}
+CUresult cuStreamGetDevice(CUstream s, int *dev) { (void)s; if (!dev) return STUB_INVALID_VALUE; *dev = stub_current_device(); return STUB_OK; }
+CUresult cuStreamIsCapturing(CUstream s, int *status) { (void)s; if (!status) return STUB_INVALID_VALUE; *status = 0; return STUB_OK; }
+CUresult cuStreamGetCaptureInfo_v3(CUstream s, int *status, unsigned long long *id, void **graph, const void **deps,
+                                   const void **edges, size_t *ndeps)
+{
+    (void)s; (void)id; (void)graph; (void)deps; (void)edges; (void)ndeps;
+    if (!status) return STUB_INVALID_VALUE;
+    *status = 0;  /* CU_STREAM_CAPTURE_STATUS_NONE: the other outputs are left as they are */
+    return STUB_OK;
+}
+CUresult cuStreamGetCaptureInfo_v2(CUstream s, int *status, unsigned long long *id, void **graph, const void **deps,
+                                   size_t *ndeps)
+{
+    return cuStreamGetCaptureInfo_v3(s, status, id, graph, deps, NULL, ndeps);
+}
+CUresult cuThreadExchangeStreamCaptureMode(int *mode)
+{
+    static __thread int current;
+    if (!mode || *mode < 0 || *mode > 2) return STUB_INVALID_VALUE;
+    int old = current;
+    current = *mode;
+    *mode = old;
+    return STUB_OK;
+}
+typedef void (*host_fn)(void *);
+CUresult cuLaunchHostFunc(CUstream s, host_fn fn, void *data)
+{
+    (void)s;
+    if (!fn) return STUB_INVALID_VALUE;
+    stub_synchronize();  /* (in order: after the stream's work, here on the caller's thread) */
+    fn(data);
+    return STUB_OK;
+}
+
+/* ---- events ---- */
+enum { EVENT_MAGIC = 0x6576656e, EVENT_DISABLE_TIMING = 2 };
+struct event { unsigned magic, flags; uint64_t at; int recorded; };
+static int event_ok(const struct event *e) { return e && e->magic == EVENT_MAGIC; }
+CUresult cuEventCreate(struct event **e, unsigned flags)
+{
+    if (!e || flags & ~0xfu) return STUB_INVALID_VALUE;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    *e = calloc(1, sizeof **e);
+    (*e)->magic = EVENT_MAGIC;
+    (*e)->flags = flags;
+    return STUB_OK;
+}
+CUresult cuEventDestroy_v2(struct event *e)
+{
+    if (!event_ok(e)) return STUB_INVALID_HANDLE;
+    e->magic = 0;
+    free(e);
+    return STUB_OK;
+}
+CUresult cuEventRecord(struct event *e, CUstream s)
+{
+    (void)s;
+    if (!event_ok(e)) return STUB_INVALID_HANDLE;
+    uint64_t now = now_ns(), end = stub_work_end();
+    e->at = end > now ? end : now;
+    e->recorded = 1;
+    return STUB_OK;
+}
+CUresult cuEventRecordWithFlags(struct event *e, CUstream s, unsigned flags)
+{
+    if (flags & ~1u) return STUB_INVALID_VALUE;
+    return cuEventRecord(e, s);
+}
+CUresult cuEventQuery(struct event *e)
+{
+    if (!event_ok(e)) return STUB_INVALID_HANDLE;
+    return !e->recorded || now_ns() >= e->at ? STUB_OK : STUB_NOT_READY;
+}
+CUresult cuEventSynchronize(struct event *e)
+{
+    if (!event_ok(e)) return STUB_INVALID_HANDLE;
+    while (e->recorded && now_ns() < e->at) {
+        uint64_t left = e->at - now_ns();
+        struct timespec t = {0, (long)(left > 1000000 ? 1000000 : left)};
+        nanosleep(&t, NULL);
+    }
+    return STUB_OK;
+}
+CUresult cuEventElapsedTime_v2(float *ms, struct event *a, struct event *b)
+{
+    if (!ms) return STUB_INVALID_VALUE;
+    if (!event_ok(a) || !event_ok(b)) return STUB_INVALID_HANDLE;
+    if ((a->flags | b->flags) & EVENT_DISABLE_TIMING || !a->recorded || !b->recorded) return STUB_INVALID_HANDLE;
+    if (cuEventQuery(a) || cuEventQuery(b)) return STUB_NOT_READY;
+    *ms = (float)((double)((int64_t)(b->at - a->at)) / 1e6);
+    return STUB_OK;
+}
+CUresult cuStreamWaitEvent(CUstream s, struct event *e, unsigned flags)
+{
+    (void)s;
+    if (flags & ~1u) return STUB_INVALID_VALUE;
+    return event_ok(e) ? STUB_OK : STUB_INVALID_HANDLE;  /* (one queue: already in order) */
+}
+
+/* ---- copies and sets ---- */
+static int on_card(CUdeviceptr p, size_t n)
+{
+    CUdeviceptr base;
+    size_t size;
+    return !stub_find_alloc(p, n, &base, &size) || !stub_find_global(p, n);
+}
+static CUresult copy(CUdeviceptr dst, int dst_dev, CUdeviceptr src, int src_dev, size_t n, int sync)
+{
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    if (!n) return STUB_OK;
+    if ((dst_dev && !on_card(dst, n)) || (src_dev && !on_card(src, n))) return STUB_INVALID_VALUE;
+    if (!dst_dev && !dst) return STUB_INVALID_VALUE;
+    if (!src_dev && !src) return STUB_INVALID_VALUE;
+    if (sync) stub_synchronize();
+    if (!dst_dev) memset((void *)(uintptr_t)dst, 0, n);
+    return STUB_OK;
+}
+#define H(p) ((CUdeviceptr)(uintptr_t)(p))
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *h, size_t n) { return copy(d, 1, H(h), 0, n, 1); }
+CUresult cuMemcpyDtoH_v2(void *h, CUdeviceptr d, size_t n) { return copy(H(h), 0, d, 1, n, 1); }
+CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy(d, 1, s, 1, n, 0); }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *h, size_t n, CUstream s) { (void)s; return copy(d, 1, H(h), 0, n, 0); }
+CUresult cuMemcpyDtoHAsync_v2(void *h, CUdeviceptr d, size_t n, CUstream s) { (void)s; return copy(H(h), 0, d, 1, n, 1); }
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr src, size_t n, CUstream s) { (void)s; return copy(d, 1, src, 1, n, 0); }
+/* unified addressing: a pointer inside an allocation is the card's, any other the host's */
+CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy(d, on_card(d, 1), s, on_card(s, 1), n, 1); }
+CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st)
+{
+    (void)st;
+    int dd = on_card(d, 1);
+    return copy(d, dd, s, on_card(s, 1), n, !dd);
+}
+CUresult cuMemcpyPeer(CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n) { (void)dc; (void)sc; return copy(d, 1, s, 1, n, 1); }
+CUresult cuMemcpyPeerAsync(CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n, CUstream st)
+{
+    (void)dc; (void)sc; (void)st;
+    return copy(d, 1, s, 1, n, 0);
+}
+static CUresult set(CUdeviceptr d, size_t n) { return !stub_inited() ? STUB_NOT_INITIALIZED : !n || on_card(d, n) ? STUB_OK : STUB_INVALID_VALUE; }
+CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { (void)v; return set(d, n); }
+CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n) { (void)v; return set(d, 2 * n); }
+CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned v, size_t n) { (void)v; return set(d, 4 * n); }
+CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) { (void)v; (void)s; return set(d, n); }
+CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, CUstream s) { (void)v; (void)s; return set(d, 2 * n); }
+CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, CUstream s) { (void)v; (void)s; return set(d, 4 * n); }
+CUresult cuMemsetD2D8_v2(CUdeviceptr d, size_t pitch, unsigned char v, size_t w, size_t h) { (void)v; return h ? set(d, pitch * (h - 1) + w) : STUB_OK; }
+CUresult cuMemsetD2D32_v2(CUdeviceptr d, size_t pitch, unsigned v, size_t w, size_t h) { (void)v; return h ? set(d, pitch * (h - 1) + 4 * w) : STUB_OK; }
+
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
+{
+    CUdeviceptr b;
+    size_t s;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    if (stub_find_alloc(p, 1, &b, &s)) return STUB_NOT_FOUND;
+    if (base) *base = b;
+    if (size) *size = s;
+    return STUB_OK;
+}
+
+/* ---- page-locked host memory: real memory of this process ---- */
+static struct { void *p; size_t n; } host[1024];
+static pthread_mutex_t host_lock = PTHREAD_MUTEX_INITIALIZER;
+static int host_find(const void *p)
+{
+    for (int i = 0; i < 1024; i++)
+        if (host[i].p && (const char *)p >= (const char *)host[i].p && (const char *)p < (const char *)host[i].p + host[i].n)
+            return i;
+    return -1;
+}
+CUresult cuMemHostAlloc(void **pp, size_t n, unsigned flags)
+{
+    if (!pp || !n || flags & ~0xfu) return STUB_INVALID_VALUE;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    void *p = NULL;
+    if (posix_memalign(&p, 4096, n)) return STUB_OUT_OF_MEMORY;
+    pthread_mutex_lock(&host_lock);
+    int i = host_find(NULL);
+    for (i = 0; i < 1024 && host[i].p; i++) {}
+    if (i < 1024) { host[i].p = p; host[i].n = n; }
+    pthread_mutex_unlock(&host_lock);
+    if (i == 1024) { free(p); return STUB_OUT_OF_MEMORY; }
+    *pp = p;
+    return STUB_OK;
+}
+CUresult cuMemAllocHost_v2(void **pp, size_t n) { return cuMemHostAlloc(pp, n, 0); }
+CUresult cuMemFreeHost(void *p)
+{
+    pthread_mutex_lock(&host_lock);
+    int i = host_find(p);
+    int ok = i >= 0 && host[i].p == p;
+    if (ok) host[i].p = NULL;
+    pthread_mutex_unlock(&host_lock);
+    if (!ok) return STUB_INVALID_VALUE;
+    free(p);
+    return STUB_OK;
+}
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned flags)
+{
+    if (!d || flags) return STUB_INVALID_VALUE;
+    pthread_mutex_lock(&host_lock);
+    int i = host_find(p);
+    pthread_mutex_unlock(&host_lock);
+    if (i < 0) return STUB_INVALID_VALUE;
+    *d = H(p);
+    return STUB_OK;
+}
+CUresult cuMemHostGetFlags(unsigned *flags, void *p)
+{
+    if (!flags) return STUB_INVALID_VALUE;
+    pthread_mutex_lock(&host_lock);
+    int i = host_find(p);
+    pthread_mutex_unlock(&host_lock);
+    if (i < 0) return STUB_INVALID_VALUE;
+    *flags = 0;
+    return STUB_OK;
+}
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags)
+{
+    if (!p || !n || flags & ~0xfu) return STUB_INVALID_VALUE;
+    return STUB_OK;
+}
+CUresult cuMemHostUnregister(void *p) { return p ? STUB_OK : STUB_INVALID_VALUE; }
+
+/* ---- pointer attributes ---- */
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p)
+{
+    if (!data) return STUB_INVALID_VALUE;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    CUdeviceptr base = 0;
+    size_t size = 0;
+    int dev = !stub_find_alloc(p, 1, &base, &size), pinned = 0;
+    if (!dev) {
+        pthread_mutex_lock(&host_lock);
+        int i = host_find((void *)(uintptr_t)p);
+        if (i >= 0) { pinned = 1; base = H(host[i].p); size = host[i].n; }
+        pthread_mutex_unlock(&host_lock);
+    }
+    if (!dev && !pinned) return STUB_INVALID_VALUE;  /* memory the driver does not know */
+    switch (attr) {
+    case 1: *(CUcontext *)data = (CUcontext)(uintptr_t)(stub_current_device() + 1); break;
+    case 2: *(unsigned *)data = dev ? 2 : 1; break;  /* CU_MEMORYTYPE_DEVICE / HOST */
+    case 3: *(CUdeviceptr *)data = p; break;
+    case 4: if (dev) return STUB_INVALID_VALUE; *(void **)data = (void *)(uintptr_t)p; break;
+    case 6: case 8: case 13: *(int *)data = attr == 13; break;
+    case 7: case 20: *(unsigned long long *)data = base; break;
+    case 9: *(int *)data = stub_current_device(); break;
+    case 10: case 15: *(int *)data = 0; break;
+    case 11: *(CUdeviceptr *)data = base; break;
+    case 12: *(size_t *)data = size; break;
+    default: return STUB_INVALID_VALUE;
+    }
+    return STUB_OK;
+}
+CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr p)
+{
+    if (!attrs || !data) return STUB_INVALID_VALUE;
+    for (unsigned i = 0; i < n; i++) {
+        CUresult r = cuPointerGetAttribute(data[i], attrs[i], p);
+        if (r == STUB_INVALID_VALUE && attrs[i] == 2) { *(unsigned *)data[i] = 0; continue; }  /* unregistered: type 0 */
+        if (r && r != STUB_INVALID_VALUE) return r;
+    }
+    return STUB_OK;
+}
+
+struct stub_proc { const char *name; void *fn; };
+HIDDEN const struct stub_proc STUB_PROCS_DEVICE[] = {
+#define P(f) {#f, (void *)f}
+#define PV(n, f) {n, (void *)f}
+    PV("cuDeviceGetUuid", cuDeviceGetUuid_v2), P(cuDeviceGetAttribute), P(cuDeviceComputeCapability), P(cuDeviceGetPCIBusId), P(cuDeviceCanAccessPeer),
+    P(cuDeviceGetLuid), P(cuDeviceGetTexture1DLinearMaxWidth), P(cuDevicePrimaryCtxGetState),
+    PV("cuDevicePrimaryCtxSetFlags", cuDevicePrimaryCtxSetFlags_v2),
+    PV("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease_v2), PV("cuDevicePrimaryCtxReset", cuDevicePrimaryCtxReset_v2),
+    P(cuCtxGetFlags), P(cuCtxGetApiVersion), P(cuCtxGetId), P(cuCtxGetLimit), P(cuCtxSetLimit), P(cuCtxGetCacheConfig),
+    P(cuCtxSetCacheConfig), P(cuCtxGetSharedMemConfig), P(cuCtxGetStreamPriorityRange),
+    P(cuStreamQuery), P(cuStreamCreateWithPriority), P(cuStreamGetPriority), P(cuStreamGetFlags), P(cuStreamGetId),
+    P(cuStreamGetCtx), P(cuStreamGetDevice), P(cuStreamIsCapturing), P(cuThreadExchangeStreamCaptureMode),
+    P(cuLaunchHostFunc), P(cuStreamWaitEvent),
+    P(cuEventCreate), PV("cuEventDestroy", cuEventDestroy_v2), P(cuEventRecord), P(cuEventRecordWithFlags),
+    P(cuEventQuery), P(cuEventSynchronize), PV("cuEventElapsedTime", cuEventElapsedTime_v2),
+    PV("cuMemcpyHtoD", cuMemcpyHtoD_v2), PV("cuMemcpyDtoH", cuMemcpyDtoH_v2), PV("cuMemcpyDtoD", cuMemcpyDtoD_v2),
+    PV("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2), PV("cuMemcpyDtoHAsync", cuMemcpyDtoHAsync_v2),
+    PV("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2), P(cuMemcpy), P(cuMemcpyAsync), P(cuMemcpyPeer), P(cuMemcpyPeerAsync),
+    PV("cuMemsetD8", cuMemsetD8_v2), PV("cuMemsetD16", cuMemsetD16_v2), PV("cuMemsetD32", cuMemsetD32_v2),
+    P(cuMemsetD8Async), P(cuMemsetD16Async), P(cuMemsetD32Async), PV("cuMemsetD2D8", cuMemsetD2D8_v2),
+    PV("cuMemsetD2D32", cuMemsetD2D32_v2), PV("cuMemGetAddressRange", cuMemGetAddressRange_v2),
+    P(cuMemHostAlloc), PV("cuMemAllocHost", cuMemAllocHost_v2), P(cuMemFreeHost),
+    PV("cuMemHostGetDevicePointer", cuMemHostGetDevicePointer_v2), P(cuMemHostGetFlags),
+    PV("cuMemHostRegister", cuMemHostRegister_v2), P(cuMemHostUnregister), P(cuPointerGetAttribute),
+    P(cuPointerGetAttributes),
+    {NULL, NULL},
+#undef P
+#undef PV
+};

@@ -1,0 +1,40 @@
+/*
+ * What the stand-in libcuda.so.1's files share (native/stubs/: libcuda.c, the card, memory and
+ * kernels; cuda_export.c, the private export tables and the rest of cuGetProcAddress's names;
+ * cuda_modules.c, modules, libraries, kernels and functions; cuda_device.c, device attributes,
+ * streams, events and copies). Nothing here is exported: hidden, one library's own.
+ */
+#ifndef CGPU_CUDA_STUB_H
+#define CGPU_CUDA_STUB_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define HIDDEN __attribute__((visibility("hidden")))
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+
+/* cuda.h's CUresult values the stand-in answers */
+enum {
+    STUB_OK = 0, STUB_INVALID_VALUE = 1, STUB_OUT_OF_MEMORY = 2, STUB_NOT_INITIALIZED = 3,
+    STUB_DEINITIALIZED = 4, STUB_INVALID_DEVICE = 101, STUB_INVALID_IMAGE = 200, STUB_INVALID_CONTEXT = 201,
+    STUB_NO_BINARY_FOR_GPU = 209, STUB_INVALID_PTX = 218, STUB_INVALID_SOURCE = 300, STUB_INVALID_HANDLE = 400,
+    STUB_NOT_FOUND = 500, STUB_NOT_READY = 600, STUB_ILLEGAL_ADDRESS = 700, STUB_LAUNCH_OUT_OF_RESOURCES = 701,
+    STUB_INVALID_ADDRESS_SPACE = 717, STUB_NOT_PERMITTED = 800, STUB_NOT_SUPPORTED = 801, STUB_UNKNOWN = 999,
+};
+
+/* libcuda.c */
+HIDDEN int stub_inited(void);                  /* cuInit has been called */
+HIDDEN int stub_device_count(void);
+HIDDEN int stub_current_device(void);          /* the calling thread's current context's device */
+HIDDEN uint64_t stub_card_bytes(void);         /* one card's memory */
+/* the live device allocation holding [p, p + n): 0 and its base and size, or -1 */
+HIDDEN int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
+HIDDEN CUresult stub_synchronize(void);        /* wait for this process's kernels */
+
+/* cuda_export.c: a name cuGetProcAddress's table in libcuda.c does not know, or NULL */
+HIDDEN void *stub_more_proc(const char *symbol, int version, uint64_t flags);
+HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* cuda_modules.c */
+HIDDEN int stub_function_valid(const void *f);
+#endif

@@ -1,0 +1,236 @@
+"""The real-runtime tier (issue 20): programs built by nvcc against NVIDIA's CUDA runtime 12
+and 13 (libcudart from NVIDIA's wheels) run on the stand-in driver (native/stubs: the
+runtime's private export tables, its fat binaries registered as libraries, ...), alone and
+with libcgpu preloaded and a container's page: their kernels run on the card, cudaMemGetInfo
+shows memsize, and cudaMalloc past it fails with cudaErrorMemoryAllocation, taking nothing.
+
+Each program is built once per runtime for the module (nvcc from the `nvidia-cuda-nvcc` wheel;
+tests/real_cuda.py)."""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+
+from pathlib import Path
+
+import pytest
+
+from cgpud.gpus import pages
+from real_cuda import RUNTIMES, UUID, build, card_used, env, kernels
+
+MIB = 1 << 20
+
+PROBE = r"""
+/* probe info | probe alloc BYTES | probe kernels N GRID: one line of results (see the tests) */
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cuda_runtime.h>
+__global__ void step(int *p) { p[blockIdx.x % 1024] += threadIdx.x; }
+int main(int argc, char **argv) {
+    int n = 0, rt = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) { printf("count %s\n", cudaGetErrorName(e)); return 2; }
+    cudaRuntimeGetVersion(&rt);
+    if (!strcmp(argv[1], "info")) {
+        size_t f = 0, t = 0;
+        cudaDeviceProp p;
+        cudaError_t e1 = cudaMemGetInfo(&f, &t), e2 = cudaGetDeviceProperties(&p, 0), e3 = cudaFree(0);
+        printf("%d %d %d %zu %zu %d.%d %zu %s %s %s\n", CUDART_VERSION, rt, n, f, t, p.major, p.minor, p.totalGlobalMem,
+               cudaGetErrorName(e1), cudaGetErrorName(e2), cudaGetErrorName(e3));
+    } else if (!strcmp(argv[1], "alloc")) {
+        void *p = NULL;
+        e = cudaMalloc(&p, strtoull(argv[2], NULL, 10));
+        cudaError_t last = cudaGetLastError();
+        size_t f = 0, t = 0;
+        cudaMemGetInfo(&f, &t);
+        printf("%s %s %zu %d\n", cudaGetErrorName(e), cudaGetErrorName(last), f, p == NULL);
+        if (p) cudaFree(p);
+    } else if (!strcmp(argv[1], "kernels")) {
+        int *d = NULL, h[1024] = {0};
+        cudaStream_t s;
+        cudaEvent_t a, b;
+        int count = atoi(argv[2]), grid = atoi(argv[3]);
+        e = cudaMalloc(&d, sizeof h);
+        if (!e) e = cudaMemcpy(d, h, sizeof h, cudaMemcpyHostToDevice);
+        if (!e) e = cudaStreamCreate(&s);
+        if (!e) e = cudaEventCreate(&a);
+        if (!e) e = cudaEventCreate(&b);
+        if (!e) e = cudaEventRecord(a, s);
+        for (int i = 0; !e && i < count; i++) {
+            step<<<grid, 32, 0, s>>>(d);
+            e = cudaGetLastError();
+        }
+        if (!e) e = cudaEventRecord(b, s);
+        if (!e) e = cudaStreamSynchronize(s);
+        if (!e) e = cudaDeviceSynchronize();
+        float ms = -1;
+        if (!e) e = cudaEventElapsedTime(&ms, a, b);
+        if (!e) e = cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost);
+        if (!e) e = cudaFree(d);
+        printf("%s %.3f\n", cudaGetErrorName(e), ms);
+    }
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory) -> Path:
+    from test_libcgpu import build_libs
+    return build_libs(tmp_path_factory.mktemp("cudart"))
+
+
+@pytest.fixture(scope="module")
+def probes(stubs) -> dict[int, Path]:
+    return {rt: build(PROBE, stubs / f"probe{rt}", rt) for rt in RUNTIMES}
+
+
+def run(probes, rt: int, e: dict, *args: str) -> list[str]:
+    r = subprocess.run([os.fspath(probes[rt]), *args], env=e, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    return r.stdout.split()
+
+
+@pytest.fixture
+def container(tmp_path):
+    """A container's page (memsize 1 GiB on the card) and its directory."""
+    dirp = tmp_path / "pages"
+    pages.create(os.fspath(dirp), [1024 * MIB])
+    return dirp
+
+
+RT = pytest.mark.parametrize("rt", sorted(RUNTIMES))
+
+
+@RT
+def test_the_runtime_starts_on_the_stand_in_alone_and_sees_the_whole_card(probes, stubs, tmp_path, rt):
+    """No libcgpu: the runtime's own version, one device of compute capability 7.5, the card's memory;
+    cudaFree(0), the usual way to start the runtime, is fine (the runtime passes the 0 to cuMemFree)."""
+    out = run(probes, rt, env(stubs, rt, tmp_path, preload=False), "info")
+    card = 15109 * MIB
+    assert out[0] == out[1] and int(out[1]) // 1000 == rt, out  # built against and running on runtime `rt`
+    assert out[2:] == ["1", str(card), str(card), "7.5", str(card)] + ["cudaSuccess"] * 3, out
+
+
+@RT
+def test_cudamemgetinfo_shows_memsize_with_libcgpu(probes, stubs, tmp_path, container, rt):
+    out = run(probes, rt, env(stubs, rt, tmp_path, page_dir=container), "info")
+    assert out[2:] == ["1", str(1024 * MIB), str(1024 * MIB), "7.5", str(1024 * MIB)] + ["cudaSuccess"] * 3, out
+
+
+@RT
+def test_cudamalloc_past_memsize_fails_and_takes_nothing(probes, stubs, tmp_path, container, rt):
+    e = env(stubs, rt, tmp_path, page_dir=container)
+    out = run(probes, rt, e, "alloc", str(1024 * MIB + 1))
+    assert out[:2] == ["cudaErrorMemoryAllocation"] * 2, out  # the call's error, and cudaGetLastError's
+    assert out[2:] == [str(1024 * MIB), "1"], out  # all of memsize still free; no pointer
+    assert card_used(tmp_path) == 0, "nothing was taken from the card"
+    assert pages.used(os.fspath(container))[0] == 0
+    assert run(probes, rt, e, "alloc", str(1024 * MIB))[0] == "cudaSuccess"  # exactly memsize fits
+
+
+@RT
+@pytest.mark.parametrize("preload", [False, True], ids=["alone", "libcgpu"])
+def test_kernels_launched_by_the_runtime_run_on_the_card(probes, stubs, tmp_path, container, rt, preload):
+    """<<<grid, 32>>> launches on a stream of its own, an event before and after: each kernel takes
+    grid µs of the card (the stand-in's model), the events measure them, the copies and frees work."""
+    out = run(probes, rt, env(stubs, rt, tmp_path, preload=preload, page_dir=container), "kernels", "20", "500")
+    assert out[0] == "cudaSuccess", out
+    ks = kernels(tmp_path)
+    assert len(ks) == 20 and len({pid for pid, _, _ in ks}) == 1
+    assert all(end - start == 500_000 for _, start, end in ks)
+    assert all(b[1] >= a[2] for a, b in zip(ks, ks[1:])), "one at a time, in order"
+    assert 10.0 <= float(out[1]) <= 10.0 + 50, out  # 20 x 0.5 ms of the card between the events
+
+
+@RT
+def test_a_fat_binary_without_code_for_the_card_is_refused(stubs, tmp_path, rt):
+    """Built for sm_80 only (no PTX): the stand-in (a 7.5 card) says so, as the driver does, and the
+    launch fails with cudaErrorNoKernelImageForDevice; nothing runs."""
+    prog = build(PROBE, tmp_path / f"probe{rt}_sm80", rt, arch="sm_80")
+    r = subprocess.run([os.fspath(prog), "kernels", "1", "10"], env=env(stubs, rt, tmp_path, preload=False),
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.split()[0] == "cudaErrorNoKernelImageForDevice", r.stdout + r.stderr
+    assert kernels(tmp_path) == []
+
+
+def test_the_export_tables_are_what_the_runtime_was_given(stubs, tmp_path, monkeypatch):
+    """cuGetExportTable through ctypes: a known table starts with its size; an unknown UUID (the one
+    CUDA 13's runtime asks first, f8cff951-...) is CUDA_ERROR_NOT_FOUND with no table; the
+    integrity check answers its fixed versions as documented (ZLUDA's dark_api)."""
+    monkeypatch.setenv("CGPU_STUB_CUDA_STATE", os.fspath(tmp_path / "card.state"))
+    cuda = ctypes.CDLL(os.fspath(stubs / "libcuda.so.1"))
+    assert cuda.cuInit(0) == 0
+    table = ctypes.c_void_p()
+
+    def get(uuid: str) -> int:
+        return cuda.cuGetExportTable(ctypes.byref(table), bytes.fromhex(uuid.replace("-", "")))
+
+    assert get("f8cff951-2146-8b4e-b9e2-fb469e7c0dd9") == 500 and table.value is None
+    assert get("6bd5fb6c-5bf4-e74a-8987-d93912fd9df9") == 0
+    assert ctypes.c_size_t.from_address(table.value).value == 13 * 8
+    assert get("d4082055-bde6-704b-8d34-ba123c66e1f2") == 0
+    check = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint, ctypes.c_ulonglong, ctypes.c_void_p)(
+        ctypes.c_void_p.from_address(table.value + 8).value)
+    out = (ctypes.c_ulonglong * 2)()
+    assert check(1230, 0, ctypes.cast(out, ctypes.c_void_p)) == 0
+    assert list(out) == [0x3341181C03CB675C, 0x8ED383AA1F4CD1E8]
+    assert check(1232, 0, None) == 1  # CUDA_ERROR_INVALID_VALUE: no result to fill
+    assert cuda.cuGetExportTable(None, bytes(16)) == 1
+
+
+def test_a_module_names_only_its_own_functions(stubs, tmp_path, monkeypatch):
+    """cuModuleLoadData of PTX: cuModuleGetFunction finds its .entry and refuses any other name
+    (CUDA_ERROR_NOT_FOUND); text that is not an image is CUDA_ERROR_INVALID_IMAGE."""
+    monkeypatch.setenv("CGPU_STUB_CUDA_STATE", os.fspath(tmp_path / "card.state"))
+    cuda = ctypes.CDLL(os.fspath(stubs / "libcuda.so.1"))
+    assert cuda.cuInit(0) == 0
+    ptx = b".version 8.0\n.target sm_75\n.address_size 64\n.visible .entry twice(\n.param .u64 p\n)\n{\nret;\n}\n"
+    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    assert cuda.cuModuleLoadData(ctypes.byref(mod), ptx) == 0
+    assert cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"twice") == 0 and fn.value
+    assert cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"thrice") == 500
+    assert cuda.cuModuleLoadData(ctypes.byref(mod), b"not an image") == 200
+    assert cuda.cuModuleLoadData(ctypes.byref(mod), ptx.replace(b"sm_75", b"sm_90")) == 209
+    assert cuda.cuModuleGetFunction(ctypes.byref(fn), ctypes.c_void_p(0x1234), b"twice") == 400
+
+
+def test_the_runtime_will_not_start_on_a_device_without_a_uuid(probes, stubs, tmp_path):
+    """The stand-in says no UUID unless told one (as for a driver that cannot); the real runtime
+    then refuses to start: why the tier gives it one (real_cuda.UUID)."""
+    e = env(stubs, 13, tmp_path, preload=False)
+    del e["CGPU_STUB_CUDA_UUIDS"]
+    r = subprocess.run([os.fspath(probes[13]), "info"], env=e, capture_output=True, text=True, timeout=60)
+    assert r.stdout.split()[:2] == ["count", "cudaErrorInitializationError"], r.stdout + r.stderr
+    assert UUID.startswith("GPU-")
+
+
+def test_a_podman_container_runs_the_program_through_the_runtime_held_to_its_memsize(make_daemon, probes, tmp_path):
+    """A real container (podman, the hooks.d hook only; tests/test_podman.py's host-/usr root file
+    system): the runtime-13 program, NVIDIA's libcudart.so.13 and the stand-in driver in /share.
+    The daemon's hook joins it to cgpud with 1 GiB and preloads libcgpu: the runtime inside sees
+    1 GiB as the card, one byte past it is cudaErrorMemoryAllocation with nothing taken, and its
+    kernels run on the card."""
+    import shutil
+    from test_podman import glibc_podman
+
+    d, podman, share, _ = glibc_podman(make_daemon, tmp_path)
+    try:
+        shutil.copy(probes[13], share / "probe")
+        shutil.copy(RUNTIMES[13]["lib"] / RUNTIMES[13]["so"], share / "lib")
+        e = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib", "CGPU_STUB_CUDA_UUIDS": UUID,
+             "CGPU_STUB_CUDA_STATE": "/share/card.state", "CGPU_STUB_CUDA_LOG": "/share/kernels"}
+        p = podman.run(e, "sh", "-c", f"/share/probe info && /share/probe alloc {1024 * MIB + 1} && "
+                                      "/share/probe kernels 3 200 && cat /etc/ld.so.preload",
+                       volumes=["/usr:/usr:ro", f"{share}:/share"])
+        assert p.returncode == 0, p.stdout + p.stderr
+        out = p.stdout.split()
+        assert out[2:5] == ["1", str(1024 * MIB), str(1024 * MIB)], out  # info: count, free, total
+        assert out[10:14] == ["cudaErrorMemoryAllocation"] * 2 + [str(1024 * MIB), "1"], out
+        assert out[14] == "cudaSuccess" and out[16] == "/run/cgpu-lib/libcgpu.so", out
+        assert int.from_bytes((share / "card.state").read_bytes()[:8], "little") == 0, "nothing left on the card"
+        assert [end - start for _, start, end in kernels(share)] == [200_000] * 3
+    finally:
+        podman.cleanup()
