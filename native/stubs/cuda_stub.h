@@ -35,6 +35,15 @@ HIDDEN CUresult stub_synchronize(void);        /* wait for this process's kernel
 HIDDEN void *stub_more_proc(const char *symbol, int version, uint64_t flags);
 HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* cuda_graphs.c: streams, stream capture and graphs */
+/* may the calling thread make a potentially unsafe call (synchronizing `synced`, NULL: none) now? */
+HIDDEN CUresult stub_capture_forbids(const void *synced);
+/* a launch of n kernels into stream s: 1 (and *r) when s captures it, 0 when it is to run */
+HIDDEN int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r);
+HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);
+HIDDEN void *stub_graphs_proc(const char *symbol, int version);
+HIDDEN CUresult stub_run_kernel(uint64_t us);   /* libcuda.c: one kernel on the card */
+
 /* cuda_modules.c */
 HIDDEN int stub_function_valid(const void *f);
 #endif

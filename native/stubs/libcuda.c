@@ -18,8 +18,9 @@
  * itself: only libcgpu's own wrappers of them can charge them.
  *
  * Kernels: the card runs one kernel at a time, for everyone. A launch
- * (cuLaunchKernel, _ptsz, cooperative, cuLaunchKernelEx, cuGraphLaunch) takes
- * gridX*gridY*gridZ microseconds of the card (a graph: CGPU_STUB_GRAPH_US, 1000),
+ * (cuLaunchKernel, _ptsz, cooperative, cuLaunchKernelEx) takes gridX*gridY*gridZ
+ * microseconds of the card (a graph, cuGraphLaunch: each of its kernels; stream capture and
+ * graphs, and the driver's capture rules, are stubs/cuda_graphs.c's),
  * queued after whatever the card has (the state file's second word: when it is
  * next free); it returns at once, as a real launch does, but a process has at most
  * one kernel waiting behind its running one (a launch waits until its previous one
@@ -255,6 +256,8 @@ static CUresult run_kernel(uint64_t us)
 #define SYNC_SPIN_NS 200000ull
 CUresult cuCtxSynchronize(void)
 {
+    CUresult r = stub_capture_forbids(NULL);  /* cuda_graphs.c: not during another's capture */
+    if (r) return r;
     uint64_t end = last_end;
     if (end > SYNC_SPIN_NS)
         sleep_until(end - SYNC_SPIN_NS);
@@ -289,8 +292,10 @@ CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name);  /*
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
-    (void)f; (void)bx; (void)by; (void)bz; (void)shmem; (void)stream; (void)params; (void)extra;
-    return run_kernel((uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1));
+    (void)f; (void)bx; (void)by; (void)bz; (void)shmem; (void)params; (void)extra;
+    uint64_t us = (uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1);
+    CUresult r;
+    return stub_capture_launch(stream, &us, 1, &r) ? r : run_kernel(us);  /* (into a capture: recorded) */
 }
 CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                              unsigned shmem, void *stream, void **params, void **extra)
@@ -302,19 +307,17 @@ CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsig
 {
     return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, NULL);
 }
-typedef struct { unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes; } launch_config;
+typedef struct { unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes; void *hStream; } launch_config;
 CUresult cuLaunchKernelEx(const launch_config *c, CUfunction f, void **params, void **extra)
 {
     (void)f; (void)params; (void)extra;
     if (!c) return INVALID_VALUE;
-    return run_kernel((uint64_t)c->gridDimX * (c->gridDimY ? c->gridDimY : 1) * (c->gridDimZ ? c->gridDimZ : 1));
+    uint64_t us = (uint64_t)c->gridDimX * (c->gridDimY ? c->gridDimY : 1) * (c->gridDimZ ? c->gridDimZ : 1);
+    CUresult r;
+    return stub_capture_launch(c->hStream, &us, 1, &r) ? r : run_kernel(us);
 }
-CUresult cuGraphLaunch(void *exec, void *stream)
-{
-    const char *us = getenv("CGPU_STUB_GRAPH_US");
-    (void)exec; (void)stream;
-    return run_kernel(us && *us ? strtoull(us, NULL, 10) : 1000);
-}
+CUresult cuGraphLaunch(void *exec, void *stream) { return stub_graph_launch(exec, stream); }  /* cuda_graphs.c */
+CUresult stub_run_kernel(uint64_t us) { return run_kernel(us); }
 
 /* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
 static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
@@ -335,10 +338,13 @@ static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
     return OUT_OF_MEMORY;
 }
 static CUresult take(CUdeviceptr *p, size_t size, int host) { return take_on(cur_dev, p, size, host); }
+static __thread int ordered;
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
 {
     if (!inited) return NOT_INITIALIZED;
     if (!p || !size) return INVALID_VALUE;
+    CUresult r = ordered ? OK : stub_capture_forbids(NULL);
+    if (r) return r;
     return take(p, size, 0);
 }
 static CUresult drop(CUdeviceptr p)
@@ -351,7 +357,11 @@ static CUresult drop(CUdeviceptr p)
         }
     return INVALID_VALUE;
 }
-CUresult cuMemFree_v2(CUdeviceptr p) { return p ? drop(p) : OK; }  /* 0: nothing, as the driver (cudaFree(0) passes it on) */
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    CUresult r = p && !ordered ? stub_capture_forbids(NULL) : OK;
+    return r ? r : p ? drop(p) : OK;
+}  /* 0: nothing, as the driver (cudaFree(0) passes it on) */
 /* the card's memory, not through the exported cuMemAlloc_v2 */
 static CUresult device(CUdeviceptr *p, size_t size)
 {
@@ -368,11 +378,30 @@ CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, size_t 
 }
 CUresult cuMemAllocManaged(CUdeviceptr *p, size_t size, unsigned flags) { (void)flags; return cuMemAlloc_v2(p, size); }
 typedef void *CUstream;
-CUresult cuStreamCreate(CUstream *s, unsigned flags) { (void)flags; *s = (CUstream)0x2; return inited ? OK : NOT_INITIALIZED; }
-CUresult cuStreamDestroy_v2(CUstream s) { (void)s; return OK; }
-CUresult cuStreamSynchronize(CUstream s) { (void)s; return cuCtxSynchronize(); }
-CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return cuMemAlloc_v2(p, size); }
-CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return cuMemFree_v2(p); }
+CUresult cuStreamCreate(CUstream *s, unsigned flags);  /* cuda_graphs.c, as cuStreamDestroy_v2 */
+CUresult cuStreamDestroy_v2(CUstream s);
+CUresult cuStreamSynchronize(CUstream s)
+{
+    CUresult r = stub_capture_forbids(s);
+    return r ? r : cuCtxSynchronize();
+}
+/* (ordered: inside a stream-ordered allocation, legal during a capture) */
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s)
+{
+    (void)s;
+    ordered++;
+    CUresult r = cuMemAlloc_v2(p, size);
+    ordered--;
+    return r;
+}
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s)
+{
+    (void)s;
+    ordered++;
+    CUresult r = cuMemFree_v2(p);
+    ordered--;
+    return r;
+}
 typedef void *CUmemoryPool;
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
 {
@@ -548,6 +577,10 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
     }
     if ((flags & 2) && !strcmp(symbol, "cuLaunchKernel")) {  /* CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM */
         *pfn = (void *)own_cuLaunchKernel_ptsz;
+        if (status) *status = 0;
+        return OK;
+    }
+    if ((*pfn = stub_graphs_proc(symbol, version))) {  /* cuda_graphs.c: streams, capture and graphs */
         if (status) *status = 0;
         return OK;
     }
