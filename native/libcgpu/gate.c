@@ -83,6 +83,28 @@ static int note_context(void)
     return k;
 }
 
+/* The drain synchronizes from the helper thread while the process's other threads may be
+ * capturing streams into CUDA graphs (PyTorch, vLLM, torch.compile: in the global capture mode).
+ * In the thread's default mode, global, such a synchronize is a potentially unsafe call the driver
+ * refuses, invalidating their captures; in relaxed mode it is allowed and touches no capture
+ * (cuThreadExchangeStreamCaptureMode, CUDA 10.1 on). 0, or -1 said once on stderr: the driver
+ * refused (then the drain synchronizes as before, and a capture may be invalidated by it). */
+static int relax_capture_mode(void)
+{
+    typedef CUresult (*exchange_fn)(int *);
+    exchange_fn exchange = real.lib && real_dlsym
+        ? (exchange_fn)real_dlsym(real.lib, "cuThreadExchangeStreamCaptureMode") : NULL;
+    int mode = 2;  /* CU_STREAM_CAPTURE_MODE_RELAXED */
+    if (!exchange)
+        return 0;  /* a driver before capture modes: no capture is global */
+    CUresult r = exchange(&mode);
+    if (r == CU_OK)
+        return 0;
+    fprintf(stderr, "cgpu: the driver refused relaxed stream-capture mode to the gate's helper thread (error %d):"
+            " a CUDA graph captured while the gate closes may be invalidated\n", r);
+    return -1;
+}
+
 /* Finish the work queued on page GPU `k` (all of it for -1): once no launch there is in
  * flight, synchronize the contexts of that GPU. */
 static void drain(int k)
@@ -124,6 +146,7 @@ static void *gate_helper(void *arg)
     /* The next container's slice waits for this thread's answer: its timed waits (a driver that
      * synchronizes by sleeping) end when due, not up to the default 50 µs of timer slack later. */
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    relax_capture_mode();
     for (;;) {
         if (!per_gpu) {  /* the container's one gate: answer each closing with its value */
             uint32_t g = gate_value(-1);
