@@ -3,6 +3,9 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <time.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
@@ -25,6 +28,30 @@
  * gate's value into the process's `acked` and a byte into the `drained` FIFO, so
  * the daemon can start the next container's slice knowing the GPU is free. */
 
+/* ---- a gang: a container's GPUs opened and closed together (docs/isolation.md, "Gangs") ----
+ *
+ * A collective kernel (NCCL's all-reduce, ...) on one GPU spins until its peers on the
+ * container's other GPUs have run: with gates per GPU, a container open on one GPU and closed on
+ * another would spin away its slice there, and the drain of the open one would wait for a kernel
+ * that cannot end. So a launch on GPU k waits for GPU k's gate and the container's gate, which
+ * the daemon keeps closed while any of the container's GPUs' gates is (cgpu_page.h): the
+ * container's launches run only while it holds all the GPUs it is active on. (GPUs it does not
+ * use are never held closed: an idle instance is not.) CGPU_GANG=0 in the container: each GPU on
+ * its own (for processes that share nothing across GPUs; it changes only the container's own time).
+ *
+ * A closing can still fall between two halves of a collective (a thread launched its half, the
+ * peer's launch comes after the gate closed): the peer's launch is let through while the helper
+ * answers that closing, if its GPU is behind the process's most-launched GPU of the gang (ranks
+ * launch the same sequence), at most GANG_CATCH_UP launches per GPU per closing; the helper waits
+ * up to GANG_WAIT_NS for them before it drains. */
+#define GANG_CATCH_UP 4
+#define GANG_WAIT_NS 20000000ll
+static int gang_off = -1;  /* CGPU_GANG=0 (read at the first launch) */
+static unsigned long launched[CGPU_MAX_GPUS];  /* this process's launches on each page GPU */
+static unsigned long base[CGPU_MAX_GPUS];      /* ... when a closing last found them uneven for good */
+static unsigned catch_up_used[CGPU_MAX_GPUS];
+static int catch_up_open;                      /* the helper answers a closing: catch-up allowed */
+
 /* Threads of this process inside a launch now: [0] on the container's gate, [1 + k] on GPU k's. */
 static unsigned launching[1 + CGPU_MAX_GPUS];
 static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
@@ -44,6 +71,64 @@ static const uint32_t *gate_word(int k)
 static uint32_t gate_value(int k)
 {
     return __atomic_load_n(gate_word(k), __ATOMIC_SEQ_CST);
+}
+
+static void futex_wake_all(const uint32_t *word)
+{
+    syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static int ganged(void)
+{
+    return per_gpu && !gang_off;
+}
+
+/* How far page GPU `k` is behind the gang's most-launched GPU of this process since the last closing. */
+static unsigned long behind(int k)
+{
+    uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
+    unsigned long most = 0, mine_k = __atomic_load_n(&launched[k], __ATOMIC_SEQ_CST) - base[k];
+    for (uint32_t j = 0; j < limits->ngpus; j++)
+        if (on & (1u << j)) {
+            unsigned long n = __atomic_load_n(&launched[j], __ATOMIC_SEQ_CST) - base[j];
+            most = n > most ? n : most;
+        }
+    return most > mine_k ? most - mine_k : 0;
+}
+
+/* A launch on GPU k let through a closed gate: it completes a collective a closing cut in half. */
+static int catch_up(int k)
+{
+    if (!__atomic_load_n(&catch_up_open, __ATOMIC_SEQ_CST) || !behind(k))
+        return 0;
+    return __atomic_add_fetch(&catch_up_used[k], 1, __ATOMIC_SEQ_CST) <= GANG_CATCH_UP;
+}
+
+/* Whether the GPUs this process launches on are even (or caught up as far as allowed). */
+static int caught_up(void)
+{
+    uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
+    for (uint32_t j = 0; j < limits->ngpus; j++)
+        if (on & (1u << j) && behind((int)j) && __atomic_load_n(&catch_up_used[j], __ATOMIC_SEQ_CST) < GANG_CATCH_UP)
+            return 0;
+    return 1;
+}
+
+/* No launch of this process on the GPUs `on` is in flight (one that passed the gate before it
+ * closed counts its GPU only once it returns: only then are the counts to compare). */
+static int settled(uint32_t on)
+{
+    for (uint32_t j = 0; j < limits->ngpus; j++)
+        if (on & (1u << j) && __atomic_load_n(&launching[1 + j], __ATOMIC_SEQ_CST))
+            return 0;
+    return 1;
+}
+
+static int64_t mono_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000ll + t.tv_nsec;
 }
 
 /* Sleep while `word` still reads `seen` (any change wakes it). */
@@ -162,6 +247,23 @@ static void *gate_helper(void *arg)
         uint32_t c = __atomic_load_n(&limits->closings, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != c) {
             uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
+            if (ganged() && (on & (on - 1))) {  /* a gang: the halves of a collective cut by the closing */
+                memset(catch_up_used, 0, sizeof catch_up_used);
+                __atomic_store_n(&catch_up_open, 1, __ATOMIC_SEQ_CST);
+                int64_t until = mono_ns() + GANG_WAIT_NS;
+                while (!(settled(on) && caught_up()) && mono_ns() < until) {
+                    futex_wake_all(&limits->gate);  /* (the launches waiting: look again) */
+                    for (uint32_t k = 0; k < limits->ngpus; k++)
+                        if (on & (1u << k))
+                            futex_wake_all(&limits->gpu_gate[k]);
+                    struct timespec t = {0, 50000};
+                    nanosleep(&t, NULL);
+                }
+                __atomic_store_n(&catch_up_open, 0, __ATOMIC_SEQ_CST);  /* (drain() then waits for those in flight) */
+                if (!caught_up())  /* not a collective's peer that was behind: the ranks launch differently */
+                    for (uint32_t k = 0; k < limits->ngpus; k++)
+                        base[k] = __atomic_load_n(&launched[k], __ATOMIC_SEQ_CST);
+            }
             for (uint32_t k = 0; k < limits->ngpus; k++)
                 if (on & (1u << k) && !(gate_value((int)k) & 1))
                     drain((int)k);
@@ -174,6 +276,8 @@ static void *gate_helper(void *arg)
 
 static void start_helper(void)
 {
+    const char *g = getenv("CGPU_GANG");
+    gang_off = g && !strcmp(g, "0");
     pthread_t t;
     pthread_attr_t a;
     sigset_t all, old;
@@ -202,8 +306,21 @@ static void gate_enter(int k)
     for (;;) {
         __atomic_add_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
         uint32_t g = gate_value(k);
-        if (g & 1)
-            return;
+        if (k < 0 || !ganged()) {
+            if (g & 1)
+                return;
+        } else {  /* a gang: GPU k's gate and the container's (closed while any GPU's is) */
+            uint32_t all = gate_value(-1);
+            if (((g & all & 1) || catch_up(k))) {
+                __atomic_add_fetch(&launched[k], 1, __ATOMIC_SEQ_CST);
+                return;
+            }
+            if (g & 1) {  /* GPU k open, another closed: wait for the container's gate */
+                __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+                futex_wait_on(&limits->gate, all);
+                continue;
+            }
+        }
         __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
         futex_wait_on(gate_word(k), g);
     }
@@ -273,6 +390,9 @@ void gate_forked(void)
     pthread_once_t fresh = PTHREAD_ONCE_INIT;
     helper_once = fresh;
     memset(launching, 0, sizeof launching);
+    memset(launched, 0, sizeof launched);
+    memset(base, 0, sizeof base);
+    catch_up_open = 0;
     nctxs = 0;
     known_ctx = NULL;
 }

@@ -29,8 +29,9 @@
  * scheduling spins). With CGPU_STUB_CUDA_LOG set, each kernel appends
  * "pid start_ns end_ns" (CLOCK_MONOTONIC) to it; CGPU_STUB_CUDA_FAST=1 makes
  * launches free and instant (to time what an interposer adds). cuInit opens
- * CGPU_STUB_CUDA_DEVICE, if set, and keeps it open, as the real driver keeps
- * /dev/nvidiaN: the daemon sees the process use the GPU.
+ * CGPU_STUB_CUDA_DEVICE (a comma-separated list: each), if set, and keeps it open, as the real
+ * driver keeps /dev/nvidiaN: the daemon sees the process use the GPU. CGPU_STUB_COLLECTIVE=1:
+ * every kernel of the process is half of a collective across cards 0 and 1 (run_collective).
  */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -106,8 +107,13 @@ CUresult cuInit(unsigned flags)
     static int device = -1;
     const char *dev = getenv("CGPU_STUB_CUDA_DEVICE");
     (void)flags;
-    if (device < 0 && dev && *dev)
-        device = open(dev, O_RDONLY | O_CLOEXEC);
+    if (device < 0 && dev && *dev)  /* (a comma-separated list: each of them, a process on several GPUs) */
+        for (const char *p = dev; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL) {
+            char one[4096];
+            snprintf(one, sizeof one, "%.*s", (int)strcspn(p, ","), p);
+            int fd = open(one, O_RDONLY | O_CLOEXEC);
+            device = device < 0 ? fd : device;
+        }
     inited = 1;
     return OK;
 }
@@ -223,6 +229,72 @@ static int kernel_files(int *log_fd)
     return fd;
 }
 
+/* A collective (CGPU_STUB_COLLECTIVE=1: every kernel of the process is one): a kernel on card 0
+ * or 1 is half of one with the process's next kernel on the other card, as an all-reduce's ranks
+ * are. The first half starts on its card as any kernel and holds it (spinning, the card's next
+ * free time HELD) until its peer has started on the other; both end `us` after the later start.
+ * Each half is logged "pid start end dev us" when the pair is complete: its time spinning is
+ * end - start - us. Another kernel on a HELD card waits until it is free. */
+#define HELD UINT64_MAX
+static pthread_mutex_t collective_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { int on; uint64_t start, us; } half[2];  /* a half waiting for its peer, per card */
+
+static int collective(void)
+{
+    const char *c = getenv("CGPU_STUB_COLLECTIVE");
+    return c && *c == '1';
+}
+
+static void log_kernel(int lf, uint64_t start, uint64_t end, int dev, uint64_t us)
+{
+    if (lf < 0) return;
+    char line[128];
+    int n = dev < 0 ? snprintf(line, sizeof line, "%d %llu %llu\n", (int)getpid(), (unsigned long long)start,
+                               (unsigned long long)end)
+                    : snprintf(line, sizeof line, "%d %llu %llu %d %llu\n", (int)getpid(), (unsigned long long)start,
+                               (unsigned long long)end, dev, (unsigned long long)us);
+    if (write(lf, line, (size_t)n) < 0) { /* (a log, best effort) */ }
+}
+
+static CUresult run_collective(int fd, int lf, uint64_t us)
+{
+    int d = cur_dev, peer = 1 - cur_dev;
+    if (d > 1) return INVALID_VALUE;
+    for (;;) {
+        pthread_mutex_lock(&collective_lock);
+        flock(fd, LOCK_EX);
+        uint64_t free_at = 0, now = now_ns();
+        if (pread(fd, &free_at, sizeof free_at, 16 * d + 8) != sizeof free_at)
+            free_at = 0;
+        if (free_at != HELD) {
+            uint64_t start = free_at > now ? free_at : now, end = HELD;
+            if (half[peer].on) {  /* the pair is complete: both end together */
+                uint64_t later = start > half[peer].start ? start : half[peer].start;
+                end = later + (us > half[peer].us ? us : half[peer].us) * 1000;
+                half[peer].on = 0;
+                int bad = pwrite(fd, &end, sizeof end, 16 * peer + 8) != sizeof end;
+                bad |= pwrite(fd, &end, sizeof end, 16 * d + 8) != sizeof end;
+                log_kernel(lf, half[peer].start, end, peer, half[peer].us);
+                log_kernel(lf, start, end, d, us);
+                if (end > last_end) last_end = end;
+                if (bad) end = 0;
+            } else {
+                half[d].on = 1;
+                half[d].start = start;
+                half[d].us = us;
+                if (pwrite(fd, &end, sizeof end, 16 * d + 8) != sizeof end) end = 0;
+            }
+            last_start = start;
+            flock(fd, LOCK_UN);
+            pthread_mutex_unlock(&collective_lock);
+            return end ? OK : OUT_OF_MEMORY;
+        }
+        flock(fd, LOCK_UN);
+        pthread_mutex_unlock(&collective_lock);
+        sleep_until(now_ns() + 50000);  /* the card is held by a collective waiting for its peer */
+    }
+}
+
 static CUresult run_kernel(uint64_t us)
 {
     const char *fast = getenv("CGPU_STUB_CUDA_FAST");
@@ -231,22 +303,26 @@ static CUresult run_kernel(uint64_t us)
     sleep_until(last_start);  /* one kernel waiting behind the running one, at most */
     int lf, fd = kernel_files(&lf);
     if (fd < 0) return OUT_OF_MEMORY;
-    flock(fd, LOCK_EX);
-    uint64_t free_at = 0, now = now_ns();
-    if (pread(fd, &free_at, sizeof free_at, 16 * cur_dev + 8) != sizeof free_at)
-        free_at = 0;
+    if (collective())
+        return run_collective(fd, lf, us);
+    uint64_t free_at = 0, now;
+    for (;;) {
+        flock(fd, LOCK_EX);
+        now = now_ns();
+        if (pread(fd, &free_at, sizeof free_at, 16 * cur_dev + 8) != sizeof free_at)
+            free_at = 0;
+        if (free_at != HELD)
+            break;
+        flock(fd, LOCK_UN);
+        sleep_until(now + 50000);  /* held by another process's collective waiting for its peer */
+    }
     uint64_t start = free_at > now ? free_at : now, end = start + us * 1000;
     int bad = pwrite(fd, &end, sizeof end, 16 * cur_dev + 8) != sizeof end;
     flock(fd, LOCK_UN);
     if (bad) return OUT_OF_MEMORY;
     last_start = start;
     last_end = end;
-    if (lf >= 0) {
-        char line[96];
-        int n = snprintf(line, sizeof line, "%d %llu %llu\n", (int)getpid(), (unsigned long long)start,
-                         (unsigned long long)end);
-        if (write(lf, line, (size_t)n) < 0) { /* (a log, best effort) */ }
-    }
+    log_kernel(lf, start, end, -1, us);
     return OK;
 }
 
@@ -258,6 +334,8 @@ CUresult cuCtxSynchronize(void)
 {
     CUresult r = stub_capture_forbids(NULL);  /* cuda_graphs.c: not during another's capture */
     if (r) return r;
+    while (cur_dev < 2 && __atomic_load_n(&half[cur_dev].on, __ATOMIC_SEQ_CST))
+        sleep_until(now_ns() + 50000);  /* a collective on this card waits for its peer */
     uint64_t end = last_end;
     if (end > SYNC_SPIN_NS)
         sleep_until(end - SYNC_SPIN_NS);
