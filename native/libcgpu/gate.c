@@ -43,12 +43,13 @@
  * peer's launch comes after the gate closed): the peer's launch is let through while the helper
  * answers that closing, if its GPU is behind the process's most-launched GPU of the gang (ranks
  * launch the same sequence), at most GANG_CATCH_UP launches per GPU per closing; the helper waits
- * up to GANG_WAIT_NS for them before it drains. */
+ * up to GANG_WAIT_NS for them before it drains. GPUs more than 2 * GANG_CATCH_UP launches apart are
+ * not ranks of one collective: they count as even from there. */
 #define GANG_CATCH_UP 4
 #define GANG_WAIT_NS 20000000ll
 static int gang_off = -1;  /* CGPU_GANG=0 (read at the first launch) */
 static unsigned long launched[CGPU_MAX_GPUS];  /* this process's launches on each page GPU */
-static unsigned long base[CGPU_MAX_GPUS];      /* ... when a closing last found them uneven for good */
+static unsigned long base[CGPU_MAX_GPUS];      /* ... when a closing last found them far apart */
 static unsigned catch_up_used[CGPU_MAX_GPUS];
 static int catch_up_open;                      /* the helper answers a closing: catch-up allowed */
 
@@ -248,21 +249,33 @@ static void *gate_helper(void *arg)
         if (__atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != c) {
             uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
             if (ganged() && (on & (on - 1))) {  /* a gang: the halves of a collective cut by the closing */
-                memset(catch_up_used, 0, sizeof catch_up_used);
-                __atomic_store_n(&catch_up_open, 1, __ATOMIC_SEQ_CST);
-                int64_t until = mono_ns() + GANG_WAIT_NS;
-                while (!(settled(on) && caught_up()) && mono_ns() < until) {
-                    futex_wake_all(&limits->gate);  /* (the launches waiting: look again) */
-                    for (uint32_t k = 0; k < limits->ngpus; k++)
-                        if (on & (1u << k))
-                            futex_wake_all(&limits->gpu_gate[k]);
-                    struct timespec t = {0, 50000};
-                    nanosleep(&t, NULL);
-                }
-                __atomic_store_n(&catch_up_open, 0, __ATOMIC_SEQ_CST);  /* (drain() then waits for those in flight) */
-                if (!caught_up())  /* not a collective's peer that was behind: the ranks launch differently */
+                uint32_t apart = 0;
+                for (uint32_t k = 0; k < limits->ngpus; k++)
+                    if (on & (1u << k) && behind((int)k) > 2 * GANG_CATCH_UP)
+                        apart = 1;
+                if (apart)  /* more apart than collectives in flight: the ranks launch differently; even from here */
                     for (uint32_t k = 0; k < limits->ngpus; k++)
                         base[k] = __atomic_load_n(&launched[k], __ATOMIC_SEQ_CST);
+                memset(catch_up_used, 0, sizeof catch_up_used);
+                __atomic_store_n(&catch_up_open, 1, __ATOMIC_SEQ_CST);
+                int64_t start = mono_ns(), now = start, woke = 0;
+                while (!(settled(on) && caught_up()) && now < start + GANG_WAIT_NS) {
+                    if (now >= woke + 50000) {  /* the launches waiting: look again (every 50 µs) */
+                        futex_wake_all(&limits->gate);
+                        for (uint32_t k = 0; k < limits->ngpus; k++)
+                            if (on & (1u << k))
+                                futex_wake_all(&limits->gpu_gate[k]);
+                        woke = now;
+                    }
+                    if (now - start < 200000)
+                        sched_yield();  /* (a peer's launch is usually microseconds away) */
+                    else {
+                        struct timespec t = {0, 50000};
+                        nanosleep(&t, NULL);
+                    }
+                    now = mono_ns();
+                }
+                __atomic_store_n(&catch_up_open, 0, __ATOMIC_SEQ_CST);  /* (drain() then waits for those in flight) */
             }
             for (uint32_t k = 0; k < limits->ngpus; k++)
                 if (on & (1u << k) && !(gate_value((int)k) & 1))
