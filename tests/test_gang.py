@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,43 @@ def test_a_collective_on_two_gpus_beside_a_one_gpu_instance_spins_on_neither(mak
     assert r["spin"][0] < 0.05 and r["spin"][1] < 0.05, r
     assert 0.25 <= r["share0"] <= 0.42, r  # policy: 1/3 (the figure, within 1 pp: bench/gang.py)
     assert r["x_on"][1] > 0.5 * r["x_on"][0], r  # (it ran on GPU 1 as much: with GPU 0, not in its absence)
+
+
+def test_closing_one_gpu_of_a_gang_drains_without_waiting_for_a_peer(libs, tmp_path):
+    """The gate driven as the scheduler drives it (cgpud.gpus.pages, GateFreezer), GPU 0's gate
+    closed 40 times while the collective runs on GPUs 0 and 1: every closing is drained at once
+    (its helper's synchronize does not wait for a half whose peer is held), and no half spins
+    for long. (Gates per GPU: GPU 1's halves spun through GPU 0's closings, their peers held at
+    its gate: 20 ms each, 72 ms the longest.)"""
+    from cgpud.gpus import pages
+    from cgpud.sched.gate import GateFreezer
+
+    pages.create(os.fspath(tmp_path / "pages"), [1 << 30, 1 << 30])
+    gate = GateFreezer(os.fspath(tmp_path / "pages"), gpus=[0, 1])
+    env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs), "LD_PRELOAD": os.fspath(libs / "libcgpu.so"),
+           "CGPU_PAGE_DIR": os.fspath(tmp_path / "pages"), "CGPU_STUB_CUDA_DEVICES": "2",
+           "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"), "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / "x"),
+           "CGPU_STUB_COLLECTIVE": "1"}
+    p = subprocess.Popen([os.fspath(libs / "collective"), "1.5", "1000"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "started", p.stderr.read()
+        for _ in range(40):
+            time.sleep(0.01)
+            gate.freeze(0)
+            t0 = time.monotonic()
+            while not gate.is_frozen():
+                assert time.monotonic() - t0 < 2, f"GPU 0's closing not drained: {gate.undrained(0)}"
+                time.sleep(0.0002)
+            time.sleep(0.02)
+            gate.thaw(0)
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 0, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+        gate.thaw()
+        gate.close()
+    x = kernels(tmp_path / "x")
+    spins = sorted(k[2] - k[1] - k[4] * 1000 for k in x)
+    assert len(x) > 200 and spins[-1] < 15_000_000, spins[-5:]  # (held 20 ms closed: a half would spin through)
