@@ -306,7 +306,7 @@ def checks(node: Node) -> list[tuple[str, Callable[[], tuple[str, str]]]]:
 
     def share() -> tuple[str, str]:
         node.write("0/policy", "2")
-        t0 = time.monotonic() + 5
+        t0 = time.monotonic() + 15  # (both started: PyTorch and CUDA take seconds to come up)
         t1 = t0 + 20
         procs = [node.start(f"gpucheckshr{w}", [torch, *code(BUSY), str(t0), str(t1)], weight=w) for w in (1, 2)]
         got = []
