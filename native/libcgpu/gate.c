@@ -84,7 +84,7 @@ static int ganged(void)
     return per_gpu && !gang_off;
 }
 
-/* How far page GPU `k` is behind the gang's most-launched GPU of this process since the last closing. */
+/* How far page GPU `k` is behind this process's most-launched GPU of the gang (counted from `base`). */
 static unsigned long behind(int k)
 {
     uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
