@@ -8,26 +8,36 @@ Each program is built once per runtime for the module (nvcc from the `nvidia-cud
 tests/real_cuda.py)."""
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
+import sys
+import textwrap
 
 from pathlib import Path
 
 import pytest
 
 from cgpud.gpus import pages
-from real_cuda import RUNTIMES, UUID, build, card_used, env, kernels
+from real_cuda import RUNTIMES, UUID, build, env, kernels
 
 MIB = 1 << 20
 
 PROBE = r"""
-/* probe info | probe alloc BYTES | probe kernels N GRID: one line of results (see the tests) */
+/* probe info | probe fill | probe kernels N GRID: one line of results (see the tests) */
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <cuda_runtime.h>
+#include <fcntl.h>
+#include <unistd.h>
 __global__ void step(int *p) { p[blockIdx.x % 1024] += threadIdx.x; }
+static unsigned long long card_used() {  /* the stand-in card's bytes in use (its state file's first word) */
+    unsigned long long used = 0;
+    int fd = open(getenv("CGPU_STUB_CUDA_STATE"), O_RDONLY);
+    if (fd >= 0 && pread(fd, &used, sizeof used, 0) != sizeof used) used = 0;
+    if (fd >= 0) close(fd);
+    return used;
+}
 int main(int argc, char **argv) {
     int n = 0, rt = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
@@ -39,14 +49,20 @@ int main(int argc, char **argv) {
         cudaError_t e1 = cudaMemGetInfo(&f, &t), e2 = cudaGetDeviceProperties(&p, 0), e3 = cudaFree(0);
         printf("%d %d %d %zu %zu %d.%d %zu %s %s %s\n", CUDART_VERSION, rt, n, f, t, p.major, p.minor, p.totalGlobalMem,
                cudaGetErrorName(e1), cudaGetErrorName(e2), cudaGetErrorName(e3));
-    } else if (!strcmp(argv[1], "alloc")) {
-        void *p = NULL;
-        e = cudaMalloc(&p, strtoull(argv[2], NULL, 10));
+    } else if (!strcmp(argv[1], "fill")) {  /* one byte past what is free, then all of it */
+        void *p = NULL, *q = NULL;
+        size_t f0 = 0, t = 0, f1 = 0, f2 = 0;
+        cudaMemGetInfo(&f0, &t);
+        unsigned long long u0 = card_used();
+        e = cudaMalloc(&p, f0 + 1);
         cudaError_t last = cudaGetLastError();
-        size_t f = 0, t = 0;
-        cudaMemGetInfo(&f, &t);
-        printf("%s %s %zu %d\n", cudaGetErrorName(e), cudaGetErrorName(last), f, p == NULL);
-        if (p) cudaFree(p);
+        unsigned long long u1 = card_used();
+        cudaMemGetInfo(&f1, &t);
+        cudaError_t e2 = cudaMalloc(&q, f1);
+        cudaMemGetInfo(&f2, &t);
+        printf("%zu %zu %s %s %llu %zu %d %s %zu\n", t, f0, cudaGetErrorName(e), cudaGetErrorName(last), u1 - u0, f1,
+               p == NULL, cudaGetErrorName(e2), f2);
+        if (q) cudaFree(q);
     } else if (!strcmp(argv[1], "kernels")) {
         int *d = NULL, h[1024] = {0};
         cudaStream_t s;
@@ -104,6 +120,17 @@ def container(tmp_path):
 RT = pytest.mark.parametrize("rt", sorted(RUNTIMES))
 
 
+# What the driver itself may keep of the card for a context (none in the stand-in today; a real
+# driver's few hundred MiB are modelled by the libcgpu issue's work): free is at most this below total.
+CONTEXT_ALLOWANCE = 512 * MIB
+
+
+def memory(out: list[str], total: int) -> None:
+    """`info`'s free and total: total is exactly `total`, free is total less at most a context."""
+    free, tot = int(out[3]), int(out[4])
+    assert tot == total and 0 <= tot - free < CONTEXT_ALLOWANCE, out
+
+
 @RT
 def test_the_runtime_starts_on_the_stand_in_alone_and_sees_the_whole_card(probes, stubs, tmp_path, rt):
     """No libcgpu: the runtime's own version, one device of compute capability 7.5, the card's memory;
@@ -111,24 +138,30 @@ def test_the_runtime_starts_on_the_stand_in_alone_and_sees_the_whole_card(probes
     out = run(probes, rt, env(stubs, rt, tmp_path, preload=False), "info")
     card = 15109 * MIB
     assert out[0] == out[1] and int(out[1]) // 1000 == rt, out  # built against and running on runtime `rt`
-    assert out[2:] == ["1", str(card), str(card), "7.5", str(card)] + ["cudaSuccess"] * 3, out
+    memory(out, card)
+    assert [out[2]] + out[5:] == ["1", "7.5", str(card)] + ["cudaSuccess"] * 3, out
 
 
 @RT
 def test_cudamemgetinfo_shows_memsize_with_libcgpu(probes, stubs, tmp_path, container, rt):
     out = run(probes, rt, env(stubs, rt, tmp_path, page_dir=container), "info")
-    assert out[2:] == ["1", str(1024 * MIB), str(1024 * MIB), "7.5", str(1024 * MIB)] + ["cudaSuccess"] * 3, out
+    memory(out, 1024 * MIB)
+    assert [out[2]] + out[5:] == ["1", "7.5", str(1024 * MIB)] + ["cudaSuccess"] * 3, out
+
+
+def filled(out: list[str], total: int) -> None:
+    """`fill`'s line: one byte past what cudaMemGetInfo calls free is cudaErrorMemoryAllocation (the
+    call's, then cudaGetLastError's), taking nothing from the card and leaving free as it was, no
+    pointer; then all of what is free is granted and nothing is left free."""
+    free = int(out[1])
+    assert int(out[0]) == total and 0 <= total - free < CONTEXT_ALLOWANCE, out
+    assert out[2:] == ["cudaErrorMemoryAllocation"] * 2 + ["0", str(free), "1", "cudaSuccess", "0"], out
 
 
 @RT
 def test_cudamalloc_past_memsize_fails_and_takes_nothing(probes, stubs, tmp_path, container, rt):
-    e = env(stubs, rt, tmp_path, page_dir=container)
-    out = run(probes, rt, e, "alloc", str(1024 * MIB + 1))
-    assert out[:2] == ["cudaErrorMemoryAllocation"] * 2, out  # the call's error, and cudaGetLastError's
-    assert out[2:] == [str(1024 * MIB), "1"], out  # all of memsize still free; no pointer
-    assert card_used(tmp_path) == 0, "nothing was taken from the card"
-    assert pages.used(os.fspath(container))[0] == 0
-    assert run(probes, rt, e, "alloc", str(1024 * MIB))[0] == "cudaSuccess"  # exactly memsize fits
+    filled(run(probes, rt, env(stubs, rt, tmp_path, page_dir=container), "fill"), 1024 * MIB)
+    assert pages.used(os.fspath(container))[0] == 0, "all of it given back at the end"
 
 
 @RT
@@ -156,13 +189,23 @@ def test_a_fat_binary_without_code_for_the_card_is_refused(stubs, tmp_path, rt):
     assert kernels(tmp_path) == []
 
 
-def test_the_export_tables_are_what_the_runtime_was_given(stubs, tmp_path, monkeypatch):
+def in_child(stubs: Path, tmp: Path, body: str) -> None:
+    """`body` (its asserts) in a Python of its own with the stand-in loaded by ctypes as `cuda` and
+    initialised: the test process itself never loads a libcuda.so.1 (later tests asking for one by
+    its soname would be given it)."""
+    code = ("import ctypes, os\ncuda = ctypes.CDLL(os.environ['STUB'])\nassert cuda.cuInit(0) == 0\n"
+            + textwrap.dedent(body))
+    e = {"PATH": os.environ["PATH"], "STUB": os.fspath(stubs / "libcuda.so.1"),
+         "CGPU_STUB_CUDA_STATE": os.fspath(tmp / "card.state")}
+    r = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_export_tables_are_what_the_runtime_was_given(stubs, tmp_path):
     """cuGetExportTable through ctypes: a known table starts with its size; an unknown UUID (the one
     CUDA 13's runtime asks first, f8cff951-...) is CUDA_ERROR_NOT_FOUND with no table; the
     integrity check answers its fixed versions as documented (ZLUDA's dark_api)."""
-    monkeypatch.setenv("CGPU_STUB_CUDA_STATE", os.fspath(tmp_path / "card.state"))
-    cuda = ctypes.CDLL(os.fspath(stubs / "libcuda.so.1"))
-    assert cuda.cuInit(0) == 0
+    in_child(stubs, tmp_path, r"""
     table = ctypes.c_void_p()
 
     def get(uuid: str) -> int:
@@ -179,14 +222,13 @@ def test_the_export_tables_are_what_the_runtime_was_given(stubs, tmp_path, monke
     assert list(out) == [0x3341181C03CB675C, 0x8ED383AA1F4CD1E8]
     assert check(1232, 0, None) == 1  # CUDA_ERROR_INVALID_VALUE: no result to fill
     assert cuda.cuGetExportTable(None, bytes(16)) == 1
+    """)
 
 
-def test_a_module_names_only_its_own_functions(stubs, tmp_path, monkeypatch):
+def test_a_module_names_only_its_own_functions(stubs, tmp_path):
     """cuModuleLoadData of PTX: cuModuleGetFunction finds its .entry and refuses any other name
     (CUDA_ERROR_NOT_FOUND); text that is not an image is CUDA_ERROR_INVALID_IMAGE."""
-    monkeypatch.setenv("CGPU_STUB_CUDA_STATE", os.fspath(tmp_path / "card.state"))
-    cuda = ctypes.CDLL(os.fspath(stubs / "libcuda.so.1"))
-    assert cuda.cuInit(0) == 0
+    in_child(stubs, tmp_path, r"""
     ptx = b".version 8.0\n.target sm_75\n.address_size 64\n.visible .entry twice(\n.param .u64 p\n)\n{\nret;\n}\n"
     mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
     assert cuda.cuModuleLoadData(ctypes.byref(mod), ptx) == 0
@@ -195,6 +237,7 @@ def test_a_module_names_only_its_own_functions(stubs, tmp_path, monkeypatch):
     assert cuda.cuModuleLoadData(ctypes.byref(mod), b"not an image") == 200
     assert cuda.cuModuleLoadData(ctypes.byref(mod), ptx.replace(b"sm_75", b"sm_90")) == 209
     assert cuda.cuModuleGetFunction(ctypes.byref(fn), ctypes.c_void_p(0x1234), b"twice") == 400
+    """)
 
 
 def test_the_runtime_will_not_start_on_a_device_without_a_uuid(probes, stubs, tmp_path):
@@ -222,15 +265,91 @@ def test_a_podman_container_runs_the_program_through_the_runtime_held_to_its_mem
         shutil.copy(RUNTIMES[13]["lib"] / RUNTIMES[13]["so"], share / "lib")
         e = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib", "CGPU_STUB_CUDA_UUIDS": UUID,
              "CGPU_STUB_CUDA_STATE": "/share/card.state", "CGPU_STUB_CUDA_LOG": "/share/kernels"}
-        p = podman.run(e, "sh", "-c", f"/share/probe info && /share/probe alloc {1024 * MIB + 1} && "
-                                      "/share/probe kernels 3 200 && cat /etc/ld.so.preload",
+        p = podman.run(e, "sh", "-c", "/share/probe info && /share/probe fill && /share/probe kernels 3 200 && "
+                                      "cat /etc/ld.so.preload",
                        volumes=["/usr:/usr:ro", f"{share}:/share"])
         assert p.returncode == 0, p.stdout + p.stderr
-        out = p.stdout.split()
-        assert out[2:5] == ["1", str(1024 * MIB), str(1024 * MIB)], out  # info: count, free, total
-        assert out[10:14] == ["cudaErrorMemoryAllocation"] * 2 + [str(1024 * MIB), "1"], out
-        assert out[14] == "cudaSuccess" and out[16] == "/run/cgpu-lib/libcgpu.so", out
-        assert int.from_bytes((share / "card.state").read_bytes()[:8], "little") == 0, "nothing left on the card"
+        lines = p.stdout.splitlines()
+        memory(lines[0].split(), 1024 * MIB)
+        filled(lines[1].split(), 1024 * MIB)
+        assert lines[2].split()[0] == "cudaSuccess" and lines[3] == "/run/cgpu-lib/libcgpu.so", lines
         assert [end - start for _, start, end in kernels(share)] == [200_000] * 3
     finally:
         podman.cleanup()
+
+
+@pytest.mark.slow
+def test_a_docker_container_through_cgpu_runtime_runs_the_program_held_to_its_memsize(make_daemon, probes, stubs,
+                                                                                     tmp_path):
+    """`docker run --runtime=cgpu` (Debian's dockerd, tests/test_docker.py's own instance): cgpu-runtime
+    joins the container to cgpud with 1 GiB and mounts libcgpu into it; the image is the host's
+    /usr (bind-mounted read-only) and /share with the runtime-13 program, libcudart.so.13 and the
+    stand-in. The runtime inside sees 1 GiB as the card, one byte past it is refused taking
+    nothing, and its kernels run on the card."""
+    import io
+    import shutil
+    import tarfile
+
+    from test_docker import DOCKER_CLI, Dockerd
+    from test_runc import compiled_hook
+
+    d = make_daemon(extra_args=["--hook-path", compiled_hook(), "--libcgpu", os.fspath(stubs / "libcgpu.so")])
+    share = tmp_path / "share"
+    (share / "lib").mkdir(parents=True)
+    shutil.copy(probes[13], share / "probe")
+    shutil.copy(RUNTIMES[13]["lib"] / RUNTIMES[13]["so"], share / "lib")
+    shutil.copy(stubs / "libcuda.so.1", share / "lib")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:  # an image of directories: /usr comes from the host
+        for sub in ("usr", "proc", "sys", "dev", "etc", "tmp", "run", "share"):
+            info = tarfile.TarInfo(sub)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        for link in ("bin", "lib", "lib64", "sbin"):
+            info = tarfile.TarInfo(link)
+            info.type, info.linkname = tarfile.SYMTYPE, f"usr/{link}"
+            tar.addfile(info)
+    dk = Dockerd(d)
+    try:
+        p = subprocess.run([DOCKER_CLI, "-H", f"unix://{dk.sock}", "import", "-", "cgpud-hostusr:test"],
+                           input=buf.getvalue(), capture_output=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        env_args = []
+        for k, v in {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib",
+                     "CGPU_STUB_CUDA_UUIDS": UUID, "CGPU_STUB_CUDA_STATE": "/share/card.state",
+                     "CGPU_STUB_CUDA_LOG": "/share/kernels"}.items():
+            env_args += ["-e", f"{k}={v}"]
+        p = dk("run", "--rm", "--runtime=cgpu", "--network", "none", *env_args, "-v", "/usr:/usr:ro",
+               "-v", f"{share}:/share", "cgpud-hostusr:test", "sh", "-c",
+               "/share/probe info && /share/probe fill && /share/probe kernels 3 200 && cat /etc/ld.so.preload")
+        assert p.returncode == 0, p.stdout + p.stderr + dk.log_text()
+        lines = p.stdout.splitlines()
+        memory(lines[0].split(), 1024 * MIB)
+        filled(lines[1].split(), 1024 * MIB)
+        assert lines[2].split()[0] == "cudaSuccess" and lines[3].endswith("libcgpu.so"), lines
+        assert [end - start for _, start, end in kernels(share)] == [200_000] * 3
+    finally:
+        dk.cleanup()
+
+
+def test_pointer_attributes_know_the_cards_memory_and_default_the_rest(stubs, tmp_path):
+    """cuPointerGetAttribute: a device pointer inside an allocation is the card's (memory type 2,
+    its range); memory the driver does not know is CUDA_ERROR_INVALID_VALUE. cuPointerGetAttributes
+    gives such memory default NULL values and CUDA_SUCCESS, as cuda.h says."""
+    in_child(stubs, tmp_path, r"""
+    p = ctypes.c_ulonglong()
+    assert cuda.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(4096)) == 0
+    kind, start, size = ctypes.c_uint(), ctypes.c_ulonglong(), ctypes.c_size_t()
+    assert cuda.cuPointerGetAttribute(ctypes.byref(kind), 2, ctypes.c_ulonglong(p.value + 100)) == 0 and kind.value == 2
+    assert cuda.cuPointerGetAttribute(ctypes.byref(start), 11, ctypes.c_ulonglong(p.value + 100)) == 0
+    assert cuda.cuPointerGetAttribute(ctypes.byref(size), 12, ctypes.c_ulonglong(p.value + 100)) == 0
+    assert (start.value, size.value) == (p.value, 4096)
+    host = ctypes.create_string_buffer(64)
+    assert cuda.cuPointerGetAttribute(ctypes.byref(kind), 2, ctypes.c_ulonglong(ctypes.addressof(host))) == 1
+    kind.value, start.value = 7, 7
+    attrs = (ctypes.c_int * 2)(2, 11)
+    data = (ctypes.c_void_p * 2)(ctypes.addressof(kind), ctypes.addressof(start))
+    assert cuda.cuPointerGetAttributes(2, attrs, data, ctypes.c_ulonglong(ctypes.addressof(host))) == 0
+    assert (kind.value, start.value) == (0, 0)
+    assert cuda.cuMemFree_v2(p) == 0 and cuda.cuMemFree_v2(ctypes.c_ulonglong(0)) == 0
+    """)

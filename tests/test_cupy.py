@@ -18,6 +18,8 @@ from cgpud.gpus import pages
 from real_cuda import env, kernels
 
 MIB = 1 << 20
+MEMSIZE = 1024 * MIB  # the container's
+CONTEXT_ALLOWANCE = 512 * MIB  # what the driver may keep for a context (test_cudart.CONTEXT_ALLOWANCE)
 CGPU = str(Path(sys.executable).parent / "cgpu")
 
 
@@ -32,7 +34,7 @@ def stubs(tmp_path_factory) -> Path:
 @pytest.fixture
 def container(tmp_path):
     dirp = tmp_path / "pages"
-    pages.create(os.fspath(dirp), [256 * MIB])
+    pages.create(os.fspath(dirp), [MEMSIZE])
     return dirp
 
 
@@ -48,27 +50,48 @@ def cupy(stubs: Path, tmp: Path, page_dir: Path | None, code: str, timeout: floa
 
 def test_cupy_counts_the_device_and_sees_memsize(stubs, tmp_path, container):
     out = cupy(stubs, tmp_path, container, """
+        from cgpud.gpus import pages
         print(runtime.getDeviceCount(), *runtime.memGetInfo(), runtime.getDeviceProperties(0)["totalGlobalMem"])
         print(cupy.cuda.Device(0).compute_capability, runtime.runtimeGetVersion() // 1000)
+        print(pages.used(os.environ["CGPU_PAGE_DIR"])[0])
     """)
-    assert out == ["1", str(256 * MIB), str(256 * MIB), str(256 * MIB), "75", "13"]
+    free, held = int(out[1]), int(out[6])
+    assert out[:1] + out[2:6] == ["1", str(MEMSIZE), str(MEMSIZE), "75", "13"], out
+    assert free == MEMSIZE - held and held < CONTEXT_ALLOWANCE, out  # free: memsize less what the container holds
+
+
+def test_cupy_on_the_stand_in_alone_sees_the_whole_card_and_runs_kernels(stubs, tmp_path):
+    """No libcgpu: the card's 15109 MiB, and a kernel (cupy's own `+`, NVRTC) of 1,000 blocks."""
+    out = cupy(stubs, tmp_path, None, """
+        x = cupy.ones(128000, dtype=cupy.float32)
+        y = x + x
+        cupy.cuda.Device().synchronize()
+        print(*runtime.memGetInfo(), os.getpid())
+    """)
+    card, free = 15109 * MIB, int(out[0])
+    assert out[1] == str(card) and 0 <= card - free - 2 * 512000 < CONTEXT_ALLOWANCE, out  # x and y, 512,000 B each
+    assert (int(out[2]), 1_000_000) in [(p, e - s) for p, s, e in kernels(tmp_path)]
 
 
 def test_cupy_past_memsize_raises_out_of_memory_and_takes_nothing(stubs, tmp_path, container):
     out = cupy(stubs, tmp_path, container, """
         state = os.environ["CGPU_STUB_CUDA_STATE"]
         used = lambda: int.from_bytes(open(state, "rb").read(8), "little") if os.path.exists(state) else 0
+        free = runtime.memGetInfo()[0]  # (the runtime and its context up first)
         before = used()
-        try:
-            cupy.empty(256 * 2**20 + 1, dtype=cupy.uint8)
-            print("allocated")
-        except cupy.cuda.memory.OutOfMemoryError:
-            print("OutOfMemoryError")
-        print(used() - before, runtime.memGetInfo()[0], cupy.get_default_memory_pool().total_bytes())
-        a = cupy.empty(256 * 2**20, dtype=cupy.uint8)  # all of memsize fits
-        print(used() - before, runtime.memGetInfo()[0])
+        for size in (1073741824 + 1, free + 1):  # past memsize, past what is free
+            try:
+                cupy.empty(size, dtype=cupy.uint8)
+                print("allocated")
+            except cupy.cuda.memory.OutOfMemoryError:
+                print("OutOfMemoryError")
+        assert free == runtime.memGetInfo()[0]
+        print(used() - before, free, cupy.get_default_memory_pool().total_bytes())
+        a = cupy.empty(free, dtype=cupy.uint8)  # all of what is free fits
+        print(used() - before - free, runtime.memGetInfo()[0])
     """)
-    assert out == ["OutOfMemoryError", "0", str(256 * MIB), "0", str(256 * MIB), "0"], out
+    assert out[:3] == ["OutOfMemoryError", "OutOfMemoryError", "0"] and out[4:] == ["0", "0", "0"], out
+    assert MEMSIZE - CONTEXT_ALLOWANCE < int(out[3]) <= MEMSIZE, out
 
 
 def test_the_memory_pools_frees_come_back_to_the_page(stubs, tmp_path, container):
@@ -77,16 +100,19 @@ def test_the_memory_pools_frees_come_back_to_the_page(stubs, tmp_path, container
     out = cupy(stubs, tmp_path, container, """
         from cgpud.gpus import pages
         pool = cupy.get_default_memory_pool()
+        used = lambda: pages.used(os.environ["CGPU_PAGE_DIR"])[0]
+        free = runtime.memGetInfo()[0]
+        base = used()  # (what the container holds before: its context, if the driver charges one)
         arrays = [cupy.empty(32 * 2**20, dtype=cupy.uint8) for _ in range(6)]
-        held = pages.used(os.environ["CGPU_PAGE_DIR"])[0]
+        held = used() - base
         del arrays
-        pooled = pages.used(os.environ["CGPU_PAGE_DIR"])[0]
+        pooled = used() - base
         pool.free_all_blocks()
-        print(held, pooled, pages.used(os.environ["CGPU_PAGE_DIR"])[0], runtime.memGetInfo()[0], pool.total_bytes())
-        b = cupy.empty(256 * 2**20, dtype=cupy.uint8)  # the whole of memsize again
-        print(pages.used(os.environ["CGPU_PAGE_DIR"])[0])
+        print(held, pooled, used() - base, runtime.memGetInfo()[0] - free, pool.total_bytes())
+        b = cupy.empty(free, dtype=cupy.uint8)  # all of what was free, again
+        print(used() - base - free, runtime.memGetInfo()[0])
     """)
-    assert out == [str(192 * MIB), str(192 * MIB), "0", str(256 * MIB), "0", str(256 * MIB)], out
+    assert out == [str(192 * MIB), str(192 * MIB), "0", "0", "0", "0", "0"], out
 
 
 def test_an_elementwise_kernel_compiled_by_nvrtc_runs_on_the_card(stubs, tmp_path, container):

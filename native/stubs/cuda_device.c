@@ -21,9 +21,7 @@
 
 typedef void *CUcontext;
 typedef void *CUstream;
-int stub_find_global(CUdeviceptr p, size_t n);
 CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int dev);
-uint64_t stub_work_end(void);
 
 static uint64_t now_ns(void)
 {
@@ -106,14 +104,14 @@ CUresult cuDeviceGetTexture1DLinearMaxWidth(size_t *w, int format, unsigned chan
 
 /* ---- the primary context ---- */
 static unsigned primary_flags[16];
-CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active)
+WEAK CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active)
 {
     if (!flags || !active) return STUB_INVALID_VALUE;
     CUresult r = check_device(dev);
     if (!r) { *flags = primary_flags[dev]; *active = 1; }
     return r;
 }
-CUresult cuDevicePrimaryCtxSetFlags_v2(int dev, unsigned flags)
+WEAK CUresult cuDevicePrimaryCtxSetFlags_v2(int dev, unsigned flags)
 {
     CUresult r = check_device(dev);
     if (r) return r;
@@ -121,9 +119,9 @@ CUresult cuDevicePrimaryCtxSetFlags_v2(int dev, unsigned flags)
     primary_flags[dev] = flags;
     return STUB_OK;
 }
-CUresult cuDevicePrimaryCtxRelease_v2(int dev) { return check_device(dev); }
-CUresult cuDevicePrimaryCtxReset_v2(int dev) { return check_device(dev); }
-CUresult cuCtxGetFlags(unsigned *flags)
+WEAK CUresult cuDevicePrimaryCtxRelease_v2(int dev) { return check_device(dev); }
+WEAK CUresult cuDevicePrimaryCtxReset_v2(int dev) { return check_device(dev); }
+WEAK CUresult cuCtxGetFlags(unsigned *flags)
 {
     if (!flags) return STUB_INVALID_VALUE;
     if (!stub_inited()) return STUB_NOT_INITIALIZED;
@@ -434,13 +432,22 @@ CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p)
     }
     return STUB_OK;
 }
+/* cuda.h: "will not return an error when the ptr encountered is not a valid CUDA pointer. Instead,
+ * the attributes are assigned default NULL values" (an attribute a pointer has not: the same) */
 CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr p)
 {
     if (!attrs || !data) return STUB_INVALID_VALUE;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
     for (unsigned i = 0; i < n; i++) {
-        CUresult r = cuPointerGetAttribute(data[i], attrs[i], p);
-        if (r == STUB_INVALID_VALUE && attrs[i] == 2) { *(unsigned *)data[i] = 0; continue; }  /* unregistered: type 0 */
-        if (r && r != STUB_INVALID_VALUE) return r;
+        if (!data[i]) return STUB_INVALID_VALUE;
+        if (attrs[i] < 1 || attrs[i] > 22) return STUB_INVALID_VALUE;
+        if (cuPointerGetAttribute(data[i], attrs[i], p) == STUB_OK) continue;
+        switch (attrs[i]) {
+        case 1: case 3: case 4: case 7: case 11: case 12: case 17: case 18: case 19: case 20:
+            memset(data[i], 0, 8); break;             /* pointers, sizes, 64-bit ids */
+        case 5: memset(data[i], 0, 16); break;        /* CUDA_POINTER_ATTRIBUTE_P2P_TOKENS */
+        default: memset(data[i], 0, 4);
+        }
     }
     return STUB_OK;
 }

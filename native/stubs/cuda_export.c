@@ -354,6 +354,7 @@ static const struct stub_proc STUB_PROCS_EXPORT[] = {
 
 void *stub_more_proc(const char *symbol, int version, uint64_t flags)
 {
+    if (!strcmp(symbol, "cuStreamGetCaptureInfo")) return stub_capture_info(version);  /* three forms by version */
     const struct stub_proc *lists[] = {STUB_PROCS_EXPORT, STUB_PROCS_MODULES, STUB_PROCS_DEVICE};
     for (size_t l = 0; l < sizeof lists / sizeof *lists; l++)
         for (const struct stub_proc *p = lists[l]; p->name; p++)

@@ -331,6 +331,14 @@ CUresult stub_graph_launch(const void *exec_, const void *s)
     return STUB_OK;
 }
 
+/* cuStreamGetCaptureInfo in the form the caller was built for: CUDA 12.3's (edges), 11.3's (graph
+ * and dependencies), 10.1's */
+void *stub_capture_info(int version)
+{
+    return version >= 12030 ? (void *)cuStreamGetCaptureInfo_v3
+         : version >= 11030 ? (void *)cuStreamGetCaptureInfo_v2 : (void *)cuStreamGetCaptureInfo;
+}
+
 /* The names of this file cuGetProcAddress gives, by the version asked for (cuda.h's _vN). */
 void *stub_graphs_proc(const char *symbol, int version)
 {
@@ -344,8 +352,7 @@ void *stub_graphs_proc(const char *symbol, int version)
     if (!strcmp(symbol, "cuStreamBeginCapture"))
         return version >= 10010 ? (void *)cuStreamBeginCapture_v2 : (void *)cuStreamBeginCapture;
     if (!strcmp(symbol, "cuStreamGetCaptureInfo"))
-        return version >= 12030 ? (void *)cuStreamGetCaptureInfo_v3
-             : version >= 11030 ? (void *)cuStreamGetCaptureInfo_v2 : (void *)cuStreamGetCaptureInfo;
+        return stub_capture_info(version);
     if (!strcmp(symbol, "cuGraphInstantiate"))
         return version >= 12000 ? (void *)cuGraphInstantiateWithFlags : (void *)cuGraphInstantiate_v2;
     for (size_t i = 0; i < sizeof plain / sizeof *plain; i++)

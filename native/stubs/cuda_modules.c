@@ -316,8 +316,11 @@ static void drop_functions(struct module *m)
     }
 }
 
-CUresult cuModuleGetFunction(struct function **f, struct module *m, const char *name)
+/* cuModuleGetFunction (libcuda.c exports it) */
+CUresult stub_module_function(void **out, void *module, const char *name)
 {
+    struct function **f = (struct function **)out;
+    struct module *m = module;
     if (!f || !name) return STUB_INVALID_VALUE;
     pthread_mutex_lock(&lock);
     CUresult r = STUB_INVALID_HANDLE;
@@ -362,9 +365,7 @@ CUresult cuModuleGetLoadingMode(int *mode)
     return STUB_OK;
 }
 
-/* [p, p + n) inside a module's global: 0, else -1 */
-int stub_find_global(CUdeviceptr p, size_t n);
-HIDDEN int stub_find_global(CUdeviceptr p, size_t n)
+int stub_find_global(CUdeviceptr p, size_t n)
 {
     int found = -1;
     pthread_mutex_lock(&lock);
@@ -652,7 +653,7 @@ HIDDEN const struct stub_proc STUB_PROCS_MODULES[] = {
 #define P(f) {#f, (void *)f}
 #define PV(n, f) {n, (void *)f}
     P(cuModuleLoadData), P(cuModuleLoadDataEx), P(cuModuleLoadFatBinary), P(cuModuleUnload),
-    P(cuModuleGetFunction), PV("cuModuleGetGlobal", cuModuleGetGlobal_v2), P(cuModuleGetFunctionCount),
+    PV("cuModuleGetGlobal", cuModuleGetGlobal_v2), P(cuModuleGetFunctionCount),
     P(cuModuleGetLoadingMode), P(cuLibraryLoadData), P(cuLibraryUnload), P(cuLibraryGetModule),
     P(cuLibraryGetKernel), P(cuLibraryGetGlobal), P(cuLibraryGetKernelCount), P(cuKernelGetFunction),
     P(cuKernelGetLibrary), P(cuFuncGetName), P(cuKernelGetName), P(cuFuncGetModule), P(cuFuncIsLoaded), P(cuFuncLoad),

@@ -10,6 +10,8 @@
 #include <stdint.h>
 
 #define HIDDEN __attribute__((visibility("hidden")))
+/* A definition libcuda.c may make too (where the card's memory model needs it): libcuda.c's wins. */
+#define WEAK __attribute__((weak))
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 
@@ -26,10 +28,10 @@ enum {
 HIDDEN int stub_inited(void);                  /* cuInit has been called */
 HIDDEN int stub_device_count(void);
 HIDDEN int stub_current_device(void);          /* the calling thread's current context's device */
-HIDDEN uint64_t stub_card_bytes(void);         /* one card's memory */
 /* the live device allocation holding [p, p + n): 0 and its base and size, or -1 */
 HIDDEN int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
 HIDDEN CUresult stub_synchronize(void);        /* wait for this process's kernels */
+HIDDEN uint64_t stub_work_end(void);           /* when this process's last kernel ends (CLOCK_MONOTONIC ns) */
 
 /* cuda_export.c: a name cuGetProcAddress's table in libcuda.c does not know, or NULL */
 HIDDEN void *stub_more_proc(const char *symbol, int version, uint64_t flags);
@@ -42,8 +44,11 @@ HIDDEN CUresult stub_capture_forbids(const void *synced);
 HIDDEN int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r);
 HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);
 HIDDEN void *stub_graphs_proc(const char *symbol, int version);
+HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in the form of the caller's CUDA version */
 HIDDEN CUresult stub_run_kernel(uint64_t us);   /* libcuda.c: one kernel on the card */
 
 /* cuda_modules.c */
 HIDDEN int stub_function_valid(const void *f);
+HIDDEN CUresult stub_module_function(void **f, void *module, const char *name);  /* cuModuleGetFunction's */
+HIDDEN int stub_find_global(CUdeviceptr p, size_t n);  /* [p, p + n) inside a module's global: 0, else -1 */
 #endif

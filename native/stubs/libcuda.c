@@ -366,7 +366,7 @@ CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
 }
 
 typedef void *CUfunction;
-CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name);  /* cuda_modules.c */
+CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name) { return stub_module_function(f, module, name); }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
@@ -591,7 +591,6 @@ CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e,
 int stub_inited(void) { return inited; }
 int stub_device_count(void) { return devices(); }
 int stub_current_device(void) { return cur_dev; }
-uint64_t stub_card_bytes(void) { return total(); }
 CUresult stub_synchronize(void) { return cuCtxSynchronize(); }
 uint64_t stub_work_end(void) { return last_end; }
 int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size)
