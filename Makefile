@@ -1,5 +1,5 @@
 # The two commands of the README. Both install what they need first.
-.PHONY: setup run test bench install-hooks
+.PHONY: setup run test bench install-hooks gpu-check
 
 setup:
 	./scripts/setup.sh
@@ -13,6 +13,12 @@ test: setup
 
 bench: setup
 	.venv/bin/python bench/tree_ops.py
+
+# On a machine with an NVIDIA GPU: cgpud on the real driver, checked through cgpu run with whatever of
+# cuda-bindings, PyTorch, CuPy, JAX and nvidia-smi is installed (scripts/gpu_check.py; one table, exit 1
+# on a failure). Without a GPU: one line, exit 77 (nothing checked). docs/isolation.md.
+gpu-check: setup
+	.venv/bin/python scripts/gpu_check.py
 
 # The container hook, the runtime wrapper and the in-container library where the shipped configs name them
 # (deploy/hooks.d/cgpu-hook.json: /usr/local/libexec/cgpu-hook; Docker and containerd:

@@ -283,10 +283,13 @@ def test_a_gate_left_closed_is_opened_from_its_registry_entry(gated):
     assert thaw_spec({"kind": "gate", "path": "/nowhere"}) == "gone"
 
 
-def test_a_container_on_two_gpus_is_gated_on_each_alone(libs, tmp_path):
+@pytest.mark.parametrize("gang", ["0", "1"])
+def test_a_container_on_two_gpus_is_gated_on_each_alone(libs, tmp_path, gang):
     """Pages of two GPUs driven per GPU (gpus=[3, 5]: the node's GPUs of the page's 0 and 1):
-    closing GPU 3's gate stops the container's launches there, and only there; its process on
-    the other GPU runs on and is not waited for, even when it cannot answer."""
+    closing GPU 3's gate stops the container's launches there; its process on the other GPU is
+    not waited for, even when it cannot answer. A gang (the default, test_gang.py) stops its
+    launches on GPU 5 too; with CGPU_GANG=0 the container's GPUs are each on their own: its
+    process on GPU 5 runs on."""
     pages.create(os.fspath(tmp_path / "pages"), [1 << 30, 1 << 30])
     gate = GateFreezer(os.fspath(tmp_path / "pages"), gpus=[3, 5])
     assert gate.drives_gpus
@@ -296,7 +299,7 @@ def test_a_container_on_two_gpus_is_gated_on_each_alone(libs, tmp_path):
         env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs),
                "LD_PRELOAD": os.fspath(libs / "libcgpu.so"), "CGPU_PAGE_DIR": os.fspath(tmp_path / "pages"),
                "CGPU_STUB_CUDA_DEVICES": "2", "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"),
-               "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / f"kernels{device}")}
+               "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / f"kernels{device}"), "CGPU_GANG": gang}
         p = subprocess.Popen([os.fspath(libs / "launcher"), "3", "1000", "0", str(device)], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append(p)
@@ -315,7 +318,10 @@ def test_a_container_on_two_gpus_is_gated_on_each_alone(libs, tmp_path):
         gate.thaw(3)
         k0, k1 = kernels(tmp_path / "kernels0"), kernels(tmp_path / "kernels1")
         assert not [s for _, s, _ in k0 if closed <= s < opened], "a launch passed GPU 3's closed gate"
-        assert busy(tmp_path / "kernels1", closed, opened) > 0.4, "GPU 5's launches were held with GPU 3's"
+        if gang == "0":
+            assert busy(tmp_path / "kernels1", closed, opened) > 0.4, "GPU 5's launches were held with GPU 3's"
+        else:
+            assert busy(tmp_path / "kernels1", closed + 5_000_000, opened) == 0, "a gang ran on GPU 5 while closed on 3"
         # the process on GPU 5 is not one GPU 3's closing waits for, even when it cannot answer
         on1.send_signal(signal.SIGSTOP)
         gate.freeze(3)
@@ -417,8 +423,9 @@ def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon
 
 def test_a_container_on_two_gpus_runs_on_the_one_while_it_waits_its_turn_on_the_other(make_daemon, libs, tmp_path):
     """Through the daemon: a container on GPUs 0 and 1 (alone on GPU 1) and another on GPU 0,
-    policy 1. On GPU 0 they take turns; on GPU 1 the first keeps the card busy, its gate there
-    open while GPU 0's closes and opens (one gate for the container would hold it half the time)."""
+    policy 1, the first with CGPU_GANG=0 (its GPUs each on their own: its processes share nothing
+    across GPUs). On GPU 0 they take turns; on GPU 1 the first keeps the card busy, its gate there
+    open while GPU 0's closes and opens (as a gang it would run there only with GPU 0: half the time)."""
     d = make_daemon(gpus="sim:2xT4", extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
     d.write("0/policy", "1")
     d.write("1/policy", "1")  # (alone there: the whole GPU)
@@ -432,7 +439,7 @@ def test_a_container_on_two_gpus_runs_on_the_one_while_it_waits_its_turn_on_the_
                 f'{libs / "launcher"} 4 1000 0 {device}')
 
     both = subprocess.Popen([CGPU, "run", "--name", "twogpus00001", "--gpus", "0,1", "--mem", "64M", "--", "sh", "-c",
-                             f"{launcher('x0', 0)} & {launcher('x1', 1)}; wait"],
+                             f"export CGPU_GANG=0; {launcher('x0', 0)} & {launcher('x1', 1)}; wait"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     one = subprocess.Popen([CGPU, "run", "--name", "onegpu000001", "--gpu", "0", "--mem", "64M", "--", "sh", "-c",
                             launcher("y0", 0)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -3,6 +3,9 @@
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <time.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <signal.h>
@@ -25,6 +28,31 @@
  * gate's value into the process's `acked` and a byte into the `drained` FIFO, so
  * the daemon can start the next container's slice knowing the GPU is free. */
 
+/* ---- a gang: a container's GPUs opened and closed together (docs/isolation.md, "Gangs") ----
+ *
+ * A collective kernel (NCCL's all-reduce, ...) on one GPU spins until its peers on the
+ * container's other GPUs have run: with gates per GPU, a container open on one GPU and closed on
+ * another would spin away its slice there, and the drain of the open one would wait for a kernel
+ * that cannot end. So a launch on GPU k waits for GPU k's gate and the container's gate, which
+ * the daemon keeps closed while any of the container's GPUs' gates is (cgpu_page.h): the
+ * container's launches run only while it holds all the GPUs it is active on. (GPUs it does not
+ * use are never held closed: an idle instance is not.) CGPU_GANG=0 in the container: each GPU on
+ * its own (for processes that share nothing across GPUs; it changes only the container's own time).
+ *
+ * A closing can still fall between two halves of a collective (a thread launched its half, the
+ * peer's launch comes after the gate closed): the peer's launch is let through while the helper
+ * answers that closing, if its GPU is behind the process's most-launched GPU of the gang (ranks
+ * launch the same sequence), at most GANG_CATCH_UP launches per GPU per closing; the helper waits
+ * up to GANG_WAIT_NS for them before it drains. GPUs more than 2 * GANG_CATCH_UP launches apart are
+ * not ranks of one collective: they count as even from there. */
+#define GANG_CATCH_UP 4
+#define GANG_WAIT_NS 20000000ll
+static int gang_off = -1;  /* CGPU_GANG=0 (read at the first launch) */
+static unsigned long launched[CGPU_MAX_GPUS];  /* this process's launches on each page GPU */
+static unsigned long base[CGPU_MAX_GPUS];      /* ... when a closing last found them far apart */
+static unsigned catch_up_used[CGPU_MAX_GPUS];
+static int catch_up_open;                      /* the helper answers a closing: catch-up allowed */
+
 /* Threads of this process inside a launch now: [0] on the container's gate, [1 + k] on GPU k's. */
 static unsigned launching[1 + CGPU_MAX_GPUS];
 static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
@@ -44,6 +72,64 @@ static const uint32_t *gate_word(int k)
 static uint32_t gate_value(int k)
 {
     return __atomic_load_n(gate_word(k), __ATOMIC_SEQ_CST);
+}
+
+static void futex_wake_all(const uint32_t *word)
+{
+    syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static int ganged(void)
+{
+    return per_gpu && !gang_off;
+}
+
+/* How far page GPU `k` is behind this process's most-launched GPU of the gang (counted from `base`). */
+static unsigned long behind(int k)
+{
+    uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
+    unsigned long most = 0, mine_k = __atomic_load_n(&launched[k], __ATOMIC_SEQ_CST) - base[k];
+    for (uint32_t j = 0; j < limits->ngpus; j++)
+        if (on & (1u << j)) {
+            unsigned long n = __atomic_load_n(&launched[j], __ATOMIC_SEQ_CST) - base[j];
+            most = n > most ? n : most;
+        }
+    return most > mine_k ? most - mine_k : 0;
+}
+
+/* A launch on GPU k let through a closed gate: it completes a collective a closing cut in half. */
+static int catch_up(int k)
+{
+    if (!__atomic_load_n(&catch_up_open, __ATOMIC_SEQ_CST) || !behind(k))
+        return 0;
+    return __atomic_add_fetch(&catch_up_used[k], 1, __ATOMIC_SEQ_CST) <= GANG_CATCH_UP;
+}
+
+/* Whether the GPUs this process launches on are even (or caught up as far as allowed). */
+static int caught_up(void)
+{
+    uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
+    for (uint32_t j = 0; j < limits->ngpus; j++)
+        if (on & (1u << j) && behind((int)j) && __atomic_load_n(&catch_up_used[j], __ATOMIC_SEQ_CST) < GANG_CATCH_UP)
+            return 0;
+    return 1;
+}
+
+/* No launch of this process on the GPUs `on` is in flight (one that passed the gate before it
+ * closed counts its GPU only once it returns: only then are the counts to compare). */
+static int settled(uint32_t on)
+{
+    for (uint32_t j = 0; j < limits->ngpus; j++)
+        if (on & (1u << j) && __atomic_load_n(&launching[1 + j], __ATOMIC_SEQ_CST))
+            return 0;
+    return 1;
+}
+
+static int64_t mono_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000ll + t.tv_nsec;
 }
 
 /* Sleep while `word` still reads `seen` (any change wakes it). */
@@ -81,6 +167,28 @@ static int note_context(void)
     }
     pthread_mutex_unlock(&ctx_lock);
     return k;
+}
+
+/* The drain synchronizes from the helper thread while the process's other threads may be
+ * capturing streams into CUDA graphs (PyTorch, vLLM, torch.compile: in the global capture mode).
+ * In the thread's default mode, global, such a synchronize is a potentially unsafe call the driver
+ * refuses, invalidating their captures; in relaxed mode it is allowed and touches no capture
+ * (cuThreadExchangeStreamCaptureMode, CUDA 10.1 on). 0, or -1 said once on stderr: the driver
+ * refused (then the drain synchronizes as before, and a capture may be invalidated by it). */
+static int relax_capture_mode(void)
+{
+    typedef CUresult (*exchange_fn)(int *);
+    exchange_fn exchange = real.lib && real_dlsym
+        ? (exchange_fn)real_dlsym(real.lib, "cuThreadExchangeStreamCaptureMode") : NULL;
+    int mode = 2;  /* CU_STREAM_CAPTURE_MODE_RELAXED */
+    if (!exchange)
+        return 0;  /* a driver before capture modes: no capture is global */
+    CUresult r = exchange(&mode);
+    if (r == CU_OK)
+        return 0;
+    fprintf(stderr, "cgpu: the driver refused relaxed stream-capture mode to the gate's helper thread (error %d):"
+            " a CUDA graph captured while the gate closes may be invalidated\n", r);
+    return -1;
 }
 
 /* Finish the work queued on page GPU `k` (all of it for -1): once no launch there is in
@@ -124,6 +232,7 @@ static void *gate_helper(void *arg)
     /* The next container's slice waits for this thread's answer: its timed waits (a driver that
      * synchronizes by sleeping) end when due, not up to the default 50 µs of timer slack later. */
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    relax_capture_mode();
     for (;;) {
         if (!per_gpu) {  /* the container's one gate: answer each closing with its value */
             uint32_t g = gate_value(-1);
@@ -139,6 +248,35 @@ static void *gate_helper(void *arg)
         uint32_t c = __atomic_load_n(&limits->closings, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != c) {
             uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
+            if (ganged() && (on & (on - 1))) {  /* a gang: the halves of a collective cut by the closing */
+                uint32_t apart = 0;
+                for (uint32_t k = 0; k < limits->ngpus; k++)
+                    if (on & (1u << k) && behind((int)k) > 2 * GANG_CATCH_UP)
+                        apart = 1;
+                if (apart)  /* more apart than collectives in flight: the ranks launch differently; even from here */
+                    for (uint32_t k = 0; k < limits->ngpus; k++)
+                        base[k] = __atomic_load_n(&launched[k], __ATOMIC_SEQ_CST);
+                memset(catch_up_used, 0, sizeof catch_up_used);
+                __atomic_store_n(&catch_up_open, 1, __ATOMIC_SEQ_CST);
+                int64_t start = mono_ns(), now = start, woke = 0;
+                while (!(settled(on) && caught_up()) && now < start + GANG_WAIT_NS) {
+                    if (now >= woke + 50000) {  /* the launches waiting: look again (every 50 µs) */
+                        futex_wake_all(&limits->gate);
+                        for (uint32_t k = 0; k < limits->ngpus; k++)
+                            if (on & (1u << k))
+                                futex_wake_all(&limits->gpu_gate[k]);
+                        woke = now;
+                    }
+                    if (now - start < 200000)
+                        sched_yield();  /* (a peer's launch is usually microseconds away) */
+                    else {
+                        struct timespec t = {0, 50000};
+                        nanosleep(&t, NULL);
+                    }
+                    now = mono_ns();
+                }
+                __atomic_store_n(&catch_up_open, 0, __ATOMIC_SEQ_CST);  /* (drain() then waits for those in flight) */
+            }
             for (uint32_t k = 0; k < limits->ngpus; k++)
                 if (on & (1u << k) && !(gate_value((int)k) & 1))
                     drain((int)k);
@@ -151,6 +289,8 @@ static void *gate_helper(void *arg)
 
 static void start_helper(void)
 {
+    const char *g = getenv("CGPU_GANG");
+    gang_off = g && !strcmp(g, "0");
     pthread_t t;
     pthread_attr_t a;
     sigset_t all, old;
@@ -179,8 +319,21 @@ static void gate_enter(int k)
     for (;;) {
         __atomic_add_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
         uint32_t g = gate_value(k);
-        if (g & 1)
-            return;
+        if (k < 0 || !ganged()) {
+            if (g & 1)
+                return;
+        } else {  /* a gang: GPU k's gate and the container's (closed while any GPU's is) */
+            uint32_t all = gate_value(-1);
+            if (((g & all & 1) || catch_up(k))) {
+                __atomic_add_fetch(&launched[k], 1, __ATOMIC_SEQ_CST);
+                return;
+            }
+            if (g & 1) {  /* GPU k open, another closed: wait for the container's gate */
+                __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+                futex_wait_on(&limits->gate, all);
+                continue;
+            }
+        }
         __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
         futex_wait_on(gate_word(k), g);
     }
@@ -252,6 +405,9 @@ void gate_forked(void)
     pthread_once_t fresh = PTHREAD_ONCE_INIT;
     helper_once = fresh;
     memset(launching, 0, sizeof launching);
+    memset(launched, 0, sizeof launched);
+    memset(base, 0, sizeof base);
+    catch_up_open = 0;
     nctxs = 0;
     known_ctx = NULL;
 }

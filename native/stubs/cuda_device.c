@@ -171,8 +171,9 @@ CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest)
 /* ---- streams ---- */
 CUresult cuStreamQuery(CUstream s)
 {
-    (void)s;
     if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    CUresult r = stub_capture_forbids(s);
+    if (r) return r;
     return now_ns() < stub_work_end() ? STUB_NOT_READY : STUB_OK;
 }
 CUresult cuStreamCreateWithPriority(CUstream *s, unsigned flags, int priority)
@@ -197,39 +198,7 @@ CUresult cuStreamGetCtx(CUstream s, CUcontext *ctx)
     return STUB_OK;
 }
 CUresult cuStreamGetDevice(CUstream s, int *dev) { (void)s; if (!dev) return STUB_INVALID_VALUE; *dev = stub_current_device(); return STUB_OK; }
-CUresult cuStreamIsCapturing(CUstream s, int *status) { (void)s; if (!status) return STUB_INVALID_VALUE; *status = 0; return STUB_OK; }
-CUresult cuStreamGetCaptureInfo_v3(CUstream s, int *status, unsigned long long *id, void **graph, const void **deps,
-                                   const void **edges, size_t *ndeps)
-{
-    (void)s; (void)id; (void)graph; (void)deps; (void)edges; (void)ndeps;
-    if (!status) return STUB_INVALID_VALUE;
-    *status = 0;  /* CU_STREAM_CAPTURE_STATUS_NONE: the other outputs are left as they are */
-    return STUB_OK;
-}
-CUresult cuStreamGetCaptureInfo_v2(CUstream s, int *status, unsigned long long *id, void **graph, const void **deps,
-                                   size_t *ndeps)
-{
-    return cuStreamGetCaptureInfo_v3(s, status, id, graph, deps, NULL, ndeps);
-}
-CUresult cuStreamGetCaptureInfo(CUstream s, int *status, unsigned long long *id)
-{
-    return cuStreamGetCaptureInfo_v3(s, status, id, NULL, NULL, NULL, NULL);
-}
-/* the form the caller was built for: CUDA 12.3's (edges), 11.3's (graph and dependencies), 10.1's */
-void *stub_capture_info(int version)
-{
-    return version >= 12030 ? (void *)cuStreamGetCaptureInfo_v3
-         : version >= 11030 ? (void *)cuStreamGetCaptureInfo_v2 : (void *)cuStreamGetCaptureInfo;
-}
-CUresult cuThreadExchangeStreamCaptureMode(int *mode)
-{
-    static __thread int current;
-    if (!mode || *mode < 0 || *mode > 2) return STUB_INVALID_VALUE;
-    int old = current;
-    current = *mode;
-    *mode = old;
-    return STUB_OK;
-}
+/* (stream capture: cuda_graphs.c) */
 typedef void (*host_fn)(void *);
 CUresult cuLaunchHostFunc(CUstream s, host_fn fn, void *data)
 {
@@ -277,11 +246,15 @@ CUresult cuEventRecordWithFlags(struct event *e, CUstream s, unsigned flags)
 CUresult cuEventQuery(struct event *e)
 {
     if (!event_ok(e)) return STUB_INVALID_HANDLE;
+    CUresult r = stub_capture_forbids(NULL);
+    if (r) return r;
     return !e->recorded || now_ns() >= e->at ? STUB_OK : STUB_NOT_READY;
 }
 CUresult cuEventSynchronize(struct event *e)
 {
     if (!event_ok(e)) return STUB_INVALID_HANDLE;
+    CUresult r = stub_capture_forbids(NULL);
+    if (r) return r;
     while (e->recorded && now_ns() < e->at) {
         uint64_t left = e->at - now_ns();
         struct timespec t = {0, (long)(left > 1000000 ? 1000000 : left)};
@@ -490,7 +463,7 @@ HIDDEN const struct stub_proc STUB_PROCS_DEVICE[] = {
     P(cuCtxGetFlags), P(cuCtxGetApiVersion), P(cuCtxGetId), P(cuCtxGetLimit), P(cuCtxSetLimit), P(cuCtxGetCacheConfig),
     P(cuCtxSetCacheConfig), P(cuCtxGetSharedMemConfig), P(cuCtxGetStreamPriorityRange),
     P(cuStreamQuery), P(cuStreamCreateWithPriority), P(cuStreamGetPriority), P(cuStreamGetFlags), P(cuStreamGetId),
-    P(cuStreamGetCtx), P(cuStreamGetDevice), P(cuStreamIsCapturing), P(cuThreadExchangeStreamCaptureMode),
+    P(cuStreamGetCtx), P(cuStreamGetDevice),
     P(cuLaunchHostFunc), P(cuStreamWaitEvent),
     P(cuEventCreate), PV("cuEventDestroy", cuEventDestroy_v2), P(cuEventRecord), P(cuEventRecordWithFlags),
     P(cuEventQuery), P(cuEventSynchronize), PV("cuEventElapsedTime", cuEventElapsedTime_v2),

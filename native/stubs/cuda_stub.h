@@ -37,11 +37,18 @@ HIDDEN uint64_t stub_work_end(void);           /* when this process's last kerne
 HIDDEN void *stub_more_proc(const char *symbol, int version, uint64_t flags);
 HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* cuda_graphs.c: streams, stream capture and graphs */
+/* may the calling thread make a potentially unsafe call (synchronizing `synced`, NULL: none) now? */
+HIDDEN CUresult stub_capture_forbids(const void *synced);
+/* a launch of n kernels into stream s: 1 (and *r) when s captures it, 0 when it is to run */
+HIDDEN int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r);
+HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);
+HIDDEN void *stub_graphs_proc(const char *symbol, int version);
+HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in the form of the caller's CUDA version */
+HIDDEN CUresult stub_run_kernel(uint64_t us);   /* libcuda.c: one kernel on the card */
+
 /* cuda_modules.c */
 HIDDEN int stub_function_valid(const void *f);
 HIDDEN CUresult stub_module_function(void **f, void *module, const char *name);  /* cuModuleGetFunction's */
 HIDDEN int stub_find_global(CUdeviceptr p, size_t n);  /* [p, p + n) inside a module's global: 0, else -1 */
-
-/* cuda_device.c: cuStreamGetCaptureInfo in the form of the caller's CUDA version */
-HIDDEN void *stub_capture_info(int version);
 #endif

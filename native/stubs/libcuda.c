@@ -18,8 +18,9 @@
  * itself: only libcgpu's own wrappers of them can charge them.
  *
  * Kernels: the card runs one kernel at a time, for everyone. A launch
- * (cuLaunchKernel, _ptsz, cooperative, cuLaunchKernelEx, cuGraphLaunch) takes
- * gridX*gridY*gridZ microseconds of the card (a graph: CGPU_STUB_GRAPH_US, 1000),
+ * (cuLaunchKernel, _ptsz, cooperative, cuLaunchKernelEx) takes gridX*gridY*gridZ
+ * microseconds of the card (a graph, cuGraphLaunch: each of its kernels; stream capture and
+ * graphs, and the driver's capture rules, are stubs/cuda_graphs.c's),
  * queued after whatever the card has (the state file's second word: when it is
  * next free); it returns at once, as a real launch does, but a process has at most
  * one kernel waiting behind its running one (a launch waits until its previous one
@@ -28,8 +29,9 @@
  * scheduling spins). With CGPU_STUB_CUDA_LOG set, each kernel appends
  * "pid start_ns end_ns" (CLOCK_MONOTONIC) to it; CGPU_STUB_CUDA_FAST=1 makes
  * launches free and instant (to time what an interposer adds). cuInit opens
- * CGPU_STUB_CUDA_DEVICE, if set, and keeps it open, as the real driver keeps
- * /dev/nvidiaN: the daemon sees the process use the GPU.
+ * CGPU_STUB_CUDA_DEVICE (a comma-separated list: each), if set, and keeps it open, as the real
+ * driver keeps /dev/nvidiaN: the daemon sees the process use the GPU. CGPU_STUB_COLLECTIVE=1:
+ * every kernel of the process is half of a collective across cards 0 and 1 (run_collective).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -243,8 +245,13 @@ CUresult cuInit(unsigned flags)
     static int device = -1;
     const char *dev = getenv("CGPU_STUB_CUDA_DEVICE");
     (void)flags;
-    if (device < 0 && dev && *dev)
-        device = open(dev, O_RDONLY | O_CLOEXEC);
+    if (device < 0 && dev && *dev)  /* (a comma-separated list: each of them, a process on several GPUs) */
+        for (const char *p = dev; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL) {
+            char one[4096];
+            snprintf(one, sizeof one, "%.*s", (int)strcspn(p, ","), p);
+            int fd = open(one, O_RDONLY | O_CLOEXEC);
+            device = device < 0 ? fd : device;
+        }
     inited = 1;
     return OK;
 }
@@ -353,6 +360,72 @@ static void sleep_until(uint64_t ns)
 
 static uint64_t last_start, last_end;  /* this process's last kernel on the card */
 
+/* A collective (CGPU_STUB_COLLECTIVE=1: every kernel of the process is one): a kernel on card 0
+ * or 1 is half of one with the process's next kernel on the other card, as an all-reduce's ranks
+ * are. The first half starts on its card as any kernel and holds it (spinning, the card's next
+ * free time HELD) until its peer has started on the other; both end `us` after the later start.
+ * Each half is logged "pid start end dev us" when the pair is complete: its time spinning is
+ * end - start - us. Another kernel on a HELD card waits until it is free. */
+#define HELD UINT64_MAX
+static pthread_mutex_t collective_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct { int on; uint64_t start, us; } half[2];  /* a half waiting for its peer, per card */
+
+static int collective(void)
+{
+    const char *c = getenv("CGPU_STUB_COLLECTIVE");
+    return c && *c == '1';
+}
+
+static void log_kernel(int lf, uint64_t start, uint64_t end, int dev, uint64_t us)
+{
+    if (lf < 0) return;
+    char line[128];
+    int n = dev < 0 ? snprintf(line, sizeof line, "%d %llu %llu\n", (int)getpid(), (unsigned long long)start,
+                               (unsigned long long)end)
+                    : snprintf(line, sizeof line, "%d %llu %llu %d %llu\n", (int)getpid(), (unsigned long long)start,
+                               (unsigned long long)end, dev, (unsigned long long)us);
+    if (write(lf, line, (size_t)n) < 0) { /* (a log, best effort) */ }
+}
+
+static CUresult run_collective(int fd, int lf, uint64_t us)
+{
+    int d = cur_dev, peer = 1 - cur_dev;
+    if (d > 1) return INVALID_VALUE;
+    for (;;) {
+        pthread_mutex_lock(&collective_lock);
+        flock(fd, LOCK_EX);
+        uint64_t free_at = 0, now = now_ns();
+        if (pread(fd, &free_at, sizeof free_at, 16 * d + 8) != sizeof free_at)
+            free_at = 0;
+        if (free_at != HELD) {
+            uint64_t start = free_at > now ? free_at : now, end = HELD;
+            if (half[peer].on) {  /* the pair is complete: both end together */
+                uint64_t later = start > half[peer].start ? start : half[peer].start;
+                end = later + (us > half[peer].us ? us : half[peer].us) * 1000;
+                half[peer].on = 0;
+                int bad = pwrite(fd, &end, sizeof end, 16 * peer + 8) != sizeof end;
+                bad |= pwrite(fd, &end, sizeof end, 16 * d + 8) != sizeof end;
+                log_kernel(lf, half[peer].start, end, peer, half[peer].us);
+                log_kernel(lf, start, end, d, us);
+                if (end > last_end) last_end = end;
+                if (bad) end = 0;
+            } else {
+                half[d].on = 1;
+                half[d].start = start;
+                half[d].us = us;
+                if (pwrite(fd, &end, sizeof end, 16 * d + 8) != sizeof end) end = 0;
+            }
+            last_start = start;
+            flock(fd, LOCK_UN);
+            pthread_mutex_unlock(&collective_lock);
+            return end ? OK : OUT_OF_MEMORY;
+        }
+        flock(fd, LOCK_UN);
+        pthread_mutex_unlock(&collective_lock);
+        sleep_until(now_ns() + 50000);  /* the card is held by a collective waiting for its peer */
+    }
+}
+
 static CUresult run_kernel(uint64_t us)
 {
     const char *fast = getenv("CGPU_STUB_CUDA_FAST");
@@ -361,22 +434,26 @@ static CUresult run_kernel(uint64_t us)
     sleep_until(last_start);  /* one kernel waiting behind the running one, at most */
     int lf, fd = kernel_files(&lf);
     if (fd < 0) return OUT_OF_MEMORY;
-    flock(fd, LOCK_EX);
-    uint64_t free_at = 0, now = now_ns();
-    if (pread(fd, &free_at, sizeof free_at, 16 * cur_dev + 8) != sizeof free_at)
-        free_at = 0;
+    if (collective())
+        return run_collective(fd, lf, us);
+    uint64_t free_at = 0, now;
+    for (;;) {
+        flock(fd, LOCK_EX);
+        now = now_ns();
+        if (pread(fd, &free_at, sizeof free_at, 16 * cur_dev + 8) != sizeof free_at)
+            free_at = 0;
+        if (free_at != HELD)
+            break;
+        flock(fd, LOCK_UN);
+        sleep_until(now + 50000);  /* held by another process's collective waiting for its peer */
+    }
     uint64_t start = free_at > now ? free_at : now, end = start + us * 1000;
     int bad = pwrite(fd, &end, sizeof end, 16 * cur_dev + 8) != sizeof end;
     flock(fd, LOCK_UN);
     if (bad) return OUT_OF_MEMORY;
     last_start = start;
     last_end = end;
-    if (lf >= 0) {
-        char line[96];
-        int n = snprintf(line, sizeof line, "%d %llu %llu\n", (int)getpid(), (unsigned long long)start,
-                         (unsigned long long)end);
-        if (write(lf, line, (size_t)n) < 0) { /* (a log, best effort) */ }
-    }
+    log_kernel(lf, start, end, -1, us);
     return OK;
 }
 
@@ -386,6 +463,10 @@ static CUresult run_kernel(uint64_t us)
 #define SYNC_SPIN_NS 200000ull
 CUresult cuCtxSynchronize(void)
 {
+    CUresult r = stub_capture_forbids(NULL);  /* cuda_graphs.c: not during another's capture */
+    if (r) return r;
+    while (cur_dev < 2 && __atomic_load_n(&half[cur_dev].on, __ATOMIC_SEQ_CST))
+        sleep_until(now_ns() + 50000);  /* a collective on this card waits for its peer */
     uint64_t end = last_end;
     if (end > SYNC_SPIN_NS)
         sleep_until(end - SYNC_SPIN_NS);
@@ -420,8 +501,10 @@ CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name) { re
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
-    (void)f; (void)bx; (void)by; (void)bz; (void)shmem; (void)stream; (void)params; (void)extra;
-    return run_kernel((uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1));
+    (void)f; (void)bx; (void)by; (void)bz; (void)shmem; (void)params; (void)extra;
+    uint64_t us = (uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1);
+    CUresult r;
+    return stub_capture_launch(stream, &us, 1, &r) ? r : run_kernel(us);  /* (into a capture: recorded) */
 }
 CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                              unsigned shmem, void *stream, void **params, void **extra)
@@ -433,19 +516,17 @@ CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsig
 {
     return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, NULL);
 }
-typedef struct { unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes; } launch_config;
+typedef struct { unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes; void *hStream; } launch_config;
 CUresult cuLaunchKernelEx(const launch_config *c, CUfunction f, void **params, void **extra)
 {
     (void)f; (void)params; (void)extra;
     if (!c) return INVALID_VALUE;
-    return run_kernel((uint64_t)c->gridDimX * (c->gridDimY ? c->gridDimY : 1) * (c->gridDimZ ? c->gridDimZ : 1));
+    uint64_t us = (uint64_t)c->gridDimX * (c->gridDimY ? c->gridDimY : 1) * (c->gridDimZ ? c->gridDimZ : 1);
+    CUresult r;
+    return stub_capture_launch(c->hStream, &us, 1, &r) ? r : run_kernel(us);
 }
-CUresult cuGraphLaunch(void *exec, void *stream)
-{
-    const char *us = getenv("CGPU_STUB_GRAPH_US");
-    (void)exec; (void)stream;
-    return run_kernel(us && *us ? strtoull(us, NULL, 10) : 1000);
-}
+CUresult cuGraphLaunch(void *exec, void *stream) { return stub_graph_launch(exec, stream); }  /* cuda_graphs.c */
+CUresult stub_run_kernel(uint64_t us) { return run_kernel(us); }
 
 /* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
 static size_t nallocs;
@@ -481,10 +562,13 @@ static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
     return OK;
 }
 static CUresult take(CUdeviceptr *p, size_t size, int host) { return take_on(cur_dev, p, size, host); }
+static __thread int ordered;
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
 {
     if (!inited) return NOT_INITIALIZED;
     if (!p || !size) return INVALID_VALUE;
+    CUresult r = ordered ? OK : stub_capture_forbids(NULL);
+    if (r) return r;
     return take(p, size, 0);
 }
 /* its memory back to the card, the entry gone */
@@ -501,7 +585,11 @@ static CUresult drop(CUdeviceptr p)
     let_go(i);
     return OK;
 }
-CUresult cuMemFree_v2(CUdeviceptr p) { return p ? drop(p) : OK; }  /* 0: nothing, as the driver (cudaFree(0) passes it on) */
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    CUresult r = p && !ordered ? stub_capture_forbids(NULL) : OK;
+    return r ? r : p ? drop(p) : OK;
+}  /* 0: nothing, as the driver (cudaFree(0) passes it on) */
 /* the card's memory, not through the exported cuMemAlloc_v2 */
 static CUresult device(CUdeviceptr *p, size_t size)
 {
@@ -518,9 +606,13 @@ CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, size_t 
 }
 CUresult cuMemAllocManaged(CUdeviceptr *p, size_t size, unsigned flags) { (void)flags; return cuMemAlloc_v2(p, size); }
 typedef void *CUstream;
-CUresult cuStreamCreate(CUstream *s, unsigned flags) { (void)flags; *s = (CUstream)0x2; return inited ? OK : NOT_INITIALIZED; }
-CUresult cuStreamDestroy_v2(CUstream s) { (void)s; return OK; }
-CUresult cuStreamSynchronize(CUstream s) { (void)s; return cuCtxSynchronize(); }
+CUresult cuStreamCreate(CUstream *s, unsigned flags);  /* cuda_graphs.c, as cuStreamDestroy_v2 */
+CUresult cuStreamDestroy_v2(CUstream s);
+CUresult cuStreamSynchronize(CUstream s)
+{
+    CUresult r = stub_capture_forbids(s);
+    return r ? r : cuCtxSynchronize();
+}
 /* With CGPU_STUB_CUDA_CALLS set, the entry points that have a per-thread-stream (_ptsz) or an
  * older form append their name to it: which one a lookup gave is seen. */
 static void called(const char *name)
@@ -532,10 +624,27 @@ static void called(const char *name)
         close(fd);
     }
 }
-CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { (void)s; called(__func__); return cuMemAlloc_v2(p, size); }
-CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, CUstream s) { (void)s; called(__func__); return cuMemAlloc_v2(p, size); }
-CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; called(__func__); return cuMemFree_v2(p); }
-CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; called(__func__); return cuMemFree_v2(p); }
+/* (ordered: inside a stream-ordered allocation, legal during a capture) */
+static CUresult alloc_ordered(const char *name, CUdeviceptr *p, size_t size)
+{
+    called(name);
+    ordered++;
+    CUresult r = cuMemAlloc_v2(p, size);
+    ordered--;
+    return r;
+}
+static CUresult free_ordered(const char *name, CUdeviceptr p)
+{
+    called(name);
+    ordered++;
+    CUresult r = cuMemFree_v2(p);
+    ordered--;
+    return r;
+}
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return alloc_ordered(__func__, p, size); }
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return alloc_ordered(__func__, p, size); }
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return free_ordered(__func__, p); }
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; return free_ordered(__func__, p); }
 typedef void *CUmemoryPool;
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
 {
@@ -837,8 +946,6 @@ OWN(cuGetErrorName);
 OWN(cuGetErrorString);
 OWN(cuMemAllocPitch_v2);
 OWN(cuMemAllocManaged);
-OWN(cuStreamCreate);
-OWN(cuStreamDestroy_v2);
 OWN(cuStreamSynchronize);
 OWN(cuMemAllocAsync);
 OWN(cuMemAllocAsync_ptsz);
@@ -898,8 +1005,6 @@ static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuGetErrorString", 6000, 0, (void *)own_cuGetErrorString},
     {"cuMemAllocPitch", 3020, 0, (void *)own_cuMemAllocPitch_v2},
     {"cuMemAllocManaged", 6000, 0, (void *)own_cuMemAllocManaged},
-    {"cuStreamCreate", 2000, 0, (void *)own_cuStreamCreate},
-    {"cuStreamDestroy", 4000, 0, (void *)own_cuStreamDestroy_v2},
     {"cuStreamSynchronize", 2000, 0, (void *)own_cuStreamSynchronize},
     {"cuMemAllocAsync", 11020, 0, (void *)own_cuMemAllocAsync},
     {"cuMemAllocAsync", 11020, 1, (void *)own_cuMemAllocAsync_ptsz},
@@ -943,6 +1048,10 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
     if (!symbol || !pfn || flags > 2) return INVALID_VALUE;  /* DEFAULT 0, LEGACY_STREAM 1, PER_THREAD 2 */
     if (!strcmp(symbol, "cuGetProcAddress")) {
         *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
+        if (status) *status = 0;
+        return OK;
+    }
+    if ((*pfn = stub_graphs_proc(symbol, version))) {  /* cuda_graphs.c: streams, capture and graphs */
         if (status) *status = 0;
         return OK;
     }

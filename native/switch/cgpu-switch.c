@@ -207,6 +207,13 @@ static void open_gate(uint32_t *w)
 
 static void freeze_locked(struct page *p, int gpu)
 {
+    /* The container's gate first: a helper thread woken by the count of closings below must find
+     * it closed, or a gang's launches on its other GPUs could pass it in between (libcgpu/gate.c) */
+    uint32_t g = load(&p->lim->gate);
+    if (g & 1) {
+        store(&p->lim->gate, g + 1);
+        wake_all(&p->lim->gate);  /* the helper threads of an older libcgpu: drain and answer */
+    }
     if (p->per_gpu) {
         uint32_t m = ks(p, gpu);
         for (unsigned k = 0; k < CGPU_MAX_GPUS; k++) {
@@ -223,11 +230,6 @@ static void freeze_locked(struct page *p, int gpu)
                 p->closed_mask |= 1u << k;
             }
         }
-    }
-    uint32_t g = load(&p->lim->gate);
-    if (g & 1) {
-        store(&p->lim->gate, g + 1);
-        wake_all(&p->lim->gate);  /* the helper threads of an older libcgpu: drain and answer */
     }
     p->frozen = 1;
 }
