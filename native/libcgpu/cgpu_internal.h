@@ -139,6 +139,7 @@ int current_gpu(void);
 
 /* ---- nvml.c ---- */
 uint64_t nvml_process_bytes(int g);
+void *nvml_ours(const char *name);  /* our wrapper of an NVML name, NULL if none */
 
 /* ---- memory.c ---- */
 void memory_forked(void);
