@@ -7,8 +7,11 @@ show the whole card as the real ones do: every process, every neighbour's memory
 utilisation."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +122,84 @@ buf = (N.c_nvmlProcessInfo_v3_t * n.value)()
 r = fn(h, ctypes.byref(n), buf)
 print(r, n.value, *[buf[k].pid for k in range(min(n.value, len(buf)))])
 """
+
+
+def test_in_a_real_container_nvidia_smi_shows_its_own_processes_by_its_own_pids(make_daemon, libs, tmp_path):
+    """cgpu-runtime in front of real runc (a PID namespace of the container's own; libcgpu through
+    /etc/ld.so.preload and its pages at /run/cgpu): a process of the container holding 256 MiB is
+    shown by its pid in the container, with its memory; a neighbour's CUDA process on the host and
+    the stand-in's listed neighbours are not, and the container's reads do not change when they do."""
+    import threading
+    import time
+
+    from smi_view import CARD_MIB, HOLDER, VIEW
+    from test_libcgpu import run_prepared
+
+    share = tmp_path / "share"
+    (share / "lib").mkdir(parents=True)
+    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        subprocess.run(["cp", str(libs / name), str(share / "lib" / name)], check=True)
+    (share / "view.py").write_text(VIEW)
+    (share / "holder.py").write_text(HOLDER)
+    scene = Scene(libs, tmp_path)
+    scene.stub.config = share / "nvml.conf"
+    scene.stub.cuda_state = "/share/card"  # (read inside the container)
+    try:
+        other = scene.holder(False)  # a neighbour on the host, on the same card
+        env = scene.env(False)
+        env["CGPU_STUB_CUDA_STATE"] = str(share / "card")
+        other.kill()
+        other.wait()
+        scene.procs.remove(other)
+        other = subprocess.Popen([sys.executable, "-c", HOLDER], env=env, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        scene.procs.append(other)
+        scene.alloc(other, 2 * GIB)
+        neighbours(scene, big=False)
+        scene.stub.write()
+        py = sys.executable
+        script = f"""
+            export CGPU_NVML_STUB=/share/nvml.conf CGPU_STUB_CUDA_MIB={CARD_MIB}
+            mkfifo /tmp/in || exit 1
+            {py} /share/holder.py < /tmp/in > /share/holder.out 2> /share/holder.err &
+            exec 3>/tmp/in
+            echo alloc {256 * MIB} >&3
+            n=0; while ! grep -q ok /share/holder.out; do sleep 0.05; n=$((n+1)); [ $n -lt 400 ] || exit 2; done
+            {py} /share/view.py > /share/view1.json 2> /share/view.err && touch /share/ready || exit 3
+            n=0; while [ ! -e /share/go ]; do sleep 0.05; n=$((n+1)); [ $n -lt 400 ] || exit 4; done
+            {py} /share/view.py > /share/view2.json 2> /share/view.err || exit 5
+            exec 3>&-; wait
+        """
+        pythons = {str(Path(sys.executable).parent.parent), sys.base_prefix}  # (the venv and its Python)
+        mounts = [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]}]
+        mounts += [{"destination": p, "type": "bind", "source": p, "options": ["rbind", "ro"]} for p in pythons]
+        rootfs = tmp_path / "rootfs"
+        for sub in ("usr", "proc", "dev", "sys", "run", "tmp", "share", *(p.lstrip("/") for p in pythons)):
+            (rootfs / sub).mkdir(parents=True, exist_ok=True)
+        for link in ("bin", "lib", "lib64", "sbin"):
+            os.symlink(f"usr/{link}", rootfs / link)
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=run_prepared(
+            make_daemon, libs / "libcgpu.so", tmp_path, rootfs, share, script, mounts)[0]))
+        t.start()
+        deadline = time.monotonic() + 60
+        while not (share / "ready").exists() and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        scene.alloc(other, GIB)  # the neighbours change: more memory, processes, utilisation
+        neighbours(scene, big=True)
+        scene.stub.write()
+        (share / "go").touch()
+        t.join(90)
+        r = result["r"]
+        errs = "".join(f.read_text() for f in share.glob("*.err"))
+        assert r.returncode == 0, r.stdout + r.stderr + errs
+        own_pid = int((share / "holder.out").read_text().split()[1])
+        v1, v2 = (json.loads((share / f"view{k}.json").read_text()) for k in (1, 2))
+    finally:
+        scene.close()
+    assert own_pid < 100, "the container has a PID namespace of its own"
+    assert query_compute_apps(v1) == [[own_pid, 256]]
+    assert query_gpu(v1) == [1024, 256, 0]
+    assert v1["gpu0.nvmlDeviceGetGraphicsRunningProcesses_v3"] == v1["gpu0.nvmlDeviceGetMPSComputeRunningProcesses_v3"] == []
+    assert v1["cuMemGetInfo"] == [768 * MIB, GIB]
+    assert {k: (v1[k], v2[k]) for k in v1 if v1[k] != v2[k]} == {}
