@@ -139,9 +139,10 @@ class Scene:
             env.update(LD_PRELOAD=os.fspath(self.libs / "libcgpu.so"), CGPU_PAGE_DIR=os.fspath(self.pages))
         return env
 
-    def holder(self, contained: bool) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", HOLDER], env=self.env(contained), stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    def holder(self, contained: bool, **env) -> subprocess.Popen:
+        """A process holding memory on the card (`alloc` it), the container's or a neighbour's."""
+        p = subprocess.Popen([sys.executable, "-c", HOLDER], env={**self.env(contained), **env},
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.procs.append(p)
         return p
 

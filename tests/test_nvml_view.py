@@ -11,12 +11,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from smi_view import GIB, MIB, Scene, query_compute_apps, query_gpu
-from test_libcgpu import build_libs
+from smi_view import CARD_MIB, GIB, HOLDER, MIB, VIEW, Scene, query_compute_apps, query_gpu
+from test_libcgpu import build_libs, run_prepared
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +131,6 @@ def test_in_a_real_container_nvidia_smi_shows_its_own_processes_by_its_own_pids(
     /etc/ld.so.preload and its pages at /run/cgpu): a process of the container holding 256 MiB is
     shown by its pid in the container, with its memory; a neighbour's CUDA process on the host and
     the stand-in's listed neighbours are not, and the container's reads do not change when they do."""
-    import threading
-    import time
-
-    from smi_view import CARD_MIB, HOLDER, VIEW
-    from test_libcgpu import run_prepared
-
     share = tmp_path / "share"
     (share / "lib").mkdir(parents=True)
     for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
@@ -145,15 +141,7 @@ def test_in_a_real_container_nvidia_smi_shows_its_own_processes_by_its_own_pids(
     scene.stub.config = share / "nvml.conf"
     scene.stub.cuda_state = "/share/card"  # (read inside the container)
     try:
-        other = scene.holder(False)  # a neighbour on the host, on the same card
-        env = scene.env(False)
-        env["CGPU_STUB_CUDA_STATE"] = str(share / "card")
-        other.kill()
-        other.wait()
-        scene.procs.remove(other)
-        other = subprocess.Popen([sys.executable, "-c", HOLDER], env=env, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
-        scene.procs.append(other)
+        other = scene.holder(False, CGPU_STUB_CUDA_STATE=str(share / "card"))  # a neighbour on the host
         scene.alloc(other, 2 * GIB)
         neighbours(scene, big=False)
         scene.stub.write()
