@@ -4,10 +4,11 @@ neighbour's usage (issue 23, item 3), against the same calls without libcgpu in 
 A container (libcgpu and its pages, memsize 4 GiB) runs two CUDA processes holding 1 GiB and
 512 MiB on the stand-in card; neighbours (another container's CUDA process without libcgpu, and
 processes listed by the stand-in NVML as compute, graphics and MPS processes with utilisation
-samples) use the rest. The reader (tests/smi_view.py: nvidia-smi's default screen, its
+samples) use the rest, and the card's sensors (power, temperature, fan, clocks, performance
+state, energy, video engines) follow their load. The reader (tests/smi_view.py: nvidia-smi's default screen, its
 --query-gpu and --query-compute-apps, every process list and version, the per-process samples,
 then cuMemGetInfo) reads; the neighbours change their memory, their processes and their
-utilisation (and the card's rates); it reads again. Each round counts the values that changed,
+utilisation (and the card's rates and sensors); it reads again. Each round counts the values that changed,
 inside the container and outside it (the reference: there they must change). Goal: 0 inside.
 
     .venv/bin/python bench/nvml_view.py [--rounds 5]
@@ -43,6 +44,8 @@ def neighbours(scene: Scene, k: int) -> None:
     stub.mps = {(0, pids[-1]): (k + 1) * 32 * MIB}
     stub.putil = {(0, pid): (10 + 7 * k, 5 + 3 * k, k, k) for pid in pids}
     stub.gpus[0].util, stub.gpus[0].memutil, stub.gpus[0].used = 10 + 17 * k, 5 + 9 * k, k * 128 * MIB
+    stub.gpus[0].sensors = (30000 + 8000 * k, 40 + 8 * k, 30 + 12 * k, max(0, 8 - 2 * k), 300 + 250 * k,
+                            10**9 * (k + 1), 3 * k, 2 * k)  # power, temp, fan, pstate, clock, energy, enc, dec
 
 
 def main() -> None:

@@ -35,6 +35,9 @@ class StubGpu:
     util: int = 0
     memutil: int = 0
     fail: dict[str, int] = field(default_factory=dict)  # NVML function -> return code
+    # the sensors: power (mW), temperature (C), fan (%), performance state, SM clock (MHz),
+    # energy since the driver loaded (mJ), encoder and decoder utilisation (%)
+    sensors: tuple[int, int, int, int, int, int, int, int] = (70000, 45, 30, 0, 1590, 10**9, 0, 0)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class NvmlStub:
             minor = i if g.minor is None else g.minor
             lines.append(f"gpu {i} {minor} {g.total} {g.used} {g.util} {g.memutil} {g.uuid} {g.name}")
             lines += [f"fail {i} {fn} {rc}" for fn, rc in g.fail.items()]
+            lines.append(f"sensors {i} {' '.join(map(str, g.sensors))}")
         lines += [f"proc {gpu} {pid} {n}" for (gpu, pid), n in self.procs.items()]
         lines += [f"proc {gpu} {pid} {n} graphics" for (gpu, pid), n in self.graphics.items()]
         lines += [f"proc {gpu} {pid} {n} mps" for (gpu, pid), n in self.mps.items()]

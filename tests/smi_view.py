@@ -2,10 +2,12 @@
 neighbours on one stand-in card (tests/test_nvml_view.py and bench/nvml_view.py share it).
 
 `VIEW` is the reader: the NVML calls nvidia-smi makes for its default screen (device count, name,
-memory info, utilisation rates, compute and graphics processes), for
+memory info, utilisation rates, fan, temperature, performance state, power draw, compute and
+graphics processes), for
 `--query-gpu=memory.total,memory.used,utilization.gpu` and `--query-compute-apps=pid,used_memory`,
 and the other process and utilisation calls a monitor makes (MPS processes, every version of the
-lists, R550's detail list, the per-process utilisation samples of both forms), then
+lists, R550's detail list, the per-process utilisation samples of both forms, the video engines'
+utilisation, the SM clock and the energy counter), then
 cuMemGetInfo as a CUDA program in the same container sees it. It prints one JSON object: value
 name -> value (an NVML error as "error: <name>"; sample timestamps are left out: they are the
 clock's, not anyone's usage).
@@ -70,6 +72,15 @@ VIEW = textwrap.dedent(r"""
         out[g + "memory_v2"] = [m2.total, m2.reserved, m2.used, m2.free]
         put(g + "utilization.gpu", lambda: N.nvmlDeviceGetUtilizationRates(h).gpu)
         put(g + "utilization.memory", lambda: N.nvmlDeviceGetUtilizationRates(h).memory)
+        put(g + "utilization.encoder", lambda: N.nvmlDeviceGetEncoderUtilization(h)[0])
+        put(g + "utilization.decoder", lambda: N.nvmlDeviceGetDecoderUtilization(h)[0])
+        # the default screen's Fan, Temp, Perf, Pwr:Usage; --query-gpu's clocks.sm, energy
+        put(g + "fan.speed", N.nvmlDeviceGetFanSpeed, h)
+        put(g + "temperature.gpu", N.nvmlDeviceGetTemperature, h, N.NVML_TEMPERATURE_GPU)
+        put(g + "pstate", N.nvmlDeviceGetPerformanceState, h)
+        put(g + "power.draw", N.nvmlDeviceGetPowerUsage, h)
+        put(g + "clocks.sm", N.nvmlDeviceGetClockInfo, h, N.NVML_CLOCK_SM)
+        put(g + "total_energy_consumption", N.nvmlDeviceGetTotalEnergyConsumption, h)
         for kind in ("Compute", "Graphics", "MPSCompute"):
             fn = f"nvmlDeviceGet{kind}RunningProcesses"
             put(g + fn, v1, fn, h)

@@ -44,6 +44,8 @@ def neighbours(scene: Scene, big: bool) -> None:
     stub.mps = {(0, pids[-1]): 64 * MIB * (2 if big else 1)}
     stub.putil = {(0, pid): ((90, 40, 5, 5) if big else (10, 5, 0, 0)) for pid in pids}
     stub.gpus[0].util, stub.gpus[0].memutil, stub.gpus[0].used = (97, 60, GIB) if big else (12, 7, 0)
+    # power, temperature, fan, performance state, SM clock, energy, encoder, decoder: the card's load
+    stub.gpus[0].sensors = (68000, 83, 90, 0, 1590, 7 * 10**9, 40, 30) if big else (31000, 41, 30, 8, 300, 10**9, 2, 1)
 
 
 def own_scene(scene: Scene):
@@ -60,7 +62,7 @@ def own_scene(scene: Scene):
 def test_the_container_sees_its_own_processes_memory_and_utilisation_only(scene):
     a, b, other = own_scene(scene)
     neighbours(scene, big=False)
-    scene.stub.putil[(0, a.pid)] = (30, 10, 0, 0)
+    scene.stub.putil[(0, a.pid)] = (30, 10, 3, 4)
     scene.stub.write()
     v = scene.view()
     own = sorted([[a.pid, GIB], [b.pid, 512 * MIB]])
@@ -70,14 +72,18 @@ def test_the_container_sees_its_own_processes_memory_and_utilisation_only(scene)
     assert query_gpu(v) == [4096, 1536, 30]
     assert query_compute_apps(v) == [[pid, used // MIB] for pid, used in own]
     assert v["gpu0.utilization.memory"] == 10
+    assert v["gpu0.utilization.encoder"] == 3 and v["gpu0.utilization.decoder"] == 4  # its own samples'
+    # the card's sensors follow everyone's load: not the container's to see
+    for sensor in ("fan.speed", "temperature.gpu", "pstate", "power.draw", "clocks.sm", "total_energy_consumption"):
+        assert v[f"gpu0.{sensor}"] == "error: Not Supported", sensor
     assert v["gpu0.memory_v2"] == [4 * GIB, 0, 1536 * MIB, 4 * GIB - 1536 * MIB]
     for version in ("", "_v2", "_v3"):
         assert v[f"gpu0.nvmlDeviceGetComputeRunningProcesses{version}"] == own
         assert v[f"gpu0.nvmlDeviceGetGraphicsRunningProcesses{version}"] == []
         assert v[f"gpu0.nvmlDeviceGetMPSComputeRunningProcesses{version}"] == []
     assert v["gpu0.detail0"] == own and v["gpu0.detail1"] == v["gpu0.detail2"] == []
-    assert v["gpu0.process_utilization"] == [[a.pid, 30, 10, 0, 0]]
-    assert v["gpu0.processes_utilization_info"] == [[a.pid, 30, 10, 0, 0, 0, 0]]
+    assert v["gpu0.process_utilization"] == [[a.pid, 30, 10, 3, 4]]
+    assert v["gpu0.processes_utilization_info"] == [[a.pid, 30, 10, 3, 4, 0, 0]]
     assert v["cuMemGetInfo"] == [4 * GIB - 1536 * MIB, 4 * GIB]
 
 
@@ -96,7 +102,7 @@ def test_no_value_the_container_sees_changes_when_its_neighbours_usage_does(scen
     after, outside_after = scene.view(), scene.view(contained=False)
     assert {k: (before[k], after[k]) for k in before if before[k] != after[k]} == {}
     changed = [k for k in outside if outside[k] != outside_after[k]]
-    assert len(changed) >= 15, changed  # what it would have told: memory, rates, every process list
+    assert len(changed) >= 23, changed  # what it would have told: memory, rates, every process list
 
 
 def test_a_short_buffer_gets_the_containers_count_as_nvml_documents(scene):

@@ -352,6 +352,31 @@ int nvmlDeviceGetProcessesUtilizationInfo(void *dev, utils_info *info)
     return r;
 }
 
+/* The container's processes' latest samples summed (SM, memory, encoder, decoder; each at most
+ * 100), all 0 when none of them ran; NVML_NOT_SUPPORTED without per-process samples (never the
+ * card's own figures: they are everyone's). */
+static int own_sums(void *dev, unsigned int sum[4])
+{
+    putil_fn pfn = (putil_fn)real_nvml("nvmlDeviceGetProcessUtilization");
+    util_sample own[CGPU_MAX_PROCS];  /* (8 KiB of stack) */
+    unsigned int n = CGPU_MAX_PROCS;
+    memset(sum, 0, 4 * sizeof *sum);
+    if (!pfn)
+        return NVML_NOT_SUPPORTED;
+    struct list_call c = {(void *)pfn, dev, NULL, 0, call_putil};
+    int r = own_entries(&c, &n, own, sizeof *own, 0, NVML_NOT_FOUND, NULL);
+    if (r == NVML_NOT_FOUND)
+        return NVML_OK;
+    if (r != NVML_OK)
+        return r == NVML_INSUFFICIENT_SIZE ? NVML_UNKNOWN : r;  /* (more than 256 of its own: never) */
+    for (unsigned int k = 0; k < n; k++) {
+        sum[0] += own[k].sm, sum[1] += own[k].mem, sum[2] += own[k].enc, sum[3] += own[k].dec;
+    }
+    for (int k = 0; k < 4; k++)
+        sum[k] = sum[k] > 100 ? 100 : sum[k];
+    return NVML_OK;
+}
+
 typedef struct { unsigned int gpu, memory; } nvml_utilization;
 typedef int (*rates_fn)(void *, nvml_utilization *);
 int nvmlDeviceGetUtilizationRates(void *dev, nvml_utilization *u);
@@ -369,25 +394,76 @@ int nvmlDeviceGetUtilizationRates(void *dev, nvml_utilization *u)
     r = fn(dev, u);  /* (the driver checks the device and says whether the card has rates at all) */
     if (r != NVML_OK)
         return r;
-    putil_fn pfn = (putil_fn)real_nvml("nvmlDeviceGetProcessUtilization");
-    if (!pfn)
-        return NVML_NOT_SUPPORTED;  /* (never the card's: they are everyone's) */
-    util_sample own[CGPU_MAX_PROCS];  /* (8 KiB of stack) */
-    unsigned int n = CGPU_MAX_PROCS, sm = 0, mem = 0;
-    struct list_call c = {(void *)pfn, dev, NULL, 0, call_putil};
-    r = own_entries(&c, &n, own, sizeof *own, 0, NVML_NOT_FOUND, NULL);
-    if (r == NVML_NOT_FOUND)
-        n = 0;
-    else if (r != NVML_OK) {
+    unsigned int sum[4];
+    if ((r = own_sums(dev, sum)) != NVML_OK) {
         memset(u, 0, sizeof *u);
-        return r == NVML_INSUFFICIENT_SIZE ? NVML_UNKNOWN : r;
+        return r;
     }
-    for (unsigned int k = 0; k < n; k++)
-        sm += own[k].sm, mem += own[k].mem;
-    u->gpu = sm > 100 ? 100 : sm;
-    u->memory = mem > 100 ? 100 : mem;
+    u->gpu = sum[0];
+    u->memory = sum[1];
     return NVML_OK;
 }
+
+/* The video engines: the sum of the container's processes' encoder (decoder) samples, the driver's
+ * sampling period. */
+typedef int (*video_fn)(void *, unsigned int *, unsigned int *);
+static int own_video(const char *name, int dec, void *dev, unsigned int *util, unsigned int *period)
+{
+    int r;
+    video_fn fn = (video_fn)real_nvml(name);
+    int in = contained(&r);
+    if (r != NVML_OK)
+        return r;
+    if (!fn)
+        return NVML_FUNCTION_NOT_FOUND;
+    if (!in || !util || !period)
+        return fn(dev, util, period);
+    if ((r = fn(dev, util, period)) != NVML_OK)  /* (the driver's checks, and its sampling period) */
+        return r;
+    unsigned int sum[4];
+    r = own_sums(dev, sum);
+    *util = r == NVML_OK ? sum[dec ? 3 : 2] : 0;
+    return r;
+}
+
+int nvmlDeviceGetEncoderUtilization(void *dev, unsigned int *util, unsigned int *period);
+int nvmlDeviceGetEncoderUtilization(void *dev, unsigned int *util, unsigned int *period)
+{
+    return own_video("nvmlDeviceGetEncoderUtilization", 0, dev, util, period);
+}
+
+int nvmlDeviceGetDecoderUtilization(void *dev, unsigned int *util, unsigned int *period);
+int nvmlDeviceGetDecoderUtilization(void *dev, unsigned int *util, unsigned int *period)
+{
+    return own_video("nvmlDeviceGetDecoderUtilization", 1, dev, util, period);
+}
+
+/* ---- the card's sensors: power, energy, temperature, fan, performance state, clocks ----------
+ *
+ * They follow the whole card's load (a neighbour's kernels draw power, heat it, raise its clocks
+ * and its performance state), and there is no share of them that is the container's: inside a
+ * container they are NVML_ERROR_NOT_SUPPORTED (nvidia-smi prints N/A), after the driver has
+ * checked the call (its own errors stay). */
+#define HIDDEN_SENSOR(name, params, args)                                                          \
+    int name params;                                                                                \
+    int name params                                                                                 \
+    {                                                                                               \
+        int r;                                                                                      \
+        int (*fn) params = (int (*) params)real_nvml(#name);                                        \
+        int in = contained(&r);                                                                     \
+        if (r != NVML_OK)                                                                           \
+            return r;                                                                               \
+        if (!fn)                                                                                    \
+            return NVML_FUNCTION_NOT_FOUND;                                                         \
+        r = fn args;                                                                                \
+        return in && r == NVML_OK ? NVML_NOT_SUPPORTED : r;                                         \
+    }
+HIDDEN_SENSOR(nvmlDeviceGetPowerUsage, (void *dev, unsigned int *mw), (dev, mw))
+HIDDEN_SENSOR(nvmlDeviceGetTotalEnergyConsumption, (void *dev, unsigned long long *mj), (dev, mj))
+HIDDEN_SENSOR(nvmlDeviceGetTemperature, (void *dev, int sensor, unsigned int *c), (dev, sensor, c))
+HIDDEN_SENSOR(nvmlDeviceGetFanSpeed, (void *dev, unsigned int *pct), (dev, pct))
+HIDDEN_SENSOR(nvmlDeviceGetPerformanceState, (void *dev, int *pstate), (dev, pstate))
+HIDDEN_SENSOR(nvmlDeviceGetClockInfo, (void *dev, int type, unsigned int *mhz), (dev, type, mhz))
 
 /* Our wrapper of an NVML name (interpose.c's dlsym asks), NULL if it is not one. */
 void *nvml_ours(const char *name)
@@ -400,7 +476,9 @@ void *nvml_ours(const char *name)
         N(nvmlDeviceGetMPSComputeRunningProcesses), N(nvmlDeviceGetMPSComputeRunningProcesses_v2),
         N(nvmlDeviceGetMPSComputeRunningProcesses_v3), N(nvmlDeviceGetRunningProcessDetailList),
         N(nvmlDeviceGetProcessUtilization), N(nvmlDeviceGetProcessesUtilizationInfo),
-        N(nvmlDeviceGetUtilizationRates),
+        N(nvmlDeviceGetUtilizationRates), N(nvmlDeviceGetEncoderUtilization), N(nvmlDeviceGetDecoderUtilization),
+        N(nvmlDeviceGetPowerUsage), N(nvmlDeviceGetTotalEnergyConsumption), N(nvmlDeviceGetTemperature),
+        N(nvmlDeviceGetFanSpeed), N(nvmlDeviceGetPerformanceState), N(nvmlDeviceGetClockInfo),
 #undef N
     };
     for (size_t i = 0; i < sizeof NAMES / sizeof *NAMES; i++)

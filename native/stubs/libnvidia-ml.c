@@ -14,6 +14,8 @@
  *   putil <i> <pid> <sm> <mem> <enc> <dec>   a process's utilisation sample on GPU i (percent,
  *                                 stamped with the time it is read)
  *   fail <i> <function> <rc>      that device call returns rc for GPU i
+ *   sensors <i> <power mW> <temp C> <fan %> <pstate> <sm clock MHz> <energy mJ> <enc %> <dec %>
+ *                                 what the card's sensors say (everyone's load shows in them)
  *   cuda <state file>             also every live process the stand-in libcuda's state file
  *                                 (libcuda.c) says holds memory on card i, as on GPU i: what
  *                                 its allocations and its contexts take (the driver's view)
@@ -94,6 +96,8 @@ struct gpu {
     unsigned int minor, util, memutil;
     unsigned long long total, used;
     char uuid[96], name[96];
+    unsigned int power, temp, fan, pstate, clock, enc, dec;
+    unsigned long long energy;
     char fail_fn[8][96];
     int fail_rc[8];
     int nfail;
@@ -137,7 +141,7 @@ static void load(void) {
     char line[512];
     while (fgets(line, sizeof line, f)) {
         line[strcspn(line, "\n")] = 0;
-        unsigned int i, a, b, c, e, d;
+        unsigned int i, a, b, c, e, d, ve, vd;
         unsigned long long x, y;
         int n = 0, rc;
         char word[96];
@@ -166,6 +170,11 @@ static void load(void) {
         } else if (sscanf(line, "putil %u %u %u %u %u %u", &i, &a, &b, &c, &e, &d) == 6 && i < MAX_GPUS
                    && cfg.nputils < MAX_PROCS) {
             cfg.putils[cfg.nputils++] = (struct putil){i, a, b, c, e, d};
+        } else if (sscanf(line, "sensors %u %u %u %u %u %u %llu %u %u", &i, &a, &b, &c, &e, &d, &x, &ve, &vd) == 9
+                   && i < MAX_GPUS) {
+            struct gpu *g = &cfg.gpus[i];
+            g->power = a, g->temp = b, g->fan = c, g->pstate = e, g->clock = d, g->energy = x;
+            g->enc = ve, g->dec = vd;
         } else if (strncmp(line, "cuda ", 5) == 0) {
             cuda_processes(line + 5);
         } else if (sscanf(line, "fail %u %63s %d", &i, word, &rc) == 3 && i < MAX_GPUS && cfg.gpus[i].nfail < 8) {
@@ -499,3 +508,61 @@ nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(void *dev, nvmlProcessesUtili
     return NVML_SUCCESS;
 }
 #endif
+
+/* The card's sensors (nvml.h's units: mW, mJ, °C, %, MHz). */
+#define SENSOR(name, type, expr, ...)                                                               \
+    nvmlReturn_t name(void *dev, ##__VA_ARGS__) {                                                   \
+        nvmlReturn_t rc;                                                                            \
+        struct gpu *g = device(dev, #name, &rc);                                                    \
+        if (!g)                                                                                     \
+            return rc;                                                                              \
+        if (!out)                                                                                   \
+            return NVML_ERROR_INVALID_ARGUMENT;                                                     \
+        *out = (type)(expr);                                                                        \
+        return NVML_SUCCESS;                                                                        \
+    }
+SENSOR(nvmlDeviceGetPowerUsage, unsigned int, g->power, unsigned int *out)
+SENSOR(nvmlDeviceGetTotalEnergyConsumption, unsigned long long, g->energy, unsigned long long *out)
+SENSOR(nvmlDeviceGetFanSpeed, unsigned int, g->fan, unsigned int *out)
+SENSOR(nvmlDeviceGetPerformanceState, int, g->pstate, int *out)
+
+nvmlReturn_t nvmlDeviceGetTemperature(void *dev, int sensor, unsigned int *out) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, "nvmlDeviceGetTemperature", &rc);
+    if (!g)
+        return rc;
+    if (sensor != 0 || !out)  /* NVML_TEMPERATURE_GPU is the only sensor */
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *out = g->temp;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetClockInfo(void *dev, int type, unsigned int *out) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, "nvmlDeviceGetClockInfo", &rc);
+    if (!g)
+        return rc;
+    if (type < 0 || type > 3 || !out)  /* graphics, SM, memory, video */
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *out = type == 2 ? 5001 : g->clock;
+    return NVML_SUCCESS;
+}
+
+/* The video engines' utilisation over the last sampling period (167 ms on a T4). */
+static nvmlReturn_t video(void *dev, const char *fn, int dec, unsigned int *util, unsigned int *period) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, fn, &rc);
+    if (!g)
+        return rc;
+    if (!util || !period)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *util = dec ? g->dec : g->enc;
+    *period = 167000;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetEncoderUtilization(void *dev, unsigned int *util, unsigned int *period) {
+    return video(dev, "nvmlDeviceGetEncoderUtilization", 0, util, period);
+}
+nvmlReturn_t nvmlDeviceGetDecoderUtilization(void *dev, unsigned int *util, unsigned int *period) {
+    return video(dev, "nvmlDeviceGetDecoderUtilization", 1, util, period);
+}
