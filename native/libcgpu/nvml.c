@@ -465,11 +465,13 @@ HIDDEN_SENSOR(nvmlDeviceGetFanSpeed, (void *dev, unsigned int *pct), (dev, pct))
 HIDDEN_SENSOR(nvmlDeviceGetPerformanceState, (void *dev, int *pstate), (dev, pstate))
 HIDDEN_SENSOR(nvmlDeviceGetClockInfo, (void *dev, int type, unsigned int *mhz), (dev, type, mhz))
 
-/* Our wrapper of an NVML name (interpose.c's dlsym asks), NULL if it is not one. */
+/* Our wrapper of an NVML name (interpose.c's dlsym asks), NULL if it is not one: every NVML name
+ * libcgpu wraps. */
 void *nvml_ours(const char *name)
 {
     static const struct { const char *name; void *fn; } NAMES[] = {
 #define N(f) {#f, (void *)f}
+        N(nvmlDeviceGetMemoryInfo), N(nvmlDeviceGetMemoryInfo_v2),
         N(nvmlDeviceGetComputeRunningProcesses), N(nvmlDeviceGetComputeRunningProcesses_v2),
         N(nvmlDeviceGetComputeRunningProcesses_v3), N(nvmlDeviceGetGraphicsRunningProcesses),
         N(nvmlDeviceGetGraphicsRunningProcesses_v2), N(nvmlDeviceGetGraphicsRunningProcesses_v3),
