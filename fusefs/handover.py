@@ -81,6 +81,7 @@ class FuseServer:
         self.ops = ops
         self.mountpoint = mountpoint
         self.fd = -1
+        self.mounted = False  # by mount() (not by a takeover)
         self.adopted = False      # we took the connection over: libfuse does not know the mount point
         self.handed_over = False  # another process serves it now: leave the mount alone at the end
         self._stopped = trio.Event()  # pyfuse3.main is not running
@@ -96,6 +97,7 @@ class FuseServer:
             pyfuse3.init(self.ops, self.mountpoint, opts)
         except RuntimeError as exc:
             raise mount.MountError(f"mounting {self.mountpoint} failed ({exc}); see the lines above from libfuse") from None
+        self.mounted = True
         self.fd = find_fuse_fd()
 
     async def prepare_takeover(self) -> None:
@@ -198,6 +200,11 @@ class FuseServer:
     def resume(self) -> None:
         self.ops.pausing = False
         self._resume.set()
+
+    def close(self) -> None:
+        """Unmount a tree that was mounted but never served (a start refused after the mount); once."""
+        if self.mounted:
+            self._end()
 
     def _end(self) -> None:
         if self._ended:

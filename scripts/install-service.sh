@@ -8,6 +8,7 @@
 #   - /usr/local/libexec/cgpu-hook, the compiled OCI hook (native/hook/cgpu-hook.c, make -C native)
 #     and /etc/containers/oci/hooks.d/cgpu-hook.json naming it (podman, CRI-O); beside it
 #     libcgpu-switch.so, the daemon's native part of the compute gate (native/switch);
+#   - /usr/local/lib/cgpu/libcgpu.so, the in-container library (native/libcgpu; the daemon's --libcgpu);
 #   - /usr/local/bin/cgpu-runtime, the OCI runtime wrapper (native/runtime), and, where Docker or
 #     containerd is installed, their settings naming it (`cgpu runtime-config`; --no-runtimes: not);
 #   - then daemon-reload and `systemctl enable --now cgpud` (skip: --no-start).
@@ -22,7 +23,7 @@ for arg in "$@"; do
   case "$arg" in
     --no-start) START=0 ;;
     --no-runtimes) RUNTIMES=0 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "install-service: unknown option $arg (known: --no-start, --no-runtimes)" >&2; exit 2 ;;
   esac
 done
@@ -56,15 +57,16 @@ for tool in cgpud cgpu cgpu-smi; do
 done
 install -m 0644 systemd/cgpud.service "$DESTDIR/etc/systemd/system/cgpud.service"
 make -s -C native BIN="$DESTDIR/usr/local/libexec"
+make -s -C native libcgpu LIB="$DESTDIR/usr/local/lib/cgpu"  # the daemon's --libcgpu default
 install -m 0644 deploy/hooks.d/cgpu-hook.json "$DESTDIR/etc/containers/oci/hooks.d/cgpu-hook.json"
 ln -sfn /usr/local/libexec/cgpu-runtime "$DESTDIR/usr/local/bin/cgpu-runtime"
 if [ "$RUNTIMES" = 1 ]; then
   # Docker and containerd, where installed: their settings name cgpu-runtime (others are kept)
   if command -v dockerd >/dev/null || [ -d "$DESTDIR/etc/docker" ]; then
-    "$BIN/cgpu" runtime-config docker --etc "$DESTDIR/etc"
+    "$BIN/cgpu" runtime-config docker --root "${DESTDIR:-/}"
   fi
   if command -v containerd >/dev/null || [ -d "$DESTDIR/etc/containerd" ]; then
-    "$BIN/cgpu" runtime-config containerd --etc "$DESTDIR/etc"
+    "$BIN/cgpu" runtime-config containerd --root "${DESTDIR:-/}"
   fi
 fi
 if [ ! -e "$DESTDIR/etc/default/cgpud" ]; then

@@ -47,6 +47,16 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q -e '.[test]'
   touch "$stamp"
 fi
+# crictl (cri-tools), which tests/test_node_install.py drives containerd's CRI plugin with, as the
+# kubelet does: built from the Go module proxy into .venv/bin (a few minutes the first time).
+CRICTL_VERSION=v1.34.0
+if [ ! -x .venv/bin/crictl ] || [ ! -f .venv/.crictl-$CRICTL_VERSION ]; then
+  GO=$(command -v go || echo /usr/local/go/bin/go)
+  [ -x "$GO" ] || { echo "setup: Go is needed to build crictl (sigs.k8s.io/cri-tools); install Go 1.23 or later" >&2; exit 1; }
+  echo "setup: building crictl $CRICTL_VERSION (sigs.k8s.io/cri-tools, from the Go module proxy)"
+  GOBIN="$PWD/.venv/bin" "$GO" install "sigs.k8s.io/cri-tools/cmd/crictl@$CRICTL_VERSION"
+  touch .venv/.crictl-$CRICTL_VERSION
+fi
 # The C parts (native/Makefile, one rule): the compiled OCI hook forwarder
 # (docs/containers.md), built into .venv/bin. Hosts get them from
 # scripts/install-service.sh.

@@ -52,6 +52,7 @@ class NvmlStub:
     init_rc: int = 0
     driver: str = "550.54.15"
     cuda_state: Path | None = None  # the stand-in libcuda's state file: its processes shown too
+    cuda_pid_offset: int = 0  # ... by their PID plus this (NVML names a container's processes by host PIDs)
 
     @classmethod
     def build(cls, where: Path, old_driver: bool = False) -> "NvmlStub":
@@ -78,7 +79,7 @@ class NvmlStub:
         lines += [f"proc {gpu} {pid} {n} mps" for (gpu, pid), n in self.mps.items()]
         lines += [f"putil {gpu} {pid} {' '.join(map(str, u))}" for (gpu, pid), u in self.putil.items()]
         if self.cuda_state is not None:
-            lines.append(f"cuda {self.cuda_state}")
+            lines.append(f"cuda {self.cuda_state} {self.cuda_pid_offset}")
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:

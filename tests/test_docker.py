@@ -220,12 +220,15 @@ def test_default_runtime_cgpu(cgpud):
 class Containerd:
     """One containerd of the test's own, with the wrapper as the runc shim's binary."""
 
-    def __init__(self, daemon) -> None:
+    def __init__(self, daemon, config: Path | None = None, address: Path | None = None) -> None:
+        """With `config` (and the `address` it names): containerd runs on that file instead of its own."""
         for tool in ("containerd", "ctr", "containerd-shim-runc-v2", "runc"):
             _tool(tool)
         self.tmp = Path(tempfile.mkdtemp(prefix="cgct-", dir="/tmp"))
-        self.address = self.tmp / "containerd.sock"
-        (self.tmp / "config.toml").write_text(f"""version = 2
+        self.address = address or self.tmp / "containerd.sock"
+        config = config or self.tmp / "config.toml"
+        if config == self.tmp / "config.toml":
+            config.write_text(f"""version = 2
 root = "{self.tmp}/root"
 state = "{self.tmp}/state"
 [grpc]
@@ -236,7 +239,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
 """)
         env = dict(os.environ, CGPUD_SOCKET=os.fspath(daemon.socket))
         self.log = open(self.tmp / "containerd.log", "wb")
-        self.proc = subprocess.Popen(["containerd", "--config", os.fspath(self.tmp / "config.toml")], env=env,
+        self.proc = subprocess.Popen(["containerd", "--config", os.fspath(config)], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
         wait_for(lambda: self("version").returncode == 0 or self.proc.poll() is not None, 60, "containerd")

@@ -32,7 +32,7 @@ def good(make_daemon, tmp_path):
     lib = tmp_path / "lib"
     subprocess.run(["make", "-s", "-C", str(Path(__file__).resolve().parent.parent / "native"), "libcgpu",
                     f"LIB={lib}"], check=True)
-    daemon = make_daemon(extra_args=["--libcgpu", os.fspath(lib / "libcgpu.so")])
+    daemon = make_daemon(extra_args=["--libcgpu", os.fspath(lib / "libcgpu.so"), "--hook-path", compiled_hook()])
     daemon.libcgpu = os.fspath(lib / "libcgpu.so")  # (for the tests' other daemons)
     etc, hooks = tmp_path / "etc", tmp_path / "hooks.d"
     hooks.mkdir()
@@ -52,11 +52,11 @@ def test_all_good_exits_0_and_says_each_check(good):
     rc, out = doctor(d.socket, d.mount, etc, hooks)
     assert rc == 0, out
     assert {k: v["status"] for k, v in out.items()} == {
-        "daemon": "ok", "tree": "ok", "fuse": "ok", "cgroups": "ok", "hooks.d": "ok", "libcgpu": "ok",
+        "daemon": "ok", "tree": "ok", "fuse": "ok", "cgroups": "ok", "hooks.d": "ok", "hook": "ok", "libcgpu": "ok",
         "docker": "ok", "containerd": "ok", "nvml": "skip"}
     text = subprocess.run([CGPU, "--socket", os.fspath(d.socket), "doctor", "--mount", os.fspath(d.mount), "--etc",
                            os.fspath(etc), "--hooks-dir", os.fspath(hooks)], capture_output=True, text=True)
-    assert text.returncode == 0 and len(text.stdout.splitlines()) == 9
+    assert text.returncode == 0 and len(text.stdout.splitlines()) == 10
 
 
 def failing(out: dict, name: str, words: str) -> None:
@@ -101,6 +101,29 @@ def test_a_daemon_whose_library_is_not_there(make_daemon, good, libcgpu, words):
     failing(out, "libcgpu", words)
 
 
+def test_a_daemon_whose_hook_is_not_there(make_daemon, good):
+    """Issue 21: with the hook the daemon names missing, every GPU container failed with
+    `fork/exec /usr/local/libexec/cgpu-hook: no such file` and doctor said all was well."""
+    _, etc, hooks = good
+    d = make_daemon(extra_args=["--libcgpu", good[0].libcgpu, "--hook-path", "/nowhere/libexec/cgpu-hook"])
+    rc, out = doctor(d.socket, d.mount, etc, hooks)
+    assert rc == 1
+    failing(out, "hook", "/nowhere/libexec/cgpu-hook: No such file or directory")
+    failing(out, "hook", "install-hooks")
+    assert [k for k, v in out.items() if v["status"] == "fail"] == ["hook"]
+
+
+def test_containerd_without_cgpu_as_the_default_says_what_a_pod_must_name(good):
+    d, etc, hooks = good
+    rc, out = doctor(d.socket, d.mount, etc, hooks)
+    assert rc == 0 and "runtimeClassName: cgpu" in out["containerd"]["message"]
+    (etc / "containerd/config.toml").write_text((etc / "containerd/config.toml").read_text()
+                                               + '[plugins."io.containerd.grpc.v1.cri".containerd]\n'
+                                                 'default_runtime_name = "cgpu"\n')
+    rc, out = doctor(d.socket, d.mount, etc, hooks)
+    assert rc == 0 and out["containerd"]["message"].endswith("(the default runtime)")
+
+
 @pytest.mark.parametrize("engine, path, broken", [
     ("docker", "docker/daemon.json", [('{"log-level": "warn"}', "cgpu runtime-config docker"),
                                       ('{"runtimes": {"cgpu": {"path": "/nowhere/cgpu-runtime"}}}', "install-hooks")]),
@@ -140,7 +163,7 @@ def test_no_cgroup_hierarchy(good):
 
 def test_nvml_answers_and_a_missing_device_file(nvml_daemon, stub, good, monkeypatch):  # noqa: F811
     first, etc, hooks = good
-    d = nvml_daemon("--libcgpu", first.libcgpu)
+    d = nvml_daemon("--libcgpu", first.libcgpu, "--hook-path", compiled_hook())
     rc, out = doctor(d.socket, d.mount, etc, hooks)
     assert out["nvml"]["status"] == "ok" and "2 GPUs" in out["nvml"]["message"], out["nvml"]
     assert rc == 0

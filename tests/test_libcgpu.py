@@ -929,14 +929,19 @@ def test_a_driver_whose_constructor_calls_dlsym_does_not_deadlock(card):
     assert r.stdout.split() == [str(8 * MIB), "True"]
 
 
-def test_a_process_filling_what_it_is_told_is_free_is_not_killed(make_daemon, libs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("offset", [0, 400000], ids=["same PIDs", "NVML names host PIDs"])
+def test_a_process_filling_what_it_is_told_is_free_is_not_killed(make_daemon, libs, tmp_path, monkeypatch, offset):
     """The driver's own memory (a context: 300 MiB of the stand-in's card, CGPU_STUB_CTX_MIB, which
     NVML's per-process view shows) is the container's too: a `cgpu run --mem 1G` process that
     allocates all cuMemGetInfo calls free gets CUDA_ERROR_OUT_OF_MEMORY one MiB further, and the
-    daemon's NVML watchdog (--mem-action kill) never sees it past memsize."""
+    daemon's NVML watchdog (--mem-action kill) never sees it past memsize. Also where NVML names the
+    process by another PID (a container's process by the host's): libcgpu finds which is its own
+    as the one that appeared with its first context (the stand-in NVML adds `offset` to every PID;
+    the watchdog's own view is then of no process of this instance: it is the library's figure
+    that is checked, through cuMemGetInfo)."""
     from nvml_stub import NvmlStub, StubGpu
 
-    stub = NvmlStub(libs, tmp_path / "nvml.conf", cuda_state=tmp_path / "card.state")
+    stub = NvmlStub(libs, tmp_path / "nvml.conf", cuda_state=tmp_path / "card.state", cuda_pid_offset=offset)
     stub.gpus = [StubGpu("GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab")]
     stub.write()
     for k, v in {**stub.env({}), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"),

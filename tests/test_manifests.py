@@ -1,10 +1,15 @@
-"""deploy/kubernetes/: every manifest loads into the official client's models
-with no unknown field (the client itself ignores unknown fields, so this
-walks each object against the models' attribute maps), and the settings
-files hold what the docs say."""
+"""deploy/kubernetes/ as a cluster gets it (issue 21): `kubectl kustomize
+deploy/kubernetes` (kustomize as built into the real kubectl, offline) renders
+it, and every field of every rendered object is one the official `kubernetes`
+client's models know (the client itself ignores unknown fields, so this walks
+each object against the models' attribute maps: a misspelt field fails). The
+image is named in one place; kube-scheduler's configuration is complete and
+the kubeadm patch puts it into a stock kubeadm static pod; the settings files
+hold what the docs say."""
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -12,10 +17,15 @@ import kubernetes.client as k8s
 import pytest
 import yaml
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+import cgpud
+from cgpud.containers import hostconfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy" / "kubernetes"
+KUBECTL = "/usr/bin/kubectl"
 KINDS = {"ServiceAccount": "V1ServiceAccount", "ClusterRole": "V1ClusterRole",
          "ClusterRoleBinding": "V1ClusterRoleBinding", "DaemonSet": "V1DaemonSet", "Deployment": "V1Deployment",
-         "Service": "V1Service", "RuntimeClass": "V1RuntimeClass"}
+         "Service": "V1Service", "RuntimeClass": "V1RuntimeClass", "Pod": "V1Pod"}
 SCALARS = {"str", "int", "bool", "float", "object", "datetime", "date"}
 
 
@@ -29,8 +39,10 @@ def unknown(data, type_name: str, where: str) -> list[str]:
         return [u for key, item in (data or {}).items() for u in unknown(item, m[1] or m[2], f"{where}.{key}")]
     cls = getattr(k8s, type_name)
     by_json = {json: attr for attr, json in cls.attribute_map.items()}
+    if not isinstance(data, dict):
+        return [f"{where} (not an object)"]
     out = []
-    for key, value in (data or {}).items():
+    for key, value in data.items():
         if key not in by_json:
             out.append(f"{where}.{key}")
         else:
@@ -38,46 +50,176 @@ def unknown(data, type_name: str, where: str) -> list[str]:
     return out
 
 
-def documents():
-    for f in sorted(DEPLOY.glob("*.yaml")):
-        for doc in yaml.safe_load_all(f.read_text()):
-            if doc:
-                yield f.name, doc
+def kustomize(path: Path = DEPLOY) -> list[dict]:
+    r = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True, timeout=60,
+                       stdin=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
 
 
-@pytest.mark.parametrize("name, doc", list(documents()), ids=lambda x: x if isinstance(x, str) else x.get("kind"))
-def test_each_manifest_is_a_model_with_no_unknown_field(name, doc):
-    assert doc["kind"] in KINDS, f"{name}: {doc['kind']} is not one of the kinds we ship"
-    assert unknown(doc, KINDS[doc["kind"]], f"{name}:{doc['kind']}") == []
+RENDERED = kustomize()
+
+
+def containers(doc: dict) -> list[dict]:
+    spec = doc["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+@pytest.mark.parametrize("doc", RENDERED, ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_each_rendered_object_is_a_model_with_no_unknown_field(doc):
+    assert doc["kind"] in KINDS, f"{doc['kind']} is not one of the kinds we ship"
+    assert unknown(doc, KINDS[doc["kind"]], doc["kind"]) == []
     obj = k8s.ApiClient()._ApiClient__deserialize(doc, KINDS[doc["kind"]])
     assert obj.metadata.name
 
 
-def test_the_checker_sees_an_unknown_field():
+def test_what_is_rendered():
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in RENDERED) == sorted([
+        ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
+        ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu")])
+
+
+def test_the_checker_sees_an_unknown_or_misspelt_field(tmp_path):
     assert unknown({"spec": {"selector": {}, "template": {"spec": {"containers": [{"name": "x", "imagee": "y"}]}}}},
                    "V1DaemonSet", "d") == ["d.spec.template.spec.containers[0].imagee"]
+    # ... also in what kustomize renders: a copy of the manifests with one field misspelt
+    for f in DEPLOY.glob("*.yaml"):
+        (tmp_path / f.name).write_text(f.read_text())
+    ds = tmp_path / "daemonset.yaml"
+    ds.write_text(ds.read_text().replace("mountPropagation: Bidirectional", "mountPropogation: Bidirectional"))
+    bad = next(d for d in kustomize(tmp_path) if d["metadata"]["name"] == "cgpud")
+    assert unknown(bad, "V1DaemonSet", "DaemonSet") == ["DaemonSet.spec.template.spec.containers[0].volumeMounts[0]"
+                                                        ".mountPropogation"]
+
+
+def test_the_image_is_named_in_one_place():
+    kust = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    (image,) = kust["images"]
+    assert image["newTag"] == cgpud.__version__
+    want = f"{image['newName']}:{image['newTag']}"
+    images = [c["image"] for d in RENDERED if d["kind"] == "DaemonSet" for c in containers(d)]
+    assert len(images) == 4 and set(images) == {want}
+    for f in DEPLOY.glob("*.yaml"):  # the manifests name only the placeholder
+        assert set(re.findall(r"image: (\S+)", f.read_text())) <= {image["name"]}, f
+    # the build's default tag is the same
+    assert f"cgpud:{cgpud.__version__}" in (DEPLOY / "Containerfile").read_text()
 
 
 def test_rbac_is_the_least_and_the_plugin_knows_its_node():
-    docs = {d["kind"]: d for _, d in documents()}
+    docs = {d["kind"]: d for d in RENDERED}
     rules = {(r["resources"][0], tuple(r["verbs"])) for r in docs["ClusterRole"]["rules"]}
     assert rules == {("nodes", ("get", "list", "watch", "patch")), ("nodes/status", ("patch",)),
                      ("pods", ("get", "list", "watch", "patch")), ("bindings", ("create",)),
                      ("events", ("create",))}
-    plugin = next(c for c in docs["DaemonSet"]["spec"]["template"]["spec"]["containers"] if c["name"] == "device-plugin")
+    ds = next(d for d in RENDERED if d["metadata"]["name"] == "cgpud")
+    plugin = next(c for c in containers(ds) if c["name"] == "device-plugin")
     assert plugin["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert plugin["securityContext"]["capabilities"]["drop"] == ["ALL"]
 
 
-def test_the_scheduler_and_containerd_settings():
-    conf = yaml.safe_load((DEPLOY / "scheduler" / "kube-scheduler-config.yaml").read_text())
+def test_the_node_daemonset_sets_the_node_up_and_finds_the_driver():
+    ds = next(d for d in RENDERED if d["metadata"]["name"] == "cgpud")
+    spec = ds["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    assert init["command"][:3] == ["cgpu", "node", "install"] and "--host-root" in init["command"]
+    host_root = init["command"][init["command"].index("--host-root") + 1]
+    host = next(v["name"] for v in spec["volumes"] if v.get("hostPath", {}).get("path") == "/")
+    assert {"name": host, "mountPath": host_root} in init["volumeMounts"]
+    daemon = next(c for c in spec["containers"] if c["name"] == "cgpud")
+    env = {e["name"]: e.get("value") for e in daemon["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "utility"
+    mount = next(m for m in daemon["volumeMounts"] if m["name"] == host)
+    assert env["CGPUD_DRIVER_ROOT"] == mount["mountPath"] and mount["readOnly"] is True
+
+
+def scheduler_config() -> dict:
+    return yaml.safe_load((DEPLOY / "scheduler" / "kube-scheduler-config.yaml").read_text())
+
+
+def test_the_scheduler_reaches_the_extender_on_its_own_node():
+    conf = scheduler_config()
+    assert conf["clientConnection"]["kubeconfig"] == "/etc/kubernetes/scheduler.conf"  # --kubeconfig is ignored
+    assert conf["leaderElection"] == {"leaderElect": True}
     (ext,) = conf["extenders"]
-    assert ext["urlPrefix"].endswith("/gpushare-scheduler") and (ext["filterVerb"], ext["bindVerb"]) == ("filter", "bind")
-    # kube-scheduler is on the host's network: it reaches the extender by the Service's node port
-    service = next(d for _, d in documents() if d["kind"] == "Service")
-    port = service["spec"]["ports"][0]
-    assert service["spec"]["type"] == "NodePort" and ext["urlPrefix"] == f"http://127.0.0.1:{port['nodePort']}/gpushare-scheduler"
+    assert (ext["filterVerb"], ext["bindVerb"]) == ("filter", "bind")
     assert ext["managedResources"] == [{"name": "aliyun.com/gpu-mem", "ignoredByScheduler": False}]
-    toml = tomllib.loads((DEPLOY / "containerd-cgpu.toml").read_text())
-    cgpu = toml["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["cgpu"]
-    assert cgpu == {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": "/usr/local/bin/cgpu-runtime"}}
+    extender = next(d for d in RENDERED if d["metadata"]["name"] == "cgpu-scheduler-extender")
+    spec = extender["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is True and "node-role.kubernetes.io/control-plane" in spec["nodeSelector"]
+    (c,) = spec["containers"]
+    addr = c["command"][c["command"].index("--addr") + 1]
+    assert addr.startswith("127.0.0.1:") and ext["urlPrefix"] == f"http://{addr}/gpushare-scheduler"
+    assert not [d for d in RENDERED if d["kind"] == "Service"]  # no node port, no kube-proxy in the path
+
+
+KUBEADM_SCHEDULER = """\
+apiVersion: v1
+kind: Pod
+metadata:
+  labels: {component: kube-scheduler, tier: control-plane}
+  name: kube-scheduler
+  namespace: kube-system
+spec:
+  containers:
+  - command:
+    - kube-scheduler
+    - --authentication-kubeconfig=/etc/kubernetes/scheduler.conf
+    - --authorization-kubeconfig=/etc/kubernetes/scheduler.conf
+    - --bind-address=127.0.0.1
+    - --kubeconfig=/etc/kubernetes/scheduler.conf
+    - --leader-elect=true
+    image: registry.k8s.io/kube-scheduler:v1.34.0
+    imagePullPolicy: IfNotPresent
+    livenessProbe:
+      failureThreshold: 8
+      httpGet: {host: 127.0.0.1, path: /livez, port: 10259, scheme: HTTPS}
+      initialDelaySeconds: 10
+      periodSeconds: 10
+      timeoutSeconds: 15
+    name: kube-scheduler
+    resources:
+      requests: {cpu: 100m}
+    volumeMounts:
+    - {mountPath: /etc/kubernetes/scheduler.conf, name: kubeconfig, readOnly: true}
+  hostNetwork: true
+  priority: 2000001000
+  priorityClassName: system-node-critical
+  securityContext:
+    seccompProfile: {type: RuntimeDefault}
+  volumes:
+  - hostPath: {path: /etc/kubernetes/scheduler.conf, type: FileOrCreate}
+    name: kubeconfig
+"""  # (kubeadm's static pod manifest, /etc/kubernetes/manifests/kube-scheduler.yaml, as it writes it)
+
+
+def test_the_kubeadm_patch_gives_the_static_pod_the_configuration(tmp_path):
+    pod = tmp_path / "kube-scheduler.yaml"
+    pod.write_text(KUBEADM_SCHEDULER)
+    r = subprocess.run([KUBECTL, "patch", "--local", "-f", str(pod), "--type", "json", "--patch-file",
+                        str(DEPLOY / "scheduler" / "kubeadm-patches" / "kube-scheduler+json.yaml"), "-o", "yaml"],
+                       capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
+    assert r.returncode == 0, r.stderr
+    patched = yaml.safe_load(r.stdout)
+    assert unknown(patched, "V1Pod", "Pod") == []
+    (c,) = patched["spec"]["containers"]
+    config = next(a.split("=", 1)[1] for a in c["command"] if a.startswith("--config="))
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == config)
+    volume = next(v for v in patched["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume["hostPath"] == {"path": config, "type": "File"} and mount["readOnly"] is True
+    # the kubeconfig the configuration names is one the static pod has
+    kubeconfig = scheduler_config()["clientConnection"]["kubeconfig"]
+    assert kubeconfig in [m["mountPath"] for m in c["volumeMounts"]]
+
+
+@pytest.mark.parametrize("name, version", [("containerd-cgpu.toml", 2), ("containerd-cgpu-v3.toml", 3)])
+def test_the_containerd_settings_are_what_runtime_config_writes(name, version):
+    text = (DEPLOY / name).read_text()
+    assert hostconfig.containerd_version(text) == version
+    path = hostconfig.cri_table(version)
+    node = tomllib.loads(text)
+    for key in hostconfig.split_dotted(path):
+        node = node[key]
+    assert node == {"default_runtime_name": "cgpu", "runtimes": {"cgpu": {
+        "runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": "/usr/local/bin/cgpu-runtime"}}}}
+    want = tomllib.loads(hostconfig.containerd(f"version = {version}\n", default=True))
+    assert tomllib.loads(text) == want

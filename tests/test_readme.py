@@ -74,3 +74,12 @@ def test_the_readme_podman_example_works_as_written(daemon, tmp_path):
                 except OSError:
                     pass  # (a process on its way out: left as podman left it)
         shutil.rmtree(tmp_path / "root", ignore_errors=True)
+
+
+def test_the_readme_docker_paragraph_installs_the_wrapper_first():
+    """Issue 21: the Docker paragraph went straight to `cgpu runtime-config docker`, which named a
+    wrapper nothing had installed; every `docker run --runtime=cgpu` then failed."""
+    text = (ROOT / "README.md").read_text()
+    para = text[text.index("Docker and containerd do not read hooks.d"):]
+    para = para[:para.index("```")]
+    assert "make install-hooks" in para and para.index("make install-hooks") < para.index("cgpu runtime-config docker")

@@ -86,3 +86,42 @@ def test_a_refused_second_start_changes_nothing(case, busy, make_daemon):
     assert "thaw" not in r.stderr
     assert freezes_and_thaws(group) == {True, False}, "the first daemon's scheduling changed"
     assert d.alive()
+
+
+def test_a_metrics_port_in_use_refuses_the_start_and_leaves_no_mount(make_daemon):
+    """Issue 21: the metrics port taken (`Address already in use`) was found after the tree was
+    mounted, and the refused daemon left a dead mount ("Transport endpoint is not connected")."""
+    import socket
+
+    holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        d = make_daemon(start=False)
+        r = subprocess.run(d.command() + ["--metrics-addr", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                           timeout=30, stdin=subprocess.DEVNULL)
+        assert r.returncode == 1, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("Error: ")]
+        assert lines == [f"Error: --metrics-addr 127.0.0.1:{port}: Address already in use; choose another "
+                         "HOST:PORT, or `off`"], r.stderr
+        assert not mounted(d.mount), "the refused daemon left its mount"
+        assert not d.mount.exists() or os.listdir(d.mount) == []  # (a dead mount: ENOTCONN)
+        assert not d.socket.exists() or not _answers(d.socket)
+    finally:
+        holder.close()
+    d.start()  # the next start works at once (nothing to clear)
+    assert d.read("version").endswith("\n")
+
+
+def _answers(path) -> bool:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(os.fspath(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()

@@ -238,27 +238,70 @@ def test_runtime_config_merges_and_refuses_what_it_cannot_write_safely(tmp_path)
     from cgpud.containers import hostconfig
 
     cgpu = [str(Path(sys.executable).parent / "cgpu"), "runtime-config"]
+    w = wrapper()
     toml = tmp_path / "containerd" / "config.toml"
     toml.parent.mkdir()
-    toml.write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
-                    '  runtime_type = "io.containerd.runc.v2"\n')
-    r = subprocess.run([*cgpu, "containerd", "--etc", os.fspath(tmp_path), "--default", "--wrapper", "/w"],
+    toml.write_text('# the node\'s own\nversion = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\n'
+                    '  default_runtime_name = "runc"\n  snapshotter = "overlayfs"\n'
+                    '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
+                    '  runtime_type = "io.containerd.runc.v2"\n'
+                    '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]\n  SystemdCgroup = true\n')
+    r = subprocess.run([*cgpu, "containerd", "--etc", os.fspath(tmp_path), "--default", "--wrapper", w],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    cri = tomllib.loads(toml.read_text())["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
-    assert cri["default_runtime_name"] == "cgpu"
-    assert cri["runtimes"]["runc"] == {"runtime_type": "io.containerd.runc.v2"}
-    assert cri["runtimes"]["cgpu"]["options"] == {"BinaryName": "/w"}
-    # a table containerd already has is never written twice: one line saying what to do, the file unchanged
-    before = toml.read_text().replace('default_runtime_name = "cgpu"', 'default_runtime_name = "runc"')
-    toml.write_text(before)
-    r = subprocess.run([*cgpu, "containerd", "--etc", os.fspath(tmp_path), "--default", "--wrapper", "/w"],
-                       capture_output=True, text=True)
-    assert r.returncode == 1 and "set default_runtime_name" in r.stderr and r.stderr.count("\n") == 1
-    assert toml.read_text() == before
+    text = toml.read_text()
+    assert text.startswith("# the node's own\n")
+    cri = tomllib.loads(text)["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]
+    # the table written out already gets default_runtime_name changed in place; the rest stays
+    assert cri["default_runtime_name"] == "cgpu" and cri["snapshotter"] == "overlayfs"
+    assert cri["runtimes"]["runc"] == {"runtime_type": "io.containerd.runc.v2", "options": {"SystemdCgroup": True}}
+    # the runtime's options are the default runtime's (a systemd-cgroup node runs cgpu's containers the same way)
+    assert cri["runtimes"]["cgpu"]["options"] == {"SystemdCgroup": True, "BinaryName": w}
+    again = subprocess.run([*cgpu, "containerd", "--etc", os.fspath(tmp_path), "--default", "--wrapper", w],
+                           capture_output=True, text=True)
+    assert again.returncode == 0 and "set already" in again.stdout and toml.read_text() == text
     for bad in ("[1]", "{nope"):
         with pytest.raises(hostconfig.ConfigError):
             hostconfig.docker(bad)
     with pytest.raises(hostconfig.ConfigError, match="BinaryName"):
         hostconfig.containerd('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.cgpu]\n'
                               '  runtime_type = "io.containerd.runc.v1"\n')
+    # a runtime cgpu that differs is one line saying what to set, and the file stays
+    toml.write_text(before := text.replace(f'BinaryName = "{w}"', 'BinaryName = "/elsewhere"'))
+    r = subprocess.run([*cgpu, "containerd", "--etc", os.fspath(tmp_path), "--wrapper", w], capture_output=True,
+                       text=True)
+    assert r.returncode == 1 and "set those two" in r.stderr and r.stderr.count("\n") == 1
+    assert toml.read_text() == before
+
+
+def test_runtime_config_writes_containerd_2s_version_3(tmp_path):
+    """Issue 21: containerd 2.x (config version 3) was refused ("run `containerd config migrate`",
+    which gives version 3 again); its CRI runtimes live under io.containerd.cri.v1.runtime."""
+    import tomllib
+
+    cgpu = [str(Path(sys.executable).parent / "cgpu"), "runtime-config"]
+    toml = tmp_path / "containerd" / "config.toml"
+    toml.parent.mkdir()
+    toml.write_text("version = 3\n[plugins.'io.containerd.cri.v1.runtime'.containerd]\n"
+                    "  default_runtime_name = 'runc'\n"
+                    "[plugins.'io.containerd.cri.v1.images']\n  snapshotter = 'overlayfs'\n")
+    r = subprocess.run([*cgpu, "containerd", "--etc", os.fspath(tmp_path), "--default", "--wrapper", wrapper()],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    doc = tomllib.loads(toml.read_text())
+    assert doc["version"] == 3 and "io.containerd.grpc.v1.cri" not in doc["plugins"]
+    cri = doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]
+    assert cri["default_runtime_name"] == "cgpu"
+    assert cri["runtimes"]["cgpu"] == {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": wrapper()}}
+    assert doc["plugins"]["io.containerd.cri.v1.images"] == {"snapshotter": "overlayfs"}
+
+
+@pytest.mark.parametrize("engine", ["docker", "containerd"])
+def test_runtime_config_refuses_a_wrapper_that_is_not_there(tmp_path, engine):
+    """Issue 21: the wrapper's path was written without a look, and every GPU container then failed."""
+    r = subprocess.run([str(Path(sys.executable).parent / "cgpu"), "runtime-config", engine, "--etc",
+                        os.fspath(tmp_path), "--wrapper", os.fspath(tmp_path / "no-cgpu-runtime")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "is not there" in r.stderr and "make install-hooks" in r.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written

@@ -122,6 +122,8 @@ def test_install_script_stages_the_unit_links_and_hooks(tmp_path):
     # the runtime wrapper, on PATH, and named by Docker's and containerd's settings (theirs kept)
     assert os.readlink(tmp_path / "usr/local/bin/cgpu-runtime") == "/usr/local/libexec/cgpu-runtime"
     assert os.access(tmp_path / "usr/local/libexec/cgpu-runtime", os.X_OK)
+    # the in-container library where the daemon's --libcgpu looks by default (issue 21: it was missing)
+    assert (tmp_path / "usr/local/lib/cgpu/libcgpu.so").read_bytes()[:4] == b"\x7fELF"
     docker = json.loads((tmp_path / "etc/docker/daemon.json").read_text())
     assert docker == {"log-level": "warn", "runtimes": {"nvidia": {"path": "/n"},
                                                         "cgpu": {"path": "/usr/local/bin/cgpu-runtime"}}}

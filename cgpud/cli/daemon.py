@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import click
@@ -74,13 +75,19 @@ def main() -> None:
               help="How a container that carries libcgpu is held to its compute share: gate its kernel launches "
                    "(its CPU side runs on), or freeze its cgroup; auto: gate on real GPUs, freeze on simulated "
                    "ones (their workloads do not launch through CUDA).")
+@click.option("--driver-root", default=None, envvar="CGPUD_DRIVER_ROOT",
+              help="--gpus nvml in a container without NVIDIA's toolkit: where the host's / is mounted; "
+                   "libnvidia-ml.so.1 is loaded from the driver's directories below it when the loader finds none.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, dev_dir: str,
           rt_priority: int, slice_ms: float, placement: str, mode: str, mem_action: str, mps_control: str | None,
-          mps_pipe_dir: str | None, metrics_addr: str, hook_path: str, libcgpu: str, compute: str, log_level: str) -> None:
+          mps_pipe_dir: str | None, metrics_addr: str, hook_path: str, libcgpu: str, compute: str, driver_root: str | None,
+          log_level: str) -> None:
     """Mount the tree and serve it until SIGTERM or SIGINT."""
     setup_logging(log_level)
+    if driver_root:
+        os.environ["CGPUD_DRIVER_ROOT"] = driver_root  # (every NVML session of the daemon: cgpud.gpus.nvml)
     if dev_dir is None:
         dev_dir = "/dev" if gpus.strip() == "nvml" else default_dev_dir()
     cfg = Config(gpus=gpus, mount=mountpoint, state_dir=state_dir, admin_group=admin_group, socket=socket_path,

@@ -13,15 +13,26 @@ from cgpud.cli.common import Ctx, pass_ctx
 
 @click.command("runtime-config")
 @click.argument("engine", type=click.Choice(["docker", "containerd"]))
-@click.option("--etc", default="/etc", show_default=True, help="Where Docker's and containerd's settings are.")
-@click.option("--wrapper", default=None, help="cgpu-runtime's path (default: /usr/local/bin/cgpu-runtime).")
+@click.option("--root", default="/", show_default=True,
+              help="The host's root, where the wrapper must be (an install staged below a DESTDIR).")
+@click.option("--etc", default=None, help="Where Docker's and containerd's settings are (default: ROOT/etc).")
+@click.option("--wrapper", default=None, help="cgpu-runtime's path on the host (default: /usr/local/bin/cgpu-runtime).")
 @click.option("--default", "default", is_flag=True, help="Make cgpu the default runtime too.")
-def runtime_config(engine: str, etc: str, wrapper: str | None, default: bool) -> None:
+def runtime_config(engine: str, root: str, etc: str | None, wrapper: str | None, default: bool) -> None:
     """Put cgpu-runtime in Docker's (daemon.json) or containerd's
     (config.toml) settings, keeping every other setting; then restart that
     engine. docs/containers.md, "Docker and containerd"."""
     from cgpud.containers import hostconfig
 
+    from cgpud.core.hostroot import resolve
+
+    wrapper = wrapper or hostconfig.DEFAULT_WRAPPER
+    etc = etc or os.path.join(root, "etc")
+    found = resolve(root, wrapper) if os.path.isabs(wrapper) else None
+    if found is None or not os.access(found, os.X_OK):
+        raise click.ClickException(f"{wrapper} is not there (or not executable): install it first with `make "
+                                   "install-hooks` as root (a Kubernetes node: `cgpu node install`), or name it with "
+                                   "--wrapper")
     path = os.path.join(etc, "docker", "daemon.json") if engine == "docker" else \
         os.path.join(etc, "containerd", "config.toml")
     try:
@@ -33,7 +44,7 @@ def runtime_config(engine: str, etc: str, wrapper: str | None, default: bool) ->
         raise click.ClickException(f"cannot read {path}: {exc.strerror}") from None
     edit = hostconfig.docker if engine == "docker" else hostconfig.containerd
     try:
-        new = edit(old, wrapper or hostconfig.DEFAULT_WRAPPER, default)
+        new = edit(old, wrapper, default)
     except hostconfig.ConfigError as exc:
         raise click.ClickException(f"{path}: {exc}") from None
     if new == old:

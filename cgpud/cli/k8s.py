@@ -39,8 +39,8 @@ def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_
 
 
 @click.command("scheduler-extender")
-@click.option("--addr", default="0.0.0.0:32766", show_default=True, envvar="CGPU_EXTENDER_ADDR",
-              help="HOST:PORT kube-scheduler calls (the extender's Service).")
+@click.option("--addr", default="127.0.0.1:12345", show_default=True, envvar="CGPU_EXTENDER_ADDR",
+              help="HOST:PORT kube-scheduler calls (its own node's loopback: deploy/kubernetes/extender.yaml).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
 def scheduler_extender(addr: str, log_level: str) -> None:
     """kube-scheduler's extender for aliyun.com/gpu-mem, gpushare-compatible

@@ -52,6 +52,7 @@ class Views:
             "library": self.library,
             "library_present": bool(self.library and os.path.isfile(self.library)),
             "compute": "gate" if self.gate else "freeze",
+            "hook": self.hook_path,  # the OCI hook cgpu-runtime puts into the containers it prepares
         }
 
     def query(self, req: dict, peer: Peer) -> dict:

@@ -319,6 +319,25 @@ def _check_flags(cfg: Config) -> None:
         raise StartError(f"--compute gate: {why}")
 
 
+def _check_metrics_port(cfg: Config) -> None:
+    """Refuse, before anything is mounted, a metrics address another process listens on (a start refused
+    after the mount would leave it dead: "Transport endpoint is not connected" until the next start)."""
+    from cgpud.observe import exposition
+
+    addr = exposition.parse_addr(cfg.metrics_addr)
+    if addr is None or addr[1] == 0:
+        return
+    probe = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the metrics server binds)
+        probe.bind(addr)
+    except OSError as exc:
+        raise StartError(f"--metrics-addr {cfg.metrics_addr}: {exc.strerror or exc}; choose another "
+                         f"HOST:PORT, or `off`") from None
+    finally:
+        probe.close()
+
+
 def _lock_state(cfg: Config) -> StateLock:
     try:
         return StateLock.acquire(cfg.state_dir)
@@ -353,6 +372,7 @@ async def _serve(cfg: Config) -> int:
     try:
         if takeover is None:
             _check_socket(cfg.socket)
+            _check_metrics_port(cfg)
         node, store = load_node(cfg)
     except BaseException:
         lock.close()
@@ -426,6 +446,8 @@ async def _serve(cfg: Config) -> int:
                 if takeover is not None:  # the old daemon serves again
                     with trio.CancelScope(shield=True):
                         await takeover.failed(str(exc) or type(exc).__name__)
+                else:  # a refused start leaves no mount behind (nothing would serve it)
+                    fuse.close()
                 raise
             await nursery.start(_serve_fs, fuse, nursery.cancel_scope)
             upgrader.services, upgrader.fuse, upgrader.nursery = services, fuse, nursery

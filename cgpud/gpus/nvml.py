@@ -12,6 +12,13 @@ one line naming the NVML_ERROR_* constant, what failed and what to do; a
 failure at start (no library, no driver, a device that does not answer) is
 a `BadSpec`, so the daemon refuses to start with that line.
 
+In a container (the DaemonSet, docs/kubernetes.md) the library is there when
+NVIDIA's container toolkit put it in (NVIDIA_VISIBLE_DEVICES=all,
+NVIDIA_DRIVER_CAPABILITIES=utility); on a node without the toolkit the host's
+root is mounted and $CGPUD_DRIVER_ROOT (`cgpud serve --driver-root`) names it:
+when the loader finds no libnvidia-ml.so.1, it is looked for in the driver's
+usual directories below that root (DRIVER_LIB_DIRS) and loaded from there.
+
 NVML numbers GPUs by PCI bus order, as `nvidia-smi` does; that is our index.
 A GPU's device file is `/dev/nvidia<minor>` (the minor is not always the index).
 """
@@ -28,6 +35,42 @@ NVIDIA_MAJOR = 195  # the char-device major of /dev/nvidia* (fixed by the driver
 HINT = "install the NVIDIA driver or use --gpus sim:T4"
 PROCS_V3 = "nvmlDeviceGetComputeRunningProcesses"  # pynvml: _v3, or NVMLLibraryMismatchError without it
 PROCS_V2 = "nvmlDeviceGetComputeRunningProcesses_v2"
+
+
+# where drivers put libnvidia-ml.so.1, below a host's root: Debian/Ubuntu, RHEL and others, NVIDIA's GPU
+# operator's driver container, GKE's COS nodes
+DRIVER_LIB_DIRS = ("usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib", "lib/x86_64-linux-gnu", "lib64",
+                   "run/nvidia/driver/usr/lib/x86_64-linux-gnu", "run/nvidia/driver/usr/lib64",
+                   "home/kubernetes/bin/nvidia/lib64", "usr/local/nvidia/lib64", "usr/lib/aarch64-linux-gnu")
+LIBRARY = "libnvidia-ml.so.1"
+
+
+def find_in_driver_root(root: str) -> str | None:
+    """The host's libnvidia-ml.so.1 below `root` (None: none there)."""
+    from cgpud.core.hostroot import resolve
+
+    for d in DRIVER_LIB_DIRS:
+        found = resolve(root, os.path.join(d, LIBRARY))
+        if found:
+            return found
+    return None
+
+
+def _load_from_driver_root(nv) -> str | None:
+    """Load the host's library for pynvml (what it would have found itself); its path, or None."""
+    root = os.environ.get("CGPUD_DRIVER_ROOT")
+    if not root or getattr(nv, "nvmlLib", None) is not None:
+        return None
+    path = find_in_driver_root(root)
+    if path is None:
+        return None
+    import ctypes
+
+    try:
+        nv.nvmlLib = ctypes.CDLL(path)
+    except OSError:
+        return None
+    return path
 
 
 class NvmlError(BadSpec):
@@ -120,7 +163,17 @@ class Nvml:
         try:
             nv.nvmlInit()
         except Exception as exc:
-            raise describe(exc, "nvmlInit") from None
+            err = describe(exc, "nvmlInit")
+            if err.code != getattr(nv, "NVML_ERROR_LIBRARY_NOT_FOUND", None) or not _load_from_driver_root(nv):
+                root = os.environ.get("CGPUD_DRIVER_ROOT")
+                if root and err.code == getattr(nv, "NVML_ERROR_LIBRARY_NOT_FOUND", None):
+                    err = NvmlError(f"{err} (nor below --driver-root {root}: looked in "
+                                    f"{', '.join(DRIVER_LIB_DIRS[:3])}, …)", err.code)
+                raise err from None
+            try:
+                nv.nvmlInit()
+            except Exception as exc2:
+                raise describe(exc2, "nvmlInit") from None
         self._open = True
         try:
             count = nv.nvmlDeviceGetCount()

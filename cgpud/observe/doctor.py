@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cgpud.client import Client, ControlError, DaemonUnavailable
-from cgpud.containers.hostconfig import CRI
+from cgpud.containers import hostconfig
 
 OK, SKIP, FAIL = "ok", "skip", "fail"
 
@@ -134,6 +134,21 @@ def check_hooks_d(h: Host) -> Result:
                                    "podman --hooks-dir")
 
 
+def check_hook(h: Host) -> Result:
+    """The OCI hook the daemon puts into the containers cgpu-runtime prepares (its --hook-path)."""
+    if h.hello is None:
+        return Result("hook", SKIP, "the daemon does not answer: which hook it names is not known")
+    if "hook" not in h.hello:
+        return Result("hook", SKIP, f"cgpud {h.hello.get('version')} does not say which hook it names")
+    path = str(h.hello.get("hook") or "")
+    why = _executable(path)
+    if why:
+        return Result("hook", FAIL, f"{why}: every container through cgpu-runtime fails to start "
+                                    f"(fork/exec {path}); run `make install-hooks` as root (a Kubernetes node: "
+                                    "`cgpu node install`), or start cgpud with --hook-path PATH")
+    return Result("hook", OK, f"{path}: put into every container cgpu-runtime prepares")
+
+
 def check_library(h: Host) -> Result:
     """The in-container library the daemon puts into containers (libcgpu, docs/isolation.md)."""
     if h.hello is None:
@@ -189,17 +204,24 @@ def check_containerd(h: Host) -> Result:
                                           "restart containerd")
     except (OSError, tomllib.TOMLDecodeError) as exc:
         return Result("containerd", FAIL, f"{path} cannot be read ({exc}): fix it")
-    node = doc
-    for key in ("plugins", "io.containerd.grpc.v1.cri", "containerd", "runtimes", "cgpu", "options"):
+    where = hostconfig.cri_table(3 if doc.get("version") == 3 else 2)
+    cri = doc
+    for key in hostconfig.split_dotted(where):
+        cri = cri.get(key, {}) if isinstance(cri, dict) else {}
+    node = cri
+    for key in ("runtimes", "cgpu", "options"):
         node = node.get(key, {}) if isinstance(node, dict) else {}
     wrapper = node.get("BinaryName") if isinstance(node, dict) else None
     if not wrapper:
-        return Result("containerd", FAIL, f"{path} has no runtime `cgpu` with a BinaryName ([{CRI}.runtimes.cgpu]): "
+        return Result("containerd", FAIL, f"{path} has no runtime `cgpu` with a BinaryName ([{where}.runtimes.cgpu]): "
                                           "run `cgpu runtime-config containerd`, restart containerd")
     why = _executable(str(wrapper))
     if why:
         return Result("containerd", FAIL, f"{path}'s runtime cgpu is {why}: run `make install-hooks`")
-    return Result("containerd", OK, f"{path}: the runtime cgpu runs {wrapper}")
+    default = isinstance(cri, dict) and cri.get("default_runtime_name") == "cgpu"
+    return Result("containerd", OK, f"{path}: the runtime cgpu runs {wrapper}" +
+                  (" (the default runtime)" if default else "; not the default runtime: a pod must name "
+                   "runtimeClassName: cgpu, or it runs unisolated (`cgpu runtime-config containerd --default`)"))
 
 
 def check_nvml(h: Host) -> Result:
@@ -221,7 +243,8 @@ def check_nvml(h: Host) -> Result:
 
 
 CHECKS: tuple[Callable[[Host], Result], ...] = (check_daemon, check_tree, check_fuse, check_cgroups,
-                                                check_hooks_d, check_library, check_docker, check_containerd,
+                                                check_hooks_d, check_hook, check_library, check_docker,
+                                                check_containerd,
                                                 check_nvml)
 
 

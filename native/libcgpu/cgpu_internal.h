@@ -64,6 +64,10 @@ typedef CUresult (*ctx_get_fn)(CUcontext *);
 typedef CUresult (*ctx_device_fn)(CUdevice *);
 typedef CUresult (*ctx_push_fn)(CUcontext);
 typedef CUresult (*ctx_sync_fn)(void);
+typedef CUresult (*primary_retain_fn)(CUcontext *, CUdevice);
+typedef CUresult (*ctx_create2_fn)(CUcontext *, unsigned, CUdevice);
+typedef CUresult (*ctx_create3_fn)(CUcontext *, void *, int, unsigned, CUdevice);
+typedef CUresult (*ctx_create4_fn)(CUcontext *, void *, unsigned, CUdevice);
 
 struct real_driver {
     void *lib;
@@ -104,6 +108,10 @@ struct real_driver {
     ctx_push_fn ctx_push;
     ctx_get_fn ctx_pop;
     ctx_sync_fn ctx_sync;
+    primary_retain_fn primary_retain;
+    ctx_create2_fn ctx_create2;
+    ctx_create3_fn ctx_create3;
+    ctx_create4_fn ctx_create4;
 };
 
 #pragma GCC visibility push(hidden)
@@ -140,6 +148,9 @@ int current_gpu(void);
 /* ---- nvml.c ---- */
 uint64_t nvml_process_bytes(int g);
 void *nvml_ours(const char *name);  /* our wrapper of an NVML name, NULL if none */
+void nvml_context_before(int g);
+void nvml_context_after(int g);
+void nvml_forked(void);
 
 /* ---- memory.c ---- */
 void memory_forked(void);

@@ -63,6 +63,10 @@ CUresult cuArrayDestroy(CUdeviceptr);
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, void *, void *);
 CUresult cuMemCreate(CUdeviceptr *, size_t, const void *, unsigned long long);
 CUresult cuMemRelease(CUdeviceptr);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
+CUresult cuCtxCreate_v3(CUcontext *, void *, int, unsigned, CUdevice);
+CUresult cuCtxCreate_v4(CUcontext *, void *, unsigned, CUdevice);
 CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUdeviceptr, unsigned long long);
 CUresult cuMemUnmap(CUdeviceptr, size_t);
 CUresult cuMemRetainAllocationHandle(CUdeviceptr *, void *);
@@ -151,6 +155,10 @@ static void setup(void)
     real.ctx_push = (ctx_push_fn)sym("cuCtxPushCurrent_v2");
     real.ctx_pop = (ctx_get_fn)sym("cuCtxPopCurrent_v2");
     real.ctx_sync = (ctx_sync_fn)sym("cuCtxSynchronize");
+    real.primary_retain = (primary_retain_fn)sym("cuDevicePrimaryCtxRetain");
+    real.ctx_create2 = (ctx_create2_fn)sym("cuCtxCreate_v2");
+    real.ctx_create3 = (ctx_create3_fn)sym("cuCtxCreate_v3");
+    real.ctx_create4 = (ctx_create4_fn)sym("cuCtxCreate_v4");
     real.pool_alloc = (pool_alloc_fn)sym("cuMemAllocFromPoolAsync");
     real.mem_create = (mem_create_fn)sym("cuMemCreate");
     real.mem_release = (free_fn)sym("cuMemRelease");
@@ -209,6 +217,7 @@ CUresult cuInit(unsigned flags)
 /* A forked child holds nothing yet, has no helper thread, and needs a slot of its own. */
 static void forked(void)
 {
+    nvml_forked();
     gate_forked();
     memory_forked();
     page_forked();
@@ -251,6 +260,11 @@ static const struct form {
     {"cuArrayDestroy", 2000, 0, "cuArrayDestroy", (void *)cuArrayDestroy},
     {"cuMipmappedArrayCreate", 5000, 0, "cuMipmappedArrayCreate", (void *)cuMipmappedArrayCreate},
     {"cuMipmappedArrayDestroy", 5000, 0, "cuMipmappedArrayDestroy", (void *)cuMipmappedArrayDestroy},
+    {"cuDevicePrimaryCtxRetain", 7000, 0, "cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
+    {"cuCtxCreate", 2000, 0, "cuCtxCreate", NULL},
+    {"cuCtxCreate", 3020, 0, "cuCtxCreate_v2", (void *)cuCtxCreate_v2},
+    {"cuCtxCreate", 11040, 0, "cuCtxCreate_v3", (void *)cuCtxCreate_v3},
+    {"cuCtxCreate", 12050, 0, "cuCtxCreate_v4", (void *)cuCtxCreate_v4},
     {"cuMemCreate", 10020, 0, "cuMemCreate", (void *)cuMemCreate},
     {"cuMemRelease", 10020, 0, "cuMemRelease", (void *)cuMemRelease},
     {"cuMemMap", 10020, 0, "cuMemMap", (void *)cuMemMap},

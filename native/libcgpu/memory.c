@@ -207,6 +207,52 @@ static void driver_share(int g)
     pthread_mutex_unlock(&driver_lock);
 }
 
+/* A process's first context on a GPU: NVML's list of processes before and after it, to find
+ * which of them is this process (inside a PID namespace NVML names it by the host's PID). */
+#define CONTEXT_MADE(dev, call)                                                 \
+    do {                                                                         \
+        int g_ = page_index(dev);                                                \
+        if (g_ >= 0 && !__atomic_load_n(&driver_counted[g_], __ATOMIC_ACQUIRE)) { \
+            pthread_mutex_lock(&driver_lock);                                    \
+            nvml_context_before(g_);                                             \
+        }                                                                        \
+        else                                                                     \
+            g_ = -1;                                                             \
+        in_driver++;                                                             \
+        CUresult r_ = (call);                                                    \
+        in_driver--;                                                             \
+        if (g_ >= 0) {                                                           \
+            if (r_ == CU_OK)                                                     \
+                nvml_context_after(g_);                                          \
+            pthread_mutex_unlock(&driver_lock);                                  \
+        }                                                                        \
+        return r_;                                                               \
+    } while (0)
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev)
+{
+    PASS_THROUGH(real.primary_retain, ctx, dev);
+    CONTEXT_MADE(dev, real.primary_retain(ctx, dev));
+}
+
+CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice dev)
+{
+    PASS_THROUGH(real.ctx_create2, ctx, flags, dev);
+    CONTEXT_MADE(dev, real.ctx_create2(ctx, flags, dev));
+}
+
+CUresult cuCtxCreate_v3(CUcontext *ctx, void *affinity, int n, unsigned flags, CUdevice dev)
+{
+    PASS_THROUGH(real.ctx_create3, ctx, affinity, n, flags, dev);
+    CONTEXT_MADE(dev, real.ctx_create3(ctx, affinity, n, flags, dev));
+}
+
+CUresult cuCtxCreate_v4(CUcontext *ctx, void *params, unsigned flags, CUdevice dev)
+{
+    PASS_THROUGH(real.ctx_create4, ctx, params, flags, dev);
+    CONTEXT_MADE(dev, real.ctx_create4(ctx, params, flags, dev));
+}
+
 /* An allocation of `size` bytes done by `call` (the real driver's), held to memsize on the page's
  * GPU `gpu` (-1: a GPU given whole, not charged). */
 #define CHARGED(size, key, call) CHARGED_ON(current_gpu(), size, key, call)

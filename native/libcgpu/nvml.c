@@ -93,38 +93,102 @@ int nvmlDeviceGetMemoryInfo_v2(void *dev, nvmlMemory_v2_t *mem)
         mem->reserved = 0;
     return r;
 }
+/* ---- NVML's per-process view: which is this process, and what it holds ---------------------- */
+
+typedef struct { unsigned int pid; unsigned long long used; unsigned int gi, ci; } proc_info;
+typedef int (*procs_fn)(void *, unsigned int *, proc_info *);
+static procs_fn nvml_procs;
+static int (*nvml_count)(unsigned int *);
+static int (*nvml_handle)(unsigned int, void **);
+static int nvml_up;  /* 1 ready, -1 cannot be */
+static unsigned int host_pid;  /* this process's PID as NVML names it (0: not known yet; a PID
+                                * namespace's process is named by the host's PID) */
+
+static int nvml_ready(void)
+{
+    if (nvml_up)
+        return nvml_up > 0;
+    int (*init)(void) = real.nvml ? (int (*)(void))real_dlsym(real.nvml, "nvmlInit_v2") : NULL;
+    if (real.nvml) {
+        nvml_count = (int (*)(unsigned int *))real_dlsym(real.nvml, "nvmlDeviceGetCount_v2");
+        nvml_handle = (int (*)(unsigned int, void **))real_dlsym(real.nvml, "nvmlDeviceGetHandleByIndex_v2");
+        nvml_procs = (procs_fn)real_dlsym(real.nvml, "nvmlDeviceGetComputeRunningProcesses_v3");
+        if (!nvml_procs)
+            nvml_procs = (procs_fn)real_dlsym(real.nvml, "nvmlDeviceGetComputeRunningProcesses_v2");
+    }
+    nvml_up = init && nvml_count && nvml_handle && nvml_procs && init() == NVML_OK ? 1 : -1;
+    return nvml_up > 0;
+}
+
+/* NVML's compute processes on page GPU g into `list` (at most `max`): how many, -1 if NVML cannot say. */
+static int nvml_list(int g, proc_info *list, unsigned int max)
+{
+    unsigned int n = 0;
+    if (!nvml_ready() || nvml_count(&n) != NVML_OK)
+        return -1;
+    for (unsigned int i = 0; i < n; i++) {
+        void *dev;
+        unsigned int m = max;
+        if (nvml_handle(i, &dev) == NVML_OK && nvml_page_index(dev) == g)
+            return nvml_procs(dev, &m, list) == NVML_OK ? (int)m : -1;
+    }
+    return -1;
+}
+
+#define NVML_LIST 1024
+static proc_info before_list[NVML_LIST], after_list[NVML_LIST];  /* (under the caller's lock) */
+static int before_n = -1;
+
+/* Around this process's first context on page GPU g: the processes NVML lists before it is made,
+ * and after. The one that appeared is this process (HAMi-core finds its host PID the same way):
+ * unless NVML names it by its own PID, or more than one appeared (another process made its first
+ * context at the same moment: not known then). */
+void nvml_context_before(int g)
+{
+    before_n = host_pid ? -1 : nvml_list(g, before_list, NVML_LIST);
+}
+
+void nvml_context_after(int g)
+{
+    if (before_n < 0 || host_pid)
+        return;
+    int n = nvml_list(g, after_list, NVML_LIST), found = 0;
+    unsigned int pid = 0;
+    for (int k = 0; k < n; k++) {
+        int seen = after_list[k].pid == (unsigned int)getpid();
+        for (int j = 0; j < before_n && !seen; j++)
+            seen = before_list[j].pid == after_list[k].pid;
+        if (after_list[k].pid == (unsigned int)getpid()) {
+            pid = after_list[k].pid;
+            found = 1;
+            break;
+        }
+        if (!seen) {
+            pid = after_list[k].pid;
+            found++;
+        }
+    }
+    if (found == 1)
+        host_pid = pid;
+    before_n = -1;
+}
+
+void nvml_forked(void)
+{
+    host_pid = 0;
+}
+
 /* What NVML's per-process view says this process holds on page GPU g (its allocations and what
  * the driver itself uses for it: contexts, local memory, the device heap), UINT64_MAX when NVML
  * cannot tell: no NVML, or this process not among the GPU's (inside a PID namespace NVML names
  * processes by the host's PIDs). */
 uint64_t nvml_process_bytes(int g)
 {
-    typedef int (*init_fn_)(void);
-    typedef int (*count_fn_)(unsigned int *);
-    typedef int (*handle_fn_)(unsigned int, void **);
-    typedef struct { unsigned int pid; unsigned long long used; unsigned int gi, ci; } proc_info;
-    typedef int (*procs_fn_)(void *, unsigned int *, proc_info *);
-    if (!real.nvml)
-        return UINT64_MAX;
-    init_fn_ init = (init_fn_)real_dlsym(real.nvml, "nvmlInit_v2");
-    count_fn_ count = (count_fn_)real_dlsym(real.nvml, "nvmlDeviceGetCount_v2");
-    handle_fn_ handle = (handle_fn_)real_dlsym(real.nvml, "nvmlDeviceGetHandleByIndex_v2");
-    procs_fn_ procs = (procs_fn_)real_dlsym(real.nvml, "nvmlDeviceGetComputeRunningProcesses_v3");
-    if (!procs)
-        procs = (procs_fn_)real_dlsym(real.nvml, "nvmlDeviceGetComputeRunningProcesses_v2");
-    unsigned int n = 0;
-    if (!init || !count || !handle || !procs || init() != NVML_OK || count(&n) != NVML_OK)
-        return UINT64_MAX;
-    static proc_info list[1024];  /* (once per process and GPU, under the caller's lock) */
-    for (unsigned int i = 0; i < n; i++) {
-        void *dev;
-        unsigned int m = sizeof list / sizeof *list;
-        if (handle(i, &dev) != NVML_OK || nvml_page_index(dev) != g || procs(dev, &m, list) != NVML_OK)
-            continue;
-        for (unsigned int k = 0; k < m; k++)
-            if (list[k].pid == (unsigned int)getpid())
-                return list[k].used;
-    }
+    static proc_info list[NVML_LIST];  /* (once per process and GPU, under the caller's lock) */
+    int n = nvml_list(g, list, NVML_LIST);
+    for (int k = 0; k < n; k++)
+        if (list[k].pid == (unsigned int)getpid() || (host_pid && list[k].pid == host_pid))
+            return list[k].used;
     return UINT64_MAX;
 }
 
@@ -224,17 +288,17 @@ static int contained(int *r)
     return limits != NULL;
 }
 
-typedef int (*procs_fn)(void *, unsigned int *, void *);
+typedef int (*list_fn)(void *, unsigned int *, void *);
 static int call_procs(struct list_call *c, unsigned int *n, void *buf)
 {
-    return ((procs_fn)c->fn)(c->dev, n, buf);
+    return ((list_fn)c->fn)(c->dev, n, buf);
 }
 
 /* A running-process list (`size`: v1 16 bytes, v2/v3 24): the container's processes only. */
 static int own_procs(const char *name, void *dev, unsigned int *count, void *infos, size_t size)
 {
     int r;
-    procs_fn fn = (procs_fn)real_nvml(name);
+    list_fn fn = (list_fn)real_nvml(name);
     int in = contained(&r);
     if (r != NVML_OK)
         return r;

@@ -320,7 +320,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
     return OK;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return d < 0 || d >= devices() ? INVALID_DEVICE : OK; }
-CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return cuDevicePrimaryCtxRelease_v2(d); }  /* CUDA 7.0's form */
+CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return cuDevicePrimaryCtxRelease_v2(d); }  /* (CUDA 7.0's form) */
 CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
 {
     (void)flags;
@@ -821,11 +821,11 @@ OWN(cuDeviceGet);
 OWN(cuDeviceGetName);
 OWN(cuDeviceTotalMem_v2);
 OWN(cuDeviceGetUuid_v2);
+OWN(cuDeviceGetUuid);
+OWN(cuDevicePrimaryCtxRelease);
 OWN(cuCtxCreate_v2);
 OWN(cuDevicePrimaryCtxRetain);
 OWN(cuDevicePrimaryCtxRelease_v2);
-OWN(cuDevicePrimaryCtxRelease);
-OWN(cuDeviceGetUuid);
 OWN(cuCtxSetCurrent);
 OWN(cuCtxDestroy_v2);
 OWN(cuCtxSynchronize);

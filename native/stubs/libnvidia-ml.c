@@ -16,9 +16,11 @@
  *   fail <i> <function> <rc>      that device call returns rc for GPU i
  *   sensors <i> <power mW> <temp C> <fan %> <pstate> <sm clock MHz> <energy mJ> <enc %> <dec %>
  *                                 what the card's sensors say (everyone's load shows in them)
- *   cuda <state file>             also every live process the stand-in libcuda's state file
+ *   cuda <state file> [offset]    also every live process the stand-in libcuda's state file
  *                                 (libcuda.c) says holds memory on card i, as on GPU i: what
- *                                 its allocations and its contexts take (the driver's view)
+ *                                 its allocations and its contexts take (the driver's view);
+ *                                 its PID plus `offset`, as NVML names a container's processes
+ *                                 by the host's PIDs
  *
  * Built by tests/nvml_stub.py with gcc -shared -Wl,-soname,libnvidia-ml.so.1.
  */
@@ -129,7 +131,7 @@ static int refcount;
 /* Handles are pointers into this array: stable across re-reads of the file. */
 static char handles[MAX_GPUS];
 
-static void cuda_processes(const char *state);
+static void cuda_processes(const char *line);
 
 static void load(void) {
     memset(&cfg, 0, sizeof cfg);
@@ -188,15 +190,20 @@ static void load(void) {
 
 /* The stand-in libcuda's record per (process, card) of the bytes it holds there (libcuda.c:
  * from byte 256 of its state file, 1024 records of {int32 pid, int32 card, uint64 bytes}). */
-static void cuda_processes(const char *state) {
+static void cuda_processes(const char *line) {
     struct { int pid, dev; unsigned long long bytes; } r[1024];
+    char state[4096];
+    unsigned int offset = 0;
+    if (sscanf(line, "%4095s %u", state, &offset) < 1)
+        return;
     FILE *f = fopen(state, "rb");
     size_t n = f && fseek(f, 256, SEEK_SET) == 0 ? fread(r, sizeof r[0], 1024, f) : 0;
     if (f)
         fclose(f);
     for (size_t k = 0; k < n && cfg.nprocs < MAX_PROCS; k++)
         if (r[k].pid > 0 && r[k].bytes && r[k].dev >= 0 && r[k].dev < MAX_GPUS && kill(r[k].pid, 0) == 0)
-            cfg.procs[cfg.nprocs++] = (struct proc){(unsigned)r[k].dev, (unsigned)r[k].pid, r[k].bytes, COMPUTE};
+            cfg.procs[cfg.nprocs++] = (struct proc){(unsigned)r[k].dev, (unsigned)r[k].pid + offset, r[k].bytes,
+                                                    COMPUTE};
 }
 
 /* Load the file, check initialisation and the handle; the GPU or NULL (*rc says why). */
