@@ -5,7 +5,8 @@ file ($CGPU_NVML_STUB) that the library reads again at every call.
 
     stub = NvmlStub.build(tmp_path)
     stub.gpus = [StubGpu(uuid="GPU-…", name="Tesla T4", total=15843721216)]
-    stub.procs = {(0, pid): 1 << 30}
+    stub.procs = {(0, pid): 1 << 30}     # compute processes; .graphics and .mps the others
+    stub.putil = {(0, pid): (70, 20, 0, 0)}  # a process's utilisation sample: sm, mem, enc, dec %
     stub.write()                         # atomically: the daemon may be reading
     env = stub.env()                     # for subprocess.Popen(env=…)
 """
@@ -34,6 +35,9 @@ class StubGpu:
     util: int = 0
     memutil: int = 0
     fail: dict[str, int] = field(default_factory=dict)  # NVML function -> return code
+    # the sensors: power (mW), temperature (C), fan (%), performance state, SM clock (MHz),
+    # energy since the driver loaded (mJ), encoder and decoder utilisation (%)
+    sensors: tuple[int, int, int, int, int, int, int, int] = (70000, 45, 30, 0, 1590, 10**9, 0, 0)
 
 
 @dataclass
@@ -41,7 +45,10 @@ class NvmlStub:
     libdir: Path
     config: Path
     gpus: list[StubGpu] = field(default_factory=list)
-    procs: dict[tuple[int, int], int] = field(default_factory=dict)  # (gpu, pid) -> bytes
+    procs: dict[tuple[int, int], int] = field(default_factory=dict)  # (gpu, pid) -> bytes: compute
+    graphics: dict[tuple[int, int], int] = field(default_factory=dict)  # graphics processes
+    mps: dict[tuple[int, int], int] = field(default_factory=dict)  # MPS clients
+    putil: dict[tuple[int, int], tuple[int, int, int, int]] = field(default_factory=dict)  # sm, mem, enc, dec
     init_rc: int = 0
     driver: str = "550.54.15"
     cuda_state: Path | None = None  # the stand-in libcuda's state file: its processes shown too
@@ -66,7 +73,11 @@ class NvmlStub:
             minor = i if g.minor is None else g.minor
             lines.append(f"gpu {i} {minor} {g.total} {g.used} {g.util} {g.memutil} {g.uuid} {g.name}")
             lines += [f"fail {i} {fn} {rc}" for fn, rc in g.fail.items()]
+            lines.append(f"sensors {i} {' '.join(map(str, g.sensors))}")
         lines += [f"proc {gpu} {pid} {n}" for (gpu, pid), n in self.procs.items()]
+        lines += [f"proc {gpu} {pid} {n} graphics" for (gpu, pid), n in self.graphics.items()]
+        lines += [f"proc {gpu} {pid} {n} mps" for (gpu, pid), n in self.mps.items()]
+        lines += [f"putil {gpu} {pid} {' '.join(map(str, u))}" for (gpu, pid), u in self.putil.items()]
         if self.cuda_state is not None:
             lines.append(f"cuda {self.cuda_state} {self.cuda_pid_offset}")
         return "\n".join(lines) + "\n"

@@ -147,6 +147,7 @@ int current_gpu(void);
 
 /* ---- nvml.c ---- */
 uint64_t nvml_process_bytes(int g);
+void *nvml_ours(const char *name);  /* our wrapper of an NVML name, NULL if none */
 void nvml_context_before(int g);
 void nvml_context_after(int g);
 void nvml_forked(void);

@@ -44,7 +44,7 @@
 
 #include "cgpu_internal.h"
 
-/* What every exported wrapper here is (memory.c, gate.c, nvml.c). */
+/* What every exported CUDA wrapper here is (memory.c, gate.c; NVML's are nvml.c's). */
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemFree_v2(CUdeviceptr);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
@@ -85,8 +85,6 @@ CUresult cuLaunchKernelEx(const void *, void *, void **, void **);
 CUresult cuLaunchKernelEx_ptsz(const void *, void *, void **, void **);
 CUresult cuGraphLaunch(void *, void *);
 CUresult cuGraphLaunch_ptsz(void *, void *);
-int nvmlDeviceGetMemoryInfo(void *, nvmlMemory_t *);
-int nvmlDeviceGetMemoryInfo_v2(void *, nvmlMemory_v2_t *);
 
 struct real_driver real;
 dlsym_fn real_dlsym;
@@ -282,8 +280,6 @@ static const struct form {
     {"cuGraphLaunch", 10000, 1, "cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress", (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
-    {"nvmlDeviceGetMemoryInfo", 0, 0, "nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo},
-    {"nvmlDeviceGetMemoryInfo_v2", 0, 0, "nvmlDeviceGetMemoryInfo_v2", (void *)nvmlDeviceGetMemoryInfo_v2},
 };
 
 /* Our wrapper of an exported name (what dlsym finds), NULL if it is not wrapped. */
@@ -292,7 +288,7 @@ static void *ours(const char *name)
     for (size_t i = 0; i < sizeof FORMS / sizeof *FORMS; i++)
         if (!strcmp(name, FORMS[i].export))
             return FORMS[i].ours;
-    return NULL;
+    return !strncmp(name, "nvml", 4) ? nvml_ours(name) : NULL;  /* (nvml.c's table: NVML's names) */
 }
 
 /* The form the driver gives for (name, version, flags): the newest one not newer than `version`,

@@ -559,9 +559,9 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
         driver_share(g);
     uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
     *total_ = cap;
-    *free_ = used >= cap ? 0 : cap - used;  /* never an error when over */
-    if (*free_ > f)
-        *free_ = f;  /* nor more than the card has left */
+    *free_ = used >= cap ? 0 : cap - used;  /* never an error when over; never the card's free, which
+                                                * says what the neighbours use (an allocation the card
+                                                * cannot hold fails at the driver, as on a full card) */
     return CU_OK;
 }
 

@@ -1,13 +1,21 @@
 /*
- * libcgpu, NVML: what nvidia-smi and NVML clients see (memsize as the card, the container's usage).
+ * libcgpu, NVML: what nvidia-smi and NVML clients see inside a container (docs/isolation.md, "What
+ * nvidia-smi shows"): memsize as the card and the container's usage; its own processes only (the
+ * running-process lists of every kind and version, the per-process utilisation samples); its own
+ * utilisation (the sum of its processes' samples); never a value that depends on a neighbour's use.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cgpu_internal.h"
 
-enum { NVML_OK = 0, NVML_UNINITIALIZED = 1, NVML_NOT_SUPPORTED = 3, NVML_UNKNOWN = 999 };
+enum {
+    NVML_OK = 0, NVML_UNINITIALIZED = 1, NVML_INVALID_ARGUMENT = 2, NVML_NOT_SUPPORTED = 3, NVML_NOT_FOUND = 6,
+    NVML_INSUFFICIENT_SIZE = 7, NVML_FUNCTION_NOT_FOUND = 13, NVML_MEMORY = 20, NVML_UNKNOWN = 999
+};
 
 /* total = memsize, used = the container's usage, free = the rest (never negative) */
 /* "GPU-8-4-4-4-12" hex digits (NVML's UUID) into 16 bytes; 0 if it is not one */
@@ -182,4 +190,365 @@ uint64_t nvml_process_bytes(int g)
         if (list[k].pid == (unsigned int)getpid() || (host_pid && list[k].pid == host_pid))
             return list[k].used;
     return UINT64_MAX;
+}
+
+/* ---- the container's own processes --------------------------------------------------------
+ *
+ * NVML names processes by their pid in the caller's PID namespace (the driver translates them and
+ * leaves out those it cannot see: RM's os_find_ns_pid). So a container with a PID namespace of its
+ * own is already shown no process of another's; one without (`cgpu run`, hostPID, a runtime told
+ * not to make one) is shown the whole host's. A process is the container's when it is in the
+ * caller's PID namespace (the same /proc/<pid>/ns/pid: never another namespace's process that
+ * happens to have the same number) and holds a slot in the container's usage page (its pid there
+ * is its own getpid(), so the pid in this namespace, which the container shows). Anything else is
+ * left out. A process of the container that never used CUDA through libcgpu holds no slot and is
+ * not shown. */
+static int own_process(unsigned int pid)
+{
+    char path[48];
+    struct stat me, it;
+    if (!pid || !usage)
+        return 0;
+    int found = 0;
+    for (int k = 0; k < CGPU_MAX_PROCS && !found; k++)
+        found = (unsigned int)__atomic_load_n(&usage->procs[k].pid, __ATOMIC_ACQUIRE) == pid;
+    snprintf(path, sizeof path, "/proc/%u/ns/pid", pid);
+    return found && stat("/proc/self/ns/pid", &me) == 0 && stat(path, &it) == 0 && me.st_ino == it.st_ino
+        && me.st_dev == it.st_dev;
+}
+
+/* One list NVML gives (processes, utilisation samples): `call` asks the real NVML with a buffer of
+ * `*n` entries (NULL, 0 first) and answers NVML_INSUFFICIENT_SIZE with the count it needs. */
+struct list_call {
+    void *fn, *dev, *arg;
+    unsigned long long stamp;
+    int (*call)(struct list_call *, unsigned int *n, void *buf);
+};
+
+/* The container's own entries of such a list (entries of `size` bytes, the pid at `pid_at`) into
+ * `out` (`*count` entries of room), as NVML answers: NVML_INSUFFICIENT_SIZE and the count needed
+ * when out is NULL or short, the count written otherwise; `none` when there is none (NVML_OK with
+ * 0 for process lists, NVML_NOT_FOUND for samples). *total: how many entries NVML gave in all. */
+static int own_entries(struct list_call *c, unsigned int *count, void *out, size_t size, size_t pid_at, int none,
+                       unsigned int *total)
+{
+    unsigned int n = 0, want = 0;
+    char *buf = NULL;
+    int r;
+    for (int tries = 0;; tries++) {
+        want = n;
+        r = c->call(c, &want, buf);
+        if (r == NVML_OK)
+            break;
+        if (r != NVML_INSUFFICIENT_SIZE || tries == 8) {
+            free(buf);
+            return r;
+        }
+        n = want + 16;  /* (room for processes starting meanwhile) */
+        free(buf);
+        if (!(buf = calloc(n, size)))
+            return NVML_MEMORY;
+    }
+    unsigned int m = 0;
+    for (unsigned int k = 0; k < want; k++) {
+        unsigned int pid;
+        memcpy(&pid, buf + k * size + pid_at, sizeof pid);
+        if (own_process(pid))
+            memmove(buf + m++ * size, buf + k * size, size);
+    }
+    if (total)
+        *total = want;
+    if (m == 0) {
+        *count = 0;
+        r = none;
+    } else if (!out || *count < m) {
+        *count = m;
+        r = NVML_INSUFFICIENT_SIZE;
+    } else {
+        memcpy(out, buf, m * size);
+        *count = m;
+        r = NVML_OK;
+    }
+    free(buf);
+    return r;
+}
+
+static void *real_nvml(const char *name)
+{
+    setup_once();  /* (the real NVML is loaded there) */
+    return real.nvml && real_dlsym ? real_dlsym(real.nvml, name) : NULL;
+}
+
+/* Inside a container: 1. Outside (no CGPU_PAGE_DIR, no pages): 0, and *r is NVML_OK: pass through.
+ * Asked for isolation that cannot be applied: 0 and *r the error (as for the memory view). */
+static int contained(int *r)
+{
+    setup_once();
+    *r = asked && !limits ? NVML_UNKNOWN : NVML_OK;
+    return limits != NULL;
+}
+
+typedef int (*list_fn)(void *, unsigned int *, void *);
+static int call_procs(struct list_call *c, unsigned int *n, void *buf)
+{
+    return ((list_fn)c->fn)(c->dev, n, buf);
+}
+
+/* A running-process list (`size`: v1 16 bytes, v2/v3 24): the container's processes only. */
+static int own_procs(const char *name, void *dev, unsigned int *count, void *infos, size_t size)
+{
+    int r;
+    list_fn fn = (list_fn)real_nvml(name);
+    int in = contained(&r);
+    if (r != NVML_OK)
+        return r;
+    if (!fn)
+        return NVML_FUNCTION_NOT_FOUND;
+    if (!in || !count)
+        return fn(dev, count, infos);
+    struct list_call c = {(void *)fn, dev, NULL, 0, call_procs};
+    return own_entries(&c, count, infos, size, 0, NVML_OK, NULL);
+}
+
+enum { PROC_V1 = 16, PROC_V2 = 24 };  /* {pid, usedGpuMemory}; v2 (= v3) adds the GPU and compute instance */
+#define OWN_PROCS(name, size)                                                                         \
+    int name(void *dev, unsigned int *count, void *infos);                                           \
+    int name(void *dev, unsigned int *count, void *infos) { return own_procs(#name, dev, count, infos, size); }
+OWN_PROCS(nvmlDeviceGetComputeRunningProcesses, PROC_V1)
+OWN_PROCS(nvmlDeviceGetComputeRunningProcesses_v2, PROC_V2)
+OWN_PROCS(nvmlDeviceGetComputeRunningProcesses_v3, PROC_V2)
+OWN_PROCS(nvmlDeviceGetGraphicsRunningProcesses, PROC_V1)
+OWN_PROCS(nvmlDeviceGetGraphicsRunningProcesses_v2, PROC_V2)
+OWN_PROCS(nvmlDeviceGetGraphicsRunningProcesses_v3, PROC_V2)
+OWN_PROCS(nvmlDeviceGetMPSComputeRunningProcesses, PROC_V1)
+OWN_PROCS(nvmlDeviceGetMPSComputeRunningProcesses_v2, PROC_V2)
+OWN_PROCS(nvmlDeviceGetMPSComputeRunningProcesses_v3, PROC_V2)
+
+/* R550's nvmlDeviceGetRunningProcessDetailList: {version, mode, numProcArrayEntries, procArray},
+ * entries of 32 bytes (v2's and the confidential-computing memory). */
+typedef struct { unsigned int version, mode, num; void *array; } detail_list;
+typedef int (*detail_fn)(void *, detail_list *);
+static int call_detail(struct list_call *c, unsigned int *n, void *buf)
+{
+    detail_list l = *(detail_list *)c->arg;
+    l.num = *n;
+    l.array = buf;
+    int r = ((detail_fn)c->fn)(c->dev, &l);
+    *n = l.num;
+    return r;
+}
+
+int nvmlDeviceGetRunningProcessDetailList(void *dev, detail_list *list);
+int nvmlDeviceGetRunningProcessDetailList(void *dev, detail_list *list)
+{
+    int r;
+    detail_fn fn = (detail_fn)real_nvml("nvmlDeviceGetRunningProcessDetailList");
+    int in = contained(&r);
+    if (r != NVML_OK)
+        return r;
+    if (!fn)
+        return NVML_FUNCTION_NOT_FOUND;
+    if (!in || !list)
+        return fn(dev, list);
+    struct list_call c = {(void *)fn, dev, list, 0, call_detail};
+    return own_entries(&c, &list->num, list->array, 32, 0, NVML_OK, NULL);
+}
+
+/* ---- utilisation: the container's own -------------------------------------------------------
+ *
+ * Per process: the driver's samples of the container's processes only (NVML_ERROR_NOT_FOUND when
+ * none of them ran: what the driver says when no process did). The card's rates: the sum of the
+ * container's processes' samples (SM and memory, at most 100), 0 when none of them ran; never the
+ * card's own rates, which are everyone's. */
+typedef struct { unsigned int pid; unsigned long long ts; unsigned int sm, mem, enc, dec; } util_sample;
+typedef int (*putil_fn)(void *, util_sample *, unsigned int *, unsigned long long);
+static int call_putil(struct list_call *c, unsigned int *n, void *buf)
+{
+    return ((putil_fn)c->fn)(c->dev, buf, n, c->stamp);
+}
+
+int nvmlDeviceGetProcessUtilization(void *dev, util_sample *util, unsigned int *count, unsigned long long since);
+int nvmlDeviceGetProcessUtilization(void *dev, util_sample *util, unsigned int *count, unsigned long long since)
+{
+    int r;
+    putil_fn fn = (putil_fn)real_nvml("nvmlDeviceGetProcessUtilization");
+    int in = contained(&r);
+    if (r != NVML_OK)
+        return r;
+    if (!fn)
+        return NVML_FUNCTION_NOT_FOUND;
+    if (!in || !count)
+        return fn(dev, util, count, since);
+    struct list_call c = {(void *)fn, dev, NULL, since, call_putil};
+    return own_entries(&c, count, util, sizeof(util_sample), 0, NVML_NOT_FOUND, NULL);
+}
+
+typedef struct { unsigned long long ts; unsigned int pid, sm, mem, enc, dec, jpg, ofa; } util_info;
+typedef struct { unsigned int version, num; unsigned long long since; util_info *array; } utils_info;
+typedef int (*utils_fn)(void *, utils_info *);
+static int call_utils(struct list_call *c, unsigned int *n, void *buf)
+{
+    utils_info u = *(utils_info *)c->arg;
+    u.num = *n;
+    u.array = buf;
+    int r = ((utils_fn)c->fn)(c->dev, &u);
+    *n = u.num;
+    c->stamp = u.since;
+    return r;
+}
+
+int nvmlDeviceGetProcessesUtilizationInfo(void *dev, utils_info *info);
+int nvmlDeviceGetProcessesUtilizationInfo(void *dev, utils_info *info)
+{
+    int r;
+    utils_fn fn = (utils_fn)real_nvml("nvmlDeviceGetProcessesUtilizationInfo");
+    int in = contained(&r);
+    if (r != NVML_OK)
+        return r;
+    if (!fn)
+        return NVML_FUNCTION_NOT_FOUND;
+    if (!in || !info)
+        return fn(dev, info);
+    struct list_call c = {(void *)fn, dev, info, info->since, call_utils};
+    r = own_entries(&c, &info->num, info->array, sizeof(util_info), 8, NVML_NOT_FOUND, NULL);
+    if (r == NVML_OK)
+        info->since = c.stamp;
+    return r;
+}
+
+/* The container's processes' latest samples summed (SM, memory, encoder, decoder; each at most
+ * 100), all 0 when none of them ran; NVML_NOT_SUPPORTED without per-process samples (never the
+ * card's own figures: they are everyone's). */
+static int own_sums(void *dev, unsigned int sum[4])
+{
+    putil_fn pfn = (putil_fn)real_nvml("nvmlDeviceGetProcessUtilization");
+    util_sample own[CGPU_MAX_PROCS];  /* (8 KiB of stack) */
+    unsigned int n = CGPU_MAX_PROCS;
+    memset(sum, 0, 4 * sizeof *sum);
+    if (!pfn)
+        return NVML_NOT_SUPPORTED;
+    struct list_call c = {(void *)pfn, dev, NULL, 0, call_putil};
+    int r = own_entries(&c, &n, own, sizeof *own, 0, NVML_NOT_FOUND, NULL);
+    if (r == NVML_NOT_FOUND)
+        return NVML_OK;
+    if (r != NVML_OK)
+        return r == NVML_INSUFFICIENT_SIZE ? NVML_UNKNOWN : r;  /* (more than 256 of its own: never) */
+    for (unsigned int k = 0; k < n; k++) {
+        sum[0] += own[k].sm, sum[1] += own[k].mem, sum[2] += own[k].enc, sum[3] += own[k].dec;
+    }
+    for (int k = 0; k < 4; k++)
+        sum[k] = sum[k] > 100 ? 100 : sum[k];
+    return NVML_OK;
+}
+
+typedef struct { unsigned int gpu, memory; } nvml_utilization;
+typedef int (*rates_fn)(void *, nvml_utilization *);
+int nvmlDeviceGetUtilizationRates(void *dev, nvml_utilization *u);
+int nvmlDeviceGetUtilizationRates(void *dev, nvml_utilization *u)
+{
+    int r;
+    rates_fn fn = (rates_fn)real_nvml("nvmlDeviceGetUtilizationRates");
+    int in = contained(&r);
+    if (r != NVML_OK)
+        return r;
+    if (!fn)
+        return NVML_FUNCTION_NOT_FOUND;
+    if (!in || !u)
+        return fn(dev, u);
+    r = fn(dev, u);  /* (the driver checks the device and says whether the card has rates at all) */
+    if (r != NVML_OK)
+        return r;
+    unsigned int sum[4];
+    if ((r = own_sums(dev, sum)) != NVML_OK) {
+        memset(u, 0, sizeof *u);
+        return r;
+    }
+    u->gpu = sum[0];
+    u->memory = sum[1];
+    return NVML_OK;
+}
+
+/* The video engines: the sum of the container's processes' encoder (decoder) samples, the driver's
+ * sampling period. */
+typedef int (*video_fn)(void *, unsigned int *, unsigned int *);
+static int own_video(const char *name, int dec, void *dev, unsigned int *util, unsigned int *period)
+{
+    int r;
+    video_fn fn = (video_fn)real_nvml(name);
+    int in = contained(&r);
+    if (r != NVML_OK)
+        return r;
+    if (!fn)
+        return NVML_FUNCTION_NOT_FOUND;
+    if (!in || !util || !period)
+        return fn(dev, util, period);
+    if ((r = fn(dev, util, period)) != NVML_OK)  /* (the driver's checks, and its sampling period) */
+        return r;
+    unsigned int sum[4];
+    r = own_sums(dev, sum);
+    *util = r == NVML_OK ? sum[dec ? 3 : 2] : 0;
+    return r;
+}
+
+int nvmlDeviceGetEncoderUtilization(void *dev, unsigned int *util, unsigned int *period);
+int nvmlDeviceGetEncoderUtilization(void *dev, unsigned int *util, unsigned int *period)
+{
+    return own_video("nvmlDeviceGetEncoderUtilization", 0, dev, util, period);
+}
+
+int nvmlDeviceGetDecoderUtilization(void *dev, unsigned int *util, unsigned int *period);
+int nvmlDeviceGetDecoderUtilization(void *dev, unsigned int *util, unsigned int *period)
+{
+    return own_video("nvmlDeviceGetDecoderUtilization", 1, dev, util, period);
+}
+
+/* ---- the card's sensors: power, energy, temperature, fan, performance state, clocks ----------
+ *
+ * They follow the whole card's load (a neighbour's kernels draw power, heat it, raise its clocks
+ * and its performance state), and there is no share of them that is the container's: inside a
+ * container they are NVML_ERROR_NOT_SUPPORTED (nvidia-smi prints N/A), after the driver has
+ * checked the call (its own errors stay). */
+#define HIDDEN_SENSOR(name, params, args)                                                          \
+    int name params;                                                                                \
+    int name params                                                                                 \
+    {                                                                                               \
+        int r;                                                                                      \
+        int (*fn) params = (int (*) params)real_nvml(#name);                                        \
+        int in = contained(&r);                                                                     \
+        if (r != NVML_OK)                                                                           \
+            return r;                                                                               \
+        if (!fn)                                                                                    \
+            return NVML_FUNCTION_NOT_FOUND;                                                         \
+        r = fn args;                                                                                \
+        return in && r == NVML_OK ? NVML_NOT_SUPPORTED : r;                                         \
+    }
+HIDDEN_SENSOR(nvmlDeviceGetPowerUsage, (void *dev, unsigned int *mw), (dev, mw))
+HIDDEN_SENSOR(nvmlDeviceGetTotalEnergyConsumption, (void *dev, unsigned long long *mj), (dev, mj))
+HIDDEN_SENSOR(nvmlDeviceGetTemperature, (void *dev, int sensor, unsigned int *c), (dev, sensor, c))
+HIDDEN_SENSOR(nvmlDeviceGetFanSpeed, (void *dev, unsigned int *pct), (dev, pct))
+HIDDEN_SENSOR(nvmlDeviceGetPerformanceState, (void *dev, int *pstate), (dev, pstate))
+HIDDEN_SENSOR(nvmlDeviceGetClockInfo, (void *dev, int type, unsigned int *mhz), (dev, type, mhz))
+
+/* Our wrapper of an NVML name (interpose.c's dlsym asks), NULL if it is not one: every NVML name
+ * libcgpu wraps. */
+void *nvml_ours(const char *name)
+{
+    static const struct { const char *name; void *fn; } NAMES[] = {
+#define N(f) {#f, (void *)f}
+        N(nvmlDeviceGetMemoryInfo), N(nvmlDeviceGetMemoryInfo_v2),
+        N(nvmlDeviceGetComputeRunningProcesses), N(nvmlDeviceGetComputeRunningProcesses_v2),
+        N(nvmlDeviceGetComputeRunningProcesses_v3), N(nvmlDeviceGetGraphicsRunningProcesses),
+        N(nvmlDeviceGetGraphicsRunningProcesses_v2), N(nvmlDeviceGetGraphicsRunningProcesses_v3),
+        N(nvmlDeviceGetMPSComputeRunningProcesses), N(nvmlDeviceGetMPSComputeRunningProcesses_v2),
+        N(nvmlDeviceGetMPSComputeRunningProcesses_v3), N(nvmlDeviceGetRunningProcessDetailList),
+        N(nvmlDeviceGetProcessUtilization), N(nvmlDeviceGetProcessesUtilizationInfo),
+        N(nvmlDeviceGetUtilizationRates), N(nvmlDeviceGetEncoderUtilization), N(nvmlDeviceGetDecoderUtilization),
+        N(nvmlDeviceGetPowerUsage), N(nvmlDeviceGetTotalEnergyConsumption), N(nvmlDeviceGetTemperature),
+        N(nvmlDeviceGetFanSpeed), N(nvmlDeviceGetPerformanceState), N(nvmlDeviceGetClockInfo),
+#undef N
+    };
+    for (size_t i = 0; i < sizeof NAMES / sizeof *NAMES; i++)
+        if (!strcmp(name, NAMES[i].name))
+            return NAMES[i].fn;
+    return NULL;
 }

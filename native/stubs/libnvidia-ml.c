@@ -9,8 +9,13 @@
  *   init <rc>                     what nvmlInit* returns (default 0)
  *   driver <version>
  *   gpu <i> <minor> <total> <used> <util> <memutil> <uuid> <name...>
- *   proc <i> <pid> <bytes>        a compute process on GPU i
+ *   proc <i> <pid> <bytes> [kind] a process on GPU i: kind compute (default), graphics or mps
+ *                                 (an MPS client: NVML lists it among the MPS compute processes)
+ *   putil <i> <pid> <sm> <mem> <enc> <dec>   a process's utilisation sample on GPU i (percent,
+ *                                 stamped with the time it is read)
  *   fail <i> <function> <rc>      that device call returns rc for GPU i
+ *   sensors <i> <power mW> <temp C> <fan %> <pstate> <sm clock MHz> <energy mJ> <enc %> <dec %>
+ *                                 what the card's sensors say (everyone's load shows in them)
  *   cuda <state file> [offset]    also every live process the stand-in libcuda's state file
  *                                 (libcuda.c) says holds memory on card i, as on GPU i: what
  *                                 its allocations and its contexts take (the driver's view);
@@ -20,15 +25,19 @@
  * Built by tests/nvml_stub.py with gcc -shared -Wl,-soname,libnvidia-ml.so.1.
  */
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int nvmlReturn_t;
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
+#define NVML_ERROR_NOT_FOUND 6
+#define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 #define NVML_ERROR_UNKNOWN 999
 
 #define MAX_GPUS 16
@@ -46,21 +55,65 @@ typedef struct {
     unsigned int pid;
     unsigned long long usedGpuMemory;
     unsigned int gpuInstanceId, computeInstanceId;
-} nvmlProcessInfo_t;
+} nvmlProcessInfo_t;  /* nvmlProcessInfo_v2_t; _v3 has the same layout */
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+} nvmlProcessInfo_v1_t;
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId, computeInstanceId;
+    unsigned long long usedGpuCcProtectedMemory;
+} nvmlProcessDetail_v1_t;
+
+typedef struct {
+    unsigned int version, mode, numProcArrayEntries;
+    nvmlProcessDetail_v1_t *procArray;
+} nvmlProcessDetailList_v1_t;
+#define nvmlProcessDetailList_v1 (sizeof(nvmlProcessDetailList_v1_t) | (1u << 24))
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
+
+typedef struct {
+    unsigned long long timeStamp;
+    unsigned int pid, smUtil, memUtil, encUtil, decUtil, jpgUtil, ofaUtil;
+} nvmlProcessUtilizationInfo_v1_t;
+
+typedef struct {
+    unsigned int version, processSamplesCount;
+    unsigned long long lastSeenTimeStamp;
+    nvmlProcessUtilizationInfo_v1_t *procUtilArray;
+} nvmlProcessesUtilizationInfo_v1_t;
+#define nvmlProcessesUtilizationInfo_v1 (sizeof(nvmlProcessesUtilizationInfo_v1_t) | (1u << 24))
 
 struct gpu {
     int present;
     unsigned int minor, util, memutil;
     unsigned long long total, used;
     char uuid[96], name[96];
+    unsigned int power, temp, fan, pstate, clock, enc, dec;
+    unsigned long long energy;
     char fail_fn[8][96];
     int fail_rc[8];
     int nfail;
 };
 
+enum { COMPUTE, GRAPHICS, MPS };  /* NVML's process modes (nvmlProcessMode_t) */
 struct proc {
     unsigned int gpu, pid;
     unsigned long long bytes;
+    int kind;
+};
+
+struct putil {
+    unsigned int gpu, pid, sm, mem, enc, dec;
 };
 
 static struct {
@@ -70,6 +123,8 @@ static struct {
     int ngpus;
     struct proc procs[MAX_PROCS];
     int nprocs;
+    struct putil putils[MAX_PROCS];
+    int nputils;
 } cfg;
 
 static int refcount;
@@ -88,7 +143,7 @@ static void load(void) {
     char line[512];
     while (fgets(line, sizeof line, f)) {
         line[strcspn(line, "\n")] = 0;
-        unsigned int i, a, b, c;
+        unsigned int i, a, b, c, e, d, ve, vd;
         unsigned long long x, y;
         int n = 0, rc;
         char word[96];
@@ -108,8 +163,20 @@ static void load(void) {
             snprintf(g->name, sizeof g->name, "%s", line + n);
             if ((int)i + 1 > cfg.ngpus)
                 cfg.ngpus = i + 1;
-        } else if (sscanf(line, "proc %u %u %llu", &i, &a, &x) == 3 && i < MAX_GPUS && cfg.nprocs < MAX_PROCS) {
-            cfg.procs[cfg.nprocs++] = (struct proc){i, a, x};
+        } else if ((n = sscanf(line, "proc %u %u %llu %95s", &i, &a, &x, word)) >= 3 && i < MAX_GPUS
+                   && cfg.nprocs < MAX_PROCS) {
+            int kind = n == 3 || !strcmp(word, "compute") ? COMPUTE : !strcmp(word, "graphics") ? GRAPHICS
+                     : !strcmp(word, "mps") ? MPS : -1;
+            if (kind >= 0)
+                cfg.procs[cfg.nprocs++] = (struct proc){i, a, x, kind};
+        } else if (sscanf(line, "putil %u %u %u %u %u %u", &i, &a, &b, &c, &e, &d) == 6 && i < MAX_GPUS
+                   && cfg.nputils < MAX_PROCS) {
+            cfg.putils[cfg.nputils++] = (struct putil){i, a, b, c, e, d};
+        } else if (sscanf(line, "sensors %u %u %u %u %u %u %llu %u %u", &i, &a, &b, &c, &e, &d, &x, &ve, &vd) == 9
+                   && i < MAX_GPUS) {
+            struct gpu *g = &cfg.gpus[i];
+            g->power = a, g->temp = b, g->fan = c, g->pstate = e, g->clock = d, g->energy = x;
+            g->enc = ve, g->dec = vd;
         } else if (strncmp(line, "cuda ", 5) == 0) {
             cuda_processes(line + 5);
         } else if (sscanf(line, "fail %u %63s %d", &i, word, &rc) == 3 && i < MAX_GPUS && cfg.gpus[i].nfail < 8) {
@@ -135,7 +202,8 @@ static void cuda_processes(const char *line) {
         fclose(f);
     for (size_t k = 0; k < n && cfg.nprocs < MAX_PROCS; k++)
         if (r[k].pid > 0 && r[k].bytes && r[k].dev >= 0 && r[k].dev < MAX_GPUS && kill(r[k].pid, 0) == 0)
-            cfg.procs[cfg.nprocs++] = (struct proc){(unsigned)r[k].dev, (unsigned)r[k].pid + offset, r[k].bytes};
+            cfg.procs[cfg.nprocs++] = (struct proc){(unsigned)r[k].dev, (unsigned)r[k].pid + offset, r[k].bytes,
+                                                    COMPUTE};
 }
 
 /* Load the file, check initialisation and the handle; the GPU or NULL (*rc says why). */
@@ -304,24 +372,20 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(void *dev, nvmlUtilization_t *util) {
     return NVML_SUCCESS;
 }
 
-/* As the driver does: with too small a buffer (or none), say how many there are.
- * Built with -DSTUB_OLD_DRIVER it is _v2 only, as drivers before R510 are. */
-#ifdef STUB_OLD_DRIVER
-#define PROCS_FN "nvmlDeviceGetComputeRunningProcesses_v2"
-nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(void *dev, unsigned int *count, nvmlProcessInfo_t *infos) {
-#else
-#define PROCS_FN "nvmlDeviceGetComputeRunningProcesses_v3"
-nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(void *dev, unsigned int *count, nvmlProcessInfo_t *infos) {
-#endif
+/* The processes of one kind on GPU g, as the driver lists them: with too small a buffer (or
+ * none), NVML_ERROR_INSUFFICIENT_SIZE and how many there are; none at all is NVML_SUCCESS with 0.
+ * `size` is the caller's struct (v1: pid and memory; v2 and v3: also the GPU and compute
+ * instance, NVML_VALUE_NOT_AVAILABLE without MIG). */
+static nvmlReturn_t list_procs(void *dev, const char *fn, int kind, unsigned int *count, void *infos, size_t size) {
     nvmlReturn_t rc;
-    struct gpu *g = device(dev, PROCS_FN, &rc);
+    struct gpu *g = device(dev, fn, &rc);
     if (!g)
         return rc;
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     unsigned int n = 0;
     for (int k = 0; k < cfg.nprocs; k++)
-        if (&cfg.gpus[cfg.procs[k].gpu] == g)
+        if (&cfg.gpus[cfg.procs[k].gpu] == g && cfg.procs[k].kind == kind)
             n++;
     if (n == 0) {
         *count = 0;
@@ -332,9 +396,180 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(void *dev, unsigned int *co
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
     unsigned int j = 0;
-    for (int k = 0; k < cfg.nprocs; k++)
-        if (&cfg.gpus[cfg.procs[k].gpu] == g)
-            infos[j++] = (nvmlProcessInfo_t){cfg.procs[k].pid, cfg.procs[k].bytes, 0xFFFFFFFFu, 0xFFFFFFFFu};
+    for (int k = 0; k < cfg.nprocs; k++) {
+        struct proc *p = &cfg.procs[k];
+        if (&cfg.gpus[p->gpu] != g || p->kind != kind)
+            continue;
+        if (size == sizeof(nvmlProcessInfo_v1_t))
+            ((nvmlProcessInfo_v1_t *)infos)[j++] = (nvmlProcessInfo_v1_t){p->pid, p->bytes};
+        else if (size == sizeof(nvmlProcessInfo_t))
+            ((nvmlProcessInfo_t *)infos)[j++] = (nvmlProcessInfo_t){p->pid, p->bytes, 0xFFFFFFFFu, 0xFFFFFFFFu};
+        else
+            ((nvmlProcessDetail_v1_t *)infos)[j++] = (nvmlProcessDetail_v1_t){p->pid, p->bytes, 0xFFFFFFFFu,
+                                                                              0xFFFFFFFFu, 0};
+    }
     *count = n;
     return NVML_SUCCESS;
+}
+
+#define PROCS(name, kind, type)                                                                     \
+    nvmlReturn_t name(void *dev, unsigned int *count, type *infos) {                               \
+        return list_procs(dev, #name, kind, count, infos, sizeof(type));                           \
+    }
+/* Built with -DSTUB_OLD_DRIVER it has no _v3, as drivers before R510. */
+PROCS(nvmlDeviceGetComputeRunningProcesses, COMPUTE, nvmlProcessInfo_v1_t)
+PROCS(nvmlDeviceGetComputeRunningProcesses_v2, COMPUTE, nvmlProcessInfo_t)
+PROCS(nvmlDeviceGetGraphicsRunningProcesses, GRAPHICS, nvmlProcessInfo_v1_t)
+PROCS(nvmlDeviceGetGraphicsRunningProcesses_v2, GRAPHICS, nvmlProcessInfo_t)
+PROCS(nvmlDeviceGetMPSComputeRunningProcesses, MPS, nvmlProcessInfo_v1_t)
+PROCS(nvmlDeviceGetMPSComputeRunningProcesses_v2, MPS, nvmlProcessInfo_t)
+#ifndef STUB_OLD_DRIVER
+PROCS(nvmlDeviceGetComputeRunningProcesses_v3, COMPUTE, nvmlProcessInfo_t)
+PROCS(nvmlDeviceGetGraphicsRunningProcesses_v3, GRAPHICS, nvmlProcessInfo_t)
+PROCS(nvmlDeviceGetMPSComputeRunningProcesses_v3, MPS, nvmlProcessInfo_t)
+
+/* R550's one call for all three (mode: compute, graphics, MPS). */
+nvmlReturn_t nvmlDeviceGetRunningProcessDetailList(void *dev, nvmlProcessDetailList_v1_t *list) {
+    if (!list)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (list->version != nvmlProcessDetailList_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    if (list->mode > MPS)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return list_procs(dev, "nvmlDeviceGetRunningProcessDetailList", (int)list->mode, &list->numProcArrayEntries,
+                      list->procArray, sizeof(nvmlProcessDetail_v1_t));
+}
+#endif
+
+static unsigned long long now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    return (unsigned long long)t.tv_sec * 1000000 + (unsigned long long)t.tv_nsec / 1000;
+}
+
+/* The processes' utilisation samples on a GPU newer than `since` (CPU time in µs) into `out`;
+ * their number, or -1 and *rc. */
+static int samples(void *dev, const char *fn, unsigned long long since, struct putil **out, nvmlReturn_t *rc,
+                   unsigned long long *stamp) {
+    struct gpu *g = device(dev, fn, rc);
+    if (!g)
+        return -1;
+    *stamp = now_us();
+    int n = 0;
+    if (since < *stamp)
+        for (int k = 0; k < cfg.nputils; k++)
+            if (&cfg.gpus[cfg.putils[k].gpu] == g)
+                out[n++] = &cfg.putils[k];
+    return n;
+}
+
+/* A NULL buffer or too small: NVML_ERROR_INSUFFICIENT_SIZE and how many; no samples:
+ * NVML_ERROR_NOT_FOUND (nvml.h). */
+nvmlReturn_t nvmlDeviceGetProcessUtilization(void *dev, nvmlProcessUtilizationSample_t *util, unsigned int *count,
+                                             unsigned long long lastSeenTimeStamp) {
+    struct putil *found[MAX_PROCS];
+    unsigned long long stamp;
+    nvmlReturn_t rc;
+    int n = samples(dev, "nvmlDeviceGetProcessUtilization", lastSeenTimeStamp, found, &rc, &stamp);
+    if (n < 0)
+        return rc;
+    if (!count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (n == 0)
+        return NVML_ERROR_NOT_FOUND;
+    if (!util || *count < (unsigned)n) {
+        *count = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (int k = 0; k < n; k++)
+        util[k] = (nvmlProcessUtilizationSample_t){found[k]->pid, stamp, found[k]->sm, found[k]->mem, found[k]->enc,
+                                                   found[k]->dec};
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+#ifndef STUB_OLD_DRIVER
+/* R550's form: a versioned struct (NVML_ERROR_ARGUMENT_VERSION_MISMATCH for another version). */
+nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(void *dev, nvmlProcessesUtilizationInfo_v1_t *info) {
+    struct putil *found[MAX_PROCS];
+    unsigned long long stamp;
+    nvmlReturn_t rc;
+    if (!info)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlProcessesUtilizationInfo_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    int n = samples(dev, "nvmlDeviceGetProcessesUtilizationInfo", info->lastSeenTimeStamp, found, &rc, &stamp);
+    if (n < 0)
+        return rc;
+    if (n == 0)
+        return NVML_ERROR_NOT_FOUND;
+    if (!info->procUtilArray || info->processSamplesCount < (unsigned)n) {
+        info->processSamplesCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (int k = 0; k < n; k++)
+        info->procUtilArray[k] = (nvmlProcessUtilizationInfo_v1_t){stamp, found[k]->pid, found[k]->sm, found[k]->mem,
+                                                                   found[k]->enc, found[k]->dec, 0, 0};
+    info->processSamplesCount = n;
+    info->lastSeenTimeStamp = stamp;
+    return NVML_SUCCESS;
+}
+#endif
+
+/* The card's sensors (nvml.h's units: mW, mJ, °C, %, MHz). */
+#define SENSOR(name, type, expr, ...)                                                               \
+    nvmlReturn_t name(void *dev, ##__VA_ARGS__) {                                                   \
+        nvmlReturn_t rc;                                                                            \
+        struct gpu *g = device(dev, #name, &rc);                                                    \
+        if (!g)                                                                                     \
+            return rc;                                                                              \
+        if (!out)                                                                                   \
+            return NVML_ERROR_INVALID_ARGUMENT;                                                     \
+        *out = (type)(expr);                                                                        \
+        return NVML_SUCCESS;                                                                        \
+    }
+SENSOR(nvmlDeviceGetPowerUsage, unsigned int, g->power, unsigned int *out)
+SENSOR(nvmlDeviceGetTotalEnergyConsumption, unsigned long long, g->energy, unsigned long long *out)
+SENSOR(nvmlDeviceGetFanSpeed, unsigned int, g->fan, unsigned int *out)
+SENSOR(nvmlDeviceGetPerformanceState, int, g->pstate, int *out)
+
+nvmlReturn_t nvmlDeviceGetTemperature(void *dev, int sensor, unsigned int *out) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, "nvmlDeviceGetTemperature", &rc);
+    if (!g)
+        return rc;
+    if (sensor != 0 || !out)  /* NVML_TEMPERATURE_GPU is the only sensor */
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *out = g->temp;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetClockInfo(void *dev, int type, unsigned int *out) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, "nvmlDeviceGetClockInfo", &rc);
+    if (!g)
+        return rc;
+    if (type < 0 || type > 3 || !out)  /* graphics, SM, memory, video */
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *out = type == 2 ? 5001 : g->clock;
+    return NVML_SUCCESS;
+}
+
+/* The video engines' utilisation over the last sampling period (167 ms on a T4). */
+static nvmlReturn_t video(void *dev, const char *fn, int dec, unsigned int *util, unsigned int *period) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, fn, &rc);
+    if (!g)
+        return rc;
+    if (!util || !period)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *util = dec ? g->dec : g->enc;
+    *period = 167000;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetEncoderUtilization(void *dev, unsigned int *util, unsigned int *period) {
+    return video(dev, "nvmlDeviceGetEncoderUtilization", 0, util, period);
+}
+nvmlReturn_t nvmlDeviceGetDecoderUtilization(void *dev, unsigned int *util, unsigned int *period) {
+    return video(dev, "nvmlDeviceGetDecoderUtilization", 1, util, period);
 }
