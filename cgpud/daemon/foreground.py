@@ -14,7 +14,9 @@ NOTIFY_SOCKET), once it has handed over, stays as a thin relay:
 - which daemon serves now is written in the state directory's lock file
   (cgpud.state.lock), and the relay follows it;
 - SIGINT, SIGTERM and SIGHUP are passed to the serving daemon; when that one
-  ends without handing over, the relay ends with its exit status.
+  ends without handing over, the relay ends with its exit status (one that
+  had handed over is followed to its successor however it ended: a Ctrl-C
+  may kill it by SIGINT while it is ending).
 The relay holds nothing of the daemon's (no mount, socket, lock or cgroup).
 """
 from __future__ import annotations
@@ -69,8 +71,11 @@ def relay(successor: int, state_dir: str) -> int:
             continue  # something a daemon left behind, reaped
         status = os.waitstatus_to_exitcode(raw)
         after = _serving(state_dir)
-        if status == 0 and after is not None and after != current and os.path.exists(f"/proc/{after}"):
-            current = after  # it handed over in turn: its successor is our child now
+        # It handed over in turn: its successor is our child now. Whatever its own end: a Ctrl-C
+        # that reaches the whole process group while it is ending after a hand-over kills it by
+        # SIGINT, and the daemon that serves now is the one the Ctrl-C is for.
+        if after is not None and after != current and os.path.exists(f"/proc/{after}"):
+            current = after
             log.info("pid %d serves now", current)
             continue
         return 128 - status if status < 0 else status
