@@ -149,7 +149,9 @@ def test_a_collective_on_two_gpus_beside_a_one_gpu_instance_spins_on_neither(mak
     halves spin while GPU 0's gate holds their peers, two thirds of the time.)"""
     d = make_daemon(gpus="sim:2xT4", extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
     r = gang_beside_one(d, libs, tmp_path, 4)
-    assert r["spin"][0] < 0.05 and r["spin"][1] < 0.05, r
+    # (gates per GPU spin ~0.67 of GPU 1's time; a loaded 2-core machine lets a few halves wait for a
+    # peer across a closing: 0.07 was seen at load 10, under 0.01 alone; the figure is bench/gang.py's)
+    assert r["spin"][0] < 0.15 and r["spin"][1] < 0.15, r
     assert 0.25 <= r["share0"] <= 0.42, r  # policy: 1/3 (the figure, within 1 pp: bench/gang.py)
     assert r["x_on"][1] > 0.5 * r["x_on"][0], r  # (it ran on GPU 1 as much: with GPU 0, not in its absence)
 
