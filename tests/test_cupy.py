@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cgpud.gpus import pages
-from real_cuda import env, kernels
+from real_cuda import UUID, env, kernels
 
 MIB = 1 << 20
 MEMSIZE = 1024 * MIB  # the container's
@@ -115,18 +115,21 @@ def test_the_memory_pools_frees_come_back_to_the_page(stubs, tmp_path, container
     assert out == [str(192 * MIB), str(192 * MIB), "0", "0", "0", "0", "0"], out
 
 
+# three launches of an ElementwiseKernel over 128,000 floats (n0: the card's kernels before them)
+THREE_KERNELS = """
+twice = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 2 * x", "twice")
+x = cupy.ones(128000, dtype=cupy.float32)
+n0 = len(open(os.environ["CGPU_STUB_CUDA_LOG"]).readlines())
+for _ in range(3):
+    y = twice(x)
+cupy.cuda.Device().synchronize()
+"""
+
+
 def test_an_elementwise_kernel_compiled_by_nvrtc_runs_on_the_card(stubs, tmp_path, container):
     """An ElementwiseKernel (NVRTC compiles it to a cubin; the runtime loads it as a library) over
     128,000 floats: CuPy launches 1,000 blocks of 128, a kernel of 1 ms on the stand-in."""
-    out = cupy(stubs, tmp_path, container, """
-        twice = cupy.ElementwiseKernel("float32 x", "float32 y", "y = 2 * x", "twice")
-        x = cupy.ones(128000, dtype=cupy.float32)
-        n0 = len(open(os.environ["CGPU_STUB_CUDA_LOG"]).readlines())
-        for _ in range(3):
-            y = twice(x)
-        cupy.cuda.Device().synchronize()
-        print(n0, os.getpid())
-    """)
+    out = cupy(stubs, tmp_path, container, THREE_KERNELS + "print(n0, os.getpid())\n")
     n0, pid = int(out[0]), int(out[1])
     ks = kernels(tmp_path)[n0:]
     assert [(p, e - s) for p, s, e in ks] == [(pid, 1_000_000)] * 3, ks
@@ -176,3 +179,59 @@ def test_two_cupy_loops_at_1_to_2_get_1_to_2_of_the_card_through_the_gate(make_d
     assert t1 - t0 > 2.5e9, (t0, t1)
     ratio = median_ratio(logs, t0, t1)
     assert 1.6 <= ratio <= 2.4, ratio
+
+
+IN_CONTAINER = """
+import os, cupy
+from cupy.cuda import runtime
+state = os.environ["CGPU_STUB_CUDA_STATE"]
+used = lambda: int.from_bytes(open(state, "rb").read(8), "little") if os.path.exists(state) else 0
+free, total = runtime.memGetInfo()
+print(runtime.runtimeGetVersion() // 1000, free, total, runtime.getDeviceProperties(0)["totalGlobalMem"])
+before = used()
+for size in (total + 1, free + 1):  # past memsize, past what is free
+    try:
+        cupy.empty(size, dtype=cupy.uint8)
+        print("allocated")
+    except cupy.cuda.memory.OutOfMemoryError:
+        print("OutOfMemoryError")
+print(used() - before, runtime.memGetInfo()[0] - free)
+""" + THREE_KERNELS + """
+print(n0, open("/etc/ld.so.preload").read().strip(), open("/etc/debian_version").read().strip())
+"""
+
+
+@pytest.mark.timeout(900)  # (a fresh machine's first scripts/rootfs.sh bookworm runs debootstrap: minutes)
+def test_cupy_in_a_hooks_d_podman_container_is_held_to_its_memsize(make_daemon, stubs, tmp_path):
+    """A real container: podman with the hooks.d hook only, its root filesystem Debian bookworm
+    (an overlay on scripts/rootfs.sh's), this Python and its .venv (CuPy, NVIDIA's runtime and
+    NVRTC from their wheels) bind-mounted read-only at their own paths, the stand-in driver in
+    /share. The hook joins it to cgpud with 1 GiB and preloads libcgpu: CuPy inside sees 1 GiB as
+    the card, `cupy.empty` past it raises OutOfMemoryError taking nothing, and an
+    ElementwiseKernel runs its 1 ms kernels on the card."""
+    from test_libcgpu import debian_root
+    from test_podman import glibc_podman
+
+    d, podman, share, _ = glibc_podman(make_daemon, tmp_path)
+    (share / "prog.py").write_text(IN_CONTAINER)
+    with debian_root("bookworm", tmp_path) as bookworm:
+        try:
+            podman.rootfs = bookworm
+            (share / "kernels").touch()
+            e = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib", "CGPU_STUB_CUDA_UUIDS": UUID,
+                 "CGPU_STUB_CUDA_STATE": "/share/card.state", "CGPU_STUB_CUDA_LOG": "/share/kernels",
+                 "CUPY_CACHE_DIR": "/cupy-cache", "HOME": "/tmp"}
+            venv = Path(sys.prefix)
+            p = podman.run(e, os.fspath(venv / "bin" / "python"), "/share/prog.py",
+                           volumes=[f"{sys.base_prefix}:{sys.base_prefix}:ro", f"{venv}:{venv}:ro",
+                                    f"{share}:/share", f"{stubs / 'cupy-cache'}:/cupy-cache"])
+            assert p.returncode == 0, p.stdout + p.stderr
+        finally:
+            podman.cleanup()
+    lines = p.stdout.splitlines()
+    rt, free, total, prop = map(int, lines[0].split())
+    assert (rt, total, prop) == (13, MEMSIZE, MEMSIZE) and 0 <= MEMSIZE - free < CONTEXT_ALLOWANCE, lines
+    assert lines[1:4] == ["OutOfMemoryError", "OutOfMemoryError", "0 0"], lines
+    n0, preload, debian = lines[4].split()
+    assert preload == "/run/cgpu-lib/libcgpu.so" and debian.startswith("12."), lines
+    assert [e - s for _, s, e in kernels(share)[int(n0):]] == [1_000_000] * 3
