@@ -6,6 +6,7 @@ card; and two CuPy loops under policy 2 at 1:2 get 1:2 of the card through the c
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -202,32 +203,47 @@ print(n0, open("/etc/ld.so.preload").read().strip(), open("/etc/debian_version")
 
 
 @pytest.mark.timeout(900)  # (a fresh machine's first scripts/rootfs.sh bookworm runs debootstrap: minutes)
-def test_cupy_in_a_hooks_d_podman_container_is_held_to_its_memsize(make_daemon, stubs, tmp_path):
-    """A real container: podman with the hooks.d hook only, its root filesystem Debian bookworm
-    (an overlay on scripts/rootfs.sh's), this Python and its .venv (CuPy, NVIDIA's runtime and
-    NVRTC from their wheels) bind-mounted read-only at their own paths, the stand-in driver in
-    /share. The hook joins it to cgpud with 1 GiB and preloads libcgpu: CuPy inside sees 1 GiB as
-    the card, `cupy.empty` past it raises OutOfMemoryError taking nothing, and an
-    ElementwiseKernel runs its 1 ms kernels on the card."""
-    from test_libcgpu import debian_root
+@pytest.mark.parametrize("way", ["hook", "cgpu-runtime"])
+def test_cupy_in_a_bookworm_container_is_held_to_its_memsize(make_daemon, stubs, tmp_path, way):
+    """Real containers of Debian bookworm's root filesystem (an overlay on scripts/rootfs.sh's),
+    this Python and its .venv (CuPy, NVIDIA's runtime and NVRTC from their wheels) bind-mounted
+    read-only at their own paths, the stand-in driver in /share: podman with the hooks.d hook only
+    ("hook"), and cgpu-runtime in front of runc ("cgpu-runtime"). Either joins it to cgpud with
+    1 GiB and preloads libcgpu: CuPy inside sees 1 GiB as the card, `cupy.empty` past it raises
+    OutOfMemoryError taking nothing, and an ElementwiseKernel runs its 1 ms kernels on the card."""
+    from test_libcgpu import debian_root, run_prepared
     from test_podman import glibc_podman
 
-    d, podman, share, _ = glibc_podman(make_daemon, tmp_path)
-    (share / "prog.py").write_text(IN_CONTAINER)
+    venv, base = Path(sys.prefix), Path(sys.base_prefix)
+    python = f"{venv / 'bin' / 'python'} /share/prog.py"
+    e = {"CGPU_STUB_CUDA_UUIDS": UUID, "CGPU_STUB_CUDA_LOG": "/share/kernels", "CUPY_CACHE_DIR": "/cupy-cache",
+         "HOME": "/tmp"}
     with debian_root("bookworm", tmp_path) as bookworm:
-        try:
-            podman.rootfs = bookworm
+        if way == "hook":
+            d, podman, share, _ = glibc_podman(make_daemon, tmp_path)
+            (share / "prog.py").write_text(IN_CONTAINER)
             (share / "kernels").touch()
-            e = {"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib", "CGPU_STUB_CUDA_UUIDS": UUID,
-                 "CGPU_STUB_CUDA_STATE": "/share/card.state", "CGPU_STUB_CUDA_LOG": "/share/kernels",
-                 "CUPY_CACHE_DIR": "/cupy-cache", "HOME": "/tmp"}
-            venv = Path(sys.prefix)
-            p = podman.run(e, os.fspath(venv / "bin" / "python"), "/share/prog.py",
-                           volumes=[f"{sys.base_prefix}:{sys.base_prefix}:ro", f"{venv}:{venv}:ro",
-                                    f"{share}:/share", f"{stubs / 'cupy-cache'}:/cupy-cache"])
-            assert p.returncode == 0, p.stdout + p.stderr
-        finally:
-            podman.cleanup()
+            try:
+                podman.rootfs = bookworm
+                e.update(ALIYUN_COM_GPU_MEM_CONTAINER="1", LD_LIBRARY_PATH="/share/lib",
+                         CGPU_STUB_CUDA_STATE="/share/card")
+                p = podman.run(e, "sh", "-c", python, volumes=[
+                    f"{base}:{base}:ro", f"{venv}:{venv}:ro", f"{share}:/share", f"{stubs / 'cupy-cache'}:/cupy-cache"])
+            finally:
+                podman.cleanup()
+        else:
+            share = tmp_path / "share"
+            (share / "lib").mkdir(parents=True)
+            shutil.copy(stubs / "libcuda.so.1", share / "lib")
+            (share / "prog.py").write_text(IN_CONTAINER)
+            (share / "kernels").touch()
+            binds = [{"destination": os.fspath(dst), "type": "bind", "source": os.fspath(src),
+                      "options": ["rbind", mode]}
+                     for src, dst, mode in ((base, base, "ro"), (venv, venv, "ro"),
+                                            (stubs / "cupy-cache", "/cupy-cache", "rw"))]
+            p, _, _, _ = run_prepared(make_daemon, stubs / "libcgpu.so", tmp_path, bookworm, share, python, binds,
+                                      env=e, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
     rt, free, total, prop = map(int, lines[0].split())
     assert (rt, total, prop) == (13, MEMSIZE, MEMSIZE) and 0 <= MEMSIZE - free < CONTEXT_ALLOWANCE, lines
