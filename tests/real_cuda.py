@@ -8,12 +8,14 @@ headers only): a runtime-12 program is built by nvcc 13.5 against CUDA 12.9's he
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sysconfig
 from pathlib import Path
 
 NVIDIA = Path(sysconfig.get_paths()["purelib"]) / "nvidia"
 NVCC = NVIDIA / "cu13" / "bin" / "nvcc"
+ZIG = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python-zig"
 RUNTIMES = {
     12: {"lib": NVIDIA / "cuda_runtime" / "lib", "so": "libcudart.so.12",
          "include": [NVIDIA / "cuda_runtime" / "include", NVIDIA / "cuda_nvcc" / "include"]},
@@ -24,9 +26,13 @@ RUNTIMES = {
 UUID = "GPU-5a1f0c2e-7d3b-4e8a-9c61-0b2d4f6a8e10"
 
 
-def build(source: str, out: Path, runtime: int, arch: str = "sm_75") -> Path:
+def build(source: str, out: Path, runtime: int, arch: str = "sm_75", glibc: str | None = None) -> Path:
     """`source` (CUDA C++) built by nvcc into the program `out`, linked with the runtime's shared
-    libcudart (`-cudart shared`) and finding it through the environment (see env)."""
+    libcudart (`-cudart shared`) and finding it through the environment (see env).
+
+    `glibc` ("2.17"): for an older image than this host (glibc 2.36). nvcc compiles (`-c`, its host
+    side by this gcc, without exceptions or thread-safe statics so that it needs no C++ runtime)
+    and zig's cc links it against that glibc (as native/Makefile builds libcgpu)."""
     rt = RUNTIMES[runtime]
     work = out.parent / f".{out.name}.build"
     work.mkdir(parents=True, exist_ok=True)
@@ -34,13 +40,30 @@ def build(source: str, out: Path, runtime: int, arch: str = "sm_75") -> Path:
     (work / "libcudart.so").symlink_to(rt["lib"] / rt["so"])
     src = work / f"{out.name}.cu"
     src.write_text(source)
-    cmd = [os.fspath(NVCC), f"-arch={arch}", "-cudart", "shared", "-O2", "-o", os.fspath(out), os.fspath(src),
-           "-L", os.fspath(work)]
+    cmd = [os.fspath(NVCC), f"-arch={arch}", "-O2"]
     for inc in rt["include"]:
         cmd += ["-I", os.fspath(inc)]
+    if glibc is None:
+        cmd += ["-cudart", "shared", "-o", os.fspath(out), os.fspath(src), "-L", os.fspath(work)]
+    else:
+        obj = work / f"{out.name}.o"
+        cmd += ["-Xcompiler", "-fno-exceptions,-fno-threadsafe-statics,-fno-asynchronous-unwind-tables",
+                "-c", "-o", os.fspath(obj), os.fspath(src)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    if glibc is not None:
+        r = subprocess.run([os.fspath(ZIG), "cc", "-target", f"x86_64-linux-gnu.{glibc}", "-o", os.fspath(out),
+                            os.fspath(obj), "-L", os.fspath(work), "-lcudart"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
     return out
+
+
+def glibc_needed(path: Path) -> tuple[int, ...]:
+    """The newest GLIBC_ symbol version `path` needs (objdump -T)."""
+    out = subprocess.run(["objdump", "-T", os.fspath(path)], capture_output=True, text=True, check=True).stdout
+    versions = {tuple(map(int, v.split("."))) for v in re.findall(r"GLIBC_([0-9][0-9.]*[0-9])", out)}
+    assert versions, out
+    return max(versions)
 
 
 def env(stubs: Path, runtime: int | None, tmp: Path, preload: bool = True, page_dir: Path | None = None,

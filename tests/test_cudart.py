@@ -19,6 +19,7 @@ import pytest
 
 from cgpud.gpus import pages
 from real_cuda import RUNTIMES, UUID, build, env, kernels
+from test_libcgpu import bullseye  # noqa: F401 (a fixture)
 
 MIB = 1 << 20
 
@@ -330,6 +331,43 @@ def test_a_docker_container_through_cgpu_runtime_runs_the_program_held_to_its_me
         assert [end - start for _, start, end in kernels(share)] == [200_000] * 3
     finally:
         dk.cleanup()
+
+
+@pytest.mark.timeout(900)  # (a fresh machine's first scripts/rootfs.sh bullseye runs debootstrap: minutes)
+def test_runtime_12_and_13_run_in_an_older_glibc_container_held_to_its_memsize(make_daemon, stubs, bullseye,
+                                                                                tmp_path):
+    """A Debian bullseye image (glibc 2.31) run by cgpu-runtime in front of runc, libcgpu in its
+    /etc/ld.so.preload: the probe built by nvcc for each runtime and linked for glibc 2.17 (this
+    host has 2.36), NVIDIA's libcudart.so.12 and .13 (which need 2.17) and the stand-in built for
+    2.17 in /share. Each runtime inside sees 1 GiB as the card, one byte past what is free is
+    cudaErrorMemoryAllocation with nothing taken, and its kernels run on the card."""
+    import shutil
+
+    from real_cuda import glibc_needed
+    from test_libcgpu import old_glibc_stub, run_prepared
+
+    share = tmp_path / "share"
+    (share / "lib").mkdir(parents=True)
+    old_glibc_stub(share / "lib")
+    for rt in RUNTIMES:
+        build(PROBE, share / f"probe{rt}", rt, glibc="2.17")
+        shutil.copy(RUNTIMES[rt]["lib"] / RUNTIMES[rt]["so"], share / "lib")
+        for f in (share / f"probe{rt}", share / "lib" / RUNTIMES[rt]["so"]):
+            assert glibc_needed(f) <= (2, 28), f  # (UBI 8's; bullseye is 2.31)
+    runs = " && ".join(f"/share/probe{rt} info && /share/probe{rt} fill && /share/probe{rt} kernels 3 200"
+                       for rt in sorted(RUNTIMES))
+    r, _, _, _ = run_prepared(make_daemon, stubs / "libcgpu.so", tmp_path, bullseye, share,
+                              f"cat /etc/ld.so.preload; ldd --version | head -1; {runs}", [],
+                              env={"CGPU_STUB_CUDA_UUIDS": UUID, "CGPU_STUB_CUDA_LOG": "/share/kernels"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "/run/cgpu-lib/libcgpu.so" and lines[1].endswith("2.31"), lines
+    for rt, (info, fill, launched) in zip(sorted(RUNTIMES), zip(*[iter(lines[2:])] * 3)):
+        assert int(info.split()[1]) // 1000 == rt, info  # running on runtime `rt`
+        memory(info.split(), 1024 * MIB)
+        filled(fill.split(), 1024 * MIB)
+        assert launched.split()[0] == "cudaSuccess", launched
+    assert [end - start for _, start, end in kernels(share)] == [200_000] * 3 * len(RUNTIMES)
 
 
 def test_pointer_attributes_know_the_cards_memory_and_default_the_rest(stubs, tmp_path):

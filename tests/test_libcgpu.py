@@ -8,6 +8,7 @@ dlopen + dlsym are the clients. The container's pages are made as the daemon
 makes them (cgpud.gpus.pages)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -498,9 +499,11 @@ int main(void) {
 
 
 def run_prepared(make_daemon, lib: Path, tmp_path: Path, rootfs: Path, share: Path, script: str,
-                 extra_mounts: list[dict]) -> tuple[subprocess.CompletedProcess, dict, object, str]:
+                 extra_mounts: list[dict], env: dict | None = None,
+                 timeout: float = 60) -> tuple[subprocess.CompletedProcess, dict, object, str]:
     """`script` (sh) in a container of `rootfs` run by cgpu-runtime in front of real runc, the
-    daemon preparing it with `lib` as its libcgpu; its /share is `share`."""
+    daemon preparing it with `lib` as its libcgpu; its /share is `share`; `env`: more of the
+    container's environment."""
     import json
 
     from test_runc import compiled_hook
@@ -514,16 +517,16 @@ def run_prepared(make_daemon, lib: Path, tmp_path: Path, rootfs: Path, share: Pa
     spec["root"] = {"path": os.fspath(rootfs), "readonly": False}
     spec["process"].update(terminal=False, args=["/bin/sh", "-c", script], env=[
         "PATH=/usr/bin:/bin", "LD_LIBRARY_PATH=/share/lib", "CGPU_STUB_CUDA_STATE=/share/card",
-        "ALIYUN_COM_GPU_MEM_CONTAINER=1"])
+        "ALIYUN_COM_GPU_MEM_CONTAINER=1"] + [f"{k}={v}" for k, v in (env or {}).items()])
     spec["mounts"] += extra_mounts + [{"destination": "/share", "type": "bind", "source": os.fspath(share),
                                        "options": ["rbind", "rw"]}]
     (bundle / "config.json").write_text(json.dumps(spec))
     cid = "cafe" + os.urandom(30).hex()
-    env = {"PATH": os.environ["PATH"], "CGPUD_SOCKET": os.fspath(d.socket)}
+    host_env = {"PATH": os.environ["PATH"], "CGPUD_SOCKET": os.fspath(d.socket)}
     root = ["--root", os.fspath(tmp_path / "runc-root")]
     r = subprocess.run([wrapper(), *root, "run", "--bundle", os.fspath(bundle), cid], capture_output=True,
-                       text=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
-    subprocess.run([wrapper(), *root, "delete", "-f", cid], capture_output=True, env=env, timeout=30)
+                       text=True, env=host_env, stdin=subprocess.DEVNULL, timeout=timeout)
+    subprocess.run([wrapper(), *root, "delete", "-f", cid], capture_output=True, env=host_env, timeout=30)
     return r, json.loads((bundle / "config.json").read_text()), d, cid
 
 
@@ -578,19 +581,38 @@ def test_the_build_fails_if_libcgpu_would_need_a_newer_glibc(tmp_path):
     assert not list((tmp_path / "lib").iterdir())
 
 
-@pytest.fixture
-def bullseye(tmp_path):
-    """Debian bullseye's root filesystem (glibc 2.31, scripts/rootfs.sh's cache) under an overlay
-    of this test's own: the container writes nothing into the cache."""
-    r = subprocess.run([os.fspath(ROOT / "scripts" / "rootfs.sh"), "bullseye"], capture_output=True, text=True)
+@contextlib.contextmanager
+def debian_root(suite: str, tmp_path: Path):
+    """Debian `suite`'s root filesystem (scripts/rootfs.sh's cache) under an overlay of this test's
+    own: the container writes nothing into the cache."""
+    r = subprocess.run([os.fspath(ROOT / "scripts" / "rootfs.sh"), suite], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    layers = {k: tmp_path / "overlay" / k for k in ("upper", "work", "root")}
+    layers = {k: tmp_path / f"overlay-{suite}" / k for k in ("upper", "work", "root")}
     for p in layers.values():
         p.mkdir(parents=True)
     subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={r.stdout.strip()},"
                     f"upperdir={layers['upper']},workdir={layers['work']}", os.fspath(layers["root"])], check=True)
-    yield layers["root"]
-    subprocess.run(["umount", "-l", os.fspath(layers["root"])], check=True)
+    try:
+        yield layers["root"]
+    finally:
+        subprocess.run(["umount", "-l", os.fspath(layers["root"])], check=True)
+
+
+@pytest.fixture
+def bullseye(tmp_path):
+    """Debian bullseye (glibc 2.31), an overlay of this test's own (debian_root)."""
+    with debian_root("bullseye", tmp_path) as root:
+        yield root
+
+
+def old_glibc_stub(lib: Path) -> Path:
+    """The stand-in libcuda.so.1 built by zig for glibc 2.17 into the directory `lib` (for an
+    older image than this host's glibc 2.36)."""
+    cc = f"{ROOT / '.venv' / 'bin' / 'python-zig'} cc -target x86_64-linux-gnu.2.17"
+    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), f"{lib / 'libcuda.so.1'}",
+                        f"STUBS={lib}", f"CC={cc}"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return lib / "libcuda.so.1"
 
 
 @pytest.mark.timeout(900)  # (a fresh machine's first scripts/rootfs.sh bullseye runs debootstrap: minutes)
@@ -601,10 +623,7 @@ def test_an_older_glibc_image_starts_and_is_held(make_daemon, libs, bullseye, tm
     zig = os.fspath(ROOT / ".venv" / "bin" / "python-zig")
     share = tmp_path / "share"
     (share / "lib").mkdir(parents=True)
-    cc = f"{zig} cc -target x86_64-linux-gnu.2.17"
-    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), f"{share / 'lib' / 'libcuda.so.1'}",
-                        f"STUBS={share / 'lib'}", f"CC={cc}"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    old_glibc_stub(share / "lib")
     (tmp_path / "client.c").write_text(MOUNT_CLIENT)
     subprocess.run([zig, "cc", "-target", "x86_64-linux-gnu.2.17", "-o", os.fspath(share / "client"),
                     os.fspath(tmp_path / "client.c"), "-ldl"], check=True)
