@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -17,16 +18,42 @@ from cgpud.k8s import extender
 from cgpud.k8s.api import connect
 
 
+class Extender:
+    """An extender (its own State, its own client) serving on 127.0.0.1 against `api`."""
+
+    def __init__(self, api: ApiServer) -> None:
+        self.api = api
+        self.state = extender.State(*connect()).start()
+        self.server = extender.make_server(self.state, "127.0.0.1", 0)
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/gpushare-scheduler"
+
+    def caught_up(self, timeout: float = 10) -> None:
+        """Wait until the watches have brought every change the API server made (the stand-in's
+        resourceVersions are numbers; the extender never compares them)."""
+        deadline = time.monotonic() + timeout
+        for name, inf in self.state.informers.items():
+            res = self.api.res[name]
+            while res.rvs and int(inf.version or 0) < res.rvs[-1]:
+                assert time.monotonic() < deadline, f"the {name} watch did not catch up"
+                time.sleep(0.005)
+
+    def call(self, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
+        self.caught_up()
+        return call(self.url, path, body, raw)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.state.stop()
+
+
 @pytest.fixture
 def ext(tmp_path, monkeypatch):
     api = ApiServer(tmp_path)
     monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
-    monkeypatch.setattr(extender, "CACHE_SECONDS", 0.0)
-    server = extender.make_server(extender.State(*connect()), "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/gpushare-scheduler"
-    yield api, url
-    server.shutdown()
+    e = Extender(api)
+    yield e
+    e.close()
     api.close()
 
 
@@ -49,24 +76,24 @@ def nodes(api: ApiServer) -> None:
 
 
 def test_filter_keeps_nodes_with_a_gpu_that_has_room(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     pod = api.add_pod("asks8", [8])
-    code, res = call(url, "/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "ghost"]})
+    code, res = ext.call("/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "ghost"]})
     assert code == 200 and res["Error"] == ""
     assert res["NodeNames"] == ["mixed"]
     assert "GPU0 6/15" in res["FailedNodes"]["t4"] and "not known" in res["FailedNodes"]["ghost"]
     # the Nodes form (a scheduler not node-cache-capable)
-    code, res = call(url, "/filter", {"Pod": pod, "Nodes": {"items": [api.nodes["t4"], api.nodes["mixed"]]}})
+    code, res = ext.call("/filter", {"Pod": pod, "Nodes": {"items": [api.nodes["t4"], api.nodes["mixed"]]}})
     assert [n["metadata"]["name"] for n in res["Nodes"]["items"]] == ["mixed"]
 
 
 def test_bind_binpacks_writes_gpushares_annotations_and_binds(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     for name in ("a", "b"):
         api.add_pod(name, [5])
-        code, res = call(url, "/bind", {"PodName": name, "PodNamespace": "default", "PodUID": f"uid-default-{name}",
+        code, res = ext.call("/bind", {"PodName": name, "PodNamespace": "default", "PodUID": f"uid-default-{name}",
                                         "Node": "mixed"})
         assert code == 200 and res == {"Error": ""}, res
     ann = api.pods[("default", "a")]["metadata"]["annotations"]
@@ -78,17 +105,17 @@ def test_bind_binpacks_writes_gpushares_annotations_and_binds(ext):
     assert api.bindings == [("default", "a", "mixed"), ("default", "b", "mixed")]
     assert [(e["involvedObject"]["name"], e["reason"], e["message"]) for e in api.events] == [
         (p, "CgpuAssumed", "5 aliyun.com/gpu-mem on GPU 0 of node mixed (binpack)") for p in ("a", "b")]
-    code, res = call(url, "/inspect/mixed")
+    code, res = ext.call("/inspect/mixed")
     assert res["nodes"][0]["gpus"] == [{"index": 0, "allocated": 10, "total": 15},
                                        {"index": 1, "allocated": 0, "total": 22}]
 
 
 def test_spread_by_the_nodes_label(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     for name in ("s1", "s2"):
         api.add_pod(name, [3])
-        assert call(url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "spread"})[0] == 200
+        assert ext.call("/bind", {"PodName": name, "PodNamespace": "default", "Node": "spread"})[0] == 200
     idx = [api.pods[("default", n)]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] for n in ("s1", "s2")]
     assert idx == ["0", "1"]
 
@@ -102,20 +129,20 @@ def test_spread_by_the_nodes_label(ext):
     ("/bind", {"PodName": "p"}, None, "needs PodName, PodNamespace and Node"),
 ])
 def test_bad_input_is_a_clear_error_and_changes_nothing(ext, path, body, raw, words):
-    api, url = ext
+    api = ext.api
     nodes(api)
     api.add_pod("p", [4])
-    code, res = call(url, path, body, raw)
+    code, res = ext.call(path, body, raw)
     assert code == 400 and words in res["Error"], res
     assert api.bindings == [] and api.events == []
     assert "ALIYUN_COM_GPU_MEM_IDX" not in api.pods[("default", "p")]["metadata"]["annotations"]
 
 
 def test_a_pod_that_no_longer_fits_is_not_bound(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     api.add_pod("big", [7])
-    code, res = call(url, "/bind", {"PodName": "big", "PodNamespace": "default", "Node": "t4"})
+    code, res = ext.call("/bind", {"PodName": "big", "PodNamespace": "default", "Node": "t4"})
     assert code == 400 and "no GPU with 7 free" in res["Error"]
     assert api.bindings == []
 
@@ -124,14 +151,14 @@ def test_concurrent_binds_never_overfill_a_gpu(ext):
     """kube-scheduler binds concurrently: 16 binds at once for 7 pods' worth of room bind exactly 7."""
     from concurrent.futures import ThreadPoolExecutor
 
-    api, url = ext
+    api = ext.api
     nodes(api)
     names = [f"c{k:02d}" for k in range(16)]
     for name in names:
         api.add_pod(name, [5])
 
     def bind(name):
-        return call(url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "mixed"})[0]
+        return ext.call("/bind", {"PodName": name, "PodNamespace": "default", "Node": "mixed"})[0]
 
     with ThreadPoolExecutor(16) as pool:
         codes = list(pool.map(bind, names))
@@ -145,40 +172,37 @@ def test_concurrent_binds_never_overfill_a_gpu(ext):
 
 
 def test_a_binding_the_api_server_refuses_leaves_no_annotation(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     api.add_pod("elsewhere", [2], node="spread")  # already bound: the Binding is a 409
-    api.pods[("default", "elsewhere")]["spec"]["nodeName"] = "spread"
-    code, res = call(url, "/bind", {"PodName": "elsewhere", "PodNamespace": "default", "Node": "mixed"})
+    code, res = ext.call("/bind", {"PodName": "elsewhere", "PodNamespace": "default", "Node": "mixed"})
     assert code == 502 and "409" in res["Error"] and "already assigned to node spread" in res["Error"], res
     ann = api.pods[("default", "elsewhere")]["metadata"]["annotations"]
     assert not any(k.startswith("ALIYUN_COM_GPU_MEM") for k in ann), ann
-    assert call(url, "/inspect/mixed")[1]["nodes"][0]["allocated"] == 0
+    assert ext.call("/inspect/mixed")[1]["nodes"][0]["allocated"] == 0
 
 
 def test_bind_of_a_recreated_pod_is_refused(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     api.add_pod("again", [2])
-    code, res = call(url, "/bind", {"PodName": "again", "PodNamespace": "default", "PodUID": "an-older-uid",
+    code, res = ext.call("/bind", {"PodName": "again", "PodNamespace": "default", "PodUID": "an-older-uid",
                                     "Node": "mixed"})
     assert code == 400 and "recreated" in res["Error"] and api.bindings == []
 
 
 def test_a_pod_asking_for_two_gpus_gets_half_on_each(ext):
     """aliyun.com/gpu-count 2 with 8 units: 4 free on each of two GPUs (SPEC §3), or the node fails."""
-    api, url = ext
+    api = ext.api
     nodes(api)
-    pod = api.add_pod("two", [8])
-    pod["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-count"] = "2"
-    code, res = call(url, "/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "spread"]})
+    pod = api.add_pod("two", [8], count=2)
+    code, res = ext.call("/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "spread"]})
     assert res["NodeNames"] == ["mixed", "spread"] and "no 2 GPU(s) with 4 free" in res["FailedNodes"]["t4"], res
-    assert call(url, "/bind", {"PodName": "two", "PodNamespace": "default", "Node": "mixed"}) == (200, {"Error": ""})
+    assert ext.call("/bind", {"PodName": "two", "PodNamespace": "default", "Node": "mixed"}) == (200, {"Error": ""})
     ann = api.pods[("default", "two")]["metadata"]["annotations"]
     assert ann["ALIYUN_COM_GPU_MEM_IDX"] == "0,1" and ann["ALIYUN_COM_GPU_MEM_POD"] == "8"
-    gpus = call(url, "/inspect/mixed")[1]["nodes"][0]["gpus"]
+    gpus = ext.call("/inspect/mixed")[1]["nodes"][0]["gpus"]
     assert [g["allocated"] for g in gpus] == [4, 4]
-    odd = api.add_pod("odd", [5])
-    odd["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-count"] = "2"
-    code, res = call(url, "/filter", {"Pod": odd, "NodeNames": ["mixed"]})
+    odd = api.add_pod("odd", [5], count=2)
+    code, res = ext.call("/filter", {"Pod": odd, "NodeNames": ["mixed"]})
     assert res["NodeNames"] == [] and "mixed" in res["FailedNodes"], "5 units do not split over 2 GPUs"
