@@ -206,3 +206,140 @@ def test_a_pod_asking_for_two_gpus_gets_half_on_each(ext):
     odd = api.add_pod("odd", [5], count=2)
     code, res = ext.call("/filter", {"Pod": odd, "NodeNames": ["mixed"]})
     assert res["NodeNames"] == [] and "mixed" in res["FailedNodes"], "5 units do not split over 2 GPUs"
+
+
+# ---- at cluster scale: LIST once, then WATCH (issue 22) -----------------------------------------
+
+
+class Process:
+    """`cgpu scheduler-extender` as its own process (as deployed) against `api`."""
+
+    def __init__(self, api: ApiServer, tmp_path) -> None:
+        import os
+        import socket
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.log = open(tmp_path / f"extender-{port}.log", "wb")
+        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "cgpu"), "scheduler-extender", "--addr",
+                                      f"127.0.0.1:{port}"], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, KUBECONFIG=str(api.kubeconfig)))
+        self.url = f"http://127.0.0.1:{port}/gpushare-scheduler"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                call(self.url, "/inspect")
+                break
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "the extender did not start"
+                time.sleep(0.05)
+
+    def passes(self, pod: dict, node: str) -> bool:
+        code, res = call(self.url, "/filter", {"Pod": pod, "NodeNames": [node]})
+        assert code == 200, res
+        return res["NodeNames"] == [node]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+def until(pred, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def proc_api(tmp_path):
+    api = ApiServer(tmp_path, bookmark_every=0.2)
+    nodes(api)
+    procs = []
+
+    def start():
+        procs.append(Process(api, tmp_path))
+        return procs[-1]
+
+    yield api, start
+    for p in procs:
+        p.close()
+    api.close()
+
+
+def test_a_steady_state_is_one_list_per_resource_then_watches_only(proc_api):
+    """Pods come and go on a node for a few seconds: the extender's filter follows each change,
+    and the API server sees one LIST of nodes and one of pods, then watches (no GET, no LIST)."""
+    api, start = proc_api
+    ext = start()
+    asks = {"metadata": {"name": "asks", "namespace": "default"},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "8"}}}]}}
+    ends = time.monotonic() + 3
+    k = 0
+    while time.monotonic() < ends:
+        k += 1  # GPU 1 of "mixed" (22) filled to 15 free: passes; to 7 free: fails; and back
+        api.add_pod(f"churn{k}", [7], node="mixed", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "1"})
+        api.add_pod(f"fill{k}", [15], node="mixed", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "0"})
+        until(lambda: ext.passes(asks, "mixed"), "GPU 1 has 15 free")
+        api.add_pod(f"more{k}", [8], node="mixed", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "1"})
+        until(lambda: not ext.passes(asks, "mixed"), "GPU 1 has 7 free")
+        api.set_phase("default", f"more{k}", "Succeeded")
+        api.delete_pod("default", f"churn{k}")
+        api.delete_pod("default", f"fill{k}")
+        until(lambda: ext.passes(asks, "mixed"), "the pods are gone")
+        api.delete_pod("default", f"more{k}")
+    assert k >= 3
+    assert (api.count("list", "nodes"), api.count("list", "pods")) == (1, 1), api.requests
+    assert api.count("get", "nodes") == api.count("get", "pods") == 0, api.requests
+    assert api.count("watch", "pods") >= 1 and api.count("watch", "nodes") >= 1
+
+
+def test_a_version_gone_410_lists_again_once(proc_api):
+    """The API server goes down, changes meanwhile, and forgets the history (compaction): the watch
+    from the old version is 410 Gone, and the extender LISTs again — once — and sees the change."""
+    api, start = proc_api
+    ext = start()
+    asks = {"metadata": {"name": "asks", "namespace": "default"},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "6"}}}]}}
+    assert ext.passes(asks, "t4")
+    api.failing = True
+    api.add_pod("meanwhile", [4], node="t4", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "0"})
+    api.compact()
+    time.sleep(0.5)
+    api.failing = False
+    until(lambda: not ext.passes(asks, "t4"), "the extender sees the pod made while it could not watch")
+    until(lambda: api.count("list", "nodes") == 2, "the nodes' watch is 410 too: LIST again")
+    time.sleep(1)  # and then watches only again
+    assert (api.count("list", "nodes"), api.count("list", "pods")) == (2, 2), api.requests
+
+
+def test_two_replicas_binding_at_once_never_give_the_same_units(proc_api):
+    """Two extender processes, 24 binds at once spread over both, 7 pods' room on the node: exactly 7
+    bind, and no GPU is given more than it has; the rest are refused (the node is full) or told to
+    try again, and none is bound."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api, start = proc_api
+    a, b = start(), start()
+    names = [f"r{k:02d}" for k in range(24)]
+    for name in names:
+        api.add_pod(name, [5])
+
+    def bind(k_name):
+        k, name = k_name
+        return call((a, b)[k % 2].url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "mixed"})[0]
+
+    with ThreadPoolExecutor(24) as pool:
+        codes = list(pool.map(bind, enumerate(names)))
+    assert codes.count(200) == 7 and set(codes) <= {200, 400, 503}, codes
+    on = {}
+    for name in names:
+        ann = api.pods[("default", name)]["metadata"]["annotations"]
+        if "ALIYUN_COM_GPU_MEM_IDX" in ann:
+            on[ann["ALIYUN_COM_GPU_MEM_IDX"]] = on.get(ann["ALIYUN_COM_GPU_MEM_IDX"], 0) + 5
+    assert on == {"0": 15, "1": 20} and len(api.bindings) == 7, (on, api.bindings)
