@@ -119,9 +119,11 @@ class Resource:
         self.rvs: list[int] = []  # the history: resourceVersions ...
         self.log: list[tuple] = []  # ... and (type, new bytes, new fields, old bytes, old fields)
         self.compacted = 0  # changes at or before this resourceVersion are no longer kept
+        self.watchers: list[collections.deque] = []  # each open watch's queue of changes
 
 
 class ApiServer:
+    WATCH_BUFFER = 100_000  # changes a watch may fall behind by before the server ends it
     def __init__(self, tmp: Path, *, history: int = 10000, bookmark_every: float = 1.0) -> None:
         self.res = {"nodes": Resource("nodes", "Node"), "pods": Resource("pods", "Pod")}
         self.nodes, self.pods = View(self, "nodes"), View(self, "pods")
@@ -288,6 +290,8 @@ class ApiServer:
     def _record(self, r: Resource, kind: str, new: bytes | None, new_fields, old: bytes | None, old_fields) -> None:
         r.rvs.append(self.rv)
         r.log.append((kind, new, new_fields, old, old_fields))
+        for queue in r.watchers:
+            queue.append((self.rv, r.log[-1]))
         if len(r.log) > 2 * self.history:  # keep the last `history` changes
             drop = len(r.log) - self.history
             r.compacted = r.rvs[drop - 1]
@@ -475,53 +479,62 @@ class ApiServer:
             return event("BOOKMARK", json.dumps({"kind": r.kind, "apiVersion": "v1",
                                                  "metadata": {"resourceVersion": str(rv)}}).encode())
 
+        def lines_of(entries) -> list[bytes]:
+            lines = []
+            for rv, (kind, data, fields, old, old_fields) in entries:
+                was, now_ = matches(selector, old_fields), kind != "DELETED" and matches(selector, fields)
+                if now_ and was:
+                    lines.append(event(kind, data))
+                elif now_:
+                    lines.append(event("ADDED", data))
+                elif was:  # deleted, or no longer selected: its last state, at this version
+                    gone = json.loads(old if kind != "DELETED" else data)
+                    gone["metadata"]["resourceVersion"] = str(rv)
+                    lines.append(event("DELETED", json.dumps(gone).encode()))
+            return lines
+
+        queue: collections.deque = collections.deque()  # what each write hands this watch (the watch cache's)
         try:
             with self.lock:
                 if since in ("", "0"):
                     first = [event("ADDED", d) for d, f in r.objs.values() if matches(selector, f)]
-                    at = self.rv
                 elif int(since) < r.compacted:
                     _, gone = status(410, "Expired", f"too old resource version: {since} ({r.compacted})")
-                    first, at = [event("ERROR", json.dumps(gone).encode())], None
+                    first, queue = [event("ERROR", json.dumps(gone).encode())], None
                 else:
-                    first, at = [], int(since)
+                    i = bisect.bisect_right(r.rvs, int(since))
+                    first = lines_of(zip(r.rvs[i:], r.log[i:]))
+                if queue is not None:
+                    r.watchers.append(queue)
             send(first)
             next_mark = time.monotonic() + self.bookmark_every
-            while at is not None:
+            while queue is not None:
                 with self.lock:
                     while True:
                         now = time.monotonic()
-                        new = bisect.bisect_right(r.rvs, at) < len(r.rvs)
-                        if new or self._failing or self.closed or now >= ends or (bookmarks and now >= next_mark):
+                        if queue or self._failing or self.closed or now >= ends or (bookmarks and now >= next_mark):
                             break
                         self.lock.wait(min(ends, next_mark if bookmarks else ends) - now)
-                    if self._failing or self.closed or at < r.compacted:
-                        break  # the connection goes (a watcher too far behind is ended, as the real one does)
-                    lines = []
-                    for i in range(bisect.bisect_right(r.rvs, at), len(r.rvs)):
-                        kind, data, fields, old, old_fields = r.log[i]
-                        was, now_ = matches(selector, old_fields), matches(selector, fields)
-                        if kind == "DELETED":
-                            was, now_ = was, False
-                        if now_ and was:
-                            lines.append(event(kind, data))
-                        elif now_:
-                            lines.append(event("ADDED", data))
-                        elif was:  # deleted, or no longer selected: its last state, at this version
-                            gone = json.loads(old if kind != "DELETED" else data)
-                            gone["metadata"]["resourceVersion"] = str(r.rvs[i])
-                            lines.append(event("DELETED", json.dumps(gone).encode()))
-                    at = self.rv
+                    if self._failing or self.closed or len(queue) > self.WATCH_BUFFER:
+                        break  # the connection goes (a watcher that does not keep up is ended, as the real one is)
+                    entries = list(queue)
+                    queue.clear()
                     done = time.monotonic() >= ends
-                    if bookmarks and (time.monotonic() >= next_mark or done):
-                        lines.append(bookmark(at))
-                        next_mark = time.monotonic() + self.bookmark_every
+                    mark = bookmarks and (time.monotonic() >= next_mark or done)
+                    at = self.rv
+                lines = lines_of(entries)
+                if mark:
+                    lines.append(bookmark(at))
+                    next_mark = time.monotonic() + self.bookmark_every
                 send(lines)
                 if done:
                     break
             handler.wfile.write(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError, OSError):
             pass
+        finally:
+            with self.lock:
+                r.watchers = [q for q in r.watchers if q is not queue]
 
     def close(self) -> None:
         with self.lock:
