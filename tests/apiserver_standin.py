@@ -129,7 +129,8 @@ class ApiServer:
         self.nodes, self.pods = View(self, "nodes"), View(self, "pods")
         self.bindings: list[tuple[str, str, str]] = []
         self.events: list[dict] = []
-        self.requests: collections.Counter = collections.Counter()
+        self.requests: collections.Counter = collections.Counter()  # (verb, resource) -> requests
+        self.by_agent: collections.Counter = collections.Counter()  # (User-Agent's first word, verb, resource)
         self.lock = threading.Condition()
         self.rv = 1
         self.history, self.bookmark_every = history, bookmark_every
@@ -144,6 +145,12 @@ class ApiServer:
 
             def log_message(self, *a):  # quiet
                 pass
+
+            def handle(self):
+                try:
+                    super().handle()
+                except (ConnectionResetError, BrokenPipeError):  # (the client went: as any server)
+                    pass
 
             def _send(self, code: int, obj) -> None:
                 body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
@@ -167,18 +174,19 @@ class ApiServer:
                     return
                 url = urlparse(self.path)
                 query = parse_qs(url.query)
+                agent = (self.headers.get("User-Agent") or "").split(" ")[0]
                 try:
                     body = self._body() if method != "GET" else None
                     if outer._failing:
                         raise Problem(503, "ServiceUnavailable", "the stand-in is down")
                     if method == "GET" and query.get("watch", [""])[0] in ("true", "1"):
-                        return outer.serve_watch(self, url.path, query)
+                        return outer.serve_watch(self, url.path, query, agent)
                     if method == "PATCH" and (self.headers.get("Content-Type") or "").split(";")[0] not in MERGE_TYPES:
                         raise Problem(415, "UnsupportedMediaType",
                                       f"the body of the request was in an unknown format - accepted media types "
                                       f"include: {', '.join(MERGE_TYPES)}")
                     with outer.lock:
-                        answer = outer.handle(method, url.path, query, body)
+                        answer = outer.handle(method, url.path, query, body, agent)
                 except Problem as p:
                     answer = p.answer
                 self._send(*answer)
@@ -269,8 +277,13 @@ class ApiServer:
             for r in self.res.values():
                 r.rvs, r.log, r.compacted = [], [], self.rv
 
-    def count(self, verb: str, resource: str) -> int:
-        return self.requests[(verb, resource)]
+    def count(self, verb: str, resource: str, agent: str | None = None) -> int:
+        """Requests so far of a verb on a resource (by one client, named by its User-Agent's first word)."""
+        return self.requests[(verb, resource)] if agent is None else self.by_agent[(agent, verb, resource)]
+
+    def _count(self, agent: str, verb: str, resource: str) -> None:
+        self.requests[(verb, resource)] += 1
+        self.by_agent[(agent, verb, resource)] += 1
 
     def _edit(self, resource: str, key, change) -> dict:
         with self.lock:
@@ -371,21 +384,21 @@ class ApiServer:
                 return what, (g[1], g[0])
         raise Problem(404, "NotFound", f"the server could not find the requested resource ({path})")
 
-    def handle(self, method: str, path: str, query: dict, body) -> tuple[int, dict | bytes]:
+    def handle(self, method: str, path: str, query: dict, body, agent: str = "") -> tuple[int, dict | bytes]:
         what, parts = self.route(path)
         if what == "collection" and method == "GET":
             resource, ns = parts
-            self.requests[("list", resource)] += 1
+            self._count(agent, "list", resource)
             return 200, self.list_bytes(resource, ns, parse_selector(resource, query))
         if what == "object":
             resource, key, name, sub = parts
             if sub == "binding" and method == "POST":
-                self.requests[("create", "pods/binding")] += 1
+                self._count(agent, "create", "pods/binding")
                 return self.bind(key[0], name, body)
             verb = {"GET": "get", "PATCH": "patch", "PUT": "update"}.get(method)
             if verb is None:
                 raise Problem(405, "MethodNotAllowed", f"{method} is not allowed on {path}")
-            self.requests[(verb, resource + ("/" + sub if sub else ""))] += 1
+            self._count(agent, verb, resource + ("/" + sub if sub else ""))
             obj = self.read(resource, key)
             if verb == "get":
                 return 200, obj
@@ -406,7 +419,7 @@ class ApiServer:
             return 200, self.write(resource, key, new, precondition)
         if what == "create" and method == "POST":
             kind, ns = parts
-            self.requests[("create", kind)] += 1
+            self._count(agent, "create", kind)
             if kind == "bindings":
                 return self.bind(ns, ((body or {}).get("metadata") or {}).get("name", ""), body)
             self.events.append(body)
@@ -441,7 +454,7 @@ class ApiServer:
 
     # ---- WATCH ------------------------------------------------------------------------------------
 
-    def serve_watch(self, handler, path: str, query: dict) -> None:
+    def serve_watch(self, handler, path: str, query: dict, agent: str = "") -> None:
         what, parts = self.route(path)
         if what != "collection":
             raise Problem(405, "MethodNotAllowed", "watch is served on collections")
@@ -459,7 +472,7 @@ class ApiServer:
         except ValueError:
             raise Problem(400, "BadRequest", "timeoutSeconds is not a number") from None
         with self.lock:
-            self.requests[("watch", resource)] += 1
+            self._count(agent, "watch", resource)
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")
         handler.send_header("Transfer-Encoding", "chunked")

@@ -518,7 +518,7 @@ def main(addr: str) -> None:
     from cgpud.k8s.api import connect
 
     host, _, port = addr.rpartition(":")
-    api, raw = connect()
+    api, raw = connect("cgpu-scheduler-extender")
     state = State(api, raw).start()  # (the first LIST: an API server that refuses us is said now, at start)
     server = make_server(state, host or "0.0.0.0", int(port))
     log.info("scheduler extender on http://%s:%d%s", *server.server_address[:2], PREFIX)

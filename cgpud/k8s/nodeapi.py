@@ -61,7 +61,7 @@ class NodeApi:
         from cgpud.k8s.api import NoCluster, connect
 
         try:
-            self.api, self.raw = connect()
+            self.api, self.raw = connect("cgpu-device-plugin")
         except NoCluster as exc:
             self.why_not = str(exc)
             return
