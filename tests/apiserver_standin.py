@@ -51,6 +51,7 @@ import bisect
 import collections
 import json
 import re
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -145,6 +146,10 @@ class ApiServer:
 
             def log_message(self, *a):  # quiet
                 pass
+
+            def setup(self):
+                super().setup()  # small writes go at once (Go's net/http sets TCP_NODELAY too)
+                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
             def handle(self):
                 try:
