@@ -1,4 +1,4 @@
-"""bench/k8s: the Kubernetes parts' figures (issue 14), one run.
+"""bench/k8s: the Kubernetes parts' figures (issues 14 and 22), one run.
 
 1. Re-registration after a kubelet restart (the kubelet stand-in re-creates its
    socket): p50/p99 of restart -> Register received, over `--restarts`.
@@ -6,18 +6,26 @@
 2. Allocate p99 with 100 pods' worth of instances on the node (the daemon's
    query grows with them), against GetDevicePluginOptions (no work) in the
    same run; and again with the API server (stand-in; 100 pods on the node),
-   where each Allocate asks it for the extender's choice. Goal p99 <= 10 ms.
-3. Extender filter p99 for 100 nodes x 8 GPUs (the API server stand-in holds
-   them and 400 pods), against an empty filter (a pod asking no gpu-mem).
-   Goal p99 <= 20 ms. The extender reads the cluster in the background, as
-   `cgpu scheduler-extender` does.
+   each Allocate following an extender's choice that its pod watch brought.
+   Goal p99 <= 10 ms.
+3. At cluster scale (issue 22; --nodes 5000 x 8 GPUs, --pods 40000 in the
+   API server stand-in), `cgpu scheduler-extender` and `cgpu device-plugin`
+   as their own processes: filter p99 for 500 candidate nodes (goal 20 ms)
+   and all 5,000 (goal 50 ms) against the empty filter (a pod asking no
+   gpu-mem, same nodes); the extender's resident memory (goal 300 MB)
+   against the same extender with an empty cluster; over --steady seconds
+   (the issue's 10 minutes by default) of pods created, bound by the
+   extender, allocated by the plugin and deleted, the requests each made to
+   the API server (goal: 1 LIST per resource at start, then watches only);
+   and a pod created -> visible to filter, p99 (goal 1 s).
 4. Placement over 1,000 random pod sequences: no GPU is ever over-filled by
    binpack; on nodes of one GPU size binpack leaves at least as many whole
    GPUs free as gpushare's best-fit on the same sequence; on nodes of mixed
    sizes, how many GPUs gpushare's best-fit over-fills (it counts every GPU as
    large as GPU 0).
 
-    .venv/bin/python bench/k8s.py [--restarts 20] [--calls 300]
+    .venv/bin/python bench/k8s.py [--restarts 20] [--calls 300] [--nodes 5000] [--pods 40000]
+                                  [--steady 600] [--only plugin|scale|placement]
 """
 from __future__ import annotations
 
