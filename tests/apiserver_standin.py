@@ -43,7 +43,9 @@ Objects are kept as their JSON bytes (40,000 pods fit in little memory and
 a LIST is a join); `pods[(ns, name)]` and `nodes[name]` give a fresh dict
 (a copy: change objects through the API or the methods below, which make
 the watch events). `failing = True` makes every request a 503 and ends the
-watches, as an API server that is down behind its load balancer does.
+watches, as an API server that is down behind its load balancer does;
+`list_delay` makes each LIST take that long (`lists_in_flight` says how many
+are being answered).
 """
 from __future__ import annotations
 
@@ -137,6 +139,9 @@ class ApiServer:
         self.history, self.bookmark_every = history, bookmark_every
         self._failing = False
         self.closed = False
+        self.outages = 0
+        self.list_delay = 0.0  # s a LIST takes before it is answered
+        self.lists_in_flight = 0
         self.uid_seq = 0
         self.uids_given: set[str] = set()
         outer = self
@@ -186,6 +191,14 @@ class ApiServer:
                         raise Problem(503, "ServiceUnavailable", "the stand-in is down")
                     if method == "GET" and query.get("watch", [""])[0] in ("true", "1"):
                         return outer.serve_watch(self, url.path, query, agent)
+                    if method == "GET" and outer.list_delay and outer.route(url.path)[0] == "collection":
+                        with outer.lock:
+                            outer.lists_in_flight += 1
+                        try:
+                            time.sleep(outer.list_delay)  # (a LIST of a big cluster takes its time)
+                        finally:
+                            with outer.lock:
+                                outer.lists_in_flight -= 1
                     if method == "PATCH" and (self.headers.get("Content-Type") or "").split(";")[0] not in MERGE_TYPES:
                         raise Problem(415, "UnsupportedMediaType",
                                       f"the body of the request was in an unknown format - accepted media types "
@@ -230,7 +243,8 @@ class ApiServer:
     def failing(self, value: bool) -> None:
         with self.lock:
             self._failing = value
-            self.lock.notify_all()  # (watches end)
+            self.outages += value  # (every watch open now ends, however short the outage)
+            self.lock.notify_all()
 
     def add_node(self, name: str, *, gpus: int = 0, units: int = 0, per_device: str | None = None,
                  labels: dict | None = None, ip: str = "192.168.0.1") -> dict:
@@ -524,16 +538,18 @@ class ApiServer:
                     first = lines_of(zip(r.rvs[i:], r.log[i:]))
                 if queue is not None:
                     r.watchers.append(queue)
+                outages = self.outages
             send(first)
             next_mark = time.monotonic() + self.bookmark_every
             while queue is not None:
                 with self.lock:
                     while True:
                         now = time.monotonic()
-                        if queue or self._failing or self.closed or now >= ends or (bookmarks and now >= next_mark):
+                        down = self._failing or self.closed or self.outages != outages
+                        if queue or down or now >= ends or (bookmarks and now >= next_mark):
                             break
                         self.lock.wait(min(ends, next_mark if bookmarks else ends) - now)
-                    if self._failing or self.closed or len(queue) > self.WATCH_BUFFER:
+                    if down or len(queue) > self.WATCH_BUFFER:
                         break  # the connection goes (a watcher that does not keep up is ended, as the real one is)
                     entries = list(queue)
                     queue.clear()

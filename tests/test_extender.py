@@ -343,3 +343,27 @@ def test_two_replicas_binding_at_once_never_give_the_same_units(proc_api):
         if "ALIYUN_COM_GPU_MEM_IDX" in ann:
             on[ann["ALIYUN_COM_GPU_MEM_IDX"]] = on.get(ann["ALIYUN_COM_GPU_MEM_IDX"], 0) + 5
     assert on == {"0": 15, "1": 20} and len(api.bindings) == 7, (on, api.bindings)
+
+
+def test_no_request_waits_for_a_list(proc_api):
+    """While the extender LISTs again after 410 (a LIST that takes 3 s here), filter is answered
+    from what it had, not after the LIST; then from the new view."""
+    api, start = proc_api
+    ext = start()
+    asks = {"metadata": {"name": "asks", "namespace": "default"},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "6"}}}]}}
+    assert ext.passes(asks, "t4")
+    api.list_delay = 3.0
+    api.failing = True
+    api.add_pod("meanwhile", [4], node="t4", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "0"})
+    api.compact()
+    api.failing = False
+    until(lambda: api.lists_in_flight > 0, "the extender lists again")
+    during = 0
+    while api.lists_in_flight:
+        answer = ext.passes(asks, "t4")
+        if api.lists_in_flight:  # answered while the LIST was still being answered
+            during += 1
+            assert answer, "the view it had: t4 had room"
+    assert during >= 3, during
+    until(lambda: not ext.passes(asks, "t4"), "then the new view")
