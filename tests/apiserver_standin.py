@@ -37,7 +37,8 @@ What it holds to, as the real one does:
   status.phase (=, ==, !=; another field is 400), on LIST and WATCH: an
   object that starts to match is ADDED, one that stops matching DELETED;
 - `requests` counts each request by (verb, resource): list, watch, get,
-  patch, update, create.
+  patch, update, create; `by_agent` also by the client's User-Agent.
+  Not served (400, never a wrong answer): labelSelector.
 
 Objects are kept as their JSON bytes (40,000 pods fit in little memory and
 a LIST is a join); `pods[(ns, name)]` and `nodes[name]` give a fresh dict
@@ -96,7 +97,10 @@ def fields_of(resource: str, obj: dict) -> tuple:
 
 
 def parse_selector(resource: str, query: dict) -> list[tuple[int, bool, str]]:
-    """fieldSelector as (index into fields_of, equal?, value); Problem 400 for a field not supported."""
+    """fieldSelector as (index into fields_of, equal?, value); Problem 400 for a field not supported
+    (and for a labelSelector, which this stand-in does not serve: loud, never a wrong answer)."""
+    if query.get("labelSelector"):
+        raise Problem(400, "BadRequest", "the stand-in does not serve labelSelector")
     out = []
     for term in ",".join(query.get("fieldSelector", [])).split(","):
         if not term.strip():
