@@ -86,6 +86,12 @@ class Pod:
         return bool(self.node and self.live and self.gpus and self.need > 0)
 
 
+def _gpu_pod(obj: dict) -> Pod | None:
+    """What is kept of a LISTed pod: only pods asking gpu-mem count."""
+    pod = Pod(obj)
+    return pod if pod.need > 0 else None
+
+
 class Node:
     """What the extender keeps of a node: its GPUs' sizes, placement, address, recent choices,
     and (computed when asked after a change) each GPU's free units."""
@@ -142,7 +148,8 @@ class State:
         self.node_locks: dict[str, threading.Lock] = {}
         self.informers = {
             "nodes": Informer("nodes", api.list_node, self._replace_nodes, self._node_event),
-            "pods": Informer("pods", api.list_pod_for_all_namespaces, self._replace_pods, self._pod_event),
+            "pods": Informer("pods", api.list_pod_for_all_namespaces, self._replace_pods, self._pod_event,
+                             convert=_gpu_pod),
         }
 
     # ---- keeping the view ----------------------------------------------------------------
@@ -176,12 +183,8 @@ class State:
                 for uid in node.assumed:
                     self.assumed_on[uid] = node.name
 
-    def _replace_pods(self, items: list[dict]) -> None:
-        pods = {}
-        for obj in items:
-            pod = Pod(obj)
-            if pod.need > 0:
-                pods[pod.key] = pod
+    def _replace_pods(self, items: list[Pod]) -> None:
+        pods = {pod.key: pod for pod in items}
         on_node: dict[str, dict] = {}
         for pod in pods.values():
             if pod.counted:
