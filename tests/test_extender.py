@@ -182,6 +182,19 @@ def test_a_binding_the_api_server_refuses_leaves_no_annotation(ext):
     assert ext.call("/inspect/mixed")[1]["nodes"][0]["allocated"] == 0
 
 
+def test_a_bound_pod_that_goes_gives_its_units_back_at_once(ext):
+    """The choice a bind wrote on the node counts until the watch shows its pod, and not after the
+    pod is gone: its units are free again at once, not when the choice ages out (60 s)."""
+    api = ext.api
+    nodes(api)
+    asks6 = api.add_pod("asks6", [6])
+    api.add_pod("takes6", [6])
+    assert ext.call("/bind", {"PodName": "takes6", "PodNamespace": "default", "Node": "t4"}) == (200, {"Error": ""})
+    assert "t4" in ext.call("/filter", {"Pod": asks6, "NodeNames": ["t4"]})[1]["FailedNodes"]
+    api.delete_pod("default", "takes6")
+    assert ext.call("/filter", {"Pod": asks6, "NodeNames": ["t4"]})[1]["NodeNames"] == ["t4"]
+
+
 def test_bind_of_a_recreated_pod_is_refused(ext):
     api = ext.api
     nodes(api)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 from cgpud.k8s import cluster
 from cgpud.k8s.informer import Informer
@@ -108,6 +109,7 @@ class State:
         self.uids: dict[str, tuple[str, str]] = {}
         self.on_node: dict[str, dict[tuple[str, str], Pod]] = {}  # node -> the pods counted on its GPUs
         self.assumed_on: dict[str, str] = {}  # pod uid -> the node whose recent choices name it
+        self.gone: dict[str, float] = {}  # pod uid -> when it was deleted (its choice no longer counts)
         self.node_locks: dict[str, threading.Lock] = {}
         self.informers = {
             "nodes": Informer("nodes", api.list_node, self._replace_nodes, self._node_event),
@@ -154,6 +156,8 @@ class State:
                 on_node.setdefault(pod.node, {})[pod.key] = pod
         uids = {p.uid: k for k, p in pods.items()}
         with self.lock:
+            now = time.time()
+            self.gone.update((uid, now) for uid in self.uids.keys() - uids.keys())  # (deleted while not watched)
             self.pods, self.on_node, self.uids = pods, on_node, uids
             for node in self.nodes.values():
                 node.free = None
@@ -162,6 +166,8 @@ class State:
         pod = Pod(obj)
         with self.lock:
             old = self.pods.pop(pod.key, None)
+            if kind == "DELETED":
+                self._gone(pod.uid)
             if old is not None:
                 self.uids.pop(old.uid, None)
                 if old.counted:
@@ -175,6 +181,12 @@ class State:
                     self.on_node.setdefault(pod.node, {})[pod.key] = pod
                     self._changed(pod.node)
                 self._changed(self.assumed_on.get(pod.uid))
+
+    def _gone(self, uid: str) -> None:
+        now = time.time()
+        self.gone[uid] = now
+        if len(self.gone) > 1024:  # forget what no recent choice can name any more
+            self.gone = {u: t for u, t in self.gone.items() if now - t <= ASSUMED_SECONDS}
 
     def _changed(self, name: str | None) -> None:
         node = self.nodes.get(name) if name else None
@@ -193,7 +205,7 @@ class State:
                     used[i] += pod.need // len(pod.gpus)
         until = float("inf")
         for uid, (gpus, per, at) in node.assumed.items():
-            if now - at > ASSUMED_SECONDS:
+            if now - at > ASSUMED_SECONDS or uid in self.gone:
                 continue
             key = self.uids.get(uid)
             pod = self.pods.get(key) if key else None
