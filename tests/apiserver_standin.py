@@ -45,8 +45,8 @@ a LIST is a join); `pods[(ns, name)]` and `nodes[name]` give a fresh dict
 (a copy: change objects through the API or the methods below, which make
 the watch events). `failing = True` makes every request a 503 and ends the
 watches, as an API server that is down behind its load balancer does;
-`list_delay` makes each LIST take that long (`lists_in_flight` says how many
-are being answered).
+`list_delay` makes each LIST take that long (`lists_in_flight[resource]`
+says how many are being answered).
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ class ApiServer:
         self.closed = False
         self.outages = 0
         self.list_delay = 0.0  # s a LIST takes before it is answered
-        self.lists_in_flight = 0
+        self.lists_in_flight: collections.Counter = collections.Counter()  # resource -> LISTs being answered
         self.uid_seq = 0
         self.uids_given: set[str] = set()
         outer = self
@@ -195,14 +195,15 @@ class ApiServer:
                         raise Problem(503, "ServiceUnavailable", "the stand-in is down")
                     if method == "GET" and query.get("watch", [""])[0] in ("true", "1"):
                         return outer.serve_watch(self, url.path, query, agent)
-                    if method == "GET" and outer.list_delay and outer.route(url.path)[0] == "collection":
+                    what, parts = outer.route(url.path)
+                    if method == "GET" and outer.list_delay and what == "collection":
                         with outer.lock:
-                            outer.lists_in_flight += 1
+                            outer.lists_in_flight[parts[0]] += 1
                         try:
                             time.sleep(outer.list_delay)  # (a LIST of a big cluster takes its time)
                         finally:
                             with outer.lock:
-                                outer.lists_in_flight -= 1
+                                outer.lists_in_flight[parts[0]] -= 1
                     if method == "PATCH" and (self.headers.get("Content-Type") or "").split(";")[0] not in MERGE_TYPES:
                         raise Problem(415, "UnsupportedMediaType",
                                       f"the body of the request was in an unknown format - accepted media types "

@@ -371,11 +371,11 @@ def test_no_request_waits_for_a_list(proc_api):
     api.add_pod("meanwhile", [4], node="t4", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "0"})
     api.compact()
     api.failing = False
-    until(lambda: api.lists_in_flight > 0, "the extender lists again")
+    until(lambda: api.lists_in_flight["pods"] > 0, "the extender lists the pods again")
     during = 0
-    while api.lists_in_flight:
+    while api.lists_in_flight["pods"]:
         answer = ext.passes(asks, "t4")
-        if api.lists_in_flight:  # answered while the LIST was still being answered
+        if api.lists_in_flight["pods"]:  # answered while the pods' LIST was still being answered
             during += 1
             assert answer, "the view it had: t4 had room"
     assert during >= 3, during

@@ -60,13 +60,18 @@ def filter_nodes(state: State, args: dict) -> dict:
     count = gpu_count(pod)
     ok, failed = [], {}
     now = time.time()
-    with state.lock:
-        nodes = state.nodes
+    per, even = need // count, need % count == 0
+    with state.lock:  # (the loop a filter of 5,000 nodes spends its time in: kept lean)
+        nodes, work_out = state.nodes, state.free_units
         for name in names:
             node = nodes.get(name)
             if node is None:
                 failed[name] = f"node {name} is not known to the API server"
-            elif state.fits(node, need, count, now):
+                continue
+            if node.free is None or now >= node.until:
+                work_out(node, now)
+            desc = node.desc  # free units per GPU, most first
+            if even and len(desc) >= count and desc[count - 1] >= per:
                 ok.append(name)
             else:
                 failed[name] = state.why_not(node, need, count)
@@ -140,7 +145,7 @@ def _commit(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
     for _ in range(BIND_ATTEMPTS):
         now = time.time()
         with state.lock:
-            free = list(state._free(node, now))
+            free = list(state.free_units(node, now))
         gpus = cluster.choose(list(node.units), [u - f for u, f in zip(node.units, free)], pod.need, pod.count,
                               node.strategy)
         if gpus is None:

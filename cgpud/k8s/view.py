@@ -193,7 +193,7 @@ class State:
         if node is not None:
             node.free = None
 
-    def _free(self, node: Node, now: float) -> list[int]:
+    def free_units(self, node: Node, now: float) -> list[int]:
         """Each GPU's free units: its size less its pods' units less the recent choices of binds whose
         pods the watch has not shown on a GPU yet. (Under the lock.)"""
         if node.free is not None and now < node.until:
@@ -219,10 +219,6 @@ class State:
         node.desc = sorted(node.free, reverse=True)
         node.until, node.why = until, ""
         return node.free
-
-    def fits(self, node: Node, need: int, count: int, now: float) -> bool:
-        self._free(node, now)
-        return need % count == 0 and len(node.desc) >= count and node.desc[count - 1] >= need // count
 
     def why_not(self, node: Node, need: int, count: int) -> str:
         if not node.units:
