@@ -1,28 +1,69 @@
-"""A Kubernetes API server stand-in for the tests (no kube-apiserver runs
-offline), small enough to read: nodes and pods kept as the API's JSON, the
-few calls cgpud's Kubernetes parts make, answered as the real server does
-for them. The official `kubernetes` client and the real `kubectl` talk to it
-over HTTP on 127.0.0.1 through a kubeconfig it writes.
+"""A Kubernetes API server stand-in for the tests and bench/k8s.py (no
+kube-apiserver runs offline), written from the API conventions
+(https://kubernetes.io/docs/reference/using-api/api-concepts/) and as strict
+as they are for what cgpud's Kubernetes parts do. The official `kubernetes`
+client and the real `kubectl` talk to it over HTTP/1.1 on 127.0.0.1 through a
+kubeconfig it writes.
 
-    GET   /api/v1/nodes[/NAME]                      list / get
-    PATCH /api/v1/nodes/NAME[/status]                merge patch (metadata, status)
-    GET   /api/v1/pods, /api/v1/namespaces/NS/pods   list, fieldSelector spec.nodeName=, status.phase=
-    GET   /api/v1/namespaces/NS/pods/NAME            get
-    PATCH /api/v1/namespaces/NS/pods/NAME            merge patch
-    POST  /api/v1/namespaces/NS/bindings             bind: spec.nodeName (or pods/NAME/binding)
-    POST  /api/v1/namespaces/NS/events               accepted
+    GET    /api/v1/nodes[/NAME]                          list, watch / get
+    PATCH  /api/v1/nodes/NAME[/status]                   strategic / JSON merge patch
+    PUT    /api/v1/nodes/NAME                            update
+    GET    /api/v1/pods, /api/v1/namespaces/NS/pods      list, watch
+    GET    /api/v1/namespaces/NS/pods/NAME               get
+    PATCH  /api/v1/namespaces/NS/pods/NAME[/status]      patch
+    POST   /api/v1/namespaces/NS/bindings                bind (or pods/NAME/binding)
+    POST   /api/v1/namespaces/NS/events                  create
 
-`failing = True` makes every call a 503, as an API server that is down
-behind its load balancer answers.
+What it holds to, as the real one does:
+- one resourceVersion counter for everything (etcd's revision); each write
+  bumps it and stamps the object; a no-op patch writes nothing;
+- a write carrying metadata.resourceVersion that is not the object's is
+  409 Conflict; a Binding is 409 when the pod is bound already or its
+  metadata.uid / resourceVersion preconditions fail; the Binding's
+  annotations are put on the pod with spec.nodeName in one write;
+- the main endpoint does not change status and /status does not change spec;
+- LIST answers with the list's resourceVersion (resourceVersion=0: the
+  current state, as from the watch cache; `limit` is ignored, as the
+  conventions let a server do);
+- WATCH (?watch=true) streams chunked JSON lines {"type", "object"}: from
+  resourceVersion R every change after R; without R (or 0) the current
+  objects as ADDED first; R older than the history kept (`history` changes
+  per resource, or `compact()`) is an ERROR event with a 410 Expired
+  Status; allowWatchBookmarks=true brings BOOKMARK events (the object has
+  only kind, apiVersion and metadata.resourceVersion) every
+  `bookmark_every` seconds and before the server ends the watch at
+  timeoutSeconds;
+- fieldSelector metadata.name, metadata.namespace, spec.nodeName and
+  status.phase (=, ==, !=; another field is 400), on LIST and WATCH: an
+  object that starts to match is ADDED, one that stops matching DELETED;
+- `requests` counts each request by (verb, resource): list, watch, get,
+  patch, update, create; `by_agent` also by the client's User-Agent.
+  Not served (400, never a wrong answer): labelSelector.
+
+Objects are kept as their JSON bytes (40,000 pods fit in little memory and
+a LIST is a join); `pods[(ns, name)]` and `nodes[name]` give a fresh dict
+(a copy: change objects through the API or the methods below, which make
+the watch events). `failing = True` makes every request a 503 and ends the
+watches, as an API server that is down behind its load balancer does;
+`list_delay` makes each LIST take that long (`lists_in_flight[resource]`
+says how many are being answered).
 """
 from __future__ import annotations
 
+import bisect
+import collections
 import json
 import re
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
+
+SELECTABLE = {"pods": ("metadata.name", "metadata.namespace", "spec.nodeName", "status.phase"),
+              "nodes": ("metadata.name",)}
+MERGE_TYPES = ("application/strategic-merge-patch+json", "application/merge-patch+json")
 
 
 def merge(into: dict, patch: dict) -> dict:
@@ -37,48 +78,158 @@ def merge(into: dict, patch: dict) -> dict:
     return into
 
 
+def status(code: int, reason: str, message: str) -> tuple[int, dict]:
+    return code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+                  "reason": reason, "code": code}
+
+
+class Problem(Exception):
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.answer = status(code, reason, message)
+
+
+def fields_of(resource: str, obj: dict) -> tuple:
+    meta, spec, st = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+    if resource == "pods":
+        return meta.get("name"), meta.get("namespace"), spec.get("nodeName") or "", st.get("phase") or ""
+    return (meta.get("name"),)
+
+
+def parse_selector(resource: str, query: dict) -> list[tuple[int, bool, str]]:
+    """fieldSelector as (index into fields_of, equal?, value); Problem 400 for a field not supported
+    (and for a labelSelector, which this stand-in does not serve: loud, never a wrong answer)."""
+    if query.get("labelSelector"):
+        raise Problem(400, "BadRequest", "the stand-in does not serve labelSelector")
+    out = []
+    for term in ",".join(query.get("fieldSelector", [])).split(","):
+        if not term.strip():
+            continue
+        m = re.fullmatch(r"\s*([\w.]+)\s*(==|!=|=)\s*(.*?)\s*", term)
+        if m is None or m[1] not in SELECTABLE[resource]:
+            raise Problem(400, "BadRequest", f'field label not supported: {m[1] if m else term}')
+        out.append((SELECTABLE[resource].index(m[1]), m[2] != "!=", m[3]))
+    return out
+
+
+def matches(selector, fields) -> bool:
+    return fields is not None and all((fields[i] == v) == eq for i, eq, v in selector)
+
+
+class Resource:
+    """One kind of object: the objects (JSON bytes and their selectable fields) and the history
+    of changes that watches are served from."""
+
+    def __init__(self, name: str, kind: str) -> None:
+        self.name, self.kind = name, kind
+        self.objs: dict = {}  # key -> [bytes, fields]
+        self.rvs: list[int] = []  # the history: resourceVersions ...
+        self.log: list[tuple] = []  # ... and (type, new bytes, new fields, old bytes, old fields)
+        self.compacted = 0  # changes at or before this resourceVersion are no longer kept
+        self.watchers: list[collections.deque] = []  # each open watch's queue of changes
+
+
 class ApiServer:
-    def __init__(self, tmp: Path) -> None:
-        self.nodes: dict[str, dict] = {}
-        self.pods: dict[tuple[str, str], dict] = {}
+    WATCH_BUFFER = 100_000  # changes a watch may fall behind by before the server ends it
+    def __init__(self, tmp: Path, *, history: int = 10000, bookmark_every: float = 1.0) -> None:
+        self.res = {"nodes": Resource("nodes", "Node"), "pods": Resource("pods", "Pod")}
+        self.nodes, self.pods = View(self, "nodes"), View(self, "pods")
         self.bindings: list[tuple[str, str, str]] = []
         self.events: list[dict] = []
-        self.lock = threading.Lock()
-        self.version = 1
-        self.failing = False
+        self.requests: collections.Counter = collections.Counter()  # (verb, resource) -> requests
+        self.by_agent: collections.Counter = collections.Counter()  # (User-Agent's first word, verb, resource)
+        self.lock = threading.Condition()
+        self.rv = 1
+        self.history, self.bookmark_every = history, bookmark_every
+        self._failing = False
+        self.closed = False
+        self.outages = 0
+        self.list_delay = 0.0  # s a LIST takes before it is answered
+        self.lists_in_flight: collections.Counter = collections.Counter()  # resource -> LISTs being answered
+        self.uid_seq = 0
+        self.uids_given: set[str] = set()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, *a):  # quiet
                 pass
 
-            def _send(self, code: int, obj: dict) -> None:
-                body = json.dumps(obj).encode()
+            def setup(self):
+                super().setup()  # small writes go at once (Go's net/http sets TCP_NODELAY too)
+                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def handle(self):
+                try:
+                    super().handle()
+                except (ConnectionResetError, BrokenPipeError):  # (the client went: as any server)
+                    pass
+
+            def _send(self, code: int, obj) -> None:
+                body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 
-            def _body(self) -> dict:
+            def _body(self):
                 n = int(self.headers.get("Content-Length") or 0)
-                return json.loads(self.rfile.read(n) or b"{}")
+                raw = self.rfile.read(n) if n else b""
+                try:
+                    return json.loads(raw or b"{}")
+                except ValueError as exc:
+                    raise Problem(400, "BadRequest", f"the body is not JSON: {exc}") from None
+
+            def _do(self, method: str) -> None:
+                if outer.closed:  # (gone: as a refused connection)
+                    self.close_connection = True
+                    return
+                url = urlparse(self.path)
+                query = parse_qs(url.query)
+                agent = (self.headers.get("User-Agent") or "").split(" ")[0]
+                try:
+                    body = self._body() if method != "GET" else None
+                    if outer._failing:
+                        raise Problem(503, "ServiceUnavailable", "the stand-in is down")
+                    if method == "GET" and query.get("watch", [""])[0] in ("true", "1"):
+                        return outer.serve_watch(self, url.path, query, agent)
+                    what, parts = outer.route(url.path)
+                    if method == "GET" and outer.list_delay and what == "collection":
+                        with outer.lock:
+                            outer.lists_in_flight[parts[0]] += 1
+                        try:
+                            time.sleep(outer.list_delay)  # (a LIST of a big cluster takes its time)
+                        finally:
+                            with outer.lock:
+                                outer.lists_in_flight[parts[0]] -= 1
+                    if method == "PATCH" and (self.headers.get("Content-Type") or "").split(";")[0] not in MERGE_TYPES:
+                        raise Problem(415, "UnsupportedMediaType",
+                                      f"the body of the request was in an unknown format - accepted media types "
+                                      f"include: {', '.join(MERGE_TYPES)}")
+                    with outer.lock:
+                        answer = outer.handle(method, url.path, query, body, agent)
+                except Problem as p:
+                    answer = p.answer
+                self._send(*answer)
 
             def do_GET(self):
-                with outer.lock:
-                    self._send(*outer.down() or outer.get(urlparse(self.path)))
+                self._do("GET")
 
             def do_PATCH(self):
-                with outer.lock:
-                    self._send(*outer.down() or outer.patch(urlparse(self.path).path, self._body()))
+                self._do("PATCH")
 
             def do_POST(self):
-                with outer.lock:
-                    self._send(*outer.down() or outer.post(urlparse(self.path).path, self._body()))
+                self._do("POST")
+
+            def do_PUT(self):
+                self._do("PUT")
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.httpd.request_queue_size = 128
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.kubeconfig = tmp / "kubeconfig"
         self.kubeconfig.write_text(json.dumps({
@@ -87,109 +238,367 @@ class ApiServer:
             "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "standin"}}],
             "users": [{"name": "standin", "user": {}}]}))
 
-    # ---- objects ----------------------------------------------------------------
+    # ---- the state, as a controller or the test changes it (each change is a watch event) ---------
+
+    @property
+    def failing(self) -> bool:
+        return self._failing
+
+    @failing.setter
+    def failing(self, value: bool) -> None:
+        with self.lock:
+            self._failing = value
+            self.outages += value  # (every watch open now ends, however short the outage)
+            self.lock.notify_all()
 
     def add_node(self, name: str, *, gpus: int = 0, units: int = 0, per_device: str | None = None,
                  labels: dict | None = None, ip: str = "192.168.0.1") -> dict:
         node = {"apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": name, "labels": labels or {}, "annotations": {}},
-                "status": {"capacity": {}, "allocatable": {}, "addresses": [{"type": "InternalIP", "address": ip}]}}
+                "spec": {}, "status": {"capacity": {}, "allocatable": {},
+                                       "addresses": [{"type": "InternalIP", "address": ip}]}}
         if gpus:
             node["status"]["capacity"].update({"aliyun.com/gpu-count": str(gpus), "aliyun.com/gpu-mem": str(units)})
             node["status"]["allocatable"] = dict(node["status"]["capacity"])
         if per_device:
             node["metadata"]["annotations"]["cgpu.aliyun.com/gpu-mem-per-device"] = per_device
-        self.nodes[name] = node
-        return node
+        with self.lock:
+            return self.create("nodes", name, node)
 
     def add_pod(self, name: str, units: list[int], *, ns: str = "default", node: str | None = None,
-                annotations: dict | None = None, phase: str = "Pending") -> dict:
+                annotations: dict | None = None, phase: str = "Pending", count: int = 0) -> dict:
+        limits = [{"aliyun.com/gpu-mem": str(u)} for u in units]
+        if count:
+            limits[0]["aliyun.com/gpu-count"] = str(count)
         pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": name, "namespace": ns, "uid": f"uid-{ns}-{name}",
-                            "annotations": dict(annotations or {}), "creationTimestamp": "2026-11-24T00:00:00Z"},
-               "spec": {"nodeName": node, "containers": [
-                   {"name": f"c{k}", "image": "x", "resources": {"limits": {"aliyun.com/gpu-mem": str(u)}}}
-                   for k, u in enumerate(units)]},
+               "metadata": {"name": name, "namespace": ns, "annotations": dict(annotations or {})},
+               "spec": {"containers": [{"name": f"c{k}", "image": "x", "resources": {"limits": lim}}
+                                       for k, lim in enumerate(limits)]},
                "status": {"phase": phase}}
-        self.pods[(ns, name)] = pod
-        return pod
-
-    # ---- the API ------------------------------------------------------------------
-
-    def _list(self, kind: str, items: list[dict]) -> tuple[int, dict]:
-        self.version += 1
-        return 200, {"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": str(self.version)},
-                     "items": items}
-
-    def down(self) -> tuple[int, dict] | None:
-        if not self.failing:
-            return None
-        return 503, {"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": "ServiceUnavailable",
-                     "message": "the stand-in is down", "code": 503}
-
-    @staticmethod
-    def _missing(what: str) -> tuple[int, dict]:
-        return 404, {"apiVersion": "v1", "kind": "Status", "status": "Failure", "reason": "NotFound",
-                     "message": f"{what} not found", "code": 404}
-
-    def _select(self, query: dict) -> list[dict]:
-        pods = list(self.pods.values())
-        for term in ",".join(query.get("fieldSelector", [])).split(","):
-            if not term:
-                continue
-            field, _, value = term.partition("=")
-            value = value.lstrip("=")
-            if field == "spec.nodeName":
-                pods = [p for p in pods if (p["spec"].get("nodeName") or "") == value]
-            elif field == "status.phase":
-                pods = [p for p in pods if p["status"].get("phase") == value]
-        return pods
-
-    def get(self, url) -> tuple[int, dict]:
-        path, query = url.path, parse_qs(url.query)
-        if path == "/api/v1/nodes":
-            return self._list("NodeList", list(self.nodes.values()))
-        if m := re.fullmatch(r"/api/v1/nodes/([^/]+)", path):
-            return (200, self.nodes[m[1]]) if m[1] in self.nodes else self._missing(f'nodes "{m[1]}"')
-        if path == "/api/v1/pods":
-            return self._list("PodList", self._select(query))
-        if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods", path):
-            return self._list("PodList", [p for p in self._select(query) if p["metadata"]["namespace"] == m[1]])
-        if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)", path):
-            pod = self.pods.get((m[1], m[2]))
-            return (200, pod) if pod else self._missing(f'pods "{m[2]}"')
-        return self._missing(path)
-
-    def patch(self, path: str, body: dict) -> tuple[int, dict]:
-        if m := re.fullmatch(r"/api/v1/nodes/([^/]+)(/status)?", path):
-            if m[1] not in self.nodes:
-                return self._missing(f'nodes "{m[1]}"')
-            return 200, merge(self.nodes[m[1]], body)
-        if m := re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)", path):
-            pod = self.pods.get((m[1], m[2]))
-            return (200, merge(pod, body)) if pod else self._missing(f'pods "{m[2]}"')
-        return self._missing(path)
-
-    def post(self, path: str, body: dict) -> tuple[int, dict]:
-        m = re.fullmatch(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/binding", path)
-        if m is None and (b := re.fullmatch(r"/api/v1/namespaces/([^/]+)/bindings", path)):
-            m = (path, b[1], (body.get("metadata") or {}).get("name", ""))  # the same, named in the body
-        if m:
-            pod = self.pods.get((m[1], m[2]))
-            if pod is None:
-                return self._missing(f'pods "{m[2]}"')
-            node = body.get("target", {}).get("name")
-            if pod["spec"].get("nodeName"):
-                return 409, {"kind": "Status", "status": "Failure", "reason": "Conflict", "code": 409,
-                             "message": f"pod {m[2]} is already assigned to node {pod['spec']['nodeName']}"}
+        if node:
             pod["spec"]["nodeName"] = node
-            self.bindings.append((m[1], m[2], node))
-            return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
-        if re.fullmatch(r"/api/v1/namespaces/([^/]+)/events", path):
+        with self.lock:
+            return self.create("pods", (ns, name), pod)
+
+    def edit_node(self, name: str, change) -> dict:
+        """`change(node)` edits the node's dict (labels, annotations, status) in one write."""
+        return self._edit("nodes", name, change)
+
+    def edit_pod(self, ns: str, name: str, change) -> dict:
+        return self._edit("pods", (ns, name), change)
+
+    def set_phase(self, ns: str, name: str, phase: str) -> dict:
+        return self.edit_pod(ns, name, lambda p: p.setdefault("status", {}).update(phase=phase))
+
+    def delete_pod(self, ns: str, name: str) -> None:
+        with self.lock:
+            self.delete("pods", (ns, name))
+
+    def compact(self) -> None:
+        """Forget the history (etcd's compaction): a watch from an older resourceVersion is 410 Gone."""
+        with self.lock:
+            self.rv += 1
+            for r in self.res.values():
+                r.rvs, r.log, r.compacted = [], [], self.rv
+
+    def count(self, verb: str, resource: str, agent: str | None = None) -> int:
+        """Requests so far of a verb on a resource (by one client, named by its User-Agent's first word)."""
+        return self.requests[(verb, resource)] if agent is None else self.by_agent[(agent, verb, resource)]
+
+    def _count(self, agent: str, verb: str, resource: str) -> None:
+        self.requests[(verb, resource)] += 1
+        self.by_agent[(agent, verb, resource)] += 1
+
+    def _edit(self, resource: str, key, change) -> dict:
+        with self.lock:
+            obj = self.read(resource, key)
+            change(obj)
+            return self.write(resource, key, obj)
+
+    # ---- storage (all under self.lock) ----------------------------------------------------------
+
+    def read(self, resource: str, key) -> dict:
+        r = self.res[resource]
+        if key not in r.objs:
+            name = key[1] if isinstance(key, tuple) else key
+            raise Problem(404, "NotFound", f'{resource} "{name}" not found')
+        return json.loads(r.objs[key][0])
+
+    def _record(self, r: Resource, kind: str, new: bytes | None, new_fields, old: bytes | None, old_fields) -> None:
+        r.rvs.append(self.rv)
+        r.log.append((kind, new, new_fields, old, old_fields))
+        for queue in r.watchers:
+            queue.append((self.rv, r.log[-1]))
+        if len(r.log) > 2 * self.history:  # keep the last `history` changes
+            drop = len(r.log) - self.history
+            r.compacted = r.rvs[drop - 1]
+            del r.rvs[:drop], r.log[:drop]
+        self.lock.notify_all()
+
+    def create(self, resource: str, key, obj: dict) -> dict:
+        r = self.res[resource]
+        if key in r.objs:
+            raise Problem(409, "AlreadyExists", f'{resource} "{obj["metadata"]["name"]}" already exists')
+        self.rv += 1
+        self.uid_seq += 1
+        meta = obj["metadata"]
+        uid = f"uid-{meta['namespace']}-{meta['name']}" if resource == "pods" else f"uid-{meta['name']}"
+        meta.setdefault("uid", uid if uid not in self.uids_given else f"{uid}-{self.uid_seq}")  # (recreated)
+        self.uids_given.add(meta["uid"])
+        meta["resourceVersion"] = str(self.rv)
+        meta.setdefault("creationTimestamp", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        data, fields = json.dumps(obj, separators=(",", ":")).encode(), fields_of(resource, obj)
+        r.objs[key] = [data, fields]
+        self._record(r, "ADDED", data, fields, None, None)
+        return obj
+
+    def write(self, resource: str, key, obj: dict, precondition: str | None = None) -> dict:
+        """Store a changed object: 409 when `precondition` (a resourceVersion) is not the object's;
+        nothing written (and no event) when nothing changed."""
+        r = self.res[resource]
+        old, old_fields = r.objs[key]
+        current = json.loads(old)
+        rv = current["metadata"]["resourceVersion"]
+        if precondition is not None and precondition != rv:
+            name = obj["metadata"].get("name")
+            raise Problem(409, "Conflict", f'Operation cannot be fulfilled on {resource} "{name}": the object has been '
+                                           "modified; please apply your changes to the latest version and try again")
+        obj["metadata"]["resourceVersion"] = rv
+        for fixed in ("uid", "name", "namespace", "creationTimestamp"):
+            if fixed in current["metadata"]:
+                obj["metadata"][fixed] = current["metadata"][fixed]
+        if obj == current:
+            return current
+        self.rv += 1
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        data, fields = json.dumps(obj, separators=(",", ":")).encode(), fields_of(resource, obj)
+        r.objs[key] = [data, fields]
+        self._record(r, "MODIFIED", data, fields, old, old_fields)
+        return obj
+
+    def delete(self, resource: str, key) -> None:
+        r = self.res[resource]
+        obj = self.read(resource, key)
+        old, old_fields = r.objs.pop(key)
+        self.rv += 1
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        self._record(r, "DELETED", json.dumps(obj).encode(), None, old, old_fields)
+
+    # ---- the API ----------------------------------------------------------------------------------
+
+    ROUTES = [
+        (re.compile(r"/api/v1/(nodes)"), "collection"),
+        (re.compile(r"/api/v1/(pods)"), "collection"),
+        (re.compile(r"/api/v1/namespaces/([^/]+)/(pods)"), "collection"),
+        (re.compile(r"/api/v1/(nodes)/([^/]+)(/status)?"), "object"),
+        (re.compile(r"/api/v1/namespaces/([^/]+)/(pods)/([^/]+)(/status|/binding)?"), "object"),
+        (re.compile(r"/api/v1/namespaces/([^/]+)/(bindings|events)"), "create"),
+    ]
+
+    def route(self, path: str):
+        for pattern, what in self.ROUTES:
+            if m := pattern.fullmatch(path):
+                g = m.groups()
+                if what == "collection":
+                    return what, (g[1], g[0]) if len(g) == 2 else (g[0], None)
+                if what == "object":
+                    if g[0] == "nodes":
+                        return what, ("nodes", g[1], g[1], (g[2] or "")[1:])
+                    return what, ("pods", (g[0], g[2]), g[2], (g[3] or "")[1:])
+                return what, (g[1], g[0])
+        raise Problem(404, "NotFound", f"the server could not find the requested resource ({path})")
+
+    def handle(self, method: str, path: str, query: dict, body, agent: str = "") -> tuple[int, dict | bytes]:
+        what, parts = self.route(path)
+        if what == "collection" and method == "GET":
+            resource, ns = parts
+            self._count(agent, "list", resource)
+            return 200, self.list_bytes(resource, ns, parse_selector(resource, query))
+        if what == "object":
+            resource, key, name, sub = parts
+            if sub == "binding" and method == "POST":
+                self._count(agent, "create", "pods/binding")
+                return self.bind(key[0], name, body)
+            verb = {"GET": "get", "PATCH": "patch", "PUT": "update"}.get(method)
+            if verb is None:
+                raise Problem(405, "MethodNotAllowed", f"{method} is not allowed on {path}")
+            self._count(agent, verb, resource + ("/" + sub if sub else ""))
+            obj = self.read(resource, key)
+            if verb == "get":
+                return 200, obj
+            if not isinstance(body, dict):
+                raise Problem(400, "BadRequest", "the patch is not a JSON object")
+            precondition = (body.get("metadata") or {}).get("resourceVersion")
+            new = merge(json.loads(json.dumps(obj)), body) if verb == "patch" else body
+            if not isinstance(new.get("metadata"), dict) or new["metadata"].get("name") != name:
+                raise Problem(400, "BadRequest", "metadata.name does not match the object's name")
+            # the main endpoint keeps the status as it was; /status keeps the spec
+            keep = "spec" if sub == "status" else "status"
+            if keep in obj:
+                new[keep] = obj[keep]
+            else:
+                new.pop(keep, None)
+            if verb == "update" and not precondition:
+                precondition = None
+            return 200, self.write(resource, key, new, precondition)
+        if what == "create" and method == "POST":
+            kind, ns = parts
+            self._count(agent, "create", kind)
+            if kind == "bindings":
+                return self.bind(ns, ((body or {}).get("metadata") or {}).get("name", ""), body)
             self.events.append(body)
             return 201, body
-        return self._missing(path)
+        raise Problem(405, "MethodNotAllowed", f"{method} is not allowed on {path}")
+
+    def bind(self, ns: str, name: str, body: dict) -> tuple[int, dict]:
+        target = (body or {}).get("target") or {}
+        if not target.get("name") or target.get("kind", "Node") not in ("Node", ""):
+            raise Problem(400, "BadRequest", "a Binding needs a target Node's name")
+        pod = self.read("pods", (ns, name))
+        meta = (body.get("metadata") or {})
+        if meta.get("uid") and meta["uid"] != pod["metadata"]["uid"]:
+            raise Problem(409, "Conflict", f'Operation cannot be fulfilled on pods "{name}": Precondition failed: '
+                                           f'UID in precondition: {meta["uid"]}, UID in object meta: '
+                                           f'{pod["metadata"]["uid"]}')
+        if pod["spec"].get("nodeName"):
+            raise Problem(409, "Conflict", f"pod {name} is already assigned to node {pod['spec']['nodeName']}")
+        pod["spec"]["nodeName"] = target["name"]
+        pod["metadata"].setdefault("annotations", {}).update(meta.get("annotations") or {})
+        pod.setdefault("status", {}).setdefault("conditions", []).append({"type": "PodScheduled", "status": "True"})
+        self.write("pods", (ns, name), pod, meta.get("resourceVersion") or None)
+        self.bindings.append((ns, name, target["name"]))
+        return 201, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}
+
+    def list_bytes(self, resource: str, ns: str | None, selector) -> bytes:
+        r = self.res[resource]
+        items = [data for data, fields in r.objs.values()
+                 if matches(selector, fields) and (ns is None or fields[1] == ns)]
+        head = json.dumps({"kind": r.kind + "List", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)}})
+        return head[:-1].encode() + b',"items":[' + b",".join(items) + b"]}"
+
+    # ---- WATCH ------------------------------------------------------------------------------------
+
+    def serve_watch(self, handler, path: str, query: dict, agent: str = "") -> None:
+        what, parts = self.route(path)
+        if what != "collection":
+            raise Problem(405, "MethodNotAllowed", "watch is served on collections")
+        resource, ns = parts
+        r = self.res[resource]
+        selector = parse_selector(resource, query)
+        if ns is not None:
+            selector.append((1, True, ns))
+        since = query.get("resourceVersion", [""])[0]
+        if since not in ("", "0") and not since.isdigit():
+            raise Problem(400, "BadRequest", f"resourceVersion {since!r} is not a resourceVersion")
+        bookmarks = query.get("allowWatchBookmarks", [""])[0] == "true"
+        try:
+            ends = time.monotonic() + float(query.get("timeoutSeconds", ["1800"])[0])
+        except ValueError:
+            raise Problem(400, "BadRequest", "timeoutSeconds is not a number") from None
+        with self.lock:
+            self._count(agent, "watch", resource)
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        handler.close_connection = True
+
+        def send(lines: list[bytes]) -> None:
+            if lines:
+                data = b"".join(lines)
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                handler.wfile.flush()
+
+        def event(kind: str, data: bytes) -> bytes:
+            return b'{"type":"%s","object":%s}\n' % (kind.encode(), data)
+
+        def bookmark(rv: int) -> bytes:
+            return event("BOOKMARK", json.dumps({"kind": r.kind, "apiVersion": "v1",
+                                                 "metadata": {"resourceVersion": str(rv)}}).encode())
+
+        def lines_of(entries) -> list[bytes]:
+            lines = []
+            for rv, (kind, data, fields, old, old_fields) in entries:
+                was, now_ = matches(selector, old_fields), kind != "DELETED" and matches(selector, fields)
+                if now_ and was:
+                    lines.append(event(kind, data))
+                elif now_:
+                    lines.append(event("ADDED", data))
+                elif was:  # deleted, or no longer selected: its last state, at this version
+                    gone = json.loads(old if kind != "DELETED" else data)
+                    gone["metadata"]["resourceVersion"] = str(rv)
+                    lines.append(event("DELETED", json.dumps(gone).encode()))
+            return lines
+
+        queue: collections.deque = collections.deque()  # what each write hands this watch (the watch cache's)
+        try:
+            with self.lock:
+                if since in ("", "0"):
+                    first = [event("ADDED", d) for d, f in r.objs.values() if matches(selector, f)]
+                elif int(since) < r.compacted:
+                    _, gone = status(410, "Expired", f"too old resource version: {since} ({r.compacted})")
+                    first, queue = [event("ERROR", json.dumps(gone).encode())], None
+                else:
+                    i = bisect.bisect_right(r.rvs, int(since))
+                    first = lines_of(zip(r.rvs[i:], r.log[i:]))
+                if queue is not None:
+                    r.watchers.append(queue)
+                outages = self.outages
+            send(first)
+            next_mark = time.monotonic() + self.bookmark_every
+            while queue is not None:
+                with self.lock:
+                    while True:
+                        now = time.monotonic()
+                        down = self._failing or self.closed or self.outages != outages
+                        if queue or down or now >= ends or (bookmarks and now >= next_mark):
+                            break
+                        self.lock.wait(min(ends, next_mark if bookmarks else ends) - now)
+                    if down or len(queue) > self.WATCH_BUFFER:
+                        break  # the connection goes (a watcher that does not keep up is ended, as the real one is)
+                    entries = list(queue)
+                    queue.clear()
+                    done = time.monotonic() >= ends
+                    mark = bookmarks and (time.monotonic() >= next_mark or done)
+                    at = self.rv
+                lines = lines_of(entries)
+                if mark:
+                    lines.append(bookmark(at))
+                    next_mark = time.monotonic() + self.bookmark_every
+                send(lines)
+                if done:
+                    break
+            handler.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass
+        finally:
+            with self.lock:
+                r.watchers = [q for q in r.watchers if q is not queue]
 
     def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.lock.notify_all()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class View(collections.abc.Mapping):
+    """`api.pods[(ns, name)]`, `api.nodes[name]`: a fresh dict of the object as stored (read-only)."""
+
+    def __init__(self, api: ApiServer, resource: str) -> None:
+        self.api, self.resource = api, resource
+
+    def __getitem__(self, key) -> dict:
+        with self.api.lock:
+            try:
+                return self.api.read(self.resource, key)
+            except Problem:
+                raise KeyError(key) from None
+
+    def __iter__(self):
+        with self.api.lock:
+            return iter(list(self.api.res[self.resource].objs))
+
+    def __len__(self) -> int:
+        return len(self.api.res[self.resource].objs)

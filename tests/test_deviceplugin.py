@@ -211,7 +211,7 @@ def node_with_api(make_daemon, tmp_path):
     from apiserver_standin import ApiServer
 
     d = make_daemon(gpus="sim:1xT4,1xA10")
-    api = ApiServer(tmp_path)
+    api = ApiServer(tmp_path, history=50, bookmark_every=0.2)
     api.add_node("gpu-node-1", labels={"cgpu.disable.isolation": "true"})
     plugin_dir = tmp_path / "device-plugins"
     plugin_dir.mkdir()
@@ -278,7 +278,8 @@ def test_the_whole_path_extender_plugin_container_tree_and_kubectl(node_with_api
         time.sleep(0.05)
     os.environ["KUBECONFIG"] = os.fspath(api.kubeconfig)
     try:
-        server = extender.make_server(extender.State(*connect()), "127.0.0.1", 0)
+        state = extender.State(*connect()).start()
+        server = extender.make_server(state, "127.0.0.1", 0)
     finally:
         del os.environ["KUBECONFIG"]
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -290,6 +291,7 @@ def test_the_whole_path_extender_plugin_container_tree_and_kubectl(node_with_api
             assert _json.loads(r.read()) == {"Error": ""}
     finally:
         server.shutdown()
+        state.stop()
     gpu = int(api.pods[("default", "sees3")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"])
     assert gpu == 0, "binpack: the T4 (fewer free units) before the A10"
     (env,) = kubelet.allocate(kubelet.preferred(sorted(devs), 3))
@@ -301,7 +303,7 @@ def test_the_whole_path_extender_plugin_container_tree_and_kubectl(node_with_api
     cid = runc.start(runc.bundle(env, ["sleep", "60"], mounts=binds))
     try:
         assert d.value(f"0/{cid[:12]}/memsize") == str((15109 << 20) * 3 // 14)
-        api.pods[("default", "sees3")]["status"]["phase"] = "Running"
+        api.set_phase("default", "sees3", "Running")
         r = subprocess.run([shutil.which("kubectl"), "inspect", "cgpu"], capture_output=True, text=True, timeout=60,
                            env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig),
                                     PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"))
@@ -370,9 +372,11 @@ def test_the_nodes_labels_are_followed_while_it_runs(node_with_api):
     devs, t4, a10 = up(d, api, kubelet)
     assert kubelet.allocate([f"{t4}-_-0"])[0]["CGPU_DISABLE"] == "true"
     assert {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {t4}, "binpack by default"
-    labels = api.nodes["gpu-node-1"]["metadata"]["labels"]
-    labels["ack.node.gpu.placement"] = "spread"
-    del labels["cgpu.disable.isolation"]
+    def relabel(node):
+        node["metadata"]["labels"]["ack.node.gpu.placement"] = "spread"
+        del node["metadata"]["labels"]["cgpu.disable.isolation"]
+
+    api.edit_node("gpu-node-1", relabel)
     wait_for(lambda: {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {a10},
              "spread: the GPU with the most free units")
     assert "CGPU_DISABLE" not in kubelet.allocate([f"{t4}-_-0"])[0], "the label is gone: isolated again"
@@ -384,14 +388,32 @@ def test_allocate_when_the_api_server_is_down_refuses_and_gives_nothing_away(nod
     api.add_pod("waits", [2], node="gpu-node-1", annotations={
         "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_POD": "2", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
         "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
-    api.failing = True
-    with pytest.raises(grpc.RpcError) as err:
-        kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "cannot ask the API server which GPU the scheduler extender chose (" in err.value.details()
-    assert "503" in err.value.details()
+    api.failing = True  # (its watches end; watching again is a 503)
+
+    def refused() -> grpc.RpcError | None:
+        try:
+            kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+        except grpc.RpcError as exc:
+            return exc
+        raise AssertionError("Allocate succeeded while the API server was down")
+
+    wait_for(lambda: "503" in (refused().details() or ""), "Allocate refused, saying why")
+    err = refused()
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    assert "cannot ask the API server which GPU the scheduler extender chose (" in err.details()
     api.failing = False
-    (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+    env = None
+
+    def allocated() -> bool:
+        nonlocal env
+        try:
+            (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+        except grpc.RpcError as exc:
+            assert "cannot ask the API server" in exc.details()
+            return False
+        return True
+
+    wait_for(allocated, "Allocate works again once the API server is back")
     assert env["ALIYUN_COM_GPU_MEM_IDX"] == "1", "the extender's choice, still there"
     assert api.pods[("default", "waits")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
 
@@ -406,7 +428,7 @@ def test_an_extenders_choice_that_cannot_be_met_is_refused_and_kept(node_with_ap
     with pytest.raises(grpc.RpcError) as err:
         kubelet.allocate([f"{t4}-_-0"])
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no GPU 7 on this node" in err.value.details()
-    del api.pods[("default", "nogpu7")]
+    api.delete_pod("default", "nogpu7")
     api.add_pod("full", [4], node="gpu-node-1", annotations={
         "ALIYUN_COM_GPU_MEM_IDX": "0", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "2"})
     outside(d, "register", name="outside00002", gpus=[0], memsize=12 << 30)
@@ -511,3 +533,61 @@ def test_the_plugin_implements_every_method_the_kubelet_calls():
         methods = [m for m in vars(servicer) if not m.startswith("_")]
         assert methods and all(getattr(ours, m) is not getattr(servicer, m) for m in methods), (ours, methods)
     assert len([m for m in vars(rpc.DevicePluginServicer) if not m.startswith("_")]) == 5
+
+
+def test_allocate_and_the_labels_come_from_watches_not_requests(node_with_api):
+    """Over a few seconds of pods coming and going, Allocates following the extender's choices and a
+    relabelled node: the plugin LISTed its pods and its node once and then only watched them (no
+    LIST per Allocate, no GET of the node every --node-refresh); it writes only its marks."""
+    d, api, kubelet, _ = node_with_api
+    devs, t4, a10 = up(d, api, kubelet)
+    ends, k = time.monotonic() + 3, 0
+    while time.monotonic() < ends:
+        k += 1
+        api.add_pod(f"p{k}", [2], node="gpu-node-1", annotations={
+            "ALIYUN_COM_GPU_MEM_IDX": str(k % 2), "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+            "ALIYUN_COM_GPU_MEM_ASSUME_TIME": str(k)})
+        api.add_pod(f"elsewhere{k}", [2], node="gpu-node-2")
+        (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+        assert env["ALIYUN_COM_GPU_MEM_IDX"] == str(k % 2), "the extender's choice, from the watch"
+        api.set_phase("default", f"p{k}", "Running")
+        api.delete_pod("default", f"elsewhere{k}")
+        if k > 2:
+            api.delete_pod("default", f"p{k - 2}")
+    api.edit_node("gpu-node-1", lambda n: n["metadata"]["labels"].update({"ack.node.gpu.placement": "spread"}))
+    wait_for(lambda: {p.rpartition("-_-")[0] for p in kubelet.preferred(sorted(devs), 3)} == {a10},
+             "the relabelled node's placement")
+    assert k >= 3
+    reads = {key: n for key, n in api.requests.items() if key[0] in ("list", "get")}
+    assert reads == {("list", "pods"): 1, ("list", "nodes"): 1}, api.requests
+    assert api.count("watch", "pods") >= 1 and api.count("watch", "nodes") >= 1
+    assert api.count("patch", "pods") == k, "each Allocate marks its pod assigned"
+
+
+def test_a_quiet_watch_kept_fresh_by_bookmarks_needs_no_list_after_a_break(node_with_api):
+    """Pods come and go on other nodes, far more than the API server keeps history for (50 changes):
+    the plugin's watch of its own node's pods sees none of them, but bookmarks move its version on,
+    so when the API server is away for a moment the watch goes on from there — no 410, no LIST."""
+    d, api, kubelet, _ = node_with_api
+    _, t4, _ = up(d, api, kubelet)
+    for k in range(150):
+        api.add_pod(f"other{k}", [1], node="gpu-node-2")
+    time.sleep(0.6)  # bookmarks (every 0.2 s here)
+    api.failing = True
+    time.sleep(0.3)
+    api.failing = False
+    api.add_pod("after", [3], node="gpu-node-1", annotations={
+        "ALIYUN_COM_GPU_MEM_IDX": "1", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false", "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"})
+
+    def follows() -> bool:
+        try:
+            (env,) = kubelet.allocate([f"{t4}-_-{j}" for j in range(3)])
+        except grpc.RpcError as exc:
+            assert "cannot ask the API server" in exc.details()
+            return False
+        assert env["ALIYUN_COM_GPU_MEM_IDX"] == "1"
+        return True
+
+    wait_for(follows, "the plugin watches again and follows the choice made after the break")
+    assert api.count("list", "pods") == 1, api.requests
+    assert api.count("watch", "pods") >= 2, "watched again after the break"

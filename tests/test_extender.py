@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -17,16 +18,42 @@ from cgpud.k8s import extender
 from cgpud.k8s.api import connect
 
 
+class Extender:
+    """An extender (its own State, its own client) serving on 127.0.0.1 against `api`."""
+
+    def __init__(self, api: ApiServer) -> None:
+        self.api = api
+        self.state = extender.State(*connect()).start()
+        self.server = extender.make_server(self.state, "127.0.0.1", 0)
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/gpushare-scheduler"
+
+    def caught_up(self, timeout: float = 10) -> None:
+        """Wait until the watches have brought every change the API server made (the stand-in's
+        resourceVersions are numbers; the extender never compares them)."""
+        deadline = time.monotonic() + timeout
+        for name, inf in self.state.informers.items():
+            res = self.api.res[name]
+            while res.rvs and int(inf.version or 0) < res.rvs[-1]:
+                assert time.monotonic() < deadline, f"the {name} watch did not catch up"
+                time.sleep(0.005)
+
+    def call(self, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
+        self.caught_up()
+        return call(self.url, path, body, raw)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.state.stop()
+
+
 @pytest.fixture
 def ext(tmp_path, monkeypatch):
     api = ApiServer(tmp_path)
     monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
-    monkeypatch.setattr(extender, "CACHE_SECONDS", 0.0)
-    server = extender.make_server(extender.State(*connect()), "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/gpushare-scheduler"
-    yield api, url
-    server.shutdown()
+    e = Extender(api)
+    yield e
+    e.close()
     api.close()
 
 
@@ -49,24 +76,24 @@ def nodes(api: ApiServer) -> None:
 
 
 def test_filter_keeps_nodes_with_a_gpu_that_has_room(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     pod = api.add_pod("asks8", [8])
-    code, res = call(url, "/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "ghost"]})
+    code, res = ext.call("/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "ghost"]})
     assert code == 200 and res["Error"] == ""
     assert res["NodeNames"] == ["mixed"]
     assert "GPU0 6/15" in res["FailedNodes"]["t4"] and "not known" in res["FailedNodes"]["ghost"]
     # the Nodes form (a scheduler not node-cache-capable)
-    code, res = call(url, "/filter", {"Pod": pod, "Nodes": {"items": [api.nodes["t4"], api.nodes["mixed"]]}})
+    code, res = ext.call("/filter", {"Pod": pod, "Nodes": {"items": [api.nodes["t4"], api.nodes["mixed"]]}})
     assert [n["metadata"]["name"] for n in res["Nodes"]["items"]] == ["mixed"]
 
 
 def test_bind_binpacks_writes_gpushares_annotations_and_binds(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     for name in ("a", "b"):
         api.add_pod(name, [5])
-        code, res = call(url, "/bind", {"PodName": name, "PodNamespace": "default", "PodUID": f"uid-default-{name}",
+        code, res = ext.call("/bind", {"PodName": name, "PodNamespace": "default", "PodUID": f"uid-default-{name}",
                                         "Node": "mixed"})
         assert code == 200 and res == {"Error": ""}, res
     ann = api.pods[("default", "a")]["metadata"]["annotations"]
@@ -78,17 +105,17 @@ def test_bind_binpacks_writes_gpushares_annotations_and_binds(ext):
     assert api.bindings == [("default", "a", "mixed"), ("default", "b", "mixed")]
     assert [(e["involvedObject"]["name"], e["reason"], e["message"]) for e in api.events] == [
         (p, "CgpuAssumed", "5 aliyun.com/gpu-mem on GPU 0 of node mixed (binpack)") for p in ("a", "b")]
-    code, res = call(url, "/inspect/mixed")
+    code, res = ext.call("/inspect/mixed")
     assert res["nodes"][0]["gpus"] == [{"index": 0, "allocated": 10, "total": 15},
                                        {"index": 1, "allocated": 0, "total": 22}]
 
 
 def test_spread_by_the_nodes_label(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     for name in ("s1", "s2"):
         api.add_pod(name, [3])
-        assert call(url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "spread"})[0] == 200
+        assert ext.call("/bind", {"PodName": name, "PodNamespace": "default", "Node": "spread"})[0] == 200
     idx = [api.pods[("default", n)]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] for n in ("s1", "s2")]
     assert idx == ["0", "1"]
 
@@ -102,20 +129,20 @@ def test_spread_by_the_nodes_label(ext):
     ("/bind", {"PodName": "p"}, None, "needs PodName, PodNamespace and Node"),
 ])
 def test_bad_input_is_a_clear_error_and_changes_nothing(ext, path, body, raw, words):
-    api, url = ext
+    api = ext.api
     nodes(api)
     api.add_pod("p", [4])
-    code, res = call(url, path, body, raw)
+    code, res = ext.call(path, body, raw)
     assert code == 400 and words in res["Error"], res
     assert api.bindings == [] and api.events == []
     assert "ALIYUN_COM_GPU_MEM_IDX" not in api.pods[("default", "p")]["metadata"]["annotations"]
 
 
 def test_a_pod_that_no_longer_fits_is_not_bound(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     api.add_pod("big", [7])
-    code, res = call(url, "/bind", {"PodName": "big", "PodNamespace": "default", "Node": "t4"})
+    code, res = ext.call("/bind", {"PodName": "big", "PodNamespace": "default", "Node": "t4"})
     assert code == 400 and "no GPU with 7 free" in res["Error"]
     assert api.bindings == []
 
@@ -124,14 +151,14 @@ def test_concurrent_binds_never_overfill_a_gpu(ext):
     """kube-scheduler binds concurrently: 16 binds at once for 7 pods' worth of room bind exactly 7."""
     from concurrent.futures import ThreadPoolExecutor
 
-    api, url = ext
+    api = ext.api
     nodes(api)
     names = [f"c{k:02d}" for k in range(16)]
     for name in names:
         api.add_pod(name, [5])
 
     def bind(name):
-        return call(url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "mixed"})[0]
+        return ext.call("/bind", {"PodName": name, "PodNamespace": "default", "Node": "mixed"})[0]
 
     with ThreadPoolExecutor(16) as pool:
         codes = list(pool.map(bind, names))
@@ -145,40 +172,211 @@ def test_concurrent_binds_never_overfill_a_gpu(ext):
 
 
 def test_a_binding_the_api_server_refuses_leaves_no_annotation(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     api.add_pod("elsewhere", [2], node="spread")  # already bound: the Binding is a 409
-    api.pods[("default", "elsewhere")]["spec"]["nodeName"] = "spread"
-    code, res = call(url, "/bind", {"PodName": "elsewhere", "PodNamespace": "default", "Node": "mixed"})
+    code, res = ext.call("/bind", {"PodName": "elsewhere", "PodNamespace": "default", "Node": "mixed"})
     assert code == 502 and "409" in res["Error"] and "already assigned to node spread" in res["Error"], res
     ann = api.pods[("default", "elsewhere")]["metadata"]["annotations"]
     assert not any(k.startswith("ALIYUN_COM_GPU_MEM") for k in ann), ann
-    assert call(url, "/inspect/mixed")[1]["nodes"][0]["allocated"] == 0
+    assert ext.call("/inspect/mixed")[1]["nodes"][0]["allocated"] == 0
+
+
+def test_a_bound_pod_that_goes_gives_its_units_back_at_once(ext):
+    """The choice a bind wrote on the node counts until the watch shows its pod, and not after the
+    pod is gone: its units are free again at once, not when the choice ages out (60 s)."""
+    api = ext.api
+    nodes(api)
+    asks6 = api.add_pod("asks6", [6])
+    api.add_pod("takes6", [6])
+    assert ext.call("/bind", {"PodName": "takes6", "PodNamespace": "default", "Node": "t4"}) == (200, {"Error": ""})
+    assert "t4" in ext.call("/filter", {"Pod": asks6, "NodeNames": ["t4"]})[1]["FailedNodes"]
+    api.delete_pod("default", "takes6")
+    assert ext.call("/filter", {"Pod": asks6, "NodeNames": ["t4"]})[1]["NodeNames"] == ["t4"]
 
 
 def test_bind_of_a_recreated_pod_is_refused(ext):
-    api, url = ext
+    api = ext.api
     nodes(api)
     api.add_pod("again", [2])
-    code, res = call(url, "/bind", {"PodName": "again", "PodNamespace": "default", "PodUID": "an-older-uid",
+    code, res = ext.call("/bind", {"PodName": "again", "PodNamespace": "default", "PodUID": "an-older-uid",
                                     "Node": "mixed"})
     assert code == 400 and "recreated" in res["Error"] and api.bindings == []
 
 
 def test_a_pod_asking_for_two_gpus_gets_half_on_each(ext):
     """aliyun.com/gpu-count 2 with 8 units: 4 free on each of two GPUs (SPEC §3), or the node fails."""
-    api, url = ext
+    api = ext.api
     nodes(api)
-    pod = api.add_pod("two", [8])
-    pod["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-count"] = "2"
-    code, res = call(url, "/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "spread"]})
+    pod = api.add_pod("two", [8], count=2)
+    code, res = ext.call("/filter", {"Pod": pod, "NodeNames": ["t4", "mixed", "spread"]})
     assert res["NodeNames"] == ["mixed", "spread"] and "no 2 GPU(s) with 4 free" in res["FailedNodes"]["t4"], res
-    assert call(url, "/bind", {"PodName": "two", "PodNamespace": "default", "Node": "mixed"}) == (200, {"Error": ""})
+    assert ext.call("/bind", {"PodName": "two", "PodNamespace": "default", "Node": "mixed"}) == (200, {"Error": ""})
     ann = api.pods[("default", "two")]["metadata"]["annotations"]
     assert ann["ALIYUN_COM_GPU_MEM_IDX"] == "0,1" and ann["ALIYUN_COM_GPU_MEM_POD"] == "8"
-    gpus = call(url, "/inspect/mixed")[1]["nodes"][0]["gpus"]
+    gpus = ext.call("/inspect/mixed")[1]["nodes"][0]["gpus"]
     assert [g["allocated"] for g in gpus] == [4, 4]
-    odd = api.add_pod("odd", [5])
-    odd["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-count"] = "2"
-    code, res = call(url, "/filter", {"Pod": odd, "NodeNames": ["mixed"]})
+    odd = api.add_pod("odd", [5], count=2)
+    code, res = ext.call("/filter", {"Pod": odd, "NodeNames": ["mixed"]})
     assert res["NodeNames"] == [] and "mixed" in res["FailedNodes"], "5 units do not split over 2 GPUs"
+
+
+# ---- at cluster scale: LIST once, then WATCH (issue 22) -----------------------------------------
+
+
+class Process:
+    """`cgpu scheduler-extender` as its own process (as deployed) against `api`."""
+
+    def __init__(self, api: ApiServer, tmp_path) -> None:
+        import os
+        import socket
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.log = open(tmp_path / f"extender-{port}.log", "wb")
+        self.proc = subprocess.Popen([str(Path(sys.executable).parent / "cgpu"), "scheduler-extender", "--addr",
+                                      f"127.0.0.1:{port}"], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, KUBECONFIG=str(api.kubeconfig)))
+        self.url = f"http://127.0.0.1:{port}/gpushare-scheduler"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                call(self.url, "/inspect")
+                break
+            except OSError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "the extender did not start"
+                time.sleep(0.05)
+
+    def passes(self, pod: dict, node: str) -> bool:
+        code, res = call(self.url, "/filter", {"Pod": pod, "NodeNames": [node]})
+        assert code == 200, res
+        return res["NodeNames"] == [node]
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+def until(pred, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def proc_api(tmp_path):
+    api = ApiServer(tmp_path, bookmark_every=0.2)
+    nodes(api)
+    procs = []
+
+    def start():
+        procs.append(Process(api, tmp_path))
+        return procs[-1]
+
+    yield api, start
+    for p in procs:
+        p.close()
+    api.close()
+
+
+def test_a_steady_state_is_one_list_per_resource_then_watches_only(proc_api):
+    """Pods come and go on a node for a few seconds: the extender's filter follows each change,
+    and the API server sees one LIST of nodes and one of pods, then watches (no GET, no LIST)."""
+    api, start = proc_api
+    ext = start()
+    asks = {"metadata": {"name": "asks", "namespace": "default"},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "8"}}}]}}
+    ends = time.monotonic() + 3
+    k = 0
+    while time.monotonic() < ends:
+        k += 1  # GPU 1 of "mixed" (22) filled to 15 free: passes; to 7 free: fails; and back
+        api.add_pod(f"churn{k}", [7], node="mixed", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "1"})
+        api.add_pod(f"fill{k}", [15], node="mixed", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "0"})
+        until(lambda: ext.passes(asks, "mixed"), "GPU 1 has 15 free")
+        api.add_pod(f"more{k}", [8], node="mixed", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "1"})
+        until(lambda: not ext.passes(asks, "mixed"), "GPU 1 has 7 free")
+        api.set_phase("default", f"more{k}", "Succeeded")
+        api.delete_pod("default", f"churn{k}")
+        api.delete_pod("default", f"fill{k}")
+        until(lambda: ext.passes(asks, "mixed"), "the pods are gone")
+        api.delete_pod("default", f"more{k}")
+    assert k >= 3
+    assert (api.count("list", "nodes"), api.count("list", "pods")) == (1, 1), api.requests
+    assert api.count("get", "nodes") == api.count("get", "pods") == 0, api.requests
+    assert api.count("watch", "pods") >= 1 and api.count("watch", "nodes") >= 1
+
+
+def test_a_version_gone_410_lists_again_once(proc_api):
+    """The API server goes down, changes meanwhile, and forgets the history (compaction): the watch
+    from the old version is 410 Gone, and the extender LISTs again — once — and sees the change."""
+    api, start = proc_api
+    ext = start()
+    asks = {"metadata": {"name": "asks", "namespace": "default"},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "6"}}}]}}
+    assert ext.passes(asks, "t4")
+    api.failing = True
+    api.add_pod("meanwhile", [4], node="t4", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "0"})
+    api.compact()
+    time.sleep(0.5)
+    api.failing = False
+    until(lambda: not ext.passes(asks, "t4"), "the extender sees the pod made while it could not watch")
+    until(lambda: api.count("list", "nodes") == 2, "the nodes' watch is 410 too: LIST again")
+    time.sleep(1)  # and then watches only again
+    assert (api.count("list", "nodes"), api.count("list", "pods")) == (2, 2), api.requests
+
+
+def test_two_replicas_binding_at_once_never_give_the_same_units(proc_api):
+    """Two extender processes, 24 binds at once spread over both, 7 pods' room on the node: exactly 7
+    bind, and no GPU is given more than it has; the rest are refused (the node is full) or told to
+    try again, and none is bound."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api, start = proc_api
+    a, b = start(), start()
+    names = [f"r{k:02d}" for k in range(24)]
+    for name in names:
+        api.add_pod(name, [5])
+
+    def bind(k_name):
+        k, name = k_name
+        return call((a, b)[k % 2].url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "mixed"})[0]
+
+    with ThreadPoolExecutor(24) as pool:
+        codes = list(pool.map(bind, enumerate(names)))
+    assert codes.count(200) == 7 and set(codes) <= {200, 400, 503}, codes
+    on = {}
+    for name in names:
+        ann = api.pods[("default", name)]["metadata"]["annotations"]
+        if "ALIYUN_COM_GPU_MEM_IDX" in ann:
+            on[ann["ALIYUN_COM_GPU_MEM_IDX"]] = on.get(ann["ALIYUN_COM_GPU_MEM_IDX"], 0) + 5
+    assert on == {"0": 15, "1": 20} and len(api.bindings) == 7, (on, api.bindings)
+
+
+def test_no_request_waits_for_a_list(proc_api):
+    """While the extender LISTs again after 410 (a LIST that takes 3 s here), filter is answered
+    from what it had, not after the LIST; then from the new view."""
+    api, start = proc_api
+    ext = start()
+    asks = {"metadata": {"name": "asks", "namespace": "default"},
+            "spec": {"containers": [{"name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "6"}}}]}}
+    assert ext.passes(asks, "t4")
+    api.list_delay = 3.0
+    api.failing = True
+    api.add_pod("meanwhile", [4], node="t4", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "0"})
+    api.compact()
+    api.failing = False
+    until(lambda: api.lists_in_flight["pods"] > 0, "the extender lists the pods again")
+    during = 0
+    while api.lists_in_flight["pods"]:
+        answer = ext.passes(asks, "t4")
+        if api.lists_in_flight["pods"]:  # answered while the pods' LIST was still being answered
+            during += 1
+            assert answer, "the view it had: t4 had room"
+    assert during >= 3, during
+    until(lambda: not ext.passes(asks, "t4"), "then the new view")

@@ -21,7 +21,8 @@ from cgpud.cli.common import Ctx, pass_ctx
 @click.option("--node-name", default=None, envvar="NODE_NAME",
               help="This node's name in the API server (a DaemonSet gives it from spec.nodeName).")
 @click.option("--node-refresh", default=5.0, show_default=True, type=click.FloatRange(min=0.05),
-              help="Seconds between reads of the node's labels (placement, isolation) from the API server.")
+              help="Seconds before a publish of the node's GPUs the API server refused is tried again "
+                   "(the node's labels are watched, not read again).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
 @pass_ctx
 def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_isolation: bool,

@@ -9,8 +9,9 @@ class NoCluster(Exception):
     """No API server to ask; str() is one line."""
 
 
-def connect():
-    """(CoreV1Api, ApiClient), or NoCluster."""
+def connect(agent: str | None = None):
+    """(CoreV1Api, ApiClient), or NoCluster. `agent` names the component in its User-Agent (as
+    kube-scheduler/… does), so the API server's logs and metrics tell our clients apart."""
     from kubernetes import client, config
 
     try:
@@ -21,7 +22,10 @@ def connect():
             config.load_incluster_config()
         except config.ConfigException:
             raise NoCluster(f"no cluster to ask: {first} (set KUBECONFIG, or run in a pod)") from None
-    return client.CoreV1Api(), client.ApiClient()
+    api_client = client.ApiClient()
+    if agent:
+        api_client.user_agent = f"{agent} (cgpud)"
+    return client.CoreV1Api(api_client), api_client
 
 
 def refusal(exc) -> str:

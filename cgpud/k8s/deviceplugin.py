@@ -40,7 +40,7 @@ DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 ENDPOINT = "cgpu.sock"
 POLL = 0.1  # s: how often the kubelet's socket and ours are looked at
 REFRESH = 1.0  # s: how often the daemon is asked what GPUs it has
-NODE_REFRESH = 5.0  # s: how often the node's labels are read again (and a failed publish retried)
+NODE_REFRESH = 5.0  # s: how often a publish the API server refused is tried again
 
 
 class Source:
@@ -106,18 +106,19 @@ class Plugin(rpc.DevicePluginServicer):
 
     def node_changed(self, gpus: list[res.Gpu] | None) -> None:
         """The daemon's GPUs changed (or NODE_REFRESH passed): publish them if the API server does
-        not have them yet, and read the node's labels again."""
+        not have them yet (a write only when needed: the node's labels come by its watch)."""
         if self.node is None or not self.node.usable:
             return
         units = [g.units(self.unit) for g in gpus] if gpus else None
         if units is not None and units != self.published and self.node.publish(units):
             self.published = units
-        labels = self.node.labels()
-        if labels is not None:
-            if labels.get(PLACEMENT_LABEL) not in (None, *res.STRATEGIES):
-                log.warning("node label %s=%s is neither binpack nor spread: placing by --placement (%s)",
-                            PLACEMENT_LABEL, labels[PLACEMENT_LABEL], self.flag_strategy)
-            self.labels = labels
+
+    def labels_changed(self, labels: dict[str, str]) -> None:
+        """The node's labels, as its watch brought them."""
+        if labels.get(PLACEMENT_LABEL) not in (None, *res.STRATEGIES):
+            log.warning("node label %s=%s is neither binpack nor spread: placing by --placement (%s)",
+                        PLACEMENT_LABEL, labels[PLACEMENT_LABEL], self.flag_strategy)
+        self.labels = labels
 
     def follow_node(self, stop: threading.Event, every: float = NODE_REFRESH) -> None:
         while not stop.wait(every):
@@ -282,6 +283,8 @@ def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, dis
     node.say_once()
     plugin = Plugin(source, res.UNITS[unit_name], strategy, disable_isolation, node)
     source.on_change = plugin.node_changed
+    node.on_labels = plugin.labels_changed
+    node.start()
     stop = threading.Event()
     poller = threading.Thread(target=source.run, args=(stop,), daemon=True)
     poller.start()

@@ -9,101 +9,41 @@ and gpushare's pod annotations.
 
 A node passes the filter only if one GPU (or, with aliyun.com/gpu-count, M
 GPUs) has the pod's units free; bind chooses the GPU(s) by the node's
-placement (label ack.node.gpu.placement: binpack, the default, or spread),
-writes the annotations (ALIYUN_COM_GPU_MEM_IDX, _DEV, _POD, _ASSIGNED=false,
-_ASSUME_TIME) and creates the Binding. The cluster is read with the official
-client and kept for CACHE_SECONDS; what bind assumes counts at once.
-Bad input (not JSON, a pod or node that does not exist) is a clear error and
-changes nothing.
+placement (label ack.node.gpu.placement: binpack, the default, or spread)
+and creates the Binding, which puts gpushare's annotations on the pod
+(ALIYUN_COM_GPU_MEM_IDX, _DEV, _POD, _ASSIGNED=false, _ASSUME_TIME) in the
+same write.
+
+The cluster is kept in memory as informers keep it (cgpud.k8s.informer):
+nodes and pods LISTed once, then WATCHed; each event updates per-node
+tallies, so filter and bind cost in proportion to the nodes they are asked
+about, and no request waits for the API server's LIST.
+
+Binds, also from several replicas, never give the same units twice: each
+bind commits its choice on the Node first — a patch of the annotation
+ASSUMED (the node's recent choices) carrying the resourceVersion the choice
+was made from. A conflict (409: another bind, or anything, changed the
+node) makes it read the node again and choose again. Bad input (not JSON,
+a pod or node that does not exist) is a clear error and changes nothing.
 """
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from cgpud.k8s import cluster
+from cgpud.k8s import cluster, view
+from cgpud.k8s.view import ASSUMED_SECONDS, BadRequest, Node, Pod, State, dump_assumed, gpu_count
 
 log = logging.getLogger("cgpud.k8s")
 PREFIX = "/gpushare-scheduler"
-CACHE_SECONDS = 1.0
 MAX_BODY = 16 << 20
+BIND_ATTEMPTS = 10  # conflicts a bind rides out before it answers the scheduler "try again"
 
 
-class BadRequest(ValueError):
-    pass
-
-
-class State:
-    """Nodes and pods as the API's JSON, read again when older than CACHE_SECONDS; `keep_fresh`
-    reads them in the background so that filter never waits for the API server."""
-
-    def __init__(self, api, raw) -> None:
-        self.api, self.raw = api, raw
-        self.lock = threading.Lock()  # the swap of what was read, and bind's own updates
-        self.reading = threading.Lock()  # one read of the cluster at a time
-        self.binding = threading.Lock()  # one bind at a time: read, choose, annotate, bind
-        self.at = -1e9
-        self.nodes: dict[str, dict] = {}
-        self.pods: list[dict] = []
-        self.on_node: dict[str, list[dict]] = {}  # node name -> its pods
-
-    def refresh(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self.at < CACHE_SECONDS:
-            return
-        with self.reading:
-            if not force and time.monotonic() - self.at < CACHE_SECONDS:
-                return  # (read while this one waited)
-            began = time.monotonic()
-            # the lists' JSON as it came (the client's models for 400 pods cost tens of ms of CPU, and
-            # filter requests would wait for the interpreter meanwhile)
-            nodes = json.loads(self.api.list_node(_preload_content=False).data)["items"]
-            pods = json.loads(self.api.list_pod_for_all_namespaces(_preload_content=False).data)["items"]
-            on_node: dict[str, list[dict]] = {}
-            for pod in pods:
-                on_node.setdefault((pod.get("spec") or {}).get("nodeName") or "", []).append(pod)
-            with self.lock:
-                self.nodes = {n["metadata"]["name"]: n for n in nodes}
-                self.pods, self.on_node, self.at = pods, on_node, began
-
-    def keep_fresh(self, stop: threading.Event) -> None:
-        """Read the cluster every CACHE_SECONDS / 2 until `stop` (its errors logged, not raised)."""
-        while not stop.wait(CACHE_SECONDS / 2):
-            try:
-                self.refresh(force=True)
-            except Exception as exc:  # noqa: BLE001 - the next request reads again and says why
-                from cgpud.k8s.api import one_line
-
-                log.warning("cannot read the cluster (%s)", one_line(exc))
-
-    def room(self, name: str) -> tuple[list[int], list[int]]:
-        node = self.nodes[name]
-        units = cluster.gpu_units(node)
-        return units, cluster.used_units(name, self.on_node.get(name, []), len(units))
-
-    def placed(self, pod: dict, node_name: str, annotations: dict) -> None:
-        """What bind just did counts before the next read."""
-        with self.lock:
-            pod["metadata"].setdefault("annotations", {}).update(annotations)
-            pod.setdefault("spec", {})["nodeName"] = node_name
-            self.on_node.setdefault(node_name, []).append(pod)
-
-
-def gpu_count(pod: dict) -> int:
-    count = 0
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        try:
-            count = max(count, int(((c.get("resources") or {}).get("limits") or {}).get(cluster.COUNT, 0)))
-        except (TypeError, ValueError):
-            raise BadRequest(f"{cluster.COUNT} is not a whole number") from None
-    return count or 1
-
-
-def strategy_of(node: dict) -> str:
-    label = ((node.get("metadata") or {}).get("labels") or {}).get(cluster.PLACEMENT_LABEL, "binpack")
-    return label if label in ("binpack", "spread") else "binpack"
+class Busy(RuntimeError):
+    """The node kept changing under a bind: the scheduler should try again (HTTP 503)."""
 
 
 def filter_nodes(state: State, args: dict) -> dict:
@@ -118,23 +58,27 @@ def filter_nodes(state: State, args: dict) -> dict:
     if need <= 0:  # not ours to judge
         return {"Nodes": args.get("Nodes"), "NodeNames": names, "FailedNodes": {}, "Error": ""}
     count = gpu_count(pod)
-    state.refresh()
     ok, failed = [], {}
-    for name in names:
-        if name not in state.nodes:
-            failed[name] = f"node {name} is not known to the API server"
-            continue
-        units, used = state.room(name)
-        if not units:
-            failed[name] = f"no {cluster.RESOURCE} on this node"
-        elif cluster.choose(units, used, need, count, strategy_of(state.nodes[name])) is None:
-            free = ", ".join(f"GPU{i} {u - x}/{u}" for i, (u, x) in enumerate(zip(units, used)))
-            failed[name] = f"no {count} GPU(s) with {need // max(count, 1)} free {cluster.RESOURCE} ({free})"
-        else:
-            ok.append(name)
+    now = time.time()
+    per, even = need // count, need % count == 0
+    with state.lock:  # (the loop a filter of 5,000 nodes spends its time in: kept lean)
+        nodes, work_out = state.nodes, state.free_units
+        for name in names:
+            node = nodes.get(name)
+            if node is None:
+                failed[name] = f"node {name} is not known to the API server"
+                continue
+            if node.free is None or now >= node.until:
+                work_out(node, now)
+            desc = node.desc  # free units per GPU, most first
+            if even and len(desc) >= count and desc[count - 1] >= per:
+                ok.append(name)
+            else:
+                failed[name] = state.why_not(node, need, count)
     result = {"NodeNames": ok, "FailedNodes": failed, "Error": ""}
     if args.get("NodeNames") is None:
-        result["Nodes"] = {"items": [n for n in items if (n.get("metadata") or {}).get("name") in ok]}
+        keep = set(ok)
+        result["Nodes"] = {"items": [n for n in items if (n.get("metadata") or {}).get("name") in keep]}
     return result
 
 
@@ -142,50 +86,103 @@ def bind(state: State, args: dict) -> dict:
     name, ns, node_name = args.get("PodName"), args.get("PodNamespace"), args.get("Node")
     if not all(isinstance(x, str) and x for x in (name, ns, node_name)):
         raise BadRequest("ExtenderBindingArgs needs PodName, PodNamespace and Node")
-    # kube-scheduler binds pods concurrently: two binds choosing from the same free units would
-    # over-fill a GPU, so a bind reads, chooses, annotates and binds alone.
-    with state.binding:
+    # kube-scheduler binds pods concurrently: binds to one node take turns in this replica (they would
+    # only conflict with each other); other replicas' binds are kept apart by the node's resourceVersion.
+    with state.node_lock(node_name):
         return _bind(state, name, ns, node_name, args.get("PodUID"))
+
+
+def _read(state: State, what: str, call, *args) -> dict:
+    """GET one object as the API's JSON; 404 is BadRequest."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return json.loads(call(*args, _preload_content=False).data)
+    except ApiException as exc:
+        if exc.status == 404:
+            raise BadRequest(f"{what} is not known to the API server") from None
+        raise
 
 
 def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> dict:
     from kubernetes.client import V1Binding, V1ObjectMeta, V1ObjectReference
     from kubernetes.client.exceptions import ApiException
 
-    state.refresh(force=True)
-    if node_name not in state.nodes:
-        raise BadRequest(f"node {node_name} is not known to the API server")
-    pod = next((p for p in state.pods if p["metadata"]["name"] == name and p["metadata"]["namespace"] == ns), None)
-    if pod is None:
-        raise BadRequest(f"pod {ns}/{name} is not known to the API server")
-    if uid and pod["metadata"].get("uid") not in (None, uid):
+    with state.lock:
+        node = state.nodes.get(node_name)
+        pod = state.pods.get((ns, name))
+    if node is None:  # (newer than our view, or no such node)
+        node = Node(_read(state, f"node {node_name}", state.api.read_node, node_name))
+    if pod is None:  # a pod asking nothing, or newer than our view
+        pod = Pod(_read(state, f"pod {ns}/{name}", state.api.read_namespaced_pod, name, ns))
+    if uid and pod.uid not in ("", uid):
         raise BadRequest(f"pod {ns}/{name} is not the pod with UID {uid} any more (it was recreated)")
-    need = cluster.pod_units(pod)
-    patch = {}
-    if need > 0:
-        units, used = state.room(node_name)
-        gpus = cluster.choose(units, used, need, gpu_count(pod), strategy_of(state.nodes[node_name]))
-        if gpus is None:
-            raise BadRequest(f"node {node_name} has no GPU with {need} free {cluster.RESOURCE} any more")
-        patch = cluster.assume_annotations(gpus, need, min(units[i] for i in gpus))
-        state.api.patch_namespaced_pod(name, ns, {"metadata": {"annotations": patch}})
-    body = V1Binding(metadata=V1ObjectMeta(name=name, namespace=ns, uid=uid),
+    annotations, chosen = {}, None
+    if pod.need > 0:
+        chosen = _commit(state, node, pod)
+        annotations = cluster.assume_annotations(list(chosen[0]), pod.need, min(node.units[i] for i in chosen[0]))
+    body = V1Binding(metadata=V1ObjectMeta(name=name, namespace=ns, uid=uid or None, annotations=annotations or None),
                      target=V1ObjectReference(kind="Node", name=node_name, api_version="v1"))
     try:
         state.api.create_namespaced_binding(ns, body, _preload_content=False)
     except ApiException:
-        if patch:  # not bound: take the choice back, so no GPU counts units for a pod that is not there
-            try:
-                state.api.patch_namespaced_pod(name, ns, {"metadata": {"annotations": dict.fromkeys(patch)}})
-            except ApiException as exc:
-                log.warning("bind of %s/%s failed and its annotations could not be removed (%s)", ns, name, exc)
+        if chosen:  # not bound: take the choice back (else it counts until ASSUMED_SECONDS pass)
+            _take_back(state, node_name, pod.uid)
         raise
-    state.placed(pod, node_name, patch)
-    log.info("bound %s/%s to %s %s", ns, name, node_name, patch.get(cluster.IDX, ""))
-    if patch:
-        event(state.api, pod, "CgpuAssumed", f"{need} {cluster.RESOURCE} on GPU {patch[cluster.IDX]} of node "
-              f"{node_name} ({strategy_of(state.nodes[node_name])})")
+    log.info("bound %s/%s to %s %s", ns, name, node_name, annotations.get(cluster.IDX, ""))
+    if annotations:
+        event(state.api, {"metadata": {"name": name, "namespace": ns, "uid": pod.uid}}, "CgpuAssumed",
+              f"{pod.need} {cluster.RESOURCE} on GPU {annotations[cluster.IDX]} of node {node_name} "
+              f"({chosen[1]})")
     return {"Error": ""}
+
+
+def _commit(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
+    """Choose the pod's GPU(s) on the node and write the choice on the Node, with the resourceVersion
+    the choice was made from; on a conflict read the node again and choose again."""
+    from kubernetes.client.exceptions import ApiException
+
+    for _ in range(BIND_ATTEMPTS):
+        now = time.time()
+        with state.lock:
+            free = list(state.free_units(node, now))
+        gpus = cluster.choose(list(node.units), [u - f for u, f in zip(node.units, free)], pod.need, pod.count,
+                              node.strategy)
+        if gpus is None:
+            raise BadRequest(f"node {node.name} has no GPU with {pod.need} free {cluster.RESOURCE} any more")
+        assumed = {u: e for u, e in node.assumed.items() if now - e[2] <= ASSUMED_SECONDS and u != pod.uid}
+        assumed[pod.uid] = (tuple(gpus), pod.need // len(gpus), now)
+        patch = {"metadata": {"resourceVersion": node.version, "annotations": {view.ASSUMED: dump_assumed(assumed)}}}
+        try:
+            resp = state.api.patch_node(node.name, patch, _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            node = Node(_read(state, f"node {node.name}", state.api.read_node, node.name))  # read again
+            continue
+        written = Node(json.loads(resp.data))
+        with state.lock:  # what we wrote counts at once (unless the watch already brought newer)
+            if (cached := state.nodes.get(node.name)) is None or cached.version == node.version:
+                state.nodes[node.name] = written
+                for uid in written.assumed:
+                    state.assumed_on[uid] = node.name
+        return tuple(gpus), node.strategy
+    raise Busy(f"node {node.name} changed under {BIND_ATTEMPTS} binds in a row; try again")
+
+
+def _take_back(state: State, node_name: str, uid: str) -> None:
+    """Remove a choice whose Binding failed (once; when that conflicts, the choice ages out)."""
+    from cgpud.k8s.api import one_line
+
+    try:
+        node = Node(_read(state, f"node {node_name}", state.api.read_node, node_name))
+        if uid in node.assumed:
+            del node.assumed[uid]
+            state.api.patch_node(node_name, {"metadata": {"resourceVersion": node.version,
+                                                          "annotations": {view.ASSUMED: dump_assumed(node.assumed)}}},
+                                 _preload_content=False)
+    except Exception as exc:  # noqa: BLE001 - it ages out after ASSUMED_SECONDS
+        log.warning("cannot take back the choice for pod %s on %s (%s)", uid, node_name, one_line(exc))
 
 
 def event(api, pod: dict, reason: str, message: str) -> None:
@@ -211,11 +208,28 @@ def event(api, pod: dict, reason: str, message: str) -> None:
 
 
 def inspect(state: State, node: str | None) -> dict:
-    state.refresh()
-    if node is not None and node not in state.nodes:
-        raise BadRequest(f"node {node} is not known to the API server")
-    names = [node] if node else [n for n in state.nodes if cluster.gpu_units(state.nodes[n])]
-    return {"nodes": [cluster.node_view(state.nodes[n], state.on_node.get(n, [])) for n in names]}
+    with state.lock:
+        if node is not None and node not in state.nodes:
+            raise BadRequest(f"node {node} is not known to the API server")
+        names = [node] if node else [n for n, v in state.nodes.items() if v.units]
+        return {"nodes": [_view(state.nodes[n], state.on_node.get(n, {})) for n in names]}
+
+
+def _view(node: Node, pods: dict) -> dict:
+    """One node in cgpud.observe.inspect's shape (as cluster.node_view), from the pods on its GPUs."""
+    used = [0] * len(node.units)
+    insts = []
+    for pod in sorted(pods.values(), key=lambda p: p.key):
+        per = {str(i): pod.need // len(pod.gpus) for i in pod.gpus}
+        for i in pod.gpus:
+            if i < len(used):
+                used[i] += pod.need // len(pod.gpus)
+        insts.append({"name": pod.key[1], "namespace": pod.key[0], "gpus": per, "allocated": sum(per.values())})
+    allocated, total = sum(used), sum(node.units)
+    return {"name": node.name, "ipaddress": node.address,
+            "gpus": [{"index": i, "allocated": used[i], "total": u} for i, u in enumerate(node.units)],
+            "allocated": allocated, "total": total, "percent": allocated * 100 // total if total else 0,
+            "instances": insts}
 
 
 def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
@@ -240,6 +254,8 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
                 self._send(200, fn(state, *args))
             except BadRequest as exc:
                 self._send(400, {"Error": str(exc)})
+            except Busy as exc:
+                self._send(503, {"Error": str(exc)})
             except ApiException as exc:
                 self._send(502, {"Error": refusal(exc)})
             except Exception as exc:  # noqa: BLE001 - one request's failure, said, never the server's
@@ -280,11 +296,9 @@ def main(addr: str) -> None:
     from cgpud.k8s.api import connect
 
     host, _, port = addr.rpartition(":")
-    api, raw = connect()
-    state = State(api, raw)
-    state.refresh()  # (an API server that refuses us is said now, at start)
+    api, raw = connect("cgpu-scheduler-extender")
+    state = State(api, raw).start()  # (the first LIST: an API server that refuses us is said now, at start)
     server = make_server(state, host or "0.0.0.0", int(port))
-    threading.Thread(target=state.keep_fresh, args=(threading.Event(),), daemon=True).start()
     log.info("scheduler extender on http://%s:%d%s", *server.server_address[:2], PREFIX)
     try:
         server.serve_forever()

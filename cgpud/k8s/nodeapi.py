@@ -14,17 +14,28 @@ the kubelet fully and says once what it cannot do.
   ASSIGNED=true once all its containers have been given theirs. How many
   have is also written on the pod (GIVEN), so a restarted plugin goes on
   with the right container.
+
+Both are kept in memory by watches (cgpud.k8s.informer), not asked for: the
+node's own pods (fieldSelector spec.nodeName=<node>) and its own Node
+(metadata.name=<node>), each LISTed once and then WATCHed; so Allocate and
+the labels are answered from memory and the API server sees two watches
+from each node, not a request per container start or per tick.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from cgpud.k8s import cluster
 from cgpud.k8s.api import one_line
+from cgpud.k8s.informer import Informer
 
 log = logging.getLogger("cgpud.k8s")
+# s: how long Allocate waits for the pod watch to bring an extender's choice it does not have yet (the
+# kubelet learns of a pod through its own watch, which may be a moment ahead of ours)
+CHOICE_WAIT = 0.25
 
 
 class Unreachable(Exception):
@@ -39,15 +50,67 @@ class NodeApi:
         self.given: dict[str, int] = {}  # pod uid -> containers given their units
         self.warned: set[str] = set()  # pods whose malformed annotation was logged
         self.lock = threading.Lock()
+        self.waiting: dict[str, dict] = {}  # uid -> this node's pending pods the extender chose for, not yet given
+        self.node_labels: dict[str, str] | None = None  # None: not read yet
+        self.on_labels = None  # called with the node's labels when they change
+        self.missed: tuple[int, float] | None = None  # (units, when) a look for a choice found none
+        self.informers: list[Informer] = []
         if not node:
             self.why_not = "no node name (set NODE_NAME from the downward API, or --node-name)"
             return
         from cgpud.k8s.api import NoCluster, connect
 
         try:
-            self.api, self.raw = connect()
+            self.api, self.raw = connect("cgpu-device-plugin")
         except NoCluster as exc:
             self.why_not = str(exc)
+            return
+        self.pod_watch = Informer(f"pods on {node}", self.api.list_pod_for_all_namespaces, self._replace_pods,
+                                  self._pod_event, field_selector=f"spec.nodeName={node}")
+        self.node_watch = Informer(f"node {node}", self.api.list_node, self._replace_node, self._node_event,
+                                   field_selector=f"metadata.name={node}")
+        self.informers = [self.pod_watch, self.node_watch]
+
+    def start(self) -> None:
+        """Watch the node's pods and the node (each LISTed first; failures retried in the background)."""
+        for inf in self.informers:
+            inf.start()
+
+    def stop(self) -> None:
+        for inf in self.informers:
+            inf.stop()
+
+    @staticmethod
+    def _waits(pod: dict) -> bool:
+        ann = (pod.get("metadata") or {}).get("annotations") or {}
+        return ann.get(cluster.ASSIGNED) == "false" and (pod.get("status") or {}).get("phase") == "Pending"
+
+    def _replace_pods(self, items: list[dict]) -> None:
+        with self.lock:
+            self.waiting = {p["metadata"].get("uid", ""): p for p in items if self._waits(p)}
+
+    def _pod_event(self, kind: str, pod: dict) -> None:
+        uid = pod["metadata"].get("uid", "")
+        with self.lock:
+            if kind != "DELETED" and self._waits(pod):
+                self.waiting[uid] = pod
+            else:
+                self.waiting.pop(uid, None)
+                if kind == "DELETED":
+                    self.given.pop(uid, None)
+
+    def _replace_node(self, items: list[dict]) -> None:
+        for node in items:
+            self._node_event("ADDED", node)
+
+    def _node_event(self, kind: str, node: dict) -> None:
+        if kind == "DELETED":
+            return
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        if labels != self.node_labels:
+            self.node_labels = labels
+            if self.on_labels is not None:
+                self.on_labels(labels)
 
     @property
     def usable(self) -> bool:
@@ -74,32 +137,40 @@ class NodeApi:
         return True
 
     def labels(self) -> dict[str, str] | None:
-        """The node's labels, or None when they cannot be read now (keep what was last read)."""
-        if not self.usable:
-            return None
-        try:
-            node = self.raw.sanitize_for_serialization(self.api.read_node(self.node))
-        except Exception as exc:  # noqa: BLE001
-            log.warning("cannot read node %s (%s)", self.node, one_line(exc))
-            return None
-        return (node.get("metadata") or {}).get("labels") or {}
+        """The node's labels as last watched, or None before they were read."""
+        return self.node_labels
 
     def assumed(self, units: int, reserve: bool = True) -> "Choice | None":
         """The extender's choice for a container of `units` units on this node, reserved until
         `confirm` (the container got it) or `release` (Allocate failed after all); None when there is
-        no extender's choice to follow; Unreachable when the API server cannot be asked.
-        `reserve=False` only looks (GetPreferredAllocation, which comes before Allocate)."""
+        no extender's choice to follow; Unreachable while the API server cannot be watched.
+        `reserve=False` only looks (GetPreferredAllocation, which comes before Allocate). From
+        memory; when there is no choice, waits up to CHOICE_WAIT for the watch to bring one (once
+        for a GetPreferredAllocation and its Allocate)."""
         if not self.usable:
             return None
-        try:
-            pods = self.raw.sanitize_for_serialization(self.api.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={self.node},status.phase=Pending").items)
-        except Exception as exc:  # noqa: BLE001 - whatever the client raised, the answer is "cannot ask"
-            raise Unreachable(f"cannot ask the API server which GPU the scheduler extender chose ({one_line(exc)}); "
-                              "refusing rather than guessing: the pod can be created again") from None
+        watch = self.pod_watch
+        now = time.monotonic()
+        missed = self.missed is not None and self.missed[0] == units and now - self.missed[1] < 2.0
+        deadline = now + (0 if missed else CHOICE_WAIT)
+        with watch.changed:
+            while True:
+                if not watch.healthy:
+                    raise Unreachable(f"cannot ask the API server which GPU the scheduler extender chose "
+                                      f"({watch.problem}); refusing rather than guessing: the pod can be created "
+                                      "again")
+                choice = self._choose(units, reserve)
+                left = deadline - time.monotonic()
+                if choice is not None or left <= 0:
+                    break
+                watch.changed.wait(left)
+        self.missed = None if choice is not None else (units, time.monotonic())
+        return choice
+
+    def _choose(self, units: int, reserve: bool) -> "Choice | None":
         with self.lock:
             candidates = []
-            for pod in pods:
+            for pod in list(self.waiting.values()):
                 ann = pod["metadata"].get("annotations") or {}
                 idx = cluster.pod_gpus(pod)
                 if ann.get(cluster.ASSIGNED) != "false":
