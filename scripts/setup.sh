@@ -50,3 +50,9 @@ fi
 # (docs/containers.md), built into .venv/bin. Hosts get them from
 # scripts/install-service.sh.
 make -s -C native BIN="$PWD/.venv/bin"
+
+# The cluster tier's real Kubernetes components (tests/test_cluster.py, docs/cluster-tests.md):
+# built from Kubernetes' own modules once per machine into /var/cache/cgpud/k8s; the first
+# build takes about 8 minutes on 2 cores, later runs find them and return at once.
+k8s_bin="$(nice -n 10 scripts/k8s-build.sh)"
+echo "setup: Kubernetes components in $k8s_bin"

@@ -61,10 +61,21 @@ NAMESPACE = "kube-system"
 SA = "cgpu"  # the ServiceAccount deploy/kubernetes/rbac.yaml gives the device plugin and the extender
 PAUSE_IMAGE = "localhost/cgpud-pause:test"
 BUSYBOX_IMAGE = "localhost/cgpud-busybox:test"
-EXTENDER_ADDR = ("127.0.0.1", 32766)  # where the shipped scheduler configuration calls it
 PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")  # the kubelet's, fixed in its code (pluginapi.DevicePluginPath)
 SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
            "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")  # what the kubelet sets (restored at cleanup)
+
+
+def shipped_scheduler_config() -> dict:
+    return yaml.safe_load((DEPLOY / "scheduler" / "kube-scheduler-config.yaml").read_text())
+
+
+def extender_addr() -> tuple[str, int]:
+    """Where the shipped scheduler configuration calls our extender (its urlPrefix's host and port)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(shipped_scheduler_config()["extenders"][0]["urlPrefix"])
+    return url.hostname or "127.0.0.1", url.port or 80
 
 
 def k8s_bin() -> Path:
@@ -185,6 +196,7 @@ def make_pki(d: Path, ip: str) -> None:
     leaf("kubelet", f"/CN={NODE}", serving + f"\nsubjectAltName=IP:127.0.0.1,IP:{ip},DNS:{NODE}")
     leaf("node", f"/O=system:nodes/CN=system:node:{NODE}", client)  # the Node authorizer's identity of the kubelet
     leaf("apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client", client)
+    leaf("controller-manager", "/CN=system:kube-controller-manager", client)
     _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=d)
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
@@ -369,9 +381,9 @@ class Cluster:
             pytest.fail(f"{PLUGIN_DIR}/kubelet.sock exists: another kubelet runs on this machine (the cluster tier "
                         "needs the kubelet's fixed device plugin directory for itself)")
         with socket.socket() as s:
-            if s.connect_ex(EXTENDER_ADDR) == 0:
-                pytest.fail(f"{EXTENDER_ADDR[0]}:{EXTENDER_ADDR[1]} is taken: the shipped scheduler configuration "
-                            "calls the extender there")
+            if s.connect_ex(extender_addr()) == 0:
+                pytest.fail(f"{extender_addr()} is taken: the shipped scheduler configuration calls the extender "
+                            "there")
         make_pki(self.path("pki"), self.ip)
         self._start_etcd()
         self._start_apiserver()
@@ -523,8 +535,14 @@ state = "{c}/state"
         images = self.path("images")
         images.mkdir()
         for archive in (pause_image(images), busybox_image(images)):
-            p = self.ctr("images", "import", "--no-unpack", os.fspath(archive))
-            assert p.returncode == 0, p.stderr
+            self.import_image(archive)
+
+    def import_image(self, archive: Path) -> None:
+        """An image archive (docker-archive or OCI, e.g. `podman save` of the cgpud image for the
+        DaemonSet) into containerd's CRI namespace, for pods with imagePullPolicy Never/IfNotPresent."""
+        p = self.ctr("images", "import", "--no-unpack", os.fspath(archive), timeout=300)
+        if p.returncode != 0:
+            pytest.fail(f"ctr images import {archive}: {p.stderr}")
 
     def ctr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         return subprocess.run(["ctr", "--address", os.fspath(self.containerd_sock), "--namespace", "k8s.io", *args],
@@ -608,7 +626,7 @@ state = "{c}/state"
     def scheduler_config(self) -> dict:
         """The shipped KubeSchedulerConfiguration (deploy/kubernetes/scheduler/), with only its
         clientConnection.kubeconfig pointed at this cluster's (the shipped path is a node's)."""
-        cfg = yaml.safe_load((DEPLOY / "scheduler" / "kube-scheduler-config.yaml").read_text())
+        cfg = shipped_scheduler_config()
         cfg.setdefault("clientConnection", {})["kubeconfig"] = os.fspath(self.scheduler_kubeconfig)
         return cfg
 
@@ -645,10 +663,25 @@ state = "{c}/state"
 
     # ---- our parts ----
 
+    def start_controller_manager(self, controllers: str = "daemonset,serviceaccount,serviceaccount-token,"
+                                                         "root-ca-certificate-publisher,garbage-collector") -> None:
+        """kube-controller-manager with only the controllers named (the DaemonSet test needs the
+        daemonset controller; the node lifecycle controller is left out: it would taint the
+        kubelet-less nodes of the 1,000-node test unreachable)."""
+        pki = self.path("pki")
+        cm = kubeconfig(self.path("controller-manager.kubeconfig"), self.server, pki / "ca.crt",
+                        {"client-certificate": os.fspath(pki / "controller-manager.crt"),
+                         "client-key": os.fspath(pki / "controller-manager.key")})
+        self.procs["kube-controller-manager"] = Proc("kube-controller-manager", [
+            self.bins / "kube-controller-manager", f"--kubeconfig={cm}", f"--controllers={controllers}",
+            "--use-service-account-credentials=true", f"--service-account-private-key-file={pki / 'sa.key'}",
+            f"--root-ca-file={pki / 'ca.crt'}", "--leader-elect=false", "--secure-port=0", "--v=2",
+        ], self.path("kube-controller-manager.log")).start()
+
     def deploy(self) -> None:
         """deploy/kubernetes applied with kubectl as the administrator; then the extender and the
         device plugin started with the token of the ServiceAccount it gives them."""
-        target = ["-k", os.fspath(DEPLOY)] if (DEPLOY / "kustomization.yaml").exists() else ["-f", os.fspath(DEPLOY)]
+        target = self.deploy_target()
         p = self.kubectl("apply", *target, check=False)
         self.deploy_output = p.stdout + p.stderr
         if p.returncode != 0:
@@ -660,11 +693,18 @@ state = "{c}/state"
         self.start_extender()
         self.start_device_plugin()
 
+    @staticmethod
+    def deploy_target() -> list[str]:
+        """kubectl's arguments for deploy/kubernetes: -k with a kustomization, else -f."""
+        return ["-k", os.fspath(DEPLOY)] if (DEPLOY / "kustomization.yaml").exists() else ["-f", os.fspath(DEPLOY)]
+
     def _cgpu(self) -> str:
         return os.fspath(Path(sys.executable).parent / "cgpu")
 
-    def start_extender(self) -> None:
-        host, port = EXTENDER_ADDR
+    def start_extender(self, addr: tuple[str, int] | None = None) -> None:
+        """The extender where the shipped configuration calls it (bench/cluster.py puts a timing
+        proxy there and the extender behind it)."""
+        host, port = addr or extender_addr()
         self.procs["extender"] = Proc("extender", [self._cgpu(), "scheduler-extender", "--addr", f"{host}:{port}"],
                                       self.path("extender.log"),
                                       env={"KUBECONFIG": os.fspath(self.sa_kubeconfig)}).start()
@@ -749,7 +789,8 @@ state = "{c}/state"
                 if p.returncode != 0 or not p.stdout.strip():
                     break
                 time.sleep(0.5)
-        for name in ("device-plugin", "extender", "kube-scheduler", "kubelet"):
+        for name in ("device-plugin", "extender", "extender-proxy", "kube-controller-manager", "kube-scheduler",
+                     "kubelet"):
             if name in self.procs:
                 self.procs[name].stop()
         if "containerd" in self.procs and self.procs["containerd"].alive():
