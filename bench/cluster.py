@@ -224,6 +224,14 @@ def filter_figures(c, nodes: int) -> None:
         delete_fake_nodes(c)
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
 def restart_figures(c, restarts: int) -> None:
     from cluster import PLUGIN_DIR
 
@@ -231,16 +239,13 @@ def restart_figures(c, restarts: int) -> None:
     log = c.procs["kubelet"].log_path
     waits, starts = [], []
     for _ in range(restarts):
-        old = sock.stat().st_ino if sock.exists() else None
+        old = _identity(sock)
         c.stop_kubelet()
         offset = log.stat().st_size
         started = c.start_kubelet()
-        while True:
-            try:
-                if sock.stat().st_ino != old:
-                    break
-            except OSError:
-                pass
+        while _identity(sock) in (old, None):  # (a new socket may get the old one's inode number)
+            if time.monotonic() - started > 60:
+                raise SystemExit("the kubelet made no new socket within 60 s")
             time.sleep(0.002)
         made = time.monotonic()
         starts.append(made - started)

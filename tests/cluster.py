@@ -779,7 +779,8 @@ state = "{c}/state"
     def cleanup(self) -> None:
         """Stop everything started here, in order, and remove what it left on the host."""
         kubelet = self.procs.get("kubelet")
-        if kubelet and kubelet.alive() and self.procs.get("kube-apiserver", Proc("", [], Path())).alive():
+        apiserver = self.procs.get("kube-apiserver")
+        if kubelet and kubelet.alive() and apiserver and apiserver.alive():
             # pods on the node stopped by the kubelet, as a drain would (their instances go with them)
             self.kubectl("delete", "pods", "--all", "-A", "--wait=false", "--grace-period=1", check=False)
             deadline = time.monotonic() + 60

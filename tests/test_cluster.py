@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
 import shutil
 import time
-from pathlib import Path
 
 import pytest
+import yaml
 
-from cluster import NAMESPACE, NODE, SA, Cluster, wait_for
+from cluster import NAMESPACE, NODE, SA, Cluster, shipped_scheduler_config, wait_for
 from conftest import SIM_T4_BYTES, Daemon, _make_base
 from test_runc import compiled_hook
 from test_runtime import wrapper
@@ -132,6 +131,18 @@ def wait_events(cluster, pod: str, *reasons: str, timeout: float = 60) -> str:
         return e if all(r in e for r in reasons) else ""
 
     return wait_for(seen, timeout, f"events {reasons} on {pod}", lambda: cluster.events(pod) + cluster.logs())
+
+
+def test_the_shipped_scheduler_configuration_names_its_kubeconfig(cluster):
+    """Given --config, kube-scheduler ignores its --kubeconfig flag (it logs "Neither --kubeconfig nor
+    --master was specified" and fails outside a pod): the file itself must name the kubeconfig. The
+    fixture changed only that path (to this cluster's); the rest ran as shipped."""
+    shipped = shipped_scheduler_config()
+    assert shipped.get("clientConnection", {}).get("kubeconfig"), \
+        "deploy/kubernetes/scheduler/kube-scheduler-config.yaml has no clientConnection.kubeconfig"
+    ran = yaml.safe_load(cluster.path("kube-scheduler.yaml").read_text())
+    ran["clientConnection"]["kubeconfig"] = shipped["clientConnection"]["kubeconfig"]
+    assert ran == shipped
 
 
 def test_the_scheduler_filters_and_binds_through_the_extender(cluster):
