@@ -73,11 +73,13 @@ rm -rf "$tmp"; mkdir -p "$tmp/bin"
 cd "$mod"
 pkgs=(); for t in "${tools[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$t"); done
 "$GO" build -trimpath -ldflags "$ldflags" -o "$tmp/bin/" "${pkgs[@]}"
+took=$(( $(date +%s) - start ))
+echo "$took $kind" > "$tmp/build-seconds"
+# (a forced build keeps the first build's figure: bench/cluster.py reports it as the first build)
+[ -z "${CGPUD_K8S_FORCE:-}" ] || [ ! -f "$out/build-seconds" ] || cp "$out/build-seconds" "$tmp/build-seconds"
 rm -rf "$out"; mv "$tmp" "$out"
 for old in "$cache"/v*-*; do   # binaries of an earlier go.mod or recipe (half a GB each)
   [ "$old" = "$out" ] || [ ! -d "$old/bin" ] || rm -rf "$old"
 done
-took=$(( $(date +%s) - start ))
-echo "$took $kind" > "$out/build-seconds"
 echo "k8s-build: built in $took s ($kind build cache)" >&2
 echo "$out/bin"
