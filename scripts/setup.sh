@@ -61,3 +61,9 @@ fi
 # (docs/containers.md), built into .venv/bin. Hosts get them from
 # scripts/install-service.sh.
 make -s -C native BIN="$PWD/.venv/bin"
+
+# The cluster tier's real Kubernetes components (tests/test_cluster.py, docs/cluster-tests.md):
+# built from Kubernetes' own modules once per machine into /var/cache/cgpud/k8s; the first
+# build takes 8 (quiet 2 cores) to 30 minutes (busy ones); later runs find them and return at once.
+k8s_bin="$(nice -n 10 scripts/k8s-build.sh)"
+echo "setup: Kubernetes components in $k8s_bin"

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Builds the real Kubernetes components of the cluster test tier (tests/test_cluster.py) —
+# kube-apiserver, kube-scheduler, kubelet, kubectl and kube-controller-manager — from Kubernetes' own released Go
+# modules (tests/cluster/go.mod pins the release), once per machine, into a cache:
+#
+#   ${CGPUD_K8S_CACHE:-/var/cache/cgpud/k8s}/
+#       gomod/   GOMODCACHE (the downloaded modules)
+#       gocache/ GOCACHE (compiled packages: a second build of the same release links only)
+#       <release>-<hash>/bin/   the binaries; <hash> covers go.mod, go.sum and this script
+#
+# Safe to run again and from several processes at once (a lock): when the binaries of this
+# go.mod are there it does nothing (CGPUD_K8S_FORCE=1 builds them again: bench/cluster.py's warm
+# figure). <bin>/../build-seconds says how long their build took and whether the cache was cold. Prints the bin directory on stdout, progress on stderr.
+# Go: >= the go line of tests/cluster/go.mod, on PATH or in /usr/local/go, else the toolchain module
+# from the Go module proxy (kept in the cache).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+mod="$root/tests/cluster"
+cache="${CGPUD_K8S_CACHE:-/var/cache/cgpud/k8s}"
+release="$(awk '$1=="k8s.io/kubernetes" || ($1=="require" && $2=="k8s.io/kubernetes") {print ($1=="require" ? $3 : $2); exit}' "$mod/go.mod")"
+[ -n "$release" ] || { echo "k8s-build: no k8s.io/kubernetes release in $mod/go.mod" >&2; exit 1; }
+tools=(kube-apiserver kube-scheduler kubelet kubectl kube-controller-manager)
+recipe=1  # raise when the build command below changes: binaries built otherwise are then built again
+hash="$( (cat "$mod/go.mod" "$mod/go.sum"; echo "$recipe ${tools[*]}") | sha256sum | cut -c1-12)"
+out="$cache/$release-$hash"
+
+have() { for t in "${tools[@]}"; do [ -x "$out/bin/$t" ] || return 1; done; }
+[ -n "${CGPUD_K8S_FORCE:-}" ] || ! have || { echo "$out/bin"; exit 0; }   # CGPUD_K8S_FORCE=1: build again
+
+mkdir -p "$cache"
+exec 9>"$cache/.lock"
+flock 9
+[ -n "${CGPUD_K8S_FORCE:-}" ] || ! have || { echo "$out/bin"; exit 0; }   # built by another while we waited
+
+# Go: the one named by GO, else on PATH or in /usr/local/go when it is new enough for go.mod; else
+# the Go toolchain module of that release (golang.org/toolchain, what GOTOOLCHAIN=goX fetches) from
+# the Go module proxy, once, into the cache.
+need="$(awk '$1=="go" {print $2; exit}' "$mod/go.mod")"
+toolchain=go1.26.8
+new_enough() { [ -x "$1" ] && v="$("$1" env GOVERSION 2>/dev/null)" && v="${v#go}" &&
+               [ "$(printf '%s\n%s\n' "$need" "$v" | sort -V | head -1)" = "$need" ]; }
+GO="${GO:-}"
+if [ -z "$GO" ]; then
+  for g in "$(command -v go || true)" /usr/local/go/bin/go "$cache/go/$toolchain/bin/go"; do
+    if [ -n "$g" ] && GOTOOLCHAIN=local new_enough "$g"; then GO="$g"; break; fi
+  done
+fi
+if [ -z "$GO" ]; then
+  echo "k8s-build: no Go >= $need here: fetching the $toolchain toolchain module from the Go module proxy" >&2
+  arch="$(uname -m)"; case "$arch" in x86_64) arch=amd64;; aarch64) arch=arm64;; esac
+  zip="$cache/go/$toolchain.zip"; mkdir -p "$cache/go"
+  curl -fsSL -o "$zip" "${GOPROXY_URL:-https://proxy.golang.org}/golang.org/toolchain/@v/v0.0.1-$toolchain.linux-$arch.zip"
+  rm -rf "$cache/go/unpack"; mkdir "$cache/go/unpack"; (cd "$cache/go/unpack" && unzip -q "$zip")
+  mv "$cache/go/unpack/golang.org/toolchain@v0.0.1-$toolchain.linux-$arch" "$cache/go/$toolchain"
+  rm -rf "$cache/go/unpack" "$zip"; chmod +x "$cache/go/$toolchain/bin/"* "$cache/go/$toolchain/pkg/tool/"*/* 2>/dev/null || true
+  GO="$cache/go/$toolchain/bin/go"
+fi
+
+export GOMODCACHE="$cache/gomod" GOCACHE="$cache/gocache" GOFLAGS="-buildvcs=false -mod=readonly"
+export GOTOOLCHAIN="${GOTOOLCHAIN:-local}" CGO_ENABLED=0
+# The release's own version stamp (hack/lib/version.sh sets these): without it the
+# components call themselves v0.0.0-master and version checks between them misfire.
+major="${release#v}"; major="${major%%.*}"; minor="${release#v*.}"; minor="${minor%%.*}"
+ldflags="-s -w"
+for kv in gitVersion="$release" gitMajor="$major" gitMinor="$minor" gitTreeState=clean buildDate=1970-01-01T00:00:00Z; do
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do ldflags+=" -X $pkg.$kv"; done
+done
+echo "k8s-build: building ${tools[*]} $release into $out/bin (GOMODCACHE/GOCACHE under $cache; the first build takes long)" >&2
+start=$(date +%s)
+kind=warm; [ -n "$(ls -A "$GOCACHE" 2>/dev/null)" ] || kind=cold   # (of the build cache)
+tmp="$out.tmp.$$"
+rm -rf "$tmp"; mkdir -p "$tmp/bin"
+cd "$mod"
+pkgs=(); for t in "${tools[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$t"); done
+"$GO" build -trimpath -ldflags "$ldflags" -o "$tmp/bin/" "${pkgs[@]}"
+took=$(( $(date +%s) - start ))
+echo "$took $kind" > "$tmp/build-seconds"
+# (a forced build keeps the first build's figure: bench/cluster.py reports it as the first build)
+[ -z "${CGPUD_K8S_FORCE:-}" ] || [ ! -f "$out/build-seconds" ] || cp "$out/build-seconds" "$tmp/build-seconds"
+rm -rf "$out"; mv "$tmp" "$out"
+for old in "$cache"/v*-*; do   # binaries of an earlier go.mod or recipe (half a GB each)
+  [ "$old" = "$out" ] || [ ! -d "$old/bin" ] || rm -rf "$old"
+done
+echo "k8s-build: built in $took s ($kind build cache)" >&2
+echo "$out/bin"
