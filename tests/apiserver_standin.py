@@ -266,12 +266,14 @@ class ApiServer:
             return self.create("nodes", name, node)
 
     def add_pod(self, name: str, units: list[int], *, ns: str = "default", node: str | None = None,
-                annotations: dict | None = None, phase: str = "Pending", count: int = 0) -> dict:
+                annotations: dict | None = None, phase: str = "Pending", count: int = 0,
+                labels: dict | None = None) -> dict:
         limits = [{"aliyun.com/gpu-mem": str(u)} for u in units]
         if count:
             limits[0]["aliyun.com/gpu-count"] = str(count)
         pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": name, "namespace": ns, "annotations": dict(annotations or {})},
+               "metadata": {"name": name, "namespace": ns, "annotations": dict(annotations or {}),
+                            "labels": dict(labels or {})},
                "spec": {"containers": [{"name": f"c{k}", "image": "x", "resources": {"limits": lim}}
                                        for k, lim in enumerate(limits)]},
                "status": {"phase": phase}}

@@ -221,6 +221,21 @@ def test_a_pod_asking_for_two_gpus_gets_half_on_each(ext):
     assert res["NodeNames"] == [] and "mixed" in res["FailedNodes"], "5 units do not split over 2 GPUs"
 
 
+def test_seed_000s_pod_label_spreads_its_gpu_mem_over_two_gpus(ext):
+    """Seed 000 asks for two GPUs with the pod *label* aliyun.com/gpu-count: "2" (not a limit):
+    8 GiB is 4 on each of two GPUs, never 8 on one; a label that is not a number is refused."""
+    api = ext.api
+    nodes(api)
+    pod = api.add_pod("seed", [8], labels={"aliyun.com/gpu-count": "2"})
+    code, res = ext.call("/filter", {"Pod": pod, "NodeNames": ["t4", "mixed"]})
+    assert res["NodeNames"] == ["mixed"] and "no 2 GPU(s) with 4 free" in res["FailedNodes"]["t4"], res
+    assert ext.call("/bind", {"PodName": "seed", "PodNamespace": "default", "Node": "mixed"}) == (200, {"Error": ""})
+    assert api.pods[("default", "seed")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] == "0,1"
+    bad = api.add_pod("bad", [8], labels={"aliyun.com/gpu-count": "two"})
+    code, res = ext.call("/filter", {"Pod": bad, "NodeNames": ["mixed"]})
+    assert "not a whole number" in json.dumps(res) and res.get("NodeNames") in (None, []), (code, res)
+
+
 # ---- at cluster scale: LIST once, then WATCH (issue 22) -----------------------------------------
 
 

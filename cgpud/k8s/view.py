@@ -233,12 +233,18 @@ class State:
 
 
 def gpu_count(pod: dict) -> int:
-    count = 0
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        try:
-            count = max(count, int(((c.get("resources") or {}).get("limits") or {}).get(cluster.COUNT, 0)))
-        except (TypeError, ValueError):
-            raise BadRequest(f"{cluster.COUNT} is not a whole number") from None
+    """How many GPUs the pod's gpu-mem is spread over: the pod label `aliyun.com/gpu-count` (how
+    seed 000 and ACK's multi-GPU sharing ask), else the largest container limit of that name, else 1."""
+    label = ((pod.get("metadata") or {}).get("labels") or {}).get(cluster.COUNT)
+    asked = [label] if label is not None else [
+        ((c.get("resources") or {}).get("limits") or {}).get(cluster.COUNT, 0)
+        for c in (pod.get("spec") or {}).get("containers") or []]
+    try:
+        count = max((int(v) for v in asked), default=0)
+    except (TypeError, ValueError):
+        raise BadRequest(f"{cluster.COUNT} is not a whole number") from None
+    if count < 0:
+        raise BadRequest(f"{cluster.COUNT} is negative")
     return count or 1
 
 
