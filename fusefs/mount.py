@@ -94,8 +94,13 @@ def prepare_mountpoint(path: str, fsname: str) -> None:
             raise MountError(
                 f"{path} is already served by a running daemon ({m.source}): stop it first, or choose another --mount"
             )
+        elif not m.fstype.startswith("fuse") and os.path.isdir(path) and not os.listdir(path):
+            # an empty directory mounted there: a container's volume (the DaemonSet's hostPath of the
+            # tree, mounted with Bidirectional propagation): the tree goes on top of it, hiding nothing
+            log.info("mounting over the empty %s mount at %s (a container's volume)", m.fstype, path)
         else:
-            raise MountError(f"{path} is already a mount point ({m.fstype} {m.source}): choose another --mount")
+            raise MountError(f"{path} is already a mount point ({m.fstype} {m.source}) with files in it: "
+                             "choose another --mount")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
