@@ -288,8 +288,15 @@ def busybox_image(d: Path) -> Path:
 
 
 class Cluster:
-    def __init__(self, daemon, runtime_binary: str, bins: Path | None = None) -> None:
+    def __init__(self, daemon, runtime_binary: str | None, bins: Path | None = None,
+                 host_root: Path | None = None) -> None:
+        """host_root: a directory standing for the node's root (the DaemonSet test): containerd's config is
+        its etc/containerd/config.toml (written without cgpu, as a node before `cgpu node install`), and
+        containerd runs in a mount namespace of its own where that directory's run/ and usr/local/ are
+        /run and /usr/local, so the host paths the installer writes (BinaryName, the hook, libcgpu.so) and
+        the node daemon's socket and tree resolve inside it; nothing of the real host's is touched."""
         self.daemon = daemon
+        self.host_root = host_root
         self.runtime_binary = runtime_binary
         self.bins = bins or k8s_bin()
         self.base = Path(tempfile.mkdtemp(prefix="cgpud-k8s-", dir="/tmp"))
@@ -305,6 +312,7 @@ class Cluster:
         self.sa_kubeconfig: Path | None = None
         self.deploy_output = ""
         self.netns_before = set(_netns())
+        self.base_shared = False
 
     # ---- helpers ----
 
@@ -470,7 +478,7 @@ class Cluster:
         if not self.procs["kube-apiserver"].alive():
             pytest.fail("kube-apiserver exited:\n" + self.procs["kube-apiserver"].log())
 
-    def containerd_config(self) -> str:
+    def containerd_config(self, cgpu: bool = True) -> str:
         """containerd's configuration: its own root, state and socket; the CRI plugin with our pause
         image, the CNI bridge, and the runtimes of deploy/kubernetes/containerd-cgpu.toml with
         BinaryName pointed at the cgpu-runtime the venv has."""
@@ -479,7 +487,7 @@ class Cluster:
         shipped = tomllib.loads((DEPLOY / "containerd-cgpu.toml").read_text())
         cri = shipped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
         runtimes = ""
-        for name, rt in cri.items():
+        for name, rt in cri.items() if cgpu else ():
             runtimes += f'\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{name}]\n'
             runtimes += f'  runtime_type = "{rt["runtime_type"]}"\n'
             opts = dict(rt.get("options", {}))
@@ -518,24 +526,73 @@ state = "{c}/state"
         c = self.path("containerd")
         (c / "net.d").mkdir(parents=True)
         self.containerd_sock = c / "containerd.sock"
-        (c / "config.toml").write_text(self.containerd_config())
+        config = c / "config.toml"
+        if self.host_root is not None:
+            config = self.host_root / "etc" / "containerd" / "config.toml"
+            config.parent.mkdir(parents=True, exist_ok=True)
+            config.write_text(self.containerd_config(cgpu=False))
+            self._start_host_namespace()
+            argv = ["nsenter", f"--mount=/proc/{self.procs['host-namespace'].proc.pid}/ns/mnt", "containerd",
+                    "--config", config]
+            env = {}
+        else:
+            config.write_text(self.containerd_config())
+            argv, env = ["containerd", "--config", config], {"CGPUD_SOCKET": os.fspath(self.daemon.socket)}
         (c / "net.d" / "10-cgpu-test.conflist").write_text(json.dumps({
             "cniVersion": "1.0.0", "name": "cgpu-test",
             "plugins": [{"type": "bridge", "bridge": self.bridge, "isGateway": True, "ipMasq": False,
                          "ipam": {"type": "host-local", "dataDir": os.fspath(c / "ipam"),
                                   "ranges": [[{"subnet": "10.244.77.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}]}},
                         {"type": "portmap", "capabilities": {"portMappings": True}}]}))
-        self.procs["containerd"] = Proc("containerd", ["containerd", "--config", c / "config.toml"],
-                                        self.path("containerd.log"),
-                                        env={"CGPUD_SOCKET": os.fspath(self.daemon.socket)}).start()
-        wait_for(lambda: self.ctr("version").returncode == 0 or not self.procs["containerd"].alive(), 60,
-                 "containerd", self.logs)
-        if not self.procs["containerd"].alive():
-            pytest.fail("containerd exited:\n" + self.procs["containerd"].log())
+        self.procs["containerd"] = Proc("containerd", argv, self.path("containerd.log"), env=env)
+        if self.host_root is not None:  # (the runtime finds the node daemon's socket at the host path)
+            self.procs["containerd"].env.pop("CGPUD_SOCKET", None)
+        self.procs["containerd"].start()
+        self._wait_containerd()
         images = self.path("images")
         images.mkdir()
         for archive in (pause_image(images), busybox_image(images)):
             self.import_image(archive)
+
+    def _wait_containerd(self) -> None:
+        wait_for(lambda: self.ctr("version").returncode == 0 or not self.procs["containerd"].alive(), 60,
+                 "containerd", self.logs)
+        if not self.procs["containerd"].alive():
+            pytest.fail("containerd exited:\n" + self.procs["containerd"].log())
+
+    def restart_containerd(self) -> None:
+        """What `systemctl restart containerd` does on a node: containerd stopped and started on the same
+        config (its containers keep running under their shims)."""
+        self.procs["containerd"].stop()
+        self.procs["containerd"].start()
+        self._wait_containerd()
+
+    def _start_host_namespace(self) -> None:
+        """The mount namespace containerd runs in (host_root): held by a sleeping process so that it
+        outlives containerd's restarts. The run's directory is made a shared mount first, so that the
+        kubelet's volume mounts (service account tokens) reach it; the host root is a shared mount in
+        it, so that the node daemon's tree (Bidirectional propagation) reaches its /run too."""
+        h, base = os.fspath(self.host_root), os.fspath(self.base)
+        for d in ("run", "usr/local"):
+            (self.host_root / d).mkdir(parents=True, exist_ok=True)
+        for cmd in (["mount", "--bind", base, base], ["mount", "--make-shared", base]):
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                pytest.fail(f"{' '.join(cmd)}: {p.stderr}")
+            self.base_shared = True
+        ready = self.path("host-namespace.ready")
+        script = (f"set -e; mount --bind {h} {h}; mount --make-rshared {h}; mount --bind {h}/run /run; "
+                  f"mount --bind {h}/usr/local /usr/local; : > {ready}; exec sleep infinity")
+        self.procs["host-namespace"] = Proc("host-namespace", ["unshare", "--mount", "--propagation", "slave",
+                                                               "sh", "-c", script],
+                                            self.path("host-namespace.log")).start()
+        wait_for(lambda: ready.exists() or not self.procs["host-namespace"].alive(), 10, "the mount namespace")
+        if not self.procs["host-namespace"].alive():
+            pytest.fail("the mount namespace:\n" + self.procs["host-namespace"].log())
+
+    def host_view(self, path: str) -> Path:
+        """A path as containerd (and the containers' hooks) see it: through its namespace's root."""
+        return Path(f"/proc/{self.procs['host-namespace'].proc.pid}/root") / path.lstrip("/")
 
     def import_image(self, archive: Path) -> None:
         """An image archive (docker-archive or OCI, e.g. `podman save` of the cgpud image for the
@@ -663,8 +720,10 @@ state = "{c}/state"
 
     # ---- our parts ----
 
-    def start_controller_manager(self, controllers: str = "daemonset,serviceaccount,serviceaccount-token,"
-                                                         "root-ca-certificate-publisher,garbage-collector") -> None:
+    def start_controller_manager(self, controllers: str = "daemonset-controller,serviceaccount-controller,"
+                                                         "serviceaccount-token-controller,"
+                                                         "root-ca-certificate-publisher-controller,"
+                                                         "garbage-collector-controller") -> None:
         """kube-controller-manager with only the controllers named (the DaemonSet test needs the
         daemonset controller; the node lifecycle controller is left out: it would taint the
         kubelet-less nodes of the 1,000-node test unreachable)."""
@@ -678,10 +737,11 @@ state = "{c}/state"
             f"--root-ca-file={pki / 'ca.crt'}", "--leader-elect=false", "--secure-port=0", "--v=2",
         ], self.path("kube-controller-manager.log")).start()
 
-    def deploy(self) -> None:
-        """deploy/kubernetes applied with kubectl as the administrator; then the extender and the
-        device plugin started with the token of the ServiceAccount it gives them."""
-        target = self.deploy_target()
+    def deploy(self, target: list[str] | None = None, device_plugin: bool = True) -> None:
+        """deploy/kubernetes (or `target`, kubectl apply's arguments) applied with kubectl as the
+        administrator; then the extender and the device plugin started with the token of the
+        ServiceAccount it gives them (the device plugin unless the DaemonSet runs it)."""
+        target = target or self.deploy_target()
         p = self.kubectl("apply", *target, check=False)
         self.deploy_output = p.stdout + p.stderr
         if p.returncode != 0:
@@ -691,7 +751,8 @@ state = "{c}/state"
         self.sa_kubeconfig = kubeconfig(self.path("cgpu-sa.kubeconfig"), self.server, self.path("pki", "ca.crt"),
                                         {"token": token})
         self.start_extender()
-        self.start_device_plugin()
+        if device_plugin:
+            self.start_device_plugin()
 
     @staticmethod
     def deploy_target() -> list[str]:
@@ -778,6 +839,8 @@ state = "{c}/state"
 
     def cleanup(self) -> None:
         """Stop everything started here, in order, and remove what it left on the host."""
+        if "kube-controller-manager" in self.procs:  # (its DaemonSet controller would make the pods again)
+            self.procs["kube-controller-manager"].stop()
         kubelet = self.procs.get("kubelet")
         apiserver = self.procs.get("kube-apiserver")
         if kubelet and kubelet.alive() and apiserver and apiserver.alive():
@@ -800,13 +863,15 @@ state = "{c}/state"
                 time.sleep(0.1)
                 self.ctr("task", "delete", "-f", cid)
                 self.ctr("containers", "delete", cid)
-        for name in ("containerd", "kube-apiserver", "etcd"):
+        for name in ("containerd", "host-namespace", "kube-apiserver", "etcd"):
             if name in self.procs:
                 self.procs[name].stop()
         for line in reversed(Path("/proc/self/mountinfo").read_text().splitlines()):
             where = line.split()[4]
             if where.startswith(f"{self.base}/"):
                 subprocess.run(["umount", "-l", where], capture_output=True)
+        if self.base_shared:
+            subprocess.run(["umount", "-l", os.fspath(self.base)], capture_output=True)
         for ns in set(_netns()) - self.netns_before:  # the pods' network namespaces containerd made
             subprocess.run(["umount", "-l", f"/run/netns/{ns}"], capture_output=True)
             Path("/run/netns", ns).unlink(missing_ok=True)

@@ -125,6 +125,17 @@ def config_path(state: dict) -> str:
     return os.path.join(bundle, "config.json")
 
 
+def as_seen_by(path: str, pid: int) -> str:
+    """A path named by a process of the host (the runtime, the hook: containerd's shims' mount
+    namespace): a daemon in another mount namespace (the DaemonSet's container, hostPID) reaches it
+    through that process's root, /proc/<pid>/root. Where the path is there in the daemon's own
+    view, that is used."""
+    if pid <= 0 or os.path.exists(path):
+        return path
+    theirs = f"/proc/{pid}/root{path}"
+    return theirs if os.path.exists(theirs) else path
+
+
 def read_config(cid: str, path: str) -> dict:
     """A config.json, whole (a regular file of at most MAX_CONFIG bytes, a JSON
     object). Blocking: callers in the daemon run it in a worker thread."""
@@ -209,7 +220,7 @@ def write_config(cid: str, path: str, config: dict) -> None:
         raise HookError(f"container {cid}: cannot write {path}: {exc.strerror}", exc.errno or errno.EIO) from None
 
 
-async def load(req: dict) -> dict:
+async def load(req: dict, peer_pid: int = 0) -> dict:
     """Before `run` (the serving loop awaits this for `hook` requests of
     privileged callers): config.json, read in a worker thread with a time
     limit, left as its environment (ENV_KEY) and whole (CONFIG_KEY). A failure
@@ -218,7 +229,7 @@ async def load(req: dict) -> dict:
         kind, state = check_request(req)
         if kind != "add":
             return req
-        path = config_path(state)
+        path = as_seen_by(config_path(state), peer_pid)
         config: Any = HookError(f"container {state['id']}: reading {path} took more than {CONFIG_TIMEOUT:g} s",
                                 errno.ETIMEDOUT)
         with trio.move_on_after(CONFIG_TIMEOUT):

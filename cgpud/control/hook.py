@@ -93,7 +93,7 @@ class Hooks:
         """The hook's config.json read, in a worker thread with a time limit; and, for a
         container that joins through the hook alone (not prepared by cgpu-runtime), the
         in-container library mounted into it when the daemon has one (containers.inject)."""
-        req = await hookd.load(req)
+        req = await hookd.load(req, peer.pid)
         env = req.get(hookd.ENV_KEY)
         library = self.library if self.library and os.path.isfile(self.library) else None
         if library is None or not isinstance(env, dict):

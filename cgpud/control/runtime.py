@@ -50,16 +50,17 @@ class Runtime:
 
     async def load_bundle(self, req: dict, peer: Peer) -> dict:
         try:
-            outcome: Any = await self._prepare_bundle(req)
+            outcome: Any = await self._prepare_bundle(req, peer)
         except hookd.HookError as exc:
             outcome = exc
         return {**req, RESULT_KEY: outcome}
 
-    async def _prepare_bundle(self, req: dict) -> dict:
+    async def _prepare_bundle(self, req: dict, peer: Peer | None = None) -> dict:
         cid = req.get("id")
         if not isinstance(cid, str) or not cid or len(cid) > hookd.MAX_ID or "\0" in cid:
             raise hookd.HookError('prepare needs the container\'s "id" (a non-empty string)')
         path = hookd.config_path({"id": cid, "bundle": req.get("bundle")})
+        path = hookd.as_seen_by(path, peer.pid if peer else 0)
         config = await self._in_thread(hookd.read_config, cid, path, what=f"reading {path}")
         env = hookd.env_of(config)
         if not self._check(env).managed:
