@@ -238,3 +238,35 @@ def test_a_refused_join_takes_its_prepared_pages_with_it_but_not_another_contain
         sleeper.kill()
         sleeper.wait()
         enforce.remove_cgroup(group)
+
+
+def test_a_bundle_is_read_through_the_root_of_the_process_that_names_it(tmp_path):
+    """A daemon in another mount namespace than the runtime's (the DaemonSet's container) reaches
+    the bundle the runtime or the hook names through /proc/<their pid>/root; where the path is in
+    its own view, that is used (issue 24's DaemonSet test found the DaemonSet's daemon unable to
+    read containerd's bundles)."""
+    import subprocess
+    import time
+
+    from cgpud.containers import hookd
+
+    where = tmp_path / "bundle"
+    where.mkdir()
+    ready = tmp_path / "ready"
+    # a process in a mount namespace of its own, with a tmpfs at `where` holding config.json
+    p = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          f"mount -t tmpfs none {where} && echo '{{}}' > {where}/config.json && : > {ready} "
+                          "&& exec sleep 60"])
+    try:
+        deadline = time.monotonic() + 10
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        path = str(where / "config.json")
+        assert not (where / "config.json").exists()  # (not in this view)
+        assert hookd.as_seen_by(path, p.pid) == f"/proc/{p.pid}/root{path}"
+        assert hookd.read_config("c1", hookd.as_seen_by(path, p.pid)) == {}
+        (where / "config.json").write_text("{}")
+        assert hookd.as_seen_by(path, p.pid) == path  # in the daemon's own view: used as it is
+    finally:
+        p.kill()
+        p.wait()
