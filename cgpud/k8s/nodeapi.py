@@ -53,7 +53,8 @@ class NodeApi:
         self.waiting: dict[str, dict] = {}  # uid -> this node's pending pods the extender chose for, not yet given
         self.node_labels: dict[str, str] | None = None  # None: not read yet
         self.on_labels = None  # called with the node's labels when they change
-        self.missed: tuple[int, float] | None = None  # (units, when) a look for a choice found none
+        # (units, when) a GetPreferredAllocation's look found no choice: its Allocate, next, does not wait again
+        self.missed: tuple[int, float] | None = None
         self.informers: list[Informer] = []
         if not node:
             self.why_not = "no node name (set NODE_NAME from the downward API, or --node-name)"
@@ -151,7 +152,9 @@ class NodeApi:
             return None
         watch = self.pod_watch
         now = time.monotonic()
-        missed = self.missed is not None and self.missed[0] == units and now - self.missed[1] < 2.0
+        # Only the Allocate (reserve) that follows a look which found nothing skips the wait, once:
+        # another look (the next container's GetPreferredAllocation) waits for the watch again.
+        missed = reserve and self.missed is not None and self.missed[0] == units and now - self.missed[1] < 2.0
         deadline = now + (0 if missed else CHOICE_WAIT)
         with watch.changed:
             while True:
@@ -164,7 +167,7 @@ class NodeApi:
                 if choice is not None or left <= 0:
                     break
                 watch.changed.wait(left)
-        self.missed = None if choice is not None else (units, time.monotonic())
+        self.missed = None if choice is not None or reserve else (units, time.monotonic())
         return choice
 
     def _choose(self, units: int, reserve: bool) -> "Choice | None":
