@@ -293,4 +293,4 @@ def test_two_cupy_containers_at_1_to_2_get_1_to_2_of_the_card_through_the_gate(m
         finally:
             podman.cleanup()
     ratio = ratio_while_both_ran([share / "one.kernels", share / "two.kernels"], 5)
-    assert 1.6 <= ratio <= 2.5, ratio  # (test_podman's band: two containers' Pythons starved on a loaded machine)
+    assert 1.54 <= ratio <= 2.6, ratio  # (test_podman's band: within a factor 1.3 of 2 either way)

@@ -295,7 +295,9 @@ def test_two_hooks_d_containers_share_a_gpu_1_to_2_through_the_gate(make_daemon,
         t1 = min(k[-1][2] for k in kernels) - 300_000_000
         assert t1 - t0 > 3e9
         ratio = median_ratio(logs, t0, t1)
-        assert 1.6 <= ratio <= 2.5, ratio
+        # (within a factor 1.3 of 2 either way: the per-second median of two containers' launchers read
+        # 2.504 once on an otherwise idle CI machine; equal weights read ~1.0)
+        assert 1.54 <= ratio <= 2.6, ratio
         assert float(outs["one"][3]) < 0.25, outs  # ("started", launches, beats/s, stood still)
     finally:
         podman.cleanup()
