@@ -156,9 +156,12 @@ class NativeSwitching:
                     tel.drain_seconds += r.drain_ns / 1e9
                     tel.freezes += r.closed
                 if r.gave_up >= 0:
-                    log.warning("%s: its processes did not finish their queued GPU work within %.0f ms of their "
-                                "slice's end; they are not waited for until they answer", names[r.gave_up],
-                                planner.params.max_slice * 1000)
+                    log.warning("%s: a process of it did not finish its queued GPU work within %.0f ms of its "
+                                "slice's end (%s); it is not waited for until it answers", names[r.gave_up],
+                                r.drain_ns / 1e6, native.GAVE_UP.get(r.why, "?"))
+                if r.longer:
+                    log.info("GPU %d: a switch waited %.0f ms for a live process draining its queued GPU work",
+                             gpu, r.drain_ns / 1e6)
                 last[0] = d
                 if r.step == len(b.steps) - 1:
                     del batches[r.batch]

@@ -471,6 +471,14 @@ class Enforcement:
         """GPU `gpu` holds `name` stopped (its switcher left its gate closed)."""
         self._holders.setdefault(name, set()).add(gpu)
 
+    def share(self, gpu: int, name: str, on: bool, budget_us: int) -> None:
+        """Tell instance `name`'s gate whether another instance is active on
+        GPU `gpu` now (its processes then bound their queued work: libcgpu)."""
+        target = self._targets.get(name)
+        share = getattr(target, "share", None)
+        if share is not None:
+            self._apply(name, functools.partial(share, gpu, on, budget_us))
+
     def undrained(self, names: Any, gpu: int | None = None) -> list[Any]:
         """Of the instances `names`, the targets whose processes still run work
         they queued before being stopped (the gate: cgpud.sched.gate), on GPU

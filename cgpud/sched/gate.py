@@ -18,9 +18,15 @@ closing (a count in the page, which wakes them) its helper thread
 synchronized its contexts on the closed GPUs and wrote the count into its
 slot's `acked`, then a byte into the `drained` FIFO, which the daemon waits
 on (`fileno()`), never polling. `is_frozen()` says whether that is so. A
-process that does not answer within the scheduler's bound is taken as stale
-(killed, stopped, or lying) and is not waited for again until it answers: it
-cannot hold the GPU from the others for longer than one bound.
+process that has not answered when the scheduler's bound passes is asked
+about: dead (it no longer holds the lock on its slot), stopped, or alive but
+not draining, it is taken as stale and is not waited for again until it
+answers (it holds the GPU from the others for one bound at most); alive and
+draining, it is waited for on (up to a cap).
+
+While another instance is active on its GPU (share()), the container's
+processes keep at most a budget of GPU work queued ahead (libcgpu), so a
+drain lasts about the budget.
 
 The surface is the freezers' (cgpud.sched.enforce): freeze(), thaw(),
 is_frozen(), spec(), close(), `frozen`; with the node GPU of each of the
@@ -172,10 +178,18 @@ class GateFreezer:
             return []
         return self.page.undrained(gpu)
 
-    def give_up(self, gpu: int | None = None) -> list[int]:
-        """The bound passed: those who did not answer are not waited for again
-        (until they answer). Returns their slots."""
-        return self.page.give_up(gpu)
+    def give_up(self, gpu: int | None = None, every: bool = False) -> list[tuple[int, str]]:
+        """The bound passed: those who cannot answer (dead, stopped, or alive
+        and not draining; `every`: all) are not waited for again (until they
+        answer). Returns their slots and why."""
+        return self.page.give_up(gpu, every)
+
+    def share(self, gpu: int | None, on: bool, budget_us: int) -> None:
+        """Another instance is active on node GPU `gpu` (None: on all the
+        container's GPUs) now, or no longer: while it is, the container's
+        processes keep at most `budget_us` of GPU work queued ahead there."""
+        if self.page.handle is not None:
+            self.page.share(gpu if self.drives_gpus else None, on, budget_us)
 
     def is_frozen(self) -> bool:
         return self.frozen and not self.undrained()
@@ -210,6 +224,7 @@ def thaw_gate(path: str) -> str:
         if page.per_gpu:
             for k in range(pages.MAX_GPUS):
                 _open(page, k)
+            struct.pack_into("<I", page.map, pages.SHARED_OFFSET, 0)  # (no scheduler: no queue bound either)
         _open(page)
     finally:
         page.close()

@@ -30,7 +30,7 @@ from cgpud.core.model import Node
 from cgpud.sched import native
 from cgpud.sched.batching import NativeSwitching
 from cgpud.sched.enforce_api import Activity, Enforcer, UsageMeter
-from cgpud.sched.policies import Decision, GpuView, InstView, Kind, Params, Planner
+from cgpud.sched.policies import NATIVE, Decision, GpuView, InstView, Kind, Params, Planner
 from cgpud.sched.telemetry import GpuStats, Telemetry
 
 log = logging.getLogger("cgpud.sched")
@@ -132,6 +132,8 @@ class GpuScheduler(NativeSwitching):
         self.decision: Decision | None = None  # the decision in force
         self._switcher = switcher
         self._batch_horizon = batch
+        self._sharing: dict[str, tuple[int, bool]] = {}  # (_share) what each target was told last
+        self._shared_view: GpuView | None = None
 
     # ---- service -----------------------------------------------------------
 
@@ -182,6 +184,7 @@ class GpuScheduler(NativeSwitching):
         while True:
             self._account(now)  # the slice that just ended, up to the wake-up
             view = self._view()
+            self._share(view)
             tel.retain(view.names)
             if self._switcher is not None and (gates := self._native_gates(view)) is not None:
                 ran = await self._native_run(view, gates, prev)
@@ -222,6 +225,35 @@ class GpuScheduler(NativeSwitching):
             self._account(now)
             self.published = self.telemetry.snapshot(now)
 
+    def _share(self, view: GpuView | None) -> None:
+        """Tell each gated instance whether another instance is active on this
+        GPU (eligible, under a controlled policy): while one is, its processes
+        keep at most `queue_budget` of work queued ahead (libcgpu); alone, none.
+        Only changes are sent (per target: one attached later is told too).
+        None: no one shares any more (the loop stops)."""
+        share = getattr(self._enforcer, "share", None)
+        target = getattr(self._enforcer, "target", None)
+        if share is None or target is None or (view is not None and view is self._shared_view):
+            return
+        self._shared_view = view
+        names = view.names if view is not None else frozenset()
+        busy = [i.name for i in view.instances if i.active and i.weight > 0] \
+            if view is not None and view.policy != NATIVE else []
+        budget = max(1, round(self.params.queue_budget * 1e6))
+        for name in sorted(names | self._sharing.keys()):
+            t = target(name)
+            on = name in names and any(n != name for n in busy)
+            if t is None or self._sharing.get(name) == (id(t), on):
+                continue
+            try:
+                share(self.gpu, name, on, budget)
+            except Exception:
+                log.exception("GPU %d: cannot tell %s whether it shares the GPU", self.gpu, name)
+                continue
+            self._sharing[name] = (id(t), on)
+        for name in [n for n in self._sharing if n not in names]:
+            del self._sharing[name]
+
     def _account(self, end: float) -> None:
         """Charge the decision in force from its start to `end`."""
         if self._current is None:
@@ -244,6 +276,8 @@ class GpuScheduler(NativeSwitching):
             self._switcher = None
         try:
             self._account(trio.current_time())
+            self._shared_view = None
+            self._share(None)  # (nobody bounds its queue for a scheduler that is gone)
         finally:
             for name in sorted(self._frozen):
                 try:
@@ -354,30 +388,36 @@ class GpuScheduler(NativeSwitching):
 
     async def _drain(self, names: list[str]) -> bool:
         """Wait until the gated instances `names` have drained (each wakes us
-        through its FIFO), for at most `max_slice`; who did not answer by then
-        is not waited for again until it does."""
+        through its FIFO). Each time `max_slice` passes, the processes that
+        cannot answer (dead, stopped, alive and not draining) are given up on
+        — not waited for again until they answer — and the log says which;
+        one alive and draining is waited for on, up to `drain_cap`."""
         undrained = getattr(self._enforcer, "undrained", None)
         if undrained is None:
             return False
         waiting = undrained(names, self.gpu)
         if not waiting:
             return False
+        p = self.planner.params
         t0 = trio.current_time()
-        with trio.move_on_after(self.planner.params.max_slice):
-            while waiting:
-                try:
-                    await trio.lowlevel.wait_readable(waiting[0].fileno())
-                except trio.BusyResourceError:  # (another GPU's loop waits on it: look again soon)
-                    await trio.sleep(0.0005)
-                except trio.ClosedResourceError:  # its instance went meanwhile (closed: no longer undrained)
-                    pass
-                waiting[0].consume()
-                waiting = undrained(names, self.gpu)
-        if waiting:
+        while waiting:
+            with trio.move_on_after(p.max_slice):
+                while waiting:
+                    try:
+                        await trio.lowlevel.wait_readable(waiting[0].fileno())
+                    except trio.BusyResourceError:  # (another GPU's loop waits on it: look again soon)
+                        await trio.sleep(0.0005)
+                    except trio.ClosedResourceError:  # its instance went meanwhile (closed: no longer undrained)
+                        pass
+                    waiting[0].consume()
+                    waiting = undrained(names, self.gpu)
+            capped = trio.current_time() - t0 >= p.drain_cap
             for target in waiting:
-                log.warning("%s: the processes of slots %s did not finish their queued GPU work within %.0f ms of their "
-                            "slice's end; they are not waited for until they answer", target,
-                            target.give_up(self.gpu), self.planner.params.max_slice * 1000)
+                for slot, why in target.give_up(self.gpu, capped):
+                    log.warning("%s: the process of slot %d did not finish its queued GPU work within %.0f ms of its "
+                                "slice's end (%s); it is not waited for until it answers", target, slot,
+                                (trio.current_time() - t0) * 1000, why)
+            waiting = undrained(names, self.gpu)
         self.telemetry.drains += 1
         self.telemetry.drain_seconds += trio.current_time() - t0
         return True
@@ -414,7 +454,7 @@ def schedulers_for(
     return [
         GpuScheduler(node, g.index, enforcer, activity, params=params, usage=usage,
                      waiter=TimerFdWaiter() if precise else None,
-                     switcher=native.Switcher(g.index, p.max_slice) if switch else None)
+                     switcher=native.Switcher(g.index, p.max_slice, p.drain_cap) if switch else None)
         for g in node.gpus
     ]
 

@@ -4,7 +4,7 @@
     lib = load()                 # None: not built (`make -C native`); why: missing()
     page = Page("/run/cgpud/pages/abc", gpus=[0])
     page.freeze(0); page.undrained(0); page.thaw(0)
-    sw = Switcher(gpu=0, bound=0.020)
+    sw = Switcher(gpu=0, bound=0.020, cap=5.0)
     sw.submit(batch_id, [page, ...], [True, ...], [(0.010, 0, NOTIFY), ...])
     await trio.lowlevel.wait_readable(sw.fileno()); sw.ack(); sw.take()
 
@@ -14,9 +14,11 @@ switcher threads carrying out a batch: a page closed by the GateFreezer while a
 switcher still uses it stays mapped until the switcher lets go.
 
 `Switcher` is one GPU's thread: it carries out the steps of a batch (close the
-gates of the active instances that do not run, wait bounded for their queued
-work, open the runner's, sleep to the step's end) and reports each step's
-times. It never decides: cgpud.sched.loop plans, and charges the reported times.
+gates of the active instances that do not run, wait for their queued work,
+open the runner's, sleep to the step's end) and reports each step's times.
+Each time `bound` passes in a wait, the processes that cannot answer (dead,
+stopped, or alive and not draining) are given up on; a live one that drains
+is waited for, up to `cap`. It never decides: cgpud.sched.loop plans, and charges the reported times.
 
 Where to find the library: $CGPUD_NATIVE, else beside the Python that runs the
 daemon (`.venv/bin`, where scripts/setup.sh builds it), else
@@ -33,13 +35,16 @@ from typing import Sequence
 log = logging.getLogger("cgpud")
 
 NOTIFY = 1  # a step flag: the switcher says when the step starts
+# why a process was not waited for (Report.why, Page.give_up): cgpu-switch.c's reasons
+GAVE_UP = {1: "dead", 2: "stopped", 3: "alive but not answering", 4: "still draining at the cap"}
 NAME = "libcgpu-switch.so"
 
 
 class Report(ctypes.Structure):
     _fields_ = [("begin", ctypes.c_int64), ("start", ctypes.c_int64), ("end", ctypes.c_int64),
                 ("drained", ctypes.c_int64), ("drain_ns", ctypes.c_int64), ("late_ns", ctypes.c_int64), ("batch", ctypes.c_int32),
-                ("step", ctypes.c_int32), ("gave_up", ctypes.c_int32), ("closed", ctypes.c_int32)]
+                ("step", ctypes.c_int32), ("gave_up", ctypes.c_int32), ("closed", ctypes.c_int32),
+                ("why", ctypes.c_int32), ("longer", ctypes.c_int32)]
 
 
 class Step(ctypes.Structure):
@@ -98,8 +103,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cg_page_per_gpu": (I, [P]), "cg_page_drives": (I, [P]), "cg_page_fifo": (I, [P]),
         "cg_page_freeze": (None, [P, I]), "cg_page_thaw": (None, [P, I]), "cg_page_frozen": (I, [P]),
         "cg_page_closed_on": (I, [P, I]), "cg_page_undrained": (I, [P, I, VP, I]),
-        "cg_page_give_up": (I, [P, I, VP, I]), "cg_page_consume": (None, [P]),
-        "cg_sw_new": (P, [I, ctypes.c_int64]), "cg_sw_fd": (I, [P]), "cg_sw_ack": (None, [P]),
+        "cg_page_give_up": (I, [P, I, I, VP, VP, I]), "cg_page_consume": (None, [P]),
+        "cg_page_share": (None, [P, I, I, ctypes.c_uint32]),
+        "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]), "cg_sw_ack": (None, [P]),
         "cg_sw_submit": (I, [P, ctypes.c_int32, I, ctypes.POINTER(P), ctypes.POINTER(ctypes.c_uint8), I,
                              ctypes.POINTER(Step)]),
         "cg_sw_cancel": (None, [P]), "cg_sw_idle": (I, [P]),
@@ -139,6 +145,7 @@ class Page:
         self.drives = bool(lib.cg_page_drives(h))
         self.fifo = lib.cg_page_fifo(h)
         self._slots = (ctypes.c_int * 256)()
+        self._why = (ctypes.c_int * 256)()
 
     def freeze(self, gpu: int | None) -> None:
         self._lib.cg_page_freeze(self.handle, -1 if gpu is None else gpu)
@@ -156,9 +163,17 @@ class Page:
         n = self._lib.cg_page_undrained(self.handle, -1 if gpu is None else gpu, self._slots, 256)
         return list(self._slots[:min(n, 256)])
 
-    def give_up(self, gpu: int | None) -> list[int]:
-        n = self._lib.cg_page_give_up(self.handle, -1 if gpu is None else gpu, self._slots, 256)
-        return list(self._slots[:min(n, 256)])
+    def give_up(self, gpu: int | None, every: bool = False) -> list[tuple[int, str]]:
+        """Past the bound: the undrained slots that cannot answer (dead, stopped, or alive and not
+        draining; `every`: all of them), not waited for again until they answer: (slot, why)."""
+        n = self._lib.cg_page_give_up(self.handle, -1 if gpu is None else gpu, 1 if every else 0, self._slots,
+                                      self._why, 256)
+        return [(self._slots[i], GAVE_UP.get(self._why[i], "?")) for i in range(min(n, 256))]
+
+    def share(self, gpu: int | None, on: bool, budget_us: int) -> None:
+        """Whether another instance is active on node GPU `gpu` now (the container's processes keep
+        at most `budget_us` of GPU work queued ahead there while it is)."""
+        self._lib.cg_page_share(self.handle, -1 if gpu is None else gpu, 1 if on else 0, budget_us)
 
     def consume(self) -> None:
         self._lib.cg_page_consume(self.handle)
@@ -168,6 +183,7 @@ class Page:
         other = object.__new__(Page)
         other.__dict__.update(self.__dict__)
         other._slots = (ctypes.c_int * 256)()
+        other._why = (ctypes.c_int * 256)()
         self._lib.cg_page_ref(self.handle)
         return other
 
@@ -181,11 +197,11 @@ class Page:
 class Switcher:
     """One GPU's switcher thread (see the module's text)."""
 
-    def __init__(self, gpu: int, bound: float) -> None:
+    def __init__(self, gpu: int, bound: float, cap: float = 5.0) -> None:
         lib = load()
         if lib is None:
             raise RuntimeError(_why)
-        h = lib.cg_sw_new(gpu, int(bound * 1e9))
+        h = lib.cg_sw_new(gpu, int(bound * 1e9), int(cap * 1e9))
         if not h:
             raise OSError(ctypes.get_errno(), "cannot start the switcher thread")
         self._lib, self.handle, self.gpu = lib, h, gpu

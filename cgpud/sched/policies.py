@@ -108,10 +108,20 @@ class Params:
     # and switches, far fewer wake-ups. Settings changes still apply at once
     # (the daemon wakes its schedulers on every change).
     merge_runs: bool = False
+    # Gated instances (libcgpu): while another instance is active on the GPU, a process keeps at
+    # most this much GPU work (s) queued ahead per stream, so a closing's drain lasts about this
+    # long (docs/scheduler.md, "Queued work"). A drain is waited for as long as the process is
+    # alive and draining, up to drain_cap (s).
+    queue_budget: float = 0.002
+    drain_cap: float = 5.0
 
     def __post_init__(self) -> None:
         if not (self.slice > 0 and math.isfinite(self.slice)):
             raise ValueError(f"slice must be a positive number of seconds, not {self.slice!r}")
+        if not (0 < self.queue_budget <= 1):
+            raise ValueError(f"queue_budget must be more than 0 and at most 1 s, not {self.queue_budget!r}")
+        if not (self.drain_cap >= self.slice and math.isfinite(self.drain_cap)):
+            raise ValueError(f"drain_cap ({self.drain_cap!r} s) must be at least a slice ({self.slice} s)")
         if not (self.window >= 2 * self.slice and math.isfinite(self.window)):
             raise ValueError(f"window ({self.window!r} s) must be at least two slices ({self.slice} s)")
 

@@ -13,7 +13,9 @@
  *               given back by whoever finds it dead), and per process whether
  *               it launches kernels (`gated`), on which GPUs (`gpus`), and the
  *               closing whose work it has finished (`acked`: its queued kernels
- *               are done).
+ *               are done). A process that launches holds a read lock (fcntl, its
+ *               own) on its slot's first byte: the daemon tells a dead process
+ *               (no lock) and a stopped one (the holder's state) from one draining.
  * <dir>/drained a FIFO the daemon reads: a process writes a byte to it when
  *               it has set `acked`, so the daemon wakes without polling.
  */
@@ -26,15 +28,21 @@
 #define CGPU_VERSION 2u
 #define CGPU_MAX_GPUS 16
 #define CGPU_MAX_PROCS 256
+#define CGPU_QUEUE_BUDGET_US_DEFAULT 2000u
+#define CGPU_PROC_DRAINING 0x80000000u  /* in cgpu_proc.gpus (GPUs are bits 0 to CGPU_MAX_GPUS - 1) */
 
 struct cgpu_limits {
     uint32_t magic, version, ngpus, reserved;
     uint64_t memsize[CGPU_MAX_GPUS];
-    uint32_t gate, reserved2;  /* the container's gate: closed while any of its GPUs' is */
+    /* gate: the container's gate, closed while any of its GPUs' is. queue_budget_us: how much GPU
+     * time a process may have queued ahead on a shared GPU (0: CGPU_QUEUE_BUDGET_US_DEFAULT). */
+    uint32_t gate, queue_budget_us;
     /* Per-GPU gates (a page made by an older cgpud ends above, CGPU_LIMITS_SHARED_GATE bytes:
      * its container has the one gate). gpu_gate[k]: GPU k of the page, odd open, even closed;
-     * `closings` counts the closings of any of them (the helper threads wait on it). */
-    uint32_t closings, reserved3;
+     * `closings` counts the closings of any of them (the helper threads wait on it). shared: bit k,
+     * another instance is active on GPU k's node GPU now: the container's processes keep at most
+     * queue_budget_us of work queued ahead there (docs/scheduler.md, "Queued work"); alone, none. */
+    uint32_t closings, shared;
     uint32_t gpu_gate[CGPU_MAX_GPUS];
     /* uuid[k]: GPU k's UUID (all zero: not known). The driver's device with that UUID is GPU k
      * of the page, however CUDA numbers the container's devices; without UUIDs, device k is. */
@@ -46,7 +54,8 @@ struct cgpu_proc {
     int32_t pid;  /* 0: free */
     uint32_t gated;  /* it launches kernels, its helper thread answering: 1 the container's gate, 2 per GPU */
     uint32_t acked;  /* 1: the closed gate value it has drained its work for; 2: the `closings` count */
-    uint32_t gpus;   /* 2: bit k, it launches on GPU k (it is waited for when that GPU's gate closes) */
+    uint32_t gpus;   /* 2: bit k, it launches on GPU k (it is waited for when that GPU's gate closes);
+                      * bit 31 (CGPU_PROC_DRAINING): its helper thread is draining a closing now */
     uint64_t held[CGPU_MAX_GPUS];
 };
 

@@ -226,9 +226,39 @@ static void answer(uint32_t closing)
     }
 }
 
+/* This process is alive, says a read lock on its slot's first byte in the usage page (POSIX: not
+ * a forked child's, gone with the process); the daemon asks for it (F_GETLK gives the holder's pid
+ * in the daemon's namespace) before it gives up on a slot that does not answer (cgpu-switch.c). */
+static int lock_fd = -1;
+static void hold_slot_lock(void)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/usage", page_dir);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    struct flock l = {.l_type = F_RDLCK, .l_whence = SEEK_SET,
+                      .l_start = (off_t)((const char *)mine - (const char *)usage), .l_len = 1};
+    if (fcntl(fd, F_SETLK, &l) < 0) {
+        close(fd);
+        return;
+    }
+    lock_fd = fd;
+}
+
+/* The helper is answering a closing (the daemon waits for a live process that drains). */
+static void draining(int on)
+{
+    if (on)
+        __atomic_fetch_or(&mine->gpus, CGPU_PROC_DRAINING, __ATOMIC_SEQ_CST);
+    else
+        __atomic_fetch_and(&mine->gpus, ~CGPU_PROC_DRAINING, __ATOMIC_SEQ_CST);
+}
+
 static void *gate_helper(void *arg)
 {
     (void)arg;
+    hold_slot_lock();
     /* The next container's slice waits for this thread's answer: its timed waits (a driver that
      * synchronizes by sleeping) end when due, not up to the default 50 µs of timer slack later. */
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
@@ -237,8 +267,10 @@ static void *gate_helper(void *arg)
         if (!per_gpu) {  /* the container's one gate: answer each closing with its value */
             uint32_t g = gate_value(-1);
             if (!(g & 1) && __atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != g) {
+                draining(1);
                 drain(-1);
                 answer(g);
+                draining(0);
             }
             futex_wait_on(&limits->gate, g);
             continue;
@@ -247,7 +279,8 @@ static void *gate_helper(void *arg)
          * gates are closed now, and answer with the count of closings */
         uint32_t c = __atomic_load_n(&limits->closings, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != c) {
-            uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
+            draining(1);
+            uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST) & ~CGPU_PROC_DRAINING;
             if (ganged() && (on & (on - 1))) {  /* a gang: the halves of a collective cut by the closing */
                 uint32_t apart = 0;
                 for (uint32_t k = 0; k < limits->ngpus; k++)
@@ -281,6 +314,7 @@ static void *gate_helper(void *arg)
                 if (on & (1u << k) && !(gate_value((int)k) & 1))
                     drain((int)k);
             answer(c);
+            draining(0);
         }
         futex_wait_on(&limits->closings, c);
     }
@@ -339,7 +373,230 @@ static void gate_enter(int k)
     }
 }
 
-#define GATED(fn, ...)                                          \
+
+/* ---- queued work bounded while the GPU is shared (docs/scheduler.md, "Queued work") ----------
+ *
+ * A launch returns before its kernel runs: a process can queue hundreds of milliseconds of work
+ * (the H100's driver takes ~1024 launches per stream before one blocks), all of which runs on after
+ * its gate closes. While another instance is active on its GPU (the daemon sets the page's
+ * `shared` bit for it), the process keeps at most the budget (`queue_budget_us`) of GPU time queued
+ * ahead per stream: an event (timing disabled) is recorded after every `stride` launches, and a
+ * launch waits for the oldest ones while the launches not yet done, times the stream's mean GPU
+ * time per launch, would pass the budget. The mean comes from the waits themselves: an event that
+ * completes while this thread waits for it ends the GPU time of the launches it covers (counted
+ * from the completion before, or its recording when later: an overestimate, never an under-).
+ * Alone on its GPU (the bit clear) a launch does one load more and nothing else.
+ *
+ * Never into a stream that is capturing (its launches are recorded into a graph, not run; an event
+ * recorded there would become a node of the user's graph); waits and queries in relaxed capture
+ * mode (another thread's global capture forbids them otherwise). Streams are told apart by their
+ * context and handle (the legacy stream, NULL or CU_STREAM_LEGACY, as one; a thread's per-thread
+ * stream, CU_STREAM_PER_THREAD or NULL through a _ptsz form, as its own); a stream the process
+ * destroyed keeps its events until they complete (a driver error on one counts as complete). */
+#define QUEUE_STREAMS 64
+#define QUEUE_RING 64
+#define STREAM_LEGACY ((void *)1)
+#define STREAM_PER_THREAD ((void *)2)
+typedef CUresult (*event_create_fn)(void **, unsigned);
+typedef CUresult (*event_record_fn)(void *, void *);
+typedef CUresult (*event_fn)(void *);
+typedef CUresult (*capturing_fn)(void *, int *);
+typedef CUresult (*exchange_fn)(int *);
+static struct {
+    event_create_fn create;
+    event_record_fn record;
+    event_fn query, sync, destroy;
+    capturing_fn capturing;
+    exchange_fn exchange;
+} ev;
+static pthread_once_t ev_once = PTHREAD_ONCE_INIT;
+struct pending {
+    void *event;
+    uint32_t launches;  /* the launches it covers */
+    int64_t recorded;   /* when (CLOCK_MONOTONIC ns) */
+};
+struct squeue {
+    CUcontext ctx;
+    void *stream;       /* as recorded into (the legacy stream as NULL) */
+    long owner;         /* a per-thread stream's thread (0: any) */
+    struct pending ring[QUEUE_RING];
+    unsigned head, tail;        /* events [tail, head) not known complete */
+    uint32_t unrecorded;        /* launches since the last event */
+    int64_t per_launch;         /* mean GPU ns per launch (0: not known yet) */
+    int64_t seen;               /* the last completion observed (a lower bound of it) */
+    int used;
+};
+static struct squeue queues[QUEUE_STREAMS];
+static pthread_mutex_t queue_lock = PTHREAD_MUTEX_INITIALIZER;
+static unsigned long waits_total;  /* launches that waited (for tests: CGPU_QUEUE_TRACE) */
+
+static void ev_load(void)
+{
+    ev.create = (event_create_fn)sym("cuEventCreate");
+    ev.record = (event_record_fn)sym("cuEventRecord");
+    ev.query = (event_fn)sym("cuEventQuery");
+    ev.sync = (event_fn)sym("cuEventSynchronize");
+    ev.destroy = (event_fn)sym("cuEventDestroy_v2");
+    ev.capturing = (capturing_fn)sym("cuStreamIsCapturing");
+    ev.exchange = (exchange_fn)sym("cuThreadExchangeStreamCaptureMode");
+}
+
+static uint32_t budget_ns(void)
+{
+    uint32_t us = __atomic_load_n(&limits->queue_budget_us, __ATOMIC_RELAXED);
+    return (us ? us : CGPU_QUEUE_BUDGET_US_DEFAULT) * 1000u;
+}
+
+static long thread_id(void)
+{
+    return (long)syscall(SYS_gettid);
+}
+
+/* The queue of (context, stream) (queue_lock held); NULL when none is free (not bounded then). */
+static struct squeue *queue_of(CUcontext c, void *stream, int ptsz)
+{
+    long owner = 0;
+    if (stream == STREAM_LEGACY || (!stream && !ptsz))
+        stream = NULL;
+    else if (!stream || stream == STREAM_PER_THREAD) {
+        stream = STREAM_PER_THREAD;
+        owner = thread_id();
+    }
+    struct squeue *idle = NULL;
+    for (int i = 0; i < QUEUE_STREAMS; i++) {
+        struct squeue *q = &queues[i];
+        if (q->used && q->ctx == c && q->stream == stream && q->owner == owner)
+            return q;
+        if (!idle && (!q->used || q->head == q->tail))
+            idle = q;
+    }
+    if (!idle)
+        return NULL;
+    if (idle->used)  /* (one whose events all completed: its events go with it) */
+        for (unsigned k = 0; k < QUEUE_RING; k++)
+            if (idle->ring[k].event && ev.destroy)
+                ev.destroy(idle->ring[k].event);
+    memset(idle, 0, sizeof *idle);
+    idle->used = 1;
+    idle->ctx = c;
+    idle->stream = stream;
+    idle->owner = owner;
+    return idle;
+}
+
+/* Launches queued on q and not known done, as GPU ns (queue_lock held). */
+static int64_t queued_ns(const struct squeue *q)
+{
+    uint64_t n = q->unrecorded;
+    for (unsigned i = q->tail; i != q->head; i++)
+        n += q->ring[i % QUEUE_RING].launches;
+    return (int64_t)n * q->per_launch;
+}
+
+/* Whether a launch into q must wait first (queue_lock held). */
+static int over_budget(const struct squeue *q, int64_t budget)
+{
+    if (q->head == q->tail)
+        return 0;
+    if (!q->per_launch)  /* not known yet: two events queued at most, so a wait soon measures it */
+        return q->head - q->tail >= 2;
+    return queued_ns(q) + q->per_launch > budget || q->head - q->tail >= QUEUE_RING;
+}
+
+/* An event done (queue_lock held): at `done` when this thread saw it complete, else 0. */
+static void completed(struct squeue *q, int64_t done)
+{
+    struct pending *p = &q->ring[q->tail % QUEUE_RING];
+    int64_t from = q->seen > p->recorded ? q->seen : p->recorded;
+    if (done && q->seen && p->launches && done > from) {
+        int64_t per = (done - from) / p->launches;
+        q->per_launch = q->per_launch ? q->per_launch + (per - q->per_launch) / 4 : per;
+    }
+    int64_t at = done ? done : p->recorded;  /* (seen complete later: it completed after its recording) */
+    if (at > q->seen)
+        q->seen = at;
+    q->tail++;
+}
+
+/* Before a launch into `stream` of context `c` on a shared GPU: wait while its queue is over the budget. */
+static void queue_wait(CUcontext c, void *stream, int ptsz)
+{
+    int64_t budget = budget_ns();
+    int waited = 0;
+    pthread_mutex_lock(&queue_lock);
+    struct squeue *q = queue_of(c, stream, ptsz);
+    while (q && over_budget(q, budget)) {
+        unsigned t = q->tail;
+        void *e = q->ring[t % QUEUE_RING].event;
+        pthread_mutex_unlock(&queue_lock);
+        int mode = 2;  /* CU_STREAM_CAPTURE_MODE_RELAXED: another thread's global capture forbids waits otherwise */
+        int relaxed = ev.exchange && ev.exchange(&mode) == CU_OK;
+        CUresult r = ev.query(e);
+        int64_t done = 0;
+        if (r == 600) {  /* CUDA_ERROR_NOT_READY: wait for it; its completion measures the stream */
+            r = ev.sync(e);
+            done = r == CU_OK ? mono_ns() : 0;
+            waited = 1;
+        }
+        if (relaxed)
+            ev.exchange(&mode);
+        pthread_mutex_lock(&queue_lock);
+        if (q->tail == t && q->used)  /* (another thread may have counted it meanwhile) */
+            completed(q, done);
+    }
+    if (waited)
+        waits_total++;
+    pthread_mutex_unlock(&queue_lock);
+}
+
+/* After a launch into `stream` on a shared GPU: count it, and record an event every `stride` launches. */
+static void queue_note(CUcontext c, void *stream, int ptsz)
+{
+    pthread_mutex_lock(&queue_lock);
+    struct squeue *q = queue_of(c, stream, ptsz);
+    if (!q) {
+        pthread_mutex_unlock(&queue_lock);
+        return;
+    }
+    q->unrecorded++;
+    /* (about 16 events per budget: each covers at least 1/16 of it once the mean is known) */
+    int64_t want = q->per_launch ? (int64_t)budget_ns() / 16 / q->per_launch : 1;
+    if (q->unrecorded < (want < 1 ? 1 : want > 64 ? 64 : want) || q->head - q->tail >= QUEUE_RING) {
+        pthread_mutex_unlock(&queue_lock);
+        return;
+    }
+    struct pending *p = &q->ring[q->head % QUEUE_RING];
+    if (!p->event && ev.create(&p->event, 2 /* CU_EVENT_DISABLE_TIMING */) != CU_OK)
+        p->event = NULL;
+    if (p->event && ev.record(p->event, q->stream) == CU_OK) {
+        p->launches = q->unrecorded;
+        p->recorded = mono_ns();
+        q->unrecorded = 0;
+        q->head++;
+    }
+    pthread_mutex_unlock(&queue_lock);
+}
+
+/* Whether a launch into `stream` on a shared GPU is bounded: the stream is not capturing. */
+static int bounded(void *stream, int ptsz)
+{
+    pthread_once(&ev_once, ev_load);
+    if (!ev.create || !ev.record || !ev.query || !ev.sync || !ev.capturing)
+        return 0;  /* (a driver without them: not bounded) */
+    int status = 0;
+    void *s = stream ? stream : ptsz ? STREAM_PER_THREAD : NULL;
+    return ev.capturing(s, &status) == CU_OK && status == 0;  /* CU_STREAM_CAPTURE_STATUS_NONE */
+}
+
+/* Whether page GPU k is shared now (one load; the container's gate, k -1: never). */
+static inline int shared_gpu(int k)
+{
+    return k >= 0 && per_gpu && (__atomic_load_n(&limits->shared, __ATOMIC_RELAXED) >> k & 1);
+}
+
+/* A launch into `stream_` (`ptsz_`: a per-thread-default-stream form) through the gate of its
+ * GPU; while the GPU is shared, within the queue's budget. */
+#define GATED(stream_, ptsz_, fn, ...)                          \
     do {                                                        \
         PASS_THROUGH(fn, __VA_ARGS__);                          \
         if (!(fn))                                              \
@@ -347,56 +604,69 @@ static void gate_enter(int k)
         if (!need_slot())                                       \
             return CU_LAUNCH_OUT_OF_RESOURCES;                  \
         int k_ = note_context();                                \
+        int b_ = 0;                                             \
+        if (__builtin_expect(shared_gpu(k_), 0)) {              \
+            in_driver++;  /* (before the gate: a closing does not wait for a thread waiting here) */ \
+            if ((b_ = bounded((stream_), (ptsz_))))             \
+                queue_wait(known_ctx, (stream_), (ptsz_));      \
+            in_driver--;                                        \
+        }                                                       \
         gate_enter(k_);                                         \
         in_driver++;                                            \
         CUresult r_ = (fn)(__VA_ARGS__);                        \
+        if (b_ && r_ == CU_OK)                                  \
+            queue_note(known_ctx, (stream_), (ptsz_));          \
         in_driver--;                                            \
         __atomic_sub_fetch(&launching[1 + k_], 1, __ATOMIC_SEQ_CST); \
         return r_;                                              \
     } while (0)
 
+/* cuLaunchKernelEx's config: the stream is after the dimensions and the shared memory */
+struct launch_config { unsigned grid[3], block[3], shmem; void *stream; };
+#define CONFIG_STREAM(c) ((c) ? ((const struct launch_config *)(c))->stream : NULL)
+
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
-    GATED(real.launch, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
+    GATED(stream, 0, real.launch, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
 }
 
 CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                              unsigned shmem, void *stream, void **params, void **extra)
 {
-    GATED(real.launch_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
+    GATED(stream, 1, real.launch_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
 }
 
 CUresult cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                    unsigned bz, unsigned shmem, void *stream, void **params)
 {
-    GATED(real.launch_coop, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
+    GATED(stream, 0, real.launch_coop, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
 }
 
 CUresult cuLaunchCooperativeKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                         unsigned bz, unsigned shmem, void *stream, void **params)
 {
-    GATED(real.launch_coop_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
+    GATED(stream, 1, real.launch_coop_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
 }
 
 CUresult cuLaunchKernelEx(const void *config, void *f, void **params, void **extra)
 {
-    GATED(real.launch_ex, config, f, params, extra);
+    GATED(CONFIG_STREAM(config), 0, real.launch_ex, config, f, params, extra);
 }
 
 CUresult cuLaunchKernelEx_ptsz(const void *config, void *f, void **params, void **extra)
 {
-    GATED(real.launch_ex_ptsz, config, f, params, extra);
+    GATED(CONFIG_STREAM(config), 1, real.launch_ex_ptsz, config, f, params, extra);
 }
 
 CUresult cuGraphLaunch(void *exec, void *stream)
 {
-    GATED(real.graph_launch, exec, stream);
+    GATED(stream, 0, real.graph_launch, exec, stream);
 }
 
 CUresult cuGraphLaunch_ptsz(void *exec, void *stream)
 {
-    GATED(real.graph_launch_ptsz, exec, stream);
+    GATED(stream, 1, real.graph_launch_ptsz, exec, stream);
 }
 
 /* A forked child has no helper thread and no launches in flight. */
@@ -410,4 +680,8 @@ void gate_forked(void)
     catch_up_open = 0;
     nctxs = 0;
     known_ctx = NULL;
+    memset(queues, 0, sizeof queues);  /* (the parent's streams and events: not the child's) */
+    if (lock_fd >= 0)
+        close(lock_fd);  /* (the parent's lock is the parent's: a child holds none until it launches) */
+    lock_fd = -1;
 }

@@ -65,6 +65,7 @@ struct page {
     int per_gpu;                 /* the page has a gate per GPU (else: the container's one gate) */
     const struct cgpu_usage *use;
     int fifo, keep;              /* the drained FIFO: our read end, and a writer of our own */
+    int usage_fd;                /* the usage file (its processes' locks: who is alive) */
     int gpus[CGPU_MAX_GPUS];     /* the node GPU of each page GPU */
     int ngpus_known;             /* how many of gpus[] are known (0: none) */
     int drives;                  /* per-GPU gates driven one node GPU at a time */
@@ -88,7 +89,7 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
         snprintf(why, whylen, "out of memory");
         return NULL;
     }
-    p->fifo = p->keep = -1;
+    p->fifo = p->keep = p->usage_fd = -1;
     snprintf(path, sizeof path, "%s/limits", dir);
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0) {
@@ -134,7 +135,7 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
         goto fail;
     }
     m = mmap(NULL, sizeof(struct cgpu_usage), PROT_READ, MAP_SHARED, fd, 0);
-    close(fd);
+    p->usage_fd = fd;
     if (m == MAP_FAILED) {
         snprintf(why, whylen, "%s: %s", path, strerror(errno));
         goto fail;
@@ -148,6 +149,7 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
     p->refs = 1;
     return p;
 fail:
+    if (p->usage_fd >= 0) close(p->usage_fd);
     if (p->fifo >= 0) close(p->fifo);
     if (p->keep >= 0) close(p->keep);
     munmap(p->lim, p->lim_size);
@@ -166,6 +168,7 @@ EXPORT void cg_page_release(struct page *p)
         return;
     close(p->fifo);
     close(p->keep);
+    close(p->usage_fd);
     munmap(p->lim, p->lim_size);
     munmap((void *)p->use, sizeof(struct cgpu_usage));
     pthread_mutex_destroy(&p->mu);
@@ -264,6 +267,19 @@ EXPORT void cg_page_thaw(struct page *p, int gpu)
     pthread_mutex_unlock(&p->mu);
 }
 
+/* Whether another instance is active on node GPU `gpu` (-1: all the page's GPUs) now: the page's
+ * `shared` bits, which bound the container's queued work there to `budget_us` (libcgpu/gate.c). */
+EXPORT void cg_page_share(struct page *p, int gpu, int on, uint32_t budget_us)
+{
+    if (!p->per_gpu)
+        return;  /* (an older cgpud's page: its library bounds nothing) */
+    pthread_mutex_lock(&p->mu);
+    uint32_t m = ks(p, gpu), bits = load(&p->lim->shared);
+    store(&p->lim->queue_budget_us, budget_us);
+    store(&p->lim->shared, on ? bits | m : bits & ~m);
+    pthread_mutex_unlock(&p->mu);
+}
+
 EXPORT int cg_page_frozen(struct page *p)
 {
     pthread_mutex_lock(&p->mu);
@@ -342,26 +358,73 @@ EXPORT int cg_page_undrained(struct page *p, int gpu, int *out, int max)
     return n;
 }
 
-static int give_up_locked(struct page *p, int gpu, int *out, int max)
+/* Why a slot that has not answered is not waited for (cg_page_give_up's `why`). */
+enum { WAITING = 0, DEAD = 1, STOPPED = 2, SILENT = 3, TOO_LONG = 4 };
+
+/* The state of the process holding slot `slot`'s lock (libcgpu/gate.c): DEAD (none holds it: the
+ * process is gone), STOPPED (its holder is stopped or traced), else WAITING (alive). A page whose
+ * usage file cannot be asked: alive. */
+static int holder_state(struct page *p, unsigned slot)
+{
+    if (p->usage_fd < 0)
+        return WAITING;
+    struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
+                      .l_start = (off_t)offsetof(struct cgpu_usage, procs) + (off_t)slot * (off_t)sizeof(struct cgpu_proc),
+                      .l_len = 1};
+    if (fcntl(p->usage_fd, F_GETLK, &l) < 0)
+        return WAITING;
+    if (l.l_type == F_UNLCK)
+        return DEAD;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)l.l_pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return WAITING;  /* (another PID namespace's /proc: it holds its lock, so it lives) */
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return WAITING;
+    buf[n] = 0;
+    const char *paren = strrchr(buf, ')');  /* "pid (comm) S ...": the state after the command's name */
+    char st = paren && paren[1] == ' ' ? paren[2] : '?';
+    return st == 'T' || st == 't' ? STOPPED : st == 'Z' || st == 'X' ? DEAD : WAITING;
+}
+
+/* Give up on the undrained slots that cannot answer: the dead, the stopped, and (a process alive
+ * whose helper thread is not draining) the silent; with `all`, every one (a drain past its cap).
+ * Those given up on are not waited for again until they answer. Returns how many; their slots and
+ * reasons in out/why[max]. */
+static int give_up_locked(struct page *p, int gpu, int all, int *out, int *why, int max)
 {
     int slots[CGPU_MAX_PROCS];
-    int n = undrained_locked(p, gpu, slots, CGPU_MAX_PROCS);
+    int n = undrained_locked(p, gpu, slots, CGPU_MAX_PROCS), given = 0;
     for (int i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
         const struct cgpu_proc *s = &p->use->procs[slots[i]];
+        int w = holder_state(p, (unsigned)slots[i]);
+        if (w == WAITING)
+            w = !(load(&s->gpus) & CGPU_PROC_DRAINING) ? SILENT : all ? TOO_LONG : WAITING;
+        if (w == WAITING)
+            continue;  /* alive and draining: waited for */
         p->stale[slots[i]] = 1;
         p->stale_pid[slots[i]] = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
         p->stale_acked[slots[i]] = load(&s->acked);
-        if (i < max)
-            out[i] = slots[i];
+        if (given < max) {
+            if (out)
+                out[given] = slots[i];
+            if (why)
+                why[given] = w;
+        }
+        given++;
     }
-    return n;
+    return given;
 }
 
-/* The bound passed: those who did not answer are not waited for again (until they answer). */
-EXPORT int cg_page_give_up(struct page *p, int gpu, int *out, int max)
+/* Past the bound: give up on the undrained slots that cannot answer (see give_up_locked; `all`:
+ * on every one). The others are alive and draining. */
+EXPORT int cg_page_give_up(struct page *p, int gpu, int all, int *out, int *why, int max)
 {
     pthread_mutex_lock(&p->mu);
-    int n = give_up_locked(p, gpu, out, max);
+    int n = give_up_locked(p, gpu, all, out, why, max);
     pthread_mutex_unlock(&p->mu);
     return n;
 }
@@ -396,6 +459,8 @@ struct report {
     int32_t batch, step;        /* which step of which batch */
     int32_t gave_up;            /* the universe index of an instance not waited for past the bound (-1) */
     int32_t closed;             /* how many gates its switch closed */
+    int32_t why;                /* why `gave_up` was given up on: DEAD, STOPPED, SILENT or TOO_LONG */
+    int32_t longer;             /* how many times the bound passed while a live process drained on */
 };
 
 struct batch {
@@ -413,7 +478,7 @@ struct sw {
     pthread_t thread;
     pthread_mutex_t mu;
     int gpu;
-    int64_t bound_ns;
+    int64_t bound_ns, cap_ns;  /* a drain: who cannot answer is given up on after bound_ns; who drains, after cap_ns */
     int cmd;                  /* eventfd: the scheduler has something for the thread */
     int note;                 /* eventfd: the thread has something for the scheduler */
     struct batch *cur, *next; /* the batch being carried out, and the one after it */
@@ -458,12 +523,19 @@ static void sleep_or_cmd(struct sw *s, int64_t until)
         drain_fd(s->cmd);
 }
 
-/* Wait until the pages `uni[i]` for i in `which` have drained node GPU `gpu`'s closing, until
- * `deadline`; who has not answered by then is given up on. Returns the index given up on, or -1. */
-static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, int64_t deadline)
+/* Wait until the pages `uni[i]` for i in `which` have drained node GPU `gpu`'s closing. Each
+ * time the bound passes, who cannot answer is given up on (dead, stopped, or alive and not
+ * draining: cg_page_give_up); a live process that drains is waited for on, up to the cap from
+ * `begin` (then given up on too). Returns the first index given up on (-1: none), *why its reason,
+ * and *longer how many times the bound passed while someone drained on. */
+static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, int64_t begin, int *why, int *longer)
 {
-    struct pollfd pf[CGPU_MAX_PROCS];
+    struct pollfd pf[CGPU_MAX_PROCS + 1];
     int idx[CGPU_MAX_PROCS];
+    int64_t deadline = begin + s->bound_ns, cap = begin + s->cap_ns;
+    int late = -1;
+    *why = 0;
+    *longer = 0;
     for (;;) {
         int m = 0, shared = 0;
         for (int i = 0; i < n && m < CGPU_MAX_PROCS; i++) {
@@ -475,24 +547,42 @@ static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, 
             }
         }
         if (!m)
-            return -1;
-        int64_t left = deadline - now_ns();
-        if (left <= 0) {
-            int late = -1;
-            for (int i = 0; i < m; i++) {
-                int slots[1];
-                if (cg_page_give_up(b->uni[idx[i]], s->gpu, slots, 1) > 0 && late < 0)
-                    late = idx[i];
-            }
             return late;
+        int64_t now = now_ns();
+        if (now >= deadline) {
+            int waiting = 0;
+            for (int i = 0; i < m; i++) {
+                int slots[1], w[1];
+                if (cg_page_give_up(b->uni[idx[i]], s->gpu, now >= cap, slots, w, 1) > 0 && late < 0) {
+                    late = idx[i];
+                    *why = w[0];
+                }
+                waiting |= cg_page_undrained(b->uni[idx[i]], s->gpu, NULL, 0) > 0;
+            }
+            if (!waiting)
+                return late;
+            (*longer)++;  /* alive and draining: on, one more bound */
+            deadline = now + s->bound_ns;
+            continue;
         }
+        int64_t left = deadline - now;
         if (shared && left > 1000000)
             left = 1000000;  /* (look again every ms) */
+        pf[m] = (struct pollfd){.fd = s->cmd, .events = POLLIN};  /* (the daemon stopping) */
         struct timespec t = {(time_t)(left / 1000000000), (long)(left % 1000000000)};
-        if (ppoll(pf, (nfds_t)m, &t, NULL) > 0)
+        if (ppoll(pf, (nfds_t)m + 1, &t, NULL) > 0) {
             for (int i = 0; i < m; i++)
                 if (pf[i].revents)
                     cg_page_consume(b->uni[idx[i]]);
+            if (pf[m].revents) {
+                drain_fd(s->cmd);
+                pthread_mutex_lock(&s->mu);
+                int stop = s->stopping;
+                pthread_mutex_unlock(&s->mu);
+                if (stop)
+                    return late;
+            }
+        }
     }
 }
 
@@ -525,10 +615,10 @@ static void run_step(struct sw *s, struct batch *b, int pos)
         }
         pthread_mutex_unlock(&p->mu);
     }
-    int gave_up = -1;
+    int gave_up = -1, why = 0, longer = 0;
     int64_t drained = begin;
     if (nclose) {  /* (also before an idle step: the work that runs on is the stopped ones', charged to them) */
-        gave_up = wait_drained(s, b, closing, nclose, begin + s->bound_ns);
+        gave_up = wait_drained(s, b, closing, nclose, begin, &why, &longer);
         drained = now_ns();
     }
     /* open: everyone else this GPU knows (the runner, the idle). The step starts now: a launcher
@@ -552,7 +642,7 @@ static void run_step(struct sw *s, struct batch *b, int pos)
         s->tail++;  /* (the scheduler has not read them for REPORTS steps: the oldest go) */
     s->reports[s->head++ % REPORTS] = (struct report){
         .begin = begin, .start = start, .drain_ns = nclose ? drained - begin : 0,
-        .batch = b->id, .step = pos, .gave_up = gave_up, .closed = nclose};
+        .batch = b->id, .step = pos, .gave_up = gave_up, .closed = nclose, .why = why, .longer = longer};
     pthread_mutex_unlock(&s->mu);
     if (st->flags & NOTIFY)
         notify(s);
@@ -627,15 +717,17 @@ static void *switcher(void *arg)
     return NULL;
 }
 
-/* A switcher for node GPU `gpu`; `bound_ns`: the longest wait for a stopped instance's queued
- * work. NULL (errno set) when its thread cannot start. */
-EXPORT struct sw *cg_sw_new(int gpu, int64_t bound_ns)
+/* A switcher for node GPU `gpu`; `bound_ns`: how long a switch waits for a stopped instance's
+ * queued work before it asks who cannot answer; `cap_ns`: the longest it waits for one that drains.
+ * NULL (errno set) when its thread cannot start. */
+EXPORT struct sw *cg_sw_new(int gpu, int64_t bound_ns, int64_t cap_ns)
 {
     struct sw *s = calloc(1, sizeof *s);
     if (!s)
         return NULL;
     s->gpu = gpu;
     s->bound_ns = bound_ns;
+    s->cap_ns = cap_ns;
     s->pos = -1;
     s->idle = 1;
     pthread_mutex_init(&s->mu, NULL);
