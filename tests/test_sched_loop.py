@@ -566,3 +566,53 @@ def test_a_detector_with_snapshot_is_asked_once_per_boundary_with_the_same_outco
         assert act.snapshots <= slices + 2  # one look per boundary, not one per instance
 
     run_on_mock_clock(main)
+
+
+class SharingEnforcer(FakeEnforcer):
+    """A fake of gated targets: records what each was told about sharing its GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.told: dict[str, tuple[bool, int]] = {}
+
+    def target(self, name: str) -> object:
+        return self
+
+    def share(self, gpu: int, name: str, on: bool, budget_us: int) -> None:
+        self.told[name] = (on, budget_us)
+
+
+def test_gated_instances_are_told_whether_another_instance_shares_their_gpu():
+    """The active instance alone (a weight-0 neighbour does not count) is told it is alone: its
+    processes queue as deep as they like; the others are told another is active (so they start
+    bounded). Once a second eligible instance is active, every instance on the GPU is told its GPU
+    is shared (their queues bounded to the budget), at once when poked; under policy 5 (no
+    control) and at stop, nobody is."""
+    node, act = scenario(2, (A, 1), (B, 2, False), (C, 0))
+
+    async def main(clock):
+        enf = SharingEnforcer()
+        async with running(node, act, enf=enf, params=Params(slice=X, queue_budget=0.003)) as (s, _):
+            await trio.sleep(0.1)
+            assert enf.told == {A: (False, 3000), B: (True, 3000), C: (True, 3000)}
+            act.set(B, True)
+            s.poke()
+            await trio.testing.wait_all_tasks_blocked()
+            assert enf.told == {A: (True, 3000), B: (True, 3000), C: (True, 3000)}
+            act.set(A, False)
+            s.poke()
+            await trio.testing.wait_all_tasks_blocked()
+            assert enf.told[B] == (False, 3000) and enf.told[A] == (True, 3000)
+            act.set(A, True)
+            await trio.sleep(0.1)  # (not poked: at the next boundary)
+            assert enf.told[B] == (True, 3000)
+            node.set_policy(0, 5)
+            s.poke()
+            await trio.sleep(0.05)
+            assert {on for on, _ in enf.told.values()} == {False}
+            node.set_policy(0, 2)
+            await trio.sleep(0.05)
+            assert enf.told[A] == (True, 3000)
+        assert {on for on, _ in enf.told.values()} == {False}
+
+    run_on_mock_clock(main)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -189,6 +190,67 @@ def test_a_process_that_does_not_answer_is_given_up_on_once(two, launching):
     assert first.gave_up == 1 and first.drain_ns >= 50_000_000
     assert again.gave_up == -1 and again.drain_ns < 50_000_000, "it was waited for again without answering"
     cancel(sw)
+
+
+def test_a_live_process_that_drains_past_the_bound_is_waited_for(two, launching, tmp_path):
+    """b launches 120 ms kernels: its drain at the switch lasts longer than the bound (50 ms here).
+    Alive and draining, it is waited for (today's main gave up on it after the bound and opened a's
+    gate on its running work: both on the card together); a's gate opens after b's work is done."""
+    dirs, ps, sw = two
+    launching(dirs[1], 120_000)
+    assert sw.submit(1, ps, [True, True], [(0.3, 1, 0), (30.0, 0, native.NOTIFY)])
+    wait_step(sw, 1, 1)
+    cur = sw.take()[1]
+    queued = max(e for _, _, e in kernels(tmp_path / "b.kernels"))  # (its gate stays closed from cur.begin on)
+    assert queued - cur.begin > 60_000_000, "b's queue at the switch was shorter than the bound: nothing to show"
+    assert cur.gave_up == -1 and cur.longer >= 1, (cur.gave_up, cur.longer)
+    assert cur.start >= queued, "a's gate opened while b's queued work still ran"
+    cancel(sw)
+
+
+def slot_holder(usage: Path, slot: int) -> subprocess.Popen:
+    """A process that holds the read lock on slot `slot` of a usage page, as libcgpu's helper does."""
+    code = (f"import fcntl, os, sys, time; f = open({os.fspath(usage)!r}, 'rb'); "
+            f"fcntl.lockf(f, fcntl.LOCK_SH, 1, {pages.USAGE_HEAD.size + slot * pages.PROC.size}); "
+            "print('held', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_who_cannot_answer_is_given_up_on_and_the_reason_said(tmp_path):
+    """Four launching processes that have not answered a closing: one dead (no lock on its slot),
+    one stopped, one alive whose helper does not drain, one alive and draining. Past the bound the
+    first three are given up on, each with its reason; the drainer only at the cap."""
+    d = tmp_path / "c"
+    pages.create(os.fspath(d), [GIB])
+    usage = d / "usage"
+    raw = bytearray(usage.read_bytes())
+    for slot, flags in enumerate([0, 0, 0, pages.PROC_DRAINING]):
+        pages.PROC_HEAD.pack_into(raw, pages.USAGE_HEAD.size + slot * pages.PROC.size, 4_000_000 + slot,
+                                  pages.GATED_PER_GPU, 0, 1 | flags)
+    struct.pack_into("<I", raw, pages.GATED_OFFSET, 0b1111)
+    usage.write_bytes(bytes(raw))
+    holders = [slot_holder(usage, k) for k in (1, 2, 3)]
+    holders[0].send_signal(signal.SIGSTOP)
+    while Path(f"/proc/{holders[0].pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        select.select([], [], [], 0.001)  # (until the signal has stopped it)
+    page = native.Page(os.fspath(d), [0])
+    try:
+        page.freeze(0)
+        assert sorted(page.undrained(0)) == [0, 1, 2, 3]
+        assert sorted(page.give_up(0)) == [(0, "dead"), (1, "stopped"), (2, "alive but not answering")]
+        assert page.undrained(0) == [3], "a live process draining was given up on before the cap"
+        assert page.give_up(0) == [] and page.undrained(0) == [3]
+        assert page.give_up(0, every=True) == [(3, "still draining at the cap")]
+        assert page.undrained(0) == []
+    finally:
+        page.thaw(0)
+        page.release()
+        for h in holders:
+            h.send_signal(signal.SIGCONT)
+            h.kill()
+            h.wait()
 
 
 def test_pages_that_are_not_a_cgpud_page_are_refused_with_the_reason(tmp_path):

@@ -213,6 +213,7 @@ class GpuScheduler(NativeSwitching):
                     tel.late(now - dec.until)
                     break
                 view = self._view()  # poked
+                self._share(view)
                 if planner.preempt(view, dec, now) or self._basis() != basis:
                     break  # (a setting changed: it takes effect now)
                 await self._enforce(view, dec)
