@@ -142,8 +142,9 @@ class NativeSwitching:
                 ahead = b.steps[r.step]
                 d = ahead.decision
                 start, end = r.start / 1e9 + offset, r.end / 1e9 + offset
-                # (to when its queued work was done: the rest of the switch, opening the next gate, is nobody's)
-                planner.settle(ahead, start, r.drained / 1e9 + offset,
+                # (from when the card was its own, to when its queued work was done: the rest of the switch,
+                # opening the next gate, is nobody's; with overlap, the tail before it is the previous one's)
+                planner.settle(ahead, r.owned / 1e9 + offset, r.drained / 1e9 + offset,
                                cut is not None and (r.batch, r.step) == (cut.batch, cut.step))
                 if last[0] is not None and d.running != last[0].running:
                     tel.switches += 1

@@ -452,12 +452,14 @@ def schedulers_for(
     when the daemon's native part is built."""
     p = params or Params()
     switch = switch and native.load() is not None
-    return [
-        GpuScheduler(node, g.index, enforcer, activity, params=params, usage=usage,
-                     waiter=TimerFdWaiter() if precise else None,
-                     switcher=native.Switcher(g.index, p.max_slice, p.drain_cap) if switch else None)
-        for g in node.gpus
-    ]
+    out = []
+    for g in node.gpus:
+        sw = native.Switcher(g.index, p.max_slice, p.drain_cap) if switch else None
+        if sw is not None:
+            sw.overlap(p.overlap)
+        out.append(GpuScheduler(node, g.index, enforcer, activity, params=params, usage=usage,
+                                waiter=TimerFdWaiter() if precise else None, switcher=sw))
+    return out
 
 
 def stats(schedulers: Sequence[GpuScheduler]) -> Mapping[int, GpuStats | None]:

@@ -42,7 +42,7 @@ NAME = "libcgpu-switch.so"
 
 class Report(ctypes.Structure):
     _fields_ = [("begin", ctypes.c_int64), ("start", ctypes.c_int64), ("end", ctypes.c_int64),
-                ("drained", ctypes.c_int64), ("drain_ns", ctypes.c_int64), ("late_ns", ctypes.c_int64), ("batch", ctypes.c_int32),
+                ("owned", ctypes.c_int64), ("drained", ctypes.c_int64), ("drain_ns", ctypes.c_int64), ("late_ns", ctypes.c_int64), ("batch", ctypes.c_int32),
                 ("step", ctypes.c_int32), ("gave_up", ctypes.c_int32), ("closed", ctypes.c_int32),
                 ("why", ctypes.c_int32), ("longer", ctypes.c_int32)]
 
@@ -105,7 +105,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cg_page_closed_on": (I, [P, I]), "cg_page_undrained": (I, [P, I, VP, I]),
         "cg_page_give_up": (I, [P, I, I, VP, VP, I]), "cg_page_consume": (None, [P]),
         "cg_page_share": (None, [P, I, I, ctypes.c_uint32]),
-        "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]), "cg_sw_ack": (None, [P]),
+        "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]),
+        "cg_sw_overlap": (None, [P, I]), "cg_sw_ack": (None, [P]),
         "cg_sw_submit": (I, [P, ctypes.c_int32, I, ctypes.POINTER(P), ctypes.POINTER(ctypes.c_uint8), I,
                              ctypes.POINTER(Step)]),
         "cg_sw_cancel": (None, [P]), "cg_sw_idle": (I, [P]),
@@ -212,6 +213,11 @@ class Switcher:
 
     def fileno(self) -> int:
         return self._fd
+
+    def overlap(self, on: bool) -> None:
+        """Open the next gate at a closing (its launches queue while the stopped one's tail
+        drains), not once the drain is done (the default)."""
+        self._lib.cg_sw_overlap(self.handle, 1 if on else 0)
 
     def ack(self) -> None:
         self._lib.cg_sw_ack(self.handle)

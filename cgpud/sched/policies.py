@@ -114,6 +114,9 @@ class Params:
     # alive and draining, up to drain_cap (s).
     queue_budget: float = 0.002
     drain_cap: float = 5.0
+    # The switcher opens the next gate at a closing, while the stopped instance's tail drains,
+    # rather than once it is done (docs/scheduler.md, "Switches").
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not (self.slice > 0 and math.isfinite(self.slice)):

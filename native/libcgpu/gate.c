@@ -484,23 +484,30 @@ static struct squeue *queue_of(CUcontext c, void *stream, int ptsz)
     return idle;
 }
 
-/* Launches queued on q and not known done, as GPU ns (queue_lock held). */
-static int64_t queued_ns(const struct squeue *q)
+/* Launches queued on q and not known done (queue_lock held). */
+static uint64_t queued(const struct squeue *q)
 {
     uint64_t n = q->unrecorded;
     for (unsigned i = q->tail; i != q->head; i++)
         n += q->ring[i % QUEUE_RING].launches;
-    return (int64_t)n * q->per_launch;
+    return n;
 }
 
-/* Whether a launch into q must wait first (queue_lock held). */
+/* Whether a launch into q must wait first (queue_lock held): one more would pass the budget, and
+ * two launches are queued already (one behind the running one is always let through: a kernel
+ * longer than the budget still follows the one before without a gap). */
 static int over_budget(const struct squeue *q, int64_t budget)
 {
     if (q->head == q->tail)
         return 0;
+    if (q->head - q->tail >= QUEUE_RING)
+        return 1;
+    uint64_t n = queued(q);
+    if (n < 2)
+        return 0;
     if (!q->per_launch)  /* not known yet: two events queued at most, so a wait soon measures it */
         return q->head - q->tail >= 2;
-    return queued_ns(q) + q->per_launch > budget || q->head - q->tail >= QUEUE_RING;
+    return (int64_t)(n + 1) * q->per_launch > budget;
 }
 
 /* An event done (queue_lock held): at `done` when this thread saw it complete, else 0. */

@@ -451,6 +451,7 @@ struct report {
     /* its switch began (the step before it was due to end), its gate opened, it ended (0: not yet):
      * a step is in force from its start to the next one's start (its queued work drains meanwhile) */
     int64_t begin, start, end;
+    int64_t owned;              /* when the card was its own: its start, or (overlap) the drain before it done */
     int64_t drained;            /* when its queued work was done (the next switch's closing answered;
                                  * its end when that closed nothing): what is charged to it ends here,
                                  * the rest of the switch (opening the next gate) is nobody's */
@@ -479,6 +480,7 @@ struct sw {
     pthread_mutex_t mu;
     int gpu;
     int64_t bound_ns, cap_ns;  /* a drain: who cannot answer is given up on after bound_ns; who drains, after cap_ns */
+    int overlap;               /* open the next gate at the closing, not once the drain is done */
     int cmd;                  /* eventfd: the scheduler has something for the thread */
     int note;                 /* eventfd: the thread has something for the scheduler */
     struct batch *cur, *next; /* the batch being carried out, and the one after it */
@@ -593,6 +595,20 @@ static struct report *open_report_locked(struct sw *s)
     return r && !r->end ? r : NULL;
 }
 
+/* Open everyone else this GPU knows: the runner `run`, and the idle. */
+static void open_others(struct sw *s, struct batch *b, int run)
+{
+    for (int i = 0; i < b->nuni; i++) {
+        if (b->active[i] && i != run)
+            continue;
+        struct page *p = b->uni[i];
+        pthread_mutex_lock(&p->mu);
+        if (closed_on_locked(p, s->gpu))
+            thaw_locked(p, s->gpu);
+        pthread_mutex_unlock(&p->mu);
+    }
+}
+
 /* Carry out one step of `b`. */
 static void run_step(struct sw *s, struct batch *b, int pos)
 {
@@ -616,22 +632,22 @@ static void run_step(struct sw *s, struct batch *b, int pos)
         pthread_mutex_unlock(&p->mu);
     }
     int gave_up = -1, why = 0, longer = 0;
-    int64_t drained = begin;
-    if (nclose) {  /* (also before an idle step: the work that runs on is the stopped ones', charged to them) */
+    int64_t drained = begin, start;
+    if (nclose && s->overlap) {
+        /* open the next gate now: its launches queue while the stopped ones' tails drain (the card
+         * time-slices between them meanwhile), then wait for the drain as below */
+        start = now_ns();
+        open_others(s, b, st->run);
         gave_up = wait_drained(s, b, closing, nclose, begin, &why, &longer);
         drained = now_ns();
-    }
-    /* open: everyone else this GPU knows (the runner, the idle). The step starts now: a launcher
-     * woken on this CPU may run before this thread takes the time again. */
-    int64_t start = now_ns();
-    for (int i = 0; i < b->nuni; i++) {
-        if (b->active[i] && i != st->run)
-            continue;
-        struct page *p = b->uni[i];
-        pthread_mutex_lock(&p->mu);
-        if (closed_on_locked(p, s->gpu))
-            thaw_locked(p, s->gpu);
-        pthread_mutex_unlock(&p->mu);
+    } else {
+        if (nclose) {  /* (also before an idle step: the work that runs on is the stopped ones', charged to them) */
+            gave_up = wait_drained(s, b, closing, nclose, begin, &why, &longer);
+            drained = now_ns();
+        }
+        /* The step starts now: a launcher woken on this CPU may run before this thread takes the time again. */
+        start = now_ns();
+        open_others(s, b, st->run);
     }
     pthread_mutex_lock(&s->mu);
     if (prev) {
@@ -641,7 +657,8 @@ static void run_step(struct sw *s, struct batch *b, int pos)
     if (s->head - s->tail >= REPORTS)
         s->tail++;  /* (the scheduler has not read them for REPORTS steps: the oldest go) */
     s->reports[s->head++ % REPORTS] = (struct report){
-        .begin = begin, .start = start, .drain_ns = nclose ? drained - begin : 0,
+        .begin = begin, .start = start, .owned = nclose && drained > start ? drained : start,
+        .drain_ns = nclose ? drained - begin : 0,
         .batch = b->id, .step = pos, .gave_up = gave_up, .closed = nclose, .why = why, .longer = longer};
     pthread_mutex_unlock(&s->mu);
     if (st->flags & NOTIFY)
@@ -751,6 +768,7 @@ EXPORT struct sw *cg_sw_new(int gpu, int64_t bound_ns, int64_t cap_ns)
 /* The descriptor that reads ready when the switcher has something to say (a step that asked
  * for it started, it ran out of steps, a cancel is done). cg_sw_ack empties it. */
 EXPORT int cg_sw_fd(struct sw *s) { return s->note; }
+EXPORT void cg_sw_overlap(struct sw *s, int on) { __atomic_store_n(&s->overlap, on, __ATOMIC_SEQ_CST); }
 EXPORT void cg_sw_ack(struct sw *s) { drain_fd(s->note); }
 
 static void poke(struct sw *s)
