@@ -19,8 +19,8 @@
  *
  * A launch into a capturing stream (cuLaunchKernel and the others, cuGraphLaunch of an executable
  * graph) is recorded in its graph, not run. cuGraphInstantiate(WithFlags, WithParams) makes an
- * executable graph of the recorded kernels; cuGraphLaunch runs them on the card one after another
- * (each its gridX*gridY*gridZ µs, as a launch). Not modelled: cross-stream capture through events
+ * executable graph of the recorded kernels; cuGraphLaunch queues them into its stream one after
+ * another (each its gridX*gridY*gridZ µs, as a launch: cuda_exec.c runs them). Not modelled: cross-stream capture through events
  * (a fork into another stream), graph nodes built by hand, the legacy stream's implicit
  * dependencies.
  *
@@ -326,7 +326,7 @@ CUresult stub_graph_launch(const void *exec_, const void *s)
     if (stub_capture_launch(s, exec->us, exec->n, &r))
         return r;
     for (size_t i = 0; i < exec->n; i++)
-        if ((r = stub_run_kernel(exec->us[i])))
+        if ((r = stub_run_kernel(exec->us[i], s)))
             return r;
     return STUB_OK;
 }
