@@ -137,6 +137,7 @@ def gated(libs, tmp_path):
     """A container's pages, its gate, and how to start a launcher in it."""
     pages.create(os.fspath(tmp_path / "pages"), [1 << 30])
     gate = GateFreezer(os.fspath(tmp_path / "pages"))
+    gate.share(None, True, 2000)  # (as the scheduler tells an instance it may stop: its queue bounded)
     env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs), "LD_PRELOAD": os.fspath(libs / "libcgpu.so"),
            "CGPU_PAGE_DIR": os.fspath(tmp_path / "pages"), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"),
            "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / "kernels")}
@@ -293,6 +294,7 @@ def test_a_container_on_two_gpus_is_gated_on_each_alone(libs, tmp_path, gang):
     pages.create(os.fspath(tmp_path / "pages"), [1 << 30, 1 << 30])
     gate = GateFreezer(os.fspath(tmp_path / "pages"), gpus=[3, 5])
     assert gate.drives_gpus
+    gate.share(None, True, 2000)  # (as the scheduler tells an instance it may stop: its queues bounded)
     procs = []
 
     def start(device: int) -> subprocess.Popen:

@@ -70,6 +70,8 @@ def two(tmp_path):
     for d in dirs:
         pages.create(os.fspath(d), [GIB])
     ps = [native.Page(os.fspath(d), [0]) for d in dirs]
+    for p in ps:  # (both active: as the scheduler tells them, their queued work bounded to 2 ms)
+        p.set_shared(0, True, 2000)
     sw = native.Switcher(0, 0.05)
     yield dirs, ps, sw
     sw.close()

@@ -21,7 +21,8 @@ QUEUE_BUDGET_OFFSET = GATE_OFFSET + 4  # uint32: µs of GPU work a process may q
 QUEUE_BUDGET_US_DEFAULT = 2000
 SHARED_GATE_SIZE = GATE_OFFSET + 8  # a page made by an older cgpud ends here: its container has that one gate
 CLOSINGS_OFFSET = SHARED_GATE_SIZE  # uint32: how many times any GPU's gate closed
-SHARED_OFFSET = CLOSINGS_OFFSET + 4  # uint32: bit k, another instance is active on GPU k's node GPU now
+SHARED_OFFSET = CLOSINGS_OFFSET + 4  # uint32: bit k, the scheduler may stop the container on GPU k's node GPU
+SHARED_ALL = (1 << MAX_GPUS) - 1  # what a page starts with: bounded until the scheduler says it runs alone
 GPU_GATE_OFFSET = CLOSINGS_OFFSET + 8  # uint32 per GPU of the page: its gate
 UUID_OFFSET = GPU_GATE_OFFSET + 4 * MAX_GPUS  # 16 bytes per GPU of the page: its UUID (zero: not known)
 GATE_OPEN = 1
@@ -50,7 +51,7 @@ def _limits(memsizes: list[int], uuids: list[str] | None = None) -> bytes:
     if uuids is not None and len(uuids) != len(memsizes):
         raise ValueError(f"{len(uuids)} UUIDs for {len(memsizes)} GPUs")
     return LIMITS.pack(MAGIC, VERSION, len(memsizes), 0, *memsizes, *[0] * (MAX_GPUS - len(memsizes)),
-                       GATE_OPEN, 0, 0, 0, *[GATE_OPEN] * MAX_GPUS, b"".join(map(uuid_bytes, uuids or [])))
+                       GATE_OPEN, 0, 0, SHARED_ALL, *[GATE_OPEN] * MAX_GPUS, b"".join(map(uuid_bytes, uuids or [])))
 
 
 def uuid_bytes(text: str | None) -> bytes:

@@ -189,7 +189,7 @@ class GateFreezer:
         container's GPUs) now, or no longer: while it is, the container's
         processes keep at most `budget_us` of GPU work queued ahead there."""
         if self.page.handle is not None:
-            self.page.share(gpu if self.drives_gpus else None, on, budget_us)
+            self.page.set_shared(gpu if self.drives_gpus else None, on, budget_us)
 
     def is_frozen(self) -> bool:
         return self.frozen and not self.undrained()

@@ -30,7 +30,8 @@ from cgpud.core.model import Node
 from cgpud.sched import native
 from cgpud.sched.batching import NativeSwitching
 from cgpud.sched.enforce_api import Activity, Enforcer, UsageMeter
-from cgpud.sched.policies import NATIVE, Decision, GpuView, InstView, Kind, Params, Planner
+from cgpud.sched.policies import Decision, GpuView, InstView, Kind, Params, Planner
+from cgpud.sched.sharing import QueueBounds
 from cgpud.sched.telemetry import GpuStats, Telemetry
 
 log = logging.getLogger("cgpud.sched")
@@ -87,7 +88,7 @@ class TimerFdWaiter:
         self._timer.close()
 
 
-class GpuScheduler(NativeSwitching):
+class GpuScheduler(NativeSwitching, QueueBounds):
     """The time-slice scheduler of one GPU (a background service: `run`, `stop`).
 
     With a `switcher` (cgpud.sched.native), the slices of gated instances
@@ -132,8 +133,6 @@ class GpuScheduler(NativeSwitching):
         self.decision: Decision | None = None  # the decision in force
         self._switcher = switcher
         self._batch_horizon = batch
-        self._sharing: dict[str, tuple[int, bool]] = {}  # (_share) what each target was told last
-        self._shared_view: GpuView | None = None
 
     # ---- service -----------------------------------------------------------
 
@@ -226,35 +225,6 @@ class GpuScheduler(NativeSwitching):
             self._account(now)
             self.published = self.telemetry.snapshot(now)
 
-    def _share(self, view: GpuView | None) -> None:
-        """Tell each gated instance whether another instance is active on this
-        GPU (eligible, under a controlled policy): while one is, its processes
-        keep at most `queue_budget` of work queued ahead (libcgpu); alone, none.
-        Only changes are sent (per target: one attached later is told too).
-        None: no one shares any more (the loop stops)."""
-        share = getattr(self._enforcer, "share", None)
-        target = getattr(self._enforcer, "target", None)
-        if share is None or target is None or (view is not None and view is self._shared_view):
-            return
-        self._shared_view = view
-        names = view.names if view is not None else frozenset()
-        busy = [i.name for i in view.instances if i.active and i.weight > 0] \
-            if view is not None and view.policy != NATIVE else []
-        budget = max(1, round(self.params.queue_budget * 1e6))
-        for name in sorted(names | self._sharing.keys()):
-            t = target(name)
-            on = name in names and any(n != name for n in busy)
-            if t is None or self._sharing.get(name) == (id(t), on):
-                continue
-            try:
-                share(self.gpu, name, on, budget)
-            except Exception:
-                log.exception("GPU %d: cannot tell %s whether it shares the GPU", self.gpu, name)
-                continue
-            self._sharing[name] = (id(t), on)
-        for name in [n for n in self._sharing if n not in names]:
-            del self._sharing[name]
-
     def _account(self, end: float) -> None:
         """Charge the decision in force from its start to `end`."""
         if self._current is None:
@@ -277,7 +247,6 @@ class GpuScheduler(NativeSwitching):
             self._switcher = None
         try:
             self._account(trio.current_time())
-            self._shared_view = None
             self._share(None)  # (nobody bounds its queue for a scheduler that is gone)
         finally:
             for name in sorted(self._frozen):

@@ -171,7 +171,7 @@ class Page:
                                       self._why, 256)
         return [(self._slots[i], GAVE_UP.get(self._why[i], "?")) for i in range(min(n, 256))]
 
-    def share(self, gpu: int | None, on: bool, budget_us: int) -> None:
+    def set_shared(self, gpu: int | None, on: bool, budget_us: int) -> None:
         """Whether another instance is active on node GPU `gpu` now (the container's processes keep
         at most `budget_us` of GPU work queued ahead there while it is)."""
         self._lib.cg_page_share(self.handle, -1 if gpu is None else gpu, 1 if on else 0, budget_us)

@@ -114,6 +114,7 @@ class Params:
     # alive and draining, up to drain_cap (s).
     queue_budget: float = 0.002
     drain_cap: float = 5.0
+    unbound_after: float = 1.0  # an instance runs unbounded once it has had the GPU to itself this long
     # The switcher opens the next gate at a closing, while the stopped instance's tail drains,
     # rather than once it is done (docs/scheduler.md, "Switches").
     overlap: bool = False
@@ -569,6 +570,33 @@ class Planner:
                     continue
                 amount = usage.get(name, 0.0) if usage is not None else ran / len(act)
                 w.add(start, end, amount)
+
+
+def may_hold(view: GpuView, name: str) -> bool:
+    """Whether the planner may hold `name` stopped while it is active under
+    this view: another eligible instance is active, or its policy leaves
+    part of the time to others or to nobody even when it is the only one
+    active (the slots of idle holders under 2, the waste of 0 and 3, the
+    high-priority cap). False under policy 5, and for an instance that has
+    the GPU all the time (alone under 1 and 4, or under 2 with no other
+    eligible instance): what is held needs its queued work bounded, what is
+    not must run at full speed (docs/scheduler.md, "Queued work")."""
+    if view.policy == NATIVE:
+        return False
+    inst = next((i for i in view.instances if i.name == name), None)
+    if inst is None or inst.weight == 0:
+        return inst is not None
+    others = [i for i in view.instances if i.name != name and i.weight > 0]
+    if any(i.active for i in others):
+        return True
+    normal = [i for i in others if not i.highprio]
+    if view.policy in (PREEMPTIVE, WEAK):
+        return False  # (alone: the whole ring; high priority alone fills what the capped group leaves)
+    if view.policy == WEIGHTED:
+        return bool(normal)  # (idle holders keep their slots; high priority alone is capped while they hold)
+    if view.policy == FAIR:
+        return bool(normal) or view.max_inst > 1 or inst.highprio
+    return bool(normal) or inst.weight < view.max_inst or inst.highprio  # FIXED
 
 
 def entitled_share(view: GpuView, name: str) -> float:
