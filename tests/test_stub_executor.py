@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,20 @@ def test_fast_launches_are_free_and_queue_nothing(client, tmp_path):
     """CGPU_STUB_CUDA_FAST=1 (to time what an interposer adds): nothing queued, nothing logged."""
     out = run(client, tmp_path, "burst", "1000", "100000", CGPU_STUB_CUDA_FAST="1")
     assert len(out) == 1001 and kernels(tmp_path / "kernels") == []
+
+
+def test_a_killed_process_queue_is_dropped_as_its_context_is_torn_down(client, tmp_path):
+    """A process killed with 2 s of kernels queued: the next process's kernels start at once, not
+    after the dead one's queue (its context is found gone: its owner's lock on the card file went
+    with it, whatever its PID namespace)."""
+    e = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(client),
+         "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"), "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / "dead")}
+    p = subprocess.Popen([os.fspath(client / "queue-client"), "burst", "1000", "2000"], env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.3)
+    p.kill()
+    p.wait()
+    killed = time.monotonic_ns()
+    run(client, tmp_path, "burst", "5", "1000", log="next")
+    ks = kernels(tmp_path / "next")
+    assert len(ks) == 5 and ks[0][1] - killed < 500_000_000, (ks[0][1] - killed) / 1e9  # (its queue: 1.7 s more)
