@@ -48,6 +48,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/random.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -69,7 +70,7 @@ struct entry { uint64_t ns, cum, ready, end; uint32_t stream, coll; };  /* cum: 
 struct sstream { uint64_t id, last, enq, done; };  /* last: seq + 1 of its last entry (0: none) */
 struct piece { uint64_t start, end, us; int32_t dev, coll; };
 struct ctx {
-    int32_t pid, pad;
+    uint64_t owner;        /* its process's token (pids are no names across PID namespaces; 0: free) */
     uint64_t head, tail;   /* entries [head, tail) queued; head runs first */
     uint64_t left;         /* ns the head entry has left once it started (0: not started; NEVER: a half spinning) */
     uint64_t coll_enq, coll_start, checked;
@@ -94,6 +95,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;  /* (flock is the open 
 static struct card *cards;
 static int fd = -1;
 static pid_t mapped_by;
+static uint64_t me;  /* this process's token (a forked child draws its own) */
 static int log_fd = -1;
 
 static uint64_t now_ns(void)
@@ -175,6 +177,8 @@ static int attach(void)
     }
     cards = m;
     mapped_by = getpid();
+    if (getrandom(&me, sizeof me, 0) != sizeof me || !me)
+        me = ((uint64_t)getpid() << 32) ^ now_ns() ^ (uint64_t)(uintptr_t)&me;
     log_fd = log && *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
     return 0;
 }
@@ -263,12 +267,12 @@ static uint64_t next_event(struct card *k)
     return r;
 }
 
-static struct ctx *peer_ctx(int dev, int32_t pid, int *at)
+static struct ctx *peer_ctx(int dev, uint64_t owner, int *at)
 {
     if (dev > 1) return NULL;
     struct card *p = &cards[1 - dev];
     for (int i = 0; i < NCTX; i++)
-        if (p->ctx[i].pid == pid) {
+        if (p->ctx[i].owner == owner) {
             if (at) *at = i;
             return &p->ctx[i];
         }
@@ -292,7 +296,7 @@ static void start(int dev, int i, uint64_t t)
     c->coll_start = t;
     c->left = NEVER;
     int pi;
-    struct ctx *pc = peer_ctx(dev, c->pid, &pi);
+    struct ctx *pc = peer_ctx(dev, c->owner, &pi);
     struct card *pk = dev <= 1 ? &cards[1 - dev] : NULL;
     if (pc && pc->head < pc->tail && pc->left == NEVER && pk->state == RUN && pk->cur == pi
         && head_entry(pc)->coll == e->coll) {  /* the pair is complete: both end together */
@@ -381,20 +385,35 @@ static void step(int dev, uint64_t t)
     k->until = t + switch_ns();
 }
 
-/* Contexts with work whose process is gone: their queue dropped, their record free (checked once a ms). */
-static void sweep(struct card *k, uint64_t t)
+/* A context's owner holds a write lock (fcntl's, the process's own: gone with it, whatever its PID
+ * namespace) on one byte of the file past the cards, from the context's making to its exit. */
+static off_t live_at(int dev, int i) { return (off_t)MAP_SIZE + dev * NCTX + i; }
+static int hold_live(int dev, int i)
 {
+    struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = live_at(dev, i), .l_len = 1};
+    return fcntl(fd, F_SETLK, &l);
+}
+static int alive(int dev, int i)
+{
+    struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = live_at(dev, i), .l_len = 1};
+    return fcntl(fd, F_GETLK, &l) || l.l_type != F_UNLCK;
+}
+
+/* Contexts whose process is gone: their queue dropped, their record free (checked once a ms). */
+static void sweep(int dev, uint64_t t)
+{
+    struct card *k = &cards[dev];
     for (int i = 0; i < NCTX; i++) {
         struct ctx *c = &k->ctx[i];
-        if (!c->pid || t - c->checked < 1000000) continue;
+        if (!c->owner || c->owner == me || t - c->checked < 1000000) continue;
         c->checked = t;
-        if (kill(c->pid, 0) == 0 || errno != ESRCH) continue;
+        if (alive(dev, i)) continue;
         if (k->cur == i && k->state == RUN) {
             k->state = IDLE;
         }
         if (k->state == SWITCH && k->next == i)
             k->state = IDLE;
-        c->pid = 0;
+        c->owner = 0;
         c->head = c->tail;
         c->left = 0;
         k->busy &= ~(1u << i);
@@ -407,7 +426,7 @@ static void advance(uint64_t t)
 {
     int n = stub_device_count();
     for (int d = 0; d < n; d++)
-        sweep(&cards[d], t);
+        sweep(d, t);
     for (;;) {
         int best = -1;
         uint64_t bt = NEVER;
@@ -436,28 +455,27 @@ static pid_t ctx_pid;
 /* This process's context on card `dev` (made if `make`), NULL if none (or no room). */
 static struct ctx *my_ctx(int dev, int make)
 {
-    pid_t me = getpid();
-    if (ctx_pid != me) {
+    if (ctx_pid != getpid()) {
         for (int d = 0; d < NCARDS; d++) ctx_at[d] = -1;
-        ctx_pid = me;
+        ctx_pid = getpid();
     }
     struct card *k = &cards[dev];
-    if (ctx_at[dev] >= 0 && k->ctx[ctx_at[dev]].pid == me)
+    if (ctx_at[dev] >= 0 && k->ctx[ctx_at[dev]].owner == me)
         return &k->ctx[ctx_at[dev]];
     int free_at = -1;
     for (int i = 0; i < NCTX; i++) {
-        if (k->ctx[i].pid == me) {
+        if (k->ctx[i].owner == me) {
             ctx_at[dev] = i;
             return &k->ctx[i];
         }
-        if (free_at < 0 && !k->ctx[i].pid && !has_work(k, i)) free_at = i;
+        if (free_at < 0 && make && !k->ctx[i].owner && !has_work(k, i) && !hold_live(dev, i)) free_at = i;
     }
     if (!make || free_at < 0)
         return NULL;
     struct ctx *c = &k->ctx[free_at];
     uint64_t seq = c->tail;  /* (sequence numbers go on: a stale event of another never matches) */
     memset(c, 0, sizeof *c);
-    c->pid = me;
+    c->owner = me;
     c->head = c->tail = seq;
     c->checked = now_ns();
     ctx_at[dev] = free_at;
@@ -756,7 +774,7 @@ __attribute__((destructor)) static void at_exit(void)
     enter();
     for (int d = 0; d < NCARDS; d++) {
         struct ctx *c = my_ctx(d, 0);
-        if (c && c->head == c->tail) c->pid = 0;
+        if (c && c->head == c->tail) c->owner = 0;
     }
     leave();
 }

@@ -2,7 +2,8 @@
  * What the stand-in libcuda.so.1's files share (native/stubs/: libcuda.c, the card, memory and
  * kernels; cuda_export.c, the private export tables and the rest of cuGetProcAddress's names;
  * cuda_modules.c, modules, libraries, kernels and functions; cuda_device.c, device attributes,
- * streams, events and copies). Nothing here is exported: hidden, one library's own.
+ * streams, events and copies; cuda_exec.c, the card's executor: queues, time-slicing, events'
+ * completion). Nothing here is exported: hidden, one library's own.
  */
 #ifndef CGPU_CUDA_STUB_H
 #define CGPU_CUDA_STUB_H

@@ -17,21 +17,17 @@
  * and their frees take from the card directly, as a real driver does inside
  * itself: only libcgpu's own wrappers of them can charge them.
  *
- * Kernels: the card runs one kernel at a time, for everyone. A launch
- * (cuLaunchKernel, _ptsz, cooperative, cuLaunchKernelEx) takes gridX*gridY*gridZ
- * microseconds of the card (a graph, cuGraphLaunch: each of its kernels; stream capture and
- * graphs, and the driver's capture rules, are stubs/cuda_graphs.c's),
- * queued after whatever the card has (the state file's second word: when it is
- * next free); it returns at once, as a real launch does, but a process has at most
- * one kernel waiting behind its running one (a launch waits until its previous one
- * has started). cuCtxSynchronize / cuStreamSynchronize wait until the process's
- * last kernel has ended (asleep, spinning its last 200 µs, as the real driver's default
- * scheduling spins). With CGPU_STUB_CUDA_LOG set, each kernel appends
- * "pid start_ns end_ns" (CLOCK_MONOTONIC) to it; CGPU_STUB_CUDA_FAST=1 makes
+ * Kernels: a launch (cuLaunchKernel, _ptsz, cooperative, cuLaunchKernelEx) takes gridX*gridY*gridZ
+ * microseconds of the card (a graph, cuGraphLaunch: each of its kernels; stream capture and graphs,
+ * and the driver's capture rules, are stubs/cuda_graphs.c's). It returns at once into its stream's
+ * queue, and the card's executor (stubs/cuda_exec.c) runs the kernels one at a time for everyone,
+ * time-slicing between processes with work, a switch costing idle time; cuCtxSynchronize /
+ * cuStreamSynchronize wait for exactly their work. With CGPU_STUB_CUDA_LOG set, each piece of a
+ * kernel that ran appends "pid start_ns end_ns" (CLOCK_MONOTONIC) to it; CGPU_STUB_CUDA_FAST=1 makes
  * launches free and instant (to time what an interposer adds). cuInit opens
  * CGPU_STUB_CUDA_DEVICE (a comma-separated list: each), if set, and keeps it open, as the real
  * driver keeps /dev/nvidiaN: the daemon sees the process use the GPU. CGPU_STUB_COLLECTIVE=1:
- * every kernel of the process is half of a collective across cards 0 and 1 (run_collective).
+ * every kernel of the process is half of a collective across cards 0 and 1 (cuda_exec.c).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

@@ -1,0 +1,143 @@
+"""The stand-in card's executor (native/stubs/cuda_exec.c, issue 27): as unkind as the H100 the
+probe measured. A launch returns at once into its stream's deep queue and only a full one blocks;
+one executor for the card runs one kernel at a time across processes and time-slices between the
+contexts that have work, each switch leaving the card idle; events complete when their stream
+reaches them, and a synchronize waits for exactly its work.
+
+The figures asserted are the simulation's own (the kernel log's times and the card's rules), not
+how fast this machine runs: the card's state is worked out from the launches' times, whoever
+advances it and however late. The client: tests/queue_client.py."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from queue_client import build, kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("executor")
+    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), "stubs", f"STUBS={d}"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    build(d)
+    return d
+
+
+def run(client: Path, tmp: Path, *args: str, log: str = "kernels", **env: str) -> list[str]:
+    e = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(client),
+         "CGPU_STUB_CUDA_STATE": os.fspath(tmp / "card"), "CGPU_STUB_CUDA_LOG": os.fspath(tmp / log), **env}
+    r = subprocess.run([os.fspath(client / "queue-client"), *args], env=e, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split("\n")[:-1]
+
+
+def test_a_launch_returns_at_once_into_a_deep_queue(client, tmp_path):
+    """40 launches of 10 ms kernels return before the second kernel has ended (the old stand-in let
+    one kernel wait behind the running one: its 40th launch returned as the 39th kernel started);
+    the card then runs them back to back."""
+    out = [int(x) for x in run(client, tmp_path, "burst", "40", "10000")]
+    returned, synced = out[:-1], out[-1]
+    ks = kernels(tmp_path / "kernels")
+    assert len(ks) == 40 and all(e - s == 10_000_000 for _, s, e in ks), ks
+    ended_before = sum(e <= returned[-1] for _, _, e in ks)
+    assert ended_before <= 1, ended_before
+    assert all(b[1] == a[2] for a, b in zip(ks, ks[1:]))  # back to back: the queue is the card's
+    assert synced >= ks[-1][2]  # (the synchronize waited for the last)
+
+
+def test_a_full_queue_blocks_the_launcher_until_an_entry_completes(client, tmp_path):
+    """CGPU_STUB_QUEUE_DEPTH=4: the first 4 launches return at once; each later one returns only
+    once the kernel 4 before it has completed (the H100 blocked its 1031st launch so)."""
+    out = [int(x) for x in run(client, tmp_path, "burst", "12", "10000", CGPU_STUB_QUEUE_DEPTH="4")]
+    returned = out[:-1]
+    ends = [e for _, _, e in kernels(tmp_path / "kernels")]
+    assert len(ends) == 12
+    assert all(r < ends[0] for r in returned[:4]), (returned[:4], ends[0])
+    assert all(returned[i] >= ends[i - 4] for i in range(4, 12)), [(returned[i], ends[i - 4]) for i in range(4, 12)]
+    assert returned[4] < ends[1]  # (one entry completed lets one launch through, not the queue's drain)
+
+
+def test_two_processes_with_queued_work_are_time_sliced_and_each_switch_leaves_the_card_idle(client, tmp_path):
+    """Two processes, each with 30 kernels of 10 ms queued at once, timeslice 2 ms, a switch 300 µs:
+    while both have work the card alternates between them, a piece of at most a timeslice each,
+    the card idle exactly the switch's cost between two processes' pieces and never between one's
+    own; every kernel's time is run in full (the pieces of each process sum to 300 ms)."""
+    env = dict(CGPU_STUB_TIMESLICE_US="2000", CGPU_STUB_SWITCH_US="300")
+    e = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(client),
+         "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"), **env}
+    procs = [subprocess.Popen([os.fspath(client / "queue-client"), "burst", "30", "10000"], text=True,
+                              env={**e, "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / f"k{i}")},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    pieces = sorted((s, e, i) for i in range(2) for _, s, e in kernels(tmp_path / f"k{i}"))
+    for i in range(2):
+        assert sum(e - s for s, e, j in pieces if j == i) == 300_000_000
+    both = [p for p in pieces if p[0] < min(max(e for _, e, j in pieces if j == i) for i in range(2))]
+    assert {j for *_, j in both} == {0, 1}
+    changes = [(a, b) for a, b in zip(both, both[1:]) if a[2] != b[2]]
+    assert len(changes) >= 20, len(changes)  # (150 ms together at least: ~70 turns)
+    assert all(b[0] - a[1] == 300_000 for a, b in changes), {b[0] - a[1] for a, b in changes}
+    assert all(b[0] == a[1] for a, b in zip(both, both[1:]) if a[2] == b[2])
+    # a turn (a process's pieces between two switches) lasts one timeslice while the other waits
+    turns, start = [], both[0][0]
+    for a, b in changes:
+        turns.append(a[1] - start)
+        start = b[0]
+    assert all(t == 2_000_000 for t in turns[1:]), sorted(set(turns))
+
+
+def test_events_complete_in_order_as_their_stream_reaches_them(client, tmp_path):
+    """8 kernels of 50 ms in a stream, an event after each: none is done right after the launches;
+    cuEventSynchronize of the 4th returns with the first 4 done and not the 5th; their times, taken
+    when the card reached them, are 50 ms apart (cuEventElapsedTime)."""
+    out = run(client, tmp_path, "events", "8", "50000")
+    assert int(out[0]) == 0  # (the launches and records take microseconds; the first kernel 50 ms)
+    assert int(out[1]) == 4
+    times = [float(line.split()[1]) for line in out[2:]]
+    assert [line.split()[0] for line in out[2:]] == ["0"] * 8
+    assert all(abs(b - a - 50.0) < 0.002 for a, b in zip(times, times[1:])), times
+    assert 50.0 <= times[0] < 60.0, times
+
+
+def test_a_stream_synchronize_waits_for_its_stream_and_a_context_synchronize_for_all(client, tmp_path):
+    """3 kernels of 20 ms into stream A, then one of 300 ms into B: cuStreamSynchronize(A) returns
+    as A's third kernel ends, B still running (cuStreamQuery: not ready); cuCtxSynchronize waits
+    for B too."""
+    out = run(client, tmp_path, "streams", "20000", "300000")
+    ks = kernels(tmp_path / "kernels")
+    assert [e - s for _, s, e in ks] == [20_000_000] * 3 + [300_000_000]
+    assert out[:2] == ["0", "1"]
+    assert ks[2][2] <= int(out[2]) < ks[3][2]
+
+
+def test_fast_launches_are_free_and_queue_nothing(client, tmp_path):
+    """CGPU_STUB_CUDA_FAST=1 (to time what an interposer adds): nothing queued, nothing logged."""
+    out = run(client, tmp_path, "burst", "1000", "100000", CGPU_STUB_CUDA_FAST="1")
+    assert len(out) == 1001 and kernels(tmp_path / "kernels") == []
+
+
+def test_a_killed_process_queue_is_dropped_as_its_context_is_torn_down(client, tmp_path):
+    """A process killed with 2 s of kernels queued: the next process's kernels start at once, not
+    after the dead one's queue (its context is found gone: its owner's lock on the card file went
+    with it, whatever its PID namespace)."""
+    e = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(client),
+         "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"), "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / "dead")}
+    p = subprocess.Popen([os.fspath(client / "queue-client"), "burst", "1000", "2000"], env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(0.3)
+    p.kill()
+    p.wait()
+    killed = time.monotonic_ns()
+    run(client, tmp_path, "burst", "5", "1000", log="next")
+    ks = kernels(tmp_path / "next")
+    assert len(ks) == 5 and ks[0][1] - killed < 500_000_000, (ks[0][1] - killed) / 1e9  # (its queue: 1.7 s more)
