@@ -11,7 +11,9 @@ Work is the card's kernel time from its log (a kernel's time is its work: gridX 
 2. alone under the gate: one `cgpu run` instance (`cgpud serve --compute gate`, policy 2): its busy
    fraction against 1 (goal >= 99 %).
 3. the pair at 1:2, policy 2: weight 1's share of the kernel time while both run (goal 0.333 ± 0.02),
-   and the pair's work per second against 1's (goal >= 97 %).
+   and the pair's work per second against 1's (goal >= 97 %); with the daemon's `--switch drain` (the
+   next gate opens once the stopped one's queue is done) and `--switch overlap` (at the closing),
+   for the long kernels and for short ones (64 of 50 µs, then a synchronize).
 4. high priority: a weight-1 instance runs 64 launches ahead; a --highprio instance starts a process
    now and then that launches one 1 ms kernel: launch -> its kernel starts on the card (goal <= 5 ms).
 
@@ -36,6 +38,7 @@ from queue_client import build, kernels  # noqa: E402
 
 CGPU = str(Path(sys.executable).parent / "cgpu")
 KERNEL_US, BATCH, TRIM = 2700, 8, 300_000_000
+SHORT_US, SHORT_BATCH = 50, 64  # (short kernels: CuPy's elementwise ones)
 
 
 def busy(log: Path, t0: int, t1: int) -> int:
@@ -73,8 +76,8 @@ def finish(procs: list[subprocess.Popen]) -> list[str]:
     return outs
 
 
-def gated(lib: Path):
-    return daemon(extra=["--libcgpu", str(lib), "--compute", "gate"], handle=True)
+def gated(lib: Path, switch: str = "drain"):
+    return daemon(extra=["--libcgpu", str(lib), "--compute", "gate", "--switch", switch], handle=True)
 
 
 def set_policy(d, policy: int) -> None:
@@ -82,13 +85,14 @@ def set_policy(d, policy: int) -> None:
         f.write(str(policy))
 
 
-def alone_bare(tools: Path, tmp: Path, seconds: float) -> float:
-    p = subprocess.run([str(tools / "queue-client"), "loop", str(seconds), str(KERNEL_US), str(BATCH)],
-                       env=stand_in_env(tools, tmp, "bare"), capture_output=True, text=True, timeout=120)
+def alone_bare(tools: Path, tmp: Path, seconds: float, kernel_us: int = KERNEL_US, batch: int = BATCH) -> float:
+    log = f"bare{kernel_us}"
+    p = subprocess.run([str(tools / "queue-client"), "loop", str(seconds), str(kernel_us), str(batch)],
+                       env=stand_in_env(tools, tmp, log), capture_output=True, text=True, timeout=120)
     if p.returncode:
         raise SystemExit(p.stderr)
-    t0, t1 = window([tmp / "bare"])
-    return busy(tmp / "bare", t0, t1) / (t1 - t0)
+    t0, t1 = window([tmp / log])
+    return busy(tmp / log, t0, t1) / (t1 - t0)
 
 
 def alone_gated(tools: Path, lib: Path, tmp: Path, seconds: float, tag: str) -> float:
@@ -100,11 +104,13 @@ def alone_gated(tools: Path, lib: Path, tmp: Path, seconds: float, tag: str) -> 
     return busy(tmp / name, t0, t1) / (t1 - t0)
 
 
-def pair(tools: Path, lib: Path, tmp: Path, seconds: float, tag: str) -> tuple[float, float, str]:
-    with gated(lib) as d:
+def pair(tools: Path, lib: Path, tmp: Path, seconds: float, tag: str, switch: str = "drain",
+         kernel_us: int = KERNEL_US, batch: int = BATCH) -> tuple[float, float, str]:
+    with gated(lib, switch) as d:
         set_policy(d, 2)
-        names = [f"qp{tag}1", f"qp{tag}2"]
-        loop = f'exec "$Q" loop {seconds} {KERNEL_US} {BATCH}'
+        run = f"{switch[0]}{'l' if kernel_us == KERNEL_US else 's'}"
+        names = [f"qp{tag[:7]}{run}1", f"qp{tag[:7]}{run}2"]
+        loop = f'exec "$Q" loop {seconds} {kernel_us} {batch}'
         finish([instance(d, tools, tmp, n, ["--weight", str(w)], loop) for n, w in zip(names, (1, 2))])
         log = open(os.path.join(d.base, "daemon.log")).read()
     logs = [tmp / n for n in names]
@@ -159,10 +165,16 @@ def main() -> None:
         print(f"1. alone, no cgpud: the card busy {bare:.3f} of the time (the reference)", flush=True)
         alone = alone_gated(tools, lib, runs["alone"], a.seconds, tag)
         print(f"2. alone under the gate: busy {alone:.3f}: {alone / bare * 100:.1f} % of 1 (goal >= 99 %)", flush=True)
-        share, work, note = pair(tools, lib, runs["pair"], a.seconds, tag)
-        print(f"3. the pair at 1:2, policy 2: weight 1 got {share:.3f} of the kernel time (goal 0.333 ± 0.02); "
-              f"the pair's work {work / bare * 100:.1f} % of 1's (goal >= 97 %){'; ' + note if note else ''}",
-              flush=True)
+        # 3. the pair, with each way of switching (docs/scheduler.md, "Switches"), long kernels and short
+        short = alone_bare(tools, runs["bare"], a.seconds, SHORT_US, SHORT_BATCH)
+        print(f"1. alone, no cgpud, {SHORT_BATCH} x {SHORT_US / 1000:g} ms: the card busy {short:.3f} of the time "
+              f"(the short jobs' reference)", flush=True)
+        for switch in ("drain", "overlap"):
+            for kernel_us, batch, ref in ((KERNEL_US, BATCH, bare), (SHORT_US, SHORT_BATCH, short)):
+                share, work, note = pair(tools, lib, runs["pair"], a.seconds, tag, switch, kernel_us, batch)
+                print(f"3. the pair at 1:2, policy 2, --switch {switch}, {batch} x {kernel_us / 1000:g} ms: weight 1 got "
+                      f"{share:.3f} of the kernel time (goal 0.333 ± 0.02); the pair's work {work / ref * 100:.1f} % "
+                      f"of the job alone's (goal >= 97 %){'; ' + note if note else ''}", flush=True)
         waits = high_priority(tools, lib, runs["prio"], a.seconds, tag)
         if waits:
             print(f"4. high priority beside a weight-1 instance 64 launches ahead: launch -> start "

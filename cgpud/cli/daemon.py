@@ -51,6 +51,14 @@ def main() -> None:
               help="Real-time priority of the daemon's scheduling (0: normal priority).")
 @click.option("--slice-ms", type=click.FloatRange(0.5, 1000), default=10.0, show_default=True, envvar="CGPUD_SLICE_MS",
               help="The base time slice X of the scheduler, in milliseconds.")
+@click.option("--queue-budget-ms", type=click.FloatRange(0.1, 1000), default=2.0, show_default=True,
+              envvar="CGPUD_QUEUE_BUDGET_MS",
+              help="Gated instances: the GPU work a process may queue ahead, per stream, while the scheduler may "
+                   "stop it (a closing's drain lasts about this long; docs/scheduler.md).")
+@click.option("--switch", type=click.Choice(["drain", "overlap"]), default="drain", show_default=True,
+              envvar="CGPUD_SWITCH",
+              help="Gated instances: open the next gate once the stopped one's queued work is done, or at once "
+                   "(its tail drains meanwhile; docs/scheduler.md, \"Switches\").")
 @click.option("--placement", type=click.Choice(["binpack", "spread"]), default="binpack", show_default=True,
               envvar="CGPUD_PLACEMENT",
               help="How containers that name no GPU are placed: the fullest GPU that fits, or the emptiest.")
@@ -81,7 +89,7 @@ def main() -> None:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, dev_dir: str,
-          rt_priority: int, slice_ms: float, placement: str, mode: str, mem_action: str, mps_control: str | None,
+          rt_priority: int, slice_ms: float, queue_budget_ms: float, switch: str, placement: str, mode: str, mem_action: str, mps_control: str | None,
           mps_pipe_dir: str | None, metrics_addr: str, hook_path: str, libcgpu: str, compute: str, driver_root: str | None,
           log_level: str) -> None:
     """Mount the tree and serve it until SIGTERM or SIGINT."""
@@ -91,8 +99,8 @@ def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, s
     if dev_dir is None:
         dev_dir = "/dev" if gpus.strip() == "nvml" else default_dev_dir()
     cfg = Config(gpus=gpus, mount=mountpoint, state_dir=state_dir, admin_group=admin_group, socket=socket_path,
-                 dev_dir=dev_dir, rt_priority=rt_priority, slice_ms=slice_ms,
-                 placement=placement, mode=mode, mem_action=mem_action, mps_control=mps_control,
+                 dev_dir=dev_dir, rt_priority=rt_priority, slice_ms=slice_ms, queue_budget_ms=queue_budget_ms,
+                 switch=switch, placement=placement, mode=mode, mem_action=mem_action, mps_control=mps_control,
                  mps_pipe_dir=mps_pipe_dir, metrics_addr=metrics_addr, hook_path=hook_path,
                  libcgpu=libcgpu, compute=compute)
     try:

@@ -61,6 +61,8 @@ class Config:
     dev_dir: str | None = None
     rt_priority: int = 0
     slice_ms: float = 10.0
+    queue_budget_ms: float = 2.0  # gated instances: GPU work a process may queue ahead while it may be held
+    switch: str = "drain"  # the switcher opens the next gate once the drain is done, or at the closing (overlap)
     placement: str = "binpack"
     mode: str = "cgpu"
     schedule: bool = True
@@ -109,15 +111,21 @@ def load_node(cfg: Config) -> tuple[Node, Store]:
     return node, store
 
 
+def _params(cfg: Config) -> Params:
+    """The scheduler's parameters the flags name (StartError: one line saying which flag is wrong)."""
+    try:
+        return Params(slice=cfg.slice_ms / 1000.0, merge_runs=True, queue_budget=cfg.queue_budget_ms / 1000.0,
+                      overlap=cfg.switch == "overlap")
+    except ValueError as exc:
+        raise StartError(f"--slice-ms {cfg.slice_ms} --queue-budget-ms {cfg.queue_budget_ms}: {exc}") from None
+
+
 def _scheduling(node: Node, durable: Durable, cfg: Config, devices: list[str]):
     from cgpud.sched.scheduling import Scheduling
 
     if not devices:
         raise StartError("scheduling needs a device file per GPU: give --dev-dir")
-    try:
-        params = Params(slice=cfg.slice_ms / 1000.0, merge_runs=True)
-    except ValueError as exc:
-        raise StartError(f"--slice-ms {cfg.slice_ms}: {exc}") from None
+    params = _params(cfg)
     try:
         sched = Scheduling(node, cfg.state_dir, dict(enumerate(devices)), params)
     except RegistryError as exc:
@@ -306,10 +314,7 @@ def _check_flags(cfg: Config) -> None:
     """What the flags say, checked before anything is done (a refused start touches nothing)."""
     from cgpud.observe import exposition
 
-    try:
-        Params(slice=cfg.slice_ms / 1000.0, merge_runs=True)
-    except ValueError as exc:
-        raise StartError(f"--slice-ms {cfg.slice_ms}: {exc}") from None
+    _params(cfg)
     try:
         exposition.parse_addr(cfg.metrics_addr)
     except exposition.BadAddress as exc:
