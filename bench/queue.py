@@ -13,7 +13,8 @@ Work is the card's kernel time from its log (a kernel's time is its work: gridX 
 3. the pair at 1:2, policy 2: weight 1's share of the kernel time while both run (goal 0.333 ± 0.02),
    and the pair's work per second against 1's (goal >= 97 %); with the daemon's `--switch drain` (the
    next gate opens once the stopped one's queue is done) and `--switch overlap` (at the closing),
-   for the long kernels and for short ones (64 of 50 µs, then a synchronize).
+   `--switch ahead` (0.5 ms before the drain is expected to end), for the long kernels and for short
+   ones (64 of 50 µs, then a synchronize).
 4. high priority: a weight-1 instance runs 64 launches ahead; a --highprio instance starts a process
    now and then that launches one 1 ms kernel: launch -> its kernel starts on the card (goal <= 5 ms).
 
@@ -169,7 +170,7 @@ def main() -> None:
         short = alone_bare(tools, runs["bare"], a.seconds, SHORT_US, SHORT_BATCH)
         print(f"1. alone, no cgpud, {SHORT_BATCH} x {SHORT_US / 1000:g} ms: the card busy {short:.3f} of the time "
               f"(the short jobs' reference)", flush=True)
-        for switch in ("drain", "overlap"):
+        for switch in ("drain", "ahead", "overlap"):
             for kernel_us, batch, ref in ((KERNEL_US, BATCH, bare), (SHORT_US, SHORT_BATCH, short)):
                 share, work, note = pair(tools, lib, runs["pair"], a.seconds, tag, switch, kernel_us, batch)
                 print(f"3. the pair at 1:2, policy 2, --switch {switch}, {batch} x {kernel_us / 1000:g} ms: weight 1 got "

@@ -55,10 +55,10 @@ def main() -> None:
               envvar="CGPUD_QUEUE_BUDGET_MS",
               help="Gated instances: the GPU work a process may queue ahead, per stream, while the scheduler may "
                    "stop it (a closing's drain lasts about this long; docs/scheduler.md).")
-@click.option("--switch", type=click.Choice(["drain", "overlap"]), default="drain", show_default=True,
+@click.option("--switch", type=click.Choice(["drain", "ahead", "overlap"]), default="drain", show_default=True,
               envvar="CGPUD_SWITCH",
-              help="Gated instances: open the next gate once the stopped one's queued work is done, or at once "
-                   "(its tail drains meanwhile; docs/scheduler.md, \"Switches\").")
+              help="Gated instances: open the next gate once the stopped one's queued work is done, just before "
+                   "it is expected to be, or at the closing (docs/scheduler.md, \"Switches\").")
 @click.option("--placement", type=click.Choice(["binpack", "spread"]), default="binpack", show_default=True,
               envvar="CGPUD_PLACEMENT",
               help="How containers that name no GPU are placed: the fullest GPU that fits, or the emptiest.")

@@ -62,7 +62,7 @@ class Config:
     rt_priority: int = 0
     slice_ms: float = 10.0
     queue_budget_ms: float = 2.0  # gated instances: GPU work a process may queue ahead while it may be held
-    switch: str = "drain"  # the switcher opens the next gate once the drain is done, or at the closing (overlap)
+    switch: str = "drain"  # when the switcher opens the next gate: drain, ahead, overlap (docs/scheduler.md)
     placement: str = "binpack"
     mode: str = "cgpu"
     schedule: bool = True
@@ -115,7 +115,7 @@ def _params(cfg: Config) -> Params:
     """The scheduler's parameters the flags name (StartError: one line saying which flag is wrong)."""
     try:
         return Params(slice=cfg.slice_ms / 1000.0, merge_runs=True, queue_budget=cfg.queue_budget_ms / 1000.0,
-                      overlap=cfg.switch == "overlap")
+                      switch=cfg.switch)
     except ValueError as exc:
         raise StartError(f"--slice-ms {cfg.slice_ms} --queue-budget-ms {cfg.queue_budget_ms}: {exc}") from None
 

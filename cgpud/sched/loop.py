@@ -425,7 +425,7 @@ def schedulers_for(
     for g in node.gpus:
         sw = native.Switcher(g.index, p.max_slice, p.drain_cap) if switch else None
         if sw is not None:
-            sw.overlap(p.overlap)
+            sw.mode(p.switch, p.switch_lead)
         out.append(GpuScheduler(node, g.index, enforcer, activity, params=params, usage=usage,
                                 waiter=TimerFdWaiter() if precise else None, switcher=sw))
     return out

@@ -35,6 +35,7 @@ from typing import Sequence
 log = logging.getLogger("cgpud")
 
 NOTIFY = 1  # a step flag: the switcher says when the step starts
+SWITCHES = ("drain", "ahead", "overlap")  # when the next gate opens (Switcher.mode)
 # why a process was not waited for (Report.why, Page.give_up): cgpu-switch.c's reasons
 GAVE_UP = {1: "dead", 2: "stopped", 3: "alive but not answering", 4: "still draining at the cap"}
 NAME = "libcgpu-switch.so"
@@ -106,7 +107,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cg_page_give_up": (I, [P, I, I, VP, VP, I]), "cg_page_consume": (None, [P]),
         "cg_page_share": (None, [P, I, I, ctypes.c_uint32]),
         "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]),
-        "cg_sw_overlap": (None, [P, I]), "cg_sw_ack": (None, [P]),
+        "cg_sw_mode": (None, [P, I, ctypes.c_int64]), "cg_sw_ack": (None, [P]),
         "cg_sw_submit": (I, [P, ctypes.c_int32, I, ctypes.POINTER(P), ctypes.POINTER(ctypes.c_uint8), I,
                              ctypes.POINTER(Step)]),
         "cg_sw_cancel": (None, [P]), "cg_sw_idle": (I, [P]),
@@ -214,10 +215,11 @@ class Switcher:
     def fileno(self) -> int:
         return self._fd
 
-    def overlap(self, on: bool) -> None:
-        """Open the next gate at a closing (its launches queue while the stopped one's tail
-        drains), not once the drain is done (the default)."""
-        self._lib.cg_sw_overlap(self.handle, 1 if on else 0)
+    def mode(self, switch: str, lead: float = 0.0) -> None:
+        """When the next gate opens at a switch: "drain", once the stopped ones' queued work is
+        done (the default); "ahead", `lead` s before their drain is expected to end (the mean of
+        theirs); "overlap", at the closing (their tail drains meanwhile)."""
+        self._lib.cg_sw_mode(self.handle, SWITCHES.index(switch), int(lead * 1e9))
 
     def ack(self) -> None:
         self._lib.cg_sw_ack(self.handle)

@@ -115,15 +115,19 @@ class Params:
     queue_budget: float = 0.002
     drain_cap: float = 5.0
     unbound_after: float = 1.0  # an instance runs unbounded once it has had the GPU to itself this long
-    # The switcher opens the next gate at a closing, while the stopped instance's tail drains,
-    # rather than once it is done (docs/scheduler.md, "Switches").
-    overlap: bool = False
+    # When the switcher opens the next gate: "drain" (once the stopped instance's queued work is
+    # done), "ahead" (switch_lead before its drain is expected to end), "overlap" (at the closing;
+    # docs/scheduler.md, "Switches").
+    switch: str = "drain"
+    switch_lead: float = 0.0005
 
     def __post_init__(self) -> None:
         if not (self.slice > 0 and math.isfinite(self.slice)):
             raise ValueError(f"slice must be a positive number of seconds, not {self.slice!r}")
         if not (0 < self.queue_budget <= 1):
             raise ValueError(f"queue_budget must be more than 0 and at most 1 s, not {self.queue_budget!r}")
+        if self.switch not in ("drain", "ahead", "overlap"):
+            raise ValueError(f"switch must be drain, ahead or overlap, not {self.switch!r}")
         if not (self.drain_cap >= self.slice and math.isfinite(self.drain_cap)):
             raise ValueError(f"drain_cap ({self.drain_cap!r} s) must be at least a slice ({self.slice} s)")
         if not (self.window >= 2 * self.slice and math.isfinite(self.window)):

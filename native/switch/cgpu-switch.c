@@ -41,6 +41,7 @@
 #include "../libcgpu/cgpu_page.h"
 
 #define EXPORT __attribute__((visibility("default")))
+enum { SWITCH_DRAIN = 0, SWITCH_AHEAD = 1, SWITCH_OVERLAP = 2 };
 #define GATED_PER_GPU 2u
 
 static int64_t now_ns(void)
@@ -66,6 +67,7 @@ struct page {
     const struct cgpu_usage *use;
     int fifo, keep;              /* the drained FIFO: our read end, and a writer of our own */
     int usage_fd;                /* the usage file (its processes' locks: who is alive) */
+    int64_t drain_mean_ns;       /* how long its drains last (a running mean, for SWITCH_AHEAD) */
     int gpus[CGPU_MAX_GPUS];     /* the node GPU of each page GPU */
     int ngpus_known;             /* how many of gpus[] are known (0: none) */
     int drives;                  /* per-GPU gates driven one node GPU at a time */
@@ -451,7 +453,7 @@ struct report {
     /* its switch began (the step before it was due to end), its gate opened, it ended (0: not yet):
      * a step is in force from its start to the next one's start (its queued work drains meanwhile) */
     int64_t begin, start, end;
-    int64_t owned;              /* when the card was its own: its start, or (overlap) the drain before it done */
+    int64_t owned;              /* when the card was its own: its start, or (a gate opened ahead) the drain before it done */
     int64_t drained;            /* when its queued work was done (the next switch's closing answered;
                                  * its end when that closed nothing): what is charged to it ends here,
                                  * the rest of the switch (opening the next gate) is nobody's */
@@ -480,7 +482,8 @@ struct sw {
     pthread_mutex_t mu;
     int gpu;
     int64_t bound_ns, cap_ns;  /* a drain: who cannot answer is given up on after bound_ns; who drains, after cap_ns */
-    int overlap;               /* open the next gate at the closing, not once the drain is done */
+    int mode;                  /* when the next gate opens: SWITCH_DRAIN, SWITCH_AHEAD or SWITCH_OVERLAP */
+    int64_t lead_ns;           /* SWITCH_AHEAD: how long before the drain's expected end */
     int cmd;                  /* eventfd: the scheduler has something for the thread */
     int note;                 /* eventfd: the thread has something for the scheduler */
     struct batch *cur, *next; /* the batch being carried out, and the one after it */
@@ -530,7 +533,10 @@ static void sleep_or_cmd(struct sw *s, int64_t until)
  * draining: cg_page_give_up); a live process that drains is waited for on, up to the cap from
  * `begin` (then given up on too). Returns the first index given up on (-1: none), *why its reason,
  * and *longer how many times the bound passed while someone drained on. */
-static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, int64_t begin, int *why, int *longer)
+static void open_others(struct sw *s, struct batch *b, int run);
+
+static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, int64_t begin, int *why, int *longer,
+                        int64_t open_at, int run, int64_t *opened)
 {
     struct pollfd pf[CGPU_MAX_PROCS + 1];
     int idx[CGPU_MAX_PROCS];
@@ -551,6 +557,10 @@ static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, 
         if (!m)
             return late;
         int64_t now = now_ns();
+        if (!*opened && now >= open_at) {  /* (the next gate, ahead of the drain's end) */
+            open_others(s, b, run);
+            *opened = now = now_ns();
+        }
         if (now >= deadline) {
             int waiting = 0;
             for (int i = 0; i < m; i++) {
@@ -570,6 +580,8 @@ static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, 
         int64_t left = deadline - now;
         if (shared && left > 1000000)
             left = 1000000;  /* (look again every ms) */
+        if (!*opened && open_at - now < left)
+            left = open_at - now;
         pf[m] = (struct pollfd){.fd = s->cmd, .events = POLLIN};  /* (the daemon stopping) */
         struct timespec t = {(time_t)(left / 1000000000), (long)(left % 1000000000)};
         if (ppoll(pf, (nfds_t)m + 1, &t, NULL) > 0) {
@@ -632,19 +644,25 @@ static void run_step(struct sw *s, struct batch *b, int pos)
         pthread_mutex_unlock(&p->mu);
     }
     int gave_up = -1, why = 0, longer = 0;
-    int64_t drained = begin, start;
-    if (nclose && s->overlap) {
-        /* open the next gate now: its launches queue while the stopped ones' tails drain (the card
-         * time-slices between them meanwhile), then wait for the drain as below */
-        start = now_ns();
-        open_others(s, b, st->run);
-        gave_up = wait_drained(s, b, closing, nclose, begin, &why, &longer);
+    int64_t drained = begin, start = 0;
+    if (nclose) {  /* (also before an idle step: the work that runs on is the stopped ones', charged to them) */
+        pthread_mutex_lock(&s->mu);
+        int mode = s->mode;
+        int64_t lead = s->lead_ns, expect = 0;
+        pthread_mutex_unlock(&s->mu);
+        for (int i = 0; i < nclose; i++)
+            if (b->uni[closing[i]]->drain_mean_ns > expect)
+                expect = b->uni[closing[i]]->drain_mean_ns;
+        int64_t open_at = mode == SWITCH_OVERLAP ? begin
+                        : mode == SWITCH_AHEAD && expect ? begin + expect - lead : INT64_MAX;  /* (no mean yet: as drain) */
+        gave_up = wait_drained(s, b, closing, nclose, begin, &why, &longer, open_at, st->run, &start);
         drained = now_ns();
-    } else {
-        if (nclose) {  /* (also before an idle step: the work that runs on is the stopped ones', charged to them) */
-            gave_up = wait_drained(s, b, closing, nclose, begin, &why, &longer);
-            drained = now_ns();
+        for (int i = 0; i < nclose; i++) {  /* (a running mean, 1/4 weight) */
+            struct page *p = b->uni[closing[i]];
+            p->drain_mean_ns += (drained - begin - p->drain_mean_ns) / 4;
         }
+    }
+    if (!start) {
         /* The step starts now: a launcher woken on this CPU may run before this thread takes the time again. */
         start = now_ns();
         open_others(s, b, st->run);
@@ -768,7 +786,16 @@ EXPORT struct sw *cg_sw_new(int gpu, int64_t bound_ns, int64_t cap_ns)
 /* The descriptor that reads ready when the switcher has something to say (a step that asked
  * for it started, it ran out of steps, a cancel is done). cg_sw_ack empties it. */
 EXPORT int cg_sw_fd(struct sw *s) { return s->note; }
-EXPORT void cg_sw_overlap(struct sw *s, int on) { __atomic_store_n(&s->overlap, on, __ATOMIC_SEQ_CST); }
+/* When the next gate opens at a switch: SWITCH_DRAIN once the stopped ones' queued work is done;
+ * SWITCH_AHEAD `lead_ns` before their drain is expected to end (their running mean), so that the
+ * next one's first launches are queued as the tail ends; SWITCH_OVERLAP at the closing. */
+EXPORT void cg_sw_mode(struct sw *s, int mode, int64_t lead_ns)
+{
+    pthread_mutex_lock(&s->mu);
+    s->mode = mode;
+    s->lead_ns = lead_ns;
+    pthread_mutex_unlock(&s->mu);
+}
 EXPORT void cg_sw_ack(struct sw *s) { drain_fd(s->note); }
 
 static void poke(struct sw *s)
