@@ -595,6 +595,17 @@ static int bounded(void *stream, int ptsz)
     return ev.capturing(s, &status) == CU_OK && status == 0;  /* CU_STREAM_CAPTURE_STATUS_NONE */
 }
 
+/* Whether a launch on page GPU k may wait for its queue: not while its gate (or a gang's) is closed
+ * or a closing is being answered. Then it waits at the gate anyway, or must pass: a gang's
+ * collective half let through to its peer (catch_up) would otherwise wait behind a half that spins
+ * for it. */
+static int may_wait(int k)
+{
+    if (__atomic_load_n(&catch_up_open, __ATOMIC_SEQ_CST) || !(gate_value(k) & 1))
+        return 0;
+    return !ganged() || (gate_value(-1) & 1);
+}
+
 /* Whether page GPU k is shared now (one load; the container's gate, k -1: never). */
 static inline int shared_gpu(int k)
 {
@@ -612,7 +623,7 @@ static inline int shared_gpu(int k)
             return CU_LAUNCH_OUT_OF_RESOURCES;                  \
         int k_ = note_context();                                \
         int b_ = 0;                                             \
-        if (__builtin_expect(shared_gpu(k_), 0)) {              \
+        if (__builtin_expect(shared_gpu(k_), 0) && may_wait(k_)) { \
             in_driver++;  /* (before the gate: a closing does not wait for a thread waiting here) */ \
             if ((b_ = bounded((stream_), (ptsz_))))             \
                 queue_wait(known_ctx, (stream_), (ptsz_));      \

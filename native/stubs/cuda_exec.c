@@ -132,7 +132,20 @@ static uint64_t depth(void)
 /* ---- the shared file ---- */
 
 /* Map the card file (once per process; a forked child maps its own: flock is the open file's). */
+static int attach_locked(void);
+static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
 static int attach(void)
+{
+    if (__atomic_load_n(&cards, __ATOMIC_ACQUIRE) && mapped_by == getpid())
+        return 0;
+    /* (one thread at a time: two threads attaching at once each opened `fd`, and the first unlocked
+     * the second's, its own flock left held for ever: every launch after it blocked) */
+    pthread_mutex_lock(&attach_lock);
+    int r = attach_locked();
+    pthread_mutex_unlock(&attach_lock);
+    return r;
+}
+static int attach_locked(void)
 {
     if (cards && mapped_by == getpid())
         return 0;
@@ -175,11 +188,11 @@ static int attach(void)
         close(fd);
         return -1;
     }
-    cards = m;
-    mapped_by = getpid();
     if (getrandom(&me, sizeof me, 0) != sizeof me || !me)
         me = ((uint64_t)getpid() << 32) ^ now_ns() ^ (uint64_t)(uintptr_t)&me;
     log_fd = log && *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
+    mapped_by = getpid();
+    __atomic_store_n(&cards, (struct card *)m, __ATOMIC_RELEASE);  /* (last: the others' fast path) */
     return 0;
 }
 static void enter(void)
