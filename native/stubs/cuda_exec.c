@@ -132,7 +132,17 @@ static uint64_t depth(void)
 /* ---- the shared file ---- */
 
 /* Map the card file (once per process; a forked child maps its own: flock is the open file's). */
+static int attach_locked(void);
 static int attach(void)
+{
+    if (__atomic_load_n(&mapped_by, __ATOMIC_ACQUIRE) == getpid() && cards)
+        return 0;
+    pthread_mutex_lock(&lock);  /* (threads racing to the first call: one maps, the others wait) */
+    int r = attach_locked();
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+static int attach_locked(void)
 {
     if (cards && mapped_by == getpid())
         return 0;
@@ -176,10 +186,10 @@ static int attach(void)
         return -1;
     }
     cards = m;
-    mapped_by = getpid();
     if (getrandom(&me, sizeof me, 0) != sizeof me || !me)
         me = ((uint64_t)getpid() << 32) ^ now_ns() ^ (uint64_t)(uintptr_t)&me;
     log_fd = log && *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
+    __atomic_store_n(&mapped_by, getpid(), __ATOMIC_RELEASE);
     return 0;
 }
 static void enter(void)
