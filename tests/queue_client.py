@@ -106,17 +106,21 @@ int main(int argc, char **argv)
         }
     } else if (!strcmp(mode, "streams") && argc == 4) {
         /* prints: B done when A's synchronize returned (0/1); B done after cuCtxSynchronize (0/1);
-         * A's synchronize's return time */
-        void *a, *b;
+         * A's synchronize's return time; an event recorded into the legacy stream (NULL) after the
+         * launches: done at once (0/1), done when A's synchronize returned (0/1), at the end (0/1) */
+        void *a, *b, *legacy;
         screate(&a, 0);
         screate(&b, 0);
+        ecreate(&legacy, 0);
         for (int i = 0; i < 3; i++) launch((unsigned)atoi(argv[2]), a);
         launch((unsigned)atoi(argv[3]), b);
+        erecord(legacy, NULL);
+        int l0 = equery(legacy) == 0;
         ssync(a);
         long long t = now();
-        int b_then = squery(b) == 0;
+        int b_then = squery(b) == 0, l1 = equery(legacy) == 0;
         sync();
-        printf("%d\n%d\n%lld\n", b_then, squery(b) == 0, t);
+        printf("%d\n%d\n%lld\n%d\n%d\n%d\n", b_then, squery(b) == 0, t, l0, l1, equery(legacy) == 0);
     } else
         return 1;
     return 0;

@@ -112,12 +112,14 @@ def test_events_complete_in_order_as_their_stream_reaches_them(client, tmp_path)
 def test_a_stream_synchronize_waits_for_its_stream_and_a_context_synchronize_for_all(client, tmp_path):
     """3 kernels of 20 ms into stream A, then one of 300 ms into B: cuStreamSynchronize(A) returns
     as A's third kernel ends, B still running (cuStreamQuery: not ready); cuCtxSynchronize waits
-    for B too."""
+    for B too. An event recorded into the legacy stream after them completes after both (the
+    legacy stream waits for the blocking streams' work before it)."""
     out = run(client, tmp_path, "streams", "20000", "300000")
     ks = kernels(tmp_path / "kernels")
     assert [e - s for _, s, e in ks] == [20_000_000] * 3 + [300_000_000]
     assert out[:2] == ["0", "1"]
     assert ks[2][2] <= int(out[2]) < ks[3][2]
+    assert out[3:] == ["0", "0", "1"]
 
 
 def test_fast_launches_are_free_and_queue_nothing(client, tmp_path):

@@ -48,7 +48,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
-#include <sys/random.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -186,8 +185,10 @@ static int attach_locked(void)
         return -1;
     }
     cards = m;
-    if (getrandom(&me, sizeof me, 0) != sizeof me || !me)
+    int r = open("/dev/urandom", O_RDONLY | O_CLOEXEC);  /* (no getrandom: the stand-in builds for glibc 2.17 too) */
+    if (r < 0 || read(r, &me, sizeof me) != sizeof me || !me)
         me = ((uint64_t)getpid() << 32) ^ now_ns() ^ (uint64_t)(uintptr_t)&me;
+    if (r >= 0) close(r);
     log_fd = log && *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
     __atomic_store_n(&mapped_by, getpid(), __ATOMIC_RELEASE);
     return 0;
@@ -518,6 +519,14 @@ static int stream_of(struct ctx *c, uint64_t id)
     return (int)(id % NSTREAMS);
 }
 
+/* What a synchronize, a query or an event in `stream` waits for: the entries before this ticket.
+ * The legacy stream (NULL, CU_STREAM_LEGACY) waits for the work of every (blocking) stream
+ * launched before; another stream for its own. */
+static uint64_t ticket_of(struct ctx *c, const void *stream)
+{
+    return !stream || (uintptr_t)stream == 1 ? c->tail : c->streams[stream_of(c, stream_id(stream))].last;
+}
+
 /* Write this process's logged pieces to its log (outside the lock). */
 static void flush(void)
 {
@@ -641,7 +650,7 @@ CUresult stub_exec_sync(int dev, const void *stream, int all)
     if (attach()) return STUB_OK;
     enter();
     struct ctx *c = my_ctx(dev, 0);
-    uint64_t ticket = !c ? 0 : all ? c->tail : c->streams[stream_of(c, stream_id(stream))].last;
+    uint64_t ticket = !c ? 0 : all ? c->tail : ticket_of(c, stream);
     leave();
     if (ticket) wait_for(dev, ticket, -1);
     else flush();
@@ -655,7 +664,7 @@ int stub_exec_idle(int dev, const void *stream, int all)
     enter();
     advance(now_ns());
     struct ctx *c = my_ctx(dev, 0);
-    int idle = !c || c->head >= (all ? c->tail : c->streams[stream_of(c, stream_id(stream))].last);
+    int idle = !c || c->head >= (all ? c->tail : ticket_of(c, stream));
     leave();
     flush();
     return idle;
@@ -719,7 +728,7 @@ CUresult stub_exec_mark(struct stub_mark *m, int dev, const void *stream)
     enter();
     advance(t);
     struct ctx *c = my_ctx(dev, 0);
-    m->ticket = c ? c->streams[stream_of(c, stream_id(stream))].last : 0;
+    m->ticket = c ? ticket_of(c, stream) : 0;
     if (!resolve(m)) {
         pthread_mutex_lock(&marks_lock);
         if (npending == cap_pending) {
