@@ -165,7 +165,25 @@ def test_collective_halves_end_together_and_spin_at_most_a_neighbour_turn(client
     on = {d: [h for h in halves if h[3] == d] for d in (0, 1)}
     assert len(on[0]) == len(on[1]) > 100
     assert [h[2] for h in on[0]] == [h[2] for h in on[1]]  # each pair ends together
-    spins = [h[2] - h[1] - h[4] * 1000 for h in halves]
+    spins = [h[2] - h[1] - h[4] * 1000 for d in (0, 1) for h in on[d][1:]]  # (the first: as far apart as the
+    # ranks' first launches came)
     assert min(spins) >= 0 and max(spins) <= 1024_000 + 2 * 100_000 + 10_000, max(spins)
     assert max(spins) > 500_000  # (the neighbour did get turns on card 0 meanwhile)
     assert sum(e - s for _, s, e in kernels(tmp_path / "y")) == 200 * 3_000_000
+
+
+def test_the_log_is_whole_when_its_owner_does_not_call_for_long(client, tmp_path):
+    """A process queues 4,000 kernels of 100 µs and then makes no call (as one waiting at a closed
+    gate, or frozen) while another's work time-slices with them: more pieces than its record holds
+    wait for it, and the advancer writes them to its log; at its exit the log holds all 400 ms."""
+    e = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(client), "CGPU_STUB_QUEUE_DEPTH": "4000",
+         "CGPU_STUB_TIMESLICE_US": "150", "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"),
+         "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / "quiet")}
+    quiet = subprocess.Popen([os.fspath(client / "queue-client"), "queue", "4000", "100", "2"], env=e,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert quiet.stdout.readline().strip() == "queued"
+    run(client, tmp_path, "burst", "400", "1000", log="busy", CGPU_STUB_TIMESLICE_US="150")
+    _, err = quiet.communicate(timeout=60)
+    assert quiet.returncode == 0 and "not logged" not in err, err
+    pieces = kernels(tmp_path / "quiet")
+    assert len(pieces) > 4096 and sum(e - s for _, s, e in pieces) == 4000 * 100_000, len(pieces)
