@@ -14,6 +14,7 @@ SOURCE = r"""
  *   loop SECONDS US K  K launches then cuCtxSynchronize, again and again (a PyTorch-like loop that runs ahead):
  *                      prints "started", then the launches made
  *   one US             one launch and a synchronize: prints "pid launch_ns" (taken just before the launch)
+ *   queue N US SECONDS N launches, then no call into the driver for SECONDS (its exit waits for its queue)
  *   events N US        a kernel then an event, N times, into a stream of its own (see test_stub_executor)
  *   streams US_A US_B  3 kernels into stream A, then 1 into B (see test_stub_executor) */
 #include <dlfcn.h>
@@ -73,6 +74,11 @@ int main(int argc, char **argv)
             sync();
         }
         printf("%lld\n", n);
+    } else if (!strcmp(mode, "queue") && argc == 5) {  /* queue N US SECONDS: N launches, then no call for SECONDS */
+        for (int i = 0; i < atoi(argv[2]); i++) launch((unsigned)atoi(argv[3]), NULL);
+        printf("queued\n");
+        fflush(stdout);
+        usleep((useconds_t)(atof(argv[4]) * 1e6));
     } else if (!strcmp(mode, "one") && argc == 3) {
         long long t = now();
         launch((unsigned)atoi(argv[2]), NULL);
@@ -106,17 +112,21 @@ int main(int argc, char **argv)
         }
     } else if (!strcmp(mode, "streams") && argc == 4) {
         /* prints: B done when A's synchronize returned (0/1); B done after cuCtxSynchronize (0/1);
-         * A's synchronize's return time */
-        void *a, *b;
+         * A's synchronize's return time; an event recorded into the legacy stream (NULL) after the
+         * launches: done at once (0/1), done when A's synchronize returned (0/1), at the end (0/1) */
+        void *a, *b, *legacy;
         screate(&a, 0);
         screate(&b, 0);
+        ecreate(&legacy, 0);
         for (int i = 0; i < 3; i++) launch((unsigned)atoi(argv[2]), a);
         launch((unsigned)atoi(argv[3]), b);
+        erecord(legacy, NULL);
+        int l0 = equery(legacy) == 0;
         ssync(a);
         long long t = now();
-        int b_then = squery(b) == 0;
+        int b_then = squery(b) == 0, l1 = equery(legacy) == 0;
         sync();
-        printf("%d\n%d\n%lld\n", b_then, squery(b) == 0, t);
+        printf("%d\n%d\n%lld\n%d\n%d\n%d\n", b_then, squery(b) == 0, t, l0, l1, equery(legacy) == 0);
     } else
         return 1;
     return 0;

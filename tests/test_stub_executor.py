@@ -112,12 +112,14 @@ def test_events_complete_in_order_as_their_stream_reaches_them(client, tmp_path)
 def test_a_stream_synchronize_waits_for_its_stream_and_a_context_synchronize_for_all(client, tmp_path):
     """3 kernels of 20 ms into stream A, then one of 300 ms into B: cuStreamSynchronize(A) returns
     as A's third kernel ends, B still running (cuStreamQuery: not ready); cuCtxSynchronize waits
-    for B too."""
+    for B too. An event recorded into the legacy stream after them completes after both (the
+    legacy stream waits for the blocking streams' work before it)."""
     out = run(client, tmp_path, "streams", "20000", "300000")
     ks = kernels(tmp_path / "kernels")
     assert [e - s for _, s, e in ks] == [20_000_000] * 3 + [300_000_000]
     assert out[:2] == ["0", "1"]
     assert ks[2][2] <= int(out[2]) < ks[3][2]
+    assert out[3:] == ["0", "0", "1"]
 
 
 def test_fast_launches_are_free_and_queue_nothing(client, tmp_path):
@@ -141,3 +143,47 @@ def test_a_killed_process_queue_is_dropped_as_its_context_is_torn_down(client, t
     run(client, tmp_path, "burst", "5", "1000", log="next")
     ks = kernels(tmp_path / "next")
     assert len(ks) == 5 and ks[0][1] - killed < 500_000_000, (ks[0][1] - killed) / 1e9  # (its queue: 1.7 s more)
+
+
+def test_collective_halves_end_together_and_spin_at_most_a_neighbour_turn(client, tmp_path):
+    """CGPU_STUB_COLLECTIVE=1 on cards 0 and 1 (test_gang's client: a thread per card), a process of
+    plain kernels beside it on card 0: each half ends with its peer, and a half spins (holds its card
+    waiting for its peer) at most the neighbour's turn on card 0: a switch, a timeslice, a switch."""
+    from test_gang import COLLECTIVE
+    (client / "collective.c").write_text(COLLECTIVE)
+    subprocess.run(["gcc", "-O2", "-o", os.fspath(client / "collective"), os.fspath(client / "collective.c"), "-ldl",
+                    "-lpthread"], check=True)
+    e = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(client), "CGPU_STUB_CUDA_DEVICES": "2",
+         "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card")}
+    beside = subprocess.Popen([os.fspath(client / "queue-client"), "burst", "200", "3000"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**e, "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / "y")})
+    gang = subprocess.run([os.fspath(client / "collective"), "0.5", "2000"], capture_output=True, text=True, timeout=60,
+                          env={**e, "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / "x"), "CGPU_STUB_COLLECTIVE": "1"})
+    assert gang.returncode == 0, gang.stderr
+    beside.communicate(timeout=60)
+    halves = [list(map(int, line.split())) for line in (tmp_path / "x").read_text().splitlines()]
+    on = {d: [h for h in halves if h[3] == d] for d in (0, 1)}
+    assert len(on[0]) == len(on[1]) > 100
+    assert [h[2] for h in on[0]] == [h[2] for h in on[1]]  # each pair ends together
+    spins = [h[2] - h[1] - h[4] * 1000 for d in (0, 1) for h in on[d][1:]]  # (the first: as far apart as the
+    # ranks' first launches came)
+    assert min(spins) >= 0 and max(spins) <= 1024_000 + 2 * 100_000 + 10_000, max(spins)
+    assert max(spins) > 500_000  # (the neighbour did get turns on card 0 meanwhile)
+    assert sum(e - s for _, s, e in kernels(tmp_path / "y")) == 200 * 3_000_000
+
+
+def test_the_log_is_whole_when_its_owner_does_not_call_for_long(client, tmp_path):
+    """A process queues 4,000 kernels of 100 µs and then makes no call (as one waiting at a closed
+    gate, or frozen) while another's work time-slices with them: more pieces than its record holds
+    wait for it, and the advancer writes them to its log; at its exit the log holds all 400 ms."""
+    e = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(client), "CGPU_STUB_QUEUE_DEPTH": "4000",
+         "CGPU_STUB_TIMESLICE_US": "150", "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"),
+         "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / "quiet")}
+    quiet = subprocess.Popen([os.fspath(client / "queue-client"), "queue", "4000", "100", "2"], env=e,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert quiet.stdout.readline().strip() == "queued"
+    run(client, tmp_path, "burst", "400", "1000", log="busy", CGPU_STUB_TIMESLICE_US="150")
+    _, err = quiet.communicate(timeout=60)
+    assert quiet.returncode == 0 and "not logged" not in err, err
+    pieces = kernels(tmp_path / "quiet")
+    assert len(pieces) > 4096 and sum(e - s for _, s, e in pieces) == 4000 * 100_000, len(pieces)

@@ -48,7 +48,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
-#include <sys/random.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -75,6 +74,8 @@ struct ctx {
     uint64_t left;         /* ns the head entry has left once it started (0: not started; NEVER: a half spinning) */
     uint64_t coll_enq, coll_start, checked;
     uint64_t piece_w, piece_r, lost;
+    int32_t pid, pad2;     /* the owner's pid (as it sees it: its log's lines say so) */
+    char log[240];         /* the owner's log (CGPU_STUB_CUDA_LOG), for when its pieces overflow */
     struct sstream streams[NSTREAMS];
 };
 /* A context's queue and its pieces, after the cards (the records above stay on a few pages) */
@@ -133,16 +134,13 @@ static uint64_t depth(void)
 
 /* Map the card file (once per process; a forked child maps its own: flock is the open file's). */
 static int attach_locked(void);
-static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
 static int attach(void)
 {
-    if (__atomic_load_n(&cards, __ATOMIC_ACQUIRE) && mapped_by == getpid())
+    if (__atomic_load_n(&mapped_by, __ATOMIC_ACQUIRE) == getpid() && cards)
         return 0;
-    /* (one thread at a time: two threads attaching at once each opened `fd`, and the first unlocked
-     * the second's, its own flock left held for ever: every launch after it blocked) */
-    pthread_mutex_lock(&attach_lock);
+    pthread_mutex_lock(&lock);  /* (threads racing to the first call: one maps, the others wait) */
     int r = attach_locked();
-    pthread_mutex_unlock(&attach_lock);
+    pthread_mutex_unlock(&lock);
     return r;
 }
 static int attach_locked(void)
@@ -188,11 +186,13 @@ static int attach_locked(void)
         close(fd);
         return -1;
     }
-    if (getrandom(&me, sizeof me, 0) != sizeof me || !me)
+    cards = m;
+    int r = open("/dev/urandom", O_RDONLY | O_CLOEXEC);  /* (no getrandom: the stand-in builds for glibc 2.17 too) */
+    if (r < 0 || read(r, &me, sizeof me) != sizeof me || !me)
         me = ((uint64_t)getpid() << 32) ^ now_ns() ^ (uint64_t)(uintptr_t)&me;
+    if (r >= 0) close(r);
     log_fd = log && *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
-    mapped_by = getpid();
-    __atomic_store_n(&cards, (struct card *)m, __ATOMIC_RELEASE);  /* (last: the others' fast path) */
+    __atomic_store_n(&mapped_by, getpid(), __ATOMIC_RELEASE);
     return 0;
 }
 static void enter(void)
@@ -218,8 +218,37 @@ static struct entry *entry_of(const struct ctx *c, uint64_t seq) { return &bulk_
 static struct entry *head_entry(const struct ctx *c) { return entry_of(c, c->head); }
 static int has_work(const struct card *k, int i) { return k->busy >> i & 1; }
 
+/* As many of c's logged pieces as fit in buf, as log lines (taken from its record). */
+static size_t take_lines(struct ctx *c, char *buf, size_t cap)
+{
+    size_t len = 0;
+    while (c->piece_r < c->piece_w && len + 100 < cap) {
+        struct piece *p = &bulk_of(c)->pieces[c->piece_r++ % NPIECES];
+        len += (size_t)(p->coll ? snprintf(buf + len, cap - len, "%d %llu %llu %d %llu\n", c->pid,
+                                           (unsigned long long)p->start, (unsigned long long)p->end, p->dev,
+                                           (unsigned long long)p->us)
+                                : snprintf(buf + len, cap - len, "%d %llu %llu\n", c->pid,
+                                           (unsigned long long)p->start, (unsigned long long)p->end));
+    }
+    return len;
+}
+
+/* c's record of pieces is full (its owner has not called for a long time: waiting at a gate, or
+ * frozen): the advancer writes them to the owner's log itself, where it can open it. */
+static void spill(struct ctx *c)
+{
+    int f = c->log[0] ? open(c->log, O_WRONLY | O_APPEND | O_CLOEXEC) : -1;
+    char buf[8192];
+    size_t len;
+    while (f >= 0 && (len = take_lines(c, buf, sizeof buf)))
+        if (write(f, buf, len) < 0) break;
+    if (f >= 0) close(f);
+}
+
 static void add_piece(struct ctx *c, uint64_t start, uint64_t end, int dev, uint64_t us, int coll)
 {
+    if (c->piece_w - c->piece_r >= NPIECES)
+        spill(c);
     if (c->piece_w - c->piece_r >= NPIECES) {
         c->lost++;
         return;
@@ -489,6 +518,9 @@ static struct ctx *my_ctx(int dev, int make)
     uint64_t seq = c->tail;  /* (sequence numbers go on: a stale event of another never matches) */
     memset(c, 0, sizeof *c);
     c->owner = me;
+    c->pid = (int32_t)getpid();
+    const char *log = getenv("CGPU_STUB_CUDA_LOG");
+    if (log && strlen(log) < sizeof c->log) strcpy(c->log, log);
     c->head = c->tail = seq;
     c->checked = now_ns();
     ctx_at[dev] = free_at;
@@ -521,6 +553,14 @@ static int stream_of(struct ctx *c, uint64_t id)
     return (int)(id % NSTREAMS);
 }
 
+/* What a synchronize, a query or an event in `stream` waits for: the entries before this ticket.
+ * The legacy stream (NULL, CU_STREAM_LEGACY) waits for the work of every (blocking) stream
+ * launched before; another stream for its own. */
+static uint64_t ticket_of(struct ctx *c, const void *stream)
+{
+    return !stream || (uintptr_t)stream == 1 ? c->tail : c->streams[stream_of(c, stream_id(stream))].last;
+}
+
 /* Write this process's logged pieces to its log (outside the lock). */
 static void flush(void)
 {
@@ -532,17 +572,9 @@ static void flush(void)
                           == __atomic_load_n(&cards[d].ctx[at].piece_r, __ATOMIC_RELAXED))
             continue;  /* (nothing to write: no lock taken) */
         for (;;) {
-            size_t len = 0;
             enter();
             struct ctx *c = my_ctx(d, 0);
-            while (c && c->piece_r < c->piece_w && len + 100 < sizeof buf) {
-                struct piece *p = &bulk_of(c)->pieces[c->piece_r++ % NPIECES];
-                len += (size_t)(p->coll ? snprintf(buf + len, sizeof buf - len, "%d %llu %llu %d %llu\n", (int)getpid(),
-                                                   (unsigned long long)p->start, (unsigned long long)p->end, p->dev,
-                                                   (unsigned long long)p->us)
-                                        : snprintf(buf + len, sizeof buf - len, "%d %llu %llu\n", (int)getpid(),
-                                                   (unsigned long long)p->start, (unsigned long long)p->end));
-            }
+            size_t len = c ? take_lines(c, buf, sizeof buf) : 0;
             leave();
             if (!len) break;
             if (write(log_fd, buf, len) < 0) break;  /* (a log, best effort) */
@@ -644,7 +676,7 @@ CUresult stub_exec_sync(int dev, const void *stream, int all)
     if (attach()) return STUB_OK;
     enter();
     struct ctx *c = my_ctx(dev, 0);
-    uint64_t ticket = !c ? 0 : all ? c->tail : c->streams[stream_of(c, stream_id(stream))].last;
+    uint64_t ticket = !c ? 0 : all ? c->tail : ticket_of(c, stream);
     leave();
     if (ticket) wait_for(dev, ticket, -1);
     else flush();
@@ -658,7 +690,7 @@ int stub_exec_idle(int dev, const void *stream, int all)
     enter();
     advance(now_ns());
     struct ctx *c = my_ctx(dev, 0);
-    int idle = !c || c->head >= (all ? c->tail : c->streams[stream_of(c, stream_id(stream))].last);
+    int idle = !c || c->head >= (all ? c->tail : ticket_of(c, stream));
     leave();
     flush();
     return idle;
@@ -722,7 +754,7 @@ CUresult stub_exec_mark(struct stub_mark *m, int dev, const void *stream)
     enter();
     advance(t);
     struct ctx *c = my_ctx(dev, 0);
-    m->ticket = c ? c->streams[stream_of(c, stream_id(stream))].last : 0;
+    m->ticket = c ? ticket_of(c, stream) : 0;
     if (!resolve(m)) {
         pthread_mutex_lock(&marks_lock);
         if (npending == cap_pending) {
@@ -787,6 +819,9 @@ __attribute__((destructor)) static void at_exit(void)
     enter();
     for (int d = 0; d < NCARDS; d++) {
         struct ctx *c = my_ctx(d, 0);
+        if (c && c->lost)
+            fprintf(stderr, "stand-in libcuda: %llu pieces of kernels on card %d not logged (CGPU_STUB_CUDA_LOG: "
+                            "its record full, the log not reachable)\n", (unsigned long long)c->lost, d);
         if (c && c->head == c->tail) c->owner = 0;
     }
     leave();
