@@ -606,10 +606,15 @@ static int may_wait(int k)
     return !ganged() || (gate_value(-1) & 1);
 }
 
-/* Whether page GPU k is shared now (one load; the container's gate, k -1: never). */
+/* Whether launches on page GPU k are bounded now: it is shared, or (a gang: its launches anywhere run
+ * only while all its gates are open) any GPU the process launches on is. One load when none is.
+ * (The container's gate, k -1: never.) */
 static inline int shared_gpu(int k)
 {
-    return k >= 0 && per_gpu && (__atomic_load_n(&limits->shared, __ATOMIC_RELAXED) >> k & 1);
+    uint32_t sh = k >= 0 && per_gpu ? __atomic_load_n(&limits->shared, __ATOMIC_RELAXED) : 0;
+    if (__builtin_expect(!sh, 1))
+        return 0;
+    return (sh >> k & 1) || (ganged() && (sh & __atomic_load_n(&mine->gpus, __ATOMIC_RELAXED) & ~CGPU_PROC_DRAINING));
 }
 
 /* A launch into `stream_` (`ptsz_`: a per-thread-default-stream form) through the gate of its
