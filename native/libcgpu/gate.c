@@ -424,6 +424,7 @@ struct squeue {
     uint32_t unrecorded;        /* launches since the last event */
     int64_t per_launch;         /* mean GPU ns per launch (0: not known yet) */
     int64_t seen;               /* the last completion observed (a lower bound of it) */
+    int64_t last_record;        /* when the last event was recorded */
     int used;
 };
 static struct squeue queues[QUEUE_STREAMS];
@@ -566,18 +567,23 @@ static void queue_note(CUcontext c, void *stream, int ptsz)
         return;
     }
     q->unrecorded++;
-    /* (about 16 events per budget: each covers at least 1/16 of it once the mean is known) */
-    int64_t want = q->per_launch ? (int64_t)budget_ns() / 16 / q->per_launch : 1;
-    if (q->unrecorded < (want < 1 ? 1 : want > 64 ? 64 : want) || q->head - q->tail >= QUEUE_RING) {
+    /* About 16 events per budget: every `want` launches once the mean is known (each covering 1/16
+     * of the budget), and at least every 1/16 of the budget in time (until the mean is known, and
+     * for a card that keeps up with the launches: they never wait, so it is never measured). */
+    int64_t tick = (int64_t)budget_ns() / 16, now = mono_ns();
+    int64_t want = q->per_launch ? tick / q->per_launch : 64;
+    want = want < 1 ? 1 : want > 64 ? 64 : want;
+    if ((q->unrecorded < want && now - q->last_record < tick) || q->head - q->tail >= QUEUE_RING) {
         pthread_mutex_unlock(&queue_lock);
         return;
     }
+    q->last_record = now;
     struct pending *p = &q->ring[q->head % QUEUE_RING];
     if (!p->event && ev.create(&p->event, 2 /* CU_EVENT_DISABLE_TIMING */) != CU_OK)
         p->event = NULL;
     if (p->event && ev.record(p->event, q->stream) == CU_OK) {
         p->launches = q->unrecorded;
-        p->recorded = mono_ns();
+        p->recorded = now;
         q->unrecorded = 0;
         q->head++;
     }
