@@ -60,7 +60,7 @@ class NativeSwitching:
     decision: Decision | None
     _enforcer: Any
     _frozen: set[str]
-    # and its _view(), _basis(), _publish() and _share()
+    # and its _view(), _basis() and _publish()
 
     def _native_poke(self) -> bool:
         """Poked while the switcher runs: wake the planner (True), else False."""
@@ -200,7 +200,6 @@ class NativeSwitching:
                 if cur is not None and (b := started(cur.batch, cur.step)) is not None and cur.step < len(b.steps):
                     self.decision = b.steps[cur.step].decision
                 self._publish(trio.current_time())
-                self._share(view)  # (an instance alone long enough runs unbounded from now on)
                 at_last = cur is not None and (cur.batch, cur.step) == self._native_last
                 if not (at_last or self._native_poked):
                     continue

@@ -108,13 +108,12 @@ class Params:
     # and switches, far fewer wake-ups. Settings changes still apply at once
     # (the daemon wakes its schedulers on every change).
     merge_runs: bool = False
-    # Gated instances (libcgpu): while another instance is active on the GPU, a process keeps at
-    # most this much GPU work (s) queued ahead per stream, so a closing's drain lasts about this
-    # long (docs/scheduler.md, "Queued work"). A drain is waited for as long as the process is
+    # Gated instances (libcgpu): under a controlled policy a process keeps at most this much GPU
+    # work (s) queued ahead per stream, so a closing's drain lasts about this long
+    # (docs/scheduler.md, "Queued work"). A drain is waited for as long as the process is
     # alive and draining, up to drain_cap (s).
     queue_budget: float = 0.002
     drain_cap: float = 5.0
-    unbound_after: float = 1.0  # an instance runs unbounded once it has had the GPU to itself this long
     # When the switcher opens the next gate: "drain" (once the stopped instance's queued work is
     # done), "ahead" (switch_lead before its drain is expected to end), "overlap" (at the closing;
     # docs/scheduler.md, "Switches").
@@ -574,33 +573,6 @@ class Planner:
                     continue
                 amount = usage.get(name, 0.0) if usage is not None else ran / len(act)
                 w.add(start, end, amount)
-
-
-def may_hold(view: GpuView, name: str) -> bool:
-    """Whether the planner may hold `name` stopped while it is active under
-    this view: another eligible instance is active, or its policy leaves
-    part of the time to others or to nobody even when it is the only one
-    active (the slots of idle holders under 2, the waste of 0 and 3, the
-    high-priority cap). False under policy 5, and for an instance that has
-    the GPU all the time (alone under 1 and 4, or under 2 with no other
-    eligible instance): what is held needs its queued work bounded, what is
-    not must run at full speed (docs/scheduler.md, "Queued work")."""
-    if view.policy == NATIVE:
-        return False
-    inst = next((i for i in view.instances if i.name == name), None)
-    if inst is None or inst.weight == 0:
-        return inst is not None
-    others = [i for i in view.instances if i.name != name and i.weight > 0]
-    if any(i.active for i in others):
-        return True
-    normal = [i for i in others if not i.highprio]
-    if view.policy in (PREEMPTIVE, WEAK):
-        return False  # (alone: the whole ring; high priority alone fills what the capped group leaves)
-    if view.policy == WEIGHTED:
-        return bool(normal)  # (idle holders keep their slots; high priority alone is capped while they hold)
-    if view.policy == FAIR:
-        return bool(normal) or view.max_inst > 1 or inst.highprio
-    return bool(normal) or inst.weight < view.max_inst or inst.highprio  # FIXED
 
 
 def entitled_share(view: GpuView, name: str) -> float:

@@ -191,15 +191,20 @@ static int relax_capture_mode(void)
     return -1;
 }
 
-/* Finish the work queued on page GPU `k` (all of it for -1): once no launch there is in
- * flight, synchronize the contexts of that GPU. */
+static int drain_queues(int k);  /* (with the queues, below) */
+
+/* Finish the work queued on page GPU `k` (all of it for -1): once no launch there is in flight,
+ * wait for each stream's last event (the queues, below), then synchronize the contexts of that GPU
+ * — unless a stream may be capturing: synchronizing a context that holds a capturing stream waits
+ * on it, which the driver refuses in every capture mode and which invalidates the capture. */
 static void drain(int k)
 {
     while (__atomic_load_n(&launching[1 + k], __ATOMIC_SEQ_CST))
         sched_yield();  /* a launch that passed the gate before it closed: a few µs */
     pthread_mutex_lock(&ctx_lock);
     in_driver++;
-    for (int i = 0; i < nctxs && real.ctx_push && real.ctx_pop && real.ctx_sync; i++) {
+    int captures = drain_queues(k);
+    for (int i = 0; i < nctxs && !captures && real.ctx_push && real.ctx_pop && real.ctx_sync; i++) {
         CUcontext prev;
         if ((k < 0 || ctx_gpu[i] == k) && real.ctx_push(ctxs[i]) == CU_OK) {
             real.ctx_sync();
@@ -410,6 +415,7 @@ static struct {
     exchange_fn exchange;
 } ev;
 static pthread_once_t ev_once = PTHREAD_ONCE_INIT;
+static int queue_ready(void);
 struct pending {
     void *event;
     uint32_t launches;  /* the launches it covers */
@@ -424,12 +430,12 @@ struct squeue {
     uint32_t unrecorded;        /* launches since the last event */
     int64_t per_launch;         /* mean GPU ns per launch (0: not known yet) */
     int64_t seen;               /* the last completion observed (a lower bound of it) */
-    int64_t last_record;        /* when the last event was recorded */
+    int64_t stride;             /* launches an event covers while the mean is not known */
     int used;
 };
 static struct squeue queues[QUEUE_STREAMS];
 static pthread_mutex_t queue_lock = PTHREAD_MUTEX_INITIALIZER;
-static unsigned long waits_total;  /* launches that waited (for tests: CGPU_QUEUE_TRACE) */
+static int64_t capture_seen = -1000000000000ll;  /* when a launch into a capturing stream was last seen */
 
 static void ev_load(void)
 {
@@ -448,9 +454,21 @@ static uint32_t budget_ns(void)
     return (us ? us : CGPU_QUEUE_BUDGET_US_DEFAULT) * 1000u;
 }
 
+static __thread long my_tid;  /* (0 in a forked child's thread until asked) */
 static long thread_id(void)
 {
-    return (long)syscall(SYS_gettid);
+    if (!my_tid)
+        my_tid = (long)syscall(SYS_gettid);
+    return my_tid;
+}
+
+/* Whether `stream` (`ptsz`: a per-thread form's NULL) is capturing now; an error counts as capturing
+ * (then nothing is recorded into it nor waited for). cuStreamIsCapturing is legal in every mode. */
+static int capturing(void *stream, int ptsz)
+{
+    int status = 0;
+    void *s = stream ? stream : ptsz ? STREAM_PER_THREAD : NULL;
+    return !ev.capturing || ev.capturing(s, &status) != CU_OK || status != 0;  /* 0: CU_STREAM_CAPTURE_STATUS_NONE */
 }
 
 /* The queue of (context, stream) (queue_lock held); NULL when none is free (not bounded then). */
@@ -526,14 +544,75 @@ static void completed(struct squeue *q, int64_t done)
     q->tail++;
 }
 
+/* The page GPU of context c (ctx_lock held), -2 if it is not known. */
+static int gpu_of_ctx(CUcontext c)
+{
+    for (int i = 0; i < nctxs; i++)
+        if (ctxs[i] == c)
+            return ctx_gpu[i];
+    return -2;
+}
+
+/* The drain's part (ctx_lock held, in the helper thread, relaxed capture mode): on page GPU k (-1:
+ * all), record an event after the launches not yet covered in every stream that is not capturing
+ * and has a handle of its own, and wait for each stream's last event. Returns whether a stream may
+ * be capturing now (one of ours says so, or a launch into a capturing stream was seen in the last
+ * second): then the caller does not synchronize the context. */
+static int drain_queues(int k)
+{
+    if (!queue_ready())
+        return 0;
+    struct { struct squeue *q; void *event; unsigned upto; } last[QUEUE_STREAMS];
+    int n = 0, captures = mono_ns() - __atomic_load_n(&capture_seen, __ATOMIC_RELAXED) < 1000000000ll;
+    pthread_mutex_lock(&queue_lock);
+    for (int i = 0; i < QUEUE_STREAMS; i++) {
+        struct squeue *q = &queues[i];
+        if (!q->used || (k >= 0 && gpu_of_ctx(q->ctx) != k))
+            continue;
+        if (q->stream && q->stream != STREAM_PER_THREAD) {  /* (the legacy and per-thread streams: only their owners') */
+            int st = 0;
+            if (ev.capturing(q->stream, &st) != CU_OK || st) {
+                captures = 1;
+                continue;
+            }
+            struct pending *p = &q->ring[q->head % QUEUE_RING];
+            CUcontext prev;
+            if (q->unrecorded && q->head - q->tail < QUEUE_RING && real.ctx_push && real.ctx_push(q->ctx) == CU_OK) {
+                if ((p->event || ev.create(&p->event, 2) == CU_OK) && ev.record(p->event, q->stream) == CU_OK) {
+                    p->launches = q->unrecorded;
+                    p->recorded = mono_ns();
+                    q->unrecorded = 0;
+                    q->head++;
+                }
+                real.ctx_pop(&prev);
+            }
+        }
+        if (q->head != q->tail)
+            last[n++] = (typeof(last[0])){q, q->ring[(q->head - 1) % QUEUE_RING].event, q->head};
+    }
+    pthread_mutex_unlock(&queue_lock);
+    for (int i = 0; i < n; i++)
+        ev.sync(last[i].event);  /* (an event recorded outside any capture: legal in relaxed mode) */
+    pthread_mutex_lock(&queue_lock);
+    for (int i = 0; i < n; i++)
+        while (last[i].q->used && last[i].q->tail - last[i].upto >= 0x80000000u)  /* tail before upto */
+            completed(last[i].q, 0);
+    pthread_mutex_unlock(&queue_lock);
+    return captures;
+}
+
 /* Before a launch into `stream` of context `c` on a shared GPU: wait while its queue is over the budget. */
 static void queue_wait(CUcontext c, void *stream, int ptsz)
 {
     int64_t budget = budget_ns();
-    int waited = 0;
     pthread_mutex_lock(&queue_lock);
     struct squeue *q = queue_of(c, stream, ptsz);
+    int checked = 0;
     while (q && over_budget(q, budget)) {
+        if (!checked++ && capturing(stream, ptsz)) {
+            __atomic_store_n(&capture_seen, mono_ns(), __ATOMIC_RELAXED);
+            break;  /* (its launches are recorded into a graph, not queued: nothing to wait for) */
+        }
         unsigned t = q->tail;
         void *e = q->ring[t % QUEUE_RING].event;
         pthread_mutex_unlock(&queue_lock);
@@ -544,7 +623,6 @@ static void queue_wait(CUcontext c, void *stream, int ptsz)
         if (r == 600) {  /* CUDA_ERROR_NOT_READY: wait for it; its completion measures the stream */
             r = ev.sync(e);
             done = r == CU_OK ? mono_ns() : 0;
-            waited = 1;
         }
         if (relaxed)
             ev.exchange(&mode);
@@ -552,8 +630,6 @@ static void queue_wait(CUcontext c, void *stream, int ptsz)
         if (q->tail == t && q->used)  /* (another thread may have counted it meanwhile) */
             completed(q, done);
     }
-    if (waited)
-        waits_total++;
     pthread_mutex_unlock(&queue_lock);
 }
 
@@ -568,16 +644,31 @@ static void queue_note(CUcontext c, void *stream, int ptsz)
     }
     q->unrecorded++;
     /* About 16 events per budget: every `want` launches once the mean is known (each covering 1/16
-     * of the budget), and at least every 1/16 of the budget in time (until the mean is known, and
-     * for a card that keeps up with the launches: they never wait, so it is never measured). */
+     * of the budget). Until then every `stride` launches: 1, doubled each time the event before is
+     * found complete already (a card that keeps up with the launches: they never wait, so the mean
+     * is never measured), halved when it is not. */
     int64_t tick = (int64_t)budget_ns() / 16, now = mono_ns();
-    int64_t want = q->per_launch ? tick / q->per_launch : 64;
+    int64_t want = q->per_launch ? tick / q->per_launch : q->stride ? q->stride : 1;
     want = want < 1 ? 1 : want > 64 ? 64 : want;
-    if ((q->unrecorded < want && now - q->last_record < tick) || q->head - q->tail >= QUEUE_RING) {
+    if (q->unrecorded < want || q->head - q->tail >= QUEUE_RING) {
         pthread_mutex_unlock(&queue_lock);
         return;
     }
-    q->last_record = now;
+    if (!q->per_launch && q->head != q->tail) {
+        int mode = 2, relaxed = ev.exchange && ev.exchange(&mode) == CU_OK;
+        int done = ev.query(q->ring[(q->head - 1) % QUEUE_RING].event) != 600;
+        if (relaxed)
+            ev.exchange(&mode);
+        q->stride = done ? (q->stride < 32 ? q->stride * 2 : 64) : q->stride > 1 ? q->stride / 2 : 1;
+        while (done && q->tail != q->head)
+            completed(q, 0);
+    }
+    if (capturing(stream, ptsz)) {  /* (its launches went into a graph: none queued; no event into it) */
+        __atomic_store_n(&capture_seen, now, __ATOMIC_RELAXED);
+        q->unrecorded = 0;
+        pthread_mutex_unlock(&queue_lock);
+        return;
+    }
     struct pending *p = &q->ring[q->head % QUEUE_RING];
     if (!p->event && ev.create(&p->event, 2 /* CU_EVENT_DISABLE_TIMING */) != CU_OK)
         p->event = NULL;
@@ -590,15 +681,11 @@ static void queue_note(CUcontext c, void *stream, int ptsz)
     pthread_mutex_unlock(&queue_lock);
 }
 
-/* Whether a launch into `stream` on a shared GPU is bounded: the stream is not capturing. */
-static int bounded(void *stream, int ptsz)
+/* The driver's event functions are there (a driver without them: nothing is bounded). */
+static int queue_ready(void)
 {
     pthread_once(&ev_once, ev_load);
-    if (!ev.create || !ev.record || !ev.query || !ev.sync || !ev.capturing)
-        return 0;  /* (a driver without them: not bounded) */
-    int status = 0;
-    void *s = stream ? stream : ptsz ? STREAM_PER_THREAD : NULL;
-    return ev.capturing(s, &status) == CU_OK && status == 0;  /* CU_STREAM_CAPTURE_STATUS_NONE */
+    return ev.create && ev.record && ev.query && ev.sync && ev.capturing;
 }
 
 /* Whether a launch on page GPU k may wait for its queue: not while its gate (or a gang's) is closed
@@ -633,11 +720,10 @@ static inline int shared_gpu(int k)
         if (!need_slot())                                       \
             return CU_LAUNCH_OUT_OF_RESOURCES;                  \
         int k_ = note_context();                                \
-        int b_ = 0;                                             \
-        if (__builtin_expect(shared_gpu(k_), 0) && may_wait(k_)) { \
+        int b_ = shared_gpu(k_) && queue_ready();               \
+        if (b_ && may_wait(k_)) {                               \
             in_driver++;  /* (before the gate: a closing does not wait for a thread waiting here) */ \
-            if ((b_ = bounded((stream_), (ptsz_))))             \
-                queue_wait(known_ctx, (stream_), (ptsz_));      \
+            queue_wait(known_ctx, (stream_), (ptsz_));          \
             in_driver--;                                        \
         }                                                       \
         gate_enter(k_);                                         \
@@ -710,6 +796,7 @@ void gate_forked(void)
     nctxs = 0;
     known_ctx = NULL;
     memset(queues, 0, sizeof queues);  /* (the parent's streams and events: not the child's) */
+    my_tid = 0;
     if (lock_fd >= 0)
         close(lock_fd);  /* (the parent's lock is the parent's: a child holds none until it launches) */
     lock_fd = -1;
