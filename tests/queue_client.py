@@ -14,6 +14,7 @@ SOURCE = r"""
  *   loop SECONDS US K  K launches then cuCtxSynchronize, again and again (a PyTorch-like loop that runs ahead):
  *                      prints "started", then the launches made
  *   one US             one launch and a synchronize: prints "pid launch_ns" (taken just before the launch)
+ *   every SECONDS US GAP_MS  one launch and a synchronize, a pause, again: prints each launch to completion (ns)
  *   queue N US SECONDS N launches, then no call into the driver for SECONDS (its exit waits for its queue)
  *   events N US        a kernel then an event, N times, into a stream of its own (see test_stub_executor)
  *   streams US_A US_B  3 kernels into stream A, then 1 into B (see test_stub_executor) */
@@ -79,6 +80,20 @@ int main(int argc, char **argv)
         printf("queued\n");
         fflush(stdout);
         usleep((useconds_t)(atof(argv[4]) * 1e6));
+    } else if (!strcmp(mode, "every") && argc == 5) {
+        /* every SECONDS US GAP_MS: one launch and a synchronize, then a pause, again and again (gpu-check's
+         * high-priority row): prints "started", then each one's launch to completion in ns */
+        double secs = atof(argv[2]), gap = atof(argv[4]);
+        printf("started\n");
+        fflush(stdout);
+        long long t0 = now();
+        while (now() - t0 < secs * 1e9) {
+            long long a = now();
+            launch((unsigned)atoi(argv[3]), NULL);
+            sync();
+            printf("%lld\n", now() - a);
+            usleep((useconds_t)(gap * 1000));
+        }
     } else if (!strcmp(mode, "one") && argc == 3) {
         long long t = now();
         launch((unsigned)atoi(argv[2]), NULL);

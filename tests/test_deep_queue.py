@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -76,26 +77,25 @@ def test_a_deep_queue_pair_at_1_to_2_gets_a_third_of_the_card_for_weight_1(make_
     assert abs(share - 1 / 3) <= 0.05, (share, d.log_text()[-2000:])
 
 
-def test_a_high_priority_kernel_starts_within_5_ms_while_a_weight_1_neighbour_runs_ahead(make_daemon, libs,
-                                                                                        tmp_path):
-    """A weight-1 instance runs 64 launches of 2.7 ms ahead of the card (then synchronizes, again);
-    a high-priority instance now and then starts a process that launches one 1 ms kernel: the kernel
-    starts on the card within 5 ms of its launch (median of 8; the issue's bound), not after the
-    neighbour's queue."""
+def test_a_high_priority_kernel_completes_within_5_ms_while_a_weight_1_neighbour_runs_ahead(make_daemon, libs,
+                                                                                            tmp_path):
+    """`make gpu-check`'s high-priority row on the stand-in: a weight-1 instance runs 64 launches of
+    2.7 ms ahead of the card (then synchronizes, again), alone for a second; then a high-priority
+    instance launches one small kernel every 20 ms and waits for it: 99 % of them complete within
+    5 ms of their launch (the issue's bound). Today's library and daemon: p99 ~220 ms (the H100:
+    232 ms; p50 0.27 ms)."""
     d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
     d.write("0/policy", "2")
     tag = uuid.uuid4().hex[:8]
-    ahead = instance(d, libs, tmp_path, f"dqn{tag}1", ["--weight", "1"], f'exec "$Q" loop 5 {KERNEL_US} 64')
+    ahead = instance(d, libs, tmp_path, f"dqn{tag}1", ["--weight", "1"], f'exec "$Q" loop 6.5 {KERNEL_US} 64')
     assert ahead.stdout.readline().strip() == "started", ahead.stderr.read()
-    probe = instance(d, libs, tmp_path, f"dqh{tag}2", ["--highprio"],
-                     'sleep 0.5; for i in 1 2 3 4 5 6 7 8; do "$Q" one 1000 || exit 1; sleep 0.3; done')
+    time.sleep(1.0)
+    probe = instance(d, libs, tmp_path, f"dqh{tag}2", ["--highprio"], 'exec "$Q" every 4 10 20')
     out, err = probe.communicate(timeout=60)
     assert probe.returncode == 0, err
     ahead.communicate(timeout=60)
-    launched = {int(pid): int(t) for pid, t in (line.split() for line in out.split("\n") if line.strip())}
-    starts = {}
-    for pid, s, _ in kernels(tmp_path / f"dqh{tag}2"):
-        starts.setdefault(pid, s)
-    waits = sorted((starts[pid] - t) / 1e6 for pid, t in launched.items())
-    assert len(waits) == 8, (launched, starts)
-    assert waits[len(waits) // 2] <= 5.0, (waits, d.log_text()[-2000:])
+    waits = sorted(int(x) / 1e6 for x in out.split()[1:])
+    assert len(waits) > 100, out
+    p99 = waits[int(0.99 * len(waits))]
+    assert p99 <= 5.0, (f"p50 {waits[len(waits) // 2]:.2f} ms, p99 {p99:.2f} ms, max {waits[-1]:.2f} ms",
+                        d.log_text()[-1500:])

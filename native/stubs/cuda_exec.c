@@ -604,10 +604,12 @@ static uint64_t earliest(int dev, struct ctx *c, uint64_t seq, uint64_t t)
 
 /* Wait until context `c`'s entries before `ticket` are done (`stream` >= 0: until that stream has
  * fewer than depth() queued and the context has room, a launch's wait). */
-static void wait_for(int dev, uint64_t ticket, int stream)
+static int wait_for(int dev, uint64_t ticket, int stream, uint64_t deadline)
 {
     for (;;) {
         uint64_t t = now_ns(), until;
+        if (deadline && t > deadline)
+            return -1;
         enter();
         advance(t);
         struct ctx *c = my_ctx(dev, 0);
@@ -627,6 +629,7 @@ static void wait_for(int dev, uint64_t ticket, int stream)
                 ;
     }
     flush();
+    return 0;
 }
 
 /* ---- what the driver's entry points call (cuda_stub.h) ---- */
@@ -648,7 +651,7 @@ CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll)
         int s = stream_of(c, id);
         if (c->streams[s].enq - c->streams[s].done >= depth() || c->tail - c->head >= RING) {
             leave();
-            wait_for(dev, 0, s);  /* a full queue: the launch blocks until an entry completes */
+            wait_for(dev, 0, s, 0);  /* a full queue: the launch blocks until an entry completes */
             continue;
         }
         struct card *k = &cards[dev];
@@ -678,7 +681,7 @@ CUresult stub_exec_sync(int dev, const void *stream, int all)
     struct ctx *c = my_ctx(dev, 0);
     uint64_t ticket = !c ? 0 : all ? c->tail : ticket_of(c, stream);
     leave();
-    if (ticket) wait_for(dev, ticket, -1);
+    if (ticket) wait_for(dev, ticket, -1, 0);
     else flush();
     return STUB_OK;
 }
@@ -793,7 +796,7 @@ int stub_exec_mark_done(struct stub_mark *m)
 void stub_exec_mark_wait(struct stub_mark *m)
 {
     if (stub_exec_mark_done(m)) return;
-    wait_for(m->dev, m->ticket, -1);
+    wait_for(m->dev, m->ticket, -1, 0);
     stub_exec_mark_done(m);
 }
 
@@ -804,7 +807,10 @@ void stub_exec_mark_drop(struct stub_mark *m)
     pthread_mutex_unlock(&marks_lock);
 }
 
-/* At exit: this process's queued work finishes (its log then whole), its records freed. */
+/* At exit: this process's queued work finishes (its log then whole), its records freed; work that
+ * cannot end (a half of a collective whose peer never came) is given up after EXIT_WAIT_NS, and
+ * dropped once the process is gone. */
+#define EXIT_WAIT_NS 30000000000ull
 __attribute__((destructor)) static void at_exit(void)
 {
     if (!cards || mapped_by != getpid()) return;
@@ -813,7 +819,9 @@ __attribute__((destructor)) static void at_exit(void)
         struct ctx *c = my_ctx(d, 0);
         uint64_t ticket = c ? c->tail : 0;
         leave();
-        if (c) wait_for(d, ticket, -1);
+        if (c && wait_for(d, ticket, -1, now_ns() + EXIT_WAIT_NS))
+            fprintf(stderr, "stand-in libcuda: the process's queued work on card %d did not end within %d s of its "
+                            "exit (a collective's peer never launched?): dropped\n", d, (int)(EXIT_WAIT_NS / 1000000000));
     }
     flush();
     enter();

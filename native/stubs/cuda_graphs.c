@@ -14,6 +14,11 @@
  *   and launches into them the same;
  * - synchronizing or querying a capturing stream is prohibited in every mode (it has no work to
  *   wait for: what is captured does not run), and invalidates its capture;
+ * - so is synchronizing "a broader handle which encompasses an active stream capture, such as a
+ *   device or context handle when any associated stream is in capture mode" (the CUDA Programming
+ *   Guide, "Prohibited and Unhandled Operations"): cuCtxSynchronize while any stream of the
+ *   context captures, whatever the thread's and the capture's modes (a relaxed thread is not
+ *   spared: the H100 invalidated PyTorch's capture so when libcgpu's relaxed helper drained);
  * - a capture is ended by the thread that began it unless it was begun RELAXED
  *   (CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD).
  *
@@ -126,6 +131,22 @@ CUresult stub_capture_forbids(const void *synced)
         }
     pthread_mutex_unlock(&lock);
     if (r) stub_trace("potentially unsafe call during a capture: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED");
+    return r;
+}
+
+/* cuCtxSynchronize's rule: the thread's mode as for any potentially unsafe call, and no stream of
+ * the context on card `dev` capturing (each one that is: invalidated). */
+CUresult stub_capture_forbids_context(int dev)
+{
+    CUresult r = stub_capture_forbids(NULL);
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < ncapturing; i++)
+        if (capturing[i]->g && capturing[i]->g->dev == dev) {
+            capturing[i]->capturing = STATUS_INVALIDATED;
+            r = CAPTURE_UNSUPPORTED;
+        }
+    pthread_mutex_unlock(&lock);
+    if (r) stub_trace("a context synchronized while one of its streams captures: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED");
     return r;
 }
 

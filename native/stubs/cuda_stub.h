@@ -40,6 +40,8 @@ HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)
 /* cuda_graphs.c: streams, stream capture and graphs */
 /* may the calling thread make a potentially unsafe call (synchronizing `synced`, NULL: none) now? */
 HIDDEN CUresult stub_capture_forbids(const void *synced);
+/* may the calling thread synchronize the context on card `dev` (none of its streams capturing)? */
+HIDDEN CUresult stub_capture_forbids_context(int dev);
 /* a launch of n kernels into stream s: 1 (and *r) when s captures it, 0 when it is to run */
 HIDDEN int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r);
 HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);

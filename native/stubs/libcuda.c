@@ -360,7 +360,7 @@ static CUresult run_kernel(uint64_t us, const void *stream)
 /* Wait for this process's work on its current card (its context's, every stream). */
 CUresult cuCtxSynchronize(void)
 {
-    CUresult r = stub_capture_forbids(NULL);  /* cuda_graphs.c: not during another's capture */
+    CUresult r = stub_capture_forbids_context(cur_dev);  /* cuda_graphs.c: not while a capture is on */
     return r ? r : stub_exec_sync(cur_dev, NULL, 1);
 }
 CUresult cuCtxGetCurrent(CUcontext *ctx)
@@ -796,7 +796,11 @@ CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e,
 int stub_inited(void) { return inited; }
 int stub_device_count(void) { return devices(); }
 int stub_current_device(void) { return cur_dev; }
-CUresult stub_synchronize(void) { return cuCtxSynchronize(); }
+CUresult stub_synchronize(void)  /* (a synchronous copy's wait: the thread's capture mode decides, as for any call) */
+{
+    CUresult r = stub_capture_forbids(NULL);
+    return r ? r : stub_exec_sync(cur_dev, NULL, 1);
+}
 int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size)
 {
     for (size_t i = 0; i < sizeof allocs / sizeof *allocs; i++)
