@@ -503,6 +503,30 @@ static struct squeue *queue_of(CUcontext c, void *stream, int ptsz)
     return idle;
 }
 
+/* The calling thread's last queue, and what it was looked up by: a launch into the same stream as
+ * the one before finds its queue without the lock (read racily: a queue changes owner only when idle
+ * and a new stream takes it, and a stale look costs one launch's wait or event at most). */
+static __thread struct squeue *last_q;
+static __thread CUcontext last_ctx;
+static __thread void *last_stream;
+static __thread int last_ptsz;
+
+static struct squeue *cached_queue(CUcontext c, void *stream, int ptsz)
+{
+    struct squeue *q = last_q;
+    return q && last_ctx == c && last_stream == stream && last_ptsz == ptsz && __atomic_load_n(&q->used, __ATOMIC_RELAXED)
+        && q->ctx == c ? q : NULL;
+}
+
+static struct squeue *remember(struct squeue *q, CUcontext c, void *stream, int ptsz)
+{
+    last_q = q;
+    last_ctx = c;
+    last_stream = stream;
+    last_ptsz = ptsz;
+    return q;
+}
+
 /* Launches queued on q and not known done (queue_lock held). */
 static uint64_t queued(const struct squeue *q)
 {
@@ -605,8 +629,11 @@ static int drain_queues(int k)
 static void queue_wait(CUcontext c, void *stream, int ptsz)
 {
     int64_t budget = budget_ns();
+    struct squeue *q = cached_queue(c, stream, ptsz);
+    if (q && !over_budget(q, budget))
+        return;  /* (the usual case: no lock) */
     pthread_mutex_lock(&queue_lock);
-    struct squeue *q = queue_of(c, stream, ptsz);
+    q = remember(queue_of(c, stream, ptsz), c, stream, ptsz);
     int checked = 0;
     while (q && over_budget(q, budget)) {
         if (!checked++ && capturing(stream, ptsz)) {
@@ -636,18 +663,31 @@ static void queue_wait(CUcontext c, void *stream, int ptsz)
 /* After a launch into `stream` on a shared GPU: count it, and record an event every `stride` launches. */
 static void queue_note(CUcontext c, void *stream, int ptsz)
 {
-    pthread_mutex_lock(&queue_lock);
-    struct squeue *q = queue_of(c, stream, ptsz);
-    if (!q) {
-        pthread_mutex_unlock(&queue_lock);
-        return;
+    struct squeue *q = cached_queue(c, stream, ptsz);
+    if (q) {  /* (the usual case: counted without the lock, until an event is due) */
+        int64_t per = __atomic_load_n(&q->per_launch, __ATOMIC_RELAXED), st = q->stride ? q->stride : 1;
+        int64_t due = per ? (int64_t)budget_ns() / 16 / per : st;
+        if ((int64_t)__atomic_add_fetch(&q->unrecorded, 1, __ATOMIC_RELAXED) < (due < 1 ? 1 : due > 64 ? 64 : due))
+            return;
+        pthread_mutex_lock(&queue_lock);
+        if (!q->used) {  /* (taken meanwhile by another stream) */
+            pthread_mutex_unlock(&queue_lock);
+            return;
+        }
+    } else {
+        pthread_mutex_lock(&queue_lock);
+        q = remember(queue_of(c, stream, ptsz), c, stream, ptsz);
+        if (!q) {
+            pthread_mutex_unlock(&queue_lock);
+            return;
+        }
+        q->unrecorded++;
     }
-    q->unrecorded++;
     /* About 16 events per budget: every `want` launches once the mean is known (each covering 1/16
      * of the budget). Until then every `stride` launches: 1, doubled each time the event before is
      * found complete already (a card that keeps up with the launches: they never wait, so the mean
      * is never measured), halved when it is not. */
-    int64_t tick = (int64_t)budget_ns() / 16, now = mono_ns();
+    int64_t tick = (int64_t)budget_ns() / 16;
     int64_t want = q->per_launch ? tick / q->per_launch : q->stride ? q->stride : 1;
     want = want < 1 ? 1 : want > 64 ? 64 : want;
     if (q->unrecorded < want || q->head - q->tail >= QUEUE_RING) {
@@ -659,10 +699,12 @@ static void queue_note(CUcontext c, void *stream, int ptsz)
         int done = ev.query(q->ring[(q->head - 1) % QUEUE_RING].event) != 600;
         if (relaxed)
             ev.exchange(&mode);
-        q->stride = done ? (q->stride < 32 ? q->stride * 2 : 64) : q->stride > 1 ? q->stride / 2 : 1;
+        int64_t st = q->stride ? q->stride : 1;
+        q->stride = done ? (st < 32 ? st * 2 : 64) : st > 1 ? st / 2 : 1;
         while (done && q->tail != q->head)
             completed(q, 0);
     }
+    int64_t now = mono_ns();
     if (capturing(stream, ptsz)) {  /* (its launches went into a graph: none queued; no event into it) */
         __atomic_store_n(&capture_seen, now, __ATOMIC_RELAXED);
         q->unrecorded = 0;
@@ -797,6 +839,7 @@ void gate_forked(void)
     known_ctx = NULL;
     memset(queues, 0, sizeof queues);  /* (the parent's streams and events: not the child's) */
     my_tid = 0;
+    last_q = NULL;
     if (lock_fd >= 0)
         close(lock_fd);  /* (the parent's lock is the parent's: a child holds none until it launches) */
     lock_fd = -1;
