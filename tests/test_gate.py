@@ -278,6 +278,9 @@ def test_a_gate_left_closed_is_opened_from_its_registry_entry(gated):
     time.sleep(0.2)
     opened = time.monotonic_ns()
     assert thaw_spec(entry) == "thawed"
+    shared = (gate.path + "/limits", pages.SHARED_OFFSET)
+    with open(shared[0], "rb") as f:  # (no scheduler left to bound its queue for: not bounded either)
+        assert int.from_bytes(f.read()[shared[1]:shared[1] + 4], "little") == 0
     _, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
     assert [s for _, s, _ in kernels(log) if s >= opened]
