@@ -379,18 +379,20 @@ static void gate_enter(int k)
 }
 
 
-/* ---- queued work bounded while the GPU is shared (docs/scheduler.md, "Queued work") ----------
+/* ---- queued work bounded (docs/scheduler.md, "Queued work") -------------------------------------
  *
  * A launch returns before its kernel runs: a process can queue hundreds of milliseconds of work
  * (the H100's driver takes ~1024 launches per stream before one blocks), all of which runs on after
- * its gate closes. While another instance is active on its GPU (the daemon sets the page's
- * `shared` bit for it), the process keeps at most the budget (`queue_budget_us`) of GPU time queued
- * ahead per stream: an event (timing disabled) is recorded after every `stride` launches, and a
- * launch waits for the oldest ones while the launches not yet done, times the stream's mean GPU
- * time per launch, would pass the budget. The mean comes from the waits themselves: an event that
+ * its gate closes. While the page's `shared` bit of its GPU is set (the daemon sets it under every
+ * controlled policy; a page starts with all set), the process keeps at most the budget
+ * (`queue_budget_us`) of GPU time queued ahead per stream: an event (timing disabled) is recorded
+ * after every `stride` launches, and a launch waits for the oldest ones while the launches not yet
+ * done, one more included, times the stream's mean GPU time per launch, would pass the budget (one
+ * behind the running one always passes). The mean comes from the waits themselves: an event that
  * completes while this thread waits for it ends the GPU time of the launches it covers (counted
  * from the completion before, or its recording when later: an overestimate, never an under-).
- * Alone on its GPU (the bit clear) a launch does one load more and nothing else.
+ * With the bit clear (policy 5) a launch does one load more and nothing else; with it set, no lock
+ * and no driver call but at an event or a wait.
  *
  * Never into a stream that is capturing (its launches are recorded into a graph, not run; an event
  * recorded there would become a node of the user's graph); waits and queries in relaxed capture
@@ -491,11 +493,17 @@ static struct squeue *queue_of(CUcontext c, void *stream, int ptsz)
     }
     if (!idle)
         return NULL;
-    if (idle->used)  /* (one whose events all completed: its events go with it) */
+    void *events[QUEUE_RING] = {0};
+    if (idle->used && idle->ctx == c)  /* (one whose events all completed, of the same context: kept) */
+        for (unsigned k = 0; k < QUEUE_RING; k++)
+            events[k] = idle->ring[k].event;
+    else if (idle->used)  /* (of another context: destroyed) */
         for (unsigned k = 0; k < QUEUE_RING; k++)
             if (idle->ring[k].event && ev.destroy)
                 ev.destroy(idle->ring[k].event);
     memset(idle, 0, sizeof *idle);
+    for (unsigned k = 0; k < QUEUE_RING; k++)
+        idle->ring[k].event = events[k];
     idle->used = 1;
     idle->ctx = c;
     idle->stream = stream;
@@ -514,8 +522,11 @@ static __thread int last_ptsz;
 static struct squeue *cached_queue(CUcontext c, void *stream, int ptsz)
 {
     struct squeue *q = last_q;
-    return q && last_ctx == c && last_stream == stream && last_ptsz == ptsz && __atomic_load_n(&q->used, __ATOMIC_RELAXED)
-        && q->ctx == c ? q : NULL;
+    if (!q || last_ctx != c || last_stream != stream || last_ptsz != ptsz || !__atomic_load_n(&q->used, __ATOMIC_RELAXED))
+        return NULL;
+    /* (still this stream's: a queue idle for long may have been taken by another stream since) */
+    void *as = stream == STREAM_LEGACY || (!stream && !ptsz) ? NULL : !stream ? STREAM_PER_THREAD : stream;
+    return q->ctx == c && q->stream == as && (as != STREAM_PER_THREAD || q->owner == thread_id()) ? q : NULL;
 }
 
 static struct squeue *remember(struct squeue *q, CUcontext c, void *stream, int ptsz)
