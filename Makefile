@@ -25,14 +25,14 @@ gpu-check: $(if $(BUNDLE),,setup)
 ifeq ($(BUNDLE),)
 	.venv/bin/python scripts/gpu_check.py $(ARGS)
 else
-	scripts/gpu_check.sh $(BUNDLE) $(ARGS)
+	sh scripts/gpu_check.sh $(BUNDLE) $(ARGS)
 endif
 
 # What the real-GPU check needs on a GPU machine without network, pyfuse3, trio, tomlkit, libfuse3 or zig,
 # built here into one folder (default gpu-bundle/) to carry there: cp312 wheels (pyfuse3 with libfuse3
 # inside it), the native programs and libcgpu.so (scripts/gpu_bundle.sh).
 gpu-bundle: setup
-	scripts/gpu_bundle.sh $(or $(BUNDLE),gpu-bundle)
+	bash scripts/gpu_bundle.sh $(or $(BUNDLE),gpu-bundle)
 
 # The container hook, the runtime wrapper and the in-container library where the shipped configs name them
 # (deploy/hooks.d/cgpu-hook.json: /usr/local/libexec/cgpu-hook; Docker and containerd:

@@ -337,7 +337,8 @@ class Node:
     def start(self, role: str, argv: list[str], weight: int = 1, env: dict | None = None, mem: int = MEMSIZE,
               highprio: bool = False, name: str | None = None) -> subprocess.Popen:
         name = name or self.name(role)
-        e = dict(os.environ, CGPUD_SOCKET=os.fspath(self.socket), **(env or {}))
+        e = {k: v for k, v in {**os.environ, "CGPUD_SOCKET": os.fspath(self.socket), **(env or {})}.items()
+             if v is not None}  # (None: unset)
         if self.gpus != "nvml":  # the stand-in driver keeps the simulated GPU's device open, as a driver does
             argv = ["sh", "-c", 'CGPU_STUB_CUDA_DEVICE="$CGPU_DEVICE" exec "$@"', "sh", *argv]
         p = subprocess.Popen([self.cgpu, "run", "--name", name, "--gpu", "0", "--mem", str(mem),
@@ -360,15 +361,23 @@ class Node:
             took = time.monotonic() - t0
             self.kill(p)
             out, err = p.communicate()
+            self.keep_output(p, out, err)
             said = error_of("", err, None) if err.strip() else ""
             raise CheckTimeout(f"timed out after {took:.0f} s (its budget); instance {name} "
                                f"killed{': ' + said if said else ''}") from None
         return p.returncode, out, err
 
+    def keep_output(self, p: subprocess.Popen, out: str, err: str) -> None:
+        """An instance's whole output, into the working directory's instances/ (--keep keeps it)."""
+        d = self.work / "instances"
+        d.mkdir(exist_ok=True)
+        (d / f"{getattr(p, 'instance', p.pid)}.log").write_text(f"exit {p.returncode}\n--- stdout\n{out}\n--- stderr\n{err}")
+
     def result(self, p: subprocess.Popen, timeout: float | None = None) -> dict:
         """The instance's last line of output that is a JSON object; its exit status as "rc", and
         when it failed or printed none, its error as "error"."""
         rc, out, err = self.wait(p, timeout)
+        self.keep_output(p, out, err)
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         try:
             res = json.loads(lines[-1]) if lines else {}
@@ -473,11 +482,19 @@ class Node:
 PRELUDE = """import json, os, sys, time
 MEMSIZE = %d
 MIB = 1 << 20
+def chain(exc):
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+def oom_of(exc):
+    words = ("out of memory", "OUT_OF_MEMORY", "RESOURCE_EXHAUSTED", "ALLOC_FAILED", "OutOfMemory")
+    return next((e for e in chain(exc) if any(w in type(e).__name__ + str(e) for w in words)), None)
 def oomish(exc):
-    s = str(exc)
-    return any(w in s for w in ("out of memory", "OUT_OF_MEMORY", "RESOURCE_EXHAUSTED", "ALLOC_FAILED", "OutOfMemory"))
-def said(exc):
-    return (type(exc).__name__ + ": " + (str(exc).strip().splitlines() or [""])[0])[:240]
+    return oom_of(exc) is not None
+def said(exc):  # (an out-of-memory error that another one followed, e.g. a capture ended by it: both)
+    one = lambda e: (type(e).__name__ + ": " + (str(e).strip().splitlines() or [""])[0])[:200]
+    first = oom_of(exc)
+    return one(exc) if first is None or first is exc else one(first) + " (then " + one(exc) + ")"
 """ % MEMSIZE
 
 
@@ -588,17 +605,17 @@ FILL_JAX = """
 
 FILL_GRAPHS = """
     res = {"graphs": 0, "got": 0}
+    graphs, held = [], []
     try:
         import torch
         res["free0"] = torch.cuda.mem_get_info(0)[0]
-        x = torch.randn(1024, 1024, device="cuda")
+        x = torch.randn(512, 512, device="cuda")
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):  # (warm-up on a side stream before capturing, as PyTorch's docs say)
             for _ in range(3):
                 y = torch.tanh((x @ x) @ x)
         torch.cuda.current_stream().wait_stream(s)
-        graphs, held = [], []
         while len(held) * 64 * MIB <= 2 * MEMSIZE:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, stream=s):
@@ -894,7 +911,8 @@ def checks(node: Node) -> list[Check]:
                                         f"; exit {r.get('rc')}")
 
     def fill_jax() -> tuple[str, str]:
-        env = {k: "" for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")}  # (its defaults)
+        env = dict.fromkeys(("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+                             "XLA_PYTHON_CLIENT_ALLOCATOR"))  # (unset: its defaults)
         r = node.run("jax", [py["jax"], *code(FILL_JAX)], env=env)
         lim = f"preallocated {r['bytes_limit'] >> 20} MiB" if r.get("bytes_limit") else f"stage {r.get('stage')}"
         return filled(r, f"{lim}, filled {r.get('got', 0) >> 20} MiB of {mib}")
@@ -1029,6 +1047,7 @@ def checks(node: Node) -> list[Check]:
     add("alone", "alone under the gate vs without cgpud (torch)", node.startup + node.seconds + 60, alone, "torch")
 
     warm, window = (2.5, 3.0) if nvml else (1.0, 1.0)
+    big = 24 << 30 if nvml else MEMSIZE  # (ResNet-50 training at batch 128 takes ~10 GiB; two beside each other)
 
     def resnet_rows(mode: str) -> list[Row]:
         title, batches = RESNET_TABLE[mode]
@@ -1036,11 +1055,11 @@ def checks(node: Node) -> list[Check]:
         names = [f"{title} b{b} 1:2" for b in batches]
         t = time.monotonic()
         a = node.run(f"r{mode[0]}a", [py["torchvision"], *code(RESNET), *args, str(time.monotonic() + node.startup),
-                                      str(warm), str(window)])
+                                      str(warm), str(window)], mem=big)
         node.write("0/policy", "2")
         t0 = str(time.monotonic() + node.startup)
         procs = [node.start(f"r{mode[0]}{w}", [py["torchvision"], *code(RESNET), *args, t0, str(warm), str(window)],
-                            weight=w) for w in (1, 2)]
+                            weight=w, mem=big) for w in (1, 2)]
         p1, p2 = (node.result(p) for p in procs)
         took = (time.monotonic() - t) / len(batches)
         rows = []

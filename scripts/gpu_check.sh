@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 [ -d "$BUNDLE/wheels" ] && [ -f "$BUNDLE/lib/libcgpu.so" ] \
   || { echo "gpu-check: $BUNDLE is not a bundle (make gpu-bundle builds one)" >&2; exit 2; }
 bundle=$(cd "$BUNDLE" && pwd)
-if [ "$(cat "$bundle/SOURCE" 2>/dev/null)" != "$(scripts/gpu_bundle.sh --source-hash)" ]; then
+if [ "$(cat "$bundle/SOURCE" 2>/dev/null)" != "$(bash scripts/gpu_bundle.sh --source-hash)" ]; then
   echo "gpu-check: warning: $BUNDLE was built from other sources than this tree's (make gpu-bundle again); going on" >&2
 fi
 site=$bundle/site

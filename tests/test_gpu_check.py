@@ -38,7 +38,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_77():
     # with a bundle: no setup (no apt, no network there), the bundle's script
     mk = subprocess.run(["make", "-s", "-n", "-C", ROOT, "gpu-check", "BUNDLE=b", "ARGS=--only oom"],
                         capture_output=True, text=True)
-    assert mk.stdout.strip().splitlines() == ["scripts/gpu_check.sh b --only oom"], mk.stdout
+    assert mk.stdout.strip().splitlines() == ["sh scripts/gpu_check.sh b --only oom"], mk.stdout
 
 
 def test_no_gpu_reason_names_what_is_missing(tmp_path):
