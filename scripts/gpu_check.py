@@ -327,9 +327,10 @@ class Node:
             return c.call("stats")[0]
 
     def daemon_says(self, name: str) -> str:
-        """The daemon's last log line about an instance ('' if none)."""
+        """The daemon's last memory-watchdog line about an instance ('' if none)."""
         try:
-            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if name in ln]
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines()
+                     if name in ln and "memory watchdog" in ln]
         except OSError:
             return ""
         return lines[-1].strip()[:300] if lines else ""
@@ -386,7 +387,7 @@ class Node:
         res["rc"] = rc
         if (rc or not lines) and not res.get("error"):
             said = self.daemon_says(getattr(p, "instance", "?")) if rc else ""
-            res["error"] = error_of(out, err, rc) + (f" (cgpud: {said})" if said and "memory watchdog" in said else "")
+            res["error"] = error_of(out, err, rc) + (f" (cgpud: {said.split('memory watchdog: ', 1)[-1]})" if said else "")
         return res
 
     def run(self, role: str, argv: list[str], timeout: float | None = None, **kw) -> dict:
@@ -491,6 +492,8 @@ def oom_of(exc):
     return next((e for e in chain(exc) if any(w in type(e).__name__ + str(e) for w in words)), None)
 def oomish(exc):
     return oom_of(exc) is not None
+def progress(res):  # (the last line printed is the result: a kill leaves what was reached)
+    print(json.dumps(res), flush=True)
 def said(exc):  # (an out-of-memory error that another one followed, e.g. a capture ended by it: both)
     one = lambda e: (type(e).__name__ + ": " + (str(e).strip().splitlines() or [""])[0])[:200]
     first = oom_of(exc)
@@ -582,10 +585,14 @@ FILL_JAX = """
     res = {"stage": "import"}
     try:
         import jax, jax.numpy as jnp  # (its defaults: preallocation of 75 % of what it is told is free)
+        res["stage"] = "preallocation"
+        progress(res)
         x = jnp.ones((4096, 4096), jnp.float32)
         res["stage"] = "matmul"
+        progress(res)
         (x @ x).block_until_ready()
         res["stage"] = "jit"
+        progress(res)
         f = jax.jit(lambda a, b: jnp.tanh(a @ b) @ b)  # (XLA autotunes its GEMMs at the first compile)
         f(x, x).block_until_ready()
         try:
@@ -597,6 +604,7 @@ FILL_JAX = """
         while len(held) * 64 * MIB <= 2 * MEMSIZE:
             held.append(jnp.ones(16 * MIB, jnp.float32).block_until_ready())
             res["got"] = len(held) * 64 * MIB
+            progress(res)
         res["stage"] = "done"
     except Exception as exc:
         res["error"], res["oom"] = said(exc), oomish(exc)
@@ -610,23 +618,33 @@ FILL_GRAPHS = """
         import torch
         res["free0"] = torch.cuda.mem_get_info(0)[0]
         x = torch.randn(512, 512, device="cuda")
+
+        def work(x):
+            y = x @ x
+            for _ in range(4):
+                y = torch.tanh(y @ x) * 0.5
+            return y
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # (warm-up on a side stream before capturing, as PyTorch's docs say)
+        res["stage"] = "warm-up"
+        with torch.cuda.stream(s):  # (what is captured, run first on a side stream: PyTorch's docs)
             for _ in range(3):
-                y = torch.tanh((x @ x) @ x)
+                work(x)
         torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
         while len(held) * 64 * MIB <= 2 * MEMSIZE:
             g = torch.cuda.CUDAGraph()
+            res["stage"] = f"capture {len(graphs) + 1}"
             with torch.cuda.graph(g, stream=s):
-                y = x @ x
-                for _ in range(4):
-                    y = torch.tanh(y @ x) * 0.5
+                y = work(x)
+            res["stage"] = f"replay {len(graphs) + 1}"
             g.replay()
             graphs.append((g, y))
+            res["stage"] = f"64 MiB tensor {len(held) + 1}"
             held.append(torch.empty(64 * MIB, dtype=torch.uint8, device="cuda"))
             torch.cuda.synchronize()
             res["graphs"], res["got"] = len(graphs), len(held) * 64 * MIB
+            progress(res)
     except Exception as exc:
         res["error"], res["oom"] = said(exc), oomish(exc)
     try:  # (alive after it: the graphs it holds still replay)
@@ -682,6 +700,7 @@ FILL_RESNET = RESNET_STEP + """
         b = 4
         while b <= 1024:
             res["batch"] = b
+            progress(res)
             x, t = batch("train", b)
             step(x, t)
             step(x, t)
@@ -910,12 +929,12 @@ def checks(node: Node) -> list[Check]:
         return (PASS if ok else FAIL), (f"{what}, {end}; {'KILLED' if killed else 'alive' if alive else 'not alive: ' + str(r.get('after'))}"
                                         f"; exit {r.get('rc')}")
 
-    def fill_jax() -> tuple[str, str]:
+    def fill_jax() -> tuple[str, str]:  # (its stage: where a kill found it)
         env = dict.fromkeys(("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
                              "XLA_PYTHON_CLIENT_ALLOCATOR"))  # (unset: its defaults)
         r = node.run("jax", [py["jax"], *code(FILL_JAX)], env=env)
-        lim = f"preallocated {r['bytes_limit'] >> 20} MiB" if r.get("bytes_limit") else f"stage {r.get('stage')}"
-        return filled(r, f"{lim}, filled {r.get('got', 0) >> 20} MiB of {mib}")
+        lim = f"preallocated {r['bytes_limit'] >> 20} MiB, " if r.get("bytes_limit") else ""
+        return filled(r, f"{lim}reached {r.get('stage')}, filled {r.get('got', 0) >> 20} MiB of {mib}")
     add("fill-jax", "fill: JAX at its defaults (issue 28)", 120, fill_jax, "jax")
 
     def fill_graphs() -> tuple[str, str]:
@@ -927,12 +946,14 @@ def checks(node: Node) -> list[Check]:
         finally:
             node.kill(neighbour)
         return filled(r, f"{r.get('graphs', 0)} graphs captured and replayed, {r.get('got', 0) >> 20} MiB held of {mib}"
-                         f" (told {r.get('free0', 0) >> 20} free), a neighbour running")
+                         f" (told {r.get('free0', 0) >> 20} free), a neighbour running"
+                         + (f", stopped at {r['stage']}" if r.get("error") or r.get("rc") else ""))
     add("fill-graphs", "fill: torch CUDA graphs, neighbour (issue 28)", 120, fill_graphs, "torch")
 
     def fill_resnet() -> tuple[str, str]:
         r = node.run("rfl", [py["torch"], *code(FILL_RESNET)])
-        return filled(r, f"ResNet-50 AMP training ran to batch {r.get('ran')} in {mib} MiB")
+        return filled(r, f"ResNet-50 AMP training ran to batch {r.get('ran')} in {mib} MiB"
+                         + (f" (at batch {r['batch']})" if r.get("rc") and r.get("batch") else ""))
     add("fill-resnet", "fill: ResNet-50 training, tight (issue 28)", 150, fill_resnet, "torchvision")
 
     smi = shutil.which("nvidia-smi")
