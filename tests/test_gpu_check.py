@@ -163,6 +163,27 @@ def test_every_workload_compiles_and_the_process_list_is_read():
     assert gpu_check.pids("1234, 3590 MiB\n 99, 12 MiB\n") == {1234, 99} and gpu_check.pids("No running processes found") == set()
 
 
+def test_a_killed_instance_keeps_where_it_was_and_the_daemons_word(tmp_path):
+    """What a kill leaves (issue 28's JAX on the H100): the last JSON line the instance printed, its
+    exit status, and the daemon's memory-watchdog line about it, not its last line (deregistered)."""
+    node = gpu_check.Node.__new__(gpu_check.Node)  # (its log and instances only: no daemon needed)
+    node.work, node.log, node.deadline, node.started = tmp_path, tmp_path / "cgpud.log", float("inf"), []
+    node.log.write_text("cgpud: INFO: registered abcdefjax004 on GPU 0 (pid 621)\n"
+                        "cgpud: WARNING: memory watchdog: abcdefjax004 on GPU 0 uses 2176843776 bytes, past its memsize "
+                        "2147483648: pid 622 (python3) holds 2176843776 bytes; SIGKILL sent (--mem-action kill)\n"
+                        "cgpud: WARNING: memory watchdog: abcdefoom003 on GPU 0 uses 3 bytes\n"
+                        "cgpud: INFO: deregistered abcdefjax004 (pid 621)\n")
+    p = subprocess.Popen(["sh", "-c", 'echo \'{"stage": "matmul"}\'; echo \'{"stage": "jit"}\'; '
+                          'echo "external/xla+/xla/stream_executor/cuda/cuda_status.cc:45" >&2; exit 137'],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.instance = "abcdefjax004"
+    r = node.result(p)
+    assert r["rc"] == 137 and r["stage"] == "jit", r
+    assert r["error"].startswith("external/xla+") and "(cgpud: abcdefjax004 on GPU 0 uses 2176843776 bytes" in r["error"], r
+    assert "SIGKILL sent" in r["error"] and "deregistered" not in r["error"] and "abcdefoom003" not in r["error"]
+    assert "cuda_status.cc:45" in (tmp_path / "instances" / "abcdefjax004.log").read_text()
+
+
 # ---- on a real daemon (a simulated T4, the stand-in driver) ----------------------------------------
 
 @pytest.fixture(scope="module")
