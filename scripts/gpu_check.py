@@ -900,7 +900,8 @@ def checks(node: Node) -> list[Check]:
     def shown(py: str, body: str) -> tuple[str, str]:
         r = node.run("mem", [py, *code(body)])
         ok = r.get("rc") == 0 and all(t == MEMSIZE for t in r.get("total", [None])) and r.get("free", MEMSIZE + 1) <= MEMSIZE
-        return (PASS if ok else FAIL), (f"total {[t >> 20 for t in r.get('total', [])]} MiB, free {r.get('free', 0) >> 20} MiB; "
+        total = [t >> 20 for t in r.get("total", [])]
+        return (PASS if ok else FAIL), (f"total {total} MiB, free {r.get('free', 0) >> 20} MiB; "
                                         f"memsize {mib} MiB {r.get('error') or ''}").strip()
 
     def oom(py: str, body: str, env: dict | None = None) -> tuple[str, str]:
@@ -926,8 +927,8 @@ def checks(node: Node) -> list[Check]:
         ok = ran and alive and not killed
         end = (f"then out-of-memory ({r['error']})" if r.get("oom") else
                f"then {r['error']}" if r.get("error") else "ran to its end")
-        return (PASS if ok else FAIL), (f"{what}, {end}; {'KILLED' if killed else 'alive' if alive else 'not alive: ' + str(r.get('after'))}"
-                                        f"; exit {r.get('rc')}")
+        state = "KILLED" if killed else "alive" if alive else f"not alive: {r.get('after')}"
+        return (PASS if ok else FAIL), f"{what}, {end}; {state}; exit {r.get('rc')}"
 
     def fill_jax() -> tuple[str, str]:  # (its stage: where a kill found it)
         env = dict.fromkeys(("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION",
@@ -987,7 +988,8 @@ def checks(node: Node) -> list[Check]:
         listed_out = pid in pids(outside.stdout)
         q, _, screen = o.partition("== screen")
         in_query, in_screen = pid in pids(q), bool(re.search(rf"\b{pid}\b", screen.split("Processes", 1)[-1]))
-        seen = ", ".join(w for w, b in (("--query-compute-apps", in_query), ("the default screen", in_screen)) if b) or "neither"
+        seen = ", ".join(w for w, b in (("--query-compute-apps", in_query), ("the default screen", in_screen)) if b)
+        seen = seen or "neither"
         ok = rc == 0 and "Processes" in screen and not (in_query or in_screen) and listed_out
         return (PASS if ok else FAIL), (f"neighbour pid {pid} (3 GiB) listed inside by: {seen}; outside the instances "
                                         f"{'listed' if listed_out else 'NOT listed either (nothing checked)'}"
@@ -1007,7 +1009,8 @@ def checks(node: Node) -> list[Check]:
         closings = node.stats().get("drains", 0) - before
         ok = r.get("rc") == 0 and r.get("invalidated") == 0 and r.get("wrong", 1) in (0, None) and r.get("captures", 0) > 0 \
             and closings > 0
-        replays = "replays not compared (no contents kept)" if r.get("wrong", 1) is None else f"{r.get('wrong')} wrong replays"
+        replays = ("replays not compared (no contents kept)" if r.get("wrong", 1) is None
+                   else f"{r.get('wrong')} wrong replays")
         return (PASS if ok else FAIL), (f"{r.get('captures')} captured, {r.get('invalidated')} invalidated, "
                                         f"{replays}, {closings} closings {r.get('error') or ''}"
                                         + (f"; the neighbour: {nb['error']}" if nb.get("error") else "")).strip()
@@ -1057,11 +1060,14 @@ def checks(node: Node) -> list[Check]:
 
     def alone() -> tuple[str, str]:
         argv = [py["torch"], *code(BUSY["torch"][1] + BUSY_LOOP)]
-        times = lambda: [str(time.monotonic() + node.startup / 2), str(time.monotonic() + node.startup / 2 + node.seconds / 2)]  # noqa: E731
+        def times() -> list[str]:
+            t0 = time.monotonic() + node.startup / 2
+            return [str(t0), str(t0 + node.seconds / 2)]
         d = node.direct(argv + times())
         g = node.run("aln", argv + times())
         if not d.get("rate") or not g.get("rate"):
-            return FAIL, f"without cgpud: {d.get('error') or d.get('rate')}; under the gate: {g.get('error') or g.get('rate')}"
+            return FAIL, (f"without cgpud: {d.get('error') or d.get('rate')}; "
+                          f"under the gate: {g.get('error') or g.get('rate')}")
         q = g["rate"] / d["rate"]
         return (PASS if q >= 0.99 else FAIL), (f"{g['rate']:.1f} matmuls/s under the gate against {d['rate']:.1f} without "
                                                f"cgpud: {100 * q:.1f} % (want >= 99 %)")

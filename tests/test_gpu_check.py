@@ -96,7 +96,8 @@ def test_the_checks_judge_what_the_instances_report():
            "oom": {"got": MEMSIZE, "rc": 137, "error": "exit 137 (signal 9, SIGKILL)"}}
     by, rows = rows_of(bad)
     assert by["memsize shown (cuda-bindings)"].result == "FAIL" and "16384" in by["memsize shown (cuda-bindings)"].detail
-    assert by["oom at memsize (cuda-bindings)"].result == "FAIL" and "exit 137" in by["oom at memsize (cuda-bindings)"].detail
+    killed = by["oom at memsize (cuda-bindings)"]
+    assert killed.result == "FAIL" and "exit 137" in killed.detail
     assert gpu_check.exit_code(rows) == 1
 
 
@@ -131,11 +132,13 @@ def test_a_check_that_raises_fails_and_the_rows_print_as_they_complete(tmp_path)
     report = gpu_check.Report([n for c in checks for n in c.names()], tmp_path / "table.md", out)
     report.begin()
     rows = gpu_check.run_checks(checks, report)
-    assert [(r.check, r.result) for r in rows] == [("a", "PASS"), ("b", "FAIL"), ("c", "SKIP"), ("d1", "PASS"), ("d2", "FAIL")]
+    assert [(r.check, r.result) for r in rows] == [("a", "PASS"), ("b", "FAIL"), ("c", "SKIP"), ("d1", "PASS"),
+                                                   ("d2", "FAIL")]
     assert rows[1].detail == "ValueError: no such device"
     assert seen and "| a " in seen[0] and "| b " in seen[0] and "| c " not in seen[0]
     lines = out.getvalue().splitlines()
-    assert len(lines) == 2 + 5 and [c.strip() for c in lines[0].strip("|").split("|")] == ["check", "result", "time", "detail"]
+    assert len(lines) == 2 + 5
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["check", "result", "time", "detail"]
     assert [c.strip() for c in lines[3].strip("|").split("|")][:2] == ["b", "FAIL"]
     table = (tmp_path / "table.md").read_text().splitlines()  # (--out: the whole table, aligned)
     assert len(table) == 2 + 5 and len({len(line) for line in table}) == 1
@@ -160,7 +163,8 @@ def test_every_workload_compiles_and_the_process_list_is_read():
     bodies += [gpu_check.FILL_JAX, gpu_check.FILL_GRAPHS, gpu_check.FILL_RESNET, gpu_check.HIGHPRIO, gpu_check.RESNET]
     for body in bodies:
         compile(gpu_check.code(body)[1], "<workload>", "exec")
-    assert gpu_check.pids("1234, 3590 MiB\n 99, 12 MiB\n") == {1234, 99} and gpu_check.pids("No running processes found") == set()
+    assert gpu_check.pids("1234, 3590 MiB\n 99, 12 MiB\n") == {1234, 99}
+    assert gpu_check.pids("No running processes found") == set()
 
 
 def test_a_killed_instance_keeps_where_it_was_and_the_daemons_word(tmp_path):
@@ -320,7 +324,8 @@ def test_the_bundle_installs_into_a_clean_python_and_the_daemon_starts_from_it(s
     assert newest_glibc(bundle / "lib" / "libcgpu.so") == (2, 17)
     assert sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file()) < 40 << 20
     py = tmp_path / "py312"
-    subprocess.run(["python3.12", "-m", "venv", "--without-pip", py], check=True, env=dict(os.environ, PYENV_VERSION="3.12.1"))
+    subprocess.run(["python3.12", "-m", "venv", "--without-pip", py], check=True,
+                   env=dict(os.environ, PYENV_VERSION="3.12.1"))
     pip = next(bundle.glob("pip/pip-*.whl")) / "pip"
     subprocess.run([py / "bin" / "python", pip, "install", "-q", "--no-index", "--find-links",
                     ROOT / "build" / "gpu-bundle-cache" / "host", "click", "prometheus-client", "nvidia-ml-py", "attrs",
