@@ -215,6 +215,14 @@ def select(checks: Sequence[Check], only: str | None) -> list[Check]:
 
 # ---- the real GPU --------------------------------------------------------------------------------
 
+class Pythons(dict):
+    """module -> a Python here that imports it (None: none does), looked for when first asked."""
+
+    def __missing__(self, module: str) -> str | None:
+        self[module] = python_with(module)
+        return self[module]
+
+
 def python_with(module: str) -> str | None:
     """A Python here that imports `module`: this one, else python3 on PATH."""
     for py in dict.fromkeys([sys.executable, shutil.which("python3") or ""]):
@@ -879,21 +887,22 @@ def pids(csv: str) -> set[int]:
     return {int(m) for m in re.findall(r"^\s*(\d+)\s*,", csv, re.M)}
 
 
-def missing(module: str) -> Callable[[], tuple[str, str]]:
-    return lambda: (SKIP, f"{module} not installed")
-
-
 def checks(node: Node) -> list[Check]:
     out: list[Check] = []
     mib = MEMSIZE >> 20
     nvml = node.gpus == "nvml"
-    py = {m: python_with(m) for m in ("cuda.bindings", "torch", "cupy", "jax", "torchvision")}
+    py = Pythons()  # (looked for as the rows run: listing them imports nothing)
 
-    def add(key: str, name: str, budget: float, fn, needs: str | None = None, rows: Sequence[str] = ()) -> None:
-        if needs and not py.get(needs):
-            fn = (lambda m=needs, rows=rows: [Row(n, SKIP, f"{m} not installed") for n in rows] if rows
-                  else (SKIP, f"{m} not installed"))
-        out.append(Check(key, name, budget, fn, rows))
+    def add(key: str, name: str, budget: float, fn, needs: str | Callable[[], str | None] | None = None,
+            rows: Sequence[str] = ()) -> None:
+        """A check; `needs`: the module it needs (SKIP without it), or what says what is missing."""
+        def run():
+            lacking = needs() if callable(needs) else needs if needs and not py[needs] else None
+            if lacking:
+                why = f"{lacking} not installed"
+                return [Row(n, SKIP, why) for n in rows] if rows else (SKIP, why)
+            return fn()
+        out.append(Check(key, name, budget, run, rows))
 
     add("daemon", "daemon", 10, node.describe)
 
@@ -913,9 +922,9 @@ def checks(node: Node) -> list[Check]:
                                         f"{floor >> 20} MiB wanted; exit {r.get('rc')}")
 
     for client, (module, body) in SHOWN.items():
-        add(f"mem-{client}", f"memsize shown ({client})", 60, lambda p=py[module], b=body: shown(p, b), module)
+        add(f"mem-{client}", f"memsize shown ({client})", 60, lambda m=module, b=body: shown(py[m], b), module)
     for client, (module, body) in OOM.items():
-        add(f"oom-{client}", f"oom at memsize ({client})", 90, lambda p=py[module], b=body: oom(p, b), module)
+        add(f"oom-{client}", f"oom at memsize ({client})", 90, lambda m=module, b=body: oom(py[m], b), module)
     add("oom-torch-expandable", "torch allocator, expandable_segments", 90,
         lambda: oom(py["torch"], OOM["torch"][1], {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}), "torch")
 
@@ -966,7 +975,7 @@ def checks(node: Node) -> list[Check]:
             return FAIL, f"nvidia-smi: {error_of(o, e, rc)}"
         total, used = (int(v) for v in o.strip().splitlines()[0].split(","))
         return (PASS if total == mib and used <= mib else FAIL), f"memory.total {total} MiB, used {used} MiB (memsize {mib})"
-    add("smi-view", "nvidia-smi's view", 30, nvidia_smi if smi else missing("nvidia-smi"))
+    add("smi-view", "nvidia-smi's view", 30, nvidia_smi, lambda: None if smi else "nvidia-smi")
 
     def smi_procs() -> tuple[str, str]:
         client = "torch" if py["torch"] else "cupy"
@@ -995,7 +1004,7 @@ def checks(node: Node) -> list[Check]:
                                         f"{'listed' if listed_out else 'NOT listed either (nothing checked)'}"
                                         + (f"; exit {rc}: {error_of(o, e, rc)}" if rc else ""))
     add("smi-procs", "nvidia-smi's process list, a neighbour (issue 28)", 90,
-        smi_procs if smi and (py["torch"] or py["cupy"]) else missing("nvidia-smi" if not smi else "torch or cupy"))
+        smi_procs, lambda: "nvidia-smi" if not smi else None if py["torch"] or py["cupy"] else "torch or cupy")
 
     # ---- compute: graphs across closings, shares ----
     def graphs(py: str, body: str, busy: str) -> tuple[str, str]:
@@ -1036,7 +1045,7 @@ def checks(node: Node) -> list[Check]:
 
     for client, (module, body) in GRAPHS.items():
         add(f"graphs-{client}", f"graph capture while the gate closes ({client})", node.startup + node.seconds + 60,
-            lambda p=py[module], b=body, c=client: graphs(p, b, BUSY[c][1]), module)
+            lambda m=module, b=body, c=client: graphs(py[m], b, BUSY[c][1]), module)
     add("share-torch", "share 1:2 policy 2, deep queue: 8 x 4096^2 matmul, sync (torch)", node.startup + node.seconds + 60,
         lambda: share(py["torch"], BUSY["torch"][1]), "torch")
     add("share-cupy", "share 1:2 policy 2, us kernels: sin 16M, sync every 8 (cupy)", node.startup + node.seconds + 60,
@@ -1129,6 +1138,9 @@ def main(argv: list[str] | None = None) -> int:
         for c in checks(_Listing(a.gpus, a.quick)):
             print(f"{c.key:<22} {' / '.join(c.names())}")
         return 0
+    if a.only and not select(checks(_Listing(a.gpus, a.quick)), a.only):
+        print(f"gpu-check: no row matches --only {a.only} (--list shows their keys)", file=sys.stderr)
+        return 2
     reason = no_gpu_reason() if a.gpus == "nvml" else None
     if reason:
         print(f"gpu-check: no NVIDIA GPU on this machine ({reason}); nothing checked")

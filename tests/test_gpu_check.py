@@ -151,6 +151,13 @@ def test_rows_past_the_time_limit_are_skipped_and_only_selects():
     assert [c.key for c in gpu_check.select(checks, "oom")] == ["oom-a", "oom-b"]
     assert [c.key for c in gpu_check.select(checks, "share-*,oom-b")] == ["oom-b", "share-x"]
     assert gpu_check.select(checks, "nothing") == []
+    r = subprocess.run([sys.executable, ROOT / "scripts" / "gpu_check.py", "--only", "nosuch,oom-x"], capture_output=True,
+                       text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (2, "") and r.stderr == "gpu-check: no row matches --only nosuch,oom-x " \
+        "(--list shows their keys)\n", r
+    listed = subprocess.run([sys.executable, ROOT / "scripts" / "gpu_check.py", "--list"], capture_output=True, text=True,
+                            timeout=60).stdout.split()
+    assert {"daemon", "oom-torch", "fill-jax", "smi-procs", "share-torch", "highprio", "alone", "resnet-train"} <= set(listed)
     rows = gpu_check.run_checks(checks, limit=5)  # (less than any check's need of 10 s)
     assert ran == [] and {r.result for r in rows} == {"SKIP"} and "no time left" in rows[0].detail
 
@@ -292,6 +299,33 @@ def test_the_checks_run_end_to_end_against_the_stand_in_driver(stand_in):
     assert len(rows) == len(out.read_text().splitlines()) - 2
     assert r.returncode == (0 if result == "PASS" else 1), r.stdout + r.stderr
     assert re.search(r"gpu-check: \d+ passed, \d+ failed, \d+ skipped in \d+ s", r.stdout), r.stdout
+
+
+def test_a_run_stopped_by_sigterm_leaves_nothing_behind(stand_in):
+    """A time limit's SIGTERM (the device tool's, timeout(1)'s) in the middle of a row: its instances
+    killed, the daemon stopped and unmounted, the working directory gone; the rows before it printed."""
+    d, stubs, env = stand_in
+    p = subprocess.Popen([sys.executable, ROOT / "scripts" / "gpu_check.py", "--gpus", "sim:T4", "--quick", "--only",
+                          "graphs-cupy", "--libcgpu", stubs / "libcgpu.so"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    lines = [p.stdout.readline() for _ in range(3)]
+    token = re.search(r"an instance ran \(([0-9a-f]{6})dmn001", lines[2])
+    assert token and "| PASS" in lines[2], lines
+    end = time.monotonic() + 20  # (the row's instances up: the neighbour and the capturing one)
+    while len(running := [ln for ln in subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+                          .splitlines() if f"--name {token[1]}" in ln]) < 2 and time.monotonic() < end:
+        time.sleep(0.2)
+    assert len(running) >= 2, running
+    below = gpu_check.descendants(p.pid)
+    serve = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in below]
+    mount = next(a[a.index(b"--mount") + 1].decode() for a in serve if b"serve" in a and b"--mount" in a)
+    p.send_signal(15)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 143, (out, err)
+    assert [pid for pid in below if Path(f"/proc/{pid}").exists()] == []
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    assert token[1] not in ps, ps
+    assert mount not in Path("/proc/mounts").read_text() and not Path(mount).parent.exists()
 
 
 # ---- make gpu-bundle ------------------------------------------------------------------------------
