@@ -643,11 +643,19 @@ FILL_GRAPHS = """
         while len(held) * 64 * MIB <= 2 * MEMSIZE:
             g = torch.cuda.CUDAGraph()
             res["stage"] = f"capture {len(graphs) + 1}"
-            with torch.cuda.graph(g, stream=s):
-                y = work(x)
-            res["stage"] = f"replay {len(graphs) + 1}"
-            g.replay()
-            graphs.append((g, y))
+            try:
+                with torch.cuda.graph(g, stream=s):
+                    y = work(x)
+            except Exception as exc:  # (one invalidated: counted, and the fill goes on)
+                if oomish(exc):
+                    raise
+                res["invalidated"] = res.get("invalidated", 0) + 1
+                res.setdefault("capture_error", said(exc))
+                torch.cuda.synchronize()
+            else:
+                res["stage"] = f"replay {len(graphs) + 1}"
+                g.replay()
+                graphs.append((g, y))
             res["stage"] = f"64 MiB tensor {len(held) + 1}"
             held.append(torch.empty(64 * MIB, dtype=torch.uint8, device="cuda"))
             torch.cuda.synchronize()
@@ -955,9 +963,12 @@ def checks(node: Node) -> list[Check]:
             r = node.run("gfl", [py["torch"], *code(FILL_GRAPHS)])
         finally:
             node.kill(neighbour)
-        return filled(r, f"{r.get('graphs', 0)} graphs captured and replayed, {r.get('got', 0) >> 20} MiB held of {mib}"
-                         f" (told {r.get('free0', 0) >> 20} free), a neighbour running"
-                         + (f", stopped at {r['stage']}" if r.get("error") or r.get("rc") else ""))
+        result, detail = filled(r, f"{r.get('graphs', 0)} graphs captured and replayed, "
+                                   + (f"{r['invalidated']} invalidated ({r.get('capture_error')}), " if r.get("invalidated")
+                                      else "") + f"{r.get('got', 0) >> 20} MiB held of {mib} (told "
+                                   f"{r.get('free0', 0) >> 20} free), a neighbour running"
+                                   + (f", stopped at {r['stage']}" if r.get("error") or r.get("rc") else ""))
+        return (result if r.get("graphs") else FAIL), detail
     add("fill-graphs", "fill: torch CUDA graphs, neighbour (issue 28)", 120, fill_graphs, "torch")
 
     def fill_resnet() -> tuple[str, str]:
