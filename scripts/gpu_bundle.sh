@@ -93,10 +93,11 @@ for spec in "${pins[@]}"; do
   cp "$wheels/${n}-${v}"-*.whl "$BUNDLE/wheels/"
 done
 cp "$cache/pip/pip-${pipv}"-*.whl "$BUNDLE/pip/"
-# cgpud itself, from this tree
-rm -rf "$cache/cgpud" build/lib build/bdist.*
-"$tools/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$cache/cgpud" . >/dev/null
-rm -rf build/lib build/bdist.*
+# cgpud itself, from this tree's sources (copied: setuptools' build/ and egg-info stay out of the tree,
+# whose build/lib is native/Makefile's default place for libcgpu.so)
+rm -rf "$cache/cgpud" "$cache/src" && mkdir -p "$cache/src"
+tar -cf - --exclude=__pycache__ pyproject.toml README.md cgpud fusefs | tar -xf - -C "$cache/src"
+"$tools/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$cache/cgpud" "$cache/src" >/dev/null
 cp "$cache"/cgpud/cgpud-*.whl "$BUNDLE/wheels/"
 # the native programs and libcgpu
 make -s -C native BIN="$BUNDLE/bin"
