@@ -191,20 +191,30 @@ static int relax_capture_mode(void)
     return -1;
 }
 
-static int drain_queues(int k);  /* (with the queues, below) */
+static int drain_queues(int k, int *captures);  /* (with the queues, below) */
+/* Launches on page GPU k (index 1 + k; [0]: the container's gate) not counted in a stream's queue
+ * since the last drain there: made while the queue was not bounded (policy 5), or with no queue left. */
+static unsigned long untracked[1 + CGPU_MAX_GPUS];
 
 /* Finish the work queued on page GPU `k` (all of it for -1): once no launch there is in flight,
- * wait for each stream's last event (the queues, below), then synchronize the contexts of that GPU
- * — unless a stream may be capturing: synchronizing a context that holds a capturing stream waits
- * on it, which the driver refuses in every capture mode and which invalidates the capture. */
+ * wait for each stream's last event (the queues, below). A context is synchronized only when
+ * launches were made that no queue counted (and no stream may be capturing): synchronizing a
+ * context that holds a capturing stream waits on it, which the driver refuses in every capture
+ * mode and which invalidates the capture — and a capture may have begun on a stream nothing was
+ * launched into yet. What a bounded stream launched since its last event (less than 1/16 of the
+ * budget once its mean is known; before, the launches count as not counted) may run on past the
+ * answer. */
 static void drain(int k)
 {
     while (__atomic_load_n(&launching[1 + k], __ATOMIC_SEQ_CST))
         sched_yield();  /* a launch that passed the gate before it closed: a few µs */
     pthread_mutex_lock(&ctx_lock);
     in_driver++;
-    int captures = drain_queues(k);
-    for (int i = 0; i < nctxs && !captures && real.ctx_push && real.ctx_pop && real.ctx_sync; i++) {
+    int captures = 0;
+    unsigned long loose = (unsigned long)drain_queues(k, &captures);
+    for (int j = k < 0 ? 0 : 1 + k; j <= (k < 0 ? CGPU_MAX_GPUS : 1 + k); j++)
+        loose += __atomic_exchange_n(&untracked[j], 0, __ATOMIC_SEQ_CST);
+    for (int i = 0; i < nctxs && loose && !captures && real.ctx_push && real.ctx_pop && real.ctx_sync; i++) {
         CUcontext prev;
         if ((k < 0 || ctx_gpu[i] == k) && real.ctx_push(ctxs[i]) == CU_OK) {
             real.ctx_sync();
@@ -590,15 +600,16 @@ static int gpu_of_ctx(CUcontext c)
 
 /* The drain's part (ctx_lock held, in the helper thread, relaxed capture mode): on page GPU k (-1:
  * all), record an event after the launches not yet covered in every stream that is not capturing
- * and has a handle of its own, and wait for each stream's last event. Returns whether a stream may
- * be capturing now (one of ours says so, or a launch into a capturing stream was seen in the last
- * second): then the caller does not synchronize the context. */
-static int drain_queues(int k)
+ * and has a handle of its own, and wait for each stream's last event. *captures: whether a stream
+ * may be capturing now (one of ours says so, or a launch into a capturing stream was seen in the
+ * last second). Returns whether launches are left that no event covers and whose length is not
+ * known yet (the caller then synchronizes the context, unless a stream may be capturing). */
+static int drain_queues(int k, int *captures_out)
 {
     if (!queue_ready())
         return 0;
     struct { struct squeue *q; void *event; unsigned upto; } last[QUEUE_STREAMS];
-    int n = 0, captures = mono_ns() - __atomic_load_n(&capture_seen, __ATOMIC_RELAXED) < 1000000000ll;
+    int n = 0, loose = 0, captures = mono_ns() - __atomic_load_n(&capture_seen, __ATOMIC_RELAXED) < 1000000000ll;
     pthread_mutex_lock(&queue_lock);
     for (int i = 0; i < QUEUE_STREAMS; i++) {
         struct squeue *q = &queues[i];
@@ -622,10 +633,12 @@ static int drain_queues(int k)
                 real.ctx_pop(&prev);
             }
         }
+        loose |= q->unrecorded && !q->per_launch;
         if (q->head != q->tail)
             last[n++] = (typeof(last[0])){q, q->ring[(q->head - 1) % QUEUE_RING].event, q->head};
     }
     pthread_mutex_unlock(&queue_lock);
+    *captures_out = captures;
     for (int i = 0; i < n; i++)
         ev.sync(last[i].event);  /* (an event recorded outside any capture: legal in relaxed mode) */
     pthread_mutex_lock(&queue_lock);
@@ -633,7 +646,7 @@ static int drain_queues(int k)
         while (last[i].q->used && last[i].q->tail - last[i].upto >= 0x80000000u)  /* tail before upto */
             completed(last[i].q, 0);
     pthread_mutex_unlock(&queue_lock);
-    return captures;
+    return loose;
 }
 
 /* Before a launch into `stream` of context `c` on a shared GPU: wait while its queue is over the budget. */
@@ -671,26 +684,27 @@ static void queue_wait(CUcontext c, void *stream, int ptsz)
     pthread_mutex_unlock(&queue_lock);
 }
 
-/* After a launch into `stream` on a shared GPU: count it, and record an event every `stride` launches. */
-static void queue_note(CUcontext c, void *stream, int ptsz)
+/* After a launch into `stream` on a shared GPU: count it, and record an event every `stride` launches.
+ * 0: not counted (no queue left for it). */
+static int queue_note(CUcontext c, void *stream, int ptsz)
 {
     struct squeue *q = cached_queue(c, stream, ptsz);
     if (q) {  /* (the usual case: counted without the lock, until an event is due) */
         int64_t per = __atomic_load_n(&q->per_launch, __ATOMIC_RELAXED), st = q->stride ? q->stride : 1;
         int64_t due = per ? (int64_t)budget_ns() / 16 / per : st;
         if ((int64_t)__atomic_add_fetch(&q->unrecorded, 1, __ATOMIC_RELAXED) < (due < 1 ? 1 : due > 64 ? 64 : due))
-            return;
+            return 1;
         pthread_mutex_lock(&queue_lock);
         if (!q->used) {  /* (taken meanwhile by another stream) */
             pthread_mutex_unlock(&queue_lock);
-            return;
+            return 0;
         }
     } else {
         pthread_mutex_lock(&queue_lock);
         q = remember(queue_of(c, stream, ptsz), c, stream, ptsz);
         if (!q) {
             pthread_mutex_unlock(&queue_lock);
-            return;
+            return 0;
         }
         q->unrecorded++;
     }
@@ -703,7 +717,7 @@ static void queue_note(CUcontext c, void *stream, int ptsz)
     want = want < 1 ? 1 : want > 64 ? 64 : want;
     if (q->unrecorded < want || q->head - q->tail >= QUEUE_RING) {
         pthread_mutex_unlock(&queue_lock);
-        return;
+        return 1;
     }
     if (!q->per_launch && q->head != q->tail) {
         int mode = 2, relaxed = ev.exchange && ev.exchange(&mode) == CU_OK;
@@ -720,7 +734,7 @@ static void queue_note(CUcontext c, void *stream, int ptsz)
         __atomic_store_n(&capture_seen, now, __ATOMIC_RELAXED);
         q->unrecorded = 0;
         pthread_mutex_unlock(&queue_lock);
-        return;
+        return 1;
     }
     struct pending *p = &q->ring[q->head % QUEUE_RING];
     if (!p->event && ev.create(&p->event, 2 /* CU_EVENT_DISABLE_TIMING */) != CU_OK)
@@ -732,6 +746,7 @@ static void queue_note(CUcontext c, void *stream, int ptsz)
         q->head++;
     }
     pthread_mutex_unlock(&queue_lock);
+    return 1;
 }
 
 /* The driver's event functions are there (a driver without them: nothing is bounded). */
@@ -782,8 +797,8 @@ static inline int shared_gpu(int k)
         gate_enter(k_);                                         \
         in_driver++;                                            \
         CUresult r_ = (fn)(__VA_ARGS__);                        \
-        if (b_ && r_ == CU_OK)                                  \
-            queue_note(known_ctx, (stream_), (ptsz_));          \
+        if (r_ == CU_OK && !(b_ && queue_note(known_ctx, (stream_), (ptsz_)))) \
+            __atomic_add_fetch(&untracked[1 + k_], 1, __ATOMIC_RELAXED); \
         in_driver--;                                            \
         __atomic_sub_fetch(&launching[1 + k_], 1, __ATOMIC_SEQ_CST); \
         return r_;                                              \
@@ -846,6 +861,7 @@ void gate_forked(void)
     memset(launched, 0, sizeof launched);
     memset(base, 0, sizeof base);
     catch_up_open = 0;
+    memset(untracked, 0, sizeof untracked);
     nctxs = 0;
     known_ctx = NULL;
     memset(queues, 0, sizeof queues);  /* (the parent's streams and events: not the child's) */
