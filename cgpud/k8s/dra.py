@@ -1,0 +1,214 @@
+"""What the DRA driver publishes and prepares (docs/kubernetes.md, DRA mode). Pure:
+the daemon's `query` answer and the API server's objects in, objects and
+decisions out; the plugin (cgpud.k8s.draplugin) does the I/O.
+
+- `resource_slice`: the node's ResourceSlice (resource.k8s.io/v1): one device
+  per GPU, `gpu-<index>`, with attributes uuid, model, index and memoryUnit
+  (bytes), and the capacity `memory`: the GPU's whole units in bytes, shared
+  by several claims (allowMultipleAllocations, KEP-5075) in steps of the
+  node's unit (requestPolicy: 1 GiB, 128 MiB on a `share` node).
+- `plan`: an allocated ResourceClaim → per request, the GPUs and bytes on each,
+  and the weight and high priority of its opaque configuration
+  (`GpuConfig`), or DraError saying why.
+- `environment`: a request's share → the environment the node's hook and
+  `cgpu-runtime` read (ALIYUN_COM_GPU_MEM_IDX, _CONTAINER in the node's
+  units GPU by GPU, _POD, NVIDIA_VISIBLE_DEVICES, ALIYUN_COM_GPU_SCHD_WEIGHT,
+  ALIYUN_COM_GPU_HIGH_PRIO), as the device plugin's Allocate gives it.
+- `cdi_spec`: a claim's CDI spec (one CDI device per request, each carrying
+  its environment), what the kubelet hands the runtime by name.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+
+from cgpud.containers import envspec
+from cgpud.core.model import MAX_INST
+
+DRIVER = "cgpu.aliyun.com"
+CONFIG_API_VERSION = "cgpu.aliyun.com/v1"
+CONFIG_KIND = "GpuConfig"
+CDI_VENDOR_CLASS = "cgpu.aliyun.com/gpu"
+CDI_VERSION = "0.6.0"
+CAPACITY = "memory"
+
+
+class DraError(ValueError):
+    """A claim that cannot be prepared; str() is the one line the kubelet puts on the pod."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    model: str
+    memory: int  # bytes
+
+    def units(self, unit: int) -> int:
+        return self.memory // unit
+
+
+def gpus_from_query(snapshot: dict) -> list[Gpu]:
+    return [Gpu(int(g["index"]), str(g["uuid"]), str(g.get("name", "")), int(g["memory"]))
+            for g in snapshot.get("gpus", [])]
+
+
+def device_name(index: int) -> str:
+    return f"gpu-{index}"
+
+
+def slice_name(node: str) -> str:
+    return f"{node}-{DRIVER}"
+
+
+def resource_slice(node: str, gpus: list[Gpu], unit: int, generation: int = 1) -> dict:
+    """The node's ResourceSlice: all its GPUs in one pool named after the node."""
+    step = str(unit)
+    return {
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+        "metadata": {"name": slice_name(node)},
+        "spec": {
+            "driver": DRIVER, "nodeName": node,
+            "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
+            "devices": [{
+                "name": device_name(g.index),
+                "allowMultipleAllocations": True,
+                "attributes": {"uuid": {"string": g.uuid}, "model": {"string": g.model},
+                               "index": {"int": g.index}, "memoryUnit": {"int": unit}},
+                "capacity": {CAPACITY: {"value": str(g.units(unit) * unit),
+                                        "requestPolicy": {"default": step,
+                                                          "validRange": {"min": step, "step": step}}}},
+            } for g in gpus],
+        },
+    }
+
+
+def quantity(text) -> int:
+    """A resource.Quantity (`3Gi`, `3221225472`, `1.5Gi`) as whole bytes, or DraError."""
+    suffixes = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+                "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "": 1}
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|)\s*", str(text))
+    try:
+        value = Decimal(m.group(1)) * suffixes[m.group(2)] if m else None
+    except InvalidOperation:
+        value = None
+    if value is None or value != value.to_integral_value():
+        raise DraError(f"capacity {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+@dataclass
+class Share:
+    """What one request of a claim got on this node: bytes on each of its GPUs, in the order the
+    scheduler allocated them, with the configuration that applies to it."""
+
+    request: str
+    gpus: list[tuple[int, int]] = field(default_factory=list)  # (GPU index, bytes)
+    weight: int = 1
+    highprio: bool = False
+
+    def as_dict(self) -> dict:
+        return {"request": self.request, "gpus": [list(g) for g in self.gpus], "weight": self.weight,
+                "highprio": self.highprio}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Share":
+        return cls(d["request"], [(int(i), int(b)) for i, b in d["gpus"]], int(d["weight"]), bool(d["highprio"]))
+
+
+def _config(parameters, where: str) -> dict:
+    """An opaque configuration of ours: {apiVersion, kind, weight?, highPriority?}, checked."""
+    if not isinstance(parameters, dict) or parameters.get("apiVersion") != CONFIG_API_VERSION \
+            or parameters.get("kind") != CONFIG_KIND:
+        raise DraError(f"{where}: opaque parameters for {DRIVER} must be apiVersion: {CONFIG_API_VERSION}, "
+                       f"kind: {CONFIG_KIND}")
+    unknown = set(parameters) - {"apiVersion", "kind", "weight", "highPriority"}
+    if unknown:
+        raise DraError(f"{where}: {CONFIG_KIND} has no field {sorted(unknown)[0]!r} (weight, highPriority)")
+    out = {}
+    if "weight" in parameters:
+        w = parameters["weight"]
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_INST[1]:
+            raise DraError(f"{where}: weight {w!r} is not a whole number from 1 to {MAX_INST[1]}")
+        out["weight"] = w
+    if "highPriority" in parameters:
+        if not isinstance(parameters["highPriority"], bool):
+            raise DraError(f"{where}: highPriority {parameters['highPriority']!r} is not true or false")
+        out["highprio"] = parameters["highPriority"]
+    return out
+
+
+def plan(claim: dict, node: str, gpus: list[Gpu], unit: int) -> list[Share]:
+    """The shares of an allocated claim on this node's GPUs, one per request; DraError when the
+    claim is not allocated here or asks what cannot be given."""
+    meta = claim.get("metadata") or {}
+    who = f"ResourceClaim {meta.get('namespace')}/{meta.get('name')}"
+    devices = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {})
+    results = [r for r in devices.get("results") or () if r.get("driver") == DRIVER]
+    if not results:
+        raise DraError(f"{who} has no device of {DRIVER} allocated")
+    by_name = {device_name(g.index): g for g in gpus}
+    shares: dict[str, Share] = {}
+    for r in results:
+        if r.get("pool") != node:
+            raise DraError(f"{who}: device {r.get('device')} is of pool {r.get('pool')!r}, not this node's ({node})")
+        gpu = by_name.get(r.get("device"))
+        if gpu is None:
+            raise DraError(f"{who}: device {r.get('device')!r} is not one of this node's GPUs "
+                           f"({', '.join(sorted(by_name)) or 'none'})")
+        whole = gpu.units(unit) * unit
+        consumed = (r.get("consumedCapacity") or {}).get(CAPACITY)
+        size = quantity(consumed) if consumed is not None else whole  # a device allocated whole
+        if size <= 0 or size % unit or size > whole:
+            raise DraError(f"{who}: {size} bytes of GPU {gpu.index} is not a whole number of the node's "
+                           f"{unit}-byte units from 1 to {gpu.units(unit)}")
+        share = shares.setdefault(r["request"], Share(r["request"]))
+        if any(i == gpu.index for i, _ in share.gpus):
+            raise DraError(f"{who}: request {r['request']} was given GPU {gpu.index} twice")
+        share.gpus.append((gpu.index, size))
+    for n, c in enumerate(devices.get("config") or ()):  # the class's first, then the claim's: later wins
+        opaque = c.get("opaque") or {}
+        if opaque.get("driver") != DRIVER:
+            continue
+        settings = _config(opaque.get("parameters"), f"{who}, config {n}")
+        for name, share in shares.items():
+            if not c.get("requests") or name in c["requests"] or name.split("/")[0] in c["requests"]:
+                share.weight = settings.get("weight", share.weight)
+                share.highprio = settings.get("highprio", share.highprio)
+    return list(shares.values())
+
+
+def environment(share: Share, gpus: list[Gpu], unit: int) -> dict[str, str]:
+    """The container's environment for a share, in the node's units (what the hook reads)."""
+    by_index = {g.index: g for g in gpus}
+    units = [b // unit for _, b in share.gpus]
+    env = {
+        envspec.NVIDIA: ",".join(by_index[i].uuid for i, _ in share.gpus),
+        envspec.MEM_IDX: ",".join(str(i) for i, _ in share.gpus),
+        envspec.MEM_CONTAINER: ",".join(map(str, units)) if len(set(units)) > 1 else str(units[0]),
+        envspec.MEM_POD: str(sum(units)),
+    }
+    if share.weight != 1:
+        env[envspec.WEIGHT] = str(share.weight)
+    if share.highprio:
+        env[envspec.HIGH_PRIO] = "1"
+    return env
+
+
+def cdi_device(claim_uid: str, request: str) -> str:
+    """The CDI device name of a claim's request (CDI allows letters, digits, _ - . :)."""
+    return f"{claim_uid}-{re.sub(r'[^A-Za-z0-9_.:-]', '.', request)}"
+
+
+def cdi_spec(claim_uid: str, shares: list[Share], gpus: list[Gpu], unit: int, mounts: list[str]) -> dict:
+    """The claim's CDI spec: a device per request whose edits set its environment; `mounts` (the
+    daemon's socket directory) are bound into every container of the claim."""
+    return {
+        "cdiVersion": CDI_VERSION, "kind": CDI_VENDOR_CLASS,
+        "devices": [{"name": cdi_device(claim_uid, s.request),
+                     "containerEdits": {"env": [f"{k}={v}" for k, v in sorted(environment(s, gpus, unit).items())]}}
+                    for s in shares],
+        "containerEdits": {"mounts": [{"hostPath": m, "containerPath": m, "options": ["rbind", "rw"]}
+                                      for m in mounts]},
+    }

@@ -1,0 +1,347 @@
+"""`cgpu dra-plugin`: cgpud's DRA kubelet plugin, driver `cgpu.aliyun.com`
+(docs/kubernetes.md, DRA mode), its own process beside the node daemon, which
+it asks over the control socket (cgpud.client) only.
+
+- Registration: the kubelet's plugin watcher (pluginregistration/v1) finds
+  `<registry dir>/cgpu.aliyun.com-reg.sock`, asks GetInfo (type DRAPlugin,
+  the endpoint `<plugin dir>/dra.sock`, service `v1.DRAPlugin`) and dials the
+  endpoint. A kubelet that restarts finds the socket again; a socket removed
+  is served anew within POLL seconds.
+- DRAPlugin (the kubelet's dra/v1 api.proto): NodePrepareResources reads each
+  claim from the API server, turns its allocation into shares
+  (cgpud.k8s.dra.plan), writes the claim's CDI spec (one CDI device per
+  request, carrying the environment the node's hook reads) and keeps the
+  claim on disk (`<state dir>/<uid>.json`): a restarted plugin answers a
+  Prepare again from there and can Unprepare what it prepared before.
+  NodeUnprepareResources removes the spec and the record. The instance is
+  made by the node's hook when the container starts (named by the
+  container, in the tree as every container is) and removed when it stops.
+- The node's ResourceSlice, published through the official client when the
+  daemon's GPUs change, and again every `refresh` seconds until the API
+  server took it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from cgpud.client import Client, ControlError, DaemonUnavailable
+from cgpud.containers.placement import unit_for
+from cgpud.k8s import dra
+from cgpud.k8s.api import one_line
+from cgpud.k8s.proto import dra_pb2 as pb
+from cgpud.k8s.proto import dra_pb2_grpc as rpc
+from cgpud.k8s.proto import pluginregistration_pb2 as regpb
+from cgpud.k8s.proto import pluginregistration_pb2_grpc as regrpc
+
+log = logging.getLogger("cgpud.k8s")
+
+SERVICE = "v1.DRAPlugin"  # what the kubelet calls the dra/v1 service (k8s.io/kubelet/pkg/apis/dra/v1)
+DEFAULT_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
+DEFAULT_PLUGIN_DIR = f"/var/lib/kubelet/plugins/{dra.DRIVER}"
+DEFAULT_CDI_DIR = "/var/run/cdi"
+DEFAULT_STATE_DIR = "/var/lib/cgpud/dra"
+POLL = 0.1  # s: how often our sockets are looked at
+REFRESH = 1.0  # s: how often the daemon is asked what GPUs it has
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """`path` holds either its old bytes or all of `data`, never a part (a runtime reading a CDI
+    spec, a restart reading a record)."""
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+class Node:
+    """The daemon's GPUs and unit, asked every `refresh` seconds; `gpus` None while it does not
+    answer. `on_change(gpus, unit)` after each change."""
+
+    def __init__(self, socket: str | None) -> None:
+        self.socket = socket
+        self.gpus: list[dra.Gpu] | None = None
+        self.unit = 0
+        self.on_change = None
+
+    def poll(self) -> None:
+        try:
+            with Client(self.socket, timeout=5) as c:
+                snap = c.call("query")
+            gpus, unit = dra.gpus_from_query(snap), unit_for(snap.get("mode", "exclusive"))
+        except (DaemonUnavailable, ControlError, OSError, ValueError, KeyError) as exc:
+            if self.gpus is not None:
+                log.warning("cgpud does not answer (%s): claims are refused until it does", exc)
+            self.gpus = None
+            return
+        if (gpus, unit) != (self.gpus, self.unit):
+            self.gpus, self.unit = gpus, unit
+            if self.on_change is not None:
+                self.on_change(gpus, unit)
+
+    def run(self, stop: threading.Event, refresh: float = REFRESH) -> None:
+        while not stop.is_set():
+            self.poll()
+            stop.wait(refresh)
+
+
+class Api:
+    """The API server through the official client: claims read, the node's slice written."""
+
+    def __init__(self) -> None:
+        from kubernetes import client
+
+        from cgpud.k8s.api import connect
+
+        _, api_client = connect("cgpu-dra-plugin")
+        self.resource = client.ResourceV1Api(api_client)
+
+    def claim(self, namespace: str, name: str) -> dict:
+        r = self.resource.read_namespaced_resource_claim(name, namespace, _preload_content=False)
+        return json.loads(r.data)
+
+    def publish(self, body: dict) -> None:
+        """Create the slice, or replace it when what is there differs (a new pool generation)."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = body["metadata"]["name"]
+        try:
+            self.resource.create_resource_slice(body, _preload_content=False)
+            return
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        have = json.loads(self.resource.read_resource_slice(name, _preload_content=False).data)
+        spec = have.get("spec") or {}
+        if {**spec, "pool": None} == {**body["spec"], "pool": None}:
+            return
+        body = json.loads(json.dumps(body))
+        body["spec"]["pool"]["generation"] = int((spec.get("pool") or {}).get("generation", 0)) + 1
+        body["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
+        self.resource.replace_resource_slice(name, body, _preload_content=False)
+
+
+class Driver(rpc.DRAPluginServicer):
+    def __init__(self, node: Node, node_name: str, state_dir: str, cdi_dir: str, claims,
+                 mounts: list[str] | None = None) -> None:
+        self.node, self.node_name = node, node_name
+        self.state_dir, self.cdi_dir = state_dir, cdi_dir
+        self.claims = claims  # (namespace, name) -> the ResourceClaim as JSON
+        self.mounts = mounts or []
+        self.lock = threading.Lock()
+        os.makedirs(state_dir, exist_ok=True)
+
+    # ---- on disk -------------------------------------------------------------------------
+
+    def record_path(self, uid: str) -> str:
+        return os.path.join(self.state_dir, f"{uid}.json")
+
+    def spec_path(self, uid: str) -> str:
+        return os.path.join(self.cdi_dir, f"{dra.DRIVER}-{uid}.json")
+
+    def prepared(self) -> dict[str, dict]:
+        """The claims prepared and not unprepared, by UID (what survives a restart)."""
+        out = {}
+        for f in sorted(os.listdir(self.state_dir)):
+            if f.endswith(".json") and not f.startswith("."):
+                try:
+                    with open(os.path.join(self.state_dir, f)) as fh:
+                        out[f[:-5]] = json.load(fh)
+                except (OSError, ValueError) as exc:
+                    log.warning("unreadable record %s (%s): ignored", f, exc)
+        return out
+
+    # ---- the kubelet's calls -----------------------------------------------------------------
+
+    def NodePrepareResources(self, request, context):
+        out = {}
+        for c in request.claims:
+            try:
+                out[c.uid] = self.prepare(c.namespace, c.name, c.uid)
+            except dra.DraError as exc:
+                log.warning("prepare %s/%s refused: %s", c.namespace, c.name, exc)
+                out[c.uid] = pb.NodePrepareResourceResponse(error=str(exc))
+        return pb.NodePrepareResourcesResponse(claims=out)
+
+    def NodeUnprepareResources(self, request, context):
+        out = {}
+        for c in request.claims:
+            try:
+                self.unprepare(c.uid)
+                out[c.uid] = pb.NodeUnprepareResourceResponse()
+            except OSError as exc:
+                out[c.uid] = pb.NodeUnprepareResourceResponse(error=f"cannot remove claim {c.uid}'s files: {exc}")
+        return pb.NodeUnprepareResourcesResponse(claims=out)
+
+    def prepare(self, namespace: str, name: str, uid: str) -> pb.NodePrepareResourceResponse:
+        with self.lock:
+            try:
+                with open(self.record_path(uid)) as f:
+                    record = json.load(f)  # prepared before (the kubelet asks again after its restart)
+            except FileNotFoundError:
+                record = None
+            if record is None:
+                record = self._prepare_new(namespace, name, uid)
+        devices = []
+        for d in record["devices"]:
+            devices.append(pb.Device(request_names=[d["request"]], pool_name=d["pool"], device_name=d["device"],
+                                     cdi_device_ids=d["cdi"], **({"share_id": d["share"]} if d.get("share") else {})))
+        return pb.NodePrepareResourceResponse(devices=devices)
+
+    def _prepare_new(self, namespace: str, name: str, uid: str) -> dict:
+        gpus, unit = self.node.gpus, self.node.unit
+        if gpus is None:
+            raise dra.DraError("cgpud does not answer on the node: start it (cgpud serve)")
+        try:
+            claim = self.claims(namespace, name)
+        except Exception as exc:  # noqa: BLE001 - any trouble asking: one line for the pod's events
+            raise dra.DraError(f"cannot read ResourceClaim {namespace}/{name}: {one_line(exc)}") from None
+        if (claim.get("metadata") or {}).get("uid") != uid:
+            raise dra.DraError(f"ResourceClaim {namespace}/{name} is not the claim {uid} (deleted and made again?)")
+        shares = dra.plan(claim, self.node_name, gpus, unit)
+        results = [r for r in claim["status"]["allocation"]["devices"]["results"] if r.get("driver") == dra.DRIVER]
+        devices, given = [], set()
+        for r in results:  # each request's CDI device once, on its first device (the kubelet passes each on)
+            first = r["request"] not in given
+            given.add(r["request"])
+            devices.append({"request": r["request"], "pool": r["pool"], "device": r["device"],
+                            "share": r.get("shareID"),
+                            "cdi": [f"{dra.CDI_VENDOR_CLASS}={dra.cdi_device(uid, r['request'])}"] if first else []})
+        spec = dra.cdi_spec(uid, shares, gpus, unit, self.mounts)
+        write_atomically(self.spec_path(uid), json.dumps(spec, indent=1).encode())
+        record = {"namespace": namespace, "name": name, "uid": uid, "unit": unit,
+                  "shares": [s.as_dict() for s in shares], "devices": devices}
+        write_atomically(self.record_path(uid), json.dumps(record).encode())
+        log.info("prepared %s/%s (%s): %s", namespace, name, uid, "; ".join(
+            f"{s.request}: " + ", ".join(f"GPU {i} {b} bytes" for i, b in s.gpus) for s in shares))
+        return record
+
+    def unprepare(self, uid: str) -> None:
+        with self.lock:
+            for path in (self.spec_path(uid), self.record_path(uid)):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        log.info("unprepared %s", uid)
+
+
+class Registration(regrpc.RegistrationServicer):
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.registered = threading.Event()
+
+    def GetInfo(self, request, context):
+        return regpb.PluginInfo(type="DRAPlugin", name=dra.DRIVER, endpoint=self.endpoint,
+                                supported_versions=[SERVICE])
+
+    def NotifyRegistrationStatus(self, request, context):
+        if request.plugin_registered:
+            log.info("registered with the kubelet as %s", dra.DRIVER)
+            self.registered.set()
+        else:
+            log.warning("the kubelet refused the registration: %s", request.error)
+        return regpb.RegistrationStatusResponse()
+
+
+def _ino(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns
+
+
+def serve(driver: Driver, registry_dir: str, plugin_dir: str, stop: threading.Event,
+          registration: Registration | None = None) -> None:
+    """Serve the plugin's socket and the registration socket until `stop`; either removed is
+    served again (a kubelet that cleans its directories, or one of ours removed by hand)."""
+    endpoint = os.path.join(plugin_dir, "dra.sock")
+    reg = os.path.join(registry_dir, f"{dra.DRIVER}-reg.sock")
+    registration = registration or Registration(endpoint)
+    os.makedirs(plugin_dir, exist_ok=True)
+    os.makedirs(registry_dir, exist_ok=True)
+    while not stop.is_set():
+        servers = []
+        for path, add in ((endpoint, lambda s: rpc.add_DRAPluginServicer_to_server(driver, s)),
+                          (reg, lambda s: regrpc.add_RegistrationServicer_to_server(registration, s))):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+            add(server)
+            server.add_insecure_port(f"unix://{path}")
+            server.start()
+            servers.append(server)
+        served = (_ino(endpoint), _ino(reg))
+        log.info("serving %s and %s", endpoint, reg)
+        while not stop.wait(POLL):
+            if (_ino(endpoint), _ino(reg)) != served:
+                log.info("a socket of ours was removed: serving both again")
+                break
+        for server in servers:
+            server.stop(grace=0.5).wait()
+    for path in (reg, endpoint):  # the kubelet sees the plugin go
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str, cdi_dir: str,
+         state_dir: str, refresh: float) -> None:
+    from cgpud.state.paths import default_socket
+
+    node = Node(socket or default_socket())
+    api = Api()
+    driver = Driver(node, node_name, state_dir, cdi_dir, api.claim,
+                    mounts=[os.path.dirname(os.path.abspath(node.socket))])
+    stop = threading.Event()
+    pending = threading.Event()  # a slice the API server has not taken yet
+
+    def publish(gpus, unit) -> None:
+        try:
+            api.publish(dra.resource_slice(node_name, gpus, unit))
+            pending.clear()
+            log.info("published ResourceSlice %s: %d GPUs in units of %d bytes", dra.slice_name(node_name),
+                     len(gpus), unit)
+        except Exception as exc:  # noqa: BLE001 - tried again every refresh
+            if not pending.is_set():
+                log.warning("publishing ResourceSlice %s failed (%s); trying again", dra.slice_name(node_name),
+                            one_line(exc))
+            pending.set()
+
+    def follow() -> None:
+        while not stop.is_set():
+            node.poll()
+            if pending.is_set() and node.gpus is not None:
+                publish(node.gpus, node.unit)
+            stop.wait(refresh)
+
+    node.on_change = publish
+    log.info("cgpu DRA plugin %s on node %s: %d claims prepared before", dra.DRIVER, node_name,
+             len(driver.prepared()))
+    threading.Thread(target=follow, daemon=True).start()
+    try:
+        serve(driver, registry_dir, plugin_dir, stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()
+        time.sleep(0)
