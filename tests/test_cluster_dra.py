@@ -1,0 +1,210 @@
+"""The cluster tier in DRA mode (issue 29; docs/kubernetes.md, docs/cluster-tests.md): the real
+kube-apiserver, kube-scheduler with its own DRA plugin and no extender, a kubelet with DRA on, and
+containerd 2.x built from its Go module (scripts/containerd-build.sh) with CDI on and `cgpu` its
+default runtime (deploy/kubernetes/containerd-cgpu-v3.toml); deploy/kubernetes with the DRA
+component applied; `cgpu dra-plugin` as a host process with the ServiceAccount's token; cgpud
+serving two simulated T4s (14 GiB each in the slice).
+
+Its own module and cluster (the kubelet's fixed device plugin directory is taken while
+test_cluster.py's runs). The cluster starts once for the module; the tests run in order on it and
+each removes what it made.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import NAMESPACE, NODE, REPO, SA, BUSYBOX_IMAGE, Cluster, Proc, wait_for
+from test_cluster import cgpud, container_name, running  # noqa: F401  (cgpud: the module's daemon, a fixture)
+from test_runtime import wrapper
+
+pytestmark = pytest.mark.slow
+
+GIB = 1 << 30
+DRIVER = "cgpu.aliyun.com"
+CLASS = "gpu.cgpu.aliyun.com"
+SA_USER = f"system:serviceaccount:{NAMESPACE}:{SA}"
+
+
+def containerd_bin() -> Path:
+    p = subprocess.run([REPO / "scripts" / "containerd-build.sh"], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, env=dict(os.environ, PATH=f"{os.environ.get('PATH', '')}:/usr/local/go/bin"))
+    if p.returncode != 0:
+        pytest.fail(f"scripts/containerd-build.sh failed:\n{p.stderr[-4000:]}")
+    return Path(p.stdout.strip().splitlines()[-1])
+
+
+def overlay(d: Path) -> Path:
+    """deploy/kubernetes with the DRA component, as a cluster administrator writes it."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(REPO / "deploy" / "kubernetes", d)],
+        "components": [os.path.relpath(REPO / "deploy" / "kubernetes" / "dra", d)]}))
+    return d
+
+
+def start_plugin(c: Cluster) -> Proc:
+    root = c.path("kubelet", "root")
+    c.procs["dra-plugin"] = Proc("dra-plugin", [
+        c._cgpu(), "--socket", c.daemon.socket, "dra-plugin", "--node-name", NODE,
+        "--registry-dir", root / "plugins_registry", "--plugin-dir", root / "plugins" / DRIVER,
+        "--cdi-dir", c.path("cdi"), "--state-dir", c.path("dra-state"), "--refresh", "0.5"],
+        c.path("dra-plugin.log"), env={"KUBECONFIG": os.fspath(c.sa_kubeconfig)}).start()
+    return c.procs["dra-plugin"]
+
+
+@pytest.fixture(scope="module")
+def cluster(cgpud):
+    c = Cluster(cgpud, wrapper(), containerd_bins=containerd_bin(), dra=True).start()
+    try:
+        c.deploy(["-k", os.fspath(overlay(c.path("overlay")))], device_plugin=False, extender=False)
+        # the resourceclaim controller takes a deleted pod off its claim's reservedFor (and frees it)
+        c.start_controller_manager("resourceclaim-controller,serviceaccount-controller,"
+                                   "serviceaccount-token-controller,garbage-collector-controller")
+        start_plugin(c)
+        yield c
+    finally:
+        c.cleanup()
+
+
+def make_claim(c: Cluster, name: str, memory: str, count: int = 1, config: dict | None = None) -> None:
+    request = {"name": "gpu", "exactly": {"deviceClassName": CLASS, "count": count, "allocationMode": "ExactCount",
+                                          "capacity": {"requests": {"memory": memory}}}}
+    spec = {"devices": {"requests": [request]}}
+    if config:
+        spec["devices"]["config"] = [{"requests": ["gpu"], "opaque": {
+            "driver": DRIVER, "parameters": {"apiVersion": "cgpu.aliyun.com/v1", "kind": "GpuConfig", **config}}}]
+    c.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+              "spec": spec})
+
+
+def claim_pod(name: str, claim: str) -> dict:
+    """A pod of one container using the claim; no runtimeClassName (cgpu is containerd's default)."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
+        "terminationGracePeriodSeconds": 1,
+        "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+        "containers": [{"name": "app", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                        "command": ["sh", "-c", "env; trap 'exit 0' TERM; while :; do sleep 1; done"],
+                        "resources": {"claims": [{"name": "gpu"}]}}]}}
+
+
+def allocated_gpus(c: Cluster, claim: str) -> list[int]:
+    got = c.get("resourceclaim", claim)
+    return [int(r["device"].split("-")[1]) for r in got["status"]["allocation"]["devices"]["results"]]
+
+
+def delete(c: Cluster, *names: str) -> None:
+    for n in names:
+        c.delete_pod(n)
+    for n in names:
+        c.kubectl("delete", "resourceclaim", f"claim-{n}", "--ignore-not-found", "--wait=true", timeout=90)
+
+
+def test_the_plugin_registers_and_publishes_the_nodes_resourceslice(cluster):
+    def slice_() -> dict:
+        p = cluster.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}", "-o", "json", check=False)
+        return json.loads(p.stdout) if p.returncode == 0 else {}
+
+    s = wait_for(slice_, 60, "the node's ResourceSlice", cluster.logs)
+    assert s["spec"]["driver"] == DRIVER and s["spec"]["nodeName"] == NODE
+    assert [(d["name"], d["capacity"]["memory"]["value"]) for d in s["spec"]["devices"]] == \
+        [("gpu-0", str(14 * GIB)), ("gpu-1", str(14 * GIB))]
+    wait_for(lambda: "registered with the kubelet" in cluster.procs["dra-plugin"].log_path.read_text(), 60,
+             "the kubelet's plugin watcher to register the plugin", cluster.logs)
+    # the component's objects are in, and the extender's DaemonSet is not (DRA mode has none)
+    assert cluster.get("deviceclass", CLASS)["spec"]["selectors"]
+    assert cluster.kubectl("get", "daemonset", "cgpu-scheduler-extender", "-n", NAMESPACE, check=False).returncode != 0
+    for verb, res in (("create", "resourceslices.resource.k8s.io"), ("update", "resourceslices.resource.k8s.io"),
+                      ("get", "resourceclaims.resource.k8s.io")):
+        p = cluster.kubectl("auth", "can-i", verb, res, f"--as={SA_USER}", check=False)
+        assert p.stdout.strip() == "yes", (verb, res, p.stdout, p.stderr)
+    for verb, res in (("delete", "resourceclaims.resource.k8s.io"), ("update", "resourceclaims.resource.k8s.io"),
+                      ("create", "deviceclasses.resource.k8s.io")):
+        assert cluster.kubectl("auth", "can-i", verb, res, f"--as={SA_USER}", check=False).stdout.strip() == "no"
+
+
+def test_a_claim_of_3_gib_runs_isolated_at_3_gib_and_goes_with_its_pod(cluster, cgpud):
+    make_claim(cluster, "claim-run", "3Gi", config={"weight": 2})
+    cluster.create(claim_pod("run", "claim-run"))
+    try:
+        pod = cluster.wait_pod("run", running, 90, "Running")
+        (gpu,) = allocated_gpus(cluster, "claim-run")
+        name = container_name(pod)
+        assert name in cgpud.instances(gpu), (name, cgpud.instances(gpu), cluster.logs())
+        assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
+        assert cgpud.value(f"{gpu}/{name}/weight") == "2"
+        assert name not in cgpud.instances(1 - gpu)
+        env = dict(line.split("=", 1) for line in cluster.kubectl("logs", "run").stdout.splitlines() if "=" in line)
+        assert (env.get("ALIYUN_COM_GPU_MEM_IDX"), env.get("ALIYUN_COM_GPU_MEM_CONTAINER")) == (str(gpu), "3"), env
+    finally:
+        delete(cluster, "run")
+    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)
+    wait_for(lambda: not list(cluster.path("cdi").glob("*.json")), 30, "the claim unprepared (its CDI spec gone)")
+
+
+def test_seed_000_a_claim_over_two_gpus_gets_4_gib_on_each(cluster, cgpud):
+    make_claim(cluster, "claim-two", "4Gi", count=2)
+    cluster.create(claim_pod("two", "claim-two"))
+    try:
+        pod = cluster.wait_pod("two", running, 90, "Running")
+        assert sorted(allocated_gpus(cluster, "claim-two")) == [0, 1]
+        name = container_name(pod)
+        for gpu in (0, 1):
+            assert name in cgpud.instances(gpu), (gpu, cgpud.instances(gpu))
+            assert cgpud.value(f"{gpu}/{name}/memsize") == str(4 * GIB)
+    finally:
+        delete(cluster, "two")
+
+
+def test_a_claim_that_does_not_fit_stays_pending_with_the_schedulers_reason(cluster, cgpud):
+    make_claim(cluster, "claim-big", "15Gi")  # each T4 has 14 GiB in the slice
+    cluster.create(claim_pod("big", "claim-big"))
+    try:
+        def failed() -> str:
+            e = cluster.events("big")
+            return e if "FailedScheduling" in e else ""
+
+        events = wait_for(failed, 60, "FailedScheduling on big", cluster.logs)
+        assert "cannot allocate all claims" in events, events
+        pod = cluster.get("pod", "big")
+        assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
+        assert not cluster.get("resourceclaim", "claim-big").get("status", {}).get("allocation")
+    finally:
+        delete(cluster, "big")
+
+
+def test_a_plugin_restart_keeps_the_running_pods_instance_and_prepares_again(cluster, cgpud):
+    make_claim(cluster, "claim-keep", "3Gi")
+    cluster.create(claim_pod("keep", "claim-keep"))
+    try:
+        pod = cluster.wait_pod("keep", running, 90, "Running")
+        (gpu,) = allocated_gpus(cluster, "claim-keep")
+        name, cid = container_name(pod), pod["status"]["containerStatuses"][0]["containerID"]
+        cluster.procs["dra-plugin"].proc.kill()
+        cluster.procs["dra-plugin"].proc.wait(10)
+        start_plugin(cluster)
+        wait_for(lambda: "1 claims prepared before" in cluster.procs["dra-plugin"].log_path.read_text(), 30,
+                 "the plugin to read its prepared claims back", cluster.logs)
+        assert name in cgpud.instances(gpu) and cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
+        status = cluster.wait_pod("keep", running, 30, "still Running")["status"]["containerStatuses"][0]
+        assert status["containerID"] == cid and status["restartCount"] == 0, status
+        # a pod after the restart is prepared by the new plugin
+        make_claim(cluster, "claim-after", "2Gi")
+        cluster.create(claim_pod("after", "claim-after"))
+        after = cluster.wait_pod("after", running, 90, "Running")
+        (g2,) = allocated_gpus(cluster, "claim-after")
+        assert cgpud.value(f"{g2}/{container_name(after)}/memsize") == str(2 * GIB)
+    finally:
+        delete(cluster, "keep", "after")
+    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go")
+
+
+def test_nothing_the_dra_plugin_asked_was_refused(cluster):
+    log = cluster.procs["dra-plugin"].log_path.read_text(errors="replace")
+    assert "403" not in log and "orbidden" not in log, log
+    assert cluster.procs["dra-plugin"].alive(), log
