@@ -107,17 +107,19 @@ def delete(c: Cluster, *names: str) -> None:
 
 def test_the_plugin_registers_and_publishes_the_nodes_resourceslice(cluster):
     def slice_() -> dict:
-        p = cluster.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}", "-o", "json", check=False)
+        p = cluster.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}-1", "-o", "json", check=False)
         return json.loads(p.stdout) if p.returncode == 0 else {}
 
     s = wait_for(slice_, 60, "the node's ResourceSlice", cluster.logs)
     assert s["spec"]["driver"] == DRIVER and s["spec"]["nodeName"] == NODE
-    assert [(d["name"], d["capacity"]["memory"]["value"]) for d in s["spec"]["devices"]] == \
+    assert [(d["name"], d["capacity"]["memory"]["value"]) for d in s["spec"]["devices"][:2]] == \
         [("gpu-0", str(14 * GIB)), ("gpu-1", str(14 * GIB))]
+    assert len(s["spec"]["devices"]) == 2 + 2 * 14  # and each GPU's 14 memory units
     wait_for(lambda: "registered with the kubelet" in cluster.procs["dra-plugin"].log_path.read_text(), 60,
              "the kubelet's plugin watcher to register the plugin", cluster.logs)
     # the component's objects are in, and the extender's DaemonSet is not (DRA mode has none)
     assert cluster.get("deviceclass", CLASS)["spec"]["selectors"]
+    assert cluster.get("deviceclass", "gpu-mem.cgpu.aliyun.com")["spec"]["extendedResourceName"] == "aliyun.com/gpu-mem"
     assert cluster.kubectl("get", "daemonset", "cgpu-scheduler-extender", "-n", NAMESPACE, check=False).returncode != 0
     for verb, res in (("create", "resourceslices.resource.k8s.io"), ("update", "resourceslices.resource.k8s.io"),
                       ("get", "resourceclaims.resource.k8s.io")):
@@ -176,6 +178,26 @@ def test_a_claim_that_does_not_fit_stays_pending_with_the_schedulers_reason(clus
         assert not cluster.get("resourceclaim", "claim-big").get("status", {}).get("allocation")
     finally:
         delete(cluster, "big")
+
+
+def test_a_pod_asking_gpu_mem_unchanged_is_given_its_units_through_dra(cluster, cgpud):
+    """A pod as the seeds write it (`aliyun.com/gpu-mem: 3` in its limits, no claim, no runtimeClassName):
+    kube-scheduler allocates 3 memory units through the DeviceClass's extendedResourceName, with no
+    extender and no device plugin; the container runs isolated at 3 GiB."""
+    cluster.create(cluster.pod("mem-3", 3, runtime_class=None))
+    try:
+        pod = cluster.wait_pod("mem-3", running, 90, "Running")
+        claim = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+        results = cluster.get("resourceclaim", claim)["status"]["allocation"]["devices"]["results"]
+        gpus = {int(r["device"].split("-")[1]) for r in results}
+        assert len(results) == 3 and all("-unit-" in r["device"] for r in results) and len(gpus) == 1, results
+        (gpu,) = gpus
+        name = container_name(pod)
+        assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
+        assert cluster.get("node", NODE)["status"]["allocatable"].get("aliyun.com/gpu-mem") is None  # no device plugin
+    finally:
+        cluster.delete_pod("mem-3")
+    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)
 
 
 def test_a_plugin_restart_keeps_the_running_pods_instance_and_prepares_again(cluster, cgpud):

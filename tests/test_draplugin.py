@@ -55,30 +55,57 @@ def opaque(requests=None, **params) -> dict:
 # ---- pure: the slice, the shares, the environment --------------------------------------------
 
 
-def test_the_slice_has_one_device_per_gpu_sharing_its_memory_in_the_nodes_unit():
-    s = dra.resource_slice(NODE, [T4, A10], 128 * MIB)
-    assert s["apiVersion"] == "resource.k8s.io/v1" and s["spec"]["driver"] == dra.DRIVER
-    assert s["spec"]["nodeName"] == NODE and s["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
-    t4, a10 = s["spec"]["devices"]
+def test_the_slices_have_each_gpu_sharing_its_memory_and_each_unit_drawing_on_the_same_counter():
+    slices = dra.resource_slices(NODE, [T4, A10], 128 * MIB)
+    # counters first (a slice holds counters or devices), then at most 64 devices a slice: 2 GPUs +
+    # 118 + 179 units of 128 MiB are 299 devices in 5 slices, one pool
+    assert [len(x["spec"].get("devices", [])) for x in slices] == [0, 64, 64, 64, 64, 43]
+    for k, x in enumerate(slices):
+        assert x["metadata"]["name"] == f"{NODE}-cgpu.aliyun.com-{k}" and x["spec"]["driver"] == dra.DRIVER
+        assert x["spec"]["nodeName"] == NODE
+        assert x["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 6}
+    assert slices[0]["spec"]["sharedCounters"] == [
+        {"name": "gpu-0", "counters": {"memory": {"value": str(118 * 128 * MIB)}}},
+        {"name": "gpu-1", "counters": {"memory": {"value": str(179 * 128 * MIB)}}}]
+    devs = [d for x in slices for d in x["spec"].get("devices", [])]
+    t4, a10 = devs[:2]
     assert t4["name"] == "gpu-0" and t4["allowMultipleAllocations"] is True
     assert t4["attributes"] == {"uuid": {"string": "GPU-t4"}, "model": {"string": "Tesla T4"}, "index": {"int": 0},
-                                "memoryUnit": {"int": 128 * MIB}}
+                                "memoryUnit": {"int": 128 * MIB}, "kind": {"string": "gpu"}}
     # 15109 MiB is 118 whole units of 128 MiB (15104 MiB): never more than the units the hook can give
     assert t4["capacity"]["memory"] == {"value": str(118 * 128 * MIB), "requestPolicy": {
         "default": str(128 * MIB), "validRange": {"min": str(128 * MIB), "step": str(128 * MIB)}}}
-    assert a10["capacity"]["memory"]["value"] == str(179 * 128 * MIB)  # 23028 MiB
-    assert dra.resource_slice(NODE, [T4], GIB)["spec"]["devices"][0]["capacity"]["memory"]["value"] == str(14 * GIB)
+    assert t4["consumesCounters"] == [{"counterSet": "gpu-0", "counters": {"memory": {"value": str(118 * 128 * MIB)}}}]
+    units = [d for d in devs if d["attributes"]["kind"] == {"string": "memory-unit"}]
+    assert [d["name"] for d in units[:2]] == ["gpu-0-unit-0", "gpu-0-unit-1"] and len(units) == 118 + 179
+    assert units[-1]["name"] == "gpu-1-unit-178" and "allowMultipleAllocations" not in units[-1]
+    assert units[-1]["consumesCounters"] == [{"counterSet": "gpu-1", "counters": {"memory": {"value": str(128 * MIB)}}}]
+    assert dra.resource_slices(NODE, [T4], GIB)[1]["spec"]["devices"][0]["capacity"]["memory"]["value"] == \
+        str(14 * GIB)
 
 
-def test_the_slice_is_a_valid_object_of_the_official_clients_model():
+def test_the_slices_are_valid_objects_of_the_official_clients_model():
     from kubernetes import client
 
     from test_manifests import unknown
 
-    body = dra.resource_slice(NODE, [T4, A10], GIB)
-    assert unknown(body, "V1ResourceSlice", "ResourceSlice") == []
-    obj = client.ApiClient()._ApiClient__deserialize(body, "V1ResourceSlice")
-    assert obj.spec.devices[0].capacity["memory"].request_policy.valid_range.step == str(GIB)
+    for body in dra.resource_slices(NODE, [T4, A10], GIB):
+        assert unknown(body, "V1ResourceSlice", "ResourceSlice") == []
+        client.ApiClient()._ApiClient__deserialize(body, "V1ResourceSlice")
+
+
+def test_units_of_gpu_mem_become_a_share_per_gpu():
+    """aliyun.com/gpu-mem: 3 through the DeviceClass is 3 unit devices (KEP-5004): 3 units of their GPU;
+    units the scheduler took from two GPUs give the container both, each with its own."""
+    (share,) = dra.plan(claim([result(f"gpu-0-unit-{j}", request="container-0-request-0", memory=None)
+                               for j in range(3)]), NODE, [T4, A10], GIB)
+    assert share.gpus == [(0, 3 * GIB)]
+    env = dra.environment(share, [T4, A10], GIB)
+    assert (env["ALIYUN_COM_GPU_MEM_IDX"], env["ALIYUN_COM_GPU_MEM_CONTAINER"]) == ("0", "3")
+    (split,) = dra.plan(claim([result("gpu-0-unit-13", memory=None), result("gpu-1-unit-0", memory=None),
+                               result("gpu-1-unit-1", memory=None)]), NODE, [T4, A10], 128 * MIB)
+    env = dra.environment(split, [T4, A10], 128 * MIB)
+    assert (env["ALIYUN_COM_GPU_MEM_IDX"], env["ALIYUN_COM_GPU_MEM_CONTAINER"]) == ("0,1", "1,2")
 
 
 def test_a_claim_of_3_gib_is_3_units_on_its_gpu():
@@ -125,6 +152,8 @@ def test_weight_and_high_priority_come_from_the_opaque_config_later_wins():
     (claim([]), "has no device of cgpu.aliyun.com allocated"),
     (claim([result("gpu-0", pool="other-node")]), "of pool 'other-node', not this node's"),
     (claim([result("gpu-7")]), "'gpu-7' is not one of this node's GPUs"),
+    (claim([result("gpu-0-unit-14", memory=None)]), "'gpu-0-unit-14' is not one of this node's GPUs or their units"),
+    (claim([result("gpu-0-unit-1", memory=None), result("gpu-0-unit-1", memory=None)]), "unit gpu-0-unit-1 was given twice"),
     (claim([result("gpu-0", memory="1536Mi")]), "not a whole number of the node's"),
     (claim([result("gpu-0", memory="15Gi")]), "from 1 to 14"),
     (claim([result("gpu-0", memory="3.3")]), "not a whole number of bytes"),
@@ -249,10 +278,29 @@ def test_registers_through_the_plugin_watcher_and_publishes_the_nodes_slice(plug
     info = kubelet.info()
     assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == \
         ("DRAPlugin", dra.DRIVER, os.fspath(dirs["plugin"] / "dra.sock"), ["v1.DRAPlugin"])
-    s = wait_for(lambda: api.slices.get(dra.slice_name(NODE)), why="no ResourceSlice published")
-    assert [x["name"] for x in s["spec"]["devices"]] == ["gpu-0", "gpu-1"]
+    s = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
+    assert [x["name"] for x in s["spec"]["devices"][:3]] == ["gpu-0", "gpu-1", "gpu-0-unit-0"]
     assert s["spec"]["devices"][0]["attributes"]["model"] == {"string": "Tesla T4"}
     assert s["spec"]["devices"][1]["capacity"]["memory"]["value"] == str(22 * GIB)
+    assert api.slices[dra.slice_name(NODE, 0)]["spec"]["sharedCounters"][1]["name"] == "gpu-1"
+    assert len(api.slices) == 2 and api.count("create", "resourceslices") == 2
+
+
+def test_a_changed_node_is_published_again_with_the_next_generation(plugin, make_daemon):
+    d, api, dirs, kubelet, start, stop = plugin
+    wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
+    stop()
+    d.stop()
+    d.gpus = "sim:1xT4"  # the node's GPUs changed while the plugin was away (its state is of the old ones)
+    (Path(d.state_dir) / "state.json").unlink()
+    d.start()
+    start()
+    s = wait_for(lambda: (x := api.slices[dra.slice_name(NODE, 1)]) and x["spec"]["pool"]["generation"] == 2 and x,
+                 why="the slices not written again")
+    assert [x["name"] for x in s["spec"]["devices"]][:2] == ["gpu-0", "gpu-0-unit-0"]
+    assert s["spec"]["pool"]["resourceSliceCount"] == 2
+    time.sleep(1)  # (the plugin looks every 0.2 s: nothing more is written for a node that did not change)
+    assert api.count("update", "resourceslices") == 2 and api.slices[dra.slice_name(NODE, 1)] == s
 
 
 def test_prepare_writes_the_claims_cdi_spec_and_unprepare_removes_it(plugin):

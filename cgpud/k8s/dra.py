@@ -2,11 +2,14 @@
 the daemon's `query` answer and the API server's objects in, objects and
 decisions out; the plugin (cgpud.k8s.draplugin) does the I/O.
 
-- `resource_slice`: the node's ResourceSlice (resource.k8s.io/v1): one device
-  per GPU, `gpu-<index>`, with attributes uuid, model, index and memoryUnit
-  (bytes), and the capacity `memory`: the GPU's whole units in bytes, shared
-  by several claims (allowMultipleAllocations, KEP-5075) in steps of the
-  node's unit (requestPolicy: 1 GiB, 128 MiB on a `share` node).
+- `resource_slices`: the node's ResourceSlices (resource.k8s.io/v1): one
+  device per GPU, `gpu-<index>`, with attributes uuid, model, index,
+  memoryUnit (bytes) and kind, and the capacity `memory`: the GPU's whole
+  units in bytes, shared by several claims (allowMultipleAllocations,
+  KEP-5075) in steps of the node's unit (requestPolicy: 1 GiB, 128 MiB on a
+  `share` node); and one device per memory unit, `gpu-<index>-unit-<j>`, for
+  `aliyun.com/gpu-mem: N` (KEP-5004 allocates N devices); both kinds draw on
+  the GPU's counter (KEP-4815), so a GPU never gives more than it has.
 - `plan`: an allocated ResourceClaim → per request, the GPUs and bytes on each,
   and the weight and high priority of its opaque configuration
   (`GpuConfig`), or DraError saying why.
@@ -54,34 +57,66 @@ def gpus_from_query(snapshot: dict) -> list[Gpu]:
             for g in snapshot.get("gpus", [])]
 
 
-def device_name(index: int) -> str:
-    return f"gpu-{index}"
+KIND_GPU, KIND_UNIT = "gpu", "memory-unit"  # the attribute `kind` the two DeviceClasses select on
+PER_SLICE = 64  # devices per slice when they consume counters (ResourceSliceMaxDevicesWithAdvancedFeatures)
+COUNTER_SETS_PER_SLICE = 8  # (ResourceSliceMaxCounterSets)
 
 
-def slice_name(node: str) -> str:
-    return f"{node}-{DRIVER}"
+def device_name(index: int, unit: int | None = None) -> str:
+    return f"gpu-{index}" if unit is None else f"gpu-{index}-unit-{unit}"
 
 
-def resource_slice(node: str, gpus: list[Gpu], unit: int, generation: int = 1) -> dict:
-    """The node's ResourceSlice: all its GPUs in one pool named after the node."""
-    step = str(unit)
-    return {
+def parse_device(name: str) -> tuple[int, bool] | None:
+    """(GPU index, a memory unit?) of one of our device names, else None."""
+    m = re.fullmatch(r"gpu-(\d+)(-unit-\d+)?", name or "")
+    return (int(m[1]), bool(m[2])) if m else None
+
+
+def slice_name(node: str, k: int = 0) -> str:
+    return f"{node}-{DRIVER}-{k}"
+
+
+def devices(gpus: list[Gpu], unit: int) -> list[dict]:
+    """Each GPU as a device claims share by memory (capacity `memory`, KEP-5075), then each of its
+    memory units as a device of its own (what `aliyun.com/gpu-mem: N` is allocated as: N devices,
+    KEP-5004). Both draw on the GPU's counter `memory`: the GPU device takes all of it at its first
+    claim, a unit device one unit, so a GPU serves claims or units at a time, never both over."""
+    out = []
+    for g in gpus:
+        attrs = {"uuid": {"string": g.uuid}, "model": {"string": g.model}, "index": {"int": g.index},
+                 "memoryUnit": {"int": unit}}
+        whole = g.units(unit) * unit
+        out.append({
+            "name": device_name(g.index), "allowMultipleAllocations": True,
+            "attributes": {**attrs, "kind": {"string": KIND_GPU}},
+            "capacity": {CAPACITY: {"value": str(whole), "requestPolicy": {
+                "default": str(unit), "validRange": {"min": str(unit), "step": str(unit)}}}},
+            "consumesCounters": [{"counterSet": device_name(g.index), "counters": {CAPACITY: {"value": str(whole)}}}],
+        })
+    for g in gpus:
+        attrs = {"uuid": {"string": g.uuid}, "model": {"string": g.model}, "index": {"int": g.index},
+                 "memoryUnit": {"int": unit}, "kind": {"string": KIND_UNIT}}
+        out += [{"name": device_name(g.index, j), "attributes": attrs,
+                 "consumesCounters": [{"counterSet": device_name(g.index), "counters": {CAPACITY: {"value": str(unit)}}}]}
+                for j in range(g.units(unit))]
+    return out
+
+
+def resource_slices(node: str, gpus: list[Gpu], unit: int, generation: int = 1) -> list[dict]:
+    """The node's ResourceSlices, one pool named after the node: the GPUs' counters first (a slice
+    holds counters or devices, not both), then the devices, at most PER_SLICE a slice."""
+    counters = [{"name": device_name(g.index), "counters": {CAPACITY: {"value": str(g.units(unit) * unit)}}}
+                for g in gpus]
+    devs = devices(gpus, unit)
+    parts = [{"sharedCounters": counters[i:i + COUNTER_SETS_PER_SLICE]}
+             for i in range(0, len(counters), COUNTER_SETS_PER_SLICE)]
+    parts += [{"devices": devs[i:i + PER_SLICE]} for i in range(0, len(devs), PER_SLICE)]
+    return [{
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-        "metadata": {"name": slice_name(node)},
-        "spec": {
-            "driver": DRIVER, "nodeName": node,
-            "pool": {"name": node, "generation": generation, "resourceSliceCount": 1},
-            "devices": [{
-                "name": device_name(g.index),
-                "allowMultipleAllocations": True,
-                "attributes": {"uuid": {"string": g.uuid}, "model": {"string": g.model},
-                               "index": {"int": g.index}, "memoryUnit": {"int": unit}},
-                "capacity": {CAPACITY: {"value": str(g.units(unit) * unit),
-                                        "requestPolicy": {"default": step,
-                                                          "validRange": {"min": step, "step": step}}}},
-            } for g in gpus],
-        },
-    }
+        "metadata": {"name": slice_name(node, k)},
+        "spec": {"driver": DRIVER, "nodeName": node,
+                 "pool": {"name": node, "generation": generation, "resourceSliceCount": len(parts)}, **part},
+    } for k, part in enumerate(parts)]
 
 
 def quantity(text) -> int:
@@ -148,22 +183,32 @@ def plan(claim: dict, node: str, gpus: list[Gpu], unit: int) -> list[Share]:
     results = [r for r in devices.get("results") or () if r.get("driver") == DRIVER]
     if not results:
         raise DraError(f"{who} has no device of {DRIVER} allocated")
-    by_name = {device_name(g.index): g for g in gpus}
+    by_index = {g.index: g for g in gpus}
     shares: dict[str, Share] = {}
+    units_seen: set[str] = set()
     for r in results:
         if r.get("pool") != node:
             raise DraError(f"{who}: device {r.get('device')} is of pool {r.get('pool')!r}, not this node's ({node})")
-        gpu = by_name.get(r.get("device"))
-        if gpu is None:
-            raise DraError(f"{who}: device {r.get('device')!r} is not one of this node's GPUs "
-                           f"({', '.join(sorted(by_name)) or 'none'})")
+        parsed = parse_device(r.get("device"))
+        gpu = by_index.get(parsed[0]) if parsed else None
+        if gpu is None or (parsed[1] and int(r["device"].rsplit("-", 1)[1]) >= gpu.units(unit)):
+            raise DraError(f"{who}: device {r.get('device')!r} is not one of this node's GPUs or their units "
+                           f"(GPUs {', '.join(str(i) for i in sorted(by_index)) or 'none'})")
         whole = gpu.units(unit) * unit
+        share = shares.setdefault(r["request"], Share(r["request"]))
+        if parsed[1]:  # a memory unit (aliyun.com/gpu-mem through the DeviceClass): one unit of its GPU
+            if r["device"] in units_seen:
+                raise DraError(f"{who}: unit {r['device']} was given twice")
+            units_seen.add(r["device"])
+            have = dict(share.gpus)
+            have[gpu.index] = have.get(gpu.index, 0) + unit
+            share.gpus = list(have.items())
+            continue
         consumed = (r.get("consumedCapacity") or {}).get(CAPACITY)
         size = quantity(consumed) if consumed is not None else whole  # a device allocated whole
         if size <= 0 or size % unit or size > whole:
             raise DraError(f"{who}: {size} bytes of GPU {gpu.index} is not a whole number of the node's "
                            f"{unit}-byte units from 1 to {gpu.units(unit)}")
-        share = shares.setdefault(r["request"], Share(r["request"]))
         if any(i == gpu.index for i, _ in share.gpus):
             raise DraError(f"{who}: request {r['request']} was given GPU {gpu.index} twice")
         share.gpus.append((gpu.index, size))

@@ -16,9 +16,9 @@ it asks over the control socket (cgpud.client) only.
   NodeUnprepareResources removes the spec and the record. The instance is
   made by the node's hook when the container starts (named by the
   container, in the tree as every container is) and removed when it stops.
-- The node's ResourceSlice, published through the official client when the
-  daemon's GPUs change, and again every `refresh` seconds until the API
-  server took it.
+- The node's ResourceSlices (cgpud.k8s.dra.resource_slices), published
+  through the official client when the daemon's GPUs change, and again every
+  `refresh` seconds until the API server took them.
 """
 from __future__ import annotations
 
@@ -115,25 +115,35 @@ class Api:
         r = self.resource.read_namespaced_resource_claim(name, namespace, _preload_content=False)
         return json.loads(r.data)
 
-    def publish(self, body: dict) -> None:
-        """Create the slice, or replace it when what is there differs (a new pool generation)."""
+    def publish(self, slices: list[dict]) -> None:
+        """Write the node's slices when what is there differs, all with the pool's next generation
+        (kube-scheduler reads a pool's slices of its highest generation only, so a slice left from a
+        longer list earlier is ignored)."""
         from kubernetes.client.exceptions import ApiException
 
-        name = body["metadata"]["name"]
-        try:
-            self.resource.create_resource_slice(body, _preload_content=False)
+        have = {}
+        for body in slices:
+            name = body["metadata"]["name"]
+            try:
+                have[name] = json.loads(self.resource.read_resource_slice(name, _preload_content=False).data)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+        def spec(obj: dict) -> dict:
+            return {**obj.get("spec", {}), "pool": {**obj.get("spec", {}).get("pool", {}), "generation": None}}
+
+        if all(b["metadata"]["name"] in have and spec(have[b["metadata"]["name"]]) == spec(b) for b in slices):
             return
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-        have = json.loads(self.resource.read_resource_slice(name, _preload_content=False).data)
-        spec = have.get("spec") or {}
-        if {**spec, "pool": None} == {**body["spec"], "pool": None}:
-            return
-        body = json.loads(json.dumps(body))
-        body["spec"]["pool"]["generation"] = int((spec.get("pool") or {}).get("generation", 0)) + 1
-        body["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
-        self.resource.replace_resource_slice(name, body, _preload_content=False)
+        generation = 1 + max((int(o["spec"]["pool"].get("generation", 0)) for o in have.values()), default=0)
+        for body in json.loads(json.dumps(slices)):
+            body["spec"]["pool"]["generation"] = generation
+            old = have.get(body["metadata"]["name"])
+            if old is None:
+                self.resource.create_resource_slice(body, _preload_content=False)
+            else:
+                body["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
+                self.resource.replace_resource_slice(body["metadata"]["name"], body, _preload_content=False)
 
 
 class Driver(rpc.DRAPluginServicer):
@@ -317,13 +327,14 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
 
     def publish(gpus, unit) -> None:
         try:
-            api.publish(dra.resource_slice(node_name, gpus, unit))
+            slices = dra.resource_slices(node_name, gpus, unit)
+            api.publish(slices)
             pending.clear()
-            log.info("published ResourceSlice %s: %d GPUs in units of %d bytes", dra.slice_name(node_name),
+            log.info("published %d ResourceSlices of pool %s: %d GPUs in units of %d bytes", len(slices), node_name,
                      len(gpus), unit)
         except Exception as exc:  # noqa: BLE001 - tried again every refresh
             if not pending.is_set():
-                log.warning("publishing ResourceSlice %s failed (%s); trying again", dra.slice_name(node_name),
+                log.warning("publishing the ResourceSlices of pool %s failed (%s); trying again", node_name,
                             one_line(exc))
             pending.set()
 
