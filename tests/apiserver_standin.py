@@ -13,7 +13,7 @@ kubeconfig it writes.
     PATCH  /api/v1/namespaces/NS/pods/NAME[/status]      patch
     POST   /api/v1/namespaces/NS/bindings                bind (or pods/NAME/binding)
     POST   /api/v1/namespaces/NS/events                  create
-    GET    /apis/resource.k8s.io/v1/resourceslices[/NAME]     list / get (the DRA plugin's slice)
+    GET    /apis/resource.k8s.io/v1/resourceslices[/NAME]     list, watch / get (the DRA plugin's slices)
     POST   /apis/resource.k8s.io/v1/resourceslices           create (409 when the name is taken)
     PUT    /apis/resource.k8s.io/v1/resourceslices/NAME      update (409 on a stale resourceVersion)
     GET    /apis/resource.k8s.io/v1/namespaces/NS/resourceclaims/NAME   get
@@ -38,7 +38,7 @@ What it holds to, as the real one does:
   `bookmark_every` seconds and before the server ends the watch at
   timeoutSeconds;
 - fieldSelector metadata.name, metadata.namespace, spec.nodeName and
-  status.phase (=, ==, !=; another field is 400), on LIST and WATCH: an
+  status.phase (ResourceSlices: metadata.name, spec.nodeName) (=, ==, !=; another field is 400), on LIST and WATCH: an
   object that starts to match is ADDED, one that stops matching DELETED;
 - `requests` counts each request by (verb, resource): list, watch, get,
   patch, update, create; `by_agent` also by the client's User-Agent.
@@ -66,7 +66,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 SELECTABLE = {"pods": ("metadata.name", "metadata.namespace", "spec.nodeName", "status.phase"),
-              "nodes": ("metadata.name",)}
+              "nodes": ("metadata.name",),
+              "resourceslices": ("metadata.name", "metadata.namespace", "spec.nodeName")}
 MERGE_TYPES = ("application/strategic-merge-patch+json", "application/merge-patch+json")
 
 
@@ -97,6 +98,8 @@ def fields_of(resource: str, obj: dict) -> tuple:
     meta, spec, st = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
     if resource == "pods":
         return meta.get("name"), meta.get("namespace"), spec.get("nodeName") or "", st.get("phase") or ""
+    if resource == "resourceslices":
+        return meta.get("name"), "", spec.get("nodeName") or ""
     return (meta.get("name"),)
 
 

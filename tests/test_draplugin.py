@@ -286,6 +286,19 @@ def test_registers_through_the_plugin_watcher_and_publishes_the_nodes_slice(plug
     assert len(api.slices) == 2 and api.count("create", "resourceslices") == 2
 
 
+def test_slices_deleted_by_someone_are_written_again_at_once(plugin):
+    """The kubelet deletes its node's ResourceSlices when it starts (before its plugins register
+    again): the plugin's watch sees them go and writes them again, with no read of its own."""
+    d, api, dirs, kubelet, _, _ = plugin
+    first = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
+    with api.lock:
+        for k in (0, 1):
+            api.delete("resourceslices", dra.slice_name(NODE, k))
+    again = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), 5, "the deleted slices not written again")
+    assert again["spec"]["devices"] == first["spec"]["devices"] and dra.slice_name(NODE, 0) in api.slices
+    assert api.count("get", "resourceslices") == 0 and api.count("list", "resourceslices") == 1
+
+
 def test_a_changed_node_is_published_again_with_the_next_generation(plugin, make_daemon):
     d, api, dirs, kubelet, start, stop = plugin
     wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
@@ -301,6 +314,7 @@ def test_a_changed_node_is_published_again_with_the_next_generation(plugin, make
     assert s["spec"]["pool"]["resourceSliceCount"] == 2
     time.sleep(1)  # (the plugin looks every 0.2 s: nothing more is written for a node that did not change)
     assert api.count("update", "resourceslices") == 2 and api.slices[dra.slice_name(NODE, 1)] == s
+    assert api.count("get", "resourceslices") == 0  # (what is there comes by the watch)
 
 
 def test_prepare_writes_the_claims_cdi_spec_and_unprepare_removes_it(plugin):

@@ -269,7 +269,7 @@ def test_the_dra_component_swaps_the_device_plugin_for_the_dra_plugin_with_the_l
     assert "plugins" not in volumes  # the device plugin's directory is not mounted
     role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "cgpu-dra")
     assert {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]} == {
-        ("resourceslices", ("get", "create", "update")), ("resourceclaims", ("get",))}
+        ("resourceslices", ("list", "watch", "create", "update")), ("resourceclaims", ("get",))}
     classes = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "DeviceClass"}
     assert classes["gpu-mem.cgpu.aliyun.com"]["extendedResourceName"] == "aliyun.com/gpu-mem"
     for name, kind in (("gpu.cgpu.aliyun.com", dra.KIND_GPU), ("gpu-mem.cgpu.aliyun.com", dra.KIND_UNIT)):

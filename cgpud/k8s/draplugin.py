@@ -101,49 +101,79 @@ class Node:
 
 
 class Api:
-    """The API server through the official client: claims read, the node's slice written."""
+    """The API server through the official client: claims read; the node's slices watched (so a
+    slice someone deleted — the kubelet deletes its node's slices when it starts — is written
+    again at once, and nothing is read to find out) and written when they differ."""
 
-    def __init__(self) -> None:
+    def __init__(self, node: str) -> None:
         from kubernetes import client
 
         from cgpud.k8s.api import connect
 
         _, api_client = connect("cgpu-dra-plugin")
         self.resource = client.ResourceV1Api(api_client)
+        self.node = node
+        self.have: dict[str, dict] = {}  # our slices as the API server has them, by name
+        self.lock = threading.Lock()
+        self.on_change = None  # called when the watch brings a change to our slices
+        self.watch = None
 
     def claim(self, namespace: str, name: str) -> dict:
         r = self.resource.read_namespaced_resource_claim(name, namespace, _preload_content=False)
         return json.loads(r.data)
 
-    def publish(self, slices: list[dict]) -> None:
-        """Write the node's slices when what is there differs, all with the pool's next generation
-        (kube-scheduler reads a pool's slices of its highest generation only, so a slice left from a
-        longer list earlier is ignored)."""
-        from kubernetes.client.exceptions import ApiException
+    def start_watch(self) -> None:
+        from cgpud.k8s.informer import Informer
 
-        have = {}
-        for body in slices:
-            name = body["metadata"]["name"]
-            try:
-                have[name] = json.loads(self.resource.read_resource_slice(name, _preload_content=False).data)
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
+        def ours(obj: dict) -> bool:
+            return (obj.get("spec") or {}).get("driver") == dra.DRIVER
 
+        def replace(items: list[dict]) -> None:
+            with self.lock:
+                self.have = {o["metadata"]["name"]: o for o in items if ours(o)}
+            if self.on_change is not None:
+                self.on_change()
+
+        def event(kind: str, obj: dict) -> None:
+            if not ours(obj):
+                return
+            with self.lock:
+                if kind == "DELETED":
+                    self.have.pop(obj["metadata"]["name"], None)
+                else:
+                    self.have[obj["metadata"]["name"]] = obj
+            if self.on_change is not None:
+                self.on_change()
+
+        self.watch = Informer(f"ResourceSlices of {self.node}", self.resource.list_resource_slice, replace, event,
+                              field_selector=f"spec.nodeName={self.node}")
+        self.watch.sync()
+        self.watch.start()
+
+    def publish(self, slices: list[dict]) -> bool:
+        """Write the node's slices when what the API server has differs, all with the pool's next
+        generation (kube-scheduler reads a pool's slices of its highest generation only, so a slice
+        left from a longer list earlier is ignored). True when it wrote."""
         def spec(obj: dict) -> dict:
             return {**obj.get("spec", {}), "pool": {**obj.get("spec", {}).get("pool", {}), "generation": None}}
 
+        with self.lock:
+            have = dict(self.have)
         if all(b["metadata"]["name"] in have and spec(have[b["metadata"]["name"]]) == spec(b) for b in slices):
-            return
+            return False
         generation = 1 + max((int(o["spec"]["pool"].get("generation", 0)) for o in have.values()), default=0)
         for body in json.loads(json.dumps(slices)):
             body["spec"]["pool"]["generation"] = generation
             old = have.get(body["metadata"]["name"])
             if old is None:
-                self.resource.create_resource_slice(body, _preload_content=False)
+                r = self.resource.create_resource_slice(body, _preload_content=False)
             else:
                 body["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
-                self.resource.replace_resource_slice(body["metadata"]["name"], body, _preload_content=False)
+                r = self.resource.replace_resource_slice(body["metadata"]["name"], body, _preload_content=False)
+            written = json.loads(r.data)
+            with self.lock:  # (its watch event may come later: a look before it must not write again)
+                self.have[written["metadata"]["name"]] = written
+        return True
 
 
 class Driver(rpc.DRAPluginServicer):
@@ -319,32 +349,48 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
     from cgpud.state.paths import default_socket
 
     node = Node(socket or default_socket())
-    api = Api()
+    api = Api(node_name)
     driver = Driver(node, node_name, state_dir, cdi_dir, api.claim,
                     mounts=[os.path.dirname(os.path.abspath(node.socket))])
     stop = threading.Event()
-    pending = threading.Event()  # a slice the API server has not taken yet
+    pending = threading.Event()  # slices to write (the node changed, or the API server's differ)
+    kick = threading.Event()  # (wakes the loop below at once)
+
+    failing: list[str] = []  # the last failure said (said once until it works again)
 
     def publish(gpus, unit) -> None:
+        pending.clear()
         try:
             slices = dra.resource_slices(node_name, gpus, unit)
-            api.publish(slices)
-            pending.clear()
-            log.info("published %d ResourceSlices of pool %s: %d GPUs in units of %d bytes", len(slices), node_name,
-                     len(gpus), unit)
+            if api.publish(slices):
+                log.info("published %d ResourceSlices of pool %s: %d GPUs in units of %d bytes", len(slices),
+                         node_name, len(gpus), unit)
+            failing.clear()
         except Exception as exc:  # noqa: BLE001 - tried again every refresh
-            if not pending.is_set():
+            if not failing:
                 log.warning("publishing the ResourceSlices of pool %s failed (%s); trying again", node_name,
                             one_line(exc))
+            failing[:] = [one_line(exc)]
             pending.set()
+
+    def changed() -> None:
+        pending.set()
+        kick.set()
 
     def follow() -> None:
         while not stop.is_set():
             node.poll()
             if pending.is_set() and node.gpus is not None:
                 publish(node.gpus, node.unit)
-            stop.wait(refresh)
+            kick.wait(refresh)
+            kick.clear()
 
+    api.on_change = changed
+    try:
+        api.start_watch()
+    except Exception as exc:  # noqa: BLE001 - its thread lists again; say it now
+        log.warning("cannot list the ResourceSlices of %s yet (%s)", node_name, one_line(exc))
+        threading.Thread(target=api.watch.run, daemon=True).start()
     node.on_change = publish
     log.info("cgpu DRA plugin %s on node %s: %d claims prepared before", dra.DRIVER, node_name,
              len(driver.prepared()))
