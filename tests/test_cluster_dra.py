@@ -100,6 +100,16 @@ def allocated_gpus(c: Cluster, claim: str) -> list[int]:
     return [int(r["device"].split("-")[1]) for r in got["status"]["allocation"]["devices"]["results"]]
 
 
+def run_with_claim(c: Cluster, pod: str, memory: str, **claim) -> tuple[dict, int, str]:
+    """A claim `claim-<pod>` of `memory` and a pod using it, Running: (the pod, its GPU, its
+    instance's name)."""
+    make_claim(c, f"claim-{pod}", memory, **claim)
+    c.create(claim_pod(pod, f"claim-{pod}"))
+    got = c.wait_pod(pod, running, 90, "Running")
+    gpus = allocated_gpus(c, f"claim-{pod}")
+    return got, gpus[0], container_name(got)
+
+
 def delete(c: Cluster, *names: str) -> None:
     for n in names:
         c.delete_pod(n)
@@ -133,12 +143,9 @@ def test_the_plugin_registers_and_publishes_the_nodes_resourceslice(cluster):
 
 
 def test_a_claim_of_3_gib_runs_isolated_at_3_gib_and_goes_with_its_pod(cluster, cgpud):
-    make_claim(cluster, "claim-run", "3Gi", config={"weight": 2})
-    cluster.create(claim_pod("run", "claim-run"))
     try:
-        pod = cluster.wait_pod("run", running, 90, "Running")
-        (gpu,) = allocated_gpus(cluster, "claim-run")
-        name = container_name(pod)
+        pod, gpu, name = run_with_claim(cluster, "run", "3Gi", config={"weight": 2})
+        assert allocated_gpus(cluster, "claim-run") == [gpu]
         assert name in cgpud.instances(gpu), (name, cgpud.instances(gpu), cluster.logs())
         assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
         assert cgpud.value(f"{gpu}/{name}/weight") == "2"
@@ -203,12 +210,9 @@ def test_a_pod_asking_gpu_mem_unchanged_is_given_its_units_through_dra(cluster, 
 
 
 def test_a_plugin_restart_keeps_the_running_pods_instance_and_prepares_again(cluster, cgpud):
-    make_claim(cluster, "claim-keep", "3Gi")
-    cluster.create(claim_pod("keep", "claim-keep"))
     try:
-        pod = cluster.wait_pod("keep", running, 90, "Running")
-        (gpu,) = allocated_gpus(cluster, "claim-keep")
-        name, cid = container_name(pod), pod["status"]["containerStatuses"][0]["containerID"]
+        pod, gpu, name = run_with_claim(cluster, "keep", "3Gi")
+        cid = pod["status"]["containerStatuses"][0]["containerID"]
         cluster.procs["dra-plugin"].proc.kill()
         cluster.procs["dra-plugin"].proc.wait(10)
         start_plugin(cluster)
@@ -218,23 +222,17 @@ def test_a_plugin_restart_keeps_the_running_pods_instance_and_prepares_again(clu
         status = cluster.wait_pod("keep", running, 30, "still Running")["status"]["containerStatuses"][0]
         assert status["containerID"] == cid and status["restartCount"] == 0, status
         # a pod after the restart is prepared by the new plugin
-        make_claim(cluster, "claim-after", "2Gi")
-        cluster.create(claim_pod("after", "claim-after"))
-        after = cluster.wait_pod("after", running, 90, "Running")
-        (g2,) = allocated_gpus(cluster, "claim-after")
-        assert cgpud.value(f"{g2}/{container_name(after)}/memsize") == str(2 * GIB)
+        _, g2, n2 = run_with_claim(cluster, "after", "2Gi")
+        assert cgpud.value(f"{g2}/{n2}/memsize") == str(2 * GIB)
     finally:
         delete(cluster, "keep", "after")
     wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go")
 
 
 def test_a_kubelet_restart_registers_the_plugin_again_and_keeps_the_running_pods_instance(cluster, cgpud):
-    make_claim(cluster, "claim-kr", "3Gi")
-    cluster.create(claim_pod("kr", "claim-kr"))
     try:
-        pod = cluster.wait_pod("kr", running, 90, "Running")
-        (gpu,) = allocated_gpus(cluster, "claim-kr")
-        name, cid = container_name(pod), pod["status"]["containerStatuses"][0]["containerID"]
+        pod, gpu, name = run_with_claim(cluster, "kr", "3Gi")
+        cid = pod["status"]["containerStatuses"][0]["containerID"]
         log = cluster.procs["dra-plugin"].log_path
         before = log.read_text().count("registered with the kubelet")
         cluster.stop_kubelet()
@@ -246,11 +244,8 @@ def test_a_kubelet_restart_registers_the_plugin_again_and_keeps_the_running_pods
         status = cluster.wait_pod("kr", running, 30, "still Running")["status"]["containerStatuses"][0]
         assert status["containerID"] == cid and status["restartCount"] == 0, status
         assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
-        make_claim(cluster, "claim-kr2", "1Gi")  # and the new kubelet prepares a claim through it
-        cluster.create(claim_pod("kr2", "claim-kr2"))
-        after = cluster.wait_pod("kr2", running, 90, "Running")
-        (g2,) = allocated_gpus(cluster, "claim-kr2")
-        assert cgpud.value(f"{g2}/{container_name(after)}/memsize") == str(GIB)
+        _, g2, n2 = run_with_claim(cluster, "kr2", "1Gi")  # and the new kubelet prepares a claim through it
+        assert cgpud.value(f"{g2}/{n2}/memsize") == str(GIB)
     finally:
         delete(cluster, "kr", "kr2")
     wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go")
