@@ -232,10 +232,11 @@ class Kubelet:
 
 
 @pytest.fixture
-def plugin(make_daemon, tmp_path):
+def plugin(make_daemon, tmp_path, request):
     from apiserver_standin import ApiServer
 
-    d = make_daemon(gpus="sim:1xT4,1xA10")
+    gpus, extra = getattr(request, "param", ("sim:1xT4,1xA10", ()))  # (indirect parametrization)
+    d = make_daemon(gpus=gpus, extra_args=extra)
     api = ApiServer(tmp_path)
     dirs = {k: tmp_path / k for k in ("registry", "plugin", "cdi", "state")}
     dirs["registry"].mkdir()
@@ -391,3 +392,29 @@ def test_a_container_with_the_cdi_edits_joins_with_the_claims_memsize(plugin, te
     finally:
         runc.cleanup()
     assert d.instances(0) == []
+
+
+@pytest.mark.parametrize("plugin", [("sim:1xT4", ("--mode", "share"))], indirect=True)
+def test_seed_004_a_share_node_publishes_128_mib_units_and_16_of_them_are_2_gib(plugin, template, tmp_path):  # noqa: F811
+    """Seed 004: on a node in `share` mode the unit is 128 MiB (the daemon's, not a flag of the plugin's):
+    the T4's 118 units in the slices, and `aliyun.com/gpu-mem: 16` (16 unit devices) is a container of 2 GiB."""
+    d, api, dirs, kubelet, _, _ = plugin
+    info = kubelet.info()
+    s = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
+    gpu = s["spec"]["devices"][0]
+    assert gpu["attributes"]["memoryUnit"] == {"int": 128 * MIB}
+    assert gpu["capacity"]["memory"]["value"] == str(118 * 128 * MIB)
+    assert gpu["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] == str(128 * MIB)
+    uid = api.add_claim("default", "seed-004", [result(f"gpu-0-unit-{j}", request="container-0-request-0",
+                                                       memory=None) for j in range(16)])["metadata"]["uid"]
+    (dev, *rest) = kubelet.call(info.endpoint, "prepare", ("default", "seed-004", uid)).claims[uid].devices
+    assert len(rest) == 15 and all(not r.cdi_device_ids for r in rest)  # the request's CDI device once
+    spec = json.loads((dirs["cdi"] / f"cgpu.aliyun.com-{uid}.json").read_text())
+    env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
+    assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "16"
+    runc = Runc(tmp_path, template, d.socket)
+    cid = runc.start(runc.bundle(env, ["sleep", "60"]))
+    try:
+        assert d.value(f"0/{cid[:12]}/memsize") == str(2 * GIB)
+    finally:
+        runc.cleanup()
