@@ -15,7 +15,12 @@ dra-plugin` — so each DRA figure is printed beside the device plugin's, measur
    asking aliyun.com/gpu-mem 1 pinned to the fake nodes, created -> bound (spec.nodeName),
    p50 and p99 over --bind-pods each way.
 
-    .venv/bin/python bench/dra.py [--pods 20] [--fake-nodes 1000] [--bind-pods 20]
+3. --node-pods pods of 1 GiB made at once for one node of 8 GPUs × 16 GiB (made through the API as
+   in 2), each way: claims through kube-scheduler's DRA plugin, gpu-mem 1 through the extender.
+   How many were bound (128 fit), the most any GPU was given (16 GiB: none over-filled), how
+   many GPUs the first 20 pods were put on (binpack: 2), and the binding rate in pods/s.
+
+    .venv/bin/python bench/dra.py [--pods 20] [--fake-nodes 1000] [--bind-pods 20] [--node-pods 200]
 """
 from __future__ import annotations
 
@@ -154,11 +159,90 @@ def bind_figures(c, n: int, pods: int) -> None:
     print(f"  extender (aliyun.com/gpu-mem 1):                  p50 {ms(pct(dp, 50))}  p99 {ms(pct(dp, 99))}")
 
 
+def fill_figures(c, pods: int) -> None:
+    """One node of 8 × 16 GiB each way, `pods` pods of 1 GiB at once."""
+    from kubernetes import client
+
+    from cgpud.k8s import dra
+    from test_cluster_dra import claim_pod, make_claim
+
+    api = c.api()
+    resource = client.ResourceV1Api(api.api_client)
+    gpus = [dra.Gpu(g, f"GPU-big-{g}", "Fake 16G", 16 * GIB) for g in range(8)]
+    for name, slices in (("big-ext", False), ("big-dra", True)):
+        body = fake_node_body(0)
+        body["metadata"]["name"] = name
+        body["metadata"]["labels"] = {"cgpud-test/big": name, "kubernetes.io/os": "linux"}
+        body["status"]["capacity"]["pods"] = str(pods + 10)  # (the kubelet's default 110 would cap it first)
+        if slices:  # (no gpu-mem in its allocatable: the extender leaves it alone)
+            for k in ("aliyun.com/gpu-mem", "aliyun.com/gpu-count"):
+                del body["status"]["capacity"][k]
+            body["metadata"]["annotations"] = {}
+        api.create_node(body)
+        api.patch_node_status(name, {"status": body["status"]})
+        api.patch_node(name, {"spec": {"taints": body["spec"]["taints"]}})
+        if slices:
+            for s in dra.resource_slices(name, gpus, GIB):
+                resource.create_resource_slice(s, _preload_content=False)
+    for way, node in (("ext", "big-ext"), ("dra", "big-dra")):
+        names = [f"fill-{way}-{i}" for i in range(pods)]
+        if way == "dra":
+            for n in names:
+                make_claim(c, f"claim-{n}", "1Gi")
+        bound: dict[str, float] = {}
+        t = time.monotonic()
+        for n in names:
+            body = claim_pod(n, f"claim-{n}") if way == "dra" else c.pod(n, 1, runtime_class=None)
+            body["spec"]["nodeSelector"] = {"cgpud-test/big": node}
+            body["spec"]["tolerations"] = [{"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}]
+            body["metadata"].setdefault("labels", {})["cgpud-test/fake-pod"] = "true"
+            api.create_namespaced_pod("default", body)
+        last_change = time.monotonic()
+        while time.monotonic() - last_change < 15 and len(bound) < pods:
+            for p in api.list_namespaced_pod("default", label_selector="cgpud-test/fake-pod=true").items:
+                if p.metadata.name in names and p.spec.node_name and p.metadata.name not in bound:
+                    bound[p.metadata.name] = time.monotonic()
+                    last_change = time.monotonic()
+            time.sleep(0.1)
+        order = sorted(bound, key=lambda n: names.index(n))
+        if way == "dra":
+            per: dict[int, int] = {}
+            first20: set[int] = set()
+            for n in order:
+                got = json.loads(resource.read_namespaced_resource_claim(f"claim-{n}", "default",
+                                                                         _preload_content=False).data)
+                for r in got["status"]["allocation"]["devices"]["results"]:
+                    g = dra.parse_device(r["device"])[0]
+                    per[g] = per.get(g, 0) + dra.quantity(r["consumedCapacity"]["memory"])
+                    if n in order[:20]:
+                        first20.add(g)
+            most = max(per.values()) // GIB
+        else:
+            per, first20 = {}, set()
+            for n in order:
+                p = api.read_namespaced_pod(n, "default")
+                g = int(p.metadata.annotations["ALIYUN_COM_GPU_MEM_IDX"])
+                per[g] = per.get(g, 0) + 1
+                if n in order[:20]:
+                    first20.add(g)
+            most = max(per.values())
+        rate = len(bound) / (max(bound.values()) - t) if bound else 0.0
+        label = "DRA (claims of 1 GiB)" if way == "dra" else "extender (gpu-mem 1)"
+        print(f"  {label:24s} {len(bound)}/{pods} bound on {len(per)} GPUs, most on a GPU {most} GiB of 16, "
+              f"the first 20 on {len(first20)} GPUs, {rate:.1f} pods/s")
+        c.kubectl("delete", "pods", "-l", "cgpud-test/fake-pod=true", "--force", "--grace-period=0", check=False,
+                  timeout=300)
+        if way == "dra":
+            c.kubectl("delete", "resourceclaims", *[f"claim-{n}" for n in names], "--wait=false", check=False,
+                      timeout=300)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pods", type=int, default=20)
     ap.add_argument("--fake-nodes", type=int, default=1000)
     ap.add_argument("--bind-pods", type=int, default=20)
+    ap.add_argument("--node-pods", type=int, default=200)
     args = ap.parse_args()
 
     from cluster import Cluster
@@ -180,7 +264,12 @@ def main() -> None:
         wait(lambda: c.allocatable("aliyun.com/gpu-mem") == 28, 60, "the device plugin's units")
         wait(lambda: json.loads(c.kubectl("get", "resourceslices", "-o", "json").stdout)["items"], 60,
              "the DRA plugin's slices")
-        pipeline_figures(c, d, args.pods)
+        if args.pods:
+            pipeline_figures(c, d, args.pods)
+        if args.node_pods:
+            print(f"{args.node_pods} pods of 1 GiB at once onto a node of 8 GPUs × 16 GiB (128 fit), each way, "
+                  f"load average {os.getloadavg()[0]:.1f}:")
+            fill_figures(c, args.node_pods)
         if args.fake_nodes:
             bind_figures(c, args.fake_nodes, args.bind_pods)
     finally:
