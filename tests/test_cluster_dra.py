@@ -189,6 +189,25 @@ def test_a_claim_that_does_not_fit_stays_pending_with_the_schedulers_reason(clus
         delete(cluster, "big")
 
 
+def test_a_claim_with_a_bad_configuration_is_refused_on_the_pods_events_and_nothing_runs(cluster, cgpud):
+    """The scheduler passes opaque configuration through unread; Prepare refuses it with one line,
+    which the kubelet puts on the pod: no container starts, no instance is made, no spec written."""
+    make_claim(cluster, "claim-bad", "1Gi", config={"weight": 0})
+    cluster.create(claim_pod("bad", "claim-bad"))
+    try:
+        def refused() -> str:
+            e = cluster.events("bad")
+            return e if "weight 0 is not a whole number from 1 to 25" in e else ""
+
+        wait_for(refused, 60, "the plugin's refusal on the pod's events", cluster.logs)
+        pod = cluster.get("pod", "bad")
+        assert pod["status"]["phase"] == "Pending" and pod["spec"]["nodeName"] == NODE, pod["status"]
+        assert not cgpud.instances(0) and not cgpud.instances(1)
+        assert not list(cluster.path("cdi").glob("*.json")) and not list(cluster.path("dra-state").glob("*.json"))
+    finally:
+        delete(cluster, "bad")
+
+
 def test_a_pod_asking_gpu_mem_unchanged_is_given_its_units_through_dra(cluster, cgpud):
     """A pod as the seeds write it (`aliyun.com/gpu-mem: 3` in its limits, no claim, no runtimeClassName):
     kube-scheduler allocates 3 memory units through the DeviceClass's extendedResourceName, with no
