@@ -16,7 +16,7 @@ kubeconfig it writes.
     GET    /apis/resource.k8s.io/v1/resourceslices[/NAME]     list, watch / get (the DRA plugin's slices)
     POST   /apis/resource.k8s.io/v1/resourceslices           create (409 when the name is taken)
     PUT    /apis/resource.k8s.io/v1/resourceslices/NAME      update (409 on a stale resourceVersion)
-    GET    /apis/resource.k8s.io/v1/namespaces/NS/resourceclaims/NAME   get
+    GET    /apis/resource.k8s.io/v1/[namespaces/NS/]resourceclaims[/NAME]   list / get
 
 What it holds to, as the real one does:
 - one resourceVersion counter for everything (etcd's revision); each write
@@ -415,7 +415,7 @@ class ApiServer:
         (re.compile(r"/api/v1/(nodes)/([^/]+)(/status)?"), "object"),
         (re.compile(r"/api/v1/namespaces/([^/]+)/(pods)/([^/]+)(/status|/binding)?"), "object"),
         (re.compile(r"/api/v1/namespaces/([^/]+)/(bindings|events)"), "create"),
-        (re.compile(r"/apis/resource\.k8s\.io/v1/(resourceslices)"), "collection"),
+        (re.compile(r"/apis/resource\.k8s\.io/v1/(resourceslices|resourceclaims)"), "collection"),
         (re.compile(r"/apis/resource\.k8s\.io/v1/(resourceslices)/([^/]+)()"), "object"),
         (re.compile(r"/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/(resourceclaims)/([^/]+)(/status)?"), "object"),
     ]

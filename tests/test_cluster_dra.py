@@ -152,6 +152,12 @@ def test_a_claim_of_3_gib_runs_isolated_at_3_gib_and_goes_with_its_pod(cluster, 
         assert name not in cgpud.instances(1 - gpu)
         env = dict(line.split("=", 1) for line in cluster.kubectl("logs", "run").stdout.splitlines() if "=" in line)
         assert (env.get("ALIYUN_COM_GPU_MEM_IDX"), env.get("ALIYUN_COM_GPU_MEM_CONTAINER")) == (str(gpu), "3"), env
+        # kubectl inspect cgpu (its plugin on PATH) reads the node's slices and the claim
+        p = subprocess.run([cluster.bins / "kubectl", "inspect", "cgpu", "-d"], capture_output=True, text=True,
+                           timeout=60, env=dict(os.environ, KUBECONFIG=os.fspath(cluster.admin),
+                                                PATH=f"{Path(cluster._cgpu()).parent}:{os.environ['PATH']}"))
+        rows = [ln.split() for ln in p.stdout.splitlines()]
+        assert ["run", "default", *("3" if g == gpu else "0" for g in (0, 1))] in rows, p.stdout + p.stderr
     finally:
         delete(cluster, "run")
     wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)

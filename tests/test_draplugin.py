@@ -181,6 +181,15 @@ def test_the_cdi_spec_has_a_device_per_request_with_its_environment():
                                                  "options": ["rbind", "rw"]}]
 
 
+def test_inspect_shows_a_claim_by_the_pods_it_is_reserved_for():
+    slices = dra.resource_slices(NODE, [T4], GIB)
+    c = claim([result("gpu-0", memory="3Gi")])
+    c["status"]["reservedFor"] = [{"resource": "pods", "name": "app-1", "uid": "p1"}]
+    (view,) = dra.node_views(slices, [c])
+    assert view["gpus"] == [{"index": 0, "allocated": 3, "total": 14}] and view["percent"] == 21
+    assert view["instances"] == [{"name": "app-1", "namespace": "ns", "gpus": {"0": 3}, "allocated": 3}]
+
+
 def test_the_committed_grpc_code_is_the_kubelets_protos_compiled(tmp_path):
     """cgpud/k8s/proto/{dra,pluginregistration}_pb2*.py are grpcio-tools' output for the kubelet's
     dra/v1 and pluginregistration/v1 api.proto, unchanged."""

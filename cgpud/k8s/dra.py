@@ -19,6 +19,8 @@ decisions out; the plugin (cgpud.k8s.draplugin) does the I/O.
   ALIYUN_COM_GPU_HIGH_PRIO), as the device plugin's Allocate gives it.
 - `cdi_spec`: a claim's CDI spec (one CDI device per request, each carrying
   its environment), what the kubelet hands the runtime by name.
+- `node_views`: the cluster's slices and claims → `kubectl inspect cgpu`'s
+  nodes (cgpud.observe.inspect's shape), in each node's units.
 """
 from __future__ import annotations
 
@@ -257,3 +259,53 @@ def cdi_spec(claim_uid: str, shares: list[Share], gpus: list[Gpu], unit: int, mo
         "containerEdits": {"mounts": [{"hostPath": m, "containerPath": m, "options": ["rbind", "rw"]}
                                       for m in mounts]},
     }
+
+
+def node_views(slices: list[dict], claims: list[dict]) -> list[dict]:
+    """Each node of our driver's slices with what its claims hold on each GPU, in the node's units:
+    `kubectl inspect cgpu` in DRA mode (a node's GPUs from their devices, a claim's share from its
+    allocation: consumed capacity, or one unit per unit device). A claim is shown by the pods it is
+    reserved for (its own name while it is reserved for none)."""
+    nodes: dict[str, dict] = {}
+    for s in slices:
+        spec = s.get("spec") or {}
+        if spec.get("driver") != DRIVER or not spec.get("nodeName"):
+            continue
+        node = nodes.setdefault(spec["pool"]["name"], {"name": spec["nodeName"], "gpus": {}, "unit": 0})
+        for d in spec.get("devices") or ():
+            attrs = d.get("attributes") or {}
+            if (attrs.get("kind") or {}).get("string") == KIND_GPU:
+                unit = int(attrs["memoryUnit"]["int"])
+                node["unit"] = unit
+                node["gpus"][int(attrs["index"]["int"])] = quantity(d["capacity"][CAPACITY]["value"]) // unit
+    views = {}
+    for pool, n in nodes.items():
+        views[pool] = {"name": n["name"], "ipaddress": "-", "unit": n["unit"],
+                       "gpus": [{"index": i, "allocated": 0, "total": t} for i, t in sorted(n["gpus"].items())],
+                       "instances": []}
+    for c in claims:
+        results = [r for r in ((((c.get("status") or {}).get("allocation") or {}).get("devices") or {})
+                               .get("results") or ()) if r.get("driver") == DRIVER and r.get("pool") in views]
+        by_pool: dict[str, dict[str, int]] = {}
+        for r in results:
+            view, parsed = views[r["pool"]], parse_device(r.get("device"))
+            if parsed is None or not view["unit"]:
+                continue
+            consumed = (r.get("consumedCapacity") or {}).get(CAPACITY)
+            units = 1 if parsed[1] else (quantity(consumed) // view["unit"] if consumed is not None else
+                                         next((g["total"] for g in view["gpus"] if g["index"] == parsed[0]), 0))
+            per = by_pool.setdefault(r["pool"], {})
+            per[str(parsed[0])] = per.get(str(parsed[0]), 0) + units
+        meta = c.get("metadata") or {}
+        users = [u.get("name") for u in (c.get("status") or {}).get("reservedFor") or () if u.get("resource") == "pods"]
+        for pool, per in by_pool.items():
+            for g in views[pool]["gpus"]:
+                g["allocated"] += per.get(str(g["index"]), 0)
+            views[pool]["instances"].append({"name": ",".join(users) or meta.get("name"),
+                                             "namespace": meta.get("namespace"), "gpus": per,
+                                             "allocated": sum(per.values())})
+    out = []
+    for v in views.values():
+        allocated, total = sum(g["allocated"] for g in v["gpus"]), sum(g["total"] for g in v["gpus"])
+        out.append({**v, "allocated": allocated, "total": total, "percent": allocated * 100 // total if total else 0})
+    return sorted(out, key=lambda v: v["name"])
