@@ -66,7 +66,7 @@ def cluster(cgpud):
     try:
         c.deploy(["-k", os.fspath(overlay(c.path("overlay")))], device_plugin=False, extender=False)
         # the resourceclaim controller takes a deleted pod off its claim's reservedFor (and frees it)
-        c.start_controller_manager("resourceclaim-controller,serviceaccount-controller,"
+        c.start_controller_manager("resourceclaim-controller,statefulset-controller,serviceaccount-controller,"
                                    "serviceaccount-token-controller,garbage-collector-controller")
         start_plugin(c)
         yield c
@@ -274,6 +274,68 @@ def test_a_kubelet_restart_registers_the_plugin_again_and_keeps_the_running_pods
     finally:
         delete(cluster, "kr", "kr2")
     wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go")
+
+
+SEED_004 = """
+apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: binpack
+  labels:
+    app: binpack
+spec:
+  replicas: 1
+  serviceName: "binpack-1"
+  podManagementPolicy: "Parallel"
+  selector: # define how the deployment finds the pods it manages
+    matchLabels:
+      app: binpack-1
+  template: # The pod specifications.
+    metadata:
+      labels:
+        app: binpack-1
+    spec:
+      containers:
+      - name: binpack-1
+        image: registry.cn-beijing.aliyuncs.com/ai-samples/gpushare-sample:tensorflow-1.5
+        command:
+        - bash
+        - gpushare/run.sh
+        resources:
+          limits:
+            # 128 MiB
+            aliyun.com/gpu-mem: 16 # 16 * 128 MiB = 2 GiB
+"""
+
+
+def test_seed_004_statefulset_on_a_128_mib_node_runs_at_2_gib(cluster, cgpud):
+    """Seed 004's StatefulSet as written (only its image and command are this sandbox's: no registry
+    here), on the node once its daemon runs in `share` mode (128 MiB units): the plugin publishes the
+    new unit by itself, kube-scheduler allocates 16 unit devices, the container has 2 GiB."""
+    cgpud.stop()
+    cgpud.extra_args += ["--mode", "share"]
+    cgpud.start()
+    wait_for(lambda: (s := cluster.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}-1", "-o", "json", check=False))
+             .returncode == 0 and json.loads(s.stdout)["spec"]["devices"][0]["attributes"]["memoryUnit"]["int"]
+             == 128 << 20, 60, "the slices in 128 MiB units", cluster.logs)
+    sts = yaml.safe_load(SEED_004)
+    app = sts["spec"]["template"]["spec"]["containers"][0]
+    app["image"], app["imagePullPolicy"] = BUSYBOX_IMAGE, "Never"
+    app["command"] = ["sh", "-c", "env; trap 'exit 0' TERM; while :; do sleep 1; done"]
+    sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1
+    cluster.create(sts)
+    try:
+        pod = cluster.wait_pod("binpack-0", running, 90, "Running")
+        claim = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+        results = cluster.get("resourceclaim", claim)["status"]["allocation"]["devices"]["results"]
+        assert len(results) == 16 and all("-unit-" in r["device"] for r in results), results
+        (gpu,) = {int(r["device"].split("-")[1]) for r in results}
+        name = container_name(pod)
+        assert cgpud.value(f"{gpu}/{name}/memsize") == str(2 * GIB)
+    finally:
+        cluster.kubectl("delete", "statefulset", "binpack", "--wait=true", timeout=90)
+        cluster.delete_pod("binpack-0")
+    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)
 
 
 def test_nothing_the_dra_plugin_asked_was_refused(cluster):
