@@ -296,8 +296,8 @@ class Cluster:
         /run and /usr/local, so the host paths the installer writes (BinaryName, the hook, libcgpu.so) and
         the node daemon's socket and tree resolve inside it; nothing of the real host's is touched.
         containerd_bins: containerd 2.x's programs (scripts/containerd-build.sh) instead of Debian's 1.6,
-        on a version 3 config with CDI on (specs in the run's cdi/), `cgpu` the default runtime as the
-        node installer makes it. dra: kube-scheduler without the extender (its DRA plugin decides)."""
+        on a version 3 config with CDI on (specs in the run's cdi/), `cgpu` put in as the default
+        runtime by the node installer's own edit. dra: kube-scheduler without the extender."""
         self.daemon = daemon
         self.host_root = host_root
         self.containerd_bins, self.dra = containerd_bins, dra
@@ -537,16 +537,14 @@ state = "{c}/state"
 
     def containerd_config_v3(self) -> str:
         """containerd 2.x's configuration (version 3): the same as containerd_config's, with the CRI
-        plugin's settings where 2.x keeps them, CDI on (the DRA plugin's specs in the run's cdi/), and
-        the runtimes of deploy/kubernetes/containerd-cgpu-v3.toml (`cgpu` the default)."""
-        import tomllib
+        plugin's settings where 2.x keeps them and CDI on (the DRA plugin's specs in the run's cdi/);
+        the runtime `cgpu` put in, as containerd's default, by what `cgpu node install` runs on a node's
+        version 3 file (hostconfig.containerd_edit), BinaryName the venv's cgpu-runtime."""
+        from cgpud.containers import hostconfig
 
-        shipped = tomllib.loads((DEPLOY / "containerd-cgpu-v3.toml").read_text())
-        cri = shipped["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]
         rt = 'plugins."io.containerd.cri.v1.runtime"'
-        runtimes = self._runtimes_toml(rt, cri["runtimes"])
         c = self.path("containerd")
-        return f"""{self._containerd_head(3)}
+        node = f"""{self._containerd_head(3)}
 [plugins."io.containerd.cri.v1.images".pinned_images]
   sandbox = "{PAUSE_IMAGE}"
 [plugins."io.containerd.grpc.v1.cri"]
@@ -561,10 +559,11 @@ state = "{c}/state"
   bin_dirs = ["/usr/lib/cni"]
   conf_dir = "{c}/net.d"
 [{rt}.containerd]
-  default_runtime_name = "{cri.get("default_runtime_name", "runc")}"
+  default_runtime_name = "runc"
 [{rt}.containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
-{runtimes}"""
+"""
+        return hostconfig.containerd_edit(node, self.runtime_binary, default=True)[0]
 
     def _start_containerd(self) -> None:
         c = self.path("containerd")

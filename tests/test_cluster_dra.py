@@ -1,7 +1,7 @@
 """The cluster tier in DRA mode (issue 29; docs/kubernetes.md, docs/cluster-tests.md): the real
 kube-apiserver, kube-scheduler with its own DRA plugin and no extender, a kubelet with DRA on, and
 containerd 2.x built from its Go module (scripts/containerd-build.sh) with CDI on and `cgpu` its
-default runtime (deploy/kubernetes/containerd-cgpu-v3.toml); deploy/kubernetes with the DRA
+default runtime (put in by the node installer's own edit of a version 3 file); deploy/kubernetes with the DRA
 component applied; `cgpu dra-plugin` as a host process with the ServiceAccount's token; cgpud
 serving two simulated T4s (14 GiB each in the slice).
 
