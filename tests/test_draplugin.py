@@ -427,3 +427,17 @@ def test_seed_004_a_share_node_publishes_128_mib_units_and_16_of_them_are_2_gib(
         assert d.value(f"0/{cid[:12]}/memsize") == str(2 * GIB)
     finally:
         runc.cleanup()
+
+
+def test_a_plugin_started_wrong_says_why_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    env["HOME"] = os.fspath(tmp_path)  # (no ~/.kube/config)
+    base = [CGPU, "dra-plugin", "--node-name", NODE, "--state-dir", os.fspath(tmp_path / "state"),
+            "--cdi-dir", os.fspath(tmp_path / "cdi"), "--plugin-dir", os.fspath(tmp_path / "plugin")]
+    for extra, why in ((["--registry-dir", os.fspath(tmp_path / "none")], f"--registry-dir: {tmp_path}/none does not "
+                        "exist: is this a Kubernetes node (kubelet running)?"),
+                       (["--registry-dir", os.fspath(tmp_path)], "no cluster to ask")):
+        r = subprocess.run(base + extra, capture_output=True, text=True, env=env, timeout=30, stdin=subprocess.DEVNULL)
+        assert r.returncode == 1 and why in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert not (tmp_path / "cdi").exists() and not (tmp_path / "plugin").exists()  # nothing made
