@@ -356,6 +356,16 @@ def test_a_claim_that_cannot_be_prepared_says_why_and_leaves_nothing(plugin):
     assert not list(dirs["cdi"].glob("*")) and not list(dirs["state"].glob("*.json"))
 
 
+def test_a_cdi_directory_that_cannot_be_written_is_the_claims_error_not_the_calls(plugin):
+    d, api, dirs, kubelet, _, _ = plugin
+    info = kubelet.info()
+    dirs["cdi"].write_text("not a directory")
+    uid = api.add_claim("default", "nowhere", [result("gpu-0", memory="1Gi")])["metadata"]["uid"]
+    resp = kubelet.call(info.endpoint, "prepare", ("default", "nowhere", uid)).claims[uid]
+    assert resp.error.startswith(f"cannot write claim {uid}'s CDI spec or record") and not resp.devices, resp
+    assert not (dirs["state"] / f"{uid}.json").exists()
+
+
 def test_a_prepared_claim_survives_a_restart_of_the_plugin(plugin):
     d, api, dirs, kubelet, start, stop = plugin
     info = kubelet.info()

@@ -216,6 +216,10 @@ class Driver(rpc.DRAPluginServicer):
             except dra.DraError as exc:
                 log.warning("prepare %s/%s refused: %s", c.namespace, c.name, exc)
                 out[c.uid] = pb.NodePrepareResourceResponse(error=str(exc))
+            except OSError as exc:  # (the CDI directory or the state directory not writable, full…)
+                log.warning("prepare %s/%s failed: %s", c.namespace, c.name, exc)
+                out[c.uid] = pb.NodePrepareResourceResponse(
+                    error=f"cannot write claim {c.uid}'s CDI spec or record: {exc.strerror or exc} ({exc.filename})")
         return pb.NodePrepareResourcesResponse(claims=out)
 
     def NodeUnprepareResources(self, request, context):
@@ -234,6 +238,9 @@ class Driver(rpc.DRAPluginServicer):
                 with open(self.record_path(uid)) as f:
                     record = json.load(f)  # prepared before (the kubelet asks again after its restart)
             except FileNotFoundError:
+                record = None
+            except (OSError, ValueError) as exc:  # (a record cut short by a full disk): prepared anew
+                log.warning("claim %s's record is unreadable (%s): preparing it anew", uid, exc)
                 record = None
             if record is None:
                 record = self._prepare_new(namespace, name, uid)
