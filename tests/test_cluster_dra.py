@@ -178,6 +178,35 @@ def test_seed_000_a_claim_over_two_gpus_gets_4_gib_on_each(cluster, cgpud):
         delete(cluster, "two")
 
 
+def test_a_gpu_holding_claims_gives_no_units_and_the_memory_is_never_counted_twice(cluster, cgpud):
+    """Both kinds of device draw on their GPU's counter: with a claim on each GPU (their GPU devices
+    charged whole), kube-scheduler finds no unit for `aliyun.com/gpu-mem: 1`; once the claims are
+    gone the same pod runs."""
+    try:
+        run_with_claim(cluster, "hold", "1Gi", count=2)
+        cluster.create(cluster.pod("unit-1", 1, runtime_class=None))
+
+        def refused() -> str:
+            e = cluster.events("unit-1")
+            return e if "cannot allocate all claims" in e else ""
+
+        wait_for(refused, 60, "unit-1 refused while the claims hold both GPUs", cluster.logs)
+        delete(cluster, "hold")
+        pod = cluster.wait_pod("unit-1", running, 90, "Running once the claims are gone")
+        assert cgpud.value(f"{pod_gpu(cluster, pod)}/{container_name(pod)}/memsize") == str(GIB)
+    finally:
+        delete(cluster, "hold")
+        cluster.delete_pod("unit-1")
+
+
+def pod_gpu(c: Cluster, pod: dict) -> int:
+    """The GPU of a pod given units through the DeviceClass (its claim's unit devices)."""
+    claim = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+    (gpu,) = {int(r["device"].split("-")[1]) for r in
+              c.get("resourceclaim", claim)["status"]["allocation"]["devices"]["results"]}
+    return gpu
+
+
 def test_a_claim_that_does_not_fit_stays_pending_with_the_schedulers_reason(cluster, cgpud):
     make_claim(cluster, "claim-big", "15Gi")  # each T4 has 14 GiB in the slice
     cluster.create(claim_pod("big", "claim-big"))
