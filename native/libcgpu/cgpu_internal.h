@@ -46,6 +46,9 @@ typedef CUresult (*mem_unmap_fn)(CUdeviceptr, size_t);
 typedef CUresult (*mem_retain_fn)(CUdeviceptr *, void *);
 typedef CUresult (*getproc2_fn)(const char *, void **, int, uint64_t, int *);
 typedef void *(*dlsym_fn)(void *, const char *);
+typedef CUresult (*module_load_fn)(void **, const void *);  /* cuModuleLoad (a path), _LoadData, _LoadFatBinary */
+typedef CUresult (*module_load_ex_fn)(void **, const void *, unsigned, void *, void **);
+typedef CUresult (*library_load_fn)(void **, const void *, void *, void **, unsigned, void *, void **, unsigned);
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
 typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
 typedef int (*nvml_mem_fn)(void *, nvmlMemory_t *);
@@ -112,6 +115,9 @@ struct real_driver {
     ctx_create2_fn ctx_create2;
     ctx_create3_fn ctx_create3;
     ctx_create4_fn ctx_create4;
+    module_load_fn module_load, module_load_data, module_load_fatbin;
+    module_load_ex_fn module_load_data_ex;
+    library_load_fn library_load_data, library_load_file;
 };
 
 #pragma GCC visibility push(hidden)
@@ -125,6 +131,7 @@ void *cgpu_dlsym_ours(void *handle, const char *name);
  * functions (through its PLT, so through ours) must not be charged twice. */
 extern __thread int in_driver __attribute__((tls_model("initial-exec")));  /* (loaded at start: static TLS) */
 void *sym(const char *name);
+void *cgpu_next(const char *name);  /* the C library's `name` (the next object's after libcgpu) */
 int isolated(void);  /* set up; the process is held by its pages */
 void setup_once(void);
 
@@ -133,6 +140,7 @@ extern const struct cgpu_limits *limits;  /* read-only */
 extern int per_gpu;       /* the page has a gate per GPU (else the container's one gate) */
 extern int has_uuids;     /* the page names its GPUs' UUIDs (read once: written before its magic) */
 extern struct cgpu_usage *usage;
+extern struct cgpu_usage_driver *drv;  /* the driver's readings (NULL: an older cgpud's page) */
 extern struct cgpu_proc *mine;
 extern int asked;         /* CGPU_PAGE_DIR is set: this process must be isolated */
 extern char why[8192];    /* why the pages are not usable ("" when they are) */
@@ -151,6 +159,7 @@ void *nvml_ours(const char *name);  /* our wrapper of an NVML name, NULL if none
 void nvml_context_before(int g);
 void nvml_context_after(int g);
 void nvml_forked(void);
+int nvml_ioctl(int fd, unsigned long request, void *arg);  /* ioctl: the kernel driver's process lists */
 
 /* ---- memory.c ---- */
 void memory_forked(void);

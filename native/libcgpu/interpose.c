@@ -37,6 +37,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -85,6 +86,12 @@ CUresult cuLaunchKernelEx(const void *, void *, void **, void **);
 CUresult cuLaunchKernelEx_ptsz(const void *, void *, void **, void **);
 CUresult cuGraphLaunch(void *, void *);
 CUresult cuGraphLaunch_ptsz(void *, void *);
+CUresult cuModuleLoad(void **, const char *);
+CUresult cuModuleLoadData(void **, const void *);
+CUresult cuModuleLoadDataEx(void **, const void *, unsigned, void *, void **);
+CUresult cuModuleLoadFatBinary(void **, const void *);
+CUresult cuLibraryLoadData(void **, const void *, void *, void **, unsigned, void *, void **, unsigned);
+CUresult cuLibraryLoadFromFile(void **, const char *, void *, void **, unsigned, void *, void **, unsigned);
 
 struct real_driver real;
 dlsym_fn real_dlsym;
@@ -108,6 +115,12 @@ static void next_dlsym(void)
     }
     real_dlsym = f;
     __atomic_store_n(&cgpu_next_dlsym, f, __ATOMIC_RELEASE);
+}
+
+void *cgpu_next(const char *name)
+{
+    next_dlsym();
+    return cgpu_next_dlsym(RTLD_NEXT, name);  /* (called from libcgpu: the object after it, libc) */
 }
 
 void *sym(const char *name)
@@ -168,6 +181,12 @@ static void setup(void)
     real.array3d = (array_fn)sym("cuArray3DCreate_v2");
     real.mipmap = (mipmap_fn)sym("cuMipmappedArrayCreate");
     real.mipmap_free = (free_fn)sym("cuMipmappedArrayDestroy");
+    real.module_load = (module_load_fn)sym("cuModuleLoad");
+    real.module_load_data = (module_load_fn)sym("cuModuleLoadData");
+    real.module_load_data_ex = (module_load_ex_fn)sym("cuModuleLoadDataEx");
+    real.module_load_fatbin = (module_load_fn)sym("cuModuleLoadFatBinary");
+    real.library_load_data = (library_load_fn)sym("cuLibraryLoadData");
+    real.library_load_file = (library_load_fn)sym("cuLibraryLoadFromFile");
     in_driver--;
     const char *npath = getenv("CGPU_REAL_LIBNVML");
     in_driver++;
@@ -221,6 +240,21 @@ static void forked(void)
     gate_forked();
     memory_forked();
     page_forked();
+}
+
+/* ---- the kernel driver: ioctl ---------------------------------------------------------------
+ *
+ * Every NVML way to the process list ends in libc's ioctl on /dev/nvidiactl (nvidia-smi's own goes
+ * through a private export table no wrapper of an exported name sees: issue 28, on an H100). nvml.c looks at
+ * the few requests it filters after the call; everything else goes straight through. ioctl's third
+ * argument is one pointer-sized word whatever the request (the kernel's ABI), read as such. */
+int ioctl(int fd, unsigned long request, ...)
+{
+    va_list ap;
+    va_start(ap, request);
+    void *arg = va_arg(ap, void *);
+    va_end(ap);
+    return nvml_ioctl(fd, request, arg);
 }
 
 /* ---- how clients find the functions -------------------------------------------- */
@@ -278,6 +312,12 @@ static const struct form {
     {"cuLaunchKernelEx", 11060, 1, "cuLaunchKernelEx_ptsz", (void *)cuLaunchKernelEx_ptsz},
     {"cuGraphLaunch", 10000, 0, "cuGraphLaunch", (void *)cuGraphLaunch},
     {"cuGraphLaunch", 10000, 1, "cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
+    {"cuModuleLoad", 2000, 0, "cuModuleLoad", (void *)cuModuleLoad},
+    {"cuModuleLoadData", 2000, 0, "cuModuleLoadData", (void *)cuModuleLoadData},
+    {"cuModuleLoadDataEx", 2010, 0, "cuModuleLoadDataEx", (void *)cuModuleLoadDataEx},
+    {"cuModuleLoadFatBinary", 2000, 0, "cuModuleLoadFatBinary", (void *)cuModuleLoadFatBinary},
+    {"cuLibraryLoadData", 12000, 0, "cuLibraryLoadData", (void *)cuLibraryLoadData},
+    {"cuLibraryLoadFromFile", 12000, 0, "cuLibraryLoadFromFile", (void *)cuLibraryLoadFromFile},
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress", (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
 };

@@ -1,0 +1,229 @@
+"""The driver's own memory as it grows (issue 28, docs/memory.md): after its context the driver's
+memory for a process grows through no allocation call — modules loaded at a kernel's first
+launch, libraries, graph instantiation — and NVML's per-process view shows it. The stand-in
+libcuda grows as the H100 did (native/stubs: 2 MiB per module load and per function's first
+launch, 70 MiB per instantiated graph; a cuBLAS-like module of 33 kernels: +66 MiB at its first
+use), and the daemon's NVML watchdog (--mem-action kill) watches `cgpu run` instances whose
+processes carry libcgpu. A process going through libcgpu must end in out-of-memory, never in a
+kill; one that goes around it is still killed, and the log says which it was."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from test_libcgpu import PRELUDE, build_libs
+
+MIB = 1 << 20
+GIB = 1 << 30
+CONTEXT_MIB = 500
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory) -> Path:
+    return build_libs(tmp_path_factory.mktemp("growth"))
+
+
+@pytest.fixture
+def watched(make_daemon, libs, tmp_path, monkeypatch):
+    """A daemon on the NVML stand-in (its processes are the stand-in libcuda's, by their PIDs) with
+    libcgpu for `cgpu run` and the memory watchdog killing past memsize; contexts of 500 MiB."""
+    from nvml_stub import NvmlStub, StubGpu
+
+    stub = NvmlStub(libs, tmp_path / "nvml.conf", cuda_state=tmp_path / "card.state")
+    stub.gpus = [StubGpu("GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab")]
+    stub.write()
+    for k, v in {**stub.env({}), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"),
+                 "CGPU_STUB_CTX_MIB": str(CONTEXT_MIB)}.items():
+        monkeypatch.setenv(k, v)
+    d = make_daemon(gpus="nvml", start=False, extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so")])
+    d.dev_dir.mkdir()
+    (d.dev_dir / "nvidia0").write_text("")
+    d.start()
+    return d
+
+
+_made = itertools.count()
+
+
+def name(tag: str) -> str:
+    """An instance name of this run's own (12 characters)."""
+    return f"{tag}{os.getpid() % 100000:05d}{next(_made):03d}".ljust(12, "x")[:12]
+
+
+def cgpu_run(d, inst: str, mem: str, code: str, *, around: bool = False, timeout: float = 60) -> subprocess.Popen:
+    """`cgpu run --mem MEM` of a cuda-bindings program; around: the program unsets LD_PRELOAD
+    (and re-executes itself without libcgpu) first."""
+    prog = PRELUDE + textwrap.dedent(code)
+    if around:
+        prog = ("import os, sys\nif os.environ.pop('LD_PRELOAD', None) is not None:\n"
+                "    os.execv(sys.executable, [sys.executable, '-c', sys.argv[-1], sys.argv[-1]])\n") + prog
+    return subprocess.Popen([os.fspath(Path(sys.executable).parent / "cgpu"), "run", "--name", inst, "--mem", mem,
+                             "--", sys.executable, "-c", prog, prog],
+                            env={**os.environ, "CGPUD_SOCKET": os.fspath(d.socket)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@contextlib.contextmanager
+def neighbour(d, mem: str = "2G"):
+    """A neighbour instance whose process holds 1 GiB of the card while the block runs."""
+    p = cgpu_run(d, name("nb"), mem, """
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        held = ok(d.cuMemAlloc(2**30))
+        print("holding", flush=True)
+        import time; time.sleep(60)
+    """)
+    try:
+        assert p.stdout.readline().strip() == "holding", p.stderr.read()
+        yield p
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)  # (cgpu run and the program it runs)
+        p.wait()
+
+
+def finish(p: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+CONTEXT = """
+import os, time
+E = d.CUresult
+ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+PTX = (".version 8.0\\n.target sm_75\\n.address_size 64\\n"
+       + "".join(f".visible .entry k{i}()\\n{{\\nret;\\n}}\\n" for i in range(33))).encode()
+def first_use():
+    # a cuBLAS-like module: its 33 kernels loaded lazily at their first launch (+66 MiB)
+    mod = ok(d.cuModuleLoadData(PTX))
+    for i in range(33):
+        ok(d.cuLaunchKernel(ok(d.cuModuleGetFunction(mod, f"k{i}".encode())), 1, 1, 1, 1, 1, 1, 0, 0, 0, 0))
+    ok(d.cuCtxSynchronize())
+    return mod
+def graph(mod, s):
+    # a graph captured and instantiated (+70 MiB of the driver's own)
+    ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    ok(d.cuLaunchKernel(ok(d.cuModuleGetFunction(mod, b"k0")), 10, 1, 1, 1, 1, 1, 0, s, 0, 0))
+    return ok(d.cuGraphInstantiate(ok(d.cuStreamEndCapture(s)), 0))
+"""
+
+# Each fills what it is told is free as its framework does at its defaults, then uses the card.
+FILLS = {
+    # JAX: XLA_PYTHON_CLIENT_MEM_FRACTION (0.75) of what is free, preallocated; XLA's autotuning
+    # then takes what is left for its candidates' scratch and launches each once; command buffers
+    # (CUDA graphs).
+    "jax": """
+        free, total = ok(d.cuMemGetInfo())
+        pool = ok(d.cuMemAlloc(int(free * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))))
+        scratch = ok(d.cuMemAlloc(ok(d.cuMemGetInfo())[0]))
+        mod = first_use()
+        ok(d.cuMemFree(scratch))
+        s = ok(d.cuStreamCreate(1))
+        ok(d.cuGraphLaunch(graph(mod, s), s)); ok(d.cuStreamSynchronize(s))
+    """,
+    # TensorFlow (allow_growth off): what is free less its reserve for the system (225 MiB under
+    # 2 GiB free, else the larger of 300 MiB and 5 %), then cuBLAS and cuDNN loaded at first use.
+    "tensorflow": """
+        free, total = ok(d.cuMemGetInfo())
+        reserve = 225 * 2**20 if free < 2**31 else max(300 * 2**20, free // 20)
+        pool = ok(d.cuMemAlloc(free - reserve))
+        mod = first_use()
+    """,
+    # vLLM: gpu_memory_utilization (0.9) of the total less what is in use after profiling for the
+    # KV cache, then its CUDA graphs captured (two batch sizes here).
+    "vllm": """
+        free, total = ok(d.cuMemGetInfo())
+        mod = first_use()
+        free, total = ok(d.cuMemGetInfo())
+        kv = ok(d.cuMemAlloc(int(total * float(os.environ.get("VLLM_GPU_MEMORY_UTILIZATION", "0.9"))) - (total - free)))
+        s = ok(d.cuStreamCreate(1))
+        for _ in range(2):
+            ok(d.cuGraphLaunch(graph(mod, s), s)); ok(d.cuStreamSynchronize(s))
+    """,
+}
+
+# Then it grows as a framework does when it needs more: 1 MiB at a time until out-of-memory.
+TOP_UP = """
+time.sleep(1.1)  # two looks of the watchdog
+while (r := d.cuMemAlloc(2**20)[0]) == E.CUDA_SUCCESS:
+    pass
+time.sleep(1.1)
+print("alive", r.name, flush=True)
+"""
+
+AFTER = """
+time.sleep(1.6)  # three looks of the watchdog
+more = d.cuMemAlloc(64 * 2**20)[0]
+load = d.cuModuleLoadData(PTX)[0]
+print("alive", more.name, load.name, flush=True)
+"""
+
+
+@pytest.mark.parametrize("fill", sorted(FILLS))
+def test_a_framework_filling_what_it_is_told_is_free_ends_in_out_of_memory_never_a_kill(watched, fill):
+    """JAX at its defaults was killed on the H100 (NVML 2172649472 bytes, libcgpu 2139145736); on
+    main the stand-in's growth kills each of these the same way. Now the driver's growth is charged
+    (the watchdog's readings), a process through libcgpu is not killed for it, and when it asks for
+    more its allocation is refused with out-of-memory: it lives."""
+    inst = name(fill[:3])
+    rc, out, err = finish(cgpu_run(watched, inst, "2G", CONTEXT + textwrap.dedent(FILLS[fill]) + TOP_UP))
+    log = watched.log_text()
+    assert rc == 0, (rc, out, err, log[-3000:])
+    assert out.split() == ["alive", "CUDA_ERROR_OUT_OF_MEMORY"], out
+    assert "SIGKILL sent" not in log
+
+
+def test_a_graph_loop_after_a_fill_with_a_neighbour_ends_in_out_of_memory(watched):
+    """PyTorch capturing and replaying CUDA graphs while a neighbour shares the GPU was killed on the
+    H100 (NVML 2308964352, libcgpu 2139095040). Here: a neighbour instance holds 1 GiB; the process
+    fills its 2 GiB as PyTorch's caching allocator does (64 MiB blocks until out-of-memory, then
+    1 MiB ones), uses a cuBLAS-like module, captures a graph and replays it for a second. It is not
+    killed; what it asks then — an allocation, a module load — is refused with out-of-memory; and
+    what it could fill is at least memsize − the context − 3 % (the headroom)."""
+    with neighbour(watched):
+        rc, out, err = finish(cgpu_run(watched, name("gr"), "2G", CONTEXT + """
+blocks = []
+for size in (64 * 2**20, 2**20):
+    while True:
+        r = d.cuMemAlloc(size)
+        if r[0] != E.CUDA_SUCCESS:
+            assert r[0] == E.CUDA_ERROR_OUT_OF_MEMORY, r
+            break
+        blocks.append(size)
+mod = first_use()
+s = ok(d.cuStreamCreate(1))
+ex = graph(mod, s)
+end = time.monotonic() + 1.2
+while time.monotonic() < end:
+    ok(d.cuGraphLaunch(ex, s)); ok(d.cuStreamSynchronize(s))
+print("filled", sum(blocks), flush=True)
+""" + AFTER))
+    log = watched.log_text()
+    assert rc == 0, (rc, out, err, log[-3000:])
+    lines = out.split("\n")
+    assert lines[1].split() == ["alive", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_OUT_OF_MEMORY"], out
+    assert int(lines[0].split()[1]) >= 2 * GIB - CONTEXT_MIB * MIB - 2 * GIB * 3 // 100
+    assert "SIGKILL sent" not in log
+
+
+def test_a_process_around_the_library_is_still_killed_and_the_log_says_so(watched):
+    """A process of the instance that unsets LD_PRELOAD and takes more than memsize is killed as
+    before; the log says it went around the library (it has no slot in the instance's page)."""
+    inst = name("ar")
+    rc, out, err = finish(cgpu_run(watched, inst, "1G", """
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        big = ok(d.cuMemAlloc(3 * 2**29))
+        import time; time.sleep(20)
+        print("alive")
+    """, around=True))
+    log = watched.log_text()
+    assert rc != 0 and "alive" not in out, (rc, out, err)
+    assert f"memory watchdog: {inst} on GPU 0" in log
+    assert "went around the library: it has no slot in the instance's page" in log, log[-3000:]
