@@ -59,13 +59,14 @@ def name(tag: str) -> str:
     return f"{tag}{os.getpid() % 100000:05d}{next(_made):03d}".ljust(12, "x")[:12]
 
 
-def cgpu_run(d, inst: str, mem: str, code: str, *, around: bool = False, timeout: float = 60) -> subprocess.Popen:
+def cgpu_run(d, inst: str, mem: str, code: str, *, around: bool = False, first: str = "") -> subprocess.Popen:
     """`cgpu run --mem MEM` of a cuda-bindings program; around: the program unsets LD_PRELOAD
-    (and re-executes itself without libcgpu) first."""
+    (and re-executes itself without libcgpu) first; `first`: code run before anything loads CUDA."""
     prog = PRELUDE + textwrap.dedent(code)
     if around:
         prog = ("import os, sys\nif os.environ.pop('LD_PRELOAD', None) is not None:\n"
                 "    os.execv(sys.executable, [sys.executable, '-c', sys.argv[-1], sys.argv[-1]])\n") + prog
+    prog = textwrap.dedent(first) + prog
     return subprocess.Popen([os.fspath(Path(sys.executable).parent / "cgpu"), "run", "--name", inst, "--mem", mem,
                              "--", sys.executable, "-c", prog, prog],
                             env={**os.environ, "CGPUD_SOCKET": os.fspath(d.socket)}, stdout=subprocess.PIPE,
@@ -149,6 +150,25 @@ FILLS = {
     """,
 }
 
+# PyTorch's caching allocator near the limit: 64 MiB blocks until out-of-memory, then 1 MiB ones.
+PYTORCH_FILL = """
+blocks = []
+for size in (64 * 2**20, 2**20):
+    while (r := d.cuMemAlloc(size))[0] == E.CUDA_SUCCESS:
+        blocks.append(size)
+    assert r[0] == E.CUDA_ERROR_OUT_OF_MEMORY, r
+"""
+
+# A cuBLAS-like first use, then a graph captured and replayed for a second.
+GRAPH_LOOP = """
+mod = first_use()
+s = ok(d.cuStreamCreate(1))
+ex = graph(mod, s)
+end = time.monotonic() + 1.2
+while time.monotonic() < end:
+    ok(d.cuGraphLaunch(ex, s)); ok(d.cuStreamSynchronize(s))
+"""
+
 # Then it grows as a framework does when it needs more: 1 MiB at a time until out-of-memory.
 TOP_UP = """
 time.sleep(1.1)  # two looks of the watchdog
@@ -188,23 +208,8 @@ def test_a_graph_loop_after_a_fill_with_a_neighbour_ends_in_out_of_memory(watche
     killed; what it asks then — an allocation, a module load — is refused with out-of-memory; and
     what it could fill is at least memsize − the context − 3 % (the headroom)."""
     with neighbour(watched):
-        rc, out, err = finish(cgpu_run(watched, name("gr"), "2G", CONTEXT + """
-blocks = []
-for size in (64 * 2**20, 2**20):
-    while True:
-        r = d.cuMemAlloc(size)
-        if r[0] != E.CUDA_SUCCESS:
-            assert r[0] == E.CUDA_ERROR_OUT_OF_MEMORY, r
-            break
-        blocks.append(size)
-mod = first_use()
-s = ok(d.cuStreamCreate(1))
-ex = graph(mod, s)
-end = time.monotonic() + 1.2
-while time.monotonic() < end:
-    ok(d.cuGraphLaunch(ex, s)); ok(d.cuStreamSynchronize(s))
-print("filled", sum(blocks), flush=True)
-""" + AFTER))
+        rc, out, err = finish(cgpu_run(watched, name("gr"), "2G", CONTEXT + PYTORCH_FILL + GRAPH_LOOP
+                                       + 'print("filled", sum(blocks), flush=True)\n' + AFTER))
     log = watched.log_text()
     assert rc == 0, (rc, out, err, log[-3000:])
     lines = out.split("\n")
