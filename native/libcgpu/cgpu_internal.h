@@ -1,16 +1,19 @@
 /*
  * libcgpu's internal header: what its parts share (docs/isolation.md). The library is split by
- * concern, as HAMi-core splits its src/:
- *   interpose.c  how clients reach us: the exported names' table, dlsym, cuGetProcAddress, the
- *                real driver's and NVML's functions (loaded once), cuInit, fork;
- *   memory.c     charge and refund: every allocator and free, the allocations' sizes,
- *                cuMemGetInfo and cuDeviceTotalMem;
+ * concern, as HAMi-core splits its src/, in layers that call down, never up:
+ *   driver.c     the bottom: the real driver's and NVML's functions and their loading, the C
+ *                library's dlsym, whether this thread is inside the driver (in_driver);
+ *   page.c       the shared pages (cgpu_page.h): setting up (the driver, then the pages), process
+ *                slots, a dead process's memory back, which page GPU a CUDA device is;
+ *   memory.c     charge and refund: every allocator and free, the allocations' sizes, the
+ *                driver's own memory as it grows, cuMemGetInfo and cuDeviceTotalMem, module loads;
  *   gate.c       compute: kernel launches wait at the gate (futex), the helper thread drains
  *                and answers the daemon's closings;
- *   nvml.c       the container's view through NVML (nvidia-smi);
- *   page.c       the shared pages (cgpu_page.h): mapping them, process slots, a dead process's
- *                memory back, which page GPU a CUDA device is.
- * Everything declared here is hidden: only the CUDA/NVML names and dlsym are exported.
+ *   nvml.c       the container's view through NVML (nvidia-smi), and the driver's process list
+ *                at the ioctl;
+ *   interpose.c  the top: only how clients reach us — the exported names' table, dlsym,
+ *                cuGetProcAddress, cuInit, ioctl — and what a fork resets in each part.
+ * Everything declared here is hidden: only the CUDA/NVML names, dlsym and ioctl are exported.
  */
 #ifndef CGPU_INTERNAL_H
 #define CGPU_INTERNAL_H
@@ -122,20 +125,25 @@ struct real_driver {
 
 #pragma GCC visibility push(hidden)
 
-/* ---- interpose.c ---- */
+/* ---- driver.c ---- */
 extern struct real_driver real;
 extern dlsym_fn real_dlsym;
 extern void *(*cgpu_next_dlsym)(void *, const char *);  /* libc's dlsym */
-void *cgpu_dlsym_ours(void *handle, const char *name);
+void driver_next_dlsym(void);  /* find it (once; no lock) */
 /* >0 while this thread is inside the real driver: a driver that calls its own exported
  * functions (through its PLT, so through ours) must not be charged twice. */
 extern __thread int in_driver __attribute__((tls_model("initial-exec")));  /* (loaded at start: static TLS) */
 void *sym(const char *name);
 void *cgpu_next(const char *name);  /* the C library's `name` (the next object's after libcgpu) */
-int isolated(void);  /* set up; the process is held by its pages */
-void setup_once(void);
+void driver_load(void);
+
+/* ---- interpose.c ---- */
+void *cgpu_dlsym_ours(void *handle, const char *name);
 
 /* ---- page.c ---- */
+int isolated(void);  /* set up; the process is held by its pages */
+void setup_once(void);
+extern void (*cgpu_on_fork)(void);  /* what a forked child runs (interpose.c's: each part's reset) */
 extern const struct cgpu_limits *limits;  /* read-only */
 extern int per_gpu;       /* the page has a gate per GPU (else the container's one gate) */
 extern int has_uuids;     /* the page names its GPUs' UUIDs (read once: written before its magic) */

@@ -179,6 +179,33 @@ void page_setup(void)
     has_uuids = limits && uuids_in_page();
 }
 
+/* ---- set up: the driver loaded, then the pages ---------------------------------------------- */
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static int set_up;  /* setup has run (read without pthread_once's call on the allocators' path) */
+void (*cgpu_on_fork)(void);
+
+static void setup(void)
+{
+    driver_load();
+    page_setup();
+    if (asked && cgpu_on_fork)
+        pthread_atfork(NULL, NULL, cgpu_on_fork);
+    __atomic_store_n(&set_up, 1, __ATOMIC_RELEASE);
+}
+
+void setup_once(void)
+{
+    pthread_once(&once, setup);
+}
+
+int isolated(void)
+{
+    if (__builtin_expect(!__atomic_load_n(&set_up, __ATOMIC_ACQUIRE), 0))
+        pthread_once(&once, setup);
+    return limits != NULL;
+}
+
 /* At exit the driver frees what the process held: so does its page. */
 __attribute__((destructor)) static void give_back(void)
 {
