@@ -232,3 +232,73 @@ def test_a_process_around_the_library_is_still_killed_and_the_log_says_so(watche
     assert rc != 0 and "alive" not in out, (rc, out, err)
     assert f"memory watchdog: {inst} on GPU 0" in log
     assert "went around the library: it has no slot in the instance's page" in log, log[-3000:]
+
+
+# ---- the watchdog's rule, on the model with real processes (no daemon) ------------------------
+
+
+@pytest.fixture
+def page_watchdog(tmp_path):
+    """A watchdog (kill) over one 1 GiB instance whose usage page is in tmp_path; slot(k, pid,
+    held) writes a process slot as libcgpu would; sleepers are killed at the end."""
+    from cgpud.core.model import GpuInfo, Node
+    from cgpud.gpus import pages
+    from cgpud.gpus.memwatch import MemWatchdog
+
+    where = tmp_path / "pages"
+    pages.create(os.fspath(where), [GIB])
+    node = Node([GpuInfo(0, "GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab", "Tesla T4", 15 * GIB)])
+    inst = node.create_instance(0, "instanceaaaa", memsize=GIB)
+    made: list[subprocess.Popen] = []
+    wd = MemWatchdog(node, lambda pid, gpu: inst if any(p.pid == pid for p in made) else None,
+                     page=lambda i: (os.fspath(where), 0))
+
+    def slot(k: int, pid: int, held: int) -> None:
+        with open(where / "usage", "r+b") as f:
+            f.seek(pages.USAGE_HEAD.size + k * pages.PROC.size)
+            f.write(pages.PROC.pack(pid, 0, 0, 0, held, *[0] * (pages.MAX_GPUS - 1)))
+
+    def sleeper() -> int:
+        made.append(subprocess.Popen(["sleep", "60"]))
+        return made[-1].pid
+    yield wd, slot, sleeper, made, where
+    for p in made:
+        p.kill()
+        p.wait()
+
+
+def _look(procs: dict[int, int]):
+    from cgpud.gpus.nvml import GpuSample
+
+    return [GpuSample(0, procs, sum(procs.values()), 15 * GIB, 0, 0)]
+
+
+def test_the_watchdog_tells_the_drivers_growth_from_memory_around_the_library(page_watchdog, caplog):
+    """Past memsize, a process with a slot whose NVML figure passes what libcgpu charges it by no
+    more than the growth allowance (256 MiB here) is left running, its reading written into its
+    slot (NVML's figure, what it had allocated); one without a slot, or past the allowance, is
+    killed, and the log says which it was."""
+    from cgpud.gpus import pages
+
+    wd, slot, sleeper, made, where = page_watchdog
+    lib, around, greedy = sleeper(), sleeper(), sleeper()
+    slot(0, lib, 900 * MIB)
+    slot(1, greedy, 50 * MIB)
+    # the driver's growth: 150 MiB past libcgpu's 900 (the instance at 1050 MiB of 1024)
+    assert wd.check(_look({lib: 1050 * MIB})) == []
+    assert made[0].poll() is None
+    assert "went through libcgpu: NVML says 1101004800 bytes, libcgpu charges 943718400" in caplog.text
+    slots, readings = pages.slots(os.fspath(where))
+    with open(where / "usage", "rb") as f:
+        raw = f.read()
+    record = pages.DRIVER.unpack_from(raw, pages.DRIVER_OFFSET)
+    assert readings and record[0] % 2 == 0 and record[1] == lib
+    assert record[2] == 1050 * MIB and record[2 + pages.MAX_GPUS] == 900 * MIB
+    # a process without a slot takes 200 MiB more: it is failed, not the one through libcgpu
+    assert wd.check(_look({lib: 1050 * MIB, around: 200 * MIB})) == [(0, "instanceaaaa", around)]
+    assert made[1].wait(5) == -signal.SIGKILL and made[0].poll() is None
+    assert "it went around the library: it has no slot in the instance's page" in caplog.text
+    # one with a slot 300 MiB past what libcgpu charges it: more than the allowance
+    assert wd.check(_look({lib: 1050 * MIB, greedy: 350 * MIB})) == [(0, "instanceaaaa", greedy)]
+    assert made[2].wait(5) == -signal.SIGKILL and made[0].poll() is None
+    assert "libcgpu charges it 52428800, 314572800 bytes less, more than the driver's growth allowance" in caplog.text
