@@ -143,6 +143,7 @@ void *cgpu_dlsym_ours(void *handle, const char *name);
 /* ---- page.c ---- */
 int isolated(void);  /* set up; the process is held by its pages */
 void setup_once(void);
+int pages_ready(void);  /* the pages mapped (not the driver loaded); the process is held by them */
 extern void (*cgpu_on_fork)(void);  /* what a forked child runs (interpose.c's: each part's reset) */
 extern const struct cgpu_limits *limits;  /* read-only */
 extern int per_gpu;       /* the page has a gate per GPU (else the container's one gate) */

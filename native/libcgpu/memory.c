@@ -643,6 +643,8 @@ static size_t image_bytes(const void *image)
     uint32_t magic;
     if (!p)
         return 0;
+    if (strnlen(image, 4) < 4)
+        return strlen(image);  /* (not 4 bytes of header: a short text, read no further) */
     memcpy(&magic, p, 4);
     if (magic == 0x466243b1u) {  /* __fatBinC_Wrapper_t {magic, version, data, ...} */
         const void *data;

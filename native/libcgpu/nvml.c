@@ -265,8 +265,7 @@ int nvml_ioctl(int fd, unsigned long request, void *arg)
     if (p->cmd != NV2080_CTRL_CMD_GPU_GET_PIDS || (p->flags & NVOS54_FLAGS_FINN_SERIALIZED) || !p->params
         || p->paramsSize < offsetof(get_pids, pidTbl))
         return r;
-    setup_once();
-    if (!limits)
+    if (!pages_ready())
         return r;  /* (not in a container) */
     /* Whatever the call answered: the table never leaves here holding another's pid. */
     get_pids *q = (get_pids *)(uintptr_t)p->params;

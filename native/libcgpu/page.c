@@ -185,10 +185,20 @@ static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int set_up;  /* setup has run (read without pthread_once's call on the allocators' path) */
 void (*cgpu_on_fork)(void);
 
+static pthread_once_t pages_once = PTHREAD_ONCE_INIT;
+
+/* The pages alone, without loading the driver: what ioctl's filter needs (it may run inside the
+ * real NVML, which must not be made to load libcuda from there). */
+int pages_ready(void)
+{
+    pthread_once(&pages_once, page_setup);
+    return limits != NULL;
+}
+
 static void setup(void)
 {
     driver_load();
-    page_setup();
+    pthread_once(&pages_once, page_setup);
     if (asked && cgpu_on_fork)
         pthread_atfork(NULL, NULL, cgpu_on_fork);
     __atomic_store_n(&set_up, 1, __ATOMIC_RELEASE);
