@@ -234,6 +234,45 @@ def test_a_process_around_the_library_is_still_killed_and_the_log_says_so(watche
     assert "went around the library: it has no slot in the instance's page" in log, log[-3000:]
 
 
+# ---- the stand-in's growth --------------------------------------------------------------------
+
+
+def test_the_stand_ins_driver_memory_grows_through_no_allocation_call(libs, tmp_path):
+    """Without libcgpu: NVML's figure for the process (the stand-in's, read through its v3 call)
+    and the card's free memory move together, by 2 MiB at a module's load and at each function's
+    first launch (not its second), by 70 MiB at a graph's instantiation, and back when the graph
+    and the module go; no allocation is made."""
+    from nvml_stub import NvmlStub, StubGpu
+
+    stub = NvmlStub(libs, tmp_path / "nvml.conf", cuda_state=tmp_path / "card.state")
+    stub.gpus = [StubGpu("GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab")]
+    stub.write()
+    env = {**stub.env({}), "PATH": os.environ["PATH"], "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state")}
+    r = subprocess.run([sys.executable, "-c", PRELUDE + CONTEXT + textwrap.dedent("""
+        import ctypes
+        nvml = ctypes.CDLL("libnvidia-ml.so.1"); assert nvml.nvmlInit_v2() == 0
+        dev = ctypes.c_void_p(); assert nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(dev)) == 0
+        class Info(ctypes.Structure):
+            _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong), ("gi", ctypes.c_uint), ("ci", ctypes.c_uint)]
+        def seen():
+            n, infos = ctypes.c_uint(8), (Info * 8)()
+            assert nvml.nvmlDeviceGetComputeRunningProcesses_v3(dev, ctypes.byref(n), infos) == 0
+            mine = [infos[k].used >> 20 for k in range(n.value) if infos[k].pid == os.getpid()]
+            return (mine or [0])[0], (ok(d.cuMemGetInfo())[1] - ok(d.cuMemGetInfo())[0]) >> 20
+        steps = [seen()]
+        mod = ok(d.cuModuleLoadData(PTX)); steps.append(seen())
+        f = ok(d.cuModuleGetFunction(mod, b"k0"))
+        ok(d.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)); steps.append(seen())
+        ok(d.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)); steps.append(seen())
+        s = ok(d.cuStreamCreate(1)); ex = graph(mod, s); steps.append(seen())
+        ok(d.cuGraphExecDestroy(ex)); steps.append(seen())
+        ok(d.cuModuleUnload(mod)); steps.append(seen())
+        print(steps)
+    """)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str([(0, 0), (2, 2), (4, 4), (4, 4), (74, 74), (4, 4), (0, 0)])
+
+
 # ---- the watchdog's rule, on the model with real processes (no daemon) ------------------------
 
 
