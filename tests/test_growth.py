@@ -341,3 +341,21 @@ def test_the_watchdog_tells_the_drivers_growth_from_memory_around_the_library(pa
     assert wd.check(_look({lib: 1050 * MIB, greedy: 350 * MIB})) == [(0, "instanceaaaa", greedy)]
     assert made[2].wait(5) == -signal.SIGKILL and made[0].poll() is None
     assert "libcgpu charges it 52428800, 314572800 bytes less, more than the driver's growth allowance" in caplog.text
+
+
+def test_a_page_that_lies_buys_no_more_than_the_allowance(page_watchdog, caplog):
+    """The page is the container's to write: a slot that claims more than NVML sees (held 4 GiB) is
+    no growth and goes first; a slot written for a process that went around the library buys the
+    instance at most the allowance past memsize before that process is failed too."""
+    wd, slot, sleeper, made, where = page_watchdog
+    liar, faker = sleeper(), sleeper()
+    slot(0, liar, 4 * GIB)
+    slot(1, faker, GIB)
+    assert wd.check(_look({liar: 900 * MIB})) == []  # (under memsize)
+    assert wd.check(_look({liar: 900 * MIB, faker: GIB + 200 * MIB})) == [(0, "instanceaaaa", liar)]
+    assert made[0].wait(5) == -signal.SIGKILL and made[1].poll() is None
+    assert "past memsize by more than the driver's growth allowance 268435456 (its slot in the page says" in caplog.text
+    # the faker's "growth" within the allowance is tolerated (1224 MiB of 1024); past it, it is failed
+    assert wd.check(_look({faker: GIB + 200 * MIB})) == []
+    assert wd.check(_look({faker: GIB + 300 * MIB})) == [(0, "instanceaaaa", faker)]
+    assert made[1].wait(5) == -signal.SIGKILL

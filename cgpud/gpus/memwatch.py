@@ -25,8 +25,8 @@ thread: they may take milliseconds and must not delay the schedulers.
 An instance whose processes carry libcgpu (docs/isolation.md) also says what
 it holds, in its usage page: each look reads it (`library`), keeps it as
 `Instance.library_used`, and the larger of the two views is what the
-instance uses (`meminfo`'s Free). NVML's view alone decides whom to fail: the
-page is the container's to write, the driver's count is not.
+instance uses (`meminfo`'s Free). NVML's view decides whom to fail: the page
+is the container's to write, the driver's count is not.
 
 The driver's own memory grows after a context is made, through no call
 libcgpu sees (lazily loaded modules, library handles, graphs: docs/memory.md).
@@ -38,7 +38,9 @@ NVML figure passes what libcgpu charges it by no more than the growth
 allowance (`allowance`: 256 MiB or 3 % of memsize, the larger) is left
 running — libcgpu refuses its next allocation instead; a process without a
 slot (LD_PRELOAD unset, a static binary) or past the allowance is failed as
-before. The log says which it was.
+before, first. The log says which it was. The page being the container's to
+write, what it says can make the watchdog tolerate at most the allowance past
+memsize for the whole instance, never more.
 
 Between two looks an instance can be over its limit for up to `period`
 seconds; memory outside NVML's view (unified memory, processes in another pid
@@ -160,23 +162,28 @@ class MemWatchdog:
                 excess -= sum(n for p, n in procs.items() if (s.index, p) in self._acted)
                 # The driver's growth past what libcgpu charges, within the allowance: libcgpu is told
                 # (the reading above) and refuses what comes next; that process is not failed for it.
-                spared = {p: max(0, procs[p] - c) for p, c in charged.items()
-                          if procs[p] - c <= allowance(inst.memsize)}
-                excess -= sum(spared.values())
-                for pid in spared:
-                    grown_now.add((s.index, pid))
-                    if (s.index, pid) not in self._grown and procs[pid] > charged[pid]:
-                        log.warning("memory watchdog: %s on GPU %d uses %d bytes, past its memsize %d: pid %d (%s)"
-                                    " went through libcgpu: NVML says %d bytes, libcgpu charges %d; the driver's own "
-                                    "growth (%d bytes, within the allowance %d) is charged to it now: left running, "
-                                    "its next allocation fails", inst.name, inst.gpu, sum(procs.values()),
-                                    inst.memsize, pid, _comm(pid), procs[pid], charged[pid],
-                                    procs[pid] - charged[pid], allowance(inst.memsize))
+                # The page is the container's to write: what it says decides only how much of the
+                # excess is tolerated, never more than the allowance for the whole instance, and
+                # which process goes first (one that went around the library).
+                allow = allowance(inst.memsize)
+                grown = {p: procs[p] - c for p, c in charged.items() if 0 < procs[p] - c <= allow}
+                excess -= min(allow, sum(grown.values()))
+                if excess <= 0:
+                    for pid in grown:
+                        grown_now.add((s.index, pid))
+                        if (s.index, pid) not in self._grown:
+                            log.warning("memory watchdog: %s on GPU %d uses %d bytes, past its memsize %d: pid %d (%s)"
+                                        " went through libcgpu: NVML says %d bytes, libcgpu charges %d; the driver's "
+                                        "own growth (%d bytes, within the allowance %d) is charged to it now: left "
+                                        "running, its next allocation fails", inst.name, inst.gpu,
+                                        sum(procs.values()), inst.memsize, pid, _comm(pid), procs[pid], charged[pid],
+                                        grown[pid], allow)
+                    continue
                 grew = {p: n - self._last.get((s.index, p), 0) for p, n in procs.items()}
-                for pid in sorted(procs, key=lambda p: (-grew[p], -procs[p], p)):
+                for pid in sorted(procs, key=lambda p: (p in grown, -grew[p], -procs[p], p)):
                     if excess <= 0:
                         break
-                    if (s.index, pid) in self._acted or pid in spared:
+                    if (s.index, pid) in self._acted:
                         continue
                     excess -= procs[pid]
                     self._acted.add((s.index, pid))
@@ -193,10 +200,13 @@ class MemWatchdog:
         self.over[key] = self.over.get(key, 0) + 1
         what = (f"memory watchdog: {inst.name} on GPU {inst.gpu} uses {sum(procs.values())} bytes, past its memsize "
                 f"{inst.memsize}: pid {pid} ({_comm(pid)}) holds {procs[pid]} bytes")
-        if charged is not None:
+        if charged is not None and procs[pid] - charged > allowance(inst.memsize):
             what += (f"; it went around the library: libcgpu charges it {charged}, {procs[pid] - charged} bytes less, "
                      f"more than the driver's growth allowance {allowance(inst.memsize)} (raw ioctls, an unwrapped "
                      "allocator)")
+        elif charged is not None:
+            what += (f"; the instance is past memsize by more than the driver's growth allowance "
+                     f"{allowance(inst.memsize)} (its slot in the page says libcgpu charges it {charged})")
         elif (inst.gpu, inst.name) in self._slots:
             what += "; it went around the library: it has no slot in the instance's page (LD_PRELOAD unset, a static binary)"
         elif (inst.gpu, inst.name) in self._with_library:
