@@ -161,31 +161,36 @@ class MemWatchdog:
                 # Those failed already are on their way out: their memory is as good as back.
                 excess -= sum(n for p, n in procs.items() if (s.index, p) in self._acted)
                 # The driver's growth past what libcgpu charges, within the allowance: libcgpu is told
-                # (the reading above) and refuses what comes next; that process is not failed for it.
-                # The page is the container's to write: what it says decides only how much of the
-                # excess is tolerated, never more than the allowance for the whole instance, and
-                # which process goes first (one that went around the library).
+                # (the reading above) and refuses what comes next; no process is failed for it while every
+                # process left went through libcgpu. Those that went around it are failed first. The page
+                # is the container's to write: what it says buys at most the allowance past memsize.
                 allow = allowance(inst.memsize)
-                grown = {p: procs[p] - c for p, c in charged.items() if 0 < procs[p] - c <= allow}
-                excess -= min(allow, sum(grown.values()))
-                if excess <= 0:
-                    for pid in grown:
+                # through libcgpu: what NVML sees of it passes what libcgpu charges by the allowance at most
+                # (the growth not charged yet; once charged, none)
+                through = {p for p, c in charged.items() if procs[p] - c <= allow}
+
+                def tolerated(excess: int, left: set[int]) -> bool:  # all that is left went through libcgpu
+                    return excess <= allow and all(p in through for p in left)
+                left = {p for p in procs if (s.index, p) not in self._acted}
+                if tolerated(excess, left):
+                    for pid in through:
                         grown_now.add((s.index, pid))
                         if (s.index, pid) not in self._grown:
                             log.warning("memory watchdog: %s on GPU %d uses %d bytes, past its memsize %d: pid %d (%s)"
                                         " went through libcgpu: NVML says %d bytes, libcgpu charges %d; the driver's "
-                                        "own growth (%d bytes, within the allowance %d) is charged to it now: left "
-                                        "running, its next allocation fails", inst.name, inst.gpu,
+                                        "own growth, %d bytes past memsize, within the allowance %d, is charged to it: "
+                                        "left running, its next allocation fails", inst.name, inst.gpu,
                                         sum(procs.values()), inst.memsize, pid, _comm(pid), procs[pid], charged[pid],
-                                        grown[pid], allow)
+                                        excess, allow)
                     continue
                 grew = {p: n - self._last.get((s.index, p), 0) for p, n in procs.items()}
-                for pid in sorted(procs, key=lambda p: (p in grown, -grew[p], -procs[p], p)):
-                    if excess <= 0:
+                for pid in sorted(procs, key=lambda p: (p in through, -grew[p], -procs[p], p)):
+                    if excess <= 0 or tolerated(excess, left):
                         break
                     if (s.index, pid) in self._acted:
                         continue
                     excess -= procs[pid]
+                    left.discard(pid)
                     self._acted.add((s.index, pid))
                     self._fail(inst, pid, procs, charged.get(pid))
                     failed.append((s.index, name, pid))
