@@ -33,14 +33,15 @@ libcgpu sees (lazily loaded modules, library handles, graphs: docs/memory.md).
 So each look also writes NVML's figure for every process that has a slot in
 its instance's page into that slot (`page`), with what the slot had allocated
 just before NVML was read: libcgpu charges the difference. And it tells that
-growth from memory that went around the library: a process with a slot whose
-NVML figure passes what libcgpu charges it by no more than the growth
-allowance (`allowance`: 256 MiB or 3 % of memsize, the larger) is left
-running — libcgpu refuses its next allocation instead; a process without a
-slot (LD_PRELOAD unset, a static binary) or past the allowance is failed as
-before, first. The log says which it was. The page being the container's to
-write, what it says can make the watchdog tolerate at most the allowance past
-memsize for the whole instance, never more.
+growth from memory that went around the library: a process went through
+libcgpu when it has a slot whose charge its NVML figure passes by no more than
+the growth allowance (`allowance`: 256 MiB or 3 % of memsize, the larger). An
+instance past memsize by at most the allowance whose processes all went
+through libcgpu has nothing failed — libcgpu refuses their next allocation
+instead; otherwise those that went around it (no slot: LD_PRELOAD unset, a
+static binary; or past the allowance) are failed first. The log says which it
+was. The page being the container's to write, what it says buys the instance
+at most the allowance past memsize, never more.
 
 Between two looks an instance can be over its limit for up to `period`
 seconds; memory outside NVML's view (unified memory, processes in another pid
