@@ -233,6 +233,7 @@ static void charge_driver(int g, int64_t delta)
  * two reads makes one reading low). The growth between two readings sizes the headroom. */
 static uint32_t applied;  /* the seq of the last reading applied */
 static uint64_t last_want[CGPU_MAX_GPUS];
+static int read_before[CGPU_MAX_GPUS];  /* a reading was applied on GPU g: the next one's growth is a step */
 
 static void follow(void)
 {
@@ -263,12 +264,13 @@ static void follow(void)
             if (want > have) {
                 uint64_t grew = want - have, step = __atomic_load_n(&drv->step[g], __ATOMIC_ACQUIRE);
                 charge_driver(g, (int64_t)grew);
-                while (grew > step && !__atomic_compare_exchange_n(&drv->step[g], &step, grew, 0, __ATOMIC_ACQ_REL,
-                                                                    __ATOMIC_ACQUIRE))
+                while (read_before[g] && grew > step  /* (the first reading's may be its whole context) */
+                       && !__atomic_compare_exchange_n(&drv->step[g], &step, grew, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
                     ;
             } else if (keep < have)
                 charge_driver(g, -(int64_t)(have - keep));
             __atomic_store_n(&driver_counted[g], 1, __ATOMIC_RELEASE);  /* (its context is in the reading) */
+            read_before[g] = 1;
         }
     }
     pthread_mutex_unlock(&driver_lock);
@@ -779,6 +781,7 @@ void memory_forked(void)
     memset(driver_counted, 0, sizeof driver_counted);  /* (a child's contexts are its own) */
     applied = 0;
     memset(last_want, 0, sizeof last_want);
+    memset(read_before, 0, sizeof read_before);
     free(allocs.e);
     free(mapped.e);
     memset(&allocs, 0, sizeof allocs);
