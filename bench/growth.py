@@ -98,7 +98,8 @@ def fills(run, old_lib: str) -> None:
         total[0] += now == "killed"
         total[1] += before == "killed"
         print(f"   {kind:44} {now:>16} {before:>18}")
-    print(f"   {'killed, all kinds (goal 0)':44} {f'{total[0]} of {len(KINDS)}':>16} {f'{total[1]} of {len(KINDS)}':>18}")
+    now, before = (f"{n} of {len(KINDS)}" for n in total)
+    print(f"   {'killed, all kinds (goal 0)':44} {now:>16} {before:>18}")
 
 
 def room(run) -> None:

@@ -253,7 +253,8 @@ def test_the_stand_ins_driver_memory_grows_through_no_allocation_call(libs, tmp_
         nvml = ctypes.CDLL("libnvidia-ml.so.1"); assert nvml.nvmlInit_v2() == 0
         dev = ctypes.c_void_p(); assert nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(dev)) == 0
         class Info(ctypes.Structure):
-            _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong), ("gi", ctypes.c_uint), ("ci", ctypes.c_uint)]
+            _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong),
+                        ("gi", ctypes.c_uint), ("ci", ctypes.c_uint)]
         def seen():
             n, infos = ctypes.c_uint(8), (Info * 8)()
             assert nvml.nvmlDeviceGetComputeRunningProcesses_v3(dev, ctypes.byref(n), infos) == 0

@@ -214,7 +214,8 @@ class MemWatchdog:
             what += (f"; the instance is past memsize by more than the driver's growth allowance "
                      f"{allowance(inst.memsize)} (its slot in the page says libcgpu charges it {charged})")
         elif (inst.gpu, inst.name) in self._slots:
-            what += "; it went around the library: it has no slot in the instance's page (LD_PRELOAD unset, a static binary)"
+            what += ("; it went around the library: it has no slot in the instance's page (LD_PRELOAD unset, "
+                     "a static binary)")
         elif (inst.gpu, inst.name) in self._with_library:
             what += (f" (its in-container library accounts for {inst.library_used}: the rest went around it — "
                      "a process without libcgpu, raw ioctls — or is the driver's own, its contexts)")

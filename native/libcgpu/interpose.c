@@ -4,8 +4,9 @@
  *
  * This file is the top layer: only the exported names (cuInit, cuGetProcAddress, dlsym, ioctl,
  * the table of every wrapped form) and what a fork resets; the wrappers are memory.c's, gate.c's
- * and nvml.c's, the real driver driver.c's (cgpu_internal.h). The library holds GPU memory to the container's memsize, to the byte and
- * across all its processes, and shows memsize as the card:
+ * and nvml.c's, the real driver driver.c's (cgpu_internal.h). The library holds GPU memory to the
+ * container's memsize (less a headroom for the driver's growth where the daemon watches NVML), to
+ * the byte and across all its processes, and shows memsize as the card:
  *   - every allocator here — cuMemAlloc_v2, cuMemAllocPitch_v2 (charged for
  *     512-byte rows), cuMemAllocManaged, cuMemAllocAsync,
  *     cuMemAllocFromPoolAsync, cuMemCreate (device memory: location

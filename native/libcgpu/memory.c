@@ -265,7 +265,8 @@ static void follow(void)
                 uint64_t grew = want - have, step = __atomic_load_n(&drv->step[g], __ATOMIC_ACQUIRE);
                 charge_driver(g, (int64_t)grew);
                 while (read_before[g] && grew > step  /* (the first reading's may be its whole context) */
-                       && !__atomic_compare_exchange_n(&drv->step[g], &step, grew, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                       && !__atomic_compare_exchange_n(&drv->step[g], &step, grew, 0, __ATOMIC_ACQ_REL,
+                                                       __ATOMIC_ACQUIRE))
                     ;
             } else if (keep < have)
                 charge_driver(g, -(int64_t)(have - keep));
@@ -756,10 +757,10 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
     }
     uint64_t cap = room(g), used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
     *total_ = limits->memsize[g];
-    *free_ = used >= cap ? 0 : cap - used;  /* never an error when over; the headroom is not free (what
-                                                * fills "free" leaves the driver room to grow); never the card's free, which
-                                                * says what the neighbours use (an allocation the card
-                                                * cannot hold fails at the driver, as on a full card) */
+    /* Never an error when over; the headroom is not free (what fills "free" leaves the driver room
+     * to grow); never the card's free, which says what the neighbours use (an allocation the card
+     * cannot hold fails at the driver, as on a full card). */
+    *free_ = used >= cap ? 0 : cap - used;
     return CU_OK;
 }
 

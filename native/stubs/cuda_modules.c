@@ -543,7 +543,10 @@ CUresult cuFuncIsLoaded(int *state, struct function *f)
     pthread_mutex_unlock(&lock);
     return fn ? STUB_OK : STUB_INVALID_HANDLE;
 }
-CUresult cuFuncLoad(struct function *f) { return stub_function_valid(f) ? stub_function_loaded(f) : STUB_INVALID_HANDLE; }
+CUresult cuFuncLoad(struct function *f)
+{
+    return stub_function_valid(f) ? stub_function_loaded(f) : STUB_INVALID_HANDLE;
+}
 
 /* Lazy loading: a function's code is put on the card at its first launch, CGPU_STUB_LAZY_KIB
  * (2 MiB; a cuBLAS-like library's first use loads some 33 of them: +66 MiB on the H100) of the

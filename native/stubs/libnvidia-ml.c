@@ -438,7 +438,8 @@ static void rm_kernel(NVOS54_PARAMETERS *p) {
     }
     if (p->cmd == NV2080_CTRL_CMD_GPU_GET_PIDS && p->paramsSize == sizeof(NV2080_CTRL_GPU_GET_PIDS_PARAMS)) {
         NV2080_CTRL_GPU_GET_PIDS_PARAMS *q = (void *)(uintptr_t)p->params;
-        int kind = q->id == CLASS_COMPUTE ? COMPUTE : q->id == CLASS_GRAPHICS ? GRAPHICS : q->id == CLASS_MPS ? MPS : -1;
+        int kind = q->id == CLASS_COMPUTE ? COMPUTE : q->id == CLASS_GRAPHICS ? GRAPHICS
+                 : q->id == CLASS_MPS ? MPS : -1;
         if (q->idType != NV2080_CTRL_GPU_GET_PIDS_ID_TYPE_CLASS || kind < 0) {
             p->status = NV_ERR_INVALID_ARGUMENT;
             return;
@@ -496,7 +497,8 @@ static nvmlReturn_t list_procs(void *dev, const char *fn, int kind, unsigned int
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     unsigned gi = (unsigned)(g - cfg.gpus);
-    struct { NV2080_CTRL_GPU_GET_PIDS_PARAMS pids; NV2080_CTRL_GPU_GET_PID_INFO_PARAMS info; } *q = calloc(1, sizeof *q);
+    struct { NV2080_CTRL_GPU_GET_PIDS_PARAMS pids; NV2080_CTRL_GPU_GET_PID_INFO_PARAMS info; } *q;
+    q = calloc(1, sizeof *q);
     if (!q)
         return NVML_ERROR_UNKNOWN;
     rc = list_pids(gi, kind, &q->pids, &q->info, count, infos, size);
