@@ -75,16 +75,18 @@ def cgpu_run(d, inst: str, mem: str, code: str, *, around: bool = False, first: 
 
 @contextlib.contextmanager
 def neighbour(d, mem: str = "2G"):
-    """A neighbour instance whose process holds 1 GiB of the card while the block runs."""
+    """A neighbour instance whose process holds 1 GiB of the card while the block runs (its pid)."""
     p = cgpu_run(d, name("nb"), mem, """
+        import os, time
         ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
         held = ok(d.cuMemAlloc(2**30))
-        print("holding", flush=True)
-        import time; time.sleep(60)
+        print("holding", os.getpid(), flush=True)
+        time.sleep(60)
     """)
     try:
-        assert p.stdout.readline().strip() == "holding", p.stderr.read()
-        yield p
+        said = p.stdout.readline().split()
+        assert said[:1] == ["holding"], p.stderr.read()
+        yield int(said[1])
     finally:
         os.killpg(p.pid, signal.SIGKILL)  # (cgpu run and the program it runs)
         p.wait()

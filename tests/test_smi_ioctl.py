@@ -33,16 +33,26 @@ PROCS = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_
 entry = PROCS(ctypes.cast(table.value + 8, ctypes.POINTER(ctypes.c_void_p))[0])
 print(os.getpid(), *listed(entry), flush=True)
 print(os.getpid(), *listed(nvml.nvmlDeviceGetComputeRunningProcesses_v3), flush=True)
+# the table's other entry: one pid's memory (GET_PID_INFO asked directly), the neighbour's and its own
+PID_MEMORY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.POINTER(ctypes.c_ulonglong))
+pid_memory = PID_MEMORY(ctypes.cast(table.value + 16, ctypes.POINTER(ctypes.c_void_p))[0])
+for pid in (NEIGHBOUR, os.getpid()):
+    held = ctypes.c_ulonglong()
+    print(pid_memory(dev, pid, ctypes.byref(held)), held.value >> 20, flush=True)
 """
 
 
 def test_nvidia_smis_export_table_lists_no_neighbour_without_a_pid_namespace(watched):
     """A neighbour instance holds 1 GiB. An instance's process asks for the compute processes as
     nvidia-smi does (the export table's entry) and as NVML's clients do (the exported _v3): each
-    lists that process alone. On main the export table listed the neighbour (the H100 showed its
-    pid and 3590 MiB under `cgpu run`): only the exported names were wrapped."""
-    with neighbour(watched):
-        rc, out, err = finish(cgpu_run(watched, name("smi"), "2G", "import os\n" + LIST))
+    lists that process alone; asked for the neighbour's pid directly (GET_PID_INFO), the driver's
+    answer is "not found", while its own 64 MiB is shown. On main the export table listed the
+    neighbour (the H100 showed its pid and 3590 MiB under `cgpu run`): only the exported names were
+    wrapped."""
+    with neighbour(watched) as pid:
+        rc, out, err = finish(cgpu_run(watched, name("smi"), "2G", "import os\n" + LIST,
+                                       first=f"NEIGHBOUR = {pid}\n"))
     assert rc == 0, (rc, out, err)
-    (me, *table), (_, *exported) = (line.split() for line in out.strip().split("\n"))
+    (me, *table), (_, *exported), theirs, mine = (line.split() for line in out.strip().split("\n"))
     assert table == [me] and exported == [me], out
+    assert theirs == ["6", "0"] and mine[0] == "0" and int(mine[1]) >= 64, out  # (NVML_ERROR_NOT_FOUND)

@@ -238,16 +238,37 @@ static int own_process(unsigned int pid)
 #define NV_ESC_RM_CONTROL 0x2A
 #define NVOS54_FLAGS_FINN_SERIALIZED 0x4
 #define NV2080_CTRL_CMD_GPU_GET_PIDS 0x2080018dU
+#define NV2080_CTRL_CMD_GPU_GET_PID_INFO 0x2080018eU
 #define NV2080_CTRL_GPU_GET_PIDS_MAX_COUNT 950u
+#define NV_ERR_INVALID_ARGUMENT 0x1f
 typedef struct {
     uint32_t hClient, hObject, cmd, flags;
     uint64_t params __attribute__((aligned(8)));
     uint32_t paramsSize, status;
 } nvos54;
 typedef struct { uint32_t idType, id, pidTblCount, pidTbl[NV2080_CTRL_GPU_GET_PIDS_MAX_COUNT]; } get_pids;
+typedef struct {  /* NV2080_CTRL_GPU_PID_INFO: the pid, what is asked, the result, its data (48 bytes), SMC */
+    uint32_t pid, index, result, pad;
+    uint64_t data[6];
+    uint32_t ci, gi;
+} pid_info;
 _Static_assert(sizeof(nvos54) == 32, "nvos.h's NVOS54_PARAMETERS");
+_Static_assert(sizeof(pid_info) == 72, "ctrl2080gpu.h's NV2080_CTRL_GPU_PID_INFO");
 
-static int own_process(unsigned int pid);
+/* GET_PID_INFO about another's pid (asked directly, not after GET_PIDS): the driver's "no such". */
+static void own_pid_info(nvos54 *p)
+{
+    if (p->paramsSize < 8)
+        return;
+    uint32_t *count = (uint32_t *)(uintptr_t)p->params;
+    pid_info *e = (pid_info *)((char *)count + 8);
+    uint32_t room = (uint32_t)((p->paramsSize - 8) / sizeof *e), n = *count < room ? *count : room;
+    for (uint32_t k = 0; k < n; k++)
+        if (!own_process(e[k].pid)) {
+            e[k].result = NV_ERR_INVALID_ARGUMENT;
+            memset(e[k].data, 0, sizeof e[k].data);
+        }
+}
 
 int nvml_ioctl(int fd, unsigned long request, void *arg)
 {
@@ -262,11 +283,15 @@ int nvml_ioctl(int fd, unsigned long request, void *arg)
         || _IOC_SIZE(request) != sizeof(nvos54) || !arg || in_driver)
         return r;  /* (everything but an RM control, cheaply: one compare for most) */
     nvos54 *p = arg;
-    if (p->cmd != NV2080_CTRL_CMD_GPU_GET_PIDS || (p->flags & NVOS54_FLAGS_FINN_SERIALIZED) || !p->params
-        || p->paramsSize < offsetof(get_pids, pidTbl))
+    if ((p->cmd != NV2080_CTRL_CMD_GPU_GET_PIDS && p->cmd != NV2080_CTRL_CMD_GPU_GET_PID_INFO)
+        || (p->flags & NVOS54_FLAGS_FINN_SERIALIZED) || !p->params || p->paramsSize < offsetof(get_pids, pidTbl))
         return r;
     if (!pages_ready())
         return r;  /* (not in a container) */
+    if (p->cmd == NV2080_CTRL_CMD_GPU_GET_PID_INFO) {
+        own_pid_info(p);
+        return r;
+    }
     /* Whatever the call answered: the table never leaves here holding another's pid. */
     get_pids *q = (get_pids *)(uintptr_t)p->params;
     uint32_t room = (uint32_t)((p->paramsSize - offsetof(get_pids, pidTbl)) / sizeof(uint32_t));

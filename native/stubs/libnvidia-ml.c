@@ -545,14 +545,35 @@ static nvmlReturn_t list_pids(unsigned gi, int kind, NV2080_CTRL_GPU_GET_PIDS_PA
 
 /* nvidia-smi's way to the process list (issue 28, on an H100): not an exported name but the private table
  * nvmlInternalGetExportTable gives for an id. The real table's layout is NVIDIA's own; the
- * stand-in's is {size, the compute processes of a device (v2's entries)}, under its own id. */
+ * stand-in's is {size, the compute processes of a device (v2's entries), the memory of one pid on
+ * a device (GET_PID_INFO asked directly)}, under its own id. */
 static nvmlReturn_t table_procs(void *dev, unsigned int *count, nvmlProcessInfo_t *infos) {
     return list_procs(dev, "nvmlInternalGetExportTable", COMPUTE, count, infos, sizeof *infos);
+}
+static nvmlReturn_t table_pid_memory(void *dev, unsigned int pid, unsigned long long *bytes) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, "nvmlInternalGetExportTable", &rc);
+    if (!g)
+        return rc;
+    if (!bytes)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    NV2080_CTRL_GPU_GET_PID_INFO_PARAMS *q = calloc(1, sizeof *q);
+    if (!q)
+        return NVML_ERROR_UNKNOWN;
+    q->pidInfoListCount = 1;
+    q->pidInfoList[0].pid = pid;
+    q->pidInfoList[0].index = NV2080_CTRL_GPU_PID_INFO_INDEX_VIDEO_MEMORY_USAGE;
+    rc = rm_control((unsigned)(g - cfg.gpus), NV2080_CTRL_CMD_GPU_GET_PID_INFO, q, sizeof *q) != NV_OK
+             ? NVML_ERROR_UNKNOWN : q->pidInfoList[0].result != NV_OK ? NVML_ERROR_NOT_FOUND : NVML_SUCCESS;
+    *bytes = rc == NVML_SUCCESS ? q->pidInfoList[0].data.memPrivate : 0;
+    free(q);
+    return rc;
 }
 static const struct {
     size_t size;
     nvmlReturn_t (*compute_procs)(void *, unsigned int *, nvmlProcessInfo_t *);
-} TABLE = {sizeof TABLE, table_procs};
+    nvmlReturn_t (*pid_memory)(void *, unsigned int, unsigned long long *);
+} TABLE = {sizeof TABLE, table_procs, table_pid_memory};
 static const unsigned char TABLE_ID[16] = "cgpud-nvml-procs";
 nvmlReturn_t nvmlInternalGetExportTable(const void **table, const void *id) {
     if (!table || !id)
