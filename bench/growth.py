@@ -14,7 +14,8 @@ same run:
 2. what an instance can allocate before out-of-memory, against memsize − the context − 3 %;
 3. a process that goes around the library (LD_PRELOAD unset) past memsize: the time until it is
    killed, against the 1 s bound and the watchdog's period;
-4. neighbour processes in the export-table process list (nvidia-smi's way), against the same call
+4. neighbour processes in the export-table process list (nvidia-smi's way), and the neighbour's memory
+   its per-pid entry shows, against the same calls
    made without libcgpu in the same instance.
 
     .venv/bin/python bench/growth.py [--trials 5]
@@ -134,12 +135,18 @@ def around(run, trials: int) -> None:
 
 
 def smi(run) -> None:
-    with neighbour(run):
-        mine = finish(cgpu_run(run, name("s"), "2G", "import os\n" + LIST))[1].split("\n")[0].split()
-        bare = finish(cgpu_run(run, name("b"), "2G", "import os\n" + LIST, around=True))[1].split("\n")[0].split()
+    def ask(pid: int, around: bool) -> tuple[int, int]:
+        """(neighbours listed by the export table's entry, MiB its per-pid entry shows of the neighbour)"""
+        out = finish(cgpu_run(run, name("s"), "2G", "import os\n" + LIST, around=around,
+                              first=f"NEIGHBOUR = {pid}\n"))[1].split("\n")
+        me, *listed = out[0].split()
+        return len([p for p in listed if p != me]), int(out[2].split()[1])
+
+    with neighbour(run) as pid:
+        (listed, shown), (bare, bare_shown) = ask(pid, False), ask(pid, True)
     print("4. neighbour processes in the export-table process list (nvidia-smi's way), a neighbour holding 1 GiB")
-    print(f"   through libcgpu: {len([p for p in mine[1:] if p != mine[0]])}; "
-          f"the same call without libcgpu: {len([p for p in bare[1:] if p != bare[0]])} (goal 0)")
+    print(f"   through libcgpu: {listed} listed, {shown} MiB of its memory shown; the same calls without libcgpu: "
+          f"{bare} listed, {bare_shown} MiB shown (goal 0, 0)")
 
 
 def main() -> None:
