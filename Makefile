@@ -1,5 +1,5 @@
 # The two commands of the README. Both install what they need first.
-.PHONY: setup run test bench install-hooks gpu-check
+.PHONY: setup run test bench install-hooks gpu-check gpu-bundle
 
 setup:
 	./scripts/setup.sh
@@ -17,8 +17,22 @@ bench: setup
 # On a machine with an NVIDIA GPU: cgpud on the real driver, checked through cgpu run with whatever of
 # cuda-bindings, PyTorch, CuPy, JAX and nvidia-smi is installed (scripts/gpu_check.py; one table, exit 1
 # on a failure). Without a GPU: one line, exit 77 (nothing checked). docs/isolation.md.
-gpu-check: setup
-	.venv/bin/python scripts/gpu_check.py
+# With BUNDLE=<dir> (what make gpu-bundle built elsewhere): no setup, nothing installed on the machine,
+# cgpud and its dependencies from the bundle (scripts/gpu_check.sh); ARGS=... passes options on.
+BUNDLE ?=
+ARGS ?=
+gpu-check: $(if $(BUNDLE),,setup)
+ifeq ($(BUNDLE),)
+	.venv/bin/python scripts/gpu_check.py $(ARGS)
+else
+	sh scripts/gpu_check.sh $(BUNDLE) $(ARGS)
+endif
+
+# What the real-GPU check needs on a GPU machine without network, pyfuse3, trio, tomlkit, libfuse3 or zig,
+# built here into one folder (default gpu-bundle/) to carry there: cp312 wheels (pyfuse3 with libfuse3
+# inside it), the native programs and libcgpu.so (scripts/gpu_bundle.sh).
+gpu-bundle: setup
+	bash scripts/gpu_bundle.sh $(or $(BUNDLE),gpu-bundle)
 
 # The container hook, the runtime wrapper and the in-container library where the shipped configs name them
 # (deploy/hooks.d/cgpu-hook.json: /usr/local/libexec/cgpu-hook; Docker and containerd:

@@ -6,9 +6,10 @@
  * Copies and sets check their device side as the driver does: a range inside one live
  * allocation (or a module's global), else CUDA_ERROR_INVALID_VALUE; nothing is moved (the
  * card has no contents: a copy to the host writes zeros). Synchronous ones wait for this
- * process's kernels first, as on the legacy stream. An event completes when the work before it
- * does: recorded, it takes the time this process's last kernel ends (or now); cuEventQuery
- * says CUDA_ERROR_NOT_READY until then, cuEventElapsedTime gives the difference.
+ * process's kernels first, as on the legacy stream. Streams and events are the executor's
+ * (cuda_exec.c): an event recorded into a stream completes when the card has run what was launched
+ * into that stream before it, at the time the card reached it; cuEventQuery says
+ * CUDA_ERROR_NOT_READY until then, cuEventElapsedTime gives the difference.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -23,12 +24,6 @@ typedef void *CUcontext;
 typedef void *CUstream;
 CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int dev);
 
-static uint64_t now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
-}
 static CUresult check_device(int d)
 {
     if (!stub_inited()) return STUB_NOT_INITIALIZED;
@@ -174,7 +169,7 @@ CUresult cuStreamQuery(CUstream s)
     if (!stub_inited()) return STUB_NOT_INITIALIZED;
     CUresult r = stub_capture_forbids(s);
     if (r) return r;
-    return now_ns() < stub_work_end() ? STUB_NOT_READY : STUB_OK;
+    return stub_exec_idle(stub_current_device(), s, 0) ? STUB_OK : STUB_NOT_READY;
 }
 CUresult cuStreamCreateWithPriority(CUstream *s, unsigned flags, int priority)
 {
@@ -202,16 +197,15 @@ CUresult cuStreamGetDevice(CUstream s, int *dev) { (void)s; if (!dev) return STU
 typedef void (*host_fn)(void *);
 CUresult cuLaunchHostFunc(CUstream s, host_fn fn, void *data)
 {
-    (void)s;
     if (!fn) return STUB_INVALID_VALUE;
-    stub_synchronize();  /* (in order: after the stream's work, here on the caller's thread) */
+    stub_exec_sync(stub_current_device(), s, 0);  /* (in order: after the stream's work, here on the caller's thread) */
     fn(data);
     return STUB_OK;
 }
 
-/* ---- events ---- */
+/* ---- events: marks in a stream (cuda_exec.c) ---- */
 enum { EVENT_MAGIC = 0x6576656e, EVENT_DISABLE_TIMING = 2 };
-struct event { unsigned magic, flags; uint64_t at; int recorded; };
+struct event { unsigned magic, flags; struct stub_mark m; };
 static int event_ok(const struct event *e) { return e && e->magic == EVENT_MAGIC; }
 CUresult cuEventCreate(struct event **e, unsigned flags)
 {
@@ -225,58 +219,62 @@ CUresult cuEventCreate(struct event **e, unsigned flags)
 CUresult cuEventDestroy_v2(struct event *e)
 {
     if (!event_ok(e)) return STUB_INVALID_HANDLE;
+    stub_exec_mark_drop(&e->m);
     e->magic = 0;
     free(e);
     return STUB_OK;
 }
 CUresult cuEventRecord(struct event *e, CUstream s)
 {
-    (void)s;
     if (!event_ok(e)) return STUB_INVALID_HANDLE;
-    uint64_t now = now_ns(), end = stub_work_end();
-    e->at = end > now ? end : now;
-    e->recorded = 1;
-    return STUB_OK;
+    return stub_exec_mark(&e->m, stub_current_device(), s);
 }
+CUresult cuEventRecord_ptsz(struct event *e, CUstream s) { return cuEventRecord(e, s ? s : (CUstream)2); }
 CUresult cuEventRecordWithFlags(struct event *e, CUstream s, unsigned flags)
 {
     if (flags & ~1u) return STUB_INVALID_VALUE;
     return cuEventRecord(e, s);
+}
+CUresult cuEventRecordWithFlags_ptsz(struct event *e, CUstream s, unsigned flags)
+{
+    return cuEventRecordWithFlags(e, s ? s : (CUstream)2, flags);
 }
 CUresult cuEventQuery(struct event *e)
 {
     if (!event_ok(e)) return STUB_INVALID_HANDLE;
     CUresult r = stub_capture_forbids(NULL);
     if (r) return r;
-    return !e->recorded || now_ns() >= e->at ? STUB_OK : STUB_NOT_READY;
+    return stub_exec_mark_done(&e->m) ? STUB_OK : STUB_NOT_READY;
 }
 CUresult cuEventSynchronize(struct event *e)
 {
     if (!event_ok(e)) return STUB_INVALID_HANDLE;
     CUresult r = stub_capture_forbids(NULL);
     if (r) return r;
-    while (e->recorded && now_ns() < e->at) {
-        uint64_t left = e->at - now_ns();
-        struct timespec t = {0, (long)(left > 1000000 ? 1000000 : left)};
-        nanosleep(&t, NULL);
-    }
+    stub_exec_mark_wait(&e->m);
     return STUB_OK;
 }
 CUresult cuEventElapsedTime_v2(float *ms, struct event *a, struct event *b)
 {
     if (!ms) return STUB_INVALID_VALUE;
     if (!event_ok(a) || !event_ok(b)) return STUB_INVALID_HANDLE;
-    if ((a->flags | b->flags) & EVENT_DISABLE_TIMING || !a->recorded || !b->recorded) return STUB_INVALID_HANDLE;
+    if ((a->flags | b->flags) & EVENT_DISABLE_TIMING || !a->m.recorded || !b->m.recorded) return STUB_INVALID_HANDLE;
     if (cuEventQuery(a) || cuEventQuery(b)) return STUB_NOT_READY;
-    *ms = (float)((double)((int64_t)(b->at - a->at)) / 1e6);
+    *ms = (float)((double)((int64_t)(b->m.at - a->m.at)) / 1e6);
     return STUB_OK;
 }
 CUresult cuStreamWaitEvent(CUstream s, struct event *e, unsigned flags)
 {
     (void)s;
     if (flags & ~1u) return STUB_INVALID_VALUE;
-    return event_ok(e) ? STUB_OK : STUB_INVALID_HANDLE;  /* (one queue: already in order) */
+    return event_ok(e) ? STUB_OK : STUB_INVALID_HANDLE;  /* (a context's work runs in launch order: already in order) */
 }
+CUresult cuStreamSynchronize_ptsz(CUstream s)
+{
+    CUresult cuStreamSynchronize(CUstream);
+    return cuStreamSynchronize(s ? s : (CUstream)2);
+}
+CUresult cuStreamQuery_ptsz(CUstream s) { return cuStreamQuery(s ? s : (CUstream)2); }
 
 /* ---- copies and sets ---- */
 static int on_card(CUdeviceptr p, size_t n)
@@ -467,6 +465,7 @@ HIDDEN const struct stub_proc STUB_PROCS_DEVICE[] = {
     P(cuLaunchHostFunc), P(cuStreamWaitEvent),
     P(cuEventCreate), PV("cuEventDestroy", cuEventDestroy_v2), P(cuEventRecord), P(cuEventRecordWithFlags),
     P(cuEventQuery), P(cuEventSynchronize), PV("cuEventElapsedTime", cuEventElapsedTime_v2),
+    P(cuEventRecord_ptsz), P(cuEventRecordWithFlags_ptsz), P(cuStreamQuery_ptsz),
     PV("cuMemcpyHtoD", cuMemcpyHtoD_v2), PV("cuMemcpyDtoH", cuMemcpyDtoH_v2), PV("cuMemcpyDtoD", cuMemcpyDtoD_v2),
     PV("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2), PV("cuMemcpyDtoHAsync", cuMemcpyDtoHAsync_v2),
     PV("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync_v2), P(cuMemcpy), P(cuMemcpyAsync), P(cuMemcpyPeer), P(cuMemcpyPeerAsync),

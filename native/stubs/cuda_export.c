@@ -356,6 +356,11 @@ void *stub_more_proc(const char *symbol, int version, uint64_t flags)
 {
     if (!strcmp(symbol, "cuStreamGetCaptureInfo")) return stub_capture_info(version);  /* three forms by version */
     const struct stub_proc *lists[] = {STUB_PROCS_EXPORT, STUB_PROCS_MODULES, STUB_PROCS_DEVICE};
+    char ptsz[256];  /* (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: a name's _ptsz form where it has one) */
+    snprintf(ptsz, sizeof ptsz, "%s_ptsz", symbol);
+    for (size_t l = 0; flags & 2 && l < sizeof lists / sizeof *lists; l++)
+        for (const struct stub_proc *p = lists[l]; p->name; p++)
+            if (!strcmp(p->name, ptsz)) return p->fn;
     for (size_t l = 0; l < sizeof lists / sizeof *lists; l++)
         for (const struct stub_proc *p = lists[l]; p->name; p++)
             if (!strcmp(p->name, symbol)) return p->fn;

@@ -14,13 +14,18 @@
  *   and launches into them the same;
  * - synchronizing or querying a capturing stream is prohibited in every mode (it has no work to
  *   wait for: what is captured does not run), and invalidates its capture;
+ * - so is synchronizing "a broader handle which encompasses an active stream capture, such as a
+ *   device or context handle when any associated stream is in capture mode" (the CUDA Programming
+ *   Guide, "Prohibited and Unhandled Operations"): cuCtxSynchronize while any stream of the
+ *   context captures, whatever the thread's and the capture's modes (a relaxed thread is not
+ *   spared: the H100 invalidated PyTorch's capture so when libcgpu's relaxed helper drained);
  * - a capture is ended by the thread that began it unless it was begun RELAXED
  *   (CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD).
  *
  * A launch into a capturing stream (cuLaunchKernel and the others, cuGraphLaunch of an executable
  * graph) is recorded in its graph, not run. cuGraphInstantiate(WithFlags, WithParams) makes an
- * executable graph of the recorded kernels; cuGraphLaunch runs them on the card one after another
- * (each its gridX*gridY*gridZ µs, as a launch). Not modelled: cross-stream capture through events
+ * executable graph of the recorded kernels; cuGraphLaunch queues them into its stream one after
+ * another (each its gridX*gridY*gridZ µs, as a launch: cuda_exec.c runs them). Not modelled: cross-stream capture through events
  * (a fork into another stream), graph nodes built by hand, the legacy stream's implicit
  * dependencies.
  *
@@ -127,6 +132,22 @@ CUresult stub_capture_forbids(const void *synced)
         }
     pthread_mutex_unlock(&lock);
     if (r) stub_trace("potentially unsafe call during a capture: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED");
+    return r;
+}
+
+/* cuCtxSynchronize's rule: the thread's mode as for any potentially unsafe call, and no stream of
+ * the context on card `dev` capturing (each one that is: invalidated). */
+CUresult stub_capture_forbids_context(int dev)
+{
+    CUresult r = stub_capture_forbids(NULL);
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < ncapturing; i++)
+        if (capturing[i]->g && capturing[i]->g->dev == dev) {
+            capturing[i]->capturing = STATUS_INVALIDATED;
+            r = CAPTURE_UNSUPPORTED;
+        }
+    pthread_mutex_unlock(&lock);
+    if (r) stub_trace("a context synchronized while one of its streams captures: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED");
     return r;
 }
 
@@ -336,7 +357,7 @@ CUresult stub_graph_launch(const void *exec_, const void *s)
     if (stub_capture_launch(s, exec->us, exec->n, &r))
         return r;
     for (size_t i = 0; i < exec->n; i++)
-        if ((r = stub_run_kernel(exec->us[i])))
+        if ((r = stub_run_kernel(exec->us[i], s)))
             return r;
     return STUB_OK;
 }

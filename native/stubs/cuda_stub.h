@@ -2,7 +2,8 @@
  * What the stand-in libcuda.so.1's files share (native/stubs/: libcuda.c, the card, memory and
  * kernels; cuda_export.c, the private export tables and the rest of cuGetProcAddress's names;
  * cuda_modules.c, modules, libraries, kernels and functions; cuda_device.c, device attributes,
- * streams, events and copies). Nothing here is exported: hidden, one library's own.
+ * streams, events and copies; cuda_exec.c, the card's executor: queues, time-slicing, events'
+ * completion). Nothing here is exported: hidden, one library's own.
  */
 #ifndef CGPU_CUDA_STUB_H
 #define CGPU_CUDA_STUB_H
@@ -30,8 +31,7 @@ HIDDEN int stub_device_count(void);
 HIDDEN int stub_current_device(void);          /* the calling thread's current context's device */
 /* the live device allocation holding [p, p + n): 0 and its base and size, or -1 */
 HIDDEN int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
-HIDDEN CUresult stub_synchronize(void);        /* wait for this process's kernels */
-HIDDEN uint64_t stub_work_end(void);           /* when this process's last kernel ends (CLOCK_MONOTONIC ns) */
+HIDDEN CUresult stub_synchronize(void);        /* wait for this process's kernels on its current card */
 
 /* cuda_export.c: a name cuGetProcAddress's table in libcuda.c does not know, or NULL */
 HIDDEN void *stub_more_proc(const char *symbol, int version, uint64_t flags);
@@ -40,18 +40,34 @@ HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)
 /* cuda_graphs.c: streams, stream capture and graphs */
 /* may the calling thread make a potentially unsafe call (synchronizing `synced`, NULL: none) now? */
 HIDDEN CUresult stub_capture_forbids(const void *synced);
+/* may the calling thread synchronize the context on card `dev` (none of its streams capturing)? */
+HIDDEN CUresult stub_capture_forbids_context(int dev);
 /* a launch of n kernels into stream s: 1 (and *r) when s captures it, 0 when it is to run */
 HIDDEN int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r);
 HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);
 HIDDEN void *stub_graphs_proc(const char *symbol, int version);
 HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in the form of the caller's CUDA version */
-HIDDEN CUresult stub_run_kernel(uint64_t us);   /* libcuda.c: one kernel on the card */
+HIDDEN CUresult stub_run_kernel(uint64_t us, const void *stream);   /* libcuda.c: one kernel launched into `stream` */
 /* libcuda.c: the driver's own memory for this process on card `dev` (modules' code, a graph's
  * resources): taken from the card's free memory and shown in NVML's per-process view, as a real
  * driver's is; 0, or -1 when the card has no room. `delta` < 0 gives it back. */
 HIDDEN int stub_driver_memory(int dev, int64_t delta);
 /* its growth per event, CGPU_STUB_<name>_KIB or `kib` (the H100's figures, issue 28) */
 HIDDEN uint64_t stub_growth(const char *name, uint64_t kib);
+
+/* cuda_exec.c: the card's executor (queues per stream, one kernel at a time, time-sliced contexts) */
+/* a kernel of `us` µs into `stream` (NULL: the legacy stream; 2: the thread's) on card `dev`; blocks
+ * only while the stream's queue is full; coll: half of a collective across cards 0 and 1 */
+HIDDEN CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll);
+HIDDEN CUresult stub_exec_sync(int dev, const void *stream, int all);  /* wait: the stream's work, or all (the context's) */
+HIDDEN int stub_exec_idle(int dev, const void *stream, int all);       /* its work done: 1, else 0 */
+/* a point in a stream (an event): done when the card has run what was launched into it before */
+struct stub_mark { int dev, recorded, done; uint64_t ticket, at; };  /* at: when the card reached it (ns) */
+HIDDEN CUresult stub_exec_mark(struct stub_mark *m, int dev, const void *stream);
+HIDDEN int stub_exec_mark_done(struct stub_mark *m);
+HIDDEN void stub_exec_mark_wait(struct stub_mark *m);
+HIDDEN void stub_exec_mark_drop(struct stub_mark *m);
+HIDDEN void stub_exec_overwritten(int dev, uint64_t seq);
 
 /* cuda_modules.c */
 HIDDEN int stub_function_valid(const void *f);

@@ -17,21 +17,17 @@
  * and their frees take from the card directly, as a real driver does inside
  * itself: only libcgpu's own wrappers of them can charge them.
  *
- * Kernels: the card runs one kernel at a time, for everyone. A launch
- * (cuLaunchKernel, _ptsz, cooperative, cuLaunchKernelEx) takes gridX*gridY*gridZ
- * microseconds of the card (a graph, cuGraphLaunch: each of its kernels; stream capture and
- * graphs, and the driver's capture rules, are stubs/cuda_graphs.c's),
- * queued after whatever the card has (the state file's second word: when it is
- * next free); it returns at once, as a real launch does, but a process has at most
- * one kernel waiting behind its running one (a launch waits until its previous one
- * has started). cuCtxSynchronize / cuStreamSynchronize wait until the process's
- * last kernel has ended (asleep, spinning its last 200 µs, as the real driver's default
- * scheduling spins). With CGPU_STUB_CUDA_LOG set, each kernel appends
- * "pid start_ns end_ns" (CLOCK_MONOTONIC) to it; CGPU_STUB_CUDA_FAST=1 makes
+ * Kernels: a launch (cuLaunchKernel, _ptsz, cooperative, cuLaunchKernelEx) takes gridX*gridY*gridZ
+ * microseconds of the card (a graph, cuGraphLaunch: each of its kernels; stream capture and graphs,
+ * and the driver's capture rules, are stubs/cuda_graphs.c's). It returns at once into its stream's
+ * queue, and the card's executor (stubs/cuda_exec.c) runs the kernels one at a time for everyone,
+ * time-slicing between processes with work, a switch costing idle time; cuCtxSynchronize /
+ * cuStreamSynchronize wait for exactly their work. With CGPU_STUB_CUDA_LOG set, each piece of a
+ * kernel that ran appends "pid start_ns end_ns" (CLOCK_MONOTONIC) to it; CGPU_STUB_CUDA_FAST=1 makes
  * launches free and instant (to time what an interposer adds). cuInit opens
  * CGPU_STUB_CUDA_DEVICE (a comma-separated list: each), if set, and keeps it open, as the real
  * driver keeps /dev/nvidiaN: the daemon sees the process use the GPU. CGPU_STUB_COLLECTIVE=1:
- * every kernel of the process is half of a collective across cards 0 and 1 (run_collective).
+ * every kernel of the process is half of a collective across cards 0 and 1 (cuda_exec.c).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -361,135 +357,28 @@ CUresult cuCtxSetCurrent(CUcontext ctx)
 }
 CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return INVALID_VALUE; if (!inited) return NOT_INITIALIZED; *d = cur_dev; return OK; }
 CUresult cuCtxDestroy_v2(CUcontext ctx) { (void)ctx; return OK; }
-static uint64_t now_ns(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
-}
-
-static void sleep_until(uint64_t ns)
-{
-    struct timespec t = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
-    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL))
-        ;
-}
-
-static uint64_t last_start, last_end;  /* this process's last kernel on the card */
-
-/* A collective (CGPU_STUB_COLLECTIVE=1: every kernel of the process is one): a kernel on card 0
- * or 1 is half of one with the process's next kernel on the other card, as an all-reduce's ranks
- * are. The first half starts on its card as any kernel and holds it (spinning, the card's next
- * free time HELD) until its peer has started on the other; both end `us` after the later start.
- * Each half is logged "pid start end dev us" when the pair is complete: its time spinning is
- * end - start - us. Another kernel on a HELD card waits until it is free. */
-#define HELD UINT64_MAX
-static pthread_mutex_t collective_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct { int on; uint64_t start, us; } half[2];  /* a half waiting for its peer, per card */
-
+/* Kernels run on the card's executor (cuda_exec.c): queued per stream, one at a time, contexts
+ * time-sliced. CGPU_STUB_COLLECTIVE=1: every kernel of the process is half of a collective across
+ * cards 0 and 1 (there). */
 static int collective(void)
 {
     const char *c = getenv("CGPU_STUB_COLLECTIVE");
     return c && *c == '1';
 }
 
-static void log_kernel(int lf, uint64_t start, uint64_t end, int dev, uint64_t us)
-{
-    if (lf < 0) return;
-    char line[128];
-    int n = dev < 0 ? snprintf(line, sizeof line, "%d %llu %llu\n", (int)getpid(), (unsigned long long)start,
-                               (unsigned long long)end)
-                    : snprintf(line, sizeof line, "%d %llu %llu %d %llu\n", (int)getpid(), (unsigned long long)start,
-                               (unsigned long long)end, dev, (unsigned long long)us);
-    if (write(lf, line, (size_t)n) < 0) { /* (a log, best effort) */ }
-}
-
-static CUresult run_collective(int fd, int lf, uint64_t us)
-{
-    int d = cur_dev, peer = 1 - cur_dev;
-    if (d > 1) return INVALID_VALUE;
-    for (;;) {
-        pthread_mutex_lock(&collective_lock);
-        flock(fd, LOCK_EX);
-        uint64_t free_at = 0, now = now_ns();
-        if (pread(fd, &free_at, sizeof free_at, 16 * d + 8) != sizeof free_at)
-            free_at = 0;
-        if (free_at != HELD) {
-            uint64_t start = free_at > now ? free_at : now, end = HELD;
-            if (half[peer].on) {  /* the pair is complete: both end together */
-                uint64_t later = start > half[peer].start ? start : half[peer].start;
-                end = later + (us > half[peer].us ? us : half[peer].us) * 1000;
-                half[peer].on = 0;
-                int bad = pwrite(fd, &end, sizeof end, 16 * peer + 8) != sizeof end;
-                bad |= pwrite(fd, &end, sizeof end, 16 * d + 8) != sizeof end;
-                log_kernel(lf, half[peer].start, end, peer, half[peer].us);
-                log_kernel(lf, start, end, d, us);
-                if (end > last_end) last_end = end;
-                if (bad) end = 0;
-            } else {
-                half[d].on = 1;
-                half[d].start = start;
-                half[d].us = us;
-                if (pwrite(fd, &end, sizeof end, 16 * d + 8) != sizeof end) end = 0;
-            }
-            last_start = start;
-            flock(fd, LOCK_UN);
-            pthread_mutex_unlock(&collective_lock);
-            return end ? OK : OUT_OF_MEMORY;
-        }
-        flock(fd, LOCK_UN);
-        pthread_mutex_unlock(&collective_lock);
-        sleep_until(now_ns() + 50000);  /* the card is held by a collective waiting for its peer */
-    }
-}
-
-static CUresult run_kernel(uint64_t us)
+static CUresult run_kernel(uint64_t us, const void *stream)
 {
     const char *fast = getenv("CGPU_STUB_CUDA_FAST");
     if (!inited) return NOT_INITIALIZED;
     if (fast && *fast == '1') return OK;
-    sleep_until(last_start);  /* one kernel waiting behind the running one, at most */
-    int lf, fd = kernel_files(&lf);
-    if (fd < 0) return OUT_OF_MEMORY;
-    if (collective())
-        return run_collective(fd, lf, us);
-    uint64_t free_at = 0, now;
-    for (;;) {
-        flock(fd, LOCK_EX);
-        now = now_ns();
-        if (pread(fd, &free_at, sizeof free_at, 16 * cur_dev + 8) != sizeof free_at)
-            free_at = 0;
-        if (free_at != HELD)
-            break;
-        flock(fd, LOCK_UN);
-        sleep_until(now + 50000);  /* held by another process's collective waiting for its peer */
-    }
-    uint64_t start = free_at > now ? free_at : now, end = start + us * 1000;
-    int bad = pwrite(fd, &end, sizeof end, 16 * cur_dev + 8) != sizeof end;
-    flock(fd, LOCK_UN);
-    if (bad) return OUT_OF_MEMORY;
-    last_start = start;
-    last_end = end;
-    log_kernel(lf, start, end, -1, us);
-    return OK;
+    return stub_exec_launch(cur_dev, stream, us, collective());
 }
 
-/* Wait for this process's last kernel to end: asleep until shortly before, then spinning, as the
- * real driver's default (CU_CTX_SCHED_AUTO: it spins while a process has no more contexts than
- * the machine has cores) returns as the work ends, not a timer's wake-up (~100 µs here) later. */
-#define SYNC_SPIN_NS 200000ull
+/* Wait for this process's work on its current card (its context's, every stream). */
 CUresult cuCtxSynchronize(void)
 {
-    CUresult r = stub_capture_forbids(NULL);  /* cuda_graphs.c: not during another's capture */
-    if (r) return r;
-    while (cur_dev < 2 && __atomic_load_n(&half[cur_dev].on, __ATOMIC_SEQ_CST))
-        sleep_until(now_ns() + 50000);  /* a collective on this card waits for its peer */
-    uint64_t end = last_end;
-    if (end > SYNC_SPIN_NS)
-        sleep_until(end - SYNC_SPIN_NS);
-    while (now_ns() < end)
-        ;
-    return OK;
+    CUresult r = stub_capture_forbids_context(cur_dev);  /* cuda_graphs.c: not while a capture is on */
+    return r ? r : stub_exec_sync(cur_dev, NULL, 1);
 }
 CUresult cuCtxGetCurrent(CUcontext *ctx)
 {
@@ -522,12 +411,13 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
     uint64_t us = (uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1);
     CUresult r = inited ? stub_function_loaded(f) : OK;  /* (lazy loading: its code reaches the card now) */
     if (r) return r;
-    return stub_capture_launch(stream, &us, 1, &r) ? r : run_kernel(us);  /* (into a capture: recorded) */
+    return stub_capture_launch(stream, &us, 1, &r) ? r : run_kernel(us, stream);  /* (into a capture: recorded) */
 }
+/* (the per-thread default stream's form: its NULL is the thread's stream, CU_STREAM_PER_THREAD) */
 CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                              unsigned shmem, void *stream, void **params, void **extra)
 {
-    return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
+    return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream ? stream : (void *)2, params, extra);
 }
 CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                    unsigned bz, unsigned shmem, void *stream, void **params)
@@ -542,10 +432,10 @@ CUresult cuLaunchKernelEx(const launch_config *c, CUfunction f, void **params, v
     uint64_t us = (uint64_t)c->gridDimX * (c->gridDimY ? c->gridDimY : 1) * (c->gridDimZ ? c->gridDimZ : 1);
     CUresult r = inited ? stub_function_loaded(f) : OK;
     if (r) return r;
-    return stub_capture_launch(c->hStream, &us, 1, &r) ? r : run_kernel(us);
+    return stub_capture_launch(c->hStream, &us, 1, &r) ? r : run_kernel(us, c->hStream);
 }
 CUresult cuGraphLaunch(void *exec, void *stream) { return stub_graph_launch(exec, stream); }  /* cuda_graphs.c */
-CUresult stub_run_kernel(uint64_t us) { return run_kernel(us); }
+CUresult stub_run_kernel(uint64_t us, const void *stream) { return run_kernel(us, stream); }
 
 /* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
 static size_t nallocs;
@@ -630,7 +520,7 @@ CUresult cuStreamDestroy_v2(CUstream s);
 CUresult cuStreamSynchronize(CUstream s)
 {
     CUresult r = stub_capture_forbids(s);
-    return r ? r : cuCtxSynchronize();
+    return r ? r : stub_exec_sync(cur_dev, s, 0);
 }
 /* With CGPU_STUB_CUDA_CALLS set, the entry points that have a per-thread-stream (_ptsz) or an
  * older form append their name to it: which one a lookup gave is seen. */
@@ -925,8 +815,11 @@ CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e,
 int stub_inited(void) { return inited; }
 int stub_device_count(void) { return devices(); }
 int stub_current_device(void) { return cur_dev; }
-CUresult stub_synchronize(void) { return cuCtxSynchronize(); }
-uint64_t stub_work_end(void) { return last_end; }
+CUresult stub_synchronize(void)  /* (a synchronous copy's wait: the thread's capture mode decides, as for any call) */
+{
+    CUresult r = stub_capture_forbids(NULL);
+    return r ? r : stub_exec_sync(cur_dev, NULL, 1);
+}
 int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size)
 {
     for (size_t i = 0; i < sizeof allocs / sizeof *allocs; i++)
@@ -997,6 +890,7 @@ OWN(cuArray3DCreate_v2);
 OWN(cuMipmappedArrayCreate);
 OWN(cuMipmappedArrayDestroy);
 
+CUresult cuStreamSynchronize_ptsz(CUstream s);  /* (cuda_device.c) */
 /* What cuGetProcAddress answers, as the real driver does, by (name, version, flags): each form of a
  * name from the CUDA version that introduced it (cudaTypedefs.h's PFN_<name>_v<version>), and
  * its per-thread-default-stream form (_ptsz) for CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM. */
@@ -1025,6 +919,7 @@ static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuMemAllocPitch", 3020, 0, (void *)own_cuMemAllocPitch_v2},
     {"cuMemAllocManaged", 6000, 0, (void *)own_cuMemAllocManaged},
     {"cuStreamSynchronize", 2000, 0, (void *)own_cuStreamSynchronize},
+    {"cuStreamSynchronize", 7000, 1, (void *)cuStreamSynchronize_ptsz},  /* (cuda_device.c) */
     {"cuMemAllocAsync", 11020, 0, (void *)own_cuMemAllocAsync},
     {"cuMemAllocAsync", 11020, 1, (void *)own_cuMemAllocAsync_ptsz},
     {"cuMemFreeAsync", 11020, 0, (void *)own_cuMemFreeAsync},

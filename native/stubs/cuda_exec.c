@@ -1,0 +1,836 @@
+/*
+ * The stand-in card's executor: how kernels queue and run (issue 27). As unkind as the card the
+ * probe measured (an H100, docs/isolation.md "How it is tested"):
+ *
+ * - A launch returns at once into its stream's queue (CGPU_STUB_QUEUE_DEPTH entries, default 1024:
+ *   the H100 took 1030 launches of a 2.6 ms matmul before the 1031st blocked). Only a full queue
+ *   blocks the launcher, until an entry of that stream completes. A context (a process on a card)
+ *   holds at most RING queued entries over all its streams.
+ * - One executor per card, shared by every process using it: kernels run one at a time, each
+ *   context's in the order they were launched (so its streams are in order with one another, and
+ *   cuStreamWaitEvent within a context holds by itself).
+ * - The card time-slices between contexts that have work ready: the context on the card runs
+ *   until its timeslice ends while another has work (CGPU_STUB_TIMESLICE_US, default 1024: the
+ *   open kernel module's default for a channel group, kfifoChannelGroupGetDefaultTimeslice_GV100,
+ *   NV_RAMRL_ENTRY_TSG_TIMESLICE_TIMEOUT_128 << SCALE_3 µs, for Volta through Hopper; NVIDIA's
+ *   `nvidia-smi compute-policy --set-timeslice` names its levels but documents no figures), then
+ *   the running kernel is preempted (it resumes where it stopped) and the card goes round-robin
+ *   to the next context with work. Alone, a context runs on through its timeslices' ends.
+ * - Each switch between contexts leaves the card idle CGPU_STUB_SWITCH_US (default 100 µs: the
+ *   save and restore of a context); a kernel launched onto an idle card starts CGPU_STUB_LAUNCH_US
+ *   later (default 5 µs: the launch's latency).
+ * - Kernels are never lost: a process's exit waits for its queued work (its log then whole); a
+ *   process killed leaves its queue, which is dropped when found dead (a context torn down).
+ *
+ * No daemon: the card's state is a file beside CGPU_STUB_CUDA_STATE (".exec"), mapped by every
+ * process, and the simulation is advanced lazily, under flock, by whoever calls (a launch, a
+ * synchronize, a query): it works out what the card did from the last advance until now. Waits
+ * (synchronize, an event, a full queue) sleep until the earliest the awaited work can end, spin
+ * its last SPIN_NS (as the driver's default scheduling spins), and advance again.
+ *
+ * The kernel log (CGPU_STUB_CUDA_LOG, "pid start_ns end_ns" per line, CLOCK_MONOTONIC): a line per
+ * contiguous piece a kernel ran (one piece unless a timeslice's end cut it), so summing end -
+ * start over a process's lines gives its kernel time. The advancer may be another process, so
+ * the pieces wait in the owner's record of the file and the owner writes them to its own log
+ * (whatever its mount namespace) at its next call into the driver and at exit.
+ *
+ * Collectives (CGPU_STUB_COLLECTIVE=1): each kernel of the process on card 0 or 1 is half of one
+ * with its next on the other card, as an all-reduce's ranks are. A half that starts holds its card,
+ * spinning and never preempted, until its peer has started; both end `us` after the later start.
+ * Each half is logged "pid start end dev us" (its time spinning: end - start - us).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda_stub.h"
+
+#define NCARDS 16
+#define NCTX 32        /* contexts (processes) per card */
+#define RING 4096      /* queued entries per context, all streams together */
+#define NSTREAMS 16    /* streams told apart per context (more share a record) */
+#define NPIECES 4096   /* logged pieces waiting for their owner to write them */
+#define NEVER UINT64_MAX
+#define SPIN_NS 200000ull
+#define EXEC_MAGIC 0x6367707565786531ull  /* "cgpuexe1" */
+
+struct entry { uint64_t ns, cum, ready, end; uint32_t stream, coll; };  /* cum: ns of entries 0..this */
+struct sstream { uint64_t id, last, enq, done; };  /* last: seq + 1 of its last entry (0: none) */
+struct piece { uint64_t start, end, us; int32_t dev, coll; };
+struct ctx {
+    uint64_t owner;        /* its process's token (pids are no names across PID namespaces; 0: free) */
+    uint64_t head, tail;   /* entries [head, tail) queued; head runs first */
+    uint64_t left;         /* ns the head entry has left once it started (0: not started; NEVER: a half spinning) */
+    uint64_t coll_enq, coll_start, checked;
+    uint64_t piece_w, piece_r, lost;
+    int32_t pid, pad2;     /* the owner's pid (as it sees it: its log's lines say so) */
+    char log[240];         /* the owner's log (CGPU_STUB_CUDA_LOG), for when its pieces overflow */
+    struct sstream streams[NSTREAMS];
+};
+/* A context's queue and its pieces, after the cards (the records above stay on a few pages) */
+struct bulk { struct piece pieces[NPIECES]; struct entry ring[RING]; };
+enum { IDLE = 0, SWITCH = 1, RUN = 2 };
+struct card {
+    uint64_t magic, t;     /* simulated up to t */
+    int32_t cur, state;    /* cur: the context on the card (-1: none yet) */
+    int32_t next, pad;     /* SWITCH: the context being switched to */
+    uint64_t until, piece_start, slice_end;
+    uint32_t busy, pad2;   /* contexts with queued work */
+    struct ctx ctx[NCTX];
+};
+
+#define MAP_SIZE (sizeof(struct card) * NCARDS + sizeof(struct bulk) * NCARDS * NCTX)
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;  /* (flock is the open file's: not between threads) */
+static struct card *cards;
+static int fd = -1;
+static pid_t mapped_by;
+static uint64_t me;  /* this process's token (a forked child draws its own) */
+static int log_fd = -1;
+
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+static void sleep_until(uint64_t ns)
+{
+    struct timespec t = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL) == EINTR)
+        ;
+}
+static uint64_t env_us(const char *name, uint64_t dflt)
+{
+    const char *v = getenv(name);
+    return (v && *v ? strtoull(v, NULL, 10) : dflt) * 1000ull;
+}
+static uint64_t timeslice(void) { static uint64_t v; if (!v) v = env_us("CGPU_STUB_TIMESLICE_US", 1024); return v ? v : 1000; }
+static uint64_t switch_ns(void) { static int64_t v = -1; if (v < 0) v = (int64_t)env_us("CGPU_STUB_SWITCH_US", 100); return (uint64_t)v; }
+static uint64_t launch_ns(void) { static int64_t v = -1; if (v < 0) v = (int64_t)env_us("CGPU_STUB_LAUNCH_US", 5); return (uint64_t)v; }
+static uint64_t depth(void)
+{
+    static uint64_t v;
+    if (!v) {
+        const char *d = getenv("CGPU_STUB_QUEUE_DEPTH");
+        v = d && *d ? strtoull(d, NULL, 10) : 1024;
+        v = v < 1 ? 1 : v > RING ? RING : v;
+    }
+    return v;
+}
+
+/* ---- the shared file ---- */
+
+/* Map the card file (once per process; a forked child maps its own: flock is the open file's). */
+static int attach_locked(void);
+static int attach(void)
+{
+    if (__atomic_load_n(&mapped_by, __ATOMIC_ACQUIRE) == getpid() && cards)
+        return 0;
+    pthread_mutex_lock(&lock);  /* (threads racing to the first call: one maps, the others wait) */
+    int r = attach_locked();
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+static int attach_locked(void)
+{
+    if (cards && mapped_by == getpid())
+        return 0;
+    if (cards) {
+        munmap(cards, MAP_SIZE);
+        close(fd);
+        if (log_fd >= 0) close(log_fd);
+        cards = NULL;
+        log_fd = -1;
+    }
+    const char *s = getenv("CGPU_STUB_CUDA_STATE"), *log = getenv("CGPU_STUB_CUDA_LOG");
+    char path[4096];
+    snprintf(path, sizeof path, "%s.exec", s && *s ? s : "/tmp/cgpu-stub-cuda.state");
+    fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0)
+        return -1;
+    size_t size = MAP_SIZE;
+    flock(fd, LOCK_EX);
+    struct stat st;
+    uint64_t magic = 0;
+    if (fstat(fd, &st) || (size_t)st.st_size < size || pread(fd, &magic, sizeof magic, 0) != sizeof magic
+        || magic != EXEC_MAGIC) {  /* a new card (sparse: its pages come as they are used) */
+        int bad = ftruncate(fd, 0) || ftruncate(fd, (off_t)size);
+        uint64_t m = EXEC_MAGIC;
+        int32_t none = -1;
+        for (int d = 0; !bad && d < NCARDS; d++) {
+            off_t at = (off_t)(sizeof(struct card) * d);
+            bad = pwrite(fd, &m, sizeof m, at + (off_t)offsetof(struct card, magic)) != sizeof m
+                  || pwrite(fd, &none, sizeof none, at + (off_t)offsetof(struct card, cur)) != sizeof none;
+        }
+        if (bad) {
+            flock(fd, LOCK_UN);
+            close(fd);
+            return -1;
+        }
+    }
+    flock(fd, LOCK_UN);
+    void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        close(fd);
+        return -1;
+    }
+    cards = m;
+    int r = open("/dev/urandom", O_RDONLY | O_CLOEXEC);  /* (no getrandom: the stand-in builds for glibc 2.17 too) */
+    if (r < 0 || read(r, &me, sizeof me) != sizeof me || !me)
+        me = ((uint64_t)getpid() << 32) ^ now_ns() ^ (uint64_t)(uintptr_t)&me;
+    if (r >= 0) close(r);
+    log_fd = log && *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
+    __atomic_store_n(&mapped_by, getpid(), __ATOMIC_RELEASE);
+    return 0;
+}
+static void enter(void)
+{
+    pthread_mutex_lock(&lock);
+    flock(fd, LOCK_EX);
+}
+static void leave(void)
+{
+    flock(fd, LOCK_UN);
+    pthread_mutex_unlock(&lock);
+}
+
+/* ---- the simulation (under the lock) ---- */
+
+static struct bulk *bulk_of(const struct ctx *c)
+{
+    size_t dev = (size_t)((const char *)c - (const char *)cards) / sizeof(struct card);
+    size_t i = (size_t)(c - cards[dev].ctx);
+    return (struct bulk *)((char *)cards + sizeof(struct card) * NCARDS) + dev * NCTX + i;
+}
+static struct entry *entry_of(const struct ctx *c, uint64_t seq) { return &bulk_of(c)->ring[seq % RING]; }
+static struct entry *head_entry(const struct ctx *c) { return entry_of(c, c->head); }
+static int has_work(const struct card *k, int i) { return k->busy >> i & 1; }
+
+/* As many of c's logged pieces as fit in buf, as log lines (taken from its record). */
+static size_t take_lines(struct ctx *c, char *buf, size_t cap)
+{
+    size_t len = 0;
+    while (c->piece_r < c->piece_w && len + 100 < cap) {
+        struct piece *p = &bulk_of(c)->pieces[c->piece_r++ % NPIECES];
+        len += (size_t)(p->coll ? snprintf(buf + len, cap - len, "%d %llu %llu %d %llu\n", c->pid,
+                                           (unsigned long long)p->start, (unsigned long long)p->end, p->dev,
+                                           (unsigned long long)p->us)
+                                : snprintf(buf + len, cap - len, "%d %llu %llu\n", c->pid,
+                                           (unsigned long long)p->start, (unsigned long long)p->end));
+    }
+    return len;
+}
+
+/* c's record of pieces is full (its owner has not called for a long time: waiting at a gate, or
+ * frozen): the advancer writes them to the owner's log itself, where it can open it. */
+static void spill(struct ctx *c)
+{
+    int f = c->log[0] ? open(c->log, O_WRONLY | O_APPEND | O_CLOEXEC) : -1;
+    char buf[8192];
+    size_t len;
+    while (f >= 0 && (len = take_lines(c, buf, sizeof buf)))
+        if (write(f, buf, len) < 0) break;
+    if (f >= 0) close(f);
+}
+
+static void add_piece(struct ctx *c, uint64_t start, uint64_t end, int dev, uint64_t us, int coll)
+{
+    if (c->piece_w - c->piece_r >= NPIECES)
+        spill(c);
+    if (c->piece_w - c->piece_r >= NPIECES) {
+        c->lost++;
+        return;
+    }
+    bulk_of(c)->pieces[c->piece_w++ % NPIECES] = (struct piece){start, end, us, dev, coll};
+}
+
+/* The first slice boundary at or after `x` (a context alone runs on through its slices' ends). */
+static uint64_t boundary(const struct card *k, uint64_t x)
+{
+    if (x <= k->slice_end)
+        return k->slice_end;
+    uint64_t ts = timeslice();
+    return k->slice_end + (x - k->slice_end + ts - 1) / ts * ts;
+}
+
+/* The earliest another context than k->cur has work ready (NEVER: none). */
+static uint64_t contender(const struct card *k)
+{
+    uint64_t r = NEVER;
+    for (int i = 0; i < NCTX; i++)
+        if (i != k->cur && has_work(k, i)) {
+            uint64_t ready = head_entry(&k->ctx[i])->ready;
+            r = ready < r ? ready : r;
+        }
+    return r;
+}
+
+/* The next context after `from` (round-robin) with work ready by `t`, -1 if none. */
+static int next_ready(struct card *k, int from, uint64_t t, int skip_from)
+{
+    for (int n = 1; n <= NCTX; n++) {
+        int i = ((from < 0 ? -1 : from) + n) % NCTX;
+        if (skip_from && i == from) continue;
+        if (has_work(k, i) && head_entry(&k->ctx[i])->ready <= t)
+            return i;
+    }
+    return -1;
+}
+
+/* When card k next changes state (NEVER: not by itself). */
+static uint64_t next_event(struct card *k)
+{
+    if (k->state == SWITCH)
+        return k->until;
+    if (k->state == RUN) {
+        struct ctx *c = &k->ctx[k->cur];
+        if (c->left == NEVER)
+            return NEVER;  /* a half of a collective spinning for its peer: not preempted */
+        uint64_t end = k->piece_start + c->left, other = head_entry(c)->coll ? NEVER : contender(k);
+        uint64_t pre = other == NEVER ? NEVER : boundary(k, other > k->piece_start ? other : k->piece_start);
+        return pre < end ? pre : end;
+    }
+    uint64_t r = NEVER;
+    for (int i = 0; i < NCTX; i++)
+        if (has_work(k, i) && head_entry(&k->ctx[i])->ready < r)
+            r = head_entry(&k->ctx[i])->ready;
+    return r;
+}
+
+static struct ctx *peer_ctx(int dev, uint64_t owner, int *at)
+{
+    if (dev > 1) return NULL;
+    struct card *p = &cards[1 - dev];
+    for (int i = 0; i < NCTX; i++)
+        if (p->ctx[i].owner == owner) {
+            if (at) *at = i;
+            return &p->ctx[i];
+        }
+    return NULL;
+}
+
+/* Context i of card `dev` gets the card at t: its head entry starts (or goes on where it stopped). */
+static void start(int dev, int i, uint64_t t)
+{
+    struct card *k = &cards[dev];
+    struct ctx *c = &k->ctx[i];
+    struct entry *e = head_entry(c);
+    k->state = RUN;
+    k->cur = i;
+    k->piece_start = t;
+    if (c->left)
+        return;  /* (preempted before: it goes on) */
+    c->left = e->ns;
+    if (!e->coll)
+        return;
+    c->coll_start = t;
+    c->left = NEVER;
+    int pi;
+    struct ctx *pc = peer_ctx(dev, c->owner, &pi);
+    struct card *pk = dev <= 1 ? &cards[1 - dev] : NULL;
+    if (pc && pc->head < pc->tail && pc->left == NEVER && pk->state == RUN && pk->cur == pi
+        && head_entry(pc)->coll == e->coll) {  /* the pair is complete: both end together */
+        uint64_t pns = head_entry(pc)->ns, end = (t > pc->coll_start ? t : pc->coll_start) + (e->ns > pns ? e->ns : pns);
+        c->left = end - t;
+        pc->left = end - pk->piece_start;
+    }
+}
+
+/* Card `dev` at t with its current context's head entry over: on with it, another, or idle. */
+static void after(int dev, uint64_t t)
+{
+    struct card *k = &cards[dev];
+    int cur = k->cur;
+    struct ctx *c = &k->ctx[cur];
+    int mine = has_work(k, cur) && head_entry(c)->ready <= t;
+    uint64_t other = contender(k);
+    int due = other <= t && boundary(k, other) <= t;  /* its slice is over and another waits */
+    if (mine && !due) {
+        start(dev, cur, t);
+        return;
+    }
+    int n = next_ready(k, cur, t, 1);
+    if (n >= 0) {
+        k->state = SWITCH;
+        k->next = n;
+        k->until = t + switch_ns();
+        return;
+    }
+    if (mine) {  /* (no other ready after all) */
+        start(dev, cur, t);
+        return;
+    }
+    k->state = IDLE;
+}
+
+/* Card `dev`'s next change, at t. */
+static void step(int dev, uint64_t t)
+{
+    struct card *k = &cards[dev];
+    if (k->state == SWITCH) {
+        k->slice_end = t + timeslice();
+        start(dev, k->next, t);
+        return;
+    }
+    if (k->state == IDLE) {
+        int n = k->cur >= 0 && has_work(k, k->cur) && head_entry(&k->ctx[k->cur])->ready <= t
+                    ? k->cur : next_ready(k, k->cur, t, 0);
+        if (n < 0) return;
+        if (n != k->cur && k->cur >= 0 && switch_ns()) {
+            k->state = SWITCH;
+            k->next = n;
+            k->until = t + switch_ns();
+            return;
+        }
+        k->slice_end = t + timeslice();
+        start(dev, n, t);
+        return;
+    }
+    struct ctx *c = &k->ctx[k->cur];
+    struct entry *e = head_entry(c);
+    if (c->left != NEVER && t >= k->piece_start + c->left) {  /* the entry is over */
+        if (e->coll)
+            add_piece(c, c->coll_start, t, dev, e->ns / 1000, 1);
+        else
+            add_piece(c, k->piece_start, t, dev, 0, 0);
+        e->end = t;
+        c->left = 0;
+        c->streams[e->stream].done++;
+        if (++c->head == c->tail)
+            k->busy &= ~(1u << k->cur);
+        after(dev, t);
+        return;
+    }
+    /* its slice is over and another context has work: preempted, the card switches */
+    if (t > k->piece_start)
+        add_piece(c, k->piece_start, t, dev, 0, 0);
+    c->left -= t - k->piece_start;
+    int n = next_ready(k, k->cur, t, 1);
+    if (n < 0) {  /* (cannot be: a contender was ready) */
+        k->piece_start = t;
+        return;
+    }
+    k->state = SWITCH;
+    k->next = n;
+    k->until = t + switch_ns();
+}
+
+/* A context's owner holds a write lock (fcntl's, the process's own: gone with it, whatever its PID
+ * namespace) on one byte of the file past the cards, from the context's making to its exit. */
+static off_t live_at(int dev, int i) { return (off_t)MAP_SIZE + dev * NCTX + i; }
+static int hold_live(int dev, int i)
+{
+    struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = live_at(dev, i), .l_len = 1};
+    return fcntl(fd, F_SETLK, &l);
+}
+static int alive(int dev, int i)
+{
+    struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = live_at(dev, i), .l_len = 1};
+    return fcntl(fd, F_GETLK, &l) || l.l_type != F_UNLCK;
+}
+
+/* Contexts whose process is gone: their queue dropped, their record free (checked once a ms). */
+static void sweep(int dev, uint64_t t)
+{
+    struct card *k = &cards[dev];
+    for (int i = 0; i < NCTX; i++) {
+        struct ctx *c = &k->ctx[i];
+        if (!c->owner || c->owner == me || t - c->checked < 1000000) continue;
+        c->checked = t;
+        if (alive(dev, i)) continue;
+        if (k->cur == i && k->state == RUN) {
+            k->state = IDLE;
+        }
+        if (k->state == SWITCH && k->next == i)
+            k->state = IDLE;
+        c->owner = 0;
+        c->head = c->tail;
+        c->left = 0;
+        k->busy &= ~(1u << i);
+    }
+}
+
+/* What every card did from its last advance until `t`, in time order across cards (collectives
+ * pair halves on two). */
+static void advance(uint64_t t)
+{
+    int n = stub_device_count();
+    for (int d = 0; d < n; d++)
+        sweep(d, t);
+    for (;;) {
+        int best = -1;
+        uint64_t bt = NEVER;
+        for (int d = 0; d < n; d++) {
+            uint64_t e = next_event(&cards[d]);
+            if (e < bt) {
+                bt = e;
+                best = d;
+            }
+        }
+        if (best < 0 || bt > t)
+            break;
+        if (bt < cards[best].t) bt = cards[best].t;
+        cards[best].t = bt;
+        step(best, bt);
+    }
+    for (int d = 0; d < n; d++)
+        if (cards[d].t < t) cards[d].t = t;
+}
+
+/* ---- this process's contexts ---- */
+
+static int ctx_at[NCARDS] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+static pid_t ctx_pid;
+
+/* This process's context on card `dev` (made if `make`), NULL if none (or no room). */
+static struct ctx *my_ctx(int dev, int make)
+{
+    if (ctx_pid != getpid()) {
+        for (int d = 0; d < NCARDS; d++) ctx_at[d] = -1;
+        ctx_pid = getpid();
+    }
+    struct card *k = &cards[dev];
+    if (ctx_at[dev] >= 0 && k->ctx[ctx_at[dev]].owner == me)
+        return &k->ctx[ctx_at[dev]];
+    int free_at = -1;
+    for (int i = 0; i < NCTX; i++) {
+        if (k->ctx[i].owner == me) {
+            ctx_at[dev] = i;
+            return &k->ctx[i];
+        }
+        if (free_at < 0 && make && !k->ctx[i].owner && !has_work(k, i) && !hold_live(dev, i)) free_at = i;
+    }
+    if (!make || free_at < 0)
+        return NULL;
+    struct ctx *c = &k->ctx[free_at];
+    uint64_t seq = c->tail;  /* (sequence numbers go on: a stale event of another never matches) */
+    memset(c, 0, sizeof *c);
+    c->owner = me;
+    c->pid = (int32_t)getpid();
+    const char *log = getenv("CGPU_STUB_CUDA_LOG");
+    if (log && strlen(log) < sizeof c->log) strcpy(c->log, log);
+    c->head = c->tail = seq;
+    c->checked = now_ns();
+    ctx_at[dev] = free_at;
+    return c;
+}
+
+static uint64_t stream_id(const void *s)
+{
+    if ((uintptr_t)s == 2)  /* CU_STREAM_PER_THREAD */
+        return 0x2000000000000000ull | (uint64_t)syscall(SYS_gettid);
+    return !s ? 1 : (uint64_t)(uintptr_t)s;  /* (NULL: the legacy stream, 1) */
+}
+
+/* The record of stream `id` in context c: its own, a free one, one with no work left, else shared. */
+static int stream_of(struct ctx *c, uint64_t id)
+{
+    int idle = -1;
+    for (int i = 0; i < NSTREAMS; i++) {
+        if (c->streams[i].id == id) return i;
+        if (!c->streams[i].id) {
+            c->streams[i].id = id;
+            return i;
+        }
+        if (idle < 0 && c->streams[i].enq == c->streams[i].done) idle = i;
+    }
+    if (idle >= 0) {
+        c->streams[idle].id = id;
+        return idle;
+    }
+    return (int)(id % NSTREAMS);
+}
+
+/* What a synchronize, a query or an event in `stream` waits for: the entries before this ticket.
+ * The legacy stream (NULL, CU_STREAM_LEGACY) waits for the work of every (blocking) stream
+ * launched before; another stream for its own. */
+static uint64_t ticket_of(struct ctx *c, const void *stream)
+{
+    return !stream || (uintptr_t)stream == 1 ? c->tail : c->streams[stream_of(c, stream_id(stream))].last;
+}
+
+/* Write this process's logged pieces to its log (outside the lock). */
+static void flush(void)
+{
+    if (log_fd < 0) return;
+    char buf[8192];
+    for (int d = 0; d < stub_device_count() && d < NCARDS; d++) {
+        int at = ctx_pid == getpid() ? ctx_at[d] : -1;
+        if (at < 0 || __atomic_load_n(&cards[d].ctx[at].piece_w, __ATOMIC_RELAXED)
+                          == __atomic_load_n(&cards[d].ctx[at].piece_r, __ATOMIC_RELAXED))
+            continue;  /* (nothing to write: no lock taken) */
+        for (;;) {
+            enter();
+            struct ctx *c = my_ctx(d, 0);
+            size_t len = c ? take_lines(c, buf, sizeof buf) : 0;
+            leave();
+            if (!len) break;
+            if (write(log_fd, buf, len) < 0) break;  /* (a log, best effort) */
+        }
+    }
+}
+
+/* The earliest the entry `seq` of context c on card `dev` can end, from t (a lower bound: others'
+ * work only delays it). */
+static uint64_t earliest(int dev, struct ctx *c, uint64_t seq, uint64_t t)
+{
+    struct card *k = &cards[dev];
+    struct entry *h = head_entry(c), *e = entry_of(c, seq);
+    if (c->left == NEVER) return t + 1000000;  /* (a collective: its peer decides) */
+    uint64_t rest = e->cum - h->cum + (c->left ? c->left : h->ns);
+    uint64_t from = t;
+    int running = k->state == RUN && &k->ctx[k->cur] == c;
+    if (running)
+        from = k->piece_start > t ? k->piece_start : t;
+    else {
+        uint64_t ne = next_event(k);
+        from = ne != NEVER && ne > t ? ne : t;
+        if (h->ready > from) from = h->ready;
+    }
+    return from + rest - (running && t > k->piece_start ? t - k->piece_start : 0);
+}
+
+/* Wait until context `c`'s entries before `ticket` are done (`stream` >= 0: until that stream has
+ * fewer than depth() queued and the context has room, a launch's wait). */
+static int wait_for(int dev, uint64_t ticket, int stream, uint64_t deadline)
+{
+    for (;;) {
+        uint64_t t = now_ns(), until;
+        if (deadline && t > deadline)
+            return -1;
+        enter();
+        advance(t);
+        struct ctx *c = my_ctx(dev, 0);
+        int done = !c || (stream < 0 ? c->head >= ticket
+                                     : c->streams[stream].enq - c->streams[stream].done < depth() && c->tail - c->head < RING);
+        until = done ? 0 : earliest(dev, c, stream < 0 ? ticket - 1 : c->head, t);
+        leave();
+        if (until < t + 20000) until = t + 20000;  /* (not a tight loop on the lock) */
+        if (done) break;
+        flush();
+        uint64_t now = now_ns();
+        if (until > now + SPIN_NS) {
+            uint64_t wake = until - SPIN_NS;
+            sleep_until(wake < now + 2000000 ? wake : now + 2000000);
+        } else
+            while (now_ns() < until)
+                ;
+    }
+    flush();
+    return 0;
+}
+
+/* ---- what the driver's entry points call (cuda_stub.h) ---- */
+
+CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll)
+{
+    if (dev < 0 || dev >= NCARDS || (coll && dev > 1)) return STUB_INVALID_VALUE;
+    if (attach()) return STUB_OUT_OF_MEMORY;
+    uint64_t id = stream_id(stream);
+    for (;;) {
+        uint64_t t = now_ns();
+        enter();
+        advance(t);
+        struct ctx *c = my_ctx(dev, 1);
+        if (!c) {
+            leave();
+            return STUB_OUT_OF_MEMORY;  /* (no context left on the card) */
+        }
+        int s = stream_of(c, id);
+        if (c->streams[s].enq - c->streams[s].done >= depth() || c->tail - c->head >= RING) {
+            leave();
+            wait_for(dev, 0, s, 0);  /* a full queue: the launch blocks until an entry completes */
+            continue;
+        }
+        struct card *k = &cards[dev];
+        uint64_t seq = c->tail;
+        struct entry *prev = seq ? entry_of(c, seq - 1) : NULL;
+        struct entry *e = entry_of(c, seq);
+        stub_exec_overwritten(dev, seq);  /* (events waiting on the entry this one replaces: resolved first) */
+        *e = (struct entry){.ns = us * 1000, .ready = t + launch_ns(), .stream = (uint32_t)s,
+                            .coll = coll ? (uint32_t)++c->coll_enq : 0};
+        e->cum = (prev ? prev->cum : 0) + e->ns;  /* (only differences between queued entries count) */
+        c->tail = seq + 1;
+        c->streams[s].enq++;
+        c->streams[s].last = seq + 1;
+        k->busy |= 1u << (c - k->ctx);
+        leave();
+        flush();
+        return STUB_OK;
+    }
+}
+
+/* Wait for this process's work on card `dev`: all of it (stream NULL_ALL), or one stream's. */
+CUresult stub_exec_sync(int dev, const void *stream, int all)
+{
+    if (dev < 0 || dev >= NCARDS) return STUB_INVALID_VALUE;
+    if (attach()) return STUB_OK;
+    enter();
+    struct ctx *c = my_ctx(dev, 0);
+    uint64_t ticket = !c ? 0 : all ? c->tail : ticket_of(c, stream);
+    leave();
+    if (ticket) wait_for(dev, ticket, -1, 0);
+    else flush();
+    return STUB_OK;
+}
+
+/* Whether the stream's work on card `dev` is done (all: the context's). */
+int stub_exec_idle(int dev, const void *stream, int all)
+{
+    if (dev < 0 || dev >= NCARDS || attach()) return 1;
+    enter();
+    advance(now_ns());
+    struct ctx *c = my_ctx(dev, 0);
+    int idle = !c || c->head >= (all ? c->tail : ticket_of(c, stream));
+    leave();
+    flush();
+    return idle;
+}
+
+/* ---- marks (events): a point in a stream, done when the card reaches it ---- */
+
+static pthread_mutex_t marks_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct stub_mark **pending;  /* this process's unresolved marks (their entry may be overwritten) */
+static size_t npending, cap_pending;
+
+static void forget(struct stub_mark *m)  /* (marks_lock held) */
+{
+    for (size_t i = 0; i < npending; i++)
+        if (pending[i] == m) {
+            pending[i] = pending[--npending];
+            return;
+        }
+}
+
+/* Under the lock: m is resolved if the card reached it (its time then known). */
+static int resolve(struct stub_mark *m)
+{
+    if (m->done) return 1;
+    struct ctx *c = my_ctx(m->dev, 0);
+    if (!c || c->head >= m->ticket) {
+        uint64_t end = c && m->ticket && c->tail - (m->ticket - 1) <= RING ? entry_of(c, m->ticket - 1)->end : 0;
+        m->at = end > m->at ? end : m->at;
+        m->done = 1;
+    }
+    return m->done;
+}
+
+void stub_exec_overwritten(int dev, uint64_t seq)  /* (the exec lock held) */
+{
+    if (seq < RING) return;
+    pthread_mutex_lock(&marks_lock);
+    for (size_t i = 0; i < npending;)
+        if (pending[i]->dev == dev && pending[i]->ticket && pending[i]->ticket - 1 <= seq - RING) {
+            struct stub_mark *m = pending[i];
+            resolve(m);  /* (done: the entry it waits for was complete before its slot is taken) */
+            pending[i] = pending[--npending];
+        } else
+            i++;
+    pthread_mutex_unlock(&marks_lock);
+}
+
+/* Record m in `stream` on card `dev`: done when the work launched into the stream before it is. */
+CUresult stub_exec_mark(struct stub_mark *m, int dev, const void *stream)
+{
+    if (dev < 0 || dev >= NCARDS) return STUB_INVALID_VALUE;
+    pthread_mutex_lock(&marks_lock);
+    forget(m);
+    pthread_mutex_unlock(&marks_lock);
+    uint64_t t = now_ns();
+    *m = (struct stub_mark){.dev = dev, .at = t, .recorded = 1};
+    if (attach()) {
+        m->done = 1;
+        return STUB_OK;
+    }
+    enter();
+    advance(t);
+    struct ctx *c = my_ctx(dev, 0);
+    m->ticket = c ? ticket_of(c, stream) : 0;
+    if (!resolve(m)) {
+        pthread_mutex_lock(&marks_lock);
+        if (npending == cap_pending) {
+            size_t cap = cap_pending * 2 + 16;
+            struct stub_mark **more = realloc(pending, cap * sizeof *more);
+            if (more) {
+                pending = more;
+                cap_pending = cap;
+            }
+        }
+        if (npending < cap_pending) pending[npending++] = m;
+        pthread_mutex_unlock(&marks_lock);
+    }
+    leave();
+    return STUB_OK;
+}
+
+/* Whether m is done (advancing the card first). */
+int stub_exec_mark_done(struct stub_mark *m)
+{
+    if (!m->recorded || m->done) return 1;
+    if (attach()) return 1;
+    enter();
+    advance(now_ns());
+    int done = resolve(m);
+    if (done) {
+        pthread_mutex_lock(&marks_lock);
+        forget(m);
+        pthread_mutex_unlock(&marks_lock);
+    }
+    leave();
+    flush();
+    return done;
+}
+
+void stub_exec_mark_wait(struct stub_mark *m)
+{
+    if (stub_exec_mark_done(m)) return;
+    wait_for(m->dev, m->ticket, -1, 0);
+    stub_exec_mark_done(m);
+}
+
+void stub_exec_mark_drop(struct stub_mark *m)
+{
+    pthread_mutex_lock(&marks_lock);
+    forget(m);
+    pthread_mutex_unlock(&marks_lock);
+}
+
+/* At exit: this process's queued work finishes (its log then whole), its records freed; work that
+ * cannot end (a half of a collective whose peer never came) is given up after EXIT_WAIT_NS, and
+ * dropped once the process is gone. */
+#define EXIT_WAIT_NS 30000000000ull
+__attribute__((destructor)) static void at_exit(void)
+{
+    if (!cards || mapped_by != getpid()) return;
+    for (int d = 0; d < NCARDS; d++) {
+        enter();
+        struct ctx *c = my_ctx(d, 0);
+        uint64_t ticket = c ? c->tail : 0;
+        leave();
+        if (c && wait_for(d, ticket, -1, now_ns() + EXIT_WAIT_NS))
+            fprintf(stderr, "stand-in libcuda: the process's queued work on card %d did not end within %d s of its "
+                            "exit (a collective's peer never launched?): dropped\n", d, (int)(EXIT_WAIT_NS / 1000000000));
+    }
+    flush();
+    enter();
+    for (int d = 0; d < NCARDS; d++) {
+        struct ctx *c = my_ctx(d, 0);
+        if (c && c->lost)
+            fprintf(stderr, "stand-in libcuda: %llu pieces of kernels on card %d not logged (CGPU_STUB_CUDA_LOG: "
+                            "its record full, the log not reachable)\n", (unsigned long long)c->lost, d);
+        if (c && c->head == c->tail) c->owner = 0;
+    }
+    leave();
+}

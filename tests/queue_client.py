@@ -1,0 +1,166 @@
+"""A small C client of the stand-in driver's executor (native/stubs/cuda_exec.c), found with plain
+dlopen + dlsym as any program finds libcuda.so.1: tests/test_stub_executor.py, the deep-queue
+tests (tests/test_deep_queue.py) and bench/queue.py drive it. Its modes print one result per line
+(CLOCK_MONOTONIC ns, comparable with the kernel log's times)."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+SOURCE = r"""
+/* queue-client MODE ...
+ *   burst N US         N launches; prints each launch's return time, then the synchronize's return time
+ *   loop SECONDS US K  K launches then cuCtxSynchronize, again and again (a PyTorch-like loop that runs ahead):
+ *                      prints "started", then the launches made
+ *   one US             one launch and a synchronize: prints "pid launch_ns" (taken just before the launch)
+ *   every SECONDS US GAP_MS  one launch and a synchronize, a pause, again: prints each launch to completion (ns)
+ *   queue N US SECONDS N launches, then no call into the driver for SECONDS (its exit waits for its queue)
+ *   events N US        a kernel then an event, N times, into a stream of its own (see test_stub_executor)
+ *   streams US_A US_B  3 kernels into stream A, then 1 into B (see test_stub_executor) */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+typedef int (*l_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **,
+                   void **);
+typedef int (*v_t)(void);
+typedef int (*p_t)(void *);
+typedef int (*pp_t)(void *, void *);
+typedef int (*c_t)(void **, unsigned);
+typedef int (*t_t)(float *, void *, void *);
+static long long now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ll + t.tv_nsec; }
+static void *h;
+static void *sym(const char *n) { void *f = dlsym(h, n); if (!f) { fprintf(stderr, "no %s\n", n); exit(2); } return f; }
+static l_t launch_fn;
+static void launch(unsigned us, void *stream)
+{
+    int r = launch_fn(NULL, us, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+    if (r) { fprintf(stderr, "launch %d\n", r); exit(4); }
+}
+int main(int argc, char **argv)
+{
+    if (argc < 3) return 1;
+    if (!(h = dlopen("libcuda.so.1", RTLD_NOW))) { fprintf(stderr, "%s\n", dlerror()); return 2; }
+    if (((int (*)(unsigned))sym("cuInit"))(0)) return 3;
+    launch_fn = (l_t)sym("cuLaunchKernel");
+    v_t sync = (v_t)sym("cuCtxSynchronize");
+    p_t ssync = (p_t)sym("cuStreamSynchronize"), squery = (p_t)sym("cuStreamQuery");
+    p_t equery = (p_t)sym("cuEventQuery"), esync = (p_t)sym("cuEventSynchronize");
+    pp_t erecord = (pp_t)sym("cuEventRecord");
+    c_t ecreate = (c_t)sym("cuEventCreate"), screate = (c_t)sym("cuStreamCreate");
+    t_t elapsed = (t_t)sym("cuEventElapsedTime_v2");
+    const char *mode = argv[1];
+    if (!strcmp(mode, "burst") && argc == 4) {
+        int n = atoi(argv[2]);
+        long long *ret = calloc((size_t)n, sizeof *ret);
+        for (int i = 0; i < n; i++) {
+            launch((unsigned)atoi(argv[3]), NULL);
+            ret[i] = now();
+        }
+        sync();
+        long long done = now();
+        for (int i = 0; i < n; i++) printf("%lld\n", ret[i]);
+        printf("%lld\n", done);
+    } else if (!strcmp(mode, "loop") && argc == 5) {
+        double secs = atof(argv[2]);
+        int k = atoi(argv[4]);
+        printf("started\n");
+        fflush(stdout);
+        long long t0 = now(), n = 0;
+        while (now() - t0 < secs * 1e9) {
+            for (int i = 0; i < k; i++, n++) launch((unsigned)atoi(argv[3]), NULL);
+            sync();
+        }
+        printf("%lld\n", n);
+    } else if (!strcmp(mode, "queue") && argc == 5) {  /* queue N US SECONDS: N launches, then no call for SECONDS */
+        for (int i = 0; i < atoi(argv[2]); i++) launch((unsigned)atoi(argv[3]), NULL);
+        printf("queued\n");
+        fflush(stdout);
+        usleep((useconds_t)(atof(argv[4]) * 1e6));
+    } else if (!strcmp(mode, "every") && argc == 5) {
+        /* every SECONDS US GAP_MS: one launch and a synchronize, then a pause, again and again (gpu-check's
+         * high-priority row): prints "started", then each one's launch to completion in ns */
+        double secs = atof(argv[2]), gap = atof(argv[4]);
+        printf("started\n");
+        fflush(stdout);
+        long long t0 = now();
+        while (now() - t0 < secs * 1e9) {
+            long long a = now();
+            launch((unsigned)atoi(argv[3]), NULL);
+            sync();
+            printf("%lld\n", now() - a);
+            usleep((useconds_t)(gap * 1000));
+        }
+    } else if (!strcmp(mode, "one") && argc == 3) {
+        long long t = now();
+        launch((unsigned)atoi(argv[2]), NULL);
+        sync();
+        printf("%d %lld\n", (int)getpid(), t);
+    } else if (!strcmp(mode, "events") && argc == 4) {
+        /* prints: events done right after the launches; events done after cuEventSynchronize of the
+         * (N/2)th; then "result ms" of cuEventElapsedTime from an event recorded first to each */
+        int n = atoi(argv[2]);
+        void *s, *first, **ev = calloc((size_t)n, sizeof *ev);
+        screate(&s, 0);
+        ecreate(&first, 0);
+        erecord(first, s);
+        for (int i = 0; i < n; i++) {
+            launch((unsigned)atoi(argv[3]), s);
+            ecreate(&ev[i], 0);
+            erecord(ev[i], s);
+        }
+        int ready = 0;
+        for (int i = 0; i < n; i++) ready += equery(ev[i]) == 0;
+        printf("%d\n", ready);
+        esync(ev[n / 2 - 1]);
+        ready = 0;
+        for (int i = 0; i < n; i++) ready += equery(ev[i]) == 0;
+        printf("%d\n", ready);
+        ssync(s);
+        for (int i = 0; i < n; i++) {
+            float ms = -1;
+            int r = elapsed(&ms, first, ev[i]);
+            printf("%d %.3f\n", r, ms);
+        }
+    } else if (!strcmp(mode, "streams") && argc == 4) {
+        /* prints: B done when A's synchronize returned (0/1); B done after cuCtxSynchronize (0/1);
+         * A's synchronize's return time; an event recorded into the legacy stream (NULL) after the
+         * launches: done at once (0/1), done when A's synchronize returned (0/1), at the end (0/1) */
+        void *a, *b, *legacy;
+        screate(&a, 0);
+        screate(&b, 0);
+        ecreate(&legacy, 0);
+        for (int i = 0; i < 3; i++) launch((unsigned)atoi(argv[2]), a);
+        launch((unsigned)atoi(argv[3]), b);
+        erecord(legacy, NULL);
+        int l0 = equery(legacy) == 0;
+        ssync(a);
+        long long t = now();
+        int b_then = squery(b) == 0, l1 = equery(legacy) == 0;
+        sync();
+        printf("%d\n%d\n%lld\n%d\n%d\n%d\n", b_then, squery(b) == 0, t, l0, l1, equery(legacy) == 0);
+    } else
+        return 1;
+    return 0;
+}
+"""
+
+
+def build(where: Path) -> Path:
+    """The client, compiled into `where`."""
+    (where / "queue-client.c").write_text(SOURCE)
+    out = where / "queue-client"
+    subprocess.run(["gcc", "-O2", "-Wall", "-o", os.fspath(out), os.fspath(where / "queue-client.c"), "-ldl"],
+                   check=True)
+    return out
+
+
+def kernels(log: Path) -> list[tuple[int, int, int]]:
+    """(pid, start ns, end ns) of each piece of a kernel the stand-in ran (a kernel is one piece
+    unless a timeslice's end cut it)."""
+    if not log.exists():
+        return []
+    return [tuple(map(int, line.split()[:3])) for line in log.read_text().splitlines() if line.strip()]

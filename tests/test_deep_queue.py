@@ -1,0 +1,101 @@
+"""Issue 27's defect, reproduced on the stand-in card (native/stubs/cuda_exec.c): the compute share
+through the gate (`cgpud serve --compute gate`, libcgpu preloaded by `cgpu run`) with a workload
+that runs ahead of the card, as PyTorch does: 8 launches of a 2.7 ms kernel (the H100's 4096²
+fp32 matmul), then a synchronize, again and again.
+
+On the H100 two such instances at weights 1:2 under policy 2 got 1:1 of the card: the kernels
+queued before a gate's closing ran on after it, past the daemon's wait for the drain, and then
+the card's own time-slicing split them evenly. The stand-in's card queues and time-slices as the
+H100 did, so the same loop reads about 1:1 on it with today's library and daemon.
+
+The shares are the card's kernel time as its log records it (a line per piece a kernel ran), in
+the window where both instances ran; the high-priority figure is how long after its launch (the
+client's clock, the log's) its kernel started on the card."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from queue_client import build, kernels
+
+CGPU = str(Path(sys.executable).parent / "cgpu")
+KERNEL_US = 2700  # the H100's 4096² fp32 matmul, ~2.7 ms
+BATCH = 8         # launches between two synchronizes
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory) -> Path:
+    from test_libcgpu import build_libs
+    d = build_libs(tmp_path_factory.mktemp("deepq"))
+    build(d)
+    return d
+
+
+def instance(d, libs: Path, tmp: Path, name: str, args: list[str], cmd: str) -> subprocess.Popen:
+    """`cgpu run` of `cmd` (a shell command; $Q is the client) as instance `name`, its log tmp/<name>."""
+    env = dict(os.environ, CGPUD_SOCKET=str(d.socket), LD_LIBRARY_PATH=os.fspath(libs),
+               CGPU_STUB_CUDA_STATE=os.fspath(tmp / "card"), CGPU_STUB_CUDA_LOG=os.fspath(tmp / name),
+               Q=os.fspath(libs / "queue-client"))
+    # (the stand-in keeps the GPU's device file open from cuInit on, as the driver keeps /dev/nvidiaN)
+    return subprocess.Popen([CGPU, "run", "--name", name, "--mem", "64M", *args, "--", "sh", "-c",
+                             f'export CGPU_STUB_CUDA_DEVICE="$CGPU_DEVICE"; {cmd}'],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def busy(log: Path, t0: int, t1: int) -> int:
+    return sum(max(0, min(e, t1) - max(s, t0)) for _, s, e in kernels(log))
+
+
+def test_a_deep_queue_pair_at_1_to_2_gets_a_third_of_the_card_for_weight_1(make_daemon, libs, tmp_path):
+    """Two instances at weights 1 and 2, policy 2, each 8 launches of 2.7 ms then a synchronize:
+    weight 1 gets a third of the card's kernel time (±0.05; the issue's figure is ±0.02, bench/queue.py
+    prints it). Today's library and daemon: about a half, and the daemon logs that the instances
+    did not finish their queued GPU work."""
+    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
+    d.write("0/policy", "2")
+    tag = uuid.uuid4().hex[:8]
+    names = (f"dqa{tag}1", f"dqb{tag}2")
+    loop = f'exec "$Q" loop 4 {KERNEL_US} {BATCH}'
+    procs = [instance(d, libs, tmp_path, n, ["--weight", str(w)], loop) for n, w in zip(names, (1, 2))]
+    for p in procs:
+        assert p.stdout.readline().strip() == "started", p.stderr.read()
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    logs = [tmp_path / n for n in names]
+    t0 = max(min(s for _, s, _ in kernels(lg)) for lg in logs) + 300_000_000
+    t1 = min(max(e for _, _, e in kernels(lg)) for lg in logs) - 300_000_000
+    assert t1 - t0 > 2e9
+    one, two = (busy(lg, t0, t1) for lg in logs)
+    share = one / (one + two)
+    assert abs(share - 1 / 3) <= 0.05, (share, d.log_text()[-2000:])
+
+
+def test_a_high_priority_kernel_completes_within_5_ms_while_a_weight_1_neighbour_runs_ahead(make_daemon, libs,
+                                                                                            tmp_path):
+    """`make gpu-check`'s high-priority row on the stand-in: a weight-1 instance runs 64 launches of
+    2.7 ms ahead of the card (then synchronizes, again), alone for a second; then a high-priority
+    instance launches one small kernel every 20 ms and waits for it: 99 % of them complete within
+    5 ms of their launch (the issue's bound). Today's library and daemon: p99 ~220 ms (the H100:
+    232 ms; p50 0.27 ms)."""
+    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
+    d.write("0/policy", "2")
+    tag = uuid.uuid4().hex[:8]
+    ahead = instance(d, libs, tmp_path, f"dqn{tag}1", ["--weight", "1"], f'exec "$Q" loop 6.5 {KERNEL_US} 64')
+    assert ahead.stdout.readline().strip() == "started", ahead.stderr.read()
+    time.sleep(1.0)
+    probe = instance(d, libs, tmp_path, f"dqh{tag}2", ["--highprio"], 'exec "$Q" every 4 10 20')
+    out, err = probe.communicate(timeout=60)
+    assert probe.returncode == 0, err
+    ahead.communicate(timeout=60)
+    waits = sorted(int(x) / 1e6 for x in out.split()[1:])
+    assert len(waits) > 100, out
+    p99 = waits[int(0.99 * len(waits))]
+    assert p99 <= 5.0, (f"p50 {waits[len(waits) // 2]:.2f} ms, p99 {p99:.2f} ms, max {waits[-1]:.2f} ms",
+                        d.log_text()[-1500:])
