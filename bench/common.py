@@ -28,11 +28,16 @@ class Running:
 
 
 @contextmanager
-def daemon(gpus: str = "sim:T4", extra: list[str] | None = None, handle: bool = False):
+def daemon(gpus: str = "sim:T4", extra: list[str] | None = None, handle: bool = False,
+           devices: tuple[str, ...] = ()):
     """Yield the mount point (or, with handle=True, a Running) of a running
-    daemon on temporary paths; stop it afterwards."""
+    daemon on temporary paths; stop it afterwards. `devices`: empty files made
+    in its device directory first (what stands for /dev/nvidiaN)."""
     groups_before = _our_groups()
     tmp = tempfile.mkdtemp(prefix="cgpud-bench-")
+    for dev in devices:
+        os.makedirs(os.path.join(tmp, "dev"), exist_ok=True)
+        open(os.path.join(tmp, "dev", dev), "w").close()
     mnt, state = os.path.join(tmp, "mnt"), os.path.join(tmp, "state")
     log = open(os.path.join(tmp, "daemon.log"), "w+")
     proc = subprocess.Popen(

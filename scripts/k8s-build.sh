@@ -32,29 +32,9 @@ exec 9>"$cache/.lock"
 flock 9
 [ -n "${CGPUD_K8S_FORCE:-}" ] || ! have || { echo "$out/bin"; exit 0; }   # built by another while we waited
 
-# Go: the one named by GO, else on PATH or in /usr/local/go when it is new enough for go.mod; else
-# the Go toolchain module of that release (golang.org/toolchain, what GOTOOLCHAIN=goX fetches) from
-# the Go module proxy, once, into the cache.
-need="$(awk '$1=="go" {print $2; exit}' "$mod/go.mod")"
-toolchain=go1.26.8
-new_enough() { [ -x "$1" ] && v="$("$1" env GOVERSION 2>/dev/null)" && v="${v#go}" &&
-               [ "$(printf '%s\n%s\n' "$need" "$v" | sort -V | head -1)" = "$need" ]; }
-GO="${GO:-}"
-if [ -z "$GO" ]; then
-  for g in "$(command -v go || true)" /usr/local/go/bin/go "$cache/go/$toolchain/bin/go"; do
-    if [ -n "$g" ] && GOTOOLCHAIN=local new_enough "$g"; then GO="$g"; break; fi
-  done
-fi
-if [ -z "$GO" ]; then
-  echo "k8s-build: no Go >= $need here: fetching the $toolchain toolchain module from the Go module proxy" >&2
-  arch="$(uname -m)"; case "$arch" in x86_64) arch=amd64;; aarch64) arch=arm64;; esac
-  zip="$cache/go/$toolchain.zip"; mkdir -p "$cache/go"
-  curl -fsSL -o "$zip" "${GOPROXY_URL:-https://proxy.golang.org}/golang.org/toolchain/@v/v0.0.1-$toolchain.linux-$arch.zip"
-  rm -rf "$cache/go/unpack"; mkdir "$cache/go/unpack"; (cd "$cache/go/unpack" && unzip -q "$zip")
-  mv "$cache/go/unpack/golang.org/toolchain@v0.0.1-$toolchain.linux-$arch" "$cache/go/$toolchain"
-  rm -rf "$cache/go/unpack" "$zip"; chmod +x "$cache/go/$toolchain/bin/"* "$cache/go/$toolchain/pkg/tool/"*/* 2>/dev/null || true
-  GO="$cache/go/$toolchain/bin/go"
-fi
+# Go: >= go.mod's go line (scripts/go-find.sh: on PATH, /usr/local/go, else the toolchain module)
+. "$root/scripts/go-find.sh"
+GO="$(find_go "$mod/go.mod" "$cache")"
 
 export GOMODCACHE="$cache/gomod" GOCACHE="$cache/gocache" GOFLAGS="-buildvcs=false -mod=readonly"
 export GOTOOLCHAIN="${GOTOOLCHAIN:-local}" CGO_ENABLED=0

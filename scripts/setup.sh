@@ -67,3 +67,7 @@ make -s -C native BIN="$PWD/.venv/bin"
 # build takes 8 (quiet 2 cores) to 30 minutes (busy ones); later runs find them and return at once.
 k8s_bin="$(nice -n 10 scripts/k8s-build.sh)"
 echo "setup: Kubernetes components in $k8s_bin"
+# containerd 2.x for the cluster tier's DRA tests (tests/test_cluster_dra.py): from its Go module,
+# with the module and build caches above (about a minute the first time).
+ctrd_bin="$(nice -n 10 scripts/containerd-build.sh)"
+echo "setup: containerd 2 in $ctrd_bin"

@@ -13,6 +13,10 @@ kubeconfig it writes.
     PATCH  /api/v1/namespaces/NS/pods/NAME[/status]      patch
     POST   /api/v1/namespaces/NS/bindings                bind (or pods/NAME/binding)
     POST   /api/v1/namespaces/NS/events                  create
+    GET    /apis/resource.k8s.io/v1/resourceslices[/NAME]     list, watch / get (the DRA plugin's slices)
+    POST   /apis/resource.k8s.io/v1/resourceslices           create (409 when the name is taken)
+    PUT    /apis/resource.k8s.io/v1/resourceslices/NAME      update (409 on a stale resourceVersion)
+    GET    /apis/resource.k8s.io/v1/[namespaces/NS/]resourceclaims[/NAME]   list / get
 
 What it holds to, as the real one does:
 - one resourceVersion counter for everything (etcd's revision); each write
@@ -34,7 +38,7 @@ What it holds to, as the real one does:
   `bookmark_every` seconds and before the server ends the watch at
   timeoutSeconds;
 - fieldSelector metadata.name, metadata.namespace, spec.nodeName and
-  status.phase (=, ==, !=; another field is 400), on LIST and WATCH: an
+  status.phase (ResourceSlices: metadata.name, spec.nodeName) (=, ==, !=; another field is 400), on LIST and WATCH: an
   object that starts to match is ADDED, one that stops matching DELETED;
 - `requests` counts each request by (verb, resource): list, watch, get,
   patch, update, create; `by_agent` also by the client's User-Agent.
@@ -62,7 +66,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 SELECTABLE = {"pods": ("metadata.name", "metadata.namespace", "spec.nodeName", "status.phase"),
-              "nodes": ("metadata.name",)}
+              "nodes": ("metadata.name",),
+              "resourceslices": ("metadata.name", "metadata.namespace", "spec.nodeName")}
 MERGE_TYPES = ("application/strategic-merge-patch+json", "application/merge-patch+json")
 
 
@@ -93,6 +98,8 @@ def fields_of(resource: str, obj: dict) -> tuple:
     meta, spec, st = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
     if resource == "pods":
         return meta.get("name"), meta.get("namespace"), spec.get("nodeName") or "", st.get("phase") or ""
+    if resource == "resourceslices":
+        return meta.get("name"), "", spec.get("nodeName") or ""
     return (meta.get("name"),)
 
 
@@ -132,8 +139,11 @@ class Resource:
 class ApiServer:
     WATCH_BUFFER = 100_000  # changes a watch may fall behind by before the server ends it
     def __init__(self, tmp: Path, *, history: int = 10000, bookmark_every: float = 1.0) -> None:
-        self.res = {"nodes": Resource("nodes", "Node"), "pods": Resource("pods", "Pod")}
+        self.res = {"nodes": Resource("nodes", "Node"), "pods": Resource("pods", "Pod"),
+                    "resourceslices": Resource("resourceslices", "ResourceSlice"),
+                    "resourceclaims": Resource("resourceclaims", "ResourceClaim")}
         self.nodes, self.pods = View(self, "nodes"), View(self, "pods")
+        self.slices, self.claims = View(self, "resourceslices"), View(self, "resourceclaims")
         self.bindings: list[tuple[str, str, str]] = []
         self.events: list[dict] = []
         self.requests: collections.Counter = collections.Counter()  # (verb, resource) -> requests
@@ -292,6 +302,16 @@ class ApiServer:
     def set_phase(self, ns: str, name: str, phase: str) -> dict:
         return self.edit_pod(ns, name, lambda p: p.setdefault("status", {}).update(phase=phase))
 
+    def add_claim(self, ns: str, name: str, results: list[dict], config: list[dict] | None = None) -> dict:
+        """A ResourceClaim as kube-scheduler leaves it once allocated: `results` are
+        status.allocation.devices.results (driver, pool, device, request, consumedCapacity…)."""
+        with self.lock:
+            return self.create("resourceclaims", (ns, name), {
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {"devices": {"requests": [{"name": r} for r in sorted({x["request"] for x in results})]}},
+                "status": {"allocation": {"devices": {"results": results, "config": config or []}}}})
+
     def delete_pod(self, ns: str, name: str) -> None:
         with self.lock:
             self.delete("pods", (ns, name))
@@ -344,7 +364,7 @@ class ApiServer:
         self.rv += 1
         self.uid_seq += 1
         meta = obj["metadata"]
-        uid = f"uid-{meta['namespace']}-{meta['name']}" if resource == "pods" else f"uid-{meta['name']}"
+        uid = f"uid-{meta['namespace']}-{meta['name']}" if "namespace" in meta else f"uid-{meta['name']}"
         meta.setdefault("uid", uid if uid not in self.uids_given else f"{uid}-{self.uid_seq}")  # (recreated)
         self.uids_given.add(meta["uid"])
         meta["resourceVersion"] = str(self.rv)
@@ -395,6 +415,9 @@ class ApiServer:
         (re.compile(r"/api/v1/(nodes)/([^/]+)(/status)?"), "object"),
         (re.compile(r"/api/v1/namespaces/([^/]+)/(pods)/([^/]+)(/status|/binding)?"), "object"),
         (re.compile(r"/api/v1/namespaces/([^/]+)/(bindings|events)"), "create"),
+        (re.compile(r"/apis/resource\.k8s\.io/v1/(resourceslices|resourceclaims)"), "collection"),
+        (re.compile(r"/apis/resource\.k8s\.io/v1/(resourceslices)/([^/]+)()"), "object"),
+        (re.compile(r"/apis/resource\.k8s\.io/v1/namespaces/([^/]+)/(resourceclaims)/([^/]+)(/status)?"), "object"),
     ]
 
     def route(self, path: str):
@@ -404,14 +427,19 @@ class ApiServer:
                 if what == "collection":
                     return what, (g[1], g[0]) if len(g) == 2 else (g[0], None)
                 if what == "object":
-                    if g[0] == "nodes":
-                        return what, ("nodes", g[1], g[1], (g[2] or "")[1:])
-                    return what, ("pods", (g[0], g[2]), g[2], (g[3] or "")[1:])
+                    if g[0] in ("nodes", "resourceslices"):  # (cluster-scoped)
+                        return what, (g[0], g[1], g[1], (g[2] or "")[1:])
+                    return what, (g[1], (g[0], g[2]), g[2], (g[3] or "")[1:])
                 return what, (g[1], g[0])
         raise Problem(404, "NotFound", f"the server could not find the requested resource ({path})")
 
     def handle(self, method: str, path: str, query: dict, body, agent: str = "") -> tuple[int, dict | bytes]:
         what, parts = self.route(path)
+        if what == "collection" and method == "POST" and parts[0] == "resourceslices":
+            self._count(agent, "create", "resourceslices")
+            if not isinstance(body, dict) or not (body.get("metadata") or {}).get("name"):
+                raise Problem(400, "BadRequest", "a ResourceSlice needs metadata.name (generateName is not served)")
+            return 201, self.create("resourceslices", body["metadata"]["name"], body)
         if what == "collection" and method == "GET":
             resource, ns = parts
             self._count(agent, "list", resource)

@@ -289,14 +289,18 @@ def busybox_image(d: Path) -> Path:
 
 class Cluster:
     def __init__(self, daemon, runtime_binary: str | None, bins: Path | None = None,
-                 host_root: Path | None = None) -> None:
+                 host_root: Path | None = None, containerd_bins: Path | None = None, dra: bool = False) -> None:
         """host_root: a directory standing for the node's root (the DaemonSet test): containerd's config is
         its etc/containerd/config.toml (written without cgpu, as a node before `cgpu node install`), and
         containerd runs in a mount namespace of its own where that directory's run/ and usr/local/ are
         /run and /usr/local, so the host paths the installer writes (BinaryName, the hook, libcgpu.so) and
-        the node daemon's socket and tree resolve inside it; nothing of the real host's is touched."""
+        the node daemon's socket and tree resolve inside it; nothing of the real host's is touched.
+        containerd_bins: containerd 2.x's programs (scripts/containerd-build.sh) instead of Debian's 1.6,
+        on a version 3 config with CDI on (specs in the run's cdi/), `cgpu` put in as the default
+        runtime by the node installer's own edit. dra: kube-scheduler without the extender."""
         self.daemon = daemon
         self.host_root = host_root
+        self.containerd_bins, self.dra = containerd_bins, dra
         self.runtime_binary = runtime_binary
         self.bins = bins or k8s_bin()
         self.base = Path(tempfile.mkdtemp(prefix="cgpud-k8s-", dir="/tmp"))
@@ -478,6 +482,29 @@ class Cluster:
         if not self.procs["kube-apiserver"].alive():
             pytest.fail("kube-apiserver exited:\n" + self.procs["kube-apiserver"].log())
 
+    def _runtimes_toml(self, cri: str, runtimes: dict) -> str:
+        """The CRI plugin's runtimes (the shipped file's) as TOML under `cri`, BinaryName the venv's
+        cgpu-runtime."""
+        out = ""
+        for name, rt in runtimes.items():
+            opts = dict(rt.get("options", {}))
+            if "BinaryName" in opts:
+                opts["BinaryName"] = self.runtime_binary
+            out += f'\n[{cri}.containerd.runtimes.{name}]\n  runtime_type = "{rt["runtime_type"]}"\n'
+            out += f'[{cri}.containerd.runtimes.{name}.options]\n'
+            out += "".join(f"  {k} = {json.dumps(v)}\n" for k, v in opts.items())
+        return out
+
+    def _containerd_head(self, version: int) -> str:
+        c = self.path("containerd")
+        return f"""version = {version}
+root = "{c}/root"
+state = "{c}/state"
+[grpc]
+  address = "{self.containerd_sock}"
+[ttrpc]
+  address = "{self.containerd_sock}.ttrpc\""""
+
     def containerd_config(self, cgpu: bool = True) -> str:
         """containerd's configuration: its own root, state and socket; the CRI plugin with our pause
         image, the CNI bridge, and the runtimes of deploy/kubernetes/containerd-cgpu.toml with
@@ -486,23 +513,9 @@ class Cluster:
 
         shipped = tomllib.loads((DEPLOY / "containerd-cgpu.toml").read_text())
         cri = shipped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
-        runtimes = ""
-        for name, rt in cri.items() if cgpu else ():
-            runtimes += f'\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{name}]\n'
-            runtimes += f'  runtime_type = "{rt["runtime_type"]}"\n'
-            opts = dict(rt.get("options", {}))
-            if "BinaryName" in opts:
-                opts["BinaryName"] = self.runtime_binary
-            runtimes += f'[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{name}.options]\n'
-            runtimes += "".join(f"  {k} = {json.dumps(v)}\n" for k, v in opts.items())
+        runtimes = self._runtimes_toml('plugins."io.containerd.grpc.v1.cri"', cri if cgpu else {})
         c = self.path("containerd")
-        return f"""version = 2
-root = "{c}/root"
-state = "{c}/state"
-[grpc]
-  address = "{self.containerd_sock}"
-[ttrpc]
-  address = "{self.containerd_sock}.ttrpc"
+        return f"""{self._containerd_head(2)}
 [plugins."io.containerd.internal.v1.opt"]
   path = "{c}/opt"
 [plugins."io.containerd.grpc.v1.cri"]
@@ -522,6 +535,36 @@ state = "{c}/state"
   runtime_type = "io.containerd.runc.v2"
 {runtimes}"""
 
+    def containerd_config_v3(self) -> str:
+        """containerd 2.x's configuration (version 3): the same as containerd_config's, with the CRI
+        plugin's settings where 2.x keeps them and CDI on (the DRA plugin's specs in the run's cdi/);
+        the runtime `cgpu` put in, as containerd's default, by what `cgpu node install` runs on a node's
+        version 3 file (hostconfig.containerd_edit), BinaryName the venv's cgpu-runtime."""
+        from cgpud.containers import hostconfig
+
+        rt = 'plugins."io.containerd.cri.v1.runtime"'
+        c = self.path("containerd")
+        node = f"""{self._containerd_head(3)}
+[plugins."io.containerd.cri.v1.images".pinned_images]
+  sandbox = "{PAUSE_IMAGE}"
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+[{rt}]
+  enable_selinux = false
+  restrict_oom_score_adj = true  # (this machine is a container: containerd_config says why)
+  enable_cdi = true
+  cdi_spec_dirs = ["{self.path('cdi')}"]
+[{rt}.cni]
+  bin_dirs = ["/usr/lib/cni"]
+  conf_dir = "{c}/net.d"
+[{rt}.containerd]
+  default_runtime_name = "runc"
+[{rt}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+"""
+        return hostconfig.containerd_edit(node, self.runtime_binary, default=True)[0]
+
     def _start_containerd(self) -> None:
         c = self.path("containerd")
         (c / "net.d").mkdir(parents=True)
@@ -535,6 +578,13 @@ state = "{c}/state"
             argv = ["nsenter", f"--mount=/proc/{self.procs['host-namespace'].proc.pid}/ns/mnt", "containerd",
                     "--config", config]
             env = {}
+        elif self.containerd_bins is not None:
+            self.path("cdi").mkdir()
+            config.write_text(self.containerd_config_v3())
+            # (its shim is found on PATH: 2.x's own first)
+            argv = [self.containerd_bins / "containerd", "--config", config]
+            env = {"CGPUD_SOCKET": os.fspath(self.daemon.socket),
+                   "PATH": f"{self.containerd_bins}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
         else:
             config.write_text(self.containerd_config())
             argv, env = ["containerd", "--config", config], {"CGPUD_SOCKET": os.fspath(self.daemon.socket)}
@@ -602,7 +652,8 @@ state = "{c}/state"
             pytest.fail(f"ctr images import {archive}: {p.stderr}")
 
     def ctr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(["ctr", "--address", os.fspath(self.containerd_sock), "--namespace", "k8s.io", *args],
+        ctr = os.fspath(self.containerd_bins / "ctr") if self.containerd_bins else "ctr"
+        return subprocess.run([ctr, "--address", os.fspath(self.containerd_sock), "--namespace", "k8s.io", *args],
                               capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
 
     KUBELET_SETTINGS = {
@@ -685,6 +736,8 @@ state = "{c}/state"
         clientConnection.kubeconfig pointed at this cluster's (the shipped path is a node's)."""
         cfg = shipped_scheduler_config()
         cfg.setdefault("clientConnection", {})["kubeconfig"] = os.fspath(self.scheduler_kubeconfig)
+        if self.dra:  # DRA mode: kube-scheduler's own DRA plugin, no extender (docs/kubernetes.md)
+            cfg.pop("extenders", None)
         return cfg
 
     def _start_scheduler(self) -> None:
@@ -737,7 +790,7 @@ state = "{c}/state"
             f"--root-ca-file={pki / 'ca.crt'}", "--leader-elect=false", "--secure-port=0", "--v=2",
         ], self.path("kube-controller-manager.log")).start()
 
-    def deploy(self, target: list[str] | None = None, device_plugin: bool = True) -> None:
+    def deploy(self, target: list[str] | None = None, device_plugin: bool = True, extender: bool = True) -> None:
         """deploy/kubernetes (or `target`, kubectl apply's arguments) applied with kubectl as the
         administrator; then the extender and the device plugin started with the token of the
         ServiceAccount it gives them (the device plugin unless the DaemonSet runs it)."""
@@ -750,7 +803,8 @@ state = "{c}/state"
         token = self.kubectl("create", "token", SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
         self.sa_kubeconfig = kubeconfig(self.path("cgpu-sa.kubeconfig"), self.server, self.path("pki", "ca.crt"),
                                         {"token": token})
-        self.start_extender()
+        if extender:
+            self.start_extender()
         if device_plugin:
             self.start_device_plugin()
 
@@ -853,7 +907,7 @@ state = "{c}/state"
                 if p.returncode != 0 or not p.stdout.strip():
                     break
                 time.sleep(0.5)
-        for name in ("device-plugin", "extender", "extender-proxy", "kube-controller-manager", "kube-scheduler",
+        for name in ("device-plugin", "dra-plugin", "extender", "extender-proxy", "kube-controller-manager", "kube-scheduler",
                      "kubelet"):
             if name in self.procs:
                 self.procs[name].stop()

@@ -73,8 +73,35 @@ def test_kubectl_inspect_cgpu_details_per_pod(api):
 def test_no_gpu_nodes_and_no_api_server_are_one_line(api, tmp_path):
     api.add_node("cpu-only")
     r = kubectl(api, "inspect", "cgpu")
-    assert r.returncode == 1 and r.stderr.strip().endswith("is the cgpu device plugin running?")
+    assert r.returncode == 1 and r.stderr.strip().endswith("is the cgpu device plugin (or dra-plugin) running?")
     api.close()
     r = kubectl(api, "inspect", "cgpu")
     assert r.returncode == 1 and "cannot reach the API server" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_kubectl_inspect_cgpu_shows_dra_nodes_from_their_slices_and_claims(api):
+    """DRA mode: a node with no aliyun.com/gpu-mem but cgpud's ResourceSlices, and claims allocated on
+    it (capacity on a GPU device, or unit devices), beside a device-plugin node."""
+    from cgpud.k8s import dra
+
+    cluster(api)
+    api.add_node("dra-node", ip="192.168.0.7")
+    gpus = [dra.Gpu(0, "GPU-a", "Tesla T4", 15109 << 20), dra.Gpu(1, "GPU-b", "Tesla T4", 15109 << 20)]
+    with api.lock:
+        for s in dra.resource_slices("dra-node", gpus, 1 << 30):
+            api.create("resourceslices", s["metadata"]["name"], s)
+    api.add_claim("default", "three", [{"driver": dra.DRIVER, "pool": "dra-node", "device": "gpu-1",
+                                        "request": "gpu", "consumedCapacity": {"memory": "3Gi"}}])
+    api.add_claim("ml", "mem-2-extended-resources-x", [
+        {"driver": dra.DRIVER, "pool": "dra-node", "device": f"gpu-0-unit-{j}", "request": "container-0-request-0"}
+        for j in range(2)])
+    api.add_claim("default", "unallocated", [])
+    r = kubectl(api, "inspect", "cgpu")
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split() for ln in r.stdout.splitlines()]
+    assert ["dra-node", "192.168.0.7", "2/14", "3/14", "5/28"] in rows, r.stdout
+    assert r.stdout.rstrip().endswith("Allocated/Total GPU Memory In Cluster: 16/80 (20%)")
+    r = kubectl(api, "inspect", "cgpu", "-d")
+    rows = [ln.split() for ln in r.stdout.splitlines()]
+    assert ["three", "default", "0", "3"] in rows and ["mem-2-extended-resources-x", "ml", "2", "0"] in rows, r.stdout

@@ -8,6 +8,7 @@ the kubeadm patch puts it into a stock kubeadm static pod; the settings files
 hold what the docs say."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tomllib
@@ -223,3 +224,54 @@ def test_the_containerd_settings_are_what_runtime_config_writes(name, version):
         "runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": "/usr/local/bin/cgpu-runtime"}}}}
     want = tomllib.loads(hostconfig.containerd(f"version = {version}\n", default=True))
     assert tomllib.loads(text) == want
+
+
+# ---- DRA mode: deploy/kubernetes with the component deploy/kubernetes/dra ----------------------
+
+
+def dra_rendered(tmp: Path) -> list[dict]:
+    """What an administrator's overlay of the base and the DRA component renders."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(DEPLOY, tmp)], "components": [os.path.relpath(DEPLOY / "dra", tmp)]}))
+    return kustomize(tmp)
+
+
+def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
+    docs = dra_rendered(tmp_path / "overlay")
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted([
+        ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
+        ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"), ("ClusterRoleBinding", "cgpu-dra"),
+        ("DeviceClass", "gpu.cgpu.aliyun.com"), ("DeviceClass", "gpu-mem.cgpu.aliyun.com")])  # no extender
+    for doc in docs:
+        kind = KINDS.get(doc["kind"], "V1DeviceClass" if doc["kind"] == "DeviceClass" else None)
+        assert kind and unknown(doc, kind, doc["kind"]) == [], doc["kind"]
+
+
+def test_the_dra_component_swaps_the_device_plugin_for_the_dra_plugin_with_the_least_rbac(tmp_path):
+    from cgpud.k8s import dra
+
+    docs = dra_rendered(tmp_path / "overlay")
+    ds = next(d for d in docs if d["metadata"]["name"] == "cgpud")
+    names = sorted(c["name"] for c in containers(ds))
+    assert names == ["cgpud", "dra-plugin", "node-install"], names
+    plugin = next(c for c in containers(ds) if c["name"] == "dra-plugin")
+    assert plugin["env"][0] == {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    assert plugin["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    # each directory the plugin is told is a host path mounted where it is told
+    cmd = plugin["command"]
+    volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in ds["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in plugin["volumeMounts"]}
+    for flag, host in (("--registry-dir", "/var/lib/kubelet/plugins_registry"),
+                       ("--plugin-dir", f"/var/lib/kubelet/plugins/{dra.DRIVER}"), ("--cdi-dir", "/var/run/cdi")):
+        assert mounts[cmd[cmd.index(flag) + 1]] == host, flag
+    assert cmd[cmd.index("--state-dir") + 1].startswith("/var/lib/cgpud/") and mounts["/var/lib/cgpud"] == "/var/lib/cgpud"
+    assert "plugins" not in volumes  # the device plugin's directory is not mounted
+    role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "cgpu-dra")
+    assert {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]} == {
+        ("resourceslices", ("list", "watch", "create", "update")), ("resourceclaims", ("get",))}
+    classes = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "DeviceClass"}
+    assert classes["gpu-mem.cgpu.aliyun.com"]["extendedResourceName"] == "aliyun.com/gpu-mem"
+    for name, kind in (("gpu.cgpu.aliyun.com", dra.KIND_GPU), ("gpu-mem.cgpu.aliyun.com", dra.KIND_UNIT)):
+        expr = classes[name]["selectors"][0]["cel"]["expression"]
+        assert f'device.driver == "{dra.DRIVER}"' in expr and f'.kind == "{kind}"' in expr, expr

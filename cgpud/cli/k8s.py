@@ -1,4 +1,4 @@
-"""`cgpu device-plugin` and `cgpu scheduler-extender`: the Kubernetes parts
+"""`cgpu device-plugin`, `cgpu dra-plugin` and `cgpu scheduler-extender`: the Kubernetes parts
 (docs/kubernetes.md)."""
 from __future__ import annotations
 
@@ -37,6 +37,42 @@ def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_
     if not os.path.isdir(plugin_dir):
         raise click.ClickException(f"{plugin_dir} does not exist: is this a Kubernetes node (kubelet running)?")
     deviceplugin.main(ctx.socket, plugin_dir, unit, placement, disable_isolation, node_name, node_refresh)
+
+
+@click.command("dra-plugin")
+@click.option("--node-name", required=True, envvar="NODE_NAME",
+              help="This node's name in the API server (a DaemonSet gives it from spec.nodeName).")
+@click.option("--registry-dir", default="/var/lib/kubelet/plugins_registry", show_default=True,
+              envvar="CGPU_DRA_REGISTRY_DIR", help="The kubelet's plugin watcher directory.")
+@click.option("--plugin-dir", default="/var/lib/kubelet/plugins/cgpu.aliyun.com", show_default=True,
+              envvar="CGPU_DRA_PLUGIN_DIR", help="Where the plugin's own socket is made.")
+@click.option("--cdi-dir", default="/var/run/cdi", show_default=True, envvar="CGPU_CDI_DIR",
+              help="Where the claims' CDI specs are written (one the runtime reads).")
+@click.option("--state-dir", default="/var/lib/cgpud/dra", show_default=True, envvar="CGPU_DRA_STATE_DIR",
+              help="Where prepared claims are kept (they survive a restart of the plugin).")
+@click.option("--refresh", default=1.0, show_default=True, type=click.FloatRange(min=0.05),
+              help="Seconds between looks at the daemon's GPUs (and tries of a refused publish).")
+@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
+@pass_ctx
+def dra_plugin(ctx: Ctx, node_name: str, registry_dir: str, plugin_dir: str, cdi_dir: str, state_dir: str,
+               refresh: float, log_level: str) -> None:
+    """The DRA kubelet plugin, driver cgpu.aliyun.com (docs/kubernetes.md, DRA mode): each GPU
+    a device whose memory claims share; a prepared claim reaches its containers through CDI."""
+    import logging
+
+    from cgpud.k8s import draplugin
+    from cgpud.k8s.api import NoCluster
+
+    logging.basicConfig(level=log_level.upper(), format="cgpu dra-plugin: %(levelname)s: %(message)s")
+    for what, d in (("--registry-dir", registry_dir), ("--state-dir", os.path.dirname(state_dir.rstrip("/")) or "/")):
+        if not os.path.isdir(d):
+            raise click.ClickException(f"{what}: {d} does not exist: is this a Kubernetes node (kubelet running)?")
+    try:
+        draplugin.main(ctx.socket, node_name, registry_dir, plugin_dir, cdi_dir, state_dir, refresh)
+    except NoCluster as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"{exc.filename or ''}: {exc.strerror or exc}") from None
 
 
 @click.command("scheduler-extender")

@@ -236,6 +236,8 @@ class Instances:
     def _fill_pages(self, where: str, made: list[tuple[int, int]]) -> None:
         """Write the limits of an instance's pages: (GPU, memsize) of each of its GPUs, in the page's order."""
         pages.fill(where, [m for _, m in made], [self.node.gpu(g).info.uuid for g, _ in made])
+        if getattr(self, "watchdog", None) is not None:
+            pages.mark_watched(where)  # (its processes keep a headroom for the driver's growth from the start)
 
     def _drop_pages(self, name: str) -> None:
         where = os.path.join(self.pages_dir, name)

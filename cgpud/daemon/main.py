@@ -215,7 +215,16 @@ async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Conf
         except (OSError, ValueError, IndexError, struct.error):
             return None
 
-    watchdog = MemWatchdog(node, owner, cfg.mem_action, library=library)
+    def page(inst) -> tuple[str, int] | None:
+        """The instance's usage page directory and its GPU's index there (where the driver's readings go)."""
+        where = os.path.join(ctl.pages_dir, inst.name)
+        gpus = sorted(i.gpu for i in node.instances_named(inst.name))
+        try:
+            return where, pages.gpu_index(where, node.gpu(inst.gpu).info.uuid, gpus.index(inst.gpu))
+        except (OSError, ValueError, IndexError, struct.error):
+            return None
+
+    watchdog = MemWatchdog(node, owner, cfg.mem_action, library=library, page=page)
     try:
         await nursery.start(watchdog.run)
     except NvmlError as exc:

@@ -25,8 +25,23 @@ thread: they may take milliseconds and must not delay the schedulers.
 An instance whose processes carry libcgpu (docs/isolation.md) also says what
 it holds, in its usage page: each look reads it (`library`), keeps it as
 `Instance.library_used`, and the larger of the two views is what the
-instance uses (`meminfo`'s Free). NVML's view alone decides whom to fail: the
-page is the container's to write, the driver's count is not.
+instance uses (`meminfo`'s Free). NVML's view decides whom to fail: the page
+is the container's to write, the driver's count is not.
+
+The driver's own memory grows after a context is made, through no call
+libcgpu sees (lazily loaded modules, library handles, graphs: docs/memory.md).
+So each look also writes NVML's figure for every process that has a slot in
+its instance's page into that slot (`page`), with what the slot had allocated
+just before NVML was read: libcgpu charges the difference. And it tells that
+growth from memory that went around the library: a process went through
+libcgpu when it has a slot whose charge its NVML figure passes by no more than
+the growth allowance (`allowance`: 256 MiB or 3 % of memsize, the larger). An
+instance past memsize by at most the allowance whose processes all went
+through libcgpu has nothing failed — libcgpu refuses their next allocation
+instead; otherwise those that went around it (no slot: LD_PRELOAD unset, a
+static binary; or past the allowance) are failed first. The log says which it
+was. The page being the container's to write, what it says buys the instance
+at most the allowance past memsize, never more.
 
 Between two looks an instance can be over its limit for up to `period`
 seconds; memory outside NVML's view (unified memory, processes in another pid
@@ -37,10 +52,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import struct
 from typing import Callable, Sequence
 
 import trio
 
+from cgpud.gpus import pages
 from cgpud.gpus.nvml import GpuSample, Nvml, NvmlError
 from cgpud.core.model import Instance, Node
 
@@ -50,6 +67,27 @@ ACTIONS = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "log": None}
 DEFAULT_PERIOD = 0.5
 
 Owner = Callable[[int, int], "Instance | None"]  # (pid, gpu) -> the instance whose cgroup holds pid
+Page = Callable[[Instance], "tuple[str, int] | None"]  # the instance's usage page directory, its GPU's index there
+GROWTH_ALLOWANCE = 256 << 20  # bytes: the driver's growth past libcgpu's account that is left to libcgpu
+
+
+def allowance(memsize: int) -> int:
+    """How far NVML's figure for a process through libcgpu may pass what libcgpu charges it before the
+    rest is taken as memory that went around the library: the largest growth of the driver's memory
+    between two looks seen on an H100 was 162 MiB (a captured graph after a fill, issue 28)."""
+    return max(GROWTH_ALLOWANCE, memsize * 3 // 100)
+
+
+def ns_pid(pid: int) -> int:
+    """The pid in its own (innermost) PID namespace, as its slot in the page names it."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return pid
 
 
 def _comm(pid: int) -> str:
@@ -63,7 +101,7 @@ def _comm(pid: int) -> str:
 class MemWatchdog:
     def __init__(self, node: Node, owner: Owner, action: str = "kill", period: float = DEFAULT_PERIOD,
                  look: Callable[[], tuple[list[GpuSample], list[NvmlError]]] | None = None,
-                 library: Callable[[Instance], int | None] | None = None) -> None:
+                 library: Callable[[Instance], int | None] | None = None, page: Page | None = None) -> None:
         if action not in ACTIONS:
             raise ValueError(f"memory action {action!r}: expected one of {', '.join(ACTIONS)}")
         self.node = node
@@ -74,6 +112,10 @@ class MemWatchdog:
         # what an instance's in-container library says it holds (its usage page), None without one
         self._library = library
         self._with_library: set[tuple[int, str]] = set()  # (gpu, instance) whose page answered at the last look
+        self._page = page
+        # (gpu, instance) -> (page directory, the GPU's index there, {slot pid: Slot}) read just before NVML
+        self._slots: dict[tuple[int, str], tuple[str, int, dict]] = {}
+        self._grown: set[tuple[int, int]] = set()  # (gpu, pid) logged as grown within the allowance
         self.samples: list[GpuSample] = []
         self.over: dict[tuple[int, str], int] = {}   # processes found past their instance's memsize
         self.kills: dict[tuple[int, str], int] = {}  # of them, those signalled (kill/term)
@@ -83,9 +125,12 @@ class MemWatchdog:
 
     # ---- one look ------------------------------------------------------------
 
-    def check(self, samples: Sequence[GpuSample]) -> list[tuple[int, str, int]]:
-        """Apply one look at the GPUs; the processes failed, as (gpu, instance, pid)."""
+    def check(self, samples: Sequence[GpuSample], slots: dict | None = None) -> list[tuple[int, str, int]]:
+        """Apply one look at the GPUs; the processes failed, as (gpu, instance, pid). `slots`: the
+        instances' page slots read just before NVML was (snapshot()); None: read now."""
+        self._slots = self.snapshot(self.page_targets()) if slots is None else slots
         failed = []
+        grown_now: set[tuple[int, int]] = set()
         self._with_library = with_library = set()
         now_over: set[tuple[int, int]] = set()  # the processes of instances past their memsize now
         for s in samples:
@@ -108,33 +153,70 @@ class MemWatchdog:
                 inst = gpu.instances.get(name)
                 if inst is None:
                     continue
+                charged = self._charged(inst, procs)  # pid -> what libcgpu charges it (those with a slot)
+                self._tell_library(inst, procs)
                 excess = sum(procs.values()) - inst.memsize
                 if excess <= 0:
                     continue
                 now_over.update((s.index, p) for p in procs)
                 # Those failed already are on their way out: their memory is as good as back.
                 excess -= sum(n for p, n in procs.items() if (s.index, p) in self._acted)
+                # The driver's growth past what libcgpu charges, within the allowance: libcgpu is told
+                # (the reading above) and refuses what comes next; no process is failed for it while every
+                # process left went through libcgpu. Those that went around it are failed first. The page
+                # is the container's to write: what it says buys at most the allowance past memsize.
+                allow = allowance(inst.memsize)
+                # through libcgpu: what NVML sees of it passes what libcgpu charges by the allowance at most
+                # (the growth not charged yet; once charged, none)
+                through = {p for p, c in charged.items() if procs[p] - c <= allow}
+
+                def tolerated(excess: int, left: set[int]) -> bool:  # all that is left went through libcgpu
+                    return excess <= allow and all(p in through for p in left)
+                left = {p for p in procs if (s.index, p) not in self._acted}
+                if tolerated(excess, left):
+                    for pid in through:
+                        grown_now.add((s.index, pid))
+                        if (s.index, pid) not in self._grown:
+                            log.warning("memory watchdog: %s on GPU %d uses %d bytes, past its memsize %d: pid %d (%s)"
+                                        " went through libcgpu: NVML says %d bytes, libcgpu charges %d; the driver's "
+                                        "own growth, %d bytes past memsize, within the allowance %d, is charged to it: "
+                                        "left running, its next allocation fails", inst.name, inst.gpu,
+                                        sum(procs.values()), inst.memsize, pid, _comm(pid), procs[pid], charged[pid],
+                                        excess, allow)
+                    continue
                 grew = {p: n - self._last.get((s.index, p), 0) for p, n in procs.items()}
-                for pid in sorted(procs, key=lambda p: (-grew[p], -procs[p], p)):
-                    if excess <= 0:
+                for pid in sorted(procs, key=lambda p: (p in through, -grew[p], -procs[p], p)):
+                    if excess <= 0 or tolerated(excess, left):
                         break
                     if (s.index, pid) in self._acted:
                         continue
                     excess -= procs[pid]
+                    left.discard(pid)
                     self._acted.add((s.index, pid))
-                    self._fail(inst, pid, procs)
+                    self._fail(inst, pid, procs, charged.get(pid))
                     failed.append((s.index, name, pid))
         self._last = {(s.index, p): n for s in samples for p, n in s.procs.items()}
         self._acted &= now_over  # back under its limit (or gone): a new excess is a new event
+        self._grown = grown_now & now_over
         self.samples = list(samples)
         return failed
 
-    def _fail(self, inst: Instance, pid: int, procs: dict[int, int]) -> None:
+    def _fail(self, inst: Instance, pid: int, procs: dict[int, int], charged: int | None = None) -> None:
         key = (inst.gpu, inst.name)
         self.over[key] = self.over.get(key, 0) + 1
         what = (f"memory watchdog: {inst.name} on GPU {inst.gpu} uses {sum(procs.values())} bytes, past its memsize "
                 f"{inst.memsize}: pid {pid} ({_comm(pid)}) holds {procs[pid]} bytes")
-        if (inst.gpu, inst.name) in self._with_library:
+        if charged is not None and procs[pid] - charged > allowance(inst.memsize):
+            what += (f"; it went around the library: libcgpu charges it {charged}, {procs[pid] - charged} bytes less, "
+                     f"more than the driver's growth allowance {allowance(inst.memsize)} (raw ioctls, an unwrapped "
+                     "allocator)")
+        elif charged is not None:
+            what += (f"; the instance is past memsize by more than the driver's growth allowance "
+                     f"{allowance(inst.memsize)} (its slot in the page says libcgpu charges it {charged})")
+        elif (inst.gpu, inst.name) in self._slots:
+            what += ("; it went around the library: it has no slot in the instance's page (LD_PRELOAD unset, "
+                     "a static binary)")
+        elif (inst.gpu, inst.name) in self._with_library:
             what += (f" (its in-container library accounts for {inst.library_used}: the rest went around it — "
                      "a process without libcgpu, raw ioctls — or is the driver's own, its contexts)")
         sig = ACTIONS[self.action]
@@ -169,6 +251,69 @@ class MemWatchdog:
             os.close(fd)
         return None
 
+    # ---- the instances' pages: the driver's readings ------------------------------
+
+    def page_targets(self) -> list[tuple[int, str, str, int]]:
+        """(gpu, instance, page directory, the GPU's index in the page) of every instance with a page."""
+        out = []
+        if self._page is None:
+            return out
+        for gpu in self.node.gpus:
+            for inst in list(gpu.instances.values()):
+                where = self._page(inst)
+                if where is not None:
+                    out.append((inst.gpu, inst.name, *where))
+        return out
+
+    @staticmethod
+    def snapshot(targets: Sequence[tuple[int, str, str, int]]) -> dict:
+        """The process slots of each page, read (in the look's worker thread) just before NVML is."""
+        out = {}
+        for gpu, name, where, index in targets:
+            try:
+                slots, readings = pages.slots(where)
+                if readings:
+                    pages.mark_watched(where)  # (libcgpu keeps its headroom from now on)
+            except (OSError, struct.error):
+                continue
+            if readings:
+                out[(gpu, name)] = (where, index, slots)
+        return out
+
+    def _slot(self, inst: Instance, pid: int):
+        got = self._slots.get((inst.gpu, inst.name))
+        if got is None:
+            return None, None
+        where, index, slots = got
+        slot = slots.get(pid) or slots.get(ns_pid(pid))
+        return (where, index), slot
+
+    def _charged(self, inst: Instance, procs: dict[int, int]) -> dict[int, int]:
+        """pid -> what libcgpu charges it on the instance's GPU, for its processes with a slot."""
+        out = {}
+        for pid in procs:
+            at, slot = self._slot(inst, pid)
+            if slot is not None:
+                out[pid] = slot.held[at[1]]
+        return out
+
+    def _tell_library(self, inst: Instance, procs: dict[int, int]) -> None:
+        """NVML's figure for each process with a slot into the slot (its GPU's only: a reading of an
+        instance on several GPUs is written per GPU, the others' left 0, which libcgpu skips)."""
+        for pid, nbytes in procs.items():
+            at, slot = self._slot(inst, pid)
+            if slot is None:
+                continue
+            where, index = at
+            nvml = [0] * pages.MAX_GPUS
+            allocs = [0] * pages.MAX_GPUS
+            nvml[index] = nbytes
+            allocs[index] = max(0, slot.held[index] - slot.driver[index])
+            try:
+                pages.write_reading(where, slot.index, slot.pid, nvml, allocs)
+            except OSError:
+                pass
+
     # ---- service ---------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -182,9 +327,14 @@ class MemWatchdog:
         task_status.started()
         try:
             while True:
-                samples, errors = await trio.to_thread.run_sync(look)
+                targets = self.page_targets()
+
+                def read(targets=targets):
+                    slots = self.snapshot(targets)  # (before NVML: an allocation between counts as the driver's)
+                    return slots, look()
+                slots, (samples, errors) = await trio.to_thread.run_sync(read)
                 self.note_errors(errors)
-                self.check(samples)
+                self.check(samples, slots)
                 await trio.sleep(self.period)
         finally:
             if nv is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import struct
 import uuid
+from typing import NamedTuple
 
 MAGIC = 0x55504743  # "CGPU"
 VERSION = 2
@@ -33,7 +34,13 @@ PROC_DRAINING = 1 << 31  # in a slot's `gpus`: its helper thread is draining a c
 USAGE_HEAD = struct.Struct(f"<2I{MAX_GPUS}Q{MAX_PROCS // 32}I")  # magic, version, used, gated_slots
 GATED_OFFSET = 8 + 8 * MAX_GPUS
 GATED = struct.Struct(f"<{MAX_PROCS // 32}I")
-USAGE_SIZE = USAGE_HEAD.size + MAX_PROCS * PROC.size
+USAGE_V2_SIZE = USAGE_HEAD.size + MAX_PROCS * PROC.size  # struct cgpu_usage (an older cgpud's page ends here)
+# struct cgpu_usage_driver: the driver's own memory, after it (docs/memory.md)
+WATCHED_OFFSET = USAGE_V2_SIZE  # uint32: 1 once the daemon's watchdog reads NVML for the container
+STEP = struct.Struct(f"<{MAX_GPUS}Q")  # libcgpu: the largest growth between two readings, per GPU
+DRIVER = struct.Struct(f"<Ii{3 * MAX_GPUS}Q")  # seq, pid, nvml[], allocs[], driver[]: per slot
+DRIVER_OFFSET = USAGE_V2_SIZE + 8 + STEP.size
+USAGE_SIZE = DRIVER_OFFSET + MAX_PROCS * DRIVER.size
 
 
 def create(directory: str, memsizes: list[int], uuids: list[str] | None = None) -> None:
@@ -64,7 +71,7 @@ def uuid_bytes(text: str | None) -> bytes:
 
 
 def _empty_usage() -> bytes:
-    return USAGE_HEAD.pack(MAGIC, VERSION, *[0] * (MAX_GPUS + MAX_PROCS // 32)) + bytes(MAX_PROCS * PROC.size)
+    return USAGE_HEAD.pack(MAGIC, VERSION, *[0] * (MAX_GPUS + MAX_PROCS // 32)) + bytes(USAGE_SIZE - USAGE_HEAD.size)
 
 
 def _fifo(directory: str) -> None:
@@ -98,11 +105,16 @@ def used(directory: str) -> list[int]:
 def used_on(directory: str, gpu_uuid: str, default: int) -> int:
     """What the container's processes hold on the GPU with UUID `gpu_uuid`: the page's GPU that
     names it, or, in a page that names none (an older cgpud's), its GPU `default`."""
+    return used(directory)[gpu_index(directory, gpu_uuid, default)]
+
+
+def gpu_index(directory: str, gpu_uuid: str, default: int) -> int:
+    """The page's GPU with UUID `gpu_uuid`; in a page that names none (an older cgpud's), `default`."""
     with open(os.path.join(directory, "limits"), "rb") as f:
         limits = f.read(LIMITS.size)
     named = [limits[UUID_OFFSET + 16 * i:UUID_OFFSET + 16 * (i + 1)] for i in range(MAX_GPUS)]
     want = uuid_bytes(gpu_uuid)
-    return used(directory)[named.index(want) if want != bytes(16) and want in named else default]
+    return named.index(want) if want != bytes(16) and want in named else default
 
 
 def held_by(directory: str) -> dict[int, list[int]]:
@@ -116,6 +128,58 @@ def held_by(directory: str) -> dict[int, list[int]]:
         if pid > 0:
             out[pid] = held
     return out
+
+
+class Slot(NamedTuple):
+    index: int
+    pid: int  # in the container's PID namespace
+    held: list[int]  # per GPU of the page: what libcgpu charges for it
+    driver: list[int]  # of it, the driver's own memory (none in an older cgpud's page)
+
+
+def slots(directory: str) -> tuple[dict[int, Slot], bool]:
+    """The process slots in use, by pid, and whether the page has room for the driver's readings
+    (an older cgpud's page has not)."""
+    with open(os.path.join(directory, "usage"), "rb") as f:
+        raw = f.read(USAGE_SIZE)
+    readings = len(raw) >= USAGE_SIZE
+    out = {}
+    for k in range(MAX_PROCS):
+        pid, _, _, _, *held = PROC.unpack_from(raw, USAGE_HEAD.size + k * PROC.size)
+        if pid > 0:
+            driver = list(DRIVER.unpack_from(raw, DRIVER_OFFSET + k * DRIVER.size)[2 + 2 * MAX_GPUS:]) if readings \
+                else [0] * MAX_GPUS
+            out[pid] = Slot(k, pid, held, driver)
+    return out, readings
+
+
+def mark_watched(directory: str) -> bool:
+    """Say in the page that the daemon's watchdog reads NVML for the container (libcgpu then keeps a
+    headroom for the driver's growth); False for an older cgpud's page, which has no room for it."""
+    fd = os.open(os.path.join(directory, "usage"), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size < USAGE_SIZE:
+            return False
+        if os.pread(fd, 4, WATCHED_OFFSET) != struct.pack("<I", 1):
+            os.pwrite(fd, struct.pack("<I", 1), WATCHED_OFFSET)
+        return True
+    finally:
+        os.close(fd)
+
+
+def write_reading(directory: str, index: int, pid: int, nvml: list[int], allocs: list[int]) -> None:
+    """NVML's figure for the process of slot `index` (per GPU of the page) and what it had allocated
+    through libcgpu just before NVML was read, into its record: odd `seq` while written, even after
+    (libcgpu reads a record whose seq did not change while it read it). The daemon is the only writer."""
+    at = DRIVER_OFFSET + index * DRIVER.size
+    fd = os.open(os.path.join(directory, "usage"), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        seq = struct.unpack("<I", os.pread(fd, 4, at))[0]
+        os.pwrite(fd, struct.pack("<I", (seq + 1) | 1), at)
+        os.pwrite(fd, struct.pack(f"<i{2 * MAX_GPUS}Q", pid, *nvml, *allocs), at + 4)
+        os.pwrite(fd, struct.pack("<I", ((seq + 1) | 1) + 1), at)
+    finally:
+        os.close(fd)
 
 
 def prepare(directory: str, preload: str | None = None) -> None:

@@ -1,16 +1,19 @@
 /*
  * libcgpu's internal header: what its parts share (docs/isolation.md). The library is split by
- * concern, as HAMi-core splits its src/:
- *   interpose.c  how clients reach us: the exported names' table, dlsym, cuGetProcAddress, the
- *                real driver's and NVML's functions (loaded once), cuInit, fork;
- *   memory.c     charge and refund: every allocator and free, the allocations' sizes,
- *                cuMemGetInfo and cuDeviceTotalMem;
+ * concern, as HAMi-core splits its src/, in layers that call down, never up:
+ *   driver.c     the bottom: the real driver's and NVML's functions and their loading, the C
+ *                library's dlsym, whether this thread is inside the driver (in_driver);
+ *   page.c       the shared pages (cgpu_page.h): setting up (the driver, then the pages), process
+ *                slots, a dead process's memory back, which page GPU a CUDA device is;
+ *   memory.c     charge and refund: every allocator and free, the allocations' sizes, the
+ *                driver's own memory as it grows, cuMemGetInfo and cuDeviceTotalMem, module loads;
  *   gate.c       compute: kernel launches wait at the gate (futex), the helper thread drains
  *                and answers the daemon's closings;
- *   nvml.c       the container's view through NVML (nvidia-smi);
- *   page.c       the shared pages (cgpu_page.h): mapping them, process slots, a dead process's
- *                memory back, which page GPU a CUDA device is.
- * Everything declared here is hidden: only the CUDA/NVML names and dlsym are exported.
+ *   nvml.c       the container's view through NVML (nvidia-smi), and the driver's process list
+ *                at the ioctl;
+ *   interpose.c  the top: only how clients reach us — the exported names' table, dlsym,
+ *                cuGetProcAddress, cuInit, ioctl — and what a fork resets in each part.
+ * Everything declared here is hidden: only the CUDA/NVML names, dlsym and ioctl are exported.
  */
 #ifndef CGPU_INTERNAL_H
 #define CGPU_INTERNAL_H
@@ -46,6 +49,9 @@ typedef CUresult (*mem_unmap_fn)(CUdeviceptr, size_t);
 typedef CUresult (*mem_retain_fn)(CUdeviceptr *, void *);
 typedef CUresult (*getproc2_fn)(const char *, void **, int, uint64_t, int *);
 typedef void *(*dlsym_fn)(void *, const char *);
+typedef CUresult (*module_load_fn)(void **, const void *);  /* cuModuleLoad (a path), _LoadData, _LoadFatBinary */
+typedef CUresult (*module_load_ex_fn)(void **, const void *, unsigned, void *, void **);
+typedef CUresult (*library_load_fn)(void **, const void *, void *, void **, unsigned, void *, void **, unsigned);
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
 typedef struct { unsigned int version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
 typedef int (*nvml_mem_fn)(void *, nvmlMemory_t *);
@@ -112,27 +118,38 @@ struct real_driver {
     ctx_create2_fn ctx_create2;
     ctx_create3_fn ctx_create3;
     ctx_create4_fn ctx_create4;
+    module_load_fn module_load, module_load_data, module_load_fatbin;
+    module_load_ex_fn module_load_data_ex;
+    library_load_fn library_load_data, library_load_file;
 };
 
 #pragma GCC visibility push(hidden)
 
-/* ---- interpose.c ---- */
+/* ---- driver.c ---- */
 extern struct real_driver real;
 extern dlsym_fn real_dlsym;
 extern void *(*cgpu_next_dlsym)(void *, const char *);  /* libc's dlsym */
-void *cgpu_dlsym_ours(void *handle, const char *name);
+void driver_next_dlsym(void);  /* find it (once; no lock) */
 /* >0 while this thread is inside the real driver: a driver that calls its own exported
  * functions (through its PLT, so through ours) must not be charged twice. */
 extern __thread int in_driver __attribute__((tls_model("initial-exec")));  /* (loaded at start: static TLS) */
 void *sym(const char *name);
-int isolated(void);  /* set up; the process is held by its pages */
-void setup_once(void);
+void *cgpu_next(const char *name);  /* the C library's `name` (the next object's after libcgpu) */
+void driver_load(void);
+
+/* ---- interpose.c ---- */
+void *cgpu_dlsym_ours(void *handle, const char *name);
 
 /* ---- page.c ---- */
+int isolated(void);  /* set up; the process is held by its pages */
+void setup_once(void);
+int pages_ready(void);  /* the pages mapped (not the driver loaded); the process is held by them */
+extern void (*cgpu_on_fork)(void);  /* what a forked child runs (interpose.c's: each part's reset) */
 extern const struct cgpu_limits *limits;  /* read-only */
 extern int per_gpu;       /* the page has a gate per GPU (else the container's one gate) */
 extern int has_uuids;     /* the page names its GPUs' UUIDs (read once: written before its magic) */
 extern struct cgpu_usage *usage;
+extern struct cgpu_usage_driver *drv;  /* the driver's readings (NULL: an older cgpud's page) */
 extern struct cgpu_proc *mine;
 extern int asked;         /* CGPU_PAGE_DIR is set: this process must be isolated */
 extern char why[8192];    /* why the pages are not usable ("" when they are) */
@@ -151,6 +168,7 @@ void *nvml_ours(const char *name);  /* our wrapper of an NVML name, NULL if none
 void nvml_context_before(int g);
 void nvml_context_after(int g);
 void nvml_forked(void);
+int nvml_ioctl(int fd, unsigned long request, void *arg);  /* ioctl: the kernel driver's process lists */
 
 /* ---- memory.c ---- */
 void memory_forked(void);

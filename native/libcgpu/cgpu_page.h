@@ -66,4 +66,25 @@ struct cgpu_usage {
     struct cgpu_proc procs[CGPU_MAX_PROCS];
 };
 
+/* The driver's own memory (docs/memory.md, "The driver's own memory"), in the usage file right after
+ * struct cgpu_usage (a page made by an older cgpud ends before it: its processes are charged
+ * without the daemon's readings). The daemon's watchdog reads NVML's per-process figure every
+ * look and writes it into the process's record; libcgpu charges the larger of its own account and
+ * that figure plus what it allocated since, and keeps `step`'s headroom free. */
+struct cgpu_driver {
+    uint32_t seq;       /* the daemon: odd while it writes a reading, even once it is whole */
+    int32_t pid;        /* the daemon: the slot's pid it read (a reading for a process gone is not another's) */
+    uint64_t nvml[CGPU_MAX_GPUS];    /* the daemon: NVML's figure for the process at its last reading */
+    uint64_t allocs[CGPU_MAX_GPUS];  /* the daemon: the slot's held less driver, read just before NVML */
+    uint64_t driver[CGPU_MAX_GPUS];  /* libcgpu: of the slot's held, what it charges for the driver's own */
+};
+
+struct cgpu_usage_driver {
+    uint32_t watched;   /* the daemon: 1 once its watchdog reads NVML for the container (libcgpu keeps headroom) */
+    uint32_t reserved;
+    uint64_t step[CGPU_MAX_GPUS];  /* libcgpu: the largest growth of the driver's memory between two
+                                    * readings seen in any of the container's processes */
+    struct cgpu_driver procs[CGPU_MAX_PROCS];  /* per slot of struct cgpu_usage's procs */
+};
+
 #endif

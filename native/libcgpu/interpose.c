@@ -2,8 +2,11 @@
  * libcgpu: the in-container interception library (docs/isolation.md), loaded
  * into a container's processes (LD_PRELOAD or /etc/ld.so.preload).
  *
- * This first part holds GPU memory to the container's memsize, to the byte and
- * across all its processes, and shows memsize as the card:
+ * This file is the top layer: only the exported names (cuInit, cuGetProcAddress, dlsym, ioctl,
+ * the table of every wrapped form) and what a fork resets; the wrappers are memory.c's, gate.c's
+ * and nvml.c's, the real driver driver.c's (cgpu_internal.h). The library holds GPU memory to the
+ * container's memsize (less a headroom for the driver's growth where the daemon watches NVML), to
+ * the byte and across all its processes, and shows memsize as the card:
  *   - every allocator here — cuMemAlloc_v2, cuMemAllocPitch_v2 (charged for
  *     512-byte rows), cuMemAllocManaged, cuMemAllocAsync,
  *     cuMemAllocFromPoolAsync, cuMemCreate (device memory: location
@@ -18,14 +21,14 @@
  *     cuMipmappedArrayDestroy give it back, and so does a process's exit; a process
  *     killed without a chance to is given back by the next process that
  *     starts (its slot's pid is gone);
- *   - cuMemGetInfo_v2 -> (memsize - used, memsize), never an error when over;
+ *   - cuMemGetInfo_v2 -> (memsize - headroom - used, memsize), never an error when over;
  *     cuDeviceTotalMem_v2 -> memsize; nvmlDeviceGetMemoryInfo and _v2 ->
  *     total memsize, used the container's usage, free the rest (nvidia-smi);
  *     the real NVML is CGPU_REAL_LIBNVML, else libnvidia-ml.so.1.
  * It interposes the exported names, `dlsym` itself (what a client that
  * dlopens libcuda.so.1 finds), and cuGetProcAddress / _v2 (how CUDA >= 11.3
  * and NVIDIA's cuda-bindings resolve the driver), wrapping a returned
- * cuGetProcAddress. The real driver is dlopen'ed: CGPU_REAL_LIBCUDA, else
+ * cuGetProcAddress. The real driver is dlopen'ed (driver.c): CGPU_REAL_LIBCUDA, else
  * libcuda.so.1.
  *
  * Fail closed: with CGPU_PAGE_DIR set (the container asked for isolation) but
@@ -37,10 +40,9 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <stdarg.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "cgpu_internal.h"
 
@@ -85,123 +87,33 @@ CUresult cuLaunchKernelEx(const void *, void *, void **, void **);
 CUresult cuLaunchKernelEx_ptsz(const void *, void *, void **, void **);
 CUresult cuGraphLaunch(void *, void *);
 CUresult cuGraphLaunch_ptsz(void *, void *);
+CUresult cuModuleLoad(void **, const char *);
+CUresult cuModuleLoadData(void **, const void *);
+CUresult cuModuleLoadDataEx(void **, const void *, unsigned, void *, void **);
+CUresult cuModuleLoadFatBinary(void **, const void *);
+CUresult cuLibraryLoadData(void **, const void *, void *, void **, unsigned, void *, void **, unsigned);
+CUresult cuLibraryLoadFromFile(void **, const char *, void *, void **, unsigned, void *, void **, unsigned);
 
-struct real_driver real;
-dlsym_fn real_dlsym;
-__thread int in_driver __attribute__((tls_model("initial-exec")));
-static pthread_once_t once = PTHREAD_ONCE_INIT;
-static int set_up;  /* setup has run (read without pthread_once's call on the allocators' path) */
-
-/* libc's dlsym (the one after us), found once without any lock: dlsym may be called from
- * anywhere, a driver's constructor while we load it included. */
-void *(*cgpu_next_dlsym)(void *, const char *);
-static void next_dlsym(void)
+/* A forked child holds nothing yet, has no helper thread, and needs a slot of its own: each part
+ * forgets what was its parent's (page.c registers this with pthread_atfork when it sets up). */
+static void forked(void)
 {
-    if (__atomic_load_n(&cgpu_next_dlsym, __ATOMIC_ACQUIRE))
-        return;
-    dlsym_fn f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-    if (!f)
-        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-    if (!f) {
-        fprintf(stderr, "cgpu: cannot find the C library's dlsym\n");
-        abort();
-    }
-    real_dlsym = f;
-    __atomic_store_n(&cgpu_next_dlsym, f, __ATOMIC_RELEASE);
+    nvml_forked();
+    gate_forked();
+    memory_forked();
+    page_forked();
 }
 
-void *sym(const char *name)
+__attribute__((constructor)) static void layers(void)
 {
-    return real.lib && real_dlsym ? real_dlsym(real.lib, name) : NULL;
-}
-
-static void forked(void);
-
-static void setup(void)
-{
-    next_dlsym();
-    in_driver++;  /* (the driver's constructors may call back into us while it loads: straight through) */
-    const char *path = getenv("CGPU_REAL_LIBCUDA");
-    real.lib = dlopen(path && *path ? path : "libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    real.init = (init_fn)sym("cuInit");
-    real.alloc = (alloc_fn)sym("cuMemAlloc_v2");
-    real.free = (free_fn)sym("cuMemFree_v2");
-    real.info = (info_fn)sym("cuMemGetInfo_v2");
-    real.total = (total_fn)sym("cuDeviceTotalMem_v2");
-    real.getproc = (getproc_fn)sym("cuGetProcAddress");
-    real.getproc2 = (getproc2_fn)sym("cuGetProcAddress_v2");
-    real.pitch = (pitch_fn)sym("cuMemAllocPitch_v2");
-    real.managed = (managed_fn)sym("cuMemAllocManaged");
-    real.alloc_async = (alloc_async_fn)sym("cuMemAllocAsync");
-    real.free_async = (free_async_fn)sym("cuMemFreeAsync");
-    real.alloc_async_ptsz = (alloc_async_fn)sym("cuMemAllocAsync_ptsz");
-    real.free_async_ptsz = (free_async_fn)sym("cuMemFreeAsync_ptsz");
-    real.pool_alloc_ptsz = (pool_alloc_fn)sym("cuMemAllocFromPoolAsync_ptsz");
-    real.array = (array_fn)sym("cuArrayCreate_v2");
-    real.array_free = (free_fn)sym("cuArrayDestroy");
-    real.launch = (launch_fn)sym("cuLaunchKernel");
-    real.launch_ptsz = (launch_fn)sym("cuLaunchKernel_ptsz");
-    real.launch_coop = (launch_coop_fn)sym("cuLaunchCooperativeKernel");
-    real.launch_coop_ptsz = (launch_coop_fn)sym("cuLaunchCooperativeKernel_ptsz");
-    real.launch_ex = (launch_ex_fn)sym("cuLaunchKernelEx");
-    real.launch_ex_ptsz = (launch_ex_fn)sym("cuLaunchKernelEx_ptsz");
-    real.graph_launch = (graph_launch_fn)sym("cuGraphLaunch");
-    real.graph_launch_ptsz = (graph_launch_fn)sym("cuGraphLaunch_ptsz");
-    real.ctx_get = (ctx_get_fn)sym("cuCtxGetCurrent");
-    real.ctx_get_device = (ctx_device_fn)sym("cuCtxGetDevice");
-    real.device_uuid = (device_uuid_fn)sym("cuDeviceGetUuid_v2");
-    if (!real.device_uuid)
-        real.device_uuid = (device_uuid_fn)sym("cuDeviceGetUuid");
-    real.ctx_push = (ctx_push_fn)sym("cuCtxPushCurrent_v2");
-    real.ctx_pop = (ctx_get_fn)sym("cuCtxPopCurrent_v2");
-    real.ctx_sync = (ctx_sync_fn)sym("cuCtxSynchronize");
-    real.primary_retain = (primary_retain_fn)sym("cuDevicePrimaryCtxRetain");
-    real.ctx_create2 = (ctx_create2_fn)sym("cuCtxCreate_v2");
-    real.ctx_create3 = (ctx_create3_fn)sym("cuCtxCreate_v3");
-    real.ctx_create4 = (ctx_create4_fn)sym("cuCtxCreate_v4");
-    real.pool_alloc = (pool_alloc_fn)sym("cuMemAllocFromPoolAsync");
-    real.mem_create = (mem_create_fn)sym("cuMemCreate");
-    real.mem_release = (free_fn)sym("cuMemRelease");
-    real.mem_map = (mem_map_fn)sym("cuMemMap");
-    real.mem_unmap = (mem_unmap_fn)sym("cuMemUnmap");
-    real.mem_retain = (mem_retain_fn)sym("cuMemRetainAllocationHandle");
-    real.array3d = (array_fn)sym("cuArray3DCreate_v2");
-    real.mipmap = (mipmap_fn)sym("cuMipmappedArrayCreate");
-    real.mipmap_free = (free_fn)sym("cuMipmappedArrayDestroy");
-    in_driver--;
-    const char *npath = getenv("CGPU_REAL_LIBNVML");
-    in_driver++;
-    real.nvml = dlopen(npath && *npath ? npath : "libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-    in_driver--;
-    if (real.nvml && real_dlsym) {
-        real.nvml_mem = (nvml_mem_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo");
-        real.nvml_mem2 = (nvml_mem2_fn)real_dlsym(real.nvml, "nvmlDeviceGetMemoryInfo_v2");
-        real.nvml_index = (nvml_index_fn)real_dlsym(real.nvml, "nvmlDeviceGetIndex");
-        real.nvml_uuid = (nvml_uuid_fn)real_dlsym(real.nvml, "nvmlDeviceGetUUID");
-    }
-    page_setup();
-    if (asked)
-        pthread_atfork(NULL, NULL, forked);
-    __atomic_store_n(&set_up, 1, __ATOMIC_RELEASE);
-}
-
-void setup_once(void)
-{
-    pthread_once(&once, setup);
-}
-
-int isolated(void)
-{
-    if (__builtin_expect(!__atomic_load_n(&set_up, __ATOMIC_ACQUIRE), 0))
-        pthread_once(&once, setup);
-    return limits != NULL;
+    cgpu_on_fork = forked;
 }
 
 CUresult cuInit(unsigned flags)
 {
     if (in_driver)
         return real.init ? real.init(flags) : CU_NOT_INITIALIZED;
-    pthread_once(&once, setup);
+    setup_once();
     if (asked && !limits) {
         fprintf(stderr, "cgpu: GPU isolation was asked for but cannot be applied (%s): CUDA is not started\n", why);
         return CU_NOT_INITIALIZED;
@@ -214,13 +126,19 @@ CUresult cuInit(unsigned flags)
     return real.init ? real.init(flags) : CU_NOT_INITIALIZED;
 }
 
-/* A forked child holds nothing yet, has no helper thread, and needs a slot of its own. */
-static void forked(void)
+/* ---- the kernel driver: ioctl ---------------------------------------------------------------
+ *
+ * Every NVML way to the process list ends in libc's ioctl on /dev/nvidiactl (nvidia-smi's own goes
+ * through a private export table no wrapper of an exported name sees: issue 28, on an H100). nvml.c looks at
+ * the few requests it filters after the call; everything else goes straight through. ioctl's third
+ * argument is one pointer-sized word whatever the request (the kernel's ABI), read as such. */
+int ioctl(int fd, unsigned long request, ...)
 {
-    nvml_forked();
-    gate_forked();
-    memory_forked();
-    page_forked();
+    va_list ap;
+    va_start(ap, request);
+    void *arg = va_arg(ap, void *);
+    va_end(ap);
+    return nvml_ioctl(fd, request, arg);
 }
 
 /* ---- how clients find the functions -------------------------------------------- */
@@ -278,6 +196,12 @@ static const struct form {
     {"cuLaunchKernelEx", 11060, 1, "cuLaunchKernelEx_ptsz", (void *)cuLaunchKernelEx_ptsz},
     {"cuGraphLaunch", 10000, 0, "cuGraphLaunch", (void *)cuGraphLaunch},
     {"cuGraphLaunch", 10000, 1, "cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz},
+    {"cuModuleLoad", 2000, 0, "cuModuleLoad", (void *)cuModuleLoad},
+    {"cuModuleLoadData", 2000, 0, "cuModuleLoadData", (void *)cuModuleLoadData},
+    {"cuModuleLoadDataEx", 2010, 0, "cuModuleLoadDataEx", (void *)cuModuleLoadDataEx},
+    {"cuModuleLoadFatBinary", 2000, 0, "cuModuleLoadFatBinary", (void *)cuModuleLoadFatBinary},
+    {"cuLibraryLoadData", 12000, 0, "cuLibraryLoadData", (void *)cuLibraryLoadData},
+    {"cuLibraryLoadFromFile", 12000, 0, "cuLibraryLoadFromFile", (void *)cuLibraryLoadFromFile},
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress", (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
 };
@@ -311,7 +235,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
     if (in_driver)  /* (the driver asking itself, or loading) */
         return real.getproc2 ? real.getproc2(symbol, pfn, version, flags, status)
              : real.getproc ? real.getproc(symbol, pfn, version, flags) : CU_NOT_INITIALIZED;
-    pthread_once(&once, setup);
+    setup_once();
     CUresult r = real.getproc2 ? real.getproc2(symbol, pfn, version, flags, status)
                : real.getproc ? real.getproc(symbol, pfn, version, flags) : CU_NOT_INITIALIZED;
     if (r != CU_OK || !symbol || !pfn || !*pfn)
@@ -351,7 +275,7 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t 
 void *cgpu_dlsym_ours(void *handle, const char *name);
 void *cgpu_dlsym_ours(void *handle, const char *name)
 {
-    next_dlsym();
+    driver_next_dlsym();
     if (!name || !((name[0] == 'c' && name[1] == 'u') || !strncmp(name, "nvml", 4)))
         return NULL;
     void *fn = ours(name);

@@ -4,6 +4,7 @@
  * charge back if the driver fails; every free gives back what its allocation held.
  */
 #include <sched.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -92,10 +93,29 @@ static void erase(struct table *t, struct entry *x)
     }
 }
 
+/* The headroom kept free on GPU g for the driver's growth between two of the daemon's readings
+ * (docs/memory.md): the largest growth seen between two readings in any of the container's
+ * processes, at least 1 % of memsize and at most 3 %; none where no watchdog reads NVML for it. */
+static uint64_t headroom(int g)
+{
+    if (!drv || !__atomic_load_n(&drv->watched, __ATOMIC_ACQUIRE))
+        return 0;
+    uint64_t m = limits->memsize[g], step = __atomic_load_n(&drv->step[g], __ATOMIC_ACQUIRE);
+    uint64_t least = m / 100, most = m * 3 / 100;
+    return step < least ? least : step > most ? most : step;
+}
+
+/* What allocations may fill on GPU g: memsize less the headroom. */
+static uint64_t room(int g)
+{
+    uint64_t m = limits->memsize[g], h = headroom(g);
+    return m > h ? m - h : 0;
+}
+
 /* Reserve `size` on GPU g before the driver is asked: racing processes can never pass memsize together. */
 static int reserve(int g, size_t size)
 {
-    uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
+    uint64_t cap = room(g), used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
     do {
         if (size > cap || used > cap - size)
             return 0;
@@ -182,6 +202,81 @@ static void forget(CUdeviceptr key)
 static int driver_counted[CGPU_MAX_GPUS];
 static pthread_mutex_t driver_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* This process's record of the driver's readings (NULL: an older cgpud's page). */
+static struct cgpu_driver *record(void)
+{
+    return drv && mine ? &drv->procs[mine - usage->procs] : NULL;
+}
+
+/* `delta` more (less) of the driver's own memory charged to this process on GPU g, whatever room is
+ * left: the driver took it already. */
+static void charge_driver(int g, int64_t delta)
+{
+    struct cgpu_driver *r = record();
+    lock();
+    hold(g, delta);
+    unlock();
+    __atomic_add_fetch(&usage->used[g], (uint64_t)delta, __ATOMIC_ACQ_REL);
+    if (r)
+        __atomic_add_fetch(&r->driver[g], (uint64_t)delta, __ATOMIC_ACQ_REL);
+}
+
+/* ---- the driver's memory as it grows -------------------------------------------------------
+ *
+ * After its context the driver's memory for a process grows through no call we see (modules
+ * loaded at a kernel's first launch, library handles, graph instantiation: +66 and +70 MiB on an
+ * H100, issue 28). The daemon's watchdog writes NVML's figure for the process into its record
+ * every look, with what the process had allocated through us just before; the driver's own is the
+ * difference. It is charged here at the next allocation (or cuMemGetInfo, or module load): the
+ * process holds the larger of its own account and NVML's figure plus what it allocated since. Less
+ * than before is given back only when two readings in a row say so (a free between the daemon's
+ * two reads makes one reading low). The growth between two readings sizes the headroom. */
+static uint32_t applied;  /* the seq of the last reading applied */
+static uint64_t last_want[CGPU_MAX_GPUS];
+static int read_before[CGPU_MAX_GPUS];  /* a reading was applied on GPU g: the next one's growth is a step */
+
+static void follow(void)
+{
+    struct cgpu_driver *r = record();
+    if (!r)
+        return;
+    uint32_t seq = __atomic_load_n(&r->seq, __ATOMIC_ACQUIRE);
+    if (seq == applied || (seq & 1))
+        return;
+    uint64_t nvml[CGPU_MAX_GPUS], allocs[CGPU_MAX_GPUS];
+    int32_t pid = __atomic_load_n(&r->pid, __ATOMIC_ACQUIRE);
+    for (int g = 0; g < CGPU_MAX_GPUS; g++) {
+        nvml[g] = __atomic_load_n(&r->nvml[g], __ATOMIC_ACQUIRE);
+        allocs[g] = __atomic_load_n(&r->allocs[g], __ATOMIC_ACQUIRE);
+    }
+    if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) != seq || pid != mine->pid)
+        return;  /* (being written, or a reading of the slot's previous process) */
+    pthread_mutex_lock(&driver_lock);
+    if (seq != applied) {
+        applied = seq;
+        for (int g = 0; g < (int)limits->ngpus; g++) {
+            if (!nvml[g])
+                continue;  /* (NVML lists it on no such GPU) */
+            uint64_t want = nvml[g] > allocs[g] ? nvml[g] - allocs[g] : 0;
+            uint64_t have = __atomic_load_n(&r->driver[g], __ATOMIC_ACQUIRE);
+            uint64_t keep = want > last_want[g] ? want : last_want[g];
+            last_want[g] = want;
+            if (want > have) {
+                uint64_t grew = want - have, step = __atomic_load_n(&drv->step[g], __ATOMIC_ACQUIRE);
+                charge_driver(g, (int64_t)grew);
+                while (read_before[g] && grew > step  /* (the first reading's may be its whole context) */
+                       && !__atomic_compare_exchange_n(&drv->step[g], &step, grew, 0, __ATOMIC_ACQ_REL,
+                                                       __ATOMIC_ACQUIRE))
+                    ;
+            } else if (keep < have)
+                charge_driver(g, -(int64_t)(have - keep));
+            __atomic_store_n(&driver_counted[g], 1, __ATOMIC_RELEASE);  /* (its context is in the reading) */
+            read_before[g] = 1;
+        }
+    }
+    pthread_mutex_unlock(&driver_lock);
+}
+
 static void driver_share(int g)
 {
     if (__atomic_load_n(&driver_counted[g], __ATOMIC_ACQUIRE))
@@ -196,12 +291,8 @@ static void driver_share(int g)
             const char *mib = getenv("CGPU_CONTEXT_MIB");
             own = mib && *mib ? strtoull(mib, NULL, 10) << 20 : 0;
         }
-        if (own) {
-            lock();
-            hold(g, (int64_t)own);
-            unlock();
-            __atomic_add_fetch(&usage->used[g], own, __ATOMIC_ACQ_REL);
-        }
+        if (own)
+            charge_driver(g, (int64_t)own);
         __atomic_store_n(&driver_counted[g], 1, __ATOMIC_RELEASE);
     }
     pthread_mutex_unlock(&driver_lock);
@@ -263,6 +354,7 @@ CUresult cuCtxCreate_v4(CUcontext *ctx, void *params, unsigned flags, CUdevice d
             return (call); /* a GPU given whole: the driver's to hold */                 \
         if (!need_slot())                                                                \
             return CU_OUT_OF_MEMORY;                                                     \
+        follow();                                                                        \
         driver_share(g_);                                                                \
         if (!reserve(g_, (size)))                                                        \
             return CU_OUT_OF_MEMORY;                                                     \
@@ -541,6 +633,110 @@ CUresult cuMipmappedArrayDestroy(CUdeviceptr h)
     RELEASED(h, real.mipmap_free(h));
 }
 
+/* ---- modules and libraries -----------------------------------------------------------------
+ *
+ * Their code goes to the card (at the load, or at a kernel's first launch with lazy loading): the
+ * driver's own memory, which the readings charge once NVML shows it. A load that would take the
+ * container past memsize is refused here: CUDA_ERROR_OUT_OF_MEMORY, nothing loaded. Its size is
+ * the image's: a fat binary's header says it (the runtime's wrapper points at one), an ELF cubin
+ * ends with its section headers, PTX is text; a file, its length. */
+static size_t image_bytes(const void *image)
+{
+    const unsigned char *p = image;
+    uint32_t magic;
+    if (!p)
+        return 0;
+    if (strnlen(image, 4) < 4)
+        return strlen(image);  /* (not 4 bytes of header: a short text, read no further) */
+    memcpy(&magic, p, 4);
+    if (magic == 0x466243b1u) {  /* __fatBinC_Wrapper_t {magic, version, data, ...} */
+        const void *data;
+        memcpy(&data, p + 8, sizeof data);
+        return data ? image_bytes(data) : 0;
+    }
+    if (magic == 0xba55ed50u) {  /* fatbinary_section.h: {magic, version u16, header_size u16, size u64} */
+        uint16_t head;
+        uint64_t size;
+        memcpy(&head, p + 6, 2);
+        memcpy(&size, p + 8, 8);
+        return head + size;
+    }
+    if (!memcmp(p, "\177ELF", 4) && p[4] == 2) {  /* ELF64: e_shoff (40), e_shentsize (58), e_shnum (60) */
+        uint64_t shoff;
+        uint16_t entsize, num;
+        memcpy(&shoff, p + 40, 8);
+        memcpy(&entsize, p + 58, 2);
+        memcpy(&num, p + 60, 2);
+        return shoff + (size_t)entsize * num;
+    }
+    return strnlen(image, 64 << 20);  /* PTX */
+}
+
+static size_t file_bytes(const char *path)
+{
+    struct stat st;
+    return path && stat(path, &st) == 0 ? (size_t)st.st_size : 0;
+}
+
+/* May `size` bytes of the driver's own go to the current GPU now? (Not charged: the readings do.) */
+static int loadable(size_t size)
+{
+    int g = current_gpu();
+    if (g < 0)
+        return 1;  /* (a GPU given whole) */
+    if (!need_slot())
+        return 0;
+    follow();
+    driver_share(g);
+    uint64_t used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE), m = limits->memsize[g];
+    return used <= m && size <= m - used;
+}
+
+#define LOADED(size, call)              \
+    do {                                \
+        if (!loadable(size))            \
+            return CU_OUT_OF_MEMORY;    \
+        UNCHARGED(call);                \
+    } while (0)
+
+CUresult cuModuleLoad(void **m, const char *path)
+{
+    PASS_THROUGH(real.module_load, m, path);
+    LOADED(file_bytes(path), real.module_load(m, path));
+}
+
+CUresult cuModuleLoadData(void **m, const void *image)
+{
+    PASS_THROUGH(real.module_load_data, m, image);
+    LOADED(image_bytes(image), real.module_load_data(m, image));
+}
+
+CUresult cuModuleLoadDataEx(void **m, const void *image, unsigned n, void *options, void **values)
+{
+    PASS_THROUGH(real.module_load_data_ex, m, image, n, options, values);
+    LOADED(image_bytes(image), real.module_load_data_ex(m, image, n, options, values));
+}
+
+CUresult cuModuleLoadFatBinary(void **m, const void *image)
+{
+    PASS_THROUGH(real.module_load_fatbin, m, image);
+    LOADED(image_bytes(image), real.module_load_fatbin(m, image));
+}
+
+CUresult cuLibraryLoadData(void **l, const void *code, void *jit, void **jit_values, unsigned njit, void *options,
+                           void **values, unsigned n)
+{
+    PASS_THROUGH(real.library_load_data, l, code, jit, jit_values, njit, options, values, n);
+    LOADED(image_bytes(code), real.library_load_data(l, code, jit, jit_values, njit, options, values, n));
+}
+
+CUresult cuLibraryLoadFromFile(void **l, const char *path, void *jit, void **jit_values, unsigned njit, void *options,
+                               void **values, unsigned n)
+{
+    PASS_THROUGH(real.library_load_file, l, path, jit, jit_values, njit, options, values, n);
+    LOADED(file_bytes(path), real.library_load_file(l, (const void *)path, jit, jit_values, njit, options, values, n));
+}
+
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
 {
     if (!isolated())
@@ -555,13 +751,16 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
             *free_ = f, *total_ = t;
         return r;
     }
-    if (need_slot())
+    if (need_slot()) {
+        follow();
         driver_share(g);
-    uint64_t cap = limits->memsize[g], used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
-    *total_ = cap;
-    *free_ = used >= cap ? 0 : cap - used;  /* never an error when over; never the card's free, which
-                                                * says what the neighbours use (an allocation the card
-                                                * cannot hold fails at the driver, as on a full card) */
+    }
+    uint64_t cap = room(g), used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
+    *total_ = limits->memsize[g];
+    /* Never an error when over; the headroom is not free (what fills "free" leaves the driver room
+     * to grow); never the card's free, which says what the neighbours use (an allocation the card
+     * cannot hold fails at the driver, as on a full card). */
+    *free_ = used >= cap ? 0 : cap - used;
     return CU_OK;
 }
 
@@ -581,6 +780,9 @@ void memory_forked(void)
 {
     table_lock = 0;  /* (a thread of the parent may have held it: none runs here) */
     memset(driver_counted, 0, sizeof driver_counted);  /* (a child's contexts are its own) */
+    applied = 0;
+    memset(last_want, 0, sizeof last_want);
+    memset(read_before, 0, sizeof read_before);
     free(allocs.e);
     free(mapped.e);
     memset(&allocs, 0, sizeof allocs);

@@ -7,7 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "cgpu_internal.h"
@@ -124,15 +126,19 @@ static int nvml_ready(void)
 static int nvml_list(int g, proc_info *list, unsigned int max)
 {
     unsigned int n = 0;
-    if (!nvml_ready() || nvml_count(&n) != NVML_OK)
-        return -1;
-    for (unsigned int i = 0; i < n; i++) {
-        void *dev;
-        unsigned int m = max;
-        if (nvml_handle(i, &dev) == NVML_OK && nvml_page_index(dev) == g)
-            return nvml_procs(dev, &m, list) == NVML_OK ? (int)m : -1;
-    }
-    return -1;
+    int found = -1;
+    in_driver++;  /* (the whole card's list: ioctl's filter is for the container's callers, not for us) */
+    if (nvml_ready() && nvml_count(&n) == NVML_OK)
+        for (unsigned int i = 0; i < n; i++) {
+            void *dev;
+            unsigned int m = max;
+            if (nvml_handle(i, &dev) == NVML_OK && nvml_page_index(dev) == g) {
+                found = nvml_procs(dev, &m, list) == NVML_OK ? (int)m : -1;
+                break;
+            }
+        }
+    in_driver--;
+    return found;
 }
 
 #define NVML_LIST 1024
@@ -215,6 +221,88 @@ static int own_process(unsigned int pid)
     snprintf(path, sizeof path, "/proc/%u/ns/pid", pid);
     return found && stat("/proc/self/ns/pid", &me) == 0 && stat(path, &it) == 0 && me.st_ino == it.st_ino
         && me.st_dev == it.st_dev;
+}
+
+/* ---- the kernel driver's process list: ioctl -------------------------------------------------
+ *
+ * What every NVML way to the process list ends in (nvidia-smi's private export table too): an RM
+ * control on /dev/nvidiactl, NV_ESC_RM_CONTROL with NV2080_CTRL_CMD_GPU_GET_PIDS, then
+ * NV2080_CTRL_CMD_GPU_GET_PID_INFO for the pids it gave. Inside a container the pid table GET_PIDS
+ * answers is cut down to the container's own processes (own_process: the rule above), always —
+ * with a PID namespace of its own the driver has left out other namespaces' processes already, and
+ * what is left is filtered as NVML's exported lists are. GET_PID_INFO is then asked only about them.
+ * Numbers and layouts from NVIDIA's open kernel modules (nv_escape.h, nv-ioctl-numbers.h,
+ * nvos.h's NVOS54_PARAMETERS, ctrl2080gpu.h). A FINN-serialized control is passed as it is (GET_PIDS'
+ * parameters have no embedded pointer: NVML does not serialize it). */
+#define NV_IOCTL_MAGIC 'F'
+#define NV_ESC_RM_CONTROL 0x2A
+#define NVOS54_FLAGS_FINN_SERIALIZED 0x4
+#define NV2080_CTRL_CMD_GPU_GET_PIDS 0x2080018dU
+#define NV2080_CTRL_CMD_GPU_GET_PID_INFO 0x2080018eU
+#define NV2080_CTRL_GPU_GET_PIDS_MAX_COUNT 950u
+#define NV_ERR_INVALID_ARGUMENT 0x1f
+typedef struct {
+    uint32_t hClient, hObject, cmd, flags;
+    uint64_t params __attribute__((aligned(8)));
+    uint32_t paramsSize, status;
+} nvos54;
+typedef struct { uint32_t idType, id, pidTblCount, pidTbl[NV2080_CTRL_GPU_GET_PIDS_MAX_COUNT]; } get_pids;
+typedef struct {  /* NV2080_CTRL_GPU_PID_INFO: the pid, what is asked, the result, its data (48 bytes), SMC */
+    uint32_t pid, index, result, pad;
+    uint64_t data[6];
+    uint32_t ci, gi;
+} pid_info;
+_Static_assert(sizeof(nvos54) == 32, "nvos.h's NVOS54_PARAMETERS");
+_Static_assert(sizeof(pid_info) == 72, "ctrl2080gpu.h's NV2080_CTRL_GPU_PID_INFO");
+
+/* GET_PID_INFO about another's pid (asked directly, not after GET_PIDS): the driver's "no such". */
+static void own_pid_info(nvos54 *p)
+{
+    if (p->paramsSize < 8)
+        return;
+    uint32_t *count = (uint32_t *)(uintptr_t)p->params;
+    pid_info *e = (pid_info *)((char *)count + 8);
+    uint32_t room = (uint32_t)((p->paramsSize - 8) / sizeof *e), n = *count < room ? *count : room;
+    for (uint32_t k = 0; k < n; k++)
+        if (!own_process(e[k].pid)) {
+            e[k].result = NV_ERR_INVALID_ARGUMENT;
+            memset(e[k].data, 0, sizeof e[k].data);
+        }
+}
+
+int nvml_ioctl(int fd, unsigned long request, void *arg)
+{
+    static int (*next)(int, unsigned long, ...);
+    int (*fn)(int, unsigned long, ...) = __atomic_load_n(&next, __ATOMIC_ACQUIRE);
+    if (!fn) {
+        fn = (int (*)(int, unsigned long, ...))cgpu_next("ioctl");
+        __atomic_store_n(&next, fn, __ATOMIC_RELEASE);
+    }
+    int r = fn ? fn(fd, request, arg) : (int)syscall(SYS_ioctl, fd, request, arg);
+    if (_IOC_TYPE(request) != NV_IOCTL_MAGIC || _IOC_NR(request) != NV_ESC_RM_CONTROL
+        || _IOC_SIZE(request) != sizeof(nvos54) || !arg || in_driver)
+        return r;  /* (everything but an RM control, cheaply: one compare for most) */
+    nvos54 *p = arg;
+    if ((p->cmd != NV2080_CTRL_CMD_GPU_GET_PIDS && p->cmd != NV2080_CTRL_CMD_GPU_GET_PID_INFO)
+        || (p->flags & NVOS54_FLAGS_FINN_SERIALIZED) || !p->params || p->paramsSize < offsetof(get_pids, pidTbl))
+        return r;
+    if (!pages_ready())
+        return r;  /* (not in a container) */
+    if (p->cmd == NV2080_CTRL_CMD_GPU_GET_PID_INFO) {
+        own_pid_info(p);
+        return r;
+    }
+    /* Whatever the call answered: the table never leaves here holding another's pid. */
+    get_pids *q = (get_pids *)(uintptr_t)p->params;
+    uint32_t room = (uint32_t)((p->paramsSize - offsetof(get_pids, pidTbl)) / sizeof(uint32_t));
+    uint32_t n = q->pidTblCount < room ? q->pidTblCount : room, kept = 0;
+    for (uint32_t k = 0; k < n; k++)
+        if (own_process(q->pidTbl[k]))
+            q->pidTbl[kept++] = q->pidTbl[k];
+    for (uint32_t k = kept; k < n; k++)
+        q->pidTbl[k] = 0;
+    q->pidTblCount = kept;
+    return r;
 }
 
 /* One list NVML gives (processes, utilisation samples): `call` asks the real NVML with a buffer of

@@ -20,6 +20,7 @@ int has_uuids;
 static int dev_page[64];   /* per CUDA device: its page GPU once known; -2 not asked yet, -3 no UUID */
 static int uuids_in_page(void);
 struct cgpu_usage *usage;
+struct cgpu_usage_driver *drv;
 struct cgpu_proc *mine;
 int asked;
 char why[8192];
@@ -35,6 +36,9 @@ static void release(struct cgpu_proc *p)
 {
     unsigned k = (unsigned)(p - usage->procs);
     __atomic_fetch_and(&usage->gated_slots[k / 32], ~(1u << (k % 32)), __ATOMIC_ACQ_REL);
+    if (drv)  /* (the driver's share is in held: it goes with it) */
+        for (int g = 0; g < CGPU_MAX_GPUS; g++)
+            __atomic_store_n(&drv->procs[k].driver[g], 0, __ATOMIC_RELEASE);
     for (int g = 0; g < CGPU_MAX_GPUS; g++) {
         uint64_t held = __atomic_exchange_n(&p->held[g], 0, __ATOMIC_ACQ_REL);
         if (held)
@@ -81,12 +85,6 @@ static void *map_least(const char *dir, const char *name, size_t size, size_t le
     return p;
 }
 
-static void *map(const char *dir, const char *name, size_t size, int writable)
-{
-    size_t got;
-    return map_least(dir, name, size, size, &got, writable);
-}
-
 /* A free slot of the usage page for this process (NULL if all are taken). */
 static struct cgpu_proc *claim_slot(void)
 {
@@ -96,6 +94,9 @@ static struct cgpu_proc *claim_slot(void)
             && __atomic_compare_exchange_n(&usage->procs[i].pid, &zero, (int32_t)getpid(), 0, __ATOMIC_ACQ_REL,
                                            __ATOMIC_ACQUIRE)) {
             struct cgpu_proc *p = &usage->procs[i];
+            if (drv)
+                for (int g = 0; g < CGPU_MAX_GPUS; g++)
+                    __atomic_store_n(&drv->procs[i].driver[g], 0, __ATOMIC_RELEASE);
             __atomic_store_n(&p->gated, 0, __ATOMIC_RELEASE);
             __atomic_store_n(&p->acked, 0, __ATOMIC_RELEASE);
             __atomic_store_n(&p->gpus, 0, __ATOMIC_RELEASE);
@@ -162,17 +163,57 @@ void page_setup(void)
     }
     if (!limits)
         return;
-    usage = map(dir, "usage", sizeof *usage, 1);
+    size_t full = sizeof *usage + sizeof *drv;  /* (an older cgpud's page ends at struct cgpu_usage) */
+    usage = map_least(dir, "usage", full, sizeof *usage, &got, 1);
+    drv = usage && got == full ? (struct cgpu_usage_driver *)(usage + 1) : NULL;
     if (usage && (usage->magic != CGPU_MAGIC || usage->version != CGPU_VERSION)) {
         snprintf(why, sizeof why, "%s/usage is not a cgpud usage page of this version", dir);
         usage = NULL;
     }
     if (!usage) {
         limits = NULL;
+        drv = NULL;
         return;
     }
     why[0] = 0;
     has_uuids = limits && uuids_in_page();
+}
+
+/* ---- set up: the driver loaded, then the pages ---------------------------------------------- */
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+static int set_up;  /* setup has run (read without pthread_once's call on the allocators' path) */
+void (*cgpu_on_fork)(void);
+
+static pthread_once_t pages_once = PTHREAD_ONCE_INIT;
+
+/* The pages alone, without loading the driver: what ioctl's filter needs (it may run inside the
+ * real NVML, which must not be made to load libcuda from there). */
+int pages_ready(void)
+{
+    pthread_once(&pages_once, page_setup);
+    return limits != NULL;
+}
+
+static void setup(void)
+{
+    driver_load();
+    pthread_once(&pages_once, page_setup);
+    if (asked && cgpu_on_fork)
+        pthread_atfork(NULL, NULL, cgpu_on_fork);
+    __atomic_store_n(&set_up, 1, __ATOMIC_RELEASE);
+}
+
+void setup_once(void)
+{
+    pthread_once(&once, setup);
+}
+
+int isolated(void)
+{
+    if (__builtin_expect(!__atomic_load_n(&set_up, __ATOMIC_ACQUIRE), 0))
+        pthread_once(&once, setup);
+    return limits != NULL;
 }
 
 /* At exit the driver frees what the process held: so does its page. */

@@ -44,7 +44,7 @@ enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
 enum { STATUS_NONE = 0, STATUS_ACTIVE = 1, STATUS_INVALIDATED = 2 };
 enum { ILLEGAL_STATE = 401, CAPTURE_UNSUPPORTED = 900, CAPTURE_INVALIDATED = 901, CAPTURE_WRONG_THREAD = 908 };
 
-struct graph { unsigned magic; size_t n, cap; uint64_t *us; int dev; };
+struct graph { unsigned magic; size_t n, cap; uint64_t *us; int dev; uint64_t on_card; };  /* on_card: an executable graph's driver memory */
 struct stream {
     unsigned magic, flags;
     int capturing, mode, invalid;  /* capturing: its capture's status; mode: the one it was begun with */
@@ -88,6 +88,7 @@ static void end_capture(struct stream *st)  /* (lock held) */
 
 static void graph_free(struct graph *g)
 {
+    stub_driver_memory(g->dev, -(int64_t)g->on_card);
     g->magic = 0;
     free(g->us);
     free(g);
@@ -307,6 +308,15 @@ CUresult cuGraphInstantiateWithFlags(struct graph **exec, struct graph *g, unsig
         free(e);
         return STUB_OUT_OF_MEMORY;
     }
+    /* the driver's own memory for it: CGPU_STUB_GRAPH_KIB (70 MiB, what one captured PyTorch graph
+     * took on the H100 beyond its allocations), none left on the card: out of memory */
+    uint64_t bytes = stub_growth("GRAPH", 70 << 10);
+    if (stub_driver_memory(e->dev, (int64_t)bytes)) {
+        free(e->us);
+        free(e);
+        return STUB_OUT_OF_MEMORY;
+    }
+    e->on_card = bytes;
     *exec = e;
     return STUB_OK;
 }

@@ -36,6 +36,8 @@ struct module {
     struct symbol *syms;
     int nsyms;
     struct library *library;  /* a library's module: unloaded with it */
+    int dev;                  /* the card its code is on */
+    uint64_t on_card;         /* the driver's memory it holds there: its image, its functions loaded */
 };
 struct library { unsigned magic; struct module *module; };
 struct function {
@@ -43,6 +45,7 @@ struct function {
     struct module *module;
     const char *name;
     int max_dynamic_shared, cache_config;
+    int loaded;  /* launched once: its code is on the card (lazy loading, CUDA 12.2's default) */
 };
 struct kernel { unsigned magic; struct library *library; struct function *function; };
 
@@ -207,6 +210,7 @@ static CUresult read_fatbin(struct module *m, const unsigned char *p)
 
 static void free_module(struct module *m)
 {
+    stub_driver_memory(m->dev, -(int64_t)m->on_card);  /* (its code leaves the card) */
     for (int i = 0; i < m->nsyms; i++) free(m->syms[i].name);
     free(m->syms);
     m->magic = 0;
@@ -241,6 +245,13 @@ static CUresult load(struct module **out, const void *image)
     if (r) {
         free_module(m);
         return r;
+    }
+    m->dev = stub_current_device();  /* the image on the card: a few MiB of the driver's own */
+    m->on_card = stub_growth("LOAD", 2048);
+    if (stub_driver_memory(m->dev, (int64_t)m->on_card)) {
+        m->on_card = 0;
+        free_module(m);
+        return STUB_OUT_OF_MEMORY;
     }
     m->magic = MOD_MAGIC;
     *out = m;
@@ -526,10 +537,38 @@ CUresult cuFuncGetModule(struct module **m, struct function *f)
 CUresult cuFuncIsLoaded(int *state, struct function *f)
 {
     if (!state) return STUB_INVALID_VALUE;
-    *state = 1;  /* CU_FUNCTION_LOADING_STATE_LOADED */
-    return stub_function_valid(f) ? STUB_OK : STUB_INVALID_HANDLE;
+    pthread_mutex_lock(&lock);
+    struct function *fn = kernel_function(f);
+    if (fn) *state = fn->loaded ? 1 : 0;  /* CU_FUNCTION_LOADING_STATE_LOADED, _UNLOADED */
+    pthread_mutex_unlock(&lock);
+    return fn ? STUB_OK : STUB_INVALID_HANDLE;
 }
-CUresult cuFuncLoad(struct function *f) { return stub_function_valid(f) ? STUB_OK : STUB_INVALID_HANDLE; }
+CUresult cuFuncLoad(struct function *f)
+{
+    return stub_function_valid(f) ? stub_function_loaded(f) : STUB_INVALID_HANDLE;
+}
+
+/* Lazy loading: a function's code is put on the card at its first launch, CGPU_STUB_LAZY_KIB
+ * (2 MiB; a cuBLAS-like library's first use loads some 33 of them: +66 MiB on the H100) of the
+ * driver's own memory, held with its module's; no room on the card: CUDA_ERROR_OUT_OF_MEMORY, as
+ * the real driver answers a launch it cannot load. An unknown handle is the launch's to refuse. */
+CUresult stub_function_loaded(const void *h)
+{
+    pthread_mutex_lock(&lock);
+    struct function *f = kernel_function(h);
+    CUresult r = STUB_OK;
+    if (f && !f->loaded) {
+        uint64_t bytes = stub_growth("LAZY", 2048);
+        if (stub_driver_memory(f->module->dev, (int64_t)bytes))
+            r = STUB_OUT_OF_MEMORY;
+        else {
+            f->loaded = 1;
+            f->module->on_card += bytes;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
 
 /* CUfunction_attribute: what a T4 kernel with no registers to speak of reports */
 static CUresult attribute(int *v, int attr, const void *h)

@@ -48,6 +48,12 @@ HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);
 HIDDEN void *stub_graphs_proc(const char *symbol, int version);
 HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in the form of the caller's CUDA version */
 HIDDEN CUresult stub_run_kernel(uint64_t us, const void *stream);   /* libcuda.c: one kernel launched into `stream` */
+/* libcuda.c: the driver's own memory for this process on card `dev` (modules' code, a graph's
+ * resources): taken from the card's free memory and shown in NVML's per-process view, as a real
+ * driver's is; 0, or -1 when the card has no room. `delta` < 0 gives it back. */
+HIDDEN int stub_driver_memory(int dev, int64_t delta);
+/* its growth per event, CGPU_STUB_<name>_KIB or `kib` (the H100's figures, issue 28) */
+HIDDEN uint64_t stub_growth(const char *name, uint64_t kib);
 
 /* cuda_exec.c: the card's executor (queues per stream, one kernel at a time, time-sliced contexts) */
 /* a kernel of `us` µs into `stream` (NULL: the legacy stream; 2: the thread's) on card `dev`; blocks
@@ -67,4 +73,6 @@ HIDDEN void stub_exec_overwritten(int dev, uint64_t seq);
 HIDDEN int stub_function_valid(const void *f);
 HIDDEN CUresult stub_module_function(void **f, void *module, const char *name);  /* cuModuleGetFunction's */
 HIDDEN int stub_find_global(CUdeviceptr p, size_t n);  /* [p, p + n) inside a module's global: 0, else -1 */
+/* a launch of function (or kernel) `f`: its code loaded onto the card at its first (lazy loading) */
+HIDDEN CUresult stub_function_loaded(const void *f);
 #endif

@@ -53,6 +53,7 @@ enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALI
        NOT_FOUND = 500 };
 
 static int inited;
+static int memory_is_free(void);
 /* This process's allocations and VMM handles, hashed by pointer (open addressing, linear probing):
  * host: not on the card; vmm: a cuMemCreate handle, whose memory lives while it has references
  * (cuMemCreate's, cuMemRetainAllocationHandle's, less cuMemRelease's) or mappings. */
@@ -312,6 +313,22 @@ static CUresult context_memory(CUdevice d)
     paid[d] = 1;
     return OK;
 }
+/* The driver's memory grows after a context is made, through no allocation call (issue 28, on
+ * an H100: +66 MiB at cuBLAS's first matmul, its kernels loaded lazily; +70 MiB at a graph's
+ * instantiation; a few MiB at a library's or module's load): cuda_modules.c and cuda_graphs.c take
+ * it here, from the card, into the process's record (NVML's per-process view). */
+int stub_driver_memory(int dev, int64_t delta)
+{
+    if (!delta || memory_is_free()) return 0;
+    return card_of(dev, delta, NULL);
+}
+uint64_t stub_growth(const char *name, uint64_t kib)
+{
+    char var[64];
+    snprintf(var, sizeof var, "CGPU_STUB_%s_KIB", name);
+    const char *v = getenv(var);
+    return (v && *v ? strtoull(v, NULL, 10) : kib) << 10;
+}
 /* a context is its device + 1 */
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
 {
@@ -390,9 +407,10 @@ CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name) { re
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
-    (void)f; (void)bx; (void)by; (void)bz; (void)shmem; (void)params; (void)extra;
+    (void)bx; (void)by; (void)bz; (void)shmem; (void)params; (void)extra;
     uint64_t us = (uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1);
-    CUresult r;
+    CUresult r = inited ? stub_function_loaded(f) : OK;  /* (lazy loading: its code reaches the card now) */
+    if (r) return r;
     return stub_capture_launch(stream, &us, 1, &r) ? r : run_kernel(us, stream);  /* (into a capture: recorded) */
 }
 /* (the per-thread default stream's form: its NULL is the thread's stream, CU_STREAM_PER_THREAD) */
@@ -409,10 +427,11 @@ CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsig
 typedef struct { unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes; void *hStream; } launch_config;
 CUresult cuLaunchKernelEx(const launch_config *c, CUfunction f, void **params, void **extra)
 {
-    (void)f; (void)params; (void)extra;
+    (void)params; (void)extra;
     if (!c) return INVALID_VALUE;
     uint64_t us = (uint64_t)c->gridDimX * (c->gridDimY ? c->gridDimY : 1) * (c->gridDimZ ? c->gridDimZ : 1);
-    CUresult r;
+    CUresult r = inited ? stub_function_loaded(f) : OK;
+    if (r) return r;
     return stub_capture_launch(c->hStream, &us, 1, &r) ? r : run_kernel(us, c->hStream);
 }
 CUresult cuGraphLaunch(void *exec, void *stream) { return stub_graph_launch(exec, stream); }  /* cuda_graphs.c */

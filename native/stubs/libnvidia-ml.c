@@ -22,9 +22,24 @@
  *                                 its PID plus `offset`, as NVML names a container's processes
  *                                 by the host's PIDs
  *
+ * Process lists go through the kernel driver, as the real NVML's do (issue 28, on an H100): each of them
+ * (the v1/v2/v3 functions, R550's detail list, and the private export table's process entry,
+ * nvmlInternalGetExportTable, which nvidia-smi uses) is libc's `ioctl` on the control device with
+ * NV_ESC_RM_CONTROL: NV2080_CTRL_CMD_GPU_GET_PIDS for the pids, then
+ * NV2080_CTRL_CMD_GPU_GET_PID_INFO for their memory — NVIDIA's numbers and layouts (its open kernel
+ * modules: nv_escape.h, nv-ioctl-numbers.h, nvos.h's NVOS54_PARAMETERS, ctrl2080gpu.h). There is no
+ * /dev/nvidiactl here and no CUSE to make one: the stand-in does the kernel's part (it fills the
+ * parameters from this file) and then makes the real `ioctl` call on /dev/null, whose ENOTTY it
+ * takes as the driver's answer. Whatever interposes `ioctl` (libcgpu) sees the call and, after it,
+ * the parameters exactly as the driver leaves them; only a filter that acts before the call would
+ * be fooled, and a filter has nothing to act on before the driver answers.
+ *
  * Built by tests/nvml_stub.py with gcc -shared -Wl,-soname,libnvidia-ml.so.1.
  */
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -372,10 +387,108 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(void *dev, nvmlUtilization_t *util) {
     return NVML_SUCCESS;
 }
 
+/* ---- the kernel driver's part: RM controls through ioctl --------------------------------- */
+#define NV_IOCTL_MAGIC 'F'
+#define NV_ESC_RM_CONTROL 0x2A
+typedef struct {
+    uint32_t hClient, hObject, cmd, flags;
+    uint64_t params __attribute__((aligned(8)));  /* NvP64 */
+    uint32_t paramsSize, status;
+} NVOS54_PARAMETERS;
+#define NV_RM_CONTROL _IOWR(NV_IOCTL_MAGIC, NV_ESC_RM_CONTROL, NVOS54_PARAMETERS)
+#define NV2080_CTRL_CMD_GPU_GET_PIDS 0x2080018dU
+#define NV2080_CTRL_CMD_GPU_GET_PID_INFO 0x2080018eU
+#define NV2080_CTRL_GPU_GET_PIDS_MAX_COUNT 950
+#define NV2080_CTRL_GPU_GET_PID_INFO_MAX_COUNT 200
+#define NV2080_CTRL_GPU_GET_PIDS_ID_TYPE_CLASS 0
+#define NV2080_CTRL_GPU_PID_INFO_INDEX_VIDEO_MEMORY_USAGE 0
+#define NV_OK 0
+#define NV_ERR_INVALID_ARGUMENT 0x1f
+#define NV_ERR_INVALID_OBJECT_HANDLE 0x33
+typedef struct {
+    uint32_t idType, id, pidTblCount;
+    uint32_t pidTbl[NV2080_CTRL_GPU_GET_PIDS_MAX_COUNT];
+} NV2080_CTRL_GPU_GET_PIDS_PARAMS;
+typedef struct {
+    uint32_t pid, index, result;
+    struct { uint64_t memPrivate, memSharedOwned, memSharedDuped, protectedMemPrivate, protectedMemSharedOwned,
+             protectedMemSharedDuped; } data __attribute__((aligned(8)));
+    struct { uint32_t computeInstanceId, gpuInstanceId; } smcSubscription;
+} NV2080_CTRL_GPU_PID_INFO;
+typedef struct {
+    uint32_t pidInfoListCount;
+    NV2080_CTRL_GPU_PID_INFO pidInfoList[NV2080_CTRL_GPU_GET_PID_INFO_MAX_COUNT] __attribute__((aligned(8)));
+} NV2080_CTRL_GPU_GET_PID_INFO_PARAMS;
+_Static_assert(sizeof(NVOS54_PARAMETERS) == 32, "nvos.h's NVOS54_PARAMETERS");
+_Static_assert(sizeof(NV2080_CTRL_GPU_PID_INFO) == 72, "ctrl2080gpu.h's NV2080_CTRL_GPU_PID_INFO");
+
+/* The classes whose clients' processes GET_PIDS lists: a T4's compute and 3D classes (cl2080.h's
+ * TURING_COMPUTE_A, TURING_A); MPS clients by the stand-in's own id. */
+enum { CLASS_COMPUTE = 0xc5c0, CLASS_GRAPHICS = 0xc597, CLASS_MPS = 0x90f1 };
+#define SUBDEVICE(i) (0x5c000000u | (unsigned)(i))  /* the subdevice handle of GPU i */
+#define CLIENT 0xc1d00001u
+
+/* The kernel's answer to an RM control, from the scripted file. */
+static void rm_kernel(NVOS54_PARAMETERS *p) {
+    unsigned i = p->hObject & 0xffff;
+    p->status = NV_OK;
+    if ((p->hObject & 0xffff0000u) != 0x5c000000u || i >= MAX_GPUS || !cfg.gpus[i].present) {
+        p->status = NV_ERR_INVALID_OBJECT_HANDLE;
+        return;
+    }
+    if (p->cmd == NV2080_CTRL_CMD_GPU_GET_PIDS && p->paramsSize == sizeof(NV2080_CTRL_GPU_GET_PIDS_PARAMS)) {
+        NV2080_CTRL_GPU_GET_PIDS_PARAMS *q = (void *)(uintptr_t)p->params;
+        int kind = q->id == CLASS_COMPUTE ? COMPUTE : q->id == CLASS_GRAPHICS ? GRAPHICS
+                 : q->id == CLASS_MPS ? MPS : -1;
+        if (q->idType != NV2080_CTRL_GPU_GET_PIDS_ID_TYPE_CLASS || kind < 0) {
+            p->status = NV_ERR_INVALID_ARGUMENT;
+            return;
+        }
+        q->pidTblCount = 0;
+        for (int k = 0; k < cfg.nprocs && q->pidTblCount < NV2080_CTRL_GPU_GET_PIDS_MAX_COUNT; k++)
+            if (cfg.procs[k].gpu == i && cfg.procs[k].kind == kind)
+                q->pidTbl[q->pidTblCount++] = cfg.procs[k].pid;
+    } else if (p->cmd == NV2080_CTRL_CMD_GPU_GET_PID_INFO
+               && p->paramsSize == sizeof(NV2080_CTRL_GPU_GET_PID_INFO_PARAMS)) {
+        NV2080_CTRL_GPU_GET_PID_INFO_PARAMS *q = (void *)(uintptr_t)p->params;
+        if (q->pidInfoListCount > NV2080_CTRL_GPU_GET_PID_INFO_MAX_COUNT) {
+            p->status = NV_ERR_INVALID_ARGUMENT;
+            return;
+        }
+        for (unsigned e = 0; e < q->pidInfoListCount; e++) {
+            NV2080_CTRL_GPU_PID_INFO *x = &q->pidInfoList[e];
+            memset(&x->data, 0, sizeof x->data);
+            x->result = NV_ERR_INVALID_ARGUMENT;  /* (a pid with nothing on this GPU) */
+            for (int k = 0; k < cfg.nprocs && x->index == NV2080_CTRL_GPU_PID_INFO_INDEX_VIDEO_MEMORY_USAGE; k++)
+                if (cfg.procs[k].gpu == i && cfg.procs[k].pid == x->pid) {
+                    x->data.memPrivate += cfg.procs[k].bytes;
+                    x->result = NV_OK;
+                }
+            x->smcSubscription.computeInstanceId = x->smcSubscription.gpuInstanceId = 0xFFFFFFFFu;
+        }
+    } else
+        p->status = NV_ERR_INVALID_ARGUMENT;
+}
+
+/* An RM control on GPU i's subdevice: the kernel's part, then the real ioctl call (see the top). */
+static uint32_t rm_control(unsigned i, uint32_t cmd, void *params, uint32_t size) {
+    static int ctl = -1;
+    if (ctl < 0)
+        ctl = open("/dev/null", O_RDWR | O_CLOEXEC);
+    NVOS54_PARAMETERS p = {CLIENT, SUBDEVICE(i), cmd, 0, (uint64_t)(uintptr_t)params, size, 0};
+    rm_kernel(&p);
+    if (ioctl(ctl, NV_RM_CONTROL, &p) < 0) { /* (ENOTTY: /dev/null is not the driver; its part is done) */ }
+    return p.status;
+}
+
+static nvmlReturn_t list_pids(unsigned gi, int kind, NV2080_CTRL_GPU_GET_PIDS_PARAMS *pp,
+                              NV2080_CTRL_GPU_GET_PID_INFO_PARAMS *ip, unsigned int *count, void *infos, size_t size);
+
 /* The processes of one kind on GPU g, as the driver lists them: with too small a buffer (or
  * none), NVML_ERROR_INSUFFICIENT_SIZE and how many there are; none at all is NVML_SUCCESS with 0.
  * `size` is the caller's struct (v1: pid and memory; v2 and v3: also the GPU and compute
- * instance, NVML_VALUE_NOT_AVAILABLE without MIG). */
+ * instance, NVML_VALUE_NOT_AVAILABLE without MIG). The pids come from GET_PIDS, their memory from
+ * GET_PID_INFO: a pid the first left out is not there. */
 static nvmlReturn_t list_procs(void *dev, const char *fn, int kind, unsigned int *count, void *infos, size_t size) {
     nvmlReturn_t rc;
     struct gpu *g = device(dev, fn, &rc);
@@ -383,10 +496,31 @@ static nvmlReturn_t list_procs(void *dev, const char *fn, int kind, unsigned int
         return rc;
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
-    unsigned int n = 0;
-    for (int k = 0; k < cfg.nprocs; k++)
-        if (&cfg.gpus[cfg.procs[k].gpu] == g && cfg.procs[k].kind == kind)
-            n++;
+    unsigned gi = (unsigned)(g - cfg.gpus);
+    struct { NV2080_CTRL_GPU_GET_PIDS_PARAMS pids; NV2080_CTRL_GPU_GET_PID_INFO_PARAMS info; } *q;
+    q = calloc(1, sizeof *q);
+    if (!q)
+        return NVML_ERROR_UNKNOWN;
+    rc = list_pids(gi, kind, &q->pids, &q->info, count, infos, size);
+    free(q);
+    return rc;
+}
+
+static nvmlReturn_t list_pids(unsigned gi, int kind, NV2080_CTRL_GPU_GET_PIDS_PARAMS *pp,
+                              NV2080_CTRL_GPU_GET_PID_INFO_PARAMS *ip, unsigned int *count, void *infos, size_t size) {
+    pp->idType = NV2080_CTRL_GPU_GET_PIDS_ID_TYPE_CLASS;
+    pp->id = kind == COMPUTE ? CLASS_COMPUTE : kind == GRAPHICS ? CLASS_GRAPHICS : CLASS_MPS;
+    if (rm_control(gi, NV2080_CTRL_CMD_GPU_GET_PIDS, pp, sizeof *pp) != NV_OK)
+        return NVML_ERROR_UNKNOWN;
+    unsigned n = pp->pidTblCount < NV2080_CTRL_GPU_GET_PID_INFO_MAX_COUNT ? pp->pidTblCount
+                                                                          : NV2080_CTRL_GPU_GET_PID_INFO_MAX_COUNT;
+    ip->pidInfoListCount = n;
+    for (unsigned k = 0; k < n; k++) {
+        ip->pidInfoList[k].pid = pp->pidTbl[k];
+        ip->pidInfoList[k].index = NV2080_CTRL_GPU_PID_INFO_INDEX_VIDEO_MEMORY_USAGE;
+    }
+    if (n && rm_control(gi, NV2080_CTRL_CMD_GPU_GET_PID_INFO, ip, sizeof *ip) != NV_OK)
+        return NVML_ERROR_UNKNOWN;
     if (n == 0) {
         *count = 0;
         return NVML_SUCCESS;
@@ -395,20 +529,60 @@ static nvmlReturn_t list_procs(void *dev, const char *fn, int kind, unsigned int
         *count = n;
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
-    unsigned int j = 0;
-    for (int k = 0; k < cfg.nprocs; k++) {
-        struct proc *p = &cfg.procs[k];
-        if (&cfg.gpus[p->gpu] != g || p->kind != kind)
-            continue;
+    for (unsigned k = 0; k < n; k++) {
+        unsigned int pid = ip->pidInfoList[k].pid;
+        unsigned long long bytes = ip->pidInfoList[k].result == NV_OK ? ip->pidInfoList[k].data.memPrivate : 0;
         if (size == sizeof(nvmlProcessInfo_v1_t))
-            ((nvmlProcessInfo_v1_t *)infos)[j++] = (nvmlProcessInfo_v1_t){p->pid, p->bytes};
+            ((nvmlProcessInfo_v1_t *)infos)[k] = (nvmlProcessInfo_v1_t){pid, bytes};
         else if (size == sizeof(nvmlProcessInfo_t))
-            ((nvmlProcessInfo_t *)infos)[j++] = (nvmlProcessInfo_t){p->pid, p->bytes, 0xFFFFFFFFu, 0xFFFFFFFFu};
+            ((nvmlProcessInfo_t *)infos)[k] = (nvmlProcessInfo_t){pid, bytes, 0xFFFFFFFFu, 0xFFFFFFFFu};
         else
-            ((nvmlProcessDetail_v1_t *)infos)[j++] = (nvmlProcessDetail_v1_t){p->pid, p->bytes, 0xFFFFFFFFu,
-                                                                              0xFFFFFFFFu, 0};
+            ((nvmlProcessDetail_v1_t *)infos)[k] = (nvmlProcessDetail_v1_t){pid, bytes, 0xFFFFFFFFu, 0xFFFFFFFFu, 0};
     }
     *count = n;
+    return NVML_SUCCESS;
+}
+
+/* nvidia-smi's way to the process list (issue 28, on an H100): not an exported name but the private table
+ * nvmlInternalGetExportTable gives for an id. The real table's layout is NVIDIA's own; the
+ * stand-in's is {size, the compute processes of a device (v2's entries), the memory of one pid on
+ * a device (GET_PID_INFO asked directly)}, under its own id. */
+static nvmlReturn_t table_procs(void *dev, unsigned int *count, nvmlProcessInfo_t *infos) {
+    return list_procs(dev, "nvmlInternalGetExportTable", COMPUTE, count, infos, sizeof *infos);
+}
+static nvmlReturn_t table_pid_memory(void *dev, unsigned int pid, unsigned long long *bytes) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, "nvmlInternalGetExportTable", &rc);
+    if (!g)
+        return rc;
+    if (!bytes)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    NV2080_CTRL_GPU_GET_PID_INFO_PARAMS *q = calloc(1, sizeof *q);
+    if (!q)
+        return NVML_ERROR_UNKNOWN;
+    q->pidInfoListCount = 1;
+    q->pidInfoList[0].pid = pid;
+    q->pidInfoList[0].index = NV2080_CTRL_GPU_PID_INFO_INDEX_VIDEO_MEMORY_USAGE;
+    rc = rm_control((unsigned)(g - cfg.gpus), NV2080_CTRL_CMD_GPU_GET_PID_INFO, q, sizeof *q) != NV_OK
+             ? NVML_ERROR_UNKNOWN : q->pidInfoList[0].result != NV_OK ? NVML_ERROR_NOT_FOUND : NVML_SUCCESS;
+    *bytes = rc == NVML_SUCCESS ? q->pidInfoList[0].data.memPrivate : 0;
+    free(q);
+    return rc;
+}
+static const struct {
+    size_t size;
+    nvmlReturn_t (*compute_procs)(void *, unsigned int *, nvmlProcessInfo_t *);
+    nvmlReturn_t (*pid_memory)(void *, unsigned int, unsigned long long *);
+} TABLE = {sizeof TABLE, table_procs, table_pid_memory};
+static const unsigned char TABLE_ID[16] = "cgpud-nvml-procs";
+nvmlReturn_t nvmlInternalGetExportTable(const void **table, const void *id) {
+    if (!table || !id)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (memcmp(id, TABLE_ID, sizeof TABLE_ID)) {
+        *table = NULL;
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    *table = &TABLE;
     return NVML_SUCCESS;
 }
 

@@ -1,0 +1,311 @@
+"""What the DRA driver publishes and prepares (docs/kubernetes.md, DRA mode). Pure:
+the daemon's `query` answer and the API server's objects in, objects and
+decisions out; the plugin (cgpud.k8s.draplugin) does the I/O.
+
+- `resource_slices`: the node's ResourceSlices (resource.k8s.io/v1): one
+  device per GPU, `gpu-<index>`, with attributes uuid, model, index,
+  memoryUnit (bytes) and kind, and the capacity `memory`: the GPU's whole
+  units in bytes, shared by several claims (allowMultipleAllocations,
+  KEP-5075) in steps of the node's unit (requestPolicy: 1 GiB, 128 MiB on a
+  `share` node); and one device per memory unit, `gpu-<index>-unit-<j>`, for
+  `aliyun.com/gpu-mem: N` (KEP-5004 allocates N devices); both kinds draw on
+  the GPU's counter (KEP-4815), so a GPU never gives more than it has.
+- `plan`: an allocated ResourceClaim → per request, the GPUs and bytes on each,
+  and the weight and high priority of its opaque configuration
+  (`GpuConfig`), or DraError saying why.
+- `environment`: a request's share → the environment the node's hook and
+  `cgpu-runtime` read (ALIYUN_COM_GPU_MEM_IDX, _CONTAINER in the node's
+  units GPU by GPU, _POD, NVIDIA_VISIBLE_DEVICES, ALIYUN_COM_GPU_SCHD_WEIGHT,
+  ALIYUN_COM_GPU_HIGH_PRIO), as the device plugin's Allocate gives it.
+- `cdi_spec`: a claim's CDI spec (one CDI device per request, each carrying
+  its environment), what the kubelet hands the runtime by name.
+- `node_views`: the cluster's slices and claims → `kubectl inspect cgpu`'s
+  nodes (cgpud.observe.inspect's shape), in each node's units.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+
+from cgpud.containers import envspec
+from cgpud.core.model import MAX_INST
+
+DRIVER = "cgpu.aliyun.com"
+CONFIG_API_VERSION = "cgpu.aliyun.com/v1"
+CONFIG_KIND = "GpuConfig"
+CDI_VENDOR_CLASS = "cgpu.aliyun.com/gpu"
+CDI_VERSION = "0.6.0"
+CAPACITY = "memory"
+
+
+class DraError(ValueError):
+    """A claim that cannot be prepared; str() is the one line the kubelet puts on the pod."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    model: str
+    memory: int  # bytes
+
+    def units(self, unit: int) -> int:
+        return self.memory // unit
+
+
+def gpus_from_query(snapshot: dict) -> list[Gpu]:
+    return [Gpu(int(g["index"]), str(g["uuid"]), str(g.get("name", "")), int(g["memory"]))
+            for g in snapshot.get("gpus", [])]
+
+
+KIND_GPU, KIND_UNIT = "gpu", "memory-unit"  # the attribute `kind` the two DeviceClasses select on
+PER_SLICE = 64  # devices per slice when they consume counters (ResourceSliceMaxDevicesWithAdvancedFeatures)
+COUNTER_SETS_PER_SLICE = 8  # (ResourceSliceMaxCounterSets)
+
+
+def device_name(index: int, unit: int | None = None) -> str:
+    return f"gpu-{index}" if unit is None else f"gpu-{index}-unit-{unit}"
+
+
+def parse_device(name: str) -> tuple[int, bool] | None:
+    """(GPU index, a memory unit?) of one of our device names, else None."""
+    m = re.fullmatch(r"gpu-(\d+)(-unit-\d+)?", name or "")
+    return (int(m[1]), bool(m[2])) if m else None
+
+
+def slice_name(node: str, k: int = 0) -> str:
+    return f"{node}-{DRIVER}-{k}"
+
+
+def devices(gpus: list[Gpu], unit: int) -> list[dict]:
+    """Each GPU as a device claims share by memory (capacity `memory`, KEP-5075), then each of its
+    memory units as a device of its own (what `aliyun.com/gpu-mem: N` is allocated as: N devices,
+    KEP-5004). Both draw on the GPU's counter `memory`: the GPU device takes all of it at its first
+    claim, a unit device one unit, so a GPU serves claims or units at a time, never both over."""
+    out = []
+    for g in gpus:
+        attrs = {"uuid": {"string": g.uuid}, "model": {"string": g.model}, "index": {"int": g.index},
+                 "memoryUnit": {"int": unit}}
+        whole = g.units(unit) * unit
+        out.append({
+            "name": device_name(g.index), "allowMultipleAllocations": True,
+            "attributes": {**attrs, "kind": {"string": KIND_GPU}},
+            "capacity": {CAPACITY: {"value": str(whole), "requestPolicy": {
+                "default": str(unit), "validRange": {"min": str(unit), "step": str(unit)}}}},
+            "consumesCounters": [{"counterSet": device_name(g.index), "counters": {CAPACITY: {"value": str(whole)}}}],
+        })
+    for g in gpus:
+        attrs = {"uuid": {"string": g.uuid}, "model": {"string": g.model}, "index": {"int": g.index},
+                 "memoryUnit": {"int": unit}, "kind": {"string": KIND_UNIT}}
+        out += [{"name": device_name(g.index, j), "attributes": attrs,
+                 "consumesCounters": [{"counterSet": device_name(g.index), "counters": {CAPACITY: {"value": str(unit)}}}]}
+                for j in range(g.units(unit))]
+    return out
+
+
+def resource_slices(node: str, gpus: list[Gpu], unit: int, generation: int = 1) -> list[dict]:
+    """The node's ResourceSlices, one pool named after the node: the GPUs' counters first (a slice
+    holds counters or devices, not both), then the devices, at most PER_SLICE a slice."""
+    counters = [{"name": device_name(g.index), "counters": {CAPACITY: {"value": str(g.units(unit) * unit)}}}
+                for g in gpus]
+    devs = devices(gpus, unit)
+    parts = [{"sharedCounters": counters[i:i + COUNTER_SETS_PER_SLICE]}
+             for i in range(0, len(counters), COUNTER_SETS_PER_SLICE)]
+    parts += [{"devices": devs[i:i + PER_SLICE]} for i in range(0, len(devs), PER_SLICE)]
+    return [{
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+        "metadata": {"name": slice_name(node, k)},
+        "spec": {"driver": DRIVER, "nodeName": node,
+                 "pool": {"name": node, "generation": generation, "resourceSliceCount": len(parts)}, **part},
+    } for k, part in enumerate(parts)]
+
+
+def quantity(text) -> int:
+    """A resource.Quantity (`3Gi`, `3221225472`, `1.5Gi`) as whole bytes, or DraError."""
+    suffixes = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+                "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18, "": 1}
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][-+]?[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|)\s*", str(text))
+    try:
+        value = Decimal(m.group(1)) * suffixes[m.group(2)] if m else None
+    except InvalidOperation:
+        value = None
+    if value is None or value != value.to_integral_value():
+        raise DraError(f"capacity {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+@dataclass
+class Share:
+    """What one request of a claim got on this node: bytes on each of its GPUs, in the order the
+    scheduler allocated them, with the configuration that applies to it."""
+
+    request: str
+    gpus: list[tuple[int, int]] = field(default_factory=list)  # (GPU index, bytes)
+    weight: int = 1
+    highprio: bool = False
+
+    def as_dict(self) -> dict:
+        return {"request": self.request, "gpus": [list(g) for g in self.gpus], "weight": self.weight,
+                "highprio": self.highprio}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Share":
+        return cls(d["request"], [(int(i), int(b)) for i, b in d["gpus"]], int(d["weight"]), bool(d["highprio"]))
+
+
+def _config(parameters, where: str) -> dict:
+    """An opaque configuration of ours: {apiVersion, kind, weight?, highPriority?}, checked."""
+    if not isinstance(parameters, dict) or parameters.get("apiVersion") != CONFIG_API_VERSION \
+            or parameters.get("kind") != CONFIG_KIND:
+        raise DraError(f"{where}: opaque parameters for {DRIVER} must be apiVersion: {CONFIG_API_VERSION}, "
+                       f"kind: {CONFIG_KIND}")
+    unknown = set(parameters) - {"apiVersion", "kind", "weight", "highPriority"}
+    if unknown:
+        raise DraError(f"{where}: {CONFIG_KIND} has no field {sorted(unknown)[0]!r} (weight, highPriority)")
+    out = {}
+    if "weight" in parameters:
+        w = parameters["weight"]
+        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_INST[1]:
+            raise DraError(f"{where}: weight {w!r} is not a whole number from 1 to {MAX_INST[1]}")
+        out["weight"] = w
+    if "highPriority" in parameters:
+        if not isinstance(parameters["highPriority"], bool):
+            raise DraError(f"{where}: highPriority {parameters['highPriority']!r} is not true or false")
+        out["highprio"] = parameters["highPriority"]
+    return out
+
+
+def plan(claim: dict, node: str, gpus: list[Gpu], unit: int) -> list[Share]:
+    """The shares of an allocated claim on this node's GPUs, one per request; DraError when the
+    claim is not allocated here or asks what cannot be given."""
+    meta = claim.get("metadata") or {}
+    who = f"ResourceClaim {meta.get('namespace')}/{meta.get('name')}"
+    devices = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {})
+    results = [r for r in devices.get("results") or () if r.get("driver") == DRIVER]
+    if not results:
+        raise DraError(f"{who} has no device of {DRIVER} allocated")
+    by_index = {g.index: g for g in gpus}
+    shares: dict[str, Share] = {}
+    units_seen: set[str] = set()
+    for r in results:
+        if r.get("pool") != node:
+            raise DraError(f"{who}: device {r.get('device')} is of pool {r.get('pool')!r}, not this node's ({node})")
+        parsed = parse_device(r.get("device"))
+        gpu = by_index.get(parsed[0]) if parsed else None
+        if gpu is None or (parsed[1] and int(r["device"].rsplit("-", 1)[1]) >= gpu.units(unit)):
+            raise DraError(f"{who}: device {r.get('device')!r} is not one of this node's GPUs or their units "
+                           f"(GPUs {', '.join(str(i) for i in sorted(by_index)) or 'none'})")
+        whole = gpu.units(unit) * unit
+        share = shares.setdefault(r["request"], Share(r["request"]))
+        if parsed[1]:  # a memory unit (aliyun.com/gpu-mem through the DeviceClass): one unit of its GPU
+            if r["device"] in units_seen:
+                raise DraError(f"{who}: unit {r['device']} was given twice")
+            units_seen.add(r["device"])
+            have = dict(share.gpus)
+            have[gpu.index] = have.get(gpu.index, 0) + unit
+            share.gpus = list(have.items())
+            continue
+        consumed = (r.get("consumedCapacity") or {}).get(CAPACITY)
+        size = quantity(consumed) if consumed is not None else whole  # a device allocated whole
+        if size <= 0 or size % unit or size > whole:
+            raise DraError(f"{who}: {size} bytes of GPU {gpu.index} is not a whole number of the node's "
+                           f"{unit}-byte units from 1 to {gpu.units(unit)}")
+        if any(i == gpu.index for i, _ in share.gpus):
+            raise DraError(f"{who}: request {r['request']} was given GPU {gpu.index} twice")
+        share.gpus.append((gpu.index, size))
+    for n, c in enumerate(devices.get("config") or ()):  # the class's first, then the claim's: later wins
+        opaque = c.get("opaque") or {}
+        if opaque.get("driver") != DRIVER:
+            continue
+        settings = _config(opaque.get("parameters"), f"{who}, config {n}")
+        for name, share in shares.items():
+            if not c.get("requests") or name in c["requests"] or name.split("/")[0] in c["requests"]:
+                share.weight = settings.get("weight", share.weight)
+                share.highprio = settings.get("highprio", share.highprio)
+    return list(shares.values())
+
+
+def environment(share: Share, gpus: list[Gpu], unit: int) -> dict[str, str]:
+    """The container's environment for a share, in the node's units (what the hook reads)."""
+    by_index = {g.index: g for g in gpus}
+    units = [b // unit for _, b in share.gpus]
+    env = {
+        envspec.NVIDIA: ",".join(by_index[i].uuid for i, _ in share.gpus),
+        envspec.MEM_IDX: ",".join(str(i) for i, _ in share.gpus),
+        envspec.MEM_CONTAINER: ",".join(map(str, units)) if len(set(units)) > 1 else str(units[0]),
+        envspec.MEM_POD: str(sum(units)),
+    }
+    if share.weight != 1:
+        env[envspec.WEIGHT] = str(share.weight)
+    if share.highprio:
+        env[envspec.HIGH_PRIO] = "1"
+    return env
+
+
+def cdi_device(claim_uid: str, request: str) -> str:
+    """The CDI device name of a claim's request (CDI allows letters, digits, _ - . :)."""
+    return f"{claim_uid}-{re.sub(r'[^A-Za-z0-9_.:-]', '.', request)}"
+
+
+def cdi_spec(claim_uid: str, shares: list[Share], gpus: list[Gpu], unit: int, mounts: list[str]) -> dict:
+    """The claim's CDI spec: a device per request whose edits set its environment; `mounts` (the
+    daemon's socket directory) are bound into every container of the claim."""
+    return {
+        "cdiVersion": CDI_VERSION, "kind": CDI_VENDOR_CLASS,
+        "devices": [{"name": cdi_device(claim_uid, s.request),
+                     "containerEdits": {"env": [f"{k}={v}" for k, v in sorted(environment(s, gpus, unit).items())]}}
+                    for s in shares],
+        "containerEdits": {"mounts": [{"hostPath": m, "containerPath": m, "options": ["rbind", "rw"]}
+                                      for m in mounts]},
+    }
+
+
+def node_views(slices: list[dict], claims: list[dict]) -> list[dict]:
+    """Each node of our driver's slices with what its claims hold on each GPU, in the node's units:
+    `kubectl inspect cgpu` in DRA mode (a node's GPUs from their devices, a claim's share from its
+    allocation: consumed capacity, or one unit per unit device). A claim is shown by the pods it is
+    reserved for (its own name while it is reserved for none)."""
+    nodes: dict[str, dict] = {}
+    for s in slices:
+        spec = s.get("spec") or {}
+        if spec.get("driver") != DRIVER or not spec.get("nodeName"):
+            continue
+        node = nodes.setdefault(spec["pool"]["name"], {"name": spec["nodeName"], "gpus": {}, "unit": 0})
+        for d in spec.get("devices") or ():
+            attrs = d.get("attributes") or {}
+            if (attrs.get("kind") or {}).get("string") == KIND_GPU:
+                unit = int(attrs["memoryUnit"]["int"])
+                node["unit"] = unit
+                node["gpus"][int(attrs["index"]["int"])] = quantity(d["capacity"][CAPACITY]["value"]) // unit
+    views = {}
+    for pool, n in nodes.items():
+        views[pool] = {"name": n["name"], "ipaddress": "-", "unit": n["unit"],
+                       "gpus": [{"index": i, "allocated": 0, "total": t} for i, t in sorted(n["gpus"].items())],
+                       "instances": []}
+    for c in claims:
+        results = [r for r in ((((c.get("status") or {}).get("allocation") or {}).get("devices") or {})
+                               .get("results") or ()) if r.get("driver") == DRIVER and r.get("pool") in views]
+        by_pool: dict[str, dict[str, int]] = {}
+        for r in results:
+            view, parsed = views[r["pool"]], parse_device(r.get("device"))
+            if parsed is None or not view["unit"]:
+                continue
+            consumed = (r.get("consumedCapacity") or {}).get(CAPACITY)
+            units = 1 if parsed[1] else (quantity(consumed) // view["unit"] if consumed is not None else
+                                         next((g["total"] for g in view["gpus"] if g["index"] == parsed[0]), 0))
+            per = by_pool.setdefault(r["pool"], {})
+            per[str(parsed[0])] = per.get(str(parsed[0]), 0) + units
+        meta = c.get("metadata") or {}
+        users = [u.get("name") for u in (c.get("status") or {}).get("reservedFor") or () if u.get("resource") == "pods"]
+        for pool, per in by_pool.items():
+            for g in views[pool]["gpus"]:
+                g["allocated"] += per.get(str(g["index"]), 0)
+            views[pool]["instances"].append({"name": ",".join(users) or meta.get("name"),
+                                             "namespace": meta.get("namespace"), "gpus": per,
+                                             "allocated": sum(per.values())})
+    out = []
+    for v in views.values():
+        allocated, total = sum(g["allocated"] for g in v["gpus"]), sum(g["total"] for g in v["gpus"])
+        out.append({**v, "allocated": allocated, "total": total, "percent": allocated * 100 // total if total else 0})
+    return sorted(out, key=lambda v: v["name"])

@@ -1,0 +1,373 @@
+"""The cluster tier in DRA mode (issue 29; docs/kubernetes.md, docs/cluster-tests.md): the real
+kube-apiserver, kube-scheduler with its own DRA plugin and no extender, a kubelet with DRA on, and
+containerd 2.x built from its Go module (scripts/containerd-build.sh) with CDI on and `cgpu` its
+default runtime (put in by the node installer's own edit of a version 3 file); deploy/kubernetes with the DRA
+component applied; `cgpu dra-plugin` as a host process with the ServiceAccount's token; cgpud
+serving two simulated T4s (14 GiB each in the slice).
+
+Its own module and cluster (the kubelet's fixed device plugin directory is taken while
+test_cluster.py's runs). The cluster starts once for the module; the tests run in order on it and
+each removes what it made.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import NAMESPACE, NODE, REPO, SA, BUSYBOX_IMAGE, Cluster, Proc, wait_for
+from test_cluster import cgpud, container_name, running  # noqa: F401  (cgpud: the module's daemon, a fixture)
+from test_runtime import wrapper
+
+pytestmark = pytest.mark.slow
+
+GIB = 1 << 30
+DRIVER = "cgpu.aliyun.com"
+CLASS = "gpu.cgpu.aliyun.com"
+SA_USER = f"system:serviceaccount:{NAMESPACE}:{SA}"
+
+
+def containerd_bin() -> Path:
+    p = subprocess.run([REPO / "scripts" / "containerd-build.sh"], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, env=dict(os.environ, PATH=f"{os.environ.get('PATH', '')}:/usr/local/go/bin"))
+    if p.returncode != 0:
+        pytest.fail(f"scripts/containerd-build.sh failed:\n{p.stderr[-4000:]}")
+    return Path(p.stdout.strip().splitlines()[-1])
+
+
+def overlay(d: Path) -> Path:
+    """deploy/kubernetes with the DRA component, as a cluster administrator writes it."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(REPO / "deploy" / "kubernetes", d)],
+        "components": [os.path.relpath(REPO / "deploy" / "kubernetes" / "dra", d)]}))
+    return d
+
+
+def start_plugin(c: Cluster) -> Proc:
+    root = c.path("kubelet", "root")
+    c.procs["dra-plugin"] = Proc("dra-plugin", [
+        c._cgpu(), "--socket", c.daemon.socket, "dra-plugin", "--node-name", NODE,
+        "--registry-dir", root / "plugins_registry", "--plugin-dir", root / "plugins" / DRIVER,
+        "--cdi-dir", c.path("cdi"), "--state-dir", c.path("dra-state"), "--refresh", "0.5"],
+        c.path("dra-plugin.log"), env={"KUBECONFIG": os.fspath(c.sa_kubeconfig)}).start()
+    return c.procs["dra-plugin"]
+
+
+@pytest.fixture(scope="module")
+def cluster(cgpud):
+    c = Cluster(cgpud, wrapper(), containerd_bins=containerd_bin(), dra=True).start()
+    try:
+        c.deploy(["-k", os.fspath(overlay(c.path("overlay")))], device_plugin=False, extender=False)
+        # the resourceclaim controller takes a deleted pod off its claim's reservedFor (and frees it)
+        c.start_controller_manager("resourceclaim-controller,statefulset-controller,serviceaccount-controller,"
+                                   "serviceaccount-token-controller,garbage-collector-controller")
+        start_plugin(c)
+        yield c
+    finally:
+        c.cleanup()
+
+
+def make_claim(c: Cluster, name: str, memory: str, count: int = 1, config: dict | None = None) -> None:
+    request = {"name": "gpu", "exactly": {"deviceClassName": CLASS, "count": count, "allocationMode": "ExactCount",
+                                          "capacity": {"requests": {"memory": memory}}}}
+    spec = {"devices": {"requests": [request]}}
+    if config:
+        spec["devices"]["config"] = [{"requests": ["gpu"], "opaque": {
+            "driver": DRIVER, "parameters": {"apiVersion": "cgpu.aliyun.com/v1", "kind": "GpuConfig", **config}}}]
+    c.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+              "spec": spec})
+
+
+def claim_pod(name: str, claim: str) -> dict:
+    """A pod of one container using the claim; no runtimeClassName (cgpu is containerd's default)."""
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
+        "terminationGracePeriodSeconds": 1,
+        "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+        "containers": [{"name": "app", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                        "command": ["sh", "-c", "env; trap 'exit 0' TERM; while :; do sleep 1; done"],
+                        "resources": {"claims": [{"name": "gpu"}]}}]}}
+
+
+def allocated_gpus(c: Cluster, claim: str) -> list[int]:
+    got = c.get("resourceclaim", claim)
+    return [int(r["device"].split("-")[1]) for r in got["status"]["allocation"]["devices"]["results"]]
+
+
+def run_with_claim(c: Cluster, pod: str, memory: str, **claim) -> tuple[dict, int, str]:
+    """A claim `claim-<pod>` of `memory` and a pod using it, Running: (the pod, its GPU, its
+    instance's name)."""
+    make_claim(c, f"claim-{pod}", memory, **claim)
+    c.create(claim_pod(pod, f"claim-{pod}"))
+    got = c.wait_pod(pod, running, 90, "Running")
+    gpus = allocated_gpus(c, f"claim-{pod}")
+    return got, gpus[0], container_name(got)
+
+
+def delete(c: Cluster, *names: str) -> None:
+    for n in names:
+        c.delete_pod(n)
+    for n in names:
+        c.kubectl("delete", "resourceclaim", f"claim-{n}", "--ignore-not-found", "--wait=true", timeout=90)
+
+
+def test_the_plugin_registers_and_publishes_the_nodes_resourceslice(cluster):
+    def slice_() -> dict:
+        p = cluster.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}-1", "-o", "json", check=False)
+        return json.loads(p.stdout) if p.returncode == 0 else {}
+
+    s = wait_for(slice_, 60, "the node's ResourceSlice", cluster.logs)
+    assert s["spec"]["driver"] == DRIVER and s["spec"]["nodeName"] == NODE
+    assert [(d["name"], d["capacity"]["memory"]["value"]) for d in s["spec"]["devices"][:2]] == \
+        [("gpu-0", str(14 * GIB)), ("gpu-1", str(14 * GIB))]
+    assert len(s["spec"]["devices"]) == 2 + 2 * 14  # and each GPU's 14 memory units
+    wait_for(lambda: "registered with the kubelet" in cluster.procs["dra-plugin"].log_path.read_text(), 60,
+             "the kubelet's plugin watcher to register the plugin", cluster.logs)
+    # the component's objects are in, and the extender's DaemonSet is not (DRA mode has none)
+    assert cluster.get("deviceclass", CLASS)["spec"]["selectors"]
+    assert cluster.get("deviceclass", "gpu-mem.cgpu.aliyun.com")["spec"]["extendedResourceName"] == "aliyun.com/gpu-mem"
+    assert cluster.kubectl("get", "daemonset", "cgpu-scheduler-extender", "-n", NAMESPACE, check=False).returncode != 0
+    for verb, res in (("create", "resourceslices.resource.k8s.io"), ("update", "resourceslices.resource.k8s.io"),
+                      ("watch", "resourceslices.resource.k8s.io"), ("get", "resourceclaims.resource.k8s.io")):
+        p = cluster.kubectl("auth", "can-i", verb, res, f"--as={SA_USER}", check=False)
+        assert p.stdout.strip() == "yes", (verb, res, p.stdout, p.stderr)
+    for verb, res in (("delete", "resourceclaims.resource.k8s.io"), ("update", "resourceclaims.resource.k8s.io"),
+                      ("create", "deviceclasses.resource.k8s.io")):
+        assert cluster.kubectl("auth", "can-i", verb, res, f"--as={SA_USER}", check=False).stdout.strip() == "no"
+
+
+def test_a_claim_of_3_gib_runs_isolated_at_3_gib_and_goes_with_its_pod(cluster, cgpud):
+    try:
+        pod, gpu, name = run_with_claim(cluster, "run", "3Gi", config={"weight": 2})
+        assert allocated_gpus(cluster, "claim-run") == [gpu]
+        assert name in cgpud.instances(gpu), (name, cgpud.instances(gpu), cluster.logs())
+        assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
+        assert cgpud.value(f"{gpu}/{name}/weight") == "2"
+        assert name not in cgpud.instances(1 - gpu)
+        env = dict(line.split("=", 1) for line in cluster.kubectl("logs", "run").stdout.splitlines() if "=" in line)
+        assert (env.get("ALIYUN_COM_GPU_MEM_IDX"), env.get("ALIYUN_COM_GPU_MEM_CONTAINER")) == (str(gpu), "3"), env
+        # kubectl inspect cgpu (its plugin on PATH) reads the node's slices and the claim
+        p = subprocess.run([cluster.bins / "kubectl", "inspect", "cgpu", "-d"], capture_output=True, text=True,
+                           timeout=60, env=dict(os.environ, KUBECONFIG=os.fspath(cluster.admin),
+                                                PATH=f"{Path(cluster._cgpu()).parent}:{os.environ['PATH']}"))
+        rows = [ln.split() for ln in p.stdout.splitlines()]
+        assert ["run", "default", *("3" if g == gpu else "0" for g in (0, 1))] in rows, p.stdout + p.stderr
+    finally:
+        delete(cluster, "run")
+    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)
+    wait_for(lambda: not list(cluster.path("cdi").glob("*.json")), 30, "the claim unprepared (its CDI spec gone)")
+
+
+def test_seed_000_a_claim_over_two_gpus_gets_4_gib_on_each(cluster, cgpud):
+    make_claim(cluster, "claim-two", "4Gi", count=2)
+    cluster.create(claim_pod("two", "claim-two"))
+    try:
+        pod = cluster.wait_pod("two", running, 90, "Running")
+        assert sorted(allocated_gpus(cluster, "claim-two")) == [0, 1]
+        name = container_name(pod)
+        for gpu in (0, 1):
+            assert name in cgpud.instances(gpu), (gpu, cgpud.instances(gpu))
+            assert cgpud.value(f"{gpu}/{name}/memsize") == str(4 * GIB)
+    finally:
+        delete(cluster, "two")
+
+
+def test_a_gpu_holding_claims_gives_no_units_and_the_memory_is_never_counted_twice(cluster, cgpud):
+    """Both kinds of device draw on their GPU's counter: with a claim on each GPU (their GPU devices
+    charged whole), kube-scheduler finds no unit for `aliyun.com/gpu-mem: 1`; once the claims are
+    gone the same pod runs."""
+    try:
+        run_with_claim(cluster, "hold", "1Gi", count=2)
+        cluster.create(cluster.pod("unit-1", 1, runtime_class=None))
+
+        def refused() -> str:
+            e = cluster.events("unit-1")
+            return e if "cannot allocate all claims" in e else ""
+
+        wait_for(refused, 60, "unit-1 refused while the claims hold both GPUs", cluster.logs)
+        delete(cluster, "hold")
+        pod = cluster.wait_pod("unit-1", running, 90, "Running once the claims are gone")
+        assert cgpud.value(f"{pod_gpu(cluster, pod)}/{container_name(pod)}/memsize") == str(GIB)
+    finally:
+        delete(cluster, "hold")
+        cluster.delete_pod("unit-1")
+
+
+def pod_gpu(c: Cluster, pod: dict) -> int:
+    """The GPU of a pod given units through the DeviceClass (its claim's unit devices)."""
+    claim = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+    (gpu,) = {int(r["device"].split("-")[1]) for r in
+              c.get("resourceclaim", claim)["status"]["allocation"]["devices"]["results"]}
+    return gpu
+
+
+def test_a_claim_that_does_not_fit_stays_pending_with_the_schedulers_reason(cluster, cgpud):
+    make_claim(cluster, "claim-big", "15Gi")  # each T4 has 14 GiB in the slice
+    cluster.create(claim_pod("big", "claim-big"))
+    try:
+        def failed() -> str:
+            e = cluster.events("big")
+            return e if "FailedScheduling" in e else ""
+
+        events = wait_for(failed, 60, "FailedScheduling on big", cluster.logs)
+        assert "cannot allocate all claims" in events, events
+        pod = cluster.get("pod", "big")
+        assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
+        assert not cluster.get("resourceclaim", "claim-big").get("status", {}).get("allocation")
+    finally:
+        delete(cluster, "big")
+
+
+def test_a_claim_with_a_bad_configuration_is_refused_on_the_pods_events_and_nothing_runs(cluster, cgpud):
+    """The scheduler passes opaque configuration through unread; Prepare refuses it with one line,
+    which the kubelet puts on the pod: no container starts, no instance is made, no spec written."""
+    make_claim(cluster, "claim-bad", "1Gi", config={"weight": 0})
+    cluster.create(claim_pod("bad", "claim-bad"))
+    try:
+        def refused() -> str:
+            e = cluster.events("bad")
+            return e if "weight 0 is not a whole number from 1 to 25" in e else ""
+
+        wait_for(refused, 60, "the plugin's refusal on the pod's events", cluster.logs)
+        pod = cluster.get("pod", "bad")
+        assert pod["status"]["phase"] == "Pending" and pod["spec"]["nodeName"] == NODE, pod["status"]
+        assert not cgpud.instances(0) and not cgpud.instances(1)
+        assert not list(cluster.path("cdi").glob("*.json")) and not list(cluster.path("dra-state").glob("*.json"))
+    finally:
+        delete(cluster, "bad")
+
+
+def test_a_pod_asking_gpu_mem_unchanged_is_given_its_units_through_dra(cluster, cgpud):
+    """A pod as the seeds write it (`aliyun.com/gpu-mem: 3` in its limits, no claim, no runtimeClassName):
+    kube-scheduler allocates 3 memory units through the DeviceClass's extendedResourceName, with no
+    extender and no device plugin; the container runs isolated at 3 GiB."""
+    cluster.create(cluster.pod("mem-3", 3, runtime_class=None))
+    try:
+        pod = cluster.wait_pod("mem-3", running, 90, "Running")
+        claim = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+        results = cluster.get("resourceclaim", claim)["status"]["allocation"]["devices"]["results"]
+        gpus = {int(r["device"].split("-")[1]) for r in results}
+        assert len(results) == 3 and all("-unit-" in r["device"] for r in results) and len(gpus) == 1, results
+        (gpu,) = gpus
+        name = container_name(pod)
+        assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
+        assert cluster.get("node", NODE)["status"]["allocatable"].get("aliyun.com/gpu-mem") is None  # no device plugin
+    finally:
+        cluster.delete_pod("mem-3")
+    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)
+
+
+def test_a_plugin_restart_keeps_the_running_pods_instance_and_prepares_again(cluster, cgpud):
+    try:
+        pod, gpu, name = run_with_claim(cluster, "keep", "3Gi")
+        cid = pod["status"]["containerStatuses"][0]["containerID"]
+        cluster.procs["dra-plugin"].proc.kill()
+        cluster.procs["dra-plugin"].proc.wait(10)
+        start_plugin(cluster)
+        wait_for(lambda: "1 claims prepared before" in cluster.procs["dra-plugin"].log_path.read_text(), 30,
+                 "the plugin to read its prepared claims back", cluster.logs)
+        assert name in cgpud.instances(gpu) and cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
+        status = cluster.wait_pod("keep", running, 30, "still Running")["status"]["containerStatuses"][0]
+        assert status["containerID"] == cid and status["restartCount"] == 0, status
+        # a pod after the restart is prepared by the new plugin
+        _, g2, n2 = run_with_claim(cluster, "after", "2Gi")
+        assert cgpud.value(f"{g2}/{n2}/memsize") == str(2 * GIB)
+    finally:
+        delete(cluster, "keep", "after")
+    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go")
+
+
+def test_a_kubelet_restart_registers_the_plugin_again_and_keeps_the_running_pods_instance(cluster, cgpud):
+    try:
+        pod, gpu, name = run_with_claim(cluster, "kr", "3Gi")
+        cid = pod["status"]["containerStatuses"][0]["containerID"]
+        log = cluster.procs["dra-plugin"].log_path
+        before = log.read_text().count("registered with the kubelet")
+        cluster.stop_kubelet()
+        assert name in cgpud.instances(gpu)
+        cluster.start_kubelet()
+        wait_for(lambda: log.read_text().count("registered with the kubelet") > before, 60,
+                 "the new kubelet's plugin watcher to register the plugin again", cluster.logs)
+        time.sleep(3)  # the new kubelet has looked at its pods again
+        status = cluster.wait_pod("kr", running, 30, "still Running")["status"]["containerStatuses"][0]
+        assert status["containerID"] == cid and status["restartCount"] == 0, status
+        assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
+        _, g2, n2 = run_with_claim(cluster, "kr2", "1Gi")  # and the new kubelet prepares a claim through it
+        assert cgpud.value(f"{g2}/{n2}/memsize") == str(GIB)
+    finally:
+        delete(cluster, "kr", "kr2")
+    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go")
+
+
+SEED_004 = """
+apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: binpack
+  labels:
+    app: binpack
+spec:
+  replicas: 1
+  serviceName: "binpack-1"
+  podManagementPolicy: "Parallel"
+  selector: # define how the deployment finds the pods it manages
+    matchLabels:
+      app: binpack-1
+  template: # The pod specifications.
+    metadata:
+      labels:
+        app: binpack-1
+    spec:
+      containers:
+      - name: binpack-1
+        image: registry.cn-beijing.aliyuncs.com/ai-samples/gpushare-sample:tensorflow-1.5
+        command:
+        - bash
+        - gpushare/run.sh
+        resources:
+          limits:
+            # 128 MiB
+            aliyun.com/gpu-mem: 16 # 16 * 128 MiB = 2 GiB
+"""
+
+
+def test_seed_004_statefulset_on_a_128_mib_node_runs_at_2_gib(cluster, cgpud):
+    """Seed 004's StatefulSet as written (only its image and command are this sandbox's: no registry
+    here), on the node once its daemon runs in `share` mode (128 MiB units): the plugin publishes the
+    new unit by itself, kube-scheduler allocates 16 unit devices, the container has 2 GiB."""
+    cgpud.stop()
+    cgpud.extra_args += ["--mode", "share"]
+    cgpud.start()
+    wait_for(lambda: (s := cluster.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}-1", "-o", "json", check=False))
+             .returncode == 0 and json.loads(s.stdout)["spec"]["devices"][0]["attributes"]["memoryUnit"]["int"]
+             == 128 << 20, 60, "the slices in 128 MiB units", cluster.logs)
+    sts = yaml.safe_load(SEED_004)
+    app = sts["spec"]["template"]["spec"]["containers"][0]
+    app["image"], app["imagePullPolicy"] = BUSYBOX_IMAGE, "Never"
+    app["command"] = ["sh", "-c", "env; trap 'exit 0' TERM; while :; do sleep 1; done"]
+    sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1
+    cluster.create(sts)
+    try:
+        pod = cluster.wait_pod("binpack-0", running, 90, "Running")
+        claim = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+        results = cluster.get("resourceclaim", claim)["status"]["allocation"]["devices"]["results"]
+        assert len(results) == 16 and all("-unit-" in r["device"] for r in results), results
+        (gpu,) = {int(r["device"].split("-")[1]) for r in results}
+        name = container_name(pod)
+        assert cgpud.value(f"{gpu}/{name}/memsize") == str(2 * GIB)
+    finally:
+        cluster.kubectl("delete", "statefulset", "binpack", "--wait=true", timeout=90)
+        cluster.delete_pod("binpack-0")
+    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)
+
+
+def test_nothing_the_dra_plugin_asked_was_refused(cluster):
+    log = cluster.procs["dra-plugin"].log_path.read_text(errors="replace")
+    assert not re.search(r"\b403\b|orbidden", log), log  # (a claim's UID may hold the digits 403)
+    assert cluster.procs["dra-plugin"].alive(), log

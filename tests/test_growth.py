@@ -1,0 +1,365 @@
+"""The driver's own memory as it grows (issue 28, docs/memory.md): after its context the driver's
+memory for a process grows through no allocation call — modules loaded at a kernel's first
+launch, libraries, graph instantiation — and NVML's per-process view shows it. The stand-in
+libcuda grows as the H100 did (native/stubs: 2 MiB per module load and per function's first
+launch, 70 MiB per instantiated graph; a cuBLAS-like module of 33 kernels: +66 MiB at its first
+use), and the daemon's NVML watchdog (--mem-action kill) watches `cgpu run` instances whose
+processes carry libcgpu. A process going through libcgpu must end in out-of-memory, never in a
+kill; one that goes around it is still killed, and the log says which it was."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from test_libcgpu import PRELUDE, build_libs
+
+MIB = 1 << 20
+GIB = 1 << 30
+CONTEXT_MIB = 500
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory) -> Path:
+    return build_libs(tmp_path_factory.mktemp("growth"))
+
+
+@pytest.fixture
+def watched(make_daemon, libs, tmp_path, monkeypatch):
+    """A daemon on the NVML stand-in (its processes are the stand-in libcuda's, by their PIDs) with
+    libcgpu for `cgpu run` and the memory watchdog killing past memsize; contexts of 500 MiB."""
+    from nvml_stub import NvmlStub, StubGpu
+
+    stub = NvmlStub(libs, tmp_path / "nvml.conf", cuda_state=tmp_path / "card.state")
+    stub.gpus = [StubGpu("GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab")]
+    stub.write()
+    for k, v in {**stub.env({}), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"),
+                 "CGPU_STUB_CTX_MIB": str(CONTEXT_MIB)}.items():
+        monkeypatch.setenv(k, v)
+    d = make_daemon(gpus="nvml", start=False, extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so")])
+    d.dev_dir.mkdir()
+    (d.dev_dir / "nvidia0").write_text("")
+    d.start()
+    return d
+
+
+_made = itertools.count()
+
+
+def name(tag: str) -> str:
+    """An instance name of this run's own (12 characters)."""
+    return f"{tag}{os.getpid() % 100000:05d}{next(_made):03d}".ljust(12, "x")[:12]
+
+
+def cgpu_run(d, inst: str, mem: str, code: str, *, around: bool = False, first: str = "") -> subprocess.Popen:
+    """`cgpu run --mem MEM` of a cuda-bindings program; around: the program unsets LD_PRELOAD
+    (and re-executes itself without libcgpu) first; `first`: code run before anything loads CUDA."""
+    prog = PRELUDE + textwrap.dedent(code)
+    if around:
+        prog = ("import os, sys\nif os.environ.pop('LD_PRELOAD', None) is not None:\n"
+                "    os.execv(sys.executable, [sys.executable, '-c', sys.argv[-1], sys.argv[-1]])\n") + prog
+    prog = textwrap.dedent(first) + prog
+    return subprocess.Popen([os.fspath(Path(sys.executable).parent / "cgpu"), "run", "--name", inst, "--mem", mem,
+                             "--", sys.executable, "-c", prog, prog],
+                            env={**os.environ, "CGPUD_SOCKET": os.fspath(d.socket)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@contextlib.contextmanager
+def neighbour(d, mem: str = "2G"):
+    """A neighbour instance whose process holds 1 GiB of the card while the block runs (its pid)."""
+    p = cgpu_run(d, name("nb"), mem, """
+        import os, time
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        held = ok(d.cuMemAlloc(2**30))
+        print("holding", os.getpid(), flush=True)
+        time.sleep(60)
+    """)
+    try:
+        said = p.stdout.readline().split()
+        assert said[:1] == ["holding"], p.stderr.read()
+        yield int(said[1])
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)  # (cgpu run and the program it runs)
+        p.wait()
+
+
+def finish(p: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+CONTEXT = """
+import os, time
+E = d.CUresult
+ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+PTX = (".version 8.0\\n.target sm_75\\n.address_size 64\\n"
+       + "".join(f".visible .entry k{i}()\\n{{\\nret;\\n}}\\n" for i in range(33))).encode()
+def first_use():
+    # a cuBLAS-like module: its 33 kernels loaded lazily at their first launch (+66 MiB)
+    mod = ok(d.cuModuleLoadData(PTX))
+    for i in range(33):
+        ok(d.cuLaunchKernel(ok(d.cuModuleGetFunction(mod, f"k{i}".encode())), 1, 1, 1, 1, 1, 1, 0, 0, 0, 0))
+    ok(d.cuCtxSynchronize())
+    return mod
+def graph(mod, s):
+    # a graph captured and instantiated (+70 MiB of the driver's own)
+    ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    ok(d.cuLaunchKernel(ok(d.cuModuleGetFunction(mod, b"k0")), 10, 1, 1, 1, 1, 1, 0, s, 0, 0))
+    return ok(d.cuGraphInstantiate(ok(d.cuStreamEndCapture(s)), 0))
+"""
+
+# Each fills what it is told is free as its framework does at its defaults, then uses the card.
+FILLS = {
+    # JAX: XLA_PYTHON_CLIENT_MEM_FRACTION (0.75) of what is free, preallocated; XLA's autotuning
+    # then takes what is left for its candidates' scratch and launches each once; command buffers
+    # (CUDA graphs).
+    "jax": """
+        free, total = ok(d.cuMemGetInfo())
+        pool = ok(d.cuMemAlloc(int(free * float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))))
+        scratch = ok(d.cuMemAlloc(ok(d.cuMemGetInfo())[0]))
+        mod = first_use()
+        ok(d.cuMemFree(scratch))
+        s = ok(d.cuStreamCreate(1))
+        ok(d.cuGraphLaunch(graph(mod, s), s)); ok(d.cuStreamSynchronize(s))
+    """,
+    # TensorFlow (allow_growth off): what is free less its reserve for the system (225 MiB under
+    # 2 GiB free, else the larger of 300 MiB and 5 %), then cuBLAS and cuDNN loaded at first use.
+    "tensorflow": """
+        free, total = ok(d.cuMemGetInfo())
+        reserve = 225 * 2**20 if free < 2**31 else max(300 * 2**20, free // 20)
+        pool = ok(d.cuMemAlloc(free - reserve))
+        mod = first_use()
+    """,
+    # vLLM: gpu_memory_utilization (0.9) of the total less what is in use after profiling for the
+    # KV cache, then its CUDA graphs captured (two batch sizes here).
+    "vllm": """
+        free, total = ok(d.cuMemGetInfo())
+        mod = first_use()
+        free, total = ok(d.cuMemGetInfo())
+        kv = ok(d.cuMemAlloc(int(total * float(os.environ.get("VLLM_GPU_MEMORY_UTILIZATION", "0.9"))) - (total - free)))
+        s = ok(d.cuStreamCreate(1))
+        for _ in range(2):
+            ok(d.cuGraphLaunch(graph(mod, s), s)); ok(d.cuStreamSynchronize(s))
+    """,
+}
+
+# PyTorch's caching allocator near the limit: 64 MiB blocks until out-of-memory, then 1 MiB ones.
+PYTORCH_FILL = """
+blocks = []
+for size in (64 * 2**20, 2**20):
+    while (r := d.cuMemAlloc(size))[0] == E.CUDA_SUCCESS:
+        blocks.append(size)
+    assert r[0] == E.CUDA_ERROR_OUT_OF_MEMORY, r
+"""
+
+# A cuBLAS-like first use, then a graph captured and replayed for a second.
+GRAPH_LOOP = """
+mod = first_use()
+s = ok(d.cuStreamCreate(1))
+ex = graph(mod, s)
+end = time.monotonic() + 1.2
+while time.monotonic() < end:
+    ok(d.cuGraphLaunch(ex, s)); ok(d.cuStreamSynchronize(s))
+"""
+
+# Then it grows as a framework does when it needs more: 1 MiB at a time until out-of-memory.
+TOP_UP = """
+time.sleep(1.1)  # two looks of the watchdog
+while (r := d.cuMemAlloc(2**20)[0]) == E.CUDA_SUCCESS:
+    pass
+time.sleep(1.1)
+print("alive", r.name, flush=True)
+"""
+
+AFTER = """
+time.sleep(1.6)  # three looks of the watchdog
+more = d.cuMemAlloc(64 * 2**20)[0]
+load = d.cuModuleLoadData(PTX)[0]
+print("alive", more.name, load.name, flush=True)
+"""
+
+
+@pytest.mark.parametrize("fill", sorted(FILLS))
+def test_a_framework_filling_what_it_is_told_is_free_ends_in_out_of_memory_never_a_kill(watched, fill):
+    """JAX at its defaults was killed on the H100 (NVML 2172649472 bytes, libcgpu 2139145736); on
+    main the stand-in's growth kills each of these the same way. Now the driver's growth is charged
+    (the watchdog's readings), a process through libcgpu is not killed for it, and when it asks for
+    more its allocation is refused with out-of-memory: it lives."""
+    inst = name(fill[:3])
+    rc, out, err = finish(cgpu_run(watched, inst, "2G", CONTEXT + textwrap.dedent(FILLS[fill]) + TOP_UP))
+    log = watched.log_text()
+    assert rc == 0, (rc, out, err, log[-3000:])
+    assert out.split() == ["alive", "CUDA_ERROR_OUT_OF_MEMORY"], out
+    assert "SIGKILL sent" not in log
+
+
+def test_a_graph_loop_after_a_fill_with_a_neighbour_ends_in_out_of_memory(watched):
+    """PyTorch capturing and replaying CUDA graphs while a neighbour shares the GPU was killed on the
+    H100 (NVML 2308964352, libcgpu 2139095040). Here: a neighbour instance holds 1 GiB; the process
+    fills its 2 GiB as PyTorch's caching allocator does (64 MiB blocks until out-of-memory, then
+    1 MiB ones), uses a cuBLAS-like module, captures a graph and replays it for a second. It is not
+    killed; what it asks then — an allocation, a module load — is refused with out-of-memory; and
+    what it could fill is at least memsize − the context − 3 % (the headroom)."""
+    with neighbour(watched):
+        rc, out, err = finish(cgpu_run(watched, name("gr"), "2G", CONTEXT + PYTORCH_FILL + GRAPH_LOOP
+                                       + 'print("filled", sum(blocks), flush=True)\n' + AFTER))
+    log = watched.log_text()
+    assert rc == 0, (rc, out, err, log[-3000:])
+    lines = out.split("\n")
+    assert lines[1].split() == ["alive", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_OUT_OF_MEMORY"], out
+    assert int(lines[0].split()[1]) >= 2 * GIB - CONTEXT_MIB * MIB - 2 * GIB * 3 // 100
+    assert "SIGKILL sent" not in log
+
+
+def test_a_process_around_the_library_is_still_killed_and_the_log_says_so(watched):
+    """A process of the instance that unsets LD_PRELOAD and takes more than memsize is killed as
+    before; the log says it went around the library (it has no slot in the instance's page)."""
+    inst = name("ar")
+    rc, out, err = finish(cgpu_run(watched, inst, "1G", """
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        big = ok(d.cuMemAlloc(3 * 2**29))
+        import time; time.sleep(20)
+        print("alive")
+    """, around=True))
+    log = watched.log_text()
+    assert rc != 0 and "alive" not in out, (rc, out, err)
+    assert f"memory watchdog: {inst} on GPU 0" in log
+    assert "went around the library: it has no slot in the instance's page" in log, log[-3000:]
+
+
+# ---- the stand-in's growth --------------------------------------------------------------------
+
+
+def test_the_stand_ins_driver_memory_grows_through_no_allocation_call(libs, tmp_path):
+    """Without libcgpu: NVML's figure for the process (the stand-in's, read through its v3 call)
+    and the card's free memory move together, by 2 MiB at a module's load and at each function's
+    first launch (not its second), by 70 MiB at a graph's instantiation, and back when the graph
+    and the module go; no allocation is made."""
+    from nvml_stub import NvmlStub, StubGpu
+
+    stub = NvmlStub(libs, tmp_path / "nvml.conf", cuda_state=tmp_path / "card.state")
+    stub.gpus = [StubGpu("GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab")]
+    stub.write()
+    env = {**stub.env({}), "PATH": os.environ["PATH"], "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state")}
+    r = subprocess.run([sys.executable, "-c", PRELUDE + CONTEXT + textwrap.dedent("""
+        import ctypes
+        nvml = ctypes.CDLL("libnvidia-ml.so.1"); assert nvml.nvmlInit_v2() == 0
+        dev = ctypes.c_void_p(); assert nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(dev)) == 0
+        class Info(ctypes.Structure):
+            _fields_ = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong),
+                        ("gi", ctypes.c_uint), ("ci", ctypes.c_uint)]
+        def seen():
+            n, infos = ctypes.c_uint(8), (Info * 8)()
+            assert nvml.nvmlDeviceGetComputeRunningProcesses_v3(dev, ctypes.byref(n), infos) == 0
+            mine = [infos[k].used >> 20 for k in range(n.value) if infos[k].pid == os.getpid()]
+            return (mine or [0])[0], (ok(d.cuMemGetInfo())[1] - ok(d.cuMemGetInfo())[0]) >> 20
+        steps = [seen()]
+        mod = ok(d.cuModuleLoadData(PTX)); steps.append(seen())
+        f = ok(d.cuModuleGetFunction(mod, b"k0"))
+        ok(d.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)); steps.append(seen())
+        ok(d.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)); steps.append(seen())
+        s = ok(d.cuStreamCreate(1)); ex = graph(mod, s); steps.append(seen())
+        ok(d.cuGraphExecDestroy(ex)); steps.append(seen())
+        ok(d.cuModuleUnload(mod)); steps.append(seen())
+        print(steps)
+    """)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str([(0, 0), (2, 2), (4, 4), (4, 4), (74, 74), (4, 4), (0, 0)])
+
+
+# ---- the watchdog's rule, on the model with real processes (no daemon) ------------------------
+
+
+@pytest.fixture
+def page_watchdog(tmp_path):
+    """A watchdog (kill) over one 1 GiB instance whose usage page is in tmp_path; slot(k, pid,
+    held) writes a process slot as libcgpu would; sleepers are killed at the end."""
+    from cgpud.core.model import GpuInfo, Node
+    from cgpud.gpus import pages
+    from cgpud.gpus.memwatch import MemWatchdog
+
+    where = tmp_path / "pages"
+    pages.create(os.fspath(where), [GIB])
+    node = Node([GpuInfo(0, "GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab", "Tesla T4", 15 * GIB)])
+    inst = node.create_instance(0, "instanceaaaa", memsize=GIB)
+    made: list[subprocess.Popen] = []
+    wd = MemWatchdog(node, lambda pid, gpu: inst if any(p.pid == pid for p in made) else None,
+                     page=lambda i: (os.fspath(where), 0))
+
+    def slot(k: int, pid: int, held: int) -> None:
+        with open(where / "usage", "r+b") as f:
+            f.seek(pages.USAGE_HEAD.size + k * pages.PROC.size)
+            f.write(pages.PROC.pack(pid, 0, 0, 0, held, *[0] * (pages.MAX_GPUS - 1)))
+
+    def sleeper() -> int:
+        made.append(subprocess.Popen(["sleep", "60"]))
+        return made[-1].pid
+    yield wd, slot, sleeper, made, where
+    for p in made:
+        p.kill()
+        p.wait()
+
+
+def _look(procs: dict[int, int]):
+    from cgpud.gpus.nvml import GpuSample
+
+    return [GpuSample(0, procs, sum(procs.values()), 15 * GIB, 0, 0)]
+
+
+def test_the_watchdog_tells_the_drivers_growth_from_memory_around_the_library(page_watchdog, caplog):
+    """Past memsize, a process with a slot whose NVML figure passes what libcgpu charges it by no
+    more than the growth allowance (256 MiB here) is left running, its reading written into its
+    slot (NVML's figure, what it had allocated); one without a slot, or past the allowance, is
+    killed, and the log says which it was."""
+    from cgpud.gpus import pages
+
+    wd, slot, sleeper, made, where = page_watchdog
+    lib, around, greedy = sleeper(), sleeper(), sleeper()
+    slot(0, lib, 900 * MIB)
+    slot(1, greedy, 50 * MIB)
+    # the driver's growth: 150 MiB past libcgpu's 900 (the instance at 1050 MiB of 1024)
+    assert wd.check(_look({lib: 1050 * MIB})) == []
+    assert made[0].poll() is None
+    assert "went through libcgpu: NVML says 1101004800 bytes, libcgpu charges 943718400" in caplog.text
+    slots, readings = pages.slots(os.fspath(where))
+    with open(where / "usage", "rb") as f:
+        raw = f.read()
+    record = pages.DRIVER.unpack_from(raw, pages.DRIVER_OFFSET)
+    assert readings and record[0] % 2 == 0 and record[1] == lib
+    assert record[2] == 1050 * MIB and record[2 + pages.MAX_GPUS] == 900 * MIB
+    # libcgpu has charged it (its slot holds all NVML sees): still past memsize, still left running
+    slot(0, lib, 1050 * MIB)
+    assert wd.check(_look({lib: 1050 * MIB})) == [] and made[0].poll() is None
+    # a process without a slot takes 200 MiB more: it is failed, not the one through libcgpu
+    assert wd.check(_look({lib: 1050 * MIB, around: 200 * MIB})) == [(0, "instanceaaaa", around)]
+    assert made[1].wait(5) == -signal.SIGKILL and made[0].poll() is None
+    assert "it went around the library: it has no slot in the instance's page" in caplog.text
+    # one with a slot 300 MiB past what libcgpu charges it: more than the allowance
+    assert wd.check(_look({lib: 1050 * MIB, greedy: 350 * MIB})) == [(0, "instanceaaaa", greedy)]
+    assert made[2].wait(5) == -signal.SIGKILL and made[0].poll() is None
+    assert "libcgpu charges it 52428800, 314572800 bytes less, more than the driver's growth allowance" in caplog.text
+
+
+def test_a_page_that_lies_buys_no_more_than_the_allowance(page_watchdog):
+    """The page is the container's to write: slots that claim more than NVML sees (held 4 GiB), or
+    one written for a process that went around the library, buy the instance at most the
+    allowance (256 MiB) past memsize before a process is failed."""
+    wd, slot, sleeper, made, where = page_watchdog
+    liar, faker = sleeper(), sleeper()
+    slot(0, liar, 4 * GIB)
+    slot(1, faker, GIB)
+    assert wd.check(_look({liar: 900 * MIB})) == []  # (under memsize)
+    assert wd.check(_look({liar: 900 * MIB, faker: GIB + 200 * MIB})) == [(0, "instanceaaaa", faker)]
+    assert made[1].wait(5) == -signal.SIGKILL and made[0].poll() is None
+    assert wd.check(_look({liar: GIB + 200 * MIB})) == []  # (within the allowance: tolerated)
+    assert wd.check(_look({liar: GIB + 300 * MIB})) == [(0, "instanceaaaa", liar)]
+    assert made[0].wait(5) == -signal.SIGKILL
