@@ -45,7 +45,8 @@ class Report(ctypes.Structure):
     _fields_ = [("begin", ctypes.c_int64), ("start", ctypes.c_int64), ("end", ctypes.c_int64),
                 ("owned", ctypes.c_int64), ("drained", ctypes.c_int64), ("drain_ns", ctypes.c_int64), ("late_ns", ctypes.c_int64), ("batch", ctypes.c_int32),
                 ("step", ctypes.c_int32), ("gave_up", ctypes.c_int32), ("closed", ctypes.c_int32),
-                ("why", ctypes.c_int32), ("longer", ctypes.c_int32)]
+                ("why", ctypes.c_int32), ("longer", ctypes.c_int32), ("run", ctypes.c_int32),
+                ("gpu_ns", ctypes.c_int64), ("gpu_at", ctypes.c_int64), ("runner", ctypes.c_void_p)]
 
 
 class Step(ctypes.Structure):

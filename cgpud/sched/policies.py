@@ -314,6 +314,7 @@ class Planner:
         self._synced, self._derived = None, {}  # the view _sync saw last; what plan() derived from it
         self._ahead_seq = 0  # the count of decisions planned ahead (less those rewound)
         self._drift: dict[str, float] = {}  # per ring key: how long its queued work drains after its slot (a mean)
+        self._duty: dict[str, float] = {}  # per ring key: the GPU time it is charged per second of its steps (a mean)
         self._ahead_last: Ahead | None = None  # the last decision planned ahead
 
     # ---- bookkeeping -------------------------------------------------------
@@ -332,6 +333,7 @@ class Planner:
             del self._seq[gone]
             self._usage.pop(gone, None)
             self._drift.pop(gone, None)
+            self._duty.pop(gone, None)
         for i in view.instances:
             if i.name not in self._seq:
                 self._seq[i.name] = self._next_seq
@@ -488,7 +490,8 @@ class Planner:
                 ring.cur, ring.cur_seq, ring.used, ring.open = pos
                 ring.credit = before
                 break
-            ring.charge(d.holder, d.length, p)
+            expect = d.length * self._duty.get(d.holder, 1.0)  # (what it will be charged for it, as it went)
+            ring.charge(d.holder, expect, p)
             delta = ring.credit.get(d.holder, 0.0) - before.get(d.holder, 0.0)
             prev = self._ahead_last
             if prev is not None and prev.decision.holder != d.holder and not prev.followed:
@@ -498,7 +501,7 @@ class Planner:
                     ring.charge(prev.decision.holder, prev.tail, p)
                     prev.charged += prev.tail
             self._ahead_seq += 1
-            a = Ahead(d, pos, delta, self._ahead_seq, d.length, prev)
+            a = Ahead(d, pos, delta, self._ahead_seq, expect, prev)
             out.append(a)
             self._ahead_last = a
             t = d.until
@@ -508,15 +511,22 @@ class Planner:
         """The decision in force was not planned ahead: a next one planned ahead charges no tail."""
         self._ahead_last = None
 
-    def settle(self, ahead: Ahead, start: float, end: float, cut: bool = False) -> None:
+    def settle(self, ahead: Ahead, start: float, end: float, cut: bool = False, used: float | None = None) -> None:
         """A decision planned ahead was in force from `start` to `end` (actual
         times; to when its queued work was done, the next switch's closing answered):
         charge the difference from what was charged for it, and the windows.
-        `cut`: ended early (the batch was cut), not a measure of its tail."""
+        `cut`: ended early (the batch was cut), not a measure of its tail.
+        `used`: the GPU seconds its holder's processes got meanwhile, when
+        they count them (libcgpu): an active holder is charged that, at most
+        the time, not the time its gate was open."""
         d, p = ahead.decision, self.params
         ring = self._rings[NORMAL]
         ran = end - start
-        ring.charge(d.holder, ran - ahead.charged, p)
+        cost = min(max(0.0, used), ran) if used is not None and d.active else ran
+        ring.charge(d.holder, cost - ahead.charged, p)
+        if ran > 0 and not cut:  # (the next ones are planned as charged so: a batch plans its slots' lengths right)
+            duty = self._duty.get(d.holder, 1.0)
+            self._duty[d.holder] = max(0.05, min(1.0, duty + (cost / ran - duty) / 4))
         if ahead.seq == self._ahead_seq:  # the ring's latest: its slot stays open while time is owed on it
             ring.open = ring.credit.get(d.holder, 0.0) >= p.min_slice
         if ahead.followed and not cut:  # (what ran past its length is the tail its queued work drained for)
