@@ -717,6 +717,23 @@ static void queue_wait(CUcontext c, void *stream, int ptsz)
     pthread_mutex_unlock(&queue_lock);
 }
 
+/* Record a timing event into q's stream after its launches not yet covered (queue_lock held; the
+ * stream not capturing, in the calling thread's current context): `counted`, the GPU time since the
+ * event before is the stream's work; 0, a run's start. */
+static void record(struct squeue *q, int64_t now, int counted)
+{
+    struct pending *p = &q->ring[q->head % QUEUE_RING];
+    if (!p->event && ev.create(&p->event, 0 /* timing (docs/scheduler.md, "The charge") */) != CU_OK)
+        p->event = NULL;
+    if (p->event && ev.record(p->event, q->stream) == CU_OK) {
+        p->launches = q->unrecorded;
+        p->recorded = now;
+        p->counted = counted;
+        q->unrecorded = 0;
+        q->head++;
+    }
+}
+
 /* After a launch into `stream` on a shared GPU: count it, and record an event every `stride` launches.
  * 0: not counted (no queue left for it). */
 static int queue_note(CUcontext c, void *stream, int ptsz)
@@ -769,16 +786,7 @@ static int queue_note(CUcontext c, void *stream, int ptsz)
         pthread_mutex_unlock(&queue_lock);
         return 1;
     }
-    struct pending *p = &q->ring[q->head % QUEUE_RING];
-    if (!p->event && ev.create(&p->event, 0 /* timing: it ends a run's part (docs/scheduler.md) */) != CU_OK)
-        p->event = NULL;
-    if (p->event && ev.record(p->event, q->stream) == CU_OK) {
-        p->launches = q->unrecorded;
-        p->recorded = now;
-        p->counted = 1;
-        q->unrecorded = 0;
-        q->head++;
-    }
+    record(q, now, 1);
     pthread_mutex_unlock(&queue_lock);
     return 1;
 }
@@ -831,16 +839,7 @@ static void queue_start(CUcontext c, void *stream, int ptsz)
         pthread_mutex_unlock(&queue_lock);
         return;
     }
-    struct pending *p = &q->ring[q->head % QUEUE_RING];
-    if (!p->event && ev.create(&p->event, 0) != CU_OK)
-        p->event = NULL;
-    if (p->event && ev.record(p->event, q->stream) == CU_OK) {
-        p->launches = q->unrecorded;
-        p->recorded = now;
-        p->counted = 0;
-        q->unrecorded = 0;
-        q->head++;
-    }
+    record(q, now, 0);
     pthread_mutex_unlock(&queue_lock);
 }
 
