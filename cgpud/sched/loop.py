@@ -204,6 +204,7 @@ class GpuScheduler(NativeSwitching, QueueBounds):
             # (what the view was made of, unless others ran while we waited for a drain)
             basis = self._cached_basis if not waited and self._cached_basis is not None else self._basis()
             self._current = (dec, start, self._read_usage(dec))
+            self._prio_before = self._prio_ns(view, dec)
             while True:
                 waiter.reset()
                 await waiter.wait_until(dec.until)
@@ -235,7 +236,13 @@ class GpuScheduler(NativeSwitching, QueueBounds):
         if before is not None:
             after = self._read_usage(dec) or {}
             usage = {n: max(0.0, after.get(n, 0.0) - before.get(n, 0.0)) for n in dec.active}
-        self.planner.charge(dec, start, end, usage)
+        prio_used = None
+        if self._prio_before is not None:
+            names, ns = self._prio_before
+            now_ns = self._prio_reading(names)
+            prio_used = max(0, now_ns - ns) / 1e9 if now_ns is not None else None
+        self._prio_before = None
+        self.planner.charge(dec, start, end, usage, prio_used)
         self.telemetry.record(dec, start, end)
 
     def _finish(self) -> None:
@@ -314,6 +321,30 @@ class GpuScheduler(NativeSwitching, QueueBounds):
                 self._failing.add(("active", name))
                 log.exception("GPU %d: activity of %s unknown; taken as idle", self.gpu, name)
             return False
+
+    _prio_before: tuple[frozenset[str], int] | None = None
+
+    def _prio_ns(self, view: GpuView, dec: Decision) -> tuple[frozenset[str], int] | None:
+        """The high-priority instances a decision runs, and the GPU time their processes have got
+        (libcgpu's count), when every one of them counts it; else None."""
+        if dec.kind != Kind.PRIO and not dec.along:
+            return None
+        names = dec.along or frozenset(n for n in dec.running if n in view.active_names)
+        ns = self._prio_reading(names)
+        return (names, ns) if ns is not None else None
+
+    def _prio_reading(self, names: frozenset[str]) -> int | None:
+        target = getattr(self._enforcer, "target", None)
+        if target is None or not names:
+            return None
+        total = 0
+        for name in names:
+            page = getattr(target(name), "page", None)
+            reading = page.gpu_ns(self.gpu) if page is not None and hasattr(page, "gpu_ns") else None
+            if reading is None:
+                return None
+            total += reading
+        return total
 
     def _read_usage(self, dec: Decision) -> dict[str, float] | None:
         if self._usage is None or not dec.active:

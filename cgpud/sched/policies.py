@@ -165,6 +165,7 @@ class Decision:
     active: frozenset[str] = frozenset()
     considered: frozenset[str] = frozenset()
     paused: frozenset[str] = frozenset()  # policy 4: active, over their share, held
+    along: frozenset[str] = frozenset()  # high-priority instances let run beside a normal slot (light ones)
 
     @property
     def length(self) -> float:
@@ -316,6 +317,7 @@ class Planner:
         self._drift: dict[str, float] = {}  # per ring key: how long its queued work drains after its slot (a mean)
         self._duty: dict[str, float] = {}  # per ring key: the GPU time it is charged per second of its steps (a mean)
         self._ahead_last: Ahead | None = None  # the last decision planned ahead
+        self._prio_light = False  # the group used little of its last slice's GPU (its GPU time known)
 
     # ---- bookkeeping -------------------------------------------------------
 
@@ -381,6 +383,11 @@ class Planner:
             return Decision(names, now + p.slice, now, Kind.NATIVE, active=view.active_names, considered=considered)
         if hp:
             room = self.prio_headroom(view, now)
+            if room >= p.min_slice and self._prio_light:  # (light: the normal ring runs, the group beside it)
+                d = self._plan_group(NORMAL, normal, view, now, considered)
+                if d is not None:
+                    names = frozenset(i.name for i in hp)
+                    return replace(d, running=d.running | names, until=min(d.until, now + room), along=names)
             if room >= p.min_slice:
                 d = self._plan_group(PRIO, hp, view, now, considered)
                 assert d is not None
@@ -486,7 +493,7 @@ class Planner:
             pos = (ring.cur, ring.cur_seq, ring.used, ring.open)
             before = dict(ring.credit)
             d = self.plan(view, t)
-            if d.kind not in (Kind.SLOT, Kind.WASTE) or d.group != NORMAL:
+            if d.kind not in (Kind.SLOT, Kind.WASTE) or d.group != NORMAL or d.along:
                 ring.cur, ring.cur_seq, ring.used, ring.open = pos
                 ring.credit = before
                 break
@@ -557,24 +564,33 @@ class Planner:
             prev.tail, prev.followed = 0.0, False
 
     def charge(
-        self, decision: Decision, start: float, end: float, usage: Mapping[str, float] | None = None
+        self, decision: Decision, start: float, end: float, usage: Mapping[str, float] | None = None,
+        prio_used: float | None = None,
     ) -> None:
         """Report that `decision` was in force from `start` to `end` (actual
         times). `usage`: GPU seconds each running instance really used in
         that time, when a meter knows; otherwise time is split evenly among
-        the active instances that ran together."""
+        the active instances that ran together. `prio_used`: the GPU seconds
+        the high-priority group running got, when its processes count them
+        (libcgpu): the group is charged that against prio_ratio, at most the
+        time, and while it uses under a quarter of its slices the normal
+        ring runs with the group beside it (`along`)."""
         ran = max(0.0, end - start)
         p = self.params
         if decision.holder is not None and decision.group is not None:
-            self._rings[decision.group].charge(decision.holder, ran, p)
-        self._windows(decision, start, end, usage)
+            cost = min(max(0.0, prio_used), ran) if decision.kind == Kind.PRIO and prio_used is not None else ran
+            self._rings[decision.group].charge(decision.holder, cost, p)
+        if (decision.kind == Kind.PRIO or decision.along) and prio_used is not None and ran >= p.min_slice / 2:
+            self._prio_light = prio_used < ran / 4
+        self._windows(decision, start, end, usage, prio_used)
 
     def _windows(self, decision: Decision, start: float, end: float,
-                 usage: Mapping[str, float] | None = None) -> None:
+                 usage: Mapping[str, float] | None = None, prio_used: float | None = None) -> None:
         """The time windows' part of a charge (high priority's, policy 4's)."""
         ran = max(0.0, end - start)
-        if decision.kind == Kind.PRIO:
-            self._prio.add(start, end, ran)
+        if decision.kind == Kind.PRIO or decision.along:
+            used = ran if prio_used is None else min(max(0.0, prio_used), ran)
+            self._prio.add(start, end, used)
         act = decision.active
         if act:
             for name in act:
