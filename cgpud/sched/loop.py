@@ -29,6 +29,7 @@ import trio
 from cgpud.core.model import Node
 from cgpud.sched import native
 from cgpud.sched.batching import NativeSwitching
+from cgpud.sched.gputime import PrioTime
 from cgpud.sched.enforce_api import Activity, Enforcer, UsageMeter
 from cgpud.sched.policies import Decision, GpuView, InstView, Kind, Params, Planner
 from cgpud.sched.sharing import QueueBounds
@@ -88,7 +89,7 @@ class TimerFdWaiter:
         self._timer.close()
 
 
-class GpuScheduler(NativeSwitching, QueueBounds):
+class GpuScheduler(NativeSwitching, QueueBounds, PrioTime):
     """The time-slice scheduler of one GPU (a background service: `run`, `stop`).
 
     With a `switcher` (cgpud.sched.native), the slices of gated instances
@@ -321,30 +322,6 @@ class GpuScheduler(NativeSwitching, QueueBounds):
                 self._failing.add(("active", name))
                 log.exception("GPU %d: activity of %s unknown; taken as idle", self.gpu, name)
             return False
-
-    _prio_before: tuple[frozenset[str], int] | None = None
-
-    def _prio_ns(self, view: GpuView, dec: Decision) -> tuple[frozenset[str], int] | None:
-        """The high-priority instances a decision runs, and the GPU time their processes have got
-        (libcgpu's count), when every one of them counts it; else None."""
-        if dec.kind != Kind.PRIO and not dec.along:
-            return None
-        names = dec.along or frozenset(n for n in dec.running if n in view.active_names)
-        ns = self._prio_reading(names)
-        return (names, ns) if ns is not None else None
-
-    def _prio_reading(self, names: frozenset[str]) -> int | None:
-        target = getattr(self._enforcer, "target", None)
-        if target is None or not names:
-            return None
-        total = 0
-        for name in names:
-            page = getattr(target(name), "page", None)
-            reading = page.gpu_ns(self.gpu) if page is not None and hasattr(page, "gpu_ns") else None
-            if reading is None:
-                return None
-            total += reading
-        return total
 
     def _read_usage(self, dec: Decision) -> dict[str, float] | None:
         if self._usage is None or not dec.active:
