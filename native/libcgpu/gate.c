@@ -399,12 +399,13 @@ static void gate_enter(int k)
  * (the H100's driver takes ~1024 launches per stream before one blocks), all of which runs on after
  * its gate closes. While the page's `shared` bit of its GPU is set (the daemon sets it under every
  * controlled policy; a page starts with all set), the process keeps at most the budget
- * (`queue_budget_us`) of GPU time queued ahead per stream: an event (timing disabled) is recorded
- * after every `stride` launches, and a launch waits for the oldest ones while the launches not yet
+ * (`queue_budget_us`) of GPU time queued ahead per stream: an event (a timing one: the same events
+ * measure the process's GPU time, queue_start) is recorded after every `stride` launches, and a launch waits for the oldest ones while the launches not yet
  * done, one more included, times the stream's mean GPU time per launch, would pass the budget (one
  * behind the running one always passes). The mean comes from the waits themselves: an event that
  * completes while this thread waits for it ends the GPU time of the launches it covers (counted
- * from the completion before, or its recording when later: an overestimate, never an under-).
+ * from the completion before, or its recording when later: an overestimate, never an under-), or, for
+ * a card that keeps up (no wait), the events' own elapsed times.
  * With the bit clear (policy 5) a launch does one load more and nothing else; with it set, no lock
  * and no driver call but at an event or a wait.
  *
