@@ -599,8 +599,14 @@ static void completed(struct squeue *q, int64_t done)
     struct pending *p = &q->ring[q->tail % QUEUE_RING];
     int64_t from = q->seen > p->recorded ? q->seen : p->recorded;
     float ms = 0;
-    if (p->counted && q->timed && ev.elapsed && ev.elapsed(&ms, q->ring[(q->tail - 1) % QUEUE_RING].event, p->event) == CU_OK
-        && ms > 0) {  /* the GPU time of the launches it covers (the driver's clock, not the host's) */
+    int got = 0;
+    if (p->counted && q->timed && ev.elapsed) {  /* (relaxed capture mode: another thread's global capture) */
+        int mode = 2, relaxed = ev.exchange && ev.exchange(&mode) == CU_OK;
+        got = ev.elapsed(&ms, q->ring[(q->tail - 1) % QUEUE_RING].event, p->event) == CU_OK;
+        if (relaxed)
+            ev.exchange(&mode);
+    }
+    if (got && ms > 0) {  /* the GPU time of the launches it covers (the driver's clock, not the host's) */
         int64_t ns = (int64_t)((double)ms * 1e6);
         if (gpu_time && mine && q->gpu >= 0 && q->gpu < CGPU_MAX_GPUS)
             __atomic_add_fetch(&gpu_time->procs[mine - usage->procs].ns[q->gpu], (uint64_t)ns, __ATOMIC_RELAXED);
