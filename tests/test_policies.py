@@ -393,6 +393,28 @@ def test_highprio_charged_its_gpu_time_runs_beside_the_ring_while_light_and_alon
     assert d.kind is Kind.PRIO and d.running == {"h"}
 
 
+def test_a_holder_charged_its_gpu_time_gets_its_weight_of_it_or_twice_its_slots():
+    """The loop's own ring slots (no switcher): a holder whose processes count their GPU time is
+    charged that, not its slots' time, but at least half of it. One that uses 60 % of its gate's
+    time at weight 1 beside one using all of it at weight 2 gets 1:2 of the GPU time; one using
+    10 % (or nothing: its device open, idle) has its gate open twice its slots' time, not more."""
+    for duty in (0.6, 0.1, 0.0):
+        p = Planner(Params(slice=X))
+        v = view(WEIGHTED, inst("a", 1), inst("b", 2))
+        t, gpu, gate = 0.0, defaultdict(float), defaultdict(float)
+        for _ in range(900):
+            d = p.plan(v, t)
+            used = d.length * (duty if d.holder == "a" else 1.0)
+            p.charge(d, t, d.until, None, used)
+            gpu[d.holder] += used
+            gate[d.holder] += d.length
+            t = d.until
+        if duty == 0.6:
+            assert gpu["a"] / gpu["b"] == pytest.approx(0.5, abs=0.03)
+        else:
+            assert gate["a"] / gate["b"] == pytest.approx(1.0, abs=0.05)
+
+
 def test_highprio_idle_gets_nothing_and_holds_no_slices():
     s = Sim()
     s.run(view(WEIGHTED, inst("a", 1), inst("b", 1), inst("h", 6, hp=True, active=False)), 100 * 2 * X)

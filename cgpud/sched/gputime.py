@@ -1,9 +1,11 @@
-"""The GPU time a high-priority group got (docs/scheduler.md, "The charge:
-GPU time"): the part of GpuScheduler (cgpud.sched.loop) that reads, at the
-start and the end of each of the group's slices (its own, or beside the
-normal ring), the counters libcgpu keeps per process slot in the usage page,
-through the enforcer's targets' pages (cgpud.sched.native.Page.gpu_ns). The
-switcher reads the normal ring's itself (native/switch/cgpu-switch.c)."""
+"""The GPU time the instances a slice charges got (docs/scheduler.md, "The
+charge: GPU time"): the part of GpuScheduler (cgpud.sched.loop) that reads,
+at the start and the end of each slice the loop carries out itself — a
+high-priority group's (its own, or beside the normal ring), a ring holder's
+when the switcher does not run it — the counters libcgpu keeps per process
+slot in the usage page, through the enforcer's targets' pages
+(cgpud.sched.native.Page.gpu_ns). The switcher reads its steps' itself
+(native/switch/cgpu-switch.c)."""
 from __future__ import annotations
 
 from typing import Any
@@ -21,11 +23,15 @@ class PrioTime:
     _prio_before: tuple[frozenset[str], int] | None = None
 
     def _prio_ns(self, view: GpuView, dec: Decision) -> tuple[frozenset[str], int] | None:
-        """The high-priority instances a decision runs, and the GPU time their processes have got
-        (libcgpu's count), when every one of them counts it; else None."""
-        if dec.kind != Kind.PRIO and not dec.along:
+        """The instances a decision charges — the high-priority ones it runs, or its ring slot's
+        active holder — and the GPU time their processes have got (libcgpu's count), when every one
+        of them counts it; else None."""
+        if dec.kind == Kind.PRIO or dec.along:
+            names = dec.along or frozenset(n for n in dec.running if n in view.active_names)
+        elif dec.kind == Kind.SLOT and dec.holder in view.active_names:
+            names = frozenset({dec.holder})
+        else:
             return None
-        names = dec.along or frozenset(n for n in dec.running if n in view.active_names)
         ns = self._prio_reading(names)
         return (names, ns) if ns is not None else None
 

@@ -524,16 +524,17 @@ class Planner:
         charge the difference from what was charged for it, and the windows.
         `cut`: ended early (the batch was cut), not a measure of its tail.
         `used`: the GPU seconds its holder's processes got meanwhile, when
-        they count them (libcgpu): an active holder is charged that, at most
-        the time, not the time its gate was open."""
+        they count them (libcgpu): an active holder is charged that, not the
+        time its gate was open — at most the time, and at least half of it
+        (`gpu_cost`)."""
         d, p = ahead.decision, self.params
         ring = self._rings[NORMAL]
         ran = end - start
-        cost = min(max(0.0, used), ran) if used is not None and d.active else ran
+        cost = gpu_cost(used, ran) if used is not None and d.active else ran
         ring.charge(d.holder, cost - ahead.charged, p)
         if ran > 0 and not cut:  # (the next ones are planned as charged so: a batch plans its slots' lengths right)
             duty = self._duty.get(d.holder, 1.0)
-            self._duty[d.holder] = max(0.05, min(1.0, duty + (cost / ran - duty) / 4))
+            self._duty[d.holder] = max(0.5, min(1.0, duty + (cost / ran - duty) / 4))
         if ahead.seq == self._ahead_seq:  # the ring's latest: its slot stays open while time is owed on it
             ring.open = ring.credit.get(d.holder, 0.0) >= p.min_slice
         if ahead.followed and not cut:  # (what ran past its length is the tail its queued work drained for)
@@ -571,14 +572,17 @@ class Planner:
         times). `usage`: GPU seconds each running instance really used in
         that time, when a meter knows; otherwise time is split evenly among
         the active instances that ran together. `prio_used`: the GPU seconds
-        the high-priority group running got, when its processes count them
-        (libcgpu): the group is charged that against prio_ratio, at most the
-        time, and while it uses under a quarter of its slices the normal
-        ring runs with the group beside it (`along`)."""
+        the instances it charges got, when their processes count them
+        (libcgpu): a slot's active holder is charged that (`gpu_cost`); while
+        a high-priority group uses under a quarter of its own slices (charged
+        their time) the normal ring runs with the group beside it (`along`:
+        its holder is charged the time, the group its GPU time, at most the
+        time, against prio_ratio)."""
         ran = max(0.0, end - start)
         p = self.params
         if decision.holder is not None and decision.group is not None:
-            cost = min(max(0.0, prio_used), ran) if decision.kind == Kind.PRIO and prio_used is not None else ran
+            by_gpu = prio_used is not None and decision.kind == Kind.SLOT and not decision.along
+            cost = gpu_cost(prio_used, ran) if by_gpu else ran
             self._rings[decision.group].charge(decision.holder, cost, p)
         if (decision.kind == Kind.PRIO or decision.along) and prio_used is not None and ran >= p.min_slice / 2:
             self._prio_light = prio_used < ran / 4
@@ -588,9 +592,10 @@ class Planner:
                  usage: Mapping[str, float] | None = None, prio_used: float | None = None) -> None:
         """The time windows' part of a charge (high priority's, policy 4's)."""
         ran = max(0.0, end - start)
-        if decision.kind == Kind.PRIO or decision.along:
-            used = ran if prio_used is None else min(max(0.0, prio_used), ran)
-            self._prio.add(start, end, used)
+        if decision.kind == Kind.PRIO:
+            self._prio.add(start, end, ran)
+        elif decision.along:
+            self._prio.add(start, end, ran if prio_used is None else min(max(0.0, prio_used), ran))
         act = decision.active
         if act:
             for name in act:
@@ -599,6 +604,14 @@ class Planner:
                     continue
                 amount = usage.get(name, 0.0) if usage is not None else ran / len(act)
                 w.add(start, end, amount)
+
+
+def gpu_cost(used: float, ran: float) -> float:
+    """What a ring holder is charged for a slice of `ran` seconds in which its processes got `used`
+    seconds of GPU time: that, but at least half the slice (an instance active and nearly idle —
+    its device open, nothing launched — would otherwise hold its gate on and on, the ring's credit
+    never spent: it gets at most 2X of gate time per X it is owed) and at most all of it."""
+    return min(ran, max(used, ran / 2))
 
 
 def entitled_share(view: GpuView, name: str) -> float:
