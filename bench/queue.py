@@ -18,8 +18,13 @@ Work is the card's kernel time from its log (a kernel's time is its work: gridX 
 4. high priority (`make gpu-check`'s row): a weight-1 instance runs 64 launches ahead, alone for a
    second; then a --highprio instance launches a 10 µs kernel every 20 ms and waits for it: launch ->
    completion, p50 and p99 (goal p99 <= 5 ms).
+5. a CPU-bound instance beside a GPU-bound one, 1:2, policy 2 (small-batch inference beside
+   training): weight 1 launches a 2 ms kernel, synchronizes, then does 1 ms of host work, again and
+   again; weight 2 runs the job. Weight 1's share of the kernel time (goal 0.333 ± 0.02; charged the
+   time its gate was open it got about a quarter), and its work against the same loop alone with no
+   cgpud in the same run.
 
-    .venv/bin/python bench/queue.py [--seconds 6] [--libcgpu PATH]
+    .venv/bin/python bench/queue.py [--seconds 6] [--libcgpu PATH] [--rows 1,2,3,4,5]
 """
 from __future__ import annotations
 
@@ -137,11 +142,39 @@ def high_priority(tools: Path, lib: Path, tmp: Path, seconds: float, tag: str) -
     return sorted(int(x) / 1e6 for x in out.split()[1:])
 
 
+HOST_KERNEL_US, HOST_US = 2000, 1000  # (row 5's CPU-bound loop)
+
+
+def cpu_bound_pair(tools: Path, lib: Path, tmp: Path, seconds: float, tag: str) -> tuple[float, float]:
+    """Row 5: weight 1's share of the kernel time, and its kernel time per second."""
+    with gated(lib) as d:
+        set_policy(d, 2)
+        names = [f"qc{tag}1", f"qg{tag}2"]
+        cmds = (f'exec "$Q" host {seconds} {HOST_KERNEL_US} {HOST_US}', f'exec "$Q" loop {seconds} {KERNEL_US} {BATCH}')
+        finish([instance(d, tools, tmp, n, ["--weight", str(w)], c) for n, w, c in zip(names, (1, 2), cmds)])
+    logs = [tmp / n for n in names]
+    t0, t1 = window(logs)
+    one, two = (busy(lg, t0, t1) for lg in logs)
+    return one / (one + two), one / (t1 - t0)
+
+
+def host_bare(tools: Path, tmp: Path, seconds: float) -> float:
+    """Row 5's reference: the CPU-bound loop alone, no cgpud: the card's busy fraction."""
+    p = subprocess.run([str(tools / "queue-client"), "host", str(seconds), str(HOST_KERNEL_US), str(HOST_US)],
+                       env=stand_in_env(tools, tmp, "barehost"), capture_output=True, text=True, timeout=120)
+    if p.returncode:
+        raise SystemExit(p.stderr)
+    t0, t1 = window([tmp / "barehost"])
+    return busy(tmp / "barehost", t0, t1) / (t1 - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=6.0, help="each run's length")
     ap.add_argument("--libcgpu", help="a libcgpu.so built elsewhere (default: built here from the tree)")
+    ap.add_argument("--rows", default="1,2,3,4,5", help="which rows (1 is measured whenever 2 or 3 is)")
     a = ap.parse_args()
+    rows = {r.strip() for r in a.rows.split(",")}
     with tempfile.TemporaryDirectory(prefix="bench-queue-") as t:
         tmp = Path(t)
         tools = tmp / "tools"
@@ -153,33 +186,46 @@ def main() -> None:
         build(tools)
         lib = Path(a.libcgpu) if a.libcgpu else tools / "libcgpu.so"
         tag = uuid.uuid4().hex[:9]
-        runs = {n: tmp / n for n in ("bare", "alone", "pair", "prio")}
+        runs = {n: tmp / n for n in ("bare", "alone", "pair", "prio", "host")}
         for p in runs.values():
             p.mkdir()
         print(f"the job: {BATCH} launches of {KERNEL_US / 1000} ms then a synchronize, {a.seconds:.0f} s a run; "
               f"stand-in timeslice {os.environ.get('CGPU_STUB_TIMESLICE_US', '1024')} µs, "
               f"switch {os.environ.get('CGPU_STUB_SWITCH_US', '100')} µs", flush=True)
-        bare = alone_bare(tools, runs["bare"], a.seconds)
-        print(f"1. alone, no cgpud: the card busy {bare:.3f} of the time (the reference)", flush=True)
-        alone = alone_gated(tools, lib, runs["alone"], a.seconds, tag)
-        print(f"2. alone under the gate: busy {alone:.3f}: {alone / bare * 100:.1f} % of 1 (goal >= 99 %)", flush=True)
+        if rows & {"1", "2", "3"}:
+            bare = alone_bare(tools, runs["bare"], a.seconds)
+            print(f"1. alone, no cgpud: the card busy {bare:.3f} of the time (the reference)", flush=True)
+        if "2" in rows:
+            alone = alone_gated(tools, lib, runs["alone"], a.seconds, tag)
+            print(f"2. alone under the gate: busy {alone:.3f}: {alone / bare * 100:.1f} % of 1 (goal >= 99 %)",
+                  flush=True)
         # 3. the pair, with each way of switching (docs/scheduler.md, "Switches"), long kernels and short
-        short = alone_bare(tools, runs["bare"], a.seconds, SHORT_US, SHORT_BATCH)
-        print(f"1. alone, no cgpud, {SHORT_BATCH} x {SHORT_US / 1000:g} ms: the card busy {short:.3f} of the time "
-              f"(the short jobs' reference)", flush=True)
-        for switch in ("drain", "ahead", "overlap"):
+        if "3" in rows:
+            short = alone_bare(tools, runs["bare"], a.seconds, SHORT_US, SHORT_BATCH)
+            print(f"1. alone, no cgpud, {SHORT_BATCH} x {SHORT_US / 1000:g} ms: the card busy {short:.3f} of the time "
+                  f"(the short jobs' reference)", flush=True)
+        for switch in ("drain", "ahead", "overlap") if "3" in rows else ():
             for kernel_us, batch, ref in ((KERNEL_US, BATCH, bare), (SHORT_US, SHORT_BATCH, short)):
                 share, work, note = pair(tools, lib, runs["pair"], a.seconds, tag, switch, kernel_us, batch)
                 print(f"3. the pair at 1:2, policy 2, --switch {switch}, {batch} x {kernel_us / 1000:g} ms: weight 1 got "
                       f"{share:.3f} of the kernel time (goal 0.333 ± 0.02); the pair's work {work / ref * 100:.1f} % "
                       f"of the job alone's (goal >= 97 %){'; ' + note if note else ''}", flush=True)
-        waits = high_priority(tools, lib, runs["prio"], a.seconds, tag)
-        if waits:
+        waits = high_priority(tools, lib, runs["prio"], a.seconds, tag) if "4" in rows else None
+        if waits is None:
+            pass
+        elif waits:
             print(f"4. high priority beside a weight-1 instance 64 launches ahead: launch -> completion "
                   f"p50 {statistics.median(waits):.2f} ms, p99 {waits[int(0.99 * len(waits))]:.2f} ms, "
                   f"max {waits[-1]:.2f} ms over {len(waits)} (goal p99 <= 5 ms)", flush=True)
         else:
             print("4. high priority: no probe kernel ran", flush=True)
+        if "5" in rows:
+            ref = host_bare(tools, runs["host"], a.seconds)
+            share, work = cpu_bound_pair(tools, lib, runs["host"], a.seconds, tag)
+            print(f"5. a CPU-bound instance ({HOST_KERNEL_US / 1000:g} ms kernel, sync, {HOST_US / 1000:g} ms host) at "
+                  f"weight 1 beside the job at 2, policy 2: weight 1 got {share:.3f} of the kernel time (goal 0.333 "
+                  f"± 0.02); its kernel time {work:.3f} of the wall against {ref:.3f} alone without cgpud "
+                  f"({work / ref * 100:.1f} %)", flush=True)
 
 
 if __name__ == "__main__":

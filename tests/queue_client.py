@@ -13,6 +13,8 @@ SOURCE = r"""
  *   burst N US         N launches; prints each launch's return time, then the synchronize's return time
  *   loop SECONDS US K  K launches then cuCtxSynchronize, again and again (a PyTorch-like loop that runs ahead):
  *                      prints "started", then the launches made
+ *   host SECONDS US HOST_US  one launch, a synchronize, then HOST_US of host work (a spin), again and again
+ *                      (small-batch inference: CPU-bound): prints "started", then the launches made
  *   one US             one launch and a synchronize: prints "pid launch_ns" (taken just before the launch)
  *   every SECONDS US GAP_MS  one launch and a synchronize, a pause, again: prints each launch to completion (ns)
  *   queue N US SECONDS N launches, then no call into the driver for SECONDS (its exit waits for its queue)
@@ -73,6 +75,19 @@ int main(int argc, char **argv)
         while (now() - t0 < secs * 1e9) {
             for (int i = 0; i < k; i++, n++) launch((unsigned)atoi(argv[3]), NULL);
             sync();
+        }
+        printf("%lld\n", n);
+    } else if (!strcmp(mode, "host") && argc == 5) {
+        double secs = atof(argv[2]);
+        long long host = atoll(argv[4]) * 1000;
+        printf("started\n");
+        fflush(stdout);
+        long long t0 = now(), n = 0;
+        while (now() - t0 < secs * 1e9) {
+            launch((unsigned)atoi(argv[3]), NULL);
+            sync();
+            n++;
+            for (long long t = now(); now() - t < host;) {}
         }
         printf("%lld\n", n);
     } else if (!strcmp(mode, "queue") && argc == 5) {  /* queue N US SECONDS: N launches, then no call for SECONDS */

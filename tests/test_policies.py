@@ -368,6 +368,53 @@ def test_highprio_takes_the_gpu_at_once_and_is_capped_at_prio_ratio():
         assert s.share("h", w0, w0 + W) <= 0.8 + 1e-9
 
 
+def test_highprio_charged_its_gpu_time_runs_beside_the_ring_while_light_and_alone_once_heavy():
+    """A high-priority instance whose processes count their GPU time (libcgpu): while it uses under a
+    quarter of its slices (a small kernel every 20 ms) it is charged that, never reaches its cap, and
+    the normal ring runs with it beside (weights 1:2 kept); once it uses more, it runs alone again,
+    capped at prio_ratio of the GPU time it got."""
+    p = Planner(Params(slice=X))
+    v = view(WEIGHTED, inst("a", 1), inst("b", 2), inst("h", 1, hp=True))
+    t, given = 0.0, defaultdict(float)
+    for _ in range(600):  # 6 s or more: light, 1 % of its slices
+        d = p.plan(v, t)
+        p.charge(d, t, d.until, None, 0.01 * d.length if "h" in d.running else None)
+        for n in d.running - {"h"}:
+            given[n] += d.length
+        assert "h" in d.running, "a light high-priority instance was held"
+        t = d.until
+    assert d.along == {"h"} and d.kind is Kind.SLOT
+    assert given["b"] / given["a"] == pytest.approx(2.0, abs=0.1)
+    assert p.prio_used(t) < 0.05
+    d = p.plan(v, t)
+    p.charge(d, t, d.until, None, d.length)  # heavy now: it used all of it
+    t = d.until
+    d = p.plan(v, t)
+    assert d.kind is Kind.PRIO and d.running == {"h"}
+
+
+def test_a_holder_charged_its_gpu_time_gets_its_weight_of_it_or_twice_its_slots():
+    """The loop's own ring slots (no switcher): a holder whose processes count their GPU time is
+    charged that, not its slots' time, but at least half of it. One that uses 60 % of its gate's
+    time at weight 1 beside one using all of it at weight 2 gets 1:2 of the GPU time; one using
+    10 % (or nothing: its device open, idle) has its gate open twice its slots' time, not more."""
+    for duty in (0.6, 0.1, 0.0):
+        p = Planner(Params(slice=X))
+        v = view(WEIGHTED, inst("a", 1), inst("b", 2))
+        t, gpu, gate = 0.0, defaultdict(float), defaultdict(float)
+        for _ in range(900):
+            d = p.plan(v, t)
+            used = d.length * (duty if d.holder == "a" else 1.0)
+            p.charge(d, t, d.until, None, used)
+            gpu[d.holder] += used
+            gate[d.holder] += d.length
+            t = d.until
+        if duty == 0.6:
+            assert gpu["a"] / gpu["b"] == pytest.approx(0.5, abs=0.03)
+        else:
+            assert gate["a"] / gate["b"] == pytest.approx(1.0, abs=0.05)
+
+
 def test_highprio_idle_gets_nothing_and_holds_no_slices():
     s = Sim()
     s.run(view(WEIGHTED, inst("a", 1), inst("b", 1), inst("h", 6, hp=True, active=False)), 100 * 2 * X)

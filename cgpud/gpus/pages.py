@@ -40,7 +40,11 @@ WATCHED_OFFSET = USAGE_V2_SIZE  # uint32: 1 once the daemon's watchdog reads NVM
 STEP = struct.Struct(f"<{MAX_GPUS}Q")  # libcgpu: the largest growth between two readings, per GPU
 DRIVER = struct.Struct(f"<Ii{3 * MAX_GPUS}Q")  # seq, pid, nvml[], allocs[], driver[]: per slot
 DRIVER_OFFSET = USAGE_V2_SIZE + 8 + STEP.size
-USAGE_SIZE = DRIVER_OFFSET + MAX_PROCS * DRIVER.size
+DRIVER_SIZE = DRIVER_OFFSET + MAX_PROCS * DRIVER.size  # (an older cgpud's page ends here)
+# struct cgpu_usage_busy: the GPU time each slot's process got, per GPU (docs/scheduler.md, "The charge")
+BUSY = struct.Struct(f"<Ii{MAX_GPUS}Q")  # timed, pid, ns[]: per slot
+BUSY_OFFSET = DRIVER_SIZE
+USAGE_SIZE = BUSY_OFFSET + MAX_PROCS * BUSY.size
 
 
 def create(directory: str, memsizes: list[int], uuids: list[str] | None = None) -> None:
@@ -142,7 +146,7 @@ def slots(directory: str) -> tuple[dict[int, Slot], bool]:
     (an older cgpud's page has not)."""
     with open(os.path.join(directory, "usage"), "rb") as f:
         raw = f.read(USAGE_SIZE)
-    readings = len(raw) >= USAGE_SIZE
+    readings = len(raw) >= DRIVER_SIZE
     out = {}
     for k in range(MAX_PROCS):
         pid, _, _, _, *held = PROC.unpack_from(raw, USAGE_HEAD.size + k * PROC.size)
@@ -158,7 +162,7 @@ def mark_watched(directory: str) -> bool:
     headroom for the driver's growth); False for an older cgpud's page, which has no room for it."""
     fd = os.open(os.path.join(directory, "usage"), os.O_RDWR | os.O_CLOEXEC)
     try:
-        if os.fstat(fd).st_size < USAGE_SIZE:
+        if os.fstat(fd).st_size < DRIVER_SIZE:
             return False
         if os.pread(fd, 4, WATCHED_OFFSET) != struct.pack("<I", 1):
             os.pwrite(fd, struct.pack("<I", 1), WATCHED_OFFSET)

@@ -145,7 +145,8 @@ class NativeSwitching:
                 # (from when the card was its own, to when its queued work was done: the rest of the switch,
                 # opening the next gate, is nobody's; with overlap, the tail before it is the previous one's)
                 planner.settle(ahead, r.owned / 1e9 + offset, r.drained / 1e9 + offset,
-                               cut is not None and (r.batch, r.step) == (cut.batch, cut.step))
+                               cut is not None and (r.batch, r.step) == (cut.batch, cut.step),
+                               r.gpu_ns / 1e9 if r.gpu_ns >= 0 else None)
                 if last[0] is not None and d.running != last[0].running:
                     tel.switches += 1
                 tel.record(d, start, end)

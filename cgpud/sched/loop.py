@@ -29,6 +29,7 @@ import trio
 from cgpud.core.model import Node
 from cgpud.sched import native
 from cgpud.sched.batching import NativeSwitching
+from cgpud.sched.gputime import PrioTime
 from cgpud.sched.enforce_api import Activity, Enforcer, UsageMeter
 from cgpud.sched.policies import Decision, GpuView, InstView, Kind, Params, Planner
 from cgpud.sched.sharing import QueueBounds
@@ -88,7 +89,7 @@ class TimerFdWaiter:
         self._timer.close()
 
 
-class GpuScheduler(NativeSwitching, QueueBounds):
+class GpuScheduler(NativeSwitching, QueueBounds, PrioTime):
     """The time-slice scheduler of one GPU (a background service: `run`, `stop`).
 
     With a `switcher` (cgpud.sched.native), the slices of gated instances
@@ -204,6 +205,7 @@ class GpuScheduler(NativeSwitching, QueueBounds):
             # (what the view was made of, unless others ran while we waited for a drain)
             basis = self._cached_basis if not waited and self._cached_basis is not None else self._basis()
             self._current = (dec, start, self._read_usage(dec))
+            self._prio_before = self._prio_ns(view, dec)
             while True:
                 waiter.reset()
                 await waiter.wait_until(dec.until)
@@ -235,7 +237,13 @@ class GpuScheduler(NativeSwitching, QueueBounds):
         if before is not None:
             after = self._read_usage(dec) or {}
             usage = {n: max(0.0, after.get(n, 0.0) - before.get(n, 0.0)) for n in dec.active}
-        self.planner.charge(dec, start, end, usage)
+        prio_used = None
+        if self._prio_before is not None:
+            names, ns = self._prio_before
+            now_ns = self._prio_reading(names)
+            prio_used = max(0, now_ns - ns) / 1e9 if now_ns is not None else None
+        self._prio_before = None
+        self.planner.charge(dec, start, end, usage, prio_used)
         self.telemetry.record(dec, start, end)
 
     def _finish(self) -> None:

@@ -45,7 +45,8 @@ class Report(ctypes.Structure):
     _fields_ = [("begin", ctypes.c_int64), ("start", ctypes.c_int64), ("end", ctypes.c_int64),
                 ("owned", ctypes.c_int64), ("drained", ctypes.c_int64), ("drain_ns", ctypes.c_int64), ("late_ns", ctypes.c_int64), ("batch", ctypes.c_int32),
                 ("step", ctypes.c_int32), ("gave_up", ctypes.c_int32), ("closed", ctypes.c_int32),
-                ("why", ctypes.c_int32), ("longer", ctypes.c_int32)]
+                ("why", ctypes.c_int32), ("longer", ctypes.c_int32), ("run", ctypes.c_int32),
+                ("gpu_ns", ctypes.c_int64), ("gpu_at", ctypes.c_int64), ("runner", ctypes.c_void_p)]
 
 
 class Step(ctypes.Structure):
@@ -105,7 +106,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cg_page_freeze": (None, [P, I]), "cg_page_thaw": (None, [P, I]), "cg_page_frozen": (I, [P]),
         "cg_page_closed_on": (I, [P, I]), "cg_page_undrained": (I, [P, I, VP, I]),
         "cg_page_give_up": (I, [P, I, I, VP, VP, I]), "cg_page_consume": (None, [P]),
-        "cg_page_share": (None, [P, I, I, ctypes.c_uint32]),
+        "cg_page_share": (None, [P, I, I, ctypes.c_uint32]), "cg_page_gpu_ns": (ctypes.c_int64, [P, I]),
         "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]),
         "cg_sw_mode": (None, [P, I, ctypes.c_int64]), "cg_sw_ack": (None, [P]),
         "cg_sw_submit": (I, [P, ctypes.c_int32, I, ctypes.POINTER(P), ctypes.POINTER(ctypes.c_uint8), I,
@@ -157,6 +158,14 @@ class Page:
 
     def frozen(self) -> bool:
         return bool(self._lib.cg_page_frozen(self.handle))
+
+    def gpu_ns(self, gpu: int) -> int | None:
+        """The GPU time (ns) its processes got on node GPU `gpu`, as libcgpu counts it (read as a
+        difference); None when not known (an older page or library, no launching process)."""
+        if self.handle is None:
+            return None
+        n = self._lib.cg_page_gpu_ns(self.handle, gpu)
+        return n if n >= 0 else None
 
     def closed_on(self, gpu: int) -> bool:
         return bool(self._lib.cg_page_closed_on(self.handle, gpu))

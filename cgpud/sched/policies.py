@@ -165,6 +165,7 @@ class Decision:
     active: frozenset[str] = frozenset()
     considered: frozenset[str] = frozenset()
     paused: frozenset[str] = frozenset()  # policy 4: active, over their share, held
+    along: frozenset[str] = frozenset()  # high-priority instances let run beside a normal slot (light ones)
 
     @property
     def length(self) -> float:
@@ -314,7 +315,9 @@ class Planner:
         self._synced, self._derived = None, {}  # the view _sync saw last; what plan() derived from it
         self._ahead_seq = 0  # the count of decisions planned ahead (less those rewound)
         self._drift: dict[str, float] = {}  # per ring key: how long its queued work drains after its slot (a mean)
+        self._duty: dict[str, float] = {}  # per ring key: the GPU time it is charged per second of its steps (a mean)
         self._ahead_last: Ahead | None = None  # the last decision planned ahead
+        self._prio_light = False  # the group used little of its last slice's GPU (its GPU time known)
 
     # ---- bookkeeping -------------------------------------------------------
 
@@ -332,6 +335,7 @@ class Planner:
             del self._seq[gone]
             self._usage.pop(gone, None)
             self._drift.pop(gone, None)
+            self._duty.pop(gone, None)
         for i in view.instances:
             if i.name not in self._seq:
                 self._seq[i.name] = self._next_seq
@@ -379,6 +383,11 @@ class Planner:
             return Decision(names, now + p.slice, now, Kind.NATIVE, active=view.active_names, considered=considered)
         if hp:
             room = self.prio_headroom(view, now)
+            if room >= p.min_slice and self._prio_light:  # (light: the normal ring runs, the group beside it)
+                d = self._plan_group(NORMAL, normal, view, now, considered)
+                if d is not None:
+                    names = frozenset(i.name for i in hp)
+                    return replace(d, running=d.running | names, until=min(d.until, now + room), along=names)
             if room >= p.min_slice:
                 d = self._plan_group(PRIO, hp, view, now, considered)
                 assert d is not None
@@ -484,11 +493,12 @@ class Planner:
             pos = (ring.cur, ring.cur_seq, ring.used, ring.open)
             before = dict(ring.credit)
             d = self.plan(view, t)
-            if d.kind not in (Kind.SLOT, Kind.WASTE) or d.group != NORMAL:
+            if d.kind not in (Kind.SLOT, Kind.WASTE) or d.group != NORMAL or d.along:
                 ring.cur, ring.cur_seq, ring.used, ring.open = pos
                 ring.credit = before
                 break
-            ring.charge(d.holder, d.length, p)
+            expect = d.length * self._duty.get(d.holder, 1.0)  # (what it will be charged for it, as it went)
+            ring.charge(d.holder, expect, p)
             delta = ring.credit.get(d.holder, 0.0) - before.get(d.holder, 0.0)
             prev = self._ahead_last
             if prev is not None and prev.decision.holder != d.holder and not prev.followed:
@@ -498,7 +508,7 @@ class Planner:
                     ring.charge(prev.decision.holder, prev.tail, p)
                     prev.charged += prev.tail
             self._ahead_seq += 1
-            a = Ahead(d, pos, delta, self._ahead_seq, d.length, prev)
+            a = Ahead(d, pos, delta, self._ahead_seq, expect, prev)
             out.append(a)
             self._ahead_last = a
             t = d.until
@@ -508,15 +518,23 @@ class Planner:
         """The decision in force was not planned ahead: a next one planned ahead charges no tail."""
         self._ahead_last = None
 
-    def settle(self, ahead: Ahead, start: float, end: float, cut: bool = False) -> None:
+    def settle(self, ahead: Ahead, start: float, end: float, cut: bool = False, used: float | None = None) -> None:
         """A decision planned ahead was in force from `start` to `end` (actual
         times; to when its queued work was done, the next switch's closing answered):
         charge the difference from what was charged for it, and the windows.
-        `cut`: ended early (the batch was cut), not a measure of its tail."""
+        `cut`: ended early (the batch was cut), not a measure of its tail.
+        `used`: the GPU seconds its holder's processes got meanwhile, when
+        they count them (libcgpu): an active holder is charged that, not the
+        time its gate was open — at most the time, and at least half of it
+        (`gpu_cost`)."""
         d, p = ahead.decision, self.params
         ring = self._rings[NORMAL]
         ran = end - start
-        ring.charge(d.holder, ran - ahead.charged, p)
+        cost = gpu_cost(used, ran) if used is not None and d.active else ran
+        ring.charge(d.holder, cost - ahead.charged, p)
+        if ran > 0 and not cut:  # (the next ones are planned as charged so: a batch plans its slots' lengths right)
+            duty = self._duty.get(d.holder, 1.0)
+            self._duty[d.holder] = max(0.5, min(1.0, duty + (cost / ran - duty) / 4))
         if ahead.seq == self._ahead_seq:  # the ring's latest: its slot stays open while time is owed on it
             ring.open = ring.credit.get(d.holder, 0.0) >= p.min_slice
         if ahead.followed and not cut:  # (what ran past its length is the tail its queued work drained for)
@@ -547,24 +565,37 @@ class Planner:
             prev.tail, prev.followed = 0.0, False
 
     def charge(
-        self, decision: Decision, start: float, end: float, usage: Mapping[str, float] | None = None
+        self, decision: Decision, start: float, end: float, usage: Mapping[str, float] | None = None,
+        prio_used: float | None = None,
     ) -> None:
         """Report that `decision` was in force from `start` to `end` (actual
         times). `usage`: GPU seconds each running instance really used in
         that time, when a meter knows; otherwise time is split evenly among
-        the active instances that ran together."""
+        the active instances that ran together. `prio_used`: the GPU seconds
+        the instances it charges got, when their processes count them
+        (libcgpu): a slot's active holder is charged that (`gpu_cost`); while
+        a high-priority group uses under a quarter of its own slices (charged
+        their time) the normal ring runs with the group beside it (`along`:
+        its holder is charged the time, the group its GPU time, at most the
+        time, against prio_ratio)."""
         ran = max(0.0, end - start)
         p = self.params
         if decision.holder is not None and decision.group is not None:
-            self._rings[decision.group].charge(decision.holder, ran, p)
-        self._windows(decision, start, end, usage)
+            by_gpu = prio_used is not None and decision.kind == Kind.SLOT and not decision.along
+            cost = gpu_cost(prio_used, ran) if by_gpu else ran
+            self._rings[decision.group].charge(decision.holder, cost, p)
+        if (decision.kind == Kind.PRIO or decision.along) and prio_used is not None and ran >= p.min_slice / 2:
+            self._prio_light = prio_used < ran / 4
+        self._windows(decision, start, end, usage, prio_used)
 
     def _windows(self, decision: Decision, start: float, end: float,
-                 usage: Mapping[str, float] | None = None) -> None:
+                 usage: Mapping[str, float] | None = None, prio_used: float | None = None) -> None:
         """The time windows' part of a charge (high priority's, policy 4's)."""
         ran = max(0.0, end - start)
         if decision.kind == Kind.PRIO:
             self._prio.add(start, end, ran)
+        elif decision.along:
+            self._prio.add(start, end, ran if prio_used is None else min(max(0.0, prio_used), ran))
         act = decision.active
         if act:
             for name in act:
@@ -573,6 +604,14 @@ class Planner:
                     continue
                 amount = usage.get(name, 0.0) if usage is not None else ran / len(act)
                 w.add(start, end, amount)
+
+
+def gpu_cost(used: float, ran: float) -> float:
+    """What a ring holder is charged for a slice of `ran` seconds in which its processes got `used`
+    seconds of GPU time: that, but at least half the slice (an instance active and nearly idle —
+    its device open, nothing launched — would otherwise hold its gate on and on, the ring's credit
+    never spent: it gets at most 2X of gate time per X it is owed) and at most all of it."""
+    return min(ran, max(used, ran / 2))
 
 
 def entitled_share(view: GpuView, name: str) -> float:

@@ -149,6 +149,7 @@ extern const struct cgpu_limits *limits;  /* read-only */
 extern int per_gpu;       /* the page has a gate per GPU (else the container's one gate) */
 extern int has_uuids;     /* the page names its GPUs' UUIDs (read once: written before its magic) */
 extern struct cgpu_usage *usage;
+extern struct cgpu_usage_busy *gpu_time;  /* the GPU time per slot (NULL: an older cgpud's page) */
 extern struct cgpu_usage_driver *drv;  /* the driver's readings (NULL: an older cgpud's page) */
 extern struct cgpu_proc *mine;
 extern int asked;         /* CGPU_PAGE_DIR is set: this process must be isolated */

@@ -87,4 +87,20 @@ struct cgpu_usage_driver {
     struct cgpu_driver procs[CGPU_MAX_PROCS];  /* per slot of struct cgpu_usage's procs */
 };
 
+/* The GPU time each process got (docs/scheduler.md, "The charge: GPU time"), in the usage file right
+ * after struct cgpu_usage_driver (a page made by an older cgpud ends before it: its instances are
+ * charged the time their gates were open). libcgpu brackets each run of a stream's queued work with
+ * timing events and adds end - start to `ns` of the run's GPU once the end is known complete; the
+ * daemon charges a step the growth of its instance's slots' counters over it. Never reset (a slot
+ * taken by another process counts on): the daemon reads differences. */
+struct cgpu_busy {
+    uint32_t timed;     /* libcgpu: 1, this slot's process counts its GPU time (an older library: 0) */
+    int32_t pid;        /* libcgpu: the slot's pid when it set `timed` */
+    uint64_t ns[CGPU_MAX_GPUS];  /* libcgpu: GPU ns its runs took, per GPU of the page */
+};
+
+struct cgpu_usage_busy {
+    struct cgpu_busy procs[CGPU_MAX_PROCS];  /* per slot of struct cgpu_usage's procs */
+};
+
 #endif

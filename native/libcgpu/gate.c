@@ -350,6 +350,10 @@ static void start_helper(void)
     pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with the process's own threads */
     if (pthread_create(&t, &a, gate_helper, NULL) == 0) {
         unsigned k = (unsigned)(mine - usage->procs);
+        if (gpu_time) {  /* (its GPU time is counted: the daemon charges it by that) */
+            gpu_time->procs[k].pid = mine->pid;
+            __atomic_store_n(&gpu_time->procs[k].timed, 1, __ATOMIC_SEQ_CST);
+        }
         __atomic_store_n(&mine->gated, per_gpu ? 2 : 1, __ATOMIC_SEQ_CST);
         __atomic_fetch_or(&usage->gated_slots[k / 32], 1u << (k % 32), __ATOMIC_SEQ_CST);
     }
@@ -395,12 +399,13 @@ static void gate_enter(int k)
  * (the H100's driver takes ~1024 launches per stream before one blocks), all of which runs on after
  * its gate closes. While the page's `shared` bit of its GPU is set (the daemon sets it under every
  * controlled policy; a page starts with all set), the process keeps at most the budget
- * (`queue_budget_us`) of GPU time queued ahead per stream: an event (timing disabled) is recorded
- * after every `stride` launches, and a launch waits for the oldest ones while the launches not yet
+ * (`queue_budget_us`) of GPU time queued ahead per stream: an event (a timing one: the same events
+ * measure the process's GPU time, queue_start) is recorded after every `stride` launches, and a launch waits for the oldest ones while the launches not yet
  * done, one more included, times the stream's mean GPU time per launch, would pass the budget (one
  * behind the running one always passes). The mean comes from the waits themselves: an event that
  * completes while this thread waits for it ends the GPU time of the launches it covers (counted
- * from the completion before, or its recording when later: an overestimate, never an under-).
+ * from the completion before, or its recording when later: an overestimate, never an under-), or, for
+ * a card that keeps up (no wait), the events' own elapsed times.
  * With the bit clear (policy 5) a launch does one load more and nothing else; with it set, no lock
  * and no driver call but at an event or a wait.
  *
@@ -419,12 +424,14 @@ typedef CUresult (*event_record_fn)(void *, void *);
 typedef CUresult (*event_fn)(void *);
 typedef CUresult (*capturing_fn)(void *, int *);
 typedef CUresult (*exchange_fn)(int *);
+typedef CUresult (*elapsed_fn)(float *, void *, void *);
 static struct {
     event_create_fn create;
     event_record_fn record;
     event_fn query, sync, destroy;
     capturing_fn capturing;
     exchange_fn exchange;
+    elapsed_fn elapsed;
 } ev;
 static pthread_once_t ev_once = PTHREAD_ONCE_INIT;
 static int queue_ready(void);
@@ -432,6 +439,7 @@ struct pending {
     void *event;
     uint32_t launches;  /* the launches it covers */
     int64_t recorded;   /* when (CLOCK_MONOTONIC ns) */
+    int counted;        /* the GPU time from the event before it to it is the stream's work (0: a run's start) */
 };
 struct squeue {
     CUcontext ctx;
@@ -443,6 +451,9 @@ struct squeue {
     int64_t per_launch;         /* mean GPU ns per launch (0: not known yet) */
     int64_t seen;               /* the last completion observed (a lower bound of it) */
     int64_t stride;             /* launches an event covers while the mean is not known */
+    int64_t last_launch;        /* when the last launch into it was made */
+    int timed;                  /* the event before `tail` (the last one known complete) is a timing reference */
+    int gpu;                    /* its context's page GPU (-1: the container's) */
     int used;
 };
 static struct squeue queues[QUEUE_STREAMS];
@@ -458,6 +469,9 @@ static void ev_load(void)
     ev.destroy = (event_fn)sym("cuEventDestroy_v2");
     ev.capturing = (capturing_fn)sym("cuStreamIsCapturing");
     ev.exchange = (exchange_fn)sym("cuThreadExchangeStreamCaptureMode");
+    ev.elapsed = (elapsed_fn)sym("cuEventElapsedTime");
+    if (!ev.elapsed)
+        ev.elapsed = (elapsed_fn)sym("cuEventElapsedTime_v2");
 }
 
 static uint32_t budget_ns(void)
@@ -515,6 +529,7 @@ static struct squeue *queue_of(CUcontext c, void *stream, int ptsz)
     for (unsigned k = 0; k < QUEUE_RING; k++)
         idle->ring[k].event = events[k];
     idle->used = 1;
+    idle->gpu = known_gpu;
     idle->ctx = c;
     idle->stream = stream;
     idle->owner = owner;
@@ -564,13 +579,17 @@ static int over_budget(const struct squeue *q, int64_t budget)
 {
     if (q->head == q->tail)
         return 0;
-    if (q->head - q->tail >= QUEUE_RING)
+    if (q->head - q->tail >= QUEUE_RING - 1)
         return 1;
     uint64_t n = queued(q);
     if (n < 2)
         return 0;
-    if (!q->per_launch)  /* not known yet: two events queued at most, so a wait soon measures it */
-        return q->head - q->tail >= 2;
+    if (!q->per_launch) {  /* not known yet: two events queued at most, so a wait soon measures it */
+        unsigned evs = 0;  /* (a run's start event covers no launch: not counted) */
+        for (unsigned i = q->tail; i != q->head; i++)
+            evs += q->ring[i % QUEUE_RING].launches > 0;
+        return evs >= 2;
+    }
     return (int64_t)(n + 1) * q->per_launch > budget;
 }
 
@@ -579,6 +598,24 @@ static void completed(struct squeue *q, int64_t done)
 {
     struct pending *p = &q->ring[q->tail % QUEUE_RING];
     int64_t from = q->seen > p->recorded ? q->seen : p->recorded;
+    float ms = 0;
+    int got = 0;
+    if (p->counted && q->timed && ev.elapsed) {  /* (relaxed capture mode: another thread's global capture) */
+        int mode = 2, relaxed = ev.exchange && ev.exchange(&mode) == CU_OK;
+        got = ev.elapsed(&ms, q->ring[(q->tail - 1) % QUEUE_RING].event, p->event) == CU_OK;
+        if (relaxed)
+            ev.exchange(&mode);
+    }
+    if (got && ms > 0) {  /* the GPU time of the launches it covers (the driver's clock, not the host's) */
+        int64_t ns = (int64_t)((double)ms * 1e6);
+        if (gpu_time && mine && q->gpu >= 0 && q->gpu < CGPU_MAX_GPUS)
+            __atomic_add_fetch(&gpu_time->procs[mine - usage->procs].ns[q->gpu], (uint64_t)ns, __ATOMIC_RELAXED);
+        if (p->launches && !done) {  /* (a card that keeps up: no wait measures its mean, the events do) */
+            int64_t per = ns / p->launches;
+            q->per_launch = q->per_launch ? q->per_launch + (per - q->per_launch) / 4 : per;
+        }
+    }
+    q->timed = p->event != NULL;
     if (done && q->seen && p->launches && done > from) {
         int64_t per = (done - from) / p->launches;
         q->per_launch = q->per_launch ? q->per_launch + (per - q->per_launch) / 4 : per;
@@ -623,10 +660,13 @@ static int drain_queues(int k, int *captures_out)
             }
             struct pending *p = &q->ring[q->head % QUEUE_RING];
             CUcontext prev;
-            if (q->unrecorded && q->head - q->tail < QUEUE_RING && real.ctx_push && real.ctx_push(q->ctx) == CU_OK) {
-                if ((p->event || ev.create(&p->event, 2) == CU_OK) && ev.record(p->event, q->stream) == CU_OK) {
+            if (q->unrecorded && q->head - q->tail < QUEUE_RING - 1 && real.ctx_push && real.ctx_push(q->ctx) == CU_OK) {
+                if ((p->event || ev.create(&p->event, 0) == CU_OK) && ev.record(p->event, q->stream) == CU_OK) {
                     p->launches = q->unrecorded;
                     p->recorded = mono_ns();
+                    /* (launches made longer ago than a tick: done long since, most likely; what ran from the
+                     * last event to this one is mostly the process's host time then, not counted) */
+                    p->counted = p->recorded - q->last_launch <= (int64_t)budget_ns() / 16;
                     q->unrecorded = 0;
                     q->head++;
                 }
@@ -684,6 +724,23 @@ static void queue_wait(CUcontext c, void *stream, int ptsz)
     pthread_mutex_unlock(&queue_lock);
 }
 
+/* Record a timing event into q's stream after its launches not yet covered (queue_lock held; the
+ * stream not capturing, in the calling thread's current context): `counted`, the GPU time since the
+ * event before is the stream's work; 0, a run's start. */
+static void record(struct squeue *q, int64_t now, int counted)
+{
+    struct pending *p = &q->ring[q->head % QUEUE_RING];
+    if (!p->event && ev.create(&p->event, 0 /* timing (docs/scheduler.md, "The charge") */) != CU_OK)
+        p->event = NULL;
+    if (p->event && ev.record(p->event, q->stream) == CU_OK) {
+        p->launches = q->unrecorded;
+        p->recorded = now;
+        p->counted = counted;
+        q->unrecorded = 0;
+        q->head++;
+    }
+}
+
 /* After a launch into `stream` on a shared GPU: count it, and record an event every `stride` launches.
  * 0: not counted (no queue left for it). */
 static int queue_note(CUcontext c, void *stream, int ptsz)
@@ -715,11 +772,11 @@ static int queue_note(CUcontext c, void *stream, int ptsz)
     int64_t tick = (int64_t)budget_ns() / 16;
     int64_t want = q->per_launch ? tick / q->per_launch : q->stride ? q->stride : 1;
     want = want < 1 ? 1 : want > 64 ? 64 : want;
-    if (q->unrecorded < want || q->head - q->tail >= QUEUE_RING) {
+    if (q->unrecorded < want || q->head - q->tail >= QUEUE_RING - 1) {
         pthread_mutex_unlock(&queue_lock);
         return 1;
     }
-    if (!q->per_launch && q->head != q->tail) {
+    if (!q->per_launch && q->head != q->tail && q->ring[(q->head - 1) % QUEUE_RING].launches) {  /* (not a run's start) */
         int mode = 2, relaxed = ev.exchange && ev.exchange(&mode) == CU_OK;
         int done = ev.query(q->ring[(q->head - 1) % QUEUE_RING].event) != 600;
         if (relaxed)
@@ -736,17 +793,61 @@ static int queue_note(CUcontext c, void *stream, int ptsz)
         pthread_mutex_unlock(&queue_lock);
         return 1;
     }
-    struct pending *p = &q->ring[q->head % QUEUE_RING];
-    if (!p->event && ev.create(&p->event, 2 /* CU_EVENT_DISABLE_TIMING */) != CU_OK)
-        p->event = NULL;
-    if (p->event && ev.record(p->event, q->stream) == CU_OK) {
-        p->launches = q->unrecorded;
-        p->recorded = now;
-        q->unrecorded = 0;
-        q->head++;
-    }
+    record(q, now, 1);
     pthread_mutex_unlock(&queue_lock);
     return 1;
+}
+
+/* Whether the newest event of q is complete (queue_lock held; relaxed capture mode for the query). */
+static int newest_done(struct squeue *q)
+{
+    int mode = 2, relaxed = ev.exchange && ev.exchange(&mode) == CU_OK;
+    int done = ev.query(q->ring[(q->head - 1) % QUEUE_RING].event) != 600;
+    if (relaxed)
+        ev.exchange(&mode);
+    return done;
+}
+
+/* Before a launch into `stream` on a shared GPU, past the gate: a run of the stream's queued work
+ * begins when it is idle — nothing outstanding (its events complete, no launch since the last), or
+ * launches not covered by an event made more than a tick ago (budget / 16) and the events before
+ * done — with a timing event recorded now: what ran before it (idle time, and those launches' few
+ * µs) is not counted. The GPU time of a run is counted from that event to each later one as it is
+ * found complete (completed()). One clock read per launch and, at the first launch after an event,
+ * a query of it; never into a capturing stream. */
+static void queue_start(CUcontext c, void *stream, int ptsz)
+{
+    int64_t now = mono_ns(), tick = (int64_t)budget_ns() / 16;
+    struct squeue *q = cached_queue(c, stream, ptsz);
+    if (q) {
+        int64_t gap = now - q->last_launch;
+        q->last_launch = now;
+        if (__atomic_load_n(&q->unrecorded, __ATOMIC_RELAXED) && gap <= tick)
+            return;  /* (the usual case: within a run) */
+    }
+    pthread_mutex_lock(&queue_lock);
+    if (!q || !q->used) {
+        q = remember(queue_of(c, stream, ptsz), c, stream, ptsz);
+        if (!q) {
+            pthread_mutex_unlock(&queue_lock);
+            return;
+        }
+        q->last_launch = now;
+    }
+    if (q->head != q->tail) {
+        if (!newest_done(q)) {  /* (still running: the run goes on) */
+            pthread_mutex_unlock(&queue_lock);
+            return;
+        }
+        while (q->tail != q->head)
+            completed(q, 0);
+    }
+    if (q->head - q->tail >= QUEUE_RING - 1 || capturing(stream, ptsz)) {
+        pthread_mutex_unlock(&queue_lock);
+        return;
+    }
+    record(q, now, 0);
+    pthread_mutex_unlock(&queue_lock);
 }
 
 /* The driver's event functions are there (a driver without them: nothing is bounded). */
@@ -796,6 +897,8 @@ static inline int shared_gpu(int k)
         }                                                       \
         gate_enter(k_);                                         \
         in_driver++;                                            \
+        if (b_)                                                 \
+            queue_start(known_ctx, (stream_), (ptsz_));         \
         CUresult r_ = (fn)(__VA_ARGS__);                        \
         if (r_ == CU_OK && !(b_ && queue_note(known_ctx, (stream_), (ptsz_)))) \
             __atomic_add_fetch(&untracked[1 + k_], 1, __ATOMIC_RELAXED); \

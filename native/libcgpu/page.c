@@ -21,6 +21,7 @@ static int dev_page[64];   /* per CUDA device: its page GPU once known; -2 not a
 static int uuids_in_page(void);
 struct cgpu_usage *usage;
 struct cgpu_usage_driver *drv;
+struct cgpu_usage_busy *gpu_time;
 struct cgpu_proc *mine;
 int asked;
 char why[8192];
@@ -164,8 +165,13 @@ void page_setup(void)
     if (!limits)
         return;
     size_t full = sizeof *usage + sizeof *drv;  /* (an older cgpud's page ends at struct cgpu_usage) */
-    usage = map_least(dir, "usage", full, sizeof *usage, &got, 1);
-    drv = usage && got == full ? (struct cgpu_usage_driver *)(usage + 1) : NULL;
+    usage = map_least(dir, "usage", full + sizeof *gpu_time, sizeof *usage, &got, 1);
+    if (usage && got != full + sizeof *gpu_time) {  /* (a page before the GPU time's block: with the driver's, or not) */
+        munmap(usage, got);
+        usage = map_least(dir, "usage", full, sizeof *usage, &got, 1);
+    }
+    drv = usage && got >= full ? (struct cgpu_usage_driver *)(usage + 1) : NULL;
+    gpu_time = usage && got == full + sizeof *gpu_time ? (struct cgpu_usage_busy *)(drv + 1) : NULL;
     if (usage && (usage->magic != CGPU_MAGIC || usage->version != CGPU_VERSION)) {
         snprintf(why, sizeof why, "%s/usage is not a cgpud usage page of this version", dir);
         usage = NULL;
@@ -173,6 +179,7 @@ void page_setup(void)
     if (!usage) {
         limits = NULL;
         drv = NULL;
+        gpu_time = NULL;
         return;
     }
     why[0] = 0;

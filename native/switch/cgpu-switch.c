@@ -65,6 +65,7 @@ struct page {
     size_t lim_size;
     int per_gpu;                 /* the page has a gate per GPU (else: the container's one gate) */
     const struct cgpu_usage *use;
+    const struct cgpu_usage_busy *busy;  /* the GPU time of each slot's process (NULL: an older cgpud's page) */
     int fifo, keep;              /* the drained FIFO: our read end, and a writer of our own */
     int usage_fd;                /* the usage file (its processes' locks: who is alive) */
     int64_t drain_mean_ns;       /* how long its drains last (a running mean, for SWITCH_AHEAD) */
@@ -143,6 +144,11 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
         goto fail;
     }
     p->use = m;
+    size_t busy_at = sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver);
+    if ((size_t)st.st_size >= busy_at + sizeof(struct cgpu_usage_busy)) {
+        m = mmap(NULL, busy_at + sizeof(struct cgpu_usage_busy), PROT_READ, MAP_SHARED, fd, 0);
+        p->busy = m == MAP_FAILED ? NULL : (const struct cgpu_usage_busy *)((const char *)m + busy_at);
+    }
     p->ngpus_known = n > 0 && n <= CGPU_MAX_GPUS ? n : 0;
     for (int k = 0; k < p->ngpus_known; k++)
         p->gpus[k] = gpus[k];
@@ -173,6 +179,9 @@ EXPORT void cg_page_release(struct page *p)
     close(p->usage_fd);
     munmap(p->lim, p->lim_size);
     munmap((void *)p->use, sizeof(struct cgpu_usage));
+    if (p->busy)
+        munmap((char *)p->busy - sizeof(struct cgpu_usage) - sizeof(struct cgpu_usage_driver),
+               sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy));
     pthread_mutex_destroy(&p->mu);
     free(p);
 }
@@ -352,6 +361,37 @@ static int undrained_locked(struct page *p, int gpu, int *out, int max)
     return n;
 }
 
+/* The GPU time (ns) the page's launching processes got on node GPU `gpu` (-1: all), as libcgpu
+ * counts it (docs/scheduler.md, "The charge"): the sum of their slots' counters, to be read as a
+ * difference. -1: not known — an older cgpud's page, no launching process, or one whose library does
+ * not count (then its instance is charged the time its gate was open). */
+EXPORT int64_t cg_page_gpu_ns(struct page *p, int gpu)
+{
+    if (!p->busy)
+        return -1;
+    uint32_t mask = ks(p, gpu);
+    int64_t sum = 0;
+    int timed = 0;
+    for (unsigned w = 0; w < CGPU_MAX_PROCS / 32; w++) {
+        uint32_t bits = load(&p->use->gated_slots[w]);
+        while (bits) {
+            unsigned slot = w * 32 + (unsigned)__builtin_ctz(bits);
+            bits &= bits - 1;
+            int32_t pid = __atomic_load_n(&p->use->procs[slot].pid, __ATOMIC_SEQ_CST);
+            if (pid <= 0)
+                continue;
+            const struct cgpu_busy *b = &p->busy->procs[slot];
+            if (!__atomic_load_n(&b->timed, __ATOMIC_SEQ_CST) || __atomic_load_n(&b->pid, __ATOMIC_SEQ_CST) != pid)
+                return -1;
+            timed = 1;
+            for (unsigned k = 0; k < CGPU_MAX_GPUS; k++)
+                if (mask >> k & 1)
+                    sum += (int64_t)__atomic_load_n(&b->ns[k], __ATOMIC_RELAXED);
+        }
+    }
+    return timed ? sum : -1;
+}
+
 EXPORT int cg_page_undrained(struct page *p, int gpu, int *out, int max)
 {
     pthread_mutex_lock(&p->mu);
@@ -464,6 +504,10 @@ struct report {
     int32_t closed;             /* how many gates its switch closed */
     int32_t why;                /* why `gave_up` was given up on: DEAD, STOPPED, SILENT or TOO_LONG */
     int32_t longer;             /* how many times the bound passed while a live process drained on */
+    int32_t run;                /* the universe index of its runner (-1: nobody) */
+    int64_t gpu_ns;             /* the GPU time its runner's processes got from its start to `drained` (-1: not known) */
+    int64_t gpu_at;             /* (the runner's count at its start: -1 not known) */
+    const struct page *runner;  /* (its runner's page, to know it again in the next batch) */
 };
 
 struct batch {
@@ -667,17 +711,25 @@ static void run_step(struct sw *s, struct batch *b, int pos)
         start = now_ns();
         open_others(s, b, st->run);
     }
+    /* the GPU time counts: the previous runner's at its end (its work drained), this runner's at its start */
+    int64_t prev_ns = -1;
+    for (int i = 0; prev && prev->runner && prev->gpu_at >= 0 && i < b->nuni; i++)
+        if (b->uni[i] == prev->runner)  /* (still in this batch's universe: alive) */
+            prev_ns = cg_page_gpu_ns(b->uni[i], s->gpu);
+    int64_t at_ns = st->run >= 0 && st->run < b->nuni ? cg_page_gpu_ns(b->uni[st->run], s->gpu) : -1;
     pthread_mutex_lock(&s->mu);
     if (prev) {
         prev->end = start;
         prev->drained = nclose ? drained : start;
+        prev->gpu_ns = prev_ns >= 0 ? (prev_ns > prev->gpu_at ? prev_ns - prev->gpu_at : 0) : -1;
     }
     if (s->head - s->tail >= REPORTS)
         s->tail++;  /* (the scheduler has not read them for REPORTS steps: the oldest go) */
     s->reports[s->head++ % REPORTS] = (struct report){
         .begin = begin, .start = start, .owned = nclose && drained > start ? drained : start,
         .drain_ns = nclose ? drained - begin : 0,
-        .batch = b->id, .step = pos, .gave_up = gave_up, .closed = nclose, .why = why, .longer = longer};
+        .batch = b->id, .step = pos, .gave_up = gave_up, .closed = nclose, .why = why, .longer = longer,
+        .run = st->run, .gpu_ns = -1, .gpu_at = at_ns, .runner = st->run >= 0 && st->run < b->nuni ? b->uni[st->run] : NULL};
     pthread_mutex_unlock(&s->mu);
     if (st->flags & NOTIFY)
         notify(s);
