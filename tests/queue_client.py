@@ -1,6 +1,6 @@
 """A small C client of the stand-in driver's executor (native/stubs/cuda_exec.c), found with plain
 dlopen + dlsym as any program finds libcuda.so.1: tests/test_stub_executor.py, the deep-queue
-tests (tests/test_deep_queue.py) and bench/queue.py drive it. Its modes print one result per line
+tests (tests/test_deep_queue.py) and bench/deep_queue.py drive it. Its modes print one result per line
 (CLOCK_MONOTONIC ns, comparable with the kernel log's times)."""
 from __future__ import annotations
 

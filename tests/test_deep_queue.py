@@ -69,7 +69,7 @@ def first_share(procs: list[subprocess.Popen], logs: list[Path]) -> tuple[float,
 
 def test_a_deep_queue_pair_at_1_to_2_gets_a_third_of_the_card_for_weight_1(make_daemon, libs, tmp_path):
     """Two instances at weights 1 and 2, policy 2, each 8 launches of 2.7 ms then a synchronize:
-    weight 1 gets a third of the card's kernel time (±0.05; the issue's figure is ±0.02, bench/queue.py
+    weight 1 gets a third of the card's kernel time (±0.05; the issue's figure is ±0.02, bench/deep_queue.py
     prints it). Today's library and daemon: about a half, and the daemon logs that the instances
     did not finish their queued GPU work."""
     d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])

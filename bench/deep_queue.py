@@ -1,4 +1,4 @@
-"""bench/queue: the deep-queue figures of issue 27 on the stand-in card (native/stubs/cuda_exec.c:
+"""bench/deep_queue: the deep-queue figures of issue 27 on the stand-in card (native/stubs/cuda_exec.c:
 launches queue deep per stream, one executor time-slices the card between processes, a switch
 costs idle time), for whatever library and daemon are in the tree, each against the same job in
 the same run.
@@ -24,7 +24,7 @@ Work is the card's kernel time from its log (a kernel's time is its work: gridX 
    time its gate was open it got about a quarter), and its work against the same loop alone with no
    cgpud in the same run.
 
-    .venv/bin/python bench/queue.py [--seconds 6] [--libcgpu PATH] [--rows 1,2,3,4,5]
+    .venv/bin/python bench/deep_queue.py [--seconds 6] [--libcgpu PATH] [--rows 1,2,3,4,5]
 """
 from __future__ import annotations
 
