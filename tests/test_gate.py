@@ -24,6 +24,7 @@ from cgpud.gpus import pages
 from cgpud.client import Client
 from cgpud.sched.enforce import thaw_spec
 from cgpud.sched.gate import GateFreezer
+from stopping import stop_outside_card
 
 CGPU = str(Path(sys.executable).parent / "cgpu")
 
@@ -235,7 +236,7 @@ def test_a_process_that_does_not_answer_is_waited_for_once(gated):
     gate, start, _ = gated
     dead = start("30", "1000", "0")
     time.sleep(0.2)
-    dead.send_signal(signal.SIGSTOP)  # it cannot answer
+    stop_outside_card(dead)  # it cannot answer
     gate.freeze()
     time.sleep(0.1)
     assert gate.undrained(), "a stopped launching process was taken as drained"
@@ -254,7 +255,7 @@ def test_a_process_that_does_not_answer_is_waited_for_once(gated):
     time.sleep(0.1)  # (now it has, unseen)
     gate.thaw()
     time.sleep(0.1)
-    dead.send_signal(signal.SIGSTOP)  # ... and is waited for again at the one after
+    stop_outside_card(dead)  # ... and is waited for again at the one after
     gate.freeze()
     time.sleep(0.1)
     assert gate.undrained(), "a process that answered again was still not waited for"
@@ -328,7 +329,7 @@ def test_a_container_on_two_gpus_is_gated_on_each_alone(libs, tmp_path, gang):
         else:
             assert busy(tmp_path / "kernels1", closed + 5_000_000, opened) == 0, "a gang ran on GPU 5 while closed on 3"
         # the process on GPU 5 is not one GPU 3's closing waits for, even when it cannot answer
-        on1.send_signal(signal.SIGSTOP)
+        stop_outside_card(on1)
         gate.freeze(3)
         wait_drained(gate)
         gate.thaw(3)

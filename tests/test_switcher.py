@@ -26,6 +26,7 @@ from cgpud.gpus import pages
 from cgpud.sched import native
 from cgpud.sched.enforce import Enforcement
 from cgpud.sched.gate import GateFreezer
+from stopping import stop_outside_card
 from cgpud.sched.loop import GpuScheduler, TimerFdWaiter
 from cgpud.sched.policies import GpuView, InstView, Params, Planner
 from test_gate import kernels, libs  # noqa: F401  (libs: the fixture)
@@ -183,7 +184,7 @@ def test_a_process_that_does_not_answer_is_given_up_on_once(two, launching):
     p = launching(dirs[1], 1000)
     assert sw.submit(1, ps, [True, True], [(0.2, 1, native.NOTIFY)])
     wait_step(sw, 1, 0)
-    p.send_signal(signal.SIGSTOP)
+    stop_outside_card(p)
     cancel(sw)
     steps = [(0.05, 0, 0), (0.05, 1, 0), (0.05, 0, 0), (30.0, 1, native.NOTIFY)]
     assert sw.submit(2, ps, [True, True], steps)
