@@ -105,6 +105,8 @@ def fills(run, old_lib: str) -> None:
 
 def room(run) -> None:
     rc, out, err = finish(cgpu_run(run, name("r"), "2G", CONTEXT + PYTORCH_FILL + "print(sum(blocks))\n"))
+    if rc or not out.split():
+        raise SystemExit(f"the fill failed (rc {rc}): {err.strip()[-600:]}")
     filled = int(out.split()[0])
     floor = MEMSIZE - CONTEXT_MIB * MIB - MEMSIZE * 3 // 100
     print("2. what a 2 GiB instance can allocate before out-of-memory (1 MiB steps, context 500 MiB)")

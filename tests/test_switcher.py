@@ -470,3 +470,24 @@ def test_an_instance_detached_while_the_switcher_runs_is_left_with_its_gate_open
     assert seen["switched"] > 20
     assert all(gate_open(tmp_path / n) for n in names)
     enf.close()
+
+
+def test_a_usage_page_cut_behind_the_daemons_back_costs_its_gpu_time_reading_not_the_daemon(tmp_path):
+    """The usage file is writable from inside the container: one cut short after the daemon opened it
+    (ftruncate, or an older library's layout) reads as 'GPU time not known' (its instance charged by
+    time), never a SIGBUS in the daemon (the switcher once mapped the GPU-time block)."""
+    d = tmp_path / "c"
+    pages.create(os.fspath(d), [GIB])
+    usage = d / "usage"
+    raw = bytearray(usage.read_bytes())
+    pages.PROC_HEAD.pack_into(raw, pages.USAGE_HEAD.size, os.getpid(), pages.GATED_PER_GPU, 0, 1)
+    struct.pack_into("<I", raw, pages.GATED_OFFSET, 0b1)
+    pages.BUSY.pack_into(raw, pages.BUSY_OFFSET, 1, os.getpid(), 12_345, *[0] * (pages.MAX_GPUS - 1))
+    usage.write_bytes(bytes(raw))
+    page = native.Page(os.fspath(d), [0])
+    try:
+        assert page.gpu_ns(0) == 12_345
+        os.truncate(usage, pages.USAGE_V2_SIZE)
+        assert page.gpu_ns(0) is None
+    finally:
+        page.release()

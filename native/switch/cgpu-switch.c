@@ -65,7 +65,9 @@ struct page {
     size_t lim_size;
     int per_gpu;                 /* the page has a gate per GPU (else: the container's one gate) */
     const struct cgpu_usage *use;
-    const struct cgpu_usage_busy *busy;  /* the GPU time of each slot's process (NULL: an older cgpud's page) */
+    off_t busy_at;               /* where the GPU time of each slot's process starts in the usage file (0: an
+                                  * older cgpud's page); read with pread, never mapped: the file is writable from
+                                  * the container, and a mapping past a truncation is a SIGBUS in the daemon */
     int fifo, keep;              /* the drained FIFO: our read end, and a writer of our own */
     int usage_fd;                /* the usage file (its processes' locks: who is alive) */
     int64_t drain_mean_ns;       /* how long its drains last (a running mean, for SWITCH_AHEAD) */
@@ -145,10 +147,8 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
     }
     p->use = m;
     size_t busy_at = sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver);
-    if ((size_t)st.st_size >= busy_at + sizeof(struct cgpu_usage_busy)) {
-        m = mmap(NULL, busy_at + sizeof(struct cgpu_usage_busy), PROT_READ, MAP_SHARED, fd, 0);
-        p->busy = m == MAP_FAILED ? NULL : (const struct cgpu_usage_busy *)((const char *)m + busy_at);
-    }
+    if ((size_t)st.st_size >= busy_at + sizeof(struct cgpu_usage_busy))
+        p->busy_at = (off_t)busy_at;
     p->ngpus_known = n > 0 && n <= CGPU_MAX_GPUS ? n : 0;
     for (int k = 0; k < p->ngpus_known; k++)
         p->gpus[k] = gpus[k];
@@ -179,9 +179,6 @@ EXPORT void cg_page_release(struct page *p)
     close(p->usage_fd);
     munmap(p->lim, p->lim_size);
     munmap((void *)p->use, sizeof(struct cgpu_usage));
-    if (p->busy)
-        munmap((char *)p->busy - sizeof(struct cgpu_usage) - sizeof(struct cgpu_usage_driver),
-               sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy));
     pthread_mutex_destroy(&p->mu);
     free(p);
 }
@@ -367,7 +364,7 @@ static int undrained_locked(struct page *p, int gpu, int *out, int max)
  * not count (then its instance is charged the time its gate was open). */
 EXPORT int64_t cg_page_gpu_ns(struct page *p, int gpu)
 {
-    if (!p->busy)
+    if (!p->busy_at)
         return -1;
     uint32_t mask = ks(p, gpu);
     int64_t sum = 0;
@@ -380,13 +377,15 @@ EXPORT int64_t cg_page_gpu_ns(struct page *p, int gpu)
             int32_t pid = __atomic_load_n(&p->use->procs[slot].pid, __ATOMIC_SEQ_CST);
             if (pid <= 0)
                 continue;
-            const struct cgpu_busy *b = &p->busy->procs[slot];
-            if (!__atomic_load_n(&b->timed, __ATOMIC_SEQ_CST) || __atomic_load_n(&b->pid, __ATOMIC_SEQ_CST) != pid)
+            struct cgpu_busy b;  /* (a short read: the file was cut behind our back, charged by time) */
+            if (pread(p->usage_fd, &b, sizeof b, p->busy_at + (off_t)(slot * sizeof b)) != (ssize_t)sizeof b)
+                return -1;
+            if (!b.timed || b.pid != pid)
                 return -1;
             timed = 1;
             for (unsigned k = 0; k < CGPU_MAX_GPUS; k++)
                 if (mask >> k & 1)
-                    sum += (int64_t)__atomic_load_n(&b->ns[k], __ATOMIC_RELAXED);
+                    sum += (int64_t)b.ns[k];
         }
     }
     return timed ? sum : -1;
