@@ -169,6 +169,24 @@ static int note_context(void)
     return k;
 }
 
+/* The driver's event and capture functions (loaded once: ev_load, with the queues below). */
+typedef CUresult (*event_create_fn)(void **, unsigned);
+typedef CUresult (*event_record_fn)(void *, void *);
+typedef CUresult (*event_fn)(void *);
+typedef CUresult (*capturing_fn)(void *, int *);
+typedef CUresult (*exchange_fn)(int *);
+typedef CUresult (*elapsed_fn)(float *, void *, void *);
+static struct {
+    event_create_fn create;
+    event_record_fn record;
+    event_fn query, sync, destroy;
+    capturing_fn capturing;
+    exchange_fn exchange;
+    elapsed_fn elapsed;
+} ev;
+static pthread_once_t ev_once = PTHREAD_ONCE_INIT;
+static void ev_load(void);
+
 /* The drain synchronizes from the helper thread while the process's other threads may be
  * capturing streams into CUDA graphs (PyTorch, vLLM, torch.compile: in the global capture mode).
  * In the thread's default mode, global, such a synchronize is a potentially unsafe call the driver
@@ -177,13 +195,11 @@ static int note_context(void)
  * refused (then the drain synchronizes as before, and a capture may be invalidated by it). */
 static int relax_capture_mode(void)
 {
-    typedef CUresult (*exchange_fn)(int *);
-    exchange_fn exchange = real.lib && real_dlsym
-        ? (exchange_fn)real_dlsym(real.lib, "cuThreadExchangeStreamCaptureMode") : NULL;
+    pthread_once(&ev_once, ev_load);  /* (the queues' table of the driver's event and capture functions) */
     int mode = 2;  /* CU_STREAM_CAPTURE_MODE_RELAXED */
-    if (!exchange)
+    if (!ev.exchange)
         return 0;  /* a driver before capture modes: no capture is global */
-    CUresult r = exchange(&mode);
+    CUresult r = ev.exchange(&mode);
     if (r == CU_OK)
         return 0;
     fprintf(stderr, "cgpu: the driver refused relaxed stream-capture mode to the gate's helper thread (error %d):"
@@ -419,21 +435,6 @@ static void gate_enter(int k)
 #define QUEUE_RING 64
 #define STREAM_LEGACY ((void *)1)
 #define STREAM_PER_THREAD ((void *)2)
-typedef CUresult (*event_create_fn)(void **, unsigned);
-typedef CUresult (*event_record_fn)(void *, void *);
-typedef CUresult (*event_fn)(void *);
-typedef CUresult (*capturing_fn)(void *, int *);
-typedef CUresult (*exchange_fn)(int *);
-typedef CUresult (*elapsed_fn)(float *, void *, void *);
-static struct {
-    event_create_fn create;
-    event_record_fn record;
-    event_fn query, sync, destroy;
-    capturing_fn capturing;
-    exchange_fn exchange;
-    elapsed_fn elapsed;
-} ev;
-static pthread_once_t ev_once = PTHREAD_ONCE_INIT;
 static int queue_ready(void);
 struct pending {
     void *event;
@@ -457,6 +458,7 @@ struct squeue {
     int used;
 };
 static struct squeue queues[QUEUE_STREAMS];
+static int newest_done(struct squeue *q);  /* (below) */
 static pthread_mutex_t queue_lock = PTHREAD_MUTEX_INITIALIZER;
 static int64_t capture_seen = -1000000000000ll;  /* when a launch into a capturing stream was last seen */
 
@@ -777,10 +779,7 @@ static int queue_note(CUcontext c, void *stream, int ptsz)
         return 1;
     }
     if (!q->per_launch && q->head != q->tail && q->ring[(q->head - 1) % QUEUE_RING].launches) {  /* (not a run's start) */
-        int mode = 2, relaxed = ev.exchange && ev.exchange(&mode) == CU_OK;
-        int done = ev.query(q->ring[(q->head - 1) % QUEUE_RING].event) != 600;
-        if (relaxed)
-            ev.exchange(&mode);
+        int done = newest_done(q);
         int64_t st = q->stride ? q->stride : 1;
         q->stride = done ? (st < 32 ? st * 2 : 64) : st > 1 ? st / 2 : 1;
         while (done && q->tail != q->head)
