@@ -865,9 +865,9 @@ static int newest_done(struct squeue *q)
  * done, with a timing event recorded now: what ran before it (idle time, and the few µs of the
  * launches since its last event) is not counted. The GPU time of a run is counted from that event
  * to each later one as it is found complete (completed()). Launches a tick apart or closer are one
- * run (an event found done between them starts none: a launch-bound stream, whose kernels end
- * before the next launch, would pay a query and a record per event for under a tick counted); one
- * clock read per launch, and never an event into a capturing stream. */
+ * run (an event found done by the next launch starts none: that cost a query and a second record
+ * per event for under a tick counted); one read of the CPU's counter per launch, and never an event
+ * into a capturing stream. */
 static void queue_start(CUcontext c, void *stream, int ptsz)
 {
     int64_t now = launch_ns(), tick = (int64_t)budget_ns() / 16;
