@@ -33,7 +33,7 @@ Rows, for each shape:
    Throughput is steps over the window (first and last TRIM left out), from each step's end.
 
     .venv/bin/python bench/resnet_shape.py [--seconds 6] [--shapes train16,...] [--libcgpu PATH]
-                                           [--cgpud-src DIR --native DIR] [--switch drain]
+                                           [--cgpud-src DIR --native DIR] [--switch WAY]
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
-from deep_queue import build_tools, busy, finish, gated, instance, set_policy, stand_in_env  # noqa: E402
+from common import daemon  # noqa: E402
+from deep_queue import build_tools, busy, finish, instance, set_policy, stand_in_env  # noqa: E402
 
 TRIM = 500_000_000
 # kind: (launches a step, host µs between launches, host µs at the step's end, floor µs, µs, µs an image)
@@ -56,11 +57,11 @@ KINDS = {"train": (640, 32, 500, 3, 6.7, 0.55), "infer": (175, 24, 200, 3, 2.1, 
 SHAPES = ("train16", "train64", "train128", "infer1", "infer8", "infer64")
 
 
-def client_args(shape: str, seconds: float) -> list[str]:
+def client_args(shape: str, seconds: float, warm_ms: float = 0.0) -> list[str]:
     kind, b = shape.rstrip("0123456789"), int(shape.lstrip("trainfe"))
     n, host, gap, floor, fixed, per_image = KINDS[kind]
     return ["shape", f"{seconds:g}", str(n), f"{fixed + per_image * b:.2f}", str(floor), str(host), str(gap),
-            "27"]
+            "27", f"{warm_ms * 1000:g}"]
 
 
 def steps(out: str) -> list[int]:
@@ -76,9 +77,9 @@ def rate(ends: list[int], t0: int, t1: int) -> float:
     return (len(e) - 1) / ((e[-1] - e[0]) / 1e9) if len(e) > 2 else 0.0
 
 
-def bare(tools: Path, tmp: Path, shape: str, seconds: float) -> tuple[float, float]:
+def bare(tools: Path, tmp: Path, shape: str, seconds: float, warm_ms: float) -> tuple[float, float]:
     log = f"bare-{shape}"
-    p = subprocess.run([str(tools / "queue-client"), *client_args(shape, seconds)], env=stand_in_env(tools, tmp, log),
+    p = subprocess.run([str(tools / "queue-client"), *client_args(shape, seconds, warm_ms)], env=stand_in_env(tools, tmp, log),
                        capture_output=True, text=True, timeout=120)
     if p.returncode:
         raise SystemExit(p.stderr)
@@ -88,11 +89,12 @@ def bare(tools: Path, tmp: Path, shape: str, seconds: float) -> tuple[float, flo
 
 
 def gated_runs(tools: Path, lib: Path, tmp: Path, shape: str, seconds: float, tag: str, weights: tuple[int, ...],
-               switch: str) -> tuple[list[float], float]:
+               switch: str | None, warm_ms: float) -> tuple[list[float], float]:
     """Instances at `weights` (policy 2) started together: each one's steps/s where all ran, and the card's
     busy fraction there."""
-    cmd = 'exec "$Q" ' + " ".join(client_args(shape, seconds))
-    with gated(lib, switch) as d:
+    cmd = 'exec "$Q" ' + " ".join(client_args(shape, seconds, warm_ms))
+    extra = ["--libcgpu", str(lib), "--compute", "gate"] + (["--switch", switch] if switch else [])
+    with daemon(extra=extra, handle=True) as d:
         set_policy(d, 2)
         names = [f"rs{tag}{shape[0]}{len(weights)}{w}" for w in weights]
         outs = finish([instance(d, tools, tmp, n, ["--weight", str(w)], cmd) for n, w in zip(names, weights)])
@@ -110,7 +112,9 @@ def main() -> None:
     ap.add_argument("--libcgpu", help="a libcgpu.so built elsewhere (default: built here from the tree)")
     ap.add_argument("--cgpud-src", help="run the daemon and cgpu from this source tree (an older commit's)")
     ap.add_argument("--native", help="the directory of that tree's libcgpu-switch.so")
-    ap.add_argument("--switch", default="drain", help="the daemon's --switch")
+    ap.add_argument("--host-warmup-ms", type=float, default=0.0,
+                    help="after a launch that waited over 1 ms, the host takes twice as long for this long")
+    ap.add_argument("--switch", help="the daemon's --switch (default: its own, drain; older daemons have none)")
     a = ap.parse_args()
     shapes = [s.strip() for s in a.shapes.split(",")]
     if bad := [s for s in shapes if s not in SHAPES]:
@@ -123,16 +127,18 @@ def main() -> None:
         tmp = Path(t)
         tools, lib = build_tools(tmp, a.libcgpu)
         print(f"libcgpu {lib if a.libcgpu else 'built from the tree'}; daemon from {a.cgpud_src or 'the tree'} "
-              f"(--switch {a.switch}); {a.seconds:g} s a run; stand-in timeslice "
-              f"{os.environ.get('CGPU_STUB_TIMESLICE_US', '1024')} µs, switch {os.environ.get('CGPU_STUB_SWITCH_US', '100')} µs",
+              f"(--switch {a.switch or 'its default'}); {a.seconds:g} s a run; stand-in timeslice "
+              f"{os.environ.get('CGPU_STUB_TIMESLICE_US', '1024')} µs, switch {os.environ.get('CGPU_STUB_SWITCH_US', '100')} µs; "
+              f"host warm-up after a wait {a.host_warmup_ms:g} ms",
               flush=True)
         for shape in shapes:
             tag = uuid.uuid4().hex[:7]  # (names of 12 characters)
             run = tmp / shape
             run.mkdir()
-            ref, ref_busy = bare(tools, run, shape, a.seconds)
-            (alone,), _ = gated_runs(tools, lib, run, shape, a.seconds, tag, (1,), a.switch)
-            (one, two), pair_busy = gated_runs(tools, lib, run, shape, a.seconds, tag, (1, 2), a.switch)
+            ref, ref_busy = bare(tools, run, shape, a.seconds, a.host_warmup_ms)
+            (alone,), _ = gated_runs(tools, lib, run, shape, a.seconds, tag, (1,), a.switch, a.host_warmup_ms)
+            (one, two), pair_busy = gated_runs(tools, lib, run, shape, a.seconds, tag, (1, 2), a.switch,
+                                               a.host_warmup_ms)
             parts = [f"alone without cgpud {ref:.1f} steps/s (card busy {ref_busy:.2f})",
                      f"alone under the gate {alone:.1f} ({alone / ref * 100:.1f} %)",
                      f"pair 1:2 {one:.1f} : {two:.1f} = {two / one if one else 0:.2f} (goal 2.00 ± 0.04)",

@@ -20,12 +20,14 @@ SOURCE = r"""
  *   queue N US SECONDS N launches, then no call into the driver for SECONDS (its exit waits for its queue)
  *   events N US        a kernel then an event, N times, into a stream of its own (see test_stub_executor)
  *   streams US_A US_B  3 kernels into stream A, then 1 into B (see test_stub_executor)
- *   shape SECONDS N MEAN_US FLOOR_US HOST_US GAP_US SEED
+ *   shape SECONDS N MEAN_US FLOOR_US HOST_US GAP_US SEED [WARM_US]
  *                      a framework's step, again and again (bench/resnet_shape.py): N launches, each due HOST_US
  *                      after the one before (the framework's dispatch, the driver's launch included; after
  *                      it returned when it waited longer; slept, see pause_until), of FLOOR_US + MEAN_US * m_i µs, m_i a fixed pseudo-random mix of mean 1
  *                      drawn from SEED (the same every step); then GAP_US of host time and cuCtxSynchronize:
- *                      prints "started", then each step's end (ns) */
+ *                      prints "started", then each step's end (ns). WARM_US (optional, after SEED): for that long
+ *                      after a launch that waited over 1 ms (its thread asleep, its core idle) the host takes
+ *                      twice as long (a core woken cold: its caches and clock, bench/resnet_shape.py) */
 #include <dlfcn.h>
 #include <math.h>
 #include <stdio.h>
@@ -106,11 +108,12 @@ int main(int argc, char **argv)
             for (long long t = now(); now() - t < host;) {}
         }
         printf("%lld\n", n);
-    } else if (!strcmp(mode, "shape") && argc == 9) {
+    } else if (!strcmp(mode, "shape") && (argc == 9 || argc == 10)) {
         double secs = atof(argv[2]), mean = atof(argv[4]), floor_us = atof(argv[5]);
         int n = atoi(argv[3]);
         long long host = (long long)(atof(argv[6]) * 1000), gap = (long long)(atof(argv[7]) * 1000);
         unsigned long long x = strtoull(argv[8], NULL, 10) * 2654435761ull + 1;
+        long long warm = argc == 10 ? (long long)(atof(argv[9]) * 1000) : 0, slow_until = 0;
         unsigned *len = calloc((size_t)n, sizeof *len);
         for (int i = 0; i < n; i++) {  /* m_i: an exponential mix (mean 1) cut at 8, by xorshift64 */
             x ^= x << 13, x ^= x >> 7, x ^= x << 17;
@@ -123,12 +126,13 @@ int main(int argc, char **argv)
         while (now() - t0 < secs * 1e9 && steps < 1 << 20) {
             long long at = now();
             for (int i = 0; i < n; i++) {
-                at += host;
+                at += at < slow_until ? 2 * host : host;
                 pause_until(at);
                 long long a = now();
                 launch(len[i] ? len[i] : 1, NULL);
                 long long r = now();
                 if (r - a > host) at = r;  /* (a launch that waited, at the gate or a full queue: its host work after it) */
+                if (r - a > 1000000) slow_until = r + warm;
             }
             pause_until(at + gap);
             sync();
