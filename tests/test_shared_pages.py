@@ -10,9 +10,11 @@ damaged in one way while the switcher runs."""
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -175,3 +177,68 @@ def test_a_damaged_page_has_no_process_to_wait_for_and_its_gate_works(tmp_path):
         assert gate_open(d)
     finally:
         page.release()
+
+
+@pytest.mark.parametrize("kind", ["a symbolic link", "a FIFO", "a directory"])
+def test_a_usage_page_that_is_not_a_file_is_never_opened_through(tmp_path, kind):
+    """What the container put in its pages' directory under the name `usage`: the daemon's readers
+    and writers never open it (a FIFO would block them, a link take their writes to a host file),
+    and the switcher opens the pages damaged, its gate working."""
+    d = tmp_path / "c"
+    pages.create(os.fspath(d), [GIB])
+    outside = tmp_path / "host-file"
+    outside.write_bytes(pages._empty_usage())
+    before = outside.read_bytes()
+    (d / "usage").unlink()
+    if kind == "a symbolic link":
+        (d / "usage").symlink_to(outside)
+    elif kind == "a FIFO":
+        os.mkfifo(d / "usage")
+    else:
+        (d / "usage").mkdir()
+    done = threading.Event()
+    errors: list[str] = []
+
+    def readers() -> None:
+        for call in (lambda: pages.used(os.fspath(d)), lambda: pages.slots(os.fspath(d)),
+                     lambda: pages.held_by(os.fspath(d)), lambda: pages.mark_watched(os.fspath(d)),
+                     lambda: pages.write_reading(os.fspath(d), 0, 1, [7] * pages.MAX_GPUS, [7] * pages.MAX_GPUS)):
+            try:
+                call()
+                errors.append("no error")
+            except OSError:
+                pass
+        done.set()
+
+    threading.Thread(target=readers, daemon=True).start()
+    if not done.wait(5):
+        if kind == "a FIFO":  # (let the blocked open go, so that the thread ends)
+            fd = os.open(d / "usage", os.O_RDWR | os.O_NONBLOCK)
+            done.wait(5)
+            os.close(fd)
+        pytest.fail(f"a reader of the pages blocked on {kind}")
+    assert errors == [], errors
+    assert outside.read_bytes() == before, "the daemon wrote through the link into a file of the host's"
+    page = native.Page(os.fspath(d), [0])
+    try:
+        assert "cannot be opened" in page.damage()
+        page.freeze(0)
+        assert page.undrained(0) == [] and not gate_open(d)
+        page.thaw(0)
+        assert gate_open(d)
+    finally:
+        page.release()
+
+
+def test_a_page_written_again_by_the_daemon_never_follows_a_name_the_container_made(tmp_path):
+    """`ld.so.preload` (and the other pages) are written to a temporary name, then renamed: a link
+    the container left under that name in its pages' directory is not followed."""
+    d = tmp_path / "c"
+    pages.prepare(os.fspath(d), preload="/run/cgpu-lib/libcgpu.so")
+    outside = tmp_path / "host-file"
+    outside.write_text("the host's\n")
+    (d / "ld.so.preload.tmp").symlink_to(outside)
+    pages.prepare(os.fspath(d), preload="/run/cgpu-lib/libcgpu.so")
+    assert outside.read_text() == "the host's\n"
+    assert (d / "ld.so.preload").read_text() == "/run/cgpu-lib/libcgpu.so\n"
+    assert stat.S_ISREG(os.lstat(d / "ld.so.preload").st_mode)

@@ -75,7 +75,7 @@ class _Page:
     def __init__(self, directory: str) -> None:
         path = os.path.join(directory, "limits")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = pages.open_page(directory, "limits", os.O_RDWR)
         except FileNotFoundError:
             raise TargetGone(f"{path} is gone") from None
         except OSError as exc:
