@@ -76,7 +76,7 @@ def test_a_container_that_damages_its_usage_page_costs_nobody_else_anything(make
     tag = uuid.uuid4().hex[:8]
     keeps = f"keep{tag}"
     seconds = 1.2 * len(DAMAGES) + 2
-    other = run_launcher(d, libs, tmp_path, keeps, 1, seconds)
+    other = run_launcher(d, libs, tmp_path, keeps, 3, seconds)
     assert other.stdout.readline().strip() == "started", other.stderr.read()
     windows = []
     try:
@@ -117,11 +117,12 @@ def test_a_container_that_damages_its_usage_page_costs_nobody_else_anything(make
     lines = [ln for ln in d.log_text().splitlines() if "usage page is damaged" in ln]
     assert len(lines) == len(DAMAGES), lines
     assert all("its GPU time is not known" in ln for ln in lines), lines
-    # the instance beside it had its share (at weights 1:1, half the card) in each window, or more
+    # the instance beside it had its share in each window: at weights 3:1, 0.6 of the card while the
+    # holder (it does not launch) is charged half its slices, 0.75 once charged them whole (damaged)
     log = tmp_path / f"{keeps}.kernels"
     for how, t0, t1 in windows:
         share = busy(log, t0, t1) / ((t1 - t0) / 1e9)
-        assert share >= 0.35, (how, share)
+        assert share >= 0.45, (how, share)
 
 
 def _page(tmp_path: Path, launching: bool = True) -> tuple[Path, native.Page]:
