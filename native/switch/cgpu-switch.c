@@ -616,6 +616,10 @@ static int give_up_locked(struct page *p, int gpu, int all, int *out, int *why, 
     int n = undrained_locked(p, gpu, slots, hs, CGPU_MAX_PROCS), given = 0;
     for (int i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
         int w = holder_state(p, (unsigned)slots[i]);
+        struct cgpu_proc now;  /* (its draining bit as it is after the look at its holder: it may have just begun) */
+        off_t at = (off_t)offsetof(struct cgpu_usage, procs) + (off_t)slots[i] * (off_t)sizeof now;
+        if (w == WAITING && pread(p->usage_fd, &now, sizeof now, at) == (ssize_t)sizeof now && now.pid == hs[i].pid)
+            hs[i].gpus = now.gpus;
         if (w == WAITING)
             w = !(hs[i].gpus & CGPU_PROC_DRAINING) ? SILENT : all ? TOO_LONG : WAITING;
         if (w == WAITING)
