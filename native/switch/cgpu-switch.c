@@ -123,8 +123,8 @@ static int at_path(int dir, const char *name, mode_t type)
     struct stat st;
     if (at < 0)
         return -1;
-    if (fstat(at, &st) || (st.st_mode & S_IFMT) != type) {
-        int e = S_ISLNK(st.st_mode) ? ELOOP : EINVAL;
+    int e = fstat(at, &st) ? errno : (st.st_mode & S_IFMT) == type ? 0 : S_ISLNK(st.st_mode) ? ELOOP : EINVAL;
+    if (e) {
         close(at);
         errno = e;
         return -1;
