@@ -243,3 +243,36 @@ def test_a_page_written_again_by_the_daemon_never_follows_a_name_the_container_m
     assert outside.read_text() == "the host's\n"
     assert (d / "ld.so.preload").read_text() == "/run/cgpu-lib/libcgpu.so\n"
     assert stat.S_ISREG(os.lstat(d / "ld.so.preload").st_mode)
+
+
+def test_a_page_cut_while_the_daemon_was_away_still_has_its_gate_driven(make_daemon, libs, tmp_path):
+    """The daemon restarted (an upgrade, a crash) finds a container's usage page cut short: the
+    container is still held to its share at its gate (its page opened damaged, said once), not left
+    to run unscheduled — a container could escape its share so."""
+    d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
+    d.write("0/policy", "2")
+    tag = uuid.uuid4().hex[:8]
+    name = f"away{tag}"
+    other = run_launcher(d, libs, tmp_path, f"runs{tag}", 1, 30)
+    victim = holder(d, libs, tmp_path, name)
+    try:
+        for p in (other, victim):
+            assert p.stdout.readline().strip() == "started", p.stderr.read()
+        where = d.base / "pages" / name
+        d.stop()
+        os.truncate(where / "usage", 0)
+        d.start()
+        said = f"instance {name}'s usage page is damaged: it is 0 bytes"
+        seen = set()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (seen == {True, False} and said in d.log_text()):
+            seen.add(gate_open(where))
+            time.sleep(0.001)
+        log = d.log_text().split("---- start #2")[1]
+        assert f"{name}: cannot enforce" not in log, log
+        assert seen == {True, False}, f"its gate was {'open' if True in seen else 'closed'} throughout"
+        assert log.count(said) == 1, log
+    finally:
+        for p in (other, victim):
+            p.terminate()
+            p.communicate(timeout=30)
