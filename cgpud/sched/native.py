@@ -11,7 +11,8 @@
 `Page` is one container's pages (the gate words, the closings, the drained
 FIFO), shared by reference count between the GateFreezer that owns it and the
 switcher threads carrying out a batch: a page closed by the GateFreezer while a
-switcher still uses it stays mapped until the switcher lets go.
+switcher still uses it stays open until the switcher lets go. Its usage page is
+never mapped, only read (a container can cut it: docs/isolation.md, "The pages").
 
 `Switcher` is one GPU's thread: it carries out the steps of a batch (close the
 gates of the active instances that do not run, wait for their queued work,

@@ -2,8 +2,9 @@
  * libcgpu-switch.so: the daemon's native part of the compute gate (docs/isolation.md),
  * loaded by cgpud/sched/native.py through ctypes.
  *
- * 1. Pages. A container's `limits` and `usage` pages and its `drained` FIFO, opened and
- *    mapped once, shared (counted references) by the Python GateFreezer that owns the
+ * 1. Pages. A container's `limits` and `usage` pages and its `drained` FIFO, opened once (the
+ *    limits mapped, the usage read with pread: see struct page), shared (counted references)
+ *    by the Python GateFreezer that owns the
  *    instance and by the switcher threads that drive its gates. Every operation on a page
  *    takes its lock: the gate words, the count of closings, which of its GPUs' gates are
  *    closed and with which closing, and the processes given up on.
