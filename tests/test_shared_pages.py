@@ -273,3 +273,29 @@ def test_a_page_cut_while_the_daemon_was_away_still_has_its_gate_driven(make_dae
         for p in (other, victim):
             p.terminate()
             p.communicate(timeout=30)
+
+
+def test_a_drained_fifo_kept_full_is_read_a_bounded_amount_at_a_time(tmp_path):
+    """The `drained` FIFO is written by the container's processes: one that keeps it full could hold
+    the switcher in its read loop for as long as it writes. A look reads at most 64 KiB (a pipe's
+    default size); here the FIFO holds 1 MiB."""
+    import fcntl
+
+    d, page = _page(tmp_path)
+    w = os.open(d / "drained", os.O_WRONLY | os.O_NONBLOCK)
+    r = os.open(d / "drained", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+        put = 0
+        while put < 1 << 20:
+            put += os.write(w, bytes(1 << 16))
+        page.consume()
+        try:
+            left = len(os.read(r, 1 << 21))
+        except BlockingIOError:  # (all of it read in the one call)
+            left = 0
+        assert (1 << 20) - (64 << 10) <= left < 1 << 20, left
+    finally:
+        os.close(w)
+        os.close(r)
+        page.release()

@@ -649,11 +649,13 @@ EXPORT int cg_page_give_up(struct page *p, int gpu, int all, int *out, int *why,
     return n;
 }
 
-/* Empty the FIFO (its bytes only wake us; the page says who drained). */
+/* Empty the FIFO (its bytes only wake us; the page says who drained), up to a pipe's default
+ * 64 KiB a call: a container's process that keeps it full cannot hold the caller here (what is
+ * left wakes it again, and each wait is bounded on its own). */
 EXPORT void cg_page_consume(struct page *p)
 {
-    char buf[512];
-    while (read(p->fifo, buf, sizeof buf) == (ssize_t)sizeof buf)
+    char buf[4096];
+    for (int i = 0; i < 16 && read(p->fifo, buf, sizeof buf) == (ssize_t)sizeof buf; i++)
         ;
 }
 
