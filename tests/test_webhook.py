@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 import ssl
 import threading
 import urllib.error
@@ -100,6 +101,8 @@ def test_seed_000s_pod_gets_a_claim_of_4_gib_on_each_of_2_gpus_and_no_gpu_mem():
         assert a["capacity"]["requests"]["memory"] == str(memory)
         assert a["selectors"][0]["cel"]["expression"] == f'device.attributes["cgpu.aliyun.com"].memoryUnit == {unit}'
     assert list(alts) == ["unit-1gi", "unit-128mi"]  # the slices' units (placement.unit_for)
+    for value in t["metadata"]["labels"].values():  # what the API server takes as a label value
+        assert re.fullmatch(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", value) and len(value) <= 63, value
 
 
 def test_n_not_a_multiple_of_m_is_refused_with_the_reason():

@@ -33,7 +33,7 @@ TEMPLATE_PREFIX = "cgpu-gpu-mem-"
 CLAIM_PREFIX = "cgpu-gpu-mem-"  # the pod's claims: cgpu-gpu-mem-<i> (containers), -init-<i> (init containers)
 UNITS = (("unit-1gi", GIB), ("unit-128mi", SHARE_UNIT))  # the units a node may publish (placement.unit_for)
 MAX_COUNT = 32  # a claim's devices (the API's AllocationResultsMaxSize)
-MANAGED_BY = "cgpu.aliyun.com/dra-webhook"
+MANAGED_BY = "cgpu-dra-webhook"  # (a label value: no slash)
 
 
 class Denied(ValueError):
