@@ -318,3 +318,16 @@ def test_the_dra_webhook_sees_only_labelled_pods_at_create_and_is_reached_throug
         (["mutatingwebhookconfigurations"], ["get", "patch"], ["cgpu-dra-webhook"])]
     binding = docs[("ClusterRoleBinding", "cgpu-dra-webhook")]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "cgpu-dra-webhook", "namespace": "kube-system"}]
+
+
+def test_every_container_of_dra_mode_runs_the_bases_image(tmp_path):
+    """The component's containers (dra-plugin, the webhook) are added after the base's images
+    transformer ran: without the component's own stanza they rendered as `cgpud` (docker.io's
+    cgpud:latest on a real node)."""
+    (image,) = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["images"]
+    docs = dra_rendered(tmp_path / "overlay")
+    images = {(d["metadata"]["name"], c["name"]): c["image"] for d in docs if d["kind"] in ("DaemonSet", "Deployment")
+              for c in containers(d)}
+    assert ("cgpu-dra-webhook", "webhook") in images and ("cgpud", "dra-plugin") in images
+    assert set(images.values()) == {f"{image['newName']}:{image['newTag']}"}, images
+    assert yaml.safe_load((DEPLOY / "dra" / "kustomization.yaml").read_text())["images"] == [image]  # (no drift)
