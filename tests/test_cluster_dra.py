@@ -330,18 +330,24 @@ def labelled_pod(c: Cluster, name: str, gpu_mem: int, count: int = 2) -> dict:
     return c.pod(name, gpu_mem, labels={"aliyun.com/gpu-count": str(count)}, runtime_class=None)
 
 
+def dry_run(c: Cluster, pod: dict) -> subprocess.CompletedProcess:
+    return c.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", check=False, stdin=json.dumps(pod))
+
+
+def admitted(c: Cluster, proc: Proc) -> dict | None:
+    """A labelled pod as the webhook changed it (a server-side dry run: nothing stored, nothing made),
+    once the API server calls it over TLS trusting the CA it wrote; None before."""
+    if not proc.alive():
+        pytest.fail("the webhook exited:\n" + proc.log())
+    p = dry_run(c, labelled_pod(c, "dry", 2))
+    return json.loads(p.stdout) if p.returncode == 0 else None
+
+
 @pytest.fixture(scope="module")
 def webhook(cluster):
     proc = start_webhook(cluster)
 
-    def admitted():  # the API server calls it over TLS, trusting the CA it wrote (a dry run: nothing made)
-        if not proc.alive():
-            pytest.fail("the webhook exited:\n" + proc.log())
-        p = cluster.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", check=False,
-                            stdin=json.dumps(labelled_pod(cluster, "dry", 2)))
-        return json.loads(p.stdout) if p.returncode == 0 else None
-
-    pod = wait_for(admitted, 60, "the API server to call the webhook", cluster.logs)
+    pod = wait_for(lambda: admitted(cluster, proc), 60, "the API server to call the webhook", cluster.logs)
     assert pod["spec"]["resourceClaims"] == [{"name": "cgpu-gpu-mem-0", "resourceClaimTemplateName": "cgpu-gpu-mem-2x2"}]
     # sideEffects NoneOnDryRun: the dry run made no template
     assert cluster.kubectl("get", "resourceclaimtemplate", "cgpu-gpu-mem-2x2", check=False).returncode != 0
@@ -422,6 +428,26 @@ def test_the_webhook_may_make_templates_and_set_its_ca_and_nothing_else(cluster,
     log = webhook.log_path.read_text(errors="replace")
     assert "caBundle of MutatingWebhookConfiguration cgpu-dra-webhook (1 webhooks)" in log, log
     assert not re.search(r"Traceback|\b403\b", log), log
+
+
+def test_while_the_webhook_is_down_labelled_pods_are_refused_and_others_never_wait_on_it(cluster, webhook):
+    """failurePolicy Fail, scoped by the objectSelector: with the webhook gone a labelled pod is
+    refused (never run on one GPU) and a pod without the label is admitted as ever; started again,
+    the webhook makes a new CA, writes it into the caBundle, and labelled pods are admitted again."""
+    def bundle() -> str:
+        return cluster.get("mutatingwebhookconfiguration", WEBHOOK)["webhooks"][0]["clientConfig"].get("caBundle", "")
+
+    before = bundle()
+    cluster.procs["dra-webhook"].proc.kill()
+    cluster.procs["dra-webhook"].proc.wait(10)
+    p = dry_run(cluster, labelled_pod(cluster, "down", 2))
+    assert p.returncode != 0 and 'failed calling webhook "gpu-count.cgpu.aliyun.com"' in p.stderr, p.stderr
+    p = dry_run(cluster, cluster.pod("plain", 2, runtime_class=None))
+    assert p.returncode == 0 and "resourceClaims" not in json.loads(p.stdout)["spec"], p.stderr
+    proc = start_webhook(cluster)
+    pod = wait_for(lambda: admitted(cluster, proc), 60, "the restarted webhook to be called", cluster.logs)
+    assert pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == "cgpu-gpu-mem-2x2"
+    assert bundle() and bundle() != before
 
 
 SEED_004 = """

@@ -7,11 +7,15 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import os
 import re
 import ssl
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -346,3 +350,17 @@ def test_a_certificate_that_cannot_be_loaded_is_one_line(tmp_path):
     (tmp_path / "c.pem").write_text("not a certificate")
     with pytest.raises(webhookserver.CertError, match=r"^cannot load .*c\.pem"):
         webhookserver.server_context(str(tmp_path / "c.pem"), str(tmp_path / "c.pem"))
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--addr", "nope"], "Error: --addr nope: give HOST:PORT"),
+    (["--tls-cert", "/x.pem"], "Error: --tls-cert and --tls-key go together"),
+    (["--tls-san", " , "], "Error: --tls-san: give at least one name"),
+    ([], "Error: no cluster to ask: "),
+])
+def test_the_commands_mistakes_are_one_line(args, why, tmp_path):
+    env = dict(os.environ, KUBECONFIG=str(tmp_path / "none"), HOME=str(tmp_path))
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    p = subprocess.run([Path(sys.executable).parent / "cgpu", "dra-webhook", "--addr", "127.0.0.1:0", *args],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 1 and p.stderr.startswith(why) and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -99,7 +99,7 @@ class Api:
 
         try:
             self.resource.create_namespaced_resource_claim_template(body["metadata"]["namespace"], body,
-                                                                    _preload_content=False)
+                                                                    _preload_content=False, _request_timeout=5)
             log.info("made ResourceClaimTemplate %s/%s", body["metadata"]["namespace"], body["metadata"]["name"])
         except ApiException as exc:
             if exc.status != 409:
