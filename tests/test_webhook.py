@@ -94,6 +94,7 @@ def test_seed_000s_pod_gets_a_claim_of_4_gib_on_each_of_2_gpus_and_no_gpu_mem():
     assert c["resources"] == {"limits": {}, "requests": {}, "claims": [{"name": "cgpu-gpu-mem-0"}]}
     assert got["spec"]["resourceClaims"] == [{"name": "cgpu-gpu-mem-0", "resourceClaimTemplateName": "cgpu-gpu-mem-8x2"}]
     assert got["metadata"] == pod["metadata"] and c["command"] == pod["spec"]["containers"][0]["command"]
+    assert webhook.mutate(got, "default").patch == []  # called again (another webhook's reinvocation): unchanged
     (t,) = d.templates
     assert (t["kind"], t["metadata"]["name"], t["metadata"]["namespace"]) == \
         ("ResourceClaimTemplate", "cgpu-gpu-mem-8x2", "default")
