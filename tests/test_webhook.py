@@ -198,6 +198,17 @@ def test_several_containers_each_get_a_claim_of_their_own_and_what_the_pod_had_i
     assert {t["metadata"]["namespace"] for t in d.templates} == {"ns1"}
 
 
+def test_claims_that_are_not_lists_are_refused():
+    pod = seed_pod()
+    pod["spec"]["containers"][0]["resources"]["claims"] = "gpu"
+    with pytest.raises(webhook.Denied, match="^container tensorflow-mnist-multigpu: resources.claims is not a list$"):
+        webhook.mutate(pod, "default")
+    pod = seed_pod()
+    pod["spec"]["resourceClaims"] = {"name": "x"}
+    with pytest.raises(webhook.Denied, match="^spec.resourceClaims is not a list$"):
+        webhook.mutate(pod, "default")
+
+
 def test_a_pod_already_holding_a_claim_of_that_name_is_refused():
     pod = seed_pod()
     pod["spec"]["resourceClaims"] = [{"name": "cgpu-gpu-mem-0", "resourceClaimName": "x"}]

@@ -142,6 +142,8 @@ def mutate(pod: dict, namespace: str) -> Decision:
             for part in ("limits", "requests"):
                 if RESOURCE in _obj(res.get(part)):
                     out.patch.append({"op": "remove", "path": f"{base}/{part}/{key}"})
+            if not isinstance(res.get("claims") or [], list):
+                raise Denied(f"{where}: resources.claims is not a list")
             if res.get("claims"):
                 out.patch.append({"op": "add", "path": f"{base}/claims/-", "value": {"name": claim}})
             else:
