@@ -376,3 +376,28 @@ def test_the_commands_mistakes_are_one_line(args, why, tmp_path):
     p = subprocess.run([Path(sys.executable).parent / "cgpu", "dra-webhook", "--addr", "127.0.0.1:0", *args],
                        capture_output=True, text=True, timeout=60, env=env)
     assert p.returncode == 1 and p.stderr.startswith(why) and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_template_made_meanwhile_by_another_pod_is_fine_and_a_refusal_is_not():
+    """Two pods of one shape admitted at once (or two replicas): the second create finds the
+    template made (409 AlreadyExists) and goes on; any other refusal is the API server's."""
+    from kubernetes.client.exceptions import ApiException
+
+    class Resource:
+        def __init__(self, status):
+            self.status, self.calls = status, []
+
+        def create_namespaced_resource_claim_template(self, namespace, body, **kw):
+            self.calls.append((namespace, body["metadata"]["name"], kw.get("_request_timeout")))
+            if self.status:
+                raise ApiException(status=self.status, reason="x")
+
+    body = webhook.template("ns", 8, 2)
+    for status in (None, 409):
+        api = object.__new__(webhookserver.Api)
+        api.resource = Resource(status)
+        api.ensure_template(body)
+        assert api.resource.calls == [("ns", "cgpu-gpu-mem-8x2", 5)]
+    api.resource = Resource(403)
+    with pytest.raises(ApiException):
+        api.ensure_template(body)
