@@ -399,6 +399,12 @@ def test_seed_000_job_unchanged_runs_with_4_gib_on_each_of_two_gpus(cluster, cgp
         assert "aliyun.com/gpu-mem" not in limits, pod["spec"]["containers"][0]
         claim = next(s["resourceClaimName"] for s in pod["status"]["resourceClaimStatuses"] if s["name"] == pc["name"])
         assert sorted(allocated_gpus(cluster, claim)) == [0, 1]
+        # kubectl inspect cgpu shows the pod with 4 on each GPU, as the extender's path shows it
+        p = subprocess.run([cluster.bins / "kubectl", "inspect", "cgpu", "-d"], capture_output=True, text=True,
+                           timeout=60, env=dict(os.environ, KUBECONFIG=os.fspath(cluster.admin),
+                                                PATH=f"{Path(cluster._cgpu()).parent}:{os.environ['PATH']}"))
+        assert [pod["metadata"]["name"], "default", "4", "4"] in [ln.split() for ln in p.stdout.splitlines()], \
+            p.stdout + p.stderr
     finally:
         cluster.kubectl("delete", "job", "tensorflow-mnist-multigpu", "--cascade=foreground", "--wait=true",
                         "--timeout=60s", timeout=90)
