@@ -20,7 +20,15 @@ dra-plugin` — so each DRA figure is printed beside the device plugin's, measur
    How many were bound (128 fit), the most any GPU was given (16 GiB: none over-filled), how
    many GPUs the first 20 pods were put on (binpack: 2), and the binding rate in pods/s.
 
-    .venv/bin/python bench/dra.py [--pods 20] [--fake-nodes 1000] [--bind-pods 20] [--node-pods 200]
+4. Seed 000's Job as written (label aliyun.com/gpu-count: "2", gpu-mem 8) created -> its
+   container's instance in the tree on both GPUs, --jobs Jobs each way, taken in turns: through
+   `cgpu dra-webhook` (the pod turned into a claim of 4 GiB × 2 GPUs, kube-scheduler's DRA plugin)
+   and, in a namespace labelled cgpu.aliyun.com/dra-webhook=off, through the extender and the
+   device plugin. Then the webhook's own cost: seed 000's pod created through the API server
+   (server-side dry run: admitted, nothing stored) p50 and p99 over 100, against the same pod
+   without the label, in turns.
+
+    .venv/bin/python bench/dra.py [--pods 20] [--fake-nodes 1000] [--bind-pods 20] [--node-pods 200] [--jobs 10]
 """
 from __future__ import annotations
 
@@ -94,6 +102,69 @@ def pipeline_figures(c, cgpud, pods: int) -> None:
     print(f"  device plugin + extender (gpu-mem 1):      p50 {ms(pct(dp, 50))}  p99 {ms(pct(dp, 99))}")
     print(f"  reference: a pod asking nothing -> Running: p50 {ms(pct(plain, 50))}")
     c.kubectl("delete", "pods", "--all", "--wait=true", "--timeout=120s", timeout=180)
+
+
+def job_figures(c, cgpud, jobs: int) -> None:
+    """Seed 000's Job each way in turns: created -> its instance on both GPUs."""
+    from test_cluster_dra import seed_000_job, start_webhook
+
+    start_webhook(c)
+    ns = "bench-extender"
+    c.kubectl("create", "namespace", ns)
+    c.kubectl("label", "namespace", ns, "cgpu.aliyun.com/dra-webhook=off")
+    wait(lambda: c.kubectl("get", "serviceaccount", "default", "-n", ns, check=False).returncode == 0, 60,
+         f"the ServiceAccount default of {ns}")
+    c.kubectl("patch", "serviceaccount", "default", "-n", ns, "-p", '{"automountServiceAccountToken": false}')
+    wait(lambda: c.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", check=False,
+                           stdin=json.dumps(seed_000_job()["spec"]["template"] | {
+                               "apiVersion": "v1", "kind": "Pod", "metadata": {
+                                   "name": "probe", "labels": {"aliyun.com/gpu-count": "2"}}})).returncode == 0,
+         60, "the API server to call the webhook")
+    took = {"webhook": [], "extender": []}
+    for i in range(jobs):
+        for way, namespace in (("webhook", "default"), ("extender", ns)):
+            job = seed_000_job()
+            job["metadata"]["name"] = name = f"seed000-{way}-{i}"
+            have = instances(cgpud)
+            t = time.monotonic()
+            c.kubectl("create", "-n", namespace, "-f", "-", stdin=json.dumps(job))
+
+            def both() -> bool:
+                new = (set(cgpud.instances(0)) & set(cgpud.instances(1))) - have
+                return bool(new)
+
+            wait(both, 120, f"job {namespace}/{name}: its instance on both GPUs\n"
+                 + c.kubectl("describe", "job", "-n", namespace, name, check=False).stdout)
+            took[way].append(time.monotonic() - t)
+            c.kubectl("delete", "job", "-n", namespace, name, "--cascade=foreground", "--wait=true",
+                      "--timeout=90s", timeout=120)
+            wait(lambda: not (instances(cgpud) - have), 60, f"job {name}: its instance gone")
+    print(f"seed 000's Job created -> its instance on both GPUs (4 GiB each), {jobs} Jobs each way, "
+          f"load average {os.getloadavg()[0]:.1f}:")
+    print(f"  DRA through cgpu dra-webhook:            p50 {ms(pct(took['webhook'], 50))}  "
+          f"p99 {ms(pct(took['webhook'], 99))}")
+    print(f"  device plugin + extender:                p50 {ms(pct(took['extender'], 50))}  "
+          f"p99 {ms(pct(took['extender'], 99))}")
+    # the webhook's own cost: a pod create (server-side dry run: admitted, not stored, no template made)
+    # with the label, against the same pod without it, in turns
+    api = c.api()
+    pod = seed_000_job()["spec"]["template"] | {"apiVersion": "v1", "kind": "Pod"}
+    pod["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-mem"] = "8"  # (the client takes strings)
+    plain = json.loads(json.dumps(pod))
+    del plain["metadata"]["labels"]["aliyun.com/gpu-count"]
+    admit = {"labelled": [], "plain": []}
+    for i in range(100):
+        for way, body in (("labelled", pod), ("plain", plain)):
+            body["metadata"]["name"] = f"dry-{way}-{i}"
+            t = time.monotonic()
+            api.create_namespaced_pod("default", body, dry_run="All", _preload_content=False)
+            admit[way].append(time.monotonic() - t)
+    print("a pod create through the API server (server-side dry run), 100 each way in turns:")
+    print(f"  seed 000's pod, through the webhook:     p50 {ms(pct(admit['labelled'], 50))}  "
+          f"p99 {ms(pct(admit['labelled'], 99))}")
+    print(f"  the same pod without the label:          p50 {ms(pct(admit['plain'], 50))}  "
+          f"p99 {ms(pct(admit['plain'], 99))}")
+    c.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def fake_node_body(i: int) -> dict:
@@ -243,6 +314,7 @@ def main() -> None:
     ap.add_argument("--fake-nodes", type=int, default=1000)
     ap.add_argument("--bind-pods", type=int, default=20)
     ap.add_argument("--node-pods", type=int, default=200)
+    ap.add_argument("--jobs", type=int, default=10)
     args = ap.parse_args()
 
     from cluster import Cluster
@@ -258,7 +330,7 @@ def main() -> None:
     try:
         c = Cluster(d, wrapper(), containerd_bins=containerd_bin()).start()
         c.deploy(["-k", os.fspath(overlay(c.path("overlay")))])  # the extender and the device plugin too
-        c.start_controller_manager("resourceclaim-controller,serviceaccount-controller,"
+        c.start_controller_manager("resourceclaim-controller,job-controller,serviceaccount-controller,"
                                    "serviceaccount-token-controller,garbage-collector-controller")
         start_plugin(c)
         wait(lambda: c.allocatable("aliyun.com/gpu-mem") == 28, 60, "the device plugin's units")
@@ -266,6 +338,8 @@ def main() -> None:
              "the DRA plugin's slices")
         if args.pods:
             pipeline_figures(c, d, args.pods)
+        if args.jobs:
+            job_figures(c, d, args.jobs)
         if args.node_pods:
             print(f"{args.node_pods} pods of 1 GiB at once onto a node of 8 GPUs × 16 GiB (128 fit), each way, "
                   f"load average {os.getloadavg()[0]:.1f}:")

@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 DEBS=(fuse3 libfuse3-dev pkg-config gcc make python3-venv python3-dev runc busybox-static podman conmon prometheus systemd docker.io containerd
       debootstrap etcd-server containernetworking-plugins iproute2
-      g++ libzstd1 liblz4-1)  # nvcc's host compiler; what the stand-in driver reads compressed fat binaries with
+      g++ libzstd1 liblz4-1  # nvcc's host compiler; what the stand-in driver reads compressed fat binaries with
+      openssl)  # what cgpu dra-webhook makes its certificate with
 missing=()
 for p in "${DEBS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

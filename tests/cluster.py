@@ -907,8 +907,8 @@ state = "{c}/state"
                 if p.returncode != 0 or not p.stdout.strip():
                     break
                 time.sleep(0.5)
-        for name in ("device-plugin", "dra-plugin", "extender", "extender-proxy", "kube-controller-manager", "kube-scheduler",
-                     "kubelet"):
+        for name in ("device-plugin", "dra-plugin", "dra-webhook", "extender", "extender-proxy",
+                     "kube-controller-manager", "kube-scheduler", "kubelet"):
             if name in self.procs:
                 self.procs[name].stop()
         if "containerd" in self.procs and self.procs["containerd"].alive():

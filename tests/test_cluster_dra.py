@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import NAMESPACE, NODE, REPO, SA, BUSYBOX_IMAGE, Cluster, Proc, wait_for
+from cluster import NAMESPACE, NODE, REPO, SA, BUSYBOX_IMAGE, Cluster, Proc, free_port, kubeconfig, wait_for
 from test_cluster import cgpud, container_name, running  # noqa: F401  (cgpud: the module's daemon, a fixture)
 from test_runtime import wrapper
+from test_webhook import SEED_000
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +67,8 @@ def cluster(cgpud):
     try:
         c.deploy(["-k", os.fspath(overlay(c.path("overlay")))], device_plugin=False, extender=False)
         # the resourceclaim controller takes a deleted pod off its claim's reservedFor (and frees it)
-        c.start_controller_manager("resourceclaim-controller,statefulset-controller,serviceaccount-controller,"
+        c.start_controller_manager("resourceclaim-controller,statefulset-controller,job-controller,"
+                                   "serviceaccount-controller,"
                                    "serviceaccount-token-controller,garbage-collector-controller")
         start_plugin(c)
         yield c
@@ -305,6 +307,155 @@ def test_a_kubelet_restart_registers_the_plugin_again_and_keeps_the_running_pods
     wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go")
 
 
+WEBHOOK = "cgpu-dra-webhook"  # the component's MutatingWebhookConfiguration and ServiceAccount
+
+
+def start_webhook(c: Cluster) -> Proc:
+    """`cgpu dra-webhook` as a host process with its ServiceAccount's token, called by the API server
+    at https://127.0.0.1:PORT/mutate: the component's MutatingWebhookConfiguration gets that `url` in
+    place of its Service (no kube-proxy here) as an administrator would patch it; the webhook makes
+    its certificate for 127.0.0.1 and writes its CA into the caBundle itself."""
+    port = free_port()
+    c.kubectl("patch", "mutatingwebhookconfiguration", WEBHOOK, "--type=json", "-p", json.dumps(
+        [{"op": "replace", "path": "/webhooks/0/clientConfig", "value": {"url": f"https://127.0.0.1:{port}/mutate"}}]))
+    token = c.kubectl("create", "token", WEBHOOK, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
+    kc = kubeconfig(c.path("webhook.kubeconfig"), c.server, c.path("pki", "ca.crt"), {"token": token})
+    c.procs["dra-webhook"] = Proc("dra-webhook", [
+        c._cgpu(), "dra-webhook", "--addr", f"127.0.0.1:{port}", "--tls-san", "127.0.0.1", "--webhook-config", WEBHOOK],
+        c.path("dra-webhook.log"), env={"KUBECONFIG": os.fspath(kc)}).start()
+    return c.procs["dra-webhook"]
+
+
+def labelled_pod(c: Cluster, name: str, gpu_mem: int, count: int = 2) -> dict:
+    return c.pod(name, gpu_mem, labels={"aliyun.com/gpu-count": str(count)}, runtime_class=None)
+
+
+def dry_run(c: Cluster, pod: dict) -> subprocess.CompletedProcess:
+    return c.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", check=False, stdin=json.dumps(pod))
+
+
+def admitted(c: Cluster, proc: Proc) -> dict | None:
+    """A labelled pod as the webhook changed it (a server-side dry run: nothing stored, nothing made),
+    once the API server calls it over TLS trusting the CA it wrote; None before."""
+    if not proc.alive():
+        pytest.fail("the webhook exited:\n" + proc.log())
+    p = dry_run(c, labelled_pod(c, "dry", 2))
+    return json.loads(p.stdout) if p.returncode == 0 else None
+
+
+@pytest.fixture(scope="module")
+def webhook(cluster):
+    proc = start_webhook(cluster)
+
+    pod = wait_for(lambda: admitted(cluster, proc), 60, "the API server to call the webhook", cluster.logs)
+    assert pod["spec"]["resourceClaims"] == [{"name": "cgpu-gpu-mem-0", "resourceClaimTemplateName": "cgpu-gpu-mem-2x2"}]
+    # sideEffects NoneOnDryRun: the dry run made no template
+    assert cluster.kubectl("get", "resourceclaimtemplate", "cgpu-gpu-mem-2x2", check=False).returncode != 0
+    return proc
+
+
+
+
+def seed_000_job() -> dict:
+    """Seed 000's Job as written (only its image and command are this sandbox's: no registry here)."""
+    job = yaml.safe_load(SEED_000)
+    app = job["spec"]["template"]["spec"]["containers"][0]
+    app["image"], app["imagePullPolicy"] = BUSYBOX_IMAGE, "Never"
+    app["command"] = ["sh", "-c", "env; trap 'exit 0' TERM; while :; do sleep 1; done"]
+    job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1
+    return job
+
+
+def job_pod(c: Cluster, job: str) -> dict:
+    def one() -> dict:
+        items = json.loads(c.kubectl("get", "pods", "-l", f"job-name={job}", "-o", "json").stdout)["items"]
+        return items[0] if items and running(items[0]) else {}
+
+    return wait_for(one, 90, f"job {job}'s pod Running", lambda: c.kubectl("describe", "job", job, check=False).stdout
+                    + c.logs())
+
+
+def pod_env(c: Cluster, pod: str) -> dict[str, str]:
+    return wait_for(lambda: dict(line.split("=", 1) for line in c.kubectl("logs", pod).stdout.splitlines()
+                                 if "=" in line), 30, f"pod {pod}'s environment in its log")
+
+
+def test_seed_000_job_unchanged_runs_with_4_gib_on_each_of_two_gpus(cluster, cgpud, webhook):
+    """Seed 000's Job as written (label aliyun.com/gpu-count: "2", limit aliyun.com/gpu-mem: 8), no
+    extender: the webhook turns its pod's gpu-mem into a claim of 4 GiB on each of two GPUs."""
+    cluster.create(seed_000_job())
+    try:
+        pod = job_pod(cluster, "tensorflow-mnist-multigpu")
+        name = container_name(pod)
+        for gpu in (0, 1):
+            assert name in cgpud.instances(gpu), (gpu, cgpud.instances(gpu), cluster.logs())
+            assert cgpud.value(f"{gpu}/{name}/memsize") == str(4 * GIB)
+        env = pod_env(cluster, pod["metadata"]["name"])
+        assert (env.get("ALIYUN_COM_GPU_MEM_IDX"), env.get("ALIYUN_COM_GPU_MEM_CONTAINER")) == ("0,1", "4"), env
+        # how: a claim from the namespace's template, and no gpu-mem left on the container
+        (pc,) = pod["spec"]["resourceClaims"]
+        assert pc["resourceClaimTemplateName"] == "cgpu-gpu-mem-8x2", pod["spec"]
+        limits = pod["spec"]["containers"][0]["resources"].get("limits") or {}
+        assert "aliyun.com/gpu-mem" not in limits, pod["spec"]["containers"][0]
+        claim = next(s["resourceClaimName"] for s in pod["status"]["resourceClaimStatuses"] if s["name"] == pc["name"])
+        assert sorted(allocated_gpus(cluster, claim)) == [0, 1]
+        # kubectl inspect cgpu shows the pod with 4 on each GPU, as the extender's path shows it
+        p = subprocess.run([cluster.bins / "kubectl", "inspect", "cgpu", "-d"], capture_output=True, text=True,
+                           timeout=60, env=dict(os.environ, KUBECONFIG=os.fspath(cluster.admin),
+                                                PATH=f"{Path(cluster._cgpu()).parent}:{os.environ['PATH']}"))
+        assert [pod["metadata"]["name"], "default", "4", "4"] in [ln.split() for ln in p.stdout.splitlines()], \
+            p.stdout + p.stderr
+    finally:
+        cluster.kubectl("delete", "job", "tensorflow-mnist-multigpu", "--cascade=foreground", "--wait=true",
+                        "--timeout=60s", timeout=90)
+    wait_for(lambda: name not in cgpud.instances(0) and name not in cgpud.instances(1), 30,
+             "the instances to go with the Job", cluster.logs)
+
+
+def test_a_pod_whose_gpu_mem_does_not_split_over_its_gpus_is_refused_with_the_reason(cluster, cgpud, webhook):
+    p = cluster.kubectl("create", "-f", "-", check=False, stdin=json.dumps(labelled_pod(cluster, "odd", 7)))
+    assert p.returncode != 0
+    assert ('admission webhook "gpu-count.cgpu.aliyun.com" denied the request: container app: aliyun.com/gpu-mem 7 '
+            "cannot be spread over aliyun.com/gpu-count 2: each GPU gives the same memory, so N/M must be a whole "
+            "number of units (7/2 is not)") in p.stderr, p.stderr
+    assert cluster.kubectl("get", "pod", "odd", check=False).returncode != 0  # nothing made
+    assert cluster.kubectl("get", "resourceclaimtemplate", "cgpu-gpu-mem-7x2", check=False).returncode != 0
+
+
+def test_the_webhook_may_make_templates_and_set_its_ca_and_nothing_else(cluster, webhook):
+    user = f"system:serviceaccount:{NAMESPACE}:{WEBHOOK}"
+    for verb, res, yes in (("create", "resourceclaimtemplates.resource.k8s.io", "yes"),
+                           ("patch", f"mutatingwebhookconfigurations/{WEBHOOK}", "yes"),
+                           ("patch", "mutatingwebhookconfigurations/other", "no"),
+                           ("delete", "resourceclaimtemplates.resource.k8s.io", "no"),
+                           ("create", "pods", "no"), ("update", "resourceclaims.resource.k8s.io", "no")):
+        p = cluster.kubectl("auth", "can-i", verb, res, f"--as={user}", "-A", check=False)
+        assert p.stdout.strip() == yes, (verb, res, p.stdout, p.stderr)
+    log = webhook.log_path.read_text(errors="replace")
+    assert "caBundle of MutatingWebhookConfiguration cgpu-dra-webhook (1 webhooks)" in log, log
+    assert not re.search(r"Traceback|\b403\b", log), log
+
+
+def test_while_the_webhook_is_down_labelled_pods_are_refused_and_others_never_wait_on_it(cluster, webhook):
+    """failurePolicy Fail, scoped by the objectSelector: with the webhook gone a labelled pod is
+    refused (never run on one GPU) and a pod without the label is admitted as ever; started again,
+    the webhook makes a new CA, writes it into the caBundle, and labelled pods are admitted again."""
+    def bundle() -> str:
+        return cluster.get("mutatingwebhookconfiguration", WEBHOOK)["webhooks"][0]["clientConfig"].get("caBundle", "")
+
+    before = bundle()
+    cluster.procs["dra-webhook"].proc.kill()
+    cluster.procs["dra-webhook"].proc.wait(10)
+    p = dry_run(cluster, labelled_pod(cluster, "down", 2))
+    assert p.returncode != 0 and 'failed calling webhook "gpu-count.cgpu.aliyun.com"' in p.stderr, p.stderr
+    p = dry_run(cluster, cluster.pod("plain", 2, runtime_class=None))
+    assert p.returncode == 0 and "resourceClaims" not in json.loads(p.stdout)["spec"], p.stderr
+    proc = start_webhook(cluster)
+    pod = wait_for(lambda: admitted(cluster, proc), 60, "the restarted webhook to be called", cluster.logs)
+    assert pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == "cgpu-gpu-mem-2x2"
+    assert bundle() and bundle() != before
+
+
 SEED_004 = """
 apiVersion: apps/v1
 kind: StatefulSet
@@ -365,6 +516,22 @@ def test_seed_004_statefulset_on_a_128_mib_node_runs_at_2_gib(cluster, cgpud):
         cluster.kubectl("delete", "statefulset", "binpack", "--wait=true", timeout=90)
         cluster.delete_pod("binpack-0")
     wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)
+
+
+def test_on_a_128_mib_node_the_label_spreads_the_nodes_own_units(cluster, cgpud, webhook):
+    """After seed 004's test the node's daemon runs in `share` mode (128 MiB units): gpu-mem 8 over
+    two GPUs is 4 of its units, 512 MiB, on each (the template's second alternative, chosen by the
+    slices' memoryUnit), as the extender counts a node's units."""
+    cluster.create(labelled_pod(cluster, "share-8x2", 8))
+    try:
+        pod = cluster.wait_pod("share-8x2", running, 90, "Running")
+        name = container_name(pod)
+        for gpu in (0, 1):
+            assert cgpud.value(f"{gpu}/{name}/memsize") == str(4 * 128 << 20), (gpu, cgpud.instances(gpu))
+        assert pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == "cgpu-gpu-mem-8x2"
+    finally:
+        cluster.delete_pod("share-8x2")
+    wait_for(lambda: name not in cgpud.instances(0) and name not in cgpud.instances(1), 30, "the instances to go")
 
 
 def test_nothing_the_dra_plugin_asked_was_refused(cluster):

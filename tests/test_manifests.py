@@ -26,7 +26,8 @@ DEPLOY = ROOT / "deploy" / "kubernetes"
 KUBECTL = "/usr/bin/kubectl"
 KINDS = {"ServiceAccount": "V1ServiceAccount", "ClusterRole": "V1ClusterRole",
          "ClusterRoleBinding": "V1ClusterRoleBinding", "DaemonSet": "V1DaemonSet", "Deployment": "V1Deployment",
-         "Service": "V1Service", "RuntimeClass": "V1RuntimeClass", "Pod": "V1Pod"}
+         "Service": "V1Service", "RuntimeClass": "V1RuntimeClass", "Pod": "V1Pod", "DeviceClass": "V1DeviceClass",
+         "MutatingWebhookConfiguration": "V1MutatingWebhookConfiguration"}
 SCALARS = {"str", "int", "bool", "float", "object", "datetime", "date"}
 
 
@@ -242,10 +243,12 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted([
         ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
         ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"), ("ClusterRoleBinding", "cgpu-dra"),
-        ("DeviceClass", "gpu.cgpu.aliyun.com"), ("DeviceClass", "gpu-mem.cgpu.aliyun.com")])  # no extender
+        ("DeviceClass", "gpu.cgpu.aliyun.com"), ("DeviceClass", "gpu-mem.cgpu.aliyun.com"),
+        ("ServiceAccount", "cgpu-dra-webhook"), ("ClusterRole", "cgpu-dra-webhook"),
+        ("ClusterRoleBinding", "cgpu-dra-webhook"), ("Deployment", "cgpu-dra-webhook"), ("Service", "cgpu-dra-webhook"),
+        ("MutatingWebhookConfiguration", "cgpu-dra-webhook")])  # no extender
     for doc in docs:
-        kind = KINDS.get(doc["kind"], "V1DeviceClass" if doc["kind"] == "DeviceClass" else None)
-        assert kind and unknown(doc, kind, doc["kind"]) == [], doc["kind"]
+        assert unknown(doc, KINDS[doc["kind"]], doc["kind"]) == [], doc["kind"]
 
 
 def test_the_dra_component_swaps_the_device_plugin_for_the_dra_plugin_with_the_least_rbac(tmp_path):
@@ -275,3 +278,56 @@ def test_the_dra_component_swaps_the_device_plugin_for_the_dra_plugin_with_the_l
     for name, kind in (("gpu.cgpu.aliyun.com", dra.KIND_GPU), ("gpu-mem.cgpu.aliyun.com", dra.KIND_UNIT)):
         expr = classes[name]["selectors"][0]["cel"]["expression"]
         assert f'device.driver == "{dra.DRIVER}"' in expr and f'.kind == "{kind}"' in expr, expr
+
+
+def test_the_dra_webhook_sees_only_labelled_pods_at_create_and_is_reached_through_its_service(tmp_path):
+    from cgpud.k8s import webhook
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in dra_rendered(tmp_path / "overlay")}
+    (hook,) = docs[("MutatingWebhookConfiguration", "cgpu-dra-webhook")]["webhooks"]
+    assert hook["objectSelector"] == {"matchExpressions": [{"key": webhook.LABEL, "operator": "Exists"}]}
+    assert hook["namespaceSelector"] == {"matchExpressions": [
+        {"key": "cgpu.aliyun.com/dra-webhook", "operator": "NotIn", "values": ["off"]}]}
+    assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                              "resources": ["pods"], "scope": "Namespaced"}]
+    assert (hook["failurePolicy"], hook["sideEffects"], hook["admissionReviewVersions"]) == \
+        ("Fail", "NoneOnDryRun", ["v1"])
+    assert "caBundle" not in hook["clientConfig"]  # the webhook writes its own CA there at start
+    ref = hook["clientConfig"]["service"]
+    svc = docs[("Service", ref["name"])]
+    assert (svc["metadata"]["name"], svc["metadata"]["namespace"]) == (ref["name"], ref["namespace"])
+    (port,) = svc["spec"]["ports"]
+    assert port["port"] == ref["port"]
+    dep = docs[("Deployment", "cgpu-dra-webhook")]
+    spec = dep["spec"]["template"]["spec"]
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert dep["spec"]["replicas"] == 1  # each replica would write a CA of its own
+    (c,) = spec["containers"]
+    cmd = c["command"]
+    assert cmd[:2] == ["cgpu", "dra-webhook"]
+    assert cmd[cmd.index("--addr") + 1].endswith(f":{port['targetPort']}")
+    assert cmd[cmd.index("--webhook-config") + 1] == "cgpu-dra-webhook"
+    assert cmd[cmd.index("--tls-san") + 1] == f"{ref['name']}.{ref['namespace']}.svc"  # the name the API server calls
+    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}  # (the certificate, made at start)
+    assert spec["serviceAccountName"] == "cgpu-dra-webhook"
+    role = docs[("ClusterRole", "cgpu-dra-webhook")]
+    assert [(r["resources"], r["verbs"], r.get("resourceNames")) for r in role["rules"]] == [
+        (["resourceclaimtemplates"], ["create"], None),
+        (["mutatingwebhookconfigurations"], ["get", "patch"], ["cgpu-dra-webhook"])]
+    binding = docs[("ClusterRoleBinding", "cgpu-dra-webhook")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "cgpu-dra-webhook", "namespace": "kube-system"}]
+
+
+def test_every_container_of_dra_mode_runs_the_bases_image(tmp_path):
+    """The component's containers (dra-plugin, the webhook) are added after the base's images
+    transformer ran: without the component's own stanza they rendered as `cgpud` (docker.io's
+    cgpud:latest on a real node)."""
+    (image,) = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["images"]
+    docs = dra_rendered(tmp_path / "overlay")
+    images = {(d["metadata"]["name"], c["name"]): c["image"] for d in docs if d["kind"] in ("DaemonSet", "Deployment")
+              for c in containers(d)}
+    assert ("cgpu-dra-webhook", "webhook") in images and ("cgpud", "dra-plugin") in images
+    assert set(images.values()) == {f"{image['newName']}:{image['newTag']}"}, images
+    assert yaml.safe_load((DEPLOY / "dra" / "kustomization.yaml").read_text())["images"] == [image]  # (no drift)

@@ -328,6 +328,21 @@ def _watchdog(action: str = "kill"):
     return wd, a, b, where
 
 
+def test_a_library_figure_past_the_card_is_no_figure(sleepers):
+    """A usage page the container filled with garbage says its processes hold 2**64 - 1 bytes: not
+    taken (the GPU's `used`, the sum of its instances', would be garbage for everyone who reads it)."""
+    from cgpud.gpus.memwatch import MemWatchdog
+
+    wd, a, b, where = _watchdog()
+    wd = MemWatchdog(wd.node, lambda pid, gpu: where.get(pid), "kill",
+                     library=lambda inst: (1 << 64) - 1 if inst is a else 300 * MIB)
+    p = sleepers()
+    where[p.pid] = b
+    assert wd.check(_sample({p.pid: 100 * MIB})) == []
+    assert (a.library_used, b.library_used) == (0, 300 * MIB)
+    assert wd.node.gpu(0).used == 300 * MIB
+
+
 def _sample(procs: dict[int, int]):
     from cgpud.gpus.nvml import GpuSample
 

@@ -230,11 +230,18 @@ def glibc_podman(make_daemon, tmp_path: Path, *extra: str) -> tuple:
     return d, podman, share, libs
 
 
+# every way a container's process could shorten or replace its limits page, each said if it did
+CHANGE_LIMITS = ("for t in 'truncate -s 0 /run/cgpu/limits' 'mv -f /run/cgpu/usage /run/cgpu/limits' "
+                 "'rm -f /run/cgpu/limits' 'ln -f /run/cgpu/limits /run/cgpu/again'; "
+                 "do sh -c \"$t\" 2>/dev/null && echo \"changed: $t\"; done")
+
+
 def test_a_hooks_d_podman_container_gets_the_library_from_the_hook(make_daemon, tmp_path):
     """No cgpu-runtime: podman runs runc with hooks.d only. At createRuntime the daemon mounts the
     library, the container's pages and /etc/ld.so.preload into the container's mount namespace;
     no environment can be set from a hook, and none is needed: the container's own process (a C
-    client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it."""
+    client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it. It
+    cannot write, cut, replace, remove or link its limits page (the daemon maps it)."""
     from test_libcgpu import MOUNT_CLIENT
 
     d, podman, share, _ = glibc_podman(make_daemon, tmp_path)
@@ -244,11 +251,12 @@ def test_a_hooks_d_podman_container_gets_the_library_from_the_hook(make_daemon, 
         subprocess.run(["gcc", "-o", os.fspath(share / "client"), os.fspath(tmp_path / "client.c"), "-ldl"], check=True)
         p = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "LD_LIBRARY_PATH": "/share/lib",
                         "CGPU_STUB_CUDA_STATE": "/share/card"},
-                       "sh", "-c", "/share/client && cat /etc/ld.so.preload && echo x > /run/cgpu/limits",
-                       volumes=["/usr:/usr:ro", f"{share}:/share"])
+                       "sh", "-c", "/share/client && cat /etc/ld.so.preload && " + CHANGE_LIMITS
+                       + "; echo x > /run/cgpu/limits", volumes=["/usr:/usr:ro", f"{share}:/share"])
         out = p.stdout.split()
         assert out[:5] == [str(1 << 30), "0", "2", "(null)", "/run/cgpu-lib/libcgpu.so"], p.stdout + p.stderr
         assert p.returncode != 0 and "Read-only file system" in p.stderr, "the container wrote its limits"
+        assert "changed:" not in p.stdout, p.stdout  # (the daemon maps it: docs/isolation.md, "The pages")
         assert not (d.socket.parent / "pages").exists() or not list((d.socket.parent / "pages").iterdir()), \
             "its pages went with it"
         # an image whose /run is a symbolic link (absolute: before the pivot it would name the host's

@@ -6,6 +6,7 @@ the enforcer was told and when, independently of the scheduler's telemetry.
 """
 from __future__ import annotations
 
+import os
 from contextlib import asynccontextmanager
 
 import pytest
@@ -604,5 +605,54 @@ def test_gated_instances_are_bounded_under_every_controlled_policy_alone_or_not(
             await trio.testing.wait_all_tasks_blocked()
             assert enf.told[A] == (True, budget)
         assert {on for on, _ in enf.told.values()} == {False}
+
+    run_on_mock_clock(main)
+
+
+class ChurningEnforcer(FakeEnforcer):
+    """A fake of one gated target (A's) whose page's slot never drains and reads as a new answer at
+    every look (garbage that keeps changing, or a hostile process): given up on, and then there
+    again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._r, self._w = os.pipe()  # (a FIFO nobody writes)
+        self.given_up = 0
+
+    def fileno(self) -> int:
+        return self._r
+
+    def consume(self) -> None:
+        pass
+
+    def give_up(self, gpu: int, every: bool = False) -> list[tuple[int, str]]:
+        self.given_up += 1
+        return [(0, "dead")]
+
+    def undrained(self, names, gpu: int) -> list:
+        return [self] if A in names and (gpu, A) in self.frozen else []
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+def test_a_drain_that_never_ends_is_cut_at_the_cap_and_the_others_run():
+    """Each look at A's page finds its slot undrained anew (given up on, there again): the wait for
+    its drain ends at drain_cap, whatever the page says, and B gets the GPU (it waited for ever)."""
+    node, act = scenario(2, (A, 1), (B, 1))
+
+    async def main(clock):
+        enf = ChurningEnforcer()
+        try:
+            with trio.move_on_after(60):
+                async with running(node, act, enf=enf, params=Params(slice=X, drain_cap=0.5)) as (s, _):
+                    await trio.sleep(30)
+            thawed_b = [t for t, _, op, n in enf.events if op == "thaw" and n == B]
+            frozen_a = [t for t, _, op, n in enf.events if op == "freeze" and n == A]
+            assert frozen_a and [t for t in thawed_b if frozen_a[0] < t < 30], "B never ran after A's first closing"
+            assert len(frozen_a) > 10  # (its turns go on: each drain cut at the cap)
+        finally:
+            enf.close()
 
     run_on_mock_clock(main)

@@ -344,7 +344,8 @@ def trace(ctx: Ctx, seconds, gpu, output, as_json) -> None:
 def _add_commands() -> None:
     from cgpud.cli import host, k8s, node
 
-    for cmd in (host.runtime_config, host.doctor, node.node, k8s.device_plugin, k8s.dra_plugin, k8s.scheduler_extender):
+    for cmd in (host.runtime_config, host.doctor, node.node, k8s.device_plugin, k8s.dra_plugin, k8s.dra_webhook,
+                k8s.scheduler_extender):
         main.add_command(cmd)
 
 

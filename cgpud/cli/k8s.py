@@ -1,4 +1,4 @@
-"""`cgpu device-plugin`, `cgpu dra-plugin` and `cgpu scheduler-extender`: the Kubernetes parts
+"""`cgpu device-plugin`, `cgpu dra-plugin`, `cgpu dra-webhook` and `cgpu scheduler-extender`: the Kubernetes parts
 (docs/kubernetes.md)."""
 from __future__ import annotations
 
@@ -102,5 +102,45 @@ def scheduler_extender(addr: str, log_level: str) -> None:
         raise click.ClickException(f"cannot read the cluster: {refusal(exc)}") from None
     except HTTPError as exc:
         raise click.ClickException(f"cannot reach the API server: {exc}") from None
+    except OSError as exc:
+        raise click.ClickException(f"--addr {addr}: {exc.strerror or exc}") from None
+
+
+@click.command("dra-webhook")
+@click.option("--addr", default="0.0.0.0:8443", show_default=True, envvar="CGPU_WEBHOOK_ADDR",
+              help="HOST:PORT to serve HTTPS on (the Service cgpu-dra-webhook's targetPort).")
+@click.option("--tls-cert", default=None, envvar="CGPU_WEBHOOK_TLS_CERT", type=click.Path(dir_okay=False),
+              help="A serving certificate (PEM) to use instead of one made at start (then the caBundle is yours "
+                   "to set).")
+@click.option("--tls-key", default=None, envvar="CGPU_WEBHOOK_TLS_KEY", type=click.Path(dir_okay=False),
+              help="Its key (PEM).")
+@click.option("--tls-san", default="cgpu-dra-webhook.kube-system.svc", show_default=True,
+              help="Names (DNS or IP, comma-separated) of the certificate made at start: the name the API "
+                   "server calls.")
+@click.option("--webhook-config", default="cgpu-dra-webhook", show_default=True,
+              help="The MutatingWebhookConfiguration whose caBundle gets the CA made at start ('' for none).")
+@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
+def dra_webhook(addr: str, tls_cert: str | None, tls_key: str | None, tls_san: str, webhook_config: str,
+                log_level: str) -> None:
+    """The mutating admission webhook of DRA mode (docs/kubernetes.md): a pod labelled
+    aliyun.com/gpu-count M asking aliyun.com/gpu-mem N gets a claim of N/M units on each of M GPUs."""
+    import logging
+
+    from cgpud.k8s import webhookserver
+    from cgpud.k8s.api import NoCluster
+
+    logging.basicConfig(level=log_level.upper(), format="cgpu dra-webhook: %(levelname)s: %(message)s")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise click.ClickException(f"--addr {addr}: give HOST:PORT")
+    if bool(tls_cert) != bool(tls_key):
+        raise click.ClickException("--tls-cert and --tls-key go together")
+    sans = [s.strip() for s in tls_san.split(",") if s.strip()]
+    if not sans and not tls_cert:
+        raise click.ClickException("--tls-san: give at least one name")
+    try:
+        webhookserver.main(addr, tls_cert, tls_key, webhook_config or None, sans)
+    except (NoCluster, webhookserver.CertError) as exc:
+        raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"--addr {addr}: {exc.strerror or exc}") from None

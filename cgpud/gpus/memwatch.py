@@ -146,6 +146,8 @@ class MemWatchdog:
             for inst in gpu.instances.values():
                 inst.procs = mine.get(inst.name, {})
                 held = self._library(inst) if self._library is not None else None
+                if held is not None and not 0 <= held <= gpu.info.memory:
+                    held = None  # (past the card: a damaged page, not a figure; the GPU's `used` sums it)
                 inst.library_used = held or 0
                 if held is not None:
                     with_library.add((inst.gpu, inst.name))

@@ -7,7 +7,9 @@ process that has finished its queued work after the gate closed).
 cgpud.sched.gate drives the gate."""
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import struct
 import uuid
 from typing import NamedTuple
@@ -89,7 +91,11 @@ def _fifo(directory: str) -> None:
 
 def _write(path: str, data: bytes, mode: int) -> None:
     tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:  # (a name the container may have made in its pages' directory: never followed, never written through)
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         os.write(fd, data)
         os.fchmod(fd, mode)
@@ -99,10 +105,35 @@ def _write(path: str, data: bytes, mode: int) -> None:
     os.replace(tmp, path)
 
 
+def open_page(directory: str, name: str, flags: int = os.O_RDONLY) -> int:
+    """The page `name` of the pages' directory, opened with `flags`, only when it is a regular file:
+    never through a symbolic link, and nothing else is opened at all (the directory is writable from
+    the container: a FIFO put there would block the daemon's open, a link would take its reads and
+    writes to a file of the host's, a device node would be opened on the host). Its type is read from
+    an O_PATH descriptor first, then that same file is opened. OSError (ELOOP, EINVAL) otherwise."""
+    path = os.path.join(directory, name)
+    at = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(at).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.ELOOP if stat.S_ISLNK(mode) else errno.EINVAL,
+                          "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file", path)
+        return os.open(f"/proc/self/fd/{at}", flags | os.O_CLOEXEC | os.O_NOCTTY)
+    finally:
+        os.close(at)
+
+
+def _read(directory: str, name: str, size: int, offset: int = 0) -> bytes:
+    fd = open_page(directory, name)
+    try:
+        return os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+
+
 def used(directory: str) -> list[int]:
     """What the container's processes hold now, per GPU."""
-    with open(os.path.join(directory, "usage"), "rb") as f:
-        head = USAGE_HEAD.unpack(f.read(USAGE_HEAD.size))
+    head = USAGE_HEAD.unpack(_read(directory, "usage", USAGE_HEAD.size))
     return list(head[2:2 + MAX_GPUS])
 
 
@@ -114,8 +145,7 @@ def used_on(directory: str, gpu_uuid: str, default: int) -> int:
 
 def gpu_index(directory: str, gpu_uuid: str, default: int) -> int:
     """The page's GPU with UUID `gpu_uuid`; in a page that names none (an older cgpud's), `default`."""
-    with open(os.path.join(directory, "limits"), "rb") as f:
-        limits = f.read(LIMITS.size)
+    limits = _read(directory, "limits", LIMITS.size)
     named = [limits[UUID_OFFSET + 16 * i:UUID_OFFSET + 16 * (i + 1)] for i in range(MAX_GPUS)]
     want = uuid_bytes(gpu_uuid)
     return named.index(want) if want != bytes(16) and want in named else default
@@ -123,9 +153,7 @@ def gpu_index(directory: str, gpu_uuid: str, default: int) -> int:
 
 def held_by(directory: str) -> dict[int, list[int]]:
     """pid -> bytes per GPU, for each process slot in use."""
-    with open(os.path.join(directory, "usage"), "rb") as f:
-        f.seek(USAGE_HEAD.size)
-        raw = f.read(MAX_PROCS * PROC.size)
+    raw = _read(directory, "usage", MAX_PROCS * PROC.size, USAGE_HEAD.size)
     out = {}
     for k in range(MAX_PROCS):
         pid, _, _, _, *held = PROC.unpack_from(raw, k * PROC.size)
@@ -144,8 +172,7 @@ class Slot(NamedTuple):
 def slots(directory: str) -> tuple[dict[int, Slot], bool]:
     """The process slots in use, by pid, and whether the page has room for the driver's readings
     (an older cgpud's page has not)."""
-    with open(os.path.join(directory, "usage"), "rb") as f:
-        raw = f.read(USAGE_SIZE)
+    raw = _read(directory, "usage", USAGE_SIZE)
     readings = len(raw) >= DRIVER_SIZE
     out = {}
     for k in range(MAX_PROCS):
@@ -160,7 +187,7 @@ def slots(directory: str) -> tuple[dict[int, Slot], bool]:
 def mark_watched(directory: str) -> bool:
     """Say in the page that the daemon's watchdog reads NVML for the container (libcgpu then keeps a
     headroom for the driver's growth); False for an older cgpud's page, which has no room for it."""
-    fd = os.open(os.path.join(directory, "usage"), os.O_RDWR | os.O_CLOEXEC)
+    fd = open_page(directory, "usage", os.O_RDWR)
     try:
         if os.fstat(fd).st_size < DRIVER_SIZE:
             return False
@@ -176,7 +203,7 @@ def write_reading(directory: str, index: int, pid: int, nvml: list[int], allocs:
     through libcgpu just before NVML was read, into its record: odd `seq` while written, even after
     (libcgpu reads a record whose seq did not change while it read it). The daemon is the only writer."""
     at = DRIVER_OFFSET + index * DRIVER.size
-    fd = os.open(os.path.join(directory, "usage"), os.O_RDWR | os.O_CLOEXEC)
+    fd = open_page(directory, "usage", os.O_RDWR)
     try:
         seq = struct.unpack("<I", os.pread(fd, 4, at))[0]
         os.pwrite(fd, struct.pack("<I", (seq + 1) | 1), at)
@@ -209,7 +236,7 @@ def fill(directory: str, memsizes: list[int], uuids: list[str] | None = None) ->
     """The limits the daemon decided, written into the existing file: memsizes and the GPUs' UUIDs
     first, the magic last; the gates are left as they are (the scheduler's)."""
     data = _limits(memsizes, uuids)
-    fd = os.open(os.path.join(directory, "limits"), os.O_WRONLY | os.O_CLOEXEC)
+    fd = open_page(directory, "limits", os.O_WRONLY)
     try:
         os.pwrite(fd, data[4:GATE_OFFSET], 4)
         if os.fstat(fd).st_size >= LIMITS.size:

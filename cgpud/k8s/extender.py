@@ -34,6 +34,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from cgpud.k8s import cluster, view
+from cgpud.k8s.httpjson import Server, send_json
 from cgpud.k8s.view import ASSUMED_SECONDS, BadRequest, Node, Pod, State, dump_assumed, gpu_count
 
 log = logging.getLogger("cgpud.k8s")
@@ -238,12 +239,7 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
             log.debug("%s " + fmt, self.address_string(), *a)
 
         def _send(self, code: int, obj: dict) -> None:
-            body = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_json(self, code, obj)
 
         def _answer(self, fn, *args) -> None:
             from kubernetes.client.exceptions import ApiException
@@ -285,11 +281,6 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
             self._send(404, {"Error": f"no such path {self.path}"})
 
     return Server((host, port), Handler)
-
-
-class Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128  # kube-scheduler asks in parallel; the default backlog of 5 resets connections
 
 
 def main(addr: str) -> None:

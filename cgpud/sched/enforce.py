@@ -76,7 +76,7 @@ from cgpud.sched.cgroupfs import (
     _subgroups_deepest_first,
     TargetGone,
 )
-from cgpud.sched.gate import GateFreezer, thaw_gate
+from cgpud.sched.gate import GateFreezer, tell_damage, thaw_gate
 
 # ---- the backends ----------------------------------------------------------------------
 
@@ -438,6 +438,7 @@ class Enforcement:
         target.thaw()
         if self._registry is not None:
             self._registry.discard(target)
+        tell_damage(name, target)  # (found since the last look: said before it goes)
         target.close()
 
     def target(self, name: str) -> Freezer | None:

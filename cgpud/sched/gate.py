@@ -43,6 +43,7 @@ switches (cgpud.sched.loop): one implementation, used by both.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import struct
@@ -54,6 +55,7 @@ from cgpud.gpus import pages
 from cgpud.sched import native
 from cgpud.sched.cgroupfs import KIND_GATE, Refused, TargetGone
 
+log = logging.getLogger("cgpud.sched")
 _SYS_FUTEX = 202  # x86_64
 _FUTEX_WAKE = 1
 _INT_MAX = 0x7FFFFFFF
@@ -73,7 +75,7 @@ class _Page:
     def __init__(self, directory: str) -> None:
         path = os.path.join(directory, "limits")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = pages.open_page(directory, "limits", os.O_RDWR)
         except FileNotFoundError:
             raise TargetGone(f"{path} is gone") from None
         except OSError as exc:
@@ -184,6 +186,10 @@ class GateFreezer:
         answer). Returns their slots and why."""
         return self.page.give_up(gpu, every)
 
+    def damage(self) -> str | None:
+        """Why the container's usage page is damaged, once (see native.Page.damage)."""
+        return self.page.damage()
+
     def share(self, gpu: int | None, on: bool, budget_us: int) -> None:
         """Another instance is active on node GPU `gpu` (None: on all the
         container's GPUs) now, or no longer: while it is, the container's
@@ -208,6 +214,25 @@ class GateFreezer:
 
     def __repr__(self) -> str:
         return f"GateFreezer({self.path!r})"
+
+
+def tell_damage(name: str, target: Any) -> None:
+    """Say in the log, once, that instance `name`'s usage page was found damaged (cut, replaced, a
+    foreign head: native.Page.damage): from then on it is not read (docs/isolation.md, "The pages")."""
+    damage = getattr(target, "damage", None)
+    why = damage() if damage is not None else None
+    if why:
+        log.warning("instance %s's usage page is damaged: %s; its GPU time is not known (it is charged the time its "
+                    "gate is open) and its processes' queued work is not waited for when its gate closes, until the "
+                    "instance is made again", name, why)
+
+
+def look_at_pages(enforcer: Any, view: Any) -> None:
+    """tell_damage for each instance of a GPU's view (its loop, each time it publishes its stats)."""
+    target = getattr(enforcer, "target", None)
+    if target is not None and view is not None:
+        for name in view.names:
+            tell_damage(name, target(name))
 
 
 def thaw_gate(path: str) -> str:

@@ -29,6 +29,7 @@ import trio
 from cgpud.core.model import Node
 from cgpud.sched import native
 from cgpud.sched.batching import NativeSwitching
+from cgpud.sched.gate import look_at_pages
 from cgpud.sched.gputime import PrioTime
 from cgpud.sched.enforce_api import Activity, Enforcer, UsageMeter
 from cgpud.sched.policies import Decision, GpuView, InstView, Kind, Params, Planner
@@ -226,6 +227,7 @@ class GpuScheduler(NativeSwitching, QueueBounds, PrioTime):
             self._last_publish = now
             self._account(now)
             self.published = self.telemetry.snapshot(now)
+            look_at_pages(self._enforcer, self._cached_view)  # (a damaged usage page said, once)
 
     def _account(self, end: float) -> None:
         """Charge the decision in force from its start to `end`."""
@@ -395,7 +397,8 @@ class GpuScheduler(NativeSwitching, QueueBounds, PrioTime):
                     log.warning("%s: the process of slot %d did not finish its queued GPU work within %.0f ms of its "
                                 "slice's end (%s); it is not waited for until it answers", target, slot,
                                 (trio.current_time() - t0) * 1000, why)
-            waiting = undrained(names, self.gpu)
+            # (past the cap, nobody: a slot whose values keep changing cannot hold the GPU on)
+            waiting = undrained(names, self.gpu) if not capped else []
         self.telemetry.drains += 1
         self.telemetry.drain_seconds += trio.current_time() - t0
         return True

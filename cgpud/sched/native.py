@@ -11,7 +11,8 @@
 `Page` is one container's pages (the gate words, the closings, the drained
 FIFO), shared by reference count between the GateFreezer that owns it and the
 switcher threads carrying out a batch: a page closed by the GateFreezer while a
-switcher still uses it stays mapped until the switcher lets go.
+switcher still uses it stays open until the switcher lets go. Its usage page is
+never mapped, only read (a container can cut it: docs/isolation.md, "The pages").
 
 `Switcher` is one GPU's thread: it carries out the steps of a batch (close the
 gates of the active instances that do not run, wait for their queued work,
@@ -107,6 +108,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cg_page_closed_on": (I, [P, I]), "cg_page_undrained": (I, [P, I, VP, I]),
         "cg_page_give_up": (I, [P, I, I, VP, VP, I]), "cg_page_consume": (None, [P]),
         "cg_page_share": (None, [P, I, I, ctypes.c_uint32]), "cg_page_gpu_ns": (ctypes.c_int64, [P, I]),
+        "cg_page_damage": (I, [P, ctypes.c_char_p, ctypes.c_size_t]),
         "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]),
         "cg_sw_mode": (None, [P, I, ctypes.c_int64]), "cg_sw_ack": (None, [P]),
         "cg_sw_submit": (I, [P, ctypes.c_int32, I, ctypes.POINTER(P), ctypes.POINTER(ctypes.c_uint8), I,
@@ -169,6 +171,15 @@ class Page:
 
     def closed_on(self, gpu: int) -> bool:
         return bool(self._lib.cg_page_closed_on(self.handle, gpu))
+
+    def damage(self) -> str | None:
+        """Why the usage page is damaged (cut, replaced, a foreign head, a count past any possible),
+        the first time it is asked after it was found so; else None. A damaged page is not read
+        again: its processes' queued work is not waited for, its GPU time is not known."""
+        if self.handle is None:
+            return None
+        why = ctypes.create_string_buffer(320)
+        return why.value.decode(errors="replace") if self._lib.cg_page_damage(self.handle, why, len(why)) else None
 
     def undrained(self, gpu: int | None) -> list[int]:
         n = self._lib.cg_page_undrained(self.handle, -1 if gpu is None else gpu, self._slots, 256)

@@ -123,10 +123,28 @@ struct real_driver {
     library_load_fn library_load_data, library_load_file;
 };
 
+/* The driver's event and capture functions: what gate.c's bounded queues and its helper thread's
+ * drain use (loaded with the rest, by driver_load; a driver without one of them: NULL). */
+typedef CUresult (*event_create_fn)(void **, unsigned);
+typedef CUresult (*event_record_fn)(void *, void *);
+typedef CUresult (*event_fn)(void *);
+typedef CUresult (*capturing_fn)(void *, int *);
+typedef CUresult (*exchange_fn)(int *);
+typedef CUresult (*elapsed_fn)(float *, void *, void *);
+struct driver_events {
+    event_create_fn create;
+    event_record_fn record;
+    event_fn query, sync, destroy;
+    capturing_fn capturing;  /* cuStreamIsCapturing */
+    exchange_fn exchange;    /* cuThreadExchangeStreamCaptureMode (CUDA 10.1 on) */
+    elapsed_fn elapsed;
+};
+
 #pragma GCC visibility push(hidden)
 
 /* ---- driver.c ---- */
 extern struct real_driver real;
+extern struct driver_events ev;
 extern dlsym_fn real_dlsym;
 extern void *(*cgpu_next_dlsym)(void *, const char *);  /* libc's dlsym */
 void driver_next_dlsym(void);  /* find it (once; no lock) */

@@ -12,6 +12,7 @@
 #include "cgpu_internal.h"
 
 struct real_driver real;
+struct driver_events ev;
 dlsym_fn real_dlsym;
 __thread int in_driver __attribute__((tls_model("initial-exec")));
 
@@ -104,6 +105,16 @@ void driver_load(void)
     real.module_load_fatbin = (module_load_fn)sym("cuModuleLoadFatBinary");
     real.library_load_data = (library_load_fn)sym("cuLibraryLoadData");
     real.library_load_file = (library_load_fn)sym("cuLibraryLoadFromFile");
+    ev.create = (event_create_fn)sym("cuEventCreate");
+    ev.record = (event_record_fn)sym("cuEventRecord");
+    ev.query = (event_fn)sym("cuEventQuery");
+    ev.sync = (event_fn)sym("cuEventSynchronize");
+    ev.destroy = (event_fn)sym("cuEventDestroy_v2");
+    ev.capturing = (capturing_fn)sym("cuStreamIsCapturing");
+    ev.exchange = (exchange_fn)sym("cuThreadExchangeStreamCaptureMode");
+    ev.elapsed = (elapsed_fn)sym("cuEventElapsedTime");
+    if (!ev.elapsed)
+        ev.elapsed = (elapsed_fn)sym("cuEventElapsedTime_v2");
     in_driver--;
     const char *npath = getenv("CGPU_REAL_LIBNVML");
     in_driver++;

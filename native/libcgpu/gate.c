@@ -213,24 +213,6 @@ static int note_context(void)
     return k;
 }
 
-/* The driver's event and capture functions (loaded once: ev_load, with the queues below). */
-typedef CUresult (*event_create_fn)(void **, unsigned);
-typedef CUresult (*event_record_fn)(void *, void *);
-typedef CUresult (*event_fn)(void *);
-typedef CUresult (*capturing_fn)(void *, int *);
-typedef CUresult (*exchange_fn)(int *);
-typedef CUresult (*elapsed_fn)(float *, void *, void *);
-static struct {
-    event_create_fn create;
-    event_record_fn record;
-    event_fn query, sync, destroy;
-    capturing_fn capturing;
-    exchange_fn exchange;
-    elapsed_fn elapsed;
-} ev;
-static pthread_once_t ev_once = PTHREAD_ONCE_INIT;
-static void ev_load(void);
-
 /* The drain synchronizes from the helper thread while the process's other threads may be
  * capturing streams into CUDA graphs (PyTorch, vLLM, torch.compile: in the global capture mode).
  * In the thread's default mode, global, such a synchronize is a potentially unsafe call the driver
@@ -239,7 +221,6 @@ static void ev_load(void);
  * refused (then the drain synchronizes as before, and a capture may be invalidated by it). */
 static int relax_capture_mode(void)
 {
-    pthread_once(&ev_once, ev_load);  /* (the queues' table of the driver's event and capture functions) */
     int mode = 2;  /* CU_STREAM_CAPTURE_MODE_RELAXED */
     if (!ev.exchange)
         return 0;  /* a driver before capture modes: no capture is global */
@@ -507,20 +488,6 @@ static struct squeue queues[QUEUE_STREAMS];
 static int newest_done(struct squeue *q);  /* (below) */
 static pthread_mutex_t queue_lock = PTHREAD_MUTEX_INITIALIZER;
 static int64_t capture_seen = -1000000000000ll;  /* when a launch into a capturing stream was last seen */
-
-static void ev_load(void)
-{
-    ev.create = (event_create_fn)sym("cuEventCreate");
-    ev.record = (event_record_fn)sym("cuEventRecord");
-    ev.query = (event_fn)sym("cuEventQuery");
-    ev.sync = (event_fn)sym("cuEventSynchronize");
-    ev.destroy = (event_fn)sym("cuEventDestroy_v2");
-    ev.capturing = (capturing_fn)sym("cuStreamIsCapturing");
-    ev.exchange = (exchange_fn)sym("cuThreadExchangeStreamCaptureMode");
-    ev.elapsed = (elapsed_fn)sym("cuEventElapsedTime");
-    if (!ev.elapsed)
-        ev.elapsed = (elapsed_fn)sym("cuEventElapsedTime_v2");
-}
 
 static uint32_t budget_ns(void)
 {
@@ -906,7 +873,6 @@ static void queue_start(CUcontext c, void *stream, int ptsz)
 /* The driver's event functions are there (a driver without them: nothing is bounded). */
 static int queue_ready(void)
 {
-    pthread_once(&ev_once, ev_load);
     return ev.create && ev.record && ev.query && ev.sync && ev.capturing;
 }
 

@@ -2,8 +2,9 @@
  * libcgpu-switch.so: the daemon's native part of the compute gate (docs/isolation.md),
  * loaded by cgpud/sched/native.py through ctypes.
  *
- * 1. Pages. A container's `limits` and `usage` pages and its `drained` FIFO, opened and
- *    mapped once, shared (counted references) by the Python GateFreezer that owns the
+ * 1. Pages. A container's `limits` and `usage` pages and its `drained` FIFO, opened once (the
+ *    limits mapped, the usage read with pread: see struct page), shared (counted references)
+ *    by the Python GateFreezer that owns the
  *    instance and by the switcher threads that drive its gates. Every operation on a page
  *    takes its lock: the gate words, the count of closings, which of its GPUs' gates are
  *    closed and with which closing, and the processes given up on.
@@ -25,6 +26,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -58,18 +60,28 @@ static void wake_all(uint32_t *word)
 
 /* ---- pages ------------------------------------------------------------------------------ */
 
+/* The usage page is never mapped here: the file is writable from the container (its mount of the
+ * pages' directory is read-write), and a mapping of a file cut short behind our back is a SIGBUS in
+ * the daemon at the next access. Every read of it is a pread, and a short one, a foreign head or
+ * a file that is no longer the one the name says marks the page damaged: from then on nothing of
+ * it is read (its processes' queued work is not waited for, its GPU time is not known: its
+ * instance is charged the time its gate is open) until the page is opened again (docs/isolation.md,
+ * "The pages"). The limits page is mapped (the gates' futexes need it): the container's mount of it
+ * is read-only, and a mount point, so no process of the container can cut it or replace it. */
 struct page {
     pthread_mutex_t mu;
     int refs;
     struct cgpu_limits *lim;
     size_t lim_size;
     int per_gpu;                 /* the page has a gate per GPU (else: the container's one gate) */
-    const struct cgpu_usage *use;
-    off_t busy_at;               /* where the GPU time of each slot's process starts in the usage file (0: an
-                                  * older cgpud's page); read with pread, never mapped: the file is writable from
-                                  * the container, and a mapping past a truncation is a SIGBUS in the daemon */
+    int dir;                     /* the pages' directory (O_PATH): where `usage` must name the file we read */
+    int usage_fd;                /* the usage file (read with pread; its processes' locks: who is alive) */
+    off_t usage_size;            /* its size when opened: a page made by an older cgpud ends earlier */
+    off_t busy_at;               /* where the GPU time of each slot's process starts in it (0: an older cgpud's page) */
+    char damage[320];            /* why the usage page is not read any more ("": it is whole) */
+    int damage_told;             /* cg_page_damage has said so */
+    struct cgpu_proc *procs;     /* (a buffer for the slots read at once) */
     int fifo, keep;              /* the drained FIFO: our read end, and a writer of our own */
-    int usage_fd;                /* the usage file (its processes' locks: who is alive) */
     int64_t drain_mean_ns;       /* how long its drains last (a running mean, for SWITCH_AHEAD) */
     int gpus[CGPU_MAX_GPUS];     /* the node GPU of each page GPU */
     int ngpus_known;             /* how many of gpus[] are known (0: none) */
@@ -82,11 +94,63 @@ struct page {
     uint32_t stale_acked[CGPU_MAX_PROCS];
 };
 
+/* The usage page's head as the daemon reads it (struct cgpu_usage up to its slots). */
+struct usage_head {
+    uint32_t magic, version;
+    uint64_t used[CGPU_MAX_GPUS];
+    uint32_t gated_slots[CGPU_MAX_PROCS / 32];
+};
+_Static_assert(offsetof(struct usage_head, gated_slots) == offsetof(struct cgpu_usage, gated_slots)
+               && sizeof(struct usage_head) <= offsetof(struct cgpu_usage, procs), "struct usage_head");
+
+/* The usage page is damaged (the first reason stays); with the page's lock held. */
+static void damaged_locked(struct page *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void damaged_locked(struct page *p, const char *fmt, ...)
+{
+    if (p->damage[0])
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->damage, sizeof p->damage, fmt, ap);
+    va_end(ap);
+}
+
+/* `name` in the directory `dir` (O_PATH), as an O_PATH descriptor, when it is a file of `type`
+ * (S_IFREG, S_IFIFO): never a symbolic link, and nothing else is opened at all (a device node the
+ * container made there is only looked at). -1, errno set: ELOOP a symbolic link, EINVAL another kind. */
+static int at_path(int dir, const char *name, mode_t type)
+{
+    int at = openat(dir, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    struct stat st;
+    if (at < 0)
+        return -1;
+    int e = fstat(at, &st) ? errno : (st.st_mode & S_IFMT) == type ? 0 : S_ISLNK(st.st_mode) ? ELOOP : EINVAL;
+    if (e) {
+        close(at);
+        errno = e;
+        return -1;
+    }
+    return at;
+}
+
+/* The file an O_PATH descriptor names, opened with `flags` (the same file, whatever its name names now). */
+static int reopen(int at, int flags)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", at);
+    return open(path, flags | O_CLOEXEC | O_NOCTTY);
+}
+
+static const char *open_error(int e)
+{
+    return e == ELOOP ? "it is a symbolic link" : e == EINVAL ? "it is not a regular file" : strerror(e);
+}
+
 /* Open the pages in `dir`. gpus/n: the node GPU of each page GPU (n 0: none known). On
- * failure NULL, *why says why and *gone is 1 when the pages are not there. */
+ * failure NULL, *why says why and *gone is 1 when the pages are not there. A usage page that
+ * cannot be read as one opens damaged (cg_page_damage says why): the gates are in the limits page. */
 EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *why, size_t whylen, int *gone)
 {
-    char path[4200];
     struct stat st;
     *gone = 0;
     struct page *p = calloc(1, sizeof *p);
@@ -95,17 +159,30 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
         return NULL;
     }
     p->fifo = p->keep = p->usage_fd = -1;
-    snprintf(path, sizeof path, "%s/limits", dir);
-    int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0) {
-        *gone = errno == ENOENT;
-        snprintf(why, whylen, "%s%s%s", path, *gone ? " is gone" : ": ", *gone ? "" : strerror(errno));
+    p->procs = malloc(sizeof(struct cgpu_proc) * CGPU_MAX_PROCS);
+    if (!p->procs) {
+        snprintf(why, whylen, "out of memory");
         free(p);
         return NULL;
     }
+    p->dir = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    int at = p->dir < 0 ? -1 : at_path(p->dir, "limits", S_IFREG);
+    int fd = at < 0 ? -1 : reopen(at, O_RDWR);
+    if (fd < 0) {
+        *gone = errno == ENOENT;
+        snprintf(why, whylen, "%s/limits%s%s", dir, *gone ? " is gone" : ": ", *gone ? "" : open_error(errno));
+        if (at >= 0) close(at);
+        if (p->dir >= 0) close(p->dir);
+        free(p->procs);
+        free(p);
+        return NULL;
+    }
+    close(at);
     if (fstat(fd, &st) || (size_t)st.st_size < CGPU_LIMITS_SHARED_GATE) {
-        snprintf(why, whylen, "%s is not a cgpud limits page", path);
+        snprintf(why, whylen, "%s/limits is not a cgpud limits page", dir);
         close(fd);
+        close(p->dir);
+        free(p->procs);
         free(p);
         return NULL;
     }
@@ -114,41 +191,43 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
     void *m = mmap(NULL, p->lim_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (m == MAP_FAILED) {
-        snprintf(why, whylen, "%s: %s", path, strerror(errno));
+        snprintf(why, whylen, "%s/limits: %s", dir, strerror(errno));
+        close(p->dir);
+        free(p->procs);
         free(p);
         return NULL;
     }
     p->lim = m;
     uint32_t magic = p->lim->magic;  /* (0: prepared, its memsizes not yet written) */
     if ((magic != CGPU_MAGIC && magic != 0) || p->lim->version != CGPU_VERSION) {
-        snprintf(why, whylen, "%s is not a cgpud limits page of version %u", path, CGPU_VERSION);
+        snprintf(why, whylen, "%s/limits is not a cgpud limits page of version %u", dir, CGPU_VERSION);
         goto fail;
     }
-    snprintf(path, sizeof path, "%s/drained", dir);
-    p->fifo = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (p->fifo >= 0)  /* our own writer: the FIFO never reads as hung up between the processes' writes */
-        p->keep = open(path, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    at = at_path(p->dir, "drained", S_IFIFO);
+    if (at >= 0) {
+        p->fifo = reopen(at, O_RDONLY | O_NONBLOCK);
+        if (p->fifo >= 0)  /* our own writer (of the same FIFO): it never reads as hung up between the processes' writes */
+            p->keep = reopen(at, O_WRONLY | O_NONBLOCK);
+        close(at);
+    }
     if (p->fifo < 0 || p->keep < 0) {
-        snprintf(why, whylen, "%s: %s", path, strerror(errno));
+        snprintf(why, whylen, "%s/drained: %s", dir, errno == EINVAL ? "it is not a FIFO" : open_error(errno));
         goto fail;
     }
-    snprintf(path, sizeof path, "%s/usage", dir);
-    fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0 || fstat(fd, &st) || (size_t)st.st_size < sizeof(struct cgpu_usage)) {
-        snprintf(why, whylen, "%s: %s", path, fd < 0 ? strerror(errno) : "too short for a usage page");
-        if (fd >= 0) close(fd);
-        goto fail;
+    at = at_path(p->dir, "usage", S_IFREG);
+    p->usage_fd = at < 0 ? -1 : reopen(at, O_RDONLY);
+    if (at >= 0) close(at);
+    if (p->usage_fd < 0)
+        damaged_locked(p, "it cannot be opened: %s", open_error(errno));
+    else if (fstat(p->usage_fd, &st) || (size_t)st.st_size < sizeof(struct cgpu_usage))
+        damaged_locked(p, "it is %lld bytes, shorter than a usage page (%zu)", (long long)st.st_size,
+                       sizeof(struct cgpu_usage));
+    else {
+        p->usage_size = st.st_size;
+        size_t busy_at = sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver);
+        if ((size_t)st.st_size >= busy_at + sizeof(struct cgpu_usage_busy))
+            p->busy_at = (off_t)busy_at;
     }
-    m = mmap(NULL, sizeof(struct cgpu_usage), PROT_READ, MAP_SHARED, fd, 0);
-    p->usage_fd = fd;
-    if (m == MAP_FAILED) {
-        snprintf(why, whylen, "%s: %s", path, strerror(errno));
-        goto fail;
-    }
-    p->use = m;
-    size_t busy_at = sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver);
-    if ((size_t)st.st_size >= busy_at + sizeof(struct cgpu_usage_busy))
-        p->busy_at = (off_t)busy_at;
     p->ngpus_known = n > 0 && n <= CGPU_MAX_GPUS ? n : 0;
     for (int k = 0; k < p->ngpus_known; k++)
         p->gpus[k] = gpus[k];
@@ -157,10 +236,11 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
     p->refs = 1;
     return p;
 fail:
-    if (p->usage_fd >= 0) close(p->usage_fd);
     if (p->fifo >= 0) close(p->fifo);
     if (p->keep >= 0) close(p->keep);
+    close(p->dir);
     munmap(p->lim, p->lim_size);
+    free(p->procs);
     free(p);
     return NULL;
 }
@@ -176,9 +256,11 @@ EXPORT void cg_page_release(struct page *p)
         return;
     close(p->fifo);
     close(p->keep);
-    close(p->usage_fd);
+    if (p->usage_fd >= 0)
+        close(p->usage_fd);
+    close(p->dir);
     munmap(p->lim, p->lim_size);
-    munmap((void *)p->use, sizeof(struct cgpu_usage));
+    free(p->procs);
     pthread_mutex_destroy(&p->mu);
     free(p);
 }
@@ -319,82 +401,175 @@ static int before(uint32_t acked, uint32_t closing)
     return (uint32_t)(acked - closing) >= 0x80000000u;
 }
 
+/* A slot's head (struct cgpu_proc's first fields), as read. */
+struct head {
+    int32_t pid;
+    uint32_t gated, acked, gpus;
+};
+
+/* A read of the usage page came up short (`got` bytes; -1: an error). With the page's lock held. */
+static void cut_locked(struct page *p, ssize_t got)
+{
+    int e = errno;
+    struct stat st;
+    if (got < 0)
+        damaged_locked(p, "it cannot be read: %s", strerror(e));
+    else if (!fstat(p->usage_fd, &st))
+        damaged_locked(p, "it was cut to %lld bytes (%lld when the daemon opened it)", (long long)st.st_size,
+                       (long long)p->usage_size);
+    else
+        damaged_locked(p, "it was cut short");
+}
+
+/* The launching processes of the usage page (its gated_slots): their slots into slots[] and their
+ * heads into heads[] (CGPU_MAX_PROCS each), read with pread; their count, or -1 when the page is
+ * damaged (found so now or before: nothing of it is read). With the page's lock held. */
+static int gated_locked(struct page *p, unsigned *slots, struct head *heads)
+{
+    if (p->damage[0])
+        return -1;
+    struct usage_head h;
+    ssize_t got = pread(p->usage_fd, &h, sizeof h, 0);
+    if (got != (ssize_t)sizeof h)
+        return cut_locked(p, got), -1;
+    if (h.magic != CGPU_MAGIC || h.version != CGPU_VERSION) {
+        damaged_locked(p, "its head is not a usage page's (magic 0x%08x, version %u)", h.magic, h.version);
+        return -1;
+    }
+    int n = 0;
+    for (unsigned w = 0; w < CGPU_MAX_PROCS / 32; w++)
+        for (uint32_t bits = h.gated_slots[w]; bits; bits &= bits - 1)
+            slots[n++] = w * 32 + (unsigned)__builtin_ctz(bits);
+    if (!n)
+        return 0;
+    /* their slots in one read, from the first to the last (libcgpu takes the first free ones) */
+    size_t len = (size_t)(slots[n - 1] - slots[0] + 1) * sizeof(struct cgpu_proc);
+    off_t at = (off_t)offsetof(struct cgpu_usage, procs) + (off_t)slots[0] * (off_t)sizeof(struct cgpu_proc);
+    got = pread(p->usage_fd, p->procs, len, at);
+    if (got != (ssize_t)len)
+        return cut_locked(p, got), -1;
+    for (int i = 0; i < n; i++) {
+        const struct cgpu_proc *s = &p->procs[slots[i] - slots[0]];
+        heads[i] = (struct head){s->pid, s->gated, s->acked, s->gpus};
+    }
+    return n;
+}
+
 /* The slots of launching processes that have not drained the current closing (of node GPU
- * `gpu`'s gate; -1: of any), leaving out those given up on; written to out[max], counted. */
-static int undrained_locked(struct page *p, int gpu, int *out, int max)
+ * `gpu`'s gate; -1: of any), leaving out those given up on; written to out[max] (and their heads
+ * to hout[max], when given), counted. A damaged page has none. */
+static int undrained_locked(struct page *p, int gpu, int *out, struct head *hout, int max)
 {
     uint32_t shared = load(&p->lim->gate);
     uint32_t closing = gpu < 0 || !p->drives ? p->closed_mask : p->closed_mask & ks(p, gpu);
     if ((shared & 1) && !closing)
         return 0;
-    int n = 0;
-    for (unsigned w = 0; w < CGPU_MAX_PROCS / 32; w++) {
-        uint32_t bits = load(&p->use->gated_slots[w]);
-        while (bits) {
-            unsigned slot = w * 32 + (unsigned)__builtin_ctz(bits);
-            bits &= bits - 1;
-            const struct cgpu_proc *s = &p->use->procs[slot];
-            int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
-            uint32_t gated = load(&s->gated), acked = load(&s->acked), on = load(&s->gpus);
-            if (pid <= 0)
+    unsigned slots[CGPU_MAX_PROCS];
+    struct head hs[CGPU_MAX_PROCS];
+    int g = gated_locked(p, slots, hs), n = 0;
+    for (int i = 0; i < g; i++) {
+        unsigned slot = slots[i];
+        struct head h = hs[i];
+        if (h.pid <= 0)
+            continue;
+        if (p->stale[slot] && (p->stale_pid[slot] != h.pid || p->stale_acked[slot] != h.acked))
+            p->stale[slot] = 0;  /* it has answered a closing since (or is another process) */
+        if (p->stale[slot])
+            continue;
+        if (h.gated == GATED_PER_GPU) {
+            int wait = 0;
+            for (unsigned k = 0; k < CGPU_MAX_GPUS && !wait; k++)
+                wait = (closing >> k & 1) && (h.gpus >> k & 1) && before(h.acked, p->closed[k]);
+            if (!wait)
                 continue;
-            if (p->stale[slot] && (p->stale_pid[slot] != pid || p->stale_acked[slot] != acked))
-                p->stale[slot] = 0;  /* it has answered a closing since (or is another process) */
-            if (p->stale[slot])
-                continue;
-            if (gated == GATED_PER_GPU) {
-                int wait = 0;
-                for (unsigned k = 0; k < CGPU_MAX_GPUS && !wait; k++)
-                    wait = (closing >> k & 1) && (on >> k & 1) && before(acked, p->closed[k]);
-                if (!wait)
-                    continue;
-            } else if (!gated || (shared & 1) || acked == shared)
-                continue;
-            if (n < max)
+        } else if (!h.gated || (shared & 1) || h.acked == shared)
+            continue;
+        if (n < max) {
+            if (out)
                 out[n] = (int)slot;
-            n++;
+            if (hout)
+                hout[n] = h;
         }
+        n++;
     }
     return n;
 }
 
+#define GPU_NS_MAX (1ull << 62)  /* more GPU time than any process can have got (146 years) */
+
 /* The GPU time (ns) the page's launching processes got on node GPU `gpu` (-1: all), as libcgpu
  * counts it (docs/scheduler.md, "The charge"): the sum of their slots' counters, to be read as a
- * difference. -1: not known — an older cgpud's page, no launching process, or one whose library does
- * not count (then its instance is charged the time its gate was open). */
-EXPORT int64_t cg_page_gpu_ns(struct page *p, int gpu)
+ * difference. -1: not known — an older cgpud's page, no launching process, one whose library does
+ * not count, or a damaged page (then its instance is charged the time its gate was open). */
+static int64_t gpu_ns_locked(struct page *p, int gpu)
 {
     if (!p->busy_at)
         return -1;
+    unsigned slots[CGPU_MAX_PROCS];
+    struct head hs[CGPU_MAX_PROCS];
+    int n = gated_locked(p, slots, hs);
     uint32_t mask = ks(p, gpu);
     int64_t sum = 0;
     int timed = 0;
-    for (unsigned w = 0; w < CGPU_MAX_PROCS / 32; w++) {
-        uint32_t bits = load(&p->use->gated_slots[w]);
-        while (bits) {
-            unsigned slot = w * 32 + (unsigned)__builtin_ctz(bits);
-            bits &= bits - 1;
-            int32_t pid = __atomic_load_n(&p->use->procs[slot].pid, __ATOMIC_SEQ_CST);
-            if (pid <= 0)
-                continue;
-            struct cgpu_busy b;  /* (a short read: the file was cut behind our back, charged by time) */
-            if (pread(p->usage_fd, &b, sizeof b, p->busy_at + (off_t)(slot * sizeof b)) != (ssize_t)sizeof b)
-                return -1;
-            if (!b.timed || b.pid != pid)
-                return -1;
-            timed = 1;
-            for (unsigned k = 0; k < CGPU_MAX_GPUS; k++)
-                if (mask >> k & 1)
-                    sum += (int64_t)b.ns[k];
-        }
+    for (int i = 0; i < n; i++) {
+        if (hs[i].pid <= 0)
+            continue;
+        struct cgpu_busy b;
+        ssize_t got = pread(p->usage_fd, &b, sizeof b, p->busy_at + (off_t)(slots[i] * sizeof b));
+        if (got != (ssize_t)sizeof b)
+            return cut_locked(p, got), -1;
+        if (!b.timed || b.pid != hs[i].pid)
+            return -1;
+        timed = 1;
+        for (unsigned k = 0; k < CGPU_MAX_GPUS; k++)
+            if (mask >> k & 1) {
+                if (b.ns[k] > GPU_NS_MAX || __builtin_add_overflow(sum, (int64_t)b.ns[k], &sum)) {
+                    damaged_locked(p, "slot %u's GPU time count is %llu ns on its GPU %u, more than its processes "
+                                   "can have got", slots[i], (unsigned long long)b.ns[k], k);
+                    return -1;
+                }
+            }
     }
     return timed ? sum : -1;
+}
+
+EXPORT int64_t cg_page_gpu_ns(struct page *p, int gpu)
+{
+    pthread_mutex_lock(&p->mu);
+    int64_t ns = gpu_ns_locked(p, gpu);
+    pthread_mutex_unlock(&p->mu);
+    return ns;
+}
+
+/* Look at the usage page's file again (cut shorter than it was when opened, or its name no
+ * longer naming the file read here: replaced) and say why the page is damaged, once: 1 with the
+ * reason in why[len] the first time it is asked after the page was found damaged, else 0. */
+EXPORT int cg_page_damage(struct page *p, char *why, size_t len)
+{
+    pthread_mutex_lock(&p->mu);
+    struct stat mine, named;
+    if (!p->damage[0] && !fstat(p->usage_fd, &mine)) {
+        if (mine.st_size < p->usage_size)
+            damaged_locked(p, "it was cut to %lld bytes (%lld when the daemon opened it)", (long long)mine.st_size,
+                           (long long)p->usage_size);
+        else if (!fstatat(p->dir, "usage", &named, AT_SYMLINK_NOFOLLOW)
+                 && (named.st_ino != mine.st_ino || named.st_dev != mine.st_dev))
+            damaged_locked(p, "it was replaced by another %s", S_ISREG(named.st_mode) ? "file" : "kind of file");
+        /* (gone: its instance is being removed, or will not find it; the file read here stays as it was) */
+    }
+    int tell = p->damage[0] && !p->damage_told;
+    if (tell) {
+        snprintf(why, len, "%s", p->damage);
+        p->damage_told = 1;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return tell;
 }
 
 EXPORT int cg_page_undrained(struct page *p, int gpu, int *out, int max)
 {
     pthread_mutex_lock(&p->mu);
-    int n = undrained_locked(p, gpu, out, max);
+    int n = undrained_locked(p, gpu, out, NULL, max);
     pthread_mutex_unlock(&p->mu);
     return n;
 }
@@ -438,17 +613,21 @@ static int holder_state(struct page *p, unsigned slot)
 static int give_up_locked(struct page *p, int gpu, int all, int *out, int *why, int max)
 {
     int slots[CGPU_MAX_PROCS];
-    int n = undrained_locked(p, gpu, slots, CGPU_MAX_PROCS), given = 0;
+    struct head hs[CGPU_MAX_PROCS];
+    int n = undrained_locked(p, gpu, slots, hs, CGPU_MAX_PROCS), given = 0;
     for (int i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
-        const struct cgpu_proc *s = &p->use->procs[slots[i]];
         int w = holder_state(p, (unsigned)slots[i]);
+        struct cgpu_proc now;  /* (its draining bit as it is after the look at its holder: it may have just begun) */
+        off_t at = (off_t)offsetof(struct cgpu_usage, procs) + (off_t)slots[i] * (off_t)sizeof now;
+        if (w == WAITING && pread(p->usage_fd, &now, sizeof now, at) == (ssize_t)sizeof now && now.pid == hs[i].pid)
+            hs[i].gpus = now.gpus;
         if (w == WAITING)
-            w = !(load(&s->gpus) & CGPU_PROC_DRAINING) ? SILENT : all ? TOO_LONG : WAITING;
+            w = !(hs[i].gpus & CGPU_PROC_DRAINING) ? SILENT : all ? TOO_LONG : WAITING;
         if (w == WAITING)
             continue;  /* alive and draining: waited for */
         p->stale[slots[i]] = 1;
-        p->stale_pid[slots[i]] = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
-        p->stale_acked[slots[i]] = load(&s->acked);
+        p->stale_pid[slots[i]] = hs[i].pid;
+        p->stale_acked[slots[i]] = hs[i].acked;
         if (given < max) {
             if (out)
                 out[given] = slots[i];
@@ -470,11 +649,13 @@ EXPORT int cg_page_give_up(struct page *p, int gpu, int all, int *out, int *why,
     return n;
 }
 
-/* Empty the FIFO (its bytes only wake us; the page says who drained). */
+/* Empty the FIFO (its bytes only wake us; the page says who drained), up to a pipe's default
+ * 64 KiB a call: a container's process that keeps it full cannot hold the caller here (what is
+ * left wakes it again, and each wait is bounded on its own). */
 EXPORT void cg_page_consume(struct page *p)
 {
-    char buf[512];
-    while (read(p->fifo, buf, sizeof buf) == (ssize_t)sizeof buf)
+    char buf[4096];
+    for (int i = 0; i < 16 && read(p->fifo, buf, sizeof buf) == (ssize_t)sizeof buf; i++)
         ;
 }
 
@@ -574,7 +755,7 @@ static void sleep_or_cmd(struct sw *s, int64_t until)
 /* Wait until the pages `uni[i]` for i in `which` have drained node GPU `gpu`'s closing. Each
  * time the bound passes, who cannot answer is given up on (dead, stopped, or alive and not
  * draining: cg_page_give_up); a live process that drains is waited for on, up to the cap from
- * `begin` (then given up on too). Returns the first index given up on (-1: none), *why its reason,
+ * `begin` (then given up on too, and the wait ends whatever the pages say). Returns the first index given up on (-1: none), *why its reason,
  * and *longer how many times the bound passed while someone drained on. */
 static void open_others(struct sw *s, struct batch *b, int run);
 
@@ -614,7 +795,7 @@ static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, 
                 }
                 waiting |= cg_page_undrained(b->uni[idx[i]], s->gpu, NULL, 0) > 0;
             }
-            if (!waiting)
+            if (!waiting || now >= cap)  /* (past the cap, nobody: a slot whose values keep changing cannot hold it on) */
                 return late;
             (*longer)++;  /* alive and draining: on, one more bound */
             deadline = now + s->bound_ns;

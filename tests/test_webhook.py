@@ -1,0 +1,403 @@
+"""`cgpu dra-webhook` (docs/kubernetes.md, DRA mode: seed 000's label): the pure decision
+(cgpud.k8s.webhook: a pod in, a JSONPatch and templates out, or one line of denial) called
+directly, then the HTTPS server with a certificate made at start, called as the API server
+calls it. On the real control plane: tests/test_cluster_dra.py."""
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import os
+import re
+import ssl
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cgpud.k8s import webhook, webhookserver
+
+GIB, MIB = 1 << 30, 1 << 20
+
+SEED_000 = """
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: tensorflow-mnist-multigpu
+spec:
+  parallelism: 1
+  template:
+    metadata:
+      labels:
+        app: tensorflow-mnist-multigpu
+        # 在Pod label中申明8 GiB顯存,由2塊GPU卡提供,每塊提供4 GiB顯存。
+        aliyun.com/gpu-count: "2"
+    spec:
+      containers:
+      - name: tensorflow-mnist-multigpu
+        image: registry.cn-beijing.aliyuncs.com/ai-samples/gpushare-sample:tensorflow-1.5
+        command:
+        - python
+        - tensorflow-sample-code/tfjob/docker/mnist/main.py
+        - --max_steps=100000
+        - --data_dir=tensorflow-sample-code/data
+        resources:
+          limits:
+            aliyun.com/gpu-mem: 8 # 總共申請8 GiB顯存。
+        workingDir: /root
+      restartPolicy: Never
+"""
+
+
+def seed_pod() -> dict:
+    """Seed 000's pod as the API server shows it to a webhook: the Job's template, requests
+    defaulted from limits, quantities as strings."""
+    tmpl = yaml.safe_load(SEED_000)["spec"]["template"]
+    c = tmpl["spec"]["containers"][0]
+    c["resources"] = {"limits": {"aliyun.com/gpu-mem": "8"}, "requests": {"aliyun.com/gpu-mem": "8"}}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"generateName": "tensorflow-mnist-multigpu-",
+                                                            **tmpl["metadata"]}, "spec": tmpl["spec"]}
+
+
+def apply(doc: dict, patch: list[dict]) -> dict:
+    """RFC 6902 add and remove, as the API server applies them (enough for our patches)."""
+    doc = copy.deepcopy(doc)
+    for op in patch:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        at = doc
+        for p in parents:
+            at = at[int(p)] if isinstance(at, list) else at[p]
+        if op["op"] == "remove":
+            del at[int(last) if isinstance(at, list) else last]
+        elif op["op"] == "add":
+            if isinstance(at, list):
+                at.insert(len(at) if last == "-" else int(last), op["value"])
+            else:
+                at[last] = op["value"]
+        else:
+            raise AssertionError(op)
+    return doc
+
+
+def test_seed_000s_pod_gets_a_claim_of_4_gib_on_each_of_2_gpus_and_no_gpu_mem():
+    pod = seed_pod()
+    d = webhook.mutate(pod, "default")
+    got = apply(pod, d.patch)
+    (c,) = got["spec"]["containers"]
+    assert c["resources"] == {"limits": {}, "requests": {}, "claims": [{"name": "cgpu-gpu-mem-0"}]}
+    assert got["spec"]["resourceClaims"] == [{"name": "cgpu-gpu-mem-0", "resourceClaimTemplateName": "cgpu-gpu-mem-8x2"}]
+    assert got["metadata"] == pod["metadata"] and c["command"] == pod["spec"]["containers"][0]["command"]
+    assert webhook.mutate(got, "default").patch == []  # called again (another webhook's reinvocation): unchanged
+    (t,) = d.templates
+    assert (t["kind"], t["metadata"]["name"], t["metadata"]["namespace"]) == \
+        ("ResourceClaimTemplate", "cgpu-gpu-mem-8x2", "default")
+    (req,) = t["spec"]["spec"]["devices"]["requests"]
+    alts = {a["name"]: a for a in req["firstAvailable"]}
+    for name, memory, unit in (("unit-1gi", 4 * GIB, GIB), ("unit-128mi", 4 * 128 * MIB, 128 * MIB)):
+        a = alts[name]
+        assert (a["deviceClassName"], a["count"], a["allocationMode"]) == ("gpu.cgpu.aliyun.com", 2, "ExactCount")
+        assert a["capacity"]["requests"]["memory"] == str(memory)
+        assert a["selectors"][0]["cel"]["expression"] == f'device.attributes["cgpu.aliyun.com"].memoryUnit == {unit}'
+    assert list(alts) == ["unit-1gi", "unit-128mi"]  # the slices' units (placement.unit_for)
+    for value in t["metadata"]["labels"].values():  # what the API server takes as a label value
+        assert re.fullmatch(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", value) and len(value) <= 63, value
+
+
+def test_n_not_a_multiple_of_m_is_refused_with_the_reason():
+    pod = seed_pod()
+    for part in ("limits", "requests"):
+        pod["spec"]["containers"][0]["resources"][part]["aliyun.com/gpu-mem"] = "7"
+    with pytest.raises(webhook.Denied) as e:
+        webhook.mutate(pod, "default")
+    assert str(e.value) == ("container tensorflow-mnist-multigpu: aliyun.com/gpu-mem 7 cannot be spread over "
+                            "aliyun.com/gpu-count 2: each GPU gives the same memory, so N/M must be a whole number "
+                            "of units (7/2 is not)")
+
+
+@pytest.mark.parametrize("label", [None, "0", "1"])
+def test_a_pod_without_the_label_or_on_one_gpu_is_left_to_the_extended_resource_path(label):
+    pod = seed_pod()
+    if label is None:
+        del pod["metadata"]["labels"]["aliyun.com/gpu-count"]
+    else:
+        pod["metadata"]["labels"]["aliyun.com/gpu-count"] = label
+    d = webhook.mutate(pod, "default")
+    assert d.patch == [] and d.templates == []
+
+
+def test_a_labelled_pod_asking_no_gpu_mem_is_unchanged():
+    pod = seed_pod()
+    pod["spec"]["containers"][0]["resources"] = {"limits": {"cpu": "1"}}
+    assert webhook.mutate(pod, "default").patch == []
+
+
+@pytest.mark.parametrize("label,why", [
+    ("two", "label aliyun.com/gpu-count: 'two' is not a whole number of GPUs"),
+    ("-2", "label aliyun.com/gpu-count: '-2' is not a whole number of GPUs"),
+    ("33", "label aliyun.com/gpu-count: 33 GPUs is more than a claim can hold (32)"),
+])
+def test_a_bad_label_is_refused_with_one_line(label, why):
+    pod = seed_pod()
+    pod["metadata"]["labels"]["aliyun.com/gpu-count"] = label
+    with pytest.raises(webhook.Denied, match=f"^{why}$".replace("(", r"\(").replace(")", r"\)")):
+        webhook.mutate(pod, "default")
+
+
+@pytest.mark.parametrize("limits,requests,why", [
+    ("1.5", None, "container c: limits aliyun.com/gpu-mem '1.5' is not a whole number of units"),
+    ("8Gi", None, "container c: limits aliyun.com/gpu-mem '8Gi' is not a whole number of units"),
+    ("8", "4", "container c: aliyun.com/gpu-mem differs between limits (8) and requests (4)"),
+])
+def test_a_bad_gpu_mem_is_refused_with_one_line(limits, requests, why):
+    pod = seed_pod()
+    c = pod["spec"]["containers"][0]
+    c["name"] = "c"
+    c["resources"] = {"limits": {"aliyun.com/gpu-mem": limits}}
+    if requests:
+        c["resources"]["requests"] = {"aliyun.com/gpu-mem": requests}
+    with pytest.raises(webhook.Denied) as e:
+        webhook.mutate(pod, "default")
+    assert str(e.value) == why
+
+
+def test_several_containers_each_get_a_claim_of_their_own_and_what_the_pod_had_is_kept():
+    pod = seed_pod()
+    spec = pod["spec"]
+    base = spec["containers"][0]
+    spec["containers"] = [
+        {**base, "name": "a", "resources": {"limits": {"aliyun.com/gpu-mem": "4", "cpu": "1"},
+                                            "claims": [{"name": "other"}]}},
+        {**base, "name": "plain", "resources": {"limits": {"cpu": "1"}}},
+        {**base, "name": "b", "resources": {"limits": {"aliyun.com/gpu-mem": "8"}}},
+        {**base, "name": "c", "resources": {"limits": {"aliyun.com/gpu-mem": "4"}}},
+    ]
+    spec["initContainers"] = [{**base, "name": "init", "resources": {"limits": {"aliyun.com/gpu-mem": "2"}}}]
+    spec["resourceClaims"] = [{"name": "other", "resourceClaimName": "mine"}]
+    d = webhook.mutate(pod, "ns1")
+    got = apply(pod, d.patch)
+    cs = got["spec"]["containers"]
+    assert cs[0]["resources"] == {"limits": {"cpu": "1"}, "claims": [{"name": "other"}, {"name": "cgpu-gpu-mem-0"}]}
+    assert cs[1] == spec["containers"][1]
+    assert cs[2]["resources"] == {"limits": {}, "claims": [{"name": "cgpu-gpu-mem-2"}]}
+    assert cs[3]["resources"]["claims"] == [{"name": "cgpu-gpu-mem-3"}]
+    assert got["spec"]["initContainers"][0]["resources"] == {"limits": {}, "claims": [{"name": "cgpu-gpu-mem-init-0"}]}
+    assert got["spec"]["resourceClaims"] == [
+        {"name": "other", "resourceClaimName": "mine"},
+        {"name": "cgpu-gpu-mem-0", "resourceClaimTemplateName": "cgpu-gpu-mem-4x2"},
+        {"name": "cgpu-gpu-mem-2", "resourceClaimTemplateName": "cgpu-gpu-mem-8x2"},
+        {"name": "cgpu-gpu-mem-3", "resourceClaimTemplateName": "cgpu-gpu-mem-4x2"},
+        {"name": "cgpu-gpu-mem-init-0", "resourceClaimTemplateName": "cgpu-gpu-mem-2x2"}]
+    assert [t["metadata"]["name"] for t in d.templates] == ["cgpu-gpu-mem-4x2", "cgpu-gpu-mem-8x2", "cgpu-gpu-mem-2x2"]
+    assert {t["metadata"]["namespace"] for t in d.templates} == {"ns1"}
+
+
+def test_claims_that_are_not_lists_are_refused():
+    pod = seed_pod()
+    pod["spec"]["containers"][0]["resources"]["claims"] = "gpu"
+    with pytest.raises(webhook.Denied, match="^container tensorflow-mnist-multigpu: resources.claims is not a list$"):
+        webhook.mutate(pod, "default")
+    pod = seed_pod()
+    pod["spec"]["resourceClaims"] = {"name": "x"}
+    with pytest.raises(webhook.Denied, match="^spec.resourceClaims is not a list$"):
+        webhook.mutate(pod, "default")
+
+
+def test_a_pod_already_holding_a_claim_of_that_name_is_refused():
+    pod = seed_pod()
+    pod["spec"]["resourceClaims"] = [{"name": "cgpu-gpu-mem-0", "resourceClaimName": "x"}]
+    with pytest.raises(webhook.Denied, match="already has a claim named cgpu-gpu-mem-0"):
+        webhook.mutate(pod, "default")
+
+
+def review(pod, operation="CREATE", dry_run=False, kind="Pod") -> dict:
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "u-1", "kind": {"group": "", "version": "v1", "kind": kind}, "operation": operation,
+        "namespace": "team-a", "object": pod, "dryRun": dry_run}}
+
+
+class FakeApi:
+    def __init__(self, refuse: Exception | None = None) -> None:
+        self.made: list[dict] = []
+        self.refuse = refuse
+
+    def ensure_template(self, body: dict) -> None:
+        if self.refuse:
+            raise self.refuse
+        self.made.append(body)
+
+
+def patch_of(answer: dict) -> list[dict]:
+    r = answer["response"]
+    assert r["allowed"] is True and r["patchType"] == "JSONPatch"
+    return json.loads(base64.b64decode(r["patch"]))
+
+
+def test_admit_makes_the_template_then_answers_the_patch_and_a_dry_run_makes_nothing():
+    api = FakeApi()
+    answer = webhookserver.admit(api, review(seed_pod()))
+    assert answer["apiVersion"] == "admission.k8s.io/v1" and answer["response"]["uid"] == "u-1"
+    assert patch_of(answer) == webhook.mutate(seed_pod(), "team-a").patch
+    assert [(t["metadata"]["namespace"], t["metadata"]["name"]) for t in api.made] == [("team-a", "cgpu-gpu-mem-8x2")]
+    api = FakeApi()
+    assert patch_of(webhookserver.admit(api, review(seed_pod(), dry_run=True)))
+    assert api.made == []  # sideEffects: NoneOnDryRun
+
+
+def test_admit_denies_with_one_line_when_the_template_cannot_be_made():
+    from kubernetes.client.exceptions import ApiException
+
+    exc = ApiException(status=403, reason="Forbidden")
+    exc.body = json.dumps({"message": 'resourceclaimtemplates is forbidden: User "x" cannot create'})
+    answer = webhookserver.admit(FakeApi(exc), review(seed_pod()))["response"]
+    assert answer["allowed"] is False and "patch" not in answer
+    assert answer["status"]["message"] == ("cannot make ResourceClaimTemplate team-a/cgpu-gpu-mem-8x2: the API server "
+                                           'refused: 403 Forbidden: resourceclaimtemplates is forbidden: User "x" '
+                                           "cannot create")
+
+
+@pytest.mark.parametrize("op,kind", [("UPDATE", "Pod"), ("CREATE", "Deployment")])
+def test_only_pods_at_create_change(op, kind):
+    api = FakeApi()
+    answer = webhookserver.admit(api, review(seed_pod(), operation=op, kind=kind))["response"]
+    assert answer == {"uid": "u-1", "allowed": True} and api.made == []
+
+
+@pytest.mark.parametrize("body", [None, [], "x", {"kind": "AdmissionReview"}, {"kind": "Other", "request": {"uid": 1}},
+                                  {"kind": "AdmissionReview", "request": {"uid": "u", "operation": "CREATE",
+                                                                          "kind": {"kind": "Pod"}, "object": "x"}}])
+def test_what_is_not_a_review_of_a_pod_is_denied_with_one_line(body):
+    answer = webhookserver.admit(FakeApi(), body)["response"]
+    assert answer["allowed"] is False and "\n" not in answer["status"]["message"]
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 40) | st.sampled_from(
+    ["", "2", "8", "7", "x", "1.5", "aliyun.com/gpu-mem", "aliyun.com/gpu-count"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(
+        ["metadata", "labels", "spec", "containers", "initContainers", "resources", "limits", "requests", "claims",
+         "resourceClaims", "name", "aliyun.com/gpu-mem", "aliyun.com/gpu-count"]), inner, max_size=4), max_leaves=25)
+
+
+@settings(max_examples=400, deadline=None)
+@given(json_values)
+def test_any_json_is_a_decision_or_a_denial_never_a_traceback(pod):
+    try:
+        d = webhook.mutate(pod, "default")
+    except webhook.Denied as exc:
+        assert str(exc) and "\n" not in str(exc)
+        return
+    if d.patch:
+        apply(pod, d.patch)  # (the patch applies to the pod it was made for)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 32), st.lists(st.integers(0, 64), min_size=1, max_size=4))
+def test_each_container_gets_n_over_m_on_m_gpus_or_the_pod_is_refused(m, ns):
+    pod = seed_pod()
+    pod["metadata"]["labels"]["aliyun.com/gpu-count"] = str(m)
+    base = pod["spec"]["containers"][0]
+    pod["spec"]["containers"] = [{**base, "name": f"c{i}", "resources": {"limits": {"aliyun.com/gpu-mem": str(n)}}}
+                                 for i, n in enumerate(ns)]
+    if any(n % m for n in ns):
+        with pytest.raises(webhook.Denied, match="N/M must be a whole number"):
+            webhook.mutate(pod, "default")
+        return
+    d = webhook.mutate(pod, "default")
+    got = apply(pod, d.patch)
+    templates = {t["metadata"]["name"]: t for t in d.templates}
+    given_ = 0
+    for c, n in zip(got["spec"]["containers"], ns):
+        assert ("aliyun.com/gpu-mem" in c["resources"]["limits"]) == (n == 0)  # (0 asks nothing: left as it is)
+        for ref in c["resources"].get("claims", []):
+            (pc,) = [p for p in got["spec"]["resourceClaims"] if p["name"] == ref["name"]]
+            alt = templates[pc["resourceClaimTemplateName"]]["spec"]["spec"]["devices"]["requests"][0]["firstAvailable"][0]
+            given_ += alt["count"] * int(alt["capacity"]["requests"]["memory"]) // GIB
+    assert given_ == sum(ns)
+
+
+# ---- the server, over HTTPS with a certificate made at start ------------------------------
+
+
+@pytest.fixture
+def server(tmp_path):
+    ca, cert, key = webhookserver.make_certificate(["127.0.0.1", "cgpu-dra-webhook.kube-system.svc"], str(tmp_path))
+    api = FakeApi()
+    srv = webhookserver.make_server(api, "127.0.0.1", 0, webhookserver.server_context(cert, key))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ctx = ssl.create_default_context(cadata=ca.decode())
+    yield f"https://127.0.0.1:{srv.server_address[1]}", ctx, api
+    srv.shutdown()
+    srv.server_close()
+
+
+def post(url: str, ctx, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_server_answers_over_tls_with_the_ca_it_made(server):
+    url, ctx, api = server
+    code, answer = post(f"{url}/mutate", ctx, json.dumps(review(seed_pod())).encode())
+    assert code == 200 and patch_of(answer) == webhook.mutate(seed_pod(), "team-a").patch
+    assert [t["metadata"]["name"] for t in api.made] == ["cgpu-gpu-mem-8x2"]
+    assert post(f"{url}/mutate", ctx, b"{not json")[0] == 400
+    assert post(f"{url}/other", ctx, b"{}")[0] == 404
+    with urllib.request.urlopen(f"{url}/healthz", context=ctx, timeout=10) as r:
+        assert r.status == 200
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):  # not a CA the client trusts
+        urllib.request.urlopen(f"{url}/healthz", context=ssl.create_default_context(), timeout=10)
+
+
+def test_a_certificate_that_cannot_be_loaded_is_one_line(tmp_path):
+    (tmp_path / "c.pem").write_text("not a certificate")
+    with pytest.raises(webhookserver.CertError, match=r"^cannot load .*c\.pem"):
+        webhookserver.server_context(str(tmp_path / "c.pem"), str(tmp_path / "c.pem"))
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--addr", "nope"], "Error: --addr nope: give HOST:PORT"),
+    (["--tls-cert", "/x.pem"], "Error: --tls-cert and --tls-key go together"),
+    (["--tls-san", " , "], "Error: --tls-san: give at least one name"),
+    ([], "Error: no cluster to ask: "),
+])
+def test_the_commands_mistakes_are_one_line(args, why, tmp_path):
+    env = dict(os.environ, KUBECONFIG=str(tmp_path / "none"), HOME=str(tmp_path))
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    p = subprocess.run([Path(sys.executable).parent / "cgpu", "dra-webhook", "--addr", "127.0.0.1:0", *args],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 1 and p.stderr.startswith(why) and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_template_made_meanwhile_by_another_pod_is_fine_and_a_refusal_is_not():
+    """Two pods of one shape admitted at once (or two replicas): the second create finds the
+    template made (409 AlreadyExists) and goes on; any other refusal is the API server's."""
+    from kubernetes.client.exceptions import ApiException
+
+    class Resource:
+        def __init__(self, status):
+            self.status, self.calls = status, []
+
+        def create_namespaced_resource_claim_template(self, namespace, body, **kw):
+            self.calls.append((namespace, body["metadata"]["name"], kw.get("_request_timeout")))
+            if self.status:
+                raise ApiException(status=self.status, reason="x")
+
+    body = webhook.template("ns", 8, 2)
+    for status in (None, 409):
+        api = object.__new__(webhookserver.Api)
+        api.resource = Resource(status)
+        api.ensure_template(body)
+        assert api.resource.calls == [("ns", "cgpu-gpu-mem-8x2", 5)]
+    api.resource = Resource(403)
+    with pytest.raises(ApiException):
+        api.ensure_template(body)
