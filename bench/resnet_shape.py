@@ -25,6 +25,13 @@ cgpud; 16 CPU cores, so the host side was not contended):
   × m_i: 5.1 µs at batch 1 (a step's GPU time 0.9 ms, 0.113 ms an image more: batch 64's 8.1 ms).
   Alone, batch 1 keeps the card ~21 % busy and batch 8 ~40 %: it does not fill it.
 
+The host's time between launches is slept, not spun (a pair and the daemon share this 2-core
+machine's CPUs with other work): woken tens of µs late, the client makes the launches that fell due
+at once, so a step's rate holds but its launches come in small bunches. A real host also runs
+slower for a while after its thread slept at a closed gate (a core woken from a deep idle state,
+its caches empty, its clock low): --host-warmup-ms W makes the host twice as slow for W ms after
+a launch that waited over 1 ms (0 by default).
+
 Rows, for each shape:
 1. alone, no cgpud: steps/s and the card's busy fraction (the reference);
 2. alone under the gate (`cgpu run`, `cgpud serve --compute gate`, policy 2): steps/s against 1;
@@ -33,7 +40,7 @@ Rows, for each shape:
    Throughput is steps over the window (first and last TRIM left out), from each step's end.
 
     .venv/bin/python bench/resnet_shape.py [--seconds 6] [--shapes train16,...] [--libcgpu PATH]
-                                           [--cgpud-src DIR --native DIR] [--switch WAY]
+                                           [--cgpud-src DIR --native DIR] [--switch WAY] [--host-warmup-ms W]
 """
 from __future__ import annotations
 
