@@ -168,6 +168,19 @@ def host_bare(tools: Path, tmp: Path, seconds: float) -> float:
     return busy(tmp / "barehost", t0, t1) / (t1 - t0)
 
 
+def build_tools(tmp: Path, libcgpu: str | None) -> tuple[Path, Path]:
+    """The stand-in driver, libcgpu (unless `libcgpu` names one built elsewhere) and the client, built into
+    tmp/tools: that folder, and the libcgpu to preload."""
+    tools = tmp / "tools"
+    tools.mkdir()
+    r = subprocess.run(["make", "-s", "-B", "-C", str(ROOT / "native"), "stubs", "libcgpu", f"STUBS={tools}",
+                        f"LIB={tools}"], capture_output=True, text=True)
+    if r.returncode and not libcgpu:
+        raise SystemExit(r.stderr)
+    build(tools)
+    return tools, Path(libcgpu) if libcgpu else tools / "libcgpu.so"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=6.0, help="each run's length")
@@ -177,14 +190,7 @@ def main() -> None:
     rows = {r.strip() for r in a.rows.split(",")}
     with tempfile.TemporaryDirectory(prefix="bench-queue-") as t:
         tmp = Path(t)
-        tools = tmp / "tools"
-        tools.mkdir()
-        r = subprocess.run(["make", "-s", "-B", "-C", str(ROOT / "native"), "stubs", "libcgpu", f"STUBS={tools}",
-                            f"LIB={tools}"], capture_output=True, text=True)
-        if r.returncode and not a.libcgpu:
-            raise SystemExit(r.stderr)
-        build(tools)
-        lib = Path(a.libcgpu) if a.libcgpu else tools / "libcgpu.so"
+        tools, lib = build_tools(tmp, a.libcgpu)
         tag = uuid.uuid4().hex[:9]
         runs = {n: tmp / n for n in ("bare", "alone", "pair", "prio", "host")}
         for p in runs.values():

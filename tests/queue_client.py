@@ -19,8 +19,17 @@ SOURCE = r"""
  *   every SECONDS US GAP_MS  one launch and a synchronize, a pause, again: prints each launch to completion (ns)
  *   queue N US SECONDS N launches, then no call into the driver for SECONDS (its exit waits for its queue)
  *   events N US        a kernel then an event, N times, into a stream of its own (see test_stub_executor)
- *   streams US_A US_B  3 kernels into stream A, then 1 into B (see test_stub_executor) */
+ *   streams US_A US_B  3 kernels into stream A, then 1 into B (see test_stub_executor)
+ *   shape SECONDS N MEAN_US FLOOR_US HOST_US GAP_US SEED [WARM_US]
+ *                      a framework's step, again and again (bench/resnet_shape.py): N launches, each due HOST_US
+ *                      after the one before (the framework's dispatch, the driver's launch included; after
+ *                      it returned when it waited longer; slept, see pause_until), of FLOOR_US + MEAN_US * m_i µs, m_i a fixed pseudo-random mix of mean 1
+ *                      drawn from SEED (the same every step); then GAP_US of host time and cuCtxSynchronize:
+ *                      prints "started", then each step's end (ns). WARM_US (optional, after SEED): for that long
+ *                      after a launch that waited over 1 ms (its thread asleep, its core idle) the host takes
+ *                      twice as long (a core woken cold: its caches and clock, bench/resnet_shape.py) */
 #include <dlfcn.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,6 +44,15 @@ typedef int (*c_t)(void **, unsigned);
 typedef int (*t_t)(float *, void *, void *);
 static long long now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ll + t.tv_nsec; }
 static void *h;
+/* The host's time between launches, slept rather than spun (a 2-core machine runs a pair of these
+ * beside the daemon): woken late by up to tens of µs, the launches that fell due meanwhile go at once,
+ * so the rate holds over a step and the card's queue takes the bunching. */
+static void pause_until(long long t)
+{
+    if (t - now() < 50000) return;
+    struct timespec ts = {(time_t)(t / 1000000000ll), (long)(t % 1000000000ll)};
+    clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
+}
 static void *sym(const char *n) { void *f = dlsym(h, n); if (!f) { fprintf(stderr, "no %s\n", n); exit(2); } return f; }
 static l_t launch_fn;
 static void launch(unsigned us, void *stream)
@@ -90,6 +108,37 @@ int main(int argc, char **argv)
             for (long long t = now(); now() - t < host;) {}
         }
         printf("%lld\n", n);
+    } else if (!strcmp(mode, "shape") && (argc == 9 || argc == 10)) {
+        double secs = atof(argv[2]), mean = atof(argv[4]), floor_us = atof(argv[5]);
+        int n = atoi(argv[3]);
+        long long host = (long long)(atof(argv[6]) * 1000), gap = (long long)(atof(argv[7]) * 1000);
+        unsigned long long x = strtoull(argv[8], NULL, 10) * 2654435761ull + 1;
+        long long warm = argc == 10 ? (long long)(atof(argv[9]) * 1000) : 0, slow_until = 0;
+        unsigned *len = calloc((size_t)n, sizeof *len);
+        for (int i = 0; i < n; i++) {  /* m_i: an exponential mix (mean 1) cut at 8, by xorshift64 */
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            double u = (double)(x >> 11) / 9007199254740992.0, m = -log(1 - u);
+            len[i] = (unsigned)(floor_us + mean * (m < 8 ? m : 8) + 0.5);
+        }
+        printf("started\n");
+        fflush(stdout);
+        long long t0 = now(), *ends = calloc(1 << 20, sizeof *ends), steps = 0;
+        while (now() - t0 < secs * 1e9 && steps < 1 << 20) {
+            long long at = now();
+            for (int i = 0; i < n; i++) {
+                at += at < slow_until ? 2 * host : host;
+                pause_until(at);
+                long long a = now();
+                launch(len[i] ? len[i] : 1, NULL);
+                long long r = now();
+                if (r - a > host) at = r;  /* (a launch that waited, at the gate or a full queue: its host work after it) */
+                if (r - a > 1000000) slow_until = r + warm;
+            }
+            pause_until(at + gap);
+            sync();
+            ends[steps++] = now();
+        }
+        for (long long i = 0; i < steps; i++) printf("%lld\n", ends[i]);
     } else if (!strcmp(mode, "queue") && argc == 5) {  /* queue N US SECONDS: N launches, then no call for SECONDS */
         for (int i = 0; i < atoi(argv[2]); i++) launch((unsigned)atoi(argv[3]), NULL);
         printf("queued\n");
@@ -168,7 +217,7 @@ def build(where: Path) -> Path:
     """The client, compiled into `where`."""
     (where / "queue-client.c").write_text(SOURCE)
     out = where / "queue-client"
-    subprocess.run(["gcc", "-O2", "-Wall", "-o", os.fspath(out), os.fspath(where / "queue-client.c"), "-ldl"],
+    subprocess.run(["gcc", "-O2", "-Wall", "-o", os.fspath(out), os.fspath(where / "queue-client.c"), "-ldl", "-lm"],
                    check=True)
     return out
 

@@ -126,3 +126,29 @@ def test_a_high_priority_kernel_completes_within_5_ms_while_a_weight_1_neighbour
     p99 = waits[int(0.99 * len(waits))]
     assert p99 <= 5.0, (f"p50 {waits[len(waits) // 2]:.2f} ms, p99 {p99:.2f} ms, max {waits[-1]:.2f} ms",
                         d.log_text()[-1500:])
+
+
+def test_a_stream_whose_events_are_done_by_its_next_launch_records_one_event_per_stride(libs, tmp_path):
+    """A bounded stream on a card that keeps up (the stand-in's launches made free: each event is
+    done by the next launch, as a launch-bound stream's often is): libcgpu records an event every
+    stride (up to 64 launches once they never wait) and no other — each record is a driver call of
+    a microsecond or two, over 64 launches about 20 ns a launch. Before, an event found done at
+    the next launch began a new run with an event of its own: two records a stride, and a bounded
+    launch cost 117-123 ns against the stand-in's 18 (bench/gate.py 1; issue 20's goal: 100 ns
+    added)."""
+    from cgpud.gpus import pages
+    from cgpud.sched.gate import GateFreezer
+    pages.create(os.fspath(tmp_path / "pages"), [1 << 30])
+    g = GateFreezer(os.fspath(tmp_path / "pages"))
+    g.share(None, True, 2000)  # (the GPU shared: launches bounded)
+    g.close()
+    calls = tmp_path / "calls"
+    env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs), "LD_PRELOAD": os.fspath(libs / "libcgpu.so"),
+           "CGPU_PAGE_DIR": os.fspath(tmp_path / "pages"), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"),
+           "CGPU_STUB_CUDA_FAST": "1", "CGPU_STUB_CUDA_CALLS": os.fspath(calls)}
+    n = 6400
+    r = subprocess.run([os.fspath(libs / "queue-client"), "burst", str(n), "10"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    records = calls.read_text().split().count("cuEventRecord")
+    assert 0 < records <= n / 64 * 1.25 + 16, records  # (the stride doubles from 1 to 64 first)

@@ -60,8 +60,10 @@ static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
 static CUcontext ctxs[64];
 static int ctx_gpu[64];  /* the page's GPU of each (-1: past the page's) */
 static int nctxs;
-static __thread CUcontext known_ctx;  /* the last context this thread was seen to launch in */
-static __thread int known_gpu;        /* and its page GPU */
+/* (a launch's thread-locals: initial-exec, one load each, as in_driver: libcgpu is loaded at start) */
+#define HOT_TLS __thread __attribute__((tls_model("initial-exec")))
+static HOT_TLS CUcontext known_ctx;  /* the last context this thread was seen to launch in */
+static HOT_TLS int known_gpu;        /* and its page GPU */
 
 /* The gate a launch on page GPU `k` waits at (-1: the container's). */
 static const uint32_t *gate_word(int k)
@@ -130,6 +132,48 @@ static int64_t mono_ns(void)
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (int64_t)t.tv_sec * 1000000000ll + t.tv_nsec;
+}
+
+/* The launch path's clock, for its one question (were the launches into a stream a tick apart?):
+ * the CPU's own counter (x86-64's TSC, aarch64's virtual counter: 9 ns on the machine it was
+ * written on, where a vDSO clock_gettime took 21) in ns by a rate measured against CLOCK_MONOTONIC
+ * over the first 20 ms it is asked; CLOCK_MONOTONIC until then and on other CPUs. Only its own
+ * readings are compared with one another (it drifts from CLOCK_MONOTONIC by the rate's error). */
+static inline uint64_t counter(void)
+{
+#if defined(__x86_64__)
+    return __builtin_ia32_rdtsc();
+#elif defined(__aarch64__)
+    uint64_t v;
+    __asm__ volatile("mrs %0, cntvct_el0" : "=r"(v));
+    return v;
+#else
+    return 0;
+#endif
+}
+static uint64_t counter0, counter_rate;  /* counter_rate: ns per count << 24 (0: not known) */
+static int64_t counter0_ns;
+static int counter_state;                /* 0: not begun, 1: being set, 2: sampling from counter0, 3: known */
+static int64_t launch_ns(void)
+{
+    uint64_t rate = __atomic_load_n(&counter_rate, __ATOMIC_ACQUIRE);
+    if (__builtin_expect(rate != 0, 1))
+        return counter0_ns + (int64_t)(((unsigned __int128)(counter() - counter0) * rate) >> 24);
+    int64_t now = mono_ns();
+    int st = __atomic_load_n(&counter_state, __ATOMIC_ACQUIRE), busy = 1;
+    if (st == 0 && counter() && __atomic_compare_exchange_n(&counter_state, &st, busy, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+        counter0 = counter();
+        counter0_ns = mono_ns();
+        __atomic_store_n(&counter_state, 2, __ATOMIC_RELEASE);
+    } else if (st == 2 && now - counter0_ns >= 20000000
+               && __atomic_compare_exchange_n(&counter_state, &st, busy, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+        uint64_t c = counter();
+        int64_t t = mono_ns();
+        rate = c > counter0 ? (uint64_t)(((unsigned __int128)(uint64_t)(t - counter0_ns) << 24) / (c - counter0)) : 0;
+        __atomic_store_n(&counter_rate, rate, __ATOMIC_RELEASE);
+        __atomic_store_n(&counter_state, rate ? 3 : 0, __ATOMIC_RELEASE);
+    }
+    return now;
 }
 
 /* Sleep while `word` still reads `seen` (any change wakes it). */
@@ -430,10 +474,12 @@ struct squeue {
     struct pending ring[QUEUE_RING];
     unsigned head, tail;        /* events [tail, head) not known complete */
     uint32_t unrecorded;        /* launches since the last event */
+    uint64_t covered;           /* the launches the events [tail, head) cover */
+    int64_t due;                /* launches an event is recorded after (set at each event) */
     int64_t per_launch;         /* mean GPU ns per launch (0: not known yet) */
     int64_t seen;               /* the last completion observed (a lower bound of it) */
     int64_t stride;             /* launches an event covers while the mean is not known */
-    int64_t last_launch;        /* when the last launch into it was made */
+    int64_t last_launch;        /* when the last launch into it was made (launch_ns) */
     int timed;                  /* the event before `tail` (the last one known complete) is a timing reference */
     int gpu;                    /* its context's page GPU (-1: the container's) */
     int used;
@@ -449,7 +495,7 @@ static uint32_t budget_ns(void)
     return (us ? us : CGPU_QUEUE_BUDGET_US_DEFAULT) * 1000u;
 }
 
-static __thread long my_tid;  /* (0 in a forked child's thread until asked) */
+static HOT_TLS long my_tid;  /* (0 in a forked child's thread until asked) */
 static long thread_id(void)
 {
     if (!my_tid)
@@ -508,10 +554,10 @@ static struct squeue *queue_of(CUcontext c, void *stream, int ptsz)
 /* The calling thread's last queue, and what it was looked up by: a launch into the same stream as
  * the one before finds its queue without the lock (read racily: a queue changes owner only when idle
  * and a new stream takes it, and a stale look costs one launch's wait or event at most). */
-static __thread struct squeue *last_q;
-static __thread CUcontext last_ctx;
-static __thread void *last_stream;
-static __thread int last_ptsz;
+static HOT_TLS struct squeue *last_q;
+static HOT_TLS CUcontext last_ctx;
+static HOT_TLS void *last_stream;
+static HOT_TLS int last_ptsz;
 
 static struct squeue *cached_queue(CUcontext c, void *stream, int ptsz)
 {
@@ -532,13 +578,10 @@ static struct squeue *remember(struct squeue *q, CUcontext c, void *stream, int 
     return q;
 }
 
-/* Launches queued on q and not known done (queue_lock held). */
+/* Launches queued on q and not known done (queue_lock held, or racily from the launch path). */
 static uint64_t queued(const struct squeue *q)
 {
-    uint64_t n = q->unrecorded;
-    for (unsigned i = q->tail; i != q->head; i++)
-        n += q->ring[i % QUEUE_RING].launches;
-    return n;
+    return __atomic_load_n(&q->unrecorded, __ATOMIC_RELAXED) + q->covered;
 }
 
 /* Whether a launch into q must wait first (queue_lock held): one more would pass the budget, and
@@ -592,6 +635,7 @@ static void completed(struct squeue *q, int64_t done)
     int64_t at = done ? done : p->recorded;  /* (seen complete later: it completed after its recording) */
     if (at > q->seen)
         q->seen = at;
+    q->covered -= p->launches;
     q->tail++;
 }
 
@@ -632,10 +676,11 @@ static int drain_queues(int k, int *captures_out)
             if (q->unrecorded && q->head - q->tail < QUEUE_RING - 1 && real.ctx_push && real.ctx_push(q->ctx) == CU_OK) {
                 if ((p->event || ev.create(&p->event, 0) == CU_OK) && ev.record(p->event, q->stream) == CU_OK) {
                     p->launches = q->unrecorded;
+                    q->covered += p->launches;
                     p->recorded = mono_ns();
                     /* (launches made longer ago than a tick: done long since, most likely; what ran from the
                      * last event to this one is mostly the process's host time then, not counted) */
-                    p->counted = p->recorded - q->last_launch <= (int64_t)budget_ns() / 16;
+                    p->counted = launch_ns() - q->last_launch <= (int64_t)budget_ns() / 16;
                     q->unrecorded = 0;
                     q->head++;
                 }
@@ -703,6 +748,7 @@ static void record(struct squeue *q, int64_t now, int counted)
         p->event = NULL;
     if (p->event && ev.record(p->event, q->stream) == CU_OK) {
         p->launches = q->unrecorded;
+        q->covered += p->launches;
         p->recorded = now;
         p->counted = counted;
         q->unrecorded = 0;
@@ -710,15 +756,24 @@ static void record(struct squeue *q, int64_t now, int counted)
     }
 }
 
-/* After a launch into `stream` on a shared GPU: count it, and record an event every `stride` launches.
- * 0: not counted (no queue left for it). */
+/* About 16 events per budget: every `due` launches once the mean is known (each covering 1/16 of
+ * the budget). Until then every `stride` launches: 1, doubled each time the event before is found
+ * complete already (a card that keeps up with the launches: they never wait, so the mean is never
+ * measured), halved when it is not. (queue_lock held) */
+static int64_t due_of(const struct squeue *q)
+{
+    int64_t want = q->per_launch ? (int64_t)budget_ns() / 16 / q->per_launch : q->stride ? q->stride : 1;
+    return want < 1 ? 1 : want > 64 ? 64 : want;
+}
+
+/* After a launch into `stream` on a shared GPU: count it, and record an event every `due` launches
+ * (worked out at the event before). 0: not counted (no queue left for it). */
 static int queue_note(CUcontext c, void *stream, int ptsz)
 {
     struct squeue *q = cached_queue(c, stream, ptsz);
     if (q) {  /* (the usual case: counted without the lock, until an event is due) */
-        int64_t per = __atomic_load_n(&q->per_launch, __ATOMIC_RELAXED), st = q->stride ? q->stride : 1;
-        int64_t due = per ? (int64_t)budget_ns() / 16 / per : st;
-        if ((int64_t)__atomic_add_fetch(&q->unrecorded, 1, __ATOMIC_RELAXED) < (due < 1 ? 1 : due > 64 ? 64 : due))
+        int64_t due = __atomic_load_n(&q->due, __ATOMIC_RELAXED);
+        if ((int64_t)__atomic_add_fetch(&q->unrecorded, 1, __ATOMIC_RELAXED) < due)
             return 1;
         pthread_mutex_lock(&queue_lock);
         if (!q->used) {  /* (taken meanwhile by another stream) */
@@ -734,21 +789,17 @@ static int queue_note(CUcontext c, void *stream, int ptsz)
         }
         q->unrecorded++;
     }
-    /* About 16 events per budget: every `want` launches once the mean is known (each covering 1/16
-     * of the budget). Until then every `stride` launches: 1, doubled each time the event before is
-     * found complete already (a card that keeps up with the launches: they never wait, so the mean
-     * is never measured), halved when it is not. */
-    int64_t tick = (int64_t)budget_ns() / 16;
-    int64_t want = q->per_launch ? tick / q->per_launch : q->stride ? q->stride : 1;
-    want = want < 1 ? 1 : want > 64 ? 64 : want;
-    if (q->unrecorded < want || q->head - q->tail >= QUEUE_RING - 1) {
+    if (q->unrecorded < due_of(q) || q->head - q->tail >= QUEUE_RING - 1) {
+        q->due = due_of(q);
         pthread_mutex_unlock(&queue_lock);
         return 1;
     }
-    if (!q->per_launch && q->head != q->tail && q->ring[(q->head - 1) % QUEUE_RING].launches) {  /* (not a run's start) */
+    if (q->head != q->tail) {  /* (what is done is counted at each event: a run may last as long as launches come) */
         int done = newest_done(q);
-        int64_t st = q->stride ? q->stride : 1;
-        q->stride = done ? (st < 32 ? st * 2 : 64) : st > 1 ? st / 2 : 1;
+        if (!q->per_launch && q->ring[(q->head - 1) % QUEUE_RING].launches) {  /* (not a run's start) */
+            int64_t st = q->stride ? q->stride : 1;
+            q->stride = done ? (st < 32 ? st * 2 : 64) : st > 1 ? st / 2 : 1;
+        }
         while (done && q->tail != q->head)
             completed(q, 0);
     }
@@ -756,10 +807,12 @@ static int queue_note(CUcontext c, void *stream, int ptsz)
     if (capturing(stream, ptsz)) {  /* (its launches went into a graph: none queued; no event into it) */
         __atomic_store_n(&capture_seen, now, __ATOMIC_RELAXED);
         q->unrecorded = 0;
+        q->due = due_of(q);
         pthread_mutex_unlock(&queue_lock);
         return 1;
     }
     record(q, now, 1);
+    q->due = due_of(q);
     pthread_mutex_unlock(&queue_lock);
     return 1;
 }
@@ -775,21 +828,22 @@ static int newest_done(struct squeue *q)
 }
 
 /* Before a launch into `stream` on a shared GPU, past the gate: a run of the stream's queued work
- * begins when it is idle — nothing outstanding (its events complete, no launch since the last), or
- * launches not covered by an event made more than a tick ago (budget / 16) and the events before
- * done — with a timing event recorded now: what ran before it (idle time, and those launches' few
- * µs) is not counted. The GPU time of a run is counted from that event to each later one as it is
- * found complete (completed()). One clock read per launch and, at the first launch after an event,
- * a query of it; never into a capturing stream. */
+ * begins at a launch made more than a tick (budget / 16) after the one before, when its events are
+ * done, with a timing event recorded now: what ran before it (idle time, and the few µs of the
+ * launches since its last event) is not counted. The GPU time of a run is counted from that event
+ * to each later one as it is found complete (completed()). Launches a tick apart or closer are one
+ * run (an event found done by the next launch starts none: that cost a query and a second record
+ * per event for under a tick counted); one read of the CPU's counter per launch, and never an event
+ * into a capturing stream. */
 static void queue_start(CUcontext c, void *stream, int ptsz)
 {
-    int64_t now = mono_ns(), tick = (int64_t)budget_ns() / 16;
+    int64_t now = launch_ns(), tick = (int64_t)budget_ns() / 16;
     struct squeue *q = cached_queue(c, stream, ptsz);
     if (q) {
         int64_t gap = now - q->last_launch;
         q->last_launch = now;
-        if (__atomic_load_n(&q->unrecorded, __ATOMIC_RELAXED) && gap <= tick)
-            return;  /* (the usual case: within a run) */
+        if (gap <= tick)
+            return;  /* (the usual case: within a run, the launches a tick apart or closer) */
     }
     pthread_mutex_lock(&queue_lock);
     if (!q || !q->used) {
@@ -812,7 +866,7 @@ static void queue_start(CUcontext c, void *stream, int ptsz)
         pthread_mutex_unlock(&queue_lock);
         return;
     }
-    record(q, now, 0);
+    record(q, mono_ns(), 0);  /* (the events' times are CLOCK_MONOTONIC's, as the waits') */
     pthread_mutex_unlock(&queue_lock);
 }
 

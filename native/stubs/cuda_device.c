@@ -226,6 +226,7 @@ CUresult cuEventDestroy_v2(struct event *e)
 }
 CUresult cuEventRecord(struct event *e, CUstream s)
 {
+    stub_called("cuEventRecord");
     if (!event_ok(e)) return STUB_INVALID_HANDLE;
     return stub_exec_mark(&e->m, stub_current_device(), s);
 }

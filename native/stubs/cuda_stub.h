@@ -62,6 +62,7 @@ HIDDEN CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int c
 HIDDEN CUresult stub_exec_sync(int dev, const void *stream, int all);  /* wait: the stream's work, or all (the context's) */
 HIDDEN int stub_exec_idle(int dev, const void *stream, int all);       /* its work done: 1, else 0 */
 /* a point in a stream (an event): done when the card has run what was launched into it before */
+void stub_called(const char *name);  /* (CGPU_STUB_CUDA_CALLS: the entry point's name logged) */
 struct stub_mark { int dev, recorded, done; uint64_t ticket, at; };  /* at: when the card reached it (ns) */
 HIDDEN CUresult stub_exec_mark(struct stub_mark *m, int dev, const void *stream);
 HIDDEN int stub_exec_mark_done(struct stub_mark *m);

@@ -523,8 +523,9 @@ CUresult cuStreamSynchronize(CUstream s)
     return r ? r : stub_exec_sync(cur_dev, s, 0);
 }
 /* With CGPU_STUB_CUDA_CALLS set, the entry points that have a per-thread-stream (_ptsz) or an
- * older form append their name to it: which one a lookup gave is seen. */
-static void called(const char *name)
+ * older form append their name to it: which one a lookup gave is seen; and cuEventRecord: how
+ * many events a library records is seen. */
+void stub_called(const char *name)
 {
     const char *path = getenv("CGPU_STUB_CUDA_CALLS");
     int fd = path && *path ? open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
@@ -536,7 +537,7 @@ static void called(const char *name)
 /* (ordered: inside a stream-ordered allocation, legal during a capture) */
 static CUresult alloc_ordered(const char *name, CUdeviceptr *p, size_t size)
 {
-    called(name);
+    stub_called(name);
     ordered++;
     CUresult r = cuMemAlloc_v2(p, size);
     ordered--;
@@ -544,7 +545,7 @@ static CUresult alloc_ordered(const char *name, CUdeviceptr *p, size_t size)
 }
 static CUresult free_ordered(const char *name, CUdeviceptr p)
 {
-    called(name);
+    stub_called(name);
     ordered++;
     CUresult r = cuMemFree_v2(p);
     ordered--;
@@ -565,14 +566,14 @@ CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
 {
     (void)s;
-    called(__func__);
+    stub_called(__func__);
     if (!pool) return INVALID_VALUE;
     return device(p, size);
 }
 CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
 {
     (void)s;
-    called(__func__);
+    stub_called(__func__);
     if (!pool) return INVALID_VALUE;
     return device(p, size);
 }
@@ -796,7 +797,7 @@ CUresult cuMemGetInfo(unsigned int *free_, unsigned int *total_)
 {
     size_t f, t;
     CUresult r = cuMemGetInfo_v2(&f, &t);
-    called(__func__);
+    stub_called(__func__);
     if (r != OK) return r;
     *free_ = f > 0xffffffffu ? 0xffffffffu : (unsigned int)f;
     *total_ = t > 0xffffffffu ? 0xffffffffu : (unsigned int)t;
