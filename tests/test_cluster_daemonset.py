@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -376,6 +377,8 @@ def test_the_daemonset_in_dra_mode_on_containerd_2_serves_a_claim_and_gpu_mem_un
         assert cluster.get("node", NODE)["status"]["allocatable"].get("aliyun.com/gpu-mem") is None  # no device plugin
         for name in ("ds-claim", "ds-mem-3"):
             assert "FailedPrepareDynamicResources" not in cluster.events(name), cluster.events(name)
+        log = node.logs(pod, "dra-plugin")  # the component's RBAC let it do all it asked
+        assert not re.search(r"\b403\b|orbidden", log), log
 
         specs = node.host / "run/cdi"
         assert len(list(specs.glob("*.json"))) == 2  # a claim's spec each (the pod's own and the claim)
