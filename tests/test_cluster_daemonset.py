@@ -160,10 +160,12 @@ def overlay(tmp: Path, cluster: Cluster, host: Path, image_tag: str, dra: bool =
 
 
 class SystemdStandIn:
-    """Answers the stand-in systemctl's requests: containerd restarted by the fixture."""
+    """Answers the stand-in systemctl's requests: containerd restarted by the fixture (`took`: the
+    seconds each restart took, for bench/daemonset.py)."""
 
     def __init__(self, cluster: Cluster, host: Path) -> None:
         self.cluster, self.request, self.restarts = cluster, host / "systemctl.request", 0
+        self.took: list[float] = []
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -173,7 +175,9 @@ class SystemdStandIn:
         while not self.stop.wait(0.1):
             if self.request.exists():
                 try:
+                    at = time.monotonic()
                     self.cluster.restart_containerd()
+                    self.took.append(time.monotonic() - at)
                     self.restarts += 1
                 except BaseException as exc:  # (pytest.fail raises an Exception subclass of BaseException)
                     self.error = exc
