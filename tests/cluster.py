@@ -297,7 +297,9 @@ class Cluster:
         the node daemon's socket and tree resolve inside it; nothing of the real host's is touched.
         containerd_bins: containerd 2.x's programs (scripts/containerd-build.sh) instead of Debian's 1.6,
         on a version 3 config with CDI on (specs in the run's cdi/), `cgpu` put in as the default
-        runtime by the node installer's own edit. dra: kube-scheduler without the extender."""
+        runtime by the node installer's own edit; with host_root, the node's version 3 file without
+        cgpu (the DaemonSet's installer puts it in) and CDI's default directories (/var/run/cdi is the
+        host directory's run/cdi in containerd's namespace). dra: kube-scheduler without the extender."""
         self.daemon = daemon
         self.host_root = host_root
         self.containerd_bins, self.dra = containerd_bins, dra
@@ -535,15 +537,19 @@ state = "{c}/state"
   runtime_type = "io.containerd.runc.v2"
 {runtimes}"""
 
-    def containerd_config_v3(self) -> str:
+    def containerd_config_v3(self, cgpu: bool = True) -> str:
         """containerd 2.x's configuration (version 3): the same as containerd_config's, with the CRI
-        plugin's settings where 2.x keeps them and CDI on (the DRA plugin's specs in the run's cdi/);
-        the runtime `cgpu` put in, as containerd's default, by what `cgpu node install` runs on a node's
-        version 3 file (hostconfig.containerd_edit), BinaryName the venv's cgpu-runtime."""
+        plugin's settings where 2.x keeps them and CDI on (the DRA plugin's specs in the run's cdi/,
+        or CDI's default directories under host_root); the runtime `cgpu` put in, as containerd's
+        default, by what `cgpu node install` runs on a node's version 3 file
+        (hostconfig.containerd_edit), BinaryName the venv's cgpu-runtime (cgpu False: a node's file
+        before the installer ran)."""
         from cgpud.containers import hostconfig
 
         rt = 'plugins."io.containerd.cri.v1.runtime"'
         c = self.path("containerd")
+        cdi_dirs = "" if self.host_root is not None else f'\n  cdi_spec_dirs = ["{self.path("cdi")}"]'
+
         node = f"""{self._containerd_head(3)}
 [plugins."io.containerd.cri.v1.images".pinned_images]
   sandbox = "{PAUSE_IMAGE}"
@@ -553,8 +559,7 @@ state = "{c}/state"
 [{rt}]
   enable_selinux = false
   restrict_oom_score_adj = true  # (this machine is a container: containerd_config says why)
-  enable_cdi = true
-  cdi_spec_dirs = ["{self.path('cdi')}"]
+  enable_cdi = true{cdi_dirs}
 [{rt}.cni]
   bin_dirs = ["/usr/lib/cni"]
   conf_dir = "{c}/net.d"
@@ -563,7 +568,7 @@ state = "{c}/state"
 [{rt}.containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
 """
-        return hostconfig.containerd_edit(node, self.runtime_binary, default=True)[0]
+        return hostconfig.containerd_edit(node, self.runtime_binary, default=True)[0] if cgpu else node
 
     def _start_containerd(self) -> None:
         c = self.path("containerd")
@@ -573,11 +578,13 @@ state = "{c}/state"
         if self.host_root is not None:
             config = self.host_root / "etc" / "containerd" / "config.toml"
             config.parent.mkdir(parents=True, exist_ok=True)
-            config.write_text(self.containerd_config(cgpu=False))
+            v3 = self.containerd_bins is not None
+            config.write_text(self.containerd_config_v3(cgpu=False) if v3 else self.containerd_config(cgpu=False))
             self._start_host_namespace()
-            argv = ["nsenter", f"--mount=/proc/{self.procs['host-namespace'].proc.pid}/ns/mnt", "containerd",
-                    "--config", config]
-            env = {}
+            argv = ["nsenter", f"--mount=/proc/{self.procs['host-namespace'].proc.pid}/ns/mnt",
+                    os.fspath(self.containerd_bins / "containerd") if v3 else "containerd", "--config", config]
+            # (2.x's shim first on PATH)
+            env = {"PATH": f"{self.containerd_bins}:{os.environ.get('PATH', '/usr/bin:/bin')}"} if v3 else {}
         elif self.containerd_bins is not None:
             self.path("cdi").mkdir()
             config.write_text(self.containerd_config_v3())

@@ -296,10 +296,32 @@ def test_registers_through_the_plugin_watcher_and_publishes_the_nodes_slice(plug
     assert len(api.slices) == 2 and api.count("create", "resourceslices") == 2
 
 
+def test_the_slices_are_published_only_once_the_kubelet_registered_the_plugin(plugin):
+    """Before the kubelet's plugin watcher has registered the plugin, a pod placed on the node's
+    slices would fail to prepare (`DRA driver cgpu.aliyun.com is not registered`, the kubelet trying
+    again only much later): nothing is published while the plugin serves and knows its GPUs."""
+    d, api, dirs, kubelet, _, _ = plugin
+    wait_for(lambda: api.count("list", "resourceslices") == 1, why="the plugin's watch did not list")
+    with grpc.insecure_channel(f"unix://{kubelet.reg}") as ch:  # (GetInfo alone: not registered yet)
+        assert wait_for(lambda: _info(ch), why="no registration socket").name == dra.DRIVER
+    time.sleep(1)  # (5 of the plugin's looks at the daemon, --refresh 0.2)
+    assert not api.slices and api.count("create", "resourceslices") == 0
+    kubelet.info()
+    wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published once registered")
+
+
+def _info(ch):
+    try:
+        return regrpc.RegistrationStub(ch).GetInfo(regpb.InfoRequest(), timeout=2)
+    except grpc.RpcError:
+        return None
+
+
 def test_slices_deleted_by_someone_are_written_again_at_once(plugin):
     """The kubelet deletes its node's ResourceSlices when it starts (before its plugins register
     again): the plugin's watch sees them go and writes them again, with no read of its own."""
     d, api, dirs, kubelet, _, _ = plugin
+    kubelet.info()
     first = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
     with api.lock:
         for k in (0, 1):
@@ -311,6 +333,7 @@ def test_slices_deleted_by_someone_are_written_again_at_once(plugin):
 
 def test_a_changed_node_is_published_again_with_the_next_generation(plugin, make_daemon):
     d, api, dirs, kubelet, start, stop = plugin
+    kubelet.info()
     wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
     stop()
     d.stop()
@@ -318,6 +341,7 @@ def test_a_changed_node_is_published_again_with_the_next_generation(plugin, make
     (Path(d.state_dir) / "state.json").unlink()
     d.start()
     start()
+    kubelet.info()  # (the kubelet's plugin watcher registers the new process)
     s = wait_for(lambda: (x := api.slices[dra.slice_name(NODE, 1)]) and x["spec"]["pool"]["generation"] == 2 and x,
                  why="the slices not written again")
     assert [x["name"] for x in s["spec"]["devices"]][:2] == ["gpu-0", "gpu-0-unit-0"]

@@ -17,8 +17,9 @@ it asks over the control socket (cgpud.client) only.
   made by the node's hook when the container starts (named by the
   container, in the tree as every container is) and removed when it stops.
 - The node's ResourceSlices (cgpud.k8s.dra.resource_slices), published
-  through the official client when the daemon's GPUs change, and again every
-  `refresh` seconds until the API server took them.
+  through the official client once the kubelet has registered the plugin,
+  when the daemon's GPUs change, and again every `refresh` seconds until the
+  API server took them.
 """
 from __future__ import annotations
 
@@ -359,6 +360,7 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
     api = Api(node_name)
     driver = Driver(node, node_name, state_dir, cdi_dir, api.claim,
                     mounts=[os.path.dirname(os.path.abspath(node.socket))])
+    registration = Registration(os.path.join(plugin_dir, "dra.sock"))
     stop = threading.Event()
     pending = threading.Event()  # slices to write (the node changed, or the API server's differ)
     kick = threading.Event()  # (wakes the loop below at once)
@@ -385,6 +387,12 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
         kick.set()
 
     def follow() -> None:
+        # The slices go out once the kubelet has registered the plugin: a pod placed on them before
+        # that fails to prepare ("DRA driver cgpu.aliyun.com is not registered") and waits for the
+        # kubelet's next try (80 s in the cluster tier, the DaemonSet's pod starting beside waiting pods).
+        while not registration.registered.wait(POLL):
+            if stop.is_set():
+                return
         while not stop.is_set():
             node.poll()
             if pending.is_set() and node.gpus is not None:
@@ -403,7 +411,7 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
              len(driver.prepared()))
     threading.Thread(target=follow, daemon=True).start()
     try:
-        serve(driver, registry_dir, plugin_dir, stop)
+        serve(driver, registry_dir, plugin_dir, stop, registration)
     except KeyboardInterrupt:
         pass
     finally:
