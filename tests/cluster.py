@@ -35,6 +35,7 @@ behind.
 from __future__ import annotations
 
 import base64
+import fcntl
 import io
 import json
 import os
@@ -61,6 +62,9 @@ NAMESPACE = "kube-system"
 SA = "cgpu"  # the ServiceAccount deploy/kubernetes/rbac.yaml gives the device plugin and the extender
 PAUSE_IMAGE = "localhost/cgpud-pause:test"
 BUSYBOX_IMAGE = "localhost/cgpud-busybox:test"
+# one cluster at a time on a host (Cluster._take_the_node): its fixed paths and ports are host-wide
+TIER_LOCK = "/run/lock/cgpud-cluster-tier.lock"
+TIER_WAIT_S = 1800
 PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")  # the kubelet's, fixed in its code (pluginapi.DevicePluginPath)
 SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
            "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")  # what the kubelet sets (restored at cleanup)
@@ -387,10 +391,32 @@ class Cluster:
             raise
         return self
 
+    def _take_the_node(self) -> None:
+        """Wait for any other run's cluster on this host to end (TIER_LOCK, held until cleanup): the
+        kubelet's device plugin directory and the extender's address are fixed, so two runs' clusters
+        would collide; a second run waits its turn (saying so once) instead of failing."""
+        fd = os.open(TIER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"cluster tier: another run's cluster holds {TIER_LOCK}; waiting for it to end", file=sys.stderr)
+            deadline = time.monotonic() + TIER_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        os.close(fd)
+                        pytest.fail(f"another run's cluster held {TIER_LOCK} for over {TIER_WAIT_S} s")
+                    time.sleep(0.5)
+        self.tier_lock = fd
+
     def _start(self) -> None:
         for tool in ("etcd", "containerd", "ctr", "containerd-shim-runc-v2", "runc", "openssl", "gcc"):
             if shutil.which(tool) is None:
                 pytest.fail(f"{tool} is not installed: run scripts/setup.sh")
+        self._take_the_node()
         if PLUGIN_DIR.parent.joinpath("kubelet.sock").exists() or (PLUGIN_DIR / "kubelet.sock").exists():
             pytest.fail(f"{PLUGIN_DIR}/kubelet.sock exists: another kubelet runs on this machine (the cluster tier "
                         "needs the kubelet's fixed device plugin directory for itself)")
@@ -946,6 +972,9 @@ state = "{c}/state"
         for d in self.made_dirs:
             shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(self.base, ignore_errors=True)
+        if getattr(self, "tier_lock", None) is not None:  # (the next run's cluster may start)
+            os.close(self.tier_lock)
+            self.tier_lock = None
 
     def _remove_cgroups(self) -> None:
         """The pods' parent cgroup (/k8s.io) in each hierarchy where it was made here, once empty (runc

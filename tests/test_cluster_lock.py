@@ -1,0 +1,45 @@
+"""Two runs' cluster tiers on one host (tests/cluster.py, Cluster._take_the_node): the kubelet's
+device plugin directory and the extender's address are fixed, so a second run's cluster waits for
+the first's to end instead of colliding with it (it failed at once before, "another kubelet runs").
+The lock file is the test's own, not the host's."""
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+import types
+
+import pytest
+
+import cluster
+
+
+def test_a_second_cluster_waits_for_the_first_to_end_then_takes_the_node(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cluster, "TIER_LOCK", os.fspath(tmp_path / "tier.lock"))
+    first, second = types.SimpleNamespace(), types.SimpleNamespace()
+    cluster.Cluster._take_the_node(first)
+    took = threading.Event()
+    t = threading.Thread(target=lambda: (cluster.Cluster._take_the_node(second), took.set()), daemon=True)
+    t.start()
+    assert not took.wait(1.0), "the second took the node while the first held it"
+    assert "waiting for it to end" in capsys.readouterr().err
+    os.close(first.tier_lock)  # (the first's cleanup)
+    assert took.wait(10), "the second never took the node once the first had ended"
+    t.join(5)
+    with open(tmp_path / "tier.lock") as f:  # held by the second: nobody else takes it
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(second.tier_lock)
+
+
+def test_a_cluster_held_past_the_wait_fails_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(cluster, "TIER_LOCK", os.fspath(tmp_path / "tier.lock"))
+    monkeypatch.setattr(cluster, "TIER_WAIT_S", 1)
+    holder = types.SimpleNamespace()
+    cluster.Cluster._take_the_node(holder)
+    t0 = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="another run's cluster held .*tier.lock"):
+        cluster.Cluster._take_the_node(types.SimpleNamespace())
+    assert time.monotonic() - t0 >= 1
+    os.close(holder.tier_lock)
