@@ -103,6 +103,12 @@ struct usage_head {
 _Static_assert(offsetof(struct usage_head, gated_slots) == offsetof(struct cgpu_usage, gated_slots)
                && sizeof(struct usage_head) <= offsetof(struct cgpu_usage, procs), "struct usage_head");
 
+/* Where slot `slot`'s struct cgpu_proc starts in the usage page. */
+static off_t slot_at(unsigned slot)
+{
+    return (off_t)offsetof(struct cgpu_usage, procs) + (off_t)slot * (off_t)sizeof(struct cgpu_proc);
+}
+
 /* The usage page is damaged (the first reason stays); with the page's lock held. */
 static void damaged_locked(struct page *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void damaged_locked(struct page *p, const char *fmt, ...)
@@ -158,12 +164,11 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
         snprintf(why, whylen, "out of memory");
         return NULL;
     }
-    p->fifo = p->keep = p->usage_fd = -1;
+    p->fifo = p->keep = p->usage_fd = p->dir = -1;
     p->procs = malloc(sizeof(struct cgpu_proc) * CGPU_MAX_PROCS);
     if (!p->procs) {
         snprintf(why, whylen, "out of memory");
-        free(p);
-        return NULL;
+        goto fail;
     }
     p->dir = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
     int at = p->dir < 0 ? -1 : at_path(p->dir, "limits", S_IFREG);
@@ -172,19 +177,13 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
         *gone = errno == ENOENT;
         snprintf(why, whylen, "%s/limits%s%s", dir, *gone ? " is gone" : ": ", *gone ? "" : open_error(errno));
         if (at >= 0) close(at);
-        if (p->dir >= 0) close(p->dir);
-        free(p->procs);
-        free(p);
-        return NULL;
+        goto fail;
     }
     close(at);
     if (fstat(fd, &st) || (size_t)st.st_size < CGPU_LIMITS_SHARED_GATE) {
         snprintf(why, whylen, "%s/limits is not a cgpud limits page", dir);
         close(fd);
-        close(p->dir);
-        free(p->procs);
-        free(p);
-        return NULL;
+        goto fail;
     }
     p->per_gpu = (size_t)st.st_size >= sizeof(struct cgpu_limits);
     p->lim_size = p->per_gpu ? sizeof(struct cgpu_limits) : CGPU_LIMITS_SHARED_GATE;
@@ -192,10 +191,7 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
     close(fd);
     if (m == MAP_FAILED) {
         snprintf(why, whylen, "%s/limits: %s", dir, strerror(errno));
-        close(p->dir);
-        free(p->procs);
-        free(p);
-        return NULL;
+        goto fail;
     }
     p->lim = m;
     uint32_t magic = p->lim->magic;  /* (0: prepared, its memsizes not yet written) */
@@ -235,11 +231,11 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
     pthread_mutex_init(&p->mu, NULL);
     p->refs = 1;
     return p;
-fail:
+fail:  /* (what was opened or mapped so far) */
     if (p->fifo >= 0) close(p->fifo);
     if (p->keep >= 0) close(p->keep);
-    close(p->dir);
-    munmap(p->lim, p->lim_size);
+    if (p->dir >= 0) close(p->dir);
+    if (p->lim) munmap(p->lim, p->lim_size);
     free(p->procs);
     free(p);
     return NULL;
@@ -444,8 +440,7 @@ static int gated_locked(struct page *p, unsigned *slots, struct head *heads)
         return 0;
     /* their slots in one read, from the first to the last (libcgpu takes the first free ones) */
     size_t len = (size_t)(slots[n - 1] - slots[0] + 1) * sizeof(struct cgpu_proc);
-    off_t at = (off_t)offsetof(struct cgpu_usage, procs) + (off_t)slots[0] * (off_t)sizeof(struct cgpu_proc);
-    got = pread(p->usage_fd, p->procs, len, at);
+    got = pread(p->usage_fd, p->procs, len, slot_at(slots[0]));
     if (got != (ssize_t)len)
         return cut_locked(p, got), -1;
     for (int i = 0; i < n; i++) {
@@ -585,7 +580,7 @@ static int holder_state(struct page *p, unsigned slot)
     if (p->usage_fd < 0)
         return WAITING;
     struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET,
-                      .l_start = (off_t)offsetof(struct cgpu_usage, procs) + (off_t)slot * (off_t)sizeof(struct cgpu_proc),
+                      .l_start = slot_at(slot),
                       .l_len = 1};
     if (fcntl(p->usage_fd, F_GETLK, &l) < 0)
         return WAITING;
@@ -618,8 +613,8 @@ static int give_up_locked(struct page *p, int gpu, int all, int *out, int *why, 
     for (int i = 0; i < n && i < CGPU_MAX_PROCS; i++) {
         int w = holder_state(p, (unsigned)slots[i]);
         struct cgpu_proc now;  /* (its draining bit as it is after the look at its holder: it may have just begun) */
-        off_t at = (off_t)offsetof(struct cgpu_usage, procs) + (off_t)slots[i] * (off_t)sizeof now;
-        if (w == WAITING && pread(p->usage_fd, &now, sizeof now, at) == (ssize_t)sizeof now && now.pid == hs[i].pid)
+        if (w == WAITING && pread(p->usage_fd, &now, sizeof now, slot_at((unsigned)slots[i])) == (ssize_t)sizeof now
+            && now.pid == hs[i].pid)
             hs[i].gpus = now.gpus;
         if (w == WAITING)
             w = !(hs[i].gpus & CGPU_PROC_DRAINING) ? SILENT : all ? TOO_LONG : WAITING;
