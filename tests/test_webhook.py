@@ -232,6 +232,12 @@ class FakeApi:
             raise self.refuse
         self.made.append(body)
 
+    def gpu_mem_quotas(self, namespace: str) -> list[dict]:  # (no quota: tests/test_webhook_server.py has them)
+        return []
+
+    def pods(self, namespace: str) -> list[dict]:
+        return []
+
 
 def patch_of(answer: dict) -> list[dict]:
     r = answer["response"]

@@ -119,9 +119,19 @@ def scheduler_extender(addr: str, log_level: str) -> None:
                    "server calls.")
 @click.option("--webhook-config", default="cgpu-dra-webhook", show_default=True,
               help="The MutatingWebhookConfiguration whose caBundle gets the CA made at start ('' for none).")
+@click.option("--tls-secret", default=None, metavar="NAMESPACE/NAME",
+              help="The Secret (type kubernetes.io/tls, with ca.crt) every replica serves with; made by the first "
+                   "replica that finds none (a CA and a certificate for --tls-san).")
+@click.option("--client-ca", default=None, type=click.Path(dir_okay=False),
+              help="The CA of the client certificate the API server presents to webhooks (its "
+                   "AdmissionConfiguration); POST /mutate takes no other caller. Default: the cluster's CA, "
+                   "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt.")
+@click.option("--client-name", "client_names", multiple=True,
+              help="A CN of that certificate to take (repeat for more). Default: kube-apiserver-kubelet-client "
+                   "(kubeadm's apiserver-kubelet-client.crt).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
 def dra_webhook(addr: str, tls_cert: str | None, tls_key: str | None, tls_san: str, webhook_config: str,
-                log_level: str) -> None:
+                tls_secret: str | None, client_ca: str | None, client_names: tuple[str, ...], log_level: str) -> None:
     """The mutating admission webhook of DRA mode (docs/kubernetes.md): a pod labelled
     aliyun.com/gpu-count M asking aliyun.com/gpu-mem N gets a claim of N/M units on each of M GPUs."""
     import logging
@@ -138,8 +148,11 @@ def dra_webhook(addr: str, tls_cert: str | None, tls_key: str | None, tls_san: s
     sans = [s.strip() for s in tls_san.split(",") if s.strip()]
     if not sans and not tls_cert:
         raise click.ClickException("--tls-san: give at least one name")
+    if tls_secret is not None and not tls_secret.rpartition("/")[2]:
+        raise click.ClickException(f"--tls-secret {tls_secret}: give NAMESPACE/NAME")
     try:
-        webhookserver.main(addr, tls_cert, tls_key, webhook_config or None, sans)
+        webhookserver.main(addr, tls_cert, tls_key, webhook_config or None, sans, client_ca, list(client_names),
+                           tls_secret)
     except (NoCluster, webhookserver.CertError) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
