@@ -59,7 +59,9 @@ REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy" / "kubernetes"
 NODE = "cgpu-node"
 NAMESPACE = "kube-system"
-SA = "cgpu"  # the ServiceAccount deploy/kubernetes/rbac.yaml gives the device plugin and the extender
+SA = "cgpu"  # the ServiceAccount deploy/kubernetes/rbac.yaml gives the node's DaemonSet (the device plugin)
+EXTENDER_SA = "cgpu-scheduler-extender"  # ... and the extender
+DRA_SA = "cgpu-dra-plugin"  # deploy/kubernetes/dra/rbac.yaml's, the DaemonSet's in DRA mode
 PAUSE_IMAGE = "localhost/cgpud-pause:test"
 BUSYBOX_IMAGE = "localhost/cgpud-busybox:test"
 # one cluster at a time on a host (Cluster._take_the_node): its fixed paths and ports are host-wide
@@ -412,6 +414,35 @@ class Cluster:
                     time.sleep(0.5)
         self.tier_lock = fd
 
+    def start_control_plane(self) -> "Cluster":
+        """etcd and kube-apiserver only (no node, containerd or scheduler): for tests of what the API
+        server allows (RBAC, admission policies, webhooks), which need no node to run on."""
+        try:
+            self._take_the_node()
+            make_pki(self.path("pki"), self.ip)
+            self._start_etcd()
+            self._start_apiserver()
+        except BaseException:
+            print(self.logs(), file=sys.stderr)
+            self.cleanup()
+            raise
+        return self
+
+    def node_token(self, account: str, node: str = NODE, namespace: str = NAMESPACE) -> str:
+        """A token of ServiceAccount `account` bound to a pod on `node`, as the kubelet gives a
+        DaemonSet's pod (the API server then puts the node's name in the token's
+        userInfo.extra authentication.kubernetes.io/node-name, which the shipped policies read).
+        The pod (it only sleeps) is made here when missing; the token lives while it does."""
+        name = f"{account}-on-{node}"[:63]
+        if self.kubectl("get", "pod", name, "-n", namespace, check=False).returncode != 0:
+            self.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
+                         "spec": {"nodeName": node, "serviceAccountName": account,
+                                  "automountServiceAccountToken": False, "terminationGracePeriodSeconds": 1,
+                                  "containers": [{"name": "hold", "image": BUSYBOX_IMAGE,
+                                                  "imagePullPolicy": "Never", "command": ["sleep", "86400"]}]}})
+        return self.kubectl("create", "token", account, "-n", namespace, "--duration", "6h", "--bound-object-kind",
+                            "Pod", "--bound-object-name", name).stdout.strip()
+
     def _start(self) -> None:
         for tool in ("etcd", "containerd", "ctr", "containerd-shim-runc-v2", "runc", "openssl", "gcc"):
             if shutil.which(tool) is None:
@@ -463,6 +494,25 @@ class Cluster:
         if not self.procs["etcd"].alive():
             pytest.fail("etcd exited:\n" + self.procs["etcd"].log())
 
+    def _admission_config(self) -> Path:
+        """kube-apiserver's AdmissionConfiguration: toward every webhook (`*`) it presents the client
+        certificate kubeadm gives it (CN kube-apiserver-kubelet-client, of the cluster's CA), which
+        the DRA webhook requires of a caller (docs/kubernetes.md)."""
+        pki = self.path("pki")
+        kc = self.path("webhook-client.kubeconfig")
+        kc.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "clusters": [], "contexts": [],
+            "users": [{"name": "*", "user": {"client-certificate": os.fspath(pki / "apiserver-kubelet-client.crt"),
+                                             "client-key": os.fspath(pki / "apiserver-kubelet-client.key")}}]}))
+        webhook = {"apiVersion": "apiserver.config.k8s.io/v1", "kind": "WebhookAdmissionConfiguration",
+                   "kubeConfigFile": os.fspath(kc)}
+        cfg = self.path("admission.yaml")
+        cfg.write_text(yaml.safe_dump({
+            "apiVersion": "apiserver.config.k8s.io/v1", "kind": "AdmissionConfiguration",
+            "plugins": [{"name": "MutatingAdmissionWebhook", "configuration": webhook},
+                        {"name": "ValidatingAdmissionWebhook", "configuration": webhook}]}))
+        return cfg
+
     def _start_apiserver(self) -> None:
         pki = self.path("pki")
         self.tokens = {name: base64.b32encode(os.urandom(20)).decode().lower() for name in ("admin", "scheduler")}
@@ -484,6 +534,7 @@ class Cluster:
             f"--token-auth-file={self.path('tokens.csv')}",
             "--authorization-mode=Node,RBAC",
             "--enable-admission-plugins=NodeRestriction",
+            f"--admission-control-config-file={self._admission_config()}",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
@@ -833,9 +884,13 @@ state = "{c}/state"
         if p.returncode != 0:
             pytest.fail(f"kubectl apply {' '.join(target)} exited {p.returncode}:\n{self.deploy_output}")
         self.kubectl("label", "node", NODE, "cgpu.aliyun.com/node=true", "--overwrite")
-        token = self.kubectl("create", "token", SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
+        # the device plugin's: its account's token bound to a pod on the node, as the DaemonSet's pod has
+        # (the shipped policy lets it change only the node its token names); the extender's: its own account
         self.sa_kubeconfig = kubeconfig(self.path("cgpu-sa.kubeconfig"), self.server, self.path("pki", "ca.crt"),
-                                        {"token": token})
+                                        {"token": self.node_token(SA)})
+        token = self.kubectl("create", "token", EXTENDER_SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
+        self.extender_kubeconfig = kubeconfig(self.path("extender-sa.kubeconfig"), self.server,
+                                              self.path("pki", "ca.crt"), {"token": token})
         if extender:
             self.start_extender()
         if device_plugin:
@@ -855,7 +910,7 @@ state = "{c}/state"
         host, port = addr or extender_addr()
         self.procs["extender"] = Proc("extender", [self._cgpu(), "scheduler-extender", "--addr", f"{host}:{port}"],
                                       self.path("extender.log"),
-                                      env={"KUBECONFIG": os.fspath(self.sa_kubeconfig)}).start()
+                                      env={"KUBECONFIG": os.fspath(self.extender_kubeconfig)}).start()
 
         def up() -> bool:
             if not self.procs["extender"].alive():

@@ -19,7 +19,7 @@ import time
 import pytest
 import yaml
 
-from cluster import NAMESPACE, NODE, SA, Cluster, shipped_scheduler_config, wait_for
+from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, Cluster, shipped_scheduler_config, wait_for
 from conftest import SIM_T4_BYTES, Daemon, _make_base
 from test_runc import compiled_hook
 from test_runtime import wrapper
@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 UNITS = 14  # a T4's 15109 MiB in GiB units
 SA_USER = f"system:serviceaccount:{NAMESPACE}:{SA}"
+EXTENDER_USER = f"system:serviceaccount:{NAMESPACE}:{EXTENDER_SA}"
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +83,13 @@ def memsize(units: int, dev: int = UNITS) -> str:
 
 # ---- 1: the manifests, applied by kubectl, under RBAC -------------------------------------
 
-NEEDED = [  # what the device plugin and the extender do (docs/kubernetes.md)
+NEEDED = [  # what the device plugin does (docs/kubernetes.md; its own node and pods only: docs/security.md)
     ("get", "nodes"), ("list", "nodes"), ("watch", "nodes"), ("patch", "nodes"), ("patch", "nodes/status"),
     ("get", "pods"), ("list", "pods"), ("watch", "pods"), ("patch", "pods"),
+]
+EXTENDER_NEEDS = [  # ... and the extender, with an account of its own
+    ("get", "nodes"), ("list", "nodes"), ("watch", "nodes"), ("patch", "nodes"),
+    ("get", "pods"), ("list", "pods"), ("watch", "pods"),
     ("create", "pods/binding"), ("create", "bindings"), ("create", "events"),
 ]
 OUTSIDE = [  # what neither needs
@@ -92,14 +97,16 @@ OUTSIDE = [  # what neither needs
     ("update", "clusterroles"), ("create", "deployments.apps"), ("patch", "daemonsets.apps"), ("create", "serviceaccounts/token"),
     ("update", "nodes/status"), ("update", "pods/status"), ("create", "pods/eviction"), ("get", "nodes/proxy"),
 ]
+NODE_OUTSIDE = [("create", "pods/binding"), ("create", "bindings"), ("create", "events")]  # the extender's, not the node's
+EXTENDER_OUTSIDE = [("patch", "pods"), ("patch", "nodes/status")]
 
 
-def can_i(cluster, verb: str, resource: str):
+def can_i(cluster, verb: str, resource: str, user: str = SA_USER):
     """`kubectl auth can-i` as the account (impersonated); "pods/binding" is the subresource (for
     kubectl, RESOURCE/NAME names an object)."""
     resource, _, sub = resource.partition("/")
     return cluster.kubectl("auth", "can-i", verb, resource, *([f"--subresource={sub}"] if sub else []),
-                           f"--as={SA_USER}", "-A", check=False)
+                           f"--as={user}", "-A", check=False)
 
 
 def test_deploy_applies_and_rbac_gives_our_parts_what_they_need_and_no_more(cluster):
@@ -110,12 +117,14 @@ def test_deploy_applies_and_rbac_gives_our_parts_what_they_need_and_no_more(clus
                      "clusterrolebinding.rbac.authorization.k8s.io/cgpu", "daemonset.apps/cgpud",
                      "runtimeclass.node.k8s.io/cgpu"):
         assert expected in objects, (expected, objects, cluster.deploy_output)
-    for verb, resource in NEEDED:
-        p = can_i(cluster, verb, resource)
-        assert p.stdout.strip() == "yes", f"{SA_USER} may not {verb} {resource}: {p.stdout}{p.stderr}"
-    for verb, resource in OUTSIDE:
-        p = can_i(cluster, verb, resource)
-        assert p.stdout.strip() == "no" and p.returncode == 1, f"{SA_USER} may {verb} {resource}"
+    for user, needed, outside in ((SA_USER, NEEDED, OUTSIDE + NODE_OUTSIDE),
+                                  (EXTENDER_USER, EXTENDER_NEEDS, OUTSIDE + EXTENDER_OUTSIDE)):
+        for verb, resource in needed:
+            p = can_i(cluster, verb, resource, user)
+            assert p.stdout.strip() == "yes", f"{user} may not {verb} {resource}: {p.stdout}{p.stderr}"
+        for verb, resource in outside:
+            p = can_i(cluster, verb, resource, user)
+            assert p.stdout.strip() == "no" and p.returncode == 1, f"{user} may {verb} {resource}"
     # and the API server refuses such a request made with the account's own token
     p = cluster.kubectl("get", "secrets", "-n", NAMESPACE, kubeconfig=cluster.sa_kubeconfig, check=False)
     assert p.returncode != 0 and "Forbidden" in p.stderr and SA_USER in p.stderr, p.stderr

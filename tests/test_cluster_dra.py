@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import NAMESPACE, NODE, REPO, SA, BUSYBOX_IMAGE, Cluster, Proc, free_port, kubeconfig, wait_for
+from cluster import DRA_SA, NAMESPACE, NODE, REPO, BUSYBOX_IMAGE, Cluster, Proc, free_port, kubeconfig, wait_for
 from test_cluster import cgpud, container_name, running  # noqa: F401  (cgpud: the module's daemon, a fixture)
 from test_runtime import wrapper
 from test_webhook import SEED_000
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 GIB = 1 << 30
 DRIVER = "cgpu.aliyun.com"
 CLASS = "gpu.cgpu.aliyun.com"
-SA_USER = f"system:serviceaccount:{NAMESPACE}:{SA}"
+SA_USER = f"system:serviceaccount:{NAMESPACE}:{DRA_SA}"
 
 
 def containerd_bin() -> Path:
@@ -53,11 +53,14 @@ def overlay(d: Path) -> Path:
 
 def start_plugin(c: Cluster) -> Proc:
     root = c.path("kubelet", "root")
+    kc = c.path("dra-plugin.kubeconfig")  # (its account's token bound to a pod on the node, as the DaemonSet's)
+    if not kc.exists():
+        kubeconfig(kc, c.server, c.path("pki", "ca.crt"), {"token": c.node_token(DRA_SA)})
     c.procs["dra-plugin"] = Proc("dra-plugin", [
         c._cgpu(), "--socket", c.daemon.socket, "dra-plugin", "--node-name", NODE,
         "--registry-dir", root / "plugins_registry", "--plugin-dir", root / "plugins" / DRIVER,
         "--cdi-dir", c.path("cdi"), "--state-dir", c.path("dra-state"), "--refresh", "0.5"],
-        c.path("dra-plugin.log"), env={"KUBECONFIG": os.fspath(c.sa_kubeconfig)}).start()
+        c.path("dra-plugin.log"), env={"KUBECONFIG": os.fspath(kc)}).start()
     return c.procs["dra-plugin"]
 
 
@@ -321,7 +324,8 @@ def start_webhook(c: Cluster) -> Proc:
     token = c.kubectl("create", "token", WEBHOOK, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
     kc = kubeconfig(c.path("webhook.kubeconfig"), c.server, c.path("pki", "ca.crt"), {"token": token})
     c.procs["dra-webhook"] = Proc("dra-webhook", [
-        c._cgpu(), "dra-webhook", "--addr", f"127.0.0.1:{port}", "--tls-san", "127.0.0.1", "--webhook-config", WEBHOOK],
+        c._cgpu(), "dra-webhook", "--addr", f"127.0.0.1:{port}", "--tls-san", "127.0.0.1", "--webhook-config", WEBHOOK,
+        "--client-ca", c.path("pki", "ca.crt")],  # (the API server's client certificate toward webhooks: its CA)
         c.path("dra-webhook.log"), env={"KUBECONFIG": os.fspath(kc)}).start()
     return c.procs["dra-webhook"]
 

@@ -27,7 +27,9 @@ KUBECTL = "/usr/bin/kubectl"
 KINDS = {"ServiceAccount": "V1ServiceAccount", "ClusterRole": "V1ClusterRole",
          "ClusterRoleBinding": "V1ClusterRoleBinding", "DaemonSet": "V1DaemonSet", "Deployment": "V1Deployment",
          "Service": "V1Service", "RuntimeClass": "V1RuntimeClass", "Pod": "V1Pod", "DeviceClass": "V1DeviceClass",
-         "MutatingWebhookConfiguration": "V1MutatingWebhookConfiguration"}
+         "MutatingWebhookConfiguration": "V1MutatingWebhookConfiguration", "Role": "V1Role",
+         "RoleBinding": "V1RoleBinding", "ValidatingAdmissionPolicy": "V1ValidatingAdmissionPolicy",
+         "ValidatingAdmissionPolicyBinding": "V1ValidatingAdmissionPolicyBinding"}
 SCALARS = {"str", "int", "bool", "float", "object", "datetime", "date"}
 
 
@@ -78,6 +80,9 @@ def test_each_rendered_object_is_a_model_with_no_unknown_field(doc):
 def test_what_is_rendered():
     assert sorted((d["kind"], d["metadata"]["name"]) for d in RENDERED) == sorted([
         ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
+        ("ServiceAccount", "cgpu-scheduler-extender"), ("ClusterRole", "cgpu-scheduler-extender"),
+        ("ClusterRoleBinding", "cgpu-scheduler-extender"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"),
         ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu")])
 
 
@@ -108,19 +113,29 @@ def test_the_image_is_named_in_one_place():
 
 
 def test_rbac_is_the_least_and_the_plugin_knows_its_node():
-    docs = {d["kind"]: d for d in RENDERED}
-    rules = {(r["resources"][0], tuple(r["verbs"])) for r in docs["ClusterRole"]["rules"]}
+    """The node's account binds nothing and makes no events (issue 33: it held the extender's
+    cluster-wide bindings create); the extender has its own, which patches no pod."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in RENDERED}
+    rules = {(r["resources"][0], tuple(r["verbs"])) for r in docs[("ClusterRole", "cgpu")]["rules"]}
     assert rules == {("nodes", ("get", "list", "watch", "patch")), ("nodes/status", ("patch",)),
-                     ("pods", ("get", "list", "watch", "patch")), ("bindings", ("create",)),
-                     ("events", ("create",))}
-    ds = next(d for d in RENDERED if d["metadata"]["name"] == "cgpud")
+                     ("pods", ("get", "list", "watch", "patch"))}
+    rules = {(r["resources"][0], tuple(r["verbs"])) for r in docs[("ClusterRole", "cgpu-scheduler-extender")]["rules"]}
+    assert rules == {("nodes", ("get", "list", "watch", "patch")), ("pods", ("get", "list", "watch")),
+                     ("bindings", ("create",)), ("events", ("create",))}
+    ext = docs[("DaemonSet", "cgpu-scheduler-extender")]["spec"]["template"]["spec"]
+    assert ext["serviceAccountName"] == "cgpu-scheduler-extender"
+    policy = docs[("ValidatingAdmissionPolicy", "cgpu-node-scope")]["spec"]
+    assert policy["matchConditions"][0]["expression"].endswith("'system:serviceaccount:kube-system:cgpu'")
+    assert docs[("ValidatingAdmissionPolicyBinding", "cgpu-node-scope")]["spec"] == {
+        "policyName": "cgpu-node-scope", "validationActions": ["Deny"]}
+    ds = next(d for d in RENDERED if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpud")
     plugin = next(c for c in containers(ds) if c["name"] == "device-plugin")
     assert plugin["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert plugin["securityContext"]["capabilities"]["drop"] == ["ALL"]
 
 
 def test_the_node_daemonset_sets_the_node_up_and_finds_the_driver():
-    ds = next(d for d in RENDERED if d["metadata"]["name"] == "cgpud")
+    ds = next(d for d in RENDERED if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpud")
     spec = ds["spec"]["template"]["spec"]
     (init,) = spec["initContainers"]
     assert init["command"][:3] == ["cgpu", "node", "install"] and "--host-root" in init["command"]
@@ -145,7 +160,7 @@ def test_the_scheduler_reaches_the_extender_on_its_own_node():
     (ext,) = conf["extenders"]
     assert (ext["filterVerb"], ext["bindVerb"]) == ("filter", "bind")
     assert ext["managedResources"] == [{"name": "aliyun.com/gpu-mem", "ignoredByScheduler": False}]
-    extender = next(d for d in RENDERED if d["metadata"]["name"] == "cgpu-scheduler-extender")
+    extender = next(d for d in RENDERED if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpu-scheduler-extender")
     spec = extender["spec"]["template"]["spec"]
     assert spec["hostNetwork"] is True and "node-role.kubernetes.io/control-plane" in spec["nodeSelector"]
     (c,) = spec["containers"]
@@ -243,9 +258,17 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted([
         ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
         ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"), ("ClusterRoleBinding", "cgpu-dra"),
+        ("ServiceAccount", "cgpu-scheduler-extender"), ("ClusterRole", "cgpu-scheduler-extender"),
+        ("ClusterRoleBinding", "cgpu-scheduler-extender"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ServiceAccount", "cgpu-dra-plugin"),
+        ("ValidatingAdmissionPolicy", "cgpu-dra-plugin-node-scope"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-dra-plugin-node-scope"),
         ("DeviceClass", "gpu.cgpu.aliyun.com"), ("DeviceClass", "gpu-mem.cgpu.aliyun.com"),
         ("ServiceAccount", "cgpu-dra-webhook"), ("ClusterRole", "cgpu-dra-webhook"),
-        ("ClusterRoleBinding", "cgpu-dra-webhook"), ("Deployment", "cgpu-dra-webhook"), ("Service", "cgpu-dra-webhook"),
+        ("ClusterRoleBinding", "cgpu-dra-webhook"), ("Role", "cgpu-dra-webhook"), ("RoleBinding", "cgpu-dra-webhook"),
+        ("ValidatingAdmissionPolicy", "cgpu-dra-webhook-limits"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-dra-webhook-limits"),
+        ("Deployment", "cgpu-dra-webhook"), ("Service", "cgpu-dra-webhook"),
         ("MutatingWebhookConfiguration", "cgpu-dra-webhook")])  # no extender
     for doc in docs:
         assert unknown(doc, KINDS[doc["kind"]], doc["kind"]) == [], doc["kind"]
@@ -273,11 +296,19 @@ def test_the_dra_component_swaps_the_device_plugin_for_the_dra_plugin_with_the_l
     role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "cgpu-dra")
     assert {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]} == {
         ("resourceslices", ("list", "watch", "create", "update")), ("resourceclaims", ("get",))}
+    # the plugin's own account (issue 33), bound to that role only
+    assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "cgpu-dra-plugin"
+    binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding" and d["metadata"]["name"] == "cgpu-dra")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "cgpu-dra-plugin", "namespace": "kube-system"}]
     classes = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "DeviceClass"}
     assert classes["gpu-mem.cgpu.aliyun.com"]["extendedResourceName"] == "aliyun.com/gpu-mem"
     for name, kind in (("gpu.cgpu.aliyun.com", dra.KIND_GPU), ("gpu-mem.cgpu.aliyun.com", dra.KIND_UNIT)):
         expr = classes[name]["selectors"][0]["cel"]["expression"]
         assert f'device.driver == "{dra.DRIVER}"' in expr and f'.kind == "{kind}"' in expr, expr
+
+
+def cmd_of(dep: dict) -> list[str]:
+    return dep["spec"]["template"]["spec"]["containers"][0]["command"]
 
 
 def test_the_dra_webhook_sees_only_labelled_pods_at_create_and_is_reached_through_its_service(tmp_path):
@@ -301,7 +332,8 @@ def test_the_dra_webhook_sees_only_labelled_pods_at_create_and_is_reached_throug
     dep = docs[("Deployment", "cgpu-dra-webhook")]
     spec = dep["spec"]["template"]["spec"]
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
-    assert dep["spec"]["replicas"] == 1  # each replica would write a CA of its own
+    assert dep["spec"]["replicas"] == 2  # one CA for both, through the Secret
+    assert cmd_of(dep)[cmd_of(dep).index("--tls-secret") + 1] == "kube-system/cgpu-dra-webhook-tls"
     (c,) = spec["containers"]
     cmd = c["command"]
     assert cmd[:2] == ["cgpu", "dra-webhook"]
@@ -310,12 +342,17 @@ def test_the_dra_webhook_sees_only_labelled_pods_at_create_and_is_reached_throug
     assert cmd[cmd.index("--tls-san") + 1] == f"{ref['name']}.{ref['namespace']}.svc"  # the name the API server calls
     assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}  # (the certificate, made at start)
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}  # (the certificate, until it is loaded)
     assert spec["serviceAccountName"] == "cgpu-dra-webhook"
     role = docs[("ClusterRole", "cgpu-dra-webhook")]
     assert [(r["resources"], r["verbs"], r.get("resourceNames")) for r in role["rules"]] == [
         (["resourceclaimtemplates"], ["create"], None),
-        (["mutatingwebhookconfigurations"], ["get", "patch"], ["cgpu-dra-webhook"])]
+        (["mutatingwebhookconfigurations"], ["get", "patch"], ["cgpu-dra-webhook"]),
+        (["resourcequotas", "pods"], ["list"], None)]
+    role = docs[("Role", "cgpu-dra-webhook")]
+    assert role["metadata"]["namespace"] == "kube-system" and \
+        [(r["resources"], r["verbs"], r.get("resourceNames")) for r in role["rules"]] == [
+        (["secrets"], ["get"], ["cgpu-dra-webhook-tls"]), (["secrets"], ["create"], None)]
     binding = docs[("ClusterRoleBinding", "cgpu-dra-webhook")]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "cgpu-dra-webhook", "namespace": "kube-system"}]
 

@@ -1,0 +1,228 @@
+"""bench/webhook_attack: the cluster side of issue 33, in one run, on a real kube-apiserver
+(tests/cluster.py's control plane: etcd and kube-apiserver, the shipped manifests with the DRA
+component applied, nodes node-a and node-b made through the API) and `cgpu dra-webhook` as a host
+process called by the API server with its client certificate.
+
+1. Admission through the API server (a server-side dry run of a labelled pod, which the API server
+   sends to the webhook), p50 and p99 over --admissions, in turns of ten: with --idle idle TCP
+   connections held open to the webhook (connected, never a ClientHello) and with none (the
+   reference). Then main's server (git show 4bb5e69:cgpud/k8s/webhookserver.py, or --main-ref),
+   in this process with the same certificate: how many of 5 POSTs are answered within 10 s with
+   --idle idle connections held open to it (issue 33: none).
+2. The attacks of a caller who is not the API server, a stolen node token, a stolen webhook
+   token, a tenant escaping its quota: each tried against the API server (or the webhook), and
+   whether it succeeded (it must not).
+
+    .venv/bin/python bench/webhook_attack.py [--admissions 100] [--idle 100] [--main-ref 4bb5e69]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+
+from cluster import DRA_SA, NAMESPACE, SA, Cluster  # noqa: E402
+from test_cluster_security import (QUOTA_NS, WEBHOOK, WEBHOOK_USER, as_token, labelled, overlay,  # noqa: E402
+                                   slice_, start_webhook, try_)
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def admission_times(c: Cluster, n: int, idle_port: int | None, idle: int) -> tuple[list[float], list[float]]:
+    """(with idle connections, without), in turns of ten, through the official client."""
+    from kubernetes import client
+
+    api = c.api()
+    body = labelled("bench", 4)
+    with_, without = [], []
+    held: list[socket.socket] = []
+    for turn in range(2 * ((n + 9) // 10)):
+        loaded = turn % 2 == 0
+        if loaded:
+            held = [socket.create_connection(("127.0.0.1", idle_port), timeout=60) for _ in range(idle)]
+        for _ in range(10):
+            t0 = time.perf_counter()
+            got = api.create_namespaced_pod("default", body, dry_run="All", _preload_content=False)
+            dt = (time.perf_counter() - t0) * 1000
+            assert "resourceClaims" in json.loads(got.data)["spec"], "the webhook did not change the pod"
+            (with_ if loaded else without).append(dt)
+        for s in held:
+            s.close()
+        held = []
+    del client
+    return with_[:n], without[:n]
+
+
+def main_server_answers(ref: str, idle: int) -> str:
+    """Main's webhook server, in this process: POSTs answered within 10 s with `idle` idle
+    connections held open to it."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:cgpud/k8s/webhookserver.py"], capture_output=True,
+                         text=True)
+    if src.returncode != 0:
+        return f"(cannot read {ref}'s webhookserver.py: {src.stderr.strip()})"
+    d = tempfile.mkdtemp(prefix="cgpu-bench-main-")
+    Path(d, "ws_main.py").write_text(src.stdout)
+    spec = importlib.util.spec_from_file_location("ws_main", Path(d, "ws_main.py"))
+    ws = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ws)
+
+    class Api:
+        def ensure_template(self, body):
+            pass
+
+        def gpu_mem_quotas(self, ns):
+            return []
+
+        def pods(self, ns):
+            return []
+
+    ca, cert, key = ws.make_certificate(["127.0.0.1"], d)
+    srv = ws.make_server(Api(), "127.0.0.1", 0, ws.server_context(cert, key))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(idle)]
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "u", "kind": {"group": "", "version": "v1", "kind": "Pod"}, "operation": "CREATE",
+        "namespace": "default", "object": labelled("p", 4)}}
+    ok = 0
+    for _ in range(5):
+        try:
+            req = urllib.request.Request(f"https://127.0.0.1:{port}/mutate", data=json.dumps(review).encode())
+            with urllib.request.urlopen(req, context=ssl.create_default_context(cadata=ca.decode()), timeout=10):
+                ok += 1
+        except OSError:
+            pass
+    for s in held:
+        s.close()
+    return f"{ok} of 5 answered within 10 s"
+
+
+def attacks(c: Cluster, port: int, ca: str) -> list[tuple[str, bool]]:
+    """Each attack and whether it succeeded."""
+    out = []
+    a = as_token(c, "dra-a", c.node_token(DRA_SA, "node-a"))
+    node_a = as_token(c, "node-a", c.node_token(SA, "node-a"))
+    c.node_token(SA, "node-b")
+
+    def ok(p) -> bool:
+        return p.returncode == 0
+
+    # (the policies are loaded by a watch: wait until the first is in force)
+    deadline = time.monotonic() + 30
+    while "cgpu-dra-plugin-node-scope" not in try_(c, a, "create", "-f", "-", "--dry-run=server",
+                                                     stdin=slice_("node-b")).stderr:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    out.append(("DRA plugin token of node-a writes a ResourceSlice of node-b",
+                ok(try_(c, a, "create", "-f", "-", stdin=slice_("node-b")))))
+    out.append(("DRA plugin token of node-a writes another driver's slice on node-a",
+                ok(try_(c, a, "create", "-f", "-", stdin=slice_("node-a", driver="gpu.nvidia.com")))))
+    out.append(("DRA plugin token patches a node", ok(try_(c, a, "annotate", "node", "node-b", "x=y"))))
+    out.append(("DRA plugin token patches a pod", ok(try_(c, a, "annotate", "pod", "-n", NAMESPACE,
+                                                           f"{SA}-on-node-b", "x=y"))))
+    binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": f"{SA}-on-node-b", "namespace": NAMESPACE},
+               "target": {"kind": "Node", "name": "node-a"}}
+    out.append(("node token binds a pod", ok(try_(c, node_a, "create", "-f", "-", stdin=binding))))
+    out.append(("node token of node-a annotates node-b", ok(try_(c, node_a, "annotate", "node", "node-b",
+                                                                 "cgpu.aliyun.com/gpu-mem-per-device=99"))))
+    out.append(("node token of node-a labels its own node", ok(try_(c, node_a, "label", "node", "node-a",
+                                                                     "nvidia.com/gpu.present=true"))))
+    out.append(("node token of node-a annotates a pod on node-b", ok(try_(
+        c, node_a, "annotate", "pod", "-n", NAMESPACE, f"{SA}-on-node-b", "ALIYUN_COM_GPU_MEM_ASSIGNED=true"))))
+    widen = [{"op": "replace", "path": "/webhooks/0/rules/0/operations", "value": ["*"]}]
+    out.append(("webhook token widens its rules", ok(try_(c, c.admin, "patch", "mutatingwebhookconfiguration",
+                                                          WEBHOOK, "--as", WEBHOOK_USER, "--type=json", "-p",
+                                                          json.dumps(widen)))))
+    out.append(("webhook token drops its objectSelector", ok(try_(
+        c, c.admin, "patch", "mutatingwebhookconfiguration", WEBHOOK, "--as", WEBHOOK_USER, "--type=json", "-p",
+        json.dumps([{"op": "remove", "path": "/webhooks/0/objectSelector"}])))))
+    token_secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/service-account-token",
+                    "metadata": {"name": "cgpu-dra-webhook-tls", "namespace": NAMESPACE,
+                                 "annotations": {"kubernetes.io/service-account.name": "cgpu"}}}
+    out.append(("webhook token makes a token Secret of another account",
+                ok(try_(c, c.admin, "create", "-f", "-", "--as", WEBHOOK_USER, stdin=token_secret))))
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "forged", "kind": {"group": "", "version": "v1", "kind": "Pod"}, "operation": "CREATE",
+        "namespace": NAMESPACE, "object": labelled("forged", 6)}}
+    try:
+        req = urllib.request.Request(f"https://127.0.0.1:{port}/mutate", data=json.dumps(review).encode())
+        urllib.request.urlopen(req, context=ssl.create_default_context(cadata=ca), timeout=20).read()
+    except urllib.error.HTTPError:
+        pass
+    out.append(("unauthenticated POST makes a ResourceClaimTemplate in kube-system",
+                ok(try_(c, c.admin, "get", "resourceclaimtemplate", "-n", NAMESPACE, "cgpu-gpu-mem-6x2"))))
+    c.create({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpu-mem", "namespace": QUOTA_NS},
+              "spec": {"hard": {"requests.aliyun.com/gpu-mem": "12"}}})
+    c.kubectl("create", "-n", QUOTA_NS, "-f", "-", stdin=json.dumps(labelled("first", 8)))
+    out.append(("labelled pod past its namespace's gpu-mem quota", ok(try_(
+        c, c.admin, "create", "-n", QUOTA_NS, "-f", "-", stdin=labelled("second", 8)))))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--admissions", type=int, default=100)
+    ap.add_argument("--idle", type=int, default=100)
+X
+    args = ap.parse_args()
+    print(f"main's server ({args.main_ref}), {args.idle} idle connections held: {main_server_answers(args.main_ref, args.idle)}",
+          flush=True)
+    c = Cluster(None, None).start_control_plane()
+    try:
+        c.kubectl("apply", "-k", overlay(c.path("overlay")))
+        for node in ("node-a", "node-b"):
+            c.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+        c.kubectl("create", "namespace", QUOTA_NS)
+        c.kubectl("create", "serviceaccount", "default", "-n", QUOTA_NS)
+        c.kubectl("patch", "serviceaccount", "default", "-n", "default", "-p", '{"automountServiceAccountToken": false}',
+                  check=False)
+        _, port = start_webhook(c, "dra-webhook")
+        ca = c.get("secret", "cgpu-dra-webhook-tls", "-n", NAMESPACE)["data"]["ca.crt"]
+        c.kubectl("patch", "mutatingwebhookconfiguration", WEBHOOK, "--type=json", "-p", json.dumps(
+            [{"op": "replace", "path": "/webhooks/0/clientConfig",
+              "value": {"url": f"https://127.0.0.1:{port}/mutate", "caBundle": ca}}]))
+        import base64
+
+        ca_pem = base64.b64decode(ca).decode()
+        deadline = time.monotonic() + 30
+        while True:  # (the API server reads the configuration by a watch)
+            p = c.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", check=False,
+                          stdin=json.dumps(labelled("w", 4)))
+            if p.returncode == 0 and "resourceClaims" in p.stdout:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the API server never called the webhook: {p.stderr}")
+            time.sleep(0.2)
+        loaded, quiet = admission_times(c, args.admissions, port, args.idle)
+        print(f"admission through the API server (server-side dry run), {len(loaded)} each, in turns of ten:")
+        print(f"  {args.idle} idle TCP connections held open: p50 {pct(loaded, 50):.1f} ms, p99 {pct(loaded, 99):.1f} ms")
+        print(f"  none (reference):                  p50 {pct(quiet, 50):.1f} ms, p99 {pct(quiet, 99):.1f} ms")
+        results = attacks(c, port, ca_pem)
+        print(f"attacks tried / succeeded: {len(results)} / {sum(ok for _, ok in results)}")
+        for what, ok in results:
+            print(f"  {'SUCCEEDED' if ok else 'refused  '}  {what}")
+    finally:
+        c.cleanup()
+
+
+if __name__ == "__main__":
+    main()

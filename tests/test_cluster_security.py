@@ -1,0 +1,273 @@
+"""The cluster side of issue 33 on a real kube-apiserver enforcing the shipped RBAC and
+ValidatingAdmissionPolicies (docs/security.md, "The cluster"; docs/cluster-tests.md, test 7).
+
+Only etcd and kube-apiserver run (`Cluster.start_control_plane`): what is tried here is what the
+API server allows. Nodes `node-a` and `node-b` are made through the API (no kubelet), and a
+component's token "on node A" is its account's token bound to a pod on node-a
+(`kubectl create token --bound-object-kind Pod`), which is what the kubelet gives a DaemonSet's
+pod: the API server puts the node's name in it (userInfo.extra
+authentication.kubernetes.io/node-name). `cgpu dra-webhook` runs as two host processes sharing
+the Secret its first replica makes, called by the API server with the client certificate its
+AdmissionConfiguration gives it (tests/cluster.py)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import ssl
+import urllib.error
+import urllib.request
+
+import pytest
+import yaml
+
+from cluster import DRA_SA, NAMESPACE, SA, Cluster, Proc, free_port, kubeconfig, wait_for
+
+pytestmark = pytest.mark.slow
+
+WEBHOOK = "cgpu-dra-webhook"
+WEBHOOK_USER = f"system:serviceaccount:{NAMESPACE}:{WEBHOOK}"
+QUOTA_NS = "team-q"
+
+
+def overlay(d) -> str:
+    from test_cluster_dra import overlay as dra_overlay
+
+    return os.fspath(dra_overlay(d))
+
+
+@pytest.fixture(scope="module")
+def cp():
+    c = Cluster(None, None).start_control_plane()
+    try:
+        c.kubectl("apply", "-k", overlay(c.path("overlay")))
+        for node in ("node-a", "node-b"):
+            c.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
+        c.kubectl("create", "namespace", QUOTA_NS)
+        c.kubectl("create", "serviceaccount", "default", "-n", QUOTA_NS)
+        yield c
+    finally:
+        c.cleanup()
+
+
+def as_token(c: Cluster, name: str, token: str):
+    return kubeconfig(c.path(f"{name}.kubeconfig"), c.server, c.path("pki", "ca.crt"), {"token": token})
+
+
+def try_(c: Cluster, kc, *args: str, stdin: dict | None = None):
+    return c.kubectl(*args, kubeconfig=kc, check=False, stdin=None if stdin is None else json.dumps(stdin))
+
+
+def slice_(node: str, driver: str = "cgpu.aliyun.com", name: str | None = None) -> dict:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": name or f"{node}-{driver}-t"},
+            "spec": {"driver": driver, "nodeName": node, "pool": {"name": node, "generation": 1,
+                                                                  "resourceSliceCount": 1},
+                     "devices": [{"name": "gpu-0"}]}}
+
+
+def policy_active(c: Cluster, kc, probe: list[str], stdin: dict | None, name: str) -> None:
+    """Wait until the API server enforces the policy `name` (it loads policies by a watch): a
+    server-side dry run of a request it refuses, until it refuses it."""
+    wait_for(lambda: name in try_(c, kc, *probe, "--dry-run=server", stdin=stdin).stderr, 30,
+             f"policy {name} in force", c.logs)
+
+
+def refused(p, *words: str) -> bool:
+    return p.returncode != 0 and all(w in p.stderr for w in words)
+
+
+def test_a_node_plugins_token_writes_only_its_own_nodes_slices_and_nothing_of_nodes_or_pods(cp):
+    """Issue 33: the DRA plugin's account could create and update every ResourceSlice of every
+    driver and node, and held nodes/pods patch and bindings create (main has no account
+    cgpu-dra-plugin: the DaemonSet's pods ran as cgpu)."""
+    a = as_token(cp, "dra-a", cp.node_token(DRA_SA, "node-a"))
+    b = as_token(cp, "dra-b", cp.node_token(DRA_SA, "node-b"))
+    policy = "cgpu-dra-plugin-node-scope"
+    policy_active(cp, a, ["create", "-f", "-"], slice_("node-b"), policy)
+    assert try_(cp, a, "create", "-f", "-", stdin=slice_("node-a")).returncode == 0  # its own: yes
+    p = try_(cp, a, "create", "-f", "-", stdin=slice_("node-b"))
+    assert refused(p, policy, "may write only its own node's ResourceSlices"), p.stderr
+    p = try_(cp, a, "create", "-f", "-", stdin=slice_("node-a", driver="gpu.nvidia.com"))  # another driver's
+    assert refused(p, policy), p.stderr
+    mine = cp.get("resourceslice", "node-a-cgpu.aliyun.com-t")
+    moved = {**mine, "spec": {**mine["spec"], "nodeName": "node-b"}}
+    assert refused(try_(cp, a, "replace", "-f", "-", stdin=moved), policy)  # moved onto another node
+    assert refused(try_(cp, b, "replace", "-f", "-", stdin=mine), policy)  # node B rewriting node A's
+    unbound = as_token(cp, "dra-unbound", cp.kubectl("create", "token", DRA_SA, "-n", NAMESPACE).stdout.strip())
+    assert refused(try_(cp, unbound, "create", "-f", "-", stdin=slice_("node-a", name="x")), policy,
+                   "only a token bound to a pod on a node")
+    for args in (["annotate", "node", "node-a", "x=y"], ["annotate", "pod", "-n", NAMESPACE, f"{DRA_SA}-on-node-a",
+                                                        "x=y"],
+                 ["create", "-f", "-"]):
+        stdin = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": f"{DRA_SA}-on-node-a",
+                                                                     "namespace": NAMESPACE},
+                 "target": {"kind": "Node", "name": "node-b"}} if args[0] == "create" else None
+        p = try_(cp, a, *args, stdin=stdin)
+        assert refused(p, "forbidden"), (args, p.stderr)
+    assert cp.get("resourceslice", "node-a-cgpu.aliyun.com-t")["spec"]["nodeName"] == "node-a"
+    assert try_(cp, cp.admin, "get", "resourceslice", "node-b-cgpu.aliyun.com-t").returncode != 0
+
+
+def test_the_node_accounts_token_changes_only_its_own_node_and_the_pods_bound_to_it(cp):
+    """Issue 33: the node's account held cluster-wide nodes patch, pods patch and bindings create
+    (main: node A's token annotates node B and binds)."""
+    a = as_token(cp, "node-a", cp.node_token(SA, "node-a"))
+    cp.node_token(SA, "node-b")  # (a pod on node-b to try)
+    policy = "cgpu-node-scope"
+    patch = json.dumps({"metadata": {"annotations": {"cgpu.aliyun.com/gpu-mem-per-device": "15"}}})
+    policy_active(cp, a, ["patch", "node", "node-b", "-p", patch], None, policy)
+    assert try_(cp, a, "patch", "node", "node-a", "-p", patch).returncode == 0
+    assert refused(try_(cp, a, "patch", "node", "node-b", "-p", patch), policy, "may change only its own node")
+    status = json.dumps({"status": {"capacity": {"aliyun.com/gpu-count": "2"}}})
+    assert try_(cp, a, "patch", "node", "node-a", "--subresource=status", "-p", status).returncode == 0
+    assert refused(try_(cp, a, "patch", "node", "node-b", "--subresource=status", "-p", status), policy)
+    assert refused(try_(cp, a, "label", "node", "node-a", "nvidia.com/gpu.present=true"), policy,
+                   "may change only the annotations")  # (not a label that draws pods to it)
+    given = json.dumps({"metadata": {"annotations": {"ALIYUN_COM_GPU_MEM_ASSIGNED": "true"}}})
+    assert try_(cp, a, "patch", "pod", "-n", NAMESPACE, f"{SA}-on-node-a", "-p", given).returncode == 0
+    assert refused(try_(cp, a, "patch", "pod", "-n", NAMESPACE, f"{SA}-on-node-b", "-p", given), policy,
+                   "only the pods bound to it")
+    assert refused(try_(cp, a, "annotate", "pod", "-n", NAMESPACE, f"{SA}-on-node-a", "other=1"), policy)
+    binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": f"{SA}-on-node-a", "namespace": NAMESPACE},
+               "target": {"kind": "Node", "name": "node-b"}}
+    assert refused(try_(cp, a, "create", "-f", "-", stdin=binding), "forbidden")
+    assert "cgpu.aliyun.com/gpu-mem-per-device" not in (cp.get("node", "node-b")["metadata"].get("annotations") or {})
+
+
+def test_the_webhooks_account_may_set_the_ca_bundle_and_widen_nothing(cp):
+    """Issue 33: the webhook's patch on its own MutatingWebhookConfiguration was not limited to
+    caBundle: its token could widen its rules to every pod of the cluster (main allows each patch
+    below). Tried as its account (impersonated): rules, selectors, failure policy, the URL are
+    refused by the policy; a new caBundle is allowed; the one Secret it may make is its own TLS."""
+    policy = "cgpu-dra-webhook-limits"
+    as_hook = ["--as", WEBHOOK_USER]
+    widen = [{"op": "replace", "path": "/webhooks/0/rules/0/operations", "value": ["*"]}]
+    wait_for(lambda: policy in try_(cp, cp.admin, "patch", "mutatingwebhookconfiguration", WEBHOOK, *as_hook,
+                                    "--type=json", "-p", json.dumps(widen), "--dry-run=server").stderr, 30,
+             "the webhook's policy in force", cp.logs)
+    for patch in (widen,
+                  [{"op": "remove", "path": "/webhooks/0/objectSelector"}],
+                  [{"op": "replace", "path": "/webhooks/0/failurePolicy", "value": "Ignore"}],
+                  [{"op": "replace", "path": "/webhooks/0/namespaceSelector", "value": {}}],
+                  [{"op": "replace", "path": "/webhooks/0/clientConfig", "value": {"url": "https://evil:1/m"}}]):
+        p = try_(cp, cp.admin, "patch", "mutatingwebhookconfiguration", WEBHOOK, *as_hook, "--type=json",
+                 "-p", json.dumps(patch))
+        assert refused(p, policy, "may change only the caBundle"), (patch, p.stderr)
+    hook = cp.get("mutatingwebhookconfiguration", WEBHOOK)["webhooks"][0]
+    assert hook["rules"][0]["operations"] == ["CREATE"] and hook["failurePolicy"] == "Fail"
+    ca = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg=="
+    p = try_(cp, cp.admin, "patch", "mutatingwebhookconfiguration", WEBHOOK, *as_hook, "--type=json", "-p",
+             json.dumps([{"op": "add", "path": "/webhooks/0/clientConfig/caBundle", "value": ca}]))
+    assert p.returncode == 0, p.stderr
+    assert cp.get("mutatingwebhookconfiguration", WEBHOOK)["webhooks"][0]["clientConfig"]["caBundle"] == ca
+    token_secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/service-account-token",
+                    "metadata": {"name": "cgpu-dra-webhook-tls", "namespace": NAMESPACE,
+                                 "annotations": {"kubernetes.io/service-account.name": "cgpu"}}}
+    for secret in (token_secret, {**token_secret, "type": "kubernetes.io/tls", "metadata": {
+            "name": "other", "namespace": NAMESPACE}, "data": {"tls.crt": "", "tls.key": ""}}):
+        p = try_(cp, cp.admin, "create", "-f", "-", *as_hook, stdin=secret)
+        assert refused(p, policy, "only its own Secret"), p.stderr
+
+
+# ---- the webhook itself, called by the API server --------------------------------------------
+
+
+def start_webhook(c: Cluster, name: str) -> tuple[Proc, int]:
+    port = free_port()
+    token = c.kubectl("create", "token", WEBHOOK, "-n", NAMESPACE, "--duration", "1h").stdout.strip()
+    kc = kubeconfig(c.path(f"{name}.kubeconfig"), c.server, c.path("pki", "ca.crt"), {"token": token})
+    c.procs[name] = Proc(name, [
+        c._cgpu(), "dra-webhook", "--addr", f"127.0.0.1:{port}", "--tls-san", "127.0.0.1", "--webhook-config", WEBHOOK,
+        "--tls-secret", f"{NAMESPACE}/cgpu-dra-webhook-tls", "--client-ca", c.path("pki", "ca.crt")],
+        c.path(f"{name}.log"), env={"KUBECONFIG": os.fspath(kc)}).start()
+    wait_for(lambda: "dra-webhook on https://" in c.procs[name].log_path.read_text() or not c.procs[name].alive(),
+             60, f"{name} to serve", c.logs)
+    assert c.procs[name].alive(), c.procs[name].log()
+    return c.procs[name], port
+
+
+def labelled(name: str, n: int, m: int = 2) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"aliyun.com/gpu-count": str(m)}},
+            "spec": {"automountServiceAccountToken": False, "containers": [{
+                "name": "app", "image": "x", "resources": {"limits": {"aliyun.com/gpu-mem": str(n)}}}]}}
+
+
+@pytest.fixture(scope="module")
+def webhook(cp):
+    """Two replicas on the Secret the first makes; the configuration pointed at the first (no
+    kube-proxy: as an administrator would, its URL in place of the Service)."""
+    first, port = start_webhook(cp, "dra-webhook")
+    second, port2 = start_webhook(cp, "dra-webhook-2")
+    cp.kubectl("patch", "mutatingwebhookconfiguration", WEBHOOK, "--type=json", "-p", json.dumps(
+        [{"op": "replace", "path": "/webhooks/0/clientConfig",
+          "value": {"url": f"https://127.0.0.1:{port}/mutate",
+                    "caBundle": cp.get("secret", "cgpu-dra-webhook-tls", "-n", NAMESPACE)["data"]["ca.crt"]}}]))
+    return port, port2
+
+
+def dry_run(c: Cluster, pod: dict, ns: str = "default"):
+    return c.kubectl("create", "-n", ns, "--dry-run=server", "-o", "json", "-f", "-", check=False,
+                     stdin=json.dumps(pod))
+
+
+def test_two_replicas_share_one_ca_and_only_the_api_server_may_ask(cp, webhook):
+    """Issue 33: anyone who reached the webhook could post an AdmissionReview naming any namespace
+    and have a ResourceClaimTemplate made there (main answers the POST below with 200 and makes
+    it); one replica made a new CA at each start. Here both replicas serve the Secret's CA; the
+    API server, with its client certificate, is answered; a POST without one is refused."""
+    port, port2 = webhook
+    secret = cp.get("secret", "cgpu-dra-webhook-tls", "-n", NAMESPACE)
+    assert secret["type"] == "kubernetes.io/tls"
+    import base64
+
+    ca = base64.b64decode(secret["data"]["ca.crt"]).decode()
+    for p in (port, port2):  # the same certificate, of the Secret's CA, on both
+        ctx = ssl.create_default_context(cadata=ca)
+        with urllib.request.urlopen(f"https://127.0.0.1:{p}/healthz", context=ctx, timeout=20) as r:
+            assert r.status == 200
+    wait_for(lambda: dry_run(cp, labelled("d", 4)).returncode == 0, 30, "the API server to call the webhook",
+             cp.logs)
+    pod = json.loads(dry_run(cp, labelled("d", 4)).stdout)
+    assert pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == "cgpu-gpu-mem-4x2"
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "forged", "kind": {"group": "", "version": "v1", "kind": "Pod"}, "operation": "CREATE",
+        "namespace": NAMESPACE, "object": labelled("forged", 6)}}
+    req = urllib.request.Request(f"https://127.0.0.1:{port}/mutate", data=json.dumps(review).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, context=ssl.create_default_context(cadata=ca), timeout=20)
+    assert e.value.code == 403 and "client certificate" in json.loads(e.value.read())["error"]
+    assert try_(cp, cp.admin, "get", "resourceclaimtemplate", "-n", NAMESPACE, "cgpu-gpu-mem-6x2").returncode != 0
+
+
+def test_a_hundred_idle_connections_keep_no_labelled_pod_from_being_admitted(cp, webhook):
+    """Issue 33: on main one connection that never sent a ClientHello held the webhook's only
+    serving thread, and with failurePolicy Fail every labelled pod was refused."""
+    port, _ = webhook
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(100)]
+    try:
+        p = dry_run(cp, labelled("busy", 4))
+        assert p.returncode == 0 and json.loads(p.stdout)["spec"]["resourceClaims"], p.stderr
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_rewritten_pod_still_counts_against_its_namespaces_gpu_mem_quota(cp, webhook):
+    """Issue 33: the webhook took aliyun.com/gpu-mem off a labelled pod, so the namespace's
+    requests.aliyun.com/gpu-mem quota no longer counted it: with a quota of 12, main admits both
+    pods of 8 below. Now the second is refused with the quota's line and nothing of it is made."""
+    cp.create({"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "gpu-mem", "namespace": QUOTA_NS},
+               "spec": {"hard": {"requests.aliyun.com/gpu-mem": "12"}}})
+    first = labelled("first", 8)
+    p = cp.kubectl("create", "-n", QUOTA_NS, "-f", "-", stdin=json.dumps(first), check=False)
+    assert p.returncode == 0, p.stderr
+    p = cp.kubectl("create", "-n", QUOTA_NS, "-f", "-", stdin=json.dumps(labelled("second", 8)), check=False)
+    assert refused(p, 'admission webhook "gpu-count.cgpu.aliyun.com" denied the request: exceeded quota: gpu-mem, '
+                      "requested: requests.aliyun.com/gpu-mem=8, used: requests.aliyun.com/gpu-mem=8, "
+                      "limited: requests.aliyun.com/gpu-mem=12"), p.stderr
+    assert try_(cp, cp.admin, "get", "pod", "-n", QUOTA_NS, "second").returncode != 0
+    assert cp.kubectl("create", "-n", QUOTA_NS, "-f", "-", stdin=json.dumps(labelled("third", 4)),
+                      check=False).returncode == 0  # 8 + 4 = 12: still within it
+    assert len(yaml.safe_load(cp.kubectl("get", "pods", "-n", QUOTA_NS, "-o", "yaml").stdout)["items"]) == 2
