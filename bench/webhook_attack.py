@@ -48,8 +48,6 @@ def pct(xs: list[float], p: float) -> float:
 
 def admission_times(c: Cluster, n: int, idle_port: int | None, idle: int) -> tuple[list[float], list[float]]:
     """(with idle connections, without), in turns of ten, through the official client."""
-    from kubernetes import client
-
     api = c.api()
     body = labelled("bench", 4)
     with_, without = [], []
@@ -67,7 +65,6 @@ def admission_times(c: Cluster, n: int, idle_port: int | None, idle: int) -> tup
         for s in held:
             s.close()
         held = []
-    del client
     return with_[:n], without[:n]
 
 
@@ -182,10 +179,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--admissions", type=int, default=100)
     ap.add_argument("--idle", type=int, default=100)
-X
+    ap.add_argument("--main-ref", default="4bb5e69",
+                    help="the git ref of the server before issue 33 (default 4bb5e69, main when it was filed)")
     args = ap.parse_args()
-    print(f"main's server ({args.main_ref}), {args.idle} idle connections held: {main_server_answers(args.main_ref, args.idle)}",
-          flush=True)
+    answered = main_server_answers(args.main_ref, args.idle)
+    print(f"main's server ({args.main_ref}), {args.idle} idle connections held: {answered}", flush=True)
     c = Cluster(None, None).start_control_plane()
     try:
         c.kubectl("apply", "-k", overlay(c.path("overlay")))
@@ -193,8 +191,6 @@ X
             c.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
         c.kubectl("create", "namespace", QUOTA_NS)
         c.kubectl("create", "serviceaccount", "default", "-n", QUOTA_NS)
-        c.kubectl("patch", "serviceaccount", "default", "-n", "default", "-p", '{"automountServiceAccountToken": false}',
-                  check=False)
         _, port = start_webhook(c, "dra-webhook")
         ca = c.get("secret", "cgpu-dra-webhook-tls", "-n", NAMESPACE)["data"]["ca.crt"]
         c.kubectl("patch", "mutatingwebhookconfiguration", WEBHOOK, "--type=json", "-p", json.dumps(
@@ -214,7 +210,8 @@ X
             time.sleep(0.2)
         loaded, quiet = admission_times(c, args.admissions, port, args.idle)
         print(f"admission through the API server (server-side dry run), {len(loaded)} each, in turns of ten:")
-        print(f"  {args.idle} idle TCP connections held open: p50 {pct(loaded, 50):.1f} ms, p99 {pct(loaded, 99):.1f} ms")
+        print(f"  {args.idle} idle TCP connections held open: p50 {pct(loaded, 50):.1f} ms, "
+              f"p99 {pct(loaded, 99):.1f} ms")
         print(f"  none (reference):                  p50 {pct(quiet, 50):.1f} ms, p99 {pct(quiet, 99):.1f} ms")
         results = attacks(c, port, ca_pem)
         print(f"attacks tried / succeeded: {len(results)} / {sum(ok for _, ok in results)}")

@@ -422,6 +422,9 @@ class Cluster:
             make_pki(self.path("pki"), self.ip)
             self._start_etcd()
             self._start_apiserver()
+            self.kubectl("create", "serviceaccount", "default", "-n", "default")  # (as _start: pods name one)
+            self.kubectl("patch", "serviceaccount", "default", "-n", "default", "-p",
+                         '{"automountServiceAccountToken": false}')
         except BaseException:
             print(self.logs(), file=sys.stderr)
             self.cleanup()
@@ -886,8 +889,10 @@ state = "{c}/state"
         self.kubectl("label", "node", NODE, "cgpu.aliyun.com/node=true", "--overwrite")
         # the device plugin's: its account's token bound to a pod on the node, as the DaemonSet's pod has
         # (the shipped policy lets it change only the node its token names); the extender's: its own account
+        token = self.node_token(SA) if device_plugin else \
+            self.kubectl("create", "token", SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
         self.sa_kubeconfig = kubeconfig(self.path("cgpu-sa.kubeconfig"), self.server, self.path("pki", "ca.crt"),
-                                        {"token": self.node_token(SA)})
+                                        {"token": token})
         token = self.kubectl("create", "token", EXTENDER_SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
         self.extender_kubeconfig = kubeconfig(self.path("extender-sa.kubeconfig"), self.server,
                                               self.path("pki", "ca.crt"), {"token": token})

@@ -119,7 +119,8 @@ def test_rbac_is_the_least_and_the_plugin_knows_its_node():
     rules = {(r["resources"][0], tuple(r["verbs"])) for r in docs[("ClusterRole", "cgpu")]["rules"]}
     assert rules == {("nodes", ("get", "list", "watch", "patch")), ("nodes/status", ("patch",)),
                      ("pods", ("get", "list", "watch", "patch"))}
-    rules = {(r["resources"][0], tuple(r["verbs"])) for r in docs[("ClusterRole", "cgpu-scheduler-extender")]["rules"]}
+    rules = {(r["resources"][0], tuple(r["verbs"]))
+             for r in docs[("ClusterRole", "cgpu-scheduler-extender")]["rules"]}
     assert rules == {("nodes", ("get", "list", "watch", "patch")), ("pods", ("get", "list", "watch")),
                      ("bindings", ("create",)), ("events", ("create",))}
     ext = docs[("DaemonSet", "cgpu-scheduler-extender")]["spec"]["template"]["spec"]
@@ -160,7 +161,8 @@ def test_the_scheduler_reaches_the_extender_on_its_own_node():
     (ext,) = conf["extenders"]
     assert (ext["filterVerb"], ext["bindVerb"]) == ("filter", "bind")
     assert ext["managedResources"] == [{"name": "aliyun.com/gpu-mem", "ignoredByScheduler": False}]
-    extender = next(d for d in RENDERED if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpu-scheduler-extender")
+    extender = next(d for d in RENDERED
+                    if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpu-scheduler-extender")
     spec = extender["spec"]["template"]["spec"]
     assert spec["hostNetwork"] is True and "node-role.kubernetes.io/control-plane" in spec["nodeSelector"]
     (c,) = spec["containers"]

@@ -38,7 +38,6 @@ import subprocess
 import tempfile
 import threading
 import time
-from decimal import Decimal
 from http.server import BaseHTTPRequestHandler
 
 from cgpud.k8s import quota, webhook
