@@ -370,3 +370,20 @@ def test_every_container_of_dra_mode_runs_the_bases_image(tmp_path):
     assert ("cgpu-dra-webhook", "webhook") in images and ("cgpud", "dra-plugin") in images
     assert set(images.values()) == {f"{image['newName']}:{image['newTag']}"}, images
     assert yaml.safe_load((DEPLOY / "dra" / "kustomization.yaml").read_text())["images"] == [image]  # (no drift)
+
+
+def test_each_right_in_the_manifests_says_why():
+    """Issue 33: each rule of each role is commented with why it is needed (the comment above
+    the rule, or on its verbs)."""
+    for f in (DEPLOY / "rbac.yaml", DEPLOY / "dra" / "rbac.yaml", DEPLOY / "dra" / "webhook.yaml"):
+        lines = f.read_text().splitlines()
+        in_rules = False
+        for i, line in enumerate(lines):
+            if line.startswith("rules:"):
+                in_rules = True
+            elif line and not line.startswith((" ", "#")):
+                in_rules = False
+            if in_rules and line.lstrip().startswith("- apiGroups:"):
+                rule = lines[i:i + 5]
+                verbs = next(x for x in rule if x.lstrip().startswith("verbs:"))
+                assert lines[i - 1].lstrip().startswith("#") or "#" in verbs, f"{f.name}:{i + 1}: {line} says no why"
