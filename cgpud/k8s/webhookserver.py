@@ -374,6 +374,13 @@ def make_server(api, host: str, port: int, ctx: ssl.SSLContext, client_names=Non
             send_json(self, code, obj)
 
         def do_POST(self):
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                return self._send(400, {"error": "Content-Length is not a number"})
+            if n < 0 or n > MAX_BODY:
+                return self._send(413, {"error": f"body larger than {MAX_BODY} bytes"})
+            body = self.rfile.read(n)  # (read before any answer: a close with unread data resets the answer)
             if self.path.split("?")[0] != PATH:
                 return self._send(404, {"error": f"no such path {self.path}"})
             why = self.server.caller(self.connection)
@@ -381,13 +388,7 @@ def make_server(api, host: str, port: int, ctx: ssl.SSLContext, client_names=Non
                 log.warning("%s: POST %s refused: %s", self.client_address[0], PATH, why)
                 return self._send(403, {"error": why})
             try:
-                n = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                return self._send(400, {"error": "Content-Length is not a number"})
-            if n < 0 or n > MAX_BODY:
-                return self._send(413, {"error": f"body larger than {MAX_BODY} bytes"})
-            try:
-                review = json.loads(self.rfile.read(n) or b"null")
+                review = json.loads(body or b"null")
             except ValueError as exc:
                 return self._send(400, {"error": f"the body is not JSON ({exc})"})
             try:
