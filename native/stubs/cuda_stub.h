@@ -76,4 +76,11 @@ HIDDEN CUresult stub_module_function(void **f, void *module, const char *name); 
 HIDDEN int stub_find_global(CUdeviceptr p, size_t n);  /* [p, p + n) inside a module's global: 0, else -1 */
 /* a launch of function (or kernel) `f`: its code loaded onto the card at its first (lazy loading) */
 HIDDEN CUresult stub_function_loaded(const void *f);
+/* cuda_pools.c: stream-ordered pools (what they reserve stays on the card up to their release threshold) */
+HIDDEN CUresult stub_pool_alloc_async(CUdeviceptr *out, size_t size, const void *stream, void *pool);  /* NULL pool: the stream's device's current */
+HIDDEN int stub_pool_free(CUdeviceptr p, CUresult *r);  /* a pool's allocation back to its pool: 1, else 0 */
+HIDDEN void stub_pools_settle(int dev);  /* a synchronization: unused memory above each threshold released */
+HIDDEN int stub_pool_find(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
+/* cuda_graphs.c: the device a stream was made on (the legacy and per-thread streams: the current one) */
+HIDDEN int stub_stream_device(const void *s);
 #endif

@@ -378,7 +378,9 @@ static CUresult run_kernel(uint64_t us, const void *stream)
 CUresult cuCtxSynchronize(void)
 {
     CUresult r = stub_capture_forbids_context(cur_dev);  /* cuda_graphs.c: not while a capture is on */
-    return r ? r : stub_exec_sync(cur_dev, NULL, 1);
+    r = r ? r : stub_exec_sync(cur_dev, NULL, 1);
+    if (!r) stub_pools_settle(cur_dev);  /* (pools release what they keep above their thresholds) */
+    return r;
 }
 CUresult cuCtxGetCurrent(CUcontext *ctx)
 {
@@ -520,7 +522,9 @@ CUresult cuStreamDestroy_v2(CUstream s);
 CUresult cuStreamSynchronize(CUstream s)
 {
     CUresult r = stub_capture_forbids(s);
-    return r ? r : stub_exec_sync(cur_dev, s, 0);
+    r = r ? r : stub_exec_sync(cur_dev, s, 0);
+    if (!r) stub_pools_settle(stub_stream_device(s));  /* (pools release what they keep above their thresholds) */
+    return r;
 }
 /* With CGPU_STUB_CUDA_CALLS set, the entry points that have a per-thread-stream (_ptsz) or an
  * older form append their name to it: which one a lookup gave is seen; and cuEventRecord: how
@@ -535,14 +539,6 @@ void stub_called(const char *name)
     }
 }
 /* (ordered: inside a stream-ordered allocation, legal during a capture) */
-static CUresult alloc_ordered(const char *name, CUdeviceptr *p, size_t size)
-{
-    stub_called(name);
-    ordered++;
-    CUresult r = cuMemAlloc_v2(p, size);
-    ordered--;
-    return r;
-}
 static CUresult free_ordered(const char *name, CUdeviceptr p)
 {
     stub_called(name);
@@ -551,31 +547,38 @@ static CUresult free_ordered(const char *name, CUdeviceptr p)
     ordered--;
     return r;
 }
-CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return alloc_ordered(__func__, p, size); }
-CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return alloc_ordered(__func__, p, size); }
-CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return free_ordered(__func__, p); }
-CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; return free_ordered(__func__, p); }
-typedef void *CUmemoryPool;
-CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
+/* Stream-ordered allocations come from pools (cuda_pools.c): cuMemAllocAsync from the current pool
+ * of the stream's device, cuMemFreeAsync back to the pool (the card keeps it up to the pool's
+ * release threshold, until a synchronization or cuMemPoolTrimTo). */
+static CUresult pool_alloc(const char *name, CUdeviceptr *p, size_t size, CUstream s, void *pool)
 {
-    if (!inited) return NOT_INITIALIZED;
-    if (d != 0) return INVALID_DEVICE;
-    *pool = (CUmemoryPool)0x3;
-    return OK;
+    stub_called(name);
+    return stub_pool_alloc_async(p, size, s, pool);
 }
+static CUresult pool_free(const char *name, CUdeviceptr p)
+{
+    CUresult r;
+    if (stub_pool_free(p, &r)) {
+        stub_called(name);
+        return r;
+    }
+    return free_ordered(name, p);  /* (not a pool's: as cuMemFree) */
+}
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { return pool_alloc(__func__, p, size, s, NULL); }
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, CUstream s) { return pool_alloc(__func__, p, size, s, NULL); }
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return pool_free(__func__, p); }
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; return pool_free(__func__, p); }
+typedef void *CUmemoryPool;
+CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d);  /* (cuda_pools.c) */
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
 {
-    (void)s;
-    stub_called(__func__);
     if (!pool) return INVALID_VALUE;
-    return device(p, size);
+    return pool_alloc(__func__, p, size, s, pool);
 }
 CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
 {
-    (void)s;
-    stub_called(__func__);
     if (!pool) return INVALID_VALUE;
-    return device(p, size);
+    return pool_alloc(__func__, p, size, s, pool);
 }
 
 /* Virtual memory management: a handle is a fake pointer; cuda.h's layout (CUDA 13: id or `localized`). */
@@ -830,7 +833,7 @@ int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size)
             *size = allocs[i].size;
             return 0;
         }
-    return -1;
+    return stub_pool_find(p, n, base, size);  /* (a pool's allocation) */
 }
 
 /* The driver's own `fn`, as a real cuGetProcAddress gives it: a hidden alias binds here, never to an
@@ -876,7 +879,7 @@ OWN(cuLaunchKernel_ptsz);
 OWN(cuLaunchCooperativeKernel);
 OWN(cuLaunchKernelEx);
 OWN(cuGraphLaunch);
-OWN(cuDeviceGetDefaultMemPool);
+extern HIDDEN void *own_cuDeviceGetDefaultMemPool;  /* (cuda_pools.c's alias) */
 OWN(cuMemAllocFromPoolAsync);
 OWN(cuMemAllocFromPoolAsync_ptsz);
 OWN(cuMemCreate);
@@ -937,7 +940,7 @@ static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuLaunchCooperativeKernel", 9000, 0, (void *)own_cuLaunchCooperativeKernel},
     {"cuLaunchKernelEx", 11060, 0, (void *)own_cuLaunchKernelEx},
     {"cuGraphLaunch", 10000, 0, (void *)own_cuGraphLaunch},
-    {"cuDeviceGetDefaultMemPool", 11020, 0, (void *)own_cuDeviceGetDefaultMemPool},
+    {"cuDeviceGetDefaultMemPool", 11020, 0, (void *)&own_cuDeviceGetDefaultMemPool},
     {"cuMemAllocFromPoolAsync", 11020, 0, (void *)own_cuMemAllocFromPoolAsync},
     {"cuMemAllocFromPoolAsync", 11020, 1, (void *)own_cuMemAllocFromPoolAsync_ptsz},
     {"cuMemCreate", 10020, 0, (void *)own_cuMemCreate},
