@@ -119,3 +119,39 @@ def test_a_slot_whose_pid_lives_but_whose_byte_nobody_locks_is_dead(card, libs):
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(256 * MIB)]
     assert pages.used(where)[0] == 0
+
+
+def test_an_allocation_straddling_the_daemons_reading_is_charged_once(card, tmp_path):
+    """The daemon reads the slots, then NVML. A 200 MiB allocation whose driver call is in flight
+    across that reading (the stand-in pauses inside it, its memory taken from the card: NVML shows
+    it) is in the slot already, so the reading finds no growth of the driver's own: cuMemGetInfo
+    after the call says 56 MiB free of 256 (on main the slot said nothing of it until the call
+    returned: the reading charged it as the driver's growth and the call again, 200 MiB twice —
+    nothing free)."""
+    env, dirp = card
+    where = os.fspath(dirp)
+    pause = tmp_path / "pause"
+    p = start({**env, "CGPU_STUB_ALLOC_PAUSE": os.fspath(pause)}, """
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        big = ok(d.cuMemAlloc(200 * 2**20))
+        print("free", ok(d.cuMemGetInfo())[0], flush=True)
+    """)
+    try:
+        while not (tmp_path / "pause.in").exists():
+            assert p.poll() is None, p.stderr.read()
+            os.sched_yield()
+        # the daemon's look, while the call is in flight: the slot first, then NVML (the card's record)
+        slots, _ = pages.slots(where)
+        slot = slots[p.pid]
+        allocs = max(0, slot.held[0] - slot.driver[0])
+        nvml = 200 * MIB  # (what the stand-in's card holds for the process now: NVML's per-process figure)
+        with open(env["CGPU_STUB_CUDA_STATE"], "rb") as f:
+            assert int.from_bytes(f.read(8), "little") == nvml
+        pages.write_reading(where, slot.index, p.pid, [nvml] + [0] * (pages.MAX_GPUS - 1),
+                            [allocs] + [0] * (pages.MAX_GPUS - 1))
+        (tmp_path / "pause.go").write_text("")
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        p.wait()
+    assert out.split() == ["free", str(56 * MIB)], err

@@ -452,12 +452,30 @@ static int memory_is_free(void)
     }
     return fast;
 }
+/* CGPU_STUB_ALLOC_PAUSE=<path>: an allocation that has its memory from the card (NVML shows it)
+ * makes <path>.in and waits for <path>.go before it returns: a test reads the process as the
+ * daemon does while the call is in flight (an allocation straddling a reading). */
+static void paused_inside(void)
+{
+    const char *at = getenv("CGPU_STUB_ALLOC_PAUSE");
+    char in[4200], go[4200];
+    if (!at || !*at) return;
+    snprintf(in, sizeof in, "%s.in", at);
+    snprintf(go, sizeof go, "%s.go", at);
+    int fd = open(in, O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
+    if (fd >= 0) close(fd);
+    while (access(go, F_OK) != 0) {
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
+}
 static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
 {
     static CUdeviceptr next = 0x7f0000000000ull;
     if (nallocs >= NALLOCS / 2) return OUT_OF_MEMORY;  /* (the stand-in's own bound: 32,768 live) */
     host |= memory_is_free();
     if (!host && card_of(dev, (int64_t)size, NULL)) return OUT_OF_MEMORY;
+    if (!host) paused_inside();
     size_t i = alloc_slot(next);
     while (allocs[i].ptr)
         i = (i + 1) & (NALLOCS - 1);
