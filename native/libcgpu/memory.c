@@ -483,6 +483,9 @@ static struct {
     CUresult (*create)(void **, const void *);
     CUresult (*destroy)(void *);
     CUresult (*trim)(void *, size_t);
+    CUresult (*is_loaded)(int *, void *);        /* cuFuncIsLoaded (CUDA 12.4) */
+    CUresult (*func_module)(void **, void *);    /* cuFuncGetModule (CUDA 11.0) */
+    CUresult (*func_count)(unsigned *, void *);  /* cuModuleGetFunctionCount (CUDA 12.4) */
 } pd;
 static pthread_once_t pd_once = PTHREAD_ONCE_INIT;
 static void pd_load(void)
@@ -495,6 +498,9 @@ static void pd_load(void)
     pd.create = (CUresult (*)(void **, const void *))sym("cuMemPoolCreate");
     pd.destroy = (CUresult (*)(void *))sym("cuMemPoolDestroy");
     pd.trim = (CUresult (*)(void *, size_t))sym("cuMemPoolTrimTo");
+    pd.is_loaded = (CUresult (*)(int *, void *))sym("cuFuncIsLoaded");
+    pd.func_module = (CUresult (*)(void **, void *))sym("cuFuncGetModule");
+    pd.func_count = (CUresult (*)(unsigned *, void *))sym("cuModuleGetFunctionCount");
 }
 
 struct pool_rec {
@@ -1038,49 +1044,136 @@ static int loadable(size_t size)
     return used <= m && size <= m - used;
 }
 
-#define LOADED(size, call)              \
-    do {                                \
-        if (!loadable(size))            \
-            return CU_OUT_OF_MEMORY;    \
-        UNCHARGED(call);                \
+static struct table module_bytes;  /* a module loaded through us -> its image's bytes */
+static void loaded_module(void *m, size_t size)
+{
+    lock();
+    struct entry *e = m ? lookup(&module_bytes, (uint64_t)(uintptr_t)m) : NULL;
+    if (m && !e)
+        e = add(&module_bytes, (uint64_t)(uintptr_t)m);
+    if (e)
+        e->size = size;
+    unlock();
+}
+
+#define LOADED(size, out, call)                    \
+    do {                                           \
+        size_t n_ = (size);                        \
+        if (!loadable(n_))                         \
+            return CU_OUT_OF_MEMORY;               \
+        in_driver++;                               \
+        CUresult r_ = (call);                      \
+        in_driver--;                               \
+        if (r_ == CU_OK && (out))                  \
+            loaded_module(*(out), n_);             \
+        return r_;                                 \
     } while (0)
 
 CUresult cuModuleLoad(void **m, const char *path)
 {
     PASS_THROUGH(real.module_load, m, path);
-    LOADED(file_bytes(path), real.module_load(m, path));
+    LOADED(file_bytes(path), m, real.module_load(m, path));
 }
 
 CUresult cuModuleLoadData(void **m, const void *image)
 {
     PASS_THROUGH(real.module_load_data, m, image);
-    LOADED(image_bytes(image), real.module_load_data(m, image));
+    LOADED(image_bytes(image), m, real.module_load_data(m, image));
 }
 
 CUresult cuModuleLoadDataEx(void **m, const void *image, unsigned n, void *options, void **values)
 {
     PASS_THROUGH(real.module_load_data_ex, m, image, n, options, values);
-    LOADED(image_bytes(image), real.module_load_data_ex(m, image, n, options, values));
+    LOADED(image_bytes(image), m, real.module_load_data_ex(m, image, n, options, values));
 }
 
 CUresult cuModuleLoadFatBinary(void **m, const void *image)
 {
     PASS_THROUGH(real.module_load_fatbin, m, image);
-    LOADED(image_bytes(image), real.module_load_fatbin(m, image));
+    LOADED(image_bytes(image), m, real.module_load_fatbin(m, image));
 }
 
 CUresult cuLibraryLoadData(void **l, const void *code, void *jit, void **jit_values, unsigned njit, void *options,
                            void **values, unsigned n)
 {
     PASS_THROUGH(real.library_load_data, l, code, jit, jit_values, njit, options, values, n);
-    LOADED(image_bytes(code), real.library_load_data(l, code, jit, jit_values, njit, options, values, n));
+    LOADED(image_bytes(code), l, real.library_load_data(l, code, jit, jit_values, njit, options, values, n));
 }
 
 CUresult cuLibraryLoadFromFile(void **l, const char *path, void *jit, void **jit_values, unsigned njit, void *options,
                                void **values, unsigned n)
 {
     PASS_THROUGH(real.library_load_file, l, path, jit, jit_values, njit, options, values, n);
-    LOADED(file_bytes(path), real.library_load_file(l, (const void *)path, jit, jit_values, njit, options, values, n));
+    LOADED(file_bytes(path), l, real.library_load_file(l, (const void *)path, jit, jit_values, njit, options, values, n));
+}
+
+/* ---- a launch's lazy load (issue 34, item 7) ---------------------------------------------------
+ *
+ * With lazy loading (CUDA 12.2's default) a function's code goes onto the card at its first launch:
+ * the driver's own memory, tens of MiB at a library's first use. A process that filled its instance
+ * and then launches new code would take NVML's figure past memsize before any reading charges it
+ * (and be killed by the watchdog). So a launch of a function not known loaded (cuFuncIsLoaded; else
+ * its first launch through us) must find room for its code on the instance's GPU — its share of its
+ * module's image (the image over the module's functions, in 2 MiB pages, at least one page) within
+ * memsize, the headroom included — or it is answered CUDA_ERROR_OUT_OF_MEMORY, as the real driver
+ * answers a lazy load that does not fit, and nothing is launched. Where the daemon's watchdog reads
+ * NVML for the instance, that much is charged at once as the driver's own (the next readings settle
+ * it to what the driver really took). */
+static struct table loaded_fns;  /* functions known on the card */
+
+static void loaded_fn(void *f)
+{
+    lock();
+    if (!lookup(&loaded_fns, (uint64_t)(uintptr_t)f))
+        add(&loaded_fns, (uint64_t)(uintptr_t)f);
+    unlock();
+}
+
+CUresult lazy_room(void *f)
+{
+    if (in_driver || !f || !isolated())
+        return CU_OK;  /* (not isolated: the launch's own wrapper decides) */
+    lock();
+    int known = lookup(&loaded_fns, (uint64_t)(uintptr_t)f) != NULL;
+    unlock();
+    if (__builtin_expect(known, 1))
+        return CU_OK;
+    pthread_once(&pd_once, pd_load);
+    int state = 0;
+    uint64_t bytes = POOL_PAGE;
+    void *m = NULL;
+    unsigned n = 0;
+    in_driver++;
+    if (pd.is_loaded && pd.is_loaded(&state, f) == CU_OK && state == 1)
+        bytes = 0;  /* (CU_FUNCTION_LOADING_STATE_LOADED: on the card already) */
+    else if (pd.func_module && pd.func_count && pd.func_module(&m, f) == CU_OK && m
+             && pd.func_count(&n, m) == CU_OK && n) {
+        lock();
+        struct entry *e = lookup(&module_bytes, (uint64_t)(uintptr_t)m);
+        uint64_t image = e ? e->size : 0;
+        unlock();
+        uint64_t share = (image / n + POOL_PAGE - 1) / POOL_PAGE * POOL_PAGE;
+        bytes = share > bytes ? share : bytes;
+    }
+    in_driver--;
+    int g = current_gpu();
+    if (!bytes || g < 0 || !need_slot()) {
+        loaded_fn(f);
+        return CU_OK;
+    }
+    follow();
+    driver_share(g);
+    uint64_t used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE), cap = limits->memsize[g];
+    if (used > cap || bytes > cap - used) {
+        settle_all();
+        used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
+        if (used > cap || bytes > cap - used)
+            return CU_OUT_OF_MEMORY;
+    }
+    if (drv && __atomic_load_n(&drv->watched, __ATOMIC_ACQUIRE))
+        charge_driver(g, (int64_t)bytes);
+    loaded_fn(f);
+    return CU_OK;
 }
 
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
@@ -1134,6 +1227,10 @@ void memory_forked(void)
     free(allocs.e);
     free(mapped.e);
     free(pooled.e);
+    free(loaded_fns.e);
+    free(module_bytes.e);
+    memset(&loaded_fns, 0, sizeof loaded_fns);
+    memset(&module_bytes, 0, sizeof module_bytes);
     memset(&allocs, 0, sizeof allocs);
     memset(&mapped, 0, sizeof mapped);
     memset(&pooled, 0, sizeof pooled);
