@@ -155,3 +155,53 @@ def test_an_allocation_straddling_the_daemons_reading_is_charged_once(card, tmp_
         p.kill()
         p.wait()
     assert out.split() == ["free", str(56 * MIB)], err
+
+
+BIG_TLS = r"""
+#include <dlfcn.h>
+#include <stdio.h>
+#include <string.h>
+static __thread char big[1 << 20];  /* static TLS: 1 MiB in every thread, the helper's too */
+typedef int (*i_t)(unsigned); typedef int (*d_t)(int *, int); typedef int (*c_t)(void **, int);
+typedef int (*s_t)(void *); typedef int (*m_t)(void **, const void *); typedef int (*f_t)(void **, void *, const char *);
+typedef int (*l_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
+typedef int (*y_t)(void);
+int main(void) {
+    memset(big, 1, sizeof big);
+    void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    int dev; void *ctx, *mod, *fn;
+    ((i_t)dlsym(h, "cuInit"))(0);
+    ((d_t)dlsym(h, "cuDeviceGet"))(&dev, 0);
+    ((c_t)dlsym(h, "cuDevicePrimaryCtxRetain"))(&ctx, dev);
+    ((s_t)dlsym(h, "cuCtxSetCurrent"))(ctx);
+    const char *ptx = ".version 8.0\n.target sm_75\n.address_size 64\n.visible .entry k()\n{\nret;\n}\n";
+    ((m_t)dlsym(h, "cuModuleLoadData"))(&mod, ptx);
+    ((f_t)dlsym(h, "cuModuleGetFunction"))(&fn, mod, "k");
+    int r = ((l_t)dlsym(h, "cuLaunchKernel"))(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL);
+    ((y_t)dlsym(h, "cuCtxSynchronize"))();
+    printf("%d %d\n", r, big[12345]);
+    fflush(stdout);
+    getchar();
+    return 0;
+}
+"""
+
+
+def test_the_gates_helper_thread_starts_under_a_megabyte_of_static_tls(card, tmp_path):
+    """A program with 1 MiB of static TLS (__thread arrays) launches a kernel: its slot says its helper
+    thread answers the gate (`gated`). On main the helper's 64 KiB stack could not hold the TLS:
+    pthread_create failed and the process ran ungated, silently."""
+    env, dirp = card
+    (tmp_path / "tls.c").write_text(BIG_TLS)
+    subprocess.run(["gcc", "-o", os.fspath(tmp_path / "tls"), os.fspath(tmp_path / "tls.c"), "-ldl"], check=True)
+    p = subprocess.Popen([os.fspath(tmp_path / "tls")], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().split() == ["0", "1"], p.stderr.read()
+        slots, _ = pages.slots(os.fspath(dirp))
+        raw = (dirp / "usage").read_bytes()
+        gated = pages.PROC_HEAD.unpack_from(raw, pages.USAGE_HEAD.size + slots[p.pid].index * pages.PROC.size)[1]
+        assert gated != 0, "its helper thread answers the gate"
+    finally:
+        p.kill()
+        p.wait()
