@@ -205,3 +205,23 @@ def test_the_gates_helper_thread_starts_under_a_megabyte_of_static_tls(card, tmp
     finally:
         p.kill()
         p.wait()
+
+
+def test_the_daemon_gives_back_a_dead_process_slot_at_its_look(card):
+    """A process holds 100 MiB and is SIGKILLed, no other process of the container running: the
+    watchdog's look (its snapshot of the pages, every 0.5 s) gives the 100 MiB back to the instance
+    and frees the slot (on main nothing did until a process of the container took a slot)."""
+    from cgpud.gpus.memwatch import MemWatchdog
+
+    env, dirp = card
+    holder = start(env, HOLDER)
+    try:
+        assert holder.stdout.readline().split() == ["holding"], holder.stderr.read()
+        assert pages.used(os.fspath(dirp))[0] == 100 * MIB
+    finally:
+        holder.kill()
+        holder.wait()
+    assert pages.used(os.fspath(dirp))[0] == 100 * MIB, "nothing in the container gave it back"
+    MemWatchdog.snapshot([(0, "instanceaaaa", os.fspath(dirp), 0)])
+    assert pages.used(os.fspath(dirp))[0] == 0
+    assert pages.slots(os.fspath(dirp))[0] == {}

@@ -28,6 +28,10 @@ it holds, in its usage page: each look reads it (`library`), keeps it as
 instance uses (`meminfo`'s Free). NVML's view decides whom to fail: the page
 is the container's to write, the driver's count is not.
 
+Each look also gives back what dead processes' slots held (pages.reclaim_dead: a
+slot whose liveness lock is gone, in a page whose processes take one), so a
+SIGKILLed process's charge does not wait for a sibling's next call.
+
 The driver's own memory grows after a context is made, through no call
 libcgpu sees (lazily loaded modules, library handles, graphs: docs/memory.md).
 So each look also writes NVML's figure for every process that has a slot in
@@ -273,6 +277,10 @@ class MemWatchdog:
         out = {}
         for gpu, name, where, index in targets:
             try:
+                for k, pid, held in pages.reclaim_dead(where):
+                    log.info("memory watchdog: %s: the slot of pid %d (in the container) is dead (its liveness lock "
+                             "is gone: the process ended, was killed, or exec'd): the %d bytes it held are given "
+                             "back to the instance", name, pid, sum(held))
                 slots, readings = pages.slots(where)
                 if readings:
                     pages.mark_watched(where)  # (libcgpu keeps its headroom from now on)
