@@ -25,6 +25,7 @@ from test_libcgpu import PRELUDE, build_libs
 MIB = 1 << 20
 GIB = 1 << 30
 CONTEXT_MIB = 500
+NVML_LAG_MS = 50  # NVML's per-process figure a little after the call that changed it (the stand-in's lag)
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +35,16 @@ def libs(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def watched(make_daemon, libs, tmp_path, monkeypatch):
-    """A daemon on the NVML stand-in (its processes are the stand-in libcuda's, by their PIDs) with
-    libcgpu for `cgpu run` and the memory watchdog killing past memsize; contexts of 500 MiB."""
+    """A daemon on the NVML stand-in (its processes are the stand-in libcuda's, by their PIDs, their
+    figures 50 ms late) with libcgpu for `cgpu run` and the memory watchdog killing past memsize;
+    contexts of 500 MiB."""
     from nvml_stub import NvmlStub, StubGpu
 
     stub = NvmlStub(libs, tmp_path / "nvml.conf", cuda_state=tmp_path / "card.state")
     stub.gpus = [StubGpu("GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab")]
     stub.write()
     for k, v in {**stub.env({}), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"),
-                 "CGPU_STUB_CTX_MIB": str(CONTEXT_MIB)}.items():
+                 "CGPU_STUB_CTX_MIB": str(CONTEXT_MIB), "CGPU_STUB_NVML_LAG_MS": str(NVML_LAG_MS)}.items():
         monkeypatch.setenv(k, v)
     d = make_daemon(gpus="nvml", start=False, extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so")])
     d.dev_dir.mkdir()
@@ -434,3 +436,21 @@ def test_a_page_that_lies_buys_no_more_than_the_allowance(page_watchdog):
     assert wd.check(_look({liar: GIB + 200 * MIB})) == []  # (within the allowance: tolerated)
     assert wd.check(_look({liar: GIB + 300 * MIB})) == [(0, "instanceaaaa", liar)]
     assert made[0].wait(5) == -signal.SIGKILL
+
+
+def test_a_free_that_nvml_shows_late_does_not_make_a_process_look_around_the_library(page_watchdog):
+    """NVML's per-process figure comes a little after the call that changed it: a process through
+    libcgpu that frees 500 MiB just before a look is refunded in its slot (500 MiB left) while NVML
+    still shows the 1000 MiB it held, plus 100 MiB of the driver's growth — past a 1 GiB memsize.
+    It is judged by the larger of its charge now and at the previous look (1000 MiB): within the
+    allowance, left running. On main it was judged by 500 MiB: 600 MiB "around the library",
+    killed."""
+    wd, slot, sleeper, made, where = page_watchdog
+    lib = sleeper()
+    slot(0, lib, 1000 * MIB)
+    assert wd.check(_look({lib: 1000 * MIB})) == []
+    slot(0, lib, 500 * MIB)
+    assert wd.check(_look({lib: 1100 * MIB})) == []
+    assert made[0].poll() is None
+    # a look later NVML has caught up with the free: nothing past memsize
+    assert wd.check(_look({lib: 600 * MIB})) == []

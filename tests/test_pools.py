@@ -202,3 +202,22 @@ def test_a_host_pool_is_not_device_memory_and_a_stream_on_another_gpu_is_charged
     """)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [True, 16 * MIB, True, 16 * MIB, 28 * MIB]
+
+
+def test_the_stand_ins_nvml_figure_for_a_process_lags_its_driver_calls(card):
+    """With CGPU_STUB_NVML_LAG_MS (here 5 s, far longer than the program takes to look), NVML's
+    per-process figure right after a 64 MiB allocation is still what it was before (0), and becomes
+    64 MiB later, without another call (main's stand-in showed it at once)."""
+    env, _, _ = card
+    env = {k: v for k, v in env.items() if k not in ("CGPU_PAGE_DIR", "LD_PRELOAD")}
+    r = run({**env, "CGPU_STUB_NVML_LAG_MS": "5000"}, SEEN, """
+        import time
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        p = ok(d.cuMemAlloc(64 * 2**20))
+        first = nvml_mine()
+        while (later := nvml_mine()) == first:
+            time.sleep(0.05)
+        print(first, later)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", str(64 * MIB)]

@@ -124,6 +124,7 @@ class MemWatchdog:
         self.over: dict[tuple[int, str], int] = {}   # processes found past their instance's memsize
         self.kills: dict[tuple[int, str], int] = {}  # of them, those signalled (kill/term)
         self._last: dict[tuple[int, int], int] = {}  # (gpu, pid) -> bytes at the previous look
+        self._charged_before: dict[tuple[int, int], int] = {}  # (gpu, pid) -> libcgpu's charge at the previous look
         self._acted: set[tuple[int, int]] = set()    # (gpu, pid) already failed (once per process)
         self._errors: set[str] = set()  # the NVML failures logged and not yet over
 
@@ -137,6 +138,7 @@ class MemWatchdog:
         grown_now: set[tuple[int, int]] = set()
         self._with_library = with_library = set()
         now_over: set[tuple[int, int]] = set()  # the processes of instances past their memsize now
+        seen_charged: dict[tuple[int, int], int] = {}
         for s in samples:
             try:
                 gpu = self.node.gpu(s.index)
@@ -160,6 +162,11 @@ class MemWatchdog:
                 if inst is None:
                     continue
                 charged = self._charged(inst, procs)  # pid -> what libcgpu charges it (those with a slot)
+                # NVML's figure comes a little after the driver call that changed it: memory freed (and
+                # refunded in the slot) just before this look may still be in it. What a process is judged
+                # by is the larger of its charge now and at the previous look (a lag under the period).
+                seen_charged.update({(s.index, p): c for p, c in charged.items()})
+                charged = {p: max(c, self._charged_before.get((s.index, p), 0)) for p, c in charged.items()}
                 self._tell_library(inst, procs)
                 excess = sum(procs.values()) - inst.memsize
                 if excess <= 0:
@@ -202,6 +209,7 @@ class MemWatchdog:
                     self._fail(inst, pid, procs, charged.get(pid))
                     failed.append((s.index, name, pid))
         self._last = {(s.index, p): n for s in samples for p, n in s.procs.items()}
+        self._charged_before = seen_charged
         self._acted &= now_over  # back under its limit (or gone): a new excess is a new event
         self._grown = grown_now & now_over
         self.samples = list(samples)

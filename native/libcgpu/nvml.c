@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <errno.h>
+#include <time.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -192,10 +193,19 @@ void nvml_forked(void)
 uint64_t nvml_process_bytes(int g)
 {
     static proc_info list[NVML_LIST];  /* (once per process and GPU, under the caller's lock) */
-    int n = nvml_list(g, list, NVML_LIST);
-    for (int k = 0; k < n; k++)
-        if (list[k].pid == (unsigned int)getpid() || (host_pid && list[k].pid == host_pid))
-            return list[k].used;
+    /* NVML's per-process figure comes a little after the call that changed it: a process whose first
+     * context was just made may not be listed yet. While NVML answers but does not list it, it is
+     * asked again, every 5 ms for at most 250 ms (once per process and GPU). */
+    for (int tries = 0; tries < 50; tries++) {
+        int n = nvml_list(g, list, NVML_LIST);
+        for (int k = 0; k < n; k++)
+            if (list[k].pid == (unsigned int)getpid() || (host_pid && list[k].pid == host_pid))
+                return list[k].used;
+        if (n < 0)
+            break;  /* (no NVML) */
+        struct timespec ms5 = {0, 5000000};
+        nanosleep(&ms5, NULL);
+    }
     return UINT64_MAX;
 }
 

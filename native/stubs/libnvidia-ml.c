@@ -206,19 +206,32 @@ static void load(void) {
 /* The stand-in libcuda's record per (process, card) of the bytes it holds there (libcuda.c:
  * from byte 256 of its state file, 1024 records of {int32 pid, int32 card, uint64 bytes}). */
 static void cuda_processes(const char *line) {
-    struct { int pid, dev; unsigned long long bytes; } r[1024];
+    static struct { int pid, dev; unsigned long long bytes; } r[1024];
+    static struct { unsigned long long before, changed; } lag[1024];  /* (after the records: libcuda.c) */
     char state[4096];
     unsigned int offset = 0;
     if (sscanf(line, "%4095s %u", state, &offset) < 1)
         return;
     FILE *f = fopen(state, "rb");
     size_t n = f && fseek(f, 256, SEEK_SET) == 0 ? fread(r, sizeof r[0], 1024, f) : 0;
+    size_t nl = f && n == 1024 ? fread(lag, sizeof lag[0], 1024, f) : 0;
     if (f)
         fclose(f);
-    for (size_t k = 0; k < n && cfg.nprocs < MAX_PROCS; k++)
-        if (r[k].pid > 0 && r[k].bytes && r[k].dev >= 0 && r[k].dev < MAX_GPUS && kill(r[k].pid, 0) == 0)
-            cfg.procs[cfg.nprocs++] = (struct proc){(unsigned)r[k].dev, (unsigned)r[k].pid + offset, r[k].bytes,
+    /* CGPU_STUB_NVML_LAG_MS: a process's figure is what it was before its last change until that long
+     * after it (the driver's per-process accounting is read a little after the call that changed it) */
+    const char *ms = getenv("CGPU_STUB_NVML_LAG_MS");
+    unsigned long long lag_ns = ms && *ms ? strtoull(ms, NULL, 10) * 1000000ull : 0, now = 0;
+    struct timespec t;
+    if (lag_ns && clock_gettime(CLOCK_MONOTONIC, &t) == 0)
+        now = (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
+    for (size_t k = 0; k < n && cfg.nprocs < MAX_PROCS; k++) {
+        unsigned long long bytes = r[k].bytes;
+        if (lag_ns && k < nl && now - lag[k].changed < lag_ns)
+            bytes = lag[k].before;
+        if (r[k].pid > 0 && bytes && r[k].dev >= 0 && r[k].dev < MAX_GPUS && kill(r[k].pid, 0) == 0)
+            cfg.procs[cfg.nprocs++] = (struct proc){(unsigned)r[k].dev, (unsigned)r[k].pid + offset, bytes,
                                                     COMPUTE};
+    }
 }
 
 /* Load the file, check initialisation and the handle; the GPU or NULL (*rc says why). */
