@@ -234,7 +234,8 @@ def main() -> None:
         stub.gpus = [StubGpu("GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab")]
         stub.write()
         os.environ.update({**stub.env({}), "CGPU_STUB_CUDA_STATE": os.fspath(tmp / "card.state"),
-                           "CGPU_STUB_CTX_MIB": str(CONTEXT_MIB), "CGPU_STUB_CUDA_MIB": "10240"})
+                           "CGPU_STUB_CTX_MIB": str(CONTEXT_MIB), "CGPU_STUB_CUDA_MIB": "10240",
+                           "CGPU_STUB_NVML_LAG_MS": "50"})
         with daemon("nvml", ["--libcgpu", os.fspath(libs / "libcgpu.so")], handle=True, devices=("nvidia0",)) as run:
             floor = 4 * GIB - CONTEXT_MIB * MIB - 4 * GIB * 3 // 100
             print(f"1. a pool user in a 4 GiB instance (RMM priming, PyTorch-async reuse), a 4 GiB neighbour "

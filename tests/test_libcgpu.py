@@ -366,6 +366,7 @@ def test_pool_vmm_3d_and_mipmapped_allocators_are_held_to_memsize_to_the_byte(ca
     nothing allocated on the card; its free gives it all back. The sizes are
     worked out here from the descriptors, not taken from the library."""
     env, dirp = card
+    env = {**env, "CGPU_STUB_PAGE_KIB": "0"}  # (the card in bytes: it holds exactly what was allocated)
     memsize = 16 * MIB
     pages.create(os.fspath(dirp), [memsize])
     r = py(env, f"""

@@ -221,3 +221,26 @@ def test_the_stand_ins_nvml_figure_for_a_process_lags_its_driver_calls(card):
     """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["0", str(64 * MIB)]
+
+
+def test_the_stand_ins_card_hands_out_memory_in_2_mib_pages(card):
+    """Without libcgpu: 3 MiB + 1 byte take 2 pages (4 MiB) of the card and of NVML's per-process
+    figure; three allocations of 1000 bytes are packed into one page of their own (2 MiB); 1 MiB more
+    fits that page with them; another 1 MiB does not (a second page); freed, all goes back. (Main's
+    stand-in counted bytes.)"""
+    env, _, _ = card
+    env = {k: v for k, v in env.items() if k not in ("CGPU_PAGE_DIR", "LD_PRELOAD")}
+    r = run(env, SEEN, """
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        out = []
+        big = ok(d.cuMemAlloc(3 * 2**20 + 1)); out.append([on_card(), nvml_mine()])
+        small = [ok(d.cuMemAlloc(1000)) for _ in range(3)]; out.append([on_card(), nvml_mine()])
+        more = ok(d.cuMemAlloc(2**20)); out.append([on_card(), nvml_mine()])
+        again = ok(d.cuMemAlloc(2**20)); out.append([on_card(), nvml_mine()])
+        for p in [big, more, again] + small:
+            ok(d.cuMemFree(p))
+        out.append([on_card(), nvml_mine()])
+        print(out)
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str([[4 * MIB] * 2, [6 * MIB] * 2, [6 * MIB] * 2, [8 * MIB] * 2, [0, 0]])

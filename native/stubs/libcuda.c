@@ -478,12 +478,42 @@ static void paused_inside(void)
         nanosleep(&ms, NULL);
     }
 }
+/* The card's pages (issue 34): device memory is handed out in 2 MiB pages. An allocation of 2 MiB or
+ * more takes its size rounded up to whole pages; smaller ones are packed together in pages of their
+ * own per process and card (what they add up to, rounded up), as the driver's suballocator does.
+ * The card's figure and NVML's per-process view show the pages; CGPU_STUB_PAGE_KIB=0: bytes, as
+ * the first stand-in counted. */
+static uint64_t page_bytes(void)
+{
+    const char *k = getenv("CGPU_STUB_PAGE_KIB");
+    return k && *k ? strtoull(k, NULL, 10) << 10 : 2ull << 20;
+}
+static uint64_t small_bytes[16];
+static pid_t small_pid;
+static uint64_t round_up(uint64_t n, uint64_t page) { return page ? (n + page - 1) / page * page : n; }
+/* what `size` bytes (freed: `size` < 0) change the card's pages on `dev` by */
+static int64_t pages_for(int dev, int64_t size)
+{
+    uint64_t page = page_bytes(), n = (uint64_t)(size < 0 ? -size : size);
+    if (small_pid != getpid()) { small_pid = getpid(); memset(small_bytes, 0, sizeof small_bytes); }
+    if (!page) return size;
+    if (n >= page) return size < 0 ? -(int64_t)round_up(n, page) : (int64_t)round_up(n, page);
+    uint64_t before = round_up(small_bytes[dev], page);
+    small_bytes[dev] = size < 0 ? (small_bytes[dev] > n ? small_bytes[dev] - n : 0) : small_bytes[dev] + n;
+    return (int64_t)round_up(small_bytes[dev], page) - (int64_t)before;
+}
 static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
 {
     static CUdeviceptr next = 0x7f0000000000ull;
     if (nallocs >= NALLOCS / 2) return OUT_OF_MEMORY;  /* (the stand-in's own bound: 32,768 live) */
     host |= memory_is_free();
-    if (!host && card_of(dev, (int64_t)size, NULL)) return OUT_OF_MEMORY;
+    if (!host) {
+        int64_t pages = pages_for(dev, (int64_t)size);
+        if (pages > 0 && card_of(dev, pages, NULL)) {
+            pages_for(dev, -(int64_t)size);
+            return OUT_OF_MEMORY;
+        }
+    }
     if (!host) paused_inside();
     size_t i = alloc_slot(next);
     while (allocs[i].ptr)
@@ -512,7 +542,10 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
 /* its memory back to the card, the entry gone */
 static void let_go(int i)
 {
-    if (!allocs[i].host) card_of(allocs[i].dev, -(int64_t)allocs[i].size, NULL);
+    if (!allocs[i].host) {
+        int64_t pages = pages_for(allocs[i].dev, -(int64_t)allocs[i].size);
+        if (pages) card_of(allocs[i].dev, pages, NULL);
+    }
     alloc_erase((size_t)i);
     nallocs--;
 }
