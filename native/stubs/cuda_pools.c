@@ -200,8 +200,8 @@ CUresult cuDeviceGetDefaultMemPool(void **pool, int dev)
     return *pool ? STUB_OK : STUB_OUT_OF_MEMORY;
 }
 
-extern __typeof__(cuDeviceGetDefaultMemPool) own_cuDeviceGetDefaultMemPool
-    __attribute__((alias("cuDeviceGetDefaultMemPool"), visibility("hidden")));  /* (libcuda.c's table) */
+extern __typeof__(cuDeviceGetDefaultMemPool) stub_default_mem_pool
+    __attribute__((alias("cuDeviceGetDefaultMemPool"), visibility("hidden")));  /* (libcuda.c's table: its own) */
 
 CUresult cuDeviceGetMemPool(void **pool, int dev)
 {
