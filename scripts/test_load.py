@@ -43,7 +43,7 @@ def run_once(path: Path, timeout: float) -> tuple[bool, list[str], float]:
                             "-rf", os.fspath(path)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, [f"{path.name} (timed out after {timeout:.0f} s)"], time.monotonic() - t0
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", r.stdout, re.M)
+    failed = [t.split(" - ")[0] for t in re.findall(r"^(?:FAILED|ERROR) (.+)$", r.stdout, re.M)]
     ok = r.returncode == 0
     if not ok and not failed:
         failed = [f"{path.name} (pytest exit {r.returncode}: {r.stdout.strip().splitlines()[-1:] or r.stderr[-200:]})"]
