@@ -519,7 +519,8 @@ def test_the_gate_holds_across_a_daemon_restart(make_daemon, libs, tmp_path, how
     pages and gates are taken up again, and 1:2 holds after it as before."""
     from test_upgrade import upgrade
 
-    # (they launch until told: a restart on a busy machine has taken 5 s and more; 4 s after it are measured)
+    # (they launch until told: a restart on a busy machine has taken 5 s and more; the 8 s after it are
+    # measured, second by second: the median of 4 read 1.2 under four CPU hogs, the daemon settling)
     stop = tmp_path / "stop"
     d, one, two = one_to_two(make_daemon, libs, tmp_path, "gate", ("restartone01", "restarttwo02"), 0, stop)
     time.sleep(1.5)
@@ -531,7 +532,7 @@ def test_the_gate_holds_across_a_daemon_restart(make_daemon, libs, tmp_path, how
     after = time.monotonic_ns()
     logs = [tmp_path / "restartone01.kernels", tmp_path / "restarttwo02.kernels"]
     end = time.monotonic() + 60
-    while time.monotonic() < end and not all(lg.exists() and any(e > after + 4.3e9 for _, _, e in kernels(lg))
+    while time.monotonic() < end and not all(lg.exists() and any(e > after + 8.3e9 for _, _, e in kernels(lg))
                                               for lg in logs):
         time.sleep(0.2)  # (each launcher writes its log as the card runs its kernels)
     stop.touch()
