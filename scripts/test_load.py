@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # length in time, a CPU loop's stalls) through real processes: what a loaded machine can move
 TIMED = ["test_deep_queue.py", "test_shared_pages.py", "test_gate.py", "test_switcher.py", "test_sched_real.py",
          "test_graphs.py", "test_policies.py", "test_cupy.py", "test_gang.py", "test_enforce.py",
-         "test_activity.py", "test_stub_executor.py"]
+         "test_activity.py", "test_stub_executor.py", "test_podman.py"]
 HOG = "while True: pass"
 
 
