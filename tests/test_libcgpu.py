@@ -8,11 +8,14 @@ dlopen + dlsym are the clients. The container's pages are made as the daemon
 makes them (cgpud.gpus.pages)."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 from pathlib import Path
@@ -26,11 +29,26 @@ MIB = 1 << 20
 V100 = 16160 * MIB
 
 
+_BUILT: list[Path] = []  # the session's one build (a dozen modules use it: one make, not a dozen)
+
+
 def build_libs(d: Path) -> Path:
-    """The stand-in libcuda.so.1 and libnvidia-ml.so.1 and libcgpu.so, built into `d`."""
-    r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), "stubs", "libcgpu", f"STUBS={d}",
-                        f"LIB={d}"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    """The stand-in libcuda.so.1 and libnvidia-ml.so.1 and libcgpu.so, in `d`: built from this
+    checkout's sources by the session's first caller (make -B), copied to each caller's own `d`."""
+    if not _BUILT:
+        first = Path(tempfile.mkdtemp(prefix="cgpu-test-libs-"))
+        atexit.register(shutil.rmtree, first, True)
+        r = subprocess.run(["make", "-s", "-B", "-C", os.fspath(ROOT / "native"), "stubs", "libcgpu",
+                            f"STUBS={first}", f"LIB={first}"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        _BUILT.append(first)
+    d.mkdir(parents=True, exist_ok=True)
+    for f in _BUILT[0].iterdir():
+        if f.is_symlink():
+            (d / f.name).unlink(missing_ok=True)
+            (d / f.name).symlink_to(os.readlink(f))
+        else:
+            shutil.copy2(f, d / f.name)
     return d
 
 
