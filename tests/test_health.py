@@ -1,0 +1,270 @@
+"""GPU health (issue 38, docs/gpus.md "Health"): the state machine on a mock clock; the NVML
+stand-in's events through the real pynvml; the daemon end to end on the stand-in (Xid 79 takes a GPU
+out of service: query, cgpu-smi, metrics and doctor say so, nothing of it stays frozen; it comes back
+after the quiet time) and on simulated GPUs (the sim-faults file)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cgpud.client import Client
+from cgpud.gpus.health import DEFAULT_IGNORED_XIDS, Health, Policy, parse_xids, disabled_by_env
+from nvml_stub import T4_TOTAL, NvmlStub, StubGpu
+from test_cgpu_run import wait_for
+
+UUID0 = "GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab"
+UUID1 = "GPU-2d6c7a1f-bbbb-4e4f-8b62-fedcba987654"
+BIN = Path(sys.executable).parent
+
+
+# ---- the state machine (pure, on a mock clock: plain numbers) ---------------------------------
+
+
+def test_a_critical_xid_takes_the_gpu_out_and_the_applications_own_do_not():
+    h = Health(2, Policy(quiet=10))
+    for xid in sorted(DEFAULT_IGNORED_XIDS):  # NVIDIA's list: 13, 31, 43, 45, 68, 109
+        assert h.observe(("xid", 0, xid), 0.0) == []
+    assert h.healthy(0)
+    assert h.observe(("xid", 0, 79), 1.0) == [0]
+    assert not h.healthy(0) and h.healthy(1)
+    g = h.gpus[0]
+    assert g.last_xid == 79 and "fallen off the bus" in g.reason and "reset" in g.advice
+
+
+def test_double_bit_ecc_and_a_lost_gpu_take_it_out():
+    h = Health(3)
+    assert h.observe(("ecc", 1, 0), 0.0) == [1]
+    assert h.observe(("answers", 2, 0), 0.0) == [2]
+    assert [g.healthy for g in h.gpus] == [True, False, False]
+    assert "ECC" in h.gpus[1].reason and "GPU_IS_LOST" in h.gpus[2].reason
+
+
+def test_back_after_the_quiet_time_counted_from_the_last_failure():
+    h = Health(1, Policy(quiet=10))
+    h.observe(("xid", 0, 48), 0.0)
+    assert h.tick(9.9) == []
+    h.observe(("xid", 0, 48), 5.0)  # a second event of the same incident: the quiet time starts again
+    assert h.gpus[0].failures == 1
+    assert h.tick(14.9) == [] and not h.healthy(0)
+    assert h.tick(15.0) == [0] and h.healthy(0)
+    assert h.gpus[0].last_xid == 48 and h.gpus[0].reason == ""
+
+
+def test_a_lost_gpu_is_back_only_once_it_answers_for_the_quiet_time():
+    h = Health(1, Policy(quiet=10))
+    h.observe(("answers", 0, 0), 0.0)
+    for t in (5.0, 20.0, 30.0):  # still lost
+        h.observe(("answers", 0, 0), t)
+        assert h.tick(t) == []
+    h.observe(("answers", 0, 1), 31.0)  # reset: answers again
+    assert h.tick(39.9) == []
+    assert h.tick(40.0) == [0]
+
+
+def test_a_gpu_that_keeps_failing_stays_out():
+    h = Health(1, Policy(quiet=1, max_failures=3, window=100))
+    for t in (0.0, 10.0):
+        h.observe(("xid", 0, 79), t)
+        assert h.tick(t + 1) == [0]
+    h.observe(("xid", 0, 79), 20.0)  # the third failure within 100 s
+    assert h.gpus[0].retired and "stays out" in h.gpus[0].advice
+    assert h.tick(1000.0) == [] and not h.healthy(0)
+
+
+def test_failures_outside_the_window_do_not_count():
+    h = Health(1, Policy(quiet=1, max_failures=2, window=100))
+    h.observe(("xid", 0, 79), 0.0)
+    h.tick(1.0)
+    h.observe(("xid", 0, 79), 150.0)  # the first one is past the window
+    assert not h.gpus[0].retired
+    assert h.tick(151.0) == [0]
+
+
+def test_placement_puts_nothing_on_a_gpu_out_of_service():
+    from cgpud.containers.placement import PlacementError, check_named, place, states_from_node
+    from cgpud.core.model import GpuInfo, Node
+
+    node = Node([GpuInfo(i, f"GPU-{i}", "T4", 16 << 30) for i in range(2)])
+    node.gpu(0).health = {"healthy": False, "reason": "Xid 79"}
+    assert place(states_from_node(node), 1 << 30, 1) == [(1, 1 << 30)]
+    with pytest.raises(PlacementError, match=r"GPU 0 out of service \(Xid 79\)"):
+        check_named(states_from_node(node), [(0, 1 << 30)])
+    node.gpu(1).health = {"healthy": False, "reason": "GPU is lost"}
+    with pytest.raises(PlacementError, match="out of service"):
+        place(states_from_node(node), 1 << 30, 1)
+
+
+def test_configuration_is_checked():
+    assert parse_xids("13, 31,,79") == {13, 31, 79} and parse_xids("") == frozenset()
+    with pytest.raises(ValueError, match="not an Xid"):
+        parse_xids("13,x")
+    assert disabled_by_env("all") == (True, frozenset())
+    assert disabled_by_env("48") == (False, {48})
+    with pytest.raises(ValueError):
+        Policy(max_failures=0)
+    h = Health(1, Policy(ignored_xids=frozenset({79})))
+    assert h.observe(("xid", 0, 79), 0.0) == [] and h.healthy(0)
+
+
+def test_serve_refuses_a_bad_xid_list_in_one_line(tmp_path):
+    r = subprocess.run([str(BIN / "cgpud"), "serve", "--health-ignore-xids", "13,abc", "--mount",
+                        str(tmp_path / "m"), "--state-dir", str(tmp_path / "s"), "--socket", str(tmp_path / "c.sock")],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "not an Xid" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- the stand-in's events through the real pynvml ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def libdir(tmp_path_factory) -> Path:
+    return NvmlStub.build(tmp_path_factory.mktemp("nvml")).libdir
+
+
+@pytest.fixture
+def stub(libdir, tmp_path) -> NvmlStub:
+    s = NvmlStub(libdir, tmp_path / "nvml-stub.conf")
+    s.gpus = [StubGpu(UUID0, "Tesla T4", T4_TOTAL), StubGpu(UUID1, "Tesla T4", T4_TOTAL)]
+    s.write()
+    return s
+
+
+EVENTS = r"""
+import ctypes, json, sys, pynvml as nv
+addr = lambda x: ctypes.cast(x, ctypes.c_void_p).value
+nv.nvmlInit()
+h = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
+s = nv.nvmlEventSetCreate()
+out = {"supported": [nv.nvmlDeviceGetSupportedEventTypes(x) for x in h]}
+for x in h:
+    try:
+        nv.nvmlDeviceRegisterEvents(x, nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeDoubleBitEccError, s)
+    except nv.NVMLError as e:
+        out.setdefault("register", []).append(e.value)
+        nv.nvmlDeviceRegisterEvents(x, nv.nvmlEventTypeXidCriticalError, s)
+print("ready", flush=True)
+sys.stdin.readline()
+got = []
+while True:
+    try:
+        d = nv.nvmlEventSetWait_v2(s, 200)
+    except nv.NVMLError as e:
+        got.append(["error", e.value]); break
+    got.append([[addr(x) for x in h].index(addr(d.device)), d.eventType, d.eventData])
+try:
+    nv.nvmlDeviceGetMemoryInfo(h[1])
+except nv.NVMLError as e:
+    out["memory1"] = e.value
+nv.nvmlEventSetFree(s)
+out["got"] = got
+print(json.dumps(out))
+"""
+
+
+def test_the_stand_in_delivers_xid_and_ecc_events_and_loses_a_gpu(stub):
+    stub.xid(0, 31)  # before registering: not delivered
+    stub.write()
+    p = subprocess.Popen([sys.executable, "-c", EVENTS], env=stub.env(), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    stub.xid(0, 79)
+    stub.ecc(1)
+    stub.write()
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    out, err = p.communicate(timeout=30)
+    res = json.loads(out.splitlines()[-1])
+    assert res["supported"][0] & 0xB == 0xB  # single- and double-bit ECC, Xid
+    assert res["got"] == [[0, 0x8, 79], [1, 0x2, 0], ["error", 10]]  # then NVML_ERROR_TIMEOUT
+
+
+def test_a_lost_gpu_fails_every_call_and_the_wait_and_a_gpu_without_ecc_refuses_its_events(stub):
+    stub.gpus[0].ecc = False
+    stub.write()
+    p = subprocess.Popen([sys.executable, "-c", EVENTS], env=stub.env(), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    stub.xid(1, 79)
+    stub.gpus[1].lost = True
+    stub.write()
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    out, err = p.communicate(timeout=30)
+    res = json.loads(out.splitlines()[-1])
+    assert res["register"] == [3]  # NVML_ERROR_NOT_SUPPORTED: GPU 0 has no ECC
+    assert res["supported"][0] & 0x3 == 0
+    # the pending event comes out, then the wait says the GPU is lost (15); a call on it too
+    assert res["got"] == [[1, 0x8, 79], ["error", 15]] and res["memory1"] == 15
+
+
+# ---- the daemon end to end ------------------------------------------------------------------
+
+
+def metric(daemon, name: str, gpu: int) -> float | None:
+    addr = re.findall(r"metrics on http://([0-9.]+:\d+)/metrics", daemon.log_text())
+    assert addr, daemon.log_text()
+    text = urllib.request.urlopen(f"http://{addr[0]}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + "{") and f'gpu="{gpu}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def health(daemon) -> list[dict]:
+    with Client(str(daemon.socket)) as c:
+        return [g["health"] for g in c.call("query")["gpus"]]
+
+
+@pytest.fixture
+def nvml_daemon(make_daemon, stub, monkeypatch):
+    def start(*extra: str):
+        for k, v in stub.env().items():
+            monkeypatch.setenv(k, v)
+        d = make_daemon(gpus="nvml", start=False, extra_args=extra)
+        d.dev_dir.mkdir()
+        for minor in (0, 1):
+            (d.dev_dir / f"nvidia{minor}").write_text("")
+        return d.start()
+    return start
+
+
+def smi(daemon) -> str:
+    r = subprocess.run([str(BIN / "cgpu-smi"), "--socket", str(daemon.socket)], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_xid_79_takes_the_gpu_out_of_service_and_it_comes_back_after_the_quiet_time(nvml_daemon, stub):
+    d = nvml_daemon("--health-quiet", "1")
+    assert [h["healthy"] for h in health(d)] == [True, True]
+    stub.xid(1, 79)
+    stub.gpus[1].lost = True
+    stub.write()
+    wait_for(lambda: not health(d)[1]["healthy"], timeout=10, what="GPU 1 out of service")
+    h = health(d)
+    assert h[0]["healthy"] and h[1]["last_xid"] == 79 and "fallen off the bus" in h[1]["reason"]
+    assert "GPU 1 (" + UUID1 + ") failed: Xid 79" in d.log_text()
+    text = smi(d)
+    assert "GPU 1 OUT OF SERVICE: Xid 79" in text and "GPU 0 OUT OF SERVICE" not in text
+    r = subprocess.run([str(BIN / "cgpu"), "--socket", str(d.socket), "doctor", "--mount", str(d.mount), "--json"],
+                       capture_output=True, text=True, timeout=60)
+    check = {c["check"]: c for c in json.loads(r.stdout)}["gpu health"]
+    assert check["status"] == "fail" and "GPU 1" in check["message"] and "nvidia-smi -r" in check["message"]
+    assert metric(d, "cgpu_gpu_healthy", 1) == 0 and metric(d, "cgpu_gpu_healthy", 0) == 1
+    assert metric(d, "cgpu_gpu_last_xid", 1) == 79
+    # reset: it answers again, and after the quiet time (1 s) it is back
+    stub.gpus[1].lost = False
+    stub.write()
+    wait_for(lambda: health(d)[1]["healthy"], timeout=15, what="GPU 1 back in service")
+    assert "answers healthily again" in d.log_text()
+    assert health(d)[1]["last_xid"] == 79 and health(d)[1]["failures"] == 1
+    assert "OUT OF SERVICE" not in smi(d)
+    assert metric(d, "cgpu_gpu_healthy", 1) == 1 and metric(d, "cgpu_gpu_last_xid", 1) == 79
