@@ -268,3 +268,115 @@ def test_xid_79_takes_the_gpu_out_of_service_and_it_comes_back_after_the_quiet_t
     assert health(d)[1]["last_xid"] == 79 and health(d)[1]["failures"] == 1
     assert "OUT OF SERVICE" not in smi(d)
     assert metric(d, "cgpu_gpu_healthy", 1) == 1 and metric(d, "cgpu_gpu_last_xid", 1) == 79
+
+
+def test_a_failed_gpu_holds_nothing_frozen_and_is_scheduled_again_once_back(make_daemon, tmp_path):
+    """Simulated GPUs fail through the state directory's sim-faults file. An instance alone on
+    GPU 0 with max_inst 4 gets one slot in four (policy 0), so the scheduler freezes its cgroup for
+    the rest; once GPU 0 is out of service its scheduler stops: the cgroup is thawed and stays so
+    (nobody holds it, nobody is charged). Back after the quiet time, it is scheduled again."""
+    from test_nvml import Run
+
+    d = make_daemon(gpus="sim:2xT4", extra_args=("--health-quiet", "1"))
+    d.write("0/max_inst", "4")
+    job = Run(d, f"hlth{os.getpid() % 100000:05d}abc", "1G",
+              (str(BIN / "cgpu"), "workload", "--seconds", "60"))
+    try:
+        events = job.group / "cgroup.events"
+        wait_for(lambda: "frozen 1" in events.read_text(), timeout=10, what="the scheduler to freeze the instance")
+        (d.state_dir / "sim-faults").write_text("event 0 xid 94\n")
+        wait_for(lambda: not health(d)[0]["healthy"], timeout=10, what="GPU 0 out of service")
+        wait_for(lambda: "frozen 0" in events.read_text(), timeout=5, what="the instance thawed")
+        with Client(str(d.socket)) as c:
+            before = next(s for s in c.call("stats") if s["gpu"] == 0)
+        # a hundred of its would-be slices (10 ms): never frozen again, no freeze counted
+        for _ in range(100):
+            assert "frozen 0" in events.read_text() and (job.group / "cgroup.freeze").read_text().strip() == "0"
+            if health(d)[0]["healthy"]:
+                break
+        with Client(str(d.socket)) as c:
+            after = next(s for s in c.call("stats") if s["gpu"] == 0)
+        if not health(d)[0]["healthy"]:
+            assert after["freezes"] == before["freezes"] and after["frozen"] == []
+        assert "contained ECC error" in d.log_text()
+        wait_for(lambda: health(d)[0]["healthy"], timeout=15, what="GPU 0 back in service")
+        wait_for(lambda: "frozen 1" in events.read_text(), timeout=10, what="the instance scheduled again")
+    finally:
+        job.stop()
+
+
+# ---- Kubernetes: the device plugin over real gRPC, the extender ----------------------------------
+
+
+@pytest.fixture
+def plugin_node(make_daemon, tmp_path):
+    """A daemon on a T4 and an A10 (quiet time 1 s), the API server and kubelet stand-ins, the plugin."""
+    from apiserver_standin import ApiServer
+    from kubelet_standin import Kubelet
+
+    d = make_daemon(gpus="sim:1xT4,1xA10", extra_args=("--health-quiet", "1"))
+    api = ApiServer(tmp_path, history=50, bookmark_every=0.2)
+    api.add_node("gpu-node-1")
+    plugin_dir = tmp_path / "device-plugins"
+    plugin_dir.mkdir()
+    kubelet = Kubelet(os.fspath(plugin_dir))
+    log = open(tmp_path / "plugin.log", "wb")
+    proc = subprocess.Popen([str(BIN / "cgpu"), "--socket", os.fspath(d.socket), "device-plugin", "--plugin-dir",
+                             os.fspath(plugin_dir), "--node-refresh", "0.2"], stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="gpu-node-1"))
+    yield d, api, kubelet
+    proc.terminate()
+    proc.wait(10)
+    kubelet.stop()
+    api.close()
+    log.close()
+
+
+def test_every_unit_of_a_failed_gpu_goes_unhealthy_at_once_and_the_extender_places_nothing_there(plugin_node):
+    """NVIDIA/k8s-device-plugin#1929: on a shared GPU only one replica went Unhealthy. Here every
+    unit of the failed A10 goes in the same ListAndWatch answer, the T4's stay Healthy; the node's
+    annotation tells the extender, which finds no room on the A10; back, all Healthy again."""
+    from cgpud.k8s import extender
+    from cgpud.k8s.api import connect
+
+    d, api, kubelet = plugin_node
+    t4_units, a10_units = 14, 22
+    kubelet.wait_devices(lambda ds: len(ds) == t4_units + a10_units and set(ds.values()) == {"Healthy"})
+    with Client(str(d.socket)) as c:
+        t4, a10 = [g["uuid"] for g in c.call("query")["gpus"]]
+    seen: list[dict] = []
+
+    def a10_out(ds):
+        seen.append(dict(ds))
+        return ds.get(f"{a10}-_-0") == "Unhealthy"
+
+    faults = d.state_dir / "sim-faults"
+    faults.write_text("event 1 xid 79\nlost 1\n")  # fallen off the bus: out until it answers again
+    devs = kubelet.wait_devices(a10_out)
+    assert {k for k, v in devs.items() if v == "Unhealthy"} == {f"{a10}-_-{j}" for j in range(a10_units)}
+    for ds in seen:  # no answer had some of the A10's units Unhealthy and others not
+        assert len({v for k, v in ds.items() if k.startswith(a10)}) <= 1, ds
+    wait_for(lambda: api.nodes["gpu-node-1"]["metadata"]["annotations"].get("cgpu.aliyun.com/gpu-unhealthy") == "1",
+             timeout=10, what="the node annotated")
+    os.environ["KUBECONFIG"] = os.fspath(api.kubeconfig)
+    try:
+        state = extender.State(*connect()).start()
+    finally:
+        del os.environ["KUBECONFIG"]
+    try:
+        wait_for(lambda: "gpu-node-1" in state.nodes and state.nodes["gpu-node-1"].unhealthy == {1}, timeout=10,
+                 what="the extender to see it")
+        pod = api.add_pod("big20", [20])  # only the A10 has 20 units
+        res = extender.filter_nodes(state, {"Pod": pod, "NodeNames": ["gpu-node-1"]})
+        assert res["NodeNames"] == [] and "GPU1 out of service" in res["FailedNodes"]["gpu-node-1"]
+        small = api.add_pod("small3", [3])
+        assert extender.filter_nodes(state, {"Pod": small, "NodeNames": ["gpu-node-1"]})["NodeNames"] == ["gpu-node-1"]
+        # reset: it answers again; after the quiet time (1 s) every unit is Healthy, the annotation gone
+        faults.write_text("event 1 xid 79\n")
+        kubelet.wait_devices(lambda ds: set(ds.values()) == {"Healthy"}, timeout=15)
+        wait_for(lambda: not state.nodes["gpu-node-1"].unhealthy, timeout=10, what="the extender to see it back")
+        res = extender.filter_nodes(state, {"Pod": pod, "NodeNames": ["gpu-node-1"]})
+        assert res["NodeNames"] == ["gpu-node-1"]
+    finally:
+        state.stop()
