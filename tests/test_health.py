@@ -380,3 +380,27 @@ def test_every_unit_of_a_failed_gpu_goes_unhealthy_at_once_and_the_extender_plac
         assert res["NodeNames"] == ["gpu-node-1"]
     finally:
         state.stop()
+
+
+def test_dra_taints_every_device_of_a_failed_gpu_noschedule():
+    """NVIDIA's DRA driver's way: the failed GPU's devices (here the GPU and each of its memory units)
+    carry a NoSchedule taint saying why; the healthy GPU's carry none."""
+    from cgpud.k8s import dra
+
+    snap = {"gpus": [
+        {"index": 0, "uuid": "GPU-a", "name": "T4", "memory": 4 << 30, "health": {"healthy": True}},
+        {"index": 1, "uuid": "GPU-b", "name": "T4", "memory": 4 << 30,
+         "health": {"healthy": False, "reason": "Xid 79 (GPU has fallen off the bus)", "last_xid": 79}}]}
+    gpus = dra.gpus_from_query(snap)
+    devs = [d for s in dra.resource_slices("n1", gpus, 1 << 30) for d in s["spec"].get("devices", [])]
+    tainted = {d["name"]: d["taints"] for d in devs if "taints" in d}
+    assert set(tainted) == {"gpu-1", *(f"gpu-1-unit-{j}" for j in range(4))}
+    assert all(t == [{"key": "cgpu.aliyun.com/xid", "value": "79", "effect": "NoSchedule"}] for t in tainted.values())
+    lost = {"healthy": False, "reason": "GPU is lost (NVML_ERROR_GPU_IS_LOST)", "lost": True, "last_xid": 0}
+    assert dra.health_taint(lost) == ("cgpu.aliyun.com/gpu-lost", "true")
+    assert dra.health_taint({"healthy": False, "reason": "double-bit ECC error"}) == ("cgpu.aliyun.com/ecc", "double-bit")
+    # back in service: the slices change (the plugin publishes them again), untainted
+    snap["gpus"][1]["health"] = {"healthy": True, "last_xid": 79}
+    assert dra.gpus_from_query(snap) != gpus
+    assert not any("taints" in d for s in dra.resource_slices("n1", dra.gpus_from_query(snap), 1 << 30)
+                   for d in s["spec"].get("devices", []))
