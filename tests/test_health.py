@@ -404,3 +404,46 @@ def test_dra_taints_every_device_of_a_failed_gpu_noschedule():
     assert dra.gpus_from_query(snap) != gpus
     assert not any("taints" in d for s in dra.resource_slices("n1", dra.gpus_from_query(snap), 1 << 30)
                    for d in s["spec"].get("devices", []))
+
+
+def test_dra_reports_device_health_to_the_kubelet_over_nodewatchresources(tmp_path):
+    """KEP-4680: the DRA plugin serves v1.DRAResourceHealth (the kubelet's own proto, dra-health/v1)
+    and advertises it; over real gRPC, every device of the failed GPU is UNHEALTHY with the reason,
+    the other GPU's HEALTHY; back in service, HEALTHY again in the next answer."""
+    import threading
+    from concurrent import futures
+
+    import grpc
+
+    from cgpud.k8s import dra, drahealth, draplugin
+    from cgpud.k8s.proto import drahealth_pb2 as hpb
+    from cgpud.k8s.proto import drahealth_pb2_grpc as hrpc
+
+    class Node:  # what the plugin keeps of the daemon's answer (draplugin.Node)
+        gpus = [dra.Gpu(0, "GPU-a", "T4", 2 << 30), dra.Gpu(1, "GPU-b", "T4", 2 << 30)]
+        unit = 1 << 30
+
+    stop = threading.Event()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    hrpc.add_DRAResourceHealthServicer_to_server(drahealth.Health(Node, "node-1", stop), server)
+    sock = tmp_path / "dra.sock"
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    try:
+        assert drahealth.SERVICE in draplugin.Registration("x").GetInfo(None, None).supported_versions
+        with grpc.insecure_channel(f"unix://{sock}") as ch:
+            stream = hrpc.DRAResourceHealthStub(ch).NodeWatchResources(hpb.NodeWatchResourcesRequest(), timeout=20)
+            first = next(stream)
+            assert {(d.device.pool_name, d.device.device_name, d.health) for d in first.devices} == {
+                ("node-1", n, hpb.HEALTHY) for n in ("gpu-0", "gpu-0-unit-0", "gpu-0-unit-1", "gpu-1", "gpu-1-unit-0",
+                                                    "gpu-1-unit-1")}
+            Node.gpus = [Node.gpus[0], dra.Gpu(1, "GPU-b", "T4", 2 << 30, (dra.TAINT_XID, "79"))]
+            second = next(stream)
+            bad = {d.device.device_name: d.message for d in second.devices if d.health == hpb.UNHEALTHY}
+            assert set(bad) == {"gpu-1", "gpu-1-unit-0", "gpu-1-unit-1"} and all("Xid 79" in m for m in bad.values())
+            Node.gpus = [Node.gpus[0], dra.Gpu(1, "GPU-b", "T4", 2 << 30)]
+            assert {d.health for d in next(stream).devices} == {hpb.HEALTHY}
+            stream.cancel()
+    finally:
+        stop.set()
+        server.stop(0)
