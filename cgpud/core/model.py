@@ -134,18 +134,11 @@ class Gpu:
     max_inst: int = DEFAULT_MAX_INST
     prio_ratio: int = DEFAULT_PRIO_RATIO
     instances: dict[str, Instance] = field(default_factory=dict)
-    # Its health as the daemon's health watch last said (cgpud/gpus/health.py): plain data, never saved;
-    # {} while nothing is known. Out of service: no new instance is placed on it (docs/gpus.md, "Health").
-    health: dict = field(default_factory=dict)
+    health: dict = field(default_factory=dict)  # the health watch's view (gpus/health.py), never saved
 
     @property
     def index(self) -> int:
         return self.info.index
-
-    @property
-    def failed(self) -> str:
-        """Why it is out of service ("" while in service)."""
-        return "" if self.health.get("healthy", True) else (self.health.get("reason") or "failed")
 
     @property
     def weight_sum(self) -> int:

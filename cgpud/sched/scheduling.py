@@ -146,7 +146,7 @@ class Scheduling:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 for s in self.schedulers:
-                    if not self.node.gpu(s.gpu).failed:  # (a GPU out of service is not scheduled: set_in_service)
+                    if not not self.node.gpu(s.gpu).health.get("healthy", True):  # (a GPU out of service is not scheduled: set_in_service)
                         await nursery.start(s.run)
                 await nursery.start(self.activity.run, lambda gpu: self.schedulers[gpu].poke())
                 nursery.start_soon(self._keep_guard)
@@ -166,7 +166,7 @@ class Scheduling:
         old = self.schedulers[gpu]
         while old._scope is not None and old._stop_requested:  # (the old one still thawing what it held)
             await trio.sleep(0.01)
-        if old._scope is not None or self.node.gpu(gpu).failed or self.schedulers[gpu] is not old:
+        if old._scope is not None or not self.node.gpu(gpu).health.get("healthy", True) or self.schedulers[gpu] is not old:
             return  # (still running, out again, or restarted already)
         new = scheduler_for(self.node, gpu, self.enforcement, self.activity, params=self._params,
                             precise=self._precise, switch=self._precise)
