@@ -268,6 +268,11 @@ def test_xid_79_takes_the_gpu_out_of_service_and_it_comes_back_after_the_quiet_t
     assert health(d)[1]["last_xid"] == 79 and health(d)[1]["failures"] == 1
     assert "OUT OF SERVICE" not in smi(d)
     assert metric(d, "cgpu_gpu_healthy", 1) == 1 and metric(d, "cgpu_gpu_last_xid", 1) == 79
+    # after the reset its events are still watched: a double-bit ECC error takes it out again
+    stub.ecc(1)
+    stub.write()
+    wait_for(lambda: not health(d)[1]["healthy"], timeout=10, what="GPU 1 out of service again")
+    assert health(d)[1]["reason"] == "double-bit ECC error" and health(d)[1]["failures"] == 2
 
 
 def test_a_failed_gpu_holds_nothing_frozen_and_is_scheduled_again_once_back(make_daemon, tmp_path):

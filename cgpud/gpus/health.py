@@ -193,6 +193,7 @@ class NvmlSource:
         self.nvml = Nvml()
         self._set = None
         self._registered: set[int] = set()
+        self._lost: set[int] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -255,9 +256,11 @@ class NvmlSource:
                 except nv.NVMLError as exc:
                     if exc.value == nv.NVML_ERROR_GPU_IS_LOST:
                         out.append(("answers", i, 0))
+                        self._lost.add(i)
                     continue
                 out.append(("answers", i, 1))
-                if i not in self._registered:
+                if i not in self._registered or i in self._lost:  # (a reset GPU's events: registered anew)
+                    self._lost.discard(i)
                     self._register(i)
             return out
 
