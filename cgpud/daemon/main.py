@@ -258,8 +258,9 @@ async def _start_health(nursery, node: Node, durable: Durable, services: Service
         source = health.FileSource(health.sim_faults_path(cfg.state_dir), len(node.gpus))
 
     def changed(i: int, st) -> None:
-        node.gpu(i).health = {**st.as_dict(0.0), "since": time.time() if not st.healthy else None}
-        del node.gpu(i).health["out_for"]
+        shown = st.as_dict(0.0)
+        shown.pop("out_for")
+        node.gpu(i).health = {**shown, "since": None if st.healthy else time.time()}  # (wall time, for people)
         if services.sched is not None:
             services.sched.set_in_service(i, st.healthy)
         for listener in durable.listeners:

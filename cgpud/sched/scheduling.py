@@ -146,7 +146,7 @@ class Scheduling:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 for s in self.schedulers:
-                    if not not self.node.gpu(s.gpu).health.get("healthy", True):  # (a GPU out of service is not scheduled: set_in_service)
+                    if self._in_service(s.gpu):  # (one out of service starts when it is back: set_in_service)
                         await nursery.start(s.run)
                 await nursery.start(self.activity.run, lambda gpu: self.schedulers[gpu].poke())
                 nursery.start_soon(self._keep_guard)
@@ -162,11 +162,14 @@ class Scheduling:
         elif self._nursery is not None:  # (not started yet: run starts it)
             self._nursery.start_soon(self._restart, gpu)
 
+    def _in_service(self, gpu: int) -> bool:
+        return bool(self.node.gpu(gpu).health.get("healthy", True))
+
     async def _restart(self, gpu: int) -> None:
         old = self.schedulers[gpu]
         while old._scope is not None and old._stop_requested:  # (the old one still thawing what it held)
             await trio.sleep(0.01)
-        if old._scope is not None or not self.node.gpu(gpu).health.get("healthy", True) or self.schedulers[gpu] is not old:
+        if old._scope is not None or not self._in_service(gpu) or self.schedulers[gpu] is not old:
             return  # (still running, out again, or restarted already)
         new = scheduler_for(self.node, gpu, self.enforcement, self.activity, params=self._params,
                             precise=self._precise, switch=self._precise)
