@@ -90,8 +90,8 @@ def main() -> None:
               help="Watch the GPUs' health (Xid errors, double-bit ECC errors, a lost GPU) and take a failed GPU "
                    "out of service until it recovers (docs/gpus.md, Health).")
 @click.option("--health-ignore-xids", default=None, envvar="CGPUD_HEALTH_IGNORE_XIDS",
-              show_default="13,31,43,45,68,109 (NVIDIA's: the application's own errors)",
-              help="Comma-separated Xids that do not take a GPU out of service (\"\": none ignored).")
+              show_default="13,31,43,45,68,109",
+              help="Comma-separated Xids that do not take a GPU out of service: the application's own errors (NVIDIA's list by default; \"\": none).")
 @click.option("--health-quiet", type=click.FloatRange(0, 86400), default=60.0, show_default=True,
               envvar="CGPUD_HEALTH_QUIET", help="Seconds a failed GPU must answer with no new failure to be back.")
 @click.option("--health-max-failures", type=click.IntRange(1, 1000), default=3, show_default=True,
