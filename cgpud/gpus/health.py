@@ -346,20 +346,13 @@ class HealthWatch:
         self.health, self.source, self.period = health, source, period
         self.on_change = on_change
         self.names = names or [f"GPU {i}" for i in range(len(health.gpus))]
-        self.events = 0  # observations that were events (for the metrics)
-
-    def snapshot(self) -> list[dict]:
-        now = trio.current_time()
-        return [g.as_dict(now) for g in self.health.gpus]
 
     def apply(self, observations: list[Observation], now: float) -> None:
         changed = []
         for obs in observations:
-            if obs[0] != "answers":
-                self.events += 1
-                if obs[0] == "xid" and obs[2] in self.health.policy.ignored_xids:
-                    log.info("%s: Xid %d (an application's own error, ignored: --health-ignore-xids)",
-                             self.names[obs[1]] if obs[1] < len(self.names) else obs[1], obs[2])
+            if obs[0] == "xid" and obs[2] in self.health.policy.ignored_xids:
+                log.info("%s: Xid %d (an application's own error, ignored: --health-ignore-xids)",
+                         self.names[obs[1]] if obs[1] < len(self.names) else obs[1], obs[2])
             changed += self.health.observe(obs, now)
         changed += self.health.tick(now)
         for i in changed:
