@@ -453,3 +453,32 @@ def test_dra_reports_device_health_to_the_kubelet_over_nodewatchresources(tmp_pa
     finally:
         stop.set()
         server.stop(0)
+
+
+RACE = r"""
+import threading, pynvml as nv
+nv.nvmlInit()
+h = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
+bad = []
+def loop():
+    for _ in range(2000):
+        for x in h:
+            try:
+                nv.nvmlDeviceGetMemoryInfo(x).total == %d or bad.append("wrong total")
+            except nv.NVMLError as e:
+                bad.append(str(e))
+ts = [threading.Thread(target=loop) for _ in range(2)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print(len(bad), sorted(set(bad)))
+"""
+
+
+def test_the_stand_in_answers_right_from_two_threads_at_once(stub):
+    """The daemon calls NVML from two threads (the memory watchdog, the health watch), as the real
+    library allows; the stand-in re-reads its file at every call, into a copy per thread (a shared
+    one answered Invalid Argument while the other thread was reading it)."""
+    r = subprocess.run([sys.executable, "-c", RACE % T4_TOTAL], env=stub.env(), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == "0", r.stdout

@@ -151,7 +151,9 @@ struct putil {
     unsigned int gpu, pid, sm, mem, enc, dec;
 };
 
-static struct {
+/* What the file says, read again at every call: one copy per thread, as the real library may be called
+ * from several threads at once (the daemon's memory watchdog and its health watch do). */
+static __thread struct {
     int init_rc;
     char driver[80];
     struct gpu gpus[MAX_GPUS];
