@@ -1,5 +1,5 @@
 """The cluster side of issue 33 on a real kube-apiserver enforcing the shipped RBAC and
-ValidatingAdmissionPolicies (docs/security.md, "The cluster"; docs/cluster-tests.md, test 7).
+ValidatingAdmissionPolicies (docs/security.md, "The cluster"; docs/cluster-tests.md, test 8).
 
 Only etcd and kube-apiserver run (`Cluster.start_control_plane`): what is tried here is what the
 API server allows. Nodes `node-a` and `node-b` are made through the API (no kubelet), and a
