@@ -78,12 +78,6 @@ def test_the_slice_has_each_gpu_as_one_device_whose_memory_claims_share():
     assert len(big["spec"]["devices"]) == 8
 
 
-def test_a_gpus_taints_go_on_its_device():
-    taint = {"key": "cgpu.aliyun.com/unhealthy", "value": "xid-79", "effect": "NoSchedule"}
-    (x,) = dra.resource_slices(NODE, [T4, A10], GIB, taints={1: [taint]})
-    assert "taints" not in x["spec"]["devices"][0] and x["spec"]["devices"][1]["taints"] == [taint]
-
-
 def test_the_slices_are_valid_objects_of_the_official_clients_model():
     from kubernetes import client
 
@@ -288,7 +282,7 @@ def test_registers_through_the_plugin_watcher_and_publishes_the_nodes_slice(plug
     d, api, dirs, kubelet, _, _ = plugin
     info = kubelet.info()
     assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == \
-        ("DRAPlugin", dra.DRIVER, os.fspath(dirs["plugin"] / "dra.sock"), ["v1.DRAPlugin"])
+        ("DRAPlugin", dra.DRIVER, os.fspath(dirs["plugin"] / "dra.sock"), ["v1.DRAPlugin", "v1.DRAResourceHealth"])
     s = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), why="no ResourceSlice published")
     assert [x["name"] for x in s["spec"]["devices"]] == ["gpu-0", "gpu-1"]
     assert s["spec"]["devices"][0]["attributes"]["model"] == {"string": "Tesla T4"}

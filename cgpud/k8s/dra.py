@@ -50,14 +50,36 @@ class Gpu:
     uuid: str
     model: str
     memory: int  # bytes
+    taint: tuple[str, str] | None = None  # out of service: (key, value) of its devices' NoSchedule taint
 
     def units(self, unit: int) -> int:
         return self.memory // unit
 
 
+# A GPU out of service (the daemon's health watch, docs/gpus.md Health): its devices are tainted
+# NoSchedule, as NVIDIA's DRA driver does (gpu.nvidia.com/xid, gpu-lost): no new claim is allocated there.
+TAINT_XID, TAINT_LOST, TAINT_ECC = "cgpu.aliyun.com/xid", "cgpu.aliyun.com/gpu-lost", "cgpu.aliyun.com/ecc"
+
+
+def health_taint(health: dict | None) -> tuple[str, str] | None:
+    h = health or {}
+    if h.get("healthy", True):
+        return None
+    if h.get("lost"):
+        return TAINT_LOST, "true"
+    if "ECC" in str(h.get("reason", "")) and not str(h.get("reason", "")).startswith("Xid"):
+        return TAINT_ECC, "double-bit"
+    return TAINT_XID, str(int(h.get("last_xid") or 0))
+
+
 def gpus_from_query(snapshot: dict) -> list[Gpu]:
-    return [Gpu(int(g["index"]), str(g["uuid"]), str(g.get("name", "")), int(g["memory"]))
+    return [Gpu(int(g["index"]), str(g["uuid"]), str(g.get("name", "")), int(g["memory"]),
+                health_taint(g.get("health")))
             for g in snapshot.get("gpus", [])]
+
+
+def _taints(g: Gpu) -> dict:
+    return {"taints": [{"key": g.taint[0], "value": g.taint[1], "effect": "NoSchedule"}]} if g.taint else {}
 
 
 KIND_GPU, KIND_UNIT = "gpu", "memory-unit"  # the attribute `kind` (memory units: slices of before 1.3, read only)
@@ -95,9 +117,9 @@ def node_owner(node: str, uid: str) -> dict:
     return {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid, "controller": True}
 
 
-def devices(gpus: list[Gpu], unit: int, taints: dict[int, list[dict]] | None = None) -> list[dict]:
+def devices(gpus: list[Gpu], unit: int) -> list[dict]:
     """Each GPU as one device whose memory claims share (capacity `memory`, KEP-5075: several
-    allocations, each in steps of the node's unit). `taints`: a GPU's DeviceTaints by index."""
+    allocations, each in steps of the node's unit); a GPU out of service tainted NoSchedule."""
     out = []
     for g in gpus:
         whole = g.units(unit) * unit
@@ -107,18 +129,16 @@ def devices(gpus: list[Gpu], unit: int, taints: dict[int, list[dict]] | None = N
                            "memoryUnit": {"int": unit}, "kind": {"string": KIND_GPU}},
             "capacity": {CAPACITY: {"value": str(whole), "requestPolicy": {
                 "default": str(unit), "validRange": {"min": str(unit), "step": str(unit)}}}},
+            **_taints(g),
         }
-        if taints and taints.get(g.index):
-            dev["taints"] = taints[g.index]
         out.append(dev)
     return out
 
 
-def resource_slices(node: str, gpus: list[Gpu], unit: int, generation: int = 1, owner: dict | None = None,
-                    taints: dict[int, list[dict]] | None = None) -> list[dict]:
+def resource_slices(node: str, gpus: list[Gpu], unit: int, generation: int = 1, owner: dict | None = None) -> list[dict]:
     """The node's ResourceSlices, one pool named after the node: its GPUs, PER_SLICE a slice (one
     slice for any node there is)."""
-    devs = devices(gpus, unit, taints)
+    devs = devices(gpus, unit)
     parts = [devs[i:i + PER_SLICE] for i in range(0, len(devs), PER_SLICE)] or [[]]
     return [{
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
