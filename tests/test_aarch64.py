@@ -126,6 +126,24 @@ def test_symbol_versions_are_aarch64s(build):
     assert {"dlsym", "ioctl", "cuInit", "cuMemAlloc_v2"} <= exported
 
 
+def test_the_native_programs_run_under_glibc_2_31(build, arm64_root):
+    """The aarch64 hook and runtime wrapper need nothing past GLIBC_2.17 and run in the arm64 image:
+    the hook refuses an OCI state without an id in its one line; cgpu-runtime hands a command it
+    does not prepare to runc (this host's), which answers as it does itself."""
+    for f in ("cgpu-hook", "cgpu-runtime", "libcgpu-switch.so", "stubs/libcuda.so.1", "stubs/libnvidia-ml.so.1"):
+        out = subprocess.run(["objdump", "-T", os.fspath(build / f)], capture_output=True, text=True,
+                             check=True).stdout
+        assert set(re.findall(r"GLIBC_[0-9.]+", out)) <= {"GLIBC_2.17"}, (f, out)
+    e = ["-E", f"PATH={os.environ['PATH']}"]
+    r = subprocess.run([QEMU, "-L", os.fspath(arm64_root), os.fspath(build / "cgpu-hook")], input="{}",
+                       capture_output=True, text=True, timeout=60, env={})
+    assert r.returncode == 1 and r.stderr.strip() == 'cgpu hook: the OCI state on stdin has no "id"', r.stderr
+    r = subprocess.run([QEMU, "-L", os.fspath(arm64_root), *e, os.fspath(build / "cgpu-runtime"), "--version"],
+                       capture_output=True, text=True, timeout=60, env={})
+    native = subprocess.run(["runc", "--version"], capture_output=True, text=True, check=True)
+    assert r.returncode == 0 and r.stdout == native.stdout, r.stdout + r.stderr
+
+
 def test_dlsym_and_ioctl_work_under_glibc_2_31(build, arm64_root):
     """A process of the arm64 image with libcgpu preloaded: dlsym finds libc's getpid, ioctl answers
     the kernel's ENOTTY, and it exits 0 (libcgpu looked for dlsym at GLIBC_2.34 and GLIBC_2.2.5
