@@ -222,7 +222,7 @@ def test_a_rewritten_pod_counts_as_its_gpu_mem_did_and_one_past_the_quota_is_ref
         "counts as before)")
     assert len(api.made) == 1  # (nothing made for the refused one)
     # a dry run is checked the same and reserves nothing; a namespace without the quota is not read
-    assert webhookserver.admit(api, review(pod(1, 1)), ledger)["response"]["allowed"] is True  # (not rewritten)
+    assert webhookserver.admit(api, review(pod(1, 1)), ledger)["response"]["allowed"] is True  # 19 + 1: the quota
     assert webhookserver.admit(FakeApi(), review(pod(64, 2)), ledger)["response"]["allowed"] is True
 
 

@@ -28,7 +28,6 @@ from cgpud.k8s import webhook
 RESOURCE = webhook.RESOURCE
 KEY = f"requests.{RESOURCE}"  # the quota's name for it (extended resources are quota'd by requests only)
 PENDING_S = 30.0  # how long an admitted pod is counted before a LIST must show it
-_TEMPLATE = re.compile(re.escape(webhook.TEMPLATE_PREFIX) + r"([0-9]{1,9})x([0-9]{1,6})")
 
 
 def _obj(x) -> dict:
@@ -67,23 +66,27 @@ def pod_units(pod: dict) -> Decimal:
     return max(main, init)
 
 
+def template_units(name: str) -> int:
+    """The units a template of the webhook's names (webhook.shape_name): `<N>x<M>` is N, and
+    `<r>u<n>-<r>u<n>…x<M>` the sum of the n; 0 for any other name (a hashed one: docs/security.md)."""
+    if not name.startswith(webhook.TEMPLATE_PREFIX):
+        return 0
+    body, sep, m = name[len(webhook.TEMPLATE_PREFIX):].rpartition("x")
+    if not sep or not m.isdigit():
+        return 0
+    if body.isdigit():
+        return int(body)
+    parts = \
+        re.findall(r"(?:^|-)[a-z0-9]+?u([0-9]{1,9})(?=-|$)", body)
+    return sum(int(p) for p in parts)
+
+
 def claimed_units(pod: dict) -> Decimal:
     """The units of the webhook's claims a pod holds (its templates' N), as the quota would have
-    counted the gpu-mem they replaced: containers summed, init containers' largest if more."""
+    counted the gpu-mem they replaced."""
     spec = _obj(_obj(pod).get("spec"))
-    per_claim: dict[str, int] = {}
-    for c in _list(spec.get("resourceClaims")):
-        m = _TEMPLATE.fullmatch(str(_obj(c).get("resourceClaimTemplateName") or ""))
-        if m:
-            per_claim[str(_obj(c).get("name"))] = int(m.group(1))
-
-    def of(container) -> int:
-        return sum(per_claim.get(str(_obj(r).get("name")), 0)
-                   for r in _list(_obj(_obj(container).get("resources")).get("claims")))
-
-    main = sum(of(c) for c in _list(spec.get("containers")))
-    init = max((of(c) for c in _list(spec.get("initContainers"))), default=0)
-    return Decimal(max(main, init))
+    return Decimal(sum(template_units(str(_obj(c).get("resourceClaimTemplateName") or ""))
+                       for c in _list(spec.get("resourceClaims"))))
 
 
 def counted(pod: dict) -> Decimal:
