@@ -149,9 +149,9 @@ def attacks(c: Cluster, port: int, ca: str) -> list[tuple[str, bool]]:
     out.append(("webhook token widens its rules", ok(try_(c, c.admin, "patch", "mutatingwebhookconfiguration",
                                                           WEBHOOK, "--as", WEBHOOK_USER, "--type=json", "-p",
                                                           json.dumps(widen)))))
-    out.append(("webhook token drops its objectSelector", ok(try_(
+    out.append(("webhook token drops its matchConditions", ok(try_(
         c, c.admin, "patch", "mutatingwebhookconfiguration", WEBHOOK, "--as", WEBHOOK_USER, "--type=json", "-p",
-        json.dumps([{"op": "remove", "path": "/webhooks/0/objectSelector"}])))))
+        json.dumps([{"op": "remove", "path": "/webhooks/0/matchConditions"}])))))
     token_secret = {"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/service-account-token",
                     "metadata": {"name": "cgpu-dra-webhook-tls", "namespace": NAMESPACE,
                                  "annotations": {"kubernetes.io/service-account.name": "cgpu"}}}

@@ -168,7 +168,7 @@ def test_the_webhooks_account_may_set_the_ca_bundle_and_widen_nothing(cp):
                                     "--type=json", "-p", json.dumps(widen), "--dry-run=server").stderr, 30,
              "the webhook's policy in force", cp.logs)
     for patch in (widen,
-                  [{"op": "remove", "path": "/webhooks/0/objectSelector"}],
+                  [{"op": "remove", "path": "/webhooks/0/matchConditions"}],
                   [{"op": "replace", "path": "/webhooks/0/failurePolicy", "value": "Ignore"}],
                   [{"op": "replace", "path": "/webhooks/0/namespaceSelector", "value": {}}],
                   [{"op": "replace", "path": "/webhooks/0/clientConfig", "value": {"url": "https://evil:1/m"}}]):
