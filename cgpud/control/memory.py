@@ -33,21 +33,17 @@ class Memory:
 
     OPS = {"gpu_alloc": False, "gpu_free": False, "gpu_meminfo": False}
 
-    def instance_of(self, pid: int, gpu: int | None) -> Instance:
-        """The instance of `pid` on `gpu` (None: its lowest GPU): the one whose
-        target cgroup holds the process (the deepest, if targets nest). A
-        process in no instance, or whose instance is not on `gpu`: EPERM."""
-        if pid <= 0:  # SO_PEERCRED says 0 for a process outside our pid namespace
-            raise Refused(errno.EPERM, "the calling process is not visible from the daemon's pid namespace")
-        try:
-            cgroups = read_proc_cgroups(pid)
-        except (OSError, ValueError):
-            raise Refused(errno.EPERM, f"pid {pid} is gone; GPU memory belongs to a live process") from None
+    def instance_named_by_cgroup(self, pid: int, *, containers_only: bool = False) -> str | None:
+        """The instance whose target cgroup holds `pid` (the deepest, if targets
+        nest), or None; `containers_only`: only the instances of containers (a
+        target with the container's ID, from the hook). OSError/ValueError: the
+        pid is gone."""
+        cgroups = read_proc_cgroups(pid)
         mounts = None
         best: tuple[int, str] | None = None
         for inst in self.node.instances():
             t = inst.target
-            if not t:
+            if not t or (containers_only and not t.get("container")):
                 continue
             if t.get("kind") == "pgid":
                 try:
@@ -63,14 +59,30 @@ class Memory:
                 depth = len(where[1]) if where is not None else 0
             if inside and (best is None or depth > best[0]):
                 best = (depth, inst.name)
-        if best is None:
+        return best[1] if best is not None else None
+
+    def instance_of(self, pid: int, gpu: int | None) -> Instance:
+        """The instance of `pid` on `gpu` (None: its lowest GPU): the one whose
+        target cgroup holds the process (the deepest, if targets nest). A
+        process in no instance, or whose instance is not on `gpu`: EPERM."""
+        if pid <= 0:  # SO_PEERCRED says 0 for a process outside our pid namespace
+            raise Refused(errno.EPERM, "the calling process is not visible from the daemon's pid namespace")
+        try:
+            found = self.instance_named_by_cgroup(pid)
+        except (OSError, ValueError):
+            raise Refused(errno.EPERM, f"pid {pid} is gone; GPU memory belongs to a live process") from None
+        if found is None:
+            try:
+                cgroups = read_proc_cgroups(pid)
+            except (OSError, ValueError):
+                cgroups = {}
             where = cgroups.get("") or cgroups.get("freezer") or "?"
             raise Refused(
                 errno.EPERM,
                 f"pid {pid} is in no cgpud instance (cgroup {where}): only processes inside an instance "
                 "(cgpu run, or a managed container) have simulated GPU memory",
             )
-        name = best[1]
+        name = found
         mine = self.node.instances_named(name)
         if gpu is None:
             return mine[0]

@@ -1,5 +1,7 @@
 """Read-only ops: who the daemon is, what the node holds, how the
-schedulers did (docs/control.md: hello, query, stats, trace). Open to anyone."""
+schedulers did (docs/control.md: hello, query, stats, trace). Open to the
+host; a container's `hello` and `query` answer about its own instance only
+(control.server's `admit` says which: `asking`)."""
 from __future__ import annotations
 
 import errno
@@ -9,6 +11,23 @@ import time
 from cgpud import __version__
 from cgpud.control.protocol import Peer, Refused, Streamed, arg, gpu_arg
 from cgpud.core.model import Node
+
+
+def own_snapshot(node: Node, name: str) -> dict:
+    """What a container may see: its own instance on each GPU it has a share
+    of, and of those GPUs what the card is — no other tenant, no sum of theirs."""
+    return {
+        "version": __version__,
+        "gpus": [
+            {
+                "index": g.index, "uuid": g.info.uuid, "name": g.info.name, "memory": g.info.memory,
+                "policy": g.policy,
+                "instances": [{**i.settings(), "used": i.used, "procs": {str(p): n for p, n in sorted(i.procs.items())}}
+                              for i in g.instances.values() if i.name == name],
+            }
+            for g in node.gpus if name in g.instances
+        ],
+    }
 
 
 def snapshot(node: Node) -> dict:
@@ -41,13 +60,19 @@ class Views:
 
     OPS = {"hello": False, "query": False, "stats": False, "trace": False}
 
+    asking: str | None  # (Control's)
+
     def hello(self, req: dict, peer: Peer) -> dict:
+        if peer.who.container and self.asking is not None:
+            return {"version": __version__, "privileged": False, "caller": "container", "instance": self.asking,
+                    "compute": "gate" if self.gate else "freeze"}
         return {
             "version": __version__,
             "pid": os.getpid(),
             "gpus": len(self.node.gpus),
             "devices": self.devices,
             "privileged": self.privileged(peer),
+            "caller": "container" if peer.who.container else "host",
             # the in-container library it puts into containers (docs/isolation.md), and whether it is there
             "library": self.library,
             "library_present": bool(self.library and os.path.isfile(self.library)),
@@ -56,6 +81,8 @@ class Views:
         }
 
     def query(self, req: dict, peer: Peer) -> dict:
+        if peer.who.container and self.asking is not None:
+            return own_snapshot(self.node, self.asking)
         return {**snapshot(self.node), "strategy": self.strategy, "mode": self.mode}
 
     def stats(self, req: dict, peer: Peer) -> list[dict]:

@@ -27,6 +27,7 @@ from concurrent import futures
 import grpc
 
 from cgpud.client import Client, ControlError, DaemonUnavailable
+from cgpud.control.callers import TENANT_DIR
 from cgpud.k8s import resources as res
 from cgpud.k8s.cluster import DISABLE_LABEL, PLACEMENT_LABEL
 from cgpud.k8s.nodeapi import NodeApi, Unreachable
@@ -90,8 +91,8 @@ class Plugin(rpc.DevicePluginServicer):
         self.labels: dict[str, str] = {}
         self.node = node  # the API server's side (cgpud.k8s.nodeapi), when there is one
         self.published: list[int] | None = None  # the per-GPU units the API server last accepted
-        # The daemon's socket directory, mounted into each container: `cgpu mem` and the simulated
-        # GPUs' device files work inside it.
+        # The daemon's socket directory as a container sees it: its containers' directory (the containers'
+        # socket only, control.callers.TENANT_DIR) mounted read-only at its path: `cgpu mem` works inside.
         self.socket_dir: str | None = os.path.dirname(os.path.abspath(source.socket)) if source.socket else None
         self.stopping = threading.Event()
 
@@ -189,8 +190,8 @@ class Plugin(rpc.DevicePluginServicer):
             for creq in request.container_requests:
                 env = self._allocate_one(list(creq.devices_ids), gpus, choices)
                 log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-                mounts = [pb.Mount(container_path=self.socket_dir, host_path=self.socket_dir, read_only=False)] \
-                    if self.socket_dir else []
+                mounts = [pb.Mount(container_path=self.socket_dir, host_path=os.path.join(self.socket_dir, TENANT_DIR),
+                                   read_only=True)] if self.socket_dir else []
                 out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts))
         except (res.AllocationError, Unreachable) as exc:
             for choice in choices:  # nothing half-done: the extender's choices stay for the next try
