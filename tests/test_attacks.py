@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from cgpud.control.server import CONTAINER_OPS, MAX_CONTAINER_CONNS
 from conftest import Daemon, _make_base
 from test_podman import Podman
 from test_runc import targets
+from test_upgrade import subreaper, upgrade  # noqa: F401  (the fixture)
 
 ROOT = Path(__file__).parent.parent
 HOST_SOCK = "/hostsock/cgpud.sock"  # the daemon's own socket (its directory mounted as before)
@@ -216,3 +218,30 @@ def test_a_connection_flood_from_a_container_is_bounded_and_the_host_is_served(s
     with Client(os.fspath(scene.d.socket), timeout=10) as c:
         assert sorted(i["name"] for g in c.call("query")["gpus"] for i in g["instances"]) == \
             sorted([scene.victim_name, scene.attacker_name])
+
+
+def _ask_on(path, req: dict) -> dict:
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(os.fspath(path))
+        f = s.makefile("rwb")
+        f.write(json.dumps(req).encode() + b"\n")
+        f.flush()
+        return json.loads(f.readline())
+    finally:
+        s.close()
+
+
+def test_the_containers_socket_makes_everyone_a_container_and_outlives_a_hot_upgrade(make_daemon, subreaper):
+    """On the containers' socket even a host root process is a container (here: in no instance, so
+    nothing); each daemon makes the socket anew, a hot upgrade's too, in the directory containers
+    have mounted."""
+    d = make_daemon()
+    tenant = d.socket.parent / "tenant" / d.socket.name
+    for _ in range(2):
+        r = _ask_on(tenant, {"op": "register", "name": "forged000006", "gpus": [0], "memsize": 1 << 30})
+        assert r["ok"] is False and r["error"] == "EPERM" and "containers' socket" in r["message"], r
+        assert _ask_on(tenant, {"op": "hello"})["error"] == "EPERM"
+        assert d.instances(0) == []
+        assert _ask_on(d.socket, {"op": "hello"})["result"]["privileged"] is True  # (the host's, as before)
+        upgrade(d)
