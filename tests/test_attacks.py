@@ -141,6 +141,7 @@ def test_query_lists_only_the_callers_own_instance(scene, sock):
                                       "pid": s.victim_pid, "bundle": "/"}},
                  id="hook-create-with-neighbours-pid"),
     pytest.param(lambda s: {"op": "prepare", "bundle": "/", "id": "f" * 64}, id="prepare"),
+    pytest.param(lambda s: {"op": "cold_upgrade"}, id="cold_upgrade"),
     pytest.param(lambda s: {"op": "stats"}, id="stats"),
     pytest.param(lambda s: {"op": "trace", "seconds": 5}, id="trace"),
 ])
