@@ -205,7 +205,10 @@ class Control(Views, Instances, Hooks, Runtime, Memory):
             needs_priv, fn = entry
             # (read by the views: a container sees its own instance only; handlers run whole, synchronously)
             self.asking = self.admit(req["op"], needs_priv, peer)
-            return {"ok": True, "result": fn(req, peer)}
+            try:
+                return {"ok": True, "result": fn(req, peer)}
+            finally:
+                self.asking = None
         except Exception as exc:  # a bug must cost one request, never the daemon
             return error_response(exc, req)
 
