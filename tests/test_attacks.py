@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,9 @@ class Scene:
         sock_dir = self.d.socket.parent
         (sock_dir / "tenant").mkdir(exist_ok=True)  # (the daemon made it; before, it did not exist)
         mounts = [f"{sock_dir}:/hostsock", f"{sock_dir / 'tenant'}:/run/cgpud:ro"]
-        self.victim = self._start({"ALIYUN_COM_GPU_MEM_CONTAINER": "4"}, [])
+        # (the victim holds its GPU open: active, the scheduler's telemetry names it)
+        self.victim = self._start({"ALIYUN_COM_GPU_MEM_CONTAINER": "4"}, [f"{self.d.dev_dir / 'simgpu0'}:/dev/simgpu0"],
+                                  "sh", "-c", "exec 3< /dev/simgpu0; exec sleep 600")
         self.attacker = self._start({"ALIYUN_COM_GPU_MEM_CONTAINER": "3"}, mounts)
         self.outsider = self._start({}, mounts)
         self.victim_name, self.attacker_name = self.victim[:12], self.attacker[:12]
@@ -56,8 +59,8 @@ class Scene:
         self.victim_target = targets(self.d)[self.victim_name]
         self.victim_memsize = int(self.d.value(f"0/{self.victim_name}/memsize"))
 
-    def _start(self, env: dict, mounts: list[str]) -> str:
-        p = self.pm.run(env, "sleep", "600", detach=True, volumes=mounts)
+    def _start(self, env: dict, mounts: list[str], *cmd: str) -> str:
+        p = self.pm.run(env, *(cmd or ("sleep", "600")), detach=True, volumes=mounts)
         assert p.returncode == 0, p.stderr
         return p.stdout.strip()
 
@@ -109,6 +112,27 @@ def test_hello_from_a_root_container_is_not_privileged(scene, sock):
 
 
 @pytest.mark.parametrize("sock", SOCKETS)
+def test_stats_tell_only_the_callers_own_instance(scene, sock):
+    """cgpu-smi inside a container: its own instance's telemetry (none here: it is idle), while the
+    host's stats name the victim; no node-wide counts."""
+    scene.d.write("0/policy", "1")  # (a scheduler that runs: telemetry of both instances)
+    try:
+        with Client(os.fspath(scene.d.socket), timeout=10) as c:
+            deadline = time.monotonic() + 10
+            while not any(scene.victim_name in st["instances"] for st in c.call("stats")):
+                assert time.monotonic() < deadline, "the scheduler published no telemetry of the victim"
+                time.sleep(0.05)
+        (line,) = scene.attack("attacker", sock, {"op": "stats"})
+    finally:
+        scene.d.write("0/policy", "0")
+    r = json.loads(line)
+    assert r["ok"], r
+    assert {n for st in r["result"] for n in st["instances"]} <= {scene.attacker_name}, r
+    assert not [k for st in r["result"] for k in st if k in ("slices", "switches", "lateness", "switched")], r
+    assert not [o for o in scene.others() if o in line], f"names another tenant: {line}"
+
+
+@pytest.mark.parametrize("sock", SOCKETS)
 def test_query_lists_only_the_callers_own_instance(scene, sock):
     (line,) = scene.attack("attacker", sock, {"op": "query"})
     r = json.loads(line)
@@ -142,7 +166,6 @@ def test_query_lists_only_the_callers_own_instance(scene, sock):
                  id="hook-create-with-neighbours-pid"),
     pytest.param(lambda s: {"op": "prepare", "bundle": "/", "id": "f" * 64}, id="prepare"),
     pytest.param(lambda s: {"op": "cold_upgrade"}, id="cold_upgrade"),
-    pytest.param(lambda s: {"op": "stats"}, id="stats"),
     pytest.param(lambda s: {"op": "trace", "seconds": 5}, id="trace"),
 ])
 def test_a_container_cannot_change_or_see_beyond_its_instance(scene, sock, req):
@@ -162,7 +185,7 @@ def test_a_containers_own_memory_still_works_and_is_its_own(scene):
         assert meminfo["ok"] and meminfo["result"]["instance"] == scene.attacker_name, meminfo
         assert alloc["ok"] and alloc["result"]["instance"] == scene.attacker_name, alloc
         refused(scene, free, "ENOENT")  # (another connection's handle, or none: not this one's)
-    assert set(CONTAINER_OPS) == {"hello", "query", "gpu_alloc", "gpu_free", "gpu_meminfo"}
+    assert set(CONTAINER_OPS) == {"hello", "query", "stats", "gpu_alloc", "gpu_free", "gpu_meminfo"}
 
 
 @pytest.mark.parametrize("req", [{"op": "hello"}, {"op": "query"}, {"op": "gpu_meminfo"},

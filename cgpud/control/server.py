@@ -56,7 +56,7 @@ log = logging.getLogger("cgpud")
 FAMILIES = (Views, Instances, Hooks, Runtime, Memory)
 
 # What a process in a container may call: each acts on, and answers about, its own instance only.
-CONTAINER_OPS = ("hello", "query", "gpu_alloc", "gpu_free", "gpu_meminfo")
+CONTAINER_OPS = ("hello", "query", "stats", "gpu_alloc", "gpu_free", "gpu_meminfo")
 # What the node's own components in containers (a hostPath mount of the socket's directory) may read.
 VIEW_OPS = ("hello", "query", "stats", "trace")
 MAX_CONTAINER_CONNS = 64  # open connections per container (its pid namespace); past it: EAGAIN, closed

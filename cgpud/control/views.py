@@ -1,7 +1,7 @@
 """Read-only ops: who the daemon is, what the node holds, how the
 schedulers did (docs/control.md: hello, query, stats, trace). Open to the
-host; a container's `hello` and `query` answer about its own instance only
-(control.server's `admit` says which: `asking`)."""
+host; a container's `hello`, `query` and `stats` answer about its own
+instance only (control.server's `admit` says which: `asking`)."""
 from __future__ import annotations
 
 import errno
@@ -86,8 +86,16 @@ class Views:
         return {**snapshot(self.node), "strategy": self.strategy, "mode": self.mode}
 
     def stats(self, req: dict, peer: Peer) -> list[dict]:
-        """The scheduler's telemetry per GPU (empty when it does not run)."""
-        return self._stats() if self._stats else []
+        """The scheduler's telemetry per GPU (empty when it does not run); to a
+        container, of its own instance alone (no node-wide counts: they would
+        tell its neighbours' activity)."""
+        out = self._stats() if self._stats else []
+        if not (peer.who.container and self.asking is not None):
+            return out
+        mine = self.asking
+        return [{"gpu": st["gpu"], "uptime": st["uptime"], "frozen": [n for n in st["frozen"] if n == mine],
+                 "instances": {n: i for n, i in st["instances"].items() if n == mine}}
+                for st in out if mine in st["instances"]]
 
     def trace(self, req: dict, peer: Peer) -> dict:
         """The slices of the last `seconds` (default 10, at most the ring's
