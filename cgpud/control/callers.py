@@ -92,7 +92,9 @@ def _start_ticks(pid: int) -> int:
 def _pidfd(sock: socket.socket, pid: int, accepted: float) -> int:
     """The connecting process as a pidfd; -1 if it is gone (or never visible)."""
     try:
-        return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+        fd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+        os.set_inheritable(fd, False)  # (never into what the daemon runs: a hot upgrade's next daemon)
+        return fd
     except OSError as exc:
         if exc.errno not in (errno.ENOPROTOOPT, errno.EINVAL, errno.EOPNOTSUPP):
             return -1  # (ESRCH: it exited already)
