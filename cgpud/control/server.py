@@ -40,11 +40,11 @@ import trio
 
 from cgpud.containers.cgroups import InstanceGroups
 from cgpud.containers.spec import DEFAULT_HOOK_PATH
+from cgpud.control.callers import TENANT_DIR, Who, classify, host_namespaces
 from cgpud.control.hook import Hooks
 from cgpud.control.instances import Instances
 from cgpud.control.memory import Held, Memory
 from cgpud.control.runtime import Runtime
-from cgpud.control.callers import TENANT_DIR, Who, classify, host_namespaces
 from cgpud.control.protocol import MAX_LINE, TOO_LONG, Peer, Refused, decode_line, encoded, error_response, peer_of
 from cgpud.control.views import Views
 from cgpud.core.model import Node, quoted
