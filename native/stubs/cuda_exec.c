@@ -97,6 +97,7 @@ static struct card *cards;
 static int fd = -1;
 static pid_t mapped_by;
 static uint64_t me;  /* this process's token (a forked child draws its own) */
+static int ran_fd = -1;  /* the ".ran" file: what the card ran for each context (NVML's per-process utilisation) */
 static int log_fd = -1;
 
 static uint64_t now_ns(void)
@@ -187,6 +188,9 @@ static int attach_locked(void)
         return -1;
     }
     cards = m;
+    if (ran_fd >= 0) close(ran_fd);
+    snprintf(path, sizeof path, "%s.ran", s && *s ? s : "/tmp/cgpu-stub-cuda.state");
+    ran_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
     int r = open("/dev/urandom", O_RDONLY | O_CLOEXEC);  /* (no getrandom: the stand-in builds for glibc 2.17 too) */
     if (r < 0 || read(r, &me, sizeof me) != sizeof me || !me)
         me = ((uint64_t)getpid() << 32) ^ now_ns() ^ (uint64_t)(uintptr_t)&me;
@@ -245,8 +249,25 @@ static void spill(struct ctx *c)
     if (f >= 0) close(f);
 }
 
+/* The GPU time the card gave each context, measured here (not said by anyone): the ".ran" file beside
+ * the card's, a record {int32 pid, int32 card, uint64 ns} per context (card * NCTX + its index), its ns
+ * summed over every piece the card ran for it; a context taken by another process starts again from
+ * 0. The stand-in NVML's nvmlDeviceGetProcessUtilization reads it (libnvidia-ml.c's `cuda` line). */
+static void note_ran(const struct ctx *c, int dev, uint64_t ns)
+{
+    struct { int32_t pid, dev; uint64_t ns; } r;
+    off_t at = (off_t)((size_t)dev * NCTX + (size_t)(c - cards[dev].ctx)) * (off_t)sizeof r;
+    if (ran_fd < 0 || dev < 0 || dev >= NCARDS)
+        return;
+    if (pread(ran_fd, &r, sizeof r, at) != sizeof r || r.pid != c->pid || r.dev != dev)
+        r.pid = c->pid, r.dev = dev, r.ns = 0;
+    r.ns += ns;
+    if (pwrite(ran_fd, &r, sizeof r, at) != sizeof r) { /* (best effort: NVML then sees less) */ }
+}
+
 static void add_piece(struct ctx *c, uint64_t start, uint64_t end, int dev, uint64_t us, int coll)
 {
+    note_ran(c, dev, end > start ? end - start : 0);
     if (c->piece_w - c->piece_r >= NPIECES)
         spill(c);
     if (c->piece_w - c->piece_r >= NPIECES) {
