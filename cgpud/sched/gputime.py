@@ -167,12 +167,21 @@ class ChargeCheck:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        spent: list[float] = []  # each window's check: NVML's answer and the pages' reads (s)
         try:
             while True:
                 await trio.sleep(self.window)
+                t0 = time.perf_counter()
                 sampled = await trio.to_thread.run_sync(self.sample)
-                for name, gpu, why in self.look(sampled):
+                t1 = time.perf_counter()
+                lying = self.look(sampled)
+                spent.append(time.perf_counter() - t1 + (t1 - t0))
+                for name, gpu, why in lying:
                     log.warning("instance %s's usage page under-reports its GPU time on GPU %d: %s; it is charged "
                                 "the time its gate is open from now on, until the instance is made again", name, gpu, why)
         finally:
             self.nvml.close()
+            if spent:  # (bench/charge.py reads it)
+                spent.sort()
+                log.info("the usage pages' GPU time was checked %d times, each %.3f ms (median), %.3f ms at most",
+                         len(spent), spent[len(spent) // 2] * 1e3, spent[-1] * 1e3)
