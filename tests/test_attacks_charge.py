@@ -96,3 +96,56 @@ def test_the_judge_believes_an_honest_count_and_no_lie():
     assert "NVML measured 330.0 ms" in judge(int(0.01 * s), int(0.33 * s), s)
     assert "went back" in judge(-5_000_000, int(0.33 * s), s)
     assert judge(int(0.2 * s), int(0.33 * s), s) is None           # above half: believed (its floor bounds it)
+
+
+PROBE = r"""
+import sys, time, pynvml
+pynvml.nvmlInit()
+h = pynvml.nvmlDeviceGetHandleByIndex(0)
+def ask(since):
+    try:
+        return {s.pid: s.smUtil for s in pynvml.nvmlDeviceGetProcessUtilization(h, since)}
+    except pynvml.NVMLError_NotFound:
+        return None
+first = ask(0)
+a_wall, a = int(time.time() * 1e6), time.monotonic_ns()
+time.sleep(float(sys.argv[1]))
+got = ask(a_wall)
+print(first, a, time.monotonic_ns(), got)
+"""
+
+
+def test_the_stand_in_nvml_answers_what_its_card_ran_for_each_process(libs, tmp_path):
+    """nvmlDeviceGetProcessUtilization on the stand-in: before, the configured `putil` lines alone
+    (NVML_ERROR_NOT_FOUND without them); now, with a `cuda` line, each process's kernel time since
+    the answer the caller names, as the card's executor ran it — here against its kernel log."""
+    import subprocess
+    import sys
+
+    import queue_client
+    from test_gate import kernels
+
+    client = queue_client.build(tmp_path)
+    stub = NvmlStub(libs, tmp_path / "nvml.conf", gpus=[StubGpu(uuid="GPU-c4a2e0f1-0000-4000-8000-000000000034")],
+                    cuda_state=tmp_path / "card")
+    stub.write()
+    env = dict(os.environ, LD_LIBRARY_PATH=os.fspath(libs), CGPU_STUB_CUDA_STATE=os.fspath(tmp_path / "card"),
+               CGPU_STUB_CUDA_LOG=os.fspath(tmp_path / "k.log"))
+    # a CPU-bound process: a 2 ms kernel, a synchronize, 2 ms of host work, again: about half the card
+    run = subprocess.Popen([os.fspath(client), "host", "6", "2000", "2000"], env=env, stdout=subprocess.PIPE,
+                           text=True)
+    try:
+        assert run.stdout.readline().strip() == "started"
+        (tmp_path / "probe.py").write_text(PROBE)
+        out = subprocess.run([sys.executable, os.fspath(tmp_path / "probe.py"), "2"], env=stub.env(env),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+    finally:
+        run.communicate(timeout=60)  # (its exit writes its kernel log whole)
+    first, a, b, got = out.stdout.split(" ", 3)
+    assert first == "None"  # (nothing before its first answer)
+    got = eval(got)  # noqa: S307  (a dict printed by the probe)
+    assert set(got) == {run.pid}, got
+    ran = sum(max(0, min(e, int(b)) - max(s, int(a))) for _, s, e in kernels(tmp_path / "k.log")) / (int(b) - int(a))
+    assert 0.05 < ran < 0.95, ran  # (the process ran part of the time: not a figure any constant would pass)
+    assert abs(got[run.pid] / 100 - ran) <= 0.05, (got, ran)
