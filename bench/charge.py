@@ -3,7 +3,7 @@ check of the page against NVML (cgpud/sched/gputime.py, ChargeCheck; docs/securi
 and without it (the reference: CGPUD_BENCH_NO_CHARGE_CHECK=1, the daemon as before), in the same run.
 
 Each round, for each of the two daemons in turn (`cgpud serve`, stand-in card and NVML, libcgpu,
-policy 2): a launcher of 1 ms kernels at weight 1 whose page says its processes use nothing
+policy 2): a launcher of 1 ms kernels at weight 1 whose page counts a tenth of the wall time
 (tests/test_attacks_charge.py's lie) beside an honest one at weight 2. Printed:
   - the liar's share of the card's kernel time over the last SECONDS - 3 s (goal: 1/3, its weight);
   - what the check costs: its time per window (NVML's answer and the pages' reads, from the daemon's
