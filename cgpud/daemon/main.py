@@ -252,7 +252,7 @@ async def _start_charge_check(nursery, services: Services, cfg: Config) -> None:
         return
     if cfg.gpus.strip() != "nvml" and os.environ.get("CGPUD_CHARGE_NVML") != "1":
         return
-    if os.environ.get("CGPUD_BENCH_NO_CHARGE_CHECK") == "1":  # (bench/attacks.py's reference: the check off)
+    if os.environ.get("CGPUD_BENCH_NO_CHARGE_CHECK") == "1":  # (bench/charge.py's reference: the check off)
         log.warning("the usage pages' GPU time is not checked (CGPUD_BENCH_NO_CHARGE_CHECK=1)")
         return
     from cgpud.gpus.nvml import Nvml, NvmlError
