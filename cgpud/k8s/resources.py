@@ -28,8 +28,20 @@ UNITS = {"GiB": GIB, "MiB": MIB, "128MiB": 128 * MIB}
 STRATEGIES = ("binpack", "spread")
 
 
+CORE_ENV = "ALIYUN_COM_GPU_CORE_PERCENTAGE"  # a core_mem container's compute percentage (docs/scheduler.md)
+CORE_STEP = 5
+
+
 class AllocationError(ValueError):
     """A request that cannot be met; str() is the reason `kubectl describe pod` shows."""
+
+
+def check_percentage(p: int) -> int:
+    """A compute percentage as core_mem takes it (a multiple of 5 from 5 to 100), or AllocationError."""
+    if not CORE_STEP <= p <= 100 or p % CORE_STEP:
+        raise AllocationError(f"aliyun.com/gpu-core.percentage {p}: give a multiple of {CORE_STEP} from {CORE_STEP} "
+                              "to 100")
+    return p
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import json
 import threading
 import time
 
-from cgpud.k8s import cluster
+from cgpud.k8s import cluster, modes
 from cgpud.k8s.informer import Informer
 
 # ours, on the Node: the choices binds made on it recently, {pod uid: [GPU indices "0,1", units per GPU, unix time]}
@@ -67,6 +67,8 @@ class Node:
         self.name = meta.get("name") or ""
         self.version = meta.get("resourceVersion") or ""
         self.units = tuple(cluster.gpu_units(obj))
+        if not modes.advertises(modes.in_force(obj), cluster.RESOURCE):
+            self.units = ()  # its mode has no gpu-mem (cgpud.k8s.modes): nothing to place there
         self.strategy = strategy_of(obj)
         self.address = cluster.node_address(obj)
         self.assumed = parse_assumed((meta.get("annotations") or {}).get(ASSUMED))
