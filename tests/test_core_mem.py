@@ -7,7 +7,11 @@ daemon: 30 % and 60 % give 1:2, and 30 % alone stays near 30 % — a weighted po
 the whole GPU)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +21,7 @@ from cgpud.containers.hookd import HookError, core_mode_rule
 from cgpud.core.model import GpuInfo
 from test_sched_real import Workloads, usage
 
+SMI = str(Path(sys.executable).parent / "cgpu-smi")
 T4 = [GpuInfo(0, "GPU-t4", "Tesla T4", 15109 << 20)]
 
 
@@ -61,6 +66,11 @@ def test_the_sum_on_a_gpu_never_passes_100_and_is_refused_not_lowered(daemon):
     assert daemon.read("0/free_weight").strip() == "2", "the refused one changed nothing"
     register(daemon, "pctten000004", 10)
     assert daemon.read("0/free_weight").strip() == "0"
+    smi = subprocess.run([SMI], capture_output=True, text=True, timeout=30,
+                         env=dict(os.environ, CGPUD_SOCKET=str(daemon.socket)))
+    rows = {line.split()[2]: line for line in smi.stdout.splitlines() if line.startswith("|") and "pct" in line}
+    for name, pct in (("pctthirty001", "30.0%"), ("pctsixty0002", "60.0%"), ("pctten000004", "10.0%")):
+        assert pct in rows[name], (name, smi.stdout)  # cgpu-smi's Limit: the percentage
 
 
 def test_a_percentage_is_refused_on_a_gpu_holding_memory_only_containers(daemon):
