@@ -72,3 +72,6 @@ echo "setup: Kubernetes components in $k8s_bin"
 # with the module and build caches above (about a minute the first time).
 ctrd_bin="$(nice -n 10 scripts/containerd-build.sh)"
 echo "setup: containerd 2 in $ctrd_bin"
+# helm, for the chart's tests (tests/test_helm.py, deploy/helm/cgpud): from its Go module, cached the same way.
+helm_bin="$(nice -n 10 scripts/helm-build.sh)"
+echo "setup: helm in $helm_bin"

@@ -162,3 +162,19 @@ def test_share_mode_gives_no_isolation(labelled):
     relabel(api, "share")
     wait_for(lambda: in_force(api) == "share", "share in force")
     assert kubelet.allocate([f"{t4}-_-0"])[0]["CGPU_DISABLE"] == "true"
+
+
+def test_mps_mode_gives_each_container_its_mps_limits_and_the_pipe_directory(labelled):
+    d, api, kubelet = labelled
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    t4, _ = uuids(d)
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in kubelet.allocate([f"{t4}-_-0"])[0]
+    relabel(api, "mps")
+    wait_for(lambda: in_force(api) == "mps", "mps in force")
+    (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1", f"{t4}-_-2"])
+    # 3 of the T4's 14 units: 3/14 of 15109 MiB (SPEC §2's rule), 22 % of its threads (21.4, rounded up)
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == f"0={15109 * 3 // 14}M"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "22"
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/var/run/nvidia-gpu/nvidia-mps"
+    assert ("/var/run/nvidia-gpu/nvidia-mps", "/var/run/nvidia-gpu/nvidia-mps", False) in kubelet.mounts[0]

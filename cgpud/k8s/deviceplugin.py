@@ -264,9 +264,13 @@ class Plugin(rpc.DevicePluginServicer):
         try:
             for creq in request.container_requests:
                 env = self._allocate_one(list(creq.devices_ids), gpus, choices)
-                log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
                 mounts = [pb.Mount(container_path=self.socket_dir, host_path=self.socket_dir, read_only=False)] \
                     if self.socket_dir else []
+                if self.mode == "mps":  # MPS the isolation layer: the client's limits and the pipe directory
+                    env.update(res.mps_environment(env, gpus, self.unit))
+                    mounts.append(pb.Mount(container_path=res.MPS_PIPE_DIR, host_path=res.MPS_PIPE_DIR,
+                                           read_only=False))
+                log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
                 out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts))
         except (res.AllocationError, Unreachable) as exc:
             for choice in choices:  # nothing half-done: the extender's choices stay for the next try
