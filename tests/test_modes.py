@@ -178,3 +178,35 @@ def test_mps_mode_gives_each_container_its_mps_limits_and_the_pipe_directory(lab
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "22"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/var/run/nvidia-gpu/nvidia-mps"
     assert ("/var/run/nvidia-gpu/nvidia-mps", "/var/run/nvidia-gpu/nvidia-mps", False) in kubelet.mounts[0]
+
+
+def test_the_extender_puts_percentage_pods_only_on_gpus_with_that_much_compute_left(tmp_path, monkeypatch):
+    """core_mem: two GPUs of 15 units; a pod of 60 % is on GPU 0. A second 60 % pod fits no more on
+    GPU 0 (120 %) though its memory would: it goes to GPU 1; a third (60 %) fits nowhere, said."""
+    from apiserver_standin import ApiServer
+    from test_extender import Extender
+
+    def core_pod(name: str, pct: int, **kw) -> dict:
+        pod = api.add_pod(name, [1], **kw)
+        return api.edit_pod("default", name, lambda p: p["spec"]["containers"][0]["resources"]["limits"].__setitem__(
+            CORE, str(pct)))
+
+    api = ApiServer(tmp_path)
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    e = Extender(api)
+    try:
+        api.add_node("cm", gpus=2, units=30, per_device="15,15")
+        core_pod("first", 60, node="cm", phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": "0"})
+        second = core_pod("second", 60)
+        code, res = e.call("/filter", {"Pod": second, "NodeNames": ["cm"]})
+        assert code == 200 and res["NodeNames"] == ["cm"], res
+        assert e.call("/bind", {"PodName": "second", "PodNamespace": "default", "Node": "cm"})[0] == 200
+        assert api.pods[("default", "second")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] == "1", \
+            "binpack would have chosen GPU 0 (fuller), which has 40 % left"
+        api.set_phase("default", "second", "Running")
+        third = core_pod("third", 60)
+        code, res = e.call("/filter", {"Pod": third, "NodeNames": ["cm"]})
+        assert res["NodeNames"] == [] and "GPU0 40, GPU1 40" in res["FailedNodes"]["cm"], res
+    finally:
+        e.close()
+        api.close()

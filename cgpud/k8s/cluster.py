@@ -74,6 +74,21 @@ def pod_units(pod) -> int:
     return total
 
 
+CORE = "aliyun.com/gpu-core.percentage"
+
+
+def pod_core(pod) -> int:
+    """The compute percentage a pod asks (core_mem: the sum of its containers' limits), 0 for none."""
+    total = 0
+    for c in _get(pod, "spec", "containers", default=[]) or []:
+        limits = _get(c, "resources", "limits", default={}) or {}
+        try:
+            total += int(limits.get(CORE, 0))
+        except (TypeError, ValueError):
+            continue
+    return total
+
+
 def pod_gpus(pod) -> list[int] | None:
     """The GPU indices a pod was placed on (None: not placed, or malformed)."""
     raw = (_get(pod, "metadata", "annotations", default={}) or {}).get(IDX)

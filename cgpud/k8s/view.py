@@ -28,7 +28,7 @@ class BadRequest(ValueError):
 class Pod:
     """What the extender keeps of a pod asking for gpu-mem."""
 
-    __slots__ = ("uid", "node", "gpus", "need", "count", "live", "key")
+    __slots__ = ("uid", "node", "gpus", "need", "count", "live", "key", "core")
 
     def __init__(self, obj: dict) -> None:
         meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
@@ -36,6 +36,7 @@ class Pod:
         self.uid = meta.get("uid") or ""
         self.node = spec.get("nodeName") or ""
         self.need = cluster.pod_units(obj)
+        self.core = cluster.pod_core(obj)  # core_mem: its compute percentage on each of its GPUs
         try:
             self.count = gpu_count(obj)
         except BadRequest:
@@ -60,7 +61,8 @@ class Node:
     """What the extender keeps of a node: its GPUs' sizes, placement, address, recent choices,
     and (computed when asked after a change) each GPU's free units."""
 
-    __slots__ = ("name", "units", "strategy", "address", "version", "assumed", "free", "desc", "why", "until")
+    __slots__ = ("name", "units", "strategy", "address", "version", "assumed", "free", "desc", "why", "until",
+                 "core_free")
 
     def __init__(self, obj: dict) -> None:
         meta = obj.get("metadata") or {}
@@ -76,6 +78,7 @@ class Node:
         self.desc: list[int] = []
         self.why = ""
         self.until = 0.0  # free counts recent choices until then
+        self.core_free: list[int] = []  # core_mem: each GPU's compute percentage not asked by its pods
 
 
 def parse_assumed(raw) -> dict[str, tuple[tuple[int, ...], int, float]]:
@@ -201,10 +204,13 @@ class State:
         if node.free is not None and now < node.until:
             return node.free
         used = [0] * len(node.units)
+        core = [0] * len(node.units)
         for pod in self.on_node.get(node.name, {}).values():
             for i in pod.gpus:
                 if i < len(used):
                     used[i] += pod.need // len(pod.gpus)
+                    core[i] += pod.core
+        node.core_free = [100 - c for c in core]
         until = float("inf")
         for uid, (gpus, per, at) in node.assumed.items():
             if now - at > ASSUMED_SECONDS or uid in self.gone:
