@@ -12,7 +12,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 mod="$root/scripts/helm"
 cache="${CGPUD_HELM_CACHE:-/var/cache/cgpud/helm}"
-release="$(awk '$1=="helm.sh/helm/v3" {print $2; exit}' "$mod/go.mod")"
+release="$(awk '$1=="helm.sh/helm/v3" || ($1=="require" && $2=="helm.sh/helm/v3") {print ($1=="require" ? $3 : $2); exit}' "$mod/go.mod")"
 [ -n "$release" ] || { echo "helm-build: no helm.sh/helm/v3 release in $mod/go.mod" >&2; exit 1; }
 recipe=1
 hash="$( (cat "$mod/go.mod" "$mod/go.sum"; echo "$recipe") | sha256sum | cut -c1-12)"
