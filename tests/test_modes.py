@@ -210,3 +210,23 @@ def test_the_extender_puts_percentage_pods_only_on_gpus_with_that_much_compute_l
     finally:
         e.close()
         api.close()
+
+
+def test_an_mps_pod_without_host_ipc_is_refused_saying_so(labelled):
+    d, api, kubelet = labelled
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    t4, _ = uuids(d)
+    relabel(api, "mps")
+    wait_for(lambda: in_force(api) == "mps", "mps in force")
+    chosen = {"ALIYUN_COM_GPU_MEM_IDX": "0", "ALIYUN_COM_GPU_MEM_POD": "2", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
+              "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"}
+    api.add_pod("no-ipc", [2], node=NODE, annotations=chosen)
+    with pytest.raises(grpc.RpcError) as err:
+        kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+    assert "pod default/no-ipc is on an mps node" in err.value.details() and "hostIPC: true" in err.value.details()
+    api.delete_pod("default", "no-ipc")
+    api.add_pod("with-ipc", [2], annotations=chosen)  # (onto the node with hostIPC in one write)
+    api.edit_pod("default", "with-ipc", lambda p: p["spec"].update(hostIPC=True, nodeName=NODE))
+    (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/var/run/nvidia-gpu/nvidia-mps"
