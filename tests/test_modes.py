@@ -230,3 +230,22 @@ def test_an_mps_pod_without_host_ipc_is_refused_saying_so(labelled):
     api.edit_pod("default", "with-ipc", lambda p: p["spec"].update(hostIPC=True, nodeName=NODE))
     (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/var/run/nvidia-gpu/nvidia-mps"
+
+
+def test_kubectl_inspect_cgpu_shows_each_pods_compute_percentage():
+    from cgpud.k8s import cluster
+    from cgpud.observe.inspect import detail
+
+    node = {"metadata": {"name": "cm", "annotations": {"cgpu.aliyun.com/gpu-mem-per-device": "15,15"}},
+            "status": {"addresses": [{"type": "InternalIP", "address": "10.0.0.1"}]}}
+
+    def pod(name, units, pct, gpu):
+        limits = {MEM: str(units), **({CORE: str(pct)} if pct else {})}
+        return {"metadata": {"name": name, "namespace": "default", "annotations": {"ALIYUN_COM_GPU_MEM_IDX": gpu}},
+                "spec": {"nodeName": "cm", "containers": [{"resources": {"limits": limits}}]},
+                "status": {"phase": "Running"}}
+
+    out = detail([cluster.node_view(node, [pod("thirty", 4, 30, "0"), pod("sixty", 6, 60, "1")])])
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("NAME ", "thirty", "sixty"))}
+    assert rows["NAME"][-1] == "CORE(%)" and rows["thirty"][-1] == "30%" and rows["sixty"][-1] == "60%", out
+    assert "CORE" not in detail([cluster.node_view(node, [pod("memonly", 4, 0, "0")])])

@@ -142,7 +142,7 @@ def node_view(node, pods) -> dict:
         idx = pod_gpus(pod)
         per = {str(i): pod_units(pod) // len(idx) for i in idx}
         insts.append({"name": _get(pod, "metadata", "name"), "namespace": _get(pod, "metadata", "namespace"),
-                      "gpus": per, "allocated": sum(per.values())})
+                      "gpus": per, "allocated": sum(per.values()), "core": pod_core(pod)})
     allocated, total = sum(used), sum(units)
     return {"name": name, "ipaddress": node_address(node), "gpus": gpus, "allocated": allocated, "total": total,
             "percent": allocated * 100 // total if total else 0, "instances": insts}

@@ -234,7 +234,8 @@ def _view(node: Node, pods: dict) -> dict:
         for i in pod.gpus:
             if i < len(used):
                 used[i] += pod.need // len(pod.gpus)
-        insts.append({"name": pod.key[1], "namespace": pod.key[0], "gpus": per, "allocated": sum(per.values())})
+        insts.append({"name": pod.key[1], "namespace": pod.key[0], "gpus": per, "allocated": sum(per.values()),
+                      "core": pod.core})
     allocated, total = sum(used), sum(node.units)
     return {"name": node.name, "ipaddress": node.address,
             "gpus": [{"index": i, "allocated": used[i], "total": u} for i, u in enumerate(node.units)],
