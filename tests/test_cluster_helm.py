@@ -61,7 +61,7 @@ def restarts(pod: dict) -> list[int]:
     return [s.get("restartCount", 0) for s in st.get("containerStatuses", []) + st.get("initContainerStatuses", [])]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1500)  # (~3 min with the image cached; the rest is the wait for the host's one cluster)
 def test_helm_install_upgrade_and_uninstall_on_the_real_node(image, tmp_path):  # noqa: F811
     name, tag = image.rsplit(":", 1)
     with Node(image, tmp_path) as node:

@@ -107,6 +107,7 @@ class Plugin(rpc.DevicePluginServicer):
         self.flag_mode = self.mode = mode
         self.decision: modes.Decision | None = None
         self.mode_lock = threading.Lock()
+        self._warned: str | None = None  # the last warning about the label's value (said once)
         # the flags; the node's labels, when read, say otherwise (placement) or add (no isolation)
         self.flag_strategy, self.flag_disable = strategy, disable_isolation
         self.labels: dict[str, str] = {}
@@ -135,7 +136,7 @@ class Plugin(rpc.DevicePluginServicer):
             return  # (the label is read with the node; without the API server: --mode)
         with self.mode_lock:
             want, warning = modes.wanted(node.node_labels, self.flag_mode)
-            if warning and warning != getattr(self, "_warned", None):
+            if warning and warning != self._warned:
                 log.warning("%s", warning)
                 node.node_event("GpuModeUnknown", warning)
             self._warned = warning
