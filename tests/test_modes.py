@@ -222,9 +222,18 @@ def test_an_mps_pod_without_host_ipc_is_refused_saying_so(labelled):
     chosen = {"ALIYUN_COM_GPU_MEM_IDX": "0", "ALIYUN_COM_GPU_MEM_POD": "2", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
               "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"}
     api.add_pod("no-ipc", [2], node=NODE, annotations=chosen)
-    with pytest.raises(grpc.RpcError) as err:
-        kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
-    assert "pod default/no-ipc is on an mps node" in err.value.details() and "hostIPC: true" in err.value.details()
+    refusals: list[str] = []
+
+    def refused() -> bool:  # (an Allocate before the plugin's watch brings the pod has no choice to check)
+        try:
+            kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+        except grpc.RpcError as exc:
+            refusals.append(exc.details())
+            return True
+        return False
+
+    wait_for(refused, "the pod without hostIPC refused")
+    assert "pod default/no-ipc is on an mps node" in refusals[0] and "hostIPC: true" in refusals[0]
     api.delete_pod("default", "no-ipc")
     api.add_pod("with-ipc", [2], annotations=chosen)  # (onto the node with hostIPC in one write)
     api.edit_pod("default", "with-ipc", lambda p: p["spec"].update(hostIPC=True, nodeName=NODE))
