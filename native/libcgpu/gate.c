@@ -386,10 +386,19 @@ static void start_helper(void)
     sigset_t all, old;
     pthread_attr_init(&a);
     pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&a, 64 << 10);
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with the process's own threads */
-    if (pthread_create(&t, &a, gate_helper, NULL) == 0) {
+    /* 64 KiB of its own; glibc takes the static TLS out of it (EINVAL when it does not fit: a
+     * program with large __thread arrays): then 4 times as much, up to 64 MiB, and said if never */
+    int made = -1;
+    for (size_t stack = 64 << 10; made && stack <= (64u << 20); stack *= 4) {
+        pthread_attr_setstacksize(&a, stack);
+        made = pthread_create(&t, &a, gate_helper, NULL);
+    }
+    if (made)
+        fprintf(stderr, "cgpu: the compute gate's helper thread cannot start (%s): this process's kernels "
+                "are not gated\n", strerror(made));
+    if (made == 0) {
         unsigned k = (unsigned)(mine - usage->procs);
         if (gpu_time) {  /* (its GPU time is counted: the daemon charges it by that) */
             gpu_time->procs[k].pid = mine->pid;
@@ -933,34 +942,40 @@ struct launch_config { unsigned grid[3], block[3], shmem; void *stream; };
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
+    LAZY_ROOM(f);
     GATED(stream, 0, real.launch, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
 }
 
 CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                              unsigned shmem, void *stream, void **params, void **extra)
 {
+    LAZY_ROOM(f);
     GATED(stream, 1, real.launch_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
 }
 
 CUresult cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                    unsigned bz, unsigned shmem, void *stream, void **params)
 {
+    LAZY_ROOM(f);
     GATED(stream, 0, real.launch_coop, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
 }
 
 CUresult cuLaunchCooperativeKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                         unsigned bz, unsigned shmem, void *stream, void **params)
 {
+    LAZY_ROOM(f);
     GATED(stream, 1, real.launch_coop_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
 }
 
 CUresult cuLaunchKernelEx(const void *config, void *f, void **params, void **extra)
 {
+    LAZY_ROOM(f);
     GATED(CONFIG_STREAM(config), 0, real.launch_ex, config, f, params, extra);
 }
 
 CUresult cuLaunchKernelEx_ptsz(const void *config, void *f, void **params, void **extra)
 {
+    LAZY_ROOM(f);
     GATED(CONFIG_STREAM(config), 1, real.launch_ex_ptsz, config, f, params, extra);
 }
 

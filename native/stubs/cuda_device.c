@@ -185,12 +185,11 @@ CUresult cuStreamGetId(CUstream s, unsigned long long *id)
 }
 CUresult cuStreamGetCtx(CUstream s, CUcontext *ctx)
 {
-    (void)s;
     if (!ctx) return STUB_INVALID_VALUE;
-    *ctx = (CUcontext)(uintptr_t)(stub_current_device() + 1);
+    *ctx = (CUcontext)(uintptr_t)(stub_stream_device(s) + 1);  /* (the context it was made in) */
     return STUB_OK;
 }
-CUresult cuStreamGetDevice(CUstream s, int *dev) { (void)s; if (!dev) return STUB_INVALID_VALUE; *dev = stub_current_device(); return STUB_OK; }
+CUresult cuStreamGetDevice(CUstream s, int *dev) { if (!dev) return STUB_INVALID_VALUE; *dev = stub_stream_device(s); return STUB_OK; }
 /* (stream capture: cuda_graphs.c) */
 typedef void (*host_fn)(void *);
 CUresult cuLaunchHostFunc(CUstream s, host_fn fn, void *data)

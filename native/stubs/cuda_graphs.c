@@ -51,6 +51,7 @@ struct stream {
     pthread_t by;                  /* the thread that began the capture */
     unsigned long long id;
     struct graph *g;
+    int dev;                       /* the device of the context it was made in */
 };
 enum { STREAM_MAGIC = 0x7374726d, GRAPH_MAGIC = 0x67726170, EXEC_MAGIC = 0x65786563 };
 
@@ -66,6 +67,12 @@ static struct stream *stream_of(CUstream s)
     return (uintptr_t)s > 2 && st->magic == STREAM_MAGIC ? st : NULL;
 }
 
+int stub_stream_device(const void *s)
+{
+    struct stream *st = stream_of((CUstream)s);
+    return st ? st->dev : stub_current_device();
+}
+
 CUresult cuStreamCreate(CUstream *s, unsigned flags)
 {
     if (!s || flags & ~1u) return STUB_INVALID_VALUE;
@@ -73,6 +80,7 @@ CUresult cuStreamCreate(CUstream *s, unsigned flags)
     struct stream *st = calloc(1, sizeof *st);
     st->magic = STREAM_MAGIC;
     st->flags = flags;
+    st->dev = stub_current_device();
     *s = st;
     return STUB_OK;
 }
