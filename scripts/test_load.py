@@ -43,7 +43,10 @@ def run_once(path: Path, timeout: float) -> tuple[bool, list[str], float]:
                             "-rf", os.fspath(path)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return False, [f"{path.name} (timed out after {timeout:.0f} s)"], time.monotonic() - t0
-    failed = [t.split(" - ")[0] for t in re.findall(r"^(?:FAILED|ERROR) (.+)$", r.stdout, re.M)]
+    lines = re.findall(r"^(?:FAILED|ERROR) (.+)$", r.stdout, re.M)
+    failed = [t.split(" - ")[0] for t in lines]
+    for t in lines:  # (each failure's own line, for what the summary cannot say)
+        print(f"test-load:   {t[:300]}", flush=True)
     ok = r.returncode == 0
     if not ok and not failed:
         failed = [f"{path.name} (pytest exit {r.returncode}: {r.stdout.strip().splitlines()[-1:] or r.stderr[-200:]})"]

@@ -112,8 +112,8 @@ static int nvml_ready(void)
 {
     if (nvml_up)
         return nvml_up > 0;
-    int (*init)(void) = real.nvml ? (int (*)(void))real_dlsym(real.nvml, "nvmlInit_v2") : NULL;
-    if (real.nvml) {
+    int (*init)(void) = real.nvml && real_dlsym ? (int (*)(void))real_dlsym(real.nvml, "nvmlInit_v2") : NULL;
+    if (init) {
         nvml_count = (int (*)(unsigned int *))real_dlsym(real.nvml, "nvmlDeviceGetCount_v2");
         nvml_handle = (int (*)(unsigned int, void **))real_dlsym(real.nvml, "nvmlDeviceGetHandleByIndex_v2");
         nvml_procs = (procs_fn)real_dlsym(real.nvml, "nvmlDeviceGetComputeRunningProcesses_v3");
