@@ -113,6 +113,8 @@ def condition(api) -> dict:
 
 def test_relabelling_changes_what_the_node_advertises_but_not_while_a_gpu_pod_runs(labelled):
     d, api, kubelet = labelled
+    # a GPU pod runs on the node from the start (its watch brings it long before the label changes)
+    api.add_pod("trainer", [2], node=NODE, phase="Running")
     registered(kubelet)
     wait_for(lambda: WHOLE in kubelet.others and CORE in kubelet.others, "every resource registered")
     t4, a10 = uuids(d)
@@ -120,32 +122,29 @@ def test_relabelling_changes_what_the_node_advertises_but_not_while_a_gpu_pod_ru
     wait_for(lambda: in_force(api) == "cgpu", "the mode in force written on the node")
     assert kubelet.others[WHOLE].devices == {} and kubelet.others[CORE].devices == {}
 
-    relabel(api, "default")  # whole GPUs: gpu-mem goes to 0, nvidia.com/gpu lists the two GPUs
+    # whole GPUs asked while the pod runs: nothing changes, the condition and an event say why
+    relabel(api, "default")
+    wait_for(lambda: condition(api).get("status") == "True", "the condition says the change waits")
+    assert "default/trainer" in condition(api)["message"] and in_force(api) == "cgpu"
+    assert any(e.get("reason") == "GpuModeChangeWaiting" for e in api.events)
+    assert len(kubelet.devices) == T4_UNITS + A10_UNITS and kubelet.others[WHOLE].devices == {}
+
+    api.delete_pod("default", "trainer")  # its last GPU pod ended: whole GPUs now, gpu-mem 0
     kubelet.others[WHOLE].wait_devices(lambda ds: set(ds) == {t4, a10})
     kubelet.wait_devices(lambda ds: ds == {})
-    wait_for(lambda: in_force(api) == "exclusive", "exclusive in force")
+    wait_for(lambda: in_force(api) == "exclusive" and condition(api).get("status") == "False", "exclusive in force")
+    assert any(e.get("reason") == "GpuModeChanged" and "cgpu -> exclusive" in e.get("message", "")
+               for e in api.events)
     assert kubelet.others[WHOLE].allocate([a10]) == [{"NVIDIA_VISIBLE_DEVICES": a10}]
     with pytest.raises(grpc.RpcError) as err:
         kubelet.allocate([f"{t4}-_-0"])
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "mode exclusive" in err.value.details()
 
-    # a GPU pod runs on the node: core_mem waits for it (the condition and an event say so)
-    api.add_pod("trainer", [0], node=NODE, phase="Running")
-    api.edit_pod("default", "trainer", lambda p: p["spec"]["containers"][0]["resources"].__setitem__(
-        "limits", {WHOLE: "1"}))
-    relabel(api, "core_mem")
-    wait_for(lambda: condition(api).get("status") == "True", "the condition says the change waits")
-    assert "default/trainer" in condition(api)["message"] and in_force(api) == "exclusive"
-    assert any(e.get("reason") == "GpuModeChangeWaiting" for e in api.events)
-    assert set(kubelet.others[WHOLE].devices) == {t4, a10} and kubelet.devices == {}
-
-    api.delete_pod("default", "trainer")  # its last GPU pod ended: core_mem now
+    relabel(api, "core_mem")  # no GPU pod: at once
     kubelet.others[CORE].wait_devices(lambda ds: len(ds) == 200)
     kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     kubelet.others[WHOLE].wait_devices(lambda ds: ds == {})
-    wait_for(lambda: in_force(api) == "core_mem" and condition(api).get("status") == "False", "core_mem in force")
-    assert any(e.get("reason") == "GpuModeChanged" and "exclusive -> core_mem" in e.get("message", "")
-               for e in api.events)
+    wait_for(lambda: in_force(api) == "core_mem", "core_mem in force")
     cores = sorted(kubelet.others[CORE].devices)
     assert kubelet.others[CORE].allocate(cores[:30]) == [{"ALIYUN_COM_GPU_CORE_PERCENTAGE": "30"}]
     with pytest.raises(grpc.RpcError) as err:
