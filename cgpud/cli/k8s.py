@@ -73,7 +73,7 @@ def dra_plugin(ctx: Ctx, node_name: str, registry_dir: str, plugin_dir: str, cdi
             raise click.ClickException(f"{what}: {d} does not exist: is this a Kubernetes node (kubelet running)?")
     try:
         draplugin.main(ctx.socket, node_name, registry_dir, plugin_dir, cdi_dir, state_dir, refresh)
-    except NoCluster as exc:
+    except (NoCluster, draplugin.TooOld) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"{exc.filename or ''}: {exc.strerror or exc}") from None
