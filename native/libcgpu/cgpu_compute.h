@@ -1,0 +1,75 @@
+/*
+ * libcgpu's compute part (docs/isolation.md, "Compute"; docs/scheduler.md, "Queued work"): what
+ * its files share. One file per concern, in layers that call down, never up:
+ *   clock.c     the clocks: CLOCK_MONOTONIC, and the launch path's cheap counter;
+ *   contexts.c  the contexts the process launched in and their page GPU; the handles' lifetimes
+ *               (a destroyed context, stream or event is forgotten before the driver sees it go);
+ *   gang.c      the gate words and futexes, a gang's launches counted and the catch-up of a
+ *               collective a closing cut in half;
+ *   charge.c    the GPU-time charge: a run's GPU time, from its timing events, into the slot;
+ *   queue.c     queued work bounded per stream (events, the wait before a launch, the drain's
+ *               part of the streams);
+ *   drain.c     the helper thread: answers each closing once its work is done (or its bound passed);
+ *   gate.c      the top: the launch entry points (the gate, then the queue's bound).
+ * Everything here is hidden.
+ */
+#ifndef CGPU_COMPUTE_H
+#define CGPU_COMPUTE_H
+
+#include "cgpu_internal.h"
+
+/* (a launch's thread-locals: initial-exec, one load each, as in_driver: libcgpu is loaded at start) */
+#define HOT_TLS __thread __attribute__((tls_model("initial-exec")))
+
+#pragma GCC visibility push(hidden)
+
+/* ---- clock.c ---- */
+int64_t mono_ns(void);
+int64_t launch_ns(void);  /* the launch path's clock (compared only with its own readings) */
+
+/* ---- contexts.c ---- */
+extern pthread_mutex_t ctx_lock;
+extern HOT_TLS CUcontext known_ctx;  /* the last context this thread was seen to launch in */
+extern HOT_TLS int known_gpu;        /* and its page GPU */
+int note_context(void);              /* the calling thread's page GPU (-1: the container's gate) */
+int gpu_of_ctx(CUcontext c);         /* (ctx_lock held) -2: not known */
+void contexts_sync(int k);           /* synchronize the contexts on page GPU k (-1: all; ctx_lock held) */
+void contexts_forked(void);
+
+/* ---- gang.c ---- */
+/* Threads of this process inside a launch now: [0] on the container's gate, [1 + k] on GPU k's. */
+extern unsigned launching[1 + CGPU_MAX_GPUS];
+const uint32_t *gate_word(int k);
+uint32_t gate_value(int k);
+void futex_wake_all(const uint32_t *word);
+void futex_wait_on(const uint32_t *word, uint32_t seen);
+int ganged(void);
+void gang_init(void);             /* CGPU_GANG (at the first launch) */
+int gang_pass(int k);             /* a launch on GPU k may pass the gang's gates now (counted) */
+int gang_catching_up(void);       /* the helper answers a closing: catch-up allowed */
+void gang_catch_up(uint32_t on);  /* the helper: let the halves of a collective a closing cut catch up */
+void gang_forked(void);
+
+/* ---- charge.c ---- */
+/* The GPU time between two complete timing events into page GPU `gpu`'s slot counter: its ns
+ * (0: not known). */
+int64_t charge_run(int gpu, void *from, void *to);
+void charge_timed(void);  /* the slot's GPU time is counted from now (the helper started) */
+
+/* ---- queue.c ---- */
+int queue_ready(void);
+void queue_wait(CUcontext c, void *stream, int ptsz);
+void queue_start(CUcontext c, void *stream, int ptsz);
+int queue_note(CUcontext c, void *stream, int ptsz);
+void queue_untracked(int k);  /* a launch on page GPU k no queue counted */
+unsigned long queue_take_untracked(int k);
+int drain_queues(int k, int *captures);
+void queue_forked(void);
+
+/* ---- drain.c ---- */
+void drain_start_helper(void);  /* once */
+void drain_forked(void);
+
+#pragma GCC visibility pop
+
+#endif
