@@ -371,7 +371,7 @@ class GpuScheduler(NativeSwitching, QueueBounds, PrioTime):
         through its FIFO). Each time `max_slice` passes, the processes that
         cannot answer (dead, stopped, alive and not draining) are given up on
         — not waited for again until they answer — and the log says which;
-        one alive and draining is waited for on, up to `drain_cap`."""
+        past `drain_limit` (one drain bound unless drain_cap says more) every one is."""
         undrained = getattr(self._enforcer, "undrained", None)
         if undrained is None:
             return False
@@ -391,7 +391,7 @@ class GpuScheduler(NativeSwitching, QueueBounds, PrioTime):
                         pass
                     waiting[0].consume()
                     waiting = undrained(names, self.gpu)
-            capped = trio.current_time() - t0 >= p.drain_cap
+            capped = trio.current_time() - t0 >= p.drain_limit
             for target in waiting:
                 for slot, why in target.give_up(self.gpu, capped):
                     log.warning("%s: the process of slot %d did not finish its queued GPU work within %.0f ms of its "
@@ -434,7 +434,7 @@ def schedulers_for(
     switch = switch and native.load() is not None
     out = []
     for g in node.gpus:
-        sw = native.Switcher(g.index, p.max_slice, p.drain_cap) if switch else None
+        sw = native.Switcher(g.index, p.max_slice, p.drain_limit) if switch else None
         if sw is not None:
             sw.mode(p.switch, p.switch_lead)
         out.append(GpuScheduler(node, g.index, enforcer, activity, params=params, usage=usage,

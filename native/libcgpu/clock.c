@@ -1,6 +1,8 @@
 /*
- * libcgpu, compute: the clocks (cgpu_compute.h).
+ * libcgpu, compute: the clocks, the bounded wait for an event, and the library's threads (cgpu_compute.h).
  */
+#include <sched.h>
+#include <signal.h>
 #include <time.h>
 
 #include "cgpu_compute.h"
@@ -54,3 +56,45 @@ int64_t launch_ns(void)
     return now;
 }
 
+
+/* (polled: the first 50 µs yielding, as the driver's default spin does, then asleep between looks,
+ * 20 µs doubling up to 200 µs: the wake-up is tens to a couple of hundred µs after the event, about
+ * as the driver's blocking sync, and the looks cost little CPU beside the application's threads) */
+CUresult event_wait(void *event, int64_t deadline)
+{
+    int64_t start = mono_ns(), now = start, nap = 20000;
+    for (;;) {
+        CUresult r = ev.query(event);
+        if (r != 600)
+            return CU_OK;  /* (done, or an error: nothing to wait for) */
+        now = mono_ns();
+        if (now >= deadline)
+            return 600;
+        if (now - start < 50000)
+            sched_yield();
+        else {
+            int64_t left = deadline - now;
+            struct timespec t = {0, (long)(left < nap ? left : nap)};
+            nanosleep(&t, NULL);
+            nap = nap < 100000 ? nap * 2 : 200000;
+        }
+    }
+}
+
+/* A detached thread of the library's running fn: signals blocked in it (they stay with the
+ * process's own threads). 0, or pthread_create's error. */
+int start_thread(void *(*fn)(void *), size_t stack)
+{
+    pthread_t t;
+    pthread_attr_t a;
+    sigset_t all, old;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    pthread_attr_setstacksize(&a, stack);
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int r = pthread_create(&t, &a, fn, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&a);
+    return r;
+}

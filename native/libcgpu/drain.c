@@ -2,6 +2,7 @@
  * libcgpu, compute: the helper thread answers the daemon's closings (cgpu_compute.h).
  */
 #include <errno.h>
+#include <stdint.h>
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
@@ -43,27 +44,35 @@ static int relax_capture_mode(void)
 }
 
 
-/* Finish the work queued on page GPU `k` (all of it for -1): once no launch there is in flight,
- * wait for each stream's last event (the queues, below). A context is synchronized only when
- * launches were made that no queue counted (and no stream may be capturing): synchronizing a
- * context that holds a capturing stream waits on it, which the driver refuses in every capture
- * mode and which invalidates the capture — and a capture may have begun on a stream nothing was
- * launched into yet. What a bounded stream launched since its last event (less than 1/16 of the
- * budget once its mean is known; before, the launches count as not counted) may run on past the
- * answer. */
-static void drain(int k)
+/* Finish the work queued on page GPU `k` (all of it for -1), until `deadline`: once no launch there
+ * is in flight, wait for each stream's last event (the queues, queue.c). A context is synchronized
+ * only when launches were made that no queue counted (and no stream may be capturing):
+ * synchronizing a context that holds a capturing stream waits on it, which the driver refuses in
+ * every capture mode and which invalidates the capture — and a capture may have begun on a stream
+ * nothing was launched into yet. What a bounded stream launched since its last event (less than
+ * 1/16 of the budget once its mean is known; before, the launches count as not counted) may run on
+ * past the answer, and so does whatever was not done by the deadline (a stream waiting on the
+ * host, a collective whose peer has not launched, a kernel longer than the bound): the answer
+ * comes at the deadline whatever the application does (docs/isolation.md, "the drain bound"). */
+static void drain(int k, int64_t deadline)
 {
-    while (__atomic_load_n(&launching[1 + k], __ATOMIC_SEQ_CST))
+    while (__atomic_load_n(&launching[1 + k], __ATOMIC_SEQ_CST) && mono_ns() < deadline)
         sched_yield();  /* a launch that passed the gate before it closed: a few µs */
-    pthread_mutex_lock(&ctx_lock);
+    /* (the contexts' lock, for the deadline at most: a context being destroyed holds it a moment) */
+    while (pthread_mutex_trylock(&ctx_lock)) {
+        if (mono_ns() >= deadline)
+            return;
+        struct timespec t = {0, 20000};
+        nanosleep(&t, NULL);
+    }
     in_driver++;
     int captures = 0;
-    unsigned long loose = (unsigned long)drain_queues(k, &captures);
+    unsigned long loose = (unsigned long)drain_queues(k, &captures, deadline);
     loose += queue_take_untracked(k);
-    if (loose && !captures)
-        contexts_sync(k);
     in_driver--;
     pthread_mutex_unlock(&ctx_lock);
+    if (loose && !captures)
+        contexts_sync(k, deadline);
 }
 
 /* Tell the daemon: `acked` says which closing was answered, a byte in the FIFO wakes it. */
@@ -124,7 +133,7 @@ static void *gate_helper(void *arg)
             uint32_t g = gate_value(-1);
             if (!(g & 1) && __atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != g) {
                 draining(1);
-                drain(-1);
+                drain(-1, INT64_MAX);  /* (an older cgpud's page: its daemon bounds nothing, and waits for the drain) */
                 answer(g);
                 draining(0);
             }
@@ -136,12 +145,13 @@ static void *gate_helper(void *arg)
         uint32_t c = __atomic_load_n(&limits->closings, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&mine->acked, __ATOMIC_ACQUIRE) != c) {
             draining(1);
+            int64_t deadline = mono_ns() + CGPU_DRAIN_BOUND_NS;  /* (one for the whole answer) */
             uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST) & ~CGPU_PROC_DRAINING;
-            if (ganged() && (on & (on - 1)))  /* a gang: the halves of a collective cut by the closing */
-                gang_catch_up(on);
+            if (ganged())  /* a gang: the halves of a collective cut by the closing (its ranks here or in other processes) */
+                gang_catch_up(on, deadline);
             for (uint32_t k = 0; k < limits->ngpus; k++)
                 if (on & (1u << k) && !(gate_value((int)k) & 1))
-                    drain((int)k);
+                    drain((int)k, deadline);
             answer(c);
             draining(0);
         }
@@ -153,22 +163,12 @@ static void *gate_helper(void *arg)
 static void start_helper(void)
 {
     gang_init();
-    pthread_t t;
-    pthread_attr_t a;
-    sigset_t all, old;
-    pthread_attr_init(&a);
-    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-    pthread_attr_setstacksize(&a, 64 << 10);
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with the process's own threads */
-    if (pthread_create(&t, &a, gate_helper, NULL) == 0) {
+    if (start_thread(gate_helper, 64 << 10) == 0) {
         unsigned k = (unsigned)(mine - usage->procs);
         charge_timed();  /* (its GPU time is counted: the daemon charges it by that) */
         __atomic_store_n(&mine->gated, per_gpu ? 2 : 1, __ATOMIC_SEQ_CST);
         __atomic_fetch_or(&usage->gated_slots[k / 32], 1u << (k % 32), __ATOMIC_SEQ_CST);
     }
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    pthread_attr_destroy(&a);
 }
 
 static pthread_once_t helper_once = PTHREAD_ONCE_INIT;

@@ -1,7 +1,11 @@
 /*
  * libcgpu, compute: the gate words, and a gang's launches counted (cgpu_compute.h).
  */
+#include <fcntl.h>
 #include <limits.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,17 +27,24 @@
  * use are never held closed: an idle instance is not.) CGPU_GANG=0 in the container: each GPU on
  * its own (for processes that share nothing across GPUs; it changes only the container's own time).
  *
- * A closing can still fall between two halves of a collective (a thread launched its half, the
- * peer's launch comes after the gate closed): the peer's launch is let through while the helper
- * answers that closing, if its GPU is behind the process's most-launched GPU of the gang (ranks
+ * A closing can still fall between two halves of a collective (a rank launched its half, the
+ * peer's launch comes after the gate closed): the peer's launch is let through while its helper
+ * answers that closing, if its GPU is behind the instance's most-launched GPU of the gang (ranks
  * launch the same sequence), at most GANG_CATCH_UP launches per GPU per closing; the helper waits
- * up to GANG_WAIT_NS for them before it drains. GPUs more than 2 * GANG_CATCH_UP launches apart are
- * not ranks of one collective: they count as even from there. */
+ * up to GANG_WAIT_NS (and never past its drain bound) for them before it drains. The ranks may be
+ * threads of one process or processes of the container, one per GPU, as torchrun and DeepSpeed
+ * start them (issue 34): every process counts its launches per GPU in its slot of the usage file's
+ * gang block (cgpu_page.h), and "behind" compares with every gated slot's counts. A page of an older
+ * cgpud has no such block: a process then compares only its own GPUs. GPUs more than
+ * 2 * GANG_CATCH_UP launches apart are not ranks of one collective: each process counts its own
+ * as even from there (each helper rebases its slot, so the instance's counts meet again). What
+ * runs so is the instance's own work, charged to it by its timing events. */
 #define GANG_CATCH_UP 4
 #define GANG_WAIT_NS 20000000ll
 static int gang_off = -1;  /* CGPU_GANG=0 (read at the first launch) */
-static unsigned long launched[CGPU_MAX_GPUS];  /* this process's launches on each page GPU */
-static unsigned long base[CGPU_MAX_GPUS];      /* ... when a closing last found them far apart */
+static struct cgpu_usage_gang *shared_gang;   /* the usage file's gang block (NULL: an older cgpud's page) */
+static struct cgpu_gang own_gang;              /* this process's counts where there is none */
+static struct cgpu_gang *my_gang = &own_gang;  /* this process's slot's, or own_gang */
 static unsigned catch_up_used[CGPU_MAX_GPUS];
 static int catch_up_open;                      /* the helper answers a closing: catch-up allowed */
 unsigned launching[1 + CGPU_MAX_GPUS];
@@ -60,16 +71,40 @@ int ganged(void)
     return per_gpu && !gang_off;
 }
 
-/* How far page GPU `k` is behind this process's most-launched GPU of the gang (counted from `base`). */
-static unsigned long behind(int k)
+static uint64_t count(const struct cgpu_gang *g, uint32_t j)
 {
-    uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
-    unsigned long most = 0, mine_k = __atomic_load_n(&launched[k], __ATOMIC_SEQ_CST) - base[k];
-    for (uint32_t j = 0; j < limits->ngpus; j++)
-        if (on & (1u << j)) {
-            unsigned long n = __atomic_load_n(&launched[j], __ATOMIC_SEQ_CST) - base[j];
-            most = n > most ? n : most;
-        }
+    return __atomic_load_n(&g->launched[j], __ATOMIC_SEQ_CST) - __atomic_load_n(&g->base[j], __ATOMIC_SEQ_CST);
+}
+
+/* The instance's counts: the most and the fewest launches counted on any GPU of any gated slot (of
+ * this process alone without the shared block); 0 and 0 when nobody launched. */
+static void spread(uint64_t *most, uint64_t *fewest)
+{
+    *most = 0;
+    *fewest = UINT64_MAX;
+    for (uint32_t s = 0; s < (shared_gang ? CGPU_MAX_PROCS : 1); s++) {
+        const struct cgpu_proc *p = shared_gang ? &usage->procs[s] : mine;
+        const struct cgpu_gang *g = shared_gang ? &shared_gang->procs[s] : my_gang;
+        if (shared_gang && (!(__atomic_load_n(&usage->gated_slots[s / 32], __ATOMIC_RELAXED) >> (s % 32) & 1)
+                            || !__atomic_load_n(&p->pid, __ATOMIC_RELAXED)))
+            continue;
+        uint32_t on = __atomic_load_n(&p->gpus, __ATOMIC_SEQ_CST) & ~CGPU_PROC_DRAINING;
+        for (uint32_t j = 0; j < limits->ngpus; j++)
+            if (on & (1u << j)) {
+                uint64_t n = count(g, j);
+                *most = n > *most ? n : *most;
+                *fewest = n < *fewest ? n : *fewest;
+            }
+    }
+    if (*fewest == UINT64_MAX)
+        *fewest = 0;
+}
+
+/* How far page GPU `k` of this process is behind the instance's most-launched GPU of the gang. */
+static uint64_t behind(int k)
+{
+    uint64_t most, fewest, mine_k = count(my_gang, (uint32_t)k);
+    spread(&most, &fewest);
     return most > mine_k ? most - mine_k : 0;
 }
 
@@ -108,19 +143,56 @@ void futex_wait_on(const uint32_t *word, uint32_t seen)
     syscall(SYS_futex, word, FUTEX_WAIT, seen, NULL, NULL, 0);
 }
 
+/* The usage file's gang block, mapped (its offset is not a page's: the pages around it with it). */
+static void map_gang(void)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/usage", page_dir);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    struct stat st;
+    size_t at = sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy);
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), from = at / page * page, len = at - from + sizeof(struct cgpu_usage_gang);
+    if (!fstat(fd, &st) && (size_t)st.st_size >= at + sizeof(struct cgpu_usage_gang)) {
+        void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)from);
+        if (p != MAP_FAILED)
+            shared_gang = (struct cgpu_usage_gang *)((char *)p + (at - from));
+    }
+    close(fd);
+}
+
 void gang_init(void)
 {
     const char *g = getenv("CGPU_GANG");
     gang_off = g && !strcmp(g, "0");
+    static pthread_once_t mapped = PTHREAD_ONCE_INIT;
+    if (per_gpu)
+        pthread_once(&mapped, map_gang);
+    struct cgpu_gang *mg = shared_gang && mine ? &shared_gang->procs[mine - usage->procs] : &own_gang;
+    for (uint32_t j = 0; j < CGPU_MAX_GPUS; j++)  /* (a slot another process had: its counts are not ours) */
+        __atomic_store_n(&mg->base[j], __atomic_load_n(&mg->launched[j], __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST);
+    my_gang = mg;
 }
 
 int gang_pass(int k)
 {
     if ((gate_value(k) & gate_value(-1) & 1) || catch_up(k)) {
-        __atomic_add_fetch(&launched[k], 1, __ATOMIC_SEQ_CST);
+        __atomic_add_fetch(&my_gang->launched[k], 1, __ATOMIC_SEQ_CST);
         return 1;
     }
     return 0;
+}
+
+/* The GPUs the instance's gated processes launch on (this process's alone without the shared block). */
+static uint32_t instance_gpus(void)
+{
+    uint32_t on = __atomic_load_n(&mine->gpus, __ATOMIC_SEQ_CST);
+    for (uint32_t s = 0; shared_gang && s < CGPU_MAX_PROCS; s++)
+        if (__atomic_load_n(&usage->gated_slots[s / 32], __ATOMIC_RELAXED) >> (s % 32) & 1
+            && __atomic_load_n(&usage->procs[s].pid, __ATOMIC_RELAXED))
+            on |= __atomic_load_n(&usage->procs[s].gpus, __ATOMIC_SEQ_CST);
+    return on & ~CGPU_PROC_DRAINING;
 }
 
 int gang_catching_up(void)
@@ -128,19 +200,21 @@ int gang_catching_up(void)
     return __atomic_load_n(&catch_up_open, __ATOMIC_SEQ_CST);
 }
 
-void gang_catch_up(uint32_t on)
+void gang_catch_up(uint32_t on, int64_t deadline)
 {
-    uint32_t apart = 0;
-    for (uint32_t k = 0; k < limits->ngpus; k++)
-        if (on & (1u << k) && behind((int)k) > 2 * GANG_CATCH_UP)
-            apart = 1;
-    if (apart)  /* more apart than collectives in flight: the ranks launch differently; even from here */
-        for (uint32_t k = 0; k < limits->ngpus; k++)
-            base[k] = __atomic_load_n(&launched[k], __ATOMIC_SEQ_CST);
+    uint32_t all = instance_gpus();
+    if (!(all & (all - 1)) || !on)
+        return;  /* (the instance on one GPU: no collective to complete) */
+    uint64_t most, fewest;
+    spread(&most, &fewest);
+    if (most - fewest > 2 * GANG_CATCH_UP)  /* more apart than collectives in flight: not ranks of one; even from here */
+        for (uint32_t k = 0; k < CGPU_MAX_GPUS; k++)
+            __atomic_store_n(&my_gang->base[k], __atomic_load_n(&my_gang->launched[k], __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST);
     memset(catch_up_used, 0, sizeof catch_up_used);
     __atomic_store_n(&catch_up_open, 1, __ATOMIC_SEQ_CST);
     int64_t start = mono_ns(), now = start, woke = 0;
-    while (!(settled(on) && caught_up()) && now < start + GANG_WAIT_NS) {
+    int64_t until = start + GANG_WAIT_NS < deadline ? start + GANG_WAIT_NS : deadline;
+    while (!(settled(on) && caught_up()) && now < until) {
         if (now >= woke + 50000) {  /* the launches waiting: look again (every 50 µs) */
             futex_wake_all(&limits->gate);
             for (uint32_t k = 0; k < limits->ngpus; k++)
@@ -162,7 +236,7 @@ void gang_catch_up(uint32_t on)
 void gang_forked(void)
 {
     memset(launching, 0, sizeof launching);
-    memset(launched, 0, sizeof launched);
-    memset(base, 0, sizeof base);
+    memset(&own_gang, 0, sizeof own_gang);
+    my_gang = &own_gang;  /* (the parent's slot's counts are the parent's: the child's own at its first launch) */
     catch_up_open = 0;
 }

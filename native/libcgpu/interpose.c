@@ -86,6 +86,14 @@ CUresult cuLaunchCooperativeKernel_ptsz(void *, unsigned, unsigned, unsigned, un
 CUresult cuLaunchKernelEx(const void *, void *, void **, void **);
 CUresult cuLaunchKernelEx_ptsz(const void *, void *, void **, void **);
 CUresult cuGraphLaunch(void *, void *);
+CUresult cuStreamDestroy(void *);
+CUresult cuStreamDestroy_v2(void *);
+CUresult cuCtxDestroy(void *);
+CUresult cuCtxDestroy_v2(void *);
+CUresult cuDevicePrimaryCtxRelease(int);
+CUresult cuDevicePrimaryCtxRelease_v2(int);
+CUresult cuDevicePrimaryCtxReset(int);
+CUresult cuDevicePrimaryCtxReset_v2(int);
 CUresult cuGraphLaunch_ptsz(void *, void *);
 CUresult cuModuleLoad(void **, const char *);
 CUresult cuModuleLoadData(void **, const void *);
@@ -202,6 +210,14 @@ static const struct form {
     {"cuModuleLoadFatBinary", 2000, 0, "cuModuleLoadFatBinary", (void *)cuModuleLoadFatBinary},
     {"cuLibraryLoadData", 12000, 0, "cuLibraryLoadData", (void *)cuLibraryLoadData},
     {"cuLibraryLoadFromFile", 12000, 0, "cuLibraryLoadFromFile", (void *)cuLibraryLoadFromFile},
+    {"cuStreamDestroy", 2000, 0, "cuStreamDestroy", (void *)cuStreamDestroy},
+    {"cuStreamDestroy", 4000, 0, "cuStreamDestroy_v2", (void *)cuStreamDestroy_v2},
+    {"cuCtxDestroy", 2000, 0, "cuCtxDestroy", (void *)cuCtxDestroy},
+    {"cuCtxDestroy", 4000, 0, "cuCtxDestroy_v2", (void *)cuCtxDestroy_v2},
+    {"cuDevicePrimaryCtxRelease", 7000, 0, "cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease},
+    {"cuDevicePrimaryCtxRelease", 11000, 0, "cuDevicePrimaryCtxRelease_v2", (void *)cuDevicePrimaryCtxRelease_v2},
+    {"cuDevicePrimaryCtxReset", 7000, 0, "cuDevicePrimaryCtxReset", (void *)cuDevicePrimaryCtxReset},
+    {"cuDevicePrimaryCtxReset", 11000, 0, "cuDevicePrimaryCtxReset_v2", (void *)cuDevicePrimaryCtxReset_v2},
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress", (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
 };

@@ -33,6 +33,7 @@
 #define QUEUE_RING 64
 #define STREAM_LEGACY ((void *)1)
 #define STREAM_PER_THREAD ((void *)2)
+#define STREAM_GONE ((void *)3)  /* a stream destroyed (its events still ours, the stream never touched again) */
 struct pending {
     void *event;
     uint32_t launches;  /* the launches it covers */
@@ -54,6 +55,7 @@ struct squeue {
     int64_t last_launch;        /* when the last launch into it was made (launch_ns) */
     int timed;                  /* the event before `tail` (the last one known complete) is a timing reference */
     int gpu;                    /* its context's page GPU (-1: the container's) */
+    unsigned stuck;             /* tail + 1 of an event not done within a bound of waiting (0: none) */
     int used;
 };
 static struct squeue queues[QUEUE_STREAMS];
@@ -161,7 +163,7 @@ static uint64_t queued(const struct squeue *q)
  * longer than the budget still follows the one before without a gap). */
 static int over_budget(const struct squeue *q, int64_t budget)
 {
-    if (q->head == q->tail)
+    if (q->head == q->tail || q->stuck == q->tail + 1)  /* (its oldest event waited for a bound already) */
         return 0;
     if (q->head - q->tail >= QUEUE_RING - 1)
         return 1;
@@ -206,7 +208,7 @@ static void completed(struct squeue *q, int64_t done)
  * may be capturing now (one of ours says so, or a launch into a capturing stream was seen in the
  * last second). Returns whether launches are left that no event covers and whose length is not
  * known yet (the caller then synchronizes the context, unless a stream may be capturing). */
-int drain_queues(int k, int *captures_out)
+int drain_queues(int k, int *captures_out, int64_t deadline)
 {
     if (!queue_ready())
         return 0;
@@ -217,7 +219,7 @@ int drain_queues(int k, int *captures_out)
         struct squeue *q = &queues[i];
         if (!q->used || (k >= 0 && gpu_of_ctx(q->ctx) != k))
             continue;
-        if (q->stream && q->stream != STREAM_PER_THREAD) {  /* (the legacy and per-thread streams: only their owners') */
+        if (q->stream && q->stream != STREAM_PER_THREAD && q->stream != STREAM_GONE) {  /* (the legacy and per-thread streams: only their owners') */
             int st = 0;
             if (ev.capturing(q->stream, &st) != CU_OK || st) {
                 captures = 1;
@@ -245,11 +247,12 @@ int drain_queues(int k, int *captures_out)
     }
     pthread_mutex_unlock(&queue_lock);
     *captures_out = captures;
-    for (int i = 0; i < n; i++)
-        ev.sync(last[i].event);  /* (an event recorded outside any capture: legal in relaxed mode) */
+    int done[QUEUE_STREAMS];
+    for (int i = 0; i < n; i++)  /* (events recorded outside any capture: legal in relaxed mode) */
+        done[i] = event_wait(last[i].event, deadline) == CU_OK;
     pthread_mutex_lock(&queue_lock);
     for (int i = 0; i < n; i++)
-        while (last[i].q->used && last[i].q->tail - last[i].upto >= 0x80000000u)  /* tail before upto */
+        while (done[i] && last[i].q->used && last[i].q->tail - last[i].upto >= 0x80000000u)  /* tail before upto */
             completed(last[i].q, 0);
     pthread_mutex_unlock(&queue_lock);
     return loose;
@@ -278,12 +281,19 @@ void queue_wait(CUcontext c, void *stream, int ptsz)
         CUresult r = ev.query(e);
         int64_t done = 0;
         if (r == 600) {  /* CUDA_ERROR_NOT_READY: wait for it; its completion measures the stream */
-            r = ev.sync(e);
+            r = event_wait(e, mono_ns() + CGPU_DRAIN_BOUND_NS);
             done = r == CU_OK ? mono_ns() : 0;
         }
         if (relaxed)
             ev.exchange(&mode);
         pthread_mutex_lock(&queue_lock);
+        if (r == 600) {  /* not done within the bound: the stream waits on something else than its work (a host
+                          * value, a host function, another process): this launch goes, and the next ones do not
+                          * wait for that event again */
+            if (q->used && q->tail == t)
+                q->stuck = t + 1;
+            break;
+        }
         if (q->tail == t && q->used)  /* (another thread may have counted it meanwhile) */
             completed(q, done);
     }
@@ -444,6 +454,27 @@ unsigned long queue_take_untracked(int k)
     for (int j = k < 0 ? 0 : 1 + k; j <= (k < 0 ? CGPU_MAX_GPUS : 1 + k); j++)
         loose += __atomic_exchange_n(&untracked[j], 0, __ATOMIC_SEQ_CST);
     return loose;
+}
+
+void queue_forget_stream(void *stream)
+{
+    if (!stream || stream == STREAM_LEGACY || stream == STREAM_PER_THREAD)
+        return;
+    pthread_mutex_lock(&queue_lock);
+    for (int i = 0; i < QUEUE_STREAMS; i++)
+        if (queues[i].used && queues[i].stream == stream)
+            queues[i].stream = STREAM_GONE;  /* (its events go on being waited for: the context's, alive) */
+    pthread_mutex_unlock(&queue_lock);
+}
+
+/* (ctx_lock held: gpu_of_ctx) */
+void queue_forget_context(CUcontext c)
+{
+    pthread_mutex_lock(&queue_lock);
+    for (int i = 0; i < QUEUE_STREAMS; i++)
+        if (queues[i].used && (c ? queues[i].ctx == c : gpu_of_ctx(queues[i].ctx) == -2))
+            memset(&queues[i], 0, sizeof queues[i]);  /* (its events: destroyed by the driver with the context) */
+    pthread_mutex_unlock(&queue_lock);
 }
 
 void queue_forked(void)

@@ -33,6 +33,18 @@ HIDDEN int stub_current_device(void);          /* the calling thread's current c
 HIDDEN int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
 HIDDEN CUresult stub_synchronize(void);        /* wait for this process's kernels on its current card */
 
+/* libcuda.c: contexts' lifetimes (issue 34). A context destroyed (cuCtxDestroy, the primary one's
+ * reset or last release) takes its streams and events with it, as the driver's does: a handle of
+ * one used afterwards is answered CUDA_ERROR_INVALID_HANDLE or CUDA_ERROR_CONTEXT_IS_DESTROYED,
+ * and with CGPU_STUB_STRICT_HANDLES=1 the process aborts, saying which call used which handle
+ * (the real driver's behaviour there is undefined: a crash, or another object's state). */
+HIDDEN unsigned stub_ctx_gen(int dev);              /* the generation of card dev's context now */
+HIDDEN int stub_ctx_alive(int dev, unsigned gen);   /* a handle made in that generation is still valid */
+HIDDEN void stub_misuse(const char *call, const char *what);  /* a destroyed handle used */
+enum { STUB_CONTEXT_IS_DESTROYED = 709 };
+/* cuda_graphs.c: a stream object destroyed, or of a destroyed context (said to stub_misuse by `call`) */
+HIDDEN int stub_stream_dead(const void *s, const char *call);
+
 /* cuda_export.c: a name cuGetProcAddress's table in libcuda.c does not know, or NULL */
 HIDDEN void *stub_more_proc(const char *symbol, int version, uint64_t flags);
 HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -59,6 +71,10 @@ HIDDEN uint64_t stub_growth(const char *name, uint64_t kib);
 /* a kernel of `us` µs into `stream` (NULL: the legacy stream; 2: the thread's) on card `dev`; blocks
  * only while the stream's queue is full; coll: half of a collective across cards 0 and 1 */
 HIDDEN CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll);
+/* a point in `stream` that waits on the host until released (*seq: which) */
+HIDDEN CUresult stub_exec_hold(int dev, const void *stream, uint64_t *seq);
+HIDDEN void stub_exec_release(int dev, uint64_t seq);
+HIDDEN int stub_exec_reached(int dev, uint64_t seq);  /* all before entry seq done */
 HIDDEN CUresult stub_exec_sync(int dev, const void *stream, int all);  /* wait: the stream's work, or all (the context's) */
 HIDDEN int stub_exec_idle(int dev, const void *stream, int all);       /* its work done: 1, else 0 */
 /* a point in a stream (an event): done when the card has run what was launched into it before */

@@ -329,18 +329,85 @@ uint64_t stub_growth(const char *name, uint64_t kib)
     const char *v = getenv(var);
     return (v && *v ? strtoull(v, NULL, 10) : kib) << 10;
 }
-/* a context is its device + 1 */
+/* A context is its device + 1 + 16 * its generation: one per card and process, live from the start
+ * (as before: a process that makes none still has one), destroyed by cuCtxDestroy, the primary
+ * context's reset, or its last release; made again by a retain or create, as a new context (a new
+ * handle). What a destroyed context held (streams, events) is gone with it (cuda_stub.h). */
+static unsigned ctx_gen[16];
+static int ctx_dead[16], ctx_refs[16];
+static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+unsigned stub_ctx_gen(int dev) { return dev >= 0 && dev < 16 ? __atomic_load_n(&ctx_gen[dev], __ATOMIC_SEQ_CST) : 0; }
+int stub_ctx_alive(int dev, unsigned gen)
+{
+    return dev >= 0 && dev < 16 && gen == __atomic_load_n(&ctx_gen[dev], __ATOMIC_SEQ_CST) && !ctx_dead[dev];
+}
+void stub_misuse(const char *call, const char *what)
+{
+    const char *strict = getenv("CGPU_STUB_STRICT_HANDLES");
+    if (!strict || *strict != '1') return;
+    fprintf(stderr, "stand-in libcuda: %s used %s (undefined behaviour in the driver): aborting\n", call, what);
+    abort();
+}
+static CUcontext ctx_handle(int d) { return (CUcontext)(uintptr_t)(1 + d + 16 * (uintptr_t)ctx_gen[d]); }
+/* The device of a context handle, or -1 (and *dead: a handle of a destroyed context) */
+static int ctx_device(CUcontext ctx, int *dead)
+{
+    uintptr_t h = (uintptr_t)ctx - 1;
+    int d = (int)(h % 16);
+    *dead = 0;
+    if (!ctx || d >= devices()) return -1;
+    *dead = !stub_ctx_alive(d, (unsigned)(h / 16));
+    return d;
+}
+static void ctx_destroy(int d)  /* (ctx_lock held) */
+{
+    if (ctx_dead[d]) return;
+    stub_exec_sync(d, NULL, 1);  /* (the driver waits for the context's work) */
+    ctx_dead[d] = 1;
+    ctx_refs[d] = 0;
+    __atomic_add_fetch(&ctx_gen[d], 1, __ATOMIC_SEQ_CST);
+}
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
 {
     if (!inited) return NOT_INITIALIZED;
     if (d < 0 || d >= devices()) return INVALID_DEVICE;
     CUresult r = context_memory(d);
     if (r != OK) return r;
-    *ctx = (CUcontext)(uintptr_t)(d + 1);
+    pthread_mutex_lock(&ctx_lock);
+    ctx_dead[d] = 0;
+    ctx_refs[d]++;
+    *ctx = ctx_handle(d);
+    pthread_mutex_unlock(&ctx_lock);
     return OK;
 }
-CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return d < 0 || d >= devices() ? INVALID_DEVICE : OK; }
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
+{
+    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    pthread_mutex_lock(&ctx_lock);
+    if (ctx_refs[d] > 0 && !--ctx_refs[d])
+        ctx_destroy(d);  /* (its last release: the primary context is destroyed) */
+    pthread_mutex_unlock(&ctx_lock);
+    return OK;
+}
 CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return cuDevicePrimaryCtxRelease_v2(d); }  /* (CUDA 7.0's form) */
+CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
+{
+    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    pthread_mutex_lock(&ctx_lock);
+    ctx_destroy(d);
+    pthread_mutex_unlock(&ctx_lock);
+    return OK;
+}
+CUresult cuDevicePrimaryCtxReset(CUdevice d) { return cuDevicePrimaryCtxReset_v2(d); }
+CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned *flags, int *active)
+{
+    extern unsigned stub_primary_flags(int);
+    if (!flags || !active) return INVALID_VALUE;
+    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    *flags = stub_primary_flags(d);
+    *active = !ctx_dead[d];
+    return OK;
+}
 CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
 {
     (void)flags;
@@ -352,18 +419,35 @@ CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
 CUresult cuCtxSetCurrent(CUcontext ctx)
 {
     if (!inited) return NOT_INITIALIZED;
-    if (ctx) cur_dev = (int)(uintptr_t)ctx - 1;
+    int dead, d = ctx_device(ctx, &dead);
+    if (ctx && dead) {
+        stub_misuse("cuCtxSetCurrent", "a destroyed context");
+        return STUB_CONTEXT_IS_DESTROYED;
+    }
+    if (ctx && d >= 0) cur_dev = d;
     return OK;
 }
 CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return INVALID_VALUE; if (!inited) return NOT_INITIALIZED; *d = cur_dev; return OK; }
-CUresult cuCtxDestroy_v2(CUcontext ctx) { (void)ctx; return OK; }
+CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    int dead, d = ctx_device(ctx, &dead);
+    if (d < 0) return INVALID_VALUE;
+    if (dead) {
+        stub_misuse("cuCtxDestroy", "a destroyed context");
+        return STUB_CONTEXT_IS_DESTROYED;
+    }
+    pthread_mutex_lock(&ctx_lock);
+    ctx_destroy(d);
+    pthread_mutex_unlock(&ctx_lock);
+    return OK;
+}
 /* Kernels run on the card's executor (cuda_exec.c): queued per stream, one at a time, contexts
  * time-sliced. CGPU_STUB_COLLECTIVE=1: every kernel of the process is half of a collective across
  * cards 0 and 1 (there). */
 static int collective(void)
 {
     const char *c = getenv("CGPU_STUB_COLLECTIVE");
-    return c && *c == '1';
+    return c && *c && strcmp(c, "0");  /* (1: the process's own halves; a name: a group of processes, cuda_exec.c) */
 }
 
 static CUresult run_kernel(uint64_t us, const void *stream)
@@ -383,21 +467,26 @@ CUresult cuCtxSynchronize(void)
 CUresult cuCtxGetCurrent(CUcontext *ctx)
 {
     if (!ctx) return INVALID_VALUE;
-    *ctx = inited ? (CUcontext)(uintptr_t)(cur_dev + 1) : NULL;
+    *ctx = inited && !ctx_dead[cur_dev] ? ctx_handle(cur_dev) : NULL;  /* (destroyed: popped, none current) */
     return OK;
 }
 static __thread int pushed[16], npushed;
 CUresult cuCtxPushCurrent_v2(CUcontext ctx)
 {
     if (!inited) return NOT_INITIALIZED;
+    int dead, d = ctx_device(ctx, &dead);
+    if (ctx && dead) {
+        stub_misuse("cuCtxPushCurrent", "a destroyed context");
+        return STUB_CONTEXT_IS_DESTROYED;
+    }
     if (npushed < 16) pushed[npushed++] = cur_dev;
-    if (ctx) cur_dev = (int)(uintptr_t)ctx - 1;
+    if (ctx && d >= 0) cur_dev = d;
     return OK;
 }
 CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
 {
     if (!inited) return NOT_INITIALIZED;
-    if (ctx) *ctx = (CUcontext)(uintptr_t)(cur_dev + 1);
+    if (ctx) *ctx = ctx_handle(cur_dev);
     if (npushed) cur_dev = pushed[--npushed];
     return OK;
 }
@@ -519,6 +608,7 @@ CUresult cuStreamCreate(CUstream *s, unsigned flags);  /* cuda_graphs.c, as cuSt
 CUresult cuStreamDestroy_v2(CUstream s);
 CUresult cuStreamSynchronize(CUstream s)
 {
+    if (stub_stream_dead(s, "cuStreamSynchronize")) return STUB_INVALID_HANDLE;
     CUresult r = stub_capture_forbids(s);
     return r ? r : stub_exec_sync(cur_dev, s, 0);
 }
