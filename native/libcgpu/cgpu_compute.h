@@ -71,14 +71,17 @@ void charge_timed(void);  /* the slot's GPU time is counted from now (the helper
 
 /* ---- queue.c ---- */
 int queue_ready(void);
-void queue_wait(CUcontext c, void *stream, int ptsz);
+void queue_wait(CUcontext c, void *stream, int ptsz, uint32_t w);  /* w: the launch counts as w (a graph: its nodes) */
 void queue_start(CUcontext c, void *stream, int ptsz);
-int queue_note(CUcontext c, void *stream, int ptsz);
+int queue_note(CUcontext c, void *stream, int ptsz, uint32_t w);
 void queue_untracked(int k);  /* a launch on page GPU k no queue counted */
 unsigned long queue_take_untracked(int k);
 int drain_queues(int k, int *captures, int64_t deadline);
 void queue_forget_stream(void *stream);  /* a stream destroyed: never named again (its events kept) */
 void queue_forget_context(CUcontext c);  /* a context destroyed (NULL: those of no listed context): its queues dropped (queue_lock taken) */
+void queue_graph_made(void *exec, uint32_t nodes);  /* an executable graph of `nodes` nodes */
+void queue_graph_gone(void *exec);
+uint32_t queue_graph_weight(void *exec);  /* its nodes (1: not known) */
 void queue_forked(void);
 
 /* ---- drain.c ---- */

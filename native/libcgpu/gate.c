@@ -59,7 +59,7 @@ static inline int shared_gpu(int k)
 
 /* A launch into `stream_` (`ptsz_`: a per-thread-default-stream form) through the gate of its
  * GPU; while the GPU is shared, within the queue's budget. */
-#define GATED(stream_, ptsz_, fn, ...)                          \
+#define GATED_W(stream_, ptsz_, w_, fn, ...)                    \
     do {                                                        \
         PASS_THROUGH(fn, __VA_ARGS__);                          \
         if (!(fn))                                              \
@@ -70,7 +70,7 @@ static inline int shared_gpu(int k)
         int b_ = shared_gpu(k_) && queue_ready();               \
         if (b_ && may_wait(k_)) {                               \
             in_driver++;  /* (before the gate: a closing does not wait for a thread waiting here) */ \
-            queue_wait(known_ctx, (stream_), (ptsz_));          \
+            queue_wait(known_ctx, (stream_), (ptsz_), (w_));    \
             in_driver--;                                        \
         }                                                       \
         gate_enter(k_);                                         \
@@ -78,12 +78,14 @@ static inline int shared_gpu(int k)
         if (b_)                                                 \
             queue_start(known_ctx, (stream_), (ptsz_));         \
         CUresult r_ = (fn)(__VA_ARGS__);                        \
-        if (r_ == CU_OK && !(b_ && queue_note(known_ctx, (stream_), (ptsz_)))) \
+        if (r_ == CU_OK && !(b_ && queue_note(known_ctx, (stream_), (ptsz_), (w_)))) \
             queue_untracked(k_); \
         in_driver--;                                            \
         __atomic_sub_fetch(&launching[1 + k_], 1, __ATOMIC_SEQ_CST); \
         return r_;                                              \
     } while (0)
+
+#define GATED(stream_, ptsz_, fn, ...) GATED_W(stream_, ptsz_, 1, fn, __VA_ARGS__)
 
 /* cuLaunchKernelEx's config: the stream is after the dimensions and the shared memory */
 struct launch_config { unsigned grid[3], block[3], shmem; void *stream; };
@@ -125,12 +127,80 @@ CUresult cuLaunchKernelEx_ptsz(const void *config, void *f, void **params, void 
 
 CUresult cuGraphLaunch(void *exec, void *stream)
 {
-    GATED(stream, 0, real.graph_launch, exec, stream);
+    GATED_W(stream, 0, queue_graph_weight(exec), real.graph_launch, exec, stream);
 }
 
 CUresult cuGraphLaunch_ptsz(void *exec, void *stream)
 {
-    GATED(stream, 1, real.graph_launch_ptsz, exec, stream);
+    GATED_W(stream, 1, queue_graph_weight(exec), real.graph_launch_ptsz, exec, stream);
+}
+
+/* ---- graphs: their nodes counted at instantiation (queue.c, "a graph's weight") ---- */
+typedef CUresult (*graph_nodes_fn)(void *, void **, size_t *);
+typedef CUresult (*instantiate5_fn)(void **, void *, void **, char *, size_t);
+typedef CUresult (*instantiate_flags_fn)(void **, void *, unsigned long long);
+typedef CUresult (*instantiate_params_fn)(void **, void *, void *);
+typedef CUresult (*exec_destroy_fn)(void *);
+static void *graph_sym(void **slot, const char *name)
+{
+    void *f = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (!f && (f = sym(name)))
+        __atomic_store_n(slot, f, __ATOMIC_RELEASE);
+    return f;
+}
+#define GRAPH_REAL(type, name) ((type)graph_sym(&real_##name, #name))
+static void *real_cuGraphGetNodes, *real_cuGraphInstantiate, *real_cuGraphInstantiate_v2,
+    *real_cuGraphInstantiateWithFlags, *real_cuGraphInstantiateWithParams, *real_cuGraphInstantiateWithParams_ptsz,
+    *real_cuGraphExecDestroy;
+
+static CUresult made(CUresult r, void **exec, void *graph)
+{
+    graph_nodes_fn nodes = GRAPH_REAL(graph_nodes_fn, cuGraphGetNodes);
+    size_t n = 0;
+    if (r == CU_OK && exec && nodes) {
+        in_driver++;
+        if (nodes(graph, NULL, &n) == CU_OK)
+            queue_graph_made(*exec, n > UINT32_MAX ? UINT32_MAX : (uint32_t)n);
+        in_driver--;
+    }
+    return r;
+}
+#define INSTANTIATE(type, name, ...)                              \
+    do {                                                          \
+        type fn_ = GRAPH_REAL(type, name);                        \
+        PASS_THROUGH(fn_, __VA_ARGS__);                           \
+        in_driver++;                                              \
+        CUresult r_ = fn_(__VA_ARGS__);                           \
+        in_driver--;                                              \
+        return made(r_, exec, graph);                             \
+    } while (0)
+
+CUresult cuGraphInstantiate(void **exec, void *graph, void **err, char *log, size_t size)
+{
+    INSTANTIATE(instantiate5_fn, cuGraphInstantiate, exec, graph, err, log, size);
+}
+CUresult cuGraphInstantiate_v2(void **exec, void *graph, void **err, char *log, size_t size)
+{
+    INSTANTIATE(instantiate5_fn, cuGraphInstantiate_v2, exec, graph, err, log, size);
+}
+CUresult cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags)
+{
+    INSTANTIATE(instantiate_flags_fn, cuGraphInstantiateWithFlags, exec, graph, flags);
+}
+CUresult cuGraphInstantiateWithParams(void **exec, void *graph, void *params)
+{
+    INSTANTIATE(instantiate_params_fn, cuGraphInstantiateWithParams, exec, graph, params);
+}
+CUresult cuGraphInstantiateWithParams_ptsz(void **exec, void *graph, void *params)
+{
+    INSTANTIATE(instantiate_params_fn, cuGraphInstantiateWithParams_ptsz, exec, graph, params);
+}
+CUresult cuGraphExecDestroy(void *exec)
+{
+    exec_destroy_fn fn = GRAPH_REAL(exec_destroy_fn, cuGraphExecDestroy);
+    PASS_THROUGH(fn, exec);
+    queue_graph_gone(exec);
+    return fn(exec);
 }
 
 /* A forked child has no helper thread, no launches in flight, and none of the parent's streams. */

@@ -86,6 +86,12 @@ CUresult cuLaunchCooperativeKernel_ptsz(void *, unsigned, unsigned, unsigned, un
 CUresult cuLaunchKernelEx(const void *, void *, void **, void **);
 CUresult cuLaunchKernelEx_ptsz(const void *, void *, void **, void **);
 CUresult cuGraphLaunch(void *, void *);
+CUresult cuGraphInstantiate(void **, void *, void **, char *, size_t);
+CUresult cuGraphInstantiate_v2(void **, void *, void **, char *, size_t);
+CUresult cuGraphInstantiateWithFlags(void **, void *, unsigned long long);
+CUresult cuGraphInstantiateWithParams(void **, void *, void *);
+CUresult cuGraphInstantiateWithParams_ptsz(void **, void *, void *);
+CUresult cuGraphExecDestroy(void *);
 CUresult cuStreamDestroy(void *);
 CUresult cuStreamDestroy_v2(void *);
 CUresult cuCtxDestroy(void *);
@@ -210,6 +216,14 @@ static const struct form {
     {"cuModuleLoadFatBinary", 2000, 0, "cuModuleLoadFatBinary", (void *)cuModuleLoadFatBinary},
     {"cuLibraryLoadData", 12000, 0, "cuLibraryLoadData", (void *)cuLibraryLoadData},
     {"cuLibraryLoadFromFile", 12000, 0, "cuLibraryLoadFromFile", (void *)cuLibraryLoadFromFile},
+    {"cuGraphInstantiate", 10000, 0, "cuGraphInstantiate", (void *)cuGraphInstantiate},
+    {"cuGraphInstantiate", 11000, 0, "cuGraphInstantiate_v2", (void *)cuGraphInstantiate_v2},
+    {"cuGraphInstantiate", 12000, 0, "cuGraphInstantiateWithFlags", (void *)cuGraphInstantiateWithFlags},
+    {"cuGraphInstantiateWithFlags", 11040, 0, "cuGraphInstantiateWithFlags", (void *)cuGraphInstantiateWithFlags},
+    {"cuGraphInstantiateWithParams", 12000, 0, "cuGraphInstantiateWithParams", (void *)cuGraphInstantiateWithParams},
+    {"cuGraphInstantiateWithParams", 12000, 1, "cuGraphInstantiateWithParams_ptsz",
+     (void *)cuGraphInstantiateWithParams_ptsz},
+    {"cuGraphExecDestroy", 10000, 0, "cuGraphExecDestroy", (void *)cuGraphExecDestroy},
     {"cuStreamDestroy", 2000, 0, "cuStreamDestroy", (void *)cuStreamDestroy},
     {"cuStreamDestroy", 4000, 0, "cuStreamDestroy_v2", (void *)cuStreamDestroy_v2},
     {"cuCtxDestroy", 2000, 0, "cuCtxDestroy", (void *)cuCtxDestroy},

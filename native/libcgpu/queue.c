@@ -161,7 +161,7 @@ static uint64_t queued(const struct squeue *q)
 /* Whether a launch into q must wait first (queue_lock held): one more would pass the budget, and
  * two launches are queued already (one behind the running one is always let through: a kernel
  * longer than the budget still follows the one before without a gap). */
-static int over_budget(const struct squeue *q, int64_t budget)
+static int over_budget(const struct squeue *q, int64_t budget, uint32_t w)
 {
     if (q->head == q->tail || q->stuck == q->tail + 1)  /* (its oldest event waited for a bound already) */
         return 0;
@@ -176,7 +176,7 @@ static int over_budget(const struct squeue *q, int64_t budget)
             evs += q->ring[i % QUEUE_RING].launches > 0;
         return evs >= 2;
     }
-    return (int64_t)(n + 1) * q->per_launch > budget;
+    return (int64_t)(n + w) * q->per_launch > budget;
 }
 
 /* An event done (queue_lock held): at `done` when this thread saw it complete, else 0. */
@@ -259,16 +259,16 @@ int drain_queues(int k, int *captures_out, int64_t deadline)
 }
 
 /* Before a launch into `stream` of context `c` on a shared GPU: wait while its queue is over the budget. */
-void queue_wait(CUcontext c, void *stream, int ptsz)
+void queue_wait(CUcontext c, void *stream, int ptsz, uint32_t w)
 {
     int64_t budget = budget_ns();
     struct squeue *q = cached_queue(c, stream, ptsz);
-    if (q && !over_budget(q, budget))
+    if (q && !over_budget(q, budget, w))
         return;  /* (the usual case: no lock) */
     pthread_mutex_lock(&queue_lock);
     q = remember(queue_of(c, stream, ptsz), c, stream, ptsz);
     int checked = 0;
-    while (q && over_budget(q, budget)) {
+    while (q && over_budget(q, budget, w)) {
         if (!checked++ && capturing(stream, ptsz)) {
             __atomic_store_n(&capture_seen, mono_ns(), __ATOMIC_RELAXED);
             break;  /* (its launches are recorded into a graph, not queued: nothing to wait for) */
@@ -330,12 +330,12 @@ static int64_t due_of(const struct squeue *q)
 
 /* After a launch into `stream` on a shared GPU: count it, and record an event every `due` launches
  * (worked out at the event before). 0: not counted (no queue left for it). */
-int queue_note(CUcontext c, void *stream, int ptsz)
+int queue_note(CUcontext c, void *stream, int ptsz, uint32_t w)
 {
     struct squeue *q = cached_queue(c, stream, ptsz);
     if (q) {  /* (the usual case: counted without the lock, until an event is due) */
         int64_t due = __atomic_load_n(&q->due, __ATOMIC_RELAXED);
-        if ((int64_t)__atomic_add_fetch(&q->unrecorded, 1, __ATOMIC_RELAXED) < due)
+        if ((int64_t)__atomic_add_fetch(&q->unrecorded, w, __ATOMIC_RELAXED) < due)
             return 1;
         pthread_mutex_lock(&queue_lock);
         if (!q->used) {  /* (taken meanwhile by another stream) */
@@ -349,7 +349,7 @@ int queue_note(CUcontext c, void *stream, int ptsz)
             pthread_mutex_unlock(&queue_lock);
             return 0;
         }
-        q->unrecorded++;
+        q->unrecorded += w;
     }
     if (q->unrecorded < due_of(q) || q->head - q->tail >= QUEUE_RING - 1) {
         q->due = due_of(q);
@@ -456,6 +456,61 @@ unsigned long queue_take_untracked(int k)
     return loose;
 }
 
+/* ---- a graph's weight: its nodes (issue 34) ----
+ * A graph launch queues all its kernels (and copies, and memsets): it counts as that many launches
+ * of the stream's mean, not as one (a mixed graph/eager stream queued hundreds of ms so). Its nodes
+ * are counted when it is instantiated (gate.c's wrappers), by executable graph, in a table of
+ * GRAPHS entries (open addressing; full: a graph not in it counts as one launch, as before). */
+#define GRAPHS 1024
+static struct { void *exec; uint32_t nodes; } graphs[GRAPHS];
+static pthread_mutex_t graphs_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static unsigned graph_slot(const void *exec)
+{
+    uintptr_t h = (uintptr_t)exec;
+    h ^= h >> 17;
+    h *= 0x9e3779b97f4a7c15ull;
+    return (unsigned)(h >> 40) % GRAPHS;
+}
+
+void queue_graph_made(void *exec, uint32_t nodes)
+{
+    if (!exec)
+        return;
+    pthread_mutex_lock(&graphs_lock);
+    for (unsigned i = graph_slot(exec), n = 0; n < GRAPHS; i = (i + 1) % GRAPHS, n++)
+        if (!graphs[i].exec || graphs[i].exec == exec || graphs[i].exec == (void *)1) {
+            graphs[i].exec = exec;
+            graphs[i].nodes = nodes ? nodes : 1;
+            break;
+        }
+    pthread_mutex_unlock(&graphs_lock);
+}
+
+void queue_graph_gone(void *exec)
+{
+    pthread_mutex_lock(&graphs_lock);
+    for (unsigned i = graph_slot(exec), n = 0; n < GRAPHS && graphs[i].exec; i = (i + 1) % GRAPHS, n++)
+        if (graphs[i].exec == exec) {
+            graphs[i].exec = (void *)1;  /* (a tombstone: the probe goes on past it) */
+            break;
+        }
+    pthread_mutex_unlock(&graphs_lock);
+}
+
+uint32_t queue_graph_weight(void *exec)
+{
+    uint32_t w = 1;
+    pthread_mutex_lock(&graphs_lock);
+    for (unsigned i = graph_slot(exec), n = 0; n < GRAPHS && graphs[i].exec; i = (i + 1) % GRAPHS, n++)
+        if (graphs[i].exec == exec) {
+            w = graphs[i].nodes;
+            break;
+        }
+    pthread_mutex_unlock(&graphs_lock);
+    return w;
+}
+
 void queue_forget_stream(void *stream)
 {
     if (!stream || stream == STREAM_LEGACY || stream == STREAM_PER_THREAD)
@@ -479,6 +534,7 @@ void queue_forget_context(CUcontext c)
 
 void queue_forked(void)
 {
+    memset(graphs, 0, sizeof graphs);  /* (executable graphs are the parent's context's) */
     memset(untracked, 0, sizeof untracked);
     memset(queues, 0, sizeof queues);  /* (the parent's streams and events: not the child's) */
     my_tid = 0;
