@@ -15,7 +15,9 @@ Figures, each against the same job alone in the same run (no neighbours, the sam
   each GPU and is entitled to half, so its share is all it asks for: the alone run's rate (goal
   at least 97 %).
 
-The per-launch cost of the library's bookkeeping is bench/gate.py's (row 1).
+The per-launch cost of the library's bookkeeping is bench/gate.py's (row 1). --ahead: ranks that do
+not wait for their all-reduces (halves queued ahead on both cards): not held yet (docs/isolation.md,
+"Gangs", left).
 
     .venv/bin/python bench/collective.py [--seconds S] [--kernel-us US]
 """
@@ -43,7 +45,7 @@ CGPU = str(Path(sys.executable).parent / "cgpu")
 PERIOD_US = 5000
 
 
-def run(libs: Path, tmp: Path, seconds: float, kernel_us: int, neighbours: bool) -> dict:
+def run(libs: Path, tmp: Path, seconds: float, kernel_us: int, neighbours: bool, wait: bool = True) -> dict:
     """The job (and its neighbours): its halves' spins (ns) and its all-reduces per second."""
     tmp.mkdir()
     d = Daemon(libs, tmp)
@@ -57,7 +59,7 @@ def run(libs: Path, tmp: Path, seconds: float, kernel_us: int, neighbours: bool)
                    CGPU_STUB_CUDA_DEVICES="2", CGPU_STUB_CUDA_STATE=os.fspath(tmp / "card"))
         count = int(seconds * 1e6 / PERIOD_US)
         rank = (f"CGPU_STUB_COLLECTIVE=job-{tmp.name} CGPU_STUB_CUDA_DEVICE={devices[0]},{devices[1]} "
-                f"CGPU_STUB_CUDA_LOG={tmp}/rank$R {libs / 'rank'} $R {count} {kernel_us} {PERIOD_US}")
+                f"CGPU_STUB_CUDA_LOG={tmp}/rank$R {libs / 'rank'} $R {count} {kernel_us} {PERIOD_US} {int(wait)}")
         job = f"t0=$(date +%s.%N); for R in 0 1; do R=$R sh -c '{rank}' & done; wait; echo $t0 $(date +%s.%N)"
         runs = [("job000000001", ["--gpus", "0,1"], job)]
         if neighbours:
@@ -94,6 +96,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--kernel-us", type=int, default=1000)
+    ap.add_argument("--ahead", action="store_true",
+                    help="the ranks do not wait for their all-reduces: their halves queue ahead (not yet held)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         libs = Path(d) / "libs"
@@ -103,8 +107,8 @@ def main() -> None:
             (libs / f"{name}.c").write_text(src)
             subprocess.run(["gcc", "-O2", "-o", os.fspath(libs / name), os.fspath(libs / f"{name}.c"), "-ldl",
                             "-lpthread"], check=True)
-        alone = run(libs, Path(d) / "alone", a.seconds, a.kernel_us, False)
-        shared = run(libs, Path(d) / "shared", a.seconds, a.kernel_us, True)
+        alone = run(libs, Path(d) / "alone", a.seconds, a.kernel_us, False, not a.ahead)
+        shared = run(libs, Path(d) / "shared", a.seconds, a.kernel_us, True, not a.ahead)
 
     def p99(xs: list[int]) -> float:
         return xs[int(0.99 * (len(xs) - 1))] / 1e6

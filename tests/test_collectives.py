@@ -19,10 +19,11 @@ from cgpud.gpus import pages
 from cgpud.sched.gate import GateFreezer
 
 RANK = r"""
-/* rank DEV COUNT KERNEL_US PERIOD_US: one rank of a job: a context on CUDA device DEV, COUNT kernels
-   of KERNEL_US launched (with CGPU_STUB_COLLECTIVE=<job>: halves of the job's all-reduces), one every
-   PERIOD_US at most (0: back to back), the launching thread at real-time priority as the tests'
-   launcher's; then a synchronize. Prints "started" when its context is made, then "done". */
+/* rank DEV COUNT KERNEL_US PERIOD_US [WAIT]: one rank of a job: a context on CUDA device DEV, COUNT
+   kernels of KERNEL_US launched (with CGPU_STUB_COLLECTIVE=<job>: halves of the job's all-reduces),
+   one every PERIOD_US at most (0: back to back), the launching thread at real-time priority as the
+   tests' launcher's; WAIT 1: each waited for before the next (a training step waits for its
+   all-reduce's result); then a synchronize. Prints "started" when its context is made, then "done". */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
@@ -57,6 +58,7 @@ int main(int argc, char **argv) {
             next += period;
         }
         if (launch(NULL, us, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL)) { fprintf(stderr, "launch\n"); return 4; }
+        if (argc > 5 && atoi(argv[5])) ((s_t)dlsym(h, "cuCtxSynchronize"))();
     }
     ((s_t)dlsym(h, "cuCtxSynchronize"))();
     printf("done\n");
