@@ -243,3 +243,59 @@ def test_the_drain_never_uses_a_handle_the_application_destroyed(libs, tmp_path)
     assert n >= 10, n  # (the closings came while it destroyed: ~0.2 s of work a context)
     kernels = (tmp_path / "kernels").read_text().splitlines()
     assert len(kernels) >= 3 * (10 * 20 + 20) + 20  # (all its kernels ran: none lost with a handle)
+
+
+# ---- copies and memsets under the gate (issue 34, item 5) -------------------------------------
+
+# A process that, once GO exists, issues 5 asynchronous memsets of 256 MiB into a stream of its own
+# (each a kernel of 134 µs on the stand-in with CGPU_STUB_MEMSETS_ON_CARD=1: 256 MiB at 2 TB/s), then
+# synchronizes. Prints "ready" before it waits for GO, then "done".
+MEMSETS = textwrap.dedent("""
+    import os, sys, time
+    from cuda.bindings import driver as d
+    def ok(r):
+        assert r[0] == d.CUresult.CUDA_SUCCESS, r
+        return r[1] if len(r) == 2 else None
+    ok(d.cuInit(0))
+    ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+    s = ok(d.cuStreamCreate(1))
+    p = ok(d.cuMemAlloc(256 << 20))
+    print("ready", flush=True)
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.001)
+    for _ in range(5):
+        ok(d.cuMemsetD8Async(p, 0, 256 << 20, s))
+    ok(d.cuStreamSynchronize(s))
+    print("done", flush=True)
+""")
+
+
+def test_a_closed_gate_holds_asynchronous_memsets(libs, tmp_path):
+    """The gate closed (and answered), the process issues its memsets: none runs on the card until
+    the gate opens again. On main memsets and copies were neither gated nor drained: they ran through
+    the closed gate, on the next instance's slice."""
+    env = dict(env_of(libs, tmp_path, ""), CGPU_STUB_MEMSETS_ON_CARD="1")
+    gate = GateFreezer(os.fspath(tmp_path / "pages"))
+    go = tmp_path / "go"
+    p = subprocess.Popen([sys.executable, "-c", MEMSETS, os.fspath(go)], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        gate.freeze()
+        t0 = time.monotonic()
+        while not gate.is_frozen():
+            assert time.monotonic() - t0 < 10, f"not drained: {gate.undrained()}"
+            time.sleep(0.0002)
+        go.touch()
+        time.sleep(0.3)  # (the memsets' chance to run through the closed gate: 5 × 134 µs)
+        opened = time.monotonic_ns()
+        gate.thaw()
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        gate.thaw()
+        gate.close()
+    assert p.returncode == 0 and out.split() == ["done"], err
+    starts = [int(line.split()[1]) for line in (tmp_path / "kernels").read_text().splitlines()]
+    assert len(starts) >= 5 and all(s >= opened for s in starts), (opened, starts)

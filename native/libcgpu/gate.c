@@ -135,6 +135,53 @@ CUresult cuGraphLaunch_ptsz(void *exec, void *stream)
     GATED_W(stream, 1, queue_graph_weight(exec), real.graph_launch_ptsz, exec, stream);
 }
 
+/* ---- copies and memsets into a stream: under the same rules as kernels (issue 34) ----
+ * A memset is a kernel on the card, and a copy between the card's memory one too (or a copy
+ * engine's work, time-sliced with the channel's): both run on after a gate closes if let through it,
+ * and queue as kernels do. So the asynchronous forms pass the gate and the queue's bound as a launch
+ * (counted as one launch of the stream's mean). Host-to-device and device-to-host copies are gated
+ * too: they hold the channel while the next instance's slice runs. */
+typedef CUresult (*memset8_fn)(CUdeviceptr, unsigned char, size_t, void *);
+typedef CUresult (*memset16_fn)(CUdeviceptr, unsigned short, size_t, void *);
+typedef CUresult (*memset32_fn)(CUdeviceptr, unsigned, size_t, void *);
+typedef CUresult (*copy_fn)(CUdeviceptr, CUdeviceptr, size_t, void *);
+typedef CUresult (*copy_htod_fn)(CUdeviceptr, const void *, size_t, void *);
+typedef CUresult (*copy_dtoh_fn)(void *, CUdeviceptr, size_t, void *);
+static void *copy_sym(void **slot, const char *name)
+{
+    void *f = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (!f && (f = sym(name)))
+        __atomic_store_n(slot, f, __ATOMIC_RELEASE);
+    return f;
+}
+#define COPY_OP(type, name, ptsz, stream, ...)                              \
+    static void *real_##name;                                               \
+    CUresult name(COPY_PARAMS_##type)                                       \
+    {                                                                       \
+        type fn = (type)copy_sym(&real_##name, #name);                      \
+        GATED(stream, ptsz, fn, __VA_ARGS__);                               \
+    }
+#define COPY_PARAMS_memset8_fn CUdeviceptr d, unsigned char v, size_t n, void *s
+#define COPY_PARAMS_memset16_fn CUdeviceptr d, unsigned short v, size_t n, void *s
+#define COPY_PARAMS_memset32_fn CUdeviceptr d, unsigned v, size_t n, void *s
+#define COPY_PARAMS_copy_fn CUdeviceptr d, CUdeviceptr src, size_t n, void *s
+#define COPY_PARAMS_copy_htod_fn CUdeviceptr d, const void *h, size_t n, void *s
+#define COPY_PARAMS_copy_dtoh_fn void *h, CUdeviceptr src, size_t n, void *s
+COPY_OP(memset8_fn, cuMemsetD8Async, 0, s, d, v, n, s)
+COPY_OP(memset8_fn, cuMemsetD8Async_ptsz, 1, s, d, v, n, s)
+COPY_OP(memset16_fn, cuMemsetD16Async, 0, s, d, v, n, s)
+COPY_OP(memset16_fn, cuMemsetD16Async_ptsz, 1, s, d, v, n, s)
+COPY_OP(memset32_fn, cuMemsetD32Async, 0, s, d, v, n, s)
+COPY_OP(memset32_fn, cuMemsetD32Async_ptsz, 1, s, d, v, n, s)
+COPY_OP(copy_fn, cuMemcpyAsync, 0, s, d, src, n, s)
+COPY_OP(copy_fn, cuMemcpyAsync_ptsz, 1, s, d, src, n, s)
+COPY_OP(copy_fn, cuMemcpyDtoDAsync_v2, 0, s, d, src, n, s)
+COPY_OP(copy_fn, cuMemcpyDtoDAsync_v2_ptsz, 1, s, d, src, n, s)
+COPY_OP(copy_htod_fn, cuMemcpyHtoDAsync_v2, 0, s, d, h, n, s)
+COPY_OP(copy_htod_fn, cuMemcpyHtoDAsync_v2_ptsz, 1, s, d, h, n, s)
+COPY_OP(copy_dtoh_fn, cuMemcpyDtoHAsync_v2, 0, s, h, src, n, s)
+COPY_OP(copy_dtoh_fn, cuMemcpyDtoHAsync_v2_ptsz, 1, s, h, src, n, s)
+
 /* ---- graphs: their nodes counted at instantiation (queue.c, "a graph's weight") ---- */
 typedef CUresult (*graph_nodes_fn)(void *, void **, size_t *);
 typedef CUresult (*instantiate5_fn)(void **, void *, void **, char *, size_t);

@@ -86,6 +86,20 @@ CUresult cuLaunchCooperativeKernel_ptsz(void *, unsigned, unsigned, unsigned, un
 CUresult cuLaunchKernelEx(const void *, void *, void **, void **);
 CUresult cuLaunchKernelEx_ptsz(const void *, void *, void **, void **);
 CUresult cuGraphLaunch(void *, void *);
+CUresult cuMemsetD8Async(CUdeviceptr, unsigned char, size_t, void *);
+CUresult cuMemsetD8Async_ptsz(CUdeviceptr, unsigned char, size_t, void *);
+CUresult cuMemsetD16Async(CUdeviceptr, unsigned short, size_t, void *);
+CUresult cuMemsetD16Async_ptsz(CUdeviceptr, unsigned short, size_t, void *);
+CUresult cuMemsetD32Async(CUdeviceptr, unsigned, size_t, void *);
+CUresult cuMemsetD32Async_ptsz(CUdeviceptr, unsigned, size_t, void *);
+CUresult cuMemcpyAsync(CUdeviceptr, CUdeviceptr, size_t, void *);
+CUresult cuMemcpyAsync_ptsz(CUdeviceptr, CUdeviceptr, size_t, void *);
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr, CUdeviceptr, size_t, void *);
+CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr, CUdeviceptr, size_t, void *);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void *, size_t, void *);
+CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr, const void *, size_t, void *);
+CUresult cuMemcpyDtoHAsync_v2(void *, CUdeviceptr, size_t, void *);
+CUresult cuMemcpyDtoHAsync_v2_ptsz(void *, CUdeviceptr, size_t, void *);
 CUresult cuGraphInstantiate(void **, void *, void **, char *, size_t);
 CUresult cuGraphInstantiate_v2(void **, void *, void **, char *, size_t);
 CUresult cuGraphInstantiateWithFlags(void **, void *, unsigned long long);
@@ -216,6 +230,23 @@ static const struct form {
     {"cuModuleLoadFatBinary", 2000, 0, "cuModuleLoadFatBinary", (void *)cuModuleLoadFatBinary},
     {"cuLibraryLoadData", 12000, 0, "cuLibraryLoadData", (void *)cuLibraryLoadData},
     {"cuLibraryLoadFromFile", 12000, 0, "cuLibraryLoadFromFile", (void *)cuLibraryLoadFromFile},
+    {"cuMemsetD8Async", 3020, 0, "cuMemsetD8Async", (void *)cuMemsetD8Async},
+    {"cuMemsetD8Async", 7000, 1, "cuMemsetD8Async_ptsz", (void *)cuMemsetD8Async_ptsz},
+    {"cuMemsetD16Async", 3020, 0, "cuMemsetD16Async", (void *)cuMemsetD16Async},
+    {"cuMemsetD16Async", 7000, 1, "cuMemsetD16Async_ptsz", (void *)cuMemsetD16Async_ptsz},
+    {"cuMemsetD32Async", 3020, 0, "cuMemsetD32Async", (void *)cuMemsetD32Async},
+    {"cuMemsetD32Async", 7000, 1, "cuMemsetD32Async_ptsz", (void *)cuMemsetD32Async_ptsz},
+    {"cuMemcpyAsync", 4000, 0, "cuMemcpyAsync", (void *)cuMemcpyAsync},
+    {"cuMemcpyAsync", 7000, 1, "cuMemcpyAsync_ptsz", (void *)cuMemcpyAsync_ptsz},
+    {"cuMemcpyDtoDAsync", 2000, 0, "cuMemcpyDtoDAsync", NULL},
+    {"cuMemcpyDtoDAsync", 3020, 0, "cuMemcpyDtoDAsync_v2", (void *)cuMemcpyDtoDAsync_v2},
+    {"cuMemcpyDtoDAsync", 7000, 1, "cuMemcpyDtoDAsync_v2_ptsz", (void *)cuMemcpyDtoDAsync_v2_ptsz},
+    {"cuMemcpyHtoDAsync", 2000, 0, "cuMemcpyHtoDAsync", NULL},
+    {"cuMemcpyHtoDAsync", 3020, 0, "cuMemcpyHtoDAsync_v2", (void *)cuMemcpyHtoDAsync_v2},
+    {"cuMemcpyHtoDAsync", 7000, 1, "cuMemcpyHtoDAsync_v2_ptsz", (void *)cuMemcpyHtoDAsync_v2_ptsz},
+    {"cuMemcpyDtoHAsync", 2000, 0, "cuMemcpyDtoHAsync", NULL},
+    {"cuMemcpyDtoHAsync", 3020, 0, "cuMemcpyDtoHAsync_v2", (void *)cuMemcpyDtoHAsync_v2},
+    {"cuMemcpyDtoHAsync", 7000, 1, "cuMemcpyDtoHAsync_v2_ptsz", (void *)cuMemcpyDtoHAsync_v2_ptsz},
     {"cuGraphInstantiate", 10000, 0, "cuGraphInstantiate", (void *)cuGraphInstantiate},
     {"cuGraphInstantiate", 11000, 0, "cuGraphInstantiate_v2", (void *)cuGraphInstantiate_v2},
     {"cuGraphInstantiate", 12000, 0, "cuGraphInstantiateWithFlags", (void *)cuGraphInstantiateWithFlags},
