@@ -77,7 +77,7 @@ def test_a_container_that_damages_its_usage_page_costs_nobody_else_anything(make
     keeps = f"keep{tag}"
     other = run_launcher(d, libs, tmp_path, keeps, 3, 300)  # (ended below: a run of a fixed length ran out once)
     assert other.stdout.readline().strip() == "started", other.stderr.read()
-    windows = []
+    windows, intact = [], []
     try:
         for k, (how, damage) in enumerate(DAMAGES.items()):
             name = f"dmg{k}{tag}"
@@ -86,6 +86,9 @@ def test_a_container_that_damages_its_usage_page_costs_nobody_else_anything(make
                 assert victim.stdout.readline().strip() == "started", victim.stderr.read()
                 where = d.base / "pages" / name
                 time.sleep(0.2)  # (both run: the switcher takes turns)
+                r0 = time.monotonic_ns()  # the reference: the page whole, as long as a window usually is
+                time.sleep(0.8)
+                intact.append((r0, time.monotonic_ns()))
                 t0 = time.monotonic_ns()
                 damage(where / "usage")
                 said = f"instance {name}'s usage page is damaged: "
@@ -114,12 +117,19 @@ def test_a_container_that_damages_its_usage_page_costs_nobody_else_anything(make
     lines = [ln for ln in d.log_text().splitlines() if "usage page is damaged" in ln]
     assert len(lines) == len(DAMAGES), lines
     assert all("its GPU time is not known" in ln for ln in lines), lines
-    # the instance beside it had its share in each window: at weights 3:1, 0.6 of the card while the
-    # holder (it does not launch) is charged half its slices, 0.75 once charged them whole (damaged)
+    # the instance beside it lost nothing to the damage: at weights 3:1 it has 0.6 of the card while the
+    # holder (it does not launch) is charged half its slices, 0.75 once charged them whole (damaged;
+    # today it reads about 0.75 either way). Its share over the damaged windows and over the windows
+    # just before each damage (the page whole, the same run): each at least 0.6 (weights ignored read
+    # 0.48), and the damaged not 15 % below the whole (what this machine's load moves it by)
     log = tmp_path / f"{keeps}.kernels"
-    for how, t0, t1 in windows:
-        share = busy(log, t0, t1) / ((t1 - t0) / 1e9)
-        assert share >= 0.45, (how, share)
+
+    def share(spans):
+        return sum(busy(log, a, b) for *_, a, b in spans) / sum((b - a) / 1e9 for *_, a, b in spans)
+    damaged, whole = share(windows), share(intact)
+    assert whole >= 0.6, whole
+    assert damaged >= max(0.6, 0.85 * whole), (damaged, whole, [(how, round(busy(log, a, b) / ((b - a) / 1e9), 3))
+                                                                for how, a, b in windows])
 
 
 def _page(tmp_path: Path, launching: bool = True) -> tuple[Path, native.Page]:

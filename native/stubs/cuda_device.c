@@ -23,7 +23,6 @@
 
 typedef void *CUcontext;
 typedef void *CUstream;
-CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int dev);
 
 static CUresult check_device(int d)
 {
@@ -100,14 +99,14 @@ CUresult cuDeviceGetTexture1DLinearMaxWidth(size_t *w, int format, unsigned chan
 
 /* ---- the primary context ---- */
 static unsigned primary_flags[16];
-WEAK CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active)
+CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active)
 {
     if (!flags || !active) return STUB_INVALID_VALUE;
     CUresult r = check_device(dev);
-    if (!r) { *flags = primary_flags[dev]; *active = 1; }
+    if (!r) { *flags = primary_flags[dev]; *active = !stub_ctx_dead(dev); }
     return r;
 }
-WEAK CUresult cuDevicePrimaryCtxSetFlags_v2(int dev, unsigned flags)
+CUresult cuDevicePrimaryCtxSetFlags_v2(int dev, unsigned flags)
 {
     CUresult r = check_device(dev);
     if (r) return r;
@@ -115,10 +114,16 @@ WEAK CUresult cuDevicePrimaryCtxSetFlags_v2(int dev, unsigned flags)
     primary_flags[dev] = flags;
     return STUB_OK;
 }
-WEAK CUresult cuDevicePrimaryCtxRelease_v2(int dev) { return check_device(dev); }
-WEAK CUresult cuDevicePrimaryCtxReset_v2(int dev) { return check_device(dev); }
-unsigned stub_primary_flags(int dev) { return dev >= 0 && dev < 16 ? primary_flags[dev] : 0; }
-WEAK CUresult cuCtxGetFlags(unsigned *flags)
+CUresult cuDevicePrimaryCtxReset_v2(int dev)
+{
+    CUresult r = check_device(dev);
+    if (r) return r;
+    stub_exec_sync(dev, NULL, 1);  /* (the driver waits for the context's work, then destroys it: card.c) */
+    stub_ctx_kill(dev);
+    return STUB_OK;
+}
+CUresult cuDevicePrimaryCtxReset(int dev) { return cuDevicePrimaryCtxReset_v2(dev); }
+CUresult cuCtxGetFlags(unsigned *flags)
 {
     if (!flags) return STUB_INVALID_VALUE;
     if (!stub_inited()) return STUB_NOT_INITIALIZED;
@@ -391,14 +396,16 @@ CUresult cuStreamWaitEvent(CUstream s, struct event *e, unsigned flags)
     if (flags & ~1u) return STUB_INVALID_VALUE;
     return event_ok(e) ? STUB_OK : STUB_INVALID_HANDLE;  /* (a context's work runs in launch order: already in order) */
 }
-CUresult cuStreamSynchronize_ptsz(CUstream s)
-{
-    CUresult cuStreamSynchronize(CUstream);
-    return cuStreamSynchronize(s ? s : (CUstream)2);
-}
 CUresult cuStreamQuery_ptsz(CUstream s) { return cuStreamQuery(s ? s : (CUstream)2); }
 
 /* ---- copies and sets ---- */
+/* a synchronous copy's wait for this process's kernels on its current card: the thread's capture
+ * mode decides, as for any call */
+static CUresult synchronize(void)
+{
+    CUresult r = stub_capture_forbids(NULL);
+    return r ? r : stub_exec_sync(stub_current_device(), NULL, 1);
+}
 static int on_card(CUdeviceptr p, size_t n)
 {
     CUdeviceptr base;
@@ -412,7 +419,7 @@ static CUresult copy(CUdeviceptr dst, int dst_dev, CUdeviceptr src, int src_dev,
     if ((dst_dev && !on_card(dst, n)) || (src_dev && !on_card(src, n))) return STUB_INVALID_VALUE;
     if (!dst_dev && !dst) return STUB_INVALID_VALUE;
     if (!src_dev && !src) return STUB_INVALID_VALUE;
-    if (sync) stub_synchronize();
+    if (sync) synchronize();
     if (!dst_dev) memset((void *)(uintptr_t)dst, 0, n);
     return STUB_OK;
 }
@@ -589,10 +596,10 @@ struct stub_proc { const char *name; void *fn; };
 HIDDEN const struct stub_proc STUB_PROCS_DEVICE[] = {
 #define P(f) {#f, (void *)f}
 #define PV(n, f) {n, (void *)f}
-    PV("cuDeviceGetUuid", cuDeviceGetUuid_v2), P(cuDeviceGetAttribute), P(cuDeviceComputeCapability), P(cuDeviceGetPCIBusId), P(cuDeviceCanAccessPeer),
+    P(cuDeviceGetAttribute), P(cuDeviceComputeCapability), P(cuDeviceGetPCIBusId), P(cuDeviceCanAccessPeer),
     P(cuDeviceGetLuid), P(cuDeviceGetTexture1DLinearMaxWidth), P(cuDevicePrimaryCtxGetState),
     PV("cuDevicePrimaryCtxSetFlags", cuDevicePrimaryCtxSetFlags_v2),
-    PV("cuDevicePrimaryCtxRelease", cuDevicePrimaryCtxRelease_v2), PV("cuDevicePrimaryCtxReset", cuDevicePrimaryCtxReset_v2),
+    PV("cuDevicePrimaryCtxReset", cuDevicePrimaryCtxReset_v2),
     P(cuCtxGetFlags), P(cuCtxGetApiVersion), P(cuCtxGetId), P(cuCtxGetLimit), P(cuCtxSetLimit), P(cuCtxGetCacheConfig),
     P(cuCtxSetCacheConfig), P(cuCtxGetSharedMemConfig), P(cuCtxGetStreamPriorityRange),
     P(cuStreamQuery), P(cuStreamCreateWithPriority), P(cuStreamGetPriority), P(cuStreamGetFlags), P(cuStreamGetId),

@@ -893,3 +893,21 @@ __attribute__((destructor)) static void at_exit(void)
     }
     leave();
 }
+
+/* ---- a launch (libcuda.c's cuLaunchKernel and the others, cuda_graphs.c's cuGraphLaunch) ----
+ * CGPU_STUB_COLLECTIVE=1 (or a group's name): every kernel of the process is half of a collective
+ * across cards 0 and 1 (above). CGPU_STUB_CUDA_FAST=1: launches free and instant (to time what an interposer adds). */
+static int collective(void)
+{
+    const char *c = getenv("CGPU_STUB_COLLECTIVE");
+    return c && *c && strcmp(c, "0");  /* (1: the process's own halves; a name: a group of processes, above) */
+}
+
+/* a kernel of `us` µs launched by this process into `stream` on the thread's current card */
+CUresult stub_run_kernel(uint64_t us, const void *stream)
+{
+    const char *fast = getenv("CGPU_STUB_CUDA_FAST");
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    if (fast && *fast == '1') return STUB_OK;
+    return stub_exec_launch(stub_current_device(), stream, us, collective());
+}

@@ -53,21 +53,6 @@
 typedef struct { unsigned char bytes[16]; } CUuuid;
 typedef void *CUcontext;
 
-void stub_trace(const char *fmt, ...)
-{
-    const char *path = getenv("CGPU_STUB_CUDA_TRACE");
-    if (!path || !*path) return;
-    FILE *f = fopen(path, "a");
-    if (!f) return;
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(f, "%d ", (int)getpid());
-    vfprintf(f, fmt, ap);
-    fputc('\n', f);
-    va_end(ap);
-    fclose(f);
-}
-
 /* ---- the runtime's interface ---- */
 CUresult cuModuleLoadData(void **module, const void *image);
 CUresult cuModuleLoadFatBinary(void **module, const void *image);
@@ -345,14 +330,15 @@ CUresult cuGetExportTable(const void **table, const CUuuid *id)
     return STUB_NOT_FOUND;
 }
 
-/* ---- the rest of cuGetProcAddress's names ---- */
+/* ---- cuGetProcAddress: libcuda.c's names, cuda_graphs.c's, and the rest ---- */
 struct stub_proc { const char *name; void *fn; };
 extern HIDDEN const struct stub_proc STUB_PROCS_MODULES[], STUB_PROCS_DEVICE[];
 static const struct stub_proc STUB_PROCS_EXPORT[] = {
     {"cuGetExportTable", (void *)cuGetExportTable}, {NULL, NULL},
 };
 
-void *stub_more_proc(const char *symbol, int version, uint64_t flags)
+/* a name libcuda.c's table does not know, or NULL */
+static void *more_proc(const char *symbol, int version, uint64_t flags)
 {
     if (!strcmp(symbol, "cuStreamGetCaptureInfo")) return stub_capture_info(version);  /* three forms by version */
     const struct stub_proc *lists[] = {STUB_PROCS_EXPORT, STUB_PROCS_MODULES, STUB_PROCS_DEVICE};
@@ -366,4 +352,41 @@ void *stub_more_proc(const char *symbol, int version, uint64_t flags)
             if (!strcmp(p->name, symbol)) return p->fn;
     stub_trace("proc unknown %s %d %llu", symbol, version, (unsigned long long)flags);
     return NULL;
+}
+
+/* What cuGetProcAddress answers, as the real driver does, by (name, version, flags): each form of a
+ * name from the CUDA version that introduced it (cudaTypedefs.h's PFN_<name>_v<version>), and
+ * its per-thread-default-stream form (_ptsz) for CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM. */
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags)
+{
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+}
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status)
+{
+    if (!symbol || !pfn || flags > 2) return STUB_INVALID_VALUE;  /* DEFAULT 0, LEGACY_STREAM 1, PER_THREAD 2 */
+    if (!strcmp(symbol, "cuGetProcAddress")) {
+        *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
+        if (status) *status = 0;
+        return STUB_OK;
+    }
+    if ((*pfn = stub_graphs_proc(symbol, version))) {  /* cuda_graphs.c: streams, capture and graphs */
+        if (status) *status = 0;
+        return STUB_OK;
+    }
+    int named;
+    if ((*pfn = stub_libcuda_proc(symbol, version, flags, &named))) {
+        if (status) *status = 0;  /* CU_GET_PROC_ADDRESS_SUCCESS */
+        return STUB_OK;
+    }
+    if (named) {
+        if (status) *status = 2;  /* CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT */
+        return STUB_NOT_FOUND;
+    }
+    if ((*pfn = more_proc(symbol, version, flags))) {  /* what the real runtime asks for */
+        if (status) *status = 0;
+        return STUB_OK;
+    }
+    if (status) *status = 1;  /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
+    return STUB_NOT_FOUND;
 }

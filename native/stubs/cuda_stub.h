@@ -1,9 +1,6 @@
 /*
- * What the stand-in libcuda.so.1's files share (native/stubs/: libcuda.c, the card, memory and
- * kernels; cuda_export.c, the private export tables and the rest of cuGetProcAddress's names;
- * cuda_modules.c, modules, libraries, kernels and functions; cuda_device.c, device attributes,
- * streams, events and copies; cuda_exec.c, the card's executor: queues, time-slicing, events'
- * completion). Nothing here is exported: hidden, one library's own.
+ * What the stand-in libcuda.so.1's files share (native/stubs/, in the layers below). Nothing here
+ * is exported: hidden, one library's own (stub_called excepted, exported as it always was).
  */
 #ifndef CGPU_CUDA_STUB_H
 #define CGPU_CUDA_STUB_H
@@ -11,8 +8,6 @@
 #include <stdint.h>
 
 #define HIDDEN __attribute__((visibility("hidden")))
-/* A definition libcuda.c may make too (where the card's memory model needs it): libcuda.c's wins. */
-#define WEAK __attribute__((weak))
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 
@@ -25,49 +20,56 @@ enum {
     STUB_INVALID_ADDRESS_SPACE = 717, STUB_NOT_PERMITTED = 800, STUB_NOT_SUPPORTED = 801, STUB_UNKNOWN = 999,
 };
 
-/* libcuda.c */
+/*
+ * The layers, each file calling only the files below it (tests/test_stub_layers.py checks it):
+ *
+ *   cuda_export.c    cuGetProcAddress and cuGetExportTable: the names, from every file below
+ *   cuda_device.c    device attributes, the primary context, events, stream queries, copies
+ *   libcuda.c        cuInit, devices, contexts, allocations (this process's table), launches
+ *   cuda_graphs.c    streams, stream capture and graphs      cuda_modules.c  modules, functions
+ *   -------------------------------------------------- the card model ----------------------
+ *   cuda_exec.c      the card's executor: queues, time-slicing, events' completion; a launch
+ *   card.c           the cards, their memory (the state file), this process's driver state
+ *   cuda_log.c       the stand-in's logs
+ */
+
+/* ---- cuda_log.c ---- */
+HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));  /* CGPU_STUB_CUDA_TRACE */
+void stub_called(const char *name);  /* (CGPU_STUB_CUDA_CALLS: the entry point's name logged) */
+
+/* ---- card.c: the cards and their memory ---- */
 HIDDEN int stub_inited(void);                  /* cuInit has been called */
-HIDDEN int stub_device_count(void);
+HIDDEN void stub_set_inited(void);
 HIDDEN int stub_current_device(void);          /* the calling thread's current context's device */
-/* the live device allocation holding [p, p + n): 0 and its base and size, or -1 */
-HIDDEN int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
-HIDDEN CUresult stub_synchronize(void);        /* wait for this process's kernels on its current card */
-
-/* libcuda.c: contexts' lifetimes (issue 34). A context destroyed (cuCtxDestroy, the primary one's
- * reset or last release) takes its streams and events with it, as the driver's does: a handle of
- * one used afterwards is answered CUDA_ERROR_INVALID_HANDLE or CUDA_ERROR_CONTEXT_IS_DESTROYED,
- * and with CGPU_STUB_STRICT_HANDLES=1 the process aborts, saying which call used which handle
- * (the real driver's behaviour there is undefined: a crash, or another object's state). */
-HIDDEN unsigned stub_ctx_gen(int dev);              /* the generation of card dev's context now */
-HIDDEN int stub_ctx_alive(int dev, unsigned gen);   /* a handle made in that generation is still valid */
-HIDDEN void stub_misuse(const char *call, const char *what);  /* a destroyed handle used */
-enum { STUB_CONTEXT_IS_DESTROYED = 709 };
-/* cuda_graphs.c: a stream object destroyed, or of a destroyed context (said to stub_misuse by `call`) */
-HIDDEN int stub_stream_dead(const void *s, const char *call);
-
-/* cuda_export.c: a name cuGetProcAddress's table in libcuda.c does not know, or NULL */
-HIDDEN void *stub_more_proc(const char *symbol, int version, uint64_t flags);
-HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-
-/* cuda_graphs.c: streams, stream capture and graphs */
-/* may the calling thread make a potentially unsafe call (synchronizing `synced`, NULL: none) now? */
-HIDDEN CUresult stub_capture_forbids(const void *synced);
-/* may the calling thread synchronize the context on card `dev` (none of its streams capturing)? */
-HIDDEN CUresult stub_capture_forbids_context(int dev);
-/* a launch of n kernels into stream s: 1 (and *r) when s captures it, 0 when it is to run */
-HIDDEN int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r);
-HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);
-HIDDEN void *stub_graphs_proc(const char *symbol, int version);
-HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in the form of the caller's CUDA version */
-HIDDEN CUresult stub_run_kernel(uint64_t us, const void *stream);   /* libcuda.c: one kernel launched into `stream` */
-/* libcuda.c: the driver's own memory for this process on card `dev` (modules' code, a graph's
+HIDDEN void stub_set_current_device(int dev);
+HIDDEN int stub_device_count(void);
+HIDDEN uint64_t stub_card_bytes(void);         /* each card's memory */
+/* add `delta` to the bytes in use on card `dev` if it has room: 0, or -1 (and nothing changed);
+ * *used_out (unless NULL): the bytes in use after (delta 0: a dead process's memory given back first) */
+HIDDEN int stub_card_memory(int dev, int64_t delta, uint64_t *used_out);
+/* CGPU_STUB_CUDA_FAST=1: allocations do not touch the card's file (to time what an interposer adds) */
+HIDDEN int stub_memory_is_free(void);
+/* the driver's own memory for this process on card `dev` (modules' code, a graph's
  * resources): taken from the card's free memory and shown in NVML's per-process view, as a real
  * driver's is; 0, or -1 when the card has no room. `delta` < 0 gives it back. */
 HIDDEN int stub_driver_memory(int dev, int64_t delta);
 /* its growth per event, CGPU_STUB_<name>_KIB or `kib` (the H100's figures, issue 28) */
 HIDDEN uint64_t stub_growth(const char *name, uint64_t kib);
+/* contexts' lifetimes (issue 34): a context destroyed (cuCtxDestroy, the primary one's reset or
+ * last release) takes its streams and events with it, as the driver's does: a handle of one used
+ * afterwards is answered CUDA_ERROR_INVALID_HANDLE or CUDA_ERROR_CONTEXT_IS_DESTROYED, and with
+ * CGPU_STUB_STRICT_HANDLES=1 the process aborts, saying which call used which handle (the real
+ * driver's behaviour there is undefined: a crash, or another object's state). */
+HIDDEN unsigned stub_ctx_gen(int dev);              /* the generation of card dev's context now */
+HIDDEN int stub_ctx_alive(int dev, unsigned gen);   /* a handle made in that generation is still valid */
+HIDDEN int stub_ctx_dead(int dev);                  /* card dev's context is destroyed (none made since) */
+HIDDEN void stub_ctx_retain(int dev);               /* retained (made anew if destroyed) */
+HIDDEN int stub_ctx_release(int dev);               /* released: 1 when that was its last retain */
+HIDDEN void stub_ctx_kill(int dev);                 /* destroyed (its work waited for by the caller) */
+HIDDEN void stub_misuse(const char *call, const char *what);  /* a destroyed handle used */
+enum { STUB_CONTEXT_IS_DESTROYED = 709 };
 
-/* cuda_exec.c: the card's executor (queues per stream, one kernel at a time, time-sliced contexts) */
+/* ---- cuda_exec.c: the card's executor (queues per stream, one kernel at a time, time-sliced contexts) ---- */
 /* a kernel of `us` µs into `stream` (NULL: the legacy stream; 2: the thread's) on card `dev`; blocks
  * only while the stream's queue is full; coll: half of a collective across cards 0 and 1 */
 HIDDEN CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll);
@@ -78,18 +80,37 @@ HIDDEN int stub_exec_reached(int dev, uint64_t seq);  /* all before entry seq do
 HIDDEN CUresult stub_exec_sync(int dev, const void *stream, int all);  /* wait: the stream's work, or all (the context's) */
 HIDDEN int stub_exec_idle(int dev, const void *stream, int all);       /* its work done: 1, else 0 */
 /* a point in a stream (an event): done when the card has run what was launched into it before */
-void stub_called(const char *name);  /* (CGPU_STUB_CUDA_CALLS: the entry point's name logged) */
 struct stub_mark { int dev, recorded, done; uint64_t ticket, at; };  /* at: when the card reached it (ns) */
 HIDDEN CUresult stub_exec_mark(struct stub_mark *m, int dev, const void *stream);
 HIDDEN int stub_exec_mark_done(struct stub_mark *m);
 HIDDEN void stub_exec_mark_wait(struct stub_mark *m);
 HIDDEN void stub_exec_mark_drop(struct stub_mark *m);
 HIDDEN void stub_exec_overwritten(int dev, uint64_t seq);
+HIDDEN CUresult stub_run_kernel(uint64_t us, const void *stream);   /* one kernel launched into `stream` */
 
-/* cuda_modules.c */
+/* ---- cuda_modules.c ---- */
 HIDDEN int stub_function_valid(const void *f);
 HIDDEN CUresult stub_module_function(void **f, void *module, const char *name);  /* cuModuleGetFunction's */
 HIDDEN int stub_find_global(CUdeviceptr p, size_t n);  /* [p, p + n) inside a module's global: 0, else -1 */
 /* a launch of function (or kernel) `f`: its code loaded onto the card at its first (lazy loading) */
 HIDDEN CUresult stub_function_loaded(const void *f);
+
+/* ---- cuda_graphs.c: streams, stream capture and graphs ---- */
+/* may the calling thread make a potentially unsafe call (synchronizing `synced`, NULL: none) now? */
+HIDDEN CUresult stub_capture_forbids(const void *synced);
+/* may the calling thread synchronize the context on card `dev` (none of its streams capturing)? */
+HIDDEN CUresult stub_capture_forbids_context(int dev);
+/* a launch of n kernels into stream s: 1 (and *r) when s captures it, 0 when it is to run */
+HIDDEN int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r);
+HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);
+HIDDEN void *stub_graphs_proc(const char *symbol, int version);
+HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in the form of the caller's CUDA version */
+/* a stream object destroyed, or of a destroyed context (said to stub_misuse by `call`) */
+HIDDEN int stub_stream_dead(const void *s, const char *call);
+
+/* ---- libcuda.c ---- */
+/* the live device allocation holding [p, p + n): 0 and its base and size, or -1 */
+HIDDEN int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
+/* cuGetProcAddress's answer for a name of libcuda.c's: NULL, *named 1 when no form of it fits the version */
+HIDDEN void *stub_libcuda_proc(const char *symbol, int version, uint64_t flags, int *named);
 #endif

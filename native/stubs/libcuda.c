@@ -3,14 +3,14 @@
  *
  * One card of CGPU_STUB_CUDA_MIB MiB (default 15109, a T4) whose memory is shared
  * by every process using it: its state is a file (CGPU_STUB_CUDA_STATE, default
- * /tmp/cgpu-stub-cuda.state) holding the bytes in use, changed under flock.
+ * /tmp/cgpu-stub-cuda.state) holding the bytes in use, changed under flock (card.c).
  * It answers what the CUDA driver API's clients need to allocate and ask about
  * memory: cuInit, versions, one device, contexts, cuMemAlloc_v2 / cuMemFree_v2
  * (fake device pointers, sizes kept per process), cuMemGetInfo_v2,
  * cuDeviceTotalMem_v2, pitched, managed and stream-ordered allocations (from the
  * default pool or a named one), cuMemCreate / cuMemRelease (device memory from the
  * card; host memory, CU_MEM_LOCATION_TYPE_HOST(_NUMA), not), arrays (2-D, 3-D and
- * mipmapped), streams, error names, and cuGetProcAddress / _v2 by name. Its
+ * mipmapped), streams, error names, and what cuGetProcAddress (cuda_export.c) gives for them. Its
  * pitched, managed, stream-ordered and 2-D array allocators call its own exported
  * cuMemAlloc_v2 (through the PLT, so through an interposer): libcgpu must not
  * charge such a nested call twice. The pool, cuMemCreate, 3-D and mipmapped ones
@@ -52,8 +52,6 @@ typedef void *CUcontext;
 enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALID_DEVICE = 101, NOT_SUPPORTED = 801,
        NOT_FOUND = 500 };
 
-static int inited;
-static int memory_is_free(void);
 /* This process's allocations and VMM handles, hashed by pointer (open addressing, linear probing):
  * host: not on the card; vmm: a cuMemCreate handle, whose memory lives while it has references
  * (cuMemCreate's, cuMemRetainAllocationHandle's, less cuMemRelease's) or mappings. */
@@ -79,156 +77,6 @@ static void alloc_erase(size_t i)  /* backward-shift deletion: no tombstones */
     }
 }
 
-static uint64_t total(void)
-{
-    const char *m = getenv("CGPU_STUB_CUDA_MIB");
-    return (uint64_t)(m && *m ? strtoull(m, NULL, 10) : 15109) << 20;
-}
-
-/* CGPU_STUB_CUDA_DEVICES cards (default 1), each of the same size; a thread's current
- * device is its current context's (cuCtxSetCurrent, cuCtxCreate, cuCtxPushCurrent),
- * device 0 until it makes one current. In the state file, card d keeps its bytes in use
- * at 16*d and when it is next free at 16*d + 8. */
-static int devices(void)
-{
-    const char *n = getenv("CGPU_STUB_CUDA_DEVICES");
-    int v = n && *n ? atoi(n) : 1;
-    return v < 1 ? 1 : v > 16 ? 16 : v;
-}
-static __thread int cur_dev;
-
-/* The state file and the kernel log, opened once per process and kept (a launch is then
- * a lock, a read and a write, as cheap as a stand-in can make it). A forked child opens
- * its own: flock's lock belongs to the open file, which the child would share. */
-static pthread_mutex_t kernel_files_lock = PTHREAD_MUTEX_INITIALIZER;
-static int kernel_state_fd = -1, kernel_log_fd = -1;
-static pid_t kernel_files_pid;
-static char kernel_files_named[2][4096];  /* the paths they were opened by (the environment may change) */
-
-static int kernel_files(int *log_fd)
-{
-    const char *p = getenv("CGPU_STUB_CUDA_STATE"), *log = getenv("CGPU_STUB_CUDA_LOG");
-    p = p && *p ? p : "/tmp/cgpu-stub-cuda.state";
-    log = log ? log : "";
-    pthread_mutex_lock(&kernel_files_lock);
-    if (kernel_files_pid != getpid() || strcmp(p, kernel_files_named[0]) || strcmp(log, kernel_files_named[1])) {
-        if (kernel_state_fd >= 0) close(kernel_state_fd);
-        if (kernel_log_fd >= 0) close(kernel_log_fd);
-        kernel_state_fd = open(p, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-        kernel_log_fd = *log ? open(log, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
-        snprintf(kernel_files_named[0], sizeof kernel_files_named[0], "%s", p);
-        snprintf(kernel_files_named[1], sizeof kernel_files_named[1], "%s", log);
-        kernel_files_pid = kernel_state_fd >= 0 ? getpid() : 0;
-    }
-    int fd = kernel_state_fd;
-    *log_fd = kernel_log_fd;
-    pthread_mutex_unlock(&kernel_files_lock);
-    return fd;
-}
-
-/* The card's state file: card d keeps its bytes in use at 16*d and when it is next free at
- * 16*d + 8; from PROC_AT, a record per (process, card) of what it holds there, so that, as the
- * real driver does, what a dead process held comes back to the card (looked for when an
- * allocation would not fit, and when someone asks) and NVML's per-process view can show it
- * (libnvidia-ml.c's `cuda` line). */
-#define PROC_AT 256
-#define NRECORDS 1024
-struct record { int32_t pid, dev; uint64_t bytes; };
-
-static int state_fd(void)
-{
-    int log_fd;
-    return kernel_files(&log_fd);  /* (opened once per process, kept) */
-}
-
-static uint64_t read_word(int fd, off_t at)
-{
-    uint64_t v = 0;
-    return pread(fd, &v, sizeof v, at) == sizeof v ? v : 0;
-}
-
-/* Under the lock: give back what dead processes held. */
-static void sweep_dead(int fd)
-{
-    static struct record r[NRECORDS];
-    ssize_t n = pread(fd, r, sizeof r, PROC_AT);
-    for (ssize_t i = 0; n > 0 && i < n / (ssize_t)sizeof *r; i++)
-        if (r[i].pid > 0 && kill(r[i].pid, 0) && errno == ESRCH) {
-            uint64_t used = read_word(fd, 16 * r[i].dev);
-            used = r[i].bytes > used ? 0 : used - r[i].bytes;
-            struct record none = {0, 0, 0};
-            if (pwrite(fd, &used, sizeof used, 16 * r[i].dev) != sizeof used
-                || pwrite(fd, &none, sizeof none, PROC_AT + i * (off_t)sizeof none) != sizeof none)
-                return;
-        }
-}
-
-/* Under the lock: add `delta` to this process's record for card `dev`. */
-static void note_held(int fd, int dev, int64_t delta)
-{
-    static pid_t cached_pid;
-    static int cached[16];
-    pid_t me = getpid();
-    struct record r;
-    if (cached_pid != me) {
-        cached_pid = me;
-        for (int d = 0; d < 16; d++) cached[d] = -1;
-    }
-    int i = cached[dev];
-    if (i < 0 || pread(fd, &r, sizeof r, PROC_AT + i * (off_t)sizeof r) != sizeof r || r.pid != me || r.dev != dev) {
-        static struct record all[NRECORDS];
-        ssize_t n = pread(fd, all, sizeof all, PROC_AT);
-        int free_at = -1;
-        i = -1;
-        for (int k = 0; k < NRECORDS; k++) {
-            int there = n > 0 && k < n / (ssize_t)sizeof *all;
-            if (there && all[k].pid == me && all[k].dev == dev) { i = k; break; }
-            if (free_at < 0 && (!there || all[k].pid == 0)) free_at = k;
-        }
-        if (i < 0 && (i = free_at) < 0)
-            return;  /* (no record left: the card's total still counts it) */
-        r = (struct record){me, dev, 0};
-        cached[dev] = i;
-    }
-    r.bytes = delta < 0 && (uint64_t)-delta > r.bytes ? 0 : r.bytes + (uint64_t)delta;
-    if (!r.bytes) r.pid = 0;
-    if (pwrite(fd, &r, sizeof r, PROC_AT + i * (off_t)sizeof r) != sizeof r) { /* (best effort) */ }
-    if (!r.bytes) cached[dev] = -1;
-}
-
-/* add `delta` to the bytes in use on the current device if it has room; 0 or -1 */
-static int card_of(int dev, int64_t delta, uint64_t *used_out);
-static int card(int64_t delta, uint64_t *used_out) { return card_of(cur_dev, delta, used_out); }
-static pthread_mutex_t card_lock = PTHREAD_MUTEX_INITIALIZER;  /* (flock on one open file: not between threads) */
-static int card_of(int dev, int64_t delta, uint64_t *used_out)
-{
-    int fd = state_fd();
-    if (fd < 0)
-        return -1;
-    pthread_mutex_lock(&card_lock);
-    flock(fd, LOCK_EX);
-    uint64_t used = read_word(fd, 16 * dev);
-    if ((delta > 0 && used + (uint64_t)delta > total()) || (delta == 0 && used_out)) {
-        sweep_dead(fd);  /* (a dead process's memory is the card's again) */
-        used = read_word(fd, 16 * dev);
-    }
-    int rc = 0;
-    if (delta > 0 && used + (uint64_t)delta > total())
-        rc = -1;
-    else if (delta) {
-        used = delta < 0 && (uint64_t)-delta > used ? 0 : used + (uint64_t)delta;
-        if (pwrite(fd, &used, sizeof used, 16 * dev) != sizeof used)
-            rc = -1;
-        else
-            note_held(fd, dev, delta);
-    }
-    if (used_out)
-        *used_out = used;
-    flock(fd, LOCK_UN);
-    pthread_mutex_unlock(&card_lock);
-    return rc;
-}
-
 /* With CGPU_STUB_CUDA_CTOR_DLSYM=1 its constructor calls dlsym, as a driver may while it loads. */
 __attribute__((constructor)) static void loaded(void)
 {
@@ -249,15 +97,15 @@ CUresult cuInit(unsigned flags)
             int fd = open(one, O_RDONLY | O_CLOEXEC);
             device = device < 0 ? fd : device;
         }
-    inited = 1;
+    stub_set_inited();
     return OK;
 }
 CUresult cuDriverGetVersion(int *v) { if (!v) return INVALID_VALUE; *v = 13000; return OK; }
-CUresult cuDeviceGetCount(int *n) { if (!inited) return NOT_INITIALIZED; *n = devices(); return OK; }
+CUresult cuDeviceGetCount(int *n) { if (!stub_inited()) return NOT_INITIALIZED; *n = stub_device_count(); return OK; }
 CUresult cuDeviceGet(CUdevice *d, int ordinal)
 {
-    if (!inited) return NOT_INITIALIZED;
-    if (ordinal < 0 || ordinal >= devices()) return INVALID_DEVICE;
+    if (!stub_inited()) return NOT_INITIALIZED;
+    if (ordinal < 0 || ordinal >= stub_device_count()) return INVALID_DEVICE;
     *d = ordinal;
     return OK;
 }
@@ -267,7 +115,7 @@ CUresult cuDeviceGetUuid_v2(unsigned char *uuid, CUdevice d)
 {
     const char *list = getenv("CGPU_STUB_CUDA_UUIDS");
     if (!uuid) return INVALID_VALUE;
-    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
     if (!list || !*list) return NOT_SUPPORTED;
     for (int i = 0; i < d && list; i++)
         list = (list = strchr(list, ',')) ? list + 1 : NULL;
@@ -284,15 +132,15 @@ CUresult cuDeviceGetUuid_v2(unsigned char *uuid, CUdevice d)
 CUresult cuDeviceGetUuid(unsigned char *uuid, CUdevice d) { return cuDeviceGetUuid_v2(uuid, d); }
 CUresult cuDeviceGetName(char *name, int len, CUdevice d)
 {
-    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
     snprintf(name, (size_t)len, "Stand-in Tesla T4");
     return OK;
 }
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
 {
-    if (!inited) return NOT_INITIALIZED;
-    if (d < 0 || d >= devices()) return INVALID_DEVICE;
-    *bytes = total();
+    if (!stub_inited()) return NOT_INITIALIZED;
+    if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
+    *bytes = stub_card_bytes();
     return OK;
 }
 /* What the driver itself uses for a process's contexts on a card (context, local memory, the
@@ -309,125 +157,64 @@ static CUresult context_memory(CUdevice d)
         memset(paid, 0, sizeof paid);
     }
     if (paid[d] || !bytes) return OK;
-    if (card_of(d, (int64_t)bytes, NULL)) return OUT_OF_MEMORY;
+    if (stub_card_memory(d, (int64_t)bytes, NULL)) return OUT_OF_MEMORY;
     paid[d] = 1;
     return OK;
 }
-/* The driver's memory grows after a context is made, through no allocation call (issue 28, on
- * an H100: +66 MiB at cuBLAS's first matmul, its kernels loaded lazily; +70 MiB at a graph's
- * instantiation; a few MiB at a library's or module's load): cuda_modules.c and cuda_graphs.c take
- * it here, from the card, into the process's record (NVML's per-process view). */
-int stub_driver_memory(int dev, int64_t delta)
-{
-    if (!delta || memory_is_free()) return 0;
-    return card_of(dev, delta, NULL);
-}
-uint64_t stub_growth(const char *name, uint64_t kib)
-{
-    char var[64];
-    snprintf(var, sizeof var, "CGPU_STUB_%s_KIB", name);
-    const char *v = getenv(var);
-    return (v && *v ? strtoull(v, NULL, 10) : kib) << 10;
-}
-/* A context is its device + 1 + 16 * its generation: one per card and process, live from the start
- * (as before: a process that makes none still has one), destroyed by cuCtxDestroy, the primary
- * context's reset, or its last release; made again by a retain or create, as a new context (a new
- * handle). What a destroyed context held (streams, events) is gone with it (cuda_stub.h). */
-static unsigned ctx_gen[16];
-static int ctx_dead[16], ctx_refs[16];
-static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
-unsigned stub_ctx_gen(int dev) { return dev >= 0 && dev < 16 ? __atomic_load_n(&ctx_gen[dev], __ATOMIC_SEQ_CST) : 0; }
-int stub_ctx_alive(int dev, unsigned gen)
-{
-    return dev >= 0 && dev < 16 && gen == __atomic_load_n(&ctx_gen[dev], __ATOMIC_SEQ_CST) && !ctx_dead[dev];
-}
-void stub_misuse(const char *call, const char *what)
-{
-    const char *strict = getenv("CGPU_STUB_STRICT_HANDLES");
-    if (!strict || *strict != '1') return;
-    fprintf(stderr, "stand-in libcuda: %s used %s (undefined behaviour in the driver): aborting\n", call, what);
-    abort();
-}
-static CUcontext ctx_handle(int d) { return (CUcontext)(uintptr_t)(1 + d + 16 * (uintptr_t)ctx_gen[d]); }
+/* A context is its device + 1 + 16 * its generation (card.c: one per card and process, live from the
+ * start, destroyed by cuCtxDestroy, the primary context's reset or its last release, made again by a
+ * retain or create as a new context, a new handle; what a destroyed one held is gone with it). */
+static CUcontext ctx_handle(int d) { return (CUcontext)(uintptr_t)(1 + d + 16 * (uintptr_t)stub_ctx_gen(d)); }
 /* The device of a context handle, or -1 (and *dead: a handle of a destroyed context) */
 static int ctx_device(CUcontext ctx, int *dead)
 {
     uintptr_t h = (uintptr_t)ctx - 1;
     int d = (int)(h % 16);
     *dead = 0;
-    if (!ctx || d >= devices()) return -1;
+    if (!ctx || d >= stub_device_count()) return -1;
     *dead = !stub_ctx_alive(d, (unsigned)(h / 16));
     return d;
 }
-static void ctx_destroy(int d)  /* (ctx_lock held) */
-{
-    if (ctx_dead[d]) return;
-    stub_exec_sync(d, NULL, 1);  /* (the driver waits for the context's work) */
-    ctx_dead[d] = 1;
-    ctx_refs[d] = 0;
-    __atomic_add_fetch(&ctx_gen[d], 1, __ATOMIC_SEQ_CST);
-}
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
 {
-    if (!inited) return NOT_INITIALIZED;
-    if (d < 0 || d >= devices()) return INVALID_DEVICE;
+    if (!stub_inited()) return NOT_INITIALIZED;
+    if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
     CUresult r = context_memory(d);
     if (r != OK) return r;
-    pthread_mutex_lock(&ctx_lock);
-    ctx_dead[d] = 0;
-    ctx_refs[d]++;
+    stub_ctx_retain(d);
     *ctx = ctx_handle(d);
-    pthread_mutex_unlock(&ctx_lock);
     return OK;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
 {
-    if (d < 0 || d >= devices()) return INVALID_DEVICE;
-    pthread_mutex_lock(&ctx_lock);
-    if (ctx_refs[d] > 0 && !--ctx_refs[d])
-        ctx_destroy(d);  /* (its last release: the primary context is destroyed) */
-    pthread_mutex_unlock(&ctx_lock);
+    if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
+    if (stub_ctx_release(d)) {  /* (its last release: the primary context is destroyed) */
+        stub_exec_sync(d, NULL, 1);
+        stub_ctx_kill(d);
+    }
     return OK;
 }
 CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return cuDevicePrimaryCtxRelease_v2(d); }  /* (CUDA 7.0's form) */
-CUresult cuDevicePrimaryCtxReset_v2(CUdevice d)
-{
-    if (d < 0 || d >= devices()) return INVALID_DEVICE;
-    pthread_mutex_lock(&ctx_lock);
-    ctx_destroy(d);
-    pthread_mutex_unlock(&ctx_lock);
-    return OK;
-}
-CUresult cuDevicePrimaryCtxReset(CUdevice d) { return cuDevicePrimaryCtxReset_v2(d); }
-CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned *flags, int *active)
-{
-    extern unsigned stub_primary_flags(int);
-    if (!flags || !active) return INVALID_VALUE;
-    if (d < 0 || d >= devices()) return INVALID_DEVICE;
-    *flags = stub_primary_flags(d);
-    *active = !ctx_dead[d];
-    return OK;
-}
 CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
 {
     (void)flags;
     CUresult r = cuDevicePrimaryCtxRetain(ctx, d);
     if (r == OK)
-        cur_dev = d;
+        stub_set_current_device(d);
     return r;
 }
 CUresult cuCtxSetCurrent(CUcontext ctx)
 {
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     int dead, d = ctx_device(ctx, &dead);
     if (ctx && dead) {
         stub_misuse("cuCtxSetCurrent", "a destroyed context");
         return STUB_CONTEXT_IS_DESTROYED;
     }
-    if (ctx && d >= 0) cur_dev = d;
+    if (ctx && d >= 0) stub_set_current_device(d);
     return OK;
 }
-CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return INVALID_VALUE; if (!inited) return NOT_INITIALIZED; *d = cur_dev; return OK; }
+CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return INVALID_VALUE; if (!stub_inited()) return NOT_INITIALIZED; *d = stub_current_device(); return OK; }
 CUresult cuCtxDestroy_v2(CUcontext ctx)
 {
     int dead, d = ctx_device(ctx, &dead);
@@ -436,58 +223,41 @@ CUresult cuCtxDestroy_v2(CUcontext ctx)
         stub_misuse("cuCtxDestroy", "a destroyed context");
         return STUB_CONTEXT_IS_DESTROYED;
     }
-    pthread_mutex_lock(&ctx_lock);
-    ctx_destroy(d);
-    pthread_mutex_unlock(&ctx_lock);
+    stub_exec_sync(d, NULL, 1);  /* (the driver waits for the context's work) */
+    stub_ctx_kill(d);
     return OK;
-}
-/* Kernels run on the card's executor (cuda_exec.c): queued per stream, one at a time, contexts
- * time-sliced. CGPU_STUB_COLLECTIVE=1: every kernel of the process is half of a collective across
- * cards 0 and 1 (there). */
-static int collective(void)
-{
-    const char *c = getenv("CGPU_STUB_COLLECTIVE");
-    return c && *c && strcmp(c, "0");  /* (1: the process's own halves; a name: a group of processes, cuda_exec.c) */
-}
-
-static CUresult run_kernel(uint64_t us, const void *stream)
-{
-    const char *fast = getenv("CGPU_STUB_CUDA_FAST");
-    if (!inited) return NOT_INITIALIZED;
-    if (fast && *fast == '1') return OK;
-    return stub_exec_launch(cur_dev, stream, us, collective());
 }
 
 /* Wait for this process's work on its current card (its context's, every stream). */
 CUresult cuCtxSynchronize(void)
 {
-    CUresult r = stub_capture_forbids_context(cur_dev);  /* cuda_graphs.c: not while a capture is on */
-    return r ? r : stub_exec_sync(cur_dev, NULL, 1);
+    CUresult r = stub_capture_forbids_context(stub_current_device());  /* cuda_graphs.c: not while a capture is on */
+    return r ? r : stub_exec_sync(stub_current_device(), NULL, 1);
 }
 CUresult cuCtxGetCurrent(CUcontext *ctx)
 {
     if (!ctx) return INVALID_VALUE;
-    *ctx = inited && !ctx_dead[cur_dev] ? ctx_handle(cur_dev) : NULL;  /* (destroyed: popped, none current) */
+    *ctx = stub_inited() && !stub_ctx_dead(stub_current_device()) ? ctx_handle(stub_current_device()) : NULL;  /* (destroyed: none current) */
     return OK;
 }
 static __thread int pushed[16], npushed;
 CUresult cuCtxPushCurrent_v2(CUcontext ctx)
 {
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     int dead, d = ctx_device(ctx, &dead);
     if (ctx && dead) {
         stub_misuse("cuCtxPushCurrent", "a destroyed context");
         return STUB_CONTEXT_IS_DESTROYED;
     }
-    if (npushed < 16) pushed[npushed++] = cur_dev;
-    if (ctx && d >= 0) cur_dev = d;
+    if (npushed < 16) pushed[npushed++] = stub_current_device();
+    if (ctx && d >= 0) stub_set_current_device(d);
     return OK;
 }
 CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
 {
-    if (!inited) return NOT_INITIALIZED;
-    if (ctx) *ctx = ctx_handle(cur_dev);
-    if (npushed) cur_dev = pushed[--npushed];
+    if (!stub_inited()) return NOT_INITIALIZED;
+    if (ctx) *ctx = ctx_handle(stub_current_device());
+    if (npushed) stub_set_current_device(pushed[--npushed]);
     return OK;
 }
 
@@ -498,9 +268,9 @@ CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, uns
 {
     (void)bx; (void)by; (void)bz; (void)shmem; (void)params; (void)extra;
     uint64_t us = (uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1);
-    CUresult r = inited ? stub_function_loaded(f) : OK;  /* (lazy loading: its code reaches the card now) */
+    CUresult r = stub_inited() ? stub_function_loaded(f) : OK;  /* (lazy loading: its code reaches the card now) */
     if (r) return r;
-    return stub_capture_launch(stream, &us, 1, &r) ? r : run_kernel(us, stream);  /* (into a capture: recorded) */
+    return stub_capture_launch(stream, &us, 1, &r) ? r : stub_run_kernel(us, stream);  /* (into a capture: recorded) */
 }
 /* (the per-thread default stream's form: its NULL is the thread's stream, CU_STREAM_PER_THREAD) */
 CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
@@ -519,32 +289,20 @@ CUresult cuLaunchKernelEx(const launch_config *c, CUfunction f, void **params, v
     (void)params; (void)extra;
     if (!c) return INVALID_VALUE;
     uint64_t us = (uint64_t)c->gridDimX * (c->gridDimY ? c->gridDimY : 1) * (c->gridDimZ ? c->gridDimZ : 1);
-    CUresult r = inited ? stub_function_loaded(f) : OK;
+    CUresult r = stub_inited() ? stub_function_loaded(f) : OK;
     if (r) return r;
-    return stub_capture_launch(c->hStream, &us, 1, &r) ? r : run_kernel(us, c->hStream);
+    return stub_capture_launch(c->hStream, &us, 1, &r) ? r : stub_run_kernel(us, c->hStream);
 }
 CUresult cuGraphLaunch(void *exec, void *stream) { return stub_graph_launch(exec, stream); }  /* cuda_graphs.c */
-CUresult stub_run_kernel(uint64_t us, const void *stream) { return run_kernel(us, stream); }
 
 /* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
 static size_t nallocs;
-/* CGPU_STUB_CUDA_FAST=1: allocations do not touch the card's file either (to time what an
- * interposer adds): the card is then as large as it is said to be, for this process alone. */
-static int memory_is_free(void)
-{
-    static int fast = -1;
-    if (fast < 0) {
-        const char *f = getenv("CGPU_STUB_CUDA_FAST");
-        fast = f && *f == '1';
-    }
-    return fast;
-}
 static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
 {
     static CUdeviceptr next = 0x7f0000000000ull;
     if (nallocs >= NALLOCS / 2) return OUT_OF_MEMORY;  /* (the stand-in's own bound: 32,768 live) */
-    host |= memory_is_free();
-    if (!host && card_of(dev, (int64_t)size, NULL)) return OUT_OF_MEMORY;
+    host |= stub_memory_is_free();
+    if (!host && stub_card_memory(dev, (int64_t)size, NULL)) return OUT_OF_MEMORY;
     size_t i = alloc_slot(next);
     while (allocs[i].ptr)
         i = (i + 1) & (NALLOCS - 1);
@@ -559,11 +317,11 @@ static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
     next += (size + 0xfffff) & ~(CUdeviceptr)0xfffff;
     return OK;
 }
-static CUresult take(CUdeviceptr *p, size_t size, int host) { return take_on(cur_dev, p, size, host); }
+static CUresult take(CUdeviceptr *p, size_t size, int host) { return take_on(stub_current_device(), p, size, host); }
 static __thread int ordered;
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
 {
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     if (!p || !size) return INVALID_VALUE;
     CUresult r = ordered ? OK : stub_capture_forbids(NULL);
     if (r) return r;
@@ -572,7 +330,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
 /* its memory back to the card, the entry gone */
 static void let_go(int i)
 {
-    if (!allocs[i].host) card_of(allocs[i].dev, -(int64_t)allocs[i].size, NULL);
+    if (!allocs[i].host) stub_card_memory(allocs[i].dev, -(int64_t)allocs[i].size, NULL);
     alloc_erase((size_t)i);
     nallocs--;
 }
@@ -591,7 +349,7 @@ CUresult cuMemFree_v2(CUdeviceptr p)
 /* the card's memory, not through the exported cuMemAlloc_v2 */
 static CUresult device(CUdeviceptr *p, size_t size)
 {
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     if (!p || !size) return INVALID_VALUE;
     return take(p, size, 0);
 }
@@ -610,20 +368,9 @@ CUresult cuStreamSynchronize(CUstream s)
 {
     if (stub_stream_dead(s, "cuStreamSynchronize")) return STUB_INVALID_HANDLE;
     CUresult r = stub_capture_forbids(s);
-    return r ? r : stub_exec_sync(cur_dev, s, 0);
+    return r ? r : stub_exec_sync(stub_current_device(), s, 0);
 }
-/* With CGPU_STUB_CUDA_CALLS set, the entry points that have a per-thread-stream (_ptsz) or an
- * older form append their name to it: which one a lookup gave is seen; and cuEventRecord: how
- * many events a library records is seen. */
-void stub_called(const char *name)
-{
-    const char *path = getenv("CGPU_STUB_CUDA_CALLS");
-    int fd = path && *path ? open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666) : -1;
-    if (fd >= 0) {
-        if (write(fd, name, strlen(name)) < 0 || write(fd, "\n", 1) < 0) { /* (a log, best effort) */ }
-        close(fd);
-    }
-}
+CUresult cuStreamSynchronize_ptsz(CUstream s) { return cuStreamSynchronize(s ? s : (CUstream)2); }
 /* (ordered: inside a stream-ordered allocation, legal during a capture) */
 static CUresult alloc_ordered(const char *name, CUdeviceptr *p, size_t size)
 {
@@ -648,7 +395,7 @@ CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; return free_o
 typedef void *CUmemoryPool;
 CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
 {
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     if (d != 0) return INVALID_DEVICE;
     *pool = (CUmemoryPool)0x3;
     return OK;
@@ -684,12 +431,12 @@ enum { LOC_DEVICE = 1, LOC_HOST = 2, LOC_HOST_NUMA = 3, LOC_DEVICE_LOCALITY_DOMA
 CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
                      unsigned long long flags)
 {
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     if (!h || !prop || !size || flags) return INVALID_VALUE;
     CUresult r;
     switch (prop->location.type) {
     case LOC_DEVICE:
-        r = prop->location.id >= 0 && prop->location.id < devices() ? take_on(prop->location.id, h, size, 0)
+        r = prop->location.id >= 0 && prop->location.id < stub_device_count() ? take_on(prop->location.id, h, size, 0)
                                                                    : INVALID_DEVICE;
         break;
     case LOC_DEVICE_LOCALITY_DOMAIN:
@@ -717,7 +464,7 @@ static void vmm_maybe_gone(int i)
 CUresult cuMemRelease(CUmemGenericAllocationHandle h)
 {
     int i = alloc_find(h);
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     if (i < 0 || !allocs[i].vmm || allocs[i].refs <= 0) return INVALID_VALUE;
     allocs[i].refs--;
     vmm_maybe_gone(i);
@@ -731,7 +478,7 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CU
 {
     static CUdeviceptr next_va = 0x200000000000ull;
     (void)alignment; (void)addr;  /* (a hint: the stand-in picks its own) */
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     if (!ptr || !size || flags) return INVALID_VALUE;
     for (int i = 0; i < NVAS; i++)
         if (!vas[i].va) {
@@ -756,7 +503,7 @@ static int overlaps_a_mapping(CUdeviceptr va, size_t size)
 }
 CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 {
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     for (int i = 0; i < NVAS; i++)
         if (vas[i].va == ptr && ptr) {
             if (vas[i].size != size || overlaps_a_mapping(ptr, size)) return INVALID_VALUE;  /* (unmap first) */
@@ -769,7 +516,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
                   unsigned long long flags)
 {
     int i = alloc_find(h), reserved = 0;
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     if (i < 0 || !allocs[i].vmm || allocs[i].refs <= 0 || flags || offset || !size || size > allocs[i].size)
         return INVALID_VALUE;
     for (int k = 0; k < NVAS; k++)
@@ -796,7 +543,7 @@ static int whole_mappings(CUdeviceptr ptr, size_t size)
 }
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     if (!whole_mappings(ptr, size)) return INVALID_VALUE;
     for (CUdeviceptr at = ptr; at < ptr + size;) {
         int k = mapping_at(at), i = alloc_find(maps[k].h);
@@ -812,14 +559,14 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc;
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
 {
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     return desc && count && whole_mappings(ptr, size) ? OK : INVALID_VALUE;
 }
 /* the handle of the mapping that holds `addr` (anywhere in it), with one more reference */
 CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr)
 {
     CUdeviceptr a = (CUdeviceptr)(uintptr_t)addr;
-    if (!inited) return NOT_INITIALIZED;
+    if (!stub_inited()) return NOT_INITIALIZED;
     if (!h) return INVALID_VALUE;
     for (int k = 0; k < NVAS; k++)
         if (maps[k].va && maps[k].va <= a && a < maps[k].va + maps[k].size) {
@@ -876,10 +623,10 @@ CUresult cuMipmappedArrayDestroy(CUdeviceptr h) { return drop(h); }
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
 {
     uint64_t used;
-    if (!inited) return NOT_INITIALIZED;
-    card(0, &used);
-    *free_ = total() - used;
-    *total_ = total();
+    if (!stub_inited()) return NOT_INITIALIZED;
+    stub_card_memory(stub_current_device(), 0, &used);
+    *free_ = stub_card_bytes() - used;
+    *total_ = stub_card_bytes();
     return OK;
 }
 /* CUDA 2.0's, for 32-bit sizes (what cuGetProcAddress gives for cuMemGetInfo below version 3020) */
@@ -902,15 +649,6 @@ CUresult cuGetErrorName(CUresult e, const char **s)
 }
 CUresult cuGetErrorString(CUresult e, const char **s) { return cuGetErrorName(e, s); }
 
-/* For the other files of the stand-in (cuda_stub.h) */
-int stub_inited(void) { return inited; }
-int stub_device_count(void) { return devices(); }
-int stub_current_device(void) { return cur_dev; }
-CUresult stub_synchronize(void)  /* (a synchronous copy's wait: the thread's capture mode decides, as for any call) */
-{
-    CUresult r = stub_capture_forbids(NULL);
-    return r ? r : stub_exec_sync(cur_dev, NULL, 1);
-}
 int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size)
 {
     for (size_t i = 0; i < sizeof allocs / sizeof *allocs; i++)
@@ -981,9 +719,8 @@ OWN(cuArray3DCreate_v2);
 OWN(cuMipmappedArrayCreate);
 OWN(cuMipmappedArrayDestroy);
 
-CUresult cuStreamSynchronize_ptsz(CUstream s);  /* (cuda_device.c) */
-/* What cuGetProcAddress answers, as the real driver does, by (name, version, flags): each form of a
- * name from the CUDA version that introduced it (cudaTypedefs.h's PFN_<name>_v<version>), and
+/* What cuGetProcAddress (cuda_export.c) answers for this file's names, as the real driver does, by
+ * (name, version, flags): each form of a name from the CUDA version that introduced it (cudaTypedefs.h's PFN_<name>_v<version>), and
  * its per-thread-default-stream form (_ptsz) for CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM. */
 static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuInit", 2000, 0, (void *)own_cuInit},
@@ -1010,7 +747,7 @@ static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuMemAllocPitch", 3020, 0, (void *)own_cuMemAllocPitch_v2},
     {"cuMemAllocManaged", 6000, 0, (void *)own_cuMemAllocManaged},
     {"cuStreamSynchronize", 2000, 0, (void *)own_cuStreamSynchronize},
-    {"cuStreamSynchronize", 7000, 1, (void *)cuStreamSynchronize_ptsz},  /* (cuda_device.c) */
+    {"cuStreamSynchronize", 7000, 1, (void *)cuStreamSynchronize_ptsz},
     {"cuMemAllocAsync", 11020, 0, (void *)own_cuMemAllocAsync},
     {"cuMemAllocAsync", 11020, 1, (void *)own_cuMemAllocAsync_ptsz},
     {"cuMemFreeAsync", 11020, 0, (void *)own_cuMemFreeAsync},
@@ -1043,46 +780,19 @@ static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuMipmappedArrayDestroy", 5000, 0, (void *)own_cuMipmappedArrayDestroy},
 };
 
-CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
-CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags)
+/* cuGetProcAddress's answer (cuda_export.c) for a name of this file's: its form for (version,
+ * flags); NULL, with *named 1 when the name is here but no form of it is (the version too old). */
+void *stub_libcuda_proc(const char *symbol, int version, uint64_t flags, int *named)
 {
-    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
-}
-CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status)
-{
-    if (!symbol || !pfn || flags > 2) return INVALID_VALUE;  /* DEFAULT 0, LEGACY_STREAM 1, PER_THREAD 2 */
-    if (!strcmp(symbol, "cuGetProcAddress")) {
-        *pfn = version >= 12000 ? (void *)cuGetProcAddress_v2 : (void *)cuGetProcAddress;
-        if (status) *status = 0;
-        return OK;
-    }
-    if ((*pfn = stub_graphs_proc(symbol, version))) {  /* cuda_graphs.c: streams, capture and graphs */
-        if (status) *status = 0;
-        return OK;
-    }
-    int best = -1, named = 0;
+    int best = -1;
+    *named = 0;
     for (int i = 0; i < (int)(sizeof TABLE / sizeof *TABLE); i++) {
         if (strcmp(symbol, TABLE[i].name)) continue;
-        named = 1;
+        *named = 1;
         if (TABLE[i].since > version || (TABLE[i].ptsz && !(flags & 2))) continue;
         if (best < 0 || TABLE[i].ptsz > TABLE[best].ptsz
             || (TABLE[i].ptsz == TABLE[best].ptsz && TABLE[i].since > TABLE[best].since))
             best = i;
     }
-    if (best >= 0) {
-        *pfn = TABLE[best].fn;
-        if (status) *status = 0;  /* CU_GET_PROC_ADDRESS_SUCCESS */
-        return OK;
-    }
-    if (named) {
-        *pfn = NULL;
-        if (status) *status = 2;  /* CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT */
-        return NOT_FOUND;
-    }
-    if ((*pfn = stub_more_proc(symbol, version, flags))) {  /* cuda_export.c: what the real runtime asks for */
-        if (status) *status = 0;
-        return OK;
-    }
-    if (status) *status = 1;  /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
-    return NOT_FOUND;
+    return best >= 0 ? TABLE[best].fn : NULL;
 }
