@@ -219,7 +219,7 @@ class Page:
 class Switcher:
     """One GPU's switcher thread (see the module's text)."""
 
-    def __init__(self, gpu: int, bound: float, cap: float | None = None) -> None:
+    def __init__(self, gpu: int, bound: float, cap: float | None = 5.0) -> None:
         # (cap: how long a process still draining is waited for in all; None: one bound, once)
         lib = load()
         if lib is None:

@@ -110,12 +110,12 @@ class Params:
     merge_runs: bool = False
     # Gated instances (libcgpu): under a controlled policy a process keeps at most this much GPU
     # work (s) queued ahead per stream, so a closing's drain lasts about this long
-    # (docs/scheduler.md, "Queued work"). A drain is waited for one drain bound (max_slice, two
-    # slices), once: past it every process that has not answered is given up on, draining or not
-    # (libcgpu answers within its own bound whatever the application does). drain_cap (s), when
-    # set, waits longer for a process alive and draining (None: one drain bound).
+    # (docs/scheduler.md, "Queued work"). Each drain bound (max_slice) the processes that cannot
+    # answer are given up on; one alive and draining is waited for up to drain_cap (s): libcgpu
+    # answers within its own drain bound whatever the application does, so only an older library
+    # (no deadline on its drain) is waited for that long. None: one drain bound.
     queue_budget: float = 0.002
-    drain_cap: float | None = None
+    drain_cap: float | None = 5.0
     # When the switcher opens the next gate: "drain" (once the stopped instance's queued work is
     # done), "ahead" (switch_lead before its drain is expected to end), "overlap" (at the closing;
     # docs/scheduler.md, "Switches").

@@ -51,9 +51,10 @@ static int relax_capture_mode(void)
  * every capture mode and which invalidates the capture — and a capture may have begun on a stream
  * nothing was launched into yet. What a bounded stream launched since its last event (less than
  * 1/16 of the budget once its mean is known; before, the launches count as not counted) may run on
- * past the answer, and so does whatever was not done by the deadline (a stream waiting on the
- * host, a collective whose peer has not launched, a kernel longer than the bound): the answer
- * comes at the deadline whatever the application does (docs/isolation.md, "the drain bound"). */
+ * past the answer, and so does whatever of the bounded work was not done by the deadline (a stream
+ * waiting on the host, a collective whose peer has not launched, a kernel longer than the bound): the
+ * answer comes at the deadline whatever the application does (docs/isolation.md, "the drain
+ * bound"). Work no queue bounded is waited for whole (the daemon's cap bounds that wait). */
 static void drain(int k, int64_t deadline)
 {
     while (__atomic_load_n(&launching[1 + k], __ATOMIC_SEQ_CST) && mono_ns() < deadline)
@@ -71,8 +72,10 @@ static void drain(int k, int64_t deadline)
     loose += queue_take_untracked(k);
     in_driver--;
     pthread_mutex_unlock(&ctx_lock);
-    if (loose && !captures)
-        contexts_sync(k, deadline);
+    if (loose && !captures)  /* work no queue bounded (made while the GPU was not shared, or before the stream's mean was
+                              * known): waited for whole, as before issue 34 (its length is not bounded either; the daemon's
+                              * drain_cap bounds its wait), e.g. the backlog of a daemon's restart */
+        contexts_sync(k, INT64_MAX);
 }
 
 /* Tell the daemon: `acked` says which closing was answered, a byte in the FIFO wakes it. */

@@ -55,7 +55,6 @@ struct squeue {
     int64_t last_launch;        /* when the last launch into it was made (launch_ns) */
     int timed;                  /* the event before `tail` (the last one known complete) is a timing reference */
     int gpu;                    /* its context's page GPU (-1: the container's) */
-    unsigned stuck;             /* tail + 1 of an event not done within a bound of waiting (0: none) */
     int used;
 };
 static struct squeue queues[QUEUE_STREAMS];
@@ -163,7 +162,7 @@ static uint64_t queued(const struct squeue *q)
  * longer than the budget still follows the one before without a gap). */
 static int over_budget(const struct squeue *q, int64_t budget, uint32_t w)
 {
-    if (q->head == q->tail || q->stuck == q->tail + 1)  /* (its oldest event waited for a bound already) */
+    if (q->head == q->tail)
         return 0;
     if (q->head - q->tail >= QUEUE_RING - 1)
         return 1;
@@ -287,13 +286,10 @@ void queue_wait(CUcontext c, void *stream, int ptsz, uint32_t w)
         if (relaxed)
             ev.exchange(&mode);
         pthread_mutex_lock(&queue_lock);
-        if (r == 600) {  /* not done within the bound: the stream waits on something else than its work (a host
-                          * value, a host function, another process): this launch goes, and the next ones do not
-                          * wait for that event again */
-            if (q->used && q->tail == t)
-                q->stuck = t + 1;
+        if (r == 600)  /* not done within the bound: this launch goes (the stream may wait on the host: a value, a
+                        * host function, another process); the next one waits again, at most as long (a stream
+                        * behind by much work, after a time unbounded, is so brought back within its bound) */
             break;
-        }
         if (q->tail == t && q->used)  /* (another thread may have counted it meanwhile) */
             completed(q, done);
     }
