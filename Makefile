@@ -1,5 +1,5 @@
 # The two commands of the README. Both install what they need first.
-.PHONY: setup run test bench install-hooks gpu-check gpu-bundle
+.PHONY: setup run test bench install-hooks gpu-check gpu-bundle test-load
 
 setup:
 	./scripts/setup.sh
@@ -13,6 +13,14 @@ test: setup
 
 bench: setup
 	.venv/bin/python bench/tree_ops.py
+
+# The timing-sensitive test files under a CPU load (HOGS spinning processes), RUNS runs each, failures
+# counted per file (scripts/test_load.py); FILES=... names others.
+RUNS ?= 10
+HOGS ?= 4
+FILES ?=
+test-load: setup
+	.venv/bin/python scripts/test_load.py --runs $(RUNS) --hogs $(HOGS) $(FILES)
 
 # On a machine with an NVIDIA GPU: cgpud on the real driver, checked through cgpu run with whatever of
 # cuda-bindings, PyTorch, CuPy, JAX and nvidia-smi is installed (scripts/gpu_check.py; one table, exit 1

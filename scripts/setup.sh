@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 DEBS=(fuse3 libfuse3-dev pkg-config gcc make python3-venv python3-dev runc busybox-static podman conmon prometheus systemd docker.io containerd
       debootstrap etcd-server containernetworking-plugins iproute2
       g++ libzstd1 liblz4-1  # nvcc's host compiler; what the stand-in driver reads compressed fat binaries with
-      openssl)  # what cgpu dra-webhook makes its certificate with
+      openssl  # what cgpu dra-webhook makes its certificate with
+      qemu-user-static)  # runs the aarch64 builds of libcgpu in an arm64 root filesystem (tests/test_aarch64.py)
 missing=()
 for p in "${DEBS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -72,3 +73,9 @@ echo "setup: Kubernetes components in $k8s_bin"
 # with the module and build caches above (about a minute the first time).
 ctrd_bin="$(nice -n 10 scripts/containerd-build.sh)"
 echo "setup: containerd 2 in $ctrd_bin"
+# An arm64 root filesystem with glibc 2.31 (Debian bullseye, debootstrap's first stage) that
+# tests/test_aarch64.py runs libcgpu's aarch64 build in under qemu-aarch64-static: made once per
+# machine into /var/cache/cgpud/rootfs (scripts/rootfs.sh; a minute or two the first time).
+if [ "$(id -u)" -eq 0 ]; then arm64_root="$(nice -n 10 scripts/rootfs.sh bullseye minbase arm64)"
+else arm64_root="$(sudo nice -n 10 scripts/rootfs.sh bullseye minbase arm64)"; fi
+echo "setup: arm64 root filesystem in $arm64_root"

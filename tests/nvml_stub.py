@@ -8,6 +8,8 @@ file ($CGPU_NVML_STUB) that the library reads again at every call.
     stub.procs = {(0, pid): 1 << 30}     # compute processes; .graphics and .mps the others
     stub.putil = {(0, pid): (70, 20, 0, 0)}  # a process's utilisation sample: sm, mem, enc, dec %
     stub.write()                         # atomically: the daemon may be reading
+    stub.xid(0, 79); stub.write()        # a critical Xid event on GPU 0 (stub.ecc(0): a double-bit ECC error)
+    stub.gpus[0].lost = True; stub.write()   # GPU 0 fell off the bus (False again: reset)
     env = stub.env()                     # for subprocess.Popen(env=…)
 """
 from __future__ import annotations
@@ -38,6 +40,8 @@ class StubGpu:
     # the sensors: power (mW), temperature (C), fan (%), performance state, SM clock (MHz),
     # energy since the driver loaded (mJ), encoder and decoder utilisation (%)
     sensors: tuple[int, int, int, int, int, int, int, int] = (70000, 45, 30, 0, 1590, 10**9, 0, 0)
+    lost: bool = False  # fallen off the bus: every call on it is NVML_ERROR_GPU_IS_LOST
+    ecc: bool = True  # False: no ECC event types supported (a GeForce)
 
 
 @dataclass
@@ -53,6 +57,15 @@ class NvmlStub:
     driver: str = "550.54.15"
     cuda_state: Path | None = None  # the stand-in libcuda's state file: its processes shown too
     cuda_pid_offset: int = 0  # ... by their PID plus this (NVML names a container's processes by host PIDs)
+    events: list[tuple[int, str, int]] = field(default_factory=list)  # (gpu, "xid"|"ecc", xid): append only
+
+    def xid(self, gpu: int, code: int) -> None:
+        """A critical Xid error on `gpu` (delivered to event sets registered before it; write() to send)."""
+        self.events.append((gpu, "xid", code))
+
+    def ecc(self, gpu: int) -> None:
+        """A double-bit ECC error on `gpu`."""
+        self.events.append((gpu, "ecc", 0))
 
     @classmethod
     def build(cls, where: Path, old_driver: bool = False) -> "NvmlStub":
@@ -74,12 +87,15 @@ class NvmlStub:
             lines.append(f"gpu {i} {minor} {g.total} {g.used} {g.util} {g.memutil} {g.uuid} {g.name}")
             lines += [f"fail {i} {fn} {rc}" for fn, rc in g.fail.items()]
             lines.append(f"sensors {i} {' '.join(map(str, g.sensors))}")
+            lines += [f"lost {i}"] if g.lost else []
+            lines += [] if g.ecc else [f"noecc {i}"]
         lines += [f"proc {gpu} {pid} {n}" for (gpu, pid), n in self.procs.items()]
         lines += [f"proc {gpu} {pid} {n} graphics" for (gpu, pid), n in self.graphics.items()]
         lines += [f"proc {gpu} {pid} {n} mps" for (gpu, pid), n in self.mps.items()]
         lines += [f"putil {gpu} {pid} {' '.join(map(str, u))}" for (gpu, pid), u in self.putil.items()]
         if self.cuda_state is not None:
             lines.append(f"cuda {self.cuda_state} {self.cuda_pid_offset}")
+        lines += [f"event {gpu} {kind} {code}" for gpu, kind, code in self.events]
         return "\n".join(lines) + "\n"
 
     def write(self) -> None:

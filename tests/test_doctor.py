@@ -53,10 +53,10 @@ def test_all_good_exits_0_and_says_each_check(good):
     assert rc == 0, out
     assert {k: v["status"] for k, v in out.items()} == {
         "daemon": "ok", "tree": "ok", "fuse": "ok", "cgroups": "ok", "hooks.d": "ok", "hook": "ok", "libcgpu": "ok",
-        "docker": "ok", "containerd": "ok", "nvml": "skip"}
+        "docker": "ok", "containerd": "ok", "nvml": "skip", "gpu health": "ok"}
     text = subprocess.run([CGPU, "--socket", os.fspath(d.socket), "doctor", "--mount", os.fspath(d.mount), "--etc",
                            os.fspath(etc), "--hooks-dir", os.fspath(hooks)], capture_output=True, text=True)
-    assert text.returncode == 0 and len(text.stdout.splitlines()) == 10
+    assert text.returncode == 0 and len(text.stdout.splitlines()) == 11
 
 
 def failing(out: dict, name: str, words: str) -> None:

@@ -30,15 +30,17 @@ CGPU = str(Path(sys.executable).parent / "cgpu")
 
 LAUNCHER = r"""
 /* launcher SECONDS KERNEL_US CPU [DEVICE]: launches kernels of KERNEL_US for SECONDS (a CPU loop
-   counting in a second thread when CPU is 1) on DEVICE (0: a context of its own on it); prints
-   "launches beats_per_s stopped_fraction" (the share of the time the CPU loop stood still for
-   8 ms or more at a time). */
+   counting in a second thread when CPU is 1; CPU 2: the loop alone, nothing launched) on DEVICE (0:
+   a context of its own on it); prints "launches beats_per_s stopped_fraction" (the share of the time
+   the CPU loop stood still for 8 ms or more at a time). With LAUNCHER_UNTIL=path it launches until
+   that file exists instead. */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 typedef int (*i_t)(unsigned);
 typedef int (*l_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **,
                    void **);
@@ -64,6 +66,19 @@ int main(int argc, char **argv) {
     double seconds = atof(argv[1]);
     unsigned us = (unsigned)atoi(argv[2]);
     int with_cpu = atoi(argv[3]);
+    const char *until = getenv("LAUNCHER_UNTIL");
+    if (with_cpu == 2) {
+        pthread_t t;
+        pthread_create(&t, NULL, cpu, NULL);
+        printf("started\n");
+        fflush(stdout);
+        double t0 = now();
+        while (now() - t0 < seconds) usleep(10000);
+        stop = 1;
+        pthread_join(t, NULL);
+        printf("0 %.0f %.3f\n", beats / (now() - t0), stopped / (now() - t0));
+        return 0;
+    }
     void *h = dlopen("libcuda.so.1", RTLD_NOW);
     if (!h) { fprintf(stderr, "%s\n", dlerror()); return 2; }
     i_t init = (i_t)dlsym(h, "cuInit");
@@ -87,7 +102,7 @@ int main(int argc, char **argv) {
     fflush(stdout);
     double t0 = now();
     long n = 0;
-    while (now() - t0 < seconds) {
+    while (until ? access(until, F_OK) != 0 : now() - t0 < seconds) {
         if ((r = launch(NULL, us, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL))) { fprintf(stderr, "launch %d\n", r); return 4; }
         n++;
     }
@@ -373,21 +388,25 @@ def test_a_page_of_an_older_cgpud_keeps_the_containers_one_gate(gated, tmp_path)
 
 # ---- through the daemon: cgpu run, policy 2 at 1:2 -------------------------------------------
 
-def run_launcher(d, libs: Path, tmp: Path, name: str, weight: int, seconds: float) -> subprocess.Popen:
+def run_launcher(d, libs: Path, tmp: Path, name: str, weight: int, seconds: float,
+                 until: Path | None = None) -> subprocess.Popen:
+    """until: it launches until that file exists (seconds then unused)."""
     env = dict(os.environ, CGPUD_SOCKET=str(d.socket), LD_LIBRARY_PATH=os.fspath(libs),
-               CGPU_STUB_CUDA_STATE=os.fspath(tmp / "card"), CGPU_STUB_CUDA_LOG=os.fspath(tmp / f"{name}.kernels"))
+               CGPU_STUB_CUDA_STATE=os.fspath(tmp / "card"), CGPU_STUB_CUDA_LOG=os.fspath(tmp / f"{name}.kernels"),
+               **({"LAUNCHER_UNTIL": os.fspath(until)} if until else {}))
     # the stand-in keeps the GPU's device file open from cuInit on, as the driver keeps /dev/nvidiaN
     cmd = f'CGPU_STUB_CUDA_DEVICE="$CGPU_DEVICE" exec {libs / "launcher"} {seconds} 1000 1'
     return subprocess.Popen([CGPU, "run", "--name", name, "--mem", "64M", "--weight", str(weight), "--",
                              "sh", "-c", cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def one_to_two(make_daemon, libs: Path, tmp: Path, compute: str, names: tuple[str, str], seconds: float):
+def one_to_two(make_daemon, libs: Path, tmp: Path, compute: str, names: tuple[str, str], seconds: float,
+               until: Path | None = None):
     """A daemon with libcgpu at policy 2, and two launchers under it at weights 1 and 2, started."""
     d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", compute])
     d.write("0/policy", "2")
-    one = run_launcher(d, libs, tmp, names[0], 1, seconds)
-    two = run_launcher(d, libs, tmp, names[1], 2, seconds)
+    one = run_launcher(d, libs, tmp, names[0], 1, seconds, until)
+    two = run_launcher(d, libs, tmp, names[1], 2, seconds, until)
     for p in (one, two):
         assert p.stdout.readline().strip() == "started", p.stderr.read()
     return d, one, two
@@ -399,6 +418,9 @@ def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon
     while a CPU loop runs beside: the kernel time is 1:2 either way; gated, the weight-1 instance's
     CPU loop never stands still for long, frozen it stands still two thirds of the time."""
     d, one, two = one_to_two(make_daemon, libs, tmp_path, compute, ("gatedone0001", "gatedtwo0002"), 4)
+    # the same CPU loop beside them, in no instance: how long this machine's load alone stands it still
+    ref = subprocess.Popen([os.fspath(libs / "launcher"), "4", "0", "2"], stdout=subprocess.PIPE, text=True)
+    assert ref.stdout.readline().strip() == "started"
     time.sleep(1.0)
     with Client(str(d.socket)) as c:
         st = c.call("stats")[0]
@@ -418,8 +440,11 @@ def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon
     # launches again: on a busy machine its short turns lose more (4.7 seen beside a CPU hog).
     assert 1.6 <= ratio <= (2.5 if compute == "gate" else 6), ratio
     stood = float(outs[0][0].split()[2])  # the weight-1 instance's CPU loop: how long it stood still
+    loaded = float(ref.communicate(timeout=60)[0].split()[2])  # (0.5 and more beside four CPU hogs)
     if compute == "gate":
-        assert stood < 0.4, stood  # its CPU side was not stopped with its launches (0.34 beside two CPU hogs)
+        # its CPU side was not stopped with its launches (0.34 beside two CPU hogs): no more than the
+        # load stands the loop outside it still, and frozen 2/3 of the time would
+        assert stood < max(0.4, loaded + 0.2), (stood, loaded)
         assert st["drains"] > 0, st
         assert st["switched"] > 0, st  # the slices were carried out by the switcher thread (cgpud.sched.batching)
     else:
@@ -494,8 +519,10 @@ def test_the_gate_holds_across_a_daemon_restart(make_daemon, libs, tmp_path, how
     pages and gates are taken up again, and 1:2 holds after it as before."""
     from test_upgrade import upgrade
 
-    # (12 s: a restart on a busy machine has taken 5 s; 3 s after it must remain)
-    d, one, two = one_to_two(make_daemon, libs, tmp_path, "gate", ("restartone01", "restarttwo02"), 12)
+    # (they launch until told: a restart on a busy machine has taken 5 s and more; the 8 s after it are
+    # measured, second by second: the median of 4 read 1.2 under four CPU hogs, the daemon settling)
+    stop = tmp_path / "stop"
+    d, one, two = one_to_two(make_daemon, libs, tmp_path, "gate", ("restartone01", "restarttwo02"), 0, stop)
     time.sleep(1.5)
     before = time.monotonic_ns()
     if how == "hot upgrade":
@@ -503,10 +530,15 @@ def test_the_gate_holds_across_a_daemon_restart(make_daemon, libs, tmp_path, how
     else:
         d.restart()
     after = time.monotonic_ns()
+    logs = [tmp_path / "restartone01.kernels", tmp_path / "restarttwo02.kernels"]
+    end = time.monotonic() + 60
+    while time.monotonic() < end and not all(lg.exists() and any(e > after + 8.3e9 for _, _, e in kernels(lg))
+                                              for lg in logs):
+        time.sleep(0.2)  # (each launcher writes its log as the card runs its kernels)
+    stop.touch()
     outs = [p.communicate(timeout=60) for p in (one, two)]
     for p, (out, err) in zip((one, two), outs):
         assert p.returncode == 0, err
-    logs = [tmp_path / "restartone01.kernels", tmp_path / "restarttwo02.kernels"]
     t0 = after + 500_000_000
     t1 = min(max(e for _, _, e in kernels(lg)) for lg in logs) - 300_000_000
     assert t1 - t0 > 3e9, f"the {how} took {(after - before) / 1e9:.1f} s"

@@ -8,6 +8,7 @@ message in the row. And `make gpu-bundle`: the bundle installs into a clean Pyth
 what the GPU machine has (no pip even), and the daemon starts from it."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import io
 import os
@@ -25,6 +26,9 @@ spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "g
 gpu_check = importlib.util.module_from_spec(spec)
 sys.modules["gpu_check"] = gpu_check  # (its dataclass looks itself up there)
 spec.loader.exec_module(gpu_check)
+# which Python here imports which framework does not change while the tests run: asked once a
+# module, not again at every table the fake-node tests build (each asking cost seconds)
+gpu_check.python_with = functools.lru_cache(maxsize=None)(gpu_check.python_with)
 MEMSIZE, MIB = gpu_check.MEMSIZE, 1 << 20
 
 

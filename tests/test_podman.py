@@ -91,8 +91,10 @@ class Podman:
                               stdin=subprocess.DEVNULL, timeout=timeout)
 
     def run(self, env: dict[str, str], *cmd: str, detach: bool = False, volumes=(),
-            hooks: bool = True) -> subprocess.CompletedProcess:
+            hooks: bool = True, caps=()) -> subprocess.CompletedProcess:
         args = ["run", "--network", "none", "--cgroup-parent", self.cgroup_parent]
+        for c in caps:  # (capabilities added: SYS_NICE for a launcher at a real-time priority)
+            args += ["--cap-add", c]
         args += ["-d"] if detach else ["--rm"]
         for k, v in env.items():
             args += ["-e", f"{k}={v}"]

@@ -627,7 +627,7 @@ def test_property_no_instance_exceeds_its_entitlement(policy, specs, extra_slots
     for k, i in enumerate(v.instances):
         got = s.used(i.name) if policy == WEAK else s.share(i.name)
         total += got
-        assert entitled_share(v, i.name) == pytest.approx(spec_share(policy, specs, max_inst, k))  # (the product's reading)
+        assert entitled_share(v, i.name) == pytest.approx(spec_share(policy, specs, max_inst, k))  # (the product's)
         if i.weight == 0 or (not i.active and policy in (PREEMPTIVE, WEAK)):
             assert got == 0.0
         elif i.active:

@@ -86,14 +86,39 @@ def main() -> None:
 @click.option("--driver-root", default=None, envvar="CGPUD_DRIVER_ROOT",
               help="--gpus nvml in a container without NVIDIA's toolkit: where the host's / is mounted; "
                    "libnvidia-ml.so.1 is loaded from the driver's directories below it when the loader finds none.")
+@click.option("--health/--no-health", default=True, show_default=True, envvar="CGPUD_HEALTH",
+              help="Watch the GPUs' health (Xid errors, double-bit ECC errors, a lost GPU) and take a failed GPU "
+                   "out of service until it recovers (docs/gpus.md, Health).")
+@click.option("--health-ignore-xids", default=None, envvar="CGPUD_HEALTH_IGNORE_XIDS",
+              show_default="13,31,43,45,68,109",
+              help="Comma-separated Xids that do not take a GPU out of service: the application's own errors (NVIDIA's list by default; \"\": none).")
+@click.option("--health-quiet", type=click.FloatRange(0, 86400), default=60.0, show_default=True,
+              envvar="CGPUD_HEALTH_QUIET", help="Seconds a failed GPU must answer with no new failure to be back.")
+@click.option("--health-max-failures", type=click.IntRange(1, 1000), default=3, show_default=True,
+              envvar="CGPUD_HEALTH_MAX_FAILURES",
+              help="Failures within --health-window after which a GPU stays out of service until cgpud restarts.")
+@click.option("--health-window", type=click.FloatRange(1, 10**7), default=3600.0, show_default=True,
+              envvar="CGPUD_HEALTH_WINDOW", help="Seconds over which --health-max-failures counts.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, dev_dir: str,
           rt_priority: int, slice_ms: float, queue_budget_ms: float, switch: str, placement: str, mode: str, mem_action: str, mps_control: str | None,
           mps_pipe_dir: str | None, metrics_addr: str, hook_path: str, libcgpu: str, compute: str, driver_root: str | None,
-          log_level: str) -> None:
+          health: bool, health_ignore_xids: str | None, health_quiet: float, health_max_failures: int,
+          health_window: float, log_level: str) -> None:
     """Mount the tree and serve it until SIGTERM or SIGINT."""
+    from cgpud.gpus.health import disabled_by_env, parse_xids
+
     setup_logging(log_level)
+    try:
+        ignored = None if health_ignore_xids is None else parse_xids(health_ignore_xids)
+        off, more = disabled_by_env(os.environ.get("CGPUD_DISABLE_HEALTHCHECKS", ""))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--health-ignore-xids / CGPUD_DISABLE_HEALTHCHECKS") from None
+    if more:
+        from cgpud.gpus.health import DEFAULT_IGNORED_XIDS
+
+        ignored = (DEFAULT_IGNORED_XIDS if ignored is None else ignored) | more
     if driver_root:
         os.environ["CGPUD_DRIVER_ROOT"] = driver_root  # (every NVML session of the daemon: cgpud.gpus.nvml)
     if dev_dir is None:
@@ -102,7 +127,8 @@ def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, s
                  dev_dir=dev_dir, rt_priority=rt_priority, slice_ms=slice_ms, queue_budget_ms=queue_budget_ms,
                  switch=switch, placement=placement, mode=mode, mem_action=mem_action, mps_control=mps_control,
                  mps_pipe_dir=mps_pipe_dir, metrics_addr=metrics_addr, hook_path=hook_path,
-                 libcgpu=libcgpu, compute=compute)
+                 libcgpu=libcgpu, compute=compute, health=health and not off, health_ignore_xids=ignored,
+                 health_quiet=health_quiet, health_max_failures=health_max_failures, health_window=health_window)
     try:
         status = trio.run(serve_daemon, cfg, clock=MonotonicClock())  # (its times: CLOCK_MONOTONIC's)
     except StartError as exc:

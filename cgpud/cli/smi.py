@@ -66,6 +66,7 @@ def render(view: dict) -> str:
                           f"{_mib(mem['allocated']):>9} / {total}",
                           f"{g['free_weight']:>11}"))
         out.append(CELL_RULE)
+    out += _health_lines(view)
     out += ["", RULE, _line("Instances:"), _line(INST_HEAD), HEAVY]
     any_inst = False
     for g in view["gpus"]:
@@ -93,6 +94,21 @@ def render(view: dict) -> str:
         out.append(_line("No processes hold GPU memory"))
     out.append(RULE)
     return "\n".join(out)
+
+
+def _health_lines(view: dict) -> list[str]:
+    """A box for the GPUs out of service (none: nothing): what happened and what to do."""
+    import textwrap
+
+    out = []
+    for g in view["gpus"]:
+        h = g.get("health") or {}
+        if h.get("healthy", True):
+            continue
+        out.append(_line(f"GPU {g['index']} OUT OF SERVICE: {h.get('reason') or 'failed'}"
+                         + (" (stays out)" if h.get("retired") else "")))
+        out += [_line("  " + t) for t in textwrap.wrap(h.get("advice") or "", W - 6)]
+    return ["", RULE, _line("Health:"), HEAVY, *out, RULE] if out else []
 
 
 def fetch(socket: str | None) -> dict:

@@ -69,11 +69,19 @@ class GpuState:
     instances: int
     max_inst: int
     uuid: str = ""
+    failed: str = ""  # out of service, and why (a GPU's health: docs/gpus.md)
+
+
+def out_of_service(health: dict | None) -> str:
+    """Why a GPU is out of service, from its health (a GPU's `health`, query's "health"); "" in service."""
+    h = health or {}
+    return "" if h.get("healthy", True) else str(h.get("reason") or "failed")
 
 
 def states_from_node(node: "Node") -> list[GpuState]:
     return [
-        GpuState(g.index, g.info.memory, g.free_memory, len(g.instances), g.max_inst, g.info.uuid)
+        GpuState(g.index, g.info.memory, g.free_memory, len(g.instances), g.max_inst, g.info.uuid,
+                 out_of_service(g.health))
         for g in node.gpus
     ]
 
@@ -86,7 +94,7 @@ def states_from_snapshot(snap: dict) -> list[GpuState]:
         promised = sum(int(i["memsize"]) for i in g["instances"] if i.get("promised", True))
         out.append(
             GpuState(int(g["index"]), int(g["memory"]), int(g["memory"]) - promised, len(g["instances"]),
-                     int(g["max_inst"]), str(g.get("uuid", "")))
+                     int(g["max_inst"]), str(g.get("uuid", "")), out_of_service(g.get("health")))
         )
     return out
 
@@ -109,6 +117,8 @@ def instance_cap(gpu: GpuState, mode: str) -> int:
 def why_not(gpu: GpuState, need: int, mode: str, weight: int = 1) -> str | None:
     """None when a new instance of `need` bytes and `weight` may go on `gpu`;
     else the reason, a few words."""
+    if gpu.failed:
+        return f"out of service ({gpu.failed})"
     cap = instance_cap(gpu, mode)
     if gpu.instances >= cap:
         if mode == "exclusive":

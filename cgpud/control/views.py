@@ -26,6 +26,7 @@ def snapshot(node: Node) -> dict:
                 "max_inst": g.max_inst,
                 "prio_ratio": g.prio_ratio,
                 "free_weight": g.free_weight,
+                "health": g.health or {"healthy": True},
                 "instances": [
                     {**i.settings(), "used": i.used, "procs": {str(p): n for p, n in sorted(i.procs.items())}}
                     for i in g.instances.values()

@@ -134,6 +134,7 @@ class Gpu:
     max_inst: int = DEFAULT_MAX_INST
     prio_ratio: int = DEFAULT_PRIO_RATIO
     instances: dict[str, Instance] = field(default_factory=dict)
+    health: dict = field(default_factory=dict)  # the health watch's view (gpus/health.py), never saved
 
     @property
     def index(self) -> int:

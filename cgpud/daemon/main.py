@@ -76,6 +76,14 @@ class Config:
     # launches), "freeze" (its cgroup), "auto" (gate on real GPUs; on simulated ones workloads do not launch
     # through CUDA, so freeze) (docs/isolation.md)
     compute: str = "auto"
+    # GPU health (cgpud/gpus/health.py, docs/gpus.md "Health"): watched unless off; the Xids that are the
+    # application's own (None: NVIDIA's list); the quiet time before a failed GPU is back; failures within
+    # the window after which it stays out
+    health: bool = True
+    health_ignore_xids: frozenset | None = None
+    health_quiet: float = 60.0
+    health_max_failures: int = 3
+    health_window: float = 3600.0
 
     @property
     def gates(self) -> bool:
@@ -234,6 +242,52 @@ async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Conf
     return watchdog
 
 
+async def _start_health(nursery, node: Node, durable: Durable, services: Services, cfg: Config):
+    """GPU health (cgpud/gpus/health.py): NVML's events on real GPUs, the state directory's sim-faults
+    file on simulated ones. A GPU out of service: its scheduler stops (nothing of it stays frozen or
+    gated, nobody is charged), nothing new is placed on it, query/metrics/cgpu-smi say why."""
+    import time
+
+    from cgpud.gpus import health
+    from cgpud.gpus.nvml import NvmlError
+
+    policy = _health_policy(cfg)
+    if cfg.gpus.strip() == "nvml":
+        source = health.NvmlSource()
+    else:
+        source = health.FileSource(health.sim_faults_path(cfg.state_dir), len(node.gpus))
+
+    def changed(i: int, st) -> None:
+        shown = st.as_dict(0.0)
+        shown.pop("out_for")
+        node.gpu(i).health = {**shown, "since": None if st.healthy else time.time()}  # (wall time, for people)
+        if services.sched is not None:
+            services.sched.set_in_service(i, st.healthy)
+        for listener in durable.listeners:
+            listener()
+
+    watch = health.HealthWatch(health.Health(len(node.gpus), policy), source, changed,
+                               names=[f"GPU {g.index} ({g.info.uuid})" for g in node.gpus])
+    for g in node.gpus:
+        g.health = {"healthy": True, "reason": "", "advice": "", "last_xid": 0, "lost": False, "retired": False,
+                    "failures": 0, "since": None}
+    try:
+        await nursery.start(watch.run)
+    except NvmlError as exc:
+        raise StartError(f"GPU health: {exc} (or --no-health)") from None
+    return watch
+
+
+def _health_policy(cfg: Config):
+    from cgpud.gpus import health
+
+    ignored = health.DEFAULT_IGNORED_XIDS if cfg.health_ignore_xids is None else cfg.health_ignore_xids
+    try:
+        return health.Policy(frozenset(ignored), cfg.health_quiet, cfg.health_max_failures, cfg.health_window)
+    except ValueError as exc:
+        raise StartError(f"--health-quiet/--health-max-failures/--health-window: {exc}") from None
+
+
 STOP_REPORT_AFTER = 8.0  # s after SIGTERM/SIGINT: a daemon still stopping then prints where it is
 
 
@@ -329,6 +383,7 @@ def _check_flags(cfg: Config) -> None:
     except exposition.BadAddress as exc:
         raise StartError(str(exc)) from None
     _admin_gid(cfg.admin_group)
+    _health_policy(cfg)
     if cfg.compute == "gate" and (why := native.missing()) is not None:
         raise StartError(f"--compute gate: {why}")
 
@@ -453,6 +508,8 @@ async def _serve(cfg: Config) -> int:
                 await services.start(nursery, **(takeover.service_args() if takeover else {}))
                 if cfg.gpus.strip() == "nvml" and services.ctl is not None:
                     await _start_watchdog(nursery, node, services.ctl, cfg)
+                if cfg.health:
+                    await _start_health(nursery, node, durable, services, cfg)
                 await _start_metrics(nursery, cfg, durable, services, wait_for_port=takeover is not None)
                 if takeover is not None:
                     fuse.takeover(takeover.fuse_fd)

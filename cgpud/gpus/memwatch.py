@@ -28,6 +28,10 @@ it holds, in its usage page: each look reads it (`library`), keeps it as
 instance uses (`meminfo`'s Free). NVML's view decides whom to fail: the page
 is the container's to write, the driver's count is not.
 
+Each look also gives back what dead processes' slots held (pages.reclaim_dead: a
+slot whose liveness lock is gone, in a page whose processes take one), so a
+SIGKILLed process's charge does not wait for a sibling's next call.
+
 The driver's own memory grows after a context is made, through no call
 libcgpu sees (lazily loaded modules, library handles, graphs: docs/memory.md).
 So each look also writes NVML's figure for every process that has a slot in
@@ -120,6 +124,7 @@ class MemWatchdog:
         self.over: dict[tuple[int, str], int] = {}   # processes found past their instance's memsize
         self.kills: dict[tuple[int, str], int] = {}  # of them, those signalled (kill/term)
         self._last: dict[tuple[int, int], int] = {}  # (gpu, pid) -> bytes at the previous look
+        self._charged_before: dict[tuple[int, int], int] = {}  # (gpu, pid) -> libcgpu's charge at the previous look
         self._acted: set[tuple[int, int]] = set()    # (gpu, pid) already failed (once per process)
         self._errors: set[str] = set()  # the NVML failures logged and not yet over
 
@@ -133,6 +138,7 @@ class MemWatchdog:
         grown_now: set[tuple[int, int]] = set()
         self._with_library = with_library = set()
         now_over: set[tuple[int, int]] = set()  # the processes of instances past their memsize now
+        seen_charged: dict[tuple[int, int], int] = {}
         for s in samples:
             try:
                 gpu = self.node.gpu(s.index)
@@ -156,6 +162,11 @@ class MemWatchdog:
                 if inst is None:
                     continue
                 charged = self._charged(inst, procs)  # pid -> what libcgpu charges it (those with a slot)
+                # NVML's figure comes a little after the driver call that changed it: memory freed (and
+                # refunded in the slot) just before this look may still be in it. What a process is judged
+                # by is the larger of its charge now and at the previous look (a lag under the period).
+                seen_charged.update({(s.index, p): c for p, c in charged.items()})
+                charged = {p: max(c, self._charged_before.get((s.index, p), 0)) for p, c in charged.items()}
                 self._tell_library(inst, procs)
                 excess = sum(procs.values()) - inst.memsize
                 if excess <= 0:
@@ -198,6 +209,7 @@ class MemWatchdog:
                     self._fail(inst, pid, procs, charged.get(pid))
                     failed.append((s.index, name, pid))
         self._last = {(s.index, p): n for s in samples for p, n in s.procs.items()}
+        self._charged_before = seen_charged
         self._acted &= now_over  # back under its limit (or gone): a new excess is a new event
         self._grown = grown_now & now_over
         self.samples = list(samples)
@@ -273,6 +285,10 @@ class MemWatchdog:
         out = {}
         for gpu, name, where, index in targets:
             try:
+                for k, pid, held in pages.reclaim_dead(where):
+                    log.info("memory watchdog: %s: the slot of pid %d (in the container) is dead (its liveness lock "
+                             "is gone: the process ended, was killed, or exec'd): the %d bytes it held are given "
+                             "back to the instance", name, pid, sum(held))
                 slots, readings = pages.slots(where)
                 if readings:
                     pages.mark_watched(where)  # (libcgpu keeps its headroom from now on)

@@ -203,6 +203,94 @@ def mark_watched(directory: str) -> bool:
         os.close(fd)
 
 
+SLOT_FLAGS_OFFSET = WATCHED_OFFSET + 4  # uint32 (cgpu_usage_driver.flags): libcgpu's
+SLOTS_LOCKED = 1  # in it: every live slot's process holds an OFD read lock on its slot's LIVENESS_BYTE
+LIVENESS_BYTE = 4
+_FLOCK = struct.Struct("=hh4xqqi4x")  # struct flock (x86_64, aarch64): type, whence, start, len, pid
+_atomic = None
+
+
+def _libatomic():
+    """libatomic's lock-free __atomic_* entry points (the same instructions libcgpu's builtins are), or
+    None where it is not installed: the daemon then leaves dead slots to libcgpu's processes."""
+    global _atomic
+    if _atomic is None:
+        import ctypes
+        import ctypes.util
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("atomic") or "libatomic.so.1")
+            for fn, ret, args in (("__atomic_compare_exchange_4", ctypes.c_bool,
+                                   [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_int]),
+                                  ("__atomic_exchange_8", ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]),
+                                  ("__atomic_fetch_sub_8", ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]),
+                                  ("__atomic_fetch_and_4", ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]),
+                                  ("__atomic_store_4", None, [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int])):
+                getattr(lib, fn).restype = ret
+                getattr(lib, fn).argtypes = args
+            _atomic = lib
+        except OSError:
+            _atomic = False
+    return _atomic or None
+
+
+def reclaim_dead(directory: str) -> list[tuple[int, int, list[int]]]:
+    """What dead processes' slots held, given back to the container: (slot, pid, held per GPU) for each.
+    Only in a page whose processes hold their slots' liveness locks (CGPU_SLOTS_LOCKED, cgpu_page.h):
+    a slot whose byte nobody locks is dead, whatever its pid (the daemon does not share the container's
+    PID namespace). The same steps as libcgpu's release, with the same atomic instructions: the pid
+    taken first (one reclaimer wins), then its held out of the container's total, then the slot free."""
+    import ctypes
+    import fcntl
+    import mmap
+
+    lib = _libatomic()
+    if lib is None:
+        return []
+    fd = open_page(directory, "usage", os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < DRIVER_SIZE:
+            return []
+        if not struct.unpack("<I", os.pread(fd, 4, SLOT_FLAGS_OFFSET))[0] & SLOTS_LOCKED:
+            return []
+        mm = mmap.mmap(fd, DRIVER_SIZE)
+    finally:
+        os.close(fd)
+    out = []
+    try:
+        lfd = open_page(directory, "usage", os.O_RDONLY)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        try:
+            for k in range(MAX_PROCS):
+                at = USAGE_HEAD.size + k * PROC.size
+                pid = struct.unpack_from("<i", mm, at)[0]
+                if pid <= 0:
+                    continue
+                got = fcntl.fcntl(lfd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET,
+                                                                       at + LIVENESS_BYTE, 1, 0))
+                if _FLOCK.unpack(got)[0] != fcntl.F_UNLCK:
+                    continue  # (alive)
+                expected = ctypes.c_int32(pid)
+                if not lib.__atomic_compare_exchange_4(base + at, ctypes.addressof(expected), 0xFFFFFFFF, 4, 2):
+                    continue  # (another reclaimer, or the slot changed)
+                lib.__atomic_fetch_and_4(base + GATED_OFFSET + 4 * (k // 32), ~(1 << (k % 32)) & 0xFFFFFFFF, 4)
+                struct.pack_into(f"<{MAX_GPUS}Q", mm, DRIVER_OFFSET + k * DRIVER.size + 8 + 16 * MAX_GPUS,
+                                 *[0] * MAX_GPUS)
+                held = []
+                for g in range(MAX_GPUS):
+                    h = lib.__atomic_exchange_8(base + at + PROC_HEAD.size + 8 * g, 0, 4)
+                    if h:
+                        lib.__atomic_fetch_sub_8(base + 8 + 8 * g, h, 4)
+                    held.append(h)
+                lib.__atomic_store_4(base + at, 0, 3)
+                out.append((k, pid, held))
+        finally:
+            os.close(lfd)
+            del base
+    finally:
+        mm.close()
+    return out
+
+
 def write_reading(directory: str, index: int, pid: int, nvml: list[int], allocs: list[int]) -> None:
     """NVML's figure for the process of slot `index` (per GPU of the page) and what it had allocated
     through libcgpu just before NVML was read, into its record: odd `seq` while written, even after

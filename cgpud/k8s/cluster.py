@@ -22,6 +22,9 @@ COUNT = "aliyun.com/gpu-count"
 GPU_MEM_PER_DEVICE = "cgpu.aliyun.com/gpu-mem-per-device"
 IDX, POD, DEV, ASSIGNED, ASSUME_TIME = ("ALIYUN_COM_GPU_MEM_IDX", "ALIYUN_COM_GPU_MEM_POD", "ALIYUN_COM_GPU_MEM_DEV",
                                         "ALIYUN_COM_GPU_MEM_ASSIGNED", "ALIYUN_COM_GPU_MEM_ASSUME_TIME")
+# ours: the node's GPUs out of service (the node daemon's health watch, published by the device plugin):
+# indices, "1" or "0,3"; absent or "": all in service (docs/gpus.md, Health)
+UNHEALTHY = "cgpu.aliyun.com/gpu-unhealthy"
 GIVEN = "cgpu.aliyun.com/gpu-mem-containers-given"  # ours: how many of a pod's containers have their units
 PLACEMENT_LABEL = "ack.node.gpu.placement"
 DISABLE_LABEL = "cgpu.disable.isolation"
@@ -61,6 +64,12 @@ def gpu_units(node) -> list[int]:
     except (TypeError, ValueError):
         return []
     return [mem // count] * count if count > 0 else []
+
+
+def gpu_unhealthy(node) -> frozenset[int]:
+    """The indices of a node's GPUs out of service (annotation UNHEALTHY; malformed parts ignored)."""
+    raw = (_get(node, "metadata", "annotations", default={}) or {}).get(UNHEALTHY) or ""
+    return frozenset(int(x) for x in raw.split(",") if x.strip().isdigit())
 
 
 def pod_units(pod) -> int:

@@ -7,7 +7,9 @@ apart from the resource logic (cgpud.k8s.resources):
 
 - `Plugin` answers the kubelet: GetDevicePluginOptions (preferred allocation
   available), ListAndWatch (the units, Healthy while the daemon answers and
-  has their GPU, Unhealthy otherwise, sent again on every change),
+  has their GPU in service, Unhealthy otherwise: every unit of a GPU the
+  daemon's health watch took out of service at once, docs/gpus.md Health;
+  sent again on every change),
   GetPreferredAllocation, Allocate (the environment the node's hook reads; a
   request that cannot be met is a gRPC error whose message says why),
   PreStartContainer (nothing to do).
@@ -64,11 +66,11 @@ class Source:
                 log.warning("cgpud does not answer (%s): every unit is Unhealthy until it does", exc)
             gpus = None
         with self.changed:
-            before = (self.gpus and [g.uuid for g in self.gpus], set(self.known))
+            before = (self.gpus and [(g.uuid, g.healthy) for g in self.gpus], set(self.known))
             self.gpus = gpus
             for g in gpus or ():
                 self.known[g.uuid] = g
-            changed = (self.gpus and [g.uuid for g in self.gpus], set(self.known)) != before
+            changed = (self.gpus and [(g.uuid, g.healthy) for g in self.gpus], set(self.known)) != before
             if changed:
                 self.version += 1
                 self.changed.notify_all()
@@ -89,7 +91,7 @@ class Plugin(rpc.DevicePluginServicer):
         self.flag_strategy, self.flag_disable = strategy, disable_isolation
         self.labels: dict[str, str] = {}
         self.node = node  # the API server's side (cgpud.k8s.nodeapi), when there is one
-        self.published: list[int] | None = None  # the per-GPU units the API server last accepted
+        self.published: tuple | None = None  # the per-GPU units and GPUs out of service the API server last accepted
         # The daemon's socket directory, mounted into each container: `cgpu mem` and the simulated
         # GPUs' device files work inside it.
         self.socket_dir: str | None = os.path.dirname(os.path.abspath(source.socket)) if source.socket else None
@@ -110,8 +112,9 @@ class Plugin(rpc.DevicePluginServicer):
         if self.node is None or not self.node.usable:
             return
         units = [g.units(self.unit) for g in gpus] if gpus else None
-        if units is not None and units != self.published and self.node.publish(units):
-            self.published = units
+        out = [g.index for g in gpus if not g.healthy] if gpus else []
+        if units is not None and (units, out) != self.published and self.node.publish(units, unhealthy=out):
+            self.published = (units, out)
 
     def labels_changed(self, labels: dict[str, str]) -> None:
         """The node's labels, as its watch brought them."""
@@ -131,7 +134,7 @@ class Plugin(rpc.DevicePluginServicer):
         return gpus
 
     def device_list(self) -> pb.ListAndWatchResponse:
-        up = {g.uuid for g in self.source.gpus or ()}
+        up = {g.uuid for g in self.source.gpus or () if g.healthy}
         known = sorted(self.source.known.values(), key=lambda g: g.index)
         return pb.ListAndWatchResponse(devices=[
             pb.Device(ID=dev, health="Healthy" if g.uuid in up else "Unhealthy")

@@ -49,14 +49,36 @@ class Gpu:
     uuid: str
     model: str
     memory: int  # bytes
+    taint: tuple[str, str] | None = None  # out of service: (key, value) of its devices' NoSchedule taint
 
     def units(self, unit: int) -> int:
         return self.memory // unit
 
 
+# A GPU out of service (the daemon's health watch, docs/gpus.md Health): its devices are tainted
+# NoSchedule, as NVIDIA's DRA driver does (gpu.nvidia.com/xid, gpu-lost): no new claim is allocated there.
+TAINT_XID, TAINT_LOST, TAINT_ECC = "cgpu.aliyun.com/xid", "cgpu.aliyun.com/gpu-lost", "cgpu.aliyun.com/ecc"
+
+
+def health_taint(health: dict | None) -> tuple[str, str] | None:
+    h = health or {}
+    if h.get("healthy", True):
+        return None
+    if h.get("lost"):
+        return TAINT_LOST, "true"
+    if "ECC" in str(h.get("reason", "")) and not str(h.get("reason", "")).startswith("Xid"):
+        return TAINT_ECC, "double-bit"
+    return TAINT_XID, str(int(h.get("last_xid") or 0))
+
+
 def gpus_from_query(snapshot: dict) -> list[Gpu]:
-    return [Gpu(int(g["index"]), str(g["uuid"]), str(g.get("name", "")), int(g["memory"]))
+    return [Gpu(int(g["index"]), str(g["uuid"]), str(g.get("name", "")), int(g["memory"]),
+                health_taint(g.get("health")))
             for g in snapshot.get("gpus", [])]
+
+
+def _taints(g: Gpu) -> dict:
+    return {"taints": [{"key": g.taint[0], "value": g.taint[1], "effect": "NoSchedule"}]} if g.taint else {}
 
 
 KIND_GPU, KIND_UNIT = "gpu", "memory-unit"  # the attribute `kind` the two DeviceClasses select on
@@ -94,12 +116,14 @@ def devices(gpus: list[Gpu], unit: int) -> list[dict]:
             "capacity": {CAPACITY: {"value": str(whole), "requestPolicy": {
                 "default": str(unit), "validRange": {"min": str(unit), "step": str(unit)}}}},
             "consumesCounters": [{"counterSet": device_name(g.index), "counters": {CAPACITY: {"value": str(whole)}}}],
+            **_taints(g),
         })
     for g in gpus:
         attrs = {"uuid": {"string": g.uuid}, "model": {"string": g.model}, "index": {"int": g.index},
                  "memoryUnit": {"int": unit}, "kind": {"string": KIND_UNIT}}
         out += [{"name": device_name(g.index, j), "attributes": attrs,
-                 "consumesCounters": [{"counterSet": device_name(g.index), "counters": {CAPACITY: {"value": str(unit)}}}]}
+                 "consumesCounters": [{"counterSet": device_name(g.index), "counters": {CAPACITY: {"value": str(unit)}}}],
+                 **_taints(g)}
                 for j in range(g.units(unit))]
     return out
 

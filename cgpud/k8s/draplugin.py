@@ -295,8 +295,10 @@ class Registration(regrpc.RegistrationServicer):
         self.registered = threading.Event()
 
     def GetInfo(self, request, context):
+        from cgpud.k8s import drahealth  # (KEP-4680: device health, docs/gpus.md Health)
+
         return regpb.PluginInfo(type="DRAPlugin", name=dra.DRIVER, endpoint=self.endpoint,
-                                supported_versions=[SERVICE])
+                                supported_versions=[SERVICE, drahealth.SERVICE])
 
     def NotifyRegistrationStatus(self, request, context):
         if request.plugin_registered:
@@ -324,9 +326,18 @@ def serve(driver: Driver, registry_dir: str, plugin_dir: str, stop: threading.Ev
     registration = registration or Registration(endpoint)
     os.makedirs(plugin_dir, exist_ok=True)
     os.makedirs(registry_dir, exist_ok=True)
+    from cgpud.k8s import drahealth
+    from cgpud.k8s.proto import drahealth_pb2_grpc as healthrpc
+
+    health = drahealth.Health(driver.node, driver.node_name, stop)
+
+    def add_plugin(s) -> None:
+        rpc.add_DRAPluginServicer_to_server(driver, s)
+        healthrpc.add_DRAResourceHealthServicer_to_server(health, s)  # (KEP-4680: the kubelet's health stream)
+
     while not stop.is_set():
         servers = []
-        for path, add in ((endpoint, lambda s: rpc.add_DRAPluginServicer_to_server(driver, s)),
+        for path, add in ((endpoint, add_plugin),
                           (reg, lambda s: regrpc.add_RegistrationServicer_to_server(registration, s))):
             try:
                 os.unlink(path)

@@ -122,8 +122,9 @@ class NodeApi:
             log.warning("without the API server (%s): the node's gpu-count, the extender's choices and the "
                         "node's labels are not used; the kubelet is served fully", self.why_not)
 
-    def publish(self, units: list[int]) -> bool:
-        """Write the node's gpu-count and per-GPU units; False when the API server refused (try again)."""
+    def publish(self, units: list[int], unhealthy: list[int] = ()) -> bool:
+        """Write the node's gpu-count and per-GPU units, and which GPUs are out of service (the
+        extender places nothing on them); False when the API server refused (try again)."""
         if not self.usable:
             return False
         count = str(len(units))
@@ -131,7 +132,8 @@ class NodeApi:
             self.api.patch_node_status(self.node, {"status": {"capacity": {cluster.COUNT: count},
                                                               "allocatable": {cluster.COUNT: count}}})
             self.api.patch_node(self.node, {"metadata": {"annotations": {
-                cluster.GPU_MEM_PER_DEVICE: ",".join(map(str, units))}}})
+                cluster.GPU_MEM_PER_DEVICE: ",".join(map(str, units)),
+                cluster.UNHEALTHY: ",".join(map(str, unhealthy)) or None}}})
         except Exception as exc:  # noqa: BLE001 - the API server's trouble must not stop the kubelet's plugin
             log.warning("cannot update node %s (%s); trying again later", self.node, one_line(exc))
             return False

@@ -38,6 +38,7 @@ class Gpu:
     uuid: str
     memory: int  # bytes
     promised: int  # bytes promised to instances (SPEC §3), from the daemon
+    healthy: bool = True  # in service (the daemon's health watch: docs/gpus.md, Health)
 
     def units(self, unit: int) -> int:
         return self.memory // unit
@@ -50,7 +51,8 @@ def gpus_from_query(snapshot: dict) -> list[Gpu]:
     out = []
     for g in snapshot.get("gpus", []):
         promised = sum(int(i["memsize"]) for i in g.get("instances", []) if i.get("promised", True))
-        out.append(Gpu(int(g["index"]), str(g["uuid"]), int(g["memory"]), promised))
+        out.append(Gpu(int(g["index"]), str(g["uuid"]), int(g["memory"]), promised,
+                       bool((g.get("health") or {}).get("healthy", True))))
     return out
 
 

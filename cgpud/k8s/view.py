@@ -60,13 +60,15 @@ class Node:
     """What the extender keeps of a node: its GPUs' sizes, placement, address, recent choices,
     and (computed when asked after a change) each GPU's free units."""
 
-    __slots__ = ("name", "units", "strategy", "address", "version", "assumed", "free", "desc", "why", "until")
+    __slots__ = ("name", "units", "strategy", "address", "version", "assumed", "free", "desc", "why", "until",
+                 "unhealthy")
 
     def __init__(self, obj: dict) -> None:
         meta = obj.get("metadata") or {}
         self.name = meta.get("name") or ""
         self.version = meta.get("resourceVersion") or ""
         self.units = tuple(cluster.gpu_units(obj))
+        self.unhealthy = cluster.gpu_unhealthy(obj)  # GPUs out of service: nothing is placed on them
         self.strategy = strategy_of(obj)
         self.address = cluster.node_address(obj)
         self.assumed = parse_assumed((meta.get("annotations") or {}).get(ASSUMED))
@@ -215,7 +217,7 @@ class State:
             for i in gpus:
                 if i < len(used):
                     used[i] += per
-        node.free = [u - x for u, x in zip(node.units, used)]
+        node.free = [0 if i in node.unhealthy else u - x for i, (u, x) in enumerate(zip(node.units, used))]
         node.desc = sorted(node.free, reverse=True)
         node.until, node.why = until, ""
         return node.free
@@ -224,7 +226,8 @@ class State:
         if not node.units:
             return f"no {cluster.RESOURCE} on this node"
         if not node.why:
-            node.why = ", ".join(f"GPU{i} {f}/{u}" for i, (u, f) in enumerate(zip(node.units, node.free)))
+            node.why = ", ".join(f"GPU{i} out of service" if i in node.unhealthy else f"GPU{i} {f}/{u}"
+                                 for i, (u, f) in enumerate(zip(node.units, node.free)))
         return f"no {count} GPU(s) with {need // max(count, 1)} free {cluster.RESOURCE} ({node.why})"
 
     def node_lock(self, name: str) -> threading.Lock:

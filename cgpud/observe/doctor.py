@@ -242,10 +242,28 @@ def check_nvml(h: Host) -> Result:
     return Result("nvml", OK, f"NVML answers: {count} GPUs; {', '.join(devices)} exist")
 
 
+def check_health(h: Host) -> Result:
+    """The GPUs' health as the daemon watches it (docs/gpus.md, Health)."""
+    if h.hello is None:
+        return Result("gpu health", SKIP, "the daemon is not running")
+    try:
+        with Client(h.socket, timeout=3) as c:
+            gpus = c.call("query").get("gpus", [])
+    except (DaemonUnavailable, ControlError, OSError, ValueError) as exc:
+        return Result("gpu health", FAIL, f"the daemon did not answer the query ({exc}): see its log")
+    out = [g for g in gpus if not (g.get("health") or {}).get("healthy", True)]
+    if not out:
+        return Result("gpu health", OK, f"all {len(gpus)} GPUs in service")
+    return Result("gpu health", FAIL, "; ".join(
+        f"GPU {g['index']} ({g.get('uuid')}) is out of service: {g['health'].get('reason') or 'failed'}"
+        + (", for good until cgpud restarts" if g["health"].get("retired") else ", back by itself once it answers "
+           "healthily for the quiet time") + f"; {g['health'].get('advice') or 'see the daemon log'}" for g in out))
+
+
 CHECKS: tuple[Callable[[Host], Result], ...] = (check_daemon, check_tree, check_fuse, check_cgroups,
                                                 check_hooks_d, check_hook, check_library, check_docker,
                                                 check_containerd,
-                                                check_nvml)
+                                                check_nvml, check_health)
 
 
 def run(h: Host) -> list[Result]:

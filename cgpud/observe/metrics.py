@@ -74,6 +74,13 @@ METRICS: tuple[Spec, ...] = (
     Spec("cgpu_gpu_prio_ratio", "gauge", GPU_LABELS, "ratio",
          "The most of the GPU high-priority instances may take, 0.20..0.99 (`N/prio_ratio` ÷ 100)."),
     Spec("cgpu_gpu_instances", "gauge", GPU_LABELS, "—", "How many instances the GPU holds."),
+    Spec("cgpu_gpu_healthy", "gauge", GPU_LABELS, "—",
+         "1 while the GPU is in service, 0 while it is out (a critical Xid, a double-bit ECC error, lost; "
+         "docs/gpus.md, Health)."),
+    Spec("cgpu_gpu_last_xid", "gauge", GPU_LABELS, "—",
+         "The last critical Xid error of the GPU since the daemon started (0: none); kept after it recovers."),
+    Spec("cgpu_gpu_failures_total", "counter", GPU_LABELS, "—",
+         "Times the GPU went out of service since the daemon started."),
     Spec("cgpu_gpu_scheduler_slices_total", "counter", GPU_LABELS, "—",
          "Decisions (slices) the GPU's scheduler has made since the daemon started."),
     Spec("cgpu_gpu_scheduler_switches_total", "counter", GPU_LABELS, "—",
@@ -168,6 +175,9 @@ class GpuSnap(NamedTuple):
     prio_ratio: int
     stats: object | None  # the scheduler's GpuStats (immutable), None when it does not run
     instances: tuple[InstanceSnap, ...]
+    healthy: bool = True  # its health (cgpud/gpus/health.py)
+    last_xid: int = 0
+    failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -244,7 +254,8 @@ def take(
             index=g.index, uuid=g.info.uuid, name=g.info.name, memory=g.info.memory,
             allocated=sum(s.memsize for s in snaps), used=sum(s.used for s in snaps),
             policy=g.policy, max_inst=g.max_inst, free_weight=g.free_weight, prio_ratio=g.prio_ratio,
-            stats=st, instances=tuple(snaps),
+            stats=st, instances=tuple(snaps), healthy=bool(g.health.get("healthy", True)),
+            last_xid=int(g.health.get("last_xid", 0)), failures=int(g.health.get("failures", 0)),
         ))
     return Snapshot(time.monotonic() if now is None else now, __version__, mode, placement, scheduling, tuple(gpus))
 
@@ -370,6 +381,9 @@ def series(snap: Snapshot, quantiles: Callable[[int, object], tuple[float, ...]]
             ("cgpu_gpu_free_weight", g.free_weight),
             ("cgpu_gpu_prio_ratio", g.prio_ratio / 100.0),
             ("cgpu_gpu_instances", len(g.instances)),
+            ("cgpu_gpu_healthy", int(g.healthy)),
+            ("cgpu_gpu_last_xid", g.last_xid),
+            ("cgpu_gpu_failures_total", g.failures),
         ):
             out[key].append(("", gl, value))
         st = g.stats

@@ -141,6 +141,8 @@ def node_view(snap: Mapping, stats: Sequence[Mapping] | None = None, *, names: b
                        "used": sum(x["memory"]["used"] for x in insts)},
             "util": min(1.0, sum(us)) if us else (0.0 if not insts else None),
             "instances": insts,
+            # (a daemon before health watching sends none: in service)
+            "health": dict(g.get("health") or {"healthy": True}),
         })
     return {
         "schema": SCHEMA,

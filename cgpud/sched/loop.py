@@ -430,16 +430,19 @@ def schedulers_for(
     precise: wait on timerfds instead of trio's millisecond timers. switch:
     give each a switcher thread for its gated instances (cgpud.sched.native),
     when the daemon's native part is built."""
+    return [scheduler_for(node, g.index, enforcer, activity, params=params, usage=usage, precise=precise,
+                          switch=switch) for g in node.gpus]
+
+
+def scheduler_for(node: Node, gpu: int, enforcer: Enforcer, activity: Activity, *, params: Params | None = None,
+                  usage: UsageMeter | None = None, precise: bool = False, switch: bool = False) -> GpuScheduler:
+    """GPU `gpu`'s scheduler (schedulers_for's, one of them: a GPU back in service gets a new one)."""
     p = params or Params()
-    switch = switch and native.load() is not None
-    out = []
-    for g in node.gpus:
-        sw = native.Switcher(g.index, p.max_slice, p.drain_limit) if switch else None
-        if sw is not None:
-            sw.mode(p.switch, p.switch_lead)
-        out.append(GpuScheduler(node, g.index, enforcer, activity, params=params, usage=usage,
-                                waiter=TimerFdWaiter() if precise else None, switcher=sw))
-    return out
+    sw = native.Switcher(gpu, p.max_slice, p.drain_limit) if switch and native.load() is not None else None
+    if sw is not None:
+        sw.mode(p.switch, p.switch_lead)
+    return GpuScheduler(node, gpu, enforcer, activity, params=params, usage=usage,
+                        waiter=TimerFdWaiter() if precise else None, switcher=sw)
 
 
 def stats(schedulers: Sequence[GpuScheduler]) -> Mapping[int, GpuStats | None]:

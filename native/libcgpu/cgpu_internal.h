@@ -192,6 +192,14 @@ int nvml_ioctl(int fd, unsigned long request, void *arg);  /* ioctl: the kernel 
 
 /* ---- memory.c ---- */
 void memory_forked(void);
+/* Before a kernel launch of function `f`: room for its lazy load (CU_OK), else CU_OUT_OF_MEMORY. */
+CUresult lazy_room(void *f);
+#define LAZY_ROOM(f)                     \
+    do {                                 \
+        CUresult lr_ = lazy_room(f);     \
+        if (lr_ != CU_OK)                \
+            return lr_;                  \
+    } while (0)
 
 /* ---- gate.c ---- */
 void gate_forked(void);

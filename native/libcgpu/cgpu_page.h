@@ -30,6 +30,12 @@
 #define CGPU_MAX_PROCS 256
 #define CGPU_QUEUE_BUDGET_US_DEFAULT 2000u
 #define CGPU_PROC_DRAINING 0x80000000u  /* in cgpu_proc.gpus (GPUs are bits 0 to CGPU_MAX_GPUS - 1) */
+/* In cgpu_usage_driver.flags: every process with a slot holds an open-file-description read lock
+ * (F_OFD_SETLK) on byte CGPU_LIVENESS_BYTE of its slot, on a descriptor closed at exec, for as long
+ * as it lives: a slot whose byte nobody locks is a dead (or exec'd) process's, whatever its pid says
+ * (a pid reused, a pid namespace the reader does not share). The lock is taken before the slot. */
+#define CGPU_SLOTS_LOCKED 1u
+#define CGPU_LIVENESS_BYTE 4
 
 struct cgpu_limits {
     uint32_t magic, version, ngpus, reserved;
@@ -81,7 +87,7 @@ struct cgpu_driver {
 
 struct cgpu_usage_driver {
     uint32_t watched;   /* the daemon: 1 once its watchdog reads NVML for the container (libcgpu keeps headroom) */
-    uint32_t reserved;
+    uint32_t flags;     /* libcgpu: CGPU_SLOTS_LOCKED once its processes hold their slots' liveness locks */
     uint64_t step[CGPU_MAX_GPUS];  /* libcgpu: the largest growth of the driver's memory between two
                                     * readings seen in any of the container's processes */
     struct cgpu_driver procs[CGPU_MAX_PROCS];  /* per slot of struct cgpu_usage's procs */

@@ -102,7 +102,10 @@ static void *syncer(void *arg)
 static int syncer_ok;
 static void start_syncer(void)
 {
-    syncer_ok = start_thread(syncer, 256 << 10) == 0;
+    int made = -1;  /* (as the helper: more stack when the static TLS does not fit) */
+    for (size_t stack = 256 << 10; made && stack <= (64u << 20); stack *= 4)
+        made = start_thread(syncer, stack);
+    syncer_ok = made == 0;
 }
 
 int contexts_sync(int k, int64_t deadline)

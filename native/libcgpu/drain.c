@@ -166,7 +166,15 @@ static void *gate_helper(void *arg)
 static void start_helper(void)
 {
     gang_init();
-    if (start_thread(gate_helper, 64 << 10) == 0) {
+    /* 64 KiB of its own; glibc takes the static TLS out of it (EINVAL when it does not fit: a
+     * program with large __thread arrays): then 4 times as much, up to 64 MiB, and said if never */
+    int made = -1;
+    for (size_t stack = 64 << 10; made && stack <= (64u << 20); stack *= 4)
+        made = start_thread(gate_helper, stack);
+    if (made)
+        fprintf(stderr, "cgpu: the compute gate's helper thread cannot start (%s): this process's kernels "
+                "are not gated\n", strerror(made));
+    if (made == 0) {
         unsigned k = (unsigned)(mine - usage->procs);
         charge_timed();  /* (its GPU time is counted: the daemon charges it by that) */
         __atomic_store_n(&mine->gated, per_gpu ? 2 : 1, __ATOMIC_SEQ_CST);

@@ -17,21 +17,35 @@ dlsym_fn real_dlsym;
 __thread int in_driver __attribute__((tls_model("initial-exec")));
 
 /* libc's dlsym (the one after us), found once without any lock: dlsym may be called from
- * anywhere, a driver's constructor while we load it included. */
+ * anywhere, a driver's constructor while we load it included. glibc 2.34 moved dlsym into libc
+ * at GLIBC_2.34 and kept the old one at the architecture's first version: GLIBC_2.2.5 on x86_64,
+ * GLIBC_2.17 on aarch64 (an arm64 image with glibc < 2.34 has only that one). Each known version
+ * is asked, this architecture's first; where none answers (a C library we do not know), dlsym
+ * answers NULL (one line on stderr, once), ioctl goes to the kernel itself (nvml.c), and CUDA
+ * through libcgpu fails at cuInit: never an abort in a process that only wanted dlsym or ioctl. */
 void *(*cgpu_next_dlsym)(void *, const char *);
+static void *no_dlsym(void *handle, const char *name)
+{
+    static int said;
+    if (!__atomic_exchange_n(&said, 1, __ATOMIC_RELAXED))
+        fprintf(stderr, "cgpu: cannot find the C library's dlsym (no dlsym at GLIBC_2.34, "
+                        "GLIBC_2.17 or GLIBC_2.2.5): dlsym answers NULL and CUDA is off in this process\n");
+    return NULL;
+}
 void driver_next_dlsym(void)
 {
     if (__atomic_load_n(&cgpu_next_dlsym, __ATOMIC_ACQUIRE))
         return;
-    dlsym_fn f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-    if (!f)
-        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-    if (!f) {
-        fprintf(stderr, "cgpu: cannot find the C library's dlsym\n");
-        abort();
-    }
-    real_dlsym = f;
-    __atomic_store_n(&cgpu_next_dlsym, f, __ATOMIC_RELEASE);
+#if defined(__aarch64__)
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.17", "GLIBC_2.2.5"};
+#else
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17"};
+#endif
+    dlsym_fn f = NULL;
+    for (unsigned i = 0; !f && i < sizeof versions / sizeof *versions; i++)
+        f = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+    real_dlsym = f;  /* (NULL: sym() finds nothing, the driver is not used) */
+    __atomic_store_n(&cgpu_next_dlsym, f ? f : no_dlsym, __ATOMIC_RELEASE);
 }
 
 void *cgpu_next(const char *name)

@@ -94,34 +94,40 @@ struct launch_config { unsigned grid[3], block[3], shmem; void *stream; };
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
+    LAZY_ROOM(f);
     GATED(stream, 0, real.launch, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
 }
 
 CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                              unsigned shmem, void *stream, void **params, void **extra)
 {
+    LAZY_ROOM(f);
     GATED(stream, 1, real.launch_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
 }
 
 CUresult cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                    unsigned bz, unsigned shmem, void *stream, void **params)
 {
+    LAZY_ROOM(f);
     GATED(stream, 0, real.launch_coop, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
 }
 
 CUresult cuLaunchCooperativeKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                         unsigned bz, unsigned shmem, void *stream, void **params)
 {
+    LAZY_ROOM(f);
     GATED(stream, 1, real.launch_coop_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
 }
 
 CUresult cuLaunchKernelEx(const void *config, void *f, void **params, void **extra)
 {
+    LAZY_ROOM(f);
     GATED(CONFIG_STREAM(config), 0, real.launch_ex, config, f, params, extra);
 }
 
 CUresult cuLaunchKernelEx_ptsz(const void *config, void *f, void **params, void **extra)
 {
+    LAZY_ROOM(f);
     GATED(CONFIG_STREAM(config), 1, real.launch_ex_ptsz, config, f, params, extra);
 }
 

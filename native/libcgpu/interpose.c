@@ -63,6 +63,9 @@ CUresult cuMemFreeAsync(CUdeviceptr, void *);
 CUresult cuArrayCreate_v2(CUdeviceptr *, const void *);
 CUresult cuArrayDestroy(CUdeviceptr);
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *, size_t, void *, void *);
+CUresult cuMemPoolCreate(void **, const void *);
+CUresult cuMemPoolDestroy(void *);
+CUresult cuMemPoolTrimTo(void *, size_t);
 CUresult cuMemCreate(CUdeviceptr *, size_t, const void *, unsigned long long);
 CUresult cuMemRelease(CUdeviceptr);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
@@ -199,6 +202,9 @@ static const struct form {
     {"cuMemFreeAsync", 11020, 1, "cuMemFreeAsync_ptsz", (void *)cuMemFreeAsync_ptsz},
     {"cuMemAllocFromPoolAsync", 11020, 0, "cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
     {"cuMemAllocFromPoolAsync", 11020, 1, "cuMemAllocFromPoolAsync_ptsz", (void *)cuMemAllocFromPoolAsync_ptsz},
+    {"cuMemPoolCreate", 11020, 0, "cuMemPoolCreate", (void *)cuMemPoolCreate},
+    {"cuMemPoolDestroy", 11020, 0, "cuMemPoolDestroy", (void *)cuMemPoolDestroy},
+    {"cuMemPoolTrimTo", 11020, 0, "cuMemPoolTrimTo", (void *)cuMemPoolTrimTo},
     {"cuArrayCreate", 2000, 0, "cuArrayCreate", NULL},
     {"cuArrayCreate", 3020, 0, "cuArrayCreate_v2", (void *)cuArrayCreate_v2},
     {"cuArray3DCreate", 2000, 0, "cuArray3DCreate", NULL},

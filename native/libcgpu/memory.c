@@ -160,11 +160,52 @@ static void let_go(struct entry *e)
     refund(g, size);
 }
 
-/* The driver gave it: this process holds it, and its size is kept for the free. */
-static void commit(int g, CUdeviceptr key, size_t size)
+/* Reserved on the container's account AND held in this process's slot before the driver is asked:
+ * the daemon reads the slot just before NVML, so an allocation straddling its reading is in both or
+ * in the slot alone (a reading low by it, which the charge ignores once), never charged twice. */
+static int take(int g, size_t size)
+{
+    if (!reserve(g, size))
+        return 0;
+    lock();
+    hold(g, (int64_t)size);
+    unlock();
+    return 1;
+}
+
+/* What take() held, back (the driver refused, or took less). */
+static void untake(int g, size_t size)
+{
+    lock();
+    hold(g, -(int64_t)size);
+    unlock();
+    refund(g, size);
+}
+
+/* `size` more held on GPU g whatever room is left (the driver took it already). */
+static void force(int g, size_t size)
 {
     lock();
     hold(g, (int64_t)size);
+    unlock();
+    __atomic_add_fetch(&usage->used[g], (uint64_t)size, __ATOMIC_ACQ_REL);
+}
+
+static int pools_settle_all(void);
+
+/* Before an allocation is refused: what pools gave back since, and what dead processes of the
+ * container held (a SIGKILLed sibling's: its slot's liveness lock is gone), back. 1: try again. */
+static int settle_all(void)
+{
+    pools_settle_all();
+    reclaim_dead();
+    return 1;
+}
+
+/* The driver gave it (take() held it already): its size is kept for the free. */
+static void commit(int g, CUdeviceptr key, size_t size)
+{
+    lock();
     struct entry *e = lookup(&allocs, key);
     if (e)
         let_go(e);  /* (the driver gave the same pointer again: the old one was freed behind our back) */
@@ -356,13 +397,13 @@ CUresult cuCtxCreate_v4(CUcontext *ctx, void *params, unsigned flags, CUdevice d
             return CU_OUT_OF_MEMORY;                                                     \
         follow();                                                                        \
         driver_share(g_);                                                                \
-        if (!reserve(g_, (size)))                                                        \
-            return CU_OUT_OF_MEMORY;                                                     \
+        if (!take(g_, (size)) && !(settle_all() && take(g_, (size))))                    \
+            return CU_OUT_OF_MEMORY; /* (a pool or a dead process may have given back) */ \
         in_driver++;                                                                     \
         CUresult r_ = (call);                                                            \
         in_driver--;                                                                     \
         if (r_ != CU_OK) {                                                               \
-            refund(g_, (size));                                                          \
+            untake(g_, (size));                                                          \
             return r_;                                                                   \
         }                                                                                \
         commit(g_, (key), (size));                                                       \
@@ -416,42 +457,353 @@ CUresult cuMemAllocManaged(CUdeviceptr *p, size_t size, unsigned flags)
     CHARGED(size, *p, real.managed(p, size, flags));
 }
 
+/* ---- stream-ordered pools: charged by their reservation ---------------------------------------
+ *
+ * A pool (cuMemAllocAsync's current pool of the stream's device, or a named one) keeps physical
+ * memory up to its release threshold after cuMemFreeAsync: RMM sets the threshold to the device's
+ * memory and primes the pool with free/2, PyTorch's cudaMallocAsync backend raises it. So a pool is
+ * charged by what it reserves (CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), not per allocation: an
+ * allocation that the pool's unused reservation holds is not charged again; one that needs the pool
+ * to grow holds the growth's worst case (its size, in 2 MiB pages) before the call, and is refused
+ * with CUDA_ERROR_OUT_OF_MEMORY when that does not fit (never the watchdog's kill); after the call
+ * the charge becomes the pool's reservation, whatever the pool did. cuMemFreeAsync refunds nothing
+ * the pool keeps; what it gives back at a synchronization or cuMemPoolTrimTo is refunded at the
+ * next cuMemGetInfo, pool call, or refused allocation. The GPU charged is the pool's: the one its
+ * cuMemPoolCreate named, else the stream's device's (cuStreamGetDevice / cuStreamGetCtx), not the
+ * current context's; a pool located on the host is not charged as device memory. */
+enum { POOL_ATTR_RESERVED_CURRENT = 5, POOL_ATTR_USED_CURRENT = 7 };
+enum { LOC_HOST = 2, LOC_HOST_NUMA = 3 };
+#define POOL_PAGE (2ull << 20)
+#define NPOOLS 64
+static struct {
+    CUresult (*get_attr)(void *, int, void *);
+    CUresult (*device_pool)(void **, CUdevice);   /* cuDeviceGetMemPool */
+    CUresult (*stream_device)(void *, CUdevice *); /* cuStreamGetDevice (CUDA 12.8) */
+    CUresult (*stream_ctx)(void *, CUcontext *);   /* cuStreamGetCtx */
+    CUresult (*create)(void **, const void *);
+    CUresult (*destroy)(void *);
+    CUresult (*trim)(void *, size_t);
+    CUresult (*is_loaded)(int *, void *);        /* cuFuncIsLoaded (CUDA 12.4) */
+    CUresult (*func_module)(void **, void *);    /* cuFuncGetModule (CUDA 11.0) */
+    CUresult (*func_count)(unsigned *, void *);  /* cuModuleGetFunctionCount (CUDA 12.4) */
+} pd;
+static pthread_once_t pd_once = PTHREAD_ONCE_INIT;
+static void pd_load(void)
+{
+    setup_once();  /* (the driver loaded first) */
+    pd.get_attr = (CUresult (*)(void *, int, void *))sym("cuMemPoolGetAttribute");
+    pd.device_pool = (CUresult (*)(void **, CUdevice))sym("cuDeviceGetMemPool");
+    pd.stream_device = (CUresult (*)(void *, CUdevice *))sym("cuStreamGetDevice");
+    pd.stream_ctx = (CUresult (*)(void *, CUcontext *))sym("cuStreamGetCtx");
+    pd.create = (CUresult (*)(void **, const void *))sym("cuMemPoolCreate");
+    pd.destroy = (CUresult (*)(void *))sym("cuMemPoolDestroy");
+    pd.trim = (CUresult (*)(void *, size_t))sym("cuMemPoolTrimTo");
+    pd.is_loaded = (CUresult (*)(int *, void *))sym("cuFuncIsLoaded");
+    pd.func_module = (CUresult (*)(void **, void *))sym("cuFuncGetModule");
+    pd.func_count = (CUresult (*)(unsigned *, void *))sym("cuModuleGetFunctionCount");
+}
+
+struct pool_rec {
+    void *pool;
+    int gpu;        /* the page's GPU it is charged on (-1: the host's, or a GPU given whole) */
+    int located;    /* its cuMemPoolCreate said where it is */
+    uint64_t charged;  /* what its reservation is charged (in this process's slot) */
+};
+static struct pool_rec pool_recs[NPOOLS];
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct table pooled;  /* a pool allocation -> its pool's record (handle: the index) */
+
+/* The device of a stream (the legacy and per-thread ones: the current context's). */
+static CUdevice stream_device(void *stream)
+{
+    CUdevice dev = 0;
+    in_driver++;
+    if (pd.stream_device && pd.stream_device(stream, &dev) == CU_OK)
+        goto done;
+    CUcontext ctx;
+    if (stream && pd.stream_ctx && real.ctx_push && real.ctx_pop && real.ctx_get_device
+        && pd.stream_ctx(stream, &ctx) == CU_OK && real.ctx_push(ctx) == CU_OK) {
+        CUcontext was;
+        if (real.ctx_get_device(&dev) != CU_OK)
+            dev = -1;
+        real.ctx_pop(&was);
+        if (dev >= 0)
+            goto done;
+    }
+    if (!real.ctx_get_device || real.ctx_get_device(&dev) != CU_OK)
+        dev = 0;
+done:
+    in_driver--;
+    return dev;
+}
+
+/* (pool_lock held) the record of `pool`, made on GPU g if new; NULL if none is left */
+static struct pool_rec *pool_rec(void *pool, int g)
+{
+    struct pool_rec *free_rec = NULL;
+    for (int i = 0; i < NPOOLS; i++) {
+        if (pool_recs[i].pool == pool)
+            return &pool_recs[i];
+        if (!pool_recs[i].pool && !free_rec)
+            free_rec = &pool_recs[i];
+    }
+    if (free_rec)
+        *free_rec = (struct pool_rec){.pool = pool, .gpu = g};
+    return free_rec;
+}
+
+static int pool_attr(void *pool, int attr, uint64_t *v)
+{
+    in_driver++;
+    CUresult r = pd.get_attr ? pd.get_attr(pool, attr, v) : CU_NOT_INITIALIZED;
+    in_driver--;
+    return r == CU_OK;
+}
+
+/* (pool_lock held) the record's charge made what its pool reserves now; a pool gone: all back.
+ * 1 when something came back. */
+static int settle(struct pool_rec *r)
+{
+    uint64_t now;
+    int back = 0;
+    if (!pool_attr(r->pool, POOL_ATTR_RESERVED_CURRENT, &now))
+        now = 0;  /* (destroyed) */
+    if (r->gpu >= 0 && now < r->charged) {
+        untake(r->gpu, r->charged - now);
+        back = 1;
+    } else if (r->gpu >= 0 && now > r->charged)
+        force(r->gpu, now - r->charged);
+    r->charged = now;
+    return back;
+}
+
+/* What every pool gave back since (a synchronization, a trim) refunded; 1 when anything came back. */
+static int pools_settle_all(void)
+{
+    int back = 0;
+    if (!pd.get_attr)
+        return 0;
+    pthread_mutex_lock(&pool_lock);
+    for (int i = 0; i < NPOOLS; i++)
+        if (pool_recs[i].pool && pool_recs[i].charged)
+            back |= settle(&pool_recs[i]);
+    pthread_mutex_unlock(&pool_lock);
+    return back;
+}
+
+enum { ASYNC, ASYNC_PTSZ, FROM_POOL, FROM_POOL_PTSZ };
+static CUresult alloc_call(int how, CUdeviceptr *p, size_t size, void *pool, void *stream)
+{
+    in_driver++;
+    CUresult r = how == ASYNC ? real.alloc_async(p, size, stream)
+               : how == ASYNC_PTSZ ? real.alloc_async_ptsz(p, size, stream)
+               : how == FROM_POOL ? real.pool_alloc(p, size, pool, stream)
+               : real.pool_alloc_ptsz(p, size, pool, stream);
+    in_driver--;
+    return r;
+}
+
+static CUresult pooled_alloc(int how, CUdeviceptr *p, size_t size, void *pool, void *stream)
+{
+    pthread_once(&pd_once, pd_load);
+    CUdevice dev = stream_device(stream);
+    int sg = page_index(dev);
+    if (!pool && pd.device_pool) {
+        in_driver++;
+        if (pd.device_pool(&pool, dev) != CU_OK)
+            pool = NULL;
+        in_driver--;
+    }
+    if (!pool || !pd.get_attr) {  /* (a driver without pools' attributes: charged per allocation) */
+        if (how == ASYNC || how == ASYNC_PTSZ) {
+            if (how == ASYNC)
+                CHARGED_ON(sg, size, *p, real.alloc_async(p, size, stream));
+            CHARGED_ON(sg, size, *p, real.alloc_async_ptsz(p, size, stream));
+        }
+        if (how == FROM_POOL)
+            CHARGED_ON(sg, size, *p, real.pool_alloc(p, size, pool, stream));
+        CHARGED_ON(sg, size, *p, real.pool_alloc_ptsz(p, size, pool, stream));
+    }
+    if (sg >= 0 && !need_slot())
+        return CU_OUT_OF_MEMORY;
+    if (sg >= 0) {
+        follow();
+        driver_share(sg);
+    }
+    pthread_mutex_lock(&pool_lock);
+    struct pool_rec *r = pool_rec(pool, sg);
+    int g = r ? r->gpu : sg;
+    if (g < 0) {  /* (the host's pool, or a GPU given whole) */
+        pthread_mutex_unlock(&pool_lock);
+        return alloc_call(how, p, size, pool, stream);
+    }
+    uint64_t reserved = 0, used = 0, want = 0;
+    if (r)
+        settle(r);
+    if (pool_attr(pool, POOL_ATTR_RESERVED_CURRENT, &reserved) && pool_attr(pool, POOL_ATTR_USED_CURRENT, &used)
+        && reserved >= used && size <= reserved - used)
+        want = 0;  /* (its unused reservation holds it: charged already) */
+    else
+        want = (size + POOL_PAGE - 1) / POOL_PAGE * POOL_PAGE;  /* (the most it may grow by) */
+    if (want && !take(g, want)) {
+        pthread_mutex_unlock(&pool_lock);
+        settle_all();
+        pthread_mutex_lock(&pool_lock);
+        if (!take(g, want)) {
+            pthread_mutex_unlock(&pool_lock);
+            return CU_OUT_OF_MEMORY;
+        }
+    }
+    CUresult res = alloc_call(how, p, size, pool, stream);
+    if (res != CU_OK) {
+        if (want)
+            untake(g, want);
+        pthread_mutex_unlock(&pool_lock);
+        return res;
+    }
+    if (!r) {  /* (no record left: charged per allocation, forgotten at its free) */
+        commit(g, *p, want);
+        pthread_mutex_unlock(&pool_lock);
+        return CU_OK;
+    }
+    uint64_t now = reserved;
+    if (!pool_attr(pool, POOL_ATTR_RESERVED_CURRENT, &now))
+        now = r->charged + want;
+    uint64_t grew = now > r->charged ? now - r->charged : 0;
+    if (grew > want)
+        force(g, grew - want);  /* (the driver grew it past the worst case: it took it) */
+    else if (grew < want)
+        untake(g, want - grew);
+    r->charged = now < r->charged ? r->charged : now;  /* (less: refunded by the next settle) */
+    lock();
+    struct entry *e = lookup(&pooled, *p);
+    if (!e)
+        e = add(&pooled, *p);
+    if (e) {
+        e->handle = (uint64_t)(r - pool_recs);
+        e->gpu = g;
+    }
+    unlock();
+    pthread_mutex_unlock(&pool_lock);
+    return CU_OK;
+}
+
+/* A stream-ordered free: a pool's allocation goes back to its pool, which keeps it (nothing
+ * refunded but what the pool's reservation lost); any other, as before. */
+static CUresult pooled_free(CUdeviceptr p, void *stream, int ptsz)
+{
+    pthread_once(&pd_once, pd_load);
+    in_driver++;
+    CUresult r = ptsz ? real.free_async_ptsz(p, stream) : real.free_async(p, stream);
+    in_driver--;
+    if (r != CU_OK)
+        return r;
+    pthread_mutex_lock(&pool_lock);
+    lock();
+    struct entry *e = lookup(&pooled, p);
+    int k = e ? (int)e->handle : -1;
+    if (e)
+        erase(&pooled, e);
+    unlock();
+    if (k >= 0 && pool_recs[k].pool)
+        settle(&pool_recs[k]);
+    pthread_mutex_unlock(&pool_lock);
+    if (k < 0)
+        forget(p);
+    return r;
+}
+
 CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, void *stream)
 {
     PASS_THROUGH(real.alloc_async, p, size, stream);
-    CHARGED(size, *p, real.alloc_async(p, size, stream));
+    return pooled_alloc(ASYNC, p, size, NULL, stream);
 }
 
 CUresult cuMemFreeAsync(CUdeviceptr p, void *stream)
 {
     PASS_THROUGH(real.free_async, p, stream);
-    RELEASED(p, real.free_async(p, stream));
+    return pooled_free(p, stream, 0);
 }
 
 /* The per-thread-default-stream forms (_ptsz): the same, on the driver's own form. */
 CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, void *stream)
 {
     PASS_THROUGH(real.alloc_async_ptsz, p, size, stream);
-    CHARGED(size, *p, real.alloc_async_ptsz(p, size, stream));
+    return pooled_alloc(ASYNC_PTSZ, p, size, NULL, stream);
 }
 
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, void *stream)
 {
     PASS_THROUGH(real.free_async_ptsz, p, stream);
-    RELEASED(p, real.free_async_ptsz(p, stream));
+    return pooled_free(p, stream, 1);
 }
 
 /* From a named pool (CUmemoryPool), stream-ordered: freed by cuMemFreeAsync. */
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, void *pool, void *stream)
 {
     PASS_THROUGH(real.pool_alloc, p, size, pool, stream);
-    CHARGED(size, *p, real.pool_alloc(p, size, pool, stream));
+    return pooled_alloc(FROM_POOL, p, size, pool, stream);
 }
 
 CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t size, void *pool, void *stream)
 {
     PASS_THROUGH(real.pool_alloc_ptsz, p, size, pool, stream);
-    CHARGED(size, *p, real.pool_alloc_ptsz(p, size, pool, stream));
+    return pooled_alloc(FROM_POOL_PTSZ, p, size, pool, stream);
+}
+
+/* A pool made: where its memory is (the host's is not charged as device memory). */
+typedef struct { int allocType, handleTypes; struct { int type, id; } location; } pool_props;
+CUresult cuMemPoolCreate(void **pool, const pool_props *props)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.create, pool, props);
+    in_driver++;
+    CUresult r = pd.create(pool, props);
+    in_driver--;
+    if (r != CU_OK || !pool || !props)
+        return r;
+    int host = props->location.type == LOC_HOST || props->location.type == LOC_HOST_NUMA;
+    pthread_mutex_lock(&pool_lock);
+    struct pool_rec *rec = pool_rec(*pool, -1);
+    if (rec) {
+        if (rec->charged && rec->gpu >= 0)
+            untake(rec->gpu, rec->charged);  /* (a handle reused: the old pool's record) */
+        *rec = (struct pool_rec){.pool = *pool, .gpu = host ? -1 : page_index(props->location.id), .located = 1};
+    }
+    pthread_mutex_unlock(&pool_lock);
+    return r;
+}
+
+/* A pool destroyed, or trimmed: what it gave back comes back. */
+CUresult cuMemPoolDestroy(void *pool)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.destroy, pool);
+    in_driver++;
+    CUresult r = pd.destroy(pool);
+    in_driver--;
+    if (r != CU_OK)
+        return r;
+    pthread_mutex_lock(&pool_lock);
+    for (int i = 0; i < NPOOLS; i++)
+        if (pool_recs[i].pool == pool) {
+            settle(&pool_recs[i]);
+            if (!pool_recs[i].charged)
+                pool_recs[i].pool = NULL;
+        }
+    pthread_mutex_unlock(&pool_lock);
+    return r;
+}
+
+CUresult cuMemPoolTrimTo(void *pool, size_t keep)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.trim, pool, keep);
+    in_driver++;
+    CUresult r = pd.trim(pool, keep);
+    in_driver--;
+    pools_settle_all();
+    return r;
 }
 
 /* cuda.h's CUmemAllocationProp, as far as it is read: where the memory is. (CUDA 13 puts
@@ -692,49 +1044,136 @@ static int loadable(size_t size)
     return used <= m && size <= m - used;
 }
 
-#define LOADED(size, call)              \
-    do {                                \
-        if (!loadable(size))            \
-            return CU_OUT_OF_MEMORY;    \
-        UNCHARGED(call);                \
+static struct table module_bytes;  /* a module loaded through us -> its image's bytes */
+static void loaded_module(void *m, size_t size)
+{
+    lock();
+    struct entry *e = m ? lookup(&module_bytes, (uint64_t)(uintptr_t)m) : NULL;
+    if (m && !e)
+        e = add(&module_bytes, (uint64_t)(uintptr_t)m);
+    if (e)
+        e->size = size;
+    unlock();
+}
+
+#define LOADED(size, out, call)                    \
+    do {                                           \
+        size_t n_ = (size);                        \
+        if (!loadable(n_))                         \
+            return CU_OUT_OF_MEMORY;               \
+        in_driver++;                               \
+        CUresult r_ = (call);                      \
+        in_driver--;                               \
+        if (r_ == CU_OK && (out))                  \
+            loaded_module(*(out), n_);             \
+        return r_;                                 \
     } while (0)
 
 CUresult cuModuleLoad(void **m, const char *path)
 {
     PASS_THROUGH(real.module_load, m, path);
-    LOADED(file_bytes(path), real.module_load(m, path));
+    LOADED(file_bytes(path), m, real.module_load(m, path));
 }
 
 CUresult cuModuleLoadData(void **m, const void *image)
 {
     PASS_THROUGH(real.module_load_data, m, image);
-    LOADED(image_bytes(image), real.module_load_data(m, image));
+    LOADED(image_bytes(image), m, real.module_load_data(m, image));
 }
 
 CUresult cuModuleLoadDataEx(void **m, const void *image, unsigned n, void *options, void **values)
 {
     PASS_THROUGH(real.module_load_data_ex, m, image, n, options, values);
-    LOADED(image_bytes(image), real.module_load_data_ex(m, image, n, options, values));
+    LOADED(image_bytes(image), m, real.module_load_data_ex(m, image, n, options, values));
 }
 
 CUresult cuModuleLoadFatBinary(void **m, const void *image)
 {
     PASS_THROUGH(real.module_load_fatbin, m, image);
-    LOADED(image_bytes(image), real.module_load_fatbin(m, image));
+    LOADED(image_bytes(image), m, real.module_load_fatbin(m, image));
 }
 
 CUresult cuLibraryLoadData(void **l, const void *code, void *jit, void **jit_values, unsigned njit, void *options,
                            void **values, unsigned n)
 {
     PASS_THROUGH(real.library_load_data, l, code, jit, jit_values, njit, options, values, n);
-    LOADED(image_bytes(code), real.library_load_data(l, code, jit, jit_values, njit, options, values, n));
+    LOADED(image_bytes(code), l, real.library_load_data(l, code, jit, jit_values, njit, options, values, n));
 }
 
 CUresult cuLibraryLoadFromFile(void **l, const char *path, void *jit, void **jit_values, unsigned njit, void *options,
                                void **values, unsigned n)
 {
     PASS_THROUGH(real.library_load_file, l, path, jit, jit_values, njit, options, values, n);
-    LOADED(file_bytes(path), real.library_load_file(l, (const void *)path, jit, jit_values, njit, options, values, n));
+    LOADED(file_bytes(path), l, real.library_load_file(l, (const void *)path, jit, jit_values, njit, options, values, n));
+}
+
+/* ---- a launch's lazy load (issue 34, item 7) ---------------------------------------------------
+ *
+ * With lazy loading (CUDA 12.2's default) a function's code goes onto the card at its first launch:
+ * the driver's own memory, tens of MiB at a library's first use. A process that filled its instance
+ * and then launches new code would take NVML's figure past memsize before any reading charges it
+ * (and be killed by the watchdog). So a launch of a function not known loaded (cuFuncIsLoaded; else
+ * its first launch through us) must find room for its code on the instance's GPU — its share of its
+ * module's image (the image over the module's functions, in 2 MiB pages, at least one page) within
+ * memsize, the headroom included — or it is answered CUDA_ERROR_OUT_OF_MEMORY, as the real driver
+ * answers a lazy load that does not fit, and nothing is launched. Where the daemon's watchdog reads
+ * NVML for the instance, that much is charged at once as the driver's own (the next readings settle
+ * it to what the driver really took). */
+static struct table loaded_fns;  /* functions known on the card */
+
+static void loaded_fn(void *f)
+{
+    lock();
+    if (!lookup(&loaded_fns, (uint64_t)(uintptr_t)f))
+        add(&loaded_fns, (uint64_t)(uintptr_t)f);
+    unlock();
+}
+
+CUresult lazy_room(void *f)
+{
+    if (in_driver || !f || !isolated())
+        return CU_OK;  /* (not isolated: the launch's own wrapper decides) */
+    lock();
+    int known = lookup(&loaded_fns, (uint64_t)(uintptr_t)f) != NULL;
+    unlock();
+    if (__builtin_expect(known, 1))
+        return CU_OK;
+    pthread_once(&pd_once, pd_load);
+    int state = 0;
+    uint64_t bytes = POOL_PAGE;
+    void *m = NULL;
+    unsigned n = 0;
+    in_driver++;
+    if (pd.is_loaded && pd.is_loaded(&state, f) == CU_OK && state == 1)
+        bytes = 0;  /* (CU_FUNCTION_LOADING_STATE_LOADED: on the card already) */
+    else if (pd.func_module && pd.func_count && pd.func_module(&m, f) == CU_OK && m
+             && pd.func_count(&n, m) == CU_OK && n) {
+        lock();
+        struct entry *e = lookup(&module_bytes, (uint64_t)(uintptr_t)m);
+        uint64_t image = e ? e->size : 0;
+        unlock();
+        uint64_t share = (image / n + POOL_PAGE - 1) / POOL_PAGE * POOL_PAGE;
+        bytes = share > bytes ? share : bytes;
+    }
+    in_driver--;
+    int g = current_gpu();
+    if (!bytes || g < 0 || !need_slot()) {
+        loaded_fn(f);
+        return CU_OK;
+    }
+    follow();
+    driver_share(g);
+    uint64_t used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE), cap = limits->memsize[g];
+    if (used > cap || bytes > cap - used) {
+        settle_all();
+        used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
+        if (used > cap || bytes > cap - used)
+            return CU_OUT_OF_MEMORY;
+    }
+    if (drv && __atomic_load_n(&drv->watched, __ATOMIC_ACQUIRE))
+        charge_driver(g, (int64_t)bytes);
+    loaded_fn(f);
+    return CU_OK;
 }
 
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
@@ -754,6 +1193,8 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
     if (need_slot()) {
         follow();
         driver_share(g);
+        pools_settle_all();
+        reclaim_dead();  /* (a dead sibling's memory is free again) */
     }
     uint64_t cap = room(g), used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
     *total_ = limits->memsize[g];
@@ -785,6 +1226,14 @@ void memory_forked(void)
     memset(read_before, 0, sizeof read_before);
     free(allocs.e);
     free(mapped.e);
+    free(pooled.e);
+    free(loaded_fns.e);
+    free(module_bytes.e);
+    memset(&loaded_fns, 0, sizeof loaded_fns);
+    memset(&module_bytes, 0, sizeof module_bytes);
     memset(&allocs, 0, sizeof allocs);
     memset(&mapped, 0, sizeof mapped);
+    memset(&pooled, 0, sizeof pooled);
+    memset(pool_recs, 0, sizeof pool_recs);  /* (the parent's pools) */
+    pthread_mutex_init(&pool_lock, NULL);
 }

@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <time.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -110,8 +112,8 @@ static int nvml_ready(void)
 {
     if (nvml_up)
         return nvml_up > 0;
-    int (*init)(void) = real.nvml ? (int (*)(void))real_dlsym(real.nvml, "nvmlInit_v2") : NULL;
-    if (real.nvml) {
+    int (*init)(void) = real.nvml && real_dlsym ? (int (*)(void))real_dlsym(real.nvml, "nvmlInit_v2") : NULL;
+    if (init) {
         nvml_count = (int (*)(unsigned int *))real_dlsym(real.nvml, "nvmlDeviceGetCount_v2");
         nvml_handle = (int (*)(unsigned int, void **))real_dlsym(real.nvml, "nvmlDeviceGetHandleByIndex_v2");
         nvml_procs = (procs_fn)real_dlsym(real.nvml, "nvmlDeviceGetComputeRunningProcesses_v3");
@@ -191,10 +193,19 @@ void nvml_forked(void)
 uint64_t nvml_process_bytes(int g)
 {
     static proc_info list[NVML_LIST];  /* (once per process and GPU, under the caller's lock) */
-    int n = nvml_list(g, list, NVML_LIST);
-    for (int k = 0; k < n; k++)
-        if (list[k].pid == (unsigned int)getpid() || (host_pid && list[k].pid == host_pid))
-            return list[k].used;
+    /* NVML's per-process figure comes a little after the call that changed it: a process whose first
+     * context was just made may not be listed yet. While NVML answers but does not list it, it is
+     * asked again, every 5 ms for at most 250 ms (once per process and GPU). */
+    for (int tries = 0; tries < 50; tries++) {
+        int n = nvml_list(g, list, NVML_LIST);
+        for (int k = 0; k < n; k++)
+            if (list[k].pid == (unsigned int)getpid() || (host_pid && list[k].pid == host_pid))
+                return list[k].used;
+        if (n < 0)
+            break;  /* (no NVML) */
+        struct timespec ms5 = {0, 5000000};
+        nanosleep(&ms5, NULL);
+    }
     return UINT64_MAX;
 }
 
@@ -255,14 +266,31 @@ typedef struct {  /* NV2080_CTRL_GPU_PID_INFO: the pid, what is asked, the resul
 _Static_assert(sizeof(nvos54) == 32, "nvos.h's NVOS54_PARAMETERS");
 _Static_assert(sizeof(pid_info) == 72, "ctrl2080gpu.h's NV2080_CTRL_GPU_PID_INFO");
 
+/* The parameters' layouts this filter knows, by their exact sizes (ctrl2080gpu.h): another size is
+ * another driver's layout, never read at a guessed stride — it is answered as refused, its buffer
+ * wiped (fail closed: nothing of another's is left in it). */
+#define NV2080_CTRL_GPU_GET_PID_INFO_MAX_COUNT 200u
+typedef struct { uint32_t count; pid_info list[NV2080_CTRL_GPU_GET_PID_INFO_MAX_COUNT]; } get_pid_info;
+_Static_assert(sizeof(get_pids) == 3812, "ctrl2080gpu.h's NV2080_CTRL_GPU_GET_PIDS_PARAMS");
+_Static_assert(sizeof(get_pid_info) == 14408, "ctrl2080gpu.h's NV2080_CTRL_GPU_GET_PID_INFO_PARAMS");
+
+static void refuse_unknown(nvos54 *p)
+{
+    if (p->paramsSize <= (64u << 10))  /* (what the driver could have written: RM controls are small) */
+        memset((void *)(uintptr_t)p->params, 0, p->paramsSize);
+    p->status = NV_ERR_INVALID_ARGUMENT;
+}
+
 /* GET_PID_INFO about another's pid (asked directly, not after GET_PIDS): the driver's "no such". */
 static void own_pid_info(nvos54 *p)
 {
-    if (p->paramsSize < 8)
+    if (p->paramsSize != sizeof(get_pid_info)) {
+        refuse_unknown(p);
         return;
+    }
     uint32_t *count = (uint32_t *)(uintptr_t)p->params;
     pid_info *e = (pid_info *)((char *)count + 8);
-    uint32_t room = (uint32_t)((p->paramsSize - 8) / sizeof *e), n = *count < room ? *count : room;
+    uint32_t room = NV2080_CTRL_GPU_GET_PID_INFO_MAX_COUNT, n = *count < room ? *count : room;
     for (uint32_t k = 0; k < n; k++)
         if (!own_process(e[k].pid)) {
             e[k].result = NV_ERR_INVALID_ARGUMENT;
@@ -282,19 +310,28 @@ int nvml_ioctl(int fd, unsigned long request, void *arg)
     if (_IOC_TYPE(request) != NV_IOCTL_MAGIC || _IOC_NR(request) != NV_ESC_RM_CONTROL
         || _IOC_SIZE(request) != sizeof(nvos54) || !arg || in_driver)
         return r;  /* (everything but an RM control, cheaply: one compare for most) */
+    int saved = errno;  /* (the call's: what the filter does below must not change it) */
     nvos54 *p = arg;
     if ((p->cmd != NV2080_CTRL_CMD_GPU_GET_PIDS && p->cmd != NV2080_CTRL_CMD_GPU_GET_PID_INFO)
-        || (p->flags & NVOS54_FLAGS_FINN_SERIALIZED) || !p->params || p->paramsSize < offsetof(get_pids, pidTbl))
+        || (p->flags & NVOS54_FLAGS_FINN_SERIALIZED) || !p->params)
         return r;
-    if (!pages_ready())
+    if (!pages_ready()) {
+        errno = saved;
         return r;  /* (not in a container) */
+    }
     if (p->cmd == NV2080_CTRL_CMD_GPU_GET_PID_INFO) {
         own_pid_info(p);
+        errno = saved;
+        return r;
+    }
+    if (p->paramsSize != sizeof(get_pids)) {
+        refuse_unknown(p);
+        errno = saved;
         return r;
     }
     /* Whatever the call answered: the table never leaves here holding another's pid. */
     get_pids *q = (get_pids *)(uintptr_t)p->params;
-    uint32_t room = (uint32_t)((p->paramsSize - offsetof(get_pids, pidTbl)) / sizeof(uint32_t));
+    uint32_t room = NV2080_CTRL_GPU_GET_PIDS_MAX_COUNT;
     uint32_t n = q->pidTblCount < room ? q->pidTblCount : room, kept = 0;
     for (uint32_t k = 0; k < n; k++)
         if (own_process(q->pidTbl[k]))
@@ -302,6 +339,7 @@ int nvml_ioctl(int fd, unsigned long request, void *arg)
     for (uint32_t k = kept; k < n; k++)
         q->pidTbl[k] = 0;
     q->pidTblCount = kept;
+    errno = saved;
     return r;
 }
 

@@ -14,6 +14,11 @@
 
 #include "cgpu_internal.h"
 
+#ifndef F_OFD_GETLK  /* (Linux 3.15; glibc's headers name them from 2.20, the build's are 2.17's) */
+#define F_OFD_GETLK 36
+#define F_OFD_SETLK 37
+#endif
+
 const struct cgpu_limits *limits;
 int per_gpu;
 int has_uuids;
@@ -32,6 +37,51 @@ static int alive(int32_t pid)
     return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH);
 }
 
+/* ---- a slot's liveness: an open-file-description lock (cgpu_page.h, CGPU_SLOTS_LOCKED) ---------
+ *
+ * Held by the process on its slot's byte CGPU_LIVENESS_BYTE through a descriptor of its own, closed
+ * at exec (the exec'd image has no CUDA state: its charges go) and in a forked child (page_forked:
+ * the child's copy would keep the parent's lock alive). The kernel drops it when the process dies,
+ * however it dies: a SIGKILLed sibling's slot, an exec'd process's, a reused pid's are found dead. */
+static int live_fd = -1;   /* the usage page, for the locks */
+static int held_byte = -1; /* the slot whose byte this process locks */
+
+static off_t liveness_byte(const struct cgpu_proc *p)
+{
+    return (off_t)((const char *)p - (const char *)usage) + CGPU_LIVENESS_BYTE;
+}
+
+static int liveness_fd(void)
+{
+    if (live_fd < 0) {
+        char path[4200];
+        snprintf(path, sizeof path, "%s/usage", page_dir);
+        live_fd = open(path, O_RDONLY | O_CLOEXEC);
+    }
+    return live_fd;
+}
+
+/* 1: locked (by this process now), 0: not possible (no descriptor, a file system without locks). */
+static int lock_byte(const struct cgpu_proc *p, short type)
+{
+    int fd = liveness_fd();
+    struct flock l = {.l_type = type, .l_whence = SEEK_SET, .l_start = liveness_byte(p), .l_len = 1};
+    return fd >= 0 && fcntl(fd, F_OFD_SETLK, &l) == 0;
+}
+
+/* Is a slot's process alive? Where its instance's processes hold liveness locks: exactly while
+ * someone locks its byte; elsewhere (an older libcgpu's page): by its pid, as before. */
+static int slot_alive(const struct cgpu_proc *p, int32_t pid)
+{
+    if (drv && (__atomic_load_n(&drv->flags, __ATOMIC_ACQUIRE) & CGPU_SLOTS_LOCKED)) {
+        int fd = liveness_fd();
+        struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = liveness_byte(p), .l_len = 1};
+        if (fd >= 0 && fcntl(fd, F_OFD_GETLK, &l) == 0)
+            return l.l_type != F_UNLCK;
+    }
+    return alive(pid);
+}
+
 /* What a slot's process held back to the container, and the slot free. */
 static void release(struct cgpu_proc *p)
 {
@@ -46,14 +96,18 @@ static void release(struct cgpu_proc *p)
             __atomic_sub_fetch(&usage->used[g], held, __ATOMIC_ACQ_REL);
     }
     __atomic_store_n(&p->pid, 0, __ATOMIC_RELEASE);
+    if (p == mine && held_byte >= 0) {  /* (this process's own slot, given back at its exit) */
+        lock_byte(p, F_UNLCK);
+        held_byte = -1;
+    }
 }
 
 /* A dead process's memory back to the container: clear its slot first (one finder wins). */
 static void reclaim(struct cgpu_proc *p)
 {
     int32_t pid = __atomic_load_n(&p->pid, __ATOMIC_ACQUIRE);
-    if (pid <= 0 || alive(pid) || !__atomic_compare_exchange_n(&p->pid, &pid, -1, 0, __ATOMIC_ACQ_REL,
-                                                                __ATOMIC_ACQUIRE))
+    if (pid <= 0 || p == mine || slot_alive(p, pid)
+        || !__atomic_compare_exchange_n(&p->pid, &pid, -1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
         return;
     release(p);
 }
@@ -91,10 +145,17 @@ static struct cgpu_proc *claim_slot(void)
 {
     for (int i = 0; i < CGPU_MAX_PROCS; i++) {
         int32_t zero = 0;
-        if (__atomic_load_n(&usage->procs[i].pid, __ATOMIC_RELAXED) == 0
-            && __atomic_compare_exchange_n(&usage->procs[i].pid, &zero, (int32_t)getpid(), 0, __ATOMIC_ACQ_REL,
-                                           __ATOMIC_ACQUIRE)) {
+        if (__atomic_load_n(&usage->procs[i].pid, __ATOMIC_RELAXED) != 0)
+            continue;
+        /* its liveness lock first: a reader never sees the slot taken and its byte unlocked */
+        int locked = drv && lock_byte(&usage->procs[i], F_RDLCK);
+        if (__atomic_compare_exchange_n(&usage->procs[i].pid, &zero, (int32_t)getpid(), 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE)) {
             struct cgpu_proc *p = &usage->procs[i];
+            if (locked) {
+                held_byte = i;
+                __atomic_fetch_or(&drv->flags, CGPU_SLOTS_LOCKED, __ATOMIC_ACQ_REL);
+            }
             if (drv)
                 for (int g = 0; g < CGPU_MAX_GPUS; g++)
                     __atomic_store_n(&drv->procs[i].driver[g], 0, __ATOMIC_RELEASE);
@@ -103,6 +164,8 @@ static struct cgpu_proc *claim_slot(void)
             __atomic_store_n(&p->gpus, 0, __ATOMIC_RELEASE);
             return p;
         }
+        if (locked)
+            lock_byte(&usage->procs[i], F_UNLCK);
     }
     return NULL;
 }
@@ -125,8 +188,8 @@ int need_slot(void)
         return 1;
     pthread_mutex_lock(&slot_lock);
     struct cgpu_proc *p = __atomic_load_n(&mine, __ATOMIC_ACQUIRE);
-    if (!p && !(p = claim_slot())) {
-        reclaim_dead();
+    if (!p) {
+        reclaim_dead();  /* (the dead first: this pid's own before an exec, a SIGKILLed sibling's) */
         p = claim_slot();
     }
     __atomic_store_n(&mine, p, __ATOMIC_RELEASE);
@@ -234,6 +297,10 @@ __attribute__((destructor)) static void give_back(void)
 void page_forked(void)
 {
     mine = NULL;
+    if (live_fd >= 0)  /* (the parent's description: its locks are the parent's) */
+        close(live_fd);
+    live_fd = -1;
+    held_byte = -1;
 }
 
 /* The page's GPU of a CUDA device. With the GPUs' UUIDs in the page: the one whose UUID the

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cuda_stub.h"
@@ -126,7 +127,8 @@ static int kernel_files(int *log_fd)
 }
 
 /* The card's state file: card d keeps its bytes in use at 16*d and when it is next free at
- * 16*d + 8; from PROC_AT, a record per (process, card) of what it holds there, so that, as the
+ * 16*d + 8; after the records, per record {what it held before its last change, when it changed
+ * (CLOCK_MONOTONIC ns)}: NVML's figure lags by CGPU_STUB_NVML_LAG_MS; from PROC_AT, a record per (process, card) of what it holds there, so that, as the
  * real driver does, what a dead process held comes back to the card (looked for when an
  * allocation would not fit, and when someone asks) and NVML's per-process view can show it
  * (libnvidia-ml.c's `cuda` line). */
@@ -189,6 +191,13 @@ static void note_held(int fd, int dev, int64_t delta)
         r = (struct record){me, dev, 0};
         cached[dev] = i;
     }
+    /* NVML's figure lags (libnvidia-ml.c, CGPU_STUB_NVML_LAG_MS): what the record said before this
+     * change, and when it changed, after the records */
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    uint64_t before[2] = {r.pid == me ? r.bytes : 0, (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec};
+    if (pwrite(fd, before, sizeof before, PROC_AT + NRECORDS * (off_t)sizeof r + i * (off_t)sizeof before)
+        != sizeof before) { /* (best effort) */ }
     r.bytes = delta < 0 && (uint64_t)-delta > r.bytes ? 0 : r.bytes + (uint64_t)delta;
     if (!r.bytes) r.pid = 0;
     if (pwrite(fd, &r, sizeof r, PROC_AT + i * (off_t)sizeof r) != sizeof r) { /* (best effort) */ }

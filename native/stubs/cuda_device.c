@@ -195,12 +195,11 @@ CUresult cuStreamGetId(CUstream s, unsigned long long *id)
 }
 CUresult cuStreamGetCtx(CUstream s, CUcontext *ctx)
 {
-    (void)s;
     if (!ctx) return STUB_INVALID_VALUE;
-    *ctx = (CUcontext)(uintptr_t)(stub_current_device() + 1);
+    *ctx = (CUcontext)(uintptr_t)(stub_stream_device(s) + 1);  /* (the context it was made in) */
     return STUB_OK;
 }
-CUresult cuStreamGetDevice(CUstream s, int *dev) { (void)s; if (!dev) return STUB_INVALID_VALUE; *dev = stub_current_device(); return STUB_OK; }
+CUresult cuStreamGetDevice(CUstream s, int *dev) { if (!dev) return STUB_INVALID_VALUE; *dev = stub_stream_device(s); return STUB_OK; }
 /* (stream capture: cuda_graphs.c) */
 /* ---- streams that wait on the host (issue 34) ----
  * cuStreamWaitValue32/64 and cuLaunchHostFunc return at once, as the driver's do: the stream (here

@@ -332,7 +332,7 @@ CUresult cuGetExportTable(const void **table, const CUuuid *id)
 
 /* ---- cuGetProcAddress: libcuda.c's names, cuda_graphs.c's, and the rest ---- */
 struct stub_proc { const char *name; void *fn; };
-extern HIDDEN const struct stub_proc STUB_PROCS_MODULES[], STUB_PROCS_DEVICE[];
+extern HIDDEN const struct stub_proc STUB_PROCS_MODULES[], STUB_PROCS_DEVICE[], STUB_PROCS_POOLS[];
 static const struct stub_proc STUB_PROCS_EXPORT[] = {
     {"cuGetExportTable", (void *)cuGetExportTable}, {NULL, NULL},
 };
@@ -341,7 +341,7 @@ static const struct stub_proc STUB_PROCS_EXPORT[] = {
 static void *more_proc(const char *symbol, int version, uint64_t flags)
 {
     if (!strcmp(symbol, "cuStreamGetCaptureInfo")) return stub_capture_info(version);  /* three forms by version */
-    const struct stub_proc *lists[] = {STUB_PROCS_EXPORT, STUB_PROCS_MODULES, STUB_PROCS_DEVICE};
+    const struct stub_proc *lists[] = {STUB_PROCS_EXPORT, STUB_PROCS_MODULES, STUB_PROCS_DEVICE, STUB_PROCS_POOLS};
     char ptsz[256];  /* (CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM: a name's _ptsz form where it has one) */
     snprintf(ptsz, sizeof ptsz, "%s_ptsz", symbol);
     for (size_t l = 0; flags & 2 && l < sizeof lists / sizeof *lists; l++)

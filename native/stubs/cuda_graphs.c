@@ -78,6 +78,12 @@ int stub_stream_dead(const void *s, const char *call)
     return 1;
 }
 
+int stub_stream_device(const void *s)
+{
+    struct stream *st = stream_of((CUstream)s);
+    return st ? st->dev : stub_current_device();
+}
+
 CUresult cuStreamCreate(CUstream *s, unsigned flags)
 {
     if (!s || flags & ~1u) return STUB_INVALID_VALUE;

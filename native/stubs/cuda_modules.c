@@ -38,6 +38,8 @@ struct module {
     struct library *library;  /* a library's module: unloaded with it */
     int dev;                  /* the card its code is on */
     uint64_t on_card;         /* the driver's memory it holds there: its image, its functions loaded */
+    uint64_t image;           /* its image's bytes (a fat binary's header says it, an ELF's section headers end, PTX's length) */
+    int launched;             /* a function of it has been launched (a library's first use) */
 };
 struct library { unsigned magic; struct module *module; };
 struct function {
@@ -230,15 +232,22 @@ static CUresult load(struct module **out, const void *image)
         p = w->version == 1 || w->version == 2 ? w->data : NULL;
         if (!p) { free(m); return STUB_INVALID_IMAGE; }
     }
-    if (*(const unsigned *)p == 0xba55ed50u)
+    if (*(const unsigned *)p == 0xba55ed50u) {
+        uint16_t head;
+        uint64_t size;
+        memcpy(&head, p + 6, 2);
+        memcpy(&size, p + 8, 8);
+        m->image = head + size;
         r = read_fatbin(m, p);
-    else if (!memcmp(p, ELFMAG, SELFMAG)) {
+    } else if (!memcmp(p, ELFMAG, SELFMAG)) {
         const Elf64_Ehdr *e = image;  /* its size: where its section headers end */
         size_t size = e->e_shoff + (size_t)e->e_shnum * sizeof(Elf64_Shdr);
+        m->image = size;
         r = read_elf(m, p, size) ? STUB_INVALID_IMAGE : STUB_OK;
     } else {
         int version = 0;
         size_t n = strnlen(image, 64 << 20);
+        m->image = n;
         if (read_ptx(m, image, n, &version)) r = STUB_INVALID_IMAGE;
         else if (version > CARD_MAJOR * 10 + CARD_MINOR) r = STUB_NO_BINARY_FOR_GPU;
     }
@@ -548,21 +557,38 @@ CUresult cuFuncLoad(struct function *f)
     return stub_function_valid(f) ? stub_function_loaded(f) : STUB_INVALID_HANDLE;
 }
 
-/* Lazy loading: a function's code is put on the card at its first launch, CGPU_STUB_LAZY_KIB
- * (2 MiB; a cuBLAS-like library's first use loads some 33 of them: +66 MiB on the H100) of the
- * driver's own memory, held with its module's; no room on the card: CUDA_ERROR_OUT_OF_MEMORY, as
- * the real driver answers a launch it cannot load. An unknown handle is the launch's to refuse. */
+/* Lazy loading: a function's code is put on the card at its first launch, in the card's steps (the
+ * H100, issue 28: +66 MiB at cuBLAS's first matmul): its share of its module's image (the image
+ * over its functions) in 2 MiB pages, at least CGPU_STUB_LAZY_KIB (2 MiB); and at the first launch
+ * of a library's (a module of CGPU_STUB_LIBRARY_FUNCTIONS functions or more, default 8: cuBLAS,
+ * cuDNN, cuFFT, NCCL) CGPU_STUB_FIRST_USE_KIB more (64 MiB: its handles, tables, workspaces) — a
+ * cuBLAS-like module of 33 kernels takes 66 MiB at its first launch, 2 MiB at each new one after.
+ * Held with its module's; no room on the card: CUDA_ERROR_OUT_OF_MEMORY, as the real driver
+ * answers a launch it cannot load. An unknown handle is the launch's to refuse. */
+static uint64_t first_launch_bytes(const struct module *m)  /* (lock held) */
+{
+    uint64_t page = 2 << 20, least = stub_growth("LAZY", 2048), funcs = 0;
+    for (int i = 0; i < m->nsyms; i++)
+        funcs += !m->syms[i].object;
+    uint64_t share = funcs ? (m->image / funcs + page - 1) / page * page : 0;
+    uint64_t bytes = share > least ? share : least;
+    const char *lib = getenv("CGPU_STUB_LIBRARY_FUNCTIONS");
+    if (!m->launched && funcs >= (uint64_t)(lib && *lib ? atoi(lib) : 8))
+        bytes += stub_growth("FIRST_USE", 64 << 10);
+    return bytes;
+}
 CUresult stub_function_loaded(const void *h)
 {
     pthread_mutex_lock(&lock);
     struct function *f = kernel_function(h);
     CUresult r = STUB_OK;
     if (f && !f->loaded) {
-        uint64_t bytes = stub_growth("LAZY", 2048);
+        uint64_t bytes = first_launch_bytes(f->module);
         if (stub_driver_memory(f->module->dev, (int64_t)bytes))
             r = STUB_OUT_OF_MEMORY;
         else {
             f->loaded = 1;
+            f->module->launched = 1;
             f->module->on_card += bytes;
         }
     }

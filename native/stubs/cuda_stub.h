@@ -26,6 +26,7 @@ enum {
  *   cuda_export.c    cuGetProcAddress and cuGetExportTable: the names, from every file below
  *   cuda_device.c    device attributes, the primary context, events, stream queries, copies
  *   libcuda.c        cuInit, devices, contexts, allocations (this process's table), launches
+ *   cuda_pools.c     stream-ordered pools: what they reserve, keep, release
  *   cuda_graphs.c    streams, stream capture and graphs      cuda_modules.c  modules, functions
  *   -------------------------------------------------- the card model ----------------------
  *   cuda_exec.c      the card's executor: queues, time-slicing, events' completion; a launch
@@ -96,6 +97,8 @@ HIDDEN int stub_find_global(CUdeviceptr p, size_t n);  /* [p, p + n) inside a mo
 HIDDEN CUresult stub_function_loaded(const void *f);
 
 /* ---- cuda_graphs.c: streams, stream capture and graphs ---- */
+/* the device a stream was made on (the legacy and per-thread streams: the current one) */
+HIDDEN int stub_stream_device(const void *s);
 /* may the calling thread make a potentially unsafe call (synchronizing `synced`, NULL: none) now? */
 HIDDEN CUresult stub_capture_forbids(const void *synced);
 /* may the calling thread synchronize the context on card `dev` (none of its streams capturing)? */
@@ -107,6 +110,13 @@ HIDDEN void *stub_graphs_proc(const char *symbol, int version);
 HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in the form of the caller's CUDA version */
 /* a stream object destroyed, or of a destroyed context (said to stub_misuse by `call`) */
 HIDDEN int stub_stream_dead(const void *s, const char *call);
+
+/* ---- cuda_pools.c: stream-ordered pools (what they reserve stays on the card up to their release threshold) ---- */
+HIDDEN CUresult stub_pool_alloc_async(CUdeviceptr *out, size_t size, const void *stream, void *pool);  /* NULL pool: the stream's device's current */
+HIDDEN int stub_pool_free(CUdeviceptr p, CUresult *r);  /* a pool's allocation back to its pool: 1, else 0 */
+HIDDEN void stub_pools_settle(int dev);  /* a synchronization: unused memory above each threshold released */
+HIDDEN int stub_pool_find(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
+HIDDEN CUresult stub_default_mem_pool(void **pool, int dev);  /* cuDeviceGetDefaultMemPool, never an interposer's */
 
 /* ---- libcuda.c ---- */
 /* the live device allocation holding [p, p + n): 0 and its base and size, or -1 */

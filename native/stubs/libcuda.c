@@ -232,7 +232,9 @@ CUresult cuCtxDestroy_v2(CUcontext ctx)
 CUresult cuCtxSynchronize(void)
 {
     CUresult r = stub_capture_forbids_context(stub_current_device());  /* cuda_graphs.c: not while a capture is on */
-    return r ? r : stub_exec_sync(stub_current_device(), NULL, 1);
+    r = r ? r : stub_exec_sync(stub_current_device(), NULL, 1);
+    if (!r) stub_pools_settle(stub_current_device());  /* (pools release what they keep above their thresholds) */
+    return r;
 }
 CUresult cuCtxGetCurrent(CUcontext *ctx)
 {
@@ -297,12 +299,60 @@ CUresult cuGraphLaunch(void *exec, void *stream) { return stub_graph_launch(exec
 
 /* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
 static size_t nallocs;
+/* CGPU_STUB_ALLOC_PAUSE=<path>: an allocation that has its memory from the card (NVML shows it)
+ * makes <path>.in and waits for <path>.go before it returns: a test reads the process as the
+ * daemon does while the call is in flight (an allocation straddling a reading). */
+static void paused_inside(void)
+{
+    const char *at = getenv("CGPU_STUB_ALLOC_PAUSE");
+    char in[4200], go[4200];
+    if (!at || !*at) return;
+    snprintf(in, sizeof in, "%s.in", at);
+    snprintf(go, sizeof go, "%s.go", at);
+    int fd = open(in, O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
+    if (fd >= 0) close(fd);
+    while (access(go, F_OK) != 0) {
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
+}
+/* The card's pages (issue 34): device memory is handed out in 2 MiB pages. An allocation of 2 MiB or
+ * more takes its size rounded up to whole pages; smaller ones are packed together in pages of their
+ * own per process and card (what they add up to, rounded up), as the driver's suballocator does.
+ * The card's figure and NVML's per-process view show the pages; CGPU_STUB_PAGE_KIB=0: bytes, as
+ * the first stand-in counted. */
+static uint64_t page_bytes(void)
+{
+    const char *k = getenv("CGPU_STUB_PAGE_KIB");
+    return k && *k ? strtoull(k, NULL, 10) << 10 : 2ull << 20;
+}
+static uint64_t small_bytes[16];
+static pid_t small_pid;
+static uint64_t round_up(uint64_t n, uint64_t page) { return page ? (n + page - 1) / page * page : n; }
+/* what `size` bytes (freed: `size` < 0) change the card's pages on `dev` by */
+static int64_t pages_for(int dev, int64_t size)
+{
+    uint64_t page = page_bytes(), n = (uint64_t)(size < 0 ? -size : size);
+    if (small_pid != getpid()) { small_pid = getpid(); memset(small_bytes, 0, sizeof small_bytes); }
+    if (!page) return size;
+    if (n >= page) return size < 0 ? -(int64_t)round_up(n, page) : (int64_t)round_up(n, page);
+    uint64_t before = round_up(small_bytes[dev], page);
+    small_bytes[dev] = size < 0 ? (small_bytes[dev] > n ? small_bytes[dev] - n : 0) : small_bytes[dev] + n;
+    return (int64_t)round_up(small_bytes[dev], page) - (int64_t)before;
+}
 static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
 {
     static CUdeviceptr next = 0x7f0000000000ull;
     if (nallocs >= NALLOCS / 2) return OUT_OF_MEMORY;  /* (the stand-in's own bound: 32,768 live) */
     host |= stub_memory_is_free();
-    if (!host && stub_card_memory(dev, (int64_t)size, NULL)) return OUT_OF_MEMORY;
+    if (!host) {
+        int64_t pages = pages_for(dev, (int64_t)size);
+        if (pages > 0 && stub_card_memory(dev, pages, NULL)) {
+            pages_for(dev, -(int64_t)size);
+            return OUT_OF_MEMORY;
+        }
+        paused_inside();
+    }
     size_t i = alloc_slot(next);
     while (allocs[i].ptr)
         i = (i + 1) & (NALLOCS - 1);
@@ -330,7 +380,10 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
 /* its memory back to the card, the entry gone */
 static void let_go(int i)
 {
-    if (!allocs[i].host) stub_card_memory(allocs[i].dev, -(int64_t)allocs[i].size, NULL);
+    if (!allocs[i].host) {
+        int64_t pages = pages_for(allocs[i].dev, -(int64_t)allocs[i].size);
+        if (pages) stub_card_memory(allocs[i].dev, pages, NULL);
+    }
     alloc_erase((size_t)i);
     nallocs--;
 }
@@ -368,18 +421,12 @@ CUresult cuStreamSynchronize(CUstream s)
 {
     if (stub_stream_dead(s, "cuStreamSynchronize")) return STUB_INVALID_HANDLE;
     CUresult r = stub_capture_forbids(s);
-    return r ? r : stub_exec_sync(stub_current_device(), s, 0);
-}
-CUresult cuStreamSynchronize_ptsz(CUstream s) { return cuStreamSynchronize(s ? s : (CUstream)2); }
-/* (ordered: inside a stream-ordered allocation, legal during a capture) */
-static CUresult alloc_ordered(const char *name, CUdeviceptr *p, size_t size)
-{
-    stub_called(name);
-    ordered++;
-    CUresult r = cuMemAlloc_v2(p, size);
-    ordered--;
+    r = r ? r : stub_exec_sync(stub_current_device(), s, 0);
+    if (!r) stub_pools_settle(stub_stream_device(s));  /* (pools release what they keep above their thresholds) */
     return r;
 }
+CUresult cuStreamSynchronize_ptsz(CUstream s) { return cuStreamSynchronize(s ? s : (CUstream)2); }
+/* (ordered: inside a stream-ordered free, legal during a capture) */
 static CUresult free_ordered(const char *name, CUdeviceptr p)
 {
     stub_called(name);
@@ -388,31 +435,37 @@ static CUresult free_ordered(const char *name, CUdeviceptr p)
     ordered--;
     return r;
 }
-CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return alloc_ordered(__func__, p, size); }
-CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, CUstream s) { (void)s; return alloc_ordered(__func__, p, size); }
-CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return free_ordered(__func__, p); }
-CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; return free_ordered(__func__, p); }
-typedef void *CUmemoryPool;
-CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice d)
+/* Stream-ordered allocations come from pools (cuda_pools.c): cuMemAllocAsync from the current pool
+ * of the stream's device, cuMemFreeAsync back to the pool (the card keeps it up to the pool's
+ * release threshold, until a synchronization or cuMemPoolTrimTo). */
+static CUresult pool_alloc(const char *name, CUdeviceptr *p, size_t size, CUstream s, void *pool)
 {
-    if (!stub_inited()) return NOT_INITIALIZED;
-    if (d != 0) return INVALID_DEVICE;
-    *pool = (CUmemoryPool)0x3;
-    return OK;
+    stub_called(name);
+    return stub_pool_alloc_async(p, size, s, pool);
 }
+static CUresult pool_free(const char *name, CUdeviceptr p)
+{
+    CUresult r;
+    if (stub_pool_free(p, &r)) {
+        stub_called(name);
+        return r;
+    }
+    return free_ordered(name, p);  /* (not a pool's: as cuMemFree) */
+}
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { return pool_alloc(__func__, p, size, s, NULL); }
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, CUstream s) { return pool_alloc(__func__, p, size, s, NULL); }
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return pool_free(__func__, p); }
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; return pool_free(__func__, p); }
+typedef void *CUmemoryPool;
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
 {
-    (void)s;
-    stub_called(__func__);
     if (!pool) return INVALID_VALUE;
-    return device(p, size);
+    return pool_alloc(__func__, p, size, s, pool);
 }
 CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
 {
-    (void)s;
-    stub_called(__func__);
     if (!pool) return INVALID_VALUE;
-    return device(p, size);
+    return pool_alloc(__func__, p, size, s, pool);
 }
 
 /* Virtual memory management: a handle is a fake pointer; cuda.h's layout (CUDA 13: id or `localized`). */
@@ -658,7 +711,7 @@ int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size)
             *size = allocs[i].size;
             return 0;
         }
-    return -1;
+    return stub_pool_find(p, n, base, size);  /* (a pool's allocation) */
 }
 
 /* The driver's own `fn`, as a real cuGetProcAddress gives it: a hidden alias binds here, never to an
@@ -704,7 +757,6 @@ OWN(cuLaunchKernel_ptsz);
 OWN(cuLaunchCooperativeKernel);
 OWN(cuLaunchKernelEx);
 OWN(cuGraphLaunch);
-OWN(cuDeviceGetDefaultMemPool);
 OWN(cuMemAllocFromPoolAsync);
 OWN(cuMemAllocFromPoolAsync_ptsz);
 OWN(cuMemCreate);
@@ -764,7 +816,7 @@ static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuLaunchCooperativeKernel", 9000, 0, (void *)own_cuLaunchCooperativeKernel},
     {"cuLaunchKernelEx", 11060, 0, (void *)own_cuLaunchKernelEx},
     {"cuGraphLaunch", 10000, 0, (void *)own_cuGraphLaunch},
-    {"cuDeviceGetDefaultMemPool", 11020, 0, (void *)own_cuDeviceGetDefaultMemPool},
+    {"cuDeviceGetDefaultMemPool", 11020, 0, (void *)stub_default_mem_pool},
     {"cuMemAllocFromPoolAsync", 11020, 0, (void *)own_cuMemAllocFromPoolAsync},
     {"cuMemAllocFromPoolAsync", 11020, 1, (void *)own_cuMemAllocFromPoolAsync_ptsz},
     {"cuMemCreate", 10020, 0, (void *)own_cuMemCreate},

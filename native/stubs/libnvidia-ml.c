@@ -21,6 +21,16 @@
  *                                 its allocations and its contexts take (the driver's view);
  *                                 its PID plus `offset`, as NVML names a container's processes
  *                                 by the host's PIDs
+ *   event <i> xid <code>          a critical Xid error on GPU i (nvmlEventTypeXidCriticalError, the
+ *                                 event's data the Xid); `event <i> ecc`: a double-bit ECC error
+ *                                 (nvmlEventTypeDoubleBitEccError). Each event line is one event,
+ *                                 delivered once to each event set that registered GPU i for its
+ *                                 type before the line appeared: append lines, never remove them
+ *   lost <i>                      GPU i fell off the bus: every call on it returns
+ *                                 NVML_ERROR_GPU_IS_LOST (and so does nvmlEventSetWait_v2 once its
+ *                                 pending events are out); remove the line to reset the GPU
+ *   noecc <i>                     GPU i has no ECC (a GeForce, or ECC off): its supported event types
+ *                                 lack the ECC ones, and registering them is NVML_ERROR_NOT_SUPPORTED
  *
  * Process lists go through the kernel driver, as the real NVML's do (issue 28, on an H100): each of them
  * (the v1/v2/v3 functions, R550's detail list, and the private export table's process entry,
@@ -52,6 +62,9 @@ typedef int nvmlReturn_t;
 #define NVML_ERROR_INVALID_ARGUMENT 2
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_NOT_FOUND 6
+#define NVML_ERROR_NOT_SUPPORTED 3
+#define NVML_ERROR_TIMEOUT 10
+#define NVML_ERROR_GPU_IS_LOST 15
 #define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 #define NVML_ERROR_UNKNOWN 999
 
@@ -118,6 +131,13 @@ struct gpu {
     char fail_fn[8][96];
     int fail_rc[8];
     int nfail;
+    int lost, noecc;
+};
+
+#define MAX_EVENTS 1024
+struct event {
+    unsigned int gpu;
+    unsigned long long type, data;
 };
 
 enum { COMPUTE, GRAPHICS, MPS };  /* NVML's process modes (nvmlProcessMode_t) */
@@ -131,7 +151,9 @@ struct putil {
     unsigned int gpu, pid, sm, mem, enc, dec;
 };
 
-static struct {
+/* What the file says, read again at every call: one copy per thread, as the real library may be called
+ * from several threads at once (the daemon's memory watchdog and its health watch do). */
+static __thread struct {
     int init_rc;
     char driver[80];
     struct gpu gpus[MAX_GPUS];
@@ -140,6 +162,8 @@ static struct {
     int nprocs;
     struct putil putils[MAX_PROCS];
     int nputils;
+    struct event events[MAX_EVENTS];
+    int nevents;
 } cfg;
 
 static int refcount;
@@ -192,6 +216,15 @@ static void load(void) {
             struct gpu *g = &cfg.gpus[i];
             g->power = a, g->temp = b, g->fan = c, g->pstate = e, g->clock = d, g->energy = x;
             g->enc = ve, g->dec = vd;
+        } else if (sscanf(line, "event %u %95s %u", &i, word, &a) >= 2 && i < MAX_GPUS && cfg.nevents < MAX_EVENTS) {
+            if (!strcmp(word, "xid") && sscanf(line, "event %*u %*s %u", &a) == 1)
+                cfg.events[cfg.nevents++] = (struct event){i, 0x8ULL, a};  /* nvmlEventTypeXidCriticalError */
+            else if (!strcmp(word, "ecc"))
+                cfg.events[cfg.nevents++] = (struct event){i, 0x2ULL, 0};  /* nvmlEventTypeDoubleBitEccError */
+        } else if (sscanf(line, "lost %u", &i) == 1 && i < MAX_GPUS) {
+            cfg.gpus[i].lost = 1;
+        } else if (sscanf(line, "noecc %u", &i) == 1 && i < MAX_GPUS) {
+            cfg.gpus[i].noecc = 1;
         } else if (strncmp(line, "cuda ", 5) == 0) {
             cuda_processes(line + 5);
         } else if (sscanf(line, "fail %u %63s %d", &i, word, &rc) == 3 && i < MAX_GPUS && cfg.gpus[i].nfail < 8) {
@@ -206,19 +239,32 @@ static void load(void) {
 /* The stand-in libcuda's record per (process, card) of the bytes it holds there (libcuda.c:
  * from byte 256 of its state file, 1024 records of {int32 pid, int32 card, uint64 bytes}). */
 static void cuda_processes(const char *line) {
-    struct { int pid, dev; unsigned long long bytes; } r[1024];
+    static struct { int pid, dev; unsigned long long bytes; } r[1024];
+    static struct { unsigned long long before, changed; } lag[1024];  /* (after the records: libcuda.c) */
     char state[4096];
     unsigned int offset = 0;
     if (sscanf(line, "%4095s %u", state, &offset) < 1)
         return;
     FILE *f = fopen(state, "rb");
     size_t n = f && fseek(f, 256, SEEK_SET) == 0 ? fread(r, sizeof r[0], 1024, f) : 0;
+    size_t nl = f && n == 1024 ? fread(lag, sizeof lag[0], 1024, f) : 0;
     if (f)
         fclose(f);
-    for (size_t k = 0; k < n && cfg.nprocs < MAX_PROCS; k++)
-        if (r[k].pid > 0 && r[k].bytes && r[k].dev >= 0 && r[k].dev < MAX_GPUS && kill(r[k].pid, 0) == 0)
-            cfg.procs[cfg.nprocs++] = (struct proc){(unsigned)r[k].dev, (unsigned)r[k].pid + offset, r[k].bytes,
+    /* CGPU_STUB_NVML_LAG_MS: a process's figure is what it was before its last change until that long
+     * after it (the driver's per-process accounting is read a little after the call that changed it) */
+    const char *ms = getenv("CGPU_STUB_NVML_LAG_MS");
+    unsigned long long lag_ns = ms && *ms ? strtoull(ms, NULL, 10) * 1000000ull : 0, now = 0;
+    struct timespec t;
+    if (lag_ns && clock_gettime(CLOCK_MONOTONIC, &t) == 0)
+        now = (unsigned long long)t.tv_sec * 1000000000ull + (unsigned long long)t.tv_nsec;
+    for (size_t k = 0; k < n && cfg.nprocs < MAX_PROCS; k++) {
+        unsigned long long bytes = r[k].bytes;
+        if (lag_ns && k < nl && now - lag[k].changed < lag_ns)
+            bytes = lag[k].before;
+        if (r[k].pid > 0 && bytes && r[k].dev >= 0 && r[k].dev < MAX_GPUS && kill(r[k].pid, 0) == 0)
+            cfg.procs[cfg.nprocs++] = (struct proc){(unsigned)r[k].dev, (unsigned)r[k].pid + offset, bytes,
                                                     COMPUTE};
+    }
 }
 
 /* Load the file, check initialisation and the handle; the GPU or NULL (*rc says why). */
@@ -235,6 +281,10 @@ static struct gpu *device(void *handle, const char *fn, nvmlReturn_t *rc) {
         return NULL;
     }
     struct gpu *g = &cfg.gpus[h - handles];
+    if (g->lost) {
+        *rc = NVML_ERROR_GPU_IS_LOST;
+        return NULL;
+    }
     for (int k = 0; k < g->nfail; k++)
         if (strcmp(g->fail_fn[k], fn) == 0) {
             *rc = g->fail_rc[k];
@@ -271,6 +321,7 @@ const char *nvmlErrorString(nvmlReturn_t rc) {
     case 4: return "Insufficient Permissions";
     case 7: return "Insufficient Size";
     case 9: return "Driver Not Loaded";
+    case 10: return "Timeout";
     case 15: return "GPU is lost";
     case 18: return "RM has detected an NVML/RM version mismatch.";
     default: return "Unknown Error";
@@ -308,6 +359,8 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, void **device_out
     if (!device_out || index >= MAX_GPUS || !cfg.gpus[index].present)
         return NVML_ERROR_INVALID_ARGUMENT;
     struct gpu *g = &cfg.gpus[index];
+    if (g->lost)
+        return NVML_ERROR_GPU_IS_LOST;
     for (int k = 0; k < g->nfail; k++)
         if (strcmp(g->fail_fn[k], "nvmlDeviceGetHandleByIndex_v2") == 0)
             return g->fail_rc[k];
@@ -746,4 +799,117 @@ nvmlReturn_t nvmlDeviceGetEncoderUtilization(void *dev, unsigned int *util, unsi
 }
 nvmlReturn_t nvmlDeviceGetDecoderUtilization(void *dev, unsigned int *util, unsigned int *period) {
     return video(dev, "nvmlDeviceGetDecoderUtilization", 1, util, period);
+}
+
+/* ---- events (nvml.h: nvmlEventSetCreate .. nvmlEventSetFree) ------------------------------- */
+#define EVENT_SINGLE_ECC 0x1ULL
+#define EVENT_DOUBLE_ECC 0x2ULL
+#define EVENT_PSTATE 0x4ULL
+#define EVENT_XID 0x8ULL
+#define EVENT_CLOCK 0x10ULL
+#define EVENT_SUPPORTED (EVENT_SINGLE_ECC | EVENT_DOUBLE_ECC | EVENT_PSTATE | EVENT_XID | EVENT_CLOCK)
+
+typedef struct {
+    void *device;
+    unsigned long long eventType, eventData;
+    unsigned int gpuInstanceId, computeInstanceId;
+} nvmlEventData_t;
+
+struct event_set {
+    unsigned long long magic;
+    unsigned long long mask[MAX_GPUS];  /* the types registered per GPU (0: not registered) */
+    int from[MAX_GPUS];                 /* the first event line it gets of each GPU: those after registering */
+    int next;                           /* the next event line to look at */
+};
+#define SET_MAGIC 0x6367707564657674ULL
+
+static unsigned long long supported(const struct gpu *g) {
+    return g->noecc ? EVENT_SUPPORTED & ~(EVENT_SINGLE_ECC | EVENT_DOUBLE_ECC) : EVENT_SUPPORTED;
+}
+
+nvmlReturn_t nvmlDeviceGetSupportedEventTypes(void *dev, unsigned long long *types) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, "nvmlDeviceGetSupportedEventTypes", &rc);
+    if (!g)
+        return rc;
+    if (!types)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *types = supported(g);
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlEventSetCreate(struct event_set **set) {
+    load();
+    if (refcount <= 0)
+        return NVML_ERROR_UNINITIALIZED;
+    if (!set)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct event_set *s = calloc(1, sizeof *s);
+    if (!s)
+        return NVML_ERROR_UNKNOWN;
+    s->magic = SET_MAGIC;
+    s->next = cfg.nevents;
+    *set = s;
+    return NVML_SUCCESS;
+}
+
+static int valid_set(const struct event_set *s) { return s && s->magic == SET_MAGIC; }
+
+/* All of the types or none: a type the GPU does not support is NVML_ERROR_NOT_SUPPORTED. */
+nvmlReturn_t nvmlDeviceRegisterEvents(void *dev, unsigned long long types, struct event_set *set) {
+    nvmlReturn_t rc;
+    struct gpu *g = device(dev, "nvmlDeviceRegisterEvents", &rc);
+    if (!g)
+        return rc;
+    if (!valid_set(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (types & ~supported(g))
+        return NVML_ERROR_NOT_SUPPORTED;
+    unsigned i = (unsigned)(g - cfg.gpus);
+    if (!set->mask[i])
+        set->from[i] = cfg.nevents;
+    set->mask[i] |= types;
+    return NVML_SUCCESS;
+}
+
+/* The next event for the set, or NVML_ERROR_TIMEOUT after `timeoutms`; a registered GPU that is lost
+ * makes it NVML_ERROR_GPU_IS_LOST once its events are out (as the driver's wait does). */
+nvmlReturn_t nvmlEventSetWait_v2(struct event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {
+    if (!valid_set(set) || !data)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct timespec start, now;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (;;) {
+        load();
+        if (refcount <= 0)
+            return NVML_ERROR_UNINITIALIZED;
+        while (set->next < cfg.nevents) {
+            struct event *e = &cfg.events[set->next++];
+            if ((set->mask[e->gpu] & e->type) && set->next - 1 >= set->from[e->gpu]) {
+                *data = (nvmlEventData_t){&handles[e->gpu], e->type, e->data, 0xFFFFFFFFu, 0xFFFFFFFFu};
+                return NVML_SUCCESS;
+            }
+        }
+        for (unsigned i = 0; i < MAX_GPUS; i++)
+            if (set->mask[i] && cfg.gpus[i].lost)
+                return NVML_ERROR_GPU_IS_LOST;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        long long ms = (now.tv_sec - start.tv_sec) * 1000LL + (now.tv_nsec - start.tv_nsec) / 1000000;
+        if (ms >= (long long)timeoutms)
+            return NVML_ERROR_TIMEOUT;
+        struct timespec nap = {0, 5 * 1000000L};
+        nanosleep(&nap, NULL);
+    }
+}
+
+nvmlReturn_t nvmlEventSetWait(struct event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {
+    return nvmlEventSetWait_v2(set, data, timeoutms);
+}
+
+nvmlReturn_t nvmlEventSetFree(struct event_set *set) {
+    if (!valid_set(set))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    set->magic = 0;
+    free(set);
+    return NVML_SUCCESS;
 }

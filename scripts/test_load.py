@@ -1,0 +1,95 @@
+"""make test-load: the timing-sensitive test files run under a CPU load, N runs each, failures counted
+per file, so that a test that decides by the machine's load rather than by the product is found
+here and not in CI (issue 35). The load: HOGS processes spinning on the CPU at normal priority (what
+a busy CI runner or a developer's build does), started before the first run and killed at the end.
+
+    .venv/bin/python scripts/test_load.py [--runs N] [--hogs H] [FILE ...]
+    make test-load RUNS=10 HOGS=4 FILES="tests/test_gate.py tests/test_deep_queue.py"
+
+Each run is one pytest process on one file (-p no:randomly, its tests in their order); a run fails
+when pytest says so. At the end: a line per file, its failures of its runs and the tests that failed
+(each with how many times), and the exit status 1 if any run failed (2 on a bad argument)."""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# the files whose tests time something on this machine (a share of the card, a latency, a queue's
+# length in time, a CPU loop's stalls) through real processes: what a loaded machine can move
+TIMED = ["test_deep_queue.py", "test_shared_pages.py", "test_gate.py", "test_switcher.py", "test_sched_real.py",
+         "test_graphs.py", "test_policies.py", "test_cupy.py", "test_gang.py", "test_enforce.py",
+         "test_activity.py", "test_stub_executor.py", "test_podman.py"]
+HOG = "while True: pass"
+
+
+def hogs(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", HOG], stdin=subprocess.DEVNULL, start_new_session=True)
+            for _ in range(n)]
+
+
+def run_once(path: Path, timeout: float) -> tuple[bool, list[str], float]:
+    """One pytest run of one file: passed, the tests that failed, seconds."""
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                            "-rf", os.fspath(path)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, [f"{path.name} (timed out after {timeout:.0f} s)"], time.monotonic() - t0
+    lines = re.findall(r"^(?:FAILED|ERROR) (.+)$", r.stdout, re.M)
+    failed = [t.split(" - ")[0] for t in lines]
+    for t in lines:  # (each failure's own line, for what the summary cannot say)
+        print(f"test-load:   {t[:300]}", flush=True)
+    ok = r.returncode == 0
+    if not ok and not failed:
+        failed = [f"{path.name} (pytest exit {r.returncode}: {r.stdout.strip().splitlines()[-1:] or r.stderr[-200:]})"]
+    return ok, failed, time.monotonic() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="test-load", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=10, help="runs of each file (default 10)")
+    ap.add_argument("--hogs", type=int, default=4, help="CPU hogs beside the runs (default 4)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")
+    ap.add_argument("files", nargs="*", help=f"test files (default: {' '.join(TIMED)})")
+    a = ap.parse_args(argv)
+    files = [Path(f) if os.sep in f else ROOT / "tests" / f for f in (a.files or TIMED)]
+    missing = [os.fspath(f) for f in files if not f.is_file()]
+    if missing or a.runs < 1 or a.hogs < 0:
+        print(f"test-load: {'no such test file: ' + ', '.join(missing) if missing else 'runs >= 1, hogs >= 0'}",
+              file=sys.stderr)
+        return 2
+    load = hogs(a.hogs)
+    results: dict[Path, list[tuple[bool, list[str], float]]] = {f: [] for f in files}
+    try:
+        for k in range(a.runs):  # (round robin: a spell of worse load falls on every file, not one)
+            for f in files:
+                ok, failed, secs = run_once(f, a.timeout)
+                results[f].append((ok, failed, secs))
+                print(f"test-load: run {k + 1}/{a.runs} {f.name}: {'passed' if ok else 'FAILED ' + ' '.join(failed)}"
+                      f" ({secs:.0f} s)", flush=True)
+    finally:
+        for p in load:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    print(f"\ntest-load: {a.hogs} CPU hogs, {a.runs} runs of each file, on {os.cpu_count()} CPUs")
+    bad = 0
+    for f, rs in results.items():
+        fails = sum(not ok for ok, _, _ in rs)
+        bad += fails
+        which = collections.Counter(t for ok, failed, _ in rs for t in failed)
+        mean = sum(s for *_, s in rs) / len(rs)
+        print(f"  {f.name:28} {fails} of {len(rs)} failed  ({mean:.0f} s a run)"
+              + "".join(f"\n      {n}x {t}" for t, n in which.most_common()))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
