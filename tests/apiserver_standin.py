@@ -5,6 +5,7 @@ as they are for what cgpud's Kubernetes parts do. The official `kubernetes`
 client and the real `kubectl` talk to it over HTTP/1.1 on 127.0.0.1 through a
 kubeconfig it writes.
 
+    GET    /version                                      the server's version (`version`: v1.37.2)
     GET    /api/v1/nodes[/NAME]                          list, watch / get
     PATCH  /api/v1/nodes/NAME[/status]                   strategic / JSON merge patch
     PUT    /api/v1/nodes/NAME                            update
@@ -16,6 +17,7 @@ kubeconfig it writes.
     GET    /apis/resource.k8s.io/v1/resourceslices[/NAME]     list, watch / get (the DRA plugin's slices)
     POST   /apis/resource.k8s.io/v1/resourceslices           create (409 when the name is taken)
     PUT    /apis/resource.k8s.io/v1/resourceslices/NAME      update (409 on a stale resourceVersion)
+    DELETE /apis/resource.k8s.io/v1/resourceslices/NAME      delete
     GET    /apis/resource.k8s.io/v1/[namespaces/NS/]resourceclaims[/NAME]   list / get
 
 What it holds to, as the real one does:
@@ -50,7 +52,11 @@ a LIST is a join); `pods[(ns, name)]` and `nodes[name]` give a fresh dict
 the watch events). `failing = True` makes every request a 503 and ends the
 watches, as an API server that is down behind its load balancer does;
 `list_delay` makes each LIST take that long (`lists_in_flight[resource]`
-says how many are being answered).
+says how many are being answered). `hang` holds (namespace, name) of claims
+whose GET is not answered until `release` is set (an API server that hangs on
+one request; `hanging` counts them). `store_slice(body)`, when set, changes each ResourceSlice as it
+is stored (a server that drops the fields of a feature gate it has off, or
+writes a quantity its own way).
 """
 from __future__ import annotations
 
@@ -158,6 +164,11 @@ class ApiServer:
         self.lists_in_flight: collections.Counter = collections.Counter()  # resource -> LISTs being answered
         self.uid_seq = 0
         self.uids_given: set[str] = set()
+        self.hang: set[tuple[str, str]] = set()
+        self.release = threading.Event()
+        self.hanging = 0  # requests held by `hang` so far
+        self.store_slice = None
+        self.version = "v1.37.2"
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -203,9 +214,17 @@ class ApiServer:
                     body = self._body() if method != "GET" else None
                     if outer._failing:
                         raise Problem(503, "ServiceUnavailable", "the stand-in is down")
+                    if method == "GET" and url.path in ("/version", "/version/"):
+                        major, minor = re.match(r"v(\d+)\.(\d+)", outer.version).groups()
+                        return self._send(200, {"major": major, "minor": minor, "gitVersion": outer.version})
                     if method == "GET" and query.get("watch", [""])[0] in ("true", "1"):
                         return outer.serve_watch(self, url.path, query, agent)
                     what, parts = outer.route(url.path)
+                    if method == "GET" and what == "object" and parts[0] == "resourceclaims" \
+                            and parts[1] in outer.hang:
+                        with outer.lock:
+                            outer.hanging += 1
+                        outer.release.wait()
                     if method == "GET" and outer.list_delay and what == "collection":
                         with outer.lock:
                             outer.lists_in_flight[parts[0]] += 1
@@ -235,6 +254,9 @@ class ApiServer:
 
             def do_PUT(self):
                 self._do("PUT")
+
+            def do_DELETE(self):
+                self._do("DELETE")
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -439,6 +461,8 @@ class ApiServer:
             self._count(agent, "create", "resourceslices")
             if not isinstance(body, dict) or not (body.get("metadata") or {}).get("name"):
                 raise Problem(400, "BadRequest", "a ResourceSlice needs metadata.name (generateName is not served)")
+            if self.store_slice is not None:
+                self.store_slice(body)
             return 201, self.create("resourceslices", body["metadata"]["name"], body)
         if what == "collection" and method == "GET":
             resource, ns = parts
@@ -449,13 +473,19 @@ class ApiServer:
             if sub == "binding" and method == "POST":
                 self._count(agent, "create", "pods/binding")
                 return self.bind(key[0], name, body)
-            verb = {"GET": "get", "PATCH": "patch", "PUT": "update"}.get(method)
+            verb = {"GET": "get", "PATCH": "patch", "PUT": "update",
+                    "DELETE": "delete" if resource == "resourceslices" else None}.get(method)
             if verb is None:
                 raise Problem(405, "MethodNotAllowed", f"{method} is not allowed on {path}")
             self._count(agent, verb, resource + ("/" + sub if sub else ""))
             obj = self.read(resource, key)
             if verb == "get":
                 return 200, obj
+            if verb == "delete":
+                self.delete(resource, key)
+                return 200, obj
+            if resource == "resourceslices" and self.store_slice is not None and isinstance(body, dict):
+                self.store_slice(body)
             if not isinstance(body, dict):
                 raise Problem(400, "BadRequest", "the patch is not a JSON object")
             precondition = (body.get("metadata") or {}).get("resourceVersion")
@@ -606,6 +636,7 @@ class ApiServer:
                 r.watchers = [q for q in r.watchers if q is not queue]
 
     def close(self) -> None:
+        self.release.set()
         with self.lock:
             self.closed = True
             self.lock.notify_all()

@@ -3,7 +3,7 @@ kube-apiserver, kube-scheduler with its own DRA plugin and no extender, a kubele
 containerd 2.x built from its Go module (scripts/containerd-build.sh) with CDI on and `cgpu` its
 default runtime (put in by the node installer's own edit of a version 3 file); deploy/kubernetes with the DRA
 component applied; `cgpu dra-plugin` as a host process with the ServiceAccount's token; cgpud
-serving two simulated T4s (14 GiB each in the slice).
+serving two simulated 80 GB H100s (79 GiB each in the slice: 81559 MiB in whole GiB).
 
 Its own module and cluster (the kubelet's fixed device plugin directory is taken while
 test_cluster.py's runs). The cluster starts once for the module; the tests run in order on it and
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -22,13 +23,15 @@ import pytest
 import yaml
 
 from cluster import NAMESPACE, NODE, REPO, SA, BUSYBOX_IMAGE, Cluster, Proc, free_port, kubeconfig, wait_for
-from test_cluster import cgpud, container_name, running  # noqa: F401  (cgpud: the module's daemon, a fixture)
+from conftest import Daemon, _make_base
+from test_cluster import compiled_hook, container_name, running
 from test_runtime import wrapper
 from test_webhook import SEED_000
 
 pytestmark = pytest.mark.slow
 
 GIB = 1 << 30
+GPU_UNITS = 81559 // 1024  # an H100's 81559 MiB in whole GiB
 DRIVER = "cgpu.aliyun.com"
 CLASS = "gpu.cgpu.aliyun.com"
 SA_USER = f"system:serviceaccount:{NAMESPACE}:{SA}"
@@ -62,6 +65,16 @@ def start_plugin(c: Cluster) -> Proc:
 
 
 @pytest.fixture(scope="module")
+def cgpud():
+    d = Daemon(_make_base(), "sim:2xH100", ["--hook-path", compiled_hook()])  # (the hook cgpu-runtime puts in)
+    d.start()
+    yield d
+    problems = d.cleanup()
+    shutil.rmtree(d.base, ignore_errors=True)
+    assert not problems, problems
+
+
+@pytest.fixture(scope="module")
 def cluster(cgpud):
     c = Cluster(cgpud, wrapper(), containerd_bins=containerd_bin(), dra=True).start()
     try:
@@ -76,10 +89,19 @@ def cluster(cgpud):
         c.cleanup()
 
 
+def not_found(c: Cluster, *args: str) -> None:
+    """`kubectl get ARGS` says NotFound (not another error: a kubectl that cannot reach the API
+    server must not pass for an object that is not there)."""
+    p = c.kubectl("get", *args, check=False)
+    assert p.returncode != 0 and "(NotFound)" in p.stderr, (args, p.returncode, p.stdout, p.stderr)
+
+
 def make_claim(c: Cluster, name: str, memory: str, count: int = 1, config: dict | None = None) -> None:
     request = {"name": "gpu", "exactly": {"deviceClassName": CLASS, "count": count, "allocationMode": "ExactCount",
                                           "capacity": {"requests": {"memory": memory}}}}
     spec = {"devices": {"requests": [request]}}
+    if count > 1:  # (a GPU that claims share could be given twice to one request)
+        spec["devices"]["constraints"] = [{"requests": ["gpu"], "distinctAttribute": f"{DRIVER}/uuid"}]
     if config:
         spec["devices"]["config"] = [{"requests": ["gpu"], "opaque": {
             "driver": DRIVER, "parameters": {"apiVersion": "cgpu.aliyun.com/v1", "kind": "GpuConfig", **config}}}]
@@ -121,22 +143,26 @@ def delete(c: Cluster, *names: str) -> None:
 
 def test_the_plugin_registers_and_publishes_the_nodes_resourceslice(cluster):
     def slice_() -> dict:
-        p = cluster.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}-1", "-o", "json", check=False)
+        p = cluster.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}-0", "-o", "json", check=False)
         return json.loads(p.stdout) if p.returncode == 0 else {}
 
     s = wait_for(slice_, 60, "the node's ResourceSlice", cluster.logs)
     assert s["spec"]["driver"] == DRIVER and s["spec"]["nodeName"] == NODE
-    assert [(d["name"], d["capacity"]["memory"]["value"]) for d in s["spec"]["devices"][:2]] == \
-        [("gpu-0", str(14 * GIB)), ("gpu-1", str(14 * GIB))]
-    assert len(s["spec"]["devices"]) == 2 + 2 * 14  # and each GPU's 14 memory units
+    # one device per GPU, its memory shared by claims (no device per memory unit)
+    assert [(d["name"], d["capacity"]["memory"]["value"]) for d in s["spec"]["devices"]] == \
+        [("gpu-0", str(GPU_UNITS * GIB)), ("gpu-1", str(GPU_UNITS * GIB))]
+    assert s["spec"]["pool"]["resourceSliceCount"] == 1
+    (owner,) = s["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"]) == ("Node", NODE, cluster.get("node", NODE)["metadata"]["uid"])
     wait_for(lambda: "registered with the kubelet" in cluster.procs["dra-plugin"].log_path.read_text(), 60,
              "the kubelet's plugin watcher to register the plugin", cluster.logs)
     # the component's objects are in, and the extender's DaemonSet is not (DRA mode has none)
     assert cluster.get("deviceclass", CLASS)["spec"]["selectors"]
-    assert cluster.get("deviceclass", "gpu-mem.cgpu.aliyun.com")["spec"]["extendedResourceName"] == "aliyun.com/gpu-mem"
-    assert cluster.kubectl("get", "daemonset", "cgpu-scheduler-extender", "-n", NAMESPACE, check=False).returncode != 0
+    not_found(cluster, "deviceclass", "gpu-mem.cgpu.aliyun.com")
+    not_found(cluster, "daemonset", "cgpu-scheduler-extender", "-n", NAMESPACE)
     for verb, res in (("create", "resourceslices.resource.k8s.io"), ("update", "resourceslices.resource.k8s.io"),
-                      ("watch", "resourceslices.resource.k8s.io"), ("get", "resourceclaims.resource.k8s.io")):
+                      ("watch", "resourceslices.resource.k8s.io"), ("delete", "resourceslices.resource.k8s.io"),
+                      ("get", "resourceclaims.resource.k8s.io"), ("get", "nodes")):
         p = cluster.kubectl("auth", "can-i", verb, res, f"--as={SA_USER}", check=False)
         assert p.stdout.strip() == "yes", (verb, res, p.stdout, p.stderr)
     for verb, res in (("delete", "resourceclaims.resource.k8s.io"), ("update", "resourceclaims.resource.k8s.io"),
@@ -180,37 +206,8 @@ def test_seed_000_a_claim_over_two_gpus_gets_4_gib_on_each(cluster, cgpud):
         delete(cluster, "two")
 
 
-def test_a_gpu_holding_claims_gives_no_units_and_the_memory_is_never_counted_twice(cluster, cgpud):
-    """Both kinds of device draw on their GPU's counter: with a claim on each GPU (their GPU devices
-    charged whole), kube-scheduler finds no unit for `aliyun.com/gpu-mem: 1`; once the claims are
-    gone the same pod runs."""
-    try:
-        run_with_claim(cluster, "hold", "1Gi", count=2)
-        cluster.create(cluster.pod("unit-1", 1, runtime_class=None))
-
-        def refused() -> str:
-            e = cluster.events("unit-1")
-            return e if "cannot allocate all claims" in e else ""
-
-        wait_for(refused, 60, "unit-1 refused while the claims hold both GPUs", cluster.logs)
-        delete(cluster, "hold")
-        pod = cluster.wait_pod("unit-1", running, 90, "Running once the claims are gone")
-        assert cgpud.value(f"{pod_gpu(cluster, pod)}/{container_name(pod)}/memsize") == str(GIB)
-    finally:
-        delete(cluster, "hold")
-        cluster.delete_pod("unit-1")
-
-
-def pod_gpu(c: Cluster, pod: dict) -> int:
-    """The GPU of a pod given units through the DeviceClass (its claim's unit devices)."""
-    claim = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
-    (gpu,) = {int(r["device"].split("-")[1]) for r in
-              c.get("resourceclaim", claim)["status"]["allocation"]["devices"]["results"]}
-    return gpu
-
-
 def test_a_claim_that_does_not_fit_stays_pending_with_the_schedulers_reason(cluster, cgpud):
-    make_claim(cluster, "claim-big", "15Gi")  # each T4 has 14 GiB in the slice
+    make_claim(cluster, "claim-big", f"{GPU_UNITS + 1}Gi")  # each H100 has 79 GiB in the slice
     cluster.create(claim_pod("big", "claim-big"))
     try:
         def failed() -> str:
@@ -231,10 +228,19 @@ def test_a_claim_with_a_bad_configuration_is_refused_on_the_pods_events_and_noth
     which the kubelet puts on the pod: no container starts, no instance is made, no spec written."""
     make_claim(cluster, "claim-bad", "1Gi", config={"weight": 0})
     cluster.create(claim_pod("bad", "claim-bad"))
+    why = "weight 0 is not a whole number from 1 to 25"
     try:
+        # each stage waits on its own event, with room for a loaded machine: bound by kube-scheduler,
+        # refused by the plugin at the kubelet's first Prepare, the refusal on the pod's events (put
+        # there by the kubelet with that answer, not at a retry)
+        cluster.wait_pod("bad", lambda p: bool(p["spec"].get("nodeName")), 180, "bound")
+        log = cluster.procs["dra-plugin"].log_path
+        wait_for(lambda: f"prepare default/claim-bad refused: ResourceClaim default/claim-bad, config 0: {why}"
+                 in log.read_text(), 180, "the kubelet's Prepare refused by the plugin", cluster.logs)
+
         def refused() -> str:
             e = cluster.events("bad")
-            return e if "weight 0 is not a whole number from 1 to 25" in e else ""
+            return e if why in e else ""
 
         wait_for(refused, 60, "the plugin's refusal on the pod's events", cluster.logs)
         pod = cluster.get("pod", "bad")
@@ -243,26 +249,6 @@ def test_a_claim_with_a_bad_configuration_is_refused_on_the_pods_events_and_noth
         assert not list(cluster.path("cdi").glob("*.json")) and not list(cluster.path("dra-state").glob("*.json"))
     finally:
         delete(cluster, "bad")
-
-
-def test_a_pod_asking_gpu_mem_unchanged_is_given_its_units_through_dra(cluster, cgpud):
-    """A pod as the seeds write it (`aliyun.com/gpu-mem: 3` in its limits, no claim, no runtimeClassName):
-    kube-scheduler allocates 3 memory units through the DeviceClass's extendedResourceName, with no
-    extender and no device plugin; the container runs isolated at 3 GiB."""
-    cluster.create(cluster.pod("mem-3", 3, runtime_class=None))
-    try:
-        pod = cluster.wait_pod("mem-3", running, 90, "Running")
-        claim = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
-        results = cluster.get("resourceclaim", claim)["status"]["allocation"]["devices"]["results"]
-        gpus = {int(r["device"].split("-")[1]) for r in results}
-        assert len(results) == 3 and all("-unit-" in r["device"] for r in results) and len(gpus) == 1, results
-        (gpu,) = gpus
-        name = container_name(pod)
-        assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
-        assert cluster.get("node", NODE)["status"]["allocatable"].get("aliyun.com/gpu-mem") is None  # no device plugin
-    finally:
-        cluster.delete_pod("mem-3")
-    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)
 
 
 def test_a_plugin_restart_keeps_the_running_pods_instance_and_prepares_again(cluster, cgpud):
@@ -296,7 +282,7 @@ def test_a_kubelet_restart_registers_the_plugin_again_and_keeps_the_running_pods
         cluster.start_kubelet()
         wait_for(lambda: log.read_text().count("registered with the kubelet") > before, 60,
                  "the new kubelet's plugin watcher to register the plugin again", cluster.logs)
-        time.sleep(3)  # the new kubelet has looked at its pods again
+        wait_for(lambda: pod_syncs(cluster) >= 1, 60, "the new kubelet to sync its pods", cluster.logs)
         status = cluster.wait_pod("kr", running, 30, "still Running")["status"]["containerStatuses"][0]
         assert status["containerID"] == cid and status["restartCount"] == 0, status
         assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
@@ -305,6 +291,54 @@ def test_a_kubelet_restart_registers_the_plugin_again_and_keeps_the_running_pods
     finally:
         delete(cluster, "kr", "kr2")
     wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go")
+
+
+def pod_syncs(c: Cluster) -> int:
+    """How many pod syncs the kubelet (this process of it) has finished: its pod workers' count."""
+    try:
+        text = c.kubelet_metrics()
+    except OSError:  # (not serving yet)
+        return 0
+    total = 0
+    for line in text.splitlines():
+        if line.startswith("kubelet_pod_worker_duration_seconds_count"):
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
+def test_a_node_restart_with_its_cdi_specs_gone_starts_the_claims_container_again(cluster, cgpud):
+    """What a reboot leaves: /var/run/cdi emptied (tmpfs), the plugin, containerd and the kubelet
+    started again, the pod's container gone. The plugin writes each prepared claim's spec again
+    before it registers, so the kubelet's new container (no new Prepare: the claim is prepared in
+    its checkpoint) starts with the claim's memory, not `unresolvable CDI devices`."""
+    try:
+        pod, gpu, name = run_with_claim(cluster, "boot", "3Gi")
+        cid = pod["status"]["containerStatuses"][0]["containerID"].split("//", 1)[1]
+        cluster.stop_kubelet()
+        plugin = cluster.procs["dra-plugin"]
+        starts = plugin.log_path.read_text().count("claims prepared before")
+        plugin.proc.kill()
+        plugin.proc.wait(10)
+        for spec in cluster.path("cdi").glob("*"):
+            spec.unlink()
+        assert cluster.ctr("tasks", "kill", "-s", "SIGKILL", cid).returncode == 0
+        cluster.restart_containerd()
+        log = start_plugin(cluster).log_path
+        wait_for(lambda: log.read_text().count("claims prepared before") > starts, 60, "the plugin's start",
+                 cluster.logs)
+        assert list(cluster.path("cdi").glob("*.json"))  # (written again before it registers)
+        cluster.start_kubelet()
+
+        def again(p: dict) -> bool:
+            s = (p["status"].get("containerStatuses") or [{}])[0]
+            return s.get("restartCount", 0) >= 1 and "running" in s.get("state", {})
+
+        got = cluster.wait_pod("boot", again, 180, "its container started again")
+        new = container_name(got)
+        assert new != name and new in cgpud.instances(gpu), (new, cgpud.instances(gpu))
+        assert cgpud.value(f"{gpu}/{new}/memsize") == str(3 * GIB)
+    finally:
+        delete(cluster, "boot")
 
 
 WEBHOOK = "cgpu-dra-webhook"  # the component's MutatingWebhookConfiguration and ServiceAccount
@@ -348,9 +382,9 @@ def webhook(cluster):
     proc = start_webhook(cluster)
 
     pod = wait_for(lambda: admitted(cluster, proc), 60, "the API server to call the webhook", cluster.logs)
-    assert pod["spec"]["resourceClaims"] == [{"name": "cgpu-gpu-mem-0", "resourceClaimTemplateName": "cgpu-gpu-mem-2x2"}]
+    assert pod["spec"]["resourceClaims"] == [{"name": "cgpu-gpu-mem", "resourceClaimTemplateName": "cgpu-gpu-mem-2x2"}]
     # sideEffects NoneOnDryRun: the dry run made no template
-    assert cluster.kubectl("get", "resourceclaimtemplate", "cgpu-gpu-mem-2x2", check=False).returncode != 0
+    not_found(cluster, "resourceclaimtemplate", "cgpu-gpu-mem-2x2")
     return proc
 
 
@@ -378,6 +412,42 @@ def job_pod(c: Cluster, job: str) -> dict:
 def pod_env(c: Cluster, pod: str) -> dict[str, str]:
     return wait_for(lambda: dict(line.split("=", 1) for line in c.kubectl("logs", pod).stdout.splitlines()
                                  if "=" in line), 30, f"pod {pod}'s environment in its log")
+
+
+def pod_claim(c: Cluster, pod: dict) -> dict:
+    """The claim the webhook gave the pod (made from its template by the resourceclaim controller)."""
+    (st,) = [x for x in pod["status"]["resourceClaimStatuses"] if x["name"] == "cgpu-gpu-mem"]
+    return c.get("resourceclaim", st["resourceClaimName"])
+
+
+def test_gpu_mem_of_any_size_runs_on_one_gpu_and_beside_claims(cluster, cgpud, webhook):
+    """A pod as the seeds write it (`aliyun.com/gpu-mem: N` in its limits, no claim, no
+    runtimeClassName, no label): the webhook asks N GiB of one GPU as capacity. 40 (more than the 32
+    devices one claim may hold) runs on one GPU; with a 20 GiB claim on each GPU, 3 runs beside them
+    (a GPU holding claims still gives the rest of its memory)."""
+    cluster.create(cluster.pod("mem-40", 40, runtime_class=None))
+    try:
+        pod = cluster.wait_pod("mem-40", running, 90, "Running")
+        (r,) = pod_claim(cluster, pod)["status"]["allocation"]["devices"]["results"]
+        assert r["consumedCapacity"]["memory"] in ("40Gi", str(40 * GIB)), r
+        gpu, name = int(r["device"].split("-")[1]), container_name(pod)
+        assert cgpud.value(f"{gpu}/{name}/memsize") == str(40 * GIB)
+        assert name not in cgpud.instances(1 - gpu)
+        assert cluster.get("node", NODE)["status"]["allocatable"].get("aliyun.com/gpu-mem") is None  # no device plugin
+    finally:
+        cluster.delete_pod("mem-40")
+    wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)
+    try:
+        run_with_claim(cluster, "hold", "20Gi", count=2)
+        assert sorted(allocated_gpus(cluster, "claim-hold")) == [0, 1]
+        cluster.create(cluster.pod("mem-3", 3, runtime_class=None))
+        pod = cluster.wait_pod("mem-3", running, 90, "Running beside the two claims")
+        (r,) = pod_claim(cluster, pod)["status"]["allocation"]["devices"]["results"]
+        gpu, name = int(r["device"].split("-")[1]), container_name(pod)
+        assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
+    finally:
+        cluster.delete_pod("mem-3")
+        delete(cluster, "hold")
 
 
 def test_seed_000_job_unchanged_runs_with_4_gib_on_each_of_two_gpus(cluster, cgpud, webhook):
@@ -418,8 +488,8 @@ def test_a_pod_whose_gpu_mem_does_not_split_over_its_gpus_is_refused_with_the_re
     assert ('admission webhook "gpu-count.cgpu.aliyun.com" denied the request: container app: aliyun.com/gpu-mem 7 '
             "cannot be spread over aliyun.com/gpu-count 2: each GPU gives the same memory, so N/M must be a whole "
             "number of units (7/2 is not)") in p.stderr, p.stderr
-    assert cluster.kubectl("get", "pod", "odd", check=False).returncode != 0  # nothing made
-    assert cluster.kubectl("get", "resourceclaimtemplate", "cgpu-gpu-mem-7x2", check=False).returncode != 0
+    not_found(cluster, "pod", "odd")  # nothing made
+    not_found(cluster, "resourceclaimtemplate", "cgpu-gpu-mem-7x2")
 
 
 def test_the_webhook_may_make_templates_and_set_its_ca_and_nothing_else(cluster, webhook):
@@ -437,8 +507,9 @@ def test_the_webhook_may_make_templates_and_set_its_ca_and_nothing_else(cluster,
 
 
 def test_while_the_webhook_is_down_labelled_pods_are_refused_and_others_never_wait_on_it(cluster, webhook):
-    """failurePolicy Fail, scoped by the objectSelector: with the webhook gone a labelled pod is
-    refused (never run on one GPU) and a pod without the label is admitted as ever; started again,
+    """failurePolicy Fail, scoped by the matchConditions: with the webhook gone a pod asking gpu-mem
+    (or labelled) is refused (never run without its memory) and a pod asking none is admitted as
+    ever; started again,
     the webhook makes a new CA, writes it into the caBundle, and labelled pods are admitted again."""
     def bundle() -> str:
         return cluster.get("mutatingwebhookconfiguration", WEBHOOK)["webhooks"][0]["clientConfig"].get("caBundle", "")
@@ -448,7 +519,11 @@ def test_while_the_webhook_is_down_labelled_pods_are_refused_and_others_never_wa
     cluster.procs["dra-webhook"].proc.wait(10)
     p = dry_run(cluster, labelled_pod(cluster, "down", 2))
     assert p.returncode != 0 and 'failed calling webhook "gpu-count.cgpu.aliyun.com"' in p.stderr, p.stderr
-    p = dry_run(cluster, cluster.pod("plain", 2, runtime_class=None))
+    p = dry_run(cluster, cluster.pod("asks", 2, runtime_class=None))  # (asks gpu-mem, no label)
+    assert p.returncode != 0 and 'failed calling webhook "gpu-count.cgpu.aliyun.com"' in p.stderr, p.stderr
+    plain = cluster.pod("plain", 2, runtime_class=None)
+    del plain["spec"]["containers"][0]["resources"]
+    p = dry_run(cluster, plain)
     assert p.returncode == 0 and "resourceClaims" not in json.loads(p.stdout)["spec"], p.stderr
     proc = start_webhook(cluster)
     pod = wait_for(lambda: admitted(cluster, proc), 60, "the restarted webhook to be called", cluster.logs)
@@ -488,16 +563,24 @@ spec:
 """
 
 
-def test_seed_004_statefulset_on_a_128_mib_node_runs_at_2_gib(cluster, cgpud):
+def share_mode(c: Cluster, cgpud) -> None:
+    """The node's daemon in `share` mode (128 MiB units), and its slice in them (once: each test that
+    needs it says so, whichever runs first)."""
+    if "share" not in cgpud.extra_args:
+        cgpud.stop()
+        cgpud.extra_args += ["--mode", "share"]
+        cgpud.start()
+    wait_for(lambda: (s := c.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}-0", "-o", "json", check=False))
+             .returncode == 0 and json.loads(s.stdout)["spec"]["devices"][0]["attributes"]["memoryUnit"]["int"]
+             == 128 << 20, 60, "the slice in 128 MiB units", c.logs)
+
+
+def test_seed_004_statefulset_on_a_128_mib_node_runs_at_2_gib(cluster, cgpud, webhook):
     """Seed 004's StatefulSet as written (only its image and command are this sandbox's: no registry
     here), on the node once its daemon runs in `share` mode (128 MiB units): the plugin publishes the
-    new unit by itself, kube-scheduler allocates 16 unit devices, the container has 2 GiB."""
-    cgpud.stop()
-    cgpud.extra_args += ["--mode", "share"]
-    cgpud.start()
-    wait_for(lambda: (s := cluster.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}-1", "-o", "json", check=False))
-             .returncode == 0 and json.loads(s.stdout)["spec"]["devices"][0]["attributes"]["memoryUnit"]["int"]
-             == 128 << 20, 60, "the slices in 128 MiB units", cluster.logs)
+    new unit by itself, the webhook asks gpu-mem 16 as a claim whose 128 MiB alternative the node
+    has, the container has 2 GiB."""
+    share_mode(cluster, cgpud)
     sts = yaml.safe_load(SEED_004)
     app = sts["spec"]["template"]["spec"]["containers"][0]
     app["image"], app["imagePullPolicy"] = BUSYBOX_IMAGE, "Never"
@@ -506,12 +589,12 @@ def test_seed_004_statefulset_on_a_128_mib_node_runs_at_2_gib(cluster, cgpud):
     cluster.create(sts)
     try:
         pod = cluster.wait_pod("binpack-0", running, 90, "Running")
-        claim = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
-        results = cluster.get("resourceclaim", claim)["status"]["allocation"]["devices"]["results"]
-        assert len(results) == 16 and all("-unit-" in r["device"] for r in results), results
-        (gpu,) = {int(r["device"].split("-")[1]) for r in results}
+        (r,) = pod_claim(cluster, pod)["status"]["allocation"]["devices"]["results"]
+        assert r["consumedCapacity"]["memory"] in ("2Gi", str(2 * GIB)), r
+        gpu = int(r["device"].split("-")[1])
         name = container_name(pod)
         assert cgpud.value(f"{gpu}/{name}/memsize") == str(2 * GIB)
+        assert pod_env(cluster, "binpack-0")["ALIYUN_COM_GPU_MEM_CONTAINER"] == "16"
     finally:
         cluster.kubectl("delete", "statefulset", "binpack", "--wait=true", timeout=90)
         cluster.delete_pod("binpack-0")
@@ -519,9 +602,10 @@ def test_seed_004_statefulset_on_a_128_mib_node_runs_at_2_gib(cluster, cgpud):
 
 
 def test_on_a_128_mib_node_the_label_spreads_the_nodes_own_units(cluster, cgpud, webhook):
-    """After seed 004's test the node's daemon runs in `share` mode (128 MiB units): gpu-mem 8 over
-    two GPUs is 4 of its units, 512 MiB, on each (the template's second alternative, chosen by the
-    slices' memoryUnit), as the extender counts a node's units."""
+    """On a node in `share` mode (128 MiB units): gpu-mem 8 over two GPUs is 4 of its units, 512 MiB,
+    on each (the template's second alternative, chosen by the slice's memoryUnit), as the extender
+    counts a node's units."""
+    share_mode(cluster, cgpud)
     cluster.create(labelled_pod(cluster, "share-8x2", 8))
     try:
         pod = cluster.wait_pod("share-8x2", running, 90, "Running")

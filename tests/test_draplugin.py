@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,33 +56,26 @@ def opaque(requests=None, **params) -> dict:
 # ---- pure: the slice, the shares, the environment --------------------------------------------
 
 
-def test_the_slices_have_each_gpu_sharing_its_memory_and_each_unit_drawing_on_the_same_counter():
+def test_the_slice_has_each_gpu_as_one_device_whose_memory_claims_share():
     slices = dra.resource_slices(NODE, [T4, A10], 128 * MIB)
-    # counters first (a slice holds counters or devices), then at most 64 devices a slice: 2 GPUs +
-    # 118 + 179 units of 128 MiB are 299 devices in 5 slices, one pool
-    assert [len(x["spec"].get("devices", [])) for x in slices] == [0, 64, 64, 64, 64, 43]
-    for k, x in enumerate(slices):
-        assert x["metadata"]["name"] == f"{NODE}-cgpu.aliyun.com-{k}" and x["spec"]["driver"] == dra.DRIVER
-        assert x["spec"]["nodeName"] == NODE
-        assert x["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 6}
-    assert slices[0]["spec"]["sharedCounters"] == [
-        {"name": "gpu-0", "counters": {"memory": {"value": str(118 * 128 * MIB)}}},
-        {"name": "gpu-1", "counters": {"memory": {"value": str(179 * 128 * MIB)}}}]
-    devs = [d for x in slices for d in x["spec"].get("devices", [])]
-    t4, a10 = devs[:2]
-    assert t4["name"] == "gpu-0" and t4["allowMultipleAllocations"] is True
+    (x,) = slices  # one slice for the node: a device per GPU, whatever the unit
+    assert x["metadata"]["name"] == f"{NODE}-cgpu.aliyun.com-0" and x["spec"]["driver"] == dra.DRIVER
+    assert x["spec"]["nodeName"] == NODE and "sharedCounters" not in x["spec"]
+    assert x["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
+    t4, a10 = x["spec"]["devices"]
+    assert t4["name"] == "gpu-0" and t4["allowMultipleAllocations"] is True and "consumesCounters" not in t4
     assert t4["attributes"] == {"uuid": {"string": "GPU-t4"}, "model": {"string": "Tesla T4"}, "index": {"int": 0},
                                 "memoryUnit": {"int": 128 * MIB}, "kind": {"string": "gpu"}}
     # 15109 MiB is 118 whole units of 128 MiB (15104 MiB): never more than the units the hook can give
     assert t4["capacity"]["memory"] == {"value": str(118 * 128 * MIB), "requestPolicy": {
         "default": str(128 * MIB), "validRange": {"min": str(128 * MIB), "step": str(128 * MIB)}}}
-    assert t4["consumesCounters"] == [{"counterSet": "gpu-0", "counters": {"memory": {"value": str(118 * 128 * MIB)}}}]
-    units = [d for d in devs if d["attributes"]["kind"] == {"string": "memory-unit"}]
-    assert [d["name"] for d in units[:2]] == ["gpu-0-unit-0", "gpu-0-unit-1"] and len(units) == 118 + 179
-    assert units[-1]["name"] == "gpu-1-unit-178" and "allowMultipleAllocations" not in units[-1]
-    assert units[-1]["consumesCounters"] == [{"counterSet": "gpu-1", "counters": {"memory": {"value": str(128 * MIB)}}}]
-    assert dra.resource_slices(NODE, [T4], GIB)[1]["spec"]["devices"][0]["capacity"]["memory"]["value"] == \
+    assert a10["name"] == "gpu-1" and a10["capacity"]["memory"]["value"] == str(179 * 128 * MIB)
+    assert dra.resource_slices(NODE, [T4], GIB)[0]["spec"]["devices"][0]["capacity"]["memory"]["value"] == \
         str(14 * GIB)
+    # eight 80 GiB GPUs at 128 MiB: still one slice of 8 devices
+    h100 = [dra.Gpu(i, f"GPU-{i}", "NVIDIA H100 80GB HBM3", 81559 * MIB) for i in range(8)]
+    (big,) = dra.resource_slices(NODE, h100, 128 * MIB)
+    assert len(big["spec"]["devices"]) == 8
 
 
 def test_the_slices_are_valid_objects_of_the_official_clients_model():
@@ -219,7 +213,7 @@ class Kubelet:
     def __init__(self, registry: Path) -> None:
         self.reg = registry / f"{dra.DRIVER}-reg.sock"
 
-    def info(self, timeout: float = 15):
+    def info(self, timeout: float = 60):  # (a plugin starting on a loaded machine: imports, the daemon, the API)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -237,7 +231,7 @@ class Kubelet:
             claims=[pb.Claim(namespace=ns, name=n, uid=u) for ns, n, u in claims])
         with grpc.insecure_channel(f"unix://{endpoint}") as ch:
             stub = rpc.DRAPluginStub(ch)
-            return (stub.NodePrepareResources if method == "prepare" else stub.NodeUnprepareResources)(req, timeout=10)
+            return (stub.NodePrepareResources if method == "prepare" else stub.NodeUnprepareResources)(req, timeout=30)
 
 
 @pytest.fixture
@@ -247,6 +241,7 @@ def plugin(make_daemon, tmp_path, request):
     gpus, extra = getattr(request, "param", ("sim:1xT4,1xA10", ()))  # (indirect parametrization)
     d = make_daemon(gpus=gpus, extra_args=extra)
     api = ApiServer(tmp_path)
+    api.add_node(NODE)  # (the slices' owner)
     dirs = {k: tmp_path / k for k in ("registry", "plugin", "cdi", "state")}
     dirs["registry"].mkdir()
     procs = []
@@ -275,7 +270,7 @@ def plugin(make_daemon, tmp_path, request):
     api.close()
 
 
-def wait_for(what, timeout: float = 15, why: str = ""):
+def wait_for(what, timeout: float = 60, why: str = ""):
     deadline = time.monotonic() + timeout
     while not (got := what()):
         assert time.monotonic() < deadline, why
@@ -288,12 +283,11 @@ def test_registers_through_the_plugin_watcher_and_publishes_the_nodes_slice(plug
     info = kubelet.info()
     assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == \
         ("DRAPlugin", dra.DRIVER, os.fspath(dirs["plugin"] / "dra.sock"), ["v1.DRAPlugin", "v1.DRAResourceHealth"])
-    s = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
-    assert [x["name"] for x in s["spec"]["devices"][:3]] == ["gpu-0", "gpu-1", "gpu-0-unit-0"]
+    s = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), why="no ResourceSlice published")
+    assert [x["name"] for x in s["spec"]["devices"]] == ["gpu-0", "gpu-1"]
     assert s["spec"]["devices"][0]["attributes"]["model"] == {"string": "Tesla T4"}
     assert s["spec"]["devices"][1]["capacity"]["memory"]["value"] == str(22 * GIB)
-    assert api.slices[dra.slice_name(NODE, 0)]["spec"]["sharedCounters"][1]["name"] == "gpu-1"
-    assert len(api.slices) == 2 and api.count("create", "resourceslices") == 2
+    assert len(api.slices) == 1 and api.count("create", "resourceslices") == 1
 
 
 def test_the_slices_are_published_only_once_the_kubelet_registered_the_plugin(plugin):
@@ -307,7 +301,7 @@ def test_the_slices_are_published_only_once_the_kubelet_registered_the_plugin(pl
     time.sleep(1)  # (5 of the plugin's looks at the daemon, --refresh 0.2)
     assert not api.slices and api.count("create", "resourceslices") == 0
     kubelet.info()
-    wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published once registered")
+    wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), why="no ResourceSlice published once registered")
 
 
 def _info(ch):
@@ -322,19 +316,20 @@ def test_slices_deleted_by_someone_are_written_again_at_once(plugin):
     again): the plugin's watch sees them go and writes them again, with no read of its own."""
     d, api, dirs, kubelet, _, _ = plugin
     kubelet.info()
-    first = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
+    first = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), why="no ResourceSlice published")
     with api.lock:
-        for k in (0, 1):
-            api.delete("resourceslices", dra.slice_name(NODE, k))
-    again = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), 5, "the deleted slices not written again")
-    assert again["spec"]["devices"] == first["spec"]["devices"] and dra.slice_name(NODE, 0) in api.slices
+        api.delete("resourceslices", dra.slice_name(NODE, 0))
+    again = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), 5, "the deleted slice not written again")
+    assert again["spec"]["devices"] == first["spec"]["devices"]
     assert api.count("get", "resourceslices") == 0 and api.count("list", "resourceslices") == 1
 
 
-def test_a_changed_node_is_published_again_with_the_next_generation(plugin, make_daemon):
+def test_a_changed_node_is_published_again_in_one_update(plugin, make_daemon):
+    """The node's GPUs changed while the plugin was away: its one slice is updated in place (one
+    write: the pool is never half old, half new, so its generation stays), and nothing more."""
     d, api, dirs, kubelet, start, stop = plugin
     kubelet.info()
-    wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
+    wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), why="no ResourceSlice published")
     stop()
     d.stop()
     d.gpus = "sim:1xT4"  # the node's GPUs changed while the plugin was away (its state is of the old ones)
@@ -342,12 +337,12 @@ def test_a_changed_node_is_published_again_with_the_next_generation(plugin, make
     d.start()
     start()
     kubelet.info()  # (the kubelet's plugin watcher registers the new process)
-    s = wait_for(lambda: (x := api.slices[dra.slice_name(NODE, 1)]) and x["spec"]["pool"]["generation"] == 2 and x,
-                 why="the slices not written again")
-    assert [x["name"] for x in s["spec"]["devices"]][:2] == ["gpu-0", "gpu-0-unit-0"]
-    assert s["spec"]["pool"]["resourceSliceCount"] == 2
+    s = wait_for(lambda: (x := api.slices[dra.slice_name(NODE, 0)]) and len(x["spec"]["devices"]) == 1 and x,
+                 why="the slice not written again")
+    assert [x["name"] for x in s["spec"]["devices"]] == ["gpu-0"]
+    assert s["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
     time.sleep(1)  # (the plugin looks every 0.2 s: nothing more is written for a node that did not change)
-    assert api.count("update", "resourceslices") == 2 and api.slices[dra.slice_name(NODE, 1)] == s
+    assert api.count("update", "resourceslices") == 1 and api.slices[dra.slice_name(NODE, 0)] == s
     assert api.count("get", "resourceslices") == 0  # (what is there comes by the watch)
 
 
@@ -396,11 +391,11 @@ def test_a_prepared_claim_survives_a_restart_of_the_plugin(plugin):
     uid = api.add_claim("default", "keep", [result("gpu-1", memory="4Gi")])["metadata"]["uid"]
     first = kubelet.call(info.endpoint, "prepare", ("default", "keep", uid)).claims[uid]
     stop()
-    with api.lock:
-        api.delete("resourceclaims", ("default", "keep"))  # the restarted plugin cannot read it again
+    api.failing = True  # the restarted plugin cannot read it again: its record answers
     start()
     again = kubelet.call(kubelet.info().endpoint, "prepare", ("default", "keep", uid)).claims[uid]
     assert not again.error and again == first
+    api.failing = False
     assert (dirs["cdi"] / f"cgpu.aliyun.com-{uid}.json").exists()
     kubelet.call(info.endpoint, "unprepare", ("default", "keep", uid))
     assert not (dirs["cdi"] / f"cgpu.aliyun.com-{uid}.json").exists()
@@ -438,22 +433,21 @@ def test_a_container_with_the_cdi_edits_joins_with_the_claims_memsize(plugin, te
 
 
 @pytest.mark.parametrize("plugin", [("sim:1xT4", ("--mode", "share"))], indirect=True)
-def test_seed_004_a_share_node_publishes_128_mib_units_and_16_of_them_are_2_gib(plugin, template, tmp_path):  # noqa: F811
+def test_seed_004_a_share_node_publishes_128_mib_units_and_2_gib_is_16_of_them(plugin, template, tmp_path):  # noqa: F811
     """Seed 004: on a node in `share` mode the unit is 128 MiB (the daemon's, not a flag of the plugin's):
-    the T4's 118 units in the slices, and `aliyun.com/gpu-mem: 16` (16 unit devices) is a container of 2 GiB."""
+    the T4's 118 units in the slice, and `aliyun.com/gpu-mem: 16` (a claim of 2 GiB through the webhook)
+    is a container of 2 GiB: 16 units in its environment."""
     d, api, dirs, kubelet, _, _ = plugin
     info = kubelet.info()
-    s = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 1)), why="no ResourceSlice published")
+    s = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), why="no ResourceSlice published")
     gpu = s["spec"]["devices"][0]
     assert gpu["attributes"]["memoryUnit"] == {"int": 128 * MIB}
     assert gpu["capacity"]["memory"]["value"] == str(118 * 128 * MIB)
     assert gpu["capacity"]["memory"]["requestPolicy"]["validRange"]["step"] == str(128 * MIB)
-    uid = api.add_claim("default", "seed-004", [result(f"gpu-0-unit-{j}", request="container-0-request-0",
-                                                       memory=None) for j in range(16)])["metadata"]["uid"]
-    (dev, *rest) = kubelet.call(info.endpoint, "prepare", ("default", "seed-004", uid)).claims[uid].devices
-    assert len(rest) == 15 and all(not r.cdi_device_ids for r in rest)  # the request's CDI device once
-    spec = json.loads((dirs["cdi"] / f"cgpu.aliyun.com-{uid}.json").read_text())
-    env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
+    uid = api.add_claim("default", "seed-004", [result("gpu-0", memory="2Gi")])["metadata"]["uid"]
+    (dev,) = kubelet.call(info.endpoint, "prepare", ("default", "seed-004", uid)).claims[uid].devices
+    assert list(dev.cdi_device_ids) == [f"cgpu.aliyun.com/gpu={uid}-gpu"]
+    env = spec_env(dirs, uid)
     assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "16"
     runc = Runc(tmp_path, template, d.socket)
     cid = runc.start(runc.bundle(env, ["sleep", "60"]))
@@ -475,3 +469,212 @@ def test_a_plugin_started_wrong_says_why_in_one_line(tmp_path):
         assert r.returncode == 1 and why in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
     assert not (tmp_path / "cdi").exists() and not (tmp_path / "plugin").exists()  # nothing made
+
+
+def spec_env(dirs, uid: str) -> dict[str, str]:
+    spec = json.loads((dirs["cdi"] / f"cgpu.aliyun.com-{uid}.json").read_text())
+    (device,) = spec["devices"]
+    return dict(e.split("=", 1) for e in device["containerEdits"]["env"])
+
+
+def test_at_start_every_prepared_claims_spec_is_written_again_and_the_gone_claims_collected(plugin):
+    """A reboot empties /var/run/cdi (tmpfs) and the kubelet starts a prepared claim's containers
+    again with no new Prepare: before the plugin registers, each record's spec is back; a record
+    whose claim is gone (deleted while the node was down) is collected."""
+    d, api, dirs, kubelet, start, stop = plugin
+    info = kubelet.info()
+    keep = api.add_claim("default", "keep", [result("gpu-1", memory="4Gi")])["metadata"]["uid"]
+    gone = api.add_claim("default", "gone", [result("gpu-0", memory="2Gi")])["metadata"]["uid"]
+    for name, uid in (("keep", keep), ("gone", gone)):
+        assert not kubelet.call(info.endpoint, "prepare", ("default", name, uid)).claims[uid].error
+    before = spec_env(dirs, keep)
+    stop()
+    shutil.rmtree(dirs["cdi"])  # the reboot
+    with api.lock:
+        api.delete("resourceclaims", ("default", "gone"))
+    start()
+    kubelet.info()  # (registered: the kubelet may call now)
+    env = spec_env(dirs, keep)
+    assert (env["ALIYUN_COM_GPU_MEM_IDX"], env["ALIYUN_COM_GPU_MEM_CONTAINER"]) == ("1", "4") and env == before
+    assert not (dirs["cdi"] / f"cgpu.aliyun.com-{gone}.json").exists() and not (dirs["state"] / f"{gone}.json").exists()
+    assert (dirs["state"] / f"{keep}.json").exists()
+
+
+def test_a_claim_allocated_anew_under_its_uid_is_prepared_for_its_new_allocation(plugin):
+    """A record hit compares the claim's allocation: a claim deallocated and allocated again (the
+    node was away when its pod went) gets its new GPU and memory, not the old record's."""
+    d, api, dirs, kubelet, _, _ = plugin
+    info = kubelet.info()
+    uid = api.add_claim("default", "again", [result("gpu-0", memory="3Gi")])["metadata"]["uid"]
+    assert not kubelet.call(info.endpoint, "prepare", ("default", "again", uid)).claims[uid].error
+    api._edit("resourceclaims", ("default", "again"), lambda c: c["status"]["allocation"]["devices"].update(
+        results=[result("gpu-1", memory="5Gi", share="s9")]))
+    (dev,) = kubelet.call(info.endpoint, "prepare", ("default", "again", uid)).claims[uid].devices
+    assert (dev.device_name, dev.share_id) == ("gpu-1", "s9")
+    env = spec_env(dirs, uid)
+    assert (env["ALIYUN_COM_GPU_MEM_IDX"], env["ALIYUN_COM_GPU_MEM_CONTAINER"]) == ("1", "5")
+
+
+def test_a_claim_whose_api_call_hangs_holds_up_no_other_claim(plugin):
+    d, api, dirs, kubelet, _, _ = plugin
+    import threading
+
+    info = kubelet.info()
+    slow = api.add_claim("default", "slow", [result("gpu-0", memory="1Gi")])["metadata"]["uid"]
+    fast = api.add_claim("default", "fast", [result("gpu-1", memory="2Gi", share="s2")])["metadata"]["uid"]
+    api.hang.add(("default", "slow"))
+    answers = {}
+    t = threading.Thread(target=lambda: answers.update(
+        slow=kubelet.call(info.endpoint, "prepare", ("default", "slow", slow)).claims[slow]))
+    t.start()
+    wait_for(lambda: api.hanging == 1, why="the slow claim never asked")
+    resp = kubelet.call(info.endpoint, "prepare", ("default", "fast", fast)).claims[fast]  # (gRPC timeout 30 s)
+    assert not resp.error and spec_env(dirs, fast)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
+    assert "slow" not in answers
+    api.release.set()
+    t.join(60)
+    # the slow claim is answered: prepared once the server answers, or (a loaded machine past the
+    # plugin's 10 s timeout on its call) refused with the reason, for the kubelet to try again
+    slow_error = answers["slow"].error
+    if slow_error:
+        assert slow_error.startswith("cannot read ResourceClaim default/slow: ") and "\n" not in slow_error, slow_error
+    else:
+        assert spec_env(dirs, slow)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "1"
+
+
+def test_a_unit_change_writes_the_prepared_claims_in_the_new_unit_or_is_refused(plugin):
+    """The environment is in the node's units: 3 GiB prepared on a 1 GiB node is 24 units once the
+    node's daemon runs in `share` mode (128 MiB); back in 1 GiB units a 384 MiB claim cannot be said,
+    so the new unit is refused (new claims told why, the slices left in 128 MiB) until it is gone."""
+    d, api, dirs, kubelet, _, _ = plugin
+    info = kubelet.info()
+    wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), why="no ResourceSlice published")
+    three = api.add_claim("default", "three", [result("gpu-0", memory="3Gi")])["metadata"]["uid"]
+    assert not kubelet.call(info.endpoint, "prepare", ("default", "three", three)).claims[three].error
+    d.stop()
+    d.extra_args += ["--mode", "share"]
+    d.start()
+    wait_for(lambda: spec_env(dirs, three)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "24", why="not in 128 MiB units")
+    small = api.add_claim("default", "small", [result("gpu-1", memory="384Mi", share="s3")])["metadata"]["uid"]
+    assert not kubelet.call(info.endpoint, "prepare", ("default", "small", small)).claims[small].error
+    assert spec_env(dirs, small)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "3"
+    d.stop()
+    d.extra_args.remove("share")
+    d.extra_args.remove("--mode")
+    d.start()
+    late = api.add_claim("default", "late", [result("gpu-0", memory="1Gi", share="s4")])["metadata"]["uid"]
+    resp = wait_for(lambda: "unit changed" in (r := kubelet.call(info.endpoint, "prepare", ("default", "late", late))
+                                                .claims[late]).error and r, why="the unit change not refused")
+    assert "the node's unit changed to 1073741824 bytes while claims holding other sizes are prepared " \
+           "(default/small)" in resp.error, resp.error
+    assert spec_env(dirs, small)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "3"  # (its spec stays in its own unit)
+    s = api.slices[dra.slice_name(NODE, 0)]["spec"]["devices"][0]
+    assert s["attributes"]["memoryUnit"] == {"int": 128 * MIB}
+    kubelet.call(info.endpoint, "unprepare", ("default", "small", small))
+    wait_for(lambda: api.slices[dra.slice_name(NODE, 0)]["spec"]["devices"][0]["attributes"]["memoryUnit"]
+             == {"int": GIB}, why="the new unit not published once the claim was gone")
+    assert spec_env(dirs, three)["ALIYUN_COM_GPU_MEM_CONTAINER"] == "3"
+    assert not kubelet.call(info.endpoint, "prepare", ("default", "late", late)).claims[late].error
+
+
+# ---- publishing as upstream's slice controller does ---------------------------------------------
+
+
+def test_slice_names_stay_within_253_characters_and_apart():
+    long_a, long_b = "a" * 250 + ".b", "a" * 250 + ".c"
+    names = {dra.slice_name(n, k) for n in (long_a, long_b) for k in (0, 1)}
+    assert len(names) == 4
+    for n in names:
+        assert len(n) <= 253 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", n), n
+    assert dra.slice_name(NODE, 3) == f"{NODE}-cgpu.aliyun.com-3"
+
+
+def test_slices_carry_an_owner_reference_to_their_node(plugin):
+    d, api, dirs, kubelet, _, _ = plugin
+    kubelet.info()
+    s = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), why="no ResourceSlice published")
+    assert s["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Node", "name": NODE,
+                                                 "uid": api.nodes[NODE]["metadata"]["uid"], "controller": True}]
+
+
+def test_a_server_that_drops_or_rewrites_fields_gets_the_slices_once_not_for_ever(plugin):
+    """An API server with DRAConsumableCapacity off drops allowMultipleAllocations and the
+    requestPolicy, and any server writes a quantity its own way: what it stored is what it will
+    keep storing, so the plugin does not write again at each watch event."""
+    d, api, dirs, kubelet, _, _ = plugin
+
+    def gate_off(body: dict) -> None:
+        for dev in body["spec"].get("devices") or ():
+            dev.pop("allowMultipleAllocations", None)
+            for cap in (dev.get("capacity") or {}).values():
+                cap.pop("requestPolicy", None)
+                cap["value"] = f"{int(cap['value']) >> 30}Gi"
+
+    api.store_slice = gate_off
+    kubelet.info()
+    wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), why="no ResourceSlice published")
+    time.sleep(1.5)  # (the plugin looks every 0.2 s; each of its writes is a watch event it sees)
+    assert api.count("create", "resourceslices") == 1 and api.count("update", "resourceslices") == 0
+    assert "stored ResourceSlice" in (Path(dirs["state"]).parent / "plugin.log").read_text()
+
+
+def test_one_changed_slice_is_updated_at_its_generation_and_obsolete_slices_are_deleted(tmp_path, monkeypatch):
+    from apiserver_standin import ApiServer
+    from cgpud.k8s import draplugin
+
+    api = ApiServer(tmp_path)
+    try:
+        monkeypatch.setenv("KUBECONFIG", os.fspath(tmp_path / "kubeconfig"))
+        client = draplugin.Api(NODE)
+        many = [dra.Gpu(i, f"GPU-{i}", "T4", 16 * GIB) for i in range(130)]
+        two = dra.resource_slices(NODE, many, GIB)  # 128 devices a slice: 2 slices
+        assert len(two) == 2 and client.publish(two)
+        assert not client.publish(two)  # (the same: nothing written)
+        changed = json.loads(json.dumps(two))
+        changed[1]["spec"]["devices"][0]["attributes"]["model"] = {"string": "T4 (changed)"}
+        assert client.publish(changed)
+        assert api.count("update", "resourceslices") == 1
+        assert [api.slices[dra.slice_name(NODE, k)]["spec"]["pool"]["generation"] for k in range(2)] == [1, 1]
+        one = dra.resource_slices(NODE, many[:100], GIB)  # fewer devices: 1 slice at the next generation
+        assert client.publish(one)
+        assert sorted(api.slices) == [dra.slice_name(NODE, 0)]
+        assert api.slices[dra.slice_name(NODE, 0)]["spec"]["pool"] == {"name": NODE, "generation": 2,
+                                                                       "resourceSliceCount": 1}
+        assert api.count("delete", "resourceslices") == 1
+    finally:
+        api.close()
+
+
+# ---- versions -------------------------------------------------------------------------------------
+
+
+def test_an_api_server_older_than_the_driver_was_run_on_is_refused_at_start_in_one_line(tmp_path):
+    from apiserver_standin import ApiServer
+
+    from cgpud.k8s import draplugin
+
+    for ok in ("v1.37.2", "v1.38.0-alpha.1", "v2.0.0"):
+        draplugin.check_version(ok)
+    api = ApiServer(tmp_path)
+    api.version = "v1.36.1"
+    try:
+        (tmp_path / "registry").mkdir()
+        p = subprocess.Popen([CGPU, "--socket", os.fspath(tmp_path / "none.sock"), "dra-plugin", "--node-name", NODE,
+                              "--registry-dir", os.fspath(tmp_path / "registry"),
+                              "--plugin-dir", os.fspath(tmp_path / "plugin"), "--cdi-dir", os.fspath(tmp_path / "cdi"),
+                              "--state-dir", os.fspath(tmp_path / "state")], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                             env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig)))
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        assert r.returncode == 1, r.stderr
+        (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("Error")]
+        assert line.startswith("Error: the API server is Kubernetes v1.36.1: cgpu dra-plugin needs 1.37 or later"), r.stderr
+        assert "Traceback" not in r.stderr and not list((tmp_path / "registry").iterdir())
+        assert api.count("create", "resourceslices") == 0
+    finally:
+        api.close()

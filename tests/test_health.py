@@ -389,8 +389,8 @@ def test_every_unit_of_a_failed_gpu_goes_unhealthy_at_once_and_the_extender_plac
 
 
 def test_dra_taints_every_device_of_a_failed_gpu_noschedule():
-    """NVIDIA's DRA driver's way: the failed GPU's devices (here the GPU and each of its memory units)
-    carry a NoSchedule taint saying why; the healthy GPU's carry none."""
+    """NVIDIA's DRA driver's way: the failed GPU's device carries a NoSchedule taint saying why; the
+    healthy GPU's carries none."""
     from cgpud.k8s import dra
 
     snap = {"gpus": [
@@ -400,7 +400,7 @@ def test_dra_taints_every_device_of_a_failed_gpu_noschedule():
     gpus = dra.gpus_from_query(snap)
     devs = [d for s in dra.resource_slices("n1", gpus, 1 << 30) for d in s["spec"].get("devices", [])]
     tainted = {d["name"]: d["taints"] for d in devs if "taints" in d}
-    assert set(tainted) == {"gpu-1", *(f"gpu-1-unit-{j}" for j in range(4))}
+    assert set(tainted) == {"gpu-1"}
     assert all(t == [{"key": "cgpu.aliyun.com/xid", "value": "79", "effect": "NoSchedule"}] for t in tainted.values())
     lost = {"healthy": False, "reason": "GPU is lost (NVML_ERROR_GPU_IS_LOST)", "lost": True, "last_xid": 0}
     assert dra.health_taint(lost) == ("cgpu.aliyun.com/gpu-lost", "true")
@@ -441,12 +441,11 @@ def test_dra_reports_device_health_to_the_kubelet_over_nodewatchresources(tmp_pa
             stream = hrpc.DRAResourceHealthStub(ch).NodeWatchResources(hpb.NodeWatchResourcesRequest(), timeout=20)
             first = next(stream)
             assert {(d.device.pool_name, d.device.device_name, d.health) for d in first.devices} == {
-                ("node-1", n, hpb.HEALTHY) for n in ("gpu-0", "gpu-0-unit-0", "gpu-0-unit-1", "gpu-1", "gpu-1-unit-0",
-                                                    "gpu-1-unit-1")}
+                ("node-1", n, hpb.HEALTHY) for n in ("gpu-0", "gpu-1")}
             Node.gpus = [Node.gpus[0], dra.Gpu(1, "GPU-b", "T4", 2 << 30, (dra.TAINT_XID, "79"))]
             second = next(stream)
             bad = {d.device.device_name: d.message for d in second.devices if d.health == hpb.UNHEALTHY}
-            assert set(bad) == {"gpu-1", "gpu-1-unit-0", "gpu-1-unit-1"} and all("Xid 79" in m for m in bad.values())
+            assert set(bad) == {"gpu-1"} and all("Xid 79" in m for m in bad.values())
             Node.gpus = [Node.gpus[0], dra.Gpu(1, "GPU-b", "T4", 2 << 30)]
             assert {d.health for d in next(stream).devices} == {hpb.HEALTHY}
             stream.cancel()

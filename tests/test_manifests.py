@@ -243,7 +243,7 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted([
         ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
         ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"), ("ClusterRoleBinding", "cgpu-dra"),
-        ("DeviceClass", "gpu.cgpu.aliyun.com"), ("DeviceClass", "gpu-mem.cgpu.aliyun.com"),
+        ("DeviceClass", "gpu.cgpu.aliyun.com"),
         ("ServiceAccount", "cgpu-dra-webhook"), ("ClusterRole", "cgpu-dra-webhook"),
         ("ClusterRoleBinding", "cgpu-dra-webhook"), ("Deployment", "cgpu-dra-webhook"), ("Service", "cgpu-dra-webhook"),
         ("MutatingWebhookConfiguration", "cgpu-dra-webhook")])  # no extender
@@ -272,20 +272,23 @@ def test_the_dra_component_swaps_the_device_plugin_for_the_dra_plugin_with_the_l
     assert "plugins" not in volumes  # the device plugin's directory is not mounted
     role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "cgpu-dra")
     assert {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]} == {
-        ("resourceslices", ("list", "watch", "create", "update")), ("resourceclaims", ("get",))}
+        ("resourceslices", ("list", "watch", "create", "update", "delete")), ("resourceclaims", ("get",))}
     classes = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "DeviceClass"}
-    assert classes["gpu-mem.cgpu.aliyun.com"]["extendedResourceName"] == "aliyun.com/gpu-mem"
-    for name, kind in (("gpu.cgpu.aliyun.com", dra.KIND_GPU), ("gpu-mem.cgpu.aliyun.com", dra.KIND_UNIT)):
-        expr = classes[name]["selectors"][0]["cel"]["expression"]
-        assert f'device.driver == "{dra.DRIVER}"' in expr and f'.kind == "{kind}"' in expr, expr
+    assert list(classes) == ["gpu.cgpu.aliyun.com"]  # (gpu-mem reaches it through the webhook: no unit devices)
+    expr = classes["gpu.cgpu.aliyun.com"]["selectors"][0]["cel"]["expression"]
+    assert f'device.driver == "{dra.DRIVER}"' in expr and f'.kind == "{dra.KIND_GPU}"' in expr, expr
 
 
-def test_the_dra_webhook_sees_only_labelled_pods_at_create_and_is_reached_through_its_service(tmp_path):
+def test_the_dra_webhook_sees_only_gpu_pods_at_create_and_is_reached_through_its_service(tmp_path):
     from cgpud.k8s import webhook
 
     docs = {(d["kind"], d["metadata"]["name"]): d for d in dra_rendered(tmp_path / "overlay")}
     (hook,) = docs[("MutatingWebhookConfiguration", "cgpu-dra-webhook")]["webhooks"]
-    assert hook["objectSelector"] == {"matchExpressions": [{"key": webhook.LABEL, "operator": "Exists"}]}
+    assert "objectSelector" not in hook
+    (cond,) = hook["matchConditions"]  # (the API server evaluates it: tests/test_cluster_dra.py)
+    for word in (f"'{webhook.LABEL}' in object.metadata.labels", f"'{webhook.RESOURCE}' in c.resources.limits",
+                 f"'{webhook.RESOURCE}' in c.resources.requests", "object.spec.initContainers.exists"):
+        assert word in cond["expression"], word
     assert hook["namespaceSelector"] == {"matchExpressions": [
         {"key": "cgpu.aliyun.com/dra-webhook", "operator": "NotIn", "values": ["off"]}]}
     assert hook["rules"] == [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],

@@ -8,7 +8,7 @@ import time
 
 from cgpud import __version__
 from cgpud.control.protocol import Peer, Refused, Streamed, arg, gpu_arg
-from cgpud.core.model import Node
+from cgpud.core.model import Node, quoted
 
 
 def snapshot(node: Node) -> dict:
@@ -40,7 +40,7 @@ def snapshot(node: Node) -> dict:
 class Views:
     """hello, query, stats, trace: a family of Control's ops (control.server)."""
 
-    OPS = {"hello": False, "query": False, "stats": False, "trace": False}
+    OPS = {"hello": False, "query": False, "stats": False, "trace": False, "mode": True}
 
     def hello(self, req: dict, peer: Peer) -> dict:
         return {
@@ -58,6 +58,17 @@ class Views:
 
     def query(self, req: dict, peer: Peer) -> dict:
         return {**snapshot(self.node), "strategy": self.strategy, "mode": self.mode}
+
+    def mode(self, req: dict, peer: Peer) -> dict:
+        """Set the node's mode for the containers that start from now on (the device plugin follows
+        the node's ack.node.gpu.schedule label: docs/kubernetes.md); running ones keep theirs."""
+        from cgpud.containers.placement import MODES
+
+        mode = arg(req, "mode", str)
+        if mode not in MODES:
+            raise Refused(errno.EINVAL, f"mode {quoted(mode)} is not one of {', '.join(MODES)}")
+        before, self.mode = self.mode, mode
+        return {"mode": mode, "was": before}
 
     def stats(self, req: dict, peer: Peer) -> list[dict]:
         """The scheduler's telemetry per GPU (empty when it does not run)."""

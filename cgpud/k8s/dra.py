@@ -7,9 +7,9 @@ decisions out; the plugin (cgpud.k8s.draplugin) does the I/O.
   memoryUnit (bytes) and kind, and the capacity `memory`: the GPU's whole
   units in bytes, shared by several claims (allowMultipleAllocations,
   KEP-5075) in steps of the node's unit (requestPolicy: 1 GiB, 128 MiB on a
-  `share` node); and one device per memory unit, `gpu-<index>-unit-<j>`, for
-  `aliyun.com/gpu-mem: N` (KEP-5004 allocates N devices); both kinds draw on
-  the GPU's counter (KEP-4815), so a GPU never gives more than it has.
+  `share` node). One slice per node; `aliyun.com/gpu-mem: N` reaches it as a
+  capacity request (cgpud.k8s.webhook), of any size one GPU holds
+  (docs/decisions.md: the layout).
 - `plan`: an allocated ResourceClaim → per request, the GPUs and bytes on each,
   and the weight and high priority of its opaque configuration
   (`GpuConfig`), or DraError saying why.
@@ -24,6 +24,7 @@ decisions out; the plugin (cgpud.k8s.draplugin) does the I/O.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -81,9 +82,8 @@ def _taints(g: Gpu) -> dict:
     return {"taints": [{"key": g.taint[0], "value": g.taint[1], "effect": "NoSchedule"}]} if g.taint else {}
 
 
-KIND_GPU, KIND_UNIT = "gpu", "memory-unit"  # the attribute `kind` the two DeviceClasses select on
-PER_SLICE = 64  # devices per slice when they consume counters (ResourceSliceMaxDevicesWithAdvancedFeatures)
-COUNTER_SETS_PER_SLICE = 8  # (ResourceSliceMaxCounterSets)
+KIND_GPU, KIND_UNIT = "gpu", "memory-unit"  # the attribute `kind` (memory units: slices of before 1.3, read only)
+PER_SLICE = 128  # devices per slice (ResourceSliceMaxDevices)
 
 
 def device_name(index: int, unit: int | None = None) -> str:
@@ -96,53 +96,107 @@ def parse_device(name: str) -> tuple[int, bool] | None:
     return (int(m[1]), bool(m[2])) if m else None
 
 
+NAME_MAX = 253  # a ResourceSlice's name is a DNS subdomain
+
+
 def slice_name(node: str, k: int = 0) -> str:
-    return f"{node}-{DRIVER}-{k}"
+    """`<node>-cgpu.aliyun.com-<k>`; a node name too long for that (node names may have 253
+    characters themselves) is cut and told apart from others cut alike by a hash of it."""
+    tail = f"-{DRIVER}-{k}"
+    name = f"{node}{tail}"
+    if len(name) <= NAME_MAX:
+        return name
+    digest = hashlib.sha256(node.encode()).hexdigest()[:10]
+    head = node[:NAME_MAX - len(tail) - len(digest) - 1].rstrip(".-")
+    return f"{head}-{digest}{tail}"
+
+
+def node_owner(node: str, uid: str) -> dict:
+    """The owner reference that ties a slice to its Node: the garbage collector removes the slices
+    of a Node that is deleted (an autoscaled-away node leaves none behind)."""
+    return {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid, "controller": True}
 
 
 def devices(gpus: list[Gpu], unit: int) -> list[dict]:
-    """Each GPU as a device claims share by memory (capacity `memory`, KEP-5075), then each of its
-    memory units as a device of its own (what `aliyun.com/gpu-mem: N` is allocated as: N devices,
-    KEP-5004). Both draw on the GPU's counter `memory`: the GPU device takes all of it at its first
-    claim, a unit device one unit, so a GPU serves claims or units at a time, never both over."""
+    """Each GPU as one device whose memory claims share (capacity `memory`, KEP-5075: several
+    allocations, each in steps of the node's unit); a GPU out of service tainted NoSchedule."""
     out = []
     for g in gpus:
-        attrs = {"uuid": {"string": g.uuid}, "model": {"string": g.model}, "index": {"int": g.index},
-                 "memoryUnit": {"int": unit}}
         whole = g.units(unit) * unit
-        out.append({
+        dev = {
             "name": device_name(g.index), "allowMultipleAllocations": True,
-            "attributes": {**attrs, "kind": {"string": KIND_GPU}},
+            "attributes": {"uuid": {"string": g.uuid}, "model": {"string": g.model}, "index": {"int": g.index},
+                           "memoryUnit": {"int": unit}, "kind": {"string": KIND_GPU}},
             "capacity": {CAPACITY: {"value": str(whole), "requestPolicy": {
                 "default": str(unit), "validRange": {"min": str(unit), "step": str(unit)}}}},
-            "consumesCounters": [{"counterSet": device_name(g.index), "counters": {CAPACITY: {"value": str(whole)}}}],
             **_taints(g),
-        })
-    for g in gpus:
-        attrs = {"uuid": {"string": g.uuid}, "model": {"string": g.model}, "index": {"int": g.index},
-                 "memoryUnit": {"int": unit}, "kind": {"string": KIND_UNIT}}
-        out += [{"name": device_name(g.index, j), "attributes": attrs,
-                 "consumesCounters": [{"counterSet": device_name(g.index), "counters": {CAPACITY: {"value": str(unit)}}}],
-                 **_taints(g)}
-                for j in range(g.units(unit))]
+        }
+        out.append(dev)
     return out
 
 
-def resource_slices(node: str, gpus: list[Gpu], unit: int, generation: int = 1) -> list[dict]:
-    """The node's ResourceSlices, one pool named after the node: the GPUs' counters first (a slice
-    holds counters or devices, not both), then the devices, at most PER_SLICE a slice."""
-    counters = [{"name": device_name(g.index), "counters": {CAPACITY: {"value": str(g.units(unit) * unit)}}}
-                for g in gpus]
+def resource_slices(node: str, gpus: list[Gpu], unit: int, generation: int = 1, owner: dict | None = None) -> list[dict]:
+    """The node's ResourceSlices, one pool named after the node: its GPUs, PER_SLICE a slice (one
+    slice for any node there is)."""
     devs = devices(gpus, unit)
-    parts = [{"sharedCounters": counters[i:i + COUNTER_SETS_PER_SLICE]}
-             for i in range(0, len(counters), COUNTER_SETS_PER_SLICE)]
-    parts += [{"devices": devs[i:i + PER_SLICE]} for i in range(0, len(devs), PER_SLICE)]
+    parts = [devs[i:i + PER_SLICE] for i in range(0, len(devs), PER_SLICE)] or [[]]
     return [{
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-        "metadata": {"name": slice_name(node, k)},
+        "metadata": {"name": slice_name(node, k), **({"ownerReferences": [owner]} if owner else {})},
         "spec": {"driver": DRIVER, "nodeName": node,
-                 "pool": {"name": node, "generation": generation, "resourceSliceCount": len(parts)}, **part},
+                 "pool": {"name": node, "generation": generation, "resourceSliceCount": len(parts)}, "devices": part},
     } for k, part in enumerate(parts)]
+
+
+QUANTITY_KEYS = ("value", "default", "min", "max", "step")  # where a slice holds resource.Quantity strings
+
+
+def canonical(obj):
+    """A slice's part as the API server means it, for comparing what it holds with what we would
+    write: quantities as whole numbers (the server may write `14Gi` for `15032385536`), and empty
+    or null fields left out (the server omits them)."""
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            v = canonical(v)
+            if k in QUANTITY_KEYS and isinstance(v, str):
+                try:
+                    v = quantity(v)
+                except DraError:
+                    pass
+            elif k == "validValues" and isinstance(v, list):
+                v = [quantity(x) if isinstance(x, str) and re.fullmatch(r"[0-9.]+[A-Za-z]*", x) else x for x in v]
+            if v is None or v == [] or v == {}:
+                continue
+            out[k] = v
+        return out
+    if isinstance(obj, list):
+        return [canonical(x) for x in obj]
+    return obj
+
+
+def slice_content(obj: dict) -> dict:
+    """What a slice says, the pool's generation aside (a slice written again at the next generation
+    says the same): its spec and its owners, canonical."""
+    spec = dict(obj.get("spec") or {})
+    spec["pool"] = {k: v for k, v in (spec.get("pool") or {}).items() if k != "generation"}
+    owners = [{k: o.get(k) for k in ("apiVersion", "kind", "name", "uid")}
+              for o in (obj.get("metadata") or {}).get("ownerReferences") or ()]
+    return canonical({"spec": spec, "owners": owners})
+
+
+def first_difference(a, b, path: str = "") -> str:
+    """Where two canonical objects first differ (`spec.devices[3].capacity`), for a log line."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+        return path
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return first_difference(x, y, f"{path}[{i}]")
+    return path
 
 
 def quantity(text) -> int:

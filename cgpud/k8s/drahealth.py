@@ -4,8 +4,8 @@ registration. The kubelet (ResourceHealthStatus, beta and on by default since 1.
 NodeWatchResources stream open and puts each allocated device's health into the pod's status
 (`kubectl describe pod`: allocatedResourcesStatus).
 
-Every device of the node's pool (pool = node name: the GPU `gpu-N` and its memory units
-`gpu-N-unit-J`, cgpud.k8s.dra) is HEALTHY while its GPU is in service and UNHEALTHY, with the reason,
+Every device of the node's pool (pool = node name: the GPU `gpu-N`, one device per GPU,
+cgpud.k8s.dra) is HEALTHY while its GPU is in service and UNHEALTHY, with the reason,
 while the daemon's health watch has it out (docs/gpus.md, Health); UNKNOWN while the daemon does not
 answer. The list is sent at once on a change and again every RESEND seconds (the kubelet takes a
 device not heard of within its timeout as Unknown).
@@ -40,10 +40,9 @@ def health_list(pool: str, gpus: list[dra.Gpu] | None, unit: int, known: list[dr
     for g in (gpus if gpus is not None else known):
         health = pb.UNKNOWN if gpus is None else pb.UNHEALTHY if g.taint else pb.HEALTHY
         msg = "cgpud does not answer on the node" if gpus is None else _message(g) if g.taint else ""
-        names = [dra.device_name(g.index)] + [dra.device_name(g.index, j) for j in range(g.units(unit) if unit else 0)]
-        out += [pb.DeviceHealth(device=pb.DeviceIdentifier(pool_name=pool, device_name=n), health=health,
-                                last_updated_time=now, health_check_timeout_seconds=TIMEOUT, message=msg)
-                for n in names]
+        out.append(pb.DeviceHealth(device=pb.DeviceIdentifier(pool_name=pool, device_name=dra.device_name(g.index)),
+                                   health=health, last_updated_time=now, health_check_timeout_seconds=TIMEOUT,
+                                   message=msg))
     return pb.NodeWatchResourcesResponse(devices=out)
 
 

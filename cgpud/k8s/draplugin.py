@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -51,6 +52,30 @@ DEFAULT_CDI_DIR = "/var/run/cdi"
 DEFAULT_STATE_DIR = "/var/lib/cgpud/dra"
 POLL = 0.1  # s: how often our sockets are looked at
 REFRESH = 1.0  # s: how often the daemon is asked what GPUs it has
+API_TIMEOUT = 10.0  # s: the longest one call to the API server may take
+
+
+# The oldest Kubernetes this driver was run on (docs/kubernetes.md, DRA versions): one device per GPU
+# whose memory claims share (DRAConsumableCapacity: allowMultipleAllocations, requestPolicy,
+# distinctAttribute), firstAvailable (DRAPrioritizedList) and the webhook's matchConditions, all on
+# by default in 1.37 (the cluster tier's). Older servers are refused at start, not served wrongly.
+MIN_VERSION = (1, 37)
+
+
+class TooOld(Exception):
+    """The API server is older than MIN_VERSION; str() is the one line."""
+
+
+def check_version(git_version: str) -> None:
+    """TooOld unless `git_version` (the API server's /version, `v1.37.2`) is MIN_VERSION or later."""
+    m = re.match(r"v?(\d+)\.(\d+)", git_version or "")
+    if m is None:
+        raise TooOld(f"the API server says it is version {git_version!r}: cgpu dra-plugin needs Kubernetes "
+                     f"{MIN_VERSION[0]}.{MIN_VERSION[1]} or later")
+    if (int(m[1]), int(m[2])) < MIN_VERSION:
+        raise TooOld(f"the API server is Kubernetes {git_version}: cgpu dra-plugin needs {MIN_VERSION[0]}."
+                     f"{MIN_VERSION[1]} or later (the memory claims share is not on before; docs/kubernetes.md, "
+                     "DRA versions): use the device plugin and extender on this cluster")
 
 
 def write_atomically(path: str, data: bytes) -> None:
@@ -104,24 +129,43 @@ class Node:
 class Api:
     """The API server through the official client: claims read; the node's slices watched (so a
     slice someone deleted — the kubelet deletes its node's slices when it starts — is written
-    again at once, and nothing is read to find out) and written when they differ."""
+    again at once, and nothing is read to find out) and written when they differ. Every call has a
+    timeout (API_TIMEOUT): a hung API server delays one claim, never the node's plugin."""
 
     def __init__(self, node: str) -> None:
         from kubernetes import client
 
         from cgpud.k8s.api import connect
 
-        _, api_client = connect("cgpu-dra-plugin")
+        self.core, api_client = connect("cgpu-dra-plugin")
         self.resource = client.ResourceV1Api(api_client)
+        self.versions = client.VersionApi(api_client)
         self.node = node
         self.have: dict[str, dict] = {}  # our slices as the API server has them, by name
+        # what the API server made of a slice we wrote, by name: (what we sent, what it stored),
+        # both canonical; where it dropped or changed a field, writing again would change nothing
+        self.stored_as: dict[str, tuple[dict, dict]] = {}
+        self.said_dropped: set[str] = set()
         self.lock = threading.Lock()
         self.on_change = None  # called when the watch brings a change to our slices
         self.watch = None
+        self.owner: dict | None = None
+
+    def server_version(self) -> str:
+        r = self.versions.get_code(_preload_content=False, _request_timeout=API_TIMEOUT)
+        return str(json.loads(r.data).get("gitVersion", ""))
 
     def claim(self, namespace: str, name: str) -> dict:
-        r = self.resource.read_namespaced_resource_claim(name, namespace, _preload_content=False)
+        r = self.resource.read_namespaced_resource_claim(name, namespace, _preload_content=False,
+                                                         _request_timeout=API_TIMEOUT)
         return json.loads(r.data)
+
+    def node_owner(self) -> dict | None:
+        """The owner reference to our Node (read once; None while it cannot be read)."""
+        if self.owner is None:
+            r = self.core.read_node(self.node, _preload_content=False, _request_timeout=API_TIMEOUT)
+            self.owner = dra.node_owner(self.node, json.loads(r.data)["metadata"]["uid"])
+        return self.owner
 
     def start_watch(self) -> None:
         from cgpud.k8s.informer import Informer
@@ -151,41 +195,90 @@ class Api:
         self.watch.sync()
         self.watch.start()
 
-    def publish(self, slices: list[dict]) -> bool:
-        """Write the node's slices when what the API server has differs, all with the pool's next
-        generation (kube-scheduler reads a pool's slices of its highest generation only, so a slice
-        left from a longer list earlier is ignored). True when it wrote."""
-        def spec(obj: dict) -> dict:
-            return {**obj.get("spec", {}), "pool": {**obj.get("spec", {}).get("pool", {}), "generation": None}}
+    def same(self, have: dict, want: dict) -> bool:
+        """The API server's slice says what we would write (semantically: quantities by value,
+        fields it drops or rewrites as it did the last time we wrote this)."""
+        h, w = dra.slice_content(have), dra.slice_content(want)
+        return h == w or self.stored_as.get(want["metadata"]["name"]) == (w, h)
 
+    def publish(self, slices: list[dict]) -> bool:
+        """Make the API server's slices of this node what `slices` say, as upstream's slice
+        controller does: nothing when they say it already; one slice changed in place at the pool's
+        generation when that suffices; else all at the next generation (kube-scheduler reads a
+        pool's slices of its highest generation only), then the slices no longer wanted deleted.
+        True when it wrote."""
         with self.lock:
             have = dict(self.have)
-        if all(b["metadata"]["name"] in have and spec(have[b["metadata"]["name"]]) == spec(b) for b in slices):
+        want = {b["metadata"]["name"]: b for b in slices}
+
+        def generation(obj: dict) -> int:
+            return int((obj.get("spec") or {}).get("pool", {}).get("generation", 0))
+
+        top = max((generation(o) for o in have.values()), default=0)
+        differ = [n for n, b in want.items() if n not in have or not self.same(have[n], b)]
+        obsolete = [n for n in have if n not in want]
+        whole = all(n in have and generation(have[n]) == top for n in want)  # (a write cut short earlier: not)
+        if not differ and not obsolete and whole:
             return False
-        generation = 1 + max((int(o["spec"]["pool"].get("generation", 0)) for o in have.values()), default=0)
-        for body in json.loads(json.dumps(slices)):
-            body["spec"]["pool"]["generation"] = generation
-            old = have.get(body["metadata"]["name"])
+        if whole and not obsolete and len(differ) == 1:
+            gen, names = top, differ  # one update: the pool is never seen half old, half new
+        else:
+            gen, names = top + 1, list(want)
+        for name in names:
+            body = json.loads(json.dumps(want[name]))
+            body["spec"]["pool"]["generation"] = gen
+            old = have.get(name)
             if old is None:
-                r = self.resource.create_resource_slice(body, _preload_content=False)
+                r = self.resource.create_resource_slice(body, _preload_content=False, _request_timeout=API_TIMEOUT)
             else:
                 body["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
-                r = self.resource.replace_resource_slice(body["metadata"]["name"], body, _preload_content=False)
+                r = self.resource.replace_resource_slice(name, body, _preload_content=False,
+                                                         _request_timeout=API_TIMEOUT)
             written = json.loads(r.data)
+            sent, stored = dra.slice_content(body), dra.slice_content(written)
+            if sent != stored:
+                self.stored_as[name] = (sent, stored)
+                if name not in self.said_dropped:
+                    self.said_dropped.add(name)
+                    log.warning("the API server stored ResourceSlice %s otherwise than written (first at %s): "
+                                "a feature gate of the server off? (docs/kubernetes.md, DRA versions); not "
+                                "written again for that", name, dra.first_difference(sent, stored))
+            else:
+                self.stored_as.pop(name, None)
             with self.lock:  # (its watch event may come later: a look before it must not write again)
-                self.have[written["metadata"]["name"]] = written
+                self.have[name] = written
+        for name in obsolete:
+            try:
+                self.resource.delete_resource_slice(name, _preload_content=False, _request_timeout=API_TIMEOUT)
+            except Exception as exc:  # noqa: BLE001 - gone already is what we want
+                if getattr(exc, "status", None) != 404:
+                    raise
+            with self.lock:
+                self.have.pop(name, None)
+            self.stored_as.pop(name, None)
         return True
 
 
 class Driver(rpc.DRAPluginServicer):
+    """The kubelet's Prepare and Unprepare. Each claim has a lock of its own (a claim whose API call
+    hangs holds up no other); the API server is asked with a timeout."""
+
     def __init__(self, node: Node, node_name: str, state_dir: str, cdi_dir: str, claims,
                  mounts: list[str] | None = None) -> None:
         self.node, self.node_name = node, node_name
         self.state_dir, self.cdi_dir = state_dir, cdi_dir
         self.claims = claims  # (namespace, name) -> the ResourceClaim as JSON
         self.mounts = mounts or []
-        self.lock = threading.Lock()
+        self.guard = threading.Lock()
+        self.locks: dict[str, threading.Lock] = {}
+        self.unit_refused: str | None = None  # why new claims are refused (the node's unit changed under claims)
+        self.spec_unit: int | None = None  # the unit the prepared claims' specs were last written in
+        self.on_unprepare = None
         os.makedirs(state_dir, exist_ok=True)
+
+    def lock_of(self, uid: str) -> threading.Lock:
+        with self.guard:
+            return self.locks.setdefault(uid, threading.Lock())
 
     # ---- on disk -------------------------------------------------------------------------
 
@@ -206,6 +299,112 @@ class Driver(rpc.DRAPluginServicer):
                 except (OSError, ValueError) as exc:
                     log.warning("unreadable record %s (%s): ignored", f, exc)
         return out
+
+    def _read_record(self, uid: str) -> dict | None:
+        try:
+            with open(self.record_path(uid)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:  # (a record cut short by a full disk): prepared anew
+            log.warning("claim %s's record is unreadable (%s): preparing it anew", uid, exc)
+            return None
+
+    def spec_of(self, record: dict, unit: int) -> dict:
+        """A prepared claim's CDI spec in `unit` (its bytes are kept, the environment is in units),
+        or DraError when its bytes are not whole units of `unit`."""
+        shares = [dra.Share.from_dict(s) for s in record["shares"]]
+        for s in shares:
+            for i, b in s.gpus:
+                if b % unit:
+                    raise dra.DraError(f"claim {record['namespace']}/{record['name']} holds {b} bytes of GPU {i}, "
+                                       f"not a whole number of {unit}-byte units")
+        if "gpus" in record:
+            gpus = [dra.Gpu(int(i), str(u), "", 0) for i, u in record["gpus"]]
+        else:  # (a record of an earlier version: the GPUs as the daemon has them)
+            gpus = list(self.node.gpus or ())
+        return dra.cdi_spec(record["uid"], shares, gpus, unit, self.mounts)
+
+    def write_spec(self, record: dict) -> None:
+        unit = self.node.unit if self.node.gpus is not None else int(record["unit"])
+        try:
+            spec = self.spec_of(record, unit)
+        except dra.DraError:  # (the unit change is refused: the claim's spec stays in its own unit)
+            spec = self.spec_of(record, int(record["unit"]))
+        write_atomically(self.spec_path(record["uid"]), json.dumps(spec, indent=1).encode())
+
+    def _remove(self, uid: str) -> None:
+        for path in (self.spec_path(uid), self.record_path(uid)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    # ---- at start and when the node's unit changes -------------------------------------------
+
+    def restore(self) -> int:
+        """At start, before the kubelet can call: every prepared claim's CDI spec written again (a
+        node's reboot empties /var/run/cdi, and the kubelet starts a claim's containers again with
+        no new Prepare), and the records of claims that are gone collected. The claims that remain."""
+        asking, kept = True, 0
+        self.spec_unit = self.node.unit if self.node.gpus is not None else None
+        for uid, record in self.prepared().items():
+            with self.lock_of(uid):
+                gone = False
+                if asking:
+                    try:
+                        claim = self.claims(record["namespace"], record["name"])
+                        gone = (claim.get("metadata") or {}).get("uid") != uid
+                    except Exception as exc:  # noqa: BLE001 - gone, or the API server not answering
+                        if getattr(exc, "status", None) == 404:
+                            gone = True
+                        else:
+                            asking = False  # (keep every record: they were right when prepared)
+                            log.warning("cannot read the prepared claims (%s): their CDI specs are written "
+                                        "again all the same", one_line(exc))
+                if gone:
+                    self._remove(uid)
+                    log.info("claim %s/%s (%s) is gone: its record collected", record["namespace"],
+                             record["name"], uid)
+                    continue
+                try:
+                    self.write_spec(record)
+                    kept += 1
+                except (OSError, KeyError, ValueError) as exc:
+                    log.warning("cannot write claim %s's CDI spec again (%s)", uid, exc)
+        return kept
+
+    def accept_unit(self, unit: int) -> bool:
+        """The node's unit is `unit` now: every prepared claim's spec in it (their bytes kept), and
+        True; False (and new claims refused, saying why) while a claim's bytes are not whole units
+        of it — its containers would start with other memory than the claim's."""
+        records = self.prepared()
+        odd = []
+        for uid, record in records.items():
+            try:
+                self.spec_of(record, unit)
+            except dra.DraError:
+                odd.append(f"{record['namespace']}/{record['name']}")
+            except (KeyError, ValueError):
+                pass
+        if odd:
+            why = (f"the node's unit changed to {unit} bytes while claims holding other sizes are prepared "
+                   f"({', '.join(odd[:3])}{'…' if len(odd) > 3 else ''}): delete their pods, or run cgpud in "
+                   f"its earlier mode")
+            if why != self.unit_refused:
+                log.warning("%s; new claims are refused until then", why)
+            self.unit_refused = why
+            return False
+        if self.unit_refused:
+            log.info("the node's unit is %d bytes: claims are accepted again", unit)
+        self.unit_refused = None
+        if unit != self.spec_unit:
+            for uid, record in records.items():
+                with self.lock_of(uid):
+                    if os.path.exists(self.record_path(uid)):
+                        self.write_spec(record)
+            self.spec_unit = unit
+        return True
 
     # ---- the kubelet's calls -----------------------------------------------------------------
 
@@ -233,34 +432,50 @@ class Driver(rpc.DRAPluginServicer):
                 out[c.uid] = pb.NodeUnprepareResourceResponse(error=f"cannot remove claim {c.uid}'s files: {exc}")
         return pb.NodeUnprepareResourcesResponse(claims=out)
 
-    def prepare(self, namespace: str, name: str, uid: str) -> pb.NodePrepareResourceResponse:
-        with self.lock:
-            try:
-                with open(self.record_path(uid)) as f:
-                    record = json.load(f)  # prepared before (the kubelet asks again after its restart)
-            except FileNotFoundError:
-                record = None
-            except (OSError, ValueError) as exc:  # (a record cut short by a full disk): prepared anew
-                log.warning("claim %s's record is unreadable (%s): preparing it anew", uid, exc)
-                record = None
-            if record is None:
-                record = self._prepare_new(namespace, name, uid)
-        devices = []
-        for d in record["devices"]:
-            devices.append(pb.Device(request_names=[d["request"]], pool_name=d["pool"], device_name=d["device"],
-                                     cdi_device_ids=d["cdi"], **({"share_id": d["share"]} if d.get("share") else {})))
-        return pb.NodePrepareResourceResponse(devices=devices)
-
-    def _prepare_new(self, namespace: str, name: str, uid: str) -> dict:
-        gpus, unit = self.node.gpus, self.node.unit
-        if gpus is None:
-            raise dra.DraError("cgpud does not answer on the node: start it (cgpud serve)")
+    def _claim(self, namespace: str, name: str, uid: str) -> dict:
         try:
             claim = self.claims(namespace, name)
         except Exception as exc:  # noqa: BLE001 - any trouble asking: one line for the pod's events
             raise dra.DraError(f"cannot read ResourceClaim {namespace}/{name}: {one_line(exc)}") from None
         if (claim.get("metadata") or {}).get("uid") != uid:
             raise dra.DraError(f"ResourceClaim {namespace}/{name} is not the claim {uid} (deleted and made again?)")
+        return claim
+
+    def prepare(self, namespace: str, name: str, uid: str) -> pb.NodePrepareResourceResponse:
+        with self.lock_of(uid):
+            record = self._read_record(uid)
+            claim = None
+            if record is not None:  # prepared before (the kubelet asks again after its restart, a reboot…)
+                try:
+                    claim = self.claims(namespace, name)
+                except Exception as exc:  # noqa: BLE001
+                    if getattr(exc, "status", None) == 404:
+                        raise dra.DraError(f"cannot read ResourceClaim {namespace}/{name}: {one_line(exc)}") from None
+                    log.warning("cannot read ResourceClaim %s/%s (%s): prepared as recorded", namespace, name,
+                                one_line(exc))
+                if claim is not None and ((claim.get("metadata") or {}).get("uid") != uid
+                                          or allocation(claim) != record.get("allocation", allocation(claim))):
+                    log.info("claim %s/%s (%s) was allocated anew since it was prepared: preparing it again",
+                             namespace, name, uid)
+                    record = None
+            if record is None:
+                record = self._prepare_new(namespace, name, uid, claim)
+            else:
+                self.write_spec(record)  # (a reboot emptied the CDI directory; the unit may have changed)
+        devices = []
+        for d in record["devices"]:
+            devices.append(pb.Device(request_names=[d["request"]], pool_name=d["pool"], device_name=d["device"],
+                                     cdi_device_ids=d["cdi"], **({"share_id": d["share"]} if d.get("share") else {})))
+        return pb.NodePrepareResourceResponse(devices=devices)
+
+    def _prepare_new(self, namespace: str, name: str, uid: str, claim: dict | None = None) -> dict:
+        gpus, unit = self.node.gpus, self.node.unit
+        if gpus is None:
+            raise dra.DraError("cgpud does not answer on the node: start it (cgpud serve)")
+        if self.unit_refused:
+            raise dra.DraError(self.unit_refused)
+        if claim is None or (claim.get("metadata") or {}).get("uid") != uid:
+            claim = self._claim(namespace, name, uid)
         shares = dra.plan(claim, self.node_name, gpus, unit)
         results = [r for r in claim["status"]["allocation"]["devices"]["results"] if r.get("driver") == dra.DRIVER]
         devices, given = [], set()
@@ -270,23 +485,43 @@ class Driver(rpc.DRAPluginServicer):
             devices.append({"request": r["request"], "pool": r["pool"], "device": r["device"],
                             "share": r.get("shareID"),
                             "cdi": [f"{dra.CDI_VENDOR_CLASS}={dra.cdi_device(uid, r['request'])}"] if first else []})
-        spec = dra.cdi_spec(uid, shares, gpus, unit, self.mounts)
-        write_atomically(self.spec_path(uid), json.dumps(spec, indent=1).encode())
+        used = {i for s in shares for i, _ in s.gpus}
         record = {"namespace": namespace, "name": name, "uid": uid, "unit": unit,
-                  "shares": [s.as_dict() for s in shares], "devices": devices}
+                  "shares": [s.as_dict() for s in shares], "devices": devices,
+                  "gpus": [[g.index, g.uuid] for g in gpus if g.index in used], "allocation": allocation(claim)}
+        spec = self.spec_of(record, unit)
+        write_atomically(self.spec_path(uid), json.dumps(spec, indent=1).encode())
         write_atomically(self.record_path(uid), json.dumps(record).encode())
         log.info("prepared %s/%s (%s): %s", namespace, name, uid, "; ".join(
             f"{s.request}: " + ", ".join(f"GPU {i} {b} bytes" for i, b in s.gpus) for s in shares))
         return record
 
     def unprepare(self, uid: str) -> None:
-        with self.lock:
-            for path in (self.spec_path(uid), self.record_path(uid)):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+        with self.lock_of(uid):
+            self._remove(uid)
+        with self.guard:
+            self.locks.pop(uid, None)
         log.info("unprepared %s", uid)
+        if self.unit_refused and self.on_unprepare is not None:
+            self.on_unprepare()
+
+
+def allocation(claim: dict) -> list:
+    """What a claim was allocated of our driver, comparable: (request, pool, device, share ID,
+    bytes consumed) of each result. A claim allocated anew under the same UID differs (a new
+    share ID at least)."""
+    results = ((((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or ())
+    out = []
+    for r in results:
+        if r.get("driver") != dra.DRIVER:
+            continue
+        consumed = (r.get("consumedCapacity") or {}).get(dra.CAPACITY)
+        try:
+            consumed = dra.quantity(consumed) if consumed is not None else None
+        except dra.DraError:
+            pass
+        out.append([r.get("request"), r.get("pool"), r.get("device"), r.get("shareID"), consumed])
+    return sorted(out, key=json.dumps)
 
 
 class Registration(regrpc.RegistrationServicer):
@@ -369,6 +604,13 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
 
     node = Node(socket or default_socket())
     api = Api(node_name)
+    try:
+        version = api.server_version()
+    except Exception as exc:  # noqa: BLE001 - not reachable yet: it serves its node all the same
+        log.warning("cannot read the API server's version (%s): going on", one_line(exc))
+    else:
+        check_version(version)
+        log.info("the API server is Kubernetes %s", version)
     driver = Driver(node, node_name, state_dir, cdi_dir, api.claim,
                     mounts=[os.path.dirname(os.path.abspath(node.socket))])
     registration = Registration(os.path.join(plugin_dir, "dra.sock"))
@@ -377,11 +619,23 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
     kick = threading.Event()  # (wakes the loop below at once)
 
     failing: list[str] = []  # the last failure said (said once until it works again)
+    no_owner: list[int] = []  # (said once)
 
     def publish(gpus, unit) -> None:
         pending.clear()
+        if not driver.accept_unit(unit):
+            return  # (the slices stay in the old unit until the claims holding other sizes are gone)
         try:
-            slices = dra.resource_slices(node_name, gpus, unit)
+            owner = None
+            try:
+                owner = api.node_owner()
+            except Exception as exc:  # noqa: BLE001 - published all the same; the owner next time
+                if not no_owner:
+                    no_owner.append(1)
+                    log.warning("cannot read Node %s (%s): its slices are published without an owner", node_name,
+                                one_line(exc))
+                pending.set()
+            slices = dra.resource_slices(node_name, gpus, unit, owner=owner)
             if api.publish(slices):
                 log.info("published %d ResourceSlices of pool %s: %d GPUs in units of %d bytes", len(slices),
                          node_name, len(gpus), unit)
@@ -412,14 +666,16 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
             kick.clear()
 
     api.on_change = changed
+    driver.on_unprepare = changed
+    node.poll()  # (the node's unit, for the specs written again below)
+    restored = driver.restore()  # before the kubelet can call (it starts a claim's containers with no Prepare)
     try:
         api.start_watch()
     except Exception as exc:  # noqa: BLE001 - its thread lists again; say it now
         log.warning("cannot list the ResourceSlices of %s yet (%s)", node_name, one_line(exc))
         threading.Thread(target=api.watch.run, daemon=True).start()
     node.on_change = publish
-    log.info("cgpu DRA plugin %s on node %s: %d claims prepared before", dra.DRIVER, node_name,
-             len(driver.prepared()))
+    log.info("cgpu DRA plugin %s on node %s: %d claims prepared before", dra.DRIVER, node_name, restored)
     threading.Thread(target=follow, daemon=True).start()
     try:
         serve(driver, registry_dir, plugin_dir, stop, registration)

@@ -1,25 +1,32 @@
-"""What `cgpu dra-webhook` decides (docs/kubernetes.md, DRA mode: seed 000's label). Pure: an
-AdmissionReview's pod in, a JSONPatch and the ResourceClaimTemplates it names out, or Denied
-saying why; cgpud.k8s.webhookserver does the I/O.
+"""What `cgpu dra-webhook` decides (docs/kubernetes.md, DRA mode). Pure: an AdmissionReview's pod
+in, a JSONPatch and the ResourceClaimTemplates it names out, or Denied saying why;
+cgpud.k8s.webhookserver does the I/O.
 
-A pod with the label `aliyun.com/gpu-count: M` (M ≥ 2) whose containers ask
-`aliyun.com/gpu-mem: N` wants N/M of the node's units on each of M GPUs of one node (seed
-000; gpushare's extender does it from the same label). DRA's extended-resource mapping cannot
-read a label, so at CREATE each such container loses its gpu-mem (limits and requests) and gets
-a claim of its own from the template `cgpu-gpu-mem-<N>x<M>` of the pod's namespace, one
-request of M devices of the class gpu.cgpu.aliyun.com each giving N/M units of memory:
+A pod whose containers ask `aliyun.com/gpu-mem: N` (the seeds' manifests, unchanged) loses its
+gpu-mem (limits and requests) at CREATE and gets one claim, `cgpu-gpu-mem`, from a template of
+the pod's namespace that asks the memory as capacity of the node's GPU devices (one device per
+GPU, `memory` shared by claims: docs/decisions.md). Every alternative of a request is one of the
+node units a node may publish (the slices' attribute memoryUnit decides, as the node's unit does
+for the extender):
 
-    firstAvailable:                                  # the node's unit decides, as it does for
-      - {name: unit-1gi, count: M, memory: N/M GiB,  #   the extender: a node publishes its unit
-         selectors: [memoryUnit == 1 GiB]}           #   as the attribute memoryUnit
+    firstAvailable:
+      - {name: unit-1gi,   count: M, memory: N/M GiB,       selectors: [memoryUnit == 1 GiB]}
       - {name: unit-128mi, count: M, memory: N/M × 128 MiB, selectors: [memoryUnit == 128 MiB]}
 
-N not a multiple of M is refused (the extender's filter passes no node for it and Allocate
-refuses it: each GPU gives the same units). M of 0 or 1 is left to the extended-resource path.
+- Without the label `aliyun.com/gpu-count` (or with 0 or 1): one request per container that
+  asks (`c-<i>`, `init-<i>`; a single one is `gpu`), each N of one GPU, all on the same GPU
+  (`matchAttribute: uuid`), as gpushare puts a pod on one GPU. Template
+  `cgpu-gpu-mem-<N>x1` (one container), else named by the containers' units.
+- With `aliyun.com/gpu-count: M` (M ≥ 2, seed 000): N/M on each of M distinct GPUs
+  (`distinctAttribute: uuid`: a GPU shared by claims could otherwise be given twice). One
+  container of such a pod may ask gpu-mem (its GPUs are the pod's); N not a multiple of M is
+  refused (each GPU gives the same units, as the extender's filter and Allocate have it).
+  Template `cgpu-gpu-mem-<N>x<M>`.
 """
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -30,10 +37,12 @@ from cgpud.k8s import cluster, dra
 LABEL = cluster.COUNT  # the pod label seed 000 spreads its memory with
 RESOURCE = cluster.RESOURCE
 TEMPLATE_PREFIX = "cgpu-gpu-mem-"
-CLAIM_PREFIX = "cgpu-gpu-mem-"  # the pod's claims: cgpu-gpu-mem-<i> (containers), -init-<i> (init containers)
+CLAIM = "cgpu-gpu-mem"  # the pod's claim
+CLASS = "gpu.cgpu.aliyun.com"
 UNITS = (("unit-1gi", GIB), ("unit-128mi", SHARE_UNIT))  # the units a node may publish (placement.unit_for)
 MAX_COUNT = 32  # a claim's devices (the API's AllocationResultsMaxSize)
 MANAGED_BY = "cgpu-dra-webhook"  # (a label value: no slash)
+UUID = f"{dra.DRIVER}/uuid"  # the GPU devices' attribute that tells GPUs apart
 
 
 class Denied(ValueError):
@@ -53,20 +62,48 @@ def template_name(n: int, m: int) -> str:
     return f"{TEMPLATE_PREFIX}{n}x{m}"
 
 
-def template(namespace: str, n: int, m: int) -> dict:
-    """The ResourceClaimTemplate of N units over M GPUs: one request whose first alternative that a
-    node has gives N/M of that node's units on each of M GPUs."""
-    per = n // m
+def shape_name(shape: list[tuple[str, int]], m: int) -> str:
+    """The template's name for a pod's shape: (request, units) of each container that asks."""
+    if len(shape) == 1:
+        return template_name(shape[0][1], m)
+    name = f"{TEMPLATE_PREFIX}{'-'.join(f'{r}u{n}' for r, n in shape)}x{m}"
+    if len(name) > 253 or any(len(label) > 63 for label in name.split(".")):
+        name = f"{TEMPLATE_PREFIX}h{hashlib.sha256(name.encode()).hexdigest()[:16]}x{m}"
+    return name
+
+
+def _request(name: str, per: int, m: int) -> dict:
+    return {"name": name, "firstAvailable": [
+        {"name": alt, "deviceClassName": CLASS, "allocationMode": "ExactCount", "count": m,
+         "capacity": {"requests": {dra.CAPACITY: str(per * unit)}},
+         "selectors": [{"cel": {"expression": f'device.attributes["{dra.DRIVER}"].memoryUnit == {unit}'}}]}
+        for alt, unit in UNITS]}
+
+
+def pod_template(namespace: str, shape: list[tuple[str, int]], m: int) -> dict:
+    """The ResourceClaimTemplate of a pod's shape over M GPUs: a request per container that asks
+    (N/M of a node's units on each of M GPUs, the first alternative that the node has), its
+    GPUs distinct, and the requests of several containers on one GPU."""
+    requests = [r for r, _ in shape]
+    constraints = []
+    if m >= 2:
+        constraints.append({"requests": requests, "distinctAttribute": UUID})
+    if len(shape) > 1:
+        constraints.append({"requests": requests, "matchAttribute": UUID})
+    devices: dict = {"requests": [_request(r, n // m, m) for r, n in shape]}
+    if constraints:
+        devices["constraints"] = constraints
     return {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-        "metadata": {"name": template_name(n, m), "namespace": namespace,
+        "metadata": {"name": shape_name(shape, m), "namespace": namespace,
                      "labels": {"app.kubernetes.io/managed-by": MANAGED_BY}},
-        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "firstAvailable": [
-            {"name": name, "deviceClassName": "gpu.cgpu.aliyun.com", "allocationMode": "ExactCount", "count": m,
-             "capacity": {"requests": {dra.CAPACITY: str(per * unit)}},
-             "selectors": [{"cel": {"expression": f'device.attributes["{dra.DRIVER}"].memoryUnit == {unit}'}}]}
-            for name, unit in UNITS]}]}}},
+        "spec": {"spec": {"devices": devices}},
     }
+
+
+def template(namespace: str, n: int, m: int) -> dict:
+    """The template of one container's N units over M GPUs."""
+    return pod_template(namespace, [("gpu", n)], m)
 
 
 def _obj(x) -> dict:
@@ -76,13 +113,13 @@ def _obj(x) -> dict:
 def _count(pod: dict) -> int:
     raw = _obj(_obj(pod.get("metadata")).get("labels")).get(LABEL)
     if raw is None:
-        return 0
+        return 1
     if not re.fullmatch(r"[0-9]{1,6}", str(raw)):
         raise Denied(f"label {LABEL}: {raw!r} is not a whole number of GPUs")
     m = int(raw)
     if m > MAX_COUNT:
         raise Denied(f"label {LABEL}: {m} GPUs is more than a claim can hold ({MAX_COUNT})")
-    return m
+    return max(m, 1)
 
 
 def _units(container: dict, where: str) -> int:
@@ -105,16 +142,11 @@ def mutate(pod: dict, namespace: str) -> Decision:
     if not isinstance(pod, dict) or not isinstance(pod.get("spec"), dict):
         raise Denied("the request holds no pod")
     m = _count(pod)
-    if m < 2:
-        return Decision()
     spec = pod["spec"]
     if not isinstance(spec.get("resourceClaims") or [], list):
         raise Denied("spec.resourceClaims is not a list")
-    taken = {c.get("name") for c in spec.get("resourceClaims") or () if isinstance(c, dict)}
-    out = Decision()
-    claims: list[dict] = []
-    made: set[str] = set()
-    for kind, prefix in (("containers", CLAIM_PREFIX), ("initContainers", f"{CLAIM_PREFIX}init-")):
+    asking: list[tuple[str, int, dict, str, int]] = []  # (kind, index, container, where, units)
+    for kind in ("initContainers", "containers"):
         items = spec.get(kind) or []
         if not isinstance(items, list):
             raise Denied(f"spec.{kind} is not a list")
@@ -128,32 +160,42 @@ def mutate(pod: dict, namespace: str) -> Decision:
             if n % m:
                 raise Denied(f"{where}: {RESOURCE} {n} cannot be spread over {LABEL} {m}: each GPU gives the same "
                              f"memory, so N/M must be a whole number of units ({n}/{m} is not)")
-            claim = f"{prefix}{i}"
-            if claim in taken:
-                raise Denied(f"{where}: the pod already has a claim named {claim}")
-            name = template_name(n, m)
-            if name not in made:
-                made.add(name)
-                out.templates.append(template(namespace, n, m))
-            claims.append({"name": claim, "resourceClaimTemplateName": name})
-            base = f"/spec/{kind}/{i}/resources"
-            res = c["resources"]
-            key = RESOURCE.replace("~", "~0").replace("/", "~1")
-            for part in ("limits", "requests"):
-                if RESOURCE in _obj(res.get(part)):
-                    out.patch.append({"op": "remove", "path": f"{base}/{part}/{key}"})
+            res = c.get("resources")
             if not isinstance(res.get("claims") or [], list):
                 raise Denied(f"{where}: resources.claims is not a list")
-            if res.get("claims"):
-                out.patch.append({"op": "add", "path": f"{base}/claims/-", "value": {"name": claim}})
-            else:
-                out.patch.append({"op": "add", "path": f"{base}/claims", "value": [{"name": claim}]})
-    if not claims:
+            asking.append((kind, i, c, where, n))
+    if not asking:
         return Decision()
-    if spec.get("resourceClaims"):
-        out.patch += [{"op": "add", "path": "/spec/resourceClaims/-", "value": c} for c in claims]
+    if m >= 2 and len(asking) > 1:
+        raise Denied(f"label {LABEL}: {len(asking)} containers ask {RESOURCE} "
+                     f"({', '.join(w.split(' ', 1)[1] for _, _, _, w, _ in asking)}): the pod's {m} GPUs are given to "
+                     f"one container; ask {RESOURCE} in one of them")
+    taken = {c.get("name") for c in spec.get("resourceClaims") or () if isinstance(c, dict)}
+    if CLAIM in taken:
+        raise Denied(f"the pod already has a claim named {CLAIM}")
+    if len(asking) == 1:
+        shape = [("gpu", asking[0][4])]
     else:
-        out.patch.append({"op": "add", "path": "/spec/resourceClaims", "value": claims})
+        shape = [(f"{'init' if kind == 'initContainers' else 'c'}-{i}", n) for kind, i, _, _, n in asking]
+    t = pod_template(namespace, shape, m)
+    out = Decision(templates=[t])
+    key = RESOURCE.replace("~", "~0").replace("/", "~1")
+    for (kind, i, c, _, _), (request, _) in zip(asking, shape):
+        base = f"/spec/{kind}/{i}/resources"
+        res = c["resources"]
+        for part in ("limits", "requests"):
+            if RESOURCE in _obj(res.get(part)):
+                out.patch.append({"op": "remove", "path": f"{base}/{part}/{key}"})
+        ref = {"name": CLAIM} if len(shape) == 1 else {"name": CLAIM, "request": request}
+        if res.get("claims"):
+            out.patch.append({"op": "add", "path": f"{base}/claims/-", "value": ref})
+        else:
+            out.patch.append({"op": "add", "path": f"{base}/claims", "value": [ref]})
+    claim = {"name": CLAIM, "resourceClaimTemplateName": t["metadata"]["name"]}
+    if spec.get("resourceClaims"):
+        out.patch.append({"op": "add", "path": "/spec/resourceClaims/-", "value": claim})
+    else:
+        out.patch.append({"op": "add", "path": "/spec/resourceClaims", "value": [claim]})
     return out
 
 
