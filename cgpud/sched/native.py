@@ -227,11 +227,12 @@ class Page:
 class Switcher:
     """One GPU's switcher thread (see the module's text)."""
 
-    def __init__(self, gpu: int, bound: float, cap: float = 5.0) -> None:
+    def __init__(self, gpu: int, bound: float, cap: float | None = 5.0) -> None:
+        # (cap: how long a process still draining is waited for in all; None: one bound, once)
         lib = load()
         if lib is None:
             raise RuntimeError(_why)
-        h = lib.cg_sw_new(gpu, int(bound * 1e9), int(cap * 1e9))
+        h = lib.cg_sw_new(gpu, int(bound * 1e9), int((bound if cap is None else max(cap, bound)) * 1e9))
         if not h:
             raise OSError(ctypes.get_errno(), "cannot start the switcher thread")
         self._lib, self.handle, self.gpu = lib, h, gpu
