@@ -346,8 +346,9 @@ def test_the_daemonset_in_dra_mode_on_containerd_2_serves_a_claim_and_gpu_mem_un
     """deploy/kubernetes with the component dra, applied with kubectl -k, on a node whose runtime is
     containerd 2 (its version 3 file without cgpu until the DaemonSet's installer puts it in): the
     DaemonSet's dra-plugin registers through the kubelet's plugin watcher and publishes the node's
-    ResourceSlice; a pod with a ResourceClaim of 3 GiB and a pod asking `aliyun.com/gpu-mem: 3` (its claim from
-    the component's webhook), made right after the apply and the webhook's start, run isolated at 3 GiB; their instances and CDI specs go with them.
+    ResourceSlice; a pod with a ResourceClaim of 3 GiB and a pod asking `aliyun.com/gpu-mem: 3` (its
+    claim from the component's webhook), made right after the apply and the webhook's start, run
+    isolated at 3 GiB; their instances and CDI specs go with them.
     Neither pod was placed before the kubelet could prepare its claim (the plugin publishes once
     registered)."""
     with Node(image, tmp_path, dra=True) as node:
