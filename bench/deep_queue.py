@@ -139,7 +139,7 @@ def high_priority(tools: Path, lib: Path, tmp: Path, seconds: float, tag: str) -
         probe = instance(d, tools, tmp, f"qh{tag}2", ["--highprio"], f'exec "$Q" every {seconds} 10 20')
         out = finish([probe])[0]
         finish([ahead])
-    return sorted(int(x) / 1e6 for x in out.split()[1:])
+    return sorted(int(line.split()[-1]) / 1e6 for line in out.splitlines()[1:])  # (each: launch time, duration)
 
 
 HOST_KERNEL_US, HOST_US = 2000, 1000  # (row 5's CPU-bound loop)

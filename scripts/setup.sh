@@ -73,6 +73,9 @@ echo "setup: Kubernetes components in $k8s_bin"
 # with the module and build caches above (about a minute the first time).
 ctrd_bin="$(nice -n 10 scripts/containerd-build.sh)"
 echo "setup: containerd 2 in $ctrd_bin"
+# helm, for the chart's tests (tests/test_helm.py, deploy/helm/cgpud): from its Go module, cached the same way.
+helm_bin="$(nice -n 10 scripts/helm-build.sh)"
+echo "setup: helm in $helm_bin"
 # An arm64 root filesystem with glibc 2.31 (Debian bullseye, debootstrap's first stage) that
 # tests/test_aarch64.py runs libcgpu's aarch64 build in under qemu-aarch64-static: made once per
 # machine into /var/cache/cgpud/rootfs (scripts/rootfs.sh; a minute or two the first time).

@@ -7,6 +7,11 @@ asks its options, follows `ListAndWatch` in a thread (keeping the latest
 list), and offers `preferred()` then `allocate()` as the device manager calls
 them for each container. `restart()` removes and re-creates its socket, as a
 restarted kubelet does, which must bring a new registration.
+
+`registrations`, `devices`, `preferred()` and `allocate()` are those of
+`aliyun.com/gpu-mem`; the plugin's other resources (the node's modes:
+nvidia.com/gpu, aliyun.com/gpu-core.percentage) are followed the same way in
+`others[resource]` (an `Endpoint`: `devices`, `wait_devices()`, `allocate()`).
 """
 from __future__ import annotations
 
@@ -21,11 +26,49 @@ from cgpud.k8s.proto import api_pb2 as pb
 from cgpud.k8s.proto import api_pb2_grpc as rpc
 
 
+PRIMARY = "aliyun.com/gpu-mem"
+
+
+class Endpoint:
+    """Another resource's plugin, dialled back and followed as the device manager does."""
+
+    def __init__(self, sock: str) -> None:
+        self.channel = grpc.insecure_channel(f"unix://{sock}")
+        self.plugin = rpc.DevicePluginStub(self.channel)
+        self.devices: dict[str, str] = {}
+        self.changed = threading.Condition()
+        stream = self.plugin.ListAndWatch(pb.Empty())
+        threading.Thread(target=self._watch, args=(stream,), daemon=True).start()
+
+    def _watch(self, stream) -> None:
+        try:
+            for resp in stream:
+                with self.changed:
+                    self.devices = {d.ID: d.health for d in resp.devices}
+                    self.changed.notify_all()
+        except grpc.RpcError:
+            pass
+
+    def wait_devices(self, pred, timeout: float = 10) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not pred(self.devices):
+                left = deadline - time.monotonic()
+                assert left > 0, f"timed out waiting for the device list; last: {self.devices}"
+                self.changed.wait(left)
+            return dict(self.devices)
+
+    def allocate(self, *containers: list[str]) -> list[dict[str, str]]:
+        req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids) for ids in containers])
+        return [dict(r.envs) for r in self.plugin.Allocate(req, timeout=5).container_responses]
+
+
 class Kubelet(rpc.RegistrationServicer):
     def __init__(self, plugin_dir: str) -> None:
         self.dir = plugin_dir
         self.sock = os.path.join(plugin_dir, "kubelet.sock")
         self.registrations: list[tuple[float, pb.RegisterRequest]] = []
+        self.others: dict[str, Endpoint] = {}
         self.devices: dict[str, str] = {}  # ID -> health, from the last ListAndWatch response
         self.lists = 0
         self.changed = threading.Condition()
@@ -39,6 +82,12 @@ class Kubelet(rpc.RegistrationServicer):
         if request.version != "v1beta1":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version}")
         at = time.monotonic()
+        if request.resource_name != PRIMARY:
+            old = self.others.pop(request.resource_name, None)
+            if old is not None:
+                old.channel.close()
+            self.others[request.resource_name] = Endpoint(os.path.join(self.dir, request.endpoint))
+            return pb.Empty()
         self._dial(request)
         self.registrations.append((at, request))
         return pb.Empty()
@@ -103,6 +152,8 @@ class Kubelet(rpc.RegistrationServicer):
         return time.monotonic()
 
     def stop(self) -> None:
+        for other in self.others.values():
+            other.channel.close()
         if self.channel is not None:
             self.channel.close()
             self.channel = None

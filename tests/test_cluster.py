@@ -342,6 +342,46 @@ def test_a_thousand_nodes_through_the_extender_and_its_requests(cluster):
 # ---- last: nothing our parts did was refused -------------------------------------------------
 
 
+def node_mode(cluster) -> tuple[str | None, dict]:
+    """The mode in force the device plugin wrote on the node, and its CgpuModePending condition."""
+    node = cluster.get("node", NODE)
+    cond = next((c for c in node["status"].get("conditions", []) if c["type"] == "CgpuModePending"), {})
+    return node["metadata"].get("annotations", {}).get("cgpu.aliyun.com/gpu-schedule"), cond
+
+
+def test_relabelling_the_node_changes_its_resources_but_not_while_a_gpu_pod_runs(cluster):
+    """ack.node.gpu.schedule (docs/kubernetes.md, A node's mode) on the real kubelet and scheduler:
+    default -> whole GPUs (nvidia.com/gpu 2, gpu-mem 0); back to cgpu while a pod holds a GPU ->
+    nothing changes and the node's condition says why; the pod gone -> gpu-mem again."""
+    def resources() -> tuple[int, int]:
+        return cluster.allocatable("nvidia.com/gpu"), cluster.allocatable("aliyun.com/gpu-mem")
+
+    try:
+        wait_for(lambda: resources() == (0, 2 * UNITS), 60, "cgpu: gpu-mem only", cluster.logs)
+        cluster.kubectl("label", "node", NODE, "ack.node.gpu.schedule=default", "--overwrite")
+        wait_for(lambda: resources() == (2, 0), 60, "default: whole GPUs only", cluster.logs)
+        assert node_mode(cluster)[0] == "exclusive"
+        pod = cluster.pod("whole-1", 0)
+        pod["spec"]["containers"][0]["resources"]["limits"] = {"nvidia.com/gpu": "1"}
+        cluster.create(pod)
+        cluster.wait_pod("whole-1", running, 90, "Running on a whole GPU")
+        cluster.kubectl("label", "node", NODE, "ack.node.gpu.schedule=cgpu", "--overwrite")
+        wait_for(lambda: node_mode(cluster)[1].get("status") == "True", 60, "the condition: the change waits",
+                 cluster.logs)
+        mode, cond = node_mode(cluster)
+        assert mode == "exclusive" and "default/whole-1" in cond["message"], cond
+        assert resources() == (2, 0), "nothing changed while the pod runs"
+        assert "GpuModeChangeWaiting" in cluster.kubectl("get", "events", "-n", "default", "--field-selector",
+                                                         f"involvedObject.name={NODE}").stdout
+        cluster.delete_pod("whole-1")
+        wait_for(lambda: resources() == (0, 2 * UNITS), 60, "cgpu once the pod is gone", cluster.logs)
+        assert node_mode(cluster)[0] == "cgpu" and node_mode(cluster)[1]["status"] == "False"
+    finally:
+        cluster.delete_pod("whole-1")
+        cluster.kubectl("label", "node", NODE, "ack.node.gpu.schedule-", check=False)
+        wait_for(lambda: resources() == (0, 2 * UNITS), 60, "back to cgpu", cluster.logs)
+
+
 def test_nothing_the_device_plugin_or_the_extender_asked_was_refused(cluster):
     for name in ("device-plugin", "extender"):
         log = cluster.procs[name].log_path.read_text(errors="replace")

@@ -50,7 +50,8 @@ from nvml_stub import T4_TOTAL, NvmlStub, StubGpu
 from test_image import image  # noqa: F401  (the fixture: scripts/build-image.sh, cached by podman)
 from test_image import TAG
 from test_cluster import container_name, running
-from test_cluster_dra import DRIVER, GIB, allocated_gpus, claim_pod, containerd_bin, make_claim, pod_gpu
+from test_cluster_dra import (DRIVER, GIB, admitted, allocated_gpus, claim_pod, containerd_bin, make_claim, pod_claim,
+                              start_webhook)
 from test_runc import _tool
 
 pytestmark = pytest.mark.slow
@@ -211,7 +212,7 @@ def processes_naming(text: str) -> list[str]:
 
 class Node:
     """A GPU node for the DaemonSet: the host directory, the cluster on it (kube-scheduler with no
-    extender and two T4s when `dra`: a GPU serves claims or `aliyun.com/gpu-mem` units at a time,
+    extender and two T4s when `dra`: claims and `aliyun.com/gpu-mem` pods (through the webhook) share them,
     docs/kubernetes.md; containerd 2 on a version 3 file when `containerd2`, by default in DRA
     mode, else Debian's 1.6 on a version 2 file), the stand-in systemd, the
     image imported into containerd, kube-controller-manager. On leaving: everything stopped and
@@ -345,8 +346,9 @@ def test_the_daemonset_in_dra_mode_on_containerd_2_serves_a_claim_and_gpu_mem_un
     """deploy/kubernetes with the component dra, applied with kubectl -k, on a node whose runtime is
     containerd 2 (its version 3 file without cgpu until the DaemonSet's installer puts it in): the
     DaemonSet's dra-plugin registers through the kubelet's plugin watcher and publishes the node's
-    ResourceSlice; a pod with a ResourceClaim of 3 GiB and a pod asking `aliyun.com/gpu-mem: 3`, both
-    made right after the apply, run isolated at 3 GiB; their instances and CDI specs go with them.
+    ResourceSlice; a pod with a ResourceClaim of 3 GiB and a pod asking `aliyun.com/gpu-mem: 3` (its
+    claim from the component's webhook), made right after the apply and the webhook's start, run
+    isolated at 3 GiB; their instances and CDI specs go with them.
     Neither pod was placed before the kubelet could prepare its claim (the plugin publishes once
     registered)."""
     with Node(image, tmp_path, dra=True) as node:
@@ -354,6 +356,10 @@ def test_the_daemonset_in_dra_mode_on_containerd_2_serves_a_claim_and_gpu_mem_un
         node.apply()
         make_claim(cluster, "claim-ds", "3Gi")
         cluster.create(claim_pod("ds-claim", "claim-ds"))
+        # A gpu-mem pod reaches DRA through the component's webhook (failurePolicy Fail: refused while it is
+        # unreachable). No kube-proxy here: it runs as a host process at a url, as test_cluster_dra runs it.
+        hook = start_webhook(cluster)
+        wait_for(lambda: admitted(cluster, hook), 60, "the API server to call the webhook", cluster.logs)
         cluster.create(cluster.pod("ds-mem-3", 3, runtime_class=None))
 
         node.assert_installed(pod := node.ready())
@@ -376,8 +382,9 @@ def test_the_daemonset_in_dra_mode_on_containerd_2_serves_a_claim_and_gpu_mem_un
         env = dict(ln.split("=", 1) for ln in cluster.kubectl("logs", "ds-claim").stdout.splitlines() if "=" in ln)
         assert (env.get("ALIYUN_COM_GPU_MEM_IDX"), env.get("ALIYUN_COM_GPU_MEM_CONTAINER")) == (str(gpu), "3"), env
         mem = cluster.wait_pod("ds-mem-3", running, 120, "Running")
-        mem_gpu = pod_gpu(cluster, mem)
-        assert mem_gpu != gpu and instance_memsize(node, mem, mem_gpu) == str(3 * GIB)
+        (r,) = pod_claim(cluster, mem)["status"]["allocation"]["devices"]["results"]  # the claim the webhook gave it
+        mem_gpu = int(r["device"].split("-")[1])
+        assert instance_memsize(node, mem, mem_gpu) == str(3 * GIB)
         assert cluster.get("node", NODE)["status"]["allocatable"].get("aliyun.com/gpu-mem") is None  # no device plugin
         for name in ("ds-claim", "ds-mem-3"):
             assert "FailedPrepareDynamicResources" not in cluster.events(name), cluster.events(name)

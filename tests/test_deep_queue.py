@@ -108,27 +108,32 @@ def test_a_high_priority_kernel_does_not_wait_behind_a_weight_1_neighbours_queue
                                                                                   tmp_path):
     """`make gpu-check`'s high-priority row on the stand-in: a weight-1 instance runs 64 launches of
     2.7 ms ahead of the card (then synchronizes, again), alone for a second; then a high-priority
-    instance launches one small kernel every 20 ms and waits for it: 99 % of them complete long
-    before the neighbour's queue (173 ms) could run out — within a quarter of it, whatever the
-    load on the machine (the issue's 5 ms is a figure: bench/deep_queue.py row 4 prints it; a
-    busy 2-core machine has shown 9-19 ms here). Before issue 27: p99 ~220 ms, the whole queue
-    (the H100: 232 ms; p50 0.27 ms)."""
+    instance launches one small kernel every 20 ms and waits for it. Counted on the card, not on the
+    clock (the issue's 5 ms is a figure: bench/deep_queue.py row 4 prints it): for 99 % of the probe's
+    kernels, at most 3 of the neighbour's kernels started between the probe's launch and its kernel's
+    start — the one queued behind the neighbour's running kernel (the queue's bound lets one wait
+    behind it), and the launches the neighbour made until the daemon closed its gate (it launches one
+    per kernel that ends: 2.7 ms each). Before issue 27 the whole queue, 64; a high-priority path ten
+    times slower than the 5 ms goal lets about 18 start."""
     d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
     d.write("0/policy", "2")
     tag = uuid.uuid4().hex[:8]
-    ahead = instance(d, libs, tmp_path, f"dqn{tag}1", ["--weight", "1"], f'exec "$Q" loop 6.5 {KERNEL_US} 64')
+    ahead_name, probe_name = f"dqn{tag}1", f"dqh{tag}2"
+    ahead = instance(d, libs, tmp_path, ahead_name, ["--weight", "1"], f'exec "$Q" loop 6.5 {KERNEL_US} 64')
     assert ahead.stdout.readline().strip() == "started", ahead.stderr.read()
     time.sleep(1.0)
-    probe = instance(d, libs, tmp_path, f"dqh{tag}2", ["--highprio"], 'exec "$Q" every 4 10 20')
+    probe = instance(d, libs, tmp_path, probe_name, ["--highprio"], 'exec "$Q" every 4 10 20')
     out, err = probe.communicate(timeout=60)
     assert probe.returncode == 0, err
     ahead.communicate(timeout=60)
-    waits = sorted(int(x) / 1e6 for x in out.split()[1:])
-    assert len(waits) > 100, out
-    p99 = waits[int(0.99 * len(waits))]
-    queue_ms = 64 * KERNEL_US / 1000
-    assert p99 <= queue_ms / 4, (f"p50 {waits[len(waits) // 2]:.2f} ms, p99 {p99:.2f} ms, max {waits[-1]:.2f} ms",
-                        d.log_text()[-1500:])
+    launches = [int(line.split()[0]) for line in out.splitlines()[1:]]
+    mine = sorted(s for _, s, _ in kernels(tmp_path / probe_name))
+    theirs = sorted(s for _, s, _ in kernels(tmp_path / ahead_name))
+    assert len(launches) > 100 and len(mine) == len(launches), (len(launches), len(mine))
+    ahead_of = sorted(sum(a <= s < k for s in theirs) for a, k in zip(launches, mine))
+    p99 = ahead_of[int(0.99 * len(ahead_of))]
+    assert p99 <= 3, (f"neighbour kernels started before the probe's: p50 {ahead_of[len(ahead_of) // 2]}, "
+                      f"p99 {p99}, max {ahead_of[-1]}", d.log_text()[-1500:])
 
 
 def test_a_stream_whose_events_are_done_by_its_next_launch_records_one_event_per_stride(libs, tmp_path):

@@ -150,7 +150,8 @@ def test_a_pod_started_with_allocates_environment_joins_with_that_memsize(node, 
     devs = kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
     (env,) = kubelet.allocate(kubelet.preferred(sorted(devs), 3))
     (mounts,) = kubelet.mounts
-    assert mounts == [(os.fspath(d.socket.parent), os.fspath(d.socket.parent), False)], "the daemon's socket directory"
+    assert mounts == [(os.fspath(d.socket.parent / "tenant"), os.fspath(d.socket.parent), True)], \
+        "the containers' socket directory, read-only, where the daemon's is"
     runc = Runc(tmp_path, template, d.socket)
     binds = [{"destination": c, "source": h, "type": "bind", "options": ["rbind", "ro" if ro else "rw"]}
              for h, c, ro in mounts]
@@ -299,7 +300,8 @@ def test_the_whole_path_extender_plugin_container_tree_and_kubectl(node_with_api
     assert api.pods[("default", "sees3")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_ASSIGNED"] == "true"
     env.pop("CGPU_DISABLE")  # (this node is labelled for no isolation; here the container is isolated)
     runc = Runc(tmp_path, template, d.socket)
-    binds = [{"destination": c, "source": h, "type": "bind", "options": ["rbind", "rw"]} for h, c, _ in kubelet.mounts[0]]
+    binds = [{"destination": c, "source": h, "type": "bind", "options": ["rbind", "ro" if ro else "rw"]}
+             for h, c, ro in kubelet.mounts[0]]
     cid = runc.start(runc.bundle(env, ["sleep", "60"], mounts=binds))
     try:
         assert d.value(f"0/{cid[:12]}/memsize") == str((15109 << 20) * 3 // 14)

@@ -171,8 +171,9 @@ def test_the_cdi_spec_has_a_device_per_request_with_its_environment():
     assert [d["name"] for d in spec["devices"]] == ["u1-gpu", "u1-b.sub"]
     assert "ALIYUN_COM_GPU_MEM_CONTAINER=3" in spec["devices"][0]["containerEdits"]["env"]
     assert "ALIYUN_COM_GPU_MEM_CONTAINER=1" in spec["devices"][1]["containerEdits"]["env"]
-    assert spec["containerEdits"]["mounts"] == [{"hostPath": "/run/cgpud", "containerPath": "/run/cgpud",
-                                                 "options": ["rbind", "rw"]}]
+    # the containers' socket directory only, read-only, where a container looks for the socket (SPEC §9)
+    assert spec["containerEdits"]["mounts"] == [{"hostPath": "/run/cgpud/tenant", "containerPath": "/run/cgpud",
+                                                 "options": ["rbind", "ro"]}]
 
 
 def test_inspect_shows_a_claim_by_the_pods_it_is_reserved_for():
@@ -421,7 +422,8 @@ def test_a_container_with_the_cdi_edits_joins_with_the_claims_memsize(plugin, te
     env = dict(e.split("=", 1) for e in device["containerEdits"]["env"])
     binds = [{"destination": m["containerPath"], "source": m["hostPath"], "type": "bind", "options": m["options"]}
              for m in spec["containerEdits"]["mounts"]]
-    assert binds[0]["source"] == os.fspath(d.socket.parent)
+    assert binds[0]["source"] == os.fspath(d.socket.parent / "tenant")
+    assert binds[0]["destination"] == os.fspath(d.socket.parent)
     runc = Runc(tmp_path, template, d.socket)
     cid = runc.start(runc.bundle(env, ["sleep", "60"], mounts=binds))
     try:

@@ -30,7 +30,7 @@ from real_cuda import UUID
 # One process capturing graphs with the real runtime, in the global mode, as PyTorch does:
 # capturer STOPFILE: begins a capture, launches 5 kernels of 200 µs into it over ~10 ms, ends it;
 # instantiates the graph, replays it and waits for it; again until STOPFILE exists. Prints
-# "started", then "captures invalidated replayed".
+# "started", then "captures invalidated replayed", then each capture's begin and end (ns, CLOCK_MONOTONIC).
 CAPTURER = textwrap.dedent("""
     import os, sys, time
     from cuda.bindings import driver as d, runtime as rt
@@ -42,13 +42,16 @@ CAPTURER = textwrap.dedent("""
     s = ok(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking))
     print("started", flush=True)
     captures = invalidated = replayed = 0
+    spans = []
     while not os.path.exists(sys.argv[1]):
+        begun = time.monotonic_ns()
         ok(rt.cudaStreamBeginCapture(s, rt.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal))
         for _ in range(5):
             r = d.cuLaunchKernel(d.CUfunction(), 200, 1, 1, 1, 1, 1, 0, d.CUstream(int(s)), 0, 0)
             assert r[0] in (d.CUresult.CUDA_SUCCESS, d.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED), r
             time.sleep(0.002)
         r = rt.cudaStreamEndCapture(s)
+        spans.append((begun, time.monotonic_ns()))
         captures += 1
         if r[0] == rt.cudaError_t.cudaErrorStreamCaptureInvalidated:
             invalidated += 1
@@ -61,6 +64,8 @@ CAPTURER = textwrap.dedent("""
         ok(rt.cudaGraphDestroy(g))
         replayed += 1
     print(captures, invalidated, replayed, flush=True)
+    for b, e in spans:
+        print(b, e)
 """)
 
 
@@ -151,17 +156,22 @@ def test_the_stand_in_keeps_the_drivers_capture_rules(libs, tmp_path):
     assert len(ks) == 4 and all(e - s == 300_000 for _, s, e in ks)  # the four graphs replayed, once each
 
 
-def closings(gate: GateFreezer, n: int, closed_s: float, open_s: float) -> None:
-    """Close the gate `n` times as the scheduler does: closed, drained, kept closed, opened."""
+def closings(gate: GateFreezer, n: int, closed_s: float, open_s: float) -> list[tuple[int, int]]:
+    """Close the gate `n` times as the scheduler does: closed, drained, kept closed, opened. Returns
+    each closing's span from the gate's closing to the drain's answer seen (ns, CLOCK_MONOTONIC)."""
+    spans = []
     for _ in range(n):
+        closed = time.monotonic_ns()
         gate.freeze()
         t0 = time.monotonic()
         while not gate.is_frozen():
             assert time.monotonic() - t0 < 2, f"not drained: {gate.undrained()}"
             time.sleep(0.0002)
+        spans.append((closed, time.monotonic_ns()))
         time.sleep(closed_s)
         gate.thaw()
         time.sleep(open_s)
+    return spans
 
 
 def test_a_capture_survives_the_gates_closings(libs, tmp_path):
@@ -177,7 +187,7 @@ def test_a_capture_survives_the_gates_closings(libs, tmp_path):
     try:
         assert p.stdout.readline().strip() == "started", p.stderr.read()
         time.sleep(0.2)
-        closings(gate, 60, 0.004, 0.008)
+        drains = closings(gate, 60, 0.004, 0.008)
         (tmp_path / "stop").touch()
         out, err = p.communicate(timeout=30)
         assert p.returncode == 0, err
@@ -186,8 +196,70 @@ def test_a_capture_survives_the_gates_closings(libs, tmp_path):
             p.kill()
         gate.thaw()
         gate.close()
-    captures, invalidated, replayed = map(int, out.split())
-    assert captures >= 20, out  # (each ~10 ms: most closings came during one)
+    lines = out.splitlines()
+    captures, invalidated, replayed = map(int, lines[0].split())
+    spans = [tuple(map(int, line.split())) for line in lines[1:]]
+    # the closings whose whole drain (the gate's closing to its answer) fell inside a capture: the
+    # helper drained the process while its stream captured (each capture ~10 ms of the 12 ms cycle)
+    inside = sum(any(b < c and a < e for b, e in spans) for c, a in drains)
+    assert inside >= 20, f"only {inside} of 60 drains fell inside a capture: nothing tested the capture's survival"
     assert invalidated == 0, f"{invalidated} of {captures} captures invalidated by the gate's closings"
     assert replayed == captures
     assert len((tmp_path / "kernels").read_text().splitlines()) == 5 * replayed
+
+
+# A stream that mixes eager launches and graph launches (vLLM's decode: graphs; its prefill and
+# sampling: eager): 200 kernels of 20 µs and a synchronize (the stream's mean per launch learnt),
+# then a graph of 50 kernels of 200 µs (10 ms a launch) captured, instantiated and launched 20 times
+# back to back (at real-time priority where it may). Prints "started", each graph launch's return (ns, CLOCK_MONOTONIC), then "done".
+MIXED = textwrap.dedent("""
+    import os, time
+    from cuda.bindings import driver as d
+    try:  # (as the tests' launchers: the launches come back to back however busy the machine)
+        os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
+    except OSError:
+        pass
+    def ok(r):
+        assert r[0] == d.CUresult.CUDA_SUCCESS, r
+        return r[1] if len(r) == 2 else None
+    ok(d.cuInit(0))
+    ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+    s = ok(d.cuStreamCreate(1))
+    k = d.CUfunction()
+    for _ in range(200):
+        ok(d.cuLaunchKernel(k, 20, 1, 1, 1, 1, 1, 0, s, 0, 0))
+    ok(d.cuStreamSynchronize(s))
+    ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    for _ in range(50):
+        ok(d.cuLaunchKernel(k, 200, 1, 1, 1, 1, 1, 0, s, 0, 0))
+    g = ok(d.cuStreamEndCapture(s))
+    ex = ok(d.cuGraphInstantiate(g, 0))
+    print("started", flush=True)
+    for _ in range(20):
+        ok(d.cuGraphLaunch(ex, s))
+        print(time.monotonic_ns(), flush=True)
+    ok(d.cuStreamSynchronize(s))
+    print("done", flush=True)
+""")
+
+
+def test_a_graph_counts_as_its_kernels_in_the_queues_bound(libs, tmp_path):
+    """Through libcgpu on a shared GPU (every launch bounded to 2 ms of queued work), the mixed
+    stream's graph launches never have more than three graphs' kernels queued (150: the budget is a
+    fifth of one graph, and one launch behind the running work always passes) — counted on the card:
+    at each launch's return, the graph kernels launched so far less those the card had started. On
+    main a graph counted as one launch at the stream's mean (20 µs, learnt from the eager kernels):
+    all 20 graphs, 200 ms, were queued at once."""
+    pages.create(os.fspath(tmp_path / "pages"), [1 << 30])
+    env = dict(driver_env(libs, tmp_path), LD_PRELOAD=os.fspath(libs / "libcgpu.so"),
+               CGPU_PAGE_DIR=os.fspath(tmp_path / "pages"))
+    r = subprocess.run([sys.executable, "-c", MIXED], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split()
+    assert lines[0] == "started" and lines[-1] == "done", r.stdout
+    returns = list(map(int, lines[1:-1]))
+    starts = sorted(s for s, e in (map(int, line.split()[1:3]) for line in
+                                   (tmp_path / "kernels").read_text().splitlines()) if e - s == 200_000)
+    assert len(starts) == 20 * 50, len(starts)  # (each graph kernel whole: nothing preempted it)
+    queued = [50 * (i + 1) - sum(s <= t for s in starts) for i, t in enumerate(returns)]
+    assert max(queued) <= 150, queued

@@ -310,12 +310,13 @@ def test_a_c_client_with_plain_dlsym_is_held_too(card, tmp_path):
 def test_the_python_layout_is_the_headers(tmp_path):
     prog = tmp_path / "sizes.c"
     prog.write_text('#include <stdio.h>\n#include <stddef.h>\n#include "cgpu_page.h"\n'
-                    'int main(void){printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu\\n", sizeof(struct cgpu_limits),'
+                    'int main(void){printf("%zu %zu %zu %zu %zu %zu %zu %zu %zu %zu %zu\\n", sizeof(struct cgpu_limits),'
                     ' sizeof(struct cgpu_usage), offsetof(struct cgpu_usage, procs), sizeof(struct cgpu_proc),'
                     ' sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver),'
                     ' sizeof(struct cgpu_usage) + offsetof(struct cgpu_usage_driver, procs), sizeof(struct cgpu_driver),'
                     ' sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy),'
-                    ' sizeof(struct cgpu_busy));'
+                    ' sizeof(struct cgpu_busy), sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver)'
+                    ' + sizeof(struct cgpu_usage_busy) + sizeof(struct cgpu_usage_gang), sizeof(struct cgpu_gang));'
                     ' return 0;}\n')
     r = subprocess.run(["gcc", f"-I{ROOT / 'native' / 'libcgpu'}", "-o", os.fspath(tmp_path / "sizes"),
                         os.fspath(prog)], capture_output=True, text=True)
@@ -323,7 +324,7 @@ def test_the_python_layout_is_the_headers(tmp_path):
     out = subprocess.run([os.fspath(tmp_path / "sizes")], capture_output=True, text=True).stdout.split()
     assert list(map(int, out)) == [pages.LIMITS.size, pages.USAGE_V2_SIZE, pages.USAGE_HEAD.size, pages.PROC.size,
                                    pages.DRIVER_SIZE, pages.DRIVER_OFFSET, pages.DRIVER.size, pages.USAGE_SIZE,
-                                   pages.BUSY.size]
+                                   pages.BUSY.size, pages.USAGE_FILE_SIZE, pages.GANG.size]
 
 
 def test_nvml_shows_memsize_and_the_containers_usage(card, libs, tmp_path):

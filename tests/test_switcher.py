@@ -195,19 +195,19 @@ def test_a_process_that_does_not_answer_is_given_up_on_once(two, launching):
     cancel(sw)
 
 
-def test_a_live_process_that_drains_past_the_bound_is_waited_for(two, launching):
-    """b launches 120 ms kernels: its drain at the switch lasts longer than the bound (50 ms here).
-    Alive and draining, it is waited for (today's main gave up on it after the bound and opened a's
-    gate on its running work: both on the card together); a's gate opens after b's work is done."""
+def test_a_live_process_whose_kernel_outlasts_the_bound_answers_at_its_drain_bound(two, launching):
+    """b launches 2 s kernels: its work at the switch cannot be done within any drain bound. Its
+    library answers the closing itself at its drain bound (issue 34: one drain bound, once), so the
+    switch to a is not held for b's kernel: b is not given up on (it answered), and a's gate opens
+    long before b's running kernel could end. (Issue 27's library was waited for up to the 5 s cap,
+    the neighbours' gates shut meanwhile: the drain here lasted a kernel, 2 s.)"""
     dirs, ps, sw = two
-    launching(dirs[1], 120_000)
+    launching(dirs[1], 2_000_000)
     assert sw.submit(1, ps, [True, True], [(0.3, 1, 0), (30.0, 0, native.NOTIFY)])
     wait_step(sw, 1, 1)
     cur = sw.take()[1]  # (the switch to a: its drain of b, then a's gate opened)
-    assert cur.gave_up == -1, f"given up on after {cur.drain_ns / 1e6:.0f} ms"
-    # (b's queue at the switch: a kernel running and one behind it, 120 ms or more: past the bound)
-    assert cur.drain_ns > 60_000_000 and cur.longer >= 1, (cur.drain_ns, cur.longer)
-    assert cur.start - cur.begin >= cur.drain_ns, "a's gate opened before b's drain was done"
+    assert cur.gave_up == -1, f"given up on after {cur.drain_ns / 1e6:.0f} ms: it did not answer"
+    assert cur.drain_ns < 1_000_000_000, f"the switch waited {cur.drain_ns / 1e6:.0f} ms for b's kernel"
     cancel(sw)
 
 

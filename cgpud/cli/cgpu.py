@@ -44,10 +44,13 @@ def _gpu_list(gpu: int | None, gpus: str | None) -> list[int]:
 @click.option("--mem", default=None, help="GPU memory per GPU: 6G, 512M, bytes (default: default_memsize).")
 @click.option("--weight", type=int, default=1, show_default=True, help="Compute weight, 0..max_inst.")
 @click.option("--highprio", is_flag=True, help="High priority: takes the GPU when active, up to prio_ratio %.")
+@click.option("--core", "percentage", type=int, default=None,
+              help="core_mem: this percentage of the GPU's compute, fixed (a multiple of 5, 5..100; "
+                   "docs/scheduler.md). Replaces --weight.")
 @click.option("--name", default=None, help="Instance name: 12 characters of [0-9A-Za-z_.-] (default: random).")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 @pass_ctx
-def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
+def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, percentage, name, cmd) -> None:
     """Run CMD as an instance, in a cgroup of its own, until it exits.
 
     The instance is registered before CMD starts and removed when it exits
@@ -62,13 +65,18 @@ def run(ctx: Ctx, gpu, gpus, mem, weight, highprio, name, cmd) -> None:
     except ValueError as exc:
         raise click.UsageError(f"--mem: {exc}") from None
     name = name or secrets.token_hex(6)
+    core = {}
+    if percentage is not None:
+        if not 5 <= percentage <= 100 or percentage % 5:
+            raise click.UsageError(f"--core {percentage}: give a multiple of 5 from 5 to 100")
+        weight, core = percentage // 5, {"policy": 3, "core": True}
     # The connection stays open for as long as CMD runs: it tells the daemon
     # this instance is still wanted (an instance whose cgroup is empty and
     # whose connection is gone is removed by the daemon).
     c = ctx.client()
     try:
         res = c.call("register", name=name, gpus=gpu_ids, memsize=memsize, weight=weight,
-                     highprio=highprio, cgroup=True, isolate=True)
+                     highprio=highprio, cgroup=True, isolate=True, **core)
         devices = c.call("hello")["devices"]
     except ControlError as exc:
         c.close()

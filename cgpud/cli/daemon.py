@@ -62,7 +62,7 @@ def main() -> None:
 @click.option("--placement", type=click.Choice(["binpack", "spread"]), default="binpack", show_default=True,
               envvar="CGPUD_PLACEMENT",
               help="How containers that name no GPU are placed: the fullest GPU that fits, or the emptiest.")
-@click.option("--mode", type=click.Choice(["exclusive", "share", "cgpu", "mps"]), default="cgpu", show_default=True,
+@click.option("--mode", type=click.Choice(["exclusive", "share", "cgpu", "core_mem", "mps"]), default="cgpu", show_default=True,
               envvar="CGPUD_MODE", help="Node mode for placement (docs/containers.md); mps also drives NVIDIA MPS "
                                          "(docs/mps.md).")
 @click.option("--mem-action", type=click.Choice(["kill", "term", "log"]), default="kill", show_default=True,

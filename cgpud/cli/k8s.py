@@ -23,10 +23,14 @@ from cgpud.cli.common import Ctx, pass_ctx
 @click.option("--node-refresh", default=5.0, show_default=True, type=click.FloatRange(min=0.05),
               help="Seconds before a publish of the node's GPUs the API server refused is tried again "
                    "(the node's labels are watched, not read again).")
+@click.option("--mode", type=click.Choice(["exclusive", "cgpu", "core_mem", "share", "mps", "disabled"]),
+              default="cgpu", show_default=True, envvar="CGPU_MODE",
+              help="The node's mode while it has no ack.node.gpu.schedule label (or no API server): "
+                   "which resources it advertises (docs/kubernetes.md, A node's mode).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
 @pass_ctx
 def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_isolation: bool,
-                  node_name: str | None, node_refresh: float, log_level: str) -> None:
+                  node_name: str | None, node_refresh: float, mode: str, log_level: str) -> None:
     """The kubelet device plugin for aliyun.com/gpu-mem (docs/kubernetes.md):
     one device per memory unit of each GPU the node's cgpud has."""
     import logging
@@ -36,7 +40,7 @@ def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_
     logging.basicConfig(level=log_level.upper(), format="cgpu device-plugin: %(levelname)s: %(message)s")
     if not os.path.isdir(plugin_dir):
         raise click.ClickException(f"{plugin_dir} does not exist: is this a Kubernetes node (kubelet running)?")
-    deviceplugin.main(ctx.socket, plugin_dir, unit, placement, disable_isolation, node_name, node_refresh)
+    deviceplugin.main(ctx.socket, plugin_dir, unit, placement, disable_isolation, node_name, node_refresh, mode)
 
 
 @click.command("dra-plugin")

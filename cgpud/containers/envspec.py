@@ -40,8 +40,11 @@ MEM_IDX = "ALIYUN_COM_GPU_MEM_IDX"
 MEM_POD = "ALIYUN_COM_GPU_MEM_POD"
 COUNT = "ALIYUN_COM_GPU_COUNT"  # [ours] mirrors the aliyun.com/gpu-count label
 NVIDIA = "NVIDIA_VISIBLE_DEVICES"
+CORE = "ALIYUN_COM_GPU_CORE_PERCENTAGE"  # [ours: ACK's core_mem] the compute percentage (docs/scheduler.md)
+CORE_STEP = 5  # core_mem: percentages are multiples of 5: 20 slots of policy 3 (CORE_SLOTS)
+CORE_SLOTS = 100 // CORE_STEP
 
-VARIABLES = (MEM_CONTAINER, MEM_DEV, VISIBLE, WEIGHT, HIGH_PRIO, DISABLE, MEM_IDX, MEM_POD, COUNT, NVIDIA)
+VARIABLES = (MEM_CONTAINER, MEM_DEV, VISIBLE, WEIGHT, HIGH_PRIO, DISABLE, MEM_IDX, MEM_POD, COUNT, NVIDIA, CORE)
 
 MAX_DIGITS = 15
 _WHOLE = re.compile(r"[0-9]+\Z")
@@ -245,6 +248,14 @@ def parse_env(
             raise EnvError(WEIGHT, raw_w, "below 1; give a weight 1..max_inst")
         if weight > MAX_INST[1]:
             raise EnvError(WEIGHT, raw_w, f"above {MAX_INST[1]}, the largest max_inst there can be")
+    raw_core = _get(env, CORE)
+    percentage = None
+    if raw_core is not None:
+        percentage = _whole(CORE, raw_core, raw_core, f"give a multiple of {CORE_STEP} from {CORE_STEP} to 100")
+        if not CORE_STEP <= percentage <= 100 or percentage % CORE_STEP:
+            raise EnvError(CORE, raw_core, f"give a multiple of {CORE_STEP} from {CORE_STEP} to 100")
+        if raw_w is not None:
+            raise EnvError(WEIGHT, raw_w, f"a container with {CORE} has its compute fixed by it; give one of the two")
     raw_hp = _get(env, HIGH_PRIO)
     highprio = False
     if raw_hp is not None:
@@ -262,7 +273,8 @@ def parse_env(
 
     # ---- which GPUs ------------------------------------------------------------
     shared, by, nvidia = _named(node, env)
-    common = dict(managed=True, unit=unit, weight=weight, policy2=weight > 1, highprio=highprio, pod_units=pod)
+    common = dict(managed=True, unit=unit, weight=weight, policy2=weight > 1, highprio=highprio, pod_units=pod,
+                  percentage=percentage)
 
     def too_big(v: int, memory: int | None) -> str | None:
         if dev is not None:

@@ -44,7 +44,7 @@ from typing import Any
 
 import trio
 
-from cgpud.containers.envspec import MEM_CONTAINER, EnvError, parse_env
+from cgpud.containers.envspec import CORE, CORE_STEP, MEM_CONTAINER, EnvError, parse_env
 from cgpud.containers.placement import PlacementError, resolve, states_from_node, unit_for
 from cgpud.core.model import ModelError
 from cgpud.sched.cgroupfs import KIND_CGROUP2, KIND_FREEZER, EnforceError, proc_cgroups
@@ -306,6 +306,7 @@ def plan(state: dict, env: dict[str, str], node, *, strategy: str, mode: str, ho
         raise HookError(str(exc)) from None
     if not request.managed:
         return {"action": "left alone", "name": name, "reason": request.reason}
+    core_mode_rule(request, mode)
     pid = container_pid(state, hook_pid)
     try:
         placed = resolve(request, states_from_node(node), strategy=strategy, mode=mode)
@@ -314,6 +315,21 @@ def plan(state: dict, env: dict[str, str], node, *, strategy: str, mode: str, ho
     except ModelError as exc:  # UnevenSplit and other invalid requests
         raise HookError(f"{MEM_CONTAINER}={env.get(MEM_CONTAINER, '').strip()}: {exc}") from None
     target = {**own_cgroup(pid, hook_pid), "container": cid}
+    if request.percentage is not None:  # core_mem: policy 3, 20 slots of 5 %: weight = percentage / 5
+        return {"name": name, "gpus": [g for g, _ in placed], "memsize": [m for _, m in placed],
+                "weight": request.percentage // CORE_STEP, "highprio": request.highprio, "target": target,
+                "policy": 3, "core": True}
     return {"name": name, "gpus": [g for g, _ in placed], "memsize": [m for _, m in placed],
             "weight": request.weight, "highprio": request.highprio, "target": target,
             "policy": 2 if request.policy2 else None}
+
+
+def core_mode_rule(request, mode: str) -> None:
+    """core_mem (docs/scheduler.md): on a core_mem node every managed container asks a compute
+    percentage, and only there; memory-only and percentage containers never share a node."""
+    if mode == "core_mem" and request.percentage is None:
+        raise HookError(f"this node runs in mode core_mem: a container asks a compute percentage too ({CORE}, "
+                        "from aliyun.com/gpu-core.percentage), not GPU memory alone")
+    if mode != "core_mem" and request.percentage is not None:
+        raise HookError(f"{CORE}={request.percentage}: this node runs in mode {mode}, not core_mem: compute "
+                        "percentages are for core_mem nodes (ack.node.gpu.schedule=core_mem)")

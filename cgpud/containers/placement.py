@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CGPU_MAX_SHARE = 16  # instances per GPU where the memory isolation module is the limit (seeds)
 
-MODES = ("exclusive", "share", "cgpu", "mps")
+MODES = ("exclusive", "share", "cgpu", "core_mem", "mps")
 STRATEGIES = ("binpack", "spread")
 DEFAULT_MODE = "cgpu"
 DEFAULT_STRATEGY = "binpack"
@@ -109,7 +109,7 @@ def instance_cap(gpu: GpuState, mode: str) -> int:
     _check_mode(mode)
     if mode == "exclusive":
         return 1
-    if mode in ("cgpu", "mps"):
+    if mode in ("cgpu", "core_mem", "mps"):
         return min(gpu.max_inst, CGPU_MAX_SHARE)
     return gpu.max_inst
 

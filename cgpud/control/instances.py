@@ -12,7 +12,8 @@ import trio
 
 from cgpud.containers.cgroups import CgroupError
 from cgpud.control.protocol import Peer, Refused, arg
-from cgpud.core.model import ModelError, Node, check_name
+from cgpud.containers.envspec import CORE_SLOTS, CORE_STEP
+from cgpud.core.model import Busy, ModelError, NoSpace, Node, check_name
 from cgpud.gpus import pages
 from cgpud.sched.enforce import EnforceError, freezer_from_spec
 
@@ -51,6 +52,11 @@ class Instances:
         highprio = arg(req, "highprio", bool, False)
         want_group = arg(req, "cgroup", bool, False)
         policy = arg(req, "policy", int, None, allow_none=True)
+        # core_mem (docs/scheduler.md): the weight is a fixed share of CORE_SLOTS slots (policy 3),
+        # refused (not lowered to the free weight) when the GPU's compute has not that much left
+        core = arg(req, "core", bool, False)
+        if core and (policy != 3 or not 1 <= weight <= CORE_SLOTS):
+            raise Refused(errno.EINVAL, f"core needs policy 3 and a weight 1..{CORE_SLOTS} (percentage / 5)")
         given = arg(req, "target", dict, None, allow_none=True)
         isolate = arg(req, "isolate", bool, False)
         library = self.library if isolate and self.library and os.path.isfile(self.library) else None
@@ -83,6 +89,16 @@ class Instances:
             target = {**target, "gate": where, "gpus": list(gpus)}  # (the page's GPUs, in its order)
 
         def create(n: Node):
+            for g in gpus if core else ():
+                gpu = n.gpu(g)
+                if gpu.max_inst != CORE_SLOTS or gpu.policy != 3:
+                    if gpu.instances:
+                        raise Busy(f"GPU {g} holds containers without a compute percentage (policy {gpu.policy}): "
+                                   "percentage and memory-only containers never share a GPU")
+                    n.set_max_inst(g, CORE_SLOTS)
+                if gpu.free_weight < weight:
+                    raise NoSpace(f"GPU {g} has {gpu.free_weight * CORE_STEP} % of its compute left; this "
+                                  f"container asks {weight * CORE_STEP} %")
             # A memsize asked for is promised (admission keeps it: SPEC §3); none asked: default_memsize, no promise
             made = [n.create_instance(g, name, memsize=m, weight=weight, highprio=highprio, promise=m is not None)
                     for g, m in zip(gpus, mems)]

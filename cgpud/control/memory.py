@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 from dataclasses import dataclass
 
 from cgpud.control.protocol import Peer, Refused, arg, gpu_arg
@@ -15,6 +16,28 @@ from cgpud.core.model import Instance, NotFound, OutOfMemory
 from cgpud.sched.cgroupfs import cgroup_mounts, contains, hierarchy_path, read_proc_cgroups
 
 log = logging.getLogger("cgpud")
+
+
+class CgroupMounts:
+    """The cgroup mounts (cgroupfs.cgroup_mounts), read again only when the daemon's mount table
+    changed: the kernel says so through poll on /proc/self/mountinfo (POLLPRI, once per change).
+    Every connection's caller is looked up in them (control.callers)."""
+
+    def __init__(self) -> None:
+        self.table: list | None = None
+        self.poller = None
+        try:
+            self.f = open("/proc/self/mountinfo", "rb")
+            self.poller = select.poll()
+            self.poller.register(self.f, select.POLLPRI | select.POLLERR)
+            self.poller.poll(0)  # (the table as it is now: read below)
+        except OSError:
+            self.poller = None
+
+    def __call__(self) -> list:
+        if self.poller is None or self.table is None or self.poller.poll(0):
+            self.table = cgroup_mounts()
+        return self.table
 
 
 @dataclass(frozen=True)
@@ -33,21 +56,17 @@ class Memory:
 
     OPS = {"gpu_alloc": False, "gpu_free": False, "gpu_meminfo": False}
 
-    def instance_of(self, pid: int, gpu: int | None) -> Instance:
-        """The instance of `pid` on `gpu` (None: its lowest GPU): the one whose
-        target cgroup holds the process (the deepest, if targets nest). A
-        process in no instance, or whose instance is not on `gpu`: EPERM."""
-        if pid <= 0:  # SO_PEERCRED says 0 for a process outside our pid namespace
-            raise Refused(errno.EPERM, "the calling process is not visible from the daemon's pid namespace")
-        try:
-            cgroups = read_proc_cgroups(pid)
-        except (OSError, ValueError):
-            raise Refused(errno.EPERM, f"pid {pid} is gone; GPU memory belongs to a live process") from None
+    def instance_named_by_cgroup(self, pid: int, *, containers_only: bool = False) -> str | None:
+        """The instance whose target cgroup holds `pid` (the deepest, if targets
+        nest), or None; `containers_only`: only the instances of containers (a
+        target with the container's ID, from the hook). OSError/ValueError: the
+        pid is gone."""
+        cgroups = read_proc_cgroups(pid)
         mounts = None
         best: tuple[int, str] | None = None
         for inst in self.node.instances():
             t = inst.target
-            if not t:
+            if not t or (containers_only and not t.get("container")):
                 continue
             if t.get("kind") == "pgid":
                 try:
@@ -57,20 +76,39 @@ class Memory:
                 depth = 0
             else:
                 if mounts is None:
-                    mounts = cgroup_mounts()
+                    if getattr(self, "_mounts", None) is None:
+                        self._mounts = CgroupMounts()
+                    mounts = self._mounts()
                 where = hierarchy_path(t, mounts)
                 inside = where is not None and where[0] in cgroups and contains(where[1], cgroups[where[0]])
                 depth = len(where[1]) if where is not None else 0
             if inside and (best is None or depth > best[0]):
                 best = (depth, inst.name)
-        if best is None:
+        return best[1] if best is not None else None
+
+    def instance_of(self, pid: int, gpu: int | None, known: str | None = None) -> Instance:
+        """The instance of `pid` on `gpu` (None: its lowest GPU): the one whose
+        target cgroup holds the process (the deepest, if targets nest). A
+        process in no instance, or whose instance is not on `gpu`: EPERM.
+        `known`: already looked up in this request (a container's, by `admit`)."""
+        if pid <= 0:  # SO_PEERCRED says 0 for a process outside our pid namespace
+            raise Refused(errno.EPERM, "the calling process is not visible from the daemon's pid namespace")
+        try:
+            found = known or self.instance_named_by_cgroup(pid)
+        except (OSError, ValueError):
+            raise Refused(errno.EPERM, f"pid {pid} is gone; GPU memory belongs to a live process") from None
+        if found is None:
+            try:
+                cgroups = read_proc_cgroups(pid)
+            except (OSError, ValueError):
+                cgroups = {}
             where = cgroups.get("") or cgroups.get("freezer") or "?"
             raise Refused(
                 errno.EPERM,
                 f"pid {pid} is in no cgpud instance (cgroup {where}): only processes inside an instance "
                 "(cgpu run, or a managed container) have simulated GPU memory",
             )
-        name = best[1]
+        name = found
         mine = self.node.instances_named(name)
         if gpu is None:
             return mine[0]
@@ -83,13 +121,17 @@ class Memory:
             f"(its GPUs: {','.join(str(i.gpu) for i in mine)})",
         )
 
+    def _known(self, peer: Peer) -> str | None:
+        """A container's instance, as `admit` found it for the request now running (else None)."""
+        return getattr(self, "asking", None) if peer.who.container else None
+
     def gpu_alloc(self, req: dict, peer: Peer) -> dict:
         """Allocate `bytes` of the caller's instance on `gpu`; ENOMEM past memsize."""
         gpu = gpu_arg(req)
         nbytes = arg(req, "bytes", int)
         if nbytes <= 0:
             raise Refused(errno.EINVAL, f"bytes must be a positive number of bytes, not {nbytes}")
-        inst = self.instance_of(peer.pid, gpu)
+        inst = self.instance_of(peer.pid, gpu, self._known(peer))
         try:
             self.node.alloc(inst.gpu, inst.name, peer.pid, nbytes)  # OutOfMemory: nothing changed
         except OutOfMemory:
@@ -118,7 +160,7 @@ class Memory:
 
     def gpu_meminfo(self, req: dict, peer: Peer) -> dict:
         """What the caller's instance sees of its GPU: memsize as the total."""
-        inst = self.instance_of(peer.pid, gpu_arg(req))
+        inst = self.instance_of(peer.pid, gpu_arg(req), self._known(peer))
         return {"gpu": inst.gpu, "instance": inst.name, "free": inst.free, "total": inst.memsize, "used": inst.used}
 
     def _release(self, handle: int, h: Held) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import trio
 
+from cgpud.control.callers import HOST, Who
 from cgpud.core.model import ModelError, errno_of
 
 log = logging.getLogger("cgpud")
@@ -47,6 +48,10 @@ class Peer:
     # Supplementary groups as the kernel recorded them at connect (SO_PEERGROUPS);
     # None: unknown, read from /proc (racy: the pid may be another process by now).
     supplementary: frozenset[int] | None = None
+    # Who the kernel says it is (control.callers): host or container; and which socket it came on
+    # ("host": the daemon's own; "tenant": the one the containers are given, TENANT_DIR)
+    who: Who = HOST
+    socket: str = "host"
 
     def groups(self) -> set[int]:
         if self.supplementary is not None:

@@ -10,9 +10,19 @@ hook), control.runtime (cgpu-runtime's prepare), control.memory (simulated
 GPU memory). Here: the state they share,
 dispatch, and `serve`, the listening loop (with a hot upgrade's handover).
 
-Peer credentials (SO_PEERCRED) are checked: anyone may read (`hello`,
-`query`); changes need root or the admin group. The `gpu_*` ops are open to
-every process, but act only on the instance whose cgroup holds the caller.
+Who may call an op is decided here, once (`admit`), from what the kernel
+says of the caller (control.callers: host or container, and the instance
+whose cgroup holds it), never by uid alone (SPEC §9, docs/security.md):
+- a host process: the views (`hello`, `query`, `stats`, `trace`) and its own
+  instance's memory (`gpu_*`); changes (register, deregister, hook, prepare)
+  need root or the admin group, on the daemon's own socket;
+- a process in a container (root in it or not): only CONTAINER_OPS, each on
+  the instance whose cgroup holds it and answering about that one only; in no
+  instance, nothing — except, on the daemon's own socket (which only a
+  hostPath mount of its directory reaches: the node's own plugins), the views.
+The containers are given another socket (`<socket dir>/tenant/`, TENANT_DIR),
+whose callers are containers whatever they are, and whose connections are
+bounded per container (MAX_CONTAINER_CONNS).
 """
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ import trio
 
 from cgpud.containers.cgroups import InstanceGroups
 from cgpud.containers.spec import DEFAULT_HOOK_PATH
+from cgpud.control.callers import TENANT_DIR, Who, classify, host_namespaces
 from cgpud.control.hook import Hooks
 from cgpud.control.instances import Instances
 from cgpud.control.memory import Held, Memory
@@ -43,6 +54,12 @@ log = logging.getLogger("cgpud")
 
 
 FAMILIES = (Views, Instances, Hooks, Runtime, Memory)
+
+# What a process in a container may call: each acts on, and answers about, its own instance only.
+CONTAINER_OPS = ("hello", "query", "stats", "gpu_alloc", "gpu_free", "gpu_meminfo")
+# What the node's own components in containers (a hostPath mount of the socket's directory) may read.
+VIEW_OPS = ("hello", "query", "stats", "trace")
+MAX_CONTAINER_CONNS = 64  # open connections per container (its pid namespace); past it: EAGAIN, closed
 
 
 class Control(Views, Instances, Hooks, Runtime, Memory):
@@ -82,6 +99,11 @@ class Control(Views, Instances, Hooks, Runtime, Memory):
         self.devices = devices or []
         self.admin_gid = admin_gid
         self.groups = groups
+        self.hosts = host_namespaces()  # (pid, mount) namespaces that are the host's (control.callers)
+        self.asking: str | None = None  # the instance of the container whose request runs now (admit)
+        # bench/attacks.py only (the environment of the daemon, which only the host sets): the uid rule
+        # of before, no classification, to measure what the checks cost in the same run
+        self.old_classes = os.environ.get("CGPUD_BENCH_UID_ONLY") == "1"
         # name -> the connection that made its cgroup (absent: the connection is gone)
         self.owners: dict[str, int] = {}
         self.live_conns: set[int] = set()
@@ -126,7 +148,52 @@ class Control(Views, Instances, Hooks, Runtime, Memory):
         return self.durable.node
 
     def privileged(self, peer: Peer) -> bool:
-        return peer.uid == 0 or (self.admin_gid is not None and self.admin_gid in peer.groups())
+        """Root or the admin group, on the host, on the daemon's own socket."""
+        if self.old_classes:
+            return peer.uid == 0 or (self.admin_gid is not None and self.admin_gid in peer.groups())
+        return not peer.who.container and peer.socket == "host" and (
+            peer.uid == 0 or (self.admin_gid is not None and self.admin_gid in peer.groups()))
+
+    def in_container_group(self, pid: int) -> bool:
+        """Whether `pid` is inside the cgroup of a container cgpud manages (control.callers)."""
+        return self.instance_named_by_cgroup(pid, containers_only=True) is not None
+
+    def own_instance(self, peer: Peer) -> str | None:
+        """The instance whose cgroup holds a container's caller (None: none); EPERM
+        when the process that connected is gone (its pid may be another's by now)."""
+        try:
+            name = self.instance_named_by_cgroup(peer.pid) if peer.pid > 0 else None
+        except (OSError, ValueError):
+            name = None
+        if peer.who.pidfd >= 0 and not peer.who.alive():
+            raise Refused(errno.EPERM, f"pid {peer.pid}, which connected, is gone: "
+                                       "a container asks from the process that connected")
+        return name
+
+    def admit(self, op: str, needs_priv: bool, peer: Peer) -> str | None:
+        """Whether `peer` may call `op`: the one place it is decided (SPEC §9).
+        For a container, the instance it may act on and see (None: the node's
+        own components, which see the node)."""
+        if self.old_classes:
+            if needs_priv and not self.privileged(peer):
+                raise Refused(errno.EACCES, f"{op} needs root or the admin group")
+            return None
+        who = peer.who
+        if who.container:
+            mine = self.own_instance(peer)
+            if mine is None:
+                if peer.socket == "host" and op in VIEW_OPS:
+                    return None  # the node's own components (a hostPath mount): the views, read only
+                raise Refused(errno.EPERM, f"{who.why}, in no cgpud instance: a container that cgpud does not "
+                                           "manage may do nothing on this socket")
+            if op not in CONTAINER_OPS:
+                raise Refused(errno.EACCES, f"{op} is for the host only ({who.why}): a container may call only "
+                                            f"{', '.join(CONTAINER_OPS)}, each on its own instance")
+            return mine
+        if needs_priv and not self.privileged(peer):
+            where = "" if peer.socket == "host" else " (and never on the containers' socket)"
+            raise Refused(errno.EACCES, f"{op} needs root or the admin group{where}")
+        return None
 
     def handle(self, req: Any, peer: Peer) -> dict:
         try:
@@ -136,9 +203,12 @@ class Control(Views, Instances, Hooks, Runtime, Memory):
             if entry is None:
                 raise Refused(errno.EINVAL, f"unknown op {quoted(req['op'])}; known: {', '.join(sorted(self.ops))}")
             needs_priv, fn = entry
-            if needs_priv and not self.privileged(peer):
-                raise Refused(errno.EACCES, f"{req['op']} needs root or the admin group")
-            return {"ok": True, "result": fn(req, peer)}
+            # (read by the views: a container sees its own instance only; handlers run whole, synchronously)
+            self.asking = self.admit(req["op"], needs_priv, peer)
+            try:
+                return {"ok": True, "result": fn(req, peer)}
+            finally:
+                self.asking = None
         except Exception as exc:  # a bug must cost one request, never the daemon
             return error_response(exc, req)
 
@@ -199,17 +269,75 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
         sock = trio.socket.from_stdlib_socket(socket.socket(fileno=listen_fd))
     control.listen_fd = sock.fileno()
     listener = trio.SocketListener(sock)
+    # The containers' socket: a directory of its own beside ours, all that Allocate / CDI mount into a
+    # container (read-only, at our directory's path). Made anew by each daemon (a hot upgrade's too:
+    # the directory is mounted, not the file, so containers see the new one).
+    tenant_path = tenant_socket(path)
+    tenant = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listeners = [listener]
+    try:
+        os.makedirs(os.path.dirname(tenant_path), mode=0o755, exist_ok=True)
+        try:
+            os.unlink(tenant_path)
+        except FileNotFoundError:
+            pass
+        await tenant.bind(tenant_path)
+        os.chmod(tenant_path, 0o666)
+        tenant.listen(64)
+        listeners.append(trio.SocketListener(tenant))
+    except OSError as exc:  # (a path too long for a socket, a read-only directory: containers get no socket)
+        log.warning("cannot make the containers' socket %s (%s); containers given it cannot reach the daemon",
+                    tenant_path, exc.strerror or exc)
+    per_container: Counter = Counter()  # open connections by container (its pid namespace)
 
     conn_ids = iter(range(max([a.conn for a in adopted], default=0) + 1, 1 << 62))
 
+    def peer_on(s: socket.socket, conn: int) -> Peer:
+        p = peer_of(s)
+        try:
+            on = "tenant" if s.getsockname() == tenant_path else "host"
+        except OSError:
+            on = "tenant"
+        if control.old_classes:
+            return Peer(p.pid, p.uid, p.gid, conn, p.supplementary, socket=on)
+        who = classify(s, p.pid, control.hosts, control.in_container_group)
+        if on == "tenant" and not who.container:  # (whoever comes on the containers' socket is one)
+            who = Who(True, f"pid {p.pid} connected on the containers' socket", who.pidfd)
+        return Peer(p.pid, p.uid, p.gid, conn, p.supplementary, who, on)
+
     async def connection(stream: trio.SocketStream, peer: Peer | None = None, buf: bytes = b"") -> None:
-        if peer is None:
-            try:
-                p = peer_of(stream.socket)  # type: ignore[arg-type]
-            except OSError:  # gone before we looked
+        try:
+            peer = peer_on(stream.socket, peer.conn if peer is not None else next(conn_ids))  # type: ignore[arg-type]
+        except OSError:  # gone before we looked
+            await stream.aclose()
+            return
+        key = peer.who.key if peer.who.container else None
+        if key is not None:
+            per_container[key] += 1
+        try:
+            if key is not None and per_container[key] > MAX_CONTAINER_CONNS:
+                with trio.move_on_after(1):  # (the answer, then what it sent read until it closes: a close
+                    try:                        # with its request unread would reset it before it reads the answer)
+                        await stream.send_all(json.dumps({
+                            "ok": False, "error": "EAGAIN",
+                            "message": f"too many connections from this container (at most {MAX_CONTAINER_CONNS} "
+                                       "open at once); close some"}).encode() + b"\n")
+                        await stream.send_eof()
+                        while await stream.receive_some(65536):
+                            pass
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
                 await stream.aclose()
                 return
-            peer = Peer(p.pid, p.uid, p.gid, next(conn_ids), p.supplementary)
+            await _connection(stream, peer, buf)
+        finally:
+            if key is not None:
+                per_container[key] -= 1
+                if not per_container[key]:
+                    del per_container[key]
+            peer.who.close()
+
+    async def _connection(stream: trio.SocketStream, peer: Peer, buf: bytes) -> None:
         control.live_conns.add(peer.conn)
         pending = _Pending(buf)
         try:
@@ -277,10 +405,18 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
                     nursery.start_soon(connection, trio.SocketStream(s), Peer(a.pid, a.uid, a.gid, a.conn,
                                                                       None if a.groups is None else frozenset(a.groups)), a.buf)
                 task_status.started()
-                await trio.serve_listeners(connection, [listener], handler_nursery=nursery)
+                await trio.serve_listeners(connection, listeners, handler_nursery=nursery)
     finally:
+        tenant.close()
         if not control.handing_over:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            for p in (path, tenant_path):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+
+
+def tenant_socket(path: str) -> str:
+    """The containers' socket of the daemon whose socket is `path`: `<dir>/tenant/<same name>`
+    (mounted at `<dir>` in a container, it is where a client there looks: `path`)."""
+    return os.path.join(os.path.dirname(path) or ".", TENANT_DIR, os.path.basename(path))

@@ -242,6 +242,41 @@ async def _start_watchdog(nursery, node: Node, ctl: "control.Control", cfg: Conf
     return watchdog
 
 
+async def _start_charge_check(nursery, services: Services, cfg: Config) -> None:
+    """The check of what the containers' usage pages say against NVML's per-process utilisation
+    (cgpud/sched/gputime.py, ChargeCheck; docs/security.md, "The charge"): on real GPUs, and on
+    simulated ones when CGPUD_CHARGE_NVML=1 says NVML's GPU i stands for the simulated GPU i (the
+    stand-in NVML and card: tests, benches). Without NVML the page is checked against its gate's time
+    alone (the per-step floor, docs/scheduler.md)."""
+    if services.sched is None or services.ctl is None or not cfg.gates:
+        return
+    if cfg.gpus.strip() != "nvml" and os.environ.get("CGPUD_CHARGE_NVML") != "1":
+        return
+    if os.environ.get("CGPUD_BENCH_NO_CHARGE_CHECK") == "1":  # (bench/charge.py's reference: the check off)
+        log.warning("the usage pages' GPU time is not checked (CGPUD_BENCH_NO_CHARGE_CHECK=1)")
+        return
+    from cgpud.gpus.nvml import Nvml, NvmlError
+    from cgpud.sched.gputime import ChargeCheck
+    ctl = services.ctl
+    nv = Nvml()
+    try:
+        await trio.to_thread.run_sync(nv.open)
+    except NvmlError as exc:
+        log.warning("the usage pages' GPU time is checked against the gates' time alone: %s", exc)
+        return
+
+    def owner(pid: int, gpu: int):
+        try:
+            return ctl.instance_of(pid, gpu)
+        except Refused:
+            return None
+
+    check = ChargeCheck(nv, lambda: services.sched.schedulers if services.sched is not None else [], owner)
+    log.info("the usage pages' GPU time is checked against NVML's per-process utilisation every %.2g s",
+             check.window)
+    await nursery.start(check.run)
+
+
 async def _start_health(nursery, node: Node, durable: Durable, services: Services, cfg: Config):
     """GPU health (cgpud/gpus/health.py): NVML's events on real GPUs, the state directory's sim-faults
     file on simulated ones. A GPU out of service: its scheduler stops (nothing of it stays frozen or
@@ -508,6 +543,7 @@ async def _serve(cfg: Config) -> int:
                 await services.start(nursery, **(takeover.service_args() if takeover else {}))
                 if cfg.gpus.strip() == "nvml" and services.ctl is not None:
                     await _start_watchdog(nursery, node, services.ctl, cfg)
+                await _start_charge_check(nursery, services, cfg)
                 if cfg.health:
                     await _start_health(nursery, node, durable, services, cfg)
                 await _start_metrics(nursery, cfg, durable, services, wait_for_port=takeover is not None)

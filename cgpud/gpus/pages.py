@@ -47,6 +47,11 @@ DRIVER_SIZE = DRIVER_OFFSET + MAX_PROCS * DRIVER.size  # (an older cgpud's page 
 BUSY = struct.Struct(f"<Ii{MAX_GPUS}Q")  # timed, pid, ns[]: per slot
 BUSY_OFFSET = DRIVER_SIZE
 USAGE_SIZE = BUSY_OFFSET + MAX_PROCS * BUSY.size
+# struct cgpu_usage_gang: a gang's launches per slot, libcgpu's own (docs/isolation.md, "Gangs");
+# the file is made this long, the daemon reads only the first USAGE_SIZE bytes
+GANG = struct.Struct(f"<{2 * MAX_GPUS}Q")  # launched[], base[]: per slot
+GANG_OFFSET = USAGE_SIZE
+USAGE_FILE_SIZE = GANG_OFFSET + MAX_PROCS * GANG.size
 
 
 def create(directory: str, memsizes: list[int], uuids: list[str] | None = None) -> None:
@@ -77,7 +82,7 @@ def uuid_bytes(text: str | None) -> bytes:
 
 
 def _empty_usage() -> bytes:
-    return USAGE_HEAD.pack(MAGIC, VERSION, *[0] * (MAX_GPUS + MAX_PROCS // 32)) + bytes(USAGE_SIZE - USAGE_HEAD.size)
+    return USAGE_HEAD.pack(MAGIC, VERSION, *[0] * (MAX_GPUS + MAX_PROCS // 32)) + bytes(USAGE_FILE_SIZE - USAGE_HEAD.size)
 
 
 def _fifo(directory: str) -> None:

@@ -83,6 +83,21 @@ def pod_units(pod) -> int:
     return total
 
 
+CORE = "aliyun.com/gpu-core.percentage"
+
+
+def pod_core(pod) -> int:
+    """The compute percentage a pod asks (core_mem: the sum of its containers' limits), 0 for none."""
+    total = 0
+    for c in _get(pod, "spec", "containers", default=[]) or []:
+        limits = _get(c, "resources", "limits", default={}) or {}
+        try:
+            total += int(limits.get(CORE, 0))
+        except (TypeError, ValueError):
+            continue
+    return total
+
+
 def pod_gpus(pod) -> list[int] | None:
     """The GPU indices a pod was placed on (None: not placed, or malformed)."""
     raw = (_get(pod, "metadata", "annotations", default={}) or {}).get(IDX)
@@ -136,7 +151,7 @@ def node_view(node, pods) -> dict:
         idx = pod_gpus(pod)
         per = {str(i): pod_units(pod) // len(idx) for i in idx}
         insts.append({"name": _get(pod, "metadata", "name"), "namespace": _get(pod, "metadata", "namespace"),
-                      "gpus": per, "allocated": sum(per.values())})
+                      "gpus": per, "allocated": sum(per.values()), "core": pod_core(pod)})
     allocated, total = sum(used), sum(units)
     return {"name": name, "ipaddress": node_address(node), "gpus": gpus, "allocated": allocated, "total": total,
             "percent": allocated * 100 // total if total else 0, "instances": insts}

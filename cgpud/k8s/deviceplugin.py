@@ -29,6 +29,8 @@ from concurrent import futures
 import grpc
 
 from cgpud.client import Client, ControlError, DaemonUnavailable
+from cgpud.control.callers import TENANT_DIR
+from cgpud.k8s import modes
 from cgpud.k8s import resources as res
 from cgpud.k8s.cluster import DISABLE_LABEL, PLACEMENT_LABEL
 from cgpud.k8s.nodeapi import NodeApi, Unreachable
@@ -56,11 +58,26 @@ class Source:
         self.changed = threading.Condition()
         self.version = 0
         self.on_change = None  # called with the GPUs after a change (outside the lock)
+        self.instances: list[str] | None = None  # the daemon's instances' names (None: not known)
+        self.daemon_mode: str | None = None  # the mode the daemon places containers by
+        self.on_instances = None  # called when the daemon's instances change (the node's mode waits for them)
+
+    def bump(self) -> None:
+        """Send every device list again (the node's mode changed)."""
+        with self.changed:
+            self.version += 1
+            self.changed.notify_all()
 
     def poll(self) -> None:
         try:
             with Client(self.socket, timeout=5) as c:
-                gpus = res.gpus_from_query(c.call("query"))
+                snap = c.call("query")
+                gpus = res.gpus_from_query(snap)
+            names = sorted({i["name"] for g in snap.get("gpus", []) for i in g.get("instances", [])})
+            if names != self.instances or snap.get("mode") != self.daemon_mode:
+                self.instances, self.daemon_mode = names, snap.get("mode")
+                if self.on_instances is not None:
+                    self.on_instances()
         except (DaemonUnavailable, ControlError, OSError, ValueError, KeyError) as exc:
             if self.gpus is not None:
                 log.warning("cgpud does not answer (%s): every unit is Unhealthy until it does", exc)
@@ -84,16 +101,23 @@ class Source:
 
 
 class Plugin(rpc.DevicePluginServicer):
+    resource, endpoint = res.RESOURCE, ENDPOINT
+
     def __init__(self, source: Source, unit: int = res.GIB, strategy: str = "binpack",
-                 disable_isolation: bool = False, node: "NodeApi | None" = None) -> None:
+                 disable_isolation: bool = False, node: "NodeApi | None" = None, mode: str = "cgpu") -> None:
         self.source, self.unit = source, unit
+        # The node's mode (cgpud.k8s.modes): the label's once the node and its pods are read, else --mode
+        self.flag_mode = self.mode = mode
+        self.decision: modes.Decision | None = None
+        self.mode_lock = threading.Lock()
+        self._warned: str | None = None  # the last warning about the label's value (said once)
         # the flags; the node's labels, when read, say otherwise (placement) or add (no isolation)
         self.flag_strategy, self.flag_disable = strategy, disable_isolation
         self.labels: dict[str, str] = {}
         self.node = node  # the API server's side (cgpud.k8s.nodeapi), when there is one
         self.published: tuple | None = None  # the per-GPU units and GPUs out of service the API server last accepted
-        # The daemon's socket directory, mounted into each container: `cgpu mem` and the simulated
-        # GPUs' device files work inside it.
+        # The daemon's socket directory as a container sees it: its containers' directory (the containers'
+        # socket only, control.callers.TENANT_DIR) mounted read-only at its path: `cgpu mem` works inside.
         self.socket_dir: str | None = os.path.dirname(os.path.abspath(source.socket)) if source.socket else None
         self.stopping = threading.Event()
 
@@ -104,7 +128,54 @@ class Plugin(rpc.DevicePluginServicer):
 
     @property
     def disable_isolation(self) -> bool:
-        return self.flag_disable or self.labels.get(DISABLE_LABEL) == "true"
+        return self.flag_disable or self.labels.get(DISABLE_LABEL) == "true" or self.mode == "share"
+
+    def reconsider(self) -> None:
+        """Work out the node's mode again (its labels, its GPU pods or the daemon's instances
+        changed): switch to the label's mode when nothing holds a GPU, else keep the one in force
+        and say why (cgpud.k8s.modes.decide); every device list is sent again on a switch."""
+        node = self.node
+        if node is None or not node.usable or node.node_labels is None or not node.pods_synced:
+            return  # (the label is read with the node; without the API server: --mode)
+        with self.mode_lock:
+            want, warning = modes.wanted(node.node_labels, self.flag_mode)
+            if warning and warning != self._warned:
+                log.warning("%s", warning)
+                node.node_event("GpuModeUnknown", warning)
+            self._warned = warning
+            holders = list(node.gpu_pods.values()) + [f"instance {n}" for n in self.source.instances or ()
+                                                      if not node.gpu_pods]
+            current = self.mode if self.decision is not None else node.mode_in_force
+            decision = modes.decide(current, want, holders)
+            if decision == self.decision:
+                self._tell_daemon()
+                return
+            before, self.decision, self.mode = self.mode if self.decision is not None else current, decision, \
+                decision.mode
+            log.info("%s", decision.message())
+        node.write_mode(decision, before)
+        self.source.bump()
+        self._tell_daemon()
+
+    def _tell_daemon(self) -> None:
+        """The daemon places (and refuses) the containers that start by the node's mode in force."""
+        if self.mode == "disabled" or self.source.daemon_mode in (None, self.mode):
+            return
+        try:
+            with Client(self.source.socket, timeout=5) as c:
+                c.call("mode", mode=self.mode)
+            self.source.daemon_mode = self.mode
+            log.info("cgpud places containers in mode %s from now on", self.mode)
+        except (DaemonUnavailable, ControlError, OSError) as exc:
+            log.warning("cannot tell cgpud the node's mode %s (%s); trying again", self.mode, exc)
+
+    def advertising(self, resource: str | None = None) -> bool:
+        return modes.advertises(self.mode, resource or self.resource)
+
+    def _not_here(self, context) -> None:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"this node runs in mode {self.mode} ({modes.LABEL}), which has no {self.resource}: "
+                      f"{', '.join(modes.RESOURCES[self.mode]) or 'no GPU resource'} only")
 
     def node_changed(self, gpus: list[res.Gpu] | None) -> None:
         """The daemon's GPUs changed (or NODE_REFRESH passed): publish them if the API server does
@@ -122,6 +193,7 @@ class Plugin(rpc.DevicePluginServicer):
             log.warning("node label %s=%s is neither binpack nor spread: placing by --placement (%s)",
                         PLACEMENT_LABEL, labels[PLACEMENT_LABEL], self.flag_strategy)
         self.labels = labels
+        self.reconsider()
 
     def follow_node(self, stop: threading.Event, every: float = NODE_REFRESH) -> None:
         while not stop.wait(every):
@@ -134,6 +206,8 @@ class Plugin(rpc.DevicePluginServicer):
         return gpus
 
     def device_list(self) -> pb.ListAndWatchResponse:
+        if not self.advertising():
+            return pb.ListAndWatchResponse(devices=[])
         up = {g.uuid for g in self.source.gpus or () if g.healthy}
         known = sorted(self.source.known.values(), key=lambda g: g.index)
         return pb.ListAndWatchResponse(devices=[
@@ -157,6 +231,8 @@ class Plugin(rpc.DevicePluginServicer):
 
     def GetPreferredAllocation(self, request, context):
         gpus = self._gpus(context)
+        if not self.advertising():
+            self._not_here(context)
         out = []
         for creq in request.container_requests:
             available, must = list(creq.available_deviceIDs), list(creq.must_include_deviceIDs)
@@ -187,13 +263,19 @@ class Plugin(rpc.DevicePluginServicer):
 
     def Allocate(self, request, context):
         gpus = self._gpus(context)
+        if not self.advertising():
+            self._not_here(context)
         out, choices = [], []
         try:
             for creq in request.container_requests:
                 env = self._allocate_one(list(creq.devices_ids), gpus, choices)
+                mounts = [pb.Mount(container_path=self.socket_dir, host_path=os.path.join(self.socket_dir, TENANT_DIR),
+                                   read_only=True)] if self.socket_dir else []
+                if self.mode == "mps":  # MPS the isolation layer: the client's limits and the pipe directory
+                    env.update(res.mps_environment(env, gpus, self.unit))
+                    mounts.append(pb.Mount(container_path=res.MPS_PIPE_DIR, host_path=res.MPS_PIPE_DIR,
+                                           read_only=False))
                 log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-                mounts = [pb.Mount(container_path=self.socket_dir, host_path=self.socket_dir, read_only=False)] \
-                    if self.socket_dir else []
                 out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts))
         except (res.AllocationError, Unreachable) as exc:
             for choice in choices:  # nothing half-done: the extender's choices stay for the next try
@@ -214,6 +296,10 @@ class Plugin(rpc.DevicePluginServicer):
         if choice is None:
             return res.allocation(ids, gpus, self.unit, disable_isolation=self.disable_isolation)
         choices.append(choice)
+        if self.mode == "mps" and not choice.host_ipc:
+            raise res.AllocationError(f"pod {choice.namespace}/{choice.name} is on an mps node "
+                                      f"({modes.LABEL}=mps) without hostIPC: true: MPS clients share memory with the "
+                                      "node's MPS server; set spec.hostIPC: true")
         log.info("Allocate: %s/%s, on GPU %s as the scheduler extender chose", choice.namespace, choice.name,
                  ",".join(map(str, choice.gpus)))
         if len(ids) % len(choice.gpus):
@@ -227,6 +313,100 @@ class Plugin(rpc.DevicePluginServicer):
         return pb.PreStartContainerResponse()
 
 
+class ModePlugin(rpc.DevicePluginServicer):
+    """A resource of the node's other modes (cgpud.k8s.modes), served beside aliyun.com/gpu-mem on
+    its own endpoint: listed only while the node's mode (the gpu-mem plugin's, `main`) uses it."""
+
+    resource = endpoint = ""
+
+    def __init__(self, main: Plugin) -> None:
+        self.main, self.source = main, main.source
+        self.stopping = threading.Event()
+
+    def advertising(self) -> bool:
+        return self.main.advertising(self.resource)
+
+    def ids(self, g: res.Gpu) -> list[str]:
+        raise NotImplementedError
+
+    def device_list(self) -> pb.ListAndWatchResponse:
+        if not self.advertising():
+            return pb.ListAndWatchResponse(devices=[])
+        up = {g.uuid for g in self.source.gpus or () if g.healthy}
+        known = sorted(self.source.known.values(), key=lambda g: g.index)
+        return pb.ListAndWatchResponse(devices=[pb.Device(ID=dev, health="Healthy" if g.uuid in up else "Unhealthy")
+                                                for g in known for dev in self.ids(g)])
+
+    ListAndWatch = Plugin.ListAndWatch
+
+    def GetDevicePluginOptions(self, request, context):
+        return pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=False)
+
+    def GetPreferredAllocation(self, request, context):
+        return pb.PreferredAllocationResponse()
+
+    def PreStartContainer(self, request, context):
+        return pb.PreStartContainerResponse()
+
+    def Allocate(self, request, context):
+        gpus = self.main._gpus(context)
+        if not self.advertising():
+            Plugin._not_here(self, context)
+        out = []
+        try:
+            for creq in request.container_requests:
+                env = self.environment(list(creq.devices_ids), gpus)
+                log.info("Allocate %s: %s", self.resource, " ".join(f"{k}={v}" for k, v in sorted(env.items())))
+                out.append(pb.ContainerAllocateResponse(envs=env))
+        except res.AllocationError as exc:
+            log.warning("Allocate refused: %s", exc)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.AllocateResponse(container_responses=out)
+
+    @property
+    def mode(self) -> str:
+        return self.main.mode
+
+    def environment(self, ids: list[str], gpus: list[res.Gpu]) -> dict[str, str]:
+        raise NotImplementedError
+
+
+class WholeGpuPlugin(ModePlugin):
+    """`nvidia.com/gpu` (mode exclusive): one device per GPU, its UUID; the container gets the
+    plain GPU (no ALIYUN_COM_GPU_MEM_CONTAINER: the node's hook leaves it alone)."""
+
+    resource, endpoint = modes.WHOLE, "cgpu-whole.sock"
+
+    def ids(self, g: res.Gpu) -> list[str]:
+        return [g.uuid]
+
+    def environment(self, ids: list[str], gpus: list[res.Gpu]) -> dict[str, str]:
+        by_uuid = {g.uuid: g for g in gpus}
+        bad = [d for d in ids if d not in by_uuid or not by_uuid[d].healthy]
+        if not ids or bad or len(set(ids)) != len(ids):
+            raise res.AllocationError(f"{', '.join(bad) or 'no device'}: not this node's {self.resource} "
+                                      "(whole GPUs in service, by UUID), or given twice")
+        return {"NVIDIA_VISIBLE_DEVICES": ",".join(sorted(ids, key=lambda u: by_uuid[u].index))}
+
+
+class CorePlugin(ModePlugin):
+    """`aliyun.com/gpu-core.percentage` (mode core_mem): 100 devices per GPU, one per percent,
+    IDs `<GPU-UUID>-_-core-<j>`; a container's count is its compute percentage
+    (ALIYUN_COM_GPU_CORE_PERCENTAGE), a multiple of 5 from 5 to 100 (docs/scheduler.md)."""
+
+    resource, endpoint = modes.CORE, "cgpu-core.sock"
+
+    def ids(self, g: res.Gpu) -> list[str]:
+        return [f"{g.uuid}{res.SEP}core-{j}" for j in range(100)]
+
+    def environment(self, ids: list[str], gpus: list[res.Gpu]) -> dict[str, str]:
+        mine = {dev for g in gpus for dev in self.ids(g)}
+        bad = [d for d in ids if d not in mine]
+        if bad or len(set(ids)) != len(ids):
+            raise res.AllocationError(f"{', '.join(bad) or 'a device given twice'}: not this node's {self.resource}")
+        return {res.CORE_ENV: str(res.check_percentage(len(ids)))}
+
+
 def _ino(path: str) -> tuple[int, int] | None:
     """Which file is at `path` now: its inode and change time (a socket made
     anew may get the same inode number back)."""
@@ -237,55 +417,65 @@ def _ino(path: str) -> tuple[int, int] | None:
     return st.st_ino, st.st_ctime_ns
 
 
-def register(plugin_dir: str) -> None:
+def register(plugin_dir: str, endpoint: str = ENDPOINT, resource: str = res.RESOURCE,
+             preferred: bool = True) -> None:
     with grpc.insecure_channel(f"unix://{os.path.join(plugin_dir, 'kubelet.sock')}") as ch:
         rpc.RegistrationStub(ch).Register(pb.RegisterRequest(
-            version=VERSION, endpoint=ENDPOINT, resource_name=res.RESOURCE,
-            options=pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)),
+            version=VERSION, endpoint=endpoint, resource_name=resource,
+            options=pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=preferred)),
             timeout=5)
 
 
-def serve(plugin: Plugin, plugin_dir: str, stop: threading.Event) -> None:
-    """Serve and stay registered until `stop`."""
-    ours = os.path.join(plugin_dir, ENDPOINT)
+def serve(plugin: "Plugin | list", plugin_dir: str, stop: threading.Event) -> None:
+    """Serve each plugin's endpoint and stay registered (aliyun.com/gpu-mem first) until `stop`."""
+    plugins = plugin if isinstance(plugin, list) else [plugin]
+    socks = [os.path.join(plugin_dir, p.endpoint) for p in plugins]
     kubelet = os.path.join(plugin_dir, "kubelet.sock")
     while not stop.is_set():
-        try:
-            os.unlink(ours)
-        except FileNotFoundError:
-            pass
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        rpc.add_DevicePluginServicer_to_server(plugin, server)
-        server.add_insecure_port(f"unix://{ours}")
-        server.start()
-        served, registered_with = _ino(ours), None
+        servers = []
+        for p, ours in zip(plugins, socks):
+            try:
+                os.unlink(ours)
+            except FileNotFoundError:
+                pass
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+            rpc.add_DevicePluginServicer_to_server(p, server)
+            server.add_insecure_port(f"unix://{ours}")
+            server.start()
+            servers.append(server)
+        served, registered_with = [_ino(o) for o in socks], None
         while not stop.is_set():
             now = _ino(kubelet)
-            if _ino(ours) != served:
-                log.info("%s was removed (the kubelet restarted?): serving it again", ours)
+            if [_ino(o) for o in socks] != served:
+                log.info("%s was removed (the kubelet restarted?): serving it again", plugin_dir)
                 break
             if now is not None and now != registered_with:
                 try:
-                    register(plugin_dir)
+                    for p in plugins:
+                        register(plugin_dir, p.endpoint, p.resource, p.endpoint == ENDPOINT)
                     registered_with = now
-                    log.info("registered %s with the kubelet at %s", res.RESOURCE, kubelet)
+                    log.info("registered %s with the kubelet at %s", ", ".join(p.resource for p in plugins), kubelet)
                 except grpc.RpcError as exc:
                     log.warning("registering with the kubelet failed (%s); trying again", exc.details())
             stop.wait(POLL)
-        plugin.stopping.set()
-        server.stop(grace=0.5).wait()
-        plugin.stopping.clear()
+        for p in plugins:
+            p.stopping.set()
+        for server in servers:
+            server.stop(grace=0.5).wait()
+        for p in plugins:
+            p.stopping.clear()
 
 
 def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, disable_isolation: bool,
-         node_name: str | None = None, node_refresh: float = NODE_REFRESH) -> None:
+         node_name: str | None = None, node_refresh: float = NODE_REFRESH, mode: str = "cgpu") -> None:
     from cgpud.state.paths import default_socket
 
     source = Source(socket or default_socket())
     node = NodeApi(node_name)
     node.say_once()
-    plugin = Plugin(source, res.UNITS[unit_name], strategy, disable_isolation, node)
+    plugin = Plugin(source, res.UNITS[unit_name], strategy, disable_isolation, node, mode)
     source.on_change = plugin.node_changed
+    source.on_instances = node.on_pods = plugin.reconsider
     node.on_labels = plugin.labels_changed
     node.start()
     stop = threading.Event()
@@ -295,7 +485,7 @@ def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, dis
         threading.Thread(target=plugin.follow_node, args=(stop, node_refresh), daemon=True).start()
     log.info("cgpu device plugin: %s in units of %s, %s; kubelet at %s", res.RESOURCE, unit_name, strategy, plugin_dir)
     try:
-        serve(plugin, plugin_dir, stop)
+        serve([plugin, WholeGpuPlugin(plugin), CorePlugin(plugin)], plugin_dir, stop)
     except KeyboardInterrupt:
         pass
     finally:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
 from cgpud.containers import envspec
+from cgpud.control.callers import TENANT_DIR
 from cgpud.core.model import MAX_INST
 
 DRIVER = "cgpu.aliyun.com"
@@ -328,13 +329,15 @@ def cdi_device(claim_uid: str, request: str) -> str:
 
 def cdi_spec(claim_uid: str, shares: list[Share], gpus: list[Gpu], unit: int, mounts: list[str]) -> dict:
     """The claim's CDI spec: a device per request whose edits set its environment; `mounts` (the
-    daemon's socket directory) are bound into every container of the claim."""
+    daemon's socket directory) are bound into every container of the claim: each as its
+    containers' directory (the containers' socket only), read-only (docs/security.md)."""
     return {
         "cdiVersion": CDI_VERSION, "kind": CDI_VENDOR_CLASS,
         "devices": [{"name": cdi_device(claim_uid, s.request),
                      "containerEdits": {"env": [f"{k}={v}" for k, v in sorted(environment(s, gpus, unit).items())]}}
                     for s in shares],
-        "containerEdits": {"mounts": [{"hostPath": m, "containerPath": m, "options": ["rbind", "rw"]}
+        # (each the daemon's socket directory, as a container sees it: its containers' directory, read-only)
+        "containerEdits": {"mounts": [{"hostPath": f"{m}/{TENANT_DIR}", "containerPath": m, "options": ["rbind", "ro"]}
                                       for m in mounts]},
     }
 

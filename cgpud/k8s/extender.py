@@ -59,6 +59,7 @@ def filter_nodes(state: State, args: dict) -> dict:
     if need <= 0:  # not ours to judge
         return {"Nodes": args.get("Nodes"), "NodeNames": names, "FailedNodes": {}, "Error": ""}
     count = gpu_count(pod)
+    core = cluster.pod_core(pod)
     ok, failed = [], {}
     now = time.time()
     per, even = need // count, need % count == 0
@@ -72,7 +73,13 @@ def filter_nodes(state: State, args: dict) -> dict:
             if node.free is None or now >= node.until:
                 work_out(node, now)
             desc = node.desc  # free units per GPU, most first
-            if even and len(desc) >= count and desc[count - 1] >= per:
+            if core and even and sum(f >= per and c >= core for f, c in zip(node.free, node.core_free)) >= count:
+                ok.append(name)  # core_mem: GPUs with the units and the compute percentage free
+            elif core:
+                failed[name] = (f"no {count} GPU(s) with {per} free {cluster.RESOURCE} and {core} % of "
+                                f"{cluster.CORE} free (compute left: "
+                                f"{', '.join(f'GPU{i} {c}' for i, c in enumerate(node.core_free))})")
+            elif even and len(desc) >= count and desc[count - 1] >= per:
                 ok.append(name)
             else:
                 failed[name] = state.why_not(node, need, count)
@@ -147,6 +154,8 @@ def _commit(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
         now = time.time()
         with state.lock:
             free = list(state.free_units(node, now))
+            # core_mem: a GPU without the pod's compute percentage free is full for it
+            free = [f if not pod.core or c >= pod.core else 0 for f, c in zip(free, node.core_free)]
         gpus = cluster.choose(list(node.units), [u - f for u, f in zip(node.units, free)], pod.need, pod.count,
                               node.strategy)
         if gpus is None:
@@ -225,7 +234,8 @@ def _view(node: Node, pods: dict) -> dict:
         for i in pod.gpus:
             if i < len(used):
                 used[i] += pod.need // len(pod.gpus)
-        insts.append({"name": pod.key[1], "namespace": pod.key[0], "gpus": per, "allocated": sum(per.values())})
+        insts.append({"name": pod.key[1], "namespace": pod.key[0], "gpus": per, "allocated": sum(per.values()),
+                      "core": pod.core})
     allocated, total = sum(used), sum(node.units)
     return {"name": node.name, "ipaddress": node.address,
             "gpus": [{"index": i, "allocated": used[i], "total": u} for i, u in enumerate(node.units)],

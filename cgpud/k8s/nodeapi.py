@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from cgpud.k8s import cluster
+from cgpud.k8s import cluster, modes
 from cgpud.k8s.api import one_line
 from cgpud.k8s.informer import Informer
 
@@ -53,6 +53,11 @@ class NodeApi:
         self.waiting: dict[str, dict] = {}  # uid -> this node's pending pods the extender chose for, not yet given
         self.node_labels: dict[str, str] | None = None  # None: not read yet
         self.on_labels = None  # called with the node's labels when they change
+        # the node's mode (cgpud.k8s.modes): the mode in force as the Node says it, its GPU pods
+        self.mode_in_force: str | None = None
+        self.gpu_pods: dict[str, str] = {}  # uid -> "namespace/name" of the node's pods holding GPUs
+        self.on_pods = None  # called (no arguments) when the set of GPU pods changes
+        self.pods_synced = False  # the pods' watch LISTed once: gpu_pods is the node's
         # (units, when) a GetPreferredAllocation's look found no choice: its Allocate, next, does not wait again
         self.missed: tuple[int, float] | None = None
         self.informers: list[Informer] = []
@@ -89,6 +94,11 @@ class NodeApi:
     def _replace_pods(self, items: list[dict]) -> None:
         with self.lock:
             self.waiting = {p["metadata"].get("uid", ""): p for p in items if self._waits(p)}
+            self.gpu_pods = {p["metadata"].get("uid", ""): _key(p) for p in items
+                                                     if modes.gpu_pod(p)}
+        self.pods_synced = True
+        if self.on_pods is not None:
+            self.on_pods()
 
     def _pod_event(self, kind: str, pod: dict) -> None:
         uid = pod["metadata"].get("uid", "")
@@ -99,6 +109,14 @@ class NodeApi:
                 self.waiting.pop(uid, None)
                 if kind == "DELETED":
                     self.given.pop(uid, None)
+            had = uid in self.gpu_pods
+            if kind != "DELETED" and modes.gpu_pod(pod):
+                self.gpu_pods[uid] = _key(pod)
+            else:
+                self.gpu_pods.pop(uid, None)
+            changed = had != (uid in self.gpu_pods)
+        if changed and self.on_pods is not None:
+            self.on_pods()
 
     def _replace_node(self, items: list[dict]) -> None:
         for node in items:
@@ -107,7 +125,9 @@ class NodeApi:
     def _node_event(self, kind: str, node: dict) -> None:
         if kind == "DELETED":
             return
-        labels = (node.get("metadata") or {}).get("labels") or {}
+        meta = node.get("metadata") or {}
+        self.mode_in_force = (meta.get("annotations") or {}).get(modes.MODE_IN_FORCE)
+        labels = meta.get("labels") or {}
         if labels != self.node_labels:
             self.node_labels = labels
             if self.on_labels is not None:
@@ -138,6 +158,45 @@ class NodeApi:
             log.warning("cannot update node %s (%s); trying again later", self.node, one_line(exc))
             return False
         return True
+
+    def write_mode(self, decision: "modes.Decision", switched_from: str | None) -> None:
+        """Say the node's mode on the Node: the mode in force (annotation), the condition (True while
+        a label change waits), and an event when it switched or started waiting. Failures are logged:
+        the mode in force is the plugin's either way (written again at the next change)."""
+        from datetime import datetime, timezone
+
+        if not self.usable:
+            return
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        cond = {"type": modes.CONDITION, "status": "True" if decision.pending else "False",
+                "reason": "WaitingForGpuPods" if decision.pending else "ModeInForce",
+                "message": decision.message(), "lastHeartbeatTime": now, "lastTransitionTime": now}
+        try:
+            self.api.patch_node(self.node, {"metadata": {"annotations": {modes.MODE_IN_FORCE: decision.mode}}})
+            self.api.patch_node_status(self.node, {"status": {"conditions": [cond]}})
+        except Exception as exc:  # noqa: BLE001 - the API server's trouble must not stop the kubelet's plugin
+            log.warning("cannot write node %s's mode (%s)", self.node, one_line(exc))
+        if switched_from is not None and switched_from != decision.mode:
+            self.node_event("GpuModeChanged", f"mode {switched_from} -> {decision.mode} ({modes.LABEL}="
+                                              f"{(self.node_labels or {}).get(modes.LABEL, '(none)')})")
+        elif decision.pending:
+            self.node_event("GpuModeChangeWaiting", decision.message())
+
+    def node_event(self, reason: str, message: str) -> None:
+        from datetime import datetime, timezone
+
+        from kubernetes.client import CoreV1Event, V1EventSource, V1ObjectMeta, V1ObjectReference
+
+        now = datetime.now(timezone.utc)
+        body = CoreV1Event(
+            metadata=V1ObjectMeta(generate_name=f"{self.node}.", namespace="default"),
+            involved_object=V1ObjectReference(kind="Node", name=self.node, uid=self.node, api_version="v1"),
+            reason=reason, message=message, type="Normal", count=1, first_timestamp=now, last_timestamp=now,
+            source=V1EventSource(component="cgpu-device-plugin", host=self.node))
+        try:
+            self.api.create_namespaced_event("default", body, _preload_content=False)
+        except Exception as exc:  # noqa: BLE001 - an event is a courtesy
+            log.warning("cannot record an event on node %s (%s)", self.node, one_line(exc))
 
     def labels(self) -> dict[str, str] | None:
         """The node's labels as last watched, or None before they were read."""
@@ -199,7 +258,8 @@ class NodeApi:
             done = max(self.given.get(uid, 0), _count((meta.get("annotations") or {}).get(cluster.GIVEN))) + 1
             if reserve:
                 self.given[uid] = done
-            return Choice(idx, meta["namespace"], meta["name"], uid, last=done == n, number=done)
+            return Choice(idx, meta["namespace"], meta["name"], uid, last=done == n, number=done,
+                          host_ipc=bool((pod.get("spec") or {}).get("hostIPC")))
 
     def _malformed(self, pod: dict, raw) -> None:
         uid = pod["metadata"].get("uid", "")
@@ -233,6 +293,12 @@ class Choice:
     uid: str
     last: bool  # the pod's last gpu-mem container
     number: int  # which of the pod's gpu-mem containers (1, 2, …)
+    host_ipc: bool = False  # the pod's spec.hostIPC (MPS clients need it: docs/mps.md)
+
+
+def _key(pod: dict) -> str:
+    meta = pod.get("metadata") or {}
+    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
 def _count(raw: str | None) -> int:

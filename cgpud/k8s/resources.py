@@ -28,8 +28,20 @@ UNITS = {"GiB": GIB, "MiB": MIB, "128MiB": 128 * MIB}
 STRATEGIES = ("binpack", "spread")
 
 
+CORE_ENV = "ALIYUN_COM_GPU_CORE_PERCENTAGE"  # a core_mem container's compute percentage (docs/scheduler.md)
+CORE_STEP = 5
+
+
 class AllocationError(ValueError):
     """A request that cannot be met; str() is the reason `kubectl describe pod` shows."""
+
+
+def check_percentage(p: int) -> int:
+    """A compute percentage as core_mem takes it (a multiple of 5 from 5 to 100), or AllocationError."""
+    if not CORE_STEP <= p <= 100 or p % CORE_STEP:
+        raise AllocationError(f"aliyun.com/gpu-core.percentage {p}: give a multiple of {CORE_STEP} from {CORE_STEP} "
+                              "to 100")
+    return p
 
 
 @dataclass(frozen=True)
@@ -148,3 +160,26 @@ def environment(indices: list[int], units: int, gpus: list[Gpu], unit: int, *,
     if disable_isolation:
         env["CGPU_DISABLE"] = "true"
     return env
+
+
+MPS_PIPE_DIR = "/var/run/nvidia-gpu/nvidia-mps"  # ack-mps-control's since 0.2.0 (docs/mps.md)
+
+
+def mps_environment(env: dict[str, str], gpus: list[Gpu], unit: int) -> dict[str, str]:
+    """On an `mps` node, what makes a container (its `environment`) an MPS client held to its share:
+    CUDA_MPS_PINNED_DEVICE_MEM_LIMIT per CUDA ordinal (its GPUs in index order, as
+    NVIDIA_VISIBLE_DEVICES lists them) = its memsize on that GPU in MiB, the hook's rule (SPEC §2:
+    units/DEV of the GPU, or whole units); CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = its memory share of
+    the GPU, rounded up (the smallest over its GPUs: one value for the process); the pipe directory."""
+    by_index = {g.index: g for g in gpus}
+    idx = [int(i) for i in env["ALIYUN_COM_GPU_MEM_IDX"].split(",")]
+    units = int(env["ALIYUN_COM_GPU_MEM_CONTAINER"])
+    dev = int(env["ALIYUN_COM_GPU_MEM_DEV"]) if "ALIYUN_COM_GPU_MEM_DEV" in env else None
+    limits, shares = [], []
+    for k, i in enumerate(idx):
+        g = by_index[i]
+        memsize = g.memory * units // dev if dev else units * unit
+        limits.append(f"{k}={max(1, memsize >> 20)}M")
+        shares.append(max(1, min(100, -(-100 * memsize // g.memory))))
+    return {"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": ",".join(limits),
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(min(shares)), "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_DIR}

@@ -13,7 +13,7 @@ import json
 import threading
 import time
 
-from cgpud.k8s import cluster
+from cgpud.k8s import cluster, modes
 from cgpud.k8s.informer import Informer
 
 # ours, on the Node: the choices binds made on it recently, {pod uid: [GPU indices "0,1", units per GPU, unix time]}
@@ -28,7 +28,7 @@ class BadRequest(ValueError):
 class Pod:
     """What the extender keeps of a pod asking for gpu-mem."""
 
-    __slots__ = ("uid", "node", "gpus", "need", "count", "live", "key")
+    __slots__ = ("uid", "node", "gpus", "need", "count", "live", "key", "core")
 
     def __init__(self, obj: dict) -> None:
         meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
@@ -36,6 +36,7 @@ class Pod:
         self.uid = meta.get("uid") or ""
         self.node = spec.get("nodeName") or ""
         self.need = cluster.pod_units(obj)
+        self.core = cluster.pod_core(obj)  # core_mem: its compute percentage on each of its GPUs
         try:
             self.count = gpu_count(obj)
         except BadRequest:
@@ -61,13 +62,15 @@ class Node:
     and (computed when asked after a change) each GPU's free units."""
 
     __slots__ = ("name", "units", "strategy", "address", "version", "assumed", "free", "desc", "why", "until",
-                 "unhealthy")
+                 "unhealthy", "core_free")
 
     def __init__(self, obj: dict) -> None:
         meta = obj.get("metadata") or {}
         self.name = meta.get("name") or ""
         self.version = meta.get("resourceVersion") or ""
         self.units = tuple(cluster.gpu_units(obj))
+        if not modes.advertises(modes.in_force(obj), cluster.RESOURCE):
+            self.units = ()  # its mode has no gpu-mem (cgpud.k8s.modes): nothing to place there
         self.unhealthy = cluster.gpu_unhealthy(obj)  # GPUs out of service: nothing is placed on them
         self.strategy = strategy_of(obj)
         self.address = cluster.node_address(obj)
@@ -76,6 +79,7 @@ class Node:
         self.desc: list[int] = []
         self.why = ""
         self.until = 0.0  # free counts recent choices until then
+        self.core_free: list[int] = []  # core_mem: each GPU's compute percentage not asked by its pods
 
 
 def parse_assumed(raw) -> dict[str, tuple[tuple[int, ...], int, float]]:
@@ -201,10 +205,13 @@ class State:
         if node.free is not None and now < node.until:
             return node.free
         used = [0] * len(node.units)
+        core = [0] * len(node.units)
         for pod in self.on_node.get(node.name, {}).values():
             for i in pod.gpus:
                 if i < len(used):
                     used[i] += pod.need // len(pod.gpus)
+                    core[i] += pod.core
+        node.core_free = [100 - c for c in core]
         until = float("inf")
         for uid, (gpus, per, at) in node.assumed.items():
             if now - at > ASSUMED_SECONDS or uid in self.gone:

@@ -109,11 +109,15 @@ def detail(nodes: Sequence[dict]) -> str:
     for n in nodes:
         out += ["", *_table([["NAME:", n["name"]], ["IPADDRESS:", n["ipaddress"]]]), ""]
         idx = [g["index"] for g in n["gpus"]]
-        rows = [["NAME", "NAMESPACE", *(f"GPU{k}(Allocated)" for k in idx), ""]]
-        for i in n["instances"]:
-            rows.append([i["name"], i.get("namespace") or "-", *(str(i["gpus"].get(str(k), 0)) for k in idx), ""])
-        rows.append(["Allocated :", f"{n['allocated']} ({n['percent']}%)", *([""] * len(idx)), ""])
-        rows.append(["Total :", str(n["total"]), *([""] * len(idx)), ""])
+        # core_mem (docs/scheduler.md): each pod's compute percentage, on nodes where pods ask one
+        core = [[f"{i['core']}%" if i.get("core") else "-"] for i in n["instances"]] \
+            if any(i.get("core") for i in n["instances"]) else [[] for _ in n["instances"]]
+        extra = ["CORE(%)"] if any(core) else []
+        rows = [["NAME", "NAMESPACE", *(f"GPU{k}(Allocated)" for k in idx), *extra, ""]]
+        for i, c in zip(n["instances"], core):
+            rows.append([i["name"], i.get("namespace") or "-", *(str(i["gpus"].get(str(k), 0)) for k in idx), *c, ""])
+        rows.append(["Allocated :", f"{n['allocated']} ({n['percent']}%)", *([""] * (len(idx) + len(extra))), ""])
+        rows.append(["Total :", str(n["total"]), *([""] * (len(idx) + len(extra))), ""])
         table = [r.rstrip() for r in _table(rows)]
         out += table
         out.append("-" * (max(len(x) for x in table) + 10))

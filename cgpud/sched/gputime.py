@@ -8,9 +8,15 @@ slot in the usage page, through the enforcer's targets' pages
 (native/switch/cgpu-switch.c)."""
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
+import trio
+
 from cgpud.sched.policies import Decision, GpuView, Kind
+
+log = logging.getLogger(__name__)
 
 
 class PrioTime:
@@ -47,3 +53,135 @@ class PrioTime:
                 return None
             total += reading
         return total
+
+
+# ---- the check of what the pages say (docs/security.md, "The charge") ----------------------------
+
+TRUSTED = 0.5       # a page that counts under this part of what NVML measured is not believed
+NOISE = 0.1         # ... when NVML measured at least this part of the window (its figure is whole percents)
+
+
+def judge(claimed_ns: int, measured_ns: int, window_ns: int) -> str | None:
+    """Why an instance's page is not believed, from what its processes counted over a window (the
+    page's difference, negative if the count went back) and what NVML measured its processes used
+    (the sum over them of utilisation × window); None: believed. An honest page counts nearly all
+    (libcgpu undercounts at most a tick per idle gap: a few %); a count well below NVML's is a lie
+    (or a library that does not count), and charging by the page would give it more than its weight."""
+    if claimed_ns < 0:
+        return f"its GPU time count went back by {-claimed_ns / 1e6:.1f} ms"
+    if measured_ns >= NOISE * window_ns and claimed_ns < TRUSTED * measured_ns:
+        return (f"its processes counted {claimed_ns / 1e6:.1f} ms of GPU time over {window_ns / 1e9:.2f} s, "
+                f"NVML measured {measured_ns / 1e6:.1f} ms")
+    return None
+
+
+class ChargeCheck:
+    """What each instance's page says its processes got, against NVML's per-process utilisation, over
+    windows of `window` s (cgpud/daemon/main.py starts it with the schedulers, when NVML answers).
+    An instance whose page counts well below (`judge`) is charged the time its gate is open from then
+    on (native.Page.distrust: its count is no longer read, by the loop or the switcher), said once.
+
+    nvml: an open cgpud.gpus.nvml.Nvml; schedulers(): the GpuSchedulers (each its `gpu` and its
+    enforcer's `target(name)` with a `page`); owner(pid, gpu): the instance (`.name`) of a process
+    NVML names, or None."""
+
+    def __init__(self, nvml: Any, schedulers: Any, owner: Any, window: float = 1.0) -> None:
+        self.nvml, self.schedulers, self.owner, self.window = nvml, schedulers, owner, window
+        self._claimed: dict[tuple[int, str], int] = {}   # (gpu, name): the page's count at the last look
+        self._stamp: dict[int, int] = {}                   # gpu: NVML's timestamp of its last answer
+        self._at: dict[int, float] = {}                    # gpu: when that was (monotonic s)
+        self.distrusted: set[tuple[int, str]] = set()
+        self._errors: set[str] = set()
+
+    def measured(self, gpu: int, since: int) -> tuple[dict[int, float] | None, int]:
+        """NVML's utilisation of each process on `gpu` since its answer stamped `since` (a fraction of
+        the time) and the stamp of this answer; no process sampled: {} (NVML_ERROR_NOT_FOUND)."""
+        nv = self.nvml
+        try:
+            found = nv._call(gpu, "nvmlDeviceGetProcessUtilization", since)
+        except Exception as exc:  # NVMLError_NotFound: no process used it since
+            if getattr(exc, "code", None) == getattr(nv._nv, "NVML_ERROR_NOT_FOUND", -1):
+                return {}, since
+            if str(exc) not in self._errors:
+                self._errors.add(str(exc))
+                log.warning("the usage pages' GPU time on GPU %d is not checked while NVML fails: %s", gpu, exc)
+            return None, since
+        util: dict[int, list[int]] = {}
+        stamp = since
+        for s in found:
+            util.setdefault(int(s.pid), []).append(int(s.smUtil))
+            stamp = max(stamp, int(s.timeStamp))
+        return {pid: sum(u) / len(u) / 100 for pid, u in util.items()}, stamp
+
+    def sample(self) -> dict[int, tuple[dict[int, float], float]]:
+        """NVML's answer for every GPU a scheduler runs (in a worker thread: NVML may be slow): per GPU,
+        each process's utilisation since the last answer and the time (monotonic s) that answer covers."""
+        out = {}
+        for s in self.schedulers():
+            gpu = s.gpu
+            wall = int(time.time() * 1e6)
+            util, stamp = self.measured(gpu, self._stamp.get(gpu, 0))
+            now = time.monotonic()
+            window = now - self._at[gpu] if gpu in self._at else 0.0
+            self._stamp[gpu] = stamp if stamp > self._stamp.get(gpu, 0) else wall
+            self._at[gpu] = now
+            if util is not None:
+                out[gpu] = (util, window)
+        return out
+
+    def look(self, sampled: dict[int, tuple[dict[int, float], float]]) -> list[tuple[str, int, str]]:
+        """One window's check of every GPU against NVML's answer (`sample`), in the scheduler's thread
+        (the pages are its): the (name, gpu, why) of the pages found lying now."""
+        found = []
+        for s in self.schedulers():
+            gpu, enforcer = s.gpu, s._enforcer
+            target = getattr(enforcer, "target", None)
+            if target is None or gpu not in sampled:
+                continue
+            util, window = sampled[gpu]
+            used: dict[str, float] = {}
+            for pid, u in util.items():
+                inst = self.owner(pid, gpu)
+                if inst is not None:
+                    used[inst.name] = used.get(inst.name, 0.0) + u
+            for name in list(getattr(enforcer, "_targets", {})):
+                page = getattr(target(name), "page", None)
+                if page is None or (gpu, name) in self.distrusted:
+                    continue
+                count = page.gpu_ns(gpu)
+                before = self._claimed.get((gpu, name))
+                if count is None:
+                    self._claimed.pop((gpu, name), None)
+                    continue
+                self._claimed[(gpu, name)] = count
+                if before is None or window <= 0:
+                    continue
+                why = judge(count - before, int(used.get(name, 0.0) * window * 1e9), int(window * 1e9))
+                if why is not None and page.distrust(why):
+                    self.distrusted.add((gpu, name))
+                    found.append((name, gpu, why))
+        live = {(s.gpu, n) for s in self.schedulers() for n in getattr(s._enforcer, "_targets", {})}
+        self.distrusted &= live  # (an instance made again has a new page)
+        self._claimed = {k: v for k, v in self._claimed.items() if k in live}
+        return found
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        spent: list[float] = []  # each window's check: NVML's answer and the pages' reads (s)
+        try:
+            while True:
+                await trio.sleep(self.window)
+                t0 = time.perf_counter()
+                sampled = await trio.to_thread.run_sync(self.sample)
+                t1 = time.perf_counter()
+                lying = self.look(sampled)
+                spent.append(time.perf_counter() - t1 + (t1 - t0))
+                for name, gpu, why in lying:
+                    log.warning("instance %s's usage page under-reports its GPU time on GPU %d: %s; it is charged "
+                                "the time its gate is open from now on, until the instance is made again", name, gpu, why)
+        finally:
+            self.nvml.close()
+            if spent:  # (bench/charge.py reads it)
+                spent.sort()
+                log.info("the usage pages' GPU time was checked %d times, each %.3f ms (median), %.3f ms at most",
+                         len(spent), spent[len(spent) // 2] * 1e3, spent[-1] * 1e3)

@@ -371,7 +371,7 @@ class GpuScheduler(NativeSwitching, QueueBounds, PrioTime):
         through its FIFO). Each time `max_slice` passes, the processes that
         cannot answer (dead, stopped, alive and not draining) are given up on
         — not waited for again until they answer — and the log says which;
-        one alive and draining is waited for on, up to `drain_cap`."""
+        past `drain_limit` (one drain bound unless drain_cap says more) every one is."""
         undrained = getattr(self._enforcer, "undrained", None)
         if undrained is None:
             return False
@@ -391,7 +391,7 @@ class GpuScheduler(NativeSwitching, QueueBounds, PrioTime):
                         pass
                     waiting[0].consume()
                     waiting = undrained(names, self.gpu)
-            capped = trio.current_time() - t0 >= p.drain_cap
+            capped = trio.current_time() - t0 >= p.drain_limit
             for target in waiting:
                 for slot, why in target.give_up(self.gpu, capped):
                     log.warning("%s: the process of slot %d did not finish its queued GPU work within %.0f ms of its "
@@ -438,7 +438,7 @@ def scheduler_for(node: Node, gpu: int, enforcer: Enforcer, activity: Activity, 
                   usage: UsageMeter | None = None, precise: bool = False, switch: bool = False) -> GpuScheduler:
     """GPU `gpu`'s scheduler (schedulers_for's, one of them: a GPU back in service gets a new one)."""
     p = params or Params()
-    sw = native.Switcher(gpu, p.max_slice, p.drain_cap) if switch and native.load() is not None else None
+    sw = native.Switcher(gpu, p.max_slice, p.drain_limit) if switch and native.load() is not None else None
     if sw is not None:
         sw.mode(p.switch, p.switch_lead)
     return GpuScheduler(node, gpu, enforcer, activity, params=params, usage=usage,

@@ -109,6 +109,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cg_page_give_up": (I, [P, I, I, VP, VP, I]), "cg_page_consume": (None, [P]),
         "cg_page_share": (None, [P, I, I, ctypes.c_uint32]), "cg_page_gpu_ns": (ctypes.c_int64, [P, I]),
         "cg_page_damage": (I, [P, ctypes.c_char_p, ctypes.c_size_t]),
+        "cg_page_distrust": (I, [P, ctypes.c_char_p]),
         "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]),
         "cg_sw_mode": (None, [P, I, ctypes.c_int64]), "cg_sw_ack": (None, [P]),
         "cg_sw_submit": (I, [P, ctypes.c_int32, I, ctypes.POINTER(P), ctypes.POINTER(ctypes.c_uint8), I,
@@ -169,6 +170,13 @@ class Page:
         n = self._lib.cg_page_gpu_ns(self.handle, gpu)
         return n if n >= 0 else None
 
+    def distrust(self, why: str) -> bool:
+        """Its GPU time count is not believed from now on (the daemon measured more: gputime.ChargeCheck):
+        gpu_ns None, so its instance is charged the time its gate is open. True the first time."""
+        if self.handle is None:
+            return False
+        return bool(self._lib.cg_page_distrust(self.handle, why.encode(errors="replace")[:300]))
+
     def closed_on(self, gpu: int) -> bool:
         return bool(self._lib.cg_page_closed_on(self.handle, gpu))
 
@@ -219,11 +227,12 @@ class Page:
 class Switcher:
     """One GPU's switcher thread (see the module's text)."""
 
-    def __init__(self, gpu: int, bound: float, cap: float = 5.0) -> None:
+    def __init__(self, gpu: int, bound: float, cap: float | None = 5.0) -> None:
+        # (cap: how long a process still draining is waited for in all; None: one bound, once)
         lib = load()
         if lib is None:
             raise RuntimeError(_why)
-        h = lib.cg_sw_new(gpu, int(bound * 1e9), int(cap * 1e9))
+        h = lib.cg_sw_new(gpu, int(bound * 1e9), int((bound if cap is None else max(cap, bound)) * 1e9))
         if not h:
             raise OSError(ctypes.get_errno(), "cannot start the switcher thread")
         self._lib, self.handle, self.gpu = lib, h, gpu

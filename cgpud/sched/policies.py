@@ -110,10 +110,12 @@ class Params:
     merge_runs: bool = False
     # Gated instances (libcgpu): under a controlled policy a process keeps at most this much GPU
     # work (s) queued ahead per stream, so a closing's drain lasts about this long
-    # (docs/scheduler.md, "Queued work"). A drain is waited for as long as the process is
-    # alive and draining, up to drain_cap (s).
+    # (docs/scheduler.md, "Queued work"). Each drain bound (max_slice) the processes that cannot
+    # answer are given up on; one alive and draining is waited for up to drain_cap (s): libcgpu
+    # answers within its own drain bound whatever the application does, so only an older library
+    # (no deadline on its drain) is waited for that long. None: one drain bound.
     queue_budget: float = 0.002
-    drain_cap: float = 5.0
+    drain_cap: float | None = 5.0
     # When the switcher opens the next gate: "drain" (once the stopped instance's queued work is
     # done), "ahead" (switch_lead before its drain is expected to end), "overlap" (at the closing;
     # docs/scheduler.md, "Switches").
@@ -127,7 +129,7 @@ class Params:
             raise ValueError(f"queue_budget must be more than 0 and at most 1 s, not {self.queue_budget!r}")
         if self.switch not in ("drain", "ahead", "overlap"):
             raise ValueError(f"switch must be drain, ahead or overlap, not {self.switch!r}")
-        if not (self.drain_cap >= self.slice and math.isfinite(self.drain_cap)):
+        if self.drain_cap is not None and not (self.drain_cap >= self.slice and math.isfinite(self.drain_cap)):
             raise ValueError(f"drain_cap ({self.drain_cap!r} s) must be at least a slice ({self.slice} s)")
         if not (self.window >= 2 * self.slice and math.isfinite(self.window)):
             raise ValueError(f"window ({self.window!r} s) must be at least two slices ({self.slice} s)")
@@ -139,6 +141,11 @@ class Params:
     @cached_property
     def max_slice(self) -> float:
         return self.slice * 2
+
+    @cached_property
+    def drain_limit(self) -> float:
+        """How long a closing's drain is waited for in all: one drain bound unless drain_cap says more."""
+        return self.max_slice if self.drain_cap is None else max(self.drain_cap, self.max_slice)
 
     @cached_property
     def credit_bound(self) -> float:

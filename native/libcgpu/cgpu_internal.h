@@ -8,7 +8,8 @@
  *   memory.c     charge and refund: every allocator and free, the allocations' sizes, the
  *                driver's own memory as it grows, cuMemGetInfo and cuDeviceTotalMem, module loads;
  *   gate.c       compute: kernel launches wait at the gate (futex), the helper thread drains
- *                and answers the daemon's closings;
+ *                and answers the daemon's closings (gate.c on top of clock.c, contexts.c,
+ *                gang.c, charge.c, queue.c, drain.c: one file per concern, cgpu_compute.h);
  *   nvml.c       the container's view through NVML (nvidia-smi), and the driver's process list
  *                at the ioctl;
  *   interpose.c  the top: only how clients reach us — the exported names' table, dlsym,

@@ -109,4 +109,19 @@ struct cgpu_usage_busy {
     struct cgpu_busy procs[CGPU_MAX_PROCS];  /* per slot of struct cgpu_usage's procs */
 };
 
+/* A gang's launches (docs/isolation.md, "Gangs"; issue 34), in the usage file right after struct
+ * cgpu_usage_busy (a page made by an older cgpud ends before it: a process then counts only its
+ * own launches, and a collective cut by a closing between two processes' ranks is not caught up).
+ * Written by libcgpu only, each process its own slot's; read by the container's other processes:
+ * the ranks of a job (a process per GPU) launch the same sequence, so a rank behind the instance's
+ * most-launched one at a closing is one whose half of a collective has not been launched yet. */
+struct cgpu_gang {
+    uint64_t launched[CGPU_MAX_GPUS];  /* launches the slot's process passed the gate with, per page GPU */
+    uint64_t base[CGPU_MAX_GPUS];      /* ... when a closing last found the instance's counts far apart */
+};
+
+struct cgpu_usage_gang {
+    struct cgpu_gang procs[CGPU_MAX_PROCS];  /* per slot of struct cgpu_usage's procs */
+};
+
 #endif

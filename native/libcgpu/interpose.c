@@ -89,6 +89,34 @@ CUresult cuLaunchCooperativeKernel_ptsz(void *, unsigned, unsigned, unsigned, un
 CUresult cuLaunchKernelEx(const void *, void *, void **, void **);
 CUresult cuLaunchKernelEx_ptsz(const void *, void *, void **, void **);
 CUresult cuGraphLaunch(void *, void *);
+CUresult cuMemsetD8Async(CUdeviceptr, unsigned char, size_t, void *);
+CUresult cuMemsetD8Async_ptsz(CUdeviceptr, unsigned char, size_t, void *);
+CUresult cuMemsetD16Async(CUdeviceptr, unsigned short, size_t, void *);
+CUresult cuMemsetD16Async_ptsz(CUdeviceptr, unsigned short, size_t, void *);
+CUresult cuMemsetD32Async(CUdeviceptr, unsigned, size_t, void *);
+CUresult cuMemsetD32Async_ptsz(CUdeviceptr, unsigned, size_t, void *);
+CUresult cuMemcpyAsync(CUdeviceptr, CUdeviceptr, size_t, void *);
+CUresult cuMemcpyAsync_ptsz(CUdeviceptr, CUdeviceptr, size_t, void *);
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr, CUdeviceptr, size_t, void *);
+CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr, CUdeviceptr, size_t, void *);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void *, size_t, void *);
+CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr, const void *, size_t, void *);
+CUresult cuMemcpyDtoHAsync_v2(void *, CUdeviceptr, size_t, void *);
+CUresult cuMemcpyDtoHAsync_v2_ptsz(void *, CUdeviceptr, size_t, void *);
+CUresult cuGraphInstantiate(void **, void *, void **, char *, size_t);
+CUresult cuGraphInstantiate_v2(void **, void *, void **, char *, size_t);
+CUresult cuGraphInstantiateWithFlags(void **, void *, unsigned long long);
+CUresult cuGraphInstantiateWithParams(void **, void *, void *);
+CUresult cuGraphInstantiateWithParams_ptsz(void **, void *, void *);
+CUresult cuGraphExecDestroy(void *);
+CUresult cuStreamDestroy(void *);
+CUresult cuStreamDestroy_v2(void *);
+CUresult cuCtxDestroy(void *);
+CUresult cuCtxDestroy_v2(void *);
+CUresult cuDevicePrimaryCtxRelease(int);
+CUresult cuDevicePrimaryCtxRelease_v2(int);
+CUresult cuDevicePrimaryCtxReset(int);
+CUresult cuDevicePrimaryCtxReset_v2(int);
 CUresult cuGraphLaunch_ptsz(void *, void *);
 CUresult cuModuleLoad(void **, const char *);
 CUresult cuModuleLoadData(void **, const void *);
@@ -208,6 +236,39 @@ static const struct form {
     {"cuModuleLoadFatBinary", 2000, 0, "cuModuleLoadFatBinary", (void *)cuModuleLoadFatBinary},
     {"cuLibraryLoadData", 12000, 0, "cuLibraryLoadData", (void *)cuLibraryLoadData},
     {"cuLibraryLoadFromFile", 12000, 0, "cuLibraryLoadFromFile", (void *)cuLibraryLoadFromFile},
+    {"cuMemsetD8Async", 3020, 0, "cuMemsetD8Async", (void *)cuMemsetD8Async},
+    {"cuMemsetD8Async", 7000, 1, "cuMemsetD8Async_ptsz", (void *)cuMemsetD8Async_ptsz},
+    {"cuMemsetD16Async", 3020, 0, "cuMemsetD16Async", (void *)cuMemsetD16Async},
+    {"cuMemsetD16Async", 7000, 1, "cuMemsetD16Async_ptsz", (void *)cuMemsetD16Async_ptsz},
+    {"cuMemsetD32Async", 3020, 0, "cuMemsetD32Async", (void *)cuMemsetD32Async},
+    {"cuMemsetD32Async", 7000, 1, "cuMemsetD32Async_ptsz", (void *)cuMemsetD32Async_ptsz},
+    {"cuMemcpyAsync", 4000, 0, "cuMemcpyAsync", (void *)cuMemcpyAsync},
+    {"cuMemcpyAsync", 7000, 1, "cuMemcpyAsync_ptsz", (void *)cuMemcpyAsync_ptsz},
+    {"cuMemcpyDtoDAsync", 2000, 0, "cuMemcpyDtoDAsync", NULL},
+    {"cuMemcpyDtoDAsync", 3020, 0, "cuMemcpyDtoDAsync_v2", (void *)cuMemcpyDtoDAsync_v2},
+    {"cuMemcpyDtoDAsync", 7000, 1, "cuMemcpyDtoDAsync_v2_ptsz", (void *)cuMemcpyDtoDAsync_v2_ptsz},
+    {"cuMemcpyHtoDAsync", 2000, 0, "cuMemcpyHtoDAsync", NULL},
+    {"cuMemcpyHtoDAsync", 3020, 0, "cuMemcpyHtoDAsync_v2", (void *)cuMemcpyHtoDAsync_v2},
+    {"cuMemcpyHtoDAsync", 7000, 1, "cuMemcpyHtoDAsync_v2_ptsz", (void *)cuMemcpyHtoDAsync_v2_ptsz},
+    {"cuMemcpyDtoHAsync", 2000, 0, "cuMemcpyDtoHAsync", NULL},
+    {"cuMemcpyDtoHAsync", 3020, 0, "cuMemcpyDtoHAsync_v2", (void *)cuMemcpyDtoHAsync_v2},
+    {"cuMemcpyDtoHAsync", 7000, 1, "cuMemcpyDtoHAsync_v2_ptsz", (void *)cuMemcpyDtoHAsync_v2_ptsz},
+    {"cuGraphInstantiate", 10000, 0, "cuGraphInstantiate", (void *)cuGraphInstantiate},
+    {"cuGraphInstantiate", 11000, 0, "cuGraphInstantiate_v2", (void *)cuGraphInstantiate_v2},
+    {"cuGraphInstantiate", 12000, 0, "cuGraphInstantiateWithFlags", (void *)cuGraphInstantiateWithFlags},
+    {"cuGraphInstantiateWithFlags", 11040, 0, "cuGraphInstantiateWithFlags", (void *)cuGraphInstantiateWithFlags},
+    {"cuGraphInstantiateWithParams", 12000, 0, "cuGraphInstantiateWithParams", (void *)cuGraphInstantiateWithParams},
+    {"cuGraphInstantiateWithParams", 12000, 1, "cuGraphInstantiateWithParams_ptsz",
+     (void *)cuGraphInstantiateWithParams_ptsz},
+    {"cuGraphExecDestroy", 10000, 0, "cuGraphExecDestroy", (void *)cuGraphExecDestroy},
+    {"cuStreamDestroy", 2000, 0, "cuStreamDestroy", (void *)cuStreamDestroy},
+    {"cuStreamDestroy", 4000, 0, "cuStreamDestroy_v2", (void *)cuStreamDestroy_v2},
+    {"cuCtxDestroy", 2000, 0, "cuCtxDestroy", (void *)cuCtxDestroy},
+    {"cuCtxDestroy", 4000, 0, "cuCtxDestroy_v2", (void *)cuCtxDestroy_v2},
+    {"cuDevicePrimaryCtxRelease", 7000, 0, "cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease},
+    {"cuDevicePrimaryCtxRelease", 11000, 0, "cuDevicePrimaryCtxRelease_v2", (void *)cuDevicePrimaryCtxRelease_v2},
+    {"cuDevicePrimaryCtxReset", 7000, 0, "cuDevicePrimaryCtxReset", (void *)cuDevicePrimaryCtxReset},
+    {"cuDevicePrimaryCtxReset", 11000, 0, "cuDevicePrimaryCtxReset_v2", (void *)cuDevicePrimaryCtxReset_v2},
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress", (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
 };

@@ -32,6 +32,52 @@ void stub_set_inited(void) { inited = 1; }
 int stub_current_device(void) { return cur_dev; }
 void stub_set_current_device(int dev) { cur_dev = dev; }
 
+/* ---- this process's contexts: one per card, by generation (issue 34, cuda_stub.h) ---- */
+static unsigned ctx_gen[16];
+static int ctx_dead[16], ctx_refs[16];
+static pthread_mutex_t ctx_lock = PTHREAD_MUTEX_INITIALIZER;
+unsigned stub_ctx_gen(int dev) { return dev >= 0 && dev < 16 ? __atomic_load_n(&ctx_gen[dev], __ATOMIC_SEQ_CST) : 0; }
+int stub_ctx_alive(int dev, unsigned gen)
+{
+    return dev >= 0 && dev < 16 && gen == __atomic_load_n(&ctx_gen[dev], __ATOMIC_SEQ_CST)
+        && !__atomic_load_n(&ctx_dead[dev], __ATOMIC_SEQ_CST);
+}
+int stub_ctx_dead(int dev) { return dev >= 0 && dev < 16 && __atomic_load_n(&ctx_dead[dev], __ATOMIC_SEQ_CST); }
+void stub_ctx_retain(int dev)
+{
+    if (dev < 0 || dev >= 16) return;
+    pthread_mutex_lock(&ctx_lock);
+    ctx_dead[dev] = 0;
+    ctx_refs[dev]++;
+    pthread_mutex_unlock(&ctx_lock);
+}
+int stub_ctx_release(int dev)
+{
+    if (dev < 0 || dev >= 16) return 0;
+    pthread_mutex_lock(&ctx_lock);
+    int last = ctx_refs[dev] > 0 && !--ctx_refs[dev] && !ctx_dead[dev];
+    pthread_mutex_unlock(&ctx_lock);
+    return last;
+}
+void stub_ctx_kill(int dev)
+{
+    if (dev < 0 || dev >= 16) return;
+    pthread_mutex_lock(&ctx_lock);
+    if (!ctx_dead[dev]) {
+        ctx_dead[dev] = 1;
+        ctx_refs[dev] = 0;
+        __atomic_add_fetch(&ctx_gen[dev], 1, __ATOMIC_SEQ_CST);
+    }
+    pthread_mutex_unlock(&ctx_lock);
+}
+void stub_misuse(const char *call, const char *what)
+{
+    const char *strict = getenv("CGPU_STUB_STRICT_HANDLES");
+    if (!strict || *strict != '1') return;
+    fprintf(stderr, "stand-in libcuda: %s used %s (undefined behaviour in the driver): aborting\n", call, what);
+    abort();
+}
+
 /* ---- the cards ---- */
 uint64_t stub_card_bytes(void)
 {

@@ -35,7 +35,9 @@
  * (whatever its mount namespace) at its next call into the driver and at exit.
  *
  * Collectives (CGPU_STUB_COLLECTIVE=1): each kernel of the process on card 0 or 1 is half of one
- * with its next on the other card, as an all-reduce's ranks are. A half that starts holds its card,
+ * with its next on the other card, as an all-reduce's ranks are; CGPU_STUB_COLLECTIVE=<name>: the
+ * ranks are processes, one per card (torchrun's, DeepSpeed's), each process's n-th kernel pairing
+ * with the n-th of the process of the same name on the other card (NCCL's rendezvous). A half that starts holds its card,
  * spinning and never preempted, until its peer has started; both end `us` after the later start.
  * Each half is logged "pid start end dev us" (its time spinning: end - start - us).
  */
@@ -63,7 +65,7 @@
 #define NPIECES 4096   /* logged pieces waiting for their owner to write them */
 #define NEVER UINT64_MAX
 #define SPIN_NS 200000ull
-#define EXEC_MAGIC 0x6367707565786531ull  /* "cgpuexe1" */
+#define EXEC_MAGIC 0x6367707565786532ull  /* "cgpuexe2" */
 
 struct entry { uint64_t ns, cum, ready, end; uint32_t stream, coll; };  /* cum: ns of entries 0..this */
 struct sstream { uint64_t id, last, enq, done; };  /* last: seq + 1 of its last entry (0: none) */
@@ -73,6 +75,7 @@ struct ctx {
     uint64_t head, tail;   /* entries [head, tail) queued; head runs first */
     uint64_t left;         /* ns the head entry has left once it started (0: not started; NEVER: a half spinning) */
     uint64_t coll_enq, coll_start, checked;
+    uint64_t group;        /* its collectives' group: its halves pair with the other card's context of the same group */
     uint64_t piece_w, piece_r, lost;
     int32_t pid, pad2;     /* the owner's pid (as it sees it: its log's lines say so) */
     char log[240];         /* the owner's log (CGPU_STUB_CUDA_LOG), for when its pieces overflow */
@@ -97,6 +100,7 @@ static struct card *cards;
 static int fd = -1;
 static pid_t mapped_by;
 static uint64_t me;  /* this process's token (a forked child draws its own) */
+static int ran_fd = -1;  /* the ".ran" file: what the card ran for each context (NVML's per-process utilisation) */
 static int log_fd = -1;
 
 static uint64_t now_ns(void)
@@ -187,6 +191,9 @@ static int attach_locked(void)
         return -1;
     }
     cards = m;
+    if (ran_fd >= 0) close(ran_fd);
+    snprintf(path, sizeof path, "%s.ran", s && *s ? s : "/tmp/cgpu-stub-cuda.state");
+    ran_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
     int r = open("/dev/urandom", O_RDONLY | O_CLOEXEC);  /* (no getrandom: the stand-in builds for glibc 2.17 too) */
     if (r < 0 || read(r, &me, sizeof me) != sizeof me || !me)
         me = ((uint64_t)getpid() << 32) ^ now_ns() ^ (uint64_t)(uintptr_t)&me;
@@ -245,8 +252,25 @@ static void spill(struct ctx *c)
     if (f >= 0) close(f);
 }
 
+/* The GPU time the card gave each context, measured here (not said by anyone): the ".ran" file beside
+ * the card's, a record {int32 pid, int32 card, uint64 ns} per context (card * NCTX + its index), its ns
+ * summed over every piece the card ran for it; a context taken by another process starts again from
+ * 0. The stand-in NVML's nvmlDeviceGetProcessUtilization reads it (libnvidia-ml.c's `cuda` line). */
+static void note_ran(const struct ctx *c, int dev, uint64_t ns)
+{
+    struct { int32_t pid, dev; uint64_t ns; } r;
+    off_t at = (off_t)((size_t)dev * NCTX + (size_t)(c - cards[dev].ctx)) * (off_t)sizeof r;
+    if (ran_fd < 0 || dev < 0 || dev >= NCARDS)
+        return;
+    if (pread(ran_fd, &r, sizeof r, at) != sizeof r || r.pid != c->pid || r.dev != dev)
+        r.pid = c->pid, r.dev = dev, r.ns = 0;
+    r.ns += ns;
+    if (pwrite(ran_fd, &r, sizeof r, at) != sizeof r) { /* (best effort: NVML then sees less) */ }
+}
+
 static void add_piece(struct ctx *c, uint64_t start, uint64_t end, int dev, uint64_t us, int coll)
 {
+    note_ran(c, dev, end > start ? end - start : 0);
     if (c->piece_w - c->piece_r >= NPIECES)
         spill(c);
     if (c->piece_w - c->piece_r >= NPIECES) {
@@ -309,12 +333,12 @@ static uint64_t next_event(struct card *k)
     return r;
 }
 
-static struct ctx *peer_ctx(int dev, uint64_t owner, int *at)
+static struct ctx *peer_ctx(int dev, uint64_t group, int *at)
 {
     if (dev > 1) return NULL;
     struct card *p = &cards[1 - dev];
     for (int i = 0; i < NCTX; i++)
-        if (p->ctx[i].owner == owner) {
+        if (p->ctx[i].owner && p->ctx[i].group == group) {
             if (at) *at = i;
             return &p->ctx[i];
         }
@@ -338,7 +362,7 @@ static void start(int dev, int i, uint64_t t)
     c->coll_start = t;
     c->left = NEVER;
     int pi;
-    struct ctx *pc = peer_ctx(dev, c->owner, &pi);
+    struct ctx *pc = peer_ctx(dev, c->group, &pi);
     struct card *pk = dev <= 1 ? &cards[1 - dev] : NULL;
     if (pc && pc->head < pc->tail && pc->left == NEVER && pk->state == RUN && pk->cur == pi
         && head_entry(pc)->coll == e->coll) {  /* the pair is complete: both end together */
@@ -403,7 +427,7 @@ static void step(int dev, uint64_t t)
     if (c->left != NEVER && t >= k->piece_start + c->left) {  /* the entry is over */
         if (e->coll)
             add_piece(c, c->coll_start, t, dev, e->ns / 1000, 1);
-        else
+        else if (e->ns)  /* (a hold, released: no kernel) */
             add_piece(c, k->piece_start, t, dev, 0, 0);
         e->end = t;
         c->left = 0;
@@ -491,6 +515,18 @@ static void advance(uint64_t t)
 
 /* ---- this process's contexts ---- */
 
+/* CGPU_STUB_COLLECTIVE=1: the process's own halves pair (one process on cards 0 and 1); any other
+ * name: a group of processes, one per card, as a job's ranks (each process's n-th collective on
+ * card 0 pairs with the n-th of the group's process on card 1). */
+static uint64_t collective_group(void)
+{
+    const char *g = getenv("CGPU_STUB_COLLECTIVE");
+    if (!g || !*g || !strcmp(g, "1") || !strcmp(g, "0")) return me;
+    uint64_t h = 1469598103934665603ull;  /* (FNV-1a) */
+    for (; *g; g++) h = (h ^ (unsigned char)*g) * 1099511628211ull;
+    return h | 1;
+}
+
 static int ctx_at[NCARDS] = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
 static pid_t ctx_pid;
 
@@ -518,6 +554,7 @@ static struct ctx *my_ctx(int dev, int make)
     uint64_t seq = c->tail;  /* (sequence numbers go on: a stale event of another never matches) */
     memset(c, 0, sizeof *c);
     c->owner = me;
+    c->group = collective_group();
     c->pid = (int32_t)getpid();
     const char *log = getenv("CGPU_STUB_CUDA_LOG");
     if (log && strlen(log) < sizeof c->log) strcpy(c->log, log);
@@ -588,7 +625,7 @@ static uint64_t earliest(int dev, struct ctx *c, uint64_t seq, uint64_t t)
 {
     struct card *k = &cards[dev];
     struct entry *h = head_entry(c), *e = entry_of(c, seq);
-    if (c->left == NEVER) return t + 1000000;  /* (a collective: its peer decides) */
+    if (c->left == NEVER || h->ready == NEVER) return t + 1000000;  /* (a collective: its peer decides; a hold: the host) */
     uint64_t rest = e->cum - h->cum + (c->left ? c->left : h->ns);
     uint64_t from = t;
     int running = k->state == RUN && &k->ctx[k->cur] == c;
@@ -634,7 +671,9 @@ static int wait_for(int dev, uint64_t ticket, int stream, uint64_t deadline)
 
 /* ---- what the driver's entry points call (cuda_stub.h) ---- */
 
-CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll)
+/* An entry of `ns` into `stream` on card `dev` (held: it waits on the host until released, its
+ * ready time NEVER till then); *seq_out its sequence number. */
+static CUresult enqueue(int dev, const void *stream, uint64_t ns, int coll, int held, uint64_t *seq_out)
 {
     if (dev < 0 || dev >= NCARDS || (coll && dev > 1)) return STUB_INVALID_VALUE;
     if (attach()) return STUB_OUT_OF_MEMORY;
@@ -659,8 +698,9 @@ CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll)
         struct entry *prev = seq ? entry_of(c, seq - 1) : NULL;
         struct entry *e = entry_of(c, seq);
         stub_exec_overwritten(dev, seq);  /* (events waiting on the entry this one replaces: resolved first) */
-        *e = (struct entry){.ns = us * 1000, .ready = t + launch_ns(), .stream = (uint32_t)s,
+        *e = (struct entry){.ns = ns, .ready = held ? NEVER : t + launch_ns(), .stream = (uint32_t)s,
                             .coll = coll ? (uint32_t)++c->coll_enq : 0};
+        if (seq_out) *seq_out = seq;
         e->cum = (prev ? prev->cum : 0) + e->ns;  /* (only differences between queued entries count) */
         c->tail = seq + 1;
         c->streams[s].enq++;
@@ -670,6 +710,46 @@ CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll)
         flush();
         return STUB_OK;
     }
+}
+
+CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll)
+{
+    return enqueue(dev, stream, us * 1000, coll, 0, NULL);
+}
+
+/* A point in `stream` where it waits on the host (cuStreamWaitValue32/64, cuLaunchHostFunc): the
+ * stream's later work (the context's: its entries run in launch order) runs only once released. */
+CUresult stub_exec_hold(int dev, const void *stream, uint64_t *seq)
+{
+    return enqueue(dev, stream, 0, 0, 1, seq);
+}
+
+void stub_exec_release(int dev, uint64_t seq)
+{
+    if (dev < 0 || dev >= NCARDS || attach()) return;
+    uint64_t t = now_ns();
+    enter();
+    advance(t);
+    struct ctx *c = my_ctx(dev, 0);
+    if (c && seq >= c->head && seq < c->tail && entry_of(c, seq)->ready == NEVER) {
+        entry_of(c, seq)->ready = t;
+        cards[dev].busy |= 1u << (c - cards[dev].ctx);
+    }
+    leave();
+    flush();
+}
+
+/* Whether everything before entry `seq` of this process's context on card `dev` is done. */
+int stub_exec_reached(int dev, uint64_t seq)
+{
+    if (dev < 0 || dev >= NCARDS || attach()) return 1;
+    enter();
+    advance(now_ns());
+    struct ctx *c = my_ctx(dev, 0);
+    int reached = !c || c->head >= seq;
+    leave();
+    flush();
+    return reached;
 }
 
 /* Wait for this process's work on card `dev`: all of it (stream NULL_ALL), or one stream's. */
@@ -836,12 +916,12 @@ __attribute__((destructor)) static void at_exit(void)
 }
 
 /* ---- a launch (libcuda.c's cuLaunchKernel and the others, cuda_graphs.c's cuGraphLaunch) ----
- * CGPU_STUB_COLLECTIVE=1: every kernel of the process is half of a collective across cards 0 and 1
- * (above). CGPU_STUB_CUDA_FAST=1: launches free and instant (to time what an interposer adds). */
+ * CGPU_STUB_COLLECTIVE=1 (or a group's name): every kernel of the process is half of a collective
+ * across cards 0 and 1 (above). CGPU_STUB_CUDA_FAST=1: launches free and instant (to time what an interposer adds). */
 static int collective(void)
 {
     const char *c = getenv("CGPU_STUB_COLLECTIVE");
-    return c && *c == '1';
+    return c && *c && strcmp(c, "0");  /* (1: the process's own halves; a name: a group of processes, above) */
 }
 
 /* a kernel of `us` µs launched by this process into `stream` on the thread's current card */

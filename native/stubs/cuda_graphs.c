@@ -47,13 +47,14 @@ enum { ILLEGAL_STATE = 401, CAPTURE_UNSUPPORTED = 900, CAPTURE_INVALIDATED = 901
 struct graph { unsigned magic; size_t n, cap; uint64_t *us; int dev; uint64_t on_card; };  /* on_card: an executable graph's driver memory */
 struct stream {
     unsigned magic, flags;
+    int dev;
+    unsigned gen;                  /* its context's generation (cuda_stub.h) */
     int capturing, mode, invalid;  /* capturing: its capture's status; mode: the one it was begun with */
     pthread_t by;                  /* the thread that began the capture */
     unsigned long long id;
     struct graph *g;
-    int dev;                       /* the device of the context it was made in */
 };
-enum { STREAM_MAGIC = 0x7374726d, GRAPH_MAGIC = 0x67726170, EXEC_MAGIC = 0x65786563 };
+enum { STREAM_MAGIC = 0x7374726d, STREAM_DEAD = 0x64656164, GRAPH_MAGIC = 0x67726170, EXEC_MAGIC = 0x65786563 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct stream *capturing[256];  /* the streams capturing now */
@@ -64,7 +65,17 @@ static __thread int thread_mode = MODE_GLOBAL;
 static struct stream *stream_of(CUstream s)
 {
     struct stream *st = (struct stream *)s;
-    return (uintptr_t)s > 2 && st->magic == STREAM_MAGIC ? st : NULL;
+    return (uintptr_t)s > 2 && st->magic == STREAM_MAGIC && stub_ctx_alive(st->dev, st->gen) ? st : NULL;
+}
+
+/* (a destroyed stream is kept, marked: a later use of its handle is seen, not another object's) */
+int stub_stream_dead(const void *s, const char *call)
+{
+    const struct stream *st = (const struct stream *)s;
+    if ((uintptr_t)s <= 2 || (st->magic != STREAM_MAGIC && st->magic != STREAM_DEAD)) return 0;
+    if (st->magic == STREAM_MAGIC && stub_ctx_alive(st->dev, st->gen)) return 0;
+    stub_misuse(call, st->magic == STREAM_DEAD ? "a destroyed stream" : "a stream of a destroyed context");
+    return 1;
 }
 
 int stub_stream_device(const void *s)
@@ -81,6 +92,7 @@ CUresult cuStreamCreate(CUstream *s, unsigned flags)
     st->magic = STREAM_MAGIC;
     st->flags = flags;
     st->dev = stub_current_device();
+    st->gen = stub_ctx_gen(st->dev);
     *s = st;
     return STUB_OK;
 }
@@ -104,6 +116,7 @@ static void graph_free(struct graph *g)
 
 CUresult cuStreamDestroy_v2(CUstream s)
 {
+    if (stub_stream_dead(s, "cuStreamDestroy")) return STUB_INVALID_HANDLE;
     struct stream *st = stream_of(s);
     if (!st) return STUB_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
@@ -111,9 +124,8 @@ CUresult cuStreamDestroy_v2(CUstream s)
         end_capture(st);
         graph_free(st->g);
     }
-    st->magic = 0;
+    st->magic = STREAM_DEAD;
     pthread_mutex_unlock(&lock);
-    free(st);
     return STUB_OK;
 }
 
@@ -225,6 +237,7 @@ CUresult cuStreamGetCaptureInfo_v3(CUstream s, int *status, unsigned long long *
                                    const void **deps, const void **edges, size_t *ndeps)
 {
     if (!status) return STUB_INVALID_VALUE;
+    if (stub_stream_dead(s, "cuStreamIsCapturing")) return STUB_INVALID_HANDLE;
     struct stream *st = stream_of(s);
     if (!st && (uintptr_t)s > 2) return STUB_INVALID_HANDLE;
     pthread_mutex_lock(&lock);
@@ -271,6 +284,10 @@ static int append(struct graph *g, const uint64_t *us, size_t n)  /* (lock held)
  * capture's error), 0 when it is to run. */
 int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r)
 {
+    if (stub_stream_dead(s, "a launch")) {
+        *r = STUB_INVALID_HANDLE;
+        return 1;
+    }
     struct stream *st = stream_of((CUstream)s);
     if (!st) return 0;
     pthread_mutex_lock(&lock);

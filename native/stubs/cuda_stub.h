@@ -56,11 +56,28 @@ HIDDEN int stub_memory_is_free(void);
 HIDDEN int stub_driver_memory(int dev, int64_t delta);
 /* its growth per event, CGPU_STUB_<name>_KIB or `kib` (the H100's figures, issue 28) */
 HIDDEN uint64_t stub_growth(const char *name, uint64_t kib);
+/* contexts' lifetimes (issue 34): a context destroyed (cuCtxDestroy, the primary one's reset or
+ * last release) takes its streams and events with it, as the driver's does: a handle of one used
+ * afterwards is answered CUDA_ERROR_INVALID_HANDLE or CUDA_ERROR_CONTEXT_IS_DESTROYED, and with
+ * CGPU_STUB_STRICT_HANDLES=1 the process aborts, saying which call used which handle (the real
+ * driver's behaviour there is undefined: a crash, or another object's state). */
+HIDDEN unsigned stub_ctx_gen(int dev);              /* the generation of card dev's context now */
+HIDDEN int stub_ctx_alive(int dev, unsigned gen);   /* a handle made in that generation is still valid */
+HIDDEN int stub_ctx_dead(int dev);                  /* card dev's context is destroyed (none made since) */
+HIDDEN void stub_ctx_retain(int dev);               /* retained (made anew if destroyed) */
+HIDDEN int stub_ctx_release(int dev);               /* released: 1 when that was its last retain */
+HIDDEN void stub_ctx_kill(int dev);                 /* destroyed (its work waited for by the caller) */
+HIDDEN void stub_misuse(const char *call, const char *what);  /* a destroyed handle used */
+enum { STUB_CONTEXT_IS_DESTROYED = 709 };
 
 /* ---- cuda_exec.c: the card's executor (queues per stream, one kernel at a time, time-sliced contexts) ---- */
 /* a kernel of `us` µs into `stream` (NULL: the legacy stream; 2: the thread's) on card `dev`; blocks
  * only while the stream's queue is full; coll: half of a collective across cards 0 and 1 */
 HIDDEN CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll);
+/* a point in `stream` that waits on the host until released (*seq: which) */
+HIDDEN CUresult stub_exec_hold(int dev, const void *stream, uint64_t *seq);
+HIDDEN void stub_exec_release(int dev, uint64_t seq);
+HIDDEN int stub_exec_reached(int dev, uint64_t seq);  /* all before entry seq done */
 HIDDEN CUresult stub_exec_sync(int dev, const void *stream, int all);  /* wait: the stream's work, or all (the context's) */
 HIDDEN int stub_exec_idle(int dev, const void *stream, int all);       /* its work done: 1, else 0 */
 /* a point in a stream (an event): done when the card has run what was launched into it before */
@@ -91,6 +108,8 @@ HIDDEN int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUre
 HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);
 HIDDEN void *stub_graphs_proc(const char *symbol, int version);
 HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in the form of the caller's CUDA version */
+/* a stream object destroyed, or of a destroyed context (said to stub_misuse by `call`) */
+HIDDEN int stub_stream_dead(const void *s, const char *call);
 
 /* ---- cuda_pools.c: stream-ordered pools (what they reserve stays on the card up to their release threshold) ---- */
 HIDDEN CUresult stub_pool_alloc_async(CUdeviceptr *out, size_t size, const void *stream, void *pool);  /* NULL pool: the stream's device's current */

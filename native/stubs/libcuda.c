@@ -161,17 +161,39 @@ static CUresult context_memory(CUdevice d)
     paid[d] = 1;
     return OK;
 }
-/* a context is its device + 1 */
+/* A context is its device + 1 + 16 * its generation (card.c: one per card and process, live from the
+ * start, destroyed by cuCtxDestroy, the primary context's reset or its last release, made again by a
+ * retain or create as a new context, a new handle; what a destroyed one held is gone with it). */
+static CUcontext ctx_handle(int d) { return (CUcontext)(uintptr_t)(1 + d + 16 * (uintptr_t)stub_ctx_gen(d)); }
+/* The device of a context handle, or -1 (and *dead: a handle of a destroyed context) */
+static int ctx_device(CUcontext ctx, int *dead)
+{
+    uintptr_t h = (uintptr_t)ctx - 1;
+    int d = (int)(h % 16);
+    *dead = 0;
+    if (!ctx || d >= stub_device_count()) return -1;
+    *dead = !stub_ctx_alive(d, (unsigned)(h / 16));
+    return d;
+}
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
 {
     if (!stub_inited()) return NOT_INITIALIZED;
     if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
     CUresult r = context_memory(d);
     if (r != OK) return r;
-    *ctx = (CUcontext)(uintptr_t)(d + 1);
+    stub_ctx_retain(d);
+    *ctx = ctx_handle(d);
     return OK;
 }
-CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { return d < 0 || d >= stub_device_count() ? INVALID_DEVICE : OK; }
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
+{
+    if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
+    if (stub_ctx_release(d)) {  /* (its last release: the primary context is destroyed) */
+        stub_exec_sync(d, NULL, 1);
+        stub_ctx_kill(d);
+    }
+    return OK;
+}
 CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return cuDevicePrimaryCtxRelease_v2(d); }  /* (CUDA 7.0's form) */
 CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
 {
@@ -184,11 +206,27 @@ CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
 CUresult cuCtxSetCurrent(CUcontext ctx)
 {
     if (!stub_inited()) return NOT_INITIALIZED;
-    if (ctx) stub_set_current_device((int)(uintptr_t)ctx - 1);
+    int dead, d = ctx_device(ctx, &dead);
+    if (ctx && dead) {
+        stub_misuse("cuCtxSetCurrent", "a destroyed context");
+        return STUB_CONTEXT_IS_DESTROYED;
+    }
+    if (ctx && d >= 0) stub_set_current_device(d);
     return OK;
 }
 CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return INVALID_VALUE; if (!stub_inited()) return NOT_INITIALIZED; *d = stub_current_device(); return OK; }
-CUresult cuCtxDestroy_v2(CUcontext ctx) { (void)ctx; return OK; }
+CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    int dead, d = ctx_device(ctx, &dead);
+    if (d < 0) return INVALID_VALUE;
+    if (dead) {
+        stub_misuse("cuCtxDestroy", "a destroyed context");
+        return STUB_CONTEXT_IS_DESTROYED;
+    }
+    stub_exec_sync(d, NULL, 1);  /* (the driver waits for the context's work) */
+    stub_ctx_kill(d);
+    return OK;
+}
 
 /* Wait for this process's work on its current card (its context's, every stream). */
 CUresult cuCtxSynchronize(void)
@@ -201,21 +239,26 @@ CUresult cuCtxSynchronize(void)
 CUresult cuCtxGetCurrent(CUcontext *ctx)
 {
     if (!ctx) return INVALID_VALUE;
-    *ctx = stub_inited() ? (CUcontext)(uintptr_t)(stub_current_device() + 1) : NULL;
+    *ctx = stub_inited() && !stub_ctx_dead(stub_current_device()) ? ctx_handle(stub_current_device()) : NULL;  /* (destroyed: none current) */
     return OK;
 }
 static __thread int pushed[16], npushed;
 CUresult cuCtxPushCurrent_v2(CUcontext ctx)
 {
     if (!stub_inited()) return NOT_INITIALIZED;
+    int dead, d = ctx_device(ctx, &dead);
+    if (ctx && dead) {
+        stub_misuse("cuCtxPushCurrent", "a destroyed context");
+        return STUB_CONTEXT_IS_DESTROYED;
+    }
     if (npushed < 16) pushed[npushed++] = stub_current_device();
-    if (ctx) stub_set_current_device((int)(uintptr_t)ctx - 1);
+    if (ctx && d >= 0) stub_set_current_device(d);
     return OK;
 }
 CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
 {
     if (!stub_inited()) return NOT_INITIALIZED;
-    if (ctx) *ctx = (CUcontext)(uintptr_t)(stub_current_device() + 1);
+    if (ctx) *ctx = ctx_handle(stub_current_device());
     if (npushed) stub_set_current_device(pushed[--npushed]);
     return OK;
 }
@@ -376,6 +419,7 @@ CUresult cuStreamCreate(CUstream *s, unsigned flags);  /* cuda_graphs.c, as cuSt
 CUresult cuStreamDestroy_v2(CUstream s);
 CUresult cuStreamSynchronize(CUstream s)
 {
+    if (stub_stream_dead(s, "cuStreamSynchronize")) return STUB_INVALID_HANDLE;
     CUresult r = stub_capture_forbids(s);
     r = r ? r : stub_exec_sync(stub_current_device(), s, 0);
     if (!r) stub_pools_settle(stub_stream_device(s));  /* (pools release what they keep above their thresholds) */

@@ -20,7 +20,12 @@
  *                                 (libcuda.c) says holds memory on card i, as on GPU i: what
  *                                 its allocations and its contexts take (the driver's view);
  *                                 its PID plus `offset`, as NVML names a container's processes
- *                                 by the host's PIDs
+ *                                 by the host's PIDs. And each process's utilisation
+ *                                 (nvmlDeviceGetProcessUtilization): what the stand-in card's
+ *                                 executor ran for it (cuda_exec.c's ".ran" file, measured
+ *                                 there), its kernel time over the time since the call whose
+ *                                 timestamp the caller passes (the latest this library answered
+ *                                 at or before it; the oldest it keeps for 0)
  *   event <i> xid <code>          a critical Xid error on GPU i (nvmlEventTypeXidCriticalError, the
  *                                 event's data the Xid); `event <i> ecc`: a double-bit ECC error
  *                                 (nvmlEventTypeDoubleBitEccError). Each event line is one event,
@@ -47,6 +52,7 @@
  * Built by tests/nvml_stub.py with gcc -shared -Wl,-soname,libnvidia-ml.so.1.
  */
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/ioctl.h>
 #include <unistd.h>
@@ -162,6 +168,8 @@ static __thread struct {
     int nprocs;
     struct putil putils[MAX_PROCS];
     int nputils;
+    struct ran { unsigned int gpu, pid; unsigned long long ns; } rans[MAX_PROCS];  /* `cuda`: measured */
+    int nrans;
     struct event events[MAX_EVENTS];
     int nevents;
 } cfg;
@@ -265,6 +273,17 @@ static void cuda_processes(const char *line) {
             cfg.procs[cfg.nprocs++] = (struct proc){(unsigned)r[k].dev, (unsigned)r[k].pid + offset, bytes,
                                                     COMPUTE};
     }
+    /* the GPU time the card ran for each process (cuda_exec.c's ".ran": {int32 pid, int32 card, uint64 ns}) */
+    char ran[4200];
+    struct { int pid, dev; unsigned long long ns; } rn[512];
+    snprintf(ran, sizeof ran, "%s.ran", state);
+    f = fopen(ran, "rb");
+    n = f ? fread(rn, sizeof rn[0], 512, f) : 0;
+    if (f)
+        fclose(f);
+    for (size_t k = 0; k < n && cfg.nrans < MAX_PROCS; k++)
+        if (rn[k].pid > 0 && rn[k].dev >= 0 && rn[k].dev < MAX_GPUS && kill(rn[k].pid, 0) == 0)
+            cfg.rans[cfg.nrans++] = (struct ran){(unsigned)rn[k].dev, (unsigned)rn[k].pid + offset, rn[k].ns};
 }
 
 /* Load the file, check initialisation and the handle; the GPU or NULL (*rc says why). */
@@ -674,6 +693,43 @@ static unsigned long long now_us(void) {
     return (unsigned long long)t.tv_sec * 1000000 + (unsigned long long)t.tv_nsec / 1000;
 }
 
+/* What the card had run for each process at each answer (a ring): the measured utilisation is the
+ * kernel time from the answer the caller's timestamp names to now, over that time. */
+#define NSEEN 4096
+static struct seen { unsigned long long stamp, ns; unsigned int gpu, pid; } seen[NSEEN];
+static unsigned nseen;
+static __thread struct putil measured[MAX_PROCS];
+static pthread_mutex_t seen_lock = PTHREAD_MUTEX_INITIALIZER;  /* (the history is every thread's) */
+
+static int measure(unsigned gpu, unsigned long long since, unsigned long long now, struct putil **out, int n) {
+    pthread_mutex_lock(&seen_lock);
+    for (int k = 0; k < cfg.nrans; k++) {
+        struct ran *r = &cfg.rans[k];
+        if (r->gpu != gpu)
+            continue;
+        const struct seen *then = NULL, *oldest = NULL;
+        for (unsigned i = 0; i < NSEEN && i < nseen; i++) {
+            const struct seen *e = &seen[i];
+            if (e->gpu != gpu || e->pid != r->pid || e->ns > r->ns)
+                continue;
+            if (!oldest || e->stamp < oldest->stamp)
+                oldest = e;
+            if (e->stamp <= since && (!then || e->stamp > then->stamp))
+                then = e;
+        }
+        then = then ? then : oldest;
+        seen[nseen++ % NSEEN] = (struct seen){now, r->ns, gpu, r->pid};
+        if (!then || now <= then->stamp || n >= MAX_PROCS)
+            continue;
+        unsigned long long pct = (r->ns - then->ns) / 10 / (now - then->stamp);  /* ns / (µs * 1000) * 100 */
+        measured[n] = (struct putil){gpu, r->pid, pct > 100 ? 100 : (unsigned)pct, 0, 0, 0};
+        out[n] = &measured[n];
+        n++;
+    }
+    pthread_mutex_unlock(&seen_lock);
+    return n;
+}
+
 /* The processes' utilisation samples on a GPU newer than `since` (CPU time in µs) into `out`;
  * their number, or -1 and *rc. */
 static int samples(void *dev, const char *fn, unsigned long long since, struct putil **out, nvmlReturn_t *rc,
@@ -687,7 +743,7 @@ static int samples(void *dev, const char *fn, unsigned long long since, struct p
         for (int k = 0; k < cfg.nputils; k++)
             if (&cfg.gpus[cfg.putils[k].gpu] == g)
                 out[n++] = &cfg.putils[k];
-    return n;
+    return measure((unsigned)(g - cfg.gpus), since, *stamp, out, n);
 }
 
 /* A NULL buffer or too small: NVML_ERROR_INSUFFICIENT_SIZE and how many; no samples:

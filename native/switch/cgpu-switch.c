@@ -80,6 +80,8 @@ struct page {
     off_t busy_at;               /* where the GPU time of each slot's process starts in it (0: an older cgpud's page) */
     char damage[320];            /* why the usage page is not read any more ("": it is whole) */
     int damage_told;             /* cg_page_damage has said so */
+    char distrust[320];          /* why its GPU time count is not believed (the daemon's check, cg_page_distrust;
+                                    "": it is): from then on its instance is charged the time its gate is open */
     struct cgpu_proc *procs;     /* (a buffer for the slots read at once) */
     int fifo, keep;              /* the drained FIFO: our read end, and a writer of our own */
     int64_t drain_mean_ns;       /* how long its drains last (a running mean, for SWITCH_AHEAD) */
@@ -498,7 +500,7 @@ static int undrained_locked(struct page *p, int gpu, int *out, struct head *hout
  * not count, or a damaged page (then its instance is charged the time its gate was open). */
 static int64_t gpu_ns_locked(struct page *p, int gpu)
 {
-    if (!p->busy_at)
+    if (!p->busy_at || p->distrust[0])
         return -1;
     unsigned slots[CGPU_MAX_PROCS];
     struct head hs[CGPU_MAX_PROCS];
@@ -526,6 +528,20 @@ static int64_t gpu_ns_locked(struct page *p, int gpu)
             }
     }
     return timed ? sum : -1;
+}
+
+/* The daemon found the page's GPU time count below what it measures itself (cgpud/sched/gputime.py,
+ * ChargeCheck: NVML's per-process utilisation): from now on the count is not read (cg_page_gpu_ns
+ * -1: its instance is charged the time its gate is open) until the page is opened again. The rest
+ * of the page is read as before (its processes' drains are still waited for). 1 the first time. */
+EXPORT int cg_page_distrust(struct page *p, const char *why)
+{
+    pthread_mutex_lock(&p->mu);
+    int first = !p->distrust[0];
+    if (first)
+        snprintf(p->distrust, sizeof p->distrust, "%s", why && *why ? why : "not believed");
+    pthread_mutex_unlock(&p->mu);
+    return first;
 }
 
 EXPORT int64_t cg_page_gpu_ns(struct page *p, int gpu)

@@ -1,0 +1,93 @@
+/*
+ * libcgpu's compute part (docs/isolation.md, "Compute"; docs/scheduler.md, "Queued work"): what
+ * its files share. One file per concern, in layers that call down, never up:
+ *   clock.c     the clocks (CLOCK_MONOTONIC, the launch path's cheap counter), the bounded wait
+ *               for an event, the library's threads;
+ *   contexts.c  the contexts the process launched in and their page GPU; the handles' lifetimes
+ *               (a destroyed context, stream or event is forgotten before the driver sees it go);
+ *   gang.c      the gate words and futexes, a gang's launches counted and the catch-up of a
+ *               collective a closing cut in half;
+ *   charge.c    the GPU-time charge: a run's GPU time, from its timing events, into the slot;
+ *   queue.c     queued work bounded per stream (events, the wait before a launch, the drain's
+ *               part of the streams);
+ *   drain.c     the helper thread: answers each closing once its work is done (or its bound passed);
+ *   gate.c      the top: the launch entry points (the gate, then the queue's bound).
+ * Everything here is hidden.
+ */
+#ifndef CGPU_COMPUTE_H
+#define CGPU_COMPUTE_H
+
+#include "cgpu_internal.h"
+
+/* (a launch's thread-locals: initial-exec, one load each, as in_driver: libcgpu is loaded at start) */
+#define HOT_TLS __thread __attribute__((tls_model("initial-exec")))
+
+#pragma GCC visibility push(hidden)
+
+/* ---- clock.c ---- */
+/* The drain bound (docs/isolation.md, "Compute"): the helper answers a closing at most this long
+ * after it saw it, whatever the application does (the daemon gives up on a process at one drain
+ * bound, two slices: 20 ms by default; this leaves a quarter of it for the wake-ups). The wait
+ * before a launch waits at most as long for its stream. */
+#define CGPU_DRAIN_BOUND_NS 15000000ll
+int64_t mono_ns(void);
+/* Wait for `event` to complete, until `deadline` (CLOCK_MONOTONIC ns): CU_OK when it did (or an
+ * error: counted as done), 600 (CUDA_ERROR_NOT_READY) when the deadline passed first. Never an
+ * unbounded call into the driver: queries, with the thread asleep between them. */
+CUresult event_wait(void *event, int64_t deadline);
+int start_thread(void *(*fn)(void *), size_t stack);  /* detached, signals blocked: 0 or the error */
+int64_t launch_ns(void);  /* the launch path's clock (compared only with its own readings) */
+
+/* ---- contexts.c ---- */
+extern pthread_mutex_t ctx_lock;
+extern HOT_TLS CUcontext known_ctx;  /* the last context this thread was seen to launch in */
+extern HOT_TLS int known_gpu;        /* and its page GPU */
+int note_context(void);              /* the calling thread's page GPU (-1: the container's gate) */
+int gpu_of_ctx(CUcontext c);         /* (ctx_lock held) -2: not known */
+/* synchronize the contexts on page GPU k (-1: all), by a thread of its own, waited for until the
+ * deadline: 0 done, -1 not yet (it goes on) */
+int contexts_sync(int k, int64_t deadline);
+void contexts_forked(void);
+
+/* ---- gang.c ---- */
+/* Threads of this process inside a launch now: [0] on the container's gate, [1 + k] on GPU k's. */
+extern unsigned launching[1 + CGPU_MAX_GPUS];
+const uint32_t *gate_word(int k);
+uint32_t gate_value(int k);
+void futex_wake_all(const uint32_t *word);
+void futex_wait_on(const uint32_t *word, uint32_t seen);
+int ganged(void);
+void gang_init(void);             /* CGPU_GANG (at the first launch) */
+int gang_pass(int k);             /* a launch on GPU k may pass the gang's gates now (counted) */
+int gang_catching_up(void);       /* the helper answers a closing: catch-up allowed */
+void gang_catch_up(uint32_t on, int64_t deadline);  /* the helper: the halves of a collective a closing cut catch up */
+void gang_forked(void);
+
+/* ---- charge.c ---- */
+/* The GPU time between two complete timing events into page GPU `gpu`'s slot counter: its ns
+ * (0: not known). */
+int64_t charge_run(int gpu, void *from, void *to);
+void charge_timed(void);  /* the slot's GPU time is counted from now (the helper started) */
+
+/* ---- queue.c ---- */
+int queue_ready(void);
+void queue_wait(CUcontext c, void *stream, int ptsz, uint32_t w);  /* w: the launch counts as w (a graph: its nodes) */
+void queue_start(CUcontext c, void *stream, int ptsz);
+int queue_note(CUcontext c, void *stream, int ptsz, uint32_t w);
+void queue_untracked(int k);  /* a launch on page GPU k no queue counted */
+unsigned long queue_take_untracked(int k);
+int drain_queues(int k, int *captures, int64_t deadline);
+void queue_forget_stream(void *stream);  /* a stream destroyed: never named again (its events kept) */
+void queue_forget_context(CUcontext c);  /* a context destroyed (NULL: those of no listed context): its queues dropped (queue_lock taken) */
+void queue_graph_made(void *exec, uint32_t nodes);  /* an executable graph of `nodes` nodes */
+void queue_graph_gone(void *exec);
+uint32_t queue_graph_weight(void *exec);  /* its nodes (1: not known) */
+void queue_forked(void);
+
+/* ---- drain.c ---- */
+void drain_start_helper(void);  /* once */
+void drain_forked(void);
+
+#pragma GCC visibility pop
+
+#endif

@@ -1,0 +1,100 @@
+"""The cluster tier: the Helm chart deploy/helm/cgpud installed, upgraded and uninstalled with the
+real `helm` (scripts/helm-build.sh) on the real control plane and node of
+tests/test_cluster_daemonset.py (its Node: the host a directory, the image built by
+scripts/build-image.sh). The chart's objects go through the same host-root patch as the
+kustomize test's (a kustomize post-renderer: `helm install --post-renderer`), so what runs is
+the chart's render with only the host's paths moved.
+
+- `helm install`: the DaemonSet's pod Ready, the node's gpu-mem advertised, a GPU pod Running
+  with its instance in the node daemon's tree;
+- `helm upgrade` to another image tag: a hot upgrade — the DaemonSet's pod and the GPU pod are
+  the same pods, no container restarted, the instance still there and not frozen;
+- `helm uninstall`: every object of the release gone (the DaemonSet's pod too) and nothing of the
+  release left in the API server.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from cluster import NAMESPACE, NODE, SA, kubeconfig, wait_for
+from test_cluster import container_name, running
+from test_cluster_daemonset import Node, instance_memsize, overlay
+from test_helm import CHART, HELM
+from test_image import image  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.slow
+
+
+def helm(c, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    p = subprocess.run([HELM, "--kubeconfig", os.fspath(c.admin), *args], capture_output=True, text=True,
+                       timeout=timeout, stdin=subprocess.DEVNULL,
+                       env={"PATH": "/usr/bin:/bin", "HOME": os.fspath(c.path("helm-home")),
+                            "HELM_CACHE_HOME": os.fspath(c.path("helm-home", "cache")),
+                            "HELM_CONFIG_HOME": os.fspath(c.path("helm-home", "config")),
+                            "HELM_DATA_HOME": os.fspath(c.path("helm-home", "data"))})
+    assert p.returncode == 0, f"helm {' '.join(args)}:\n{p.stdout}\n{p.stderr}"
+    return p
+
+
+def post_renderer(node: Node) -> str:
+    """A helm post-renderer: the chart's render through the kustomize test's host-root patch."""
+    c = node.cluster
+    base = overlay(node.tmp, c, node.host, node.image)  # (its host-root.yaml; its kustomization is not used)
+    d = node.tmp / "post-render"
+    d.mkdir()
+    (d / "host-root.yaml").write_text((base / "host-root.yaml").read_text())
+    (d / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["helm.yaml"], "patches": [{"path": "host-root.yaml"}]}))
+    script = d / "render.sh"
+    script.write_text(f"#!/bin/sh\nset -e\ncat > {d}/helm.yaml\nexec {c.bins / 'kubectl'} kustomize {d}\n")
+    script.chmod(0o755)
+    return os.fspath(script)
+
+
+def restarts(pod: dict) -> list[int]:
+    st = pod.get("status", {})
+    return [s.get("restartCount", 0) for s in st.get("containerStatuses", []) + st.get("initContainerStatuses", [])]
+
+
+@pytest.mark.timeout(1500)  # (~3 min with the image cached; the rest is the wait for the host's one cluster)
+def test_helm_install_upgrade_and_uninstall_on_the_real_node(image, tmp_path):  # noqa: F811
+    name, tag = image.rsplit(":", 1)
+    with Node(image, tmp_path) as node:
+        c = node.cluster
+        renderer = post_renderer(node)
+        helm(c, "install", "cgpud", os.fspath(CHART), "--namespace", NAMESPACE, "--post-renderer", renderer,
+             "--set", f"image.repository={name}", "--set", f"image.tag={tag}")
+        c.kubectl("label", "node", NODE, "cgpu.aliyun.com/node=true", "--overwrite")
+        token = c.kubectl("create", "token", SA, "-n", NAMESPACE, "--duration", "1h").stdout.strip()
+        c.sa_kubeconfig = kubeconfig(c.path("cgpu-sa.kubeconfig"), c.server, c.path("pki", "ca.crt"), {"token": token})
+        c.start_extender()
+        ds_pod = node.ready()
+        wait_for(lambda: c.allocatable("aliyun.com/gpu-mem") > 0, 60, "the node's aliyun.com/gpu-mem", c.logs)
+        c.create(c.pod("helm-gpu-3", 3, runtime_class=None))
+        app = c.wait_pod("helm-gpu-3", running, 90, "Running")
+        memsize = instance_memsize(node, app)
+
+        # upgrade to another tag of the image: the DaemonSet's template changes, no pod is replaced
+        c.ctr("images", "tag", image, f"{name}:{tag}-next")
+        helm(c, "upgrade", "cgpud", os.fspath(CHART), "--namespace", NAMESPACE, "--post-renderer", renderer,
+             "--reuse-values", "--set", f"image.tag={tag}-next")
+        ds = c.get("daemonset", "cgpud", "-n", NAMESPACE)
+        assert {x["image"] for x in ds["spec"]["template"]["spec"]["containers"]} == {f"{name}:{tag}-next"}
+        after = node.ds_pod()
+        assert after["metadata"]["uid"] == ds_pod["metadata"]["uid"] and set(restarts(after)) == {0}
+        app_after = c.get("pod", "helm-gpu-3")
+        assert app_after["metadata"]["uid"] == app["metadata"]["uid"] and restarts(app_after) == [0]
+        assert node.tree("0", container_name(app), "memsize").read_text().strip() == memsize
+        c.delete_pod("helm-gpu-3")
+
+        helm(c, "uninstall", "cgpud", "--namespace", NAMESPACE, "--wait", "--timeout", "120s")
+        wait_for(lambda: not node.ds_pod(), 120, "the DaemonSet's pod gone", c.logs)
+        left = c.kubectl("get", "daemonsets,serviceaccounts,clusterroles,clusterrolebindings,runtimeclasses",
+                         "-A", "-o", "name").stdout.split()
+        assert not [x for x in left if x.rsplit("/", 1)[1] in ("cgpud", "cgpu-scheduler-extender", "cgpu")], left
+        assert not c.kubectl("get", "secrets", "-n", NAMESPACE, "-l", "owner=helm", "-o", "name").stdout.strip()
