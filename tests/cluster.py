@@ -1004,6 +1004,9 @@ state = "{c}/state"
                      "kube-controller-manager", "kube-scheduler", "kubelet"):
             if name in self.procs:
                 self.procs[name].stop()
+        for name, proc in self.procs.items():  # (any other part a test started: a second webhook replica…)
+            if name not in ("containerd", "host-namespace", "kube-apiserver", "etcd"):
+                proc.stop()
         if "containerd" in self.procs and self.procs["containerd"].alive():
             for cid in self.ctr("containers", "list", "-q").stdout.split():
                 self.ctr("task", "kill", "-s", "SIGKILL", cid)
