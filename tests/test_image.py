@@ -39,12 +39,12 @@ TAG = f"localhost/cgpud:{cgpud.__version__}-test"
 
 
 def node_pod() -> dict[str, dict]:
-    ds = next(d for d in RENDERED if d["metadata"]["name"] == "cgpud")
+    ds = next(d for d in RENDERED if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpud")
     return {c["name"]: c for c in containers(ds)}
 
 
 def extender_pod() -> dict:
-    ds = next(d for d in RENDERED if d["metadata"]["name"] == "cgpu-scheduler-extender")
+    ds = next(d for d in RENDERED if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpu-scheduler-extender")
     return containers(ds)[0]
 
 

@@ -379,7 +379,8 @@ def test_every_container_of_dra_mode_runs_the_bases_image(tmp_path):
 def test_each_right_in_the_manifests_says_why():
     """Issue 33: each rule of each role is commented with why it is needed (the comment above
     the rule, or on its verbs)."""
-    for f in (DEPLOY / "rbac.yaml", DEPLOY / "dra" / "rbac.yaml", DEPLOY / "dra" / "webhook.yaml"):
+    for f in (DEPLOY / "rbac.yaml", DEPLOY / "extender.yaml", DEPLOY / "dra" / "rbac.yaml",
+              DEPLOY / "dra" / "webhook.yaml"):
         lines = f.read_text().splitlines()
         in_rules = False
         for i, line in enumerate(lines):
