@@ -97,7 +97,7 @@ OUTSIDE = [  # what neither needs
     ("update", "clusterroles"), ("create", "deployments.apps"), ("patch", "daemonsets.apps"), ("create", "serviceaccounts/token"),
     ("update", "nodes/status"), ("update", "pods/status"), ("create", "pods/eviction"), ("get", "nodes/proxy"),
 ]
-NODE_OUTSIDE = [("create", "pods/binding"), ("create", "bindings"), ("create", "events")]  # the extender's, not the node's
+NODE_OUTSIDE = [("create", "pods/binding"), ("create", "bindings")]  # the extender's, not the node's
 EXTENDER_OUTSIDE = [("patch", "pods"), ("patch", "nodes/status")]
 
 

@@ -82,7 +82,8 @@ def test_what_is_rendered():
         ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
         ("ServiceAccount", "cgpu-scheduler-extender"), ("ClusterRole", "cgpu-scheduler-extender"),
         ("ClusterRoleBinding", "cgpu-scheduler-extender"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
-        ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ValidatingAdmissionPolicy", "cgpu-node-events"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-node-events"),
         ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu")])
 
 
@@ -113,12 +114,12 @@ def test_the_image_is_named_in_one_place():
 
 
 def test_rbac_is_the_least_and_the_plugin_knows_its_node():
-    """The node's account binds nothing and makes no events (issue 33: it held the extender's
+    """The node's account binds nothing and makes events only on its own Node (issue 33: it held the extender's
     cluster-wide bindings create); the extender has its own, which patches no pod."""
     docs = {(d["kind"], d["metadata"]["name"]): d for d in RENDERED}
     rules = {(r["resources"][0], tuple(r["verbs"])) for r in docs[("ClusterRole", "cgpu")]["rules"]}
     assert rules == {("nodes", ("get", "list", "watch", "patch")), ("nodes/status", ("patch",)),
-                     ("pods", ("get", "list", "watch", "patch"))}
+                     ("pods", ("get", "list", "watch", "patch")), ("events", ("create",))}
     rules = {(r["resources"][0], tuple(r["verbs"]))
              for r in docs[("ClusterRole", "cgpu-scheduler-extender")]["rules"]}
     assert rules == {("nodes", ("get", "list", "watch", "patch")), ("pods", ("get", "list", "watch")),
@@ -262,7 +263,8 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
         ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"), ("ClusterRoleBinding", "cgpu-dra"),
         ("ServiceAccount", "cgpu-scheduler-extender"), ("ClusterRole", "cgpu-scheduler-extender"),
         ("ClusterRoleBinding", "cgpu-scheduler-extender"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
-        ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ServiceAccount", "cgpu-dra-plugin"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ValidatingAdmissionPolicy", "cgpu-node-events"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-node-events"), ("ServiceAccount", "cgpu-dra-plugin"),
         ("ValidatingAdmissionPolicy", "cgpu-dra-plugin-node-scope"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-dra-plugin-node-scope"),
         ("DeviceClass", "gpu.cgpu.aliyun.com"),
