@@ -137,8 +137,11 @@ def overlay(tmp: Path, cluster: Cluster, host: Path, image_tag: str, dra: bool =
         "spec": {"template": {"spec": {
             "hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet",
             "containers": [
+                # (the node's containerd runs in a mount namespace of its own here, the tier's "host":
+                # its hooks call the daemon from there, which counts as the host by CGPUD_HOST_NS_PID)
                 {"name": "cgpud", "command": command,
-                 "env": [{"name": "CGPU_NVML_STUB", "value": "/host/nvml-stub.conf"}]},
+                 "env": [{"name": "CGPU_NVML_STUB", "value": "/host/nvml-stub.conf"},
+                         {"name": "CGPUD_HOST_NS_PID", "value": str(cluster.procs["host-namespace"].proc.pid)}]},
                 plugin,
             ],
             "volumes": [{"name": "host", "hostPath": {"path": os.fspath(host), "type": "Directory"}}]

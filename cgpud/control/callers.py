@@ -22,6 +22,7 @@ alive, so a pid that was reused meanwhile is never mistaken for the caller.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import socket
@@ -73,13 +74,28 @@ def _ns(pid: int | str, kind: str) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+HOST_NS_PID = "CGPUD_HOST_NS_PID"  # the daemon's environment: a process whose namespaces are the node's too
+
+
 def host_namespaces() -> set[tuple[tuple[int, int], tuple[int, int]]]:
-    """The (pid, mount) namespace pairs that count as the host: pid 1's and the daemon's own."""
+    """The (pid, mount) namespace pairs that count as the host: pid 1's and the daemon's own, and
+    those of the process $CGPUD_HOST_NS_PID names (a node whose container runtime runs in a mount
+    namespace of its own: the runtime's hook then calls from there; only who sets the daemon's
+    environment, the host's root, can name it)."""
     out = {(_ns("self", "pid"), _ns("self", "mnt"))}
-    try:
-        out.add((_ns(1, "pid"), _ns(1, "mnt")))
-    except OSError:  # (an unprivileged daemon cannot look at pid 1)
-        pass
+    pids: list[int | str] = [1]
+    raw = os.environ.get(HOST_NS_PID, "").strip()
+    if raw.isdigit() and int(raw) > 0:
+        pids.append(int(raw))
+    elif raw:
+        logging.getLogger("cgpud.control").warning(
+            "%s=%r is not a process id: ignored (only pid 1's namespaces and the daemon's own are the host's)",
+            HOST_NS_PID, raw)
+    for pid in pids:
+        try:
+            out.add((_ns(pid, "pid"), _ns(pid, "mnt")))
+        except OSError:  # (an unprivileged daemon cannot look at pid 1; a named process that is gone)
+            pass
     return out
 
 
