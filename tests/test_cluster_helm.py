@@ -20,7 +20,7 @@ import subprocess
 import pytest
 import yaml
 
-from cluster import NAMESPACE, NODE, SA, kubeconfig, wait_for
+from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, kubeconfig, wait_for
 from test_cluster import container_name, running
 from test_cluster_daemonset import Node, instance_memsize, overlay
 from test_helm import CHART, HELM
@@ -72,6 +72,10 @@ def test_helm_install_upgrade_and_uninstall_on_the_real_node(image, tmp_path):  
         c.kubectl("label", "node", NODE, "cgpu.aliyun.com/node=true", "--overwrite")
         token = c.kubectl("create", "token", SA, "-n", NAMESPACE, "--duration", "1h").stdout.strip()
         c.sa_kubeconfig = kubeconfig(c.path("cgpu-sa.kubeconfig"), c.server, c.path("pki", "ca.crt"), {"token": token})
+        # the extender with its own account's token, as the chart gives it (issue 33: the node's binds nothing)
+        token = c.kubectl("create", "token", EXTENDER_SA, "-n", NAMESPACE, "--duration", "1h").stdout.strip()
+        c.extender_kubeconfig = kubeconfig(c.path("extender-sa.kubeconfig"), c.server, c.path("pki", "ca.crt"),
+                                           {"token": token})
         c.start_extender()
         ds_pod = node.ready()
         wait_for(lambda: c.allocatable("aliyun.com/gpu-mem") > 0, 60, "the node's aliyun.com/gpu-mem", c.logs)
