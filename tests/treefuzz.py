@@ -417,7 +417,10 @@ class Fuzzer:
         self.check(full=True, what="reset")
 
     def settings(self, q: dict) -> dict:
-        return {"default_memsize": q["default_memsize"], "gpus": q["gpus"]}
+        # (of a GPU's health only whether it is in service: the rest — the reason, the advice, the last
+        # Xid — is the daemon's health watch's, which the tree's writes never touch and the replica lacks)
+        gpus = [{**g, "health": {"healthy": (g.get("health") or {}).get("healthy")}} for g in q["gpus"]]
+        return {"default_memsize": q["default_memsize"], "gpus": gpus}
 
     def check(self, full: bool = False, what: Any = None) -> None:
         assert self.alive(), f"the daemon died after {what!r}"

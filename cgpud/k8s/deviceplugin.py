@@ -17,6 +17,10 @@ apart from the resource logic (cgpud.k8s.resources):
   with `<plugin dir>/kubelet.sock`, and when the kubelet restarts (its socket
   is made anew) or our socket is removed (the kubelet clears the directory at
   start), serves and registers again, within POLL seconds.
+
+Longer than 450 lines on purpose: one plugin serves the node's three resources (a node's mode,
+docs/kubernetes.md) with the health, the mode and the MPS environment each a few lines of the same
+Allocate and ListAndWatch; split, each part would repeat the kubelet's protocol around them.
 """
 from __future__ import annotations
 

@@ -20,6 +20,10 @@ it asks over the control socket (cgpud.client) only.
   through the official client once the kubelet has registered the plugin,
   when the daemon's GPUs change, and again every `refresh` seconds until the
   API server took them.
+
+Longer than 450 lines on purpose: the kubelet's two servers, the claims' records and their
+CDI specs kept through a reboot, and the slices' publishing share one plugin's state and locks;
+split, each part would reach into the others'.
 """
 from __future__ import annotations
 
