@@ -236,8 +236,18 @@ def test_an_mps_pod_without_host_ipc_is_refused_saying_so(labelled):
     api.delete_pod("default", "no-ipc")
     api.add_pod("with-ipc", [2], annotations=chosen)  # (onto the node with hostIPC in one write)
     api.edit_pod("default", "with-ipc", lambda p: p["spec"].update(hostIPC=True, nodeName=NODE))
-    (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
-    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/var/run/nvidia-gpu/nvidia-mps"
+    given: list[dict] = []
+
+    def allowed() -> bool:  # (until the plugin's watch brings the delete: a refusal meanwhile is the old pod's)
+        try:
+            given.extend(kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"]))
+        except grpc.RpcError as exc:
+            assert "pod default/no-ipc" in exc.details(), exc.details()
+            return False
+        return True
+
+    wait_for(allowed, "the pod with hostIPC given its MPS environment")
+    assert given[0]["CUDA_MPS_PIPE_DIRECTORY"] == "/var/run/nvidia-gpu/nvidia-mps"
 
 
 def test_kubectl_inspect_cgpu_shows_each_pods_compute_percentage():
