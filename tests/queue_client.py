@@ -21,6 +21,11 @@ SOURCE = r"""
  *   queue N US SECONDS N launches, then no call into the driver for SECONDS (its exit waits for its queue)
  *   events N US        a kernel then an event, N times, into a stream of its own (see test_stub_executor)
  *   streams US_A US_B  3 kernels into stream A, then 1 into B (see test_stub_executor)
+ *   pdl R N US [event] R rounds into a stream of its own through cuLaunchKernelEx: a kernel, then N-1 launched
+ *                      programmatic-dependent (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, Hopper's
+ *                      PDL), with `event` an event recorded after each launch; then cuStreamSynchronize
+ *   two SECONDS US K   two threads, each with a stream of its own: K launches then cuStreamSynchronize, again
+ *                      and again (concurrent streams of one process): prints "started", then the launches made
  *   shape SECONDS N MEAN_US FLOOR_US HOST_US GAP_US SEED [WARM_US]
  *                      a framework's step, again and again (bench/resnet_shape.py): N launches, each due HOST_US
  *                      after the one before (the framework's dispatch, the driver's launch included; after
@@ -31,6 +36,7 @@ SOURCE = r"""
  *                      twice as long (a core woken cold: its caches and clock, bench/resnet_shape.py) */
 #include <dlfcn.h>
 #include <math.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +50,10 @@ typedef int (*p_t)(void *);
 typedef int (*pp_t)(void *, void *);
 typedef int (*c_t)(void **, unsigned);
 typedef int (*t_t)(float *, void *, void *);
+typedef int (*x_t)(const void *, void *, void **, void **);
+/* cuda.h's CUlaunchAttribute (an id padded to 8 bytes, a 64-byte value) and CUlaunchConfig */
+typedef struct { unsigned id; char pad[4]; union { char bytes[64]; int i; } value; } attr_t;
+typedef struct { unsigned gx, gy, gz, bx, by, bz, shmem; void *stream; attr_t *attrs; unsigned nattrs; } config_t;
 static long long now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ll + t.tv_nsec; }
 static void *h;
 /* The host's time between launches, slept rather than spun (a 2-core machine runs a pair of these
@@ -63,6 +73,24 @@ static void realtime(void)
 {
     struct sched_param rt = {.sched_priority = 1};
     sched_setscheduler(0, SCHED_RR, &rt);
+}
+static long long two_secs_ns, two_counts[2];
+static unsigned two_us;
+static int two_k;
+static int (*two_ssync)(void *);
+static int (*two_screate)(void **, unsigned);
+static void launch(unsigned us, void *stream);
+static void *two_thread(void *arg)
+{
+    long i = (long)arg;
+    void *s;
+    two_screate(&s, 0);
+    long long t0 = now();
+    while (now() - t0 < two_secs_ns) {
+        for (int k = 0; k < two_k; k++, two_counts[i]++) launch(two_us, s);
+        two_ssync(s);
+    }
+    return NULL;
 }
 static void *sym(const char *n) { void *f = dlsym(h, n); if (!f) { fprintf(stderr, "no %s\n", n); exit(2); } return f; }
 static l_t launch_fn;
@@ -174,6 +202,36 @@ int main(int argc, char **argv)
             printf("%lld %lld\n", a, now() - a);
             usleep((useconds_t)(gap * 1000));
         }
+    } else if (!strcmp(mode, "pdl") && (argc == 5 || argc == 6)) {
+        x_t launch_ex = (x_t)sym("cuLaunchKernelEx");
+        int rounds = atoi(argv[2]), n = atoi(argv[3]), with_events = argc == 6 && !strcmp(argv[5], "event");
+        void *s, *e;
+        screate(&s, 0);
+        ecreate(&e, 0);
+        attr_t pdl = {.id = 6 /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */, .value.i = 1};
+        for (int r = 0; r < rounds; r++) {
+            for (int i = 0; i < n; i++) {
+                config_t c = {(unsigned)atoi(argv[4]), 1, 1, 1, 1, 1, 0, s, i ? &pdl : NULL, i ? 1 : 0};
+                int rc = launch_ex(&c, NULL, NULL, NULL);
+                if (rc) { fprintf(stderr, "cuLaunchKernelEx %d\n", rc); return 4; }
+                if (with_events) erecord(e, s);
+            }
+            ssync(s);
+        }
+        printf("%d\n", rounds);
+    } else if (!strcmp(mode, "two") && argc == 5) {
+        realtime();
+        two_secs_ns = (long long)(atof(argv[2]) * 1e9);
+        two_us = (unsigned)atoi(argv[3]);
+        two_k = atoi(argv[4]);
+        two_ssync = ssync;
+        two_screate = screate;
+        printf("started\n");
+        fflush(stdout);
+        pthread_t t[2];
+        for (long i = 0; i < 2; i++) pthread_create(&t[i], NULL, two_thread, (void *)i);
+        for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+        printf("%lld\n", two_counts[0] + two_counts[1]);
     } else if (!strcmp(mode, "one") && argc == 3) {
         long long t = now();
         launch((unsigned)atoi(argv[2]), NULL);
@@ -233,7 +291,7 @@ def build(where: Path) -> Path:
     """The client, compiled into `where`."""
     (where / "queue-client.c").write_text(SOURCE)
     out = where / "queue-client"
-    subprocess.run(["gcc", "-O2", "-Wall", "-o", os.fspath(out), os.fspath(where / "queue-client.c"), "-ldl", "-lm"],
+    subprocess.run(["gcc", "-O2", "-Wall", "-o", os.fspath(out), os.fspath(where / "queue-client.c"), "-ldl", "-lm", "-lpthread"],
                    check=True)
     return out
 
