@@ -10,6 +10,9 @@ from pathlib import Path
 
 SOURCE = r"""
 /* queue-client MODE ...
+ * US (burst, loop, host, queue): one length, or a step of mixed ones as real workloads have (a model's few
+ * long GEMMs among many short elementwise kernels): "3000x4,20x40" is 4 kernels of 3000 µs then 40 of 20,
+ * the launches going round the step
  *   burst N US         N launches; prints each launch's return time, then the synchronize's return time
  *   loop SECONDS US K  K launches then cuCtxSynchronize, again and again (a PyTorch-like loop that runs ahead):
  *                      prints "started", then the launches made
@@ -23,7 +26,9 @@ SOURCE = r"""
  *   streams US_A US_B  3 kernels into stream A, then 1 into B (see test_stub_executor)
  *   pdl R N US [event] R rounds into a stream of its own through cuLaunchKernelEx: a kernel, then N-1 launched
  *                      programmatic-dependent (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, Hopper's
- *                      PDL), with `event` an event recorded after each launch; then cuStreamSynchronize
+ *                      PDL), with `event` an event recorded after each launch; then cuStreamSynchronize. First
+ *                      two launches into it, each then synchronized (the process's first launch, lazily loaded,
+ *                      over): prints "warm" and reads a line before the rounds
  *   two SECONDS US K   two threads, each with a stream of its own: K launches then cuStreamSynchronize, again
  *                      and again (concurrent streams of one process): prints "started", then the launches made
  *   shape SECONDS N MEAN_US FLOOR_US HOST_US GAP_US SEED [WARM_US]
@@ -94,6 +99,22 @@ static void *two_thread(void *arg)
 }
 static void *sym(const char *n) { void *f = dlsym(h, n); if (!f) { fprintf(stderr, "no %s\n", n); exit(2); } return f; }
 static l_t launch_fn;
+static unsigned *mix, nmix;  /* the step's lengths (US), gone round launch by launch */
+static unsigned long long mixed;
+static void parse_mix(const char *spec)
+{
+    char *copy = strdup(spec), *save = NULL;
+    for (char *part = strtok_r(copy, ",", &save); part; part = strtok_r(NULL, ",", &save)) {
+        unsigned us = (unsigned)atoi(part), times = 1;
+        char *x = strchr(part, 'x');
+        if (x) times = (unsigned)atoi(x + 1);
+        mix = realloc(mix, (nmix + times) * sizeof *mix);
+        for (unsigned i = 0; i < times; i++) mix[nmix++] = us ? us : 1;
+    }
+    free(copy);
+    if (!nmix) { fprintf(stderr, "no lengths in %s\n", spec); exit(1); }
+}
+static unsigned next_us(void) { return mix[mixed++ % nmix]; }
 static void launch(unsigned us, void *stream)
 {
     int r = launch_fn(NULL, us, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
@@ -112,12 +133,13 @@ int main(int argc, char **argv)
     c_t ecreate = (c_t)sym("cuEventCreate"), screate = (c_t)sym("cuStreamCreate");
     t_t elapsed = (t_t)sym("cuEventElapsedTime_v2");
     const char *mode = argv[1];
+    if (argc > 3 && strcmp(mode, "shape") && strcmp(mode, "pdl") && strcmp(mode, "two")) parse_mix(argv[3]);
     if (!strcmp(mode, "burst") && argc == 4) {
         realtime();  /* (its launches a tick apart only when the card makes them so, not a preemption) */
         int n = atoi(argv[2]);
         long long *ret = calloc((size_t)n, sizeof *ret);
         for (int i = 0; i < n; i++) {
-            launch((unsigned)atoi(argv[3]), NULL);
+            launch(next_us(), NULL);
             ret[i] = now();
         }
         sync();
@@ -132,7 +154,7 @@ int main(int argc, char **argv)
         fflush(stdout);
         long long t0 = now(), n = 0;
         while (now() - t0 < secs * 1e9) {
-            for (int i = 0; i < k; i++, n++) launch((unsigned)atoi(argv[3]), NULL);
+            for (int i = 0; i < k; i++, n++) launch(next_us(), NULL);
             sync();
         }
         printf("%lld\n", n);
@@ -144,7 +166,7 @@ int main(int argc, char **argv)
         fflush(stdout);
         long long t0 = now(), n = 0;
         while (now() - t0 < secs * 1e9) {
-            launch((unsigned)atoi(argv[3]), NULL);
+            launch(next_us(), NULL);
             sync();
             n++;
             for (long long t = now(); now() - t < host;) {}
@@ -182,7 +204,7 @@ int main(int argc, char **argv)
         }
         for (long long i = 0; i < steps; i++) printf("%lld\n", ends[i]);
     } else if (!strcmp(mode, "queue") && argc == 5) {  /* queue N US SECONDS: N launches, then no call for SECONDS */
-        for (int i = 0; i < atoi(argv[2]); i++) launch((unsigned)atoi(argv[3]), NULL);
+        for (int i = 0; i < atoi(argv[2]); i++) launch(next_us(), NULL);
         printf("queued\n");
         fflush(stdout);
         usleep((useconds_t)(atof(argv[4]) * 1e6));
@@ -209,6 +231,15 @@ int main(int argc, char **argv)
         screate(&s, 0);
         ecreate(&e, 0);
         attr_t pdl = {.id = 6 /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */, .value.i = 1};
+        for (int w = 0; w < 2; w++) {
+            launch((unsigned)atoi(argv[4]), s);
+            ssync(s);
+            usleep(2000);
+        }
+        printf("warm\n");
+        fflush(stdout);
+        char line[16];
+        if (!fgets(line, sizeof line, stdin)) return 5;
         for (int r = 0; r < rounds; r++) {
             for (int i = 0; i < n; i++) {
                 config_t c = {(unsigned)atoi(argv[4]), 1, 1, 1, 1, 1, 0, s, i ? &pdl : NULL, i ? 1 : 0};
