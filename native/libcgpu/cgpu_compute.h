@@ -72,6 +72,8 @@ int charge_time(CUcontext c, void **event, double *at, unsigned *epoch);
  * charged already goes to the slot's counter (the union of concurrent streams' runs); its ns. */
 int64_t charge_span(int gpu, CUcontext c, unsigned epoch, double a, double b);
 void charge_estimate(int gpu, int64_t ns);  /* GPU time whose span is not known, as it is */
+/* the GPU time between two complete events, summed as it is (a context with no clock: CHARGE_CTXS in use) */
+int64_t charge_elapsed(int gpu, void *from, void *to);
 void charge_forget_context(CUcontext c);    /* a context destroyed (NULL: all) */
 void charge_forked(void);
 void charge_timed(void);  /* the slot's GPU time is counted from now (the helper started) */

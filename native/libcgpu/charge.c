@@ -135,6 +135,16 @@ int64_t charge_span(int gpu, CUcontext c, unsigned epoch, double a, double b)
     return ns;
 }
 
+int64_t charge_elapsed(int gpu, void *from, void *to)
+{
+    float ms = 0;
+    if (!ev.elapsed || !from || !to || !elapsed(&ms, from, to) || ms <= 0)
+        return 0;
+    int64_t ns = (int64_t)((double)ms * 1e6);
+    add_ns(gpu, ns);
+    return ns;
+}
+
 void charge_estimate(int gpu, int64_t ns)
 {
     add_ns(gpu, ns);

@@ -310,10 +310,12 @@ static void completed(struct squeue *q, int64_t done)
     /* (its time on the card's clock of the context; charge.c may keep the event as its reference: the
      * slot gets a new one at its next record) */
     int placed = p->event && charge_time(q->ctx, &p->event, &at_ms, &epoch);
+    void *before = q->ring[(q->tail - 1) % QUEUE_RING].event;
     if (placed && p->counted && q->timed && epoch == q->epoch) {
         ns = (int64_t)((at_ms - q->last_at) * 1e6);  /* the run's own GPU time (the driver's clock) */
         charge_span(q->gpu, q->ctx, epoch, q->last_at, at_ms);  /* charged: what no other stream's run was */
-    }
+    } else if (!placed && p->counted && q->timed && before && p->event)  /* (no clock for its context: summed) */
+        ns = charge_elapsed(q->gpu, before, p->event);
     if (ns > 0 && p->launches)  /* (its items: from the event before's upto to its) */
         learn(q->items, q->ring[(q->tail - 1) % QUEUE_RING].upto, p->upto, ns, q->per_launch);
     __atomic_sub_fetch(&q->ahead, p->est, __ATOMIC_RELAXED);
@@ -327,7 +329,7 @@ static void completed(struct squeue *q, int64_t done)
         if (!done)  /* (a card that keeps up: no wait measures its mean, the events do) */
             q->per_launch = q->per_launch ? q->per_launch + (per - q->per_launch) / 4 : per;
     }
-    q->timed = placed;
+    q->timed = placed || p->event;
     q->last_at = at_ms;
     q->epoch = epoch;
     if (done && q->seen && p->launches && done > from) {
