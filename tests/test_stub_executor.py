@@ -199,3 +199,28 @@ def test_the_log_is_whole_when_its_owner_does_not_call_for_long(client, tmp_path
     assert quiet.returncode == 0 and "not logged" not in err, err
     pieces = kernels(tmp_path / "quiet")
     assert len(pieces) > 4096 and sum(e - s for _, s, e in pieces) == 4000 * 100_000, len(pieces)
+
+
+def _pdl_gaps(client: Path, tmp: Path, *extra: str) -> list[int]:
+    """20 rounds of a kernel and 7 programmatic dependent ones of 100 µs (after the client's two warm-up
+    launches): the gaps between consecutive kernels on the card (negative: they overlapped)."""
+    e = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(client),
+         "CGPU_STUB_CUDA_STATE": os.fspath(tmp / "card"), "CGPU_STUB_CUDA_LOG": os.fspath(tmp / "pdl")}
+    r = subprocess.run([os.fspath(client / "queue-client"), "pdl", "20", "8", "100", *extra], env=e, input="go\n",
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    ks = sorted(kernels(tmp / "pdl")[2:], key=lambda k: k[1])
+    assert len(ks) == 160 and all(e - s == 100_000 for _, s, e in ks), ks[:3]
+    return [[b[1] - a[2] for a, b in zip(ks[i:i + 8], ks[i + 1:i + 8])] for i in range(0, 160, 8)]
+
+
+def test_a_programmatic_dependent_launch_overlaps_its_predecessor_unless_an_event_sits_between(client, tmp_path):
+    """Hopper's PDL (cuLaunchKernelEx, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): each
+    dependent kernel starts 10 µs before the one straight before it in its stream ends (its log piece
+    overlaps); with an event recorded after each launch none does, and each record costs the card 1 µs
+    between the kernels (issue 34: the card serializes them, and libcgpu must not put its events there)."""
+    free = [g for rnd in _pdl_gaps(client, tmp_path) for g in rnd]
+    assert sum(g == -10_000 for g in free) >= 140 - 6, free  # (a launch the client made late cannot overlap)
+    (tmp_path / "pdl").unlink()
+    serial = [g for rnd in _pdl_gaps(client, tmp_path, "event") for g in rnd]
+    assert min(serial) >= 1_000 and sum(g == 1_000 for g in serial) >= 140 - 6, serial
