@@ -225,6 +225,7 @@ int main(int argc, char **argv)
             usleep((useconds_t)(gap * 1000));
         }
     } else if (!strcmp(mode, "pdl") && (argc == 5 || argc == 6)) {
+        realtime();  /* (a launch the machine's load holds off past its predecessor's end cannot overlap it) */
         x_t launch_ex = (x_t)sym("cuLaunchKernelEx");
         int rounds = atoi(argv[2]), n = atoi(argv[3]), with_events = argc == 6 && !strcmp(argv[5], "event");
         void *s, *e;
