@@ -152,3 +152,94 @@ def test_a_closing_between_two_ranks_halves_is_caught_up(libs, tmp_path):
     # spun for their peers is bench/collective.py's figure: on this loaded 2-core machine a half not
     # caught up has spun through a closing held 20 ms, see docs/isolation.md, "Gangs")
     assert len(halves(tmp_path / "rank0")) == len(halves(tmp_path / "rank1")) == 1500
+
+
+# ---- a gang's turns aligned across its GPUs (the daemon's switchers) ----
+
+@pytest.fixture
+def gang_and_neighbours(tmp_path):
+    """A gang's pages on node GPUs 0 and 1, a neighbour's on each, and a switcher per GPU (as the
+    daemon has them: a gang's turns aligned, here up to 30 s, so that only the other GPU's
+    switcher can let it open)."""
+    from cgpud.sched import native
+    for name, sizes in (("g", [1 << 30, 1 << 30]), ("n0", [1 << 30]), ("n1", [1 << 30])):
+        pages.create(os.fspath(tmp_path / name), sizes)
+    g = native.Page(os.fspath(tmp_path / "g"), [0, 1])
+    n = [native.Page(os.fspath(tmp_path / f"n{k}"), [k]) for k in (0, 1)]
+    sws = [native.Switcher(k, 0.05) for k in (0, 1)]
+    for sw in sws:
+        sw.align(30.0)
+    yield tmp_path, g, n, sws
+    for sw in sws:
+        sw.close()
+    for p in (g, *n):
+        p.thaw(None)
+
+
+def _note(sw, timeout: float) -> bool:
+    import select
+    r, _, _ = select.select([sw.fileno()], [], [], timeout)
+    if r:
+        sw.ack()
+    return bool(r)
+
+
+def _in_force(sw, batch: int, step: int, timeout: float = 10.0):
+    while True:
+        _, cur = sw.take()
+        if cur is not None and (cur.batch, cur.step) == (batch, step):
+            return cur
+        assert _note(sw, timeout), "the switcher said nothing"
+
+
+def _cancel(sw) -> None:
+    sw.cancel()
+    while not sw.idle():
+        _note(sw, 5.0)
+    sw.take()
+
+
+def test_a_gangs_turn_starts_on_its_gpus_together(gang_and_neighbours):
+    """GPU 1's switcher holds the gang closed (its neighbour's step in force) when GPU 0's plan
+    comes to the gang's turn: GPU 0's neighbour runs on (its step in force, its gate open) and
+    the gang is opened on GPU 0 only once GPU 1's switcher comes to the gang's turn too. Before
+    the alignment GPU 0 opened the gang at once, and it ran only in the intersection of its turns
+    (on a card, a half of a collective queued on GPU 0 spun until GPU 1's turn came)."""
+    tmp, g, (n0, n1), (sw0, sw1) = gang_and_neighbours
+    assert sw1.submit(1, [g, n1], [True, True], [(30.0, 1, 1)])  # (native.NOTIFY: 1)
+    _in_force(sw1, 1, 0)
+    assert g.closed_on(1) and not n1.closed_on(1)
+    assert sw0.submit(1, [g, n0], [True, True], [(0.001, 1, 0), (30.0, 0, 1)])
+    end = time.monotonic() + 0.3
+    while _note(sw0, max(0.0, end - time.monotonic())):  # (a step that asked to be told of it, or none)
+        pass
+    _, cur = sw0.take()
+    assert cur is not None and (cur.batch, cur.step) == (1, 0), "GPU 0 opened the gang while GPU 1 held it"
+    assert g.closed_on(0) and not n0.closed_on(0), "GPU 0's neighbour did not run on meanwhile"
+    _cancel(sw1)
+    ready = time.monotonic_ns()
+    assert sw1.submit(2, [g, n1], [True, True], [(30.0, 0, 1)])  # GPU 1 comes to the gang's turn
+    on0, on1 = _in_force(sw0, 1, 1), _in_force(sw1, 2, 0)
+    assert on0.start >= ready, "GPU 0 opened the gang before GPU 1 was ready to"
+    assert not g.closed_on(0) and not g.closed_on(1) and n0.closed_on(0) and n1.closed_on(1)
+    _cancel(sw0)
+    _cancel(sw1)
+
+
+def test_a_gang_waits_for_its_other_gpu_one_bound_at_most(gang_and_neighbours):
+    """GPU 1's switcher never comes to the gang's turn: GPU 0 opens it after its bound (the daemon's:
+    one slice), not never; a GPU whose switcher carries nothing is not waited for at all."""
+    tmp, g, (n0, n1), (sw0, sw1) = gang_and_neighbours
+    sw0.align(0.05)
+    assert sw1.submit(1, [g, n1], [True, True], [(30.0, 1, 1)])
+    _in_force(sw1, 1, 0)
+    assert sw0.submit(1, [g, n0], [True, True], [(0.001, 1, 0), (30.0, 0, 1)])
+    on0 = _in_force(sw0, 1, 1)
+    assert not g.closed_on(0) and g.closed_on(1)
+    _cancel(sw0)
+    _cancel(sw1)  # (GPU 1's switcher idle now, the gang still held closed there: by nobody's plan)
+    sw0.align(30.0)
+    assert sw0.submit(2, [g, n0], [True, True], [(0.001, 1, 0), (30.0, 0, 1)])
+    _in_force(sw0, 2, 1)
+    assert not g.closed_on(0) and on0.start > 0
+    _cancel(sw0)

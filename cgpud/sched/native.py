@@ -112,6 +112,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cg_page_distrust": (I, [P, ctypes.c_char_p]),
         "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]),
         "cg_sw_mode": (None, [P, I, ctypes.c_int64]), "cg_sw_ack": (None, [P]),
+        "cg_sw_align": (None, [P, ctypes.c_int64]),
         "cg_sw_submit": (I, [P, ctypes.c_int32, I, ctypes.POINTER(P), ctypes.POINTER(ctypes.c_uint8), I,
                              ctypes.POINTER(Step)]),
         "cg_sw_cancel": (None, [P]), "cg_sw_idle": (I, [P]),
@@ -249,6 +250,12 @@ class Switcher:
         done (the default); "ahead", `lead` s before their drain is expected to end (the mean of
         theirs); "overlap", at the closing (their tail drains meanwhile)."""
         self._lib.cg_sw_mode(self.handle, SWITCHES.index(switch), int(lead * 1e9))
+
+    def align(self, most: float) -> None:
+        """A gang's turns aligned across its GPUs: the step before a gang's runs on at most `most` s
+        until the gang's other GPUs' switchers are ready to open it too (0: not aligned;
+        docs/isolation.md, "Gangs")."""
+        self._lib.cg_sw_align(self.handle, int(most * 1e9))
 
     def ack(self) -> None:
         self._lib.cg_sw_ack(self.handle)

@@ -91,6 +91,7 @@ struct page {
     uint32_t closed[CGPU_MAX_GPUS];  /* page GPU k closed: the count of closings its closing made */
     uint32_t closed_mask;
     int frozen;
+    uint32_t gang_ready;         /* page GPUs whose switcher waits to open it (a gang's turns aligned: align_gang) */
     uint8_t stale[CGPU_MAX_PROCS];   /* a slot given up on: its pid and acked then */
     int32_t stale_pid[CGPU_MAX_PROCS];
     uint32_t stale_acked[CGPU_MAX_PROCS];
@@ -332,6 +333,7 @@ static void thaw_locked(struct page *p, int gpu)
         for (unsigned k = 0; k < CGPU_MAX_GPUS; k++)
             if (m >> k & 1) {
                 p->closed_mask &= ~(1u << k);
+                p->gang_ready &= ~(1u << k);
                 open_gate(&p->lim->gpu_gate[k]);
             }
     }
@@ -719,6 +721,7 @@ struct sw {
     int64_t bound_ns, cap_ns;  /* a drain: who cannot answer is given up on after bound_ns; who drains, after cap_ns */
     int mode;                  /* when the next gate opens: SWITCH_DRAIN, SWITCH_AHEAD or SWITCH_OVERLAP */
     int64_t lead_ns;           /* SWITCH_AHEAD: how long before the drain's expected end */
+    int64_t align_ns;          /* a gang's turns aligned: the step in force runs on at most this long (0: not) */
     int cmd;                  /* eventfd: the scheduler has something for the thread */
     int note;                 /* eventfd: the thread has something for the scheduler */
     struct batch *cur, *next; /* the batch being carried out, and the one after it */
@@ -856,6 +859,71 @@ static void open_others(struct sw *s, struct batch *b, int run)
     }
 }
 
+/* The switchers of this daemon, by node GPU (a gang's turns are aligned only with a GPU whose
+ * switcher carries its slices). */
+#define MAX_NODE_GPUS 64
+static pthread_mutex_t switchers_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct sw *switchers[MAX_NODE_GPUS];
+
+static int carrying(int gpu)
+{
+    int on = 0;
+    pthread_mutex_lock(&switchers_mu);
+    struct sw *o = gpu >= 0 && gpu < MAX_NODE_GPUS ? switchers[gpu] : NULL;
+    if (o) {
+        pthread_mutex_lock(&o->mu);
+        on = !o->idle && !o->stopping;
+        pthread_mutex_unlock(&o->mu);
+    }
+    pthread_mutex_unlock(&switchers_mu);
+    return on;
+}
+
+/* A gang's turns aligned across its GPUs (docs/isolation.md, "Gangs"). A gang (an instance whose
+ * gates are driven per GPU, on several) runs only while it holds every GPU it is active on: where
+ * each GPU's switcher opened it at its own time, it ran only in the intersection of its turns,
+ * and a collective's half queued on one GPU spun until the other GPU's turn came. So before the
+ * step that opens a gang, the step in force here runs on (its holder is charged what it ran: the
+ * ring pays it back) until every other GPU where the gang is held closed by a switcher is ready
+ * to open it too (its switcher waits here as well, or has opened it), at most align_ns (one
+ * slice): the gang's turns then start together on all its GPUs, and the plans' phases stay in
+ * step. Neighbours' shares are their policy's: each ring charges what really ran. */
+static void align_gang(struct sw *s, struct batch *b, int pos)
+{
+    const struct step *st = &b->steps[pos];
+    pthread_mutex_lock(&s->mu);
+    int64_t align = s->align_ns;
+    pthread_mutex_unlock(&s->mu);
+    if (align <= 0 || st->run < 0 || st->run >= b->nuni || !b->uni[st->run]->drives)
+        return;
+    struct page *p = b->uni[st->run];
+    pthread_mutex_lock(&p->mu);
+    uint32_t me = ks(p, s->gpu), others = 0;
+    if (me && p->closed_mask & me && ngpus(p) > 1) {
+        p->gang_ready |= me;
+        others = p->closed_mask & ~me;
+    }
+    pthread_mutex_unlock(&p->mu);
+    for (unsigned k = 0; k < CGPU_MAX_GPUS && others; k++)  /* (a GPU whose switcher carries nothing: not waited for) */
+        if (others >> k & 1 && ((int)k >= p->ngpus_known || !carrying(p->gpus[k])))
+            others &= ~(1u << k);
+    if (!others)
+        return;
+    int64_t until = now_ns() + align;
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        uint32_t held = p->closed_mask & others & ~p->gang_ready;
+        pthread_mutex_unlock(&p->mu);
+        pthread_mutex_lock(&s->mu);
+        int stop = s->cancel || s->stopping;
+        pthread_mutex_unlock(&s->mu);
+        int64_t now = now_ns();
+        if (!held || stop || now >= until)
+            return;
+        sleep_or_cmd(s, now + 100000 < until ? now + 100000 : until);  /* (look again every 100 µs) */
+    }
+}
+
 /* Carry out one step of `b`. */
 static void run_step(struct sw *s, struct batch *b, int pos)
 {
@@ -977,6 +1045,7 @@ static void *switcher(void *arg)
         s->idle = 0;
         int pos = ++s->pos;
         pthread_mutex_unlock(&s->mu);
+        align_gang(s, b, pos);
         run_step(s, b, pos);
         pthread_mutex_lock(&s->mu);
         int64_t until = s->reports[(s->head - 1) % REPORTS].start + b->steps[pos].len_ns;  /* (its length from its gate opening) */
@@ -1016,6 +1085,12 @@ EXPORT struct sw *cg_sw_new(int gpu, int64_t bound_ns, int64_t cap_ns)
     pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with the daemon's own thread */
     int e = s->cmd < 0 || s->note < 0 ? errno : pthread_create(&s->thread, NULL, switcher, s);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (!e) {
+        pthread_mutex_lock(&switchers_mu);
+        if (gpu >= 0 && gpu < MAX_NODE_GPUS)
+            switchers[gpu] = s;
+        pthread_mutex_unlock(&switchers_mu);
+    }
     if (e) {
         if (s->cmd >= 0) close(s->cmd);
         if (s->note >= 0) close(s->note);
@@ -1040,6 +1115,14 @@ EXPORT void cg_sw_mode(struct sw *s, int mode, int64_t lead_ns)
     pthread_mutex_unlock(&s->mu);
 }
 EXPORT void cg_sw_ack(struct sw *s) { drain_fd(s->note); }
+/* A gang's turns aligned across its GPUs (align_gang): the step before a gang's runs on at most
+ * `ns` for its other GPUs' switchers (0: not aligned). */
+EXPORT void cg_sw_align(struct sw *s, int64_t ns)
+{
+    pthread_mutex_lock(&s->mu);
+    s->align_ns = ns;
+    pthread_mutex_unlock(&s->mu);
+}
 
 static void poke(struct sw *s)
 {
@@ -1136,6 +1219,10 @@ EXPORT int cg_sw_take(struct sw *s, struct report *out, int max, struct report *
 /* Stop the thread and free the switcher (the gates stay as they are: open them first). */
 EXPORT void cg_sw_free(struct sw *s)
 {
+    pthread_mutex_lock(&switchers_mu);
+    if (s->gpu >= 0 && s->gpu < MAX_NODE_GPUS && switchers[s->gpu] == s)
+        switchers[s->gpu] = NULL;
+    pthread_mutex_unlock(&switchers_mu);
     pthread_mutex_lock(&s->mu);
     s->stopping = 1;
     pthread_mutex_unlock(&s->mu);
