@@ -19,11 +19,13 @@ from cgpud.gpus import pages
 from cgpud.sched.gate import GateFreezer
 
 RANK = r"""
-/* rank DEV COUNT KERNEL_US PERIOD_US [WAIT]: one rank of a job: a context on CUDA device DEV, COUNT
+/* rank DEV COUNT KERNEL_US PERIOD_US [WAIT [T0]]: one rank of a job: a context on CUDA device DEV, COUNT
    kernels of KERNEL_US launched (with CGPU_STUB_COLLECTIVE=<job>: halves of the job's all-reduces),
    one every PERIOD_US at most (0: back to back), the launching thread at real-time priority as the
    tests' launcher's; WAIT 1: each waited for before the next (a training step waits for its
-   all-reduce's result); then a synchronize. Prints "started" when its context is made, then "done". */
+   all-reduce's result); then a synchronize. T0 (CLOCK_MONOTONIC seconds): the first launch not before
+   it, the period counted from it (the job's ranks in step, whenever each process came up). Prints
+   "started" when its context is made, then "done". */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
@@ -48,7 +50,11 @@ int main(int argc, char **argv) {
     pthread_setschedparam(pthread_self(), SCHED_RR, &rt);
     printf("started\n");
     fflush(stdout);
-    double next = now();
+    double next = argc > 6 ? atof(argv[6]) : now();
+    while (now() < next) {
+        struct timespec t = {0, 200000};
+        nanosleep(&t, NULL);
+    }
     for (long i = 0; i < count; i++) {
         if (period > 0) {
             while (now() < next) {
@@ -243,3 +249,48 @@ def test_a_gang_waits_for_its_other_gpu_one_bound_at_most(gang_and_neighbours):
     _in_force(sw0, 2, 1)
     assert not g.closed_on(0) and on0.start > 0
     _cancel(sw0)
+
+
+# ---- the drain bound follows the slice ----
+
+def test_the_drain_bound_is_the_one_the_daemon_tells(libs, tmp_path):
+    """The daemon writes its drain bound (two slices) into the limits page; the library answers a
+    closing within three quarters of it. A process whose 3 s kernel cannot be done by any bound,
+    with the daemon's bound at 1 s (slices of 500 ms), answers at 750 ms: the switch waits for it,
+    long past the 15 ms of a default slice, and does not give up on it (it answered). On main the
+    library's bound was a fixed 15 ms whatever the slice."""
+    from cgpud.sched import native
+    from test_gate import LAUNCHER
+    (libs / "launcher.c").write_text(LAUNCHER)
+    subprocess.run(["gcc", "-O2", "-o", os.fspath(libs / "launcher"), os.fspath(libs / "launcher.c"), "-ldl",
+                    "-lpthread"], check=True)
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        pages.create(os.fspath(d), [1 << 30])
+    ps = [native.Page(os.fspath(d), [0]) for d in dirs]
+    for p in ps:
+        p.set_shared(0, True, 2000)
+        p.set_bound(1_000_000)
+    assert int.from_bytes((dirs[1] / "limits").read_bytes()[12:16], "little") == 1_000_000
+    sw = native.Switcher(0, 0.05)
+    env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs),
+           "LD_PRELOAD": os.fspath(libs / "libcgpu.so"), "CGPU_PAGE_DIR": os.fspath(dirs[1]),
+           "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card")}
+    b = subprocess.Popen([os.fspath(libs / "launcher"), "60", "3000000", "0"], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert b.stdout.readline().strip() == "started", b.stderr.read()
+        assert sw.submit(1, ps, [True, True], [(0.3, 1, 0), (30.0, 0, 1)])
+        _in_force(sw, 1, 1)
+        cur = sw.take()[1]  # (the switch to a: its drain of b, then a's gate opened)
+        assert cur.gave_up == -1, f"given up on after {cur.drain_ns / 1e6:.0f} ms: it did not answer"
+        assert cur.drain_ns >= 500_000_000, \
+            f"b answered after {cur.drain_ns / 1e6:.0f} ms, not at three quarters of the daemon's 1 s bound"
+        _cancel(sw)
+    finally:
+        b.kill()
+        b.wait()
+        sw.close()
+        for p in ps:
+            p.thaw(None)
+            p.release()

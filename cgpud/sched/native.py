@@ -107,7 +107,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cg_page_freeze": (None, [P, I]), "cg_page_thaw": (None, [P, I]), "cg_page_frozen": (I, [P]),
         "cg_page_closed_on": (I, [P, I]), "cg_page_undrained": (I, [P, I, VP, I]),
         "cg_page_give_up": (I, [P, I, I, VP, VP, I]), "cg_page_consume": (None, [P]),
-        "cg_page_share": (None, [P, I, I, ctypes.c_uint32]), "cg_page_gpu_ns": (ctypes.c_int64, [P, I]),
+        "cg_page_share": (None, [P, I, I, ctypes.c_uint32]),
+        "cg_page_bound": (None, [P, ctypes.c_uint32]), "cg_page_gpu_ns": (ctypes.c_int64, [P, I]),
         "cg_page_damage": (I, [P, ctypes.c_char_p, ctypes.c_size_t]),
         "cg_page_distrust": (I, [P, ctypes.c_char_p]),
         "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]),
@@ -205,6 +206,11 @@ class Page:
         """Whether another instance is active on node GPU `gpu` now (the container's processes keep
         at most `budget_us` of GPU work queued ahead there while it is)."""
         self._lib.cg_page_share(self.handle, -1 if gpu is None else gpu, 1 if on else 0, budget_us)
+
+    def set_bound(self, bound_us: int) -> None:
+        """The daemon's drain bound (µs): the container's libcgpu answers a closing within three
+        quarters of it (docs/isolation.md, "The drain bound")."""
+        self._lib.cg_page_bound(self.handle, bound_us)
 
     def consume(self) -> None:
         self._lib.cg_page_consume(self.handle)

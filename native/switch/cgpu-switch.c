@@ -357,6 +357,16 @@ EXPORT void cg_page_thaw(struct page *p, int gpu)
     pthread_mutex_unlock(&p->mu);
 }
 
+/* The daemon's drain bound (µs), which the container's libcgpu answers a closing within (three
+ * quarters of it: docs/isolation.md, "The drain bound"). */
+EXPORT void cg_page_bound(struct page *p, uint32_t bound_us)
+{
+    pthread_mutex_lock(&p->mu);
+    if (load(&p->lim->drain_bound_us) != bound_us)
+        store(&p->lim->drain_bound_us, bound_us);
+    pthread_mutex_unlock(&p->mu);
+}
+
 /* Whether another instance is active on node GPU `gpu` (-1: all the page's GPUs) now: the page's
  * `shared` bits, which bound the container's queued work there to `budget_us` (libcgpu/gate.c). */
 EXPORT void cg_page_share(struct page *p, int gpu, int on, uint32_t budget_us)
