@@ -24,14 +24,16 @@ RANK = r"""
    one every PERIOD_US at most (0: back to back), the launching thread at real-time priority as the
    tests' launcher's; WAIT 1: each waited for before the next (a training step waits for its
    all-reduce's result); then a synchronize. T0 (CLOCK_MONOTONIC seconds): the first launch not before
-   it, the period counted from it (the job's ranks in step, whenever each process came up). Prints
-   "started" when its context is made, then "done". */
+   it, the period counted from it (the job's ranks in step, whenever each process came up); T0 @DIR:
+   the ranks meet first (each writes DIR/ready<DEV> with the time it came up and waits for the
+   other's), and start 50 ms after the later. Prints "started" when its context is made, then "done". */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 typedef int (*l_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **,
                    void **);
 typedef int (*c_t)(void **, unsigned, int);
@@ -50,7 +52,27 @@ int main(int argc, char **argv) {
     pthread_setschedparam(pthread_self(), SCHED_RR, &rt);
     printf("started\n");
     fflush(stdout);
-    double next = argc > 6 ? atof(argv[6]) : now();
+    double next = argc > 6 && argv[6][0] != '@' ? atof(argv[6]) : now();
+    if (argc > 6 && argv[6][0] == '@') {
+        char mine[4096], tmp[4200], other[4096];
+        snprintf(mine, sizeof mine, "%s/ready%d", argv[6] + 1, dev);
+        snprintf(tmp, sizeof tmp, "%s.tmp", mine);
+        snprintf(other, sizeof other, "%s/ready%d", argv[6] + 1, 1 - dev);
+        FILE *f = fopen(tmp, "w");
+        if (!f) { fprintf(stderr, "ready\n"); return 5; }
+        fprintf(f, "%.9f\n", now());
+        fclose(f);
+        rename(tmp, mine);
+        double theirs = 0;
+        for (;;) {
+            FILE *o = fopen(other, "r");
+            if (o && fscanf(o, "%lf", &theirs) == 1) { fclose(o); break; }
+            if (o) fclose(o);
+            struct timespec t = {0, 1000000};
+            nanosleep(&t, NULL);
+        }
+        next = (theirs > next ? theirs : next) + 0.05;
+    }
     while (now() < next) {
         struct timespec t = {0, 200000};
         nanosleep(&t, NULL);
@@ -88,16 +110,21 @@ def halves(log: Path) -> list[list[int]]:
     return [list(map(int, line.split())) for line in log.read_text().splitlines() if len(line.split()) == 5]
 
 
-def ranks(libs: Path, tmp: Path, count: int, kernel_us: int, period_us: int, preload: bool = True):
+def ranks(libs: Path, tmp: Path, count: int, kernel_us: int, period_us: int, preload: bool = True,
+          start: float | None = None):
+    """The job's two ranks, started; `start` (s, CLOCK_MONOTONIC): their first launches not before it
+    (in step, whenever each process came up)."""
     env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs), "CGPU_STUB_CUDA_DEVICES": "2",
            "CGPU_STUB_CUDA_STATE": os.fspath(tmp / "card"), "CGPU_STUB_COLLECTIVE": "job-" + tmp.name}
     if preload:
         env.update(LD_PRELOAD=os.fspath(libs / "libcgpu.so"), CGPU_PAGE_DIR=os.fspath(tmp / "pages"))
-    procs = [subprocess.Popen([os.fspath(libs / "rank"), str(dev), str(count), str(kernel_us), str(period_us)],
+    when = [] if start is None else ["0", f"{start:.6f}"]
+    procs = [subprocess.Popen([os.fspath(libs / "rank"), str(dev), str(count), str(kernel_us), str(period_us), *when],
                               env=dict(env, CGPU_STUB_CUDA_LOG=os.fspath(tmp / f"rank{dev}")), text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for dev in (0, 1)]
     for p in procs:
         assert p.stdout.readline().strip() == "started", p.stderr.read()
+    assert start is None or time.monotonic() < start, "the ranks came up after their start: give them longer"
     return procs
 
 
@@ -125,20 +152,23 @@ def test_the_stand_ins_ranks_meet_across_processes(libs, tmp_path):
 
 
 def test_a_closing_between_two_ranks_halves_is_caught_up(libs, tmp_path):
-    """Two ranks (a process per GPU) of one container launch all-reduce halves of 1 ms back to back;
-    GPU 0's gate (so the container's: a gang) is closed 40 times, held 20 ms each. Every closing is
-    answered: a rank whose half was cut off from its peer's by the closing is let through to complete
-    it (the catch-up compares the container's processes' counts), and a drain that still waits for a
-    half answers at its bound. On main the catch-up counted a process's own launches only and the
-    drain had no deadline: rank 0's drain waited for its half, spinning for a peer held at the gate,
-    and the closing was not answered."""
+    """Two ranks (a process per GPU) of one container, at real-time priority as the tests'
+    launchers, launch all-reduce halves of 1 ms back to back; GPU 0's gate (so the container's: a
+    gang) is closed 40 times, held 20 ms each. Every closing is answered, and no half spins for its
+    peer for as long as a closing is held (the stand-in's own account of each half: its end less its
+    start less its work): a rank whose half was cut off from its peer's by the closing is let through
+    to complete it (the catch-up compares the container's processes' counts), so a closing stalls
+    no card. On main the catch-up counted a process's own launches only and the drain had no
+    deadline: rank 0's drain waited for its half, spinning for a peer held at the gate, and the
+    closing was not answered; a half not caught up spins the whole hold (20 ms or more)."""
     pages.create(os.fspath(tmp_path / "pages"), [1 << 30, 1 << 30])
     gate = GateFreezer(os.fspath(tmp_path / "pages"), gpus=[0, 1])
-    procs = ranks(libs, tmp_path, 1500, 1000, 0)
-    unanswered = 0
+    procs = ranks(libs, tmp_path, 1500, 1000, 0, start=time.monotonic() + 2.0)
+    unanswered, holds = 0, []
     try:
         for _ in range(40):
             time.sleep(0.01)
+            closed = time.monotonic_ns()
             gate.freeze(0)
             t0 = time.monotonic()
             while not gate.is_frozen() and time.monotonic() - t0 < 2:  # (liveness: the drain bound is 15 ms)
@@ -146,6 +176,7 @@ def test_a_closing_between_two_ranks_halves_is_caught_up(libs, tmp_path):
             unanswered += not gate.is_frozen()
             time.sleep(0.02)
             gate.thaw(0)
+            holds.append((closed, time.monotonic_ns()))
         finish(procs)
     finally:
         for p in procs:
@@ -154,10 +185,14 @@ def test_a_closing_between_two_ranks_halves_is_caught_up(libs, tmp_path):
         gate.thaw()
         gate.close()
     assert unanswered == 0, f"{unanswered} of 40 closings not answered"
-    # every collective whole: each rank's 1500 halves ran, none lost with a closing (how long halves
-    # spun for their peers is bench/collective.py's figure: on this loaded 2-core machine a half not
-    # caught up has spun through a closing held 20 ms, see docs/isolation.md, "Gangs")
-    assert len(halves(tmp_path / "rank0")) == len(halves(tmp_path / "rank1")) == 1500
+    # every collective whole: each rank's 1500 halves ran, none lost with a closing
+    hs = halves(tmp_path / "rank0") + halves(tmp_path / "rank1")
+    assert len(hs) == 3000
+    # no half spun through a closing held: none spun as long as the shortest hold (each 20 ms or more)
+    spins = sorted((h[2] - h[1] - h[4] * 1000, h[1]) for h in hs)
+    shortest = min(b - a for a, b in holds)
+    assert spins[-1][0] < shortest, \
+        f"a half spun {spins[-1][0] / 1e6:.1f} ms for its peer, through a closing held {shortest / 1e6:.1f} ms"
 
 
 # ---- a gang's turns aligned across its GPUs (the daemon's switchers) ----
@@ -294,3 +329,32 @@ def test_the_drain_bound_is_the_one_the_daemon_tells(libs, tmp_path):
         for p in ps:
             p.thaw(None)
             p.release()
+
+
+# ---- under load: the daemon's switchers at its priority ----
+
+def test_the_switcher_runs_at_the_daemons_real_time_priority():
+    """The daemon runs SCHED_RR with SCHED_RESET_ON_FORK (cgpud/sched/priority.py: the processes it
+    starts run at normal priority), which also reset the threads it made: the switchers ran at
+    normal priority, behind the workloads they switch — under four CPU hogs a gang's steps ended
+    tens of ms late on one GPU and not the other, its turns fell out of step (bench/collective.py:
+    91 % of its throughput). A switcher runs at the policy and priority of the thread that made it."""
+    from cgpud.sched import native
+    old = os.sched_getscheduler(0), os.sched_getparam(0)
+    os.sched_setscheduler(0, os.SCHED_RR | os.SCHED_RESET_ON_FORK, os.sched_param(3))
+    try:
+        sw = native.Switcher(7, 0.05)
+    finally:
+        os.sched_setscheduler(0, old[0], old[1])
+    try:
+        sw.submit(1, [], [], [(0.001, -1, 1)])  # (a step: the thread has run past its start)
+        _note(sw, 5.0)
+        tasks = Path("/proc/self/task")
+        ids = [t for t in tasks.iterdir() if (t / "comm").read_text().strip() == "cgpu-switch7"]
+        assert len(ids) == 1
+        stat = (ids[0] / "stat").read_text()
+        fields = stat[stat.rindex(")") + 2:].split()  # (from field 3 on: after the command's parentheses)
+        policy, rt = int(fields[41 - 3]), int(fields[40 - 3])  # (proc(5): rt_priority 40, policy 41)
+        assert (policy, rt) == (os.SCHED_RR, 3), f"the switcher runs at policy {policy}, priority {rt}"
+    finally:
+        sw.close()

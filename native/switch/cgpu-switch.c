@@ -25,6 +25,7 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -732,6 +733,8 @@ struct sw {
     int mode;                  /* when the next gate opens: SWITCH_DRAIN, SWITCH_AHEAD or SWITCH_OVERLAP */
     int64_t lead_ns;           /* SWITCH_AHEAD: how long before the drain's expected end */
     int64_t align_ns;          /* a gang's turns aligned: the step in force runs on at most this long (0: not) */
+    int policy;                /* the scheduling policy and priority of the daemon's thread that made it */
+    struct sched_param param;
     int cmd;                  /* eventfd: the scheduler has something for the thread */
     int note;                 /* eventfd: the thread has something for the scheduler */
     struct batch *cur, *next; /* the batch being carried out, and the one after it */
@@ -1010,6 +1013,12 @@ static void *switcher(void *arg)
     char name[16];
     snprintf(name, sizeof name, "cgpu-switch%d", s->gpu);
     pthread_setname_np(pthread_self(), name);  /* (what top -H and /proc/PID/task show) */
+    /* The daemon's priority (real-time where it may: cgpud/sched/priority.py). It runs with
+     * SCHED_RESET_ON_FORK, which a new thread does not inherit the policy through: this thread ran
+     * at normal priority, behind the very workloads it switches (under four CPU hogs its steps
+     * ended up to 74 ms late and a gang's turns on its two GPUs drifted apart). */
+    if (s->policy != SCHED_OTHER)
+        pthread_setschedparam(pthread_self(), s->policy, &s->param);
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);  /* wake at the step's end, not up to 50 µs after */
     pthread_mutex_lock(&s->mu);
     for (;;) {
@@ -1087,6 +1096,9 @@ EXPORT struct sw *cg_sw_new(int gpu, int64_t bound_ns, int64_t cap_ns)
     s->cap_ns = cap_ns;
     s->pos = -1;
     s->idle = 1;
+    if (pthread_getschedparam(pthread_self(), &s->policy, &s->param))
+        s->policy = SCHED_OTHER;
+    s->policy &= ~SCHED_RESET_ON_FORK;
     pthread_mutex_init(&s->mu, NULL);
     s->cmd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     s->note = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
