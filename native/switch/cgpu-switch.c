@@ -1018,7 +1018,7 @@ static void *switcher(void *arg)
      * at normal priority, behind the very workloads it switches (under four CPU hogs its steps
      * ended up to 74 ms late and a gang's turns on its two GPUs drifted apart). */
     if (s->policy != SCHED_OTHER)
-        pthread_setschedparam(pthread_self(), s->policy, &s->param);
+        sched_setscheduler(0, s->policy, &s->param);  /* (0: this thread) */
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);  /* wake at the step's end, not up to 50 µs after */
     pthread_mutex_lock(&s->mu);
     for (;;) {
@@ -1096,7 +1096,10 @@ EXPORT struct sw *cg_sw_new(int gpu, int64_t bound_ns, int64_t cap_ns)
     s->cap_ns = cap_ns;
     s->pos = -1;
     s->idle = 1;
-    if (pthread_getschedparam(pthread_self(), &s->policy, &s->param))
+    /* (the kernel's, of the calling thread: glibc's pthread_getschedparam keeps what it read first,
+     * and the daemon sets its priority with the plain system call) */
+    s->policy = sched_getscheduler(0);
+    if (s->policy < 0 || sched_getparam(0, &s->param))
         s->policy = SCHED_OTHER;
     s->policy &= ~SCHED_RESET_ON_FORK;
     pthread_mutex_init(&s->mu, NULL);
