@@ -364,3 +364,29 @@ def test_the_switcher_runs_at_the_daemons_real_time_priority():
         assert (policy, rt) == (os.SCHED_RR, 3), f"the switcher runs at policy {policy}, priority {rt}"
     finally:
         sw.close()
+
+
+def test_a_gangs_turn_ends_on_its_gpus_together(gang_and_neighbours):
+    """GPU 0's plan ends the gang's turn while GPU 1's switcher still runs it: the gang runs on on
+    GPU 0 (its gate open there, the neighbour's closed) until GPU 1's turn ends too, so no GPU
+    stands idle with the gang's gate open and the gang held by its other GPU's closing. Before,
+    GPU 0 closed it at once: the rest of its turn on GPU 1 stood idle."""
+    tmp, g, (n0, n1), (sw0, sw1) = gang_and_neighbours
+    assert sw1.submit(1, [g, n1], [True, True], [(30.0, 0, 1)])
+    _in_force(sw1, 1, 0)
+    assert sw0.submit(1, [g, n0], [True, True], [(0.001, 0, 1), (30.0, 1, 1)])
+    _in_force(sw0, 1, 0)
+    end = time.monotonic() + 0.3
+    while _note(sw0, max(0.0, end - time.monotonic())):
+        pass
+    _, cur = sw0.take()
+    assert cur is not None and (cur.batch, cur.step) == (1, 0), "GPU 0 ended the gang's turn while GPU 1 ran it"
+    assert not g.closed_on(0) and n0.closed_on(0)
+    ended = time.monotonic_ns()
+    _cancel(sw1)  # GPU 1's turn of the gang ends (its switcher moves on)
+    assert sw1.submit(2, [g, n1], [True, True], [(30.0, 1, 1)])
+    on0 = _in_force(sw0, 1, 1)
+    assert on0.begin >= ended, "GPU 0 ended the gang's turn before GPU 1 did"
+    assert g.closed_on(0) and not n0.closed_on(0)
+    _cancel(sw0)
+    _cancel(sw1)

@@ -93,6 +93,7 @@ struct page {
     uint32_t closed_mask;
     int frozen;
     uint32_t gang_ready;         /* page GPUs whose switcher waits to open it (a gang's turns aligned: align_gang) */
+    uint32_t gang_leaving;       /* page GPUs whose switcher waits to close it, its turn there over (align_gang) */
     uint8_t stale[CGPU_MAX_PROCS];   /* a slot given up on: its pid and acked then */
     int32_t stale_pid[CGPU_MAX_PROCS];
     uint32_t stale_acked[CGPU_MAX_PROCS];
@@ -733,6 +734,7 @@ struct sw {
     int mode;                  /* when the next gate opens: SWITCH_DRAIN, SWITCH_AHEAD or SWITCH_OVERLAP */
     int64_t lead_ns;           /* SWITCH_AHEAD: how long before the drain's expected end */
     int64_t align_ns;          /* a gang's turns aligned: the step in force runs on at most this long (0: not) */
+    struct page *running;      /* the runner of the step in force (NULL: nobody, or none in force) */
     int policy;                /* the scheduling policy and priority of the daemon's thread that made it */
     struct sched_param param;
     int cmd;                  /* eventfd: the scheduler has something for the thread */
@@ -872,6 +874,20 @@ static void open_others(struct sw *s, struct batch *b, int run)
     }
 }
 
+/* No step in force any more (a cancel, the end): its runner's reference dropped; with s->mu held
+ * (a page's lock is never held while its switcher's is taken). */
+static void forget_running(struct sw *s)
+{
+    struct page *p = s->running;
+    s->running = NULL;
+    if (p) {
+        pthread_mutex_lock(&p->mu);
+        p->gang_leaving &= ~ks(p, s->gpu);
+        pthread_mutex_unlock(&p->mu);
+        cg_page_release(p);
+    }
+}
+
 /* The switchers of this daemon, by node GPU (a gang's turns are aligned only with a GPU whose
  * switcher carries its slices). */
 #define MAX_NODE_GPUS 64
@@ -892,6 +908,64 @@ static int carrying(int gpu)
     return on;
 }
 
+/* Whether node GPU `gpu`'s switcher runs `p` in its step in force. */
+static int runs_on(int gpu, const struct page *p)
+{
+    int on = 0;
+    pthread_mutex_lock(&switchers_mu);
+    struct sw *o = gpu >= 0 && gpu < MAX_NODE_GPUS ? switchers[gpu] : NULL;
+    if (o) {
+        pthread_mutex_lock(&o->mu);
+        on = o->running == p && !o->idle && !o->stopping;
+        pthread_mutex_unlock(&o->mu);
+    }
+    pthread_mutex_unlock(&switchers_mu);
+    return on;
+}
+
+/* The end of a gang's turn here, aligned: the step that would close it waits (the gang runs on)
+ * while a switcher of another of its GPUs still runs its turn there and is not ready to end it
+ * too, at most `align` (a gang closed on one GPU is closed on all: the rest of its turn on the
+ * others would stand idle, its neighbours held there). */
+static void align_gang_end(struct sw *s, struct batch *b, int pos, int64_t align)
+{
+    const struct step *st = &b->steps[pos];
+    pthread_mutex_lock(&s->mu);
+    struct page *p = s->running;
+    pthread_mutex_unlock(&s->mu);
+    if (!p || !p->drives || (st->run >= 0 && st->run < b->nuni && b->uni[st->run] == p))
+        return;  /* (nobody ran, no gang, or it runs on) */
+    pthread_mutex_lock(&p->mu);
+    uint32_t me = ks(p, s->gpu), others = 0;
+    int known = p->ngpus_known;
+    if (me && !(p->closed_mask & me) && ngpus(p) > 1) {
+        for (int k = 0; k < known; k++)
+            if (!(me >> k & 1) && !(p->closed_mask >> k & 1))
+                others |= 1u << k;
+        p->gang_leaving |= me;
+    }
+    pthread_mutex_unlock(&p->mu);
+    for (int k = 0; k < known && others; k++)
+        if (others >> k & 1 && !runs_on(p->gpus[k], p))
+            others &= ~(1u << k);
+    int64_t until = now_ns() + align;
+    while (others) {
+        for (int k = 0; k < known; k++)  /* (moved on: its switcher runs another now) */
+            if (others >> k & 1 && !runs_on(p->gpus[k], p))
+                others &= ~(1u << k);
+        pthread_mutex_lock(&p->mu);
+        uint32_t on = others & ~p->gang_leaving & ~p->closed_mask;
+        pthread_mutex_unlock(&p->mu);
+        pthread_mutex_lock(&s->mu);
+        int stop = s->cancel || s->stopping;
+        pthread_mutex_unlock(&s->mu);
+        int64_t now = now_ns();
+        if (!on || stop || now >= until)
+            return;
+        sleep_or_cmd(s, now + 100000 < until ? now + 100000 : until);
+    }
+}
+
 /* A gang's turns aligned across its GPUs (docs/isolation.md, "Gangs"). A gang (an instance whose
  * gates are driven per GPU, on several) runs only while it holds every GPU it is active on: where
  * each GPU's switcher opened it at its own time, it ran only in the intersection of its turns,
@@ -907,7 +981,10 @@ static void align_gang(struct sw *s, struct batch *b, int pos)
     pthread_mutex_lock(&s->mu);
     int64_t align = s->align_ns;
     pthread_mutex_unlock(&s->mu);
-    if (align <= 0 || st->run < 0 || st->run >= b->nuni || !b->uni[st->run]->drives)
+    if (align <= 0)
+        return;
+    align_gang_end(s, b, pos, align);
+    if (st->run < 0 || st->run >= b->nuni || !b->uni[st->run]->drives)
         return;
     struct page *p = b->uni[st->run];
     pthread_mutex_lock(&p->mu);
@@ -995,6 +1072,10 @@ static void run_step(struct sw *s, struct batch *b, int pos)
         prev->drained = nclose ? drained : start;
         prev->gpu_ns = prev_ns >= 0 ? (prev_ns > prev->gpu_at ? prev_ns - prev->gpu_at : 0) : -1;
     }
+    struct page *was = s->running;  /* (a reference each: the batch that named it may be gone) */
+    s->running = st->run >= 0 && st->run < b->nuni ? b->uni[st->run] : NULL;
+    if (s->running)
+        cg_page_ref(s->running);
     if (s->head - s->tail >= REPORTS)
         s->tail++;  /* (the scheduler has not read them for REPORTS steps: the oldest go) */
     s->reports[s->head++ % REPORTS] = (struct report){
@@ -1003,6 +1084,12 @@ static void run_step(struct sw *s, struct batch *b, int pos)
         .batch = b->id, .step = pos, .gave_up = gave_up, .closed = nclose, .why = why, .longer = longer,
         .run = st->run, .gpu_ns = -1, .gpu_at = at_ns, .runner = st->run >= 0 && st->run < b->nuni ? b->uni[st->run] : NULL};
     pthread_mutex_unlock(&s->mu);
+    if (was) {  /* (its turn here is over: not leaving any more) */
+        pthread_mutex_lock(&was->mu);
+        was->gang_leaving &= ~ks(was, s->gpu);
+        pthread_mutex_unlock(&was->mu);
+        cg_page_release(was);
+    }
     if (st->flags & NOTIFY)
         notify(s);
 }
@@ -1033,6 +1120,7 @@ static void *switcher(void *arg)
             s->cur = s->next = NULL;
             s->pos = -1;
             s->cancel = 0;
+            forget_running(s);
             s->idle = 1;
             notify(s);
             continue;
@@ -1255,6 +1343,7 @@ EXPORT void cg_sw_free(struct sw *s)
     pthread_join(s->thread, NULL);
     free_batch(s->cur);
     free_batch(s->next);
+    forget_running(s);
     close(s->cmd);
     close(s->note);
     pthread_mutex_destroy(&s->mu);
