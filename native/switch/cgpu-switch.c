@@ -735,6 +735,8 @@ struct sw {
     int64_t lead_ns;           /* SWITCH_AHEAD: how long before the drain's expected end */
     int64_t align_ns;          /* a gang's turns aligned: the step in force runs on at most this long (0: not) */
     struct page *running;      /* the runner of the step in force (NULL: nobody, or none in force) */
+    const struct page *running_next;  /* the runner of the step after it, where its batch says (NULL: not known) */
+    int64_t running_until;     /* when the step in force is due to end (0: not known yet) */
     int policy;                /* the scheduling policy and priority of the daemon's thread that made it */
     struct sched_param param;
     int cmd;                  /* eventfd: the scheduler has something for the thread */
@@ -908,15 +910,17 @@ static int carrying(int gpu)
     return on;
 }
 
-/* Whether node GPU `gpu`'s switcher runs `p` in its step in force. */
-static int runs_on(int gpu, const struct page *p)
+/* Whether node GPU `gpu`'s switcher runs `p` in its step in force, and that step ends p's turn
+ * there by `by` (the step after it another's, or not known yet): what a turn's end waits for. */
+static int ends_on(int gpu, const struct page *p, int64_t by)
 {
     int on = 0;
     pthread_mutex_lock(&switchers_mu);
     struct sw *o = gpu >= 0 && gpu < MAX_NODE_GPUS ? switchers[gpu] : NULL;
     if (o) {
         pthread_mutex_lock(&o->mu);
-        on = o->running == p && !o->idle && !o->stopping;
+        on = o->running == p && !o->idle && !o->stopping && o->running_next != p && o->running_until
+             && o->running_until <= by;
         pthread_mutex_unlock(&o->mu);
     }
     pthread_mutex_unlock(&switchers_mu);
@@ -924,9 +928,10 @@ static int runs_on(int gpu, const struct page *p)
 }
 
 /* The end of a gang's turn here, aligned: the step that would close it waits (the gang runs on)
- * while a switcher of another of its GPUs still runs its turn there and is not ready to end it
- * too, at most `align` (a gang closed on one GPU is closed on all: the rest of its turn on the
- * others would stand idle, its neighbours held there). */
+ * while a switcher of another of its GPUs still runs its turn there, due to end it within `align`,
+ * and is not ready to end it yet, at most `align` (a gang closed on one GPU is closed on all: the
+ * rest of its turn on the others would stand idle, its neighbours held there). A GPU whose plan
+ * goes on with the gang (it is alone there) is not waited for: its turn there has no end to meet. */
 static void align_gang_end(struct sw *s, struct batch *b, int pos, int64_t align)
 {
     const struct step *st = &b->steps[pos];
@@ -945,13 +950,10 @@ static void align_gang_end(struct sw *s, struct batch *b, int pos, int64_t align
         p->gang_leaving |= me;
     }
     pthread_mutex_unlock(&p->mu);
-    for (int k = 0; k < known && others; k++)
-        if (others >> k & 1 && !runs_on(p->gpus[k], p))
-            others &= ~(1u << k);
     int64_t until = now_ns() + align;
     while (others) {
-        for (int k = 0; k < known; k++)  /* (moved on: its switcher runs another now) */
-            if (others >> k & 1 && !runs_on(p->gpus[k], p))
+        for (int k = 0; k < known; k++)  /* (moved on, or not ending its turn soon) */
+            if (others >> k & 1 && !ends_on(p->gpus[k], p, until))
                 others &= ~(1u << k);
         pthread_mutex_lock(&p->mu);
         uint32_t on = others & ~p->gang_leaving & ~p->closed_mask;
@@ -1074,6 +1076,9 @@ static void run_step(struct sw *s, struct batch *b, int pos)
     }
     struct page *was = s->running;  /* (a reference each: the batch that named it may be gone) */
     s->running = st->run >= 0 && st->run < b->nuni ? b->uni[st->run] : NULL;
+    const struct step *after = pos + 1 < b->nsteps ? &b->steps[pos + 1] : NULL;
+    s->running_next = after && after->run >= 0 && after->run < b->nuni ? b->uni[after->run] : NULL;
+    s->running_until = 0;
     if (s->running)
         cg_page_ref(s->running);
     if (s->head - s->tail >= REPORTS)
@@ -1156,6 +1161,7 @@ static void *switcher(void *arg)
         run_step(s, b, pos);
         pthread_mutex_lock(&s->mu);
         int64_t until = s->reports[(s->head - 1) % REPORTS].start + b->steps[pos].len_ns;  /* (its length from its gate opening) */
+        s->running_until = until;
         while (!s->cancel && !s->stopping && now_ns() < until) {
             pthread_mutex_unlock(&s->mu);
             sleep_or_cmd(s, until);
