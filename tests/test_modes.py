@@ -177,6 +177,8 @@ def test_mps_mode_gives_each_container_its_mps_limits_and_the_pipe_directory(lab
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "22"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/var/run/nvidia-gpu/nvidia-mps"
     assert ("/var/run/nvidia-gpu/nvidia-mps", "/var/run/nvidia-gpu/nvidia-mps", False) in kubelet.mounts[0]
+    # ... and the MPS shared memory at /dev/shm: the control daemon's tmpfs (deploy/kubernetes/mps-control.yaml)
+    assert ("/var/run/nvidia-gpu/nvidia-mps-shm", "/dev/shm", False) in kubelet.mounts[0]  # (host, container)
 
 
 def test_the_extender_puts_percentage_pods_only_on_gpus_with_that_much_compute_left(tmp_path, monkeypatch):

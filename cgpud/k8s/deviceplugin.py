@@ -279,6 +279,7 @@ class Plugin(rpc.DevicePluginServicer):
                     env.update(res.mps_environment(env, gpus, self.unit))
                     mounts.append(pb.Mount(container_path=res.MPS_PIPE_DIR, host_path=res.MPS_PIPE_DIR,
                                            read_only=False))
+                    mounts.append(pb.Mount(container_path="/dev/shm", host_path=res.MPS_SHM_DIR, read_only=False))
                 log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
                 out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts))
         except (res.AllocationError, Unreachable) as exc:
