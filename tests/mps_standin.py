@@ -15,7 +15,8 @@ SOURCE = r"""
 /* mps-client MODE ...
  *   alloc MIB...    cuInit, cuCtxCreate on device 0, then cuMemAlloc of each size (a negative one: free
  *                   the allocation that many before); prints "init R", "ctx R", then "alloc R" per size
- *   burst N US      cuInit, cuCtxCreate, N launches of US µs, cuCtxSynchronize; prints "done" */
+ *   burst N US      cuInit, cuCtxCreate, N launches of US µs, cuCtxSynchronize; prints "done"
+ *   twice           cuInit, and if it failed, cuInit again (prints "init R" for each) */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +28,7 @@ int main(int argc, char **argv)
     if (argc < 2 || !(h = dlopen("libcuda.so.1", RTLD_NOW))) return 2;
     int r = ((int (*)(unsigned))sym("cuInit"))(0);
     printf("init %d\n", r);
+    if (r && !strcmp(argv[1], "twice")) printf("init %d\n", ((int (*)(unsigned))sym("cuInit"))(0));
     if (r) return 0;
     void *ctx;
     r = ((int (*)(void **, unsigned, int))sym("cuCtxCreate_v2"))(&ctx, 0, 0);

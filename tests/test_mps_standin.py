@@ -125,3 +125,19 @@ def test_the_clients_own_percentage_only_tightens_the_default(mps, tmp_path):
     env = {**mps.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50", "CGPU_STUB_CUDA_LOG": os.fspath(tmp_path / "k")}
     subprocess.run([os.fspath(mps.libs / "mps-client"), "burst", "3", "1000"], env=env, check=True, timeout=60)
     assert {e - s for _, s, e in kernels(tmp_path / "k")} == {5_000_000}
+
+
+def test_a_client_its_daemon_cannot_serve_fails_at_init(mps, libs, tmp_path):
+    """A second control daemon (its own pipe directory) on the same card: its server cannot take
+    the card the first one's holds, so its client's cuInit fails
+    (CUDA_ERROR_MPS_CONNECTION_FAILED, 805), again at a second cuInit; its log says why."""
+    assert mps.client("alloc")["ctx"] == [0]  # (the first daemon's server holds the card)
+    other = Mps(libs, tmp_path, name="other")
+    other.start()
+    try:
+        assert other.client("alloc") == {"init": [805]}
+        assert other.client("twice") == {"init": [805, 805]}
+        assert "held by another MPS server" in (other.logs / "control.log").read_text()
+        assert other.control(stdin="get_server_list\n").stdout == ""
+    finally:
+        other.stop()

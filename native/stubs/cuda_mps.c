@@ -37,6 +37,7 @@
 #define NDEV 16
 static pid_t state_pid;      /* the process the state below is of (a forked child connects again) */
 static int client;           /* connected to a server */
+static CUresult connected;   /* what the connection gave cuInit (a failure: every cuInit of the process) */
 static int conn_fd = -1;
 static unsigned percentage = 100;
 static uint64_t limit[NDEV];  /* 0: none */
@@ -80,10 +81,17 @@ static int parse_limits(const char *s, uint64_t lim[NDEV])
 
 static uint64_t tighter(uint64_t a, uint64_t b) { return !a ? b : !b ? a : a < b ? a : b; }
 
+static CUresult connect_once(void);
 CUresult stub_mps_connect(void)
 {
-    if (state_pid == getpid()) return STUB_OK;
-    state_pid = getpid();
+    if (state_pid != getpid()) {
+        state_pid = getpid();
+        connected = connect_once();
+    }
+    return connected;
+}
+static CUresult connect_once(void)
+{
     client = 0;
     if (conn_fd >= 0) close(conn_fd);
     conn_fd = -1;
