@@ -301,10 +301,6 @@ class Plugin(rpc.DevicePluginServicer):
         if choice is None:
             return res.allocation(ids, gpus, self.unit, disable_isolation=self.disable_isolation)
         choices.append(choice)
-        if self.mode == "mps" and not choice.host_ipc:
-            raise res.AllocationError(f"pod {choice.namespace}/{choice.name} is on an mps node "
-                                      f"({modes.LABEL}=mps) without hostIPC: true: MPS clients share memory with the "
-                                      "node's MPS server; set spec.hostIPC: true")
         log.info("Allocate: %s/%s, on GPU %s as the scheduler extender chose", choice.namespace, choice.name,
                  ",".join(map(str, choice.gpus)))
         if len(ids) % len(choice.gpus):
