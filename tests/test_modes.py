@@ -126,7 +126,7 @@ def test_relabelling_changes_what_the_node_advertises_but_not_while_a_gpu_pod_ru
     relabel(api, "default")
     wait_for(lambda: condition(api).get("status") == "True", "the condition says the change waits")
     assert "default/trainer" in condition(api)["message"] and in_force(api) == "cgpu"
-    assert any(e.get("reason") == "GpuModeChangeWaiting" for e in api.events)
+    wait_for(lambda: any(e.get("reason") == "GpuModeChangeWaiting" for e in api.events), "the event says why")
     assert len(kubelet.devices) == T4_UNITS + A10_UNITS and kubelet.others[WHOLE].devices == {}
 
     api.delete_pod("default", "trainer")  # its last GPU pod ended: whole GPUs now, gpu-mem 0
