@@ -133,8 +133,8 @@ def test_relabelling_changes_what_the_node_advertises_but_not_while_a_gpu_pod_ru
     kubelet.others[WHOLE].wait_devices(lambda ds: set(ds) == {t4, a10})
     kubelet.wait_devices(lambda ds: ds == {})
     wait_for(lambda: in_force(api) == "exclusive" and condition(api).get("status") == "False", "exclusive in force")
-    assert any(e.get("reason") == "GpuModeChanged" and "cgpu -> exclusive" in e.get("message", "")
-               for e in api.events)
+    wait_for(lambda: any(e.get("reason") == "GpuModeChanged" and "cgpu -> exclusive" in e.get("message", "")
+                         for e in api.events), "the event says the mode changed")
     assert kubelet.others[WHOLE].allocate([a10]) == [{"NVIDIA_VISIBLE_DEVICES": a10}]
     with pytest.raises(grpc.RpcError) as err:
         kubelet.allocate([f"{t4}-_-0"])
