@@ -879,3 +879,24 @@ def test_core_mem_the_larger_percentage_is_not_shortchanged_when_the_cycle_canno
     a, b = gpu_share(got, "p0", t0, t1), gpu_share(got, "p1", t0, t1)
     assert b / a == pytest.approx(2.00, abs=0.02), (a, b)
     assert a + b >= 0.66, (a, b)  # (0.7 of gates that fill the cycle but for the least waste, drains and gaps)
+
+
+def test_core_mem_a_batch_rewound_whole_gives_the_waste_back_what_its_planning_charged_it():
+    """plan_ahead charges the wasted slots the gate time each step's holder is expected to be owed
+    (its learnt duty below 1), and each holder the tail its queued work drains for after its run; a
+    batch that never started, rewound, leaves every credit as it was."""
+    pl, t = Planner(Params(slice=X, merge_runs=True)), 0.0
+    v = core_view(30, 60)
+    for _ in range(3):  # (the duties learnt: 0.8 of each step's time is charged; the tails: 0.5 ms)
+        for a in pl.plan_ahead(v, t, 0.5):
+            d = a.decision
+            pl.settle(a, t, t + d.length + 0.0005, used=0.8 * d.length if d.active else None)
+            t += d.length + 0.0005
+    ring = pl._rings["normal"]
+    before = (dict(ring.credit), ring.cur, ring.cur_seq, ring.used, ring.open)
+    batch = pl.plan_ahead(v, t, 0.5)
+    assert any(a.absorbed > 0 for a in batch) and sum(a.tail > 0 for a in batch) >= 2
+    assert ring.credit[""] != before[0][""]
+    pl.rewind(batch)
+    assert (ring.cur, ring.cur_seq, ring.used, ring.open) == before[1:]
+    assert ring.credit == pytest.approx(before[0], abs=1e-12)

@@ -570,7 +570,9 @@ class Planner:
     def rewind(self, aheads: list[Ahead]) -> None:
         """Take back decisions planned ahead that never started (the last ones
         planned, in order): the ring is where it was before the first, and
-        the tail its planning charged the step before it is taken back too."""
+        what their planning charged is taken back, the last planned first: the
+        holders' time, the tails charged the steps before them (the first's
+        included), and what policy 3 charged the wasted slots."""
         if not aheads:
             return
         ring, p = self._rings[NORMAL], self.params
@@ -578,19 +580,19 @@ class Planner:
         ring.cur, ring.cur_seq, ring.used, ring.open = first.position
         self._ahead_seq = first.seq - 1
         self._ahead_last = first.before
-        for a in aheads:
+        for a in reversed(aheads):  # (the last planned first: each step back to the credits it was planned on)
+            prev = a.before
+            if prev is not None and prev.followed:  # (a's planning charged the step before it its tail)
+                h = prev.decision.holder
+                if prev.tail:
+                    ring.credit[h] = ring.bounded(h, ring.credit.get(h, 0.0) + prev.tail, p)
+                prev.charged -= prev.tail
+                prev.tail, prev.followed = 0.0, False
+            if a.absorbed and WASTE in ring.credit:
+                ring.credit[WASTE] = ring.bounded(WASTE, ring.credit[WASTE] + a.absorbed, p)
             if a.decision.holder in ring.credit:
                 ring.credit[a.decision.holder] = ring.bounded(a.decision.holder,
                                                               ring.credit[a.decision.holder] - a.delta, p)
-            if a.absorbed and WASTE in ring.credit:
-                ring.credit[WASTE] = ring.bounded(WASTE, ring.credit[WASTE] + a.absorbed, p)
-        prev = first.before
-        if prev is not None and prev.followed:
-            h = prev.decision.holder
-            if prev.tail:
-                ring.credit[h] = ring.bounded(h, ring.credit.get(h, 0.0) + prev.tail, p)
-            prev.charged -= prev.tail
-            prev.tail, prev.followed = 0.0, False
 
     def charge(
         self, decision: Decision, start: float, end: float, usage: Mapping[str, float] | None = None,
