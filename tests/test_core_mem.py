@@ -4,7 +4,8 @@
 containers never on one core_mem node. The environment's rules, the hook's, the daemon's
 `register`, and the shares on real processes (`cgpu run --core`, frozen and thawed by a real
 daemon: 30 % and 60 % give 1:2, and 30 % alone stays near 30 % — a weighted policy would give it
-the whole GPU)."""
+the whole GPU; on the stand-in card, gated by libcgpu, 30 % of the card's time for a job that leaves
+it idle between kernels). The plan itself, cycle by cycle: tests/test_policies.py's core_mem cases."""
 from __future__ import annotations
 
 import os
