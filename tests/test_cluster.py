@@ -4,25 +4,25 @@ manifests on a one-node cluster of the real Kubernetes components
 shipped configuration, a kubelet on containerd's CRI), cgpud serving two
 simulated T4s (14 units of aliyun.com/gpu-mem each).
 
-The cluster starts once for the module (about a minute once the binaries are
-built; scripts/k8s-build.sh builds them the first time) and the tests run in
-order on it: what a test leaves (a pod) is its own to remove.
+The cluster starts once for this module and test_cluster_health.py (about a
+minute once the binaries are built; scripts/k8s-build.sh builds them the first
+time) and the tests run in order on it: what a test leaves (a pod, a label) is
+its own to remove.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import re
-import shutil
 import time
 
 import pytest
 import yaml
 
-from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, Cluster, shipped_scheduler_config, wait_for
-from conftest import SIM_T4_BYTES, Daemon, _make_base
-from test_runc import compiled_hook
-from test_runtime import wrapper
+from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, Cluster, node as cluster_node, shared, shipped_scheduler_config, \
+    wait_for
+from conftest import SIM_T4_BYTES
+from test_runc import compiled_hook  # noqa: F401  (test_cluster_dra's)
 
 pytestmark = pytest.mark.slow
 
@@ -31,24 +31,25 @@ SA_USER = f"system:serviceaccount:{NAMESPACE}:{SA}"
 EXTENDER_USER = f"system:serviceaccount:{NAMESPACE}:{EXTENDER_SA}"
 
 
-@pytest.fixture(scope="module")
-def cgpud():
-    d = Daemon(_make_base(), "sim:2xT4", ["--hook-path", compiled_hook()])  # (the hook cgpu-runtime puts in)
-    d.start()
-    yield d
-    problems = d.cleanup()
-    shutil.rmtree(d.base, ignore_errors=True)
-    assert not problems, problems
+# The node (its daemon and cluster) shared with test_cluster_health.py (tests/cluster.py, shared()):
+# cgpud on two simulated T4s (GPU health's quiet time 2 s), deploy/kubernetes applied, the extender and
+# the device plugin started.
+SHARED_CLUSTER = "extender"
 
 
 @pytest.fixture(scope="module")
-def cluster(cgpud):
-    c = Cluster(cgpud, wrapper()).start()
-    try:
-        c.deploy()
-        yield c
-    finally:
-        c.cleanup()
+def node():
+    return shared(SHARED_CLUSTER, lambda: cluster_node("sim:2xT4", ("--health-quiet", "2"), Cluster.deploy))
+
+
+@pytest.fixture(scope="module")
+def cgpud(node):
+    return node[0]
+
+
+@pytest.fixture(scope="module")
+def cluster(node):
+    return node[1]
 
 
 def running(pod: dict) -> bool:
@@ -235,8 +236,10 @@ def test_a_kubelet_restart_is_followed_by_re_registration_and_the_pod_keeps_its_
     cluster.stop_kubelet()
     assert name in cgpud.instances(gpu)
     cluster.start_kubelet()
+    from test_cluster_dra import pod_syncs
+
     wait_for(lambda: _registered(cluster), 60, "the device plugin registered with the new kubelet", cluster.logs)
-    time.sleep(3)  # the new kubelet has looked at its pods again
+    wait_for(lambda: pod_syncs(cluster) >= 1, 60, "the new kubelet to sync its pods", cluster.logs)
     pod = cluster.wait_pod("keep-3", running, 30, "still Running")
     status = pod["status"]["containerStatuses"][0]
     assert status["containerID"] == cid and status["restartCount"] == 0, status
