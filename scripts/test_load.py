@@ -30,6 +30,7 @@ TIMED = ["test_deep_queue.py", "test_shared_pages.py", "test_gate.py", "test_swi
          # (one test of a file: its node ID; this one waits on the kubelet's retries)
          "test_cluster_dra.py::test_a_claim_with_a_bad_configuration_is_refused_on_the_pods_events_and_nothing_runs"]
 HOG = "while True: pass"
+KEEP = Path(os.environ.get("TMPDIR", "/tmp")) / f"test-load-{os.getpid()}"  # a failed run's output
 
 
 def hogs(n: int) -> list[subprocess.Popen]:
@@ -50,6 +51,11 @@ def run_once(path: Path, timeout: float) -> tuple[bool, list[str], float]:
     for t in lines:  # (each failure's own line, for what the summary cannot say)
         print(f"test-load:   {t[:300]}", flush=True)
     ok = r.returncode == 0
+    if not ok:  # the whole output kept, to read why
+        KEEP.mkdir(parents=True, exist_ok=True)
+        kept = KEEP / f"{path.name.replace('::', '-')[:120]}.{time.strftime('%H%M%S')}.log"
+        kept.write_text(r.stdout + r.stderr)
+        print(f"test-load:   its output: {kept}", flush=True)
     if not ok and not failed:
         failed = [f"{path.name} (pytest exit {r.returncode}: {r.stdout.strip().splitlines()[-1:] or r.stderr[-200:]})"]
     return ok, failed, time.monotonic() - t0
