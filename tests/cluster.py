@@ -1135,3 +1135,22 @@ def node(gpus: str, daemon_args: tuple[str, ...], setup: Callable[["Cluster"], N
         close()
         raise
     return (d, c), close
+
+
+def node_fixtures(key: str, make: Callable[[], tuple[tuple[object, "Cluster"], Callable[[], list[str]]]]):
+    """A module's fixtures node, cgpud and cluster (module scope) for the cluster shared under `key`
+    (shared(), make: e.g. node()):  node, cgpud, cluster = node_fixtures(SHARED_CLUSTER, ...)."""
+
+    @pytest.fixture(scope="module")
+    def node():
+        return shared(key, make)
+
+    @pytest.fixture(scope="module")
+    def cgpud(node):
+        return node[0]
+
+    @pytest.fixture(scope="module")
+    def cluster(node):
+        return node[1]
+
+    return node, cgpud, cluster

@@ -19,8 +19,8 @@ import time
 import pytest
 import yaml
 
-from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, Cluster, node as cluster_node, shared, shipped_scheduler_config, \
-    wait_for
+from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, Cluster, node as cluster_node, node_fixtures, \
+    shipped_scheduler_config, wait_for
 from conftest import SIM_T4_BYTES
 from test_runc import compiled_hook  # noqa: F401  (test_cluster_dra's)
 
@@ -37,19 +37,8 @@ EXTENDER_USER = f"system:serviceaccount:{NAMESPACE}:{EXTENDER_SA}"
 SHARED_CLUSTER = "extender"
 
 
-@pytest.fixture(scope="module")
-def node():
-    return shared(SHARED_CLUSTER, lambda: cluster_node("sim:2xT4", ("--health-quiet", "2"), Cluster.deploy))
-
-
-@pytest.fixture(scope="module")
-def cgpud(node):
-    return node[0]
-
-
-@pytest.fixture(scope="module")
-def cluster(node):
-    return node[1]
+node, cgpud, cluster = node_fixtures(SHARED_CLUSTER, lambda: cluster_node("sim:2xT4", ("--health-quiet", "2"),
+                                                                        Cluster.deploy))
 
 
 def running(pod: dict) -> bool:

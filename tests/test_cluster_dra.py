@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import DRA_SA, NAMESPACE, NODE, REPO, BUSYBOX_IMAGE, Cluster, Proc, free_port, kubeconfig, shared, \
-    wait_for
+from cluster import DRA_SA, NAMESPACE, NODE, REPO, BUSYBOX_IMAGE, Cluster, Proc, free_port, kubeconfig, \
+    node_fixtures, wait_for
 from cluster import node as cluster_node
 from test_cluster import container_name, running
 from test_webhook import SEED_000
@@ -81,20 +81,8 @@ def dra_setup(c: Cluster) -> None:
     start_plugin(c)
 
 
-@pytest.fixture(scope="module")
-def node():
-    return shared(SHARED_CLUSTER, lambda: cluster_node("sim:2xH100", ("--health-quiet", "2"), dra_setup,
-                                                       containerd_bins=containerd_bin(), dra=True))
-
-
-@pytest.fixture(scope="module")
-def cgpud(node):
-    return node[0]
-
-
-@pytest.fixture(scope="module")
-def cluster(node):
-    return node[1]
+node, cgpud, cluster = node_fixtures(SHARED_CLUSTER, lambda: cluster_node(
+    "sim:2xH100", ("--health-quiet", "2"), dra_setup, containerd_bins=containerd_bin(), dra=True))
 
 
 def not_found(c: Cluster, *args: str) -> None:
