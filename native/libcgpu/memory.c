@@ -286,12 +286,14 @@ static void follow(void)
         return;
     uint64_t nvml[CGPU_MAX_GPUS], allocs[CGPU_MAX_GPUS];
     int32_t pid = __atomic_load_n(&r->pid, __ATOMIC_ACQUIRE);
+    uint64_t claim = idents ? __atomic_load_n(&idents->procs[mine - usage->procs].read_claim, __ATOMIC_ACQUIRE) : 0;
     for (int g = 0; g < CGPU_MAX_GPUS; g++) {
         nvml[g] = __atomic_load_n(&r->nvml[g], __ATOMIC_ACQUIRE);
         allocs[g] = __atomic_load_n(&r->allocs[g], __ATOMIC_ACQUIRE);
     }
-    if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) != seq || pid != mine->pid)
-        return;  /* (being written, or a reading of the slot's previous process) */
+    if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) != seq || pid != mine->pid || claim != my_claim())
+        return;  /* (being written, or a reading of the slot's previous process: its pid may be this
+                  * one's, an exec'd image's or a reused pid's; its claim is not) */
     pthread_mutex_lock(&driver_lock);
     if (seq != applied) {
         applied = seq;
