@@ -145,15 +145,14 @@ static int lock_byte(const struct cgpu_proc *p, short type)
  * someone locks its byte; elsewhere (an older libcgpu's page): by its pid, as before. */
 static int slot_alive(const struct cgpu_proc *p, int32_t pid)
 {
-    if (slot_reused(p, pid))
-        return 0;  /* (its pid is another process's now, or nobody's: whoever holds its byte) */
     if (drv && (__atomic_load_n(&drv->flags, __ATOMIC_ACQUIRE) & CGPU_SLOTS_LOCKED)) {
         int fd = liveness_fd();
         struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = liveness_byte(p), .l_len = 1};
-        if (fd >= 0 && fcntl(fd, F_OFD_GETLK, &l) == 0)
-            return l.l_type != F_UNLCK;
+        if (fd >= 0 && fcntl(fd, F_OFD_GETLK, &l) == 0)  /* (locked: still dead if its pid is another's now,
+                                                            * whoever holds its byte) */
+            return l.l_type != F_UNLCK && !slot_reused(p, pid);
     }
-    return alive(pid);
+    return alive(pid) && !slot_reused(p, pid);
 }
 
 /* What a slot's process held back to the container, and the slot free. */
