@@ -84,7 +84,7 @@ def test_what_is_rendered():
         ("ClusterRoleBinding", "cgpu-scheduler-extender"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ValidatingAdmissionPolicy", "cgpu-node-events"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-events"),
-        ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu")])
+        ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu"), ("DaemonSet", "cgpu-mps-control")])
 
 
 def test_the_checker_sees_an_unknown_or_misspelt_field(tmp_path):
@@ -106,7 +106,7 @@ def test_the_image_is_named_in_one_place():
     assert image["newTag"] == cgpud.__version__
     want = f"{image['newName']}:{image['newTag']}"
     images = [c["image"] for d in RENDERED if d["kind"] == "DaemonSet" for c in containers(d)]
-    assert len(images) == 4 and set(images) == {want}
+    assert len(images) == 6 and set(images) == {want}  # (mps-control.yaml: 2)
     for f in DEPLOY.glob("*.yaml"):  # the manifests name only the placeholder
         assert set(re.findall(r"image: (\S+)", f.read_text())) <= {image["name"]}, f
     # the build's default tag is the same
@@ -260,7 +260,7 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
     docs = dra_rendered(tmp_path / "overlay")
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted([
         ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
-        ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"), ("ClusterRoleBinding", "cgpu-dra"),
+        ("DaemonSet", "cgpu-mps-control"), ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"), ("ClusterRoleBinding", "cgpu-dra"),
         ("ServiceAccount", "cgpu-scheduler-extender"), ("ClusterRole", "cgpu-scheduler-extender"),
         ("ClusterRoleBinding", "cgpu-scheduler-extender"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ValidatingAdmissionPolicy", "cgpu-node-events"),
