@@ -32,7 +32,8 @@ from nvml_stub import T4_TOTAL, NvmlStub, StubGpu
 from test_manifests import RENDERED, containers
 from test_runc import _tool
 
-pytestmark = pytest.mark.slow
+# (the image fixture builds the image: a fresh machine's first build runs debootstrap and apt/pip: minutes)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = f"localhost/cgpud:{cgpud.__version__}-test"
@@ -198,6 +199,7 @@ def elf_machine(elf: bytes) -> int:
     return struct.unpack_from("<H", elf, 18)[0]
 
 
+@pytest.mark.timeout(3900)  # (a fresh machine's first arm64 build runs apt and pip under qemu: tens of minutes)
 def test_the_image_is_built_for_amd64_and_arm64_and_the_arm64_one_runs_under_qemu(multi):
     """The manifest list names an amd64 and an arm64 image; in each, libcgpu and the native programs
     are ELF files of that architecture (the hook and the runtime static); the arm64 image runs under
