@@ -94,7 +94,9 @@ def test_bad_values_are_refused_naming_the_value(args, names):
     assert "Traceback" not in p.stderr and not p.stdout.strip()
 
 
-def test_the_charts_rbac_is_deploy_kubernetes_rbac():
-    """The chart's RBAC is a copy of the kustomize file, byte for byte (a link would make helm warn on
-    every command): after a change there, `cp deploy/kubernetes/rbac.yaml deploy/helm/cgpud/files/`."""
-    assert (CHART / "files" / "rbac.yaml").read_bytes() == (ROOT / "deploy" / "kubernetes" / "rbac.yaml").read_bytes()
+@pytest.mark.parametrize("name", ["rbac.yaml", "admission.yaml"])
+def test_the_charts_copies_are_deploy_kubernetes_files(name):
+    """The chart's RBAC and admission policy are copies of the kustomize files, byte for byte (a
+    link would make helm warn on every command): after a change there,
+    `cp deploy/kubernetes/<file> deploy/helm/cgpud/files/`."""
+    assert (CHART / "files" / name).read_bytes() == (ROOT / "deploy" / "kubernetes" / name).read_bytes()

@@ -84,6 +84,8 @@ def test_what_is_rendered():
         ("ClusterRoleBinding", "cgpu-scheduler-extender"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ValidatingAdmissionPolicy", "cgpu-node-events"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-events"),
+        ("ValidatingAdmissionPolicy", "cgpu-gpu-core-percentage"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage"),
         ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu")])
 
 
@@ -127,7 +129,7 @@ def test_rbac_is_the_least_and_the_plugin_knows_its_node():
     ext = docs[("DaemonSet", "cgpu-scheduler-extender")]["spec"]["template"]["spec"]
     assert ext["serviceAccountName"] == "cgpu-scheduler-extender"
     policy = docs[("ValidatingAdmissionPolicy", "cgpu-node-scope")]["spec"]
-    assert policy["matchConditions"][0]["expression"].endswith("'system:serviceaccount:kube-system:cgpu'")
+    assert "'system:serviceaccount:kube-system:cgpu'" in policy["matchConditions"][0]["expression"]
     assert docs[("ValidatingAdmissionPolicyBinding", "cgpu-node-scope")]["spec"] == {
         "policyName": "cgpu-node-scope", "validationActions": ["Deny"]}
     ds = next(d for d in RENDERED if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpud")
@@ -273,7 +275,8 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
         ("ValidatingAdmissionPolicy", "cgpu-dra-webhook-limits"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-dra-webhook-limits"),
         ("Deployment", "cgpu-dra-webhook"), ("Service", "cgpu-dra-webhook"),
-        ("MutatingWebhookConfiguration", "cgpu-dra-webhook")])  # no extender
+        ("MutatingWebhookConfiguration", "cgpu-dra-webhook"), ("ValidatingAdmissionPolicy", "cgpu-gpu-core-percentage"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage")])  # no extender
     for doc in docs:
         assert unknown(doc, KINDS[doc["kind"]], doc["kind"]) == [], doc["kind"]
 
@@ -300,7 +303,8 @@ def test_the_dra_component_swaps_the_device_plugin_for_the_dra_plugin_with_the_l
     role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "cgpu-dra")
     assert {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]} == {
         ("resourceslices", ("list", "watch", "create", "update", "delete")), ("resourceclaims", ("get",)),
-        ("nodes", ("get",))}
+        # its Node: the slices' owner, its mode's label watched, the mode in force written (issue 37)
+        ("nodes", ("get", "list", "watch", "patch")), ("nodes/status", ("patch",)), ("events", ("create",))}
     # the plugin's own account (issue 33), bound to that role only
     assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "cgpu-dra-plugin"
     binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding" and d["metadata"]["name"] == "cgpu-dra")
