@@ -263,8 +263,7 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted([
         ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
         ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"), ("ClusterRoleBinding", "cgpu-dra"),
-        ("ServiceAccount", "cgpu-scheduler-extender"), ("ClusterRole", "cgpu-scheduler-extender"),
-        ("ClusterRoleBinding", "cgpu-scheduler-extender"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
+        ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ValidatingAdmissionPolicy", "cgpu-node-events"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-events"), ("ServiceAccount", "cgpu-dra-plugin"),
         ("ValidatingAdmissionPolicy", "cgpu-dra-plugin-node-scope"),
@@ -327,7 +326,8 @@ def test_the_dra_webhook_sees_only_gpu_pods_at_create_and_is_reached_through_its
     assert "objectSelector" not in hook
     (cond,) = hook["matchConditions"]  # (the API server evaluates it: tests/test_cluster_dra.py)
     for word in (f"'{webhook.LABEL}' in object.metadata.labels", f"'{webhook.RESOURCE}' in c.resources.limits",
-                 f"'{webhook.RESOURCE}' in c.resources.requests", "object.spec.initContainers.exists"):
+                 f"'{webhook.RESOURCE}' in c.resources.requests", "object.spec.initContainers.exists",
+                 f"'{webhook.CORE}' in c.resources.limits"):
         assert word in cond["expression"], word
     assert hook["namespaceSelector"] == {"matchExpressions": [
         {"key": "cgpu.aliyun.com/dra-webhook", "operator": "NotIn", "values": ["off"]}]}
