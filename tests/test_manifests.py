@@ -86,6 +86,7 @@ def test_what_is_rendered():
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-events"),
         ("ValidatingAdmissionPolicy", "cgpu-gpu-core-percentage"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage"),
+        ("Role", "cgpu-node-keeper"), ("RoleBinding", "cgpu-node-keeper"),
         ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu")])
 
 
@@ -108,7 +109,7 @@ def test_the_image_is_named_in_one_place():
     assert image["newTag"] == cgpud.__version__
     want = f"{image['newName']}:{image['newTag']}"
     images = [c["image"] for d in RENDERED if d["kind"] == "DaemonSet" for c in containers(d)]
-    assert len(images) == 4 and set(images) == {want}
+    assert len(images) == 5 and set(images) == {want}  # (install, daemon, node-keeper, device plugin, extender)
     for f in DEPLOY.glob("*.yaml"):  # the manifests name only the placeholder
         assert set(re.findall(r"image: (\S+)", f.read_text())) <= {image["name"]}, f
     # the build's default tag is the same
@@ -274,6 +275,7 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
         ("ValidatingAdmissionPolicy", "cgpu-dra-webhook-limits"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-dra-webhook-limits"),
         ("Deployment", "cgpu-dra-webhook"), ("Service", "cgpu-dra-webhook"),
+        ("Role", "cgpu-node-keeper"), ("RoleBinding", "cgpu-node-keeper"),
         ("MutatingWebhookConfiguration", "cgpu-dra-webhook"), ("ValidatingAdmissionPolicy", "cgpu-gpu-core-percentage"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage")])  # no extender
     for doc in docs:
@@ -286,7 +288,7 @@ def test_the_dra_component_swaps_the_device_plugin_for_the_dra_plugin_with_the_l
     docs = dra_rendered(tmp_path / "overlay")
     ds = next(d for d in docs if d["metadata"]["name"] == "cgpud")
     names = sorted(c["name"] for c in containers(ds))
-    assert names == ["cgpud", "dra-plugin", "node-install"], names
+    assert names == ["cgpud", "dra-plugin", "node-install", "node-keeper"], names
     plugin = next(c for c in containers(ds) if c["name"] == "dra-plugin")
     assert plugin["env"][0] == {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
     assert plugin["securityContext"]["capabilities"]["drop"] == ["ALL"]
