@@ -32,6 +32,11 @@ nothing. The rows, in the order they run (`--list` prints their keys; `--only KE
                       weight-1 neighbour runs ahead (64 matmuls queued between synchronizes):
                       p50 and p99, p99 <= 5 ms
   alone               one instance alone under the gate against the same job without cgpud: >= 99 %
+  mps                 NVIDIA's MPS (issue 37), a control daemon of the row's own: a client pinned to
+                      512 MiB (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) gets at most that, then out-of-memory;
+                      clients at CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 25 and 50, both busy, complete
+                      1:2 of their kernels over the same window (within 5 pp); SKIP without
+                      nvidia-cuda-mps-control
   ResNet-50           torchvision's ResNet-50 (random weights and data): training with AMP at
                       batch 16, 64, 128 and fp16 inference at batch 1, 8, 64, each alone, then
                       as a pair at weights 1:2 under policy 2 (img/s over the same ~3 s
@@ -895,6 +900,108 @@ def pids(csv: str) -> set[int]:
     return {int(m) for m in re.findall(r"^\s*(\d+)\s*,", csv, re.M)}
 
 
+# The MPS row's client: libcuda through ctypes (no framework needed). `oom LIMIT_MIB`: 64 MiB
+# allocations until one fails; `spin START END`: from START (monotonic), batches of 4 kernels of a
+# dependent chain (8192 blocks of 128 threads: many waves on any GPU; on the stand-in, whose kernel
+# takes its block count in µs, 8.2 ms) and a synchronize, until END: each batch's end.
+MPS_PTX = (".version 6.0\n.target sm_52\n.address_size 64\n"
+           ".visible .entry spin(.param .u32 n, .param .u64 out)\n{\n"
+           "  .reg .pred %p;\n  .reg .b32 %r<5>;\n  .reg .b64 %rd<2>;\n"
+           "  ld.param.u32 %r1, [n];\n  ld.param.u64 %rd1, [out];\n  mov.u32 %r2, 0;\n  mov.u32 %r3, %tid.x;\n"
+           "L:\n  mad.lo.u32 %r3, %r3, 1664525, 1013904223;\n  add.u32 %r2, %r2, 1;\n"
+           "  setp.lt.u32 %p, %r2, %r1;\n  @%p bra L;\n  setp.eq.u32 %p, %r3, 7;\n"
+           "  @%p st.global.u32 [%rd1], %r3;\n  ret;\n}\n")
+MPS_CLIENT = r"""
+import ctypes, json, sys, time
+cu = ctypes.CDLL("libcuda.so.1")
+def ok(r, what):
+    if r:
+        print(json.dumps({"error": r, "at": what})); sys.exit(0)
+ok(cu.cuInit(0), "cuInit")
+ctx = ctypes.c_void_p()
+ok(cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, 0), "cuCtxCreate")
+if sys.argv[1] == "oom":
+    got, p = 0, ctypes.c_uint64()
+    while got < (int(sys.argv[2]) << 20) * 4:
+        r = cu.cuMemAlloc_v2(ctypes.byref(p), ctypes.c_size_t(64 << 20))
+        if r:
+            print(json.dumps({"got": got, "error": r})); sys.exit(0)
+        got += 64 << 20
+    print(json.dumps({"got": got}))
+else:
+    mod, fn, out = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()
+    ok(cu.cuModuleLoadData(ctypes.byref(mod), sys.argv[4].encode() + b"\0"), "cuModuleLoadData")
+    ok(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"spin"), "cuModuleGetFunction")
+    ok(cu.cuMemAlloc_v2(ctypes.byref(out), ctypes.c_size_t(4)), "cuMemAlloc")
+    n = ctypes.c_uint32(20000)
+    args = (ctypes.c_void_p * 2)(ctypes.cast(ctypes.byref(n), ctypes.c_void_p),
+                                 ctypes.cast(ctypes.byref(out), ctypes.c_void_p))
+    start, end, ends = float(sys.argv[2]), float(sys.argv[3]), []
+    time.sleep(max(0.0, start - time.monotonic()))
+    while time.monotonic() < end:
+        for _ in range(4):
+            ok(cu.cuLaunchKernel(fn, 8192, 1, 1, 128, 1, 1, 0, None, args, None), "cuLaunchKernel")
+        ok(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        ends.append(time.monotonic())
+    print(json.dumps({"ends": ends}))
+"""
+
+
+def mps_row(work: Path, control: str, budget: float, quick: bool = False) -> tuple[str, str]:
+    """NVIDIA's MPS on this machine (issue 37, docs/mps.md): a control daemon with a pipe directory
+    of the row's own; a client with CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=512M allocates until
+    out-of-memory (it must get at most 512 MiB, then CUDA_ERROR_OUT_OF_MEMORY, 2); then clients at
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 25 and 50, both busy: their batches completed over the same
+    window split 1:2 (the 25 % client's share 0.333 within 5 pp)."""
+    pipe, logs = work / "mps-pipe", work / "mps-log"
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.fspath(pipe), CUDA_MPS_LOG_DIRECTORY=os.fspath(logs))
+    for k in ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        env.pop(k, None)
+    r = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
+    if r.returncode:
+        return FAIL, f"nvidia-cuda-mps-control -d: {error_of(r.stdout, r.stderr, r.returncode)}"
+
+    def client(args: list[str], **extra: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", MPS_CLIENT, *args], env={**env, **extra}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+    def result(p: subprocess.Popen, timeout: float) -> dict:
+        try:
+            o, e = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            return {"error": "timed out"}
+        try:
+            return json.loads(o.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return {"error": error_of(o, e, p.returncode)}
+
+    try:
+        limit = 512
+        m = result(client(["oom", str(limit)], CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=f"0={limit}M"), 30)
+        mem_ok = m.get("error") == 2 and 0 < m.get("got", 0) <= limit << 20
+        said = f"pinned 0={limit}M: {m.get('got', 0) >> 20} MiB, then " + (
+            f"error {m['error']}" + (f" at {m['at']}" if m.get("at") else "") if m.get("error") else "no error")
+        start = time.monotonic() + 2.0
+        end = start + min(2.0 if quick else 6.0, max(1.0, budget - 10))
+        pair = [client(["spin", str(start), str(end), MPS_PTX], CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=pct)
+                for pct in ("25", "50")]
+        a, b = (result(p, end - time.monotonic() + 30) for p in pair)
+        if "ends" not in a or "ends" not in b:
+            bad = a if "ends" not in a else b
+            return FAIL, f"{said}; a busy client failed: {bad.get('error')} at {bad.get('at')}"
+        lo, hi = start + (end - start) * 0.2, min(a["ends"][-1], b["ends"][-1])
+        na, nb = (sum(lo <= t <= hi for t in x["ends"]) for x in (a, b))
+        share = na / (na + nb) if na + nb else 0.0
+        thr_ok = na > 0 and nb > 0 and abs(share - 1 / 3) <= 0.05
+        return (PASS if mem_ok and thr_ok else FAIL), (
+            f"{said}; threads 25 % : 50 %: {na} : {nb} batches over the same {hi - lo:.1f} s, "
+            f"share {share:.3f} (want 0.333 +- 0.05)")
+    finally:
+        subprocess.run([control], input="quit\n", env=env, capture_output=True, text=True, timeout=30)
+
+
 def checks(node: Node) -> list[Check]:
     out: list[Check] = []
     mib = MEMSIZE >> 20
@@ -1092,6 +1199,12 @@ def checks(node: Node) -> list[Check]:
         return (PASS if q >= 0.99 else FAIL), (f"{g['rate']:.1f} matmuls/s under the gate against {d['rate']:.1f} without "
                                                f"cgpud: {100 * q:.1f} % (want >= 99 %)")
     add("alone", "alone under the gate vs without cgpud (torch)", node.startup + node.seconds + 60, alone, "torch")
+
+    # ---- issue 37: NVIDIA's MPS itself (a control daemon of the row's own, its clients plain processes) ----
+    mps_control = shutil.which("nvidia-cuda-mps-control")
+    add("mps", "MPS: pinned limit, thread percentages 1:2 (issue 37)", 90,
+        lambda: mps_row(node.work, mps_control, min(node.remaining() - 5, 60), quick=node.quick),
+        lambda: None if mps_control else "nvidia-cuda-mps-control")
 
     warm, window = (2.5, 3.0) if nvml else (1.0, 1.0)
     big = 24 << 30 if nvml else MEMSIZE  # (ResNet-50 training at batch 128 takes ~10 GiB; two beside each other)

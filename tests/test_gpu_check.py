@@ -310,9 +310,11 @@ def test_the_checks_run_end_to_end_against_the_stand_in_driver(stand_in):
     share = float(detail.split()[3])
     assert 0.25 <= share <= 0.42, detail  # (the script's own band is 5 pp; this machine is shared)
     # what is not installed here: its rows SKIP (the JAX fill's name says "JAX": matched whatever the case)
-    needs = ("torch", "jax", "nvidia-smi", "resnet", "high priority", "alone")
+    needs = ("torch", "jax", "nvidia-smi", "resnet", "high priority", "alone", "mps")
     missing = {k for k in rows if any(w in k.lower() for w in needs)}
     assert "fill: JAX at its defaults (issue 28)" in missing, rows
+    # (no nvidia-cuda-mps-control on PATH here: the MPS row says so, as the framework rows do)
+    assert rows["MPS: pinned limit, thread percentages 1:2 (issue 37)"][2] == "nvidia-cuda-mps-control not installed"
     assert {rows[k][0] for k in missing} == {"SKIP"}, rows
     # every other row passes; the share row alone may fail the script's 5 pp band on a shared machine,
     # and the exit status is 1 exactly when some row failed
@@ -397,3 +399,23 @@ def test_the_bundle_installs_into_a_clean_python_and_the_daemon_starts_from_it(s
     # not a bundle: one clear line
     r = subprocess.run([ROOT / "scripts" / "gpu_check.sh", tmp_path], env=e, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and r.stderr.strip() == f"gpu-check: {tmp_path} is not a bundle (make gpu-bundle builds one)"
+
+
+def test_the_mps_row_against_the_stand_in_control_daemon(stand_in):
+    """The MPS row (issue 37) with the stand-in nvidia-cuda-mps-control on PATH and the stand-in
+    libcuda as its clients (native/stubs/cuda_mps.c): the client pinned to 512 MiB gets at most
+    that, then CUDA_ERROR_OUT_OF_MEMORY (2); the clients at 25 % and 50 % of the threads complete
+    1:2 of the batches over the same window (simulated kernel times: the band holds on a loaded
+    machine)."""
+    d, stubs, env = stand_in
+    env = dict(env, PATH=f"{ROOT / 'native' / 'stubs'}:{env['PATH']}")
+    r = subprocess.run([sys.executable, ROOT / "scripts" / "gpu_check.py", "--gpus", "sim:T4", "--quick", "--only",
+                        "mps", "--libcgpu", stubs / "libcgpu.so"], env=env, capture_output=True, text=True, timeout=300)
+    rows = {cells[0]: cells[1:] for line in r.stdout.splitlines()[2:] if line.startswith("|")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    result, _, detail = rows["MPS: pinned limit, thread percentages 1:2 (issue 37)"]
+    assert result == "PASS" and r.returncode == 0, r.stdout + r.stderr
+    got = int(re.search(r"pinned 0=512M: (\d+) MiB, then error 2;", detail)[1])
+    assert 0 < got <= 512, detail
+    na, nb = map(int, re.search(r"(\d+) : (\d+) batches", detail).groups())
+    assert abs(na / (na + nb) - 1 / 3) <= 0.05, detail

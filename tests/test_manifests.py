@@ -87,7 +87,7 @@ def test_what_is_rendered():
         ("ValidatingAdmissionPolicy", "cgpu-gpu-core-percentage"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage"),
         ("Role", "cgpu-node-keeper"), ("RoleBinding", "cgpu-node-keeper"),
-        ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu")])
+        ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu"), ("DaemonSet", "cgpu-mps-control")])
 
 
 def test_the_checker_sees_an_unknown_or_misspelt_field(tmp_path):
@@ -109,7 +109,8 @@ def test_the_image_is_named_in_one_place():
     assert image["newTag"] == cgpud.__version__
     want = f"{image['newName']}:{image['newTag']}"
     images = [c["image"] for d in RENDERED if d["kind"] == "DaemonSet" for c in containers(d)]
-    assert len(images) == 5 and set(images) == {want}  # (install, daemon, node-keeper, device plugin, extender)
+    assert len(images) == 7 and set(images) == {want}  # (install, daemon, node-keeper, device plugin, extender;
+    #                                                     mps-control.yaml: 2)
     for f in DEPLOY.glob("*.yaml"):  # the manifests name only the placeholder
         assert set(re.findall(r"image: (\S+)", f.read_text())) <= {image["name"]}, f
     # the build's default tag is the same
@@ -263,8 +264,8 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
     docs = dra_rendered(tmp_path / "overlay")
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted([
         ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
-        ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"), ("ClusterRoleBinding", "cgpu-dra"),
-        ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
+        ("DaemonSet", "cgpu-mps-control"), ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"),
+        ("ClusterRoleBinding", "cgpu-dra"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ValidatingAdmissionPolicy", "cgpu-node-events"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-events"), ("ServiceAccount", "cgpu-dra-plugin"),
         ("ValidatingAdmissionPolicy", "cgpu-dra-plugin-node-scope"),

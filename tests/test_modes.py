@@ -126,15 +126,15 @@ def test_relabelling_changes_what_the_node_advertises_but_not_while_a_gpu_pod_ru
     relabel(api, "default")
     wait_for(lambda: condition(api).get("status") == "True", "the condition says the change waits")
     assert "default/trainer" in condition(api)["message"] and in_force(api) == "cgpu"
-    assert any(e.get("reason") == "GpuModeChangeWaiting" for e in api.events)
+    wait_for(lambda: any(e.get("reason") == "GpuModeChangeWaiting" for e in api.events), "the event says why")
     assert len(kubelet.devices) == T4_UNITS + A10_UNITS and kubelet.others[WHOLE].devices == {}
 
     api.delete_pod("default", "trainer")  # its last GPU pod ended: whole GPUs now, gpu-mem 0
     kubelet.others[WHOLE].wait_devices(lambda ds: set(ds) == {t4, a10})
     kubelet.wait_devices(lambda ds: ds == {})
     wait_for(lambda: in_force(api) == "exclusive" and condition(api).get("status") == "False", "exclusive in force")
-    assert any(e.get("reason") == "GpuModeChanged" and "cgpu -> exclusive" in e.get("message", "")
-               for e in api.events)
+    wait_for(lambda: any(e.get("reason") == "GpuModeChanged" and "cgpu -> exclusive" in e.get("message", "")
+                         for e in api.events), "the event says the mode changed")
     assert kubelet.others[WHOLE].allocate([a10]) == [{"NVIDIA_VISIBLE_DEVICES": a10}]
     with pytest.raises(grpc.RpcError) as err:
         kubelet.allocate([f"{t4}-_-0"])
@@ -177,6 +177,8 @@ def test_mps_mode_gives_each_container_its_mps_limits_and_the_pipe_directory(lab
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "22"
     assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/var/run/nvidia-gpu/nvidia-mps"
     assert ("/var/run/nvidia-gpu/nvidia-mps", "/var/run/nvidia-gpu/nvidia-mps", False) in kubelet.mounts[0]
+    # ... and the MPS shared memory at /dev/shm: the control daemon's tmpfs (deploy/kubernetes/mps-control.yaml)
+    assert ("/var/run/nvidia-gpu/nvidia-mps-shm", "/dev/shm", False) in kubelet.mounts[0]  # (host, container)
 
 
 def test_the_extender_puts_percentage_pods_only_on_gpus_with_that_much_compute_left(tmp_path, monkeypatch):
@@ -211,7 +213,10 @@ def test_the_extender_puts_percentage_pods_only_on_gpus_with_that_much_compute_l
         api.close()
 
 
-def test_an_mps_pod_without_host_ipc_is_refused_saying_so(labelled):
+def test_an_mps_pod_needs_no_host_ipc_its_shm_is_mounted(labelled):
+    """Decision (docs/mps.md): the MPS shared memory is mounted at the container's /dev/shm, as NVIDIA's
+    plugin does, so a pod needs no hostIPC (which would give a tenant the host's IPC namespace, SPEC §9);
+    ACK's pods that set it still run. (Before: a pod without hostIPC was refused.)"""
     d, api, kubelet = labelled
     registered(kubelet)
     kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
@@ -220,34 +225,23 @@ def test_an_mps_pod_without_host_ipc_is_refused_saying_so(labelled):
     wait_for(lambda: in_force(api) == "mps", "mps in force")
     chosen = {"ALIYUN_COM_GPU_MEM_IDX": "0", "ALIYUN_COM_GPU_MEM_POD": "2", "ALIYUN_COM_GPU_MEM_ASSIGNED": "false",
               "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1"}
-    api.add_pod("no-ipc", [2], node=NODE, annotations=chosen)
-    refusals: list[str] = []
+    for name, host_ipc in (("no-ipc", False), ("with-ipc", True)):
+        api.add_pod(name, [2], annotations=chosen)
+        api.edit_pod("default", name, lambda p, h=host_ipc: p["spec"].update(hostIPC=h, nodeName=NODE))
+        envs: list[dict] = []
 
-    def refused() -> bool:  # (an Allocate before the plugin's watch brings the pod has no choice to check)
-        try:
-            kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
-        except grpc.RpcError as exc:
-            refusals.append(exc.details())
-            return True
-        return False
+        def assigned() -> bool:  # Allocate used the extender's choice of this pod (the plugin's watch brought it)
+            try:
+                envs[:] = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"])
+            except grpc.RpcError as exc:  # (the refusal main gave a pod without hostIPC)
+                assert False, exc.details()
+            return api.pods[("default", name)]["metadata"]["annotations"].get("ALIYUN_COM_GPU_MEM_ASSIGNED") == "true"
 
-    wait_for(refused, "the pod without hostIPC refused")
-    assert "pod default/no-ipc is on an mps node" in refusals[0] and "hostIPC: true" in refusals[0]
-    api.delete_pod("default", "no-ipc")
-    api.add_pod("with-ipc", [2], annotations=chosen)  # (onto the node with hostIPC in one write)
-    api.edit_pod("default", "with-ipc", lambda p: p["spec"].update(hostIPC=True, nodeName=NODE))
-    given: list[dict] = []
-
-    def allowed() -> bool:  # (until the plugin's watch brings the delete: a refusal meanwhile is the old pod's)
-        try:
-            given.extend(kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1"]))
-        except grpc.RpcError as exc:
-            assert "pod default/no-ipc" in exc.details(), exc.details()
-            return False
-        return True
-
-    wait_for(allowed, "the pod with hostIPC given its MPS environment")
-    assert given[0]["CUDA_MPS_PIPE_DIRECTORY"] == "/var/run/nvidia-gpu/nvidia-mps"
+        wait_for(assigned, f"the pod {name} allocated by the extender's choice")
+        assert envs[0]["CUDA_MPS_PIPE_DIRECTORY"] == "/var/run/nvidia-gpu/nvidia-mps"
+        assert ("/var/run/nvidia-gpu/nvidia-mps-shm", "/dev/shm", False) in kubelet.mounts[0]  # (host, container)
+        assert ("/var/run/nvidia-gpu/nvidia-mps", "/var/run/nvidia-gpu/nvidia-mps", False) in kubelet.mounts[0]
+        api.set_phase("default", name, "Succeeded")
 
 
 def test_kubectl_inspect_cgpu_shows_each_pods_compute_percentage():

@@ -279,6 +279,7 @@ class Plugin(rpc.DevicePluginServicer):
                     env.update(res.mps_environment(env, gpus, self.unit))
                     mounts.append(pb.Mount(container_path=res.MPS_PIPE_DIR, host_path=res.MPS_PIPE_DIR,
                                            read_only=False))
+                    mounts.append(pb.Mount(container_path="/dev/shm", host_path=res.MPS_SHM_DIR, read_only=False))
                 log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
                 out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts))
         except (res.AllocationError, Unreachable) as exc:
@@ -300,10 +301,6 @@ class Plugin(rpc.DevicePluginServicer):
         if choice is None:
             return res.allocation(ids, gpus, self.unit, disable_isolation=self.disable_isolation)
         choices.append(choice)
-        if self.mode == "mps" and not choice.host_ipc:
-            raise res.AllocationError(f"pod {choice.namespace}/{choice.name} is on an mps node "
-                                      f"({modes.LABEL}=mps) without hostIPC: true: MPS clients share memory with the "
-                                      "node's MPS server; set spec.hostIPC: true")
         log.info("Allocate: %s/%s, on GPU %s as the scheduler extender chose", choice.namespace, choice.name,
                  ",".join(map(str, choice.gpus)))
         if len(ids) % len(choice.gpus):

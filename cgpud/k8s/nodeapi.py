@@ -228,8 +228,7 @@ class NodeApi:
             done = max(self.given.get(uid, 0), _count((meta.get("annotations") or {}).get(cluster.GIVEN))) + 1
             if reserve:
                 self.given[uid] = done
-            return Choice(idx, meta["namespace"], meta["name"], uid, last=done == n, number=done,
-                          host_ipc=bool((pod.get("spec") or {}).get("hostIPC")))
+            return Choice(idx, meta["namespace"], meta["name"], uid, last=done == n, number=done)
 
     def _malformed(self, pod: dict, raw) -> None:
         uid = pod["metadata"].get("uid", "")
@@ -263,7 +262,6 @@ class Choice:
     uid: str
     last: bool  # the pod's last gpu-mem container
     number: int  # which of the pod's gpu-mem containers (1, 2, …)
-    host_ipc: bool = False  # the pod's spec.hostIPC (MPS clients need it: docs/mps.md)
 
 
 def _key(pod: dict) -> str:

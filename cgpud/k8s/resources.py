@@ -163,6 +163,10 @@ def environment(indices: list[int], units: int, gpus: list[Gpu], unit: int, *,
 
 
 MPS_PIPE_DIR = "/var/run/nvidia-gpu/nvidia-mps"  # ack-mps-control's since 0.2.0 (docs/mps.md)
+# the MPS server's and its clients' shared memory: a tmpfs of its own on the host (deploy/kubernetes/
+# mps-control.yaml mounts it), at /dev/shm in the control daemon's pod and each client container, as
+# NVIDIA's device plugin does with its <mps root>/shm
+MPS_SHM_DIR = "/var/run/nvidia-gpu/nvidia-mps-shm"
 
 
 def mps_environment(env: dict[str, str], gpus: list[Gpu], unit: int) -> dict[str, str]:

@@ -441,6 +441,7 @@ def scheduler_for(node: Node, gpu: int, enforcer: Enforcer, activity: Activity, 
     sw = native.Switcher(gpu, p.max_slice, p.drain_limit) if switch and native.load() is not None else None
     if sw is not None:
         sw.mode(p.switch, p.switch_lead)
+        sw.align(p.slice)  # (a gang's turns start together on its GPUs, one slice of waiting at most)
     return GpuScheduler(node, gpu, enforcer, activity, params=params, usage=usage,
                         waiter=TimerFdWaiter() if precise else None, switcher=sw)
 

@@ -38,7 +38,11 @@
 #define CGPU_LIVENESS_BYTE 4
 
 struct cgpu_limits {
-    uint32_t magic, version, ngpus, reserved;
+    /* drain_bound_us: the daemon's drain bound (two of its slices: it gives up on a process that has
+     * not answered a closing within it), which libcgpu's helper answers within (0: not said, an
+     * older cgpud's page: 20 ms, the default's); written by the daemon (docs/isolation.md, "The
+     * drain bound"). */
+    uint32_t magic, version, ngpus, drain_bound_us;
     uint64_t memsize[CGPU_MAX_GPUS];
     /* gate: the container's gate, closed while any of its GPUs' is. queue_budget_us: how much GPU
      * time a process may have queued ahead on a shared GPU (0: CGPU_QUEUE_BUDGET_US_DEFAULT). */

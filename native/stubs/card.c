@@ -212,6 +212,17 @@ int stub_card_memory(int dev, int64_t delta, uint64_t *used_out)
     if (fd < 0)
         return -1;
     pthread_mutex_lock(&card_lock);
+    /* an MPS client's pinned device memory limit (cuda_mps.c): what it holds on the card, no more */
+    static pid_t mine_pid;
+    static uint64_t mine[16];
+    if (mine_pid != getpid()) {
+        mine_pid = getpid();
+        memset(mine, 0, sizeof mine);
+    }
+    if (delta > 0 && dev >= 0 && dev < 16 && mine[dev] + (uint64_t)delta > stub_mps_mem_limit(dev)) {
+        pthread_mutex_unlock(&card_lock);
+        return -1;
+    }
     flock(fd, LOCK_EX);
     uint64_t used = read_word(fd, 16 * dev);
     if ((delta > 0 && used + (uint64_t)delta > stub_card_bytes()) || (delta == 0 && used_out)) {
@@ -230,6 +241,8 @@ int stub_card_memory(int dev, int64_t delta, uint64_t *used_out)
     }
     if (used_out)
         *used_out = used;
+    if (!rc && delta && dev >= 0 && dev < 16)
+        mine[dev] = delta < 0 && (uint64_t)-delta > mine[dev] ? 0 : mine[dev] + (uint64_t)delta;
     flock(fd, LOCK_UN);
     pthread_mutex_unlock(&card_lock);
     return rc;

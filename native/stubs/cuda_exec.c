@@ -488,9 +488,10 @@ static void sweep(int dev, uint64_t t)
 
 /* What every card did from its last advance until `t`, in time order across cards (collectives
  * pair halves on two). */
+static int ncards(void) { return stub_mps_client() ? NCARDS : stub_device_count(); }  /* (an MPS client: its lanes too) */
 static void advance(uint64_t t)
 {
-    int n = stub_device_count();
+    int n = ncards();
     for (int d = 0; d < n; d++)
         sweep(d, t);
     for (;;) {
@@ -603,7 +604,7 @@ static void flush(void)
 {
     if (log_fd < 0) return;
     char buf[8192];
-    for (int d = 0; d < stub_device_count() && d < NCARDS; d++) {
+    for (int d = 0; d < ncards() && d < NCARDS; d++) {
         int at = ctx_pid == getpid() ? ctx_at[d] : -1;
         if (at < 0 || __atomic_load_n(&cards[d].ctx[at].piece_w, __ATOMIC_RELAXED)
                           == __atomic_load_n(&cards[d].ctx[at].piece_r, __ATOMIC_RELAXED))
@@ -669,12 +670,59 @@ static int wait_for(int dev, uint64_t ticket, int stream, uint64_t deadline)
     return 0;
 }
 
+/* ---- an MPS client's lane (issue 37, docs/mps.md "The stand-in's MPS") ----
+ * MPS runs its clients' kernels concurrently in the server's one context, each on its active thread
+ * percentage of the SMs. Here each client's work on card d goes to a lane of its own: one of the
+ * card records past the cards (from the last down), with the client's only context, so it never
+ * waits for another client's timeslice; its kernels take 100 / percentage as long (fewer SMs), or
+ * S / percentage while the clients with work on card d have percentages summing to S > 100 (they
+ * share the SMs then). A lane card keeps its client's percentage in `pad` and its card + 1 in `pad2`. */
+static int lane_of[NCARDS];
+static pid_t lanes_pid;
+static int lane(int dev)
+{
+    if (!stub_mps_client() || dev < 0 || dev >= stub_device_count() || attach()) return dev;
+    if (lanes_pid != getpid()) {
+        lanes_pid = getpid();
+        memset(lane_of, 0, sizeof lane_of);
+    }
+    if (lane_of[dev]) return lane_of[dev];
+    enter();
+    advance(now_ns());  /* (the dead clients' lanes swept) */
+    int got = -1;
+    for (int l = NCARDS - 1; l >= stub_device_count() && got < 0; l--) {
+        struct card *k = &cards[l];
+        int used = k->busy != 0;
+        for (int i = 0; i < NCTX && !used; i++) used = k->ctx[i].owner != 0;
+        if (used) continue;
+        k->state = IDLE;
+        k->cur = -1;
+        k->pad = (int32_t)stub_mps_percentage();
+        k->pad2 = (uint32_t)dev + 1;
+        if (my_ctx(l, 1)) got = l;
+    }
+    leave();
+    if (got < 0) return NCARDS;  /* (no lane left: the stand-in's client limit, 16 - cards per server) */
+    lane_of[dev] = got;
+    return got;
+}
+/* a kernel's ns on a lane: stretched by its share of the SMs (under the lock) */
+static uint64_t lane_ns(int l, uint64_t ns)
+{
+    if (l < stub_device_count() || l >= NCARDS || !cards[l].pad2) return ns;
+    uint64_t sum = (uint64_t)cards[l].pad;
+    for (int o = stub_device_count(); o < NCARDS; o++)
+        if (o != l && cards[o].pad2 == cards[l].pad2 && cards[o].busy) sum += (uint64_t)cards[o].pad;
+    return ns * (sum > 100 ? sum : 100) / (uint64_t)(cards[l].pad > 0 ? cards[l].pad : 1);
+}
+
 /* ---- what the driver's entry points call (cuda_stub.h) ---- */
 
 /* An entry of `ns` into `stream` on card `dev` (held: it waits on the host until released, its
  * ready time NEVER till then); *seq_out its sequence number. */
 static CUresult enqueue(int dev, const void *stream, uint64_t ns, int coll, int held, uint64_t *seq_out)
 {
+    dev = lane(dev);
     if (dev < 0 || dev >= NCARDS || (coll && dev > 1)) return STUB_INVALID_VALUE;
     if (attach()) return STUB_OUT_OF_MEMORY;
     uint64_t id = stream_id(stream);
@@ -698,7 +746,7 @@ static CUresult enqueue(int dev, const void *stream, uint64_t ns, int coll, int 
         struct entry *prev = seq ? entry_of(c, seq - 1) : NULL;
         struct entry *e = entry_of(c, seq);
         stub_exec_overwritten(dev, seq);  /* (events waiting on the entry this one replaces: resolved first) */
-        *e = (struct entry){.ns = ns, .ready = held ? NEVER : t + launch_ns(), .stream = (uint32_t)s,
+        *e = (struct entry){.ns = lane_ns(dev, ns), .ready = held ? NEVER : t + launch_ns(), .stream = (uint32_t)s,
                             .coll = coll ? (uint32_t)++c->coll_enq : 0};
         if (seq_out) *seq_out = seq;
         e->cum = (prev ? prev->cum : 0) + e->ns;  /* (only differences between queued entries count) */
@@ -726,6 +774,7 @@ CUresult stub_exec_hold(int dev, const void *stream, uint64_t *seq)
 
 void stub_exec_release(int dev, uint64_t seq)
 {
+    dev = lane(dev);
     if (dev < 0 || dev >= NCARDS || attach()) return;
     uint64_t t = now_ns();
     enter();
@@ -742,6 +791,7 @@ void stub_exec_release(int dev, uint64_t seq)
 /* Whether everything before entry `seq` of this process's context on card `dev` is done. */
 int stub_exec_reached(int dev, uint64_t seq)
 {
+    dev = lane(dev);
     if (dev < 0 || dev >= NCARDS || attach()) return 1;
     enter();
     advance(now_ns());
@@ -755,6 +805,7 @@ int stub_exec_reached(int dev, uint64_t seq)
 /* Wait for this process's work on card `dev`: all of it (stream NULL_ALL), or one stream's. */
 CUresult stub_exec_sync(int dev, const void *stream, int all)
 {
+    dev = lane(dev);
     if (dev < 0 || dev >= NCARDS) return STUB_INVALID_VALUE;
     if (attach()) return STUB_OK;
     enter();
@@ -769,6 +820,7 @@ CUresult stub_exec_sync(int dev, const void *stream, int all)
 /* Whether the stream's work on card `dev` is done (all: the context's). */
 int stub_exec_idle(int dev, const void *stream, int all)
 {
+    dev = lane(dev);
     if (dev < 0 || dev >= NCARDS || attach()) return 1;
     enter();
     advance(now_ns());
@@ -824,6 +876,7 @@ void stub_exec_overwritten(int dev, uint64_t seq)  /* (the exec lock held) */
 /* Record m in `stream` on card `dev`: done when the work launched into the stream before it is. */
 CUresult stub_exec_mark(struct stub_mark *m, int dev, const void *stream)
 {
+    dev = lane(dev);
     if (dev < 0 || dev >= NCARDS) return STUB_INVALID_VALUE;
     pthread_mutex_lock(&marks_lock);
     forget(m);

@@ -31,12 +31,20 @@ enum {
  *   -------------------------------------------------- the card model ----------------------
  *   cuda_exec.c      the card's executor: queues, time-slicing, events' completion; a launch
  *   card.c           the cards, their memory (the state file), this process's driver state
- *   cuda_log.c       the stand-in's logs
+ *   cuda_log.c       the stand-in's logs      cuda_mps.c  the MPS client: its server, pinned limits, threads
  */
 
 /* ---- cuda_log.c ---- */
 HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));  /* CGPU_STUB_CUDA_TRACE */
 void stub_called(const char *name);  /* (CGPU_STUB_CUDA_CALLS: the entry point's name logged) */
+
+/* ---- cuda_mps.c: the process as an MPS client (issue 37, docs/mps.md) ---- */
+enum { STUB_DEVICE_UNAVAILABLE = 46, STUB_MPS_CONNECTION_FAILED = 805 };
+HIDDEN CUresult stub_mps_connect(void);     /* cuInit: a control daemon in the pipe directory makes it a client */
+HIDDEN int stub_mps_client(void);           /* this process is an MPS client */
+HIDDEN unsigned stub_mps_percentage(void);  /* its active thread percentage, 1..100 (100: no client) */
+HIDDEN uint64_t stub_mps_mem_limit(int dev);/* its pinned device memory limit on card dev (UINT64_MAX: none) */
+HIDDEN CUresult stub_mps_context(int dev);  /* may it make a context on card dev (not while a server holds it) */
 
 /* ---- card.c: the cards and their memory ---- */
 HIDDEN int stub_inited(void);                  /* cuInit has been called */

@@ -97,6 +97,8 @@ CUresult cuInit(unsigned flags)
             int fd = open(one, O_RDONLY | O_CLOEXEC);
             device = device < 0 ? fd : device;
         }
+    CUresult r = stub_mps_connect();  /* (a control daemon in CUDA_MPS_PIPE_DIRECTORY: an MPS client) */
+    if (r != OK) return r;
     stub_set_inited();
     return OK;
 }
@@ -179,7 +181,9 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
 {
     if (!stub_inited()) return NOT_INITIALIZED;
     if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
-    CUresult r = context_memory(d);
+    CUresult r = stub_mps_context(d);  /* (an MPS server holds the card: its clients only) */
+    if (r != OK) return r;
+    r = context_memory(d);
     if (r != OK) return r;
     stub_ctx_retain(d);
     *ctx = ctx_handle(d);
