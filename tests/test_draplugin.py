@@ -124,6 +124,8 @@ def test_a_claims_compute_becomes_its_percentage_and_an_mps_claim_gets_its_mps_l
             env["CUDA_MPS_PIPE_DIRECTORY"]) == ("0=3072M", "14", "/var/run/nvidia-gpu/nvidia-mps")
     assert {"hostPath": "/var/run/nvidia-gpu/nvidia-mps", "containerPath": "/var/run/nvidia-gpu/nvidia-mps",
             "options": ["rbind", "rw"]} in spec["containerEdits"]["mounts"]
+    assert {"hostPath": "/var/run/nvidia-gpu/nvidia-mps-shm", "containerPath": "/dev/shm",
+            "options": ["rbind", "rw"]} in spec["containerEdits"]["mounts"]
     assert not [e for e in dra.cdi_spec("u1", [share], [T4, A10], GIB, [], "cgpu")["devices"][0]["containerEdits"]
                 ["env"] if e.startswith("CUDA_MPS")]
 

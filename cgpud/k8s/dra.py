@@ -377,12 +377,14 @@ def cdi_spec(claim_uid: str, shares: list[Share], gpus: list[Gpu], unit: int, mo
     """The claim's CDI spec: a device per request whose edits set its environment; `mounts` (the
     daemon's socket directory) are bound into every container of the claim: each as its
     containers' directory (the containers' socket only), read-only (docs/security.md). On an mps
-    node the MPS pipe directory too, read-write (the client talks to the node's MPS server there)."""
-    from cgpud.k8s.resources import MPS_PIPE_DIR
+    node the MPS pipe directory and the control daemon's shm (at /dev/shm) too, read-write (the
+    client talks to the node's MPS server there)."""
+    from cgpud.k8s.resources import MPS_PIPE_DIR, MPS_SHM_DIR
 
     binds = [{"hostPath": f"{m}/{TENANT_DIR}", "containerPath": m, "options": ["rbind", "ro"]} for m in mounts]
-    if mode == "mps":
+    if mode == "mps":  # (as Allocate mounts them: the pipe directory, and the control daemon's shm at /dev/shm)
         binds.append({"hostPath": MPS_PIPE_DIR, "containerPath": MPS_PIPE_DIR, "options": ["rbind", "rw"]})
+        binds.append({"hostPath": MPS_SHM_DIR, "containerPath": "/dev/shm", "options": ["rbind", "rw"]})
     return {
         "cdiVersion": CDI_VERSION, "kind": CDI_VENDOR_CLASS,
         "devices": [{"name": cdi_device(claim_uid, s.request),
