@@ -895,10 +895,10 @@ state = "{c}/state"
             self.kubectl("create", "token", SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
         self.sa_kubeconfig = kubeconfig(self.path("cgpu-sa.kubeconfig"), self.server, self.path("pki", "ca.crt"),
                                         {"token": token})
-        token = self.kubectl("create", "token", EXTENDER_SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
-        self.extender_kubeconfig = kubeconfig(self.path("extender-sa.kubeconfig"), self.server,
-                                              self.path("pki", "ca.crt"), {"token": token})
-        if extender:
+        if extender:  # (DRA mode has no extender, nor its account)
+            token = self.kubectl("create", "token", EXTENDER_SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
+            self.extender_kubeconfig = kubeconfig(self.path("extender-sa.kubeconfig"), self.server,
+                                                  self.path("pki", "ca.crt"), {"token": token})
             self.start_extender()
         if device_plugin:
             self.start_device_plugin()

@@ -560,6 +560,87 @@ spec:
 """
 
 
+CORE = "aliyun.com/gpu-core.percentage"
+
+
+def core_pod(c: Cluster, name: str, gpu_mem: int, percentage: str) -> dict:
+    pod = c.pod(name, gpu_mem, runtime_class=None)
+    pod["spec"]["containers"][0]["resources"]["limits"][CORE] = percentage
+    return pod
+
+
+def set_mode(c: Cluster, mode: str | None) -> None:
+    c.kubectl("label", "node", NODE, f"ack.node.gpu.schedule={mode}" if mode else "ack.node.gpu.schedule-",
+              "--overwrite")
+
+
+def slice_modes(c: Cluster) -> list[str]:
+    s = c.get("resourceslice", f"{NODE}-{DRIVER}-0")
+    return [d["attributes"].get("mode", {}).get("string") for d in s["spec"].get("devices") or ()]
+
+
+def mode_pending(c: Cluster) -> dict | None:
+    conds = c.get("node", NODE)["status"].get("conditions", [])
+    return next((x for x in conds if x["type"] == "CgpuModePending" and x["status"] == "True"), None)
+
+
+def test_the_node_label_sets_the_dra_mode_core_mem_runs_a_30_percent_pod_and_a_change_waits(cluster, cgpud, webhook):
+    """Issue 37 in DRA mode, on the real scheduler: a bad compute percentage is refused at CREATE
+    (by the webhook in DRA, by the policy cgpu-gpu-core-percentage where the webhook passes over the
+    namespace); the node labelled core_mem publishes core_mem devices; a pod asking gpu-mem 2 and 30 %
+    runs with ALIYUN_COM_GPU_CORE_PERCENTAGE=30 (its claim consumed 30 of `compute`) while a
+    memory-only pod stays Pending; relabelled cgpu while the 30 % pod runs, the node keeps core_mem
+    (CgpuModePending) and switches when the pod is deleted: then the memory-only pod runs."""
+    p = dry_run(cluster, core_pod(cluster, "bad-core", 2, "33"))
+    assert p.returncode != 0 and ("container app: limits aliyun.com/gpu-core.percentage 33 is not a percentage "
+                                  "core_mem gives: give a whole multiple of 5 from 5 to 100") in p.stderr, p.stderr
+    cluster.kubectl("create", "namespace", "no-dra-webhook")
+    cluster.kubectl("label", "namespace", "no-dra-webhook", "cgpu.aliyun.com/dra-webhook=off")
+    try:
+        for bad in ("3", "105", "1k"):
+            pod = core_pod(cluster, "bad-core", 2, bad)
+            pod["metadata"]["namespace"] = "no-dra-webhook"
+            p = dry_run(cluster, pod)
+            assert p.returncode != 0 and "cgpu-gpu-core-percentage" in p.stderr and (
+                f"container app: aliyun.com/gpu-core.percentage {bad} is not a percentage core_mem gives: give a "
+                "whole multiple of 5 from 5 to 100") in p.stderr, p.stderr
+        pod = core_pod(cluster, "good-core", 2, "30")
+        pod["metadata"]["namespace"] = "no-dra-webhook"
+        assert dry_run(cluster, pod).returncode == 0
+    finally:
+        cluster.kubectl("delete", "namespace", "no-dra-webhook", "--wait=false")
+
+    set_mode(cluster, "core_mem")
+    try:
+        wait_for(lambda: slice_modes(cluster) == ["core_mem"] * 2, 60, "core_mem devices published", cluster.logs)
+        cluster.create(core_pod(cluster, "core-30", 2, "30"))
+        pod = cluster.wait_pod("core-30", running, 90, "Running")
+        assert pod_env(cluster, "core-30")["ALIYUN_COM_GPU_CORE_PERCENTAGE"] == "30"
+        (r,) = pod_claim(cluster, pod)["status"]["allocation"]["devices"]["results"]
+        assert str(r["consumedCapacity"]["compute"]) == "30", r
+        cluster.create(cluster.pod("mem-only", 2, runtime_class=None))
+        wait_for(lambda: any(x["type"] == "PodScheduled" and x["status"] == "False" for x in
+                             cluster.get("pod", "mem-only").get("status", {}).get("conditions", [])), 60,
+                 "the memory-only pod found unschedulable on the core_mem node", cluster.logs)
+
+        set_mode(cluster, "cgpu")
+        cond = wait_for(lambda: mode_pending(cluster), 30, "CgpuModePending", cluster.logs)
+        assert "stays in mode core_mem" in cond["message"], cond
+        assert slice_modes(cluster) == ["core_mem"] * 2
+        assert cluster.get("pod", "mem-only")["status"].get("phase") == "Pending"
+        cluster.delete_pod("core-30")
+        wait_for(lambda: slice_modes(cluster) == ["cgpu"] * 2, 60, "cgpu devices once the pod is gone", cluster.logs)
+        assert not mode_pending(cluster)
+        cluster.wait_pod("mem-only", running, 120, "Running once the node is cgpu")
+    finally:
+        cluster.delete_pod("core-30")
+        cluster.delete_pod("mem-only")
+        set_mode(cluster, "cgpu")  # (the daemon back in cgpu; without the label the node keeps the daemon's mode)
+        set_mode(cluster, None)
+    wait_for(lambda: slice_modes(cluster) == ["cgpu"] * 2 and not cgpud.instances(0) and not cgpud.instances(1), 60,
+             "the node back in cgpu with no instance", cluster.logs)
+
+
 def share_mode(c: Cluster, cgpud) -> None:
     """The node's daemon in `share` mode (128 MiB units), and its slice in them (once: each test that
     needs it says so, whichever runs first)."""

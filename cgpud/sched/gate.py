@@ -197,6 +197,12 @@ class GateFreezer:
         if self.page.handle is not None:
             self.page.set_shared(gpu if self.drives_gpus else None, on, budget_us)
 
+    def bound(self, bound_us: int) -> None:
+        """The daemon's drain bound (µs), which the container's processes answer a closing within
+        (three quarters of it: docs/isolation.md, "The drain bound")."""
+        if self.page.handle is not None:
+            self.page.set_bound(bound_us)
+
     def is_frozen(self) -> bool:
         return self.frozen and not self.undrained()
 

@@ -13,10 +13,9 @@ never frozen (they do not use the GPU, and a frozen process could not open
 it). Time is read only through `trio.current_time()` and waited for only with
 deadlines on trio's clock, so the loop runs unchanged on `MockClock`.
 
-`poke()` wakes the loop between boundaries (an activity detector calls it
-when an instance opens or closes the GPU): a high-priority instance then
-takes the GPU at once, a newcomer that may not run is frozen at once, and
-idle time is handed on where the policy gives it to others.
+`poke()` wakes the loop between boundaries (an activity detector calls it when an instance opens or
+closes the GPU): a high-priority instance then takes the GPU at once, a newcomer that may not run is
+frozen at once, and idle time is handed on where the policy gives it to others.
 """
 from __future__ import annotations
 
@@ -441,6 +440,7 @@ def scheduler_for(node: Node, gpu: int, enforcer: Enforcer, activity: Activity, 
     sw = native.Switcher(gpu, p.max_slice, p.drain_limit) if switch and native.load() is not None else None
     if sw is not None:
         sw.mode(p.switch, p.switch_lead)
+        sw.align(p.slice)  # (a gang's turns start together on its GPUs, one slice of waiting at most)
     return GpuScheduler(node, gpu, enforcer, activity, params=params, usage=usage,
                         waiter=TimerFdWaiter() if precise else None, switcher=sw)
 

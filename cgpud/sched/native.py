@@ -107,11 +107,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cg_page_freeze": (None, [P, I]), "cg_page_thaw": (None, [P, I]), "cg_page_frozen": (I, [P]),
         "cg_page_closed_on": (I, [P, I]), "cg_page_undrained": (I, [P, I, VP, I]),
         "cg_page_give_up": (I, [P, I, I, VP, VP, I]), "cg_page_consume": (None, [P]),
-        "cg_page_share": (None, [P, I, I, ctypes.c_uint32]), "cg_page_gpu_ns": (ctypes.c_int64, [P, I]),
+        "cg_page_share": (None, [P, I, I, ctypes.c_uint32]),
+        "cg_page_bound": (None, [P, ctypes.c_uint32]), "cg_page_gpu_ns": (ctypes.c_int64, [P, I]),
         "cg_page_damage": (I, [P, ctypes.c_char_p, ctypes.c_size_t]),
         "cg_page_distrust": (I, [P, ctypes.c_char_p]),
         "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]),
         "cg_sw_mode": (None, [P, I, ctypes.c_int64]), "cg_sw_ack": (None, [P]),
+        "cg_sw_align": (None, [P, ctypes.c_int64]),
         "cg_sw_submit": (I, [P, ctypes.c_int32, I, ctypes.POINTER(P), ctypes.POINTER(ctypes.c_uint8), I,
                              ctypes.POINTER(Step)]),
         "cg_sw_cancel": (None, [P]), "cg_sw_idle": (I, [P]),
@@ -205,6 +207,11 @@ class Page:
         at most `budget_us` of GPU work queued ahead there while it is)."""
         self._lib.cg_page_share(self.handle, -1 if gpu is None else gpu, 1 if on else 0, budget_us)
 
+    def set_bound(self, bound_us: int) -> None:
+        """The daemon's drain bound (µs): the container's libcgpu answers a closing within three
+        quarters of it (docs/isolation.md, "The drain bound")."""
+        self._lib.cg_page_bound(self.handle, bound_us)
+
     def consume(self) -> None:
         self._lib.cg_page_consume(self.handle)
 
@@ -249,6 +256,12 @@ class Switcher:
         done (the default); "ahead", `lead` s before their drain is expected to end (the mean of
         theirs); "overlap", at the closing (their tail drains meanwhile)."""
         self._lib.cg_sw_mode(self.handle, SWITCHES.index(switch), int(lead * 1e9))
+
+    def align(self, most: float) -> None:
+        """A gang's turns aligned across its GPUs: the step before a gang's runs on at most `most` s
+        until the gang's other GPUs' switchers are ready to open it too (0: not aligned;
+        docs/isolation.md, "Gangs")."""
+        self._lib.cg_sw_align(self.handle, int(most * 1e9))
 
     def ack(self) -> None:
         self._lib.cg_sw_ack(self.handle)

@@ -48,6 +48,8 @@ class QueueBounds:
             if t is None or self._sharing.get(name) == (id(t), on and name in names):
                 continue
             try:
+                if callable(bound := getattr(t, "bound", None)):  # (the drain bound follows the slice)
+                    bound(max(1, round(self.params.max_slice * 1e6)))
                 share(self.gpu, name, on and name in names, budget)
             except Exception:
                 log.exception("GPU %d: cannot tell %s whether its queued work is bounded", self.gpu, name)

@@ -25,11 +25,13 @@
 #pragma GCC visibility push(hidden)
 
 /* ---- clock.c ---- */
-/* The drain bound (docs/isolation.md, "Compute"): the helper answers a closing at most this long
- * after it saw it, whatever the application does (the daemon gives up on a process at one drain
- * bound, two slices: 20 ms by default; this leaves a quarter of it for the wake-ups). The wait
- * before a launch waits at most as long for its stream. */
-#define CGPU_DRAIN_BOUND_NS 15000000ll
+/* The drain bound (docs/isolation.md, "The drain bound"): the helper answers a closing at most this
+ * long after it saw it, whatever the application does: three quarters of the daemon's drain bound
+ * (two of its slices, said in the limits page: it gives up on a process at one drain bound; the
+ * quarter left is for the wake-ups), so 15 ms at the default 10 ms slice, and where the page says
+ * none (an older cgpud). The wait before a launch waits at most as long for its stream. */
+int64_t drain_bound_ns(void);
+#define CGPU_DRAIN_BOUND_NS drain_bound_ns()
 int64_t mono_ns(void);
 /* Wait for `event` to complete, until `deadline` (CLOCK_MONOTONIC ns): CU_OK when it did (or an
  * error: counted as done), 600 (CUDA_ERROR_NOT_READY) when the deadline passed first. Never an

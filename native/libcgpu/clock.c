@@ -7,6 +7,15 @@
 
 #include "cgpu_compute.h"
 
+int64_t drain_bound_ns(void)
+{
+    uint32_t us = limits ? __atomic_load_n(&limits->drain_bound_us, __ATOMIC_RELAXED) : 0;
+    if (!us)
+        us = 20000;  /* (an older cgpud's page: its default, two 10 ms slices) */
+    int64_t ns = (int64_t)us * 750;  /* three quarters of it, in ns */
+    return ns < 1000000 ? 1000000 : ns > 5000000000ll ? 5000000000ll : ns;  /* (1 ms to the daemon's 5 s cap) */
+}
+
 int64_t mono_ns(void)
 {
     struct timespec t;

@@ -25,6 +25,7 @@
 #include <linux/futex.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -91,6 +92,8 @@ struct page {
     uint32_t closed[CGPU_MAX_GPUS];  /* page GPU k closed: the count of closings its closing made */
     uint32_t closed_mask;
     int frozen;
+    uint32_t gang_ready;         /* page GPUs whose switcher waits to open it (a gang's turns aligned: align_gang) */
+    uint32_t gang_leaving;       /* page GPUs whose switcher waits to close it, its turn there over (align_gang) */
     uint8_t stale[CGPU_MAX_PROCS];   /* a slot given up on: its pid and acked then */
     int32_t stale_pid[CGPU_MAX_PROCS];
     uint32_t stale_acked[CGPU_MAX_PROCS];
@@ -332,6 +335,7 @@ static void thaw_locked(struct page *p, int gpu)
         for (unsigned k = 0; k < CGPU_MAX_GPUS; k++)
             if (m >> k & 1) {
                 p->closed_mask &= ~(1u << k);
+                p->gang_ready &= ~(1u << k);
                 open_gate(&p->lim->gpu_gate[k]);
             }
     }
@@ -352,6 +356,16 @@ EXPORT void cg_page_thaw(struct page *p, int gpu)
 {
     pthread_mutex_lock(&p->mu);
     thaw_locked(p, gpu);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The daemon's drain bound (µs), which the container's libcgpu answers a closing within (three
+ * quarters of it: docs/isolation.md, "The drain bound"). */
+EXPORT void cg_page_bound(struct page *p, uint32_t bound_us)
+{
+    pthread_mutex_lock(&p->mu);
+    if (load(&p->lim->drain_bound_us) != bound_us)
+        store(&p->lim->drain_bound_us, bound_us);
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -588,6 +602,18 @@ EXPORT int cg_page_undrained(struct page *p, int gpu, int *out, int max)
 /* Why a slot that has not answered is not waited for (cg_page_give_up's `why`). */
 enum { WAITING = 0, DEAD = 1, STOPPED = 2, SILENT = 3, TOO_LONG = 4 };
 
+/* Does process `pid` read the boot clock this process does (its time namespace is ours)? Its
+ * /proc/<pid>/stat start time is then comparable with what its libcgpu recorded. */
+static int same_clock(pid_t pid)
+{
+    char path[64];
+    struct stat a, b;
+    snprintf(path, sizeof path, "/proc/%d/ns/time", (int)pid);
+    if (stat("/proc/self/ns/time", &a) || stat(path, &b))
+        return errno == ENOENT && access("/proc/self/ns/time", F_OK) != 0;  /* (a kernel without time namespaces) */
+    return a.st_ino == b.st_ino && a.st_dev == b.st_dev;
+}
+
 /* The state of the process holding slot `slot`'s lock (libcgpu/gate.c): DEAD (none holds it: the
  * process is gone), STOPPED (its holder is stopped or traced), else WAITING (alive). A page whose
  * usage file cannot be asked: alive. */
@@ -602,11 +628,11 @@ static int holder_state(struct page *p, unsigned slot)
         return WAITING;
     if (l.l_type == F_UNLCK)
         return DEAD;
-    char path[64], buf[512];
+    char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)l.l_pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return WAITING;  /* (another PID namespace's /proc: it holds its lock, so it lives) */
+        return WAITING;  /* (another PID namespace's /proc, l_pid 0 outside ours: it holds its lock, so it lives) */
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
     if (n <= 0)
@@ -614,7 +640,22 @@ static int holder_state(struct page *p, unsigned slot)
     buf[n] = 0;
     const char *paren = strrchr(buf, ')');  /* "pid (comm) S ...": the state after the command's name */
     char st = paren && paren[1] == ' ' ? paren[2] : '?';
-    return st == 'T' || st == 't' ? STOPPED : st == 'Z' || st == 'X' ? DEAD : WAITING;
+    if (st == 'Z' || st == 'X')
+        return DEAD;
+    /* The holder's pid was asked a moment ago: the process read now is the slot's only if it started
+     * when the slot says (cgpu_page.h, struct cgpu_ident), else that pid is another's now (a reused
+     * pid is never waited for). (Where its clock of boot is not ours, its record cannot be compared.) */
+    const char *at = paren;
+    for (int field = 2; at && field < 22; field++)
+        at = strchr(at + 1, ' ');
+    struct cgpu_ident id;
+    off_t id_at = (off_t)(sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy)
+                          + sizeof(struct cgpu_usage_gang) + slot * sizeof(struct cgpu_ident));
+    if (at && p->usage_size >= id_at + (off_t)sizeof id && same_clock(l.l_pid)
+        && pread(p->usage_fd, &id, sizeof id, id_at) == (ssize_t)sizeof id && id.start
+        && strtoull(at + 1, NULL, 10) != id.start)
+        return DEAD;
+    return st == 'T' || st == 't' ? STOPPED : WAITING;
 }
 
 /* Give up on the undrained slots that cannot answer: the dead, the stopped, and (a process alive
@@ -719,6 +760,12 @@ struct sw {
     int64_t bound_ns, cap_ns;  /* a drain: who cannot answer is given up on after bound_ns; who drains, after cap_ns */
     int mode;                  /* when the next gate opens: SWITCH_DRAIN, SWITCH_AHEAD or SWITCH_OVERLAP */
     int64_t lead_ns;           /* SWITCH_AHEAD: how long before the drain's expected end */
+    int64_t align_ns;          /* a gang's turns aligned: the step in force runs on at most this long (0: not) */
+    struct page *running;      /* the runner of the step in force (NULL: nobody, or none in force) */
+    const struct page *running_next;  /* the runner of the step after it, where its batch says (NULL: not known) */
+    int64_t running_until;     /* when the step in force is due to end (0: not known yet) */
+    int policy;                /* the scheduling policy and priority of the daemon's thread that made it */
+    struct sched_param param;
     int cmd;                  /* eventfd: the scheduler has something for the thread */
     int note;                 /* eventfd: the thread has something for the scheduler */
     struct batch *cur, *next; /* the batch being carried out, and the one after it */
@@ -856,6 +903,146 @@ static void open_others(struct sw *s, struct batch *b, int run)
     }
 }
 
+/* No step in force any more (a cancel, the end): its runner's reference dropped; with s->mu held
+ * (a page's lock is never held while its switcher's is taken). */
+static void forget_running(struct sw *s)
+{
+    struct page *p = s->running;
+    s->running = NULL;
+    if (p) {
+        pthread_mutex_lock(&p->mu);
+        p->gang_leaving &= ~ks(p, s->gpu);
+        pthread_mutex_unlock(&p->mu);
+        cg_page_release(p);
+    }
+}
+
+/* The switchers of this daemon, by node GPU (a gang's turns are aligned only with a GPU whose
+ * switcher carries its slices). */
+#define MAX_NODE_GPUS 64
+static pthread_mutex_t switchers_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct sw *switchers[MAX_NODE_GPUS];
+
+static int carrying(int gpu)
+{
+    int on = 0;
+    pthread_mutex_lock(&switchers_mu);
+    struct sw *o = gpu >= 0 && gpu < MAX_NODE_GPUS ? switchers[gpu] : NULL;
+    if (o) {
+        pthread_mutex_lock(&o->mu);
+        on = !o->idle && !o->stopping;
+        pthread_mutex_unlock(&o->mu);
+    }
+    pthread_mutex_unlock(&switchers_mu);
+    return on;
+}
+
+/* Whether node GPU `gpu`'s switcher runs `p` in its step in force, and that step ends p's turn
+ * there by `by` (the step after it another's, or not known yet): what a turn's end waits for. */
+static int ends_on(int gpu, const struct page *p, int64_t by)
+{
+    int on = 0;
+    pthread_mutex_lock(&switchers_mu);
+    struct sw *o = gpu >= 0 && gpu < MAX_NODE_GPUS ? switchers[gpu] : NULL;
+    if (o) {
+        pthread_mutex_lock(&o->mu);
+        on = o->running == p && !o->idle && !o->stopping && o->running_next != p && o->running_until
+             && o->running_until <= by;
+        pthread_mutex_unlock(&o->mu);
+    }
+    pthread_mutex_unlock(&switchers_mu);
+    return on;
+}
+
+/* The end of a gang's turn here, aligned: the step that would close it waits (the gang runs on)
+ * while a switcher of another of its GPUs still runs its turn there, due to end it within `align`,
+ * and is not ready to end it yet, at most `align` (a gang closed on one GPU is closed on all: the
+ * rest of its turn on the others would stand idle, its neighbours held there). A GPU whose plan
+ * goes on with the gang (it is alone there) is not waited for: its turn there has no end to meet. */
+static void align_gang_end(struct sw *s, struct batch *b, int pos, int64_t align)
+{
+    const struct step *st = &b->steps[pos];
+    pthread_mutex_lock(&s->mu);
+    struct page *p = s->running;
+    pthread_mutex_unlock(&s->mu);
+    if (!p || !p->drives || (st->run >= 0 && st->run < b->nuni && b->uni[st->run] == p))
+        return;  /* (nobody ran, no gang, or it runs on) */
+    pthread_mutex_lock(&p->mu);
+    uint32_t me = ks(p, s->gpu), others = 0;
+    int known = p->ngpus_known;
+    if (me && !(p->closed_mask & me) && ngpus(p) > 1) {
+        for (int k = 0; k < known; k++)
+            if (!(me >> k & 1) && !(p->closed_mask >> k & 1))
+                others |= 1u << k;
+        p->gang_leaving |= me;
+    }
+    pthread_mutex_unlock(&p->mu);
+    int64_t until = now_ns() + align;
+    while (others) {
+        for (int k = 0; k < known; k++)  /* (moved on, or not ending its turn soon) */
+            if (others >> k & 1 && !ends_on(p->gpus[k], p, until))
+                others &= ~(1u << k);
+        pthread_mutex_lock(&p->mu);
+        uint32_t on = others & ~p->gang_leaving & ~p->closed_mask;
+        pthread_mutex_unlock(&p->mu);
+        pthread_mutex_lock(&s->mu);
+        int stop = s->cancel || s->stopping;
+        pthread_mutex_unlock(&s->mu);
+        int64_t now = now_ns();
+        if (!on || stop || now >= until)
+            return;
+        sleep_or_cmd(s, now + 100000 < until ? now + 100000 : until);
+    }
+}
+
+/* A gang's turns aligned across its GPUs (docs/isolation.md, "Gangs"). A gang (an instance whose
+ * gates are driven per GPU, on several) runs only while it holds every GPU it is active on: where
+ * each GPU's switcher opened it at its own time, it ran only in the intersection of its turns,
+ * and a collective's half queued on one GPU spun until the other GPU's turn came. So before the
+ * step that opens a gang, the step in force here runs on (its holder is charged what it ran: the
+ * ring pays it back) until every other GPU where the gang is held closed by a switcher is ready
+ * to open it too (its switcher waits here as well, or has opened it), at most align_ns (one
+ * slice): the gang's turns then start together on all its GPUs, and the plans' phases stay in
+ * step. Neighbours' shares are their policy's: each ring charges what really ran. */
+static void align_gang(struct sw *s, struct batch *b, int pos)
+{
+    const struct step *st = &b->steps[pos];
+    pthread_mutex_lock(&s->mu);
+    int64_t align = s->align_ns;
+    pthread_mutex_unlock(&s->mu);
+    if (align <= 0)
+        return;
+    align_gang_end(s, b, pos, align);
+    if (st->run < 0 || st->run >= b->nuni || !b->uni[st->run]->drives)
+        return;
+    struct page *p = b->uni[st->run];
+    pthread_mutex_lock(&p->mu);
+    uint32_t me = ks(p, s->gpu), others = 0;
+    if (me && p->closed_mask & me && ngpus(p) > 1) {
+        p->gang_ready |= me;
+        others = p->closed_mask & ~me;
+    }
+    pthread_mutex_unlock(&p->mu);
+    for (unsigned k = 0; k < CGPU_MAX_GPUS && others; k++)  /* (a GPU whose switcher carries nothing: not waited for) */
+        if (others >> k & 1 && ((int)k >= p->ngpus_known || !carrying(p->gpus[k])))
+            others &= ~(1u << k);
+    if (!others)
+        return;
+    int64_t until = now_ns() + align;
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        uint32_t held = p->closed_mask & others & ~p->gang_ready;
+        pthread_mutex_unlock(&p->mu);
+        pthread_mutex_lock(&s->mu);
+        int stop = s->cancel || s->stopping;
+        pthread_mutex_unlock(&s->mu);
+        int64_t now = now_ns();
+        if (!held || stop || now >= until)
+            return;
+        sleep_or_cmd(s, now + 100000 < until ? now + 100000 : until);  /* (look again every 100 µs) */
+    }
+}
+
 /* Carry out one step of `b`. */
 static void run_step(struct sw *s, struct batch *b, int pos)
 {
@@ -914,6 +1101,13 @@ static void run_step(struct sw *s, struct batch *b, int pos)
         prev->drained = nclose ? drained : start;
         prev->gpu_ns = prev_ns >= 0 ? (prev_ns > prev->gpu_at ? prev_ns - prev->gpu_at : 0) : -1;
     }
+    struct page *was = s->running;  /* (a reference each: the batch that named it may be gone) */
+    s->running = st->run >= 0 && st->run < b->nuni ? b->uni[st->run] : NULL;
+    const struct step *after = pos + 1 < b->nsteps ? &b->steps[pos + 1] : NULL;
+    s->running_next = after && after->run >= 0 && after->run < b->nuni ? b->uni[after->run] : NULL;
+    s->running_until = 0;
+    if (s->running)
+        cg_page_ref(s->running);
     if (s->head - s->tail >= REPORTS)
         s->tail++;  /* (the scheduler has not read them for REPORTS steps: the oldest go) */
     s->reports[s->head++ % REPORTS] = (struct report){
@@ -922,6 +1116,12 @@ static void run_step(struct sw *s, struct batch *b, int pos)
         .batch = b->id, .step = pos, .gave_up = gave_up, .closed = nclose, .why = why, .longer = longer,
         .run = st->run, .gpu_ns = -1, .gpu_at = at_ns, .runner = st->run >= 0 && st->run < b->nuni ? b->uni[st->run] : NULL};
     pthread_mutex_unlock(&s->mu);
+    if (was) {  /* (its turn here is over: not leaving any more) */
+        pthread_mutex_lock(&was->mu);
+        was->gang_leaving &= ~ks(was, s->gpu);
+        pthread_mutex_unlock(&was->mu);
+        cg_page_release(was);
+    }
     if (st->flags & NOTIFY)
         notify(s);
 }
@@ -932,6 +1132,12 @@ static void *switcher(void *arg)
     char name[16];
     snprintf(name, sizeof name, "cgpu-switch%d", s->gpu);
     pthread_setname_np(pthread_self(), name);  /* (what top -H and /proc/PID/task show) */
+    /* The daemon's priority (real-time where it may: cgpud/sched/priority.py). It runs with
+     * SCHED_RESET_ON_FORK, which a new thread does not inherit the policy through: this thread ran
+     * at normal priority, behind the very workloads it switches (under four CPU hogs its steps
+     * ended up to 74 ms late and a gang's turns on its two GPUs drifted apart). */
+    if (s->policy != SCHED_OTHER)
+        sched_setscheduler(0, s->policy, &s->param);  /* (0: this thread) */
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);  /* wake at the step's end, not up to 50 µs after */
     pthread_mutex_lock(&s->mu);
     for (;;) {
@@ -946,6 +1152,7 @@ static void *switcher(void *arg)
             s->cur = s->next = NULL;
             s->pos = -1;
             s->cancel = 0;
+            forget_running(s);
             s->idle = 1;
             notify(s);
             continue;
@@ -977,9 +1184,11 @@ static void *switcher(void *arg)
         s->idle = 0;
         int pos = ++s->pos;
         pthread_mutex_unlock(&s->mu);
+        align_gang(s, b, pos);
         run_step(s, b, pos);
         pthread_mutex_lock(&s->mu);
         int64_t until = s->reports[(s->head - 1) % REPORTS].start + b->steps[pos].len_ns;  /* (its length from its gate opening) */
+        s->running_until = until;
         while (!s->cancel && !s->stopping && now_ns() < until) {
             pthread_mutex_unlock(&s->mu);
             sleep_or_cmd(s, until);
@@ -1008,6 +1217,12 @@ EXPORT struct sw *cg_sw_new(int gpu, int64_t bound_ns, int64_t cap_ns)
     s->cap_ns = cap_ns;
     s->pos = -1;
     s->idle = 1;
+    /* (the kernel's, of the calling thread: glibc's pthread_getschedparam keeps what it read first,
+     * and the daemon sets its priority with the plain system call) */
+    s->policy = sched_getscheduler(0);
+    if (s->policy < 0 || sched_getparam(0, &s->param))
+        s->policy = SCHED_OTHER;
+    s->policy &= ~SCHED_RESET_ON_FORK;
     pthread_mutex_init(&s->mu, NULL);
     s->cmd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     s->note = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -1016,6 +1231,12 @@ EXPORT struct sw *cg_sw_new(int gpu, int64_t bound_ns, int64_t cap_ns)
     pthread_sigmask(SIG_SETMASK, &all, &old);  /* signals stay with the daemon's own thread */
     int e = s->cmd < 0 || s->note < 0 ? errno : pthread_create(&s->thread, NULL, switcher, s);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (!e) {
+        pthread_mutex_lock(&switchers_mu);
+        if (gpu >= 0 && gpu < MAX_NODE_GPUS)
+            switchers[gpu] = s;
+        pthread_mutex_unlock(&switchers_mu);
+    }
     if (e) {
         if (s->cmd >= 0) close(s->cmd);
         if (s->note >= 0) close(s->note);
@@ -1040,6 +1261,14 @@ EXPORT void cg_sw_mode(struct sw *s, int mode, int64_t lead_ns)
     pthread_mutex_unlock(&s->mu);
 }
 EXPORT void cg_sw_ack(struct sw *s) { drain_fd(s->note); }
+/* A gang's turns aligned across its GPUs (align_gang): the step before a gang's runs on at most
+ * `ns` for its other GPUs' switchers (0: not aligned). */
+EXPORT void cg_sw_align(struct sw *s, int64_t ns)
+{
+    pthread_mutex_lock(&s->mu);
+    s->align_ns = ns;
+    pthread_mutex_unlock(&s->mu);
+}
 
 static void poke(struct sw *s)
 {
@@ -1136,6 +1365,10 @@ EXPORT int cg_sw_take(struct sw *s, struct report *out, int max, struct report *
 /* Stop the thread and free the switcher (the gates stay as they are: open them first). */
 EXPORT void cg_sw_free(struct sw *s)
 {
+    pthread_mutex_lock(&switchers_mu);
+    if (s->gpu >= 0 && s->gpu < MAX_NODE_GPUS && switchers[s->gpu] == s)
+        switchers[s->gpu] = NULL;
+    pthread_mutex_unlock(&switchers_mu);
     pthread_mutex_lock(&s->mu);
     s->stopping = 1;
     pthread_mutex_unlock(&s->mu);
@@ -1143,6 +1376,7 @@ EXPORT void cg_sw_free(struct sw *s)
     pthread_join(s->thread, NULL);
     free_batch(s->cur);
     free_batch(s->next);
+    forget_running(s);
     close(s->cmd);
     close(s->note);
     pthread_mutex_destroy(&s->mu);
