@@ -5,16 +5,15 @@ default runtime (put in by the node installer's own edit of a version 3 file); d
 component applied; `cgpu dra-plugin` as a host process with the ServiceAccount's token; cgpud
 serving two simulated 80 GB H100s (79 GiB each in the slice: 81559 MiB in whole GiB).
 
-Its own module and cluster (the kubelet's fixed device plugin directory is taken while
-test_cluster.py's runs). The cluster starts once for the module; the tests run in order on it and
-each removes what it made.
+Its own cluster (the kubelet's fixed device plugin directory is taken while test_cluster.py's
+runs), shared with test_cluster_dra_health.py. The cluster starts once for both; the tests run in
+order on it and each removes what it made.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -22,10 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import DRA_SA, NAMESPACE, NODE, REPO, BUSYBOX_IMAGE, Cluster, Proc, free_port, kubeconfig, wait_for
-from conftest import Daemon, _make_base
-from test_cluster import compiled_hook, container_name, running
-from test_runtime import wrapper
+from cluster import DRA_SA, NAMESPACE, NODE, REPO, BUSYBOX_IMAGE, Cluster, Proc, free_port, kubeconfig, \
+    node_fixtures, wait_for
+from cluster import node as cluster_node
+from test_cluster import container_name, running
 from test_webhook import SEED_000
 
 pytestmark = pytest.mark.slow
@@ -67,29 +66,23 @@ def start_plugin(c: Cluster) -> Proc:
     return c.procs["dra-plugin"]
 
 
-@pytest.fixture(scope="module")
-def cgpud():
-    d = Daemon(_make_base(), "sim:2xH100", ["--hook-path", compiled_hook()])  # (the hook cgpu-runtime puts in)
-    d.start()
-    yield d
-    problems = d.cleanup()
-    shutil.rmtree(d.base, ignore_errors=True)
-    assert not problems, problems
+# The node (its daemon and cluster) shared with test_cluster_dra_health.py (tests/cluster.py, shared()):
+# cgpud on two simulated H100s (GPU health's quiet time 2 s), deploy/kubernetes with the DRA component
+# applied, the controllers and the DRA plugin started.
+SHARED_CLUSTER = "dra"
 
 
-@pytest.fixture(scope="module")
-def cluster(cgpud):
-    c = Cluster(cgpud, wrapper(), containerd_bins=containerd_bin(), dra=True).start()
-    try:
-        c.deploy(["-k", os.fspath(overlay(c.path("overlay")))], device_plugin=False, extender=False)
-        # the resourceclaim controller takes a deleted pod off its claim's reservedFor (and frees it)
-        c.start_controller_manager("resourceclaim-controller,statefulset-controller,job-controller,"
-                                   "serviceaccount-controller,"
-                                   "serviceaccount-token-controller,garbage-collector-controller")
-        start_plugin(c)
-        yield c
-    finally:
-        c.cleanup()
+def dra_setup(c: Cluster) -> None:
+    c.deploy(["-k", os.fspath(overlay(c.path("overlay")))], device_plugin=False, extender=False)
+    # the resourceclaim controller takes a deleted pod off its claim's reservedFor (and frees it)
+    c.start_controller_manager("resourceclaim-controller,statefulset-controller,job-controller,"
+                               "serviceaccount-controller,"
+                               "serviceaccount-token-controller,garbage-collector-controller")
+    start_plugin(c)
+
+
+node, cgpud, cluster = node_fixtures(SHARED_CLUSTER, lambda: cluster_node(
+    "sim:2xH100", ("--health-quiet", "2"), dra_setup, containerd_bins=containerd_bin(), dra=True))
 
 
 def not_found(c: Cluster, *args: str) -> None:
