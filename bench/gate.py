@@ -4,6 +4,10 @@ costs and how well it shares, against the stand-in libcuda.so.1 in the same run.
 1. Added cost per ungated cuLaunchKernel: a C client times N launches through
    plain dlsym (the stand-in's launches made free: CGPU_STUB_CUDA_FAST=1), with
    and without libcgpu (gate open), interleaved rounds. Goal: p50 <= 100 ns.
+   Against reference libcgpus built in the same run from other revisions'
+   native/ (--ref, repeatable; default 4bb5e69, the main issue 34 was filed
+   against: what its new bookkeeping adds per launch, and main as it is now),
+   the same client and stand-in, their rounds interleaved with ours.
 2. Gate opened -> a waiting launch proceeds: the gate driven as the daemon
    drives it (the GPU's switcher thread, libcgpu-switch.so); the time from just
    before it opens to the start of the first kernel the stand-in logs after it.
@@ -28,7 +32,9 @@ costs and how well it shares, against the stand-in libcuda.so.1 in the same run.
    thread against a bare C thread waking as often; the trio thread against a
    bare trio loop waking as often.
 
-    .venv/bin/python bench/gate.py [--quick]
+    .venv/bin/python bench/gate.py [--quick] [--ref REV] [--launch-only]
+
+(--launch-only: part 1 alone, against the reference: about a minute.)
 """
 from __future__ import annotations
 
@@ -186,9 +192,28 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def launch_cost(tmp: Path, n: int, rounds: int) -> None:
+def build_ref(tmp: Path, rev: str) -> Path | None:
+    """libcgpu.so of revision `rev`'s native/ (git archive), built as ours is; None where it cannot be."""
+    src = tmp / f"ref-src-{rev}"
+    src.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "native"], capture_output=True)
+    if archive.returncode:
+        print(f"(no reference: git archive {rev}: {archive.stderr.decode().strip()})")
+        return None
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    zig = ROOT / ".venv" / "bin" / "python-zig"
+    r = subprocess.run(["make", "-s", "-C", str(src / "native"), "libcgpu", f"LIB={tmp / ('ref-' + rev)}",
+                        *([f"ZIG={zig}"] if zig.exists() else [])], capture_output=True, text=True)
+    if r.returncode:
+        print(f"(no reference: {rev}'s libcgpu does not build: {r.stderr.strip()[-300:]})")
+        return None
+    return tmp / f"ref-{rev}" / "libcgpu.so"
+
+
+def launch_cost(tmp: Path, n: int, rounds: int, refs: dict[str, Path] | None = None) -> None:
     """Alone on its GPU (the page's shared bit clear: what the scheduler says once an instance has
-    the GPU to itself), and bounded (the bit set: an event every few launches, docs/scheduler.md)."""
+    the GPU to itself), and bounded (the bit set: an event every few launches, docs/scheduler.md).
+    With `ref`, the same with that libcgpu, interleaved: what ours adds against it."""
     for d, on in (("p1", False), ("p2", True)):
         pages.create(str(tmp / d), [1 << 30])
         g = GateFreezer(str(tmp / d))
@@ -199,14 +224,35 @@ def launch_cost(tmp: Path, n: int, rounds: int) -> None:
     lib = {**base, "LD_PRELOAD": str(tmp / "libcgpu.so"), "CGPU_PAGE_DIR": str(tmp / "p1")}
     bounded = {**lib, "CGPU_PAGE_DIR": str(tmp / "p2")}
     plain, held, shared = [], [], []
+    runs = [(base, plain), (lib, held), (bounded, shared)]
+    got: dict[str, tuple[list[float], list[float]]] = {}
+    for rev, ref in (refs or {}).items():
+        for d, on in ((f"r1-{rev}", False), (f"r2-{rev}", True)):  # (its own pages: one libcgpu's slots are its)
+            pages.create(str(tmp / d), [1 << 30])
+            g = GateFreezer(str(tmp / d))
+            g.share(None, on, 2000)
+            g.close()
+        got[rev] = ([], [])
+        runs += [({**lib, "LD_PRELOAD": str(ref), "CGPU_PAGE_DIR": str(tmp / f"r1-{rev}")}, got[rev][0]),
+                 ({**lib, "LD_PRELOAD": str(ref), "CGPU_PAGE_DIR": str(tmp / f"r2-{rev}")}, got[rev][1])]
     for _ in range(rounds):
-        for env, out in ((base, plain), (lib, held), (bounded, shared)):
+        for env, out in runs:
             out.append(float(subprocess.run([str(tmp / "timer"), str(n)], env=env, capture_output=True, text=True,
                                             check=True).stdout))
     p, h, b = statistics.median(plain), statistics.median(held), statistics.median(shared)
     print(f"1. cuLaunchKernel through dlsym, gate open: stand-in alone {p:.1f} ns, with libcgpu {h:.1f} ns; "
           f"added p50 {h - p:.1f} ns ({h / p:.2f}x; goal <= 100 ns); on a shared GPU (its queue bounded) "
           f"{b:.1f} ns, added {b - p:.1f} ns")
+    for rev, (ref_held, ref_shared) in got.items():
+        rh, rb = statistics.median(ref_held), statistics.median(ref_shared)
+        spread = statistics.median(abs(x - y) for x, y in zip(held, ref_held))
+        print(f"   against {rev}'s libcgpu, same run ({rounds} interleaved rounds of {n} launches): alone "
+              f"{h:.1f} ns vs {rh:.1f} ns (this one adds {h - rh:+.1f} ns a launch); bounded "
+              f"{b:.1f} ns vs {rb:.1f} ns (this one adds {b - rb:+.1f} ns); a round's own difference "
+              f"varies by {spread:.1f} ns (median |ours - {rev}'s|); best rounds (what a busy machine "
+              f"adds only lengthens a round): alone {min(held):.1f} vs {min(ref_held):.1f} ns "
+              f"({min(held) - min(ref_held):+.1f}), bounded {min(shared):.1f} vs {min(ref_shared):.1f} ns "
+              f"({min(shared) - min(ref_shared):+.1f})")
 
 
 def gated_launcher(tmp: Path, tag: str, kernel_us: int, card: str) -> tuple[GateFreezer, subprocess.Popen, Path]:
@@ -485,11 +531,18 @@ def daemon_cpu(tmp: Path, seconds: float, count: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ref", action="append", help="a revision whose libcgpu is a per-launch reference "
+                    "(repeatable; default 4bb5e69 and main)")
+    ap.add_argument("--launch-only", action="store_true", help="part 1 alone (with the reference)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="cgpud-bench-gate-"))
     try:
         build(tmp)
-        launch_cost(tmp, 200_000 if args.quick else 2_000_000, 5)
+        refs = {rev: lib for rev in (args.ref or ["4bb5e69", "main"]) if (lib := build_ref(tmp, rev))}
+        launch_cost(tmp, 200_000 if args.quick else 1_000_000 if args.launch_only else 2_000_000,
+                    5 if args.quick else 9, refs)
+        if args.launch_only:
+            return
         wake_latency(tmp, 100 if args.quick else 500)
         takeover(tmp, 100 if args.quick else 300)
         shares(tmp, 3 if args.quick else 6)

@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from common import daemon, pct  # noqa: E402
 from nvml_stub import NvmlStub, StubGpu  # noqa: E402
-from test_growth import (AFTER, CONTEXT, CONTEXT_MIB, FILLS, GRAPH_LOOP, PYTORCH_FILL, TOP_UP, cgpu_run,  # noqa: E402
+from test_growth import (AFTER, CONTEXT, CONTEXT_MIB, FILLS, GRAPH_LOOP, PYTORCH_FILL, TOP_UP, USE_FIRST, cgpu_run,  # noqa: E402
                          finish, name, neighbour)
 from test_libcgpu import build_libs  # noqa: E402
 from test_smi_ioctl import LIST  # noqa: E402
@@ -50,7 +50,7 @@ PERIOD = 0.5
 KINDS = {
     "pytorch (fill, then cuBLAS-like first use)": PYTORCH_FILL + "mod = first_use()\n" + TOP_UP,
     **{f"{k} (its defaults)": textwrap.dedent(FILLS[k]) + TOP_UP for k in ("jax", "tensorflow", "vllm")},
-    "graph loop after a fill": PYTORCH_FILL + GRAPH_LOOP + AFTER,
+    "graph loop after a fill": USE_FIRST + PYTORCH_FILL + GRAPH_LOOP + AFTER,
 }
 BEFORE = "4a11ec3"  # the commit issue 28's work started from
 

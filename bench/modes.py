@@ -12,10 +12,15 @@
      and the seconds from its deletion to the new resources are the figure.
    Reference, same run: the seconds from the device plugin's start to its units in the node's
    allocatable (the kubelet's own registration path), median of 3 restarts.
-2. core_mem on the stand-in (a daemon of its own, `cgpu run --core`): two workloads at 30 % and
-   60 % on one GPU, the ratio of the CPU time the scheduler thawed them (goal 2.00 ± 0.04); the
-   30 % one alone (goal 0.30); reference: the same two under policy 2 with weights 6 and 12 (a
-   weighted 1:2, which gives the lone one the whole GPU).
+2. core_mem (policy 3 at max_inst 20, weight = percentage / 5), daemons of their own, each figure
+   against the same pair under policy 2 at weights 6 : 12 (max_inst 20, a weighted 1:2) in the same run:
+   a. CPU workloads (`cgpu run --core`, cgroup freezer): the ratio of the CPU time the scheduler
+      thawed the 60 % and the 30 % one for (goal 2.00 ± 0.04), and the 30 % one alone (goal 0.30
+      of a CPU; policy 2 gives a lone instance all of it);
+   b. the stand-in card, the instances gated by libcgpu (the switcher, charged their GPU time):
+      the ratio of their kernel time from the card's log (goal 2.00 ± 0.04), and the 30 % one alone
+      (goal 0.30 of the card; reference: the same job alone without cgpud).
+   (`--no-cluster`: only these.)
 
     .venv/bin/python bench/modes.py [--hold 5] [--seconds 6]
 
@@ -144,16 +149,18 @@ def relabel_figures(c, d, hold: float) -> None:
     c.kubectl("label", "node", "cgpu-node", "ack.node.gpu.schedule-")
 
 
-def share_figures(seconds: float) -> None:
+def cpu_share_figures(seconds: float) -> None:
+    """core_mem on CPU workloads (cgroup freezer): the CPU time the scheduler thawed each for."""
     from conftest import Daemon, _make_base
     from test_sched_real import Workloads, usage
 
-    def run(args1: list[str], args2: list[str], policy: str | None) -> tuple[float, float]:
+    def run(args1: list[str], args2: list[str], policy: str | None) -> tuple[float, float, list[float]]:
         d = Daemon(_make_base(), "sim:T4", [])
         d.start()
         try:
             d.write("default_memsize", str(64 << 20))
-            if policy:
+            if policy:  # (max_inst 20 as core_mem's: at the default 16, weight 12 beside 6 is cut to 10)
+                d.write("0/max_inst", "20")
                 d.write("0/policy", policy)
             w = Workloads(d)
             try:
@@ -164,21 +171,76 @@ def share_figures(seconds: float) -> None:
                 alone = (usage("benchfirst01") - u0) / (time.monotonic() - t0)
                 w.start("benchsecnd02", seconds + 2, *args2)
                 time.sleep(0.5)
-                a0, b0 = usage("benchfirst01"), usage("benchsecnd02")
-                time.sleep(seconds)
-                ratio = (usage("benchsecnd02") - b0) / (usage("benchfirst01") - a0)
+                seen = [(usage("benchfirst01"), usage("benchsecnd02"))]
+                for _ in range(round(seconds)):
+                    time.sleep(1.0)
+                    seen.append((usage("benchfirst01"), usage("benchsecnd02")))
+                if any(p.poll() is not None for p in w.procs.values()):
+                    raise SystemExit("bench/modes: a workload ended inside the window")
+                ratio = (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
+                each = [(b1 - b0) / (a1 - a0) for (a0, b0), (a1, b1) in zip(seen, seen[1:])]
             finally:
                 w.stop_all()
         finally:
             d.cleanup()
             shutil.rmtree(d.base, ignore_errors=True)
-        return ratio, alone
+        return ratio, alone, each
 
-    ratio, alone = run(["--core", "30"], ["--core", "60"], None)
-    ref_ratio, ref_alone = run(["--weight", "6"], ["--weight", "12"], "2")
-    print(f"core_mem 30 % : 60 %: throughput ratio {ratio:.2f} (goal 2.00 ± 0.04), 30 % alone {alone:.2f} "
-          f"of the GPU (goal 0.30)")
-    print(f"reference, policy 2 weights 6 : 12: ratio {ref_ratio:.2f}, the lone one {ref_alone:.2f} of the GPU")
+    ratio, alone, each = run(["--core", "30"], ["--core", "60"], None)
+    ref_ratio, ref_alone, ref_each = run(["--weight", "6"], ["--weight", "12"], "2")
+    print(f"CPU workloads (cgroup freezer; the CPU time each was thawed for, {seconds:g} s):")
+    print(f"  core_mem 30 % : 60 %: ratio {ratio:.3f} over the window (goal 2.00 ± 0.04; the median second "
+          f"{statistics.median(each):.3f}, each {min(each):.2f}-{max(each):.2f}); policy 2 at 6 : 12, same run: "
+          f"{ref_ratio:.3f} (median second {statistics.median(ref_each):.3f}, each {min(ref_each):.2f}-{max(ref_each):.2f})")
+    print(f"  30 % alone: {alone:.3f} of a CPU (goal 0.30); policy 2's lone weight 6: {ref_alone:.3f} (weighted: all)")
+
+
+def card_share_figures(seconds: float) -> None:
+    """core_mem on the stand-in card (native/stubs: kernels time-sliced by one executor), the instances gated
+    by libcgpu (`cgpud serve --compute gate`, the switcher): the kernel time of each from the card's log.
+    Two jobs: one that keeps the card busy through its gate (launches queued ahead), and one that leaves it
+    idle a third of its gate's time (host work between kernels: charged its GPU time, it is owed gate time)."""
+    import tempfile
+    import uuid
+
+    from deep_queue import (BATCH, HOST_KERNEL_US, HOST_US, KERNEL_US, alone_bare, build_tools, busy, finish, gated,
+                            host_bare, instance, window)
+
+    def write(d, name: str, value: str) -> None:
+        with open(os.path.join(d.mount, "0", name), "w") as f:
+            f.write(value)
+
+    def run(tmp: Path, tools: Path, lib: Path, tag: str, cmd: str, args: list[list[str]], policy: str | None):
+        with gated(lib) as d:
+            if policy:
+                write(d, "max_inst", "20")
+                write(d, "policy", policy)
+            names = [f"cm{tag}{policy or 3}{k}" for k in range(len(args))]
+            finish([instance(d, tools, tmp, n, a, cmd) for n, a in zip(names, args)])
+        logs = [tmp / n for n in names]
+        t0, t1 = window(logs)
+        return [busy(lg, t0, t1) / (t1 - t0) for lg in logs]
+
+    jobs = [(f"{BATCH} launches of {KERNEL_US / 1000:g} ms then a synchronize",
+             f'exec "$Q" loop {seconds} {KERNEL_US} {BATCH}', lambda tools, tmp: alone_bare(tools, tmp, seconds)),
+            (f"a {HOST_KERNEL_US / 1000:g} ms kernel, a synchronize, {HOST_US / 1000:g} ms of host work",
+             f'exec "$Q" host {seconds} {HOST_KERNEL_US} {HOST_US}', lambda tools, tmp: host_bare(tools, tmp, seconds))]
+    with tempfile.TemporaryDirectory(prefix="bench-modes-") as t:
+        tmp = Path(t)
+        tools, lib = build_tools(tmp, None)
+        print("the stand-in card, gated by libcgpu (the switcher; each charged its GPU time): the kernel time of each "
+              f"per second, {seconds:g} s a run", flush=True)
+        for j, (what, cmd, bare_of) in enumerate(jobs):
+            tag = uuid.uuid4().hex[:7] + str(j)
+            bare = bare_of(tools, tmp)
+            a, b = run(tmp, tools, lib, tag, cmd, [["--core", "30"], ["--core", "60"]], None)
+            ra, rb = run(tmp, tools, lib, tag, cmd, [["--weight", "6"], ["--weight", "12"]], "2")
+            (lone,) = run(tmp, tools, lib, tag[:7] + "l", cmd, [["--core", "30"]], None)
+            print(f"  {what} (alone without cgpud it keeps the card busy {bare:.3f}):")
+            print(f"    core_mem 30 % : 60 %: {a:.3f} : {b:.3f}, ratio {b / a:.3f} (goal 2.00 ± 0.04); policy 2 at "
+                  f"6 : 12, same run: {ra:.3f} : {rb:.3f}, ratio {rb / ra:.3f}")
+            print(f"    30 % alone: {lone:.3f} of the card (goal 0.30 where the job can use it: {0.3 * bare:.3f} is 30 % "
+                  f"of what it does alone)", flush=True)
 
 
 def main() -> None:
@@ -188,7 +250,8 @@ def main() -> None:
     ap.add_argument("--no-cluster", action="store_true")
     args = ap.parse_args()
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    share_figures(args.seconds)
+    cpu_share_figures(args.seconds)
+    card_share_figures(args.seconds)
     if args.no_cluster:
         return
     from cluster import Cluster

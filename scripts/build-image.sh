@@ -1,26 +1,75 @@
 #!/usr/bin/env bash
 # Builds the DaemonSet's image (deploy/kubernetes/Containerfile) with podman, offline but for
 # Debian's and PyPI's package registries: the Containerfile's base, Debian 12 (bookworm), is made
-# here by debootstrap (scripts/rootfs.sh) and imported under the base's name, so nothing is
-# pulled from a container registry.
-#   scripts/build-image.sh [TAG]     (default: cgpud:<version of cgpud>)
-# Then push TAG where the nodes pull from and name it in deploy/kubernetes/kustomization.yaml
-# (docs/kubernetes.md). Needs root (debootstrap) and podman.
+# here by debootstrap (scripts/rootfs.sh) and imported, so nothing is pulled from a container
+# registry.
+#   scripts/build-image.sh [TAG]                      this host's architecture: the image TAG
+#   scripts/build-image.sh --arch amd64,arm64 [TAG]   one image per architecture, TAG-<arch>, and
+#                                                     the manifest list TAG naming them all
+# (default TAG: cgpud:<version of cgpud>). Another architecture than the host's runs its image's
+# steps (apt, pip) under qemu-user's binfmt (scripts/setup.sh registers qemu-aarch64); the native
+# programs are cross-built by zig on the host's own. Then push TAG where the nodes pull from
+# (`podman manifest push --all TAG docker://REGISTRY/cgpud:VERSION` for a list) and name it in
+# deploy/kubernetes/kustomization.yaml (docs/kubernetes.md). Needs root (debootstrap) and podman.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+arches=
+if [ "${1:-}" = "--arch" ]; then
+  arches=${2:?usage: build-image.sh [--arch ARCH[,ARCH...]] [TAG]}
+  shift 2
+fi
 version=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' cgpud/__init__.py)
 tag=${1:-cgpud:$version}
-base=$(sed -n 's/^FROM //p' deploy/kubernetes/Containerfile | head -1)
-if ! podman image exists "$base"; then
-  rootfs=$(scripts/rootfs.sh bookworm)
-  echo "build-image: importing $rootfs as $base"
-  tar -C "$rootfs" --exclude=./.cgpud-done -c . | podman import - "$base" >/dev/null
-fi
+host=$(dpkg --print-architecture)
+default_base=$(sed -n 's/^ARG BASE=//p' deploy/kubernetes/Containerfile | head -1)
 # pip in the build trusts what this host trusts (a proxy's CA in front of the registries, say).
 trust=()
 [ -f /etc/ssl/certs/ca-certificates.crt ] && \
   trust=(--volume /etc/ssl/certs/ca-certificates.crt:/host-ca.crt:ro --build-arg PIP_CERT=/host-ca.crt)
-podman build --pull=never --network=host "${trust[@]}" -f deploy/kubernetes/Containerfile -t "$tag" .
+
+# The base for ARCH: the host's under the Containerfile's default name; another's under its own.
+base_for() {
+  local arch=$1 name rootfs
+  if [ "$arch" = "$host" ]; then
+    name=$default_base
+    podman image exists "$name" && { echo "$name"; return; }
+    rootfs=$(scripts/rootfs.sh bookworm)
+  else
+    name=localhost/cgpud-base:bookworm-$arch
+    podman image exists "$name" && { echo "$name"; return; }
+    rootfs=$(scripts/rootfs.sh bookworm minbase "$arch" complete)
+  fi
+  echo "build-image: importing $rootfs as $name ($arch)" >&2
+  tar -C "$rootfs" --exclude=./.cgpud-done -c . | podman import --arch "$arch" - "$name" >/dev/null
+  echo "$name"
+}
+
+build() {  # ARCH TAG
+  local base
+  base=$(base_for "$1")
+  # (the native stage runs on this host: its base is the host's; zig spawns a compiler per file at
+  # once: the build's containers get this shell's limit on open files, not podman's default)
+  podman build --pull=never --network=host --platform "linux/$1" "${trust[@]}" \
+    --ulimit "nofile=$(ulimit -Hn):$(ulimit -Hn)" \
+    --build-arg BASE="$base" --build-arg BUILD_BASE="$(base_for "$host")" --build-arg NATIVE_PLATFORM="linux/$host" \
+    -f deploy/kubernetes/Containerfile -t "$2" .
+}
+
+if [ -z "$arches" ]; then
+  build "$host" "$tag"
+else
+  images=()
+  for arch in ${arches//,/ }; do
+    build "$arch" "$tag-$arch"
+    images+=("$tag-$arch")
+  done
+  podman manifest exists "$tag" 2>/dev/null && podman manifest rm "$tag" >/dev/null
+  podman image exists "$tag" && podman rmi "$tag" >/dev/null
+  podman manifest create "$tag" >/dev/null
+  for image in "${images[@]}"; do
+    podman manifest add "$tag" "containers-storage:localhost/${image#localhost/}" >/dev/null
+  done
+fi
 # a rebuild leaves the image it replaces untagged: remove those (ours only, by the label)
 podman image prune -f --filter label=io.cgpud.image=daemonset >/dev/null || true
-echo "build-image: built $tag"
+echo "build-image: built $tag${arches:+ (a manifest list of $arches)}"

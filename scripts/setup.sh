@@ -82,3 +82,12 @@ echo "setup: helm in $helm_bin"
 if [ "$(id -u)" -eq 0 ]; then arm64_root="$(nice -n 10 scripts/rootfs.sh bullseye minbase arm64)"
 else arm64_root="$(sudo nice -n 10 scripts/rootfs.sh bullseye minbase arm64)"; fi
 echo "setup: arm64 root filesystem in $arm64_root"
+# qemu-user for aarch64 through binfmt_misc (the F flag: the interpreter opened now, so it runs in
+# containers too), for the arm64 image's own steps (scripts/build-image.sh --arch amd64,arm64,
+# tests/test_image.py): Debian's qemu-user-static ships the rule; without systemd nothing loads it.
+binfmt() {
+  [ -e /proc/sys/fs/binfmt_misc/register ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+  [ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || cat /usr/lib/binfmt.d/qemu-aarch64.conf > /proc/sys/fs/binfmt_misc/register
+}
+if [ "$(id -u)" -eq 0 ]; then binfmt; else sudo bash -c "$(declare -f binfmt); binfmt"; fi
+echo "setup: qemu-aarch64 registered with binfmt_misc"

@@ -26,8 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # length in time, a CPU loop's stalls) through real processes: what a loaded machine can move
 TIMED = ["test_deep_queue.py", "test_shared_pages.py", "test_gate.py", "test_switcher.py", "test_sched_real.py",
          "test_graphs.py", "test_policies.py", "test_cupy.py", "test_gang.py", "test_enforce.py",
-         "test_activity.py", "test_stub_executor.py", "test_podman.py"]
+         "test_activity.py", "test_stub_executor.py", "test_podman.py", "test_growth.py",
+         # (one test of a file: its node ID; this one waits on the kubelet's retries)
+         "test_cluster_dra.py::test_a_claim_with_a_bad_configuration_is_refused_on_the_pods_events_and_nothing_runs"]
 HOG = "while True: pass"
+KEEP = Path(os.environ.get("TMPDIR", "/tmp")) / f"test-load-{os.getpid()}"  # a failed run's output
 
 
 def hogs(n: int) -> list[subprocess.Popen]:
@@ -36,7 +39,7 @@ def hogs(n: int) -> list[subprocess.Popen]:
 
 
 def run_once(path: Path, timeout: float) -> tuple[bool, list[str], float]:
-    """One pytest run of one file: passed, the tests that failed, seconds."""
+    """One pytest run of one file (or one test: FILE::NAME): passed, the tests that failed, seconds."""
     t0 = time.monotonic()
     try:
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
@@ -48,6 +51,11 @@ def run_once(path: Path, timeout: float) -> tuple[bool, list[str], float]:
     for t in lines:  # (each failure's own line, for what the summary cannot say)
         print(f"test-load:   {t[:300]}", flush=True)
     ok = r.returncode == 0
+    if not ok:  # the whole output kept, to read why
+        KEEP.mkdir(parents=True, exist_ok=True)
+        kept = KEEP / f"{path.name.replace('::', '-')[:120]}.{time.strftime('%H%M%S')}.log"
+        kept.write_text(r.stdout + r.stderr)
+        print(f"test-load:   its output: {kept}", flush=True)
     if not ok and not failed:
         failed = [f"{path.name} (pytest exit {r.returncode}: {r.stdout.strip().splitlines()[-1:] or r.stderr[-200:]})"]
     return ok, failed, time.monotonic() - t0
@@ -58,28 +66,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=10, help="runs of each file (default 10)")
     ap.add_argument("--hogs", type=int, default=4, help="CPU hogs beside the runs (default 4)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")
-    ap.add_argument("files", nargs="*", help=f"test files (default: {' '.join(TIMED)})")
+    ap.add_argument("files", nargs="*", help=f"test files or FILE::TEST (default: {' '.join(TIMED)})")
     a = ap.parse_args(argv)
-    files = [Path(f) if os.sep in f else ROOT / "tests" / f for f in (a.files or TIMED)]
-    missing = [os.fspath(f) for f in files if not f.is_file()]
+    files = [Path(f) if os.sep in f.split("::")[0] else ROOT / "tests" / f for f in (a.files or TIMED)]
+    missing = [os.fspath(f) for f in files if not Path(os.fspath(f).split("::")[0]).is_file()]
     if missing or a.runs < 1 or a.hogs < 0:
         print(f"test-load: {'no such test file: ' + ', '.join(missing) if missing else 'runs >= 1, hogs >= 0'}",
               file=sys.stderr)
         return 2
     load = hogs(a.hogs)
     results: dict[Path, list[tuple[bool, list[str], float]]] = {f: [] for f in files}
+    loadavg: list[float] = []  # the 1-minute load average at the end of each run (other work on the host counts)
     try:
         for k in range(a.runs):  # (round robin: a spell of worse load falls on every file, not one)
             for f in files:
                 ok, failed, secs = run_once(f, a.timeout)
                 results[f].append((ok, failed, secs))
+                loadavg.append(os.getloadavg()[0])
                 print(f"test-load: run {k + 1}/{a.runs} {f.name}: {'passed' if ok else 'FAILED ' + ' '.join(failed)}"
-                      f" ({secs:.0f} s)", flush=True)
+                      f" ({secs:.0f} s, load {loadavg[-1]:.1f})", flush=True)
     finally:
         for p in load:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    print(f"\ntest-load: {a.hogs} CPU hogs, {a.runs} runs of each file, on {os.cpu_count()} CPUs")
+    print(f"\ntest-load: {a.hogs} CPU hogs, {a.runs} runs of each file, on {os.cpu_count()} CPUs; the load average "
+          f"(1 min) at the runs' ends: mean {sum(loadavg) / max(len(loadavg), 1):.1f}, "
+          f"{min(loadavg, default=0):.1f} to {max(loadavg, default=0):.1f}")
     bad = 0
     for f, rs in results.items():
         fails = sum(not ok for ok, _, _ in rs)

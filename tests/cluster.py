@@ -385,6 +385,7 @@ class Cluster:
     # ---- start ----
 
     def start(self) -> "Cluster":
+        end_shared()  # (this process's shared cluster, if another is held: one cluster a host)
         try:
             self._start()
         except BaseException:
@@ -417,6 +418,7 @@ class Cluster:
     def start_control_plane(self) -> "Cluster":
         """etcd and kube-apiserver only (no node, containerd or scheduler): for tests of what the API
         server allows (RBAC, admission policies, webhooks), which need no node to run on."""
+        end_shared()
         try:
             self._take_the_node()
             make_pki(self.path("pki"), self.ip)
@@ -893,10 +895,10 @@ state = "{c}/state"
             self.kubectl("create", "token", SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
         self.sa_kubeconfig = kubeconfig(self.path("cgpu-sa.kubeconfig"), self.server, self.path("pki", "ca.crt"),
                                         {"token": token})
-        token = self.kubectl("create", "token", EXTENDER_SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
-        self.extender_kubeconfig = kubeconfig(self.path("extender-sa.kubeconfig"), self.server,
-                                              self.path("pki", "ca.crt"), {"token": token})
-        if extender:
+        if extender:  # (DRA mode has no extender, nor its account)
+            token = self.kubectl("create", "token", EXTENDER_SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
+            self.extender_kubeconfig = kubeconfig(self.path("extender-sa.kubeconfig"), self.server,
+                                                  self.path("pki", "ca.crt"), {"token": token})
             self.start_extender()
         if device_plugin:
             self.start_device_plugin()
@@ -1055,3 +1057,100 @@ state = "{c}/state"
                 top.rmdir()
             except OSError:
                 pass
+
+
+# ---- one cluster for the modules that share it --------------------------------------------
+
+
+class Shared:
+    """The cluster kept from one test module to the next that asks for the same key (a module's
+    SHARED_CLUSTER; tests/conftest.py runs such modules one after another and ends it after the
+    last): a cluster's start is a minute or more of the suite. One at a time, as TIER_LOCK says:
+    asked for another key, or a Cluster of this process starting (a DaemonSet's own node), it
+    ends first. Each module leaves it as it found it (its pods, claims and labels removed)."""
+
+    key: str | None = None
+    value: object = None
+    close: Callable[[], list[str]] | None = None
+
+
+def shared(key: str, make: Callable[[], tuple[object, Callable[[], list[str]]]]) -> object:
+    """What make() made for `key` (made now if another key's or nothing is held): make returns the
+    value (e.g. (daemon, cluster)) and what ends it (returning what went wrong on the way)."""
+    if Shared.key != key:
+        end_shared()
+        value, close = make()
+        Shared.key, Shared.value, Shared.close = key, value, close
+    return Shared.value
+
+
+def end_shared() -> None:
+    """End the shared cluster, if one is held; fails with what its end found wrong."""
+    close, Shared.key, Shared.value, Shared.close = Shared.close, None, None, None
+    problems = close() if close is not None else []
+    assert not problems, problems
+
+
+def node_daemon(gpus: str, *args: str):
+    """cgpud for a cluster's node (tests/conftest.py's Daemon): `gpus` simulated, the hook that
+    cgpu-runtime puts in, `args`; started. (daemon, what stops and removes it: its problems)."""
+    from conftest import Daemon, _make_base
+    from test_runc import compiled_hook
+
+    d = Daemon(_make_base(), gpus, ["--hook-path", compiled_hook(), *args])
+
+    def end() -> list[str]:
+        problems = d.cleanup()
+        shutil.rmtree(d.base, ignore_errors=True)
+        return [f"cgpud on {d.mount} {p}" for p in problems]
+
+    try:
+        d.start()
+    except BaseException:
+        end()
+        raise
+    return d, end
+
+
+def node(gpus: str, daemon_args: tuple[str, ...], setup: Callable[["Cluster"], None],
+         **cluster_args) -> tuple[tuple[object, "Cluster"], Callable[[], list[str]]]:
+    """A cluster on a node daemon of `gpus` (node_daemon), started, then `setup(cluster)`: for
+    shared(). ((daemon, cluster), what ends both)."""
+    from test_runtime import wrapper
+
+    d, end = node_daemon(gpus, *daemon_args)
+    try:
+        c = Cluster(d, wrapper(), **cluster_args).start()
+    except BaseException:
+        end()
+        raise
+
+    def close() -> list[str]:
+        c.cleanup()
+        return end()
+
+    try:
+        setup(c)
+    except BaseException:
+        close()
+        raise
+    return (d, c), close
+
+
+def node_fixtures(key: str, make: Callable[[], tuple[tuple[object, "Cluster"], Callable[[], list[str]]]]):
+    """A module's fixtures node, cgpud and cluster (module scope) for the cluster shared under `key`
+    (shared(), make: e.g. node()):  node, cgpud, cluster = node_fixtures(SHARED_CLUSTER, ...)."""
+
+    @pytest.fixture(scope="module")
+    def node():
+        return shared(key, make)
+
+    @pytest.fixture(scope="module")
+    def cgpud(node):
+        return node[0]
+
+    @pytest.fixture(scope="module")
+    def cluster(node):
+        return node[1]
+
+    return node, cgpud, cluster

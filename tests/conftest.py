@@ -422,3 +422,32 @@ from hypothesis import settings as _hsettings  # noqa: E402
 _hsettings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     _hsettings.load_profile("ci")
+
+
+# ---- the cluster tier's shared clusters (tests/cluster.py, shared()) ----------------------------
+
+
+def _shared_cluster(item) -> str | None:
+    return getattr(getattr(item, "module", None), "SHARED_CLUSTER", None)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """The modules that share a cluster (the same SHARED_CLUSTER) run one after another, where the
+    first of them runs; every other test keeps its place."""
+    first: dict[str, int] = {}
+    rank = [(first.setdefault(k, i) if (k := _shared_cluster(it)) else i, i) for i, it in enumerate(items)]
+    items[:] = [items[i] for _, i in sorted(rank)]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of the modules that share a cluster: the cluster ended (the next test
+    runs on a host without it)."""
+    try:
+        return (yield)
+    finally:
+        key = _shared_cluster(item)
+        if key is not None and _shared_cluster(nextitem) != key:
+            from cluster import end_shared
+
+            end_shared()

@@ -15,7 +15,10 @@ nvidia.com/gpu, aliyun.com/gpu-core.percentage) are followed the same way in
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent import futures
@@ -160,3 +163,29 @@ class Kubelet(rpc.RegistrationServicer):
         if self.server is not None:
             self.server.stop(grace=0).wait()
             self.server = None
+
+
+@contextlib.contextmanager
+def plugin_node(daemon, tmp, node: str, labels: dict | None = None):
+    """`cgpu device-plugin` of `daemon` for `node` (with `labels`; it looks at the node every 0.2 s)
+    against the API server stand-in (tests/apiserver_standin.py) and this kubelet stand-in, all in
+    directory `tmp` (its log plugin.log): (api, kubelet, the plugin's process); all stopped after."""
+    from apiserver_standin import ApiServer
+
+    api = ApiServer(tmp, history=50, bookmark_every=0.2)
+    api.add_node(node, labels=labels)
+    plugin_dir = os.path.join(tmp, "device-plugins")
+    os.mkdir(plugin_dir)
+    kubelet = Kubelet(plugin_dir)
+    cgpu = os.path.join(os.path.dirname(sys.executable), "cgpu")
+    with open(os.path.join(tmp, "plugin.log"), "wb") as log:
+        proc = subprocess.Popen([cgpu, "--socket", os.fspath(daemon.socket), "device-plugin", "--plugin-dir", plugin_dir,
+                                 "--node-refresh", "0.2"], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME=node))
+        try:
+            yield api, kubelet, proc
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            kubelet.stop()
+            api.close()

@@ -4,25 +4,25 @@ manifests on a one-node cluster of the real Kubernetes components
 shipped configuration, a kubelet on containerd's CRI), cgpud serving two
 simulated T4s (14 units of aliyun.com/gpu-mem each).
 
-The cluster starts once for the module (about a minute once the binaries are
-built; scripts/k8s-build.sh builds them the first time) and the tests run in
-order on it: what a test leaves (a pod) is its own to remove.
+The cluster starts once for this module and test_cluster_health.py (about a
+minute once the binaries are built; scripts/k8s-build.sh builds them the first
+time) and the tests run in order on it: what a test leaves (a pod, a label) is
+its own to remove.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import re
-import shutil
 import time
 
 import pytest
 import yaml
 
-from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, Cluster, shipped_scheduler_config, wait_for
-from conftest import SIM_T4_BYTES, Daemon, _make_base
-from test_runc import compiled_hook
-from test_runtime import wrapper
+from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, Cluster, node as cluster_node, node_fixtures, \
+    shipped_scheduler_config, wait_for
+from conftest import SIM_T4_BYTES
+from test_runc import compiled_hook  # noqa: F401  (test_cluster_dra's)
 
 pytestmark = pytest.mark.slow
 
@@ -31,24 +31,14 @@ SA_USER = f"system:serviceaccount:{NAMESPACE}:{SA}"
 EXTENDER_USER = f"system:serviceaccount:{NAMESPACE}:{EXTENDER_SA}"
 
 
-@pytest.fixture(scope="module")
-def cgpud():
-    d = Daemon(_make_base(), "sim:2xT4", ["--hook-path", compiled_hook()])  # (the hook cgpu-runtime puts in)
-    d.start()
-    yield d
-    problems = d.cleanup()
-    shutil.rmtree(d.base, ignore_errors=True)
-    assert not problems, problems
+# The node (its daemon and cluster) shared with test_cluster_health.py (tests/cluster.py, shared()):
+# cgpud on two simulated T4s (GPU health's quiet time 2 s), deploy/kubernetes applied, the extender and
+# the device plugin started.
+SHARED_CLUSTER = "extender"
 
 
-@pytest.fixture(scope="module")
-def cluster(cgpud):
-    c = Cluster(cgpud, wrapper()).start()
-    try:
-        c.deploy()
-        yield c
-    finally:
-        c.cleanup()
+node, cgpud, cluster = node_fixtures(SHARED_CLUSTER, lambda: cluster_node("sim:2xT4", ("--health-quiet", "2"),
+                                                                        Cluster.deploy))
 
 
 def running(pod: dict) -> bool:
@@ -117,13 +107,15 @@ def test_deploy_applies_and_rbac_gives_our_parts_what_they_need_and_no_more(clus
                      "clusterrolebinding.rbac.authorization.k8s.io/cgpu", "daemonset.apps/cgpud",
                      "runtimeclass.node.k8s.io/cgpu"):
         assert expected in objects, (expected, objects, cluster.deploy_output)
-    for user, needed, outside in ((SA_USER, NEEDED, OUTSIDE + NODE_OUTSIDE),
-                                  (EXTENDER_USER, EXTENDER_NEEDS, OUTSIDE + EXTENDER_OUTSIDE)):
-        for verb, resource in needed:
-            p = can_i(cluster, verb, resource, user)
+    asks = [(user, verb, resource, allowed) for user, needed, outside in (
+        (SA_USER, NEEDED, OUTSIDE + NODE_OUTSIDE), (EXTENDER_USER, EXTENDER_NEEDS, OUTSIDE + EXTENDER_OUTSIDE))
+        for allowed, pairs in ((True, needed), (False, outside)) for verb, resource in pairs]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # (50 kubectl processes: a minute one by one, loaded)
+        answers = list(pool.map(lambda a: can_i(cluster, a[1], a[2], a[0]), asks))
+    for (user, verb, resource, allowed), p in zip(asks, answers):
+        if allowed:
             assert p.stdout.strip() == "yes", f"{user} may not {verb} {resource}: {p.stdout}{p.stderr}"
-        for verb, resource in outside:
-            p = can_i(cluster, verb, resource, user)
+        else:
             assert p.stdout.strip() == "no" and p.returncode == 1, f"{user} may {verb} {resource}"
     # and the API server refuses such a request made with the account's own token
     p = cluster.kubectl("get", "secrets", "-n", NAMESPACE, kubeconfig=cluster.sa_kubeconfig, check=False)
@@ -235,8 +227,10 @@ def test_a_kubelet_restart_is_followed_by_re_registration_and_the_pod_keeps_its_
     cluster.stop_kubelet()
     assert name in cgpud.instances(gpu)
     cluster.start_kubelet()
+    from test_cluster_dra import pod_syncs
+
     wait_for(lambda: _registered(cluster), 60, "the device plugin registered with the new kubelet", cluster.logs)
-    time.sleep(3)  # the new kubelet has looked at its pods again
+    wait_for(lambda: pod_syncs(cluster) >= 1, 60, "the new kubelet to sync its pods", cluster.logs)
     pod = cluster.wait_pod("keep-3", running, 30, "still Running")
     status = pod["status"]["containerStatuses"][0]
     assert status["containerID"] == cid and status["restartCount"] == 0, status
@@ -282,13 +276,17 @@ def fake_node(i: int) -> dict:
 def make_fake_nodes(cluster, n: int = FAKE_NODES) -> None:
     api = cluster.api()
 
+    # (each answer read and dropped, not made into the client's models: 3,000 of them were most of the
+    # test's CPU; a refusal still raises)
+    raw = {"_preload_content": False}
+
     def one(i: int) -> None:
         body = fake_node(i)
-        api.create_node(body)
-        api.patch_node_status(body["metadata"]["name"], {"status": body["status"]})  # (create keeps no status)
-        # the node lifecycle controller's part once a node is Ready: the API server's admission tainted it
-        # not-ready at creation
-        api.patch_node(body["metadata"]["name"], {"spec": {"taints": body["spec"]["taints"]}})
+        api.create_node(body, **raw).drain_conn()
+        api.patch_node_status(body["metadata"]["name"], {"status": body["status"]}, **raw).drain_conn()  # (create
+        # keeps no status); the node lifecycle controller's part once a node is Ready: the API server's
+        # admission tainted it not-ready at creation
+        api.patch_node(body["metadata"]["name"], {"spec": {"taints": body["spec"]["taints"]}}, **raw).drain_conn()
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         list(pool.map(one, range(n)))
@@ -297,7 +295,8 @@ def make_fake_nodes(cluster, n: int = FAKE_NODES) -> None:
 def delete_fake_nodes(cluster) -> None:
     cluster.kubectl("delete", "pods", "-l", "cgpud-test/fake-pod=true", "--force", "--grace-period=0",
                     "--ignore-not-found", check=False, timeout=120)
-    cluster.kubectl("delete", "nodes", "-l", "cgpud-test/fake=true", "--wait=false", check=False, timeout=300)
+    # (one DELETE of the collection: kubectl deletes 1,000 nodes one request each)
+    cluster.api().delete_collection_node(label_selector="cgpud-test/fake=true", _preload_content=False).drain_conn()
 
 
 def request_counts(metrics: str) -> dict[tuple[str, str], int]:

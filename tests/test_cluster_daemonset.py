@@ -143,6 +143,7 @@ def overlay(tmp: Path, cluster: Cluster, host: Path, image_tag: str, dra: bool =
                  "env": [{"name": "CGPU_NVML_STUB", "value": "/host/nvml-stub.conf"},
                          {"name": "CGPUD_HOST_NS_PID", "value": str(cluster.procs["host-namespace"].proc.pid)}]},
                 plugin,
+                {"name": "node-keeper", "env": api},  # (its DaemonSet watched: the API server here)
             ],
             "volumes": [{"name": "host", "hostPath": {"path": os.fspath(host), "type": "Directory"}}]
             + [{"name": n, "hostPath": {"path": os.fspath(p), "type": "DirectoryOrCreate"}}

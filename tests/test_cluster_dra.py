@@ -5,16 +5,15 @@ default runtime (put in by the node installer's own edit of a version 3 file); d
 component applied; `cgpu dra-plugin` as a host process with the ServiceAccount's token; cgpud
 serving two simulated 80 GB H100s (79 GiB each in the slice: 81559 MiB in whole GiB).
 
-Its own module and cluster (the kubelet's fixed device plugin directory is taken while
-test_cluster.py's runs). The cluster starts once for the module; the tests run in order on it and
-each removes what it made.
+Its own cluster (the kubelet's fixed device plugin directory is taken while test_cluster.py's
+runs), shared with test_cluster_dra_health.py. The cluster starts once for both; the tests run in
+order on it and each removes what it made.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -22,10 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import DRA_SA, NAMESPACE, NODE, REPO, BUSYBOX_IMAGE, Cluster, Proc, free_port, kubeconfig, wait_for
-from conftest import Daemon, _make_base
-from test_cluster import compiled_hook, container_name, running
-from test_runtime import wrapper
+from cluster import DRA_SA, NAMESPACE, NODE, REPO, BUSYBOX_IMAGE, Cluster, Proc, free_port, kubeconfig, \
+    node_fixtures, wait_for
+from cluster import node as cluster_node
+from test_cluster import container_name, running
 from test_webhook import SEED_000
 
 pytestmark = pytest.mark.slow
@@ -67,29 +66,23 @@ def start_plugin(c: Cluster) -> Proc:
     return c.procs["dra-plugin"]
 
 
-@pytest.fixture(scope="module")
-def cgpud():
-    d = Daemon(_make_base(), "sim:2xH100", ["--hook-path", compiled_hook()])  # (the hook cgpu-runtime puts in)
-    d.start()
-    yield d
-    problems = d.cleanup()
-    shutil.rmtree(d.base, ignore_errors=True)
-    assert not problems, problems
+# The node (its daemon and cluster) shared with test_cluster_dra_health.py (tests/cluster.py, shared()):
+# cgpud on two simulated H100s (GPU health's quiet time 2 s), deploy/kubernetes with the DRA component
+# applied, the controllers and the DRA plugin started.
+SHARED_CLUSTER = "dra"
 
 
-@pytest.fixture(scope="module")
-def cluster(cgpud):
-    c = Cluster(cgpud, wrapper(), containerd_bins=containerd_bin(), dra=True).start()
-    try:
-        c.deploy(["-k", os.fspath(overlay(c.path("overlay")))], device_plugin=False, extender=False)
-        # the resourceclaim controller takes a deleted pod off its claim's reservedFor (and frees it)
-        c.start_controller_manager("resourceclaim-controller,statefulset-controller,job-controller,"
-                                   "serviceaccount-controller,"
-                                   "serviceaccount-token-controller,garbage-collector-controller")
-        start_plugin(c)
-        yield c
-    finally:
-        c.cleanup()
+def dra_setup(c: Cluster) -> None:
+    c.deploy(["-k", os.fspath(overlay(c.path("overlay")))], device_plugin=False, extender=False)
+    # the resourceclaim controller takes a deleted pod off its claim's reservedFor (and frees it)
+    c.start_controller_manager("resourceclaim-controller,statefulset-controller,job-controller,"
+                               "serviceaccount-controller,"
+                               "serviceaccount-token-controller,garbage-collector-controller")
+    start_plugin(c)
+
+
+node, cgpud, cluster = node_fixtures(SHARED_CLUSTER, lambda: cluster_node(
+    "sim:2xH100", ("--health-quiet", "2"), dra_setup, containerd_bins=containerd_bin(), dra=True))
 
 
 def not_found(c: Cluster, *args: str) -> None:
@@ -565,6 +558,87 @@ spec:
             # 128 MiB
             aliyun.com/gpu-mem: 16 # 16 * 128 MiB = 2 GiB
 """
+
+
+CORE = "aliyun.com/gpu-core.percentage"
+
+
+def core_pod(c: Cluster, name: str, gpu_mem: int, percentage: str) -> dict:
+    pod = c.pod(name, gpu_mem, runtime_class=None)
+    pod["spec"]["containers"][0]["resources"]["limits"][CORE] = percentage
+    return pod
+
+
+def set_mode(c: Cluster, mode: str | None) -> None:
+    c.kubectl("label", "node", NODE, f"ack.node.gpu.schedule={mode}" if mode else "ack.node.gpu.schedule-",
+              "--overwrite")
+
+
+def slice_modes(c: Cluster) -> list[str]:
+    s = c.get("resourceslice", f"{NODE}-{DRIVER}-0")
+    return [d["attributes"].get("mode", {}).get("string") for d in s["spec"].get("devices") or ()]
+
+
+def mode_pending(c: Cluster) -> dict | None:
+    conds = c.get("node", NODE)["status"].get("conditions", [])
+    return next((x for x in conds if x["type"] == "CgpuModePending" and x["status"] == "True"), None)
+
+
+def test_the_node_label_sets_the_dra_mode_core_mem_runs_a_30_percent_pod_and_a_change_waits(cluster, cgpud, webhook):
+    """Issue 37 in DRA mode, on the real scheduler: a bad compute percentage is refused at CREATE
+    (by the webhook in DRA, by the policy cgpu-gpu-core-percentage where the webhook passes over the
+    namespace); the node labelled core_mem publishes core_mem devices; a pod asking gpu-mem 2 and 30 %
+    runs with ALIYUN_COM_GPU_CORE_PERCENTAGE=30 (its claim consumed 30 of `compute`) while a
+    memory-only pod stays Pending; relabelled cgpu while the 30 % pod runs, the node keeps core_mem
+    (CgpuModePending) and switches when the pod is deleted: then the memory-only pod runs."""
+    p = dry_run(cluster, core_pod(cluster, "bad-core", 2, "33"))
+    assert p.returncode != 0 and ("container app: limits aliyun.com/gpu-core.percentage 33 is not a percentage "
+                                  "core_mem gives: give a whole multiple of 5 from 5 to 100") in p.stderr, p.stderr
+    cluster.kubectl("create", "namespace", "no-dra-webhook")
+    cluster.kubectl("label", "namespace", "no-dra-webhook", "cgpu.aliyun.com/dra-webhook=off")
+    try:
+        for bad in ("3", "105", "1k"):
+            pod = core_pod(cluster, "bad-core", 2, bad)
+            pod["metadata"]["namespace"] = "no-dra-webhook"
+            p = dry_run(cluster, pod)
+            assert p.returncode != 0 and "cgpu-gpu-core-percentage" in p.stderr and (
+                f"container app: aliyun.com/gpu-core.percentage {bad} is not a percentage core_mem gives: give a "
+                "whole multiple of 5 from 5 to 100") in p.stderr, p.stderr
+        pod = core_pod(cluster, "good-core", 2, "30")
+        pod["metadata"]["namespace"] = "no-dra-webhook"
+        assert dry_run(cluster, pod).returncode == 0
+    finally:
+        cluster.kubectl("delete", "namespace", "no-dra-webhook", "--wait=false")
+
+    set_mode(cluster, "core_mem")
+    try:
+        wait_for(lambda: slice_modes(cluster) == ["core_mem"] * 2, 60, "core_mem devices published", cluster.logs)
+        cluster.create(core_pod(cluster, "core-30", 2, "30"))
+        pod = cluster.wait_pod("core-30", running, 90, "Running")
+        assert pod_env(cluster, "core-30")["ALIYUN_COM_GPU_CORE_PERCENTAGE"] == "30"
+        (r,) = pod_claim(cluster, pod)["status"]["allocation"]["devices"]["results"]
+        assert str(r["consumedCapacity"]["compute"]) == "30", r
+        cluster.create(cluster.pod("mem-only", 2, runtime_class=None))
+        wait_for(lambda: any(x["type"] == "PodScheduled" and x["status"] == "False" for x in
+                             cluster.get("pod", "mem-only").get("status", {}).get("conditions", [])), 60,
+                 "the memory-only pod found unschedulable on the core_mem node", cluster.logs)
+
+        set_mode(cluster, "cgpu")
+        cond = wait_for(lambda: mode_pending(cluster), 30, "CgpuModePending", cluster.logs)
+        assert "stays in mode core_mem" in cond["message"], cond
+        assert slice_modes(cluster) == ["core_mem"] * 2
+        assert cluster.get("pod", "mem-only")["status"].get("phase") == "Pending"
+        cluster.delete_pod("core-30")
+        wait_for(lambda: slice_modes(cluster) == ["cgpu"] * 2, 60, "cgpu devices once the pod is gone", cluster.logs)
+        assert not mode_pending(cluster)
+        cluster.wait_pod("mem-only", running, 120, "Running once the node is cgpu")
+    finally:
+        cluster.delete_pod("core-30")
+        cluster.delete_pod("mem-only")
+        set_mode(cluster, "cgpu")  # (the daemon back in cgpu; without the label the node keeps the daemon's mode)
+        set_mode(cluster, None)
+    wait_for(lambda: slice_modes(cluster) == ["cgpu"] * 2 and not cgpud.instances(0) and not cgpud.instances(1), 60,
+             "the node back in cgpu with no instance", cluster.logs)
 
 
 def share_mode(c: Cluster, cgpud) -> None:

@@ -1,32 +1,20 @@
-"""GPU health in DRA mode on the cluster tier (issue 38; the cluster of tests/test_cluster_dra.py:
-real kube-apiserver, kube-scheduler, a kubelet with DRA on and containerd 2): cgpud on two simulated
-T4s (quiet time 2 s). A pod's GPU falls off the bus (Xid 79, lost) -> its devices in the node's
-ResourceSlices carry the NoSchedule taint, the kubelet puts Unhealthy into the pod's status
+"""GPU health in DRA mode on the cluster tier (issue 38): test_cluster_dra.py's node, shared with it
+(real kube-apiserver, kube-scheduler, a kubelet with DRA on and containerd 2; cgpud on two simulated
+H100s, GPU health's quiet time 2 s). A pod's GPU falls off the bus (Xid 79, lost) -> its devices in
+the node's ResourceSlices carry the NoSchedule taint, the kubelet puts Unhealthy into the pod's status
 (KEP-4680's allocatedResourcesStatus), a new claim is allocated
 on the other GPU; the GPU answers again -> untainted, Healthy."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from cluster import NODE, wait_for
-from conftest import Daemon, _make_base
-from test_cluster_dra import DRIVER, allocated_gpus, claim_pod, cluster, delete, make_claim, run_with_claim  # noqa: F401
-from test_runc import compiled_hook
+from test_cluster_dra import (DRIVER, SHARED_CLUSTER, allocated_gpus, cgpud, claim_pod, cluster, delete,  # noqa: F401
+                              make_claim, node, run_with_claim)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cgpud():
-    d = Daemon(_make_base(), "sim:2xT4", ["--hook-path", compiled_hook(), "--health-quiet", "2"])
-    d.start()
-    yield d
-    problems = d.cleanup()
-    shutil.rmtree(d.base, ignore_errors=True)
-    assert not problems, problems
 
 
 def taints(c, gpu: int) -> list[dict]:

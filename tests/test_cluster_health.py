@@ -1,44 +1,19 @@
 """GPU health on the cluster tier (issue 38; tests/cluster.py: real kube-apiserver, kube-scheduler
-with the shipped extender configuration, kubelet on containerd): cgpud serves two simulated T4s
-(14 units each). Xid 79 on GPU 1 (and the GPU lost) -> its 14 units leave the node's allocatable
-(the kubelet counts only Healthy devices), a new pod is not placed on it; the GPU answers again ->
-after the quiet time (2 s) the node has its 28 units back and the pod that fitted nowhere is placed
-on GPU 1."""
+with the shipped extender configuration, kubelet on containerd): test_cluster.py's node, shared with
+it (cgpud on two simulated T4s, 14 units each, GPU health's quiet time 2 s). Xid 79 on GPU 1 (and the
+GPU lost) -> its 14 units leave the node's allocatable (the kubelet counts only Healthy devices), a
+new pod is not placed on it; the GPU answers again -> after the quiet time (2 s) the node has its 28
+units back and the pod that fitted nowhere is placed on GPU 1."""
 from __future__ import annotations
-
-import shutil
 
 import pytest
 
-from cluster import NODE, Cluster, wait_for
-from conftest import Daemon, _make_base
-from test_cluster import wait_events
-from test_runc import compiled_hook
-from test_runtime import wrapper
+from cluster import NODE, wait_for
+from test_cluster import SHARED_CLUSTER, cgpud, cluster, node, wait_events  # noqa: F401  (the shared node)
 
 pytestmark = pytest.mark.slow
 
 UNITS = 14
-
-
-@pytest.fixture(scope="module")
-def cgpud():
-    d = Daemon(_make_base(), "sim:2xT4", ["--hook-path", compiled_hook(), "--health-quiet", "2"])
-    d.start()
-    yield d
-    problems = d.cleanup()
-    shutil.rmtree(d.base, ignore_errors=True)
-    assert not problems, problems
-
-
-@pytest.fixture(scope="module")
-def cluster(cgpud):
-    c = Cluster(cgpud, wrapper()).start()
-    try:
-        c.deploy()
-        yield c
-    finally:
-        c.cleanup()
 
 
 def test_xid_79_takes_the_gpus_units_out_of_the_node_and_nothing_is_placed_there_until_it_is_back(cluster, cgpud):

@@ -9,11 +9,16 @@ the chart's render with only the host's paths moved.
   with its instance in the node daemon's tree;
 - `helm upgrade` to another image tag: a hot upgrade — the DaemonSet's pod and the GPU pod are
   the same pods, no container restarted, the instance still there and not frozen;
+- the DaemonSet's pod deleted (how a new image is rolled to a node): the node stays installed;
 - `helm uninstall`: every object of the release gone (the DaemonSet's pod too) and nothing of the
-  release left in the API server.
+  release left in the API server; the node as it was: its /etc and /usr byte for byte as before
+  `helm install` (the container node-keeper undid `cgpu node install` as the DaemonSet went) but
+  for cgpu-runtime (and its runtime.conf), which the containers started through it need to be
+  stopped: left, in the install's record, for a later `cgpu node uninstall`.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -56,6 +61,19 @@ def post_renderer(node: Node) -> str:
     return os.fspath(script)
 
 
+def host_files(host) -> dict:
+    """What `cgpu node install` may change on the node: its /etc and /usr, each file's bytes (a link
+    its target), by path."""
+    out = {}
+    for top in ("etc", "usr"):
+        for p in sorted((host / top).rglob("*")):
+            if p.is_symlink():
+                out[os.fspath(p.relative_to(host))] = ("link", os.readlink(p))
+            elif p.is_file():
+                out[os.fspath(p.relative_to(host))] = p.read_bytes()
+    return out
+
+
 def restarts(pod: dict) -> list[int]:
     st = pod.get("status", {})
     return [s.get("restartCount", 0) for s in st.get("containerStatuses", []) + st.get("initContainerStatuses", [])]
@@ -67,6 +85,7 @@ def test_helm_install_upgrade_and_uninstall_on_the_real_node(image, tmp_path):  
     with Node(image, tmp_path) as node:
         c = node.cluster
         renderer = post_renderer(node)
+        before = host_files(node.host)
         helm(c, "install", "cgpud", os.fspath(CHART), "--namespace", NAMESPACE, "--post-renderer", renderer,
              "--set", f"image.repository={name}", "--set", f"image.tag={tag}")
         c.kubectl("label", "node", NODE, "cgpu.aliyun.com/node=true", "--overwrite")
@@ -78,6 +97,8 @@ def test_helm_install_upgrade_and_uninstall_on_the_real_node(image, tmp_path):  
                                            {"token": token})
         c.start_extender()
         ds_pod = node.ready()
+        installed = host_files(node.host)
+        assert installed != before and "usr/local/bin/cgpu-runtime" in installed
         wait_for(lambda: c.allocatable("aliyun.com/gpu-mem") > 0, 60, "the node's aliyun.com/gpu-mem", c.logs)
         c.create(c.pod("helm-gpu-3", 3, runtime_class=None))
         app = c.wait_pod("helm-gpu-3", running, 90, "Running")
@@ -96,8 +117,36 @@ def test_helm_install_upgrade_and_uninstall_on_the_real_node(image, tmp_path):  
         assert node.tree("0", container_name(app), "memsize").read_text().strip() == memsize
         c.delete_pod("helm-gpu-3")
 
+        # the DaemonSet's pod deleted (to take the new image): its node-keeper leaves the node installed
+        c.kubectl("delete", "pod", "-n", NAMESPACE, ds_pod["metadata"]["name"], "--wait=true", "--timeout=90s",
+                  timeout=120)
+        wait_for(lambda: node.ds_pod().get("metadata", {}).get("uid") not in (None, ds_pod["metadata"]["uid"]), 60,
+                 "the DaemonSet's next pod", c.logs)
+        keeper = node.ready()
+        assert host_files(node.host) == installed
+        wait_for(lambda: "listed again" in node.logs(keeper, "node-keeper"), 30, "node-keeper watching its DaemonSet",
+                 lambda: node.logs(keeper, "node-keeper"))
+
+        # (node-keeper's last words, to say why if the node is not as it was: its pod goes with its logs)
+        follow = subprocess.Popen([os.fspath(c.bins / "kubectl"), "--kubeconfig", os.fspath(c.admin), "logs", "-f",
+                                   "-n", NAMESPACE, keeper["metadata"]["name"], "-c", "node-keeper"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         helm(c, "uninstall", "cgpud", "--namespace", NAMESPACE, "--wait", "--timeout", "120s")
         wait_for(lambda: not node.ds_pod(), 120, "the DaemonSet's pod gone", c.logs)
+        try:
+            said = follow.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            follow.kill()
+            said = follow.communicate()[0]
+        # the node as it was before `helm install` (node-keeper saw its DaemonSet deleted), but for
+        # cgpu-runtime and its runtime.conf: the shims of the containers started through it (this pod's
+        # too: the kubelet could not stop them without it) call it; in the record for a later uninstall
+        assert "the DaemonSet was deleted: undoing cgpu node install" in said, said
+        now, record = host_files(node.host), "etc/cgpud/node-install.json"
+        kept = {p: installed[p] for p in ("usr/local/bin/cgpu-runtime", "etc/cgpud/runtime.conf") if p in installed}
+        assert json.loads(now.pop(record))["files"].keys() == {f"/{p}" for p in kept}
+        assert now == {**before, **kept}, (said, sorted(set(now) ^ set(before)))
+        assert 'BinaryName = "/usr/local/bin/cgpu-runtime"' not in (node.host / "etc/containerd/config.toml").read_text()
         left = c.kubectl("get", "daemonsets,serviceaccounts,clusterroles,clusterrolebindings,runtimeclasses",
                          "-A", "-o", "name").stdout.split()
         assert not [x for x in left if x.rsplit("/", 1)[1] in ("cgpud", "cgpu-scheduler-extender", "cgpu")], left

@@ -4,7 +4,8 @@
 containers never on one core_mem node. The environment's rules, the hook's, the daemon's
 `register`, and the shares on real processes (`cgpu run --core`, frozen and thawed by a real
 daemon: 30 % and 60 % give 1:2, and 30 % alone stays near 30 % — a weighted policy would give it
-the whole GPU)."""
+the whole GPU; on the stand-in card, gated by libcgpu, 30 % of the card's time for a job that leaves
+it idle between kernels). The plan itself, cycle by cycle: tests/test_policies.py's core_mem cases."""
 from __future__ import annotations
 
 import os
@@ -103,3 +104,43 @@ def test_30_and_60_percent_give_1_to_2_and_30_alone_stays_near_30(daemon):
         assert 1.7 <= ratios[len(ratios) // 2] <= 2.3, ratios
     finally:
         w.stop_all()
+
+
+@pytest.fixture(scope="module")
+def card_libs(tmp_path_factory) -> Path:
+    """The stand-in card's driver, libcgpu and the queue client (tests/queue_client.py)."""
+    from queue_client import build
+    from test_libcgpu import build_libs
+
+    d = build_libs(tmp_path_factory.mktemp("coremem"))
+    build(d)
+    return d
+
+
+def test_30_percent_on_the_stand_in_card_is_30_percent_of_its_work_with_host_work_between_kernels(
+        make_daemon, card_libs, tmp_path):
+    """A gated instance (libcgpu, the switcher) at 30 % whose job leaves the card idle a third of its
+    gate's time (a 2 ms kernel, a synchronize, 1 ms of host work): charged its GPU time, it is owed the
+    rest as gate time, and that comes out of the wasted slots, so it still gets 30 % of the card's time
+    (its kernel time over the window, from the card's log). Before: the owed gate time stretched the
+    cycle past 20 slices and it got 0.25."""
+    from queue_client import kernels
+
+    d = make_daemon(extra_args=["--libcgpu", os.fspath(card_libs / "libcgpu.so"), "--compute", "gate"])
+    name = f"cmcard{os.getpid() % 1000000:06d}"
+    env = dict(os.environ, CGPUD_SOCKET=str(d.socket), LD_LIBRARY_PATH=os.fspath(card_libs),
+               CGPU_STUB_CUDA_STATE=os.fspath(tmp_path / "card"), CGPU_STUB_CUDA_LOG=os.fspath(tmp_path / name),
+               Q=os.fspath(card_libs / "queue-client"))
+    p = subprocess.run([str(Path(sys.executable).parent / "cgpu"), "run", "--name", name, "--mem", "64M",
+                        "--core", "30", "--", "sh", "-c",
+                        'export CGPU_STUB_CUDA_DEVICE="$CGPU_DEVICE"; exec "$Q" host 4 2000 1000'],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert d.read("0/policy").strip() == "3" and d.read("0/max_inst").strip() == "20"
+    ks = kernels(tmp_path / name)
+    t0, t1 = min(s for _, s, _ in ks) + 300_000_000, max(e for _, _, e in ks) - 300_000_000
+    assert t1 - t0 > 2e9
+    share = sum(max(0, min(e, t1) - max(s, t0)) for _, s, e in ks) / (t1 - t0)
+    # 0.30 of the card (SPEC §5: a share is the work the GPU did for the instance); the job alone
+    # without cgpud keeps the card busy about 0.66, so 30 % of what it does alone would be 0.20
+    assert 0.27 <= share <= 0.34, share

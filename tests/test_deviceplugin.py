@@ -18,7 +18,7 @@ import pytest
 
 from cgpud.k8s import resources as res
 from cgpud.k8s.proto import api_pb2 as pb
-from kubelet_standin import Kubelet
+from kubelet_standin import Kubelet, plugin_node
 from test_runc import Runc, template  # noqa: F401  (a fixture)
 
 CGPU = str(Path(sys.executable).parent / "cgpu")
@@ -209,25 +209,9 @@ def test_the_committed_grpc_code_is_the_proto_compiled(tmp_path):
 
 @pytest.fixture
 def node_with_api(make_daemon, tmp_path):
-    from apiserver_standin import ApiServer
-
     d = make_daemon(gpus="sim:1xT4,1xA10")
-    api = ApiServer(tmp_path, history=50, bookmark_every=0.2)
-    api.add_node("gpu-node-1", labels={"cgpu.disable.isolation": "true"})
-    plugin_dir = tmp_path / "device-plugins"
-    plugin_dir.mkdir()
-    kubelet = Kubelet(os.fspath(plugin_dir))
-    log = open(tmp_path / "plugin.log", "wb")
-    proc = subprocess.Popen([CGPU, "--socket", os.fspath(d.socket), "device-plugin", "--plugin-dir",
-                             os.fspath(plugin_dir), "--node-refresh", "0.2"], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL,
-                            env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="gpu-node-1"))
-    yield d, api, kubelet, proc
-    proc.terminate()
-    proc.wait(10)
-    kubelet.stop()
-    api.close()
-    log.close()
+    with plugin_node(d, tmp_path, "gpu-node-1", {"cgpu.disable.isolation": "true"}) as (api, kubelet, proc):
+        yield d, api, kubelet, proc
 
 
 def test_publishes_the_node_and_follows_the_extenders_choice_per_container(node_with_api):

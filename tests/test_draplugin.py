@@ -65,7 +65,7 @@ def test_the_slice_has_each_gpu_as_one_device_whose_memory_claims_share():
     t4, a10 = x["spec"]["devices"]
     assert t4["name"] == "gpu-0" and t4["allowMultipleAllocations"] is True and "consumesCounters" not in t4
     assert t4["attributes"] == {"uuid": {"string": "GPU-t4"}, "model": {"string": "Tesla T4"}, "index": {"int": 0},
-                                "memoryUnit": {"int": 128 * MIB}, "kind": {"string": "gpu"}}
+                                "memoryUnit": {"int": 128 * MIB}, "kind": {"string": "gpu"}, "mode": {"string": "cgpu"}}
     # 15109 MiB is 118 whole units of 128 MiB (15104 MiB): never more than the units the hook can give
     assert t4["capacity"]["memory"] == {"value": str(118 * 128 * MIB), "requestPolicy": {
         "default": str(128 * MIB), "validRange": {"min": str(128 * MIB), "step": str(128 * MIB)}}}
@@ -78,12 +78,65 @@ def test_the_slice_has_each_gpu_as_one_device_whose_memory_claims_share():
     assert len(big["spec"]["devices"]) == 8
 
 
+def test_each_mode_publishes_what_it_gives():
+    """The node's mode in force (docs/kubernetes.md, "A node's mode"): memory shared in cgpu, share
+    and mps; memory and a compute percentage (capacity `compute`: 100, in steps of 5 from 5) in
+    core_mem; whole GPUs in exclusive; nothing in disabled. Every device says its mode."""
+    def gpu0(mode):
+        (s,) = dra.resource_slices(NODE, [T4, A10], GIB, mode=mode)
+        return s["spec"]["devices"][0] if s["spec"]["devices"] else None
+
+    for mode in ("cgpu", "share", "mps"):
+        d = gpu0(mode)
+        assert d["allowMultipleAllocations"] is True and set(d["capacity"]) == {"memory"}
+        assert d["attributes"]["mode"] == {"string": mode}
+    d = gpu0("core_mem")
+    assert d["allowMultipleAllocations"] is True and d["attributes"]["mode"] == {"string": "core_mem"}
+    assert d["capacity"]["compute"] == {"value": "100", "requestPolicy": {
+        "default": "100", "validRange": {"min": "5", "max": "100", "step": "5"}}}
+    d = gpu0("exclusive")
+    assert "allowMultipleAllocations" not in d and d["capacity"] == {"memory": {"value": str(14 * GIB)}}
+    assert d["attributes"]["mode"] == {"string": "exclusive"}
+    (s,) = dra.resource_slices(NODE, [T4, A10], GIB, mode="disabled")
+    assert s["spec"]["devices"] == [] and s["spec"]["pool"]["resourceSliceCount"] == 1
+
+
+def test_a_claims_compute_becomes_its_percentage_and_an_mps_claim_gets_its_mps_limits():
+    shares = dra.plan(claim([{**result("gpu-1", memory="4Gi"), "consumedCapacity": {"memory": "4Gi",
+                                                                                      "compute": "30"}}]),
+                      NODE, [T4, A10], GIB)
+    assert [(s.gpus, s.percentage) for s in shares] == [([(1, 4 * GIB)], 30)]
+    env = dra.environment(shares[0], [T4, A10], GIB, "core_mem")
+    assert env["ALIYUN_COM_GPU_CORE_PERCENTAGE"] == "30" and "ALIYUN_COM_GPU_SCHD_WEIGHT" not in env
+    assert dra.Share.from_dict(shares[0].as_dict()) == shares[0]
+    with pytest.raises(dra.DraError, match="compute 33 of GPU 1 is not a multiple of 5 from 5 to 100 percent"):
+        dra.plan(claim([{**result("gpu-1"), "consumedCapacity": {"memory": "3Gi", "compute": "33"}}]), NODE,
+                 [T4, A10], GIB)
+    with pytest.raises(dra.DraError, match="the percentage fixes its compute; give one of the two"):
+        dra.plan(claim([{**result("gpu-1"), "consumedCapacity": {"memory": "3Gi", "compute": "30"}}],
+                       [opaque(weight=3)]), NODE, [T4, A10], GIB)
+    # mps: the client's pinned limit (3 GiB = 3072 MiB on its CUDA device 0), its thread percentage
+    # (3 GiB of the A10's 23028 MiB: 13.3 %, up to 14) and the pipe directory, mounted read-write
+    (share,) = dra.plan(claim([result("gpu-1", memory="3Gi")]), NODE, [T4, A10], GIB)
+    spec = dra.cdi_spec("u1", [share], [T4, A10], GIB, ["/run/cgpud"], "mps")
+    env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
+    assert (env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"], env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"],
+            env["CUDA_MPS_PIPE_DIRECTORY"]) == ("0=3072M", "14", "/var/run/nvidia-gpu/nvidia-mps")
+    assert {"hostPath": "/var/run/nvidia-gpu/nvidia-mps", "containerPath": "/var/run/nvidia-gpu/nvidia-mps",
+            "options": ["rbind", "rw"]} in spec["containerEdits"]["mounts"]
+    assert {"hostPath": "/var/run/nvidia-gpu/nvidia-mps-shm", "containerPath": "/dev/shm",
+            "options": ["rbind", "rw"]} in spec["containerEdits"]["mounts"]
+    assert not [e for e in dra.cdi_spec("u1", [share], [T4, A10], GIB, [], "cgpu")["devices"][0]["containerEdits"]
+                ["env"] if e.startswith("CUDA_MPS")]
+
+
 def test_the_slices_are_valid_objects_of_the_official_clients_model():
     from kubernetes import client
 
     from test_manifests import unknown
 
-    for body in dra.resource_slices(NODE, [T4, A10], GIB):
+    for body in [x for mode in ("cgpu", "core_mem", "exclusive", "disabled")
+                 for x in dra.resource_slices(NODE, [T4, A10], GIB, mode=mode)]:
         assert unknown(body, "V1ResourceSlice", "ResourceSlice") == []
         client.ApiClient()._ApiClient__deserialize(body, "V1ResourceSlice")
 
@@ -680,3 +733,59 @@ def test_an_api_server_older_than_the_driver_was_run_on_is_refused_at_start_in_o
         assert api.count("create", "resourceslices") == 0
     finally:
         api.close()
+
+
+def _mode_of(api) -> tuple[str | None, dict | None]:
+    node = api.nodes[NODE]
+    cond = next((c for c in node["status"].get("conditions", []) if c["type"] == "CgpuModePending"), None)
+    return node["metadata"].get("annotations", {}).get("cgpu.aliyun.com/gpu-schedule"), cond
+
+
+def test_the_slices_follow_the_nodes_label_and_a_change_waits_for_the_prepared_claims(plugin):
+    """The node's label ack.node.gpu.schedule is the mode (issue 37): the slice changes to what the
+    new mode publishes, the daemon is told it (share: its 128 MiB unit); while a claim is prepared a
+    change waits — the slice as it was, the condition CgpuModePending True and an event saying why,
+    as the device plugin does — and takes effect when the claim is unprepared."""
+    d, api, dirs, kubelet, _, _ = plugin
+    info = kubelet.info()
+
+    def daemon_mode():
+        from cgpud.client import Client
+
+        with Client(os.fspath(d.socket), timeout=5) as c:
+            return c.call("query")["mode"]
+
+    def devices():
+        return api.slices.get(dra.slice_name(NODE, 0), {}).get("spec", {}).get("devices")
+
+    def mode_is(mode):
+        return lambda: (ds := devices()) is not None and [x["attributes"]["mode"]["string"] for x in ds] == [mode] * 2
+
+    wait_for(mode_is("cgpu"), why="no cgpu slice published")
+    api.edit_node(NODE, lambda n: n["metadata"]["labels"].update({"ack.node.gpu.schedule": "core_mem"}))
+    wait_for(mode_is("core_mem"), 30, "the slice did not follow the label to core_mem")
+    assert devices()[0]["capacity"]["compute"]["value"] == "100"
+    wait_for(lambda: _mode_of(api)[0] == "core_mem", 10, "the mode in force not written on the Node")
+    api.edit_node(NODE, lambda n: n["metadata"]["labels"].update({"ack.node.gpu.schedule": "share"}))
+    wait_for(lambda: mode_is("share")() and devices()[0]["attributes"]["memoryUnit"]["int"] == 128 * MIB, 30,
+             "the slice did not follow the label to share (128 MiB: the daemon told its mode)")
+    assert daemon_mode() == "share"
+
+    # a claim prepared: the next change waits for it
+    uid = api.add_claim("default", "held", [result("gpu-0", memory="1Gi")])["metadata"]["uid"]
+    assert not kubelet.call(info.endpoint, "prepare", ("default", "held", uid)).claims[uid].error
+    api.edit_node(NODE, lambda n: n["metadata"]["labels"].update({"ack.node.gpu.schedule": "disabled"}))
+    cond = wait_for(lambda: (c := _mode_of(api)[1]) and c["status"] == "True" and c, 10, "no CgpuModePending")
+    assert "asks for mode disabled; the node stays in mode share while 1 GPU user(s) run on it (default/held)" \
+        in cond["message"], cond
+    assert any(e["reason"] == "GpuModeChangeWaiting" and "default/held" in e["message"] for e in api.events)
+    assert mode_is("share")() and _mode_of(api)[0] == "share" and daemon_mode() == "share"
+    assert not kubelet.call(info.endpoint, "unprepare", ("default", "held", uid)).claims[uid].error
+    wait_for(lambda: devices() == [], 30, "the disabled node's slice still has devices")
+    assert _mode_of(api)[0] == "disabled" and _mode_of(api)[1]["status"] == "False"
+    assert any(e["reason"] == "GpuModeChanged" and e["message"].startswith("mode share -> disabled")
+               for e in api.events)
+    # a claim allocated before the node was disabled is refused with the reason
+    uid = api.add_claim("default", "late", [result("gpu-0", memory="1Gi")])["metadata"]["uid"]
+    err = kubelet.call(info.endpoint, "prepare", ("default", "late", uid)).claims[uid].error
+    assert err.startswith("this node's mode is disabled (ack.node.gpu.schedule)"), err

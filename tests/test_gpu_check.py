@@ -384,8 +384,10 @@ def test_the_bundle_installs_into_a_clean_python_and_the_daemon_starts_from_it(s
     subprocess.run(["python3.12", "-m", "venv", "--without-pip", py], check=True,
                    env=dict(os.environ, PYENV_VERSION="3.12.1"))
     pip = next(bundle.glob("pip/pip-*.whl")) / "pip"
+    host_wheels = subprocess.run([ROOT / "scripts" / "gpu_bundle.sh", "--host-wheels"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
     subprocess.run([py / "bin" / "python", pip, "install", "-q", "--no-index", "--find-links",
-                    ROOT / "build" / "gpu-bundle-cache" / "host", "click", "prometheus-client", "nvidia-ml-py", "attrs",
+                    host_wheels, "click", "prometheus-client", "nvidia-ml-py", "attrs",
                     "sortedcontainers", "idna"], check=True, capture_output=True)
     assert subprocess.run([py / "bin" / "python", "-c", "import pyfuse3"], capture_output=True).returncode == 1
     e = dict(env, PYTHON=os.fspath(py / "bin" / "python"), PATH=f"{py / 'bin'}:{os.environ['PATH']}")

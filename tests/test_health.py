@@ -317,26 +317,11 @@ def test_a_failed_gpu_holds_nothing_frozen_and_is_scheduled_again_once_back(make
 @pytest.fixture
 def plugin_node(make_daemon, tmp_path):
     """A daemon on a T4 and an A10 (quiet time 1 s), the API server and kubelet stand-ins, the plugin."""
-    from apiserver_standin import ApiServer
-    from kubelet_standin import Kubelet
+    from kubelet_standin import plugin_node
 
     d = make_daemon(gpus="sim:1xT4,1xA10", extra_args=("--health-quiet", "1"))
-    api = ApiServer(tmp_path, history=50, bookmark_every=0.2)
-    api.add_node("gpu-node-1")
-    plugin_dir = tmp_path / "device-plugins"
-    plugin_dir.mkdir()
-    kubelet = Kubelet(os.fspath(plugin_dir))
-    log = open(tmp_path / "plugin.log", "wb")
-    proc = subprocess.Popen([str(BIN / "cgpu"), "--socket", os.fspath(d.socket), "device-plugin", "--plugin-dir",
-                             os.fspath(plugin_dir), "--node-refresh", "0.2"], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL,
-                            env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME="gpu-node-1"))
-    yield d, api, kubelet
-    proc.terminate()
-    proc.wait(10)
-    kubelet.stop()
-    api.close()
-    log.close()
+    with plugin_node(d, tmp_path, "gpu-node-1") as (api, kubelet, _):
+        yield d, api, kubelet
 
 
 def test_every_unit_of_a_failed_gpu_goes_unhealthy_at_once_and_the_extender_places_nothing_there(plugin_node):

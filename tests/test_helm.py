@@ -56,6 +56,38 @@ def test_the_default_render_is_the_kustomize_render_object_for_object():
         assert chart[key] == kustomize[key], key
 
 
+def test_the_dra_render_is_the_kustomize_render_with_the_dra_component_object_for_object(tmp_path):
+    """dra.enabled: the DaemonSet's DRA plugin in place of the device plugin, the DeviceClass, the
+    dra-webhook and its rights, no extender (extender.enabled or not): what kustomize renders of
+    deploy/kubernetes with the component deploy/kubernetes/dra."""
+    from test_manifests import dra_rendered
+
+    kustomize = by_key(dra_rendered(tmp_path / "overlay"))
+    for extra in ([], ["--set", "extender.enabled=false"]):
+        chart = by_key(template("--set", "dra.enabled=true", *extra))
+        assert sorted(chart) == sorted(kustomize)
+        for key in kustomize:
+            assert chart[key] == kustomize[key], key
+
+
+def test_dra_values_change_what_they_say():
+    docs = by_key(template("--set", "dra.enabled=true", "--set", "namespace=gpu-system", "--set", "image.tag=1.3.0",
+                           "--set", "dra.webhookReplicas=3", "--set", "devicePlugin.mode=core_mem"))
+    spec = docs[("DaemonSet", "gpu-system", "cgpud")]["spec"]["template"]["spec"]
+    (plugin,) = [c for c in spec["containers"] if c["name"] == "dra-plugin"]
+    assert plugin["command"][-2:] == ["--mode", "core_mem"] and plugin["image"] == "cgpud:1.3.0"
+    assert spec["serviceAccountName"] == "cgpu-dra-plugin"
+    hook = docs[("Deployment", "gpu-system", "cgpu-dra-webhook")]["spec"]
+    assert hook["replicas"] == 3 and hook["template"]["spec"]["containers"][0]["image"] == "cgpud:1.3.0"
+    cmd = hook["template"]["spec"]["containers"][0]["command"]
+    assert "gpu-system/cgpu-dra-webhook-tls" in cmd and "cgpu-dra-webhook.gpu-system.svc" in cmd
+    config = docs[("MutatingWebhookConfiguration", None, "cgpu-dra-webhook")]
+    assert config["webhooks"][0]["clientConfig"]["service"]["namespace"] == "gpu-system"
+    scope = docs[("ValidatingAdmissionPolicy", None, "cgpu-dra-plugin-node-scope")]["spec"]
+    assert "system:serviceaccount:gpu-system:cgpu-dra-plugin" in scope["matchConditions"][0]["expression"]
+    assert not [k for k in docs if "kube-system" in str(docs[k])]
+
+
 @pytest.mark.parametrize("doc", template("--set", "devicePlugin.mode=core_mem"),
                          ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
 def test_every_rendered_field_is_known_to_the_api(doc):
@@ -86,6 +118,8 @@ def test_values_change_what_they_say():
     (["--set", "extender.port=70000"], "at '/extender/port': maximum"),
     (["--set", "devicePluginn.mode=cgpu"], "devicePluginn"),
     (["--set-json", 'nodeModes=["disabled"]'], "at '/nodeModes/0': value must be one of"),
+    (["--set", "dra.enabled=yes"], "at '/dra/enabled': got string, want boolean"),
+    (["--set", "dra.webhookReplicas=0"], "at '/dra/webhookReplicas': minimum"),
 ])
 def test_bad_values_are_refused_naming_the_value(args, names):
     p = helm("template", "cgpud", str(CHART), *args)
@@ -94,7 +128,10 @@ def test_bad_values_are_refused_naming_the_value(args, names):
     assert "Traceback" not in p.stderr and not p.stdout.strip()
 
 
-def test_the_charts_rbac_is_deploy_kubernetes_rbac():
-    """The chart's RBAC is a copy of the kustomize file, byte for byte (a link would make helm warn on
-    every command): after a change there, `cp deploy/kubernetes/rbac.yaml deploy/helm/cgpud/files/`."""
-    assert (CHART / "files" / "rbac.yaml").read_bytes() == (ROOT / "deploy" / "kubernetes" / "rbac.yaml").read_bytes()
+@pytest.mark.parametrize("name", ["rbac.yaml", "admission.yaml", "dra/deviceclass.yaml", "dra/rbac.yaml",
+                                  "dra/webhook.yaml"])
+def test_the_charts_copies_are_deploy_kubernetes_files(name):
+    """The chart's RBAC and admission policy are copies of the kustomize files, byte for byte (a
+    link would make helm warn on every command): after a change there,
+    `cp deploy/kubernetes/<file> deploy/helm/cgpud/files/`."""
+    assert (CHART / "files" / name).read_bytes() == (ROOT / "deploy" / "kubernetes" / name).read_bytes()

@@ -32,7 +32,8 @@ from nvml_stub import T4_TOTAL, NvmlStub, StubGpu
 from test_manifests import RENDERED, containers
 from test_runc import _tool
 
-pytestmark = pytest.mark.slow
+# (the image fixture builds the image: a fresh machine's first build runs debootstrap and apt/pip: minutes)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parent.parent
 TAG = f"localhost/cgpud:{cgpud.__version__}-test"
@@ -169,3 +170,71 @@ def test_the_plugin_and_the_extender_run_from_the_image(image):
     for container in (node_pod()["device-plugin"], extender_pod()):
         r = podman_run(image, container, command=[*container["command"], "--help"])
         assert r.returncode == 0 and "Usage:" in r.stdout, r.stderr
+
+
+# ---- the image for both architectures (issue 34, item 8) -------------------------------------------
+
+MULTI = f"localhost/cgpud:{cgpud.__version__}-multi-test"
+EM_X86_64, EM_AARCH64 = 62, 183  # ELF e_machine (the System V gABI's numbers)
+NATIVE = ["usr/local/lib/cgpu/libcgpu.so", "usr/local/libexec/libcgpu-switch.so", "usr/local/libexec/cgpu-hook",
+          "usr/local/libexec/cgpu-runtime"]
+
+
+@pytest.fixture(scope="module")
+def multi() -> str:
+    """`scripts/build-image.sh --arch amd64,arm64`: an image per architecture and the manifest list naming
+    both. The arm64 one's apt and pip steps run under qemu-user (binfmt): tens of minutes the first time;
+    podman's layer cache keeps them (they depend on pyproject.toml and the base alone), and a change of
+    the sources rebuilds only the native stage (on this host, by zig) and the last, short steps."""
+    _tool("podman")
+    r = subprocess.run([os.fspath(ROOT / "scripts" / "build-image.sh"), "--arch", "amd64,arm64", MULTI],
+                       capture_output=True, text=True, timeout=3600, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return MULTI
+
+
+def elf_machine(elf: bytes) -> int:
+    assert elf[:4] == b"\x7fELF", "not an ELF file"
+    import struct
+    return struct.unpack_from("<H", elf, 18)[0]
+
+
+@pytest.mark.timeout(3900)  # (a fresh machine's first arm64 build runs apt and pip under qemu: tens of minutes)
+def test_the_image_is_built_for_amd64_and_arm64_and_the_arm64_one_runs_under_qemu(multi):
+    """The manifest list names an amd64 and an arm64 image; in each, libcgpu and the native programs
+    are ELF files of that architecture (the hook and the runtime static); the arm64 image runs under
+    qemu-user: its machine is aarch64, `cgpu --version` answers, a process loads libcgpu (its maps
+    show it) and lives, and the static hook runs under qemu-aarch64-static itself."""
+    import json
+
+    listed = json.loads(subprocess.run(["podman", "manifest", "inspect", multi], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert sorted(m["platform"]["architecture"] for m in listed["manifests"]) == ["amd64", "arm64"]
+    for arch, machine in (("amd64", EM_X86_64), ("arm64", EM_AARCH64)):
+        inspect = json.loads(subprocess.run(["podman", "image", "inspect", f"{multi}-{arch}"], capture_output=True,
+                                            text=True, check=True).stdout)[0]
+        assert inspect["Architecture"] == arch
+        root = Path(subprocess.run(["podman", "image", "mount", f"{multi}-{arch}"], capture_output=True, text=True,
+                                   check=True).stdout.strip())
+        try:
+            for path in NATIVE:
+                elf = (root / path).read_bytes()
+                assert elf_machine(elf) == machine, f"{arch}: {path} is for machine {elf_machine(elf)}"
+            for path in NATIVE[2:]:
+                assert is_static((root / path).read_bytes()), f"{arch}: {path} is not static"
+            if arch == "arm64":
+                hook = subprocess.run(["qemu-aarch64-static", root / "usr/local/libexec/cgpu-hook", "--bogus"],
+                                      capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+                assert hook.returncode == 2 and "cgpu hook: unknown stage --bogus" in hook.stderr, hook
+        finally:
+            subprocess.run(["podman", "image", "unmount", f"{multi}-{arch}"], capture_output=True)
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    run = ["podman", "run", "--rm", "--network", "none", "--ulimit", f"nofile={nofile}:{nofile}", "--ulimit",
+           "nproc=32768:32768", "--platform", "linux/arm64", f"{multi}-arm64"]
+    r = subprocess.run([*run, "cgpu", "--version"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and cgpud.__version__ in r.stdout, r
+    r = subprocess.run([*run, "env", "LD_PRELOAD=/usr/local/lib/cgpu/libcgpu.so", "python3", "-c",
+                        "import platform; maps = open('/proc/self/maps').read(); "
+                        "print(platform.machine(), '/usr/local/lib/cgpu/libcgpu.so' in maps)"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["aarch64", "True"], r

@@ -324,7 +324,7 @@ def test_the_python_layout_is_the_headers(tmp_path):
     out = subprocess.run([os.fspath(tmp_path / "sizes")], capture_output=True, text=True).stdout.split()
     assert list(map(int, out)) == [pages.LIMITS.size, pages.USAGE_V2_SIZE, pages.USAGE_HEAD.size, pages.PROC.size,
                                    pages.DRIVER_SIZE, pages.DRIVER_OFFSET, pages.DRIVER.size, pages.USAGE_SIZE,
-                                   pages.BUSY.size, pages.USAGE_FILE_SIZE, pages.GANG.size]
+                                   pages.BUSY.size, pages.IDENT_OFFSET, pages.GANG.size]
 
 
 def test_nvml_shows_memsize_and_the_containers_usage(card, libs, tmp_path):

@@ -84,6 +84,9 @@ def test_what_is_rendered():
         ("ClusterRoleBinding", "cgpu-scheduler-extender"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ValidatingAdmissionPolicy", "cgpu-node-events"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-events"),
+        ("ValidatingAdmissionPolicy", "cgpu-gpu-core-percentage"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage"),
+        ("Role", "cgpu-node-keeper"), ("RoleBinding", "cgpu-node-keeper"),
         ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu"), ("DaemonSet", "cgpu-mps-control")])
 
 
@@ -106,7 +109,8 @@ def test_the_image_is_named_in_one_place():
     assert image["newTag"] == cgpud.__version__
     want = f"{image['newName']}:{image['newTag']}"
     images = [c["image"] for d in RENDERED if d["kind"] == "DaemonSet" for c in containers(d)]
-    assert len(images) == 6 and set(images) == {want}  # (mps-control.yaml: 2)
+    assert len(images) == 7 and set(images) == {want}  # (install, daemon, node-keeper, device plugin, extender;
+    #                                                     mps-control.yaml: 2)
     for f in DEPLOY.glob("*.yaml"):  # the manifests name only the placeholder
         assert set(re.findall(r"image: (\S+)", f.read_text())) <= {image["name"]}, f
     # the build's default tag is the same
@@ -127,7 +131,7 @@ def test_rbac_is_the_least_and_the_plugin_knows_its_node():
     ext = docs[("DaemonSet", "cgpu-scheduler-extender")]["spec"]["template"]["spec"]
     assert ext["serviceAccountName"] == "cgpu-scheduler-extender"
     policy = docs[("ValidatingAdmissionPolicy", "cgpu-node-scope")]["spec"]
-    assert policy["matchConditions"][0]["expression"].endswith("'system:serviceaccount:kube-system:cgpu'")
+    assert "'system:serviceaccount:kube-system:cgpu'" in policy["matchConditions"][0]["expression"]
     assert docs[("ValidatingAdmissionPolicyBinding", "cgpu-node-scope")]["spec"] == {
         "policyName": "cgpu-node-scope", "validationActions": ["Deny"]}
     ds = next(d for d in RENDERED if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpud")
@@ -260,9 +264,8 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
     docs = dra_rendered(tmp_path / "overlay")
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted([
         ("ServiceAccount", "cgpu"), ("ClusterRole", "cgpu"), ("ClusterRoleBinding", "cgpu"), ("DaemonSet", "cgpud"),
-        ("DaemonSet", "cgpu-mps-control"), ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"), ("ClusterRoleBinding", "cgpu-dra"),
-        ("ServiceAccount", "cgpu-scheduler-extender"), ("ClusterRole", "cgpu-scheduler-extender"),
-        ("ClusterRoleBinding", "cgpu-scheduler-extender"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
+        ("DaemonSet", "cgpu-mps-control"), ("RuntimeClass", "cgpu"), ("ClusterRole", "cgpu-dra"),
+        ("ClusterRoleBinding", "cgpu-dra"), ("ValidatingAdmissionPolicy", "cgpu-node-scope"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-scope"), ("ValidatingAdmissionPolicy", "cgpu-node-events"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-node-events"), ("ServiceAccount", "cgpu-dra-plugin"),
         ("ValidatingAdmissionPolicy", "cgpu-dra-plugin-node-scope"),
@@ -273,7 +276,9 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
         ("ValidatingAdmissionPolicy", "cgpu-dra-webhook-limits"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-dra-webhook-limits"),
         ("Deployment", "cgpu-dra-webhook"), ("Service", "cgpu-dra-webhook"),
-        ("MutatingWebhookConfiguration", "cgpu-dra-webhook")])  # no extender
+        ("Role", "cgpu-node-keeper"), ("RoleBinding", "cgpu-node-keeper"),
+        ("MutatingWebhookConfiguration", "cgpu-dra-webhook"), ("ValidatingAdmissionPolicy", "cgpu-gpu-core-percentage"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage")])  # no extender
     for doc in docs:
         assert unknown(doc, KINDS[doc["kind"]], doc["kind"]) == [], doc["kind"]
 
@@ -284,7 +289,7 @@ def test_the_dra_component_swaps_the_device_plugin_for_the_dra_plugin_with_the_l
     docs = dra_rendered(tmp_path / "overlay")
     ds = next(d for d in docs if d["metadata"]["name"] == "cgpud")
     names = sorted(c["name"] for c in containers(ds))
-    assert names == ["cgpud", "dra-plugin", "node-install"], names
+    assert names == ["cgpud", "dra-plugin", "node-install", "node-keeper"], names
     plugin = next(c for c in containers(ds) if c["name"] == "dra-plugin")
     assert plugin["env"][0] == {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
     assert plugin["securityContext"]["capabilities"]["drop"] == ["ALL"]
@@ -300,7 +305,8 @@ def test_the_dra_component_swaps_the_device_plugin_for_the_dra_plugin_with_the_l
     role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "cgpu-dra")
     assert {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]} == {
         ("resourceslices", ("list", "watch", "create", "update", "delete")), ("resourceclaims", ("get",)),
-        ("nodes", ("get",))}
+        # its Node: the slices' owner, its mode's label watched, the mode in force written (issue 37)
+        ("nodes", ("get", "list", "watch", "patch")), ("nodes/status", ("patch",)), ("events", ("create",))}
     # the plugin's own account (issue 33), bound to that role only
     assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "cgpu-dra-plugin"
     binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding" and d["metadata"]["name"] == "cgpu-dra")
@@ -323,7 +329,8 @@ def test_the_dra_webhook_sees_only_gpu_pods_at_create_and_is_reached_through_its
     assert "objectSelector" not in hook
     (cond,) = hook["matchConditions"]  # (the API server evaluates it: tests/test_cluster_dra.py)
     for word in (f"'{webhook.LABEL}' in object.metadata.labels", f"'{webhook.RESOURCE}' in c.resources.limits",
-                 f"'{webhook.RESOURCE}' in c.resources.requests", "object.spec.initContainers.exists"):
+                 f"'{webhook.RESOURCE}' in c.resources.requests", "object.spec.initContainers.exists",
+                 f"'{webhook.CORE}' in c.resources.limits"):
         assert word in cond["expression"], word
     assert hook["namespaceSelector"] == {"matchExpressions": [
         {"key": "cgpu.aliyun.com/dra-webhook", "operator": "NotIn", "values": ["off"]}]}

@@ -4,17 +4,14 @@ process, the kubelet stand-in, the API server stand-in, a real daemon — advert
 resources, keeping the old mode while a GPU pod runs (condition, event) and switching when it ends."""
 from __future__ import annotations
 
-import os
-import subprocess
-
 import grpc
 import pytest
 
 from cgpud.k8s import modes
 from cgpud.k8s import resources as res
 from cgpud.k8s.view import Node
-from kubelet_standin import Kubelet
-from test_deviceplugin import A10_UNITS, CGPU, T4_UNITS, registered, uuids, wait_for
+from kubelet_standin import plugin_node
+from test_deviceplugin import A10_UNITS, T4_UNITS, registered, uuids, wait_for
 
 NODE = "gpu-node-1"
 MEM, WHOLE, CORE = "aliyun.com/gpu-mem", "nvidia.com/gpu", "aliyun.com/gpu-core.percentage"
@@ -78,25 +75,9 @@ def test_a_compute_percentage_is_a_multiple_of_5_from_5_to_100(p, ok):
 
 @pytest.fixture
 def labelled(make_daemon, tmp_path):
-    from apiserver_standin import ApiServer
-
     d = make_daemon(gpus="sim:1xT4,1xA10")
-    api = ApiServer(tmp_path, history=50, bookmark_every=0.2)
-    api.add_node(NODE, labels={"ack.node.gpu.schedule": "cgpu"})
-    plugin_dir = tmp_path / "device-plugins"
-    plugin_dir.mkdir()
-    kubelet = Kubelet(os.fspath(plugin_dir))
-    log = open(tmp_path / "plugin.log", "wb")
-    proc = subprocess.Popen([CGPU, "--socket", os.fspath(d.socket), "device-plugin", "--plugin-dir",
-                             os.fspath(plugin_dir), "--node-refresh", "0.2"], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL,
-                            env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig), NODE_NAME=NODE))
-    yield d, api, kubelet
-    proc.terminate()
-    proc.wait(10)
-    kubelet.stop()
-    api.close()
-    log.close()
+    with plugin_node(d, tmp_path, NODE, {"ack.node.gpu.schedule": "cgpu"}) as (api, kubelet, _):
+        yield d, api, kubelet
 
 
 def relabel(api, value: str) -> None:

@@ -389,3 +389,43 @@ def test_docker_gets_the_runtime_and_is_told_not_restarted(tmp_path, source):
     assert (host / "etc/docker/daemon.json").read_text() == original and calls == []
     assert sorted(os.fspath(p.relative_to(host)) for p in host.rglob("*")) == ["etc", "etc/docker",
                                                                               "etc/docker/daemon.json"]
+
+
+def test_an_uninstall_that_keeps_the_runtime_leaves_only_it_and_a_later_one_takes_it(tmp_path, source):
+    """`cgpu node keep` at the DaemonSet's deletion (helm uninstall): every container started while
+    cgpu was containerd's runtime has a shim that calls cgpu-runtime to be killed and deleted, so it
+    stays (with what the record needs to remove it) while all else is as before and containerd is
+    restarted; a later uninstall leaves the host exactly as before the install; an install between
+    goes on from it."""
+    from cgpud.containers.nodeinstall import RUNTIME_KEPT, install, uninstall
+
+    host = tmp_path / "host"
+    (host / "etc/containerd").mkdir(parents=True)
+    (host / "etc/containerd/config.toml").write_text('version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd]\n'
+                                                    '  default_runtime_name = "crun"\n')
+    before = snapshot(host)
+    calls = []
+
+    def ok(cmd):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    install(os.fspath(host), os.fspath(source), runner=ok)
+    installed = snapshot(host)
+    r = uninstall(os.fspath(host), runner=ok, keep=RUNTIME_KEPT)
+    assert r.restarted == ["containerd"] and len(calls) == 2
+    now = snapshot(host)
+    assert now["etc/containerd/config.toml"] == before["etc/containerd/config.toml"]
+    assert now["usr/local/bin/cgpu-runtime"] == installed["usr/local/bin/cgpu-runtime"]
+    assert now.get("etc/cgpud/runtime.conf") == installed.get("etc/cgpud/runtime.conf")
+    assert "usr/local/libexec/cgpu-hook" not in now and "usr/local/lib/cgpu/libcgpu.so" not in now
+    assert "etc/containers/oci/hooks.d/cgpu-hook.json" not in now
+    assert any("cgpu-runtime kept while containers started through the runtime cgpu may run" in t for t in r.todo)
+    again = install(os.fspath(host), os.fspath(source), runner=ok)  # (the DaemonSet back: installed as before)
+    record = "etc/cgpud/node-install.json"  # (the same record; its files in another order)
+    now, was = snapshot(host), dict(installed)
+    assert json.loads(now.pop(record)[0]) == json.loads(was.pop(record)[0])
+    assert now == was and "/usr/local/bin/cgpu-runtime" in again.kept
+    uninstall(os.fspath(host), runner=ok, keep=RUNTIME_KEPT)
+    uninstall(os.fspath(host), runner=ok)
+    assert snapshot(host) == before

@@ -225,3 +225,192 @@ def test_the_daemon_gives_back_a_dead_process_slot_at_its_look(card):
     MemWatchdog.snapshot([(0, "instanceaaaa", os.fspath(dirp), 0)])
     assert pages.used(os.fspath(dirp))[0] == 0
     assert pages.slots(os.fspath(dirp))[0] == {}
+
+
+# ---- a slot's process by its start time and its claim, beyond its pid and lock (cgpu_page.h, struct cgpu_ident)
+
+def stat_start(pid: int) -> int:
+    """Field 22 of /proc/<pid>/stat (proc(5)), read here independently of cgpud's code."""
+    raw = open(f"/proc/{pid}/stat").read()
+    return int(raw[raw.rindex(")") + 2:].split()[19])
+
+
+def reading_for(where: str, pid: int, driver: int) -> None:
+    """The daemon's reading for pid's slot now: NVML's figure its 100 MiB plus `driver` of the driver's own."""
+    slot = pages.slots(where)[0][pid]
+    pages.write_reading(where, slot.index, pid, [100 * MIB + driver] + [0] * (pages.MAX_GPUS - 1),
+                        [100 * MIB] + [0] * (pages.MAX_GPUS - 1), slot.claim)
+
+
+def test_an_execd_image_in_its_old_slot_takes_no_reading_of_the_old_image(card):
+    """A process holds 100 MiB and the daemon's reading says the driver holds 60 MiB more for it: it
+    sees 96 MiB free. It execs; the new image (same pid, same start time) takes the same slot and
+    finds all 256 MiB free: the reading was the old image's (on main, the reading's pid being its own,
+    it charged the old image's 60 MiB to the new one: 196 MiB free)."""
+    env, dirp = card
+    after = PRELUDE + textwrap.dedent("""
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        print("free", ok(d.cuMemGetInfo())[0], flush=True)
+    """)
+    p = start(env, f"""
+        import os
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        held = ok(d.cuMemAlloc(100 * 2**20))
+        print("holding", flush=True)
+        sys.stdin.readline()
+        print("free", ok(d.cuMemGetInfo())[0], flush=True)
+        os.execv(sys.executable, [sys.executable, "-c", {after!r}])
+    """)
+    try:
+        assert p.stdout.readline().split() == ["holding"], p.stderr.read()
+        reading_for(os.fspath(dirp), p.pid, 60 * MIB)
+        out, err = p.communicate("\n", timeout=60)
+    finally:
+        p.kill()
+        p.wait()
+    assert out.split() == ["free", str(96 * MIB), "free", str(256 * MIB)], err
+
+
+def spawn_as(pid: int, env: dict, code: str) -> subprocess.Popen:
+    """A process started with pid `pid` (a reused pid: the kernel's next pid set to it first, as CRIU
+    does; another process of the host may take it first, so it is tried until it comes)."""
+    for _ in range(200):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        p = start(env, code)
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    raise AssertionError(f"pid {pid} was never given again")
+
+
+def test_a_reused_pid_takes_neither_the_slot_nor_the_reading_of_its_dead_predecessor(card):
+    """A process holds 100 MiB, with the daemon's reading of 60 MiB more of the driver's, and is
+    SIGKILLed; a new process gets the same pid (really: the kernel gives it again) and the same slot:
+    it finds all 256 MiB free (on main it took the dead one's reading, its pid matching: 196 MiB)."""
+    env, dirp = card
+    holder = start(env, HOLDER)
+    try:
+        assert holder.stdout.readline().split() == ["holding"], holder.stderr.read()
+        reading_for(os.fspath(dirp), holder.pid, 60 * MIB)
+    finally:
+        holder.kill()
+        holder.wait()
+    asker = spawn_as(holder.pid, env, """
+        sys.stdin.readline()  # (CUDA only once it has the pid)
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        print("free", ok(d.cuMemGetInfo())[0], flush=True)
+    """)
+    try:
+        out, err = asker.communicate("\n", timeout=60)
+    finally:
+        asker.kill()
+        asker.wait()
+    assert out.split() == ["free", str(256 * MIB)], err
+
+
+def forge(dirp, slot: int, pid: int, start: int, lock: bool):
+    """Slot `slot` written for `pid` holding 100 MiB, its record saying it started at `start`; with
+    `lock`, its liveness byte locked by a descriptor of this test (one that outlived its process:
+    a child made without fork's handlers). The page says its processes lock their slots."""
+    import fcntl
+    import struct
+
+    usage = dirp / "usage"
+    with open(usage, "r+b") as f:
+        raw = bytearray(f.read())
+        pages.PROC.pack_into(raw, pages.USAGE_HEAD.size + slot * pages.PROC.size, pid, 0, 0, 0, 100 * MIB,
+                             *[0] * (pages.MAX_GPUS - 1))
+        head = pages.USAGE_HEAD.unpack_from(raw, 0)
+        pages.USAGE_HEAD.pack_into(raw, 0, head[0], head[1], head[2] + 100 * MIB, *head[3:])
+        struct.pack_into("<I", raw, pages.SLOT_FLAGS_OFFSET, pages.SLOTS_LOCKED)
+        pages.IDENT.pack_into(raw, pages.IDENT_OFFSET + slot * pages.IDENT.size, pid, 0, start,
+                              os.stat("/proc/self/ns/pid").st_ino, 12345, 0)
+        f.seek(0)
+        f.write(raw)
+    if not lock:
+        return None
+    fd = os.open(usage, os.O_RDONLY)
+    at = pages.USAGE_HEAD.size + slot * pages.PROC.size + pages.LIVENESS_BYTE
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("=hh4xqqi4x", fcntl.F_RDLCK, os.SEEK_SET, at, 1, 0))
+    return fd
+
+
+@pytest.mark.parametrize("reclaimer", ["libcgpu", "daemon"])
+@pytest.mark.parametrize("right", [False, True], ids=["reused", "its own"])
+def test_a_locked_slot_whose_pid_started_at_another_time_is_dead(card, reclaimer, right):
+    """A slot whose liveness byte is locked (by a descriptor that outlived its process) for a live pid
+    (this test's) holding 100 MiB: with the start time of that pid in its record it is alive and
+    keeps its charge; with another (the pid reused) libcgpu's next process and the daemon's look find
+    it dead and give the 100 MiB back (on main the lock alone said alive: the charge stayed)."""
+    from cgpud.gpus.memwatch import MemWatchdog
+
+    env, dirp = card
+    where = os.fspath(dirp)
+    fd = forge(dirp, 5, os.getpid(), stat_start(os.getpid()) + (0 if right else 1), lock=True)
+    try:
+        assert pages.used(where)[0] == 100 * MIB
+        if reclaimer == "daemon":
+            MemWatchdog.snapshot([(0, "instanceaaaa", where, 0)])
+            free = 256 * MIB - pages.used(where)[0]
+        else:
+            r = subprocess.run([sys.executable, "-c", PRELUDE + "ok(d.cuInit(0)); print(ok(d.cuMemGetInfo())[0])\n"],
+                               env=env, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, r.stderr
+            free = int(r.stdout)
+    finally:
+        os.close(fd)
+    assert free == (156 if right else 256) * MIB
+    assert (os.getpid() in pages.slots(where)[0]) == right
+
+
+@pytest.mark.parametrize("right", [False, True], ids=["reused", "its own"])
+def test_the_switcher_never_waits_for_a_pid_that_started_at_another_time(tmp_path, right):
+    """A launching slot that has not answered a closing, its helper draining, its lock held by a live
+    process: with that process's start time in its record the switcher waits for it; with another (its
+    pid is another process's now) it gives up on it as dead (on main it was waited for to the cap)."""
+    from cgpud.sched import native
+
+    d = tmp_path / "c"
+    pages.create(os.fspath(d), [256 * MIB])
+    usage = d / "usage"
+    code = (f"import fcntl, time; f = open({os.fspath(usage)!r}, 'rb'); "
+            f"fcntl.lockf(f, fcntl.LOCK_SH, 1, {pages.USAGE_HEAD.size}); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        raw = bytearray(usage.read_bytes())
+        pages.PROC_HEAD.pack_into(raw, pages.USAGE_HEAD.size, holder.pid, pages.GATED_PER_GPU, 0,
+                                  1 | pages.PROC_DRAINING)
+        raw[pages.GATED_OFFSET] = 1
+        pages.IDENT.pack_into(raw, pages.IDENT_OFFSET, holder.pid, 0, stat_start(holder.pid) + (0 if right else 1),
+                              os.stat("/proc/self/ns/pid").st_ino, 12345, 0)
+        usage.write_bytes(bytes(raw))
+        page = native.Page(os.fspath(d), [0])
+        try:
+            page.freeze(0)
+            assert page.undrained(0) == [0]
+            assert page.give_up(0) == ([] if right else [(0, "dead")])
+        finally:
+            page.thaw(0)
+            page.release()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_python_ident_block_is_the_headers(tmp_path):
+    """struct cgpu_usage_ident's place and size in the usage file, as cgpu_page.h lays it out."""
+    prog = tmp_path / "ident.c"
+    prog.write_text('#include <stdio.h>\n#include <stddef.h>\n#include "cgpu_page.h"\n'
+                    'int main(void){printf("%zu %zu %zu %zu\\n", sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver)'
+                    ' + sizeof(struct cgpu_usage_busy) + sizeof(struct cgpu_usage_gang), sizeof(struct cgpu_ident),'
+                    ' offsetof(struct cgpu_ident, read_claim), sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver)'
+                    ' + sizeof(struct cgpu_usage_busy) + sizeof(struct cgpu_usage_gang) + sizeof(struct cgpu_usage_ident));'
+                    ' return 0;}\n')
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    subprocess.run(["gcc", f"-I{root / 'native' / 'libcgpu'}", "-o", os.fspath(tmp_path / "ident"), os.fspath(prog)],
+                   check=True)
+    out = subprocess.run([os.fspath(tmp_path / "ident")], capture_output=True, text=True, check=True).stdout.split()
+    assert list(map(int, out)) == [pages.IDENT_OFFSET, pages.IDENT.size, 32, pages.USAGE_FILE_SIZE]

@@ -470,3 +470,82 @@ def test_a_template_made_meanwhile_by_another_pod_is_fine_and_a_refusal_is_not()
     api.resource = Resource(403)
     with pytest.raises(ApiException):
         api.ensure_template(body)
+
+
+# ---- core_mem: aliyun.com/gpu-core.percentage (issue 37) -------------------------------------
+
+
+def core_pod(units="4", percentage="30", containers: int = 1) -> dict:
+    res = {"limits": {"aliyun.com/gpu-mem": units, "aliyun.com/gpu-core.percentage": percentage}}
+    if percentage is None:
+        del res["limits"]["aliyun.com/gpu-core.percentage"]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {"containers": [{"name": f"c{i}", "image": "x", "resources": copy.deepcopy(res)}
+                                    for i in range(containers)]}}
+
+
+@pytest.mark.parametrize("value,why", [
+    ("33", "container c0: limits aliyun.com/gpu-core.percentage 33 is not a percentage core_mem gives: give a "
+           "whole multiple of 5 from 5 to 100"),
+    ("0", "container c0: limits aliyun.com/gpu-core.percentage 0 is not a percentage core_mem gives: give a "
+          "whole multiple of 5 from 5 to 100"),
+    ("3", "container c0: limits aliyun.com/gpu-core.percentage 3 is not a percentage core_mem gives: give a "
+          "whole multiple of 5 from 5 to 100"),
+    ("105", "container c0: limits aliyun.com/gpu-core.percentage 105 is not a percentage core_mem gives: give a "
+            "whole multiple of 5 from 5 to 100"),
+    ("2.5", "container c0: limits aliyun.com/gpu-core.percentage '2.5' is not a whole number: give a whole "
+            "multiple of 5 from 5 to 100"),
+    ("50m", "container c0: limits aliyun.com/gpu-core.percentage '50m' is not a whole number: give a whole "
+            "multiple of 5 from 5 to 100"),
+])
+def test_a_bad_compute_percentage_is_refused_at_create_with_one_line(value, why):
+    with pytest.raises(webhook.Denied) as e:
+        webhook.decide({"uid": "u", "operation": "CREATE", "kind": {"group": "", "kind": "Pod"},
+                        "namespace": "ns", "object": core_pod(percentage=value)})
+    assert str(e.value) == why and "\n" not in str(e.value)
+
+
+def test_a_percentage_without_gpu_mem_or_beside_a_memory_only_container_is_refused():
+    pod = core_pod()
+    del pod["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-mem"]
+    with pytest.raises(webhook.Denied, match="^container c0: aliyun.com/gpu-core.percentage 30 without "
+                                             "aliyun.com/gpu-mem: .* ask aliyun.com/gpu-mem too$"):
+        webhook.mutate(pod, "ns")
+    pod = core_pod(containers=2)
+    del pod["spec"]["containers"][1]["resources"]["limits"]["aliyun.com/gpu-core.percentage"]
+    with pytest.raises(webhook.Denied, match="^containers c1 ask aliyun.com/gpu-mem without aliyun.com/gpu-core."
+                                             "percentage and others with it: memory-only and percentage containers "
+                                             "never share a node"):
+        webhook.mutate(pod, "ns")
+
+
+def test_a_percentage_pod_claims_its_compute_as_capacity_of_core_mem_gpus_only():
+    """`gpu-mem: 4` and `gpu-core.percentage: 30` → one claim asking 4 units of memory and 30 of
+    the device's `compute`, on devices whose mode is core_mem; a memory-only pod's claim keeps off
+    them (and off whole GPUs)."""
+    pod = core_pod()
+    d = webhook.mutate(pod, "ns")
+    got = apply(pod, d.patch)
+    assert got["spec"]["containers"][0]["resources"] == {"limits": {}, "claims": [{"name": "cgpu-gpu-mem"}]}
+    (t,) = d.templates
+    assert t["metadata"]["name"] == "cgpu-gpu-mem-4c30x1"
+    for name, unit in (("unit-1gi", GIB), ("unit-128mi", 128 * MIB)):
+        a = alternatives(t)[name]
+        assert a["capacity"]["requests"] == {"memory": str(4 * unit), "compute": "30"}
+        assert [s["cel"]["expression"] for s in a["selectors"]] == [
+            f'device.attributes["cgpu.aliyun.com"].memoryUnit == {unit}',
+            '"mode" in device.attributes["cgpu.aliyun.com"] && device.attributes["cgpu.aliyun.com"].mode == "core_mem"']
+    (t,) = webhook.mutate(core_pod(percentage=None), "ns").templates
+    assert t["metadata"]["name"] == "cgpu-gpu-mem-4x1"
+    a = alternatives(t)["unit-1gi"]
+    assert a["capacity"]["requests"] == {"memory": str(4 * GIB)}
+    assert a["selectors"][1]["cel"]["expression"] == (
+        '!("mode" in device.attributes["cgpu.aliyun.com"]) || '
+        'device.attributes["cgpu.aliyun.com"].mode in ["cgpu", "share", "mps"]')
+
+
+def test_the_quota_counts_a_percentage_templates_units():
+    from cgpud.k8s import quota
+
+    assert quota.template_units("cgpu-gpu-mem-4c30x1") == 4
+    assert quota.template_units(webhook.pod_template("ns", [("c-0", 2, 20), ("c-1", 3, 20)], 1)["metadata"]["name"]) == 5

@@ -56,10 +56,14 @@ def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_
               help="Where prepared claims are kept (they survive a restart of the plugin).")
 @click.option("--refresh", default=1.0, show_default=True, type=click.FloatRange(min=0.05),
               help="Seconds between looks at the daemon's GPUs (and tries of a refused publish).")
+@click.option("--mode", type=click.Choice(["exclusive", "cgpu", "core_mem", "share", "mps", "disabled"]),
+              default=None, envvar="CGPU_MODE",
+              help="The node's mode while it has no ack.node.gpu.schedule label (default: the daemon's own): "
+                   "what its slices publish (docs/kubernetes.md, A node's mode).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
 @pass_ctx
 def dra_plugin(ctx: Ctx, node_name: str, registry_dir: str, plugin_dir: str, cdi_dir: str, state_dir: str,
-               refresh: float, log_level: str) -> None:
+               refresh: float, mode: str | None, log_level: str) -> None:
     """The DRA kubelet plugin, driver cgpu.aliyun.com (docs/kubernetes.md, DRA mode): each GPU
     a device whose memory claims share; a prepared claim reaches its containers through CDI."""
     import logging
@@ -72,7 +76,7 @@ def dra_plugin(ctx: Ctx, node_name: str, registry_dir: str, plugin_dir: str, cdi
         if not os.path.isdir(d):
             raise click.ClickException(f"{what}: {d} does not exist: is this a Kubernetes node (kubelet running)?")
     try:
-        draplugin.main(ctx.socket, node_name, registry_dir, plugin_dir, cdi_dir, state_dir, refresh)
+        draplugin.main(ctx.socket, node_name, registry_dir, plugin_dir, cdi_dir, state_dir, refresh, mode)
     except (NoCluster, draplugin.TooOld) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:

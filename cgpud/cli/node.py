@@ -75,3 +75,27 @@ def uninstall(host_root: str, restart: str, as_json: bool) -> None:
     except InstallError as exc:
         raise click.ClickException(str(exc)) from None
     _show(report, as_json, "uninstall")
+
+
+@node.command()
+@click.option("--host-root", required=True, help="Where the host's / is mounted (the DaemonSet: /host).")
+@click.option("--daemonset", default="cgpud", show_default=True,
+              help="The DaemonSet whose deletion undoes the install (in --namespace).")
+@click.option("--namespace", envvar="POD_NAMESPACE", default="kube-system", show_default=True,
+              help="The DaemonSet's namespace (the DaemonSet gives its own from the downward API).")
+@_restart
+@click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
+def keep(host_root: str, daemonset: str, namespace: str, restart: str, log_level: str) -> None:
+    """Run beside the node daemon until SIGTERM; then undo `cgpu node install` if (and only if) the
+    DaemonSet was deleted (`helm uninstall`): a pod restart or an upgrade leaves the node installed
+    (docs/kubernetes.md, Helm)."""
+    import logging
+    import os
+    import sys
+
+    from cgpud.k8s import nodekeeper
+
+    logging.basicConfig(level=log_level.upper(), format="cgpu node keep: %(levelname)s: %(message)s")
+    if not os.path.isdir(host_root):
+        raise click.ClickException(f"--host-root {host_root} is not a directory")
+    sys.exit(nodekeeper.main(host_root, namespace, daemonset, restart))

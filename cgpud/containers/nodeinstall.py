@@ -317,7 +317,14 @@ def install(root: str, source: str = "/", engines: tuple[str, ...] = ("auto",), 
     return report
 
 
-def uninstall(root: str, restart: str = "systemd", runner: Runner = _run) -> Report:
+# What containers started through the runtime cgpu need for as long as they exist: their shim calls
+# the runtime to kill and delete them (a node whose cgpu-runtime is gone cannot stop its pods).
+RUNTIME_KEPT = (hostconfig.DEFAULT_WRAPPER, RUNTIME_CONF)
+
+
+def uninstall(root: str, restart: str = "systemd", runner: Runner = _run, keep: tuple[str, ...] = ()) -> Report:
+    """Undo the install. `keep`: files left in place (and in the record, so that a later uninstall
+    removes them) — RUNTIME_KEPT while containers started through the runtime may still run."""
     host = Host(root)
     if host.read(RECORD) is None:
         raise InstallError(f"{RECORD} is not on the host: `cgpu node install` did not run there (nothing to undo)")
@@ -344,8 +351,14 @@ def uninstall(root: str, restart: str = "systemd", runner: Runner = _run) -> Rep
             host.write(conf, before.encode(), host.mode(conf) or 0o644, [])
         report.engines[engine] = "cgpu runtime removed"
         changed.append(engine)
+    kept: dict[str, dict] = {}
     for p, entry in rec["files"].items():
         data = host.read(p)
+        if p in keep and data is not None:
+            kept[p] = entry
+            report.todo.append(f"{p} kept while containers started through the runtime cgpu may run (their shim "
+                               "calls it to stop them): `cgpu node uninstall` again once they are gone")
+            continue
         if data is not None and _sha(data) != entry.get("sha256"):
             report.todo.append(f"{p} changed since it was installed: left as it is")
             continue
@@ -359,6 +372,12 @@ def uninstall(root: str, restart: str = "systemd", runner: Runner = _run) -> Rep
         elif data is not None:
             os.unlink(host.path(p))
         report.removed.append(p)
+    if kept:  # (the rest for a later uninstall; an install goes on from it)
+        host.write(RECORD, (json.dumps({"files": kept, "dirs": rec["dirs"], "engines": {}}, indent=2) + "\n").encode(),
+                   0o644, [])
+        for e in changed:
+            _restart(host, e, restart, report, runner)
+        return report
     os.unlink(host.path(RECORD))
     if os.path.isdir(host.path(BACKUP)):
         shutil.rmtree(host.path(BACKUP))

@@ -127,7 +127,7 @@ class Control(Views, Instances, Hooks, Runtime, Memory):
         # Every op of every family: name -> (privileged?, handler). A new op is a
         # method and a row in its family's OPS.
         self.ops: dict[str, tuple[bool, Callable[[dict, Peer], Any]]] = {
-            name: (privileged, getattr(self, name))
+            name: (privileged, getattr(self, getattr(family, "METHODS", {}).get(name, name)))
             for family in FAMILIES for name, privileged in family.OPS.items()
         }
         # Ops whose blocking part (files) runs first, in the serving task: name -> its loader

@@ -60,6 +60,9 @@ class Views:
     """hello, query, stats, trace: a family of Control's ops (control.server)."""
 
     OPS = {"hello": False, "query": False, "stats": False, "trace": False, "mode": True}
+    # op -> method where the op's name is an attribute too (self.mode is the node's mode: an op
+    # looked up by its name got the string, and every `mode` call failed with an internal error)
+    METHODS = {"mode": "set_mode"}
 
     asking: str | None  # (Control's)
 
@@ -86,7 +89,7 @@ class Views:
             return own_snapshot(self.node, self.asking)
         return {**snapshot(self.node), "strategy": self.strategy, "mode": self.mode}
 
-    def mode(self, req: dict, peer: Peer) -> dict:
+    def set_mode(self, req: dict, peer: Peer) -> dict:
         """Set the node's mode for the containers that start from now on (the device plugin follows
         the node's ack.node.gpu.schedule label: docs/kubernetes.md); running ones keep theirs."""
         from cgpud.containers.placement import MODES

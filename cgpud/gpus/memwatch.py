@@ -303,8 +303,12 @@ class MemWatchdog:
         if got is None:
             return None, None
         where, index, slots = got
-        slot = slots.get(pid) or slots.get(ns_pid(pid))
-        return (where, index), slot
+        # (NVML's pid is the daemon's; a slot names the container's: a slot found either way is the
+        # process's only if it started when the slot says, or a reused or colliding pid is charged)
+        for slot in (slots.get(pid), slots.get(ns_pid(pid))):
+            if slot is not None and pages.same_process(slot, pid):
+                return (where, index), slot
+        return (where, index), None
 
     def _charged(self, inst: Instance, procs: dict[int, int]) -> dict[int, int]:
         """pid -> what libcgpu charges it on the instance's GPU, for its processes with a slot."""
@@ -328,7 +332,7 @@ class MemWatchdog:
             nvml[index] = nbytes
             allocs[index] = max(0, slot.held[index] - slot.driver[index])
             try:
-                pages.write_reading(where, slot.index, slot.pid, nvml, allocs)
+                pages.write_reading(where, slot.index, slot.pid, nvml, allocs, slot.claim)
             except OSError:
                 pass
 

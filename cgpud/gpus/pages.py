@@ -51,7 +51,11 @@ USAGE_SIZE = BUSY_OFFSET + MAX_PROCS * BUSY.size
 # the file is made this long, the daemon reads only the first USAGE_SIZE bytes
 GANG = struct.Struct(f"<{2 * MAX_GPUS}Q")  # launched[], base[]: per slot
 GANG_OFFSET = USAGE_SIZE
-USAGE_FILE_SIZE = GANG_OFFSET + MAX_PROCS * GANG.size
+# struct cgpu_usage_ident: who each slot's process is beyond its pid (issue 34, item 6): libcgpu's, but
+# read_claim, the daemon's (written inside a reading's seq: the claim of the slot the reading is for)
+IDENT = struct.Struct("<iIQQQQ")  # pid, reserved, start (clock ticks after boot), pidns (inode), claim, read_claim
+IDENT_OFFSET = GANG_OFFSET + MAX_PROCS * GANG.size
+USAGE_FILE_SIZE = IDENT_OFFSET + MAX_PROCS * IDENT.size
 
 
 def create(directory: str, memsizes: list[int], uuids: list[str] | None = None) -> None:
@@ -172,20 +176,52 @@ class Slot(NamedTuple):
     pid: int  # in the container's PID namespace
     held: list[int]  # per GPU of the page: what libcgpu charges for it
     driver: list[int]  # of it, the driver's own memory (none in an older cgpud's page)
+    start: int = 0  # its process's start time (/proc/<pid>/stat field 22; 0: not recorded, an older page)
+    claim: int = 0  # the taking's token: a reading for the slot carries it (cgpu_page.h, struct cgpu_ident)
+
+
+def started(pid: int) -> int | None:
+    """Process `pid`'s start time as this process's /proc shows it (field 22 of its stat: clock ticks after
+    boot), None when there is no such process or it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _ns(pid: int | str, kind: str) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+    except OSError:
+        return None
+
+
+def same_process(slot: Slot, pid: int) -> bool:
+    """Is process `pid` (in this process's namespace) the one that took `slot`? By its start time where
+    the slot records one and the process's clock of boot is this one's (a time namespace shifts it); a
+    slot without a record (an older libcgpu's) is the pid's."""
+    if not slot.start or _ns(pid, "time") != _ns("self", "time"):
+        return True
+    return started(pid) == slot.start
 
 
 def slots(directory: str) -> tuple[dict[int, Slot], bool]:
     """The process slots in use, by pid, and whether the page has room for the driver's readings
     (an older cgpud's page has not)."""
-    raw = _read(directory, "usage", USAGE_SIZE)
+    raw = _read(directory, "usage", USAGE_FILE_SIZE)
     readings = len(raw) >= DRIVER_SIZE
+    idents = len(raw) >= USAGE_FILE_SIZE
     out = {}
     for k in range(MAX_PROCS):
         pid, _, _, _, *held = PROC.unpack_from(raw, USAGE_HEAD.size + k * PROC.size)
         if pid > 0:
             driver = list(DRIVER.unpack_from(raw, DRIVER_OFFSET + k * DRIVER.size)[2 + 2 * MAX_GPUS:]) if readings \
                 else [0] * MAX_GPUS
-            out[pid] = Slot(k, pid, held, driver)
+            ipid, _, start, _, claim, _ = IDENT.unpack_from(raw, IDENT_OFFSET + k * IDENT.size) if idents \
+                else (0, 0, 0, 0, 0, 0)
+            out[pid] = Slot(k, pid, held, driver, *((start, claim) if ipid == pid else (0, 0)))
     return out, readings
 
 
@@ -233,11 +269,26 @@ def _libatomic():
     return _atomic or None
 
 
+def _reused(idents: bytes, k: int, pid: int) -> bool:
+    """Slot k's record says its process was another than the one `pid` is now in this process's PID
+    namespace (gone, or a reused pid); False where that cannot be told (no record, another namespace's)."""
+    if not idents:
+        return False
+    ipid, _, start, pidns, _, _ = IDENT.unpack_from(idents, k * IDENT.size)
+    if ipid != pid or not start or not pidns or pidns != _ns("self", "pid"):
+        return False
+    if _ns(pid, "time") not in (None, _ns("self", "time")):
+        return False  # (its clock of boot is another's: its start time is not comparable)
+    return started(pid) != start
+
+
 def reclaim_dead(directory: str) -> list[tuple[int, int, list[int]]]:
     """What dead processes' slots held, given back to the container: (slot, pid, held per GPU) for each.
     Only in a page whose processes hold their slots' liveness locks (CGPU_SLOTS_LOCKED, cgpu_page.h):
     a slot whose byte nobody locks is dead, whatever its pid (the daemon does not share the container's
-    PID namespace). The same steps as libcgpu's release, with the same atomic instructions: the pid
+    PID namespace); so is one whose process shares the daemon's PID namespace and whose pid is gone or
+    started at another time than the slot records (a reused pid; its byte locked by a descriptor that
+    outlived it). The same steps as libcgpu's release, with the same atomic instructions: the pid
     taken first (one reclaimer wins), then its held out of the container's total, then the slot free."""
     import ctypes
     import fcntl
@@ -252,6 +303,8 @@ def reclaim_dead(directory: str) -> list[tuple[int, int, list[int]]]:
             return []
         if not struct.unpack("<I", os.pread(fd, 4, SLOT_FLAGS_OFFSET))[0] & SLOTS_LOCKED:
             return []
+        idents = os.pread(fd, MAX_PROCS * IDENT.size, IDENT_OFFSET) \
+            if os.fstat(fd).st_size >= USAGE_FILE_SIZE else b""
         mm = mmap.mmap(fd, DRIVER_SIZE)
     finally:
         os.close(fd)
@@ -267,7 +320,7 @@ def reclaim_dead(directory: str) -> list[tuple[int, int, list[int]]]:
                     continue
                 got = fcntl.fcntl(lfd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET,
                                                                        at + LIVENESS_BYTE, 1, 0))
-                if _FLOCK.unpack(got)[0] != fcntl.F_UNLCK:
+                if _FLOCK.unpack(got)[0] != fcntl.F_UNLCK and not _reused(idents, k, pid):
                     continue  # (alive)
                 expected = ctypes.c_int32(pid)
                 if not lib.__atomic_compare_exchange_4(base + at, ctypes.addressof(expected), 0xFFFFFFFF, 4, 2):
@@ -291,16 +344,25 @@ def reclaim_dead(directory: str) -> list[tuple[int, int, list[int]]]:
     return out
 
 
-def write_reading(directory: str, index: int, pid: int, nvml: list[int], allocs: list[int]) -> None:
+def write_reading(directory: str, index: int, pid: int, nvml: list[int], allocs: list[int],
+                  claim: int | None = None) -> None:
     """NVML's figure for the process of slot `index` (per GPU of the page) and what it had allocated
     through libcgpu just before NVML was read, into its record: odd `seq` while written, even after
-    (libcgpu reads a record whose seq did not change while it read it). The daemon is the only writer."""
+    (libcgpu reads a record whose seq did not change while it read it). The daemon is the only writer.
+    `claim`: the claim of the slot as read with the slot (Slot.claim), so that a reading made for a
+    process is never taken by the slot's next one (an exec'd image, a reused pid); None: the slot's now."""
     at = DRIVER_OFFSET + index * DRIVER.size
     fd = open_page(directory, "usage", os.O_RDWR)
     try:
+        idents = os.fstat(fd).st_size >= USAGE_FILE_SIZE
+        claim_at = IDENT_OFFSET + index * IDENT.size + 32
+        if claim is None and idents:
+            claim = struct.unpack("<Q", os.pread(fd, 8, claim_at - 8))[0]
         seq = struct.unpack("<I", os.pread(fd, 4, at))[0]
         os.pwrite(fd, struct.pack("<I", (seq + 1) | 1), at)
         os.pwrite(fd, struct.pack(f"<i{2 * MAX_GPUS}Q", pid, *nvml, *allocs), at + 4)
+        if idents:
+            os.pwrite(fd, struct.pack("<Q", claim or 0), claim_at)
         os.pwrite(fd, struct.pack("<I", ((seq + 1) | 1) + 1), at)
     finally:
         os.close(fd)

@@ -118,28 +118,49 @@ def node_owner(node: str, uid: str) -> dict:
     return {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid, "controller": True}
 
 
-def devices(gpus: list[Gpu], unit: int) -> list[dict]:
-    """Each GPU as one device whose memory claims share (capacity `memory`, KEP-5075: several
-    allocations, each in steps of the node's unit); a GPU out of service tainted NoSchedule."""
+# What the node's mode in force (cgpud.k8s.modes, its label ack.node.gpu.schedule) publishes: the
+# GPU devices whose memory claims share (cgpu, share, mps; core_mem with the compute percentage as a
+# second capacity), whole GPUs (exclusive), or nothing (disabled: the node is another driver's).
+# Every device says its mode (the attribute `mode`): the webhook's templates select by it.
+SHARED_MODES = ("cgpu", "share", "mps", "core_mem")
+COMPUTE = "compute"  # core_mem: the GPU's compute in percent, a capacity of its own (docs/kubernetes.md)
+COMPUTE_STEP = 5  # (envspec.CORE_STEP: policy 3's 20 slots)
+
+
+def devices(gpus: list[Gpu], unit: int, mode: str = "cgpu") -> list[dict]:
+    """Each GPU as one device, as the node's mode has it: on a sharing node its memory claims share
+    (capacity `memory`, KEP-5075: several allocations, each in steps of the node's unit), and on a
+    core_mem node its compute too (capacity `compute`, 100, in steps of 5: the percentage); on an
+    exclusive node the GPU is given whole; on a disabled node there is none. A GPU out of service
+    tainted NoSchedule."""
+    if mode == "disabled":
+        return []
     out = []
     for g in gpus:
         whole = g.units(unit) * unit
         dev = {
-            "name": device_name(g.index), "allowMultipleAllocations": True,
+            "name": device_name(g.index),
             "attributes": {"uuid": {"string": g.uuid}, "model": {"string": g.model}, "index": {"int": g.index},
-                           "memoryUnit": {"int": unit}, "kind": {"string": KIND_GPU}},
-            "capacity": {CAPACITY: {"value": str(whole), "requestPolicy": {
-                "default": str(unit), "validRange": {"min": str(unit), "step": str(unit)}}}},
+                           "memoryUnit": {"int": unit}, "kind": {"string": KIND_GPU}, "mode": {"string": mode}},
+            "capacity": {CAPACITY: {"value": str(whole)}},
             **_taints(g),
         }
+        if mode in SHARED_MODES:
+            dev["allowMultipleAllocations"] = True
+            dev["capacity"][CAPACITY]["requestPolicy"] = {"default": str(unit),
+                                                          "validRange": {"min": str(unit), "step": str(unit)}}
+        if mode == "core_mem":  # (a claim that names no percentage gets the whole of it: default 100)
+            dev["capacity"][COMPUTE] = {"value": "100", "requestPolicy": {
+                "default": "100", "validRange": {"min": str(COMPUTE_STEP), "max": "100", "step": str(COMPUTE_STEP)}}}
         out.append(dev)
     return out
 
 
-def resource_slices(node: str, gpus: list[Gpu], unit: int, generation: int = 1, owner: dict | None = None) -> list[dict]:
-    """The node's ResourceSlices, one pool named after the node: its GPUs, PER_SLICE a slice (one
-    slice for any node there is)."""
-    devs = devices(gpus, unit)
+def resource_slices(node: str, gpus: list[Gpu], unit: int, generation: int = 1, owner: dict | None = None,
+                    mode: str = "cgpu") -> list[dict]:
+    """The node's ResourceSlices, one pool named after the node: its GPUs as its mode has them,
+    PER_SLICE a slice (one slice for any node there is; one with no device on a disabled node)."""
+    devs = devices(gpus, unit, mode)
     parts = [devs[i:i + PER_SLICE] for i in range(0, len(devs), PER_SLICE)] or [[]]
     return [{
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
@@ -223,14 +244,16 @@ class Share:
     gpus: list[tuple[int, int]] = field(default_factory=list)  # (GPU index, bytes)
     weight: int = 1
     highprio: bool = False
+    percentage: int | None = None  # core_mem: the compute percentage the claim consumed (capacity `compute`)
 
     def as_dict(self) -> dict:
         return {"request": self.request, "gpus": [list(g) for g in self.gpus], "weight": self.weight,
-                "highprio": self.highprio}
+                "highprio": self.highprio, **({"percentage": self.percentage} if self.percentage is not None else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Share":
-        return cls(d["request"], [(int(i), int(b)) for i, b in d["gpus"]], int(d["weight"]), bool(d["highprio"]))
+        return cls(d["request"], [(int(i), int(b)) for i, b in d["gpus"]], int(d["weight"]), bool(d["highprio"]),
+                   int(d["percentage"]) if d.get("percentage") is not None else None)
 
 
 def _config(parameters, where: str) -> dict:
@@ -293,6 +316,16 @@ def plan(claim: dict, node: str, gpus: list[Gpu], unit: int) -> list[Share]:
         if any(i == gpu.index for i, _ in share.gpus):
             raise DraError(f"{who}: request {r['request']} was given GPU {gpu.index} twice")
         share.gpus.append((gpu.index, size))
+        compute = (r.get("consumedCapacity") or {}).get(COMPUTE)
+        if compute is not None:  # core_mem: the percentage consumed (one for the request, as the hook takes it)
+            p = quantity(compute)
+            if not COMPUTE_STEP <= p <= 100 or p % COMPUTE_STEP:
+                raise DraError(f"{who}: compute {compute} of GPU {gpu.index} is not a multiple of {COMPUTE_STEP} "
+                               f"from {COMPUTE_STEP} to 100 percent")
+            if share.percentage not in (None, p):
+                raise DraError(f"{who}: request {r['request']} consumed {share.percentage} and {p} percent of "
+                               "its GPUs' compute: one percentage for all")
+            share.percentage = p
     for n, c in enumerate(devices.get("config") or ()):  # the class's first, then the claim's: later wins
         opaque = c.get("opaque") or {}
         if opaque.get("driver") != DRIVER:
@@ -302,11 +335,17 @@ def plan(claim: dict, node: str, gpus: list[Gpu], unit: int) -> list[Share]:
             if not c.get("requests") or name in c["requests"] or name.split("/")[0] in c["requests"]:
                 share.weight = settings.get("weight", share.weight)
                 share.highprio = settings.get("highprio", share.highprio)
+    for share in shares.values():
+        if share.percentage is not None and share.weight != 1:
+            raise DraError(f"{who}: request {share.request} has {share.percentage} percent of its GPU's compute "
+                           f"and a weight ({share.weight}) in its {CONFIG_KIND}: the percentage fixes its compute; "
+                           "give one of the two")
     return list(shares.values())
 
 
-def environment(share: Share, gpus: list[Gpu], unit: int) -> dict[str, str]:
-    """The container's environment for a share, in the node's units (what the hook reads)."""
+def environment(share: Share, gpus: list[Gpu], unit: int, mode: str = "cgpu") -> dict[str, str]:
+    """The container's environment for a share, in the node's units (what the hook reads): on a
+    core_mem node its percentage, on an mps node the MPS client's limits (as Allocate gives them)."""
     by_index = {g.index: g for g in gpus}
     units = [b // unit for _, b in share.gpus]
     env = {
@@ -319,6 +358,12 @@ def environment(share: Share, gpus: list[Gpu], unit: int) -> dict[str, str]:
         env[envspec.WEIGHT] = str(share.weight)
     if share.highprio:
         env[envspec.HIGH_PRIO] = "1"
+    if share.percentage is not None:
+        env[envspec.CORE] = str(share.percentage)
+    if mode == "mps":
+        from cgpud.k8s import resources
+
+        env.update(resources.mps_environment(env, [resources.Gpu(g.index, g.uuid, g.memory, 0) for g in gpus], unit))
     return env
 
 
@@ -327,18 +372,27 @@ def cdi_device(claim_uid: str, request: str) -> str:
     return f"{claim_uid}-{re.sub(r'[^A-Za-z0-9_.:-]', '.', request)}"
 
 
-def cdi_spec(claim_uid: str, shares: list[Share], gpus: list[Gpu], unit: int, mounts: list[str]) -> dict:
+def cdi_spec(claim_uid: str, shares: list[Share], gpus: list[Gpu], unit: int, mounts: list[str],
+             mode: str = "cgpu") -> dict:
     """The claim's CDI spec: a device per request whose edits set its environment; `mounts` (the
     daemon's socket directory) are bound into every container of the claim: each as its
-    containers' directory (the containers' socket only), read-only (docs/security.md)."""
+    containers' directory (the containers' socket only), read-only (docs/security.md). On an mps
+    node the MPS pipe directory and the control daemon's shm (at /dev/shm) too, read-write (the
+    client talks to the node's MPS server there)."""
+    from cgpud.k8s.resources import MPS_PIPE_DIR, MPS_SHM_DIR
+
+    binds = [{"hostPath": f"{m}/{TENANT_DIR}", "containerPath": m, "options": ["rbind", "ro"]} for m in mounts]
+    if mode == "mps":  # (as Allocate mounts them: the pipe directory, and the control daemon's shm at /dev/shm)
+        binds.append({"hostPath": MPS_PIPE_DIR, "containerPath": MPS_PIPE_DIR, "options": ["rbind", "rw"]})
+        binds.append({"hostPath": MPS_SHM_DIR, "containerPath": "/dev/shm", "options": ["rbind", "rw"]})
     return {
         "cdiVersion": CDI_VERSION, "kind": CDI_VENDOR_CLASS,
         "devices": [{"name": cdi_device(claim_uid, s.request),
-                     "containerEdits": {"env": [f"{k}={v}" for k, v in sorted(environment(s, gpus, unit).items())]}}
+                     "containerEdits": {"env": [f"{k}={v}" for k, v in
+                                                sorted(environment(s, gpus, unit, mode).items())]}}
                     for s in shares],
         # (each the daemon's socket directory, as a container sees it: its containers' directory, read-only)
-        "containerEdits": {"mounts": [{"hostPath": f"{m}/{TENANT_DIR}", "containerPath": m, "options": ["rbind", "ro"]}
-                                      for m in mounts]},
+        "containerEdits": {"mounts": binds},
     }
 
 

@@ -40,7 +40,7 @@ import grpc
 
 from cgpud.client import Client, ControlError, DaemonUnavailable
 from cgpud.containers.placement import unit_for
-from cgpud.k8s import dra
+from cgpud.k8s import dra, modes
 from cgpud.k8s.api import one_line
 from cgpud.k8s.proto import dra_pb2 as pb
 from cgpud.k8s.proto import dra_pb2_grpc as rpc
@@ -107,6 +107,7 @@ class Node:
         self.socket = socket
         self.gpus: list[dra.Gpu] | None = None
         self.unit = 0
+        self.mode: str | None = None  # the daemon's mode (it places and refuses containers by it)
         self.on_change = None
 
     def poll(self) -> None:
@@ -114,6 +115,7 @@ class Node:
             with Client(self.socket, timeout=5) as c:
                 snap = c.call("query")
             gpus, unit = dra.gpus_from_query(snap), unit_for(snap.get("mode", "exclusive"))
+            self.mode = snap.get("mode")
         except (DaemonUnavailable, ControlError, OSError, ValueError, KeyError) as exc:
             if self.gpus is not None:
                 log.warning("cgpud does not answer (%s): claims are refused until it does", exc)
@@ -128,6 +130,107 @@ class Node:
         while not stop.is_set():
             self.poll()
             stop.wait(refresh)
+
+
+class Modes:
+    """The node's mode for the DRA driver (cgpud.k8s.modes, docs/kubernetes.md "A node's mode"): the
+    node's label ack.node.gpu.schedule, read by a watch of its Node, decides what the slices publish;
+    while claims are prepared on the node a label change waits (the node keeps the mode in force,
+    says so in the CgpuModePending condition and an event, as the device plugin does) and takes
+    effect when the last is unprepared. Without the label, the node keeps `flag` (--mode), else the
+    daemon's own mode. The daemon is told the mode in force (it places containers and picks the
+    node's unit by it); `on_change()` after a switch."""
+
+    def __init__(self, node: Node, driver: "Driver", node_name: str, flag: str | None = None, api=None) -> None:
+        self.node, self.driver, self.node_name, self.flag = node, driver, node_name, flag
+        self.api = api  # CoreV1Api, or None (no API server: the flag's or the daemon's mode)
+        self.labels: dict[str, str] | None = None  # None until the Node is read
+        self.annotated: str | None = None  # the mode in force as the Node's annotation says it
+        self.decision: modes.Decision | None = None
+        self._warned: str | None = None
+        self.lock = threading.RLock()
+        self.on_change = None
+        self.watch = None
+
+    @property
+    def mode(self) -> str:
+        """The mode in force: the decision's; before any, the flag's or the daemon's (cgpu)."""
+        if self.decision is not None:
+            return self.decision.mode
+        return self.default()
+
+    def default(self) -> str:
+        return self.flag or (self.node.mode if self.node.mode in modes.MODES else None) or "cgpu"
+
+    def holders(self) -> list[str]:
+        return [f"{r.get('namespace')}/{r.get('name')}" for r in self.driver.prepared().values()]
+
+    def node_seen(self, obj: dict) -> None:
+        meta = obj.get("metadata") or {}
+        self.annotated = (meta.get("annotations") or {}).get(modes.MODE_IN_FORCE)
+        labels = meta.get("labels") or {}
+        if labels != self.labels:
+            self.labels = labels
+            self.reconsider()
+
+    def reconsider(self) -> None:
+        """The mode again (the label changed, or a claim was unprepared): switch when no claim is
+        prepared, else keep the one in force and say why."""
+        if self.labels is None:
+            return
+        with self.lock:
+            want, warning = modes.wanted(self.labels, self.default())
+            if warning and warning != self._warned:
+                log.warning("%s", warning)
+                if self.api is not None:
+                    from cgpud.k8s.nodeapi import node_event
+
+                    node_event(self.api, self.node_name, "GpuModeUnknown", warning, "cgpu-dra-plugin")
+            self._warned = warning
+            current = self.decision.mode if self.decision is not None else self.annotated
+            decision = modes.decide(current, want, self.holders())
+            if decision == self.decision:
+                self.tell_daemon()
+                return
+            before = self.decision.mode if self.decision is not None else current
+            self.decision = decision
+            log.info("%s", decision.message())
+            if self.api is not None:
+                from cgpud.k8s.nodeapi import write_mode
+
+                write_mode(self.api, self.node_name, self.labels, decision, before, "cgpu-dra-plugin")
+            self.tell_daemon()
+        if self.on_change is not None:
+            self.on_change()
+
+    def tell_daemon(self) -> None:
+        """The daemon places (and refuses) the containers that start, and sizes the node's unit, by
+        the mode in force (disabled: nothing of ours starts; the daemon keeps its mode)."""
+        mode = self.mode
+        if mode == "disabled" or self.node.mode in (None, mode):
+            return
+        try:
+            with Client(self.node.socket, timeout=5) as c:
+                c.call("mode", mode=mode)
+            log.info("cgpud places containers in mode %s from now on", mode)
+            self.node.poll()  # (its unit: 128 MiB in share, else 1 GiB)
+        except (DaemonUnavailable, ControlError, OSError) as exc:
+            log.warning("cannot tell cgpud the node's mode %s (%s); trying again", mode, exc)
+
+    def start_watch(self) -> None:
+        from cgpud.k8s.informer import Informer
+
+        def replace(items: list[dict]) -> None:
+            for obj in items:
+                self.node_seen(obj)
+
+        def event(kind: str, obj: dict) -> None:
+            if kind != "DELETED":
+                self.node_seen(obj)
+
+        self.watch = Informer(f"node {self.node_name}", self.api.list_node, replace, event,
+                              field_selector=f"metadata.name={self.node_name}")
+        self.watch.start()
 
 
 class Api:
@@ -278,6 +381,7 @@ class Driver(rpc.DRAPluginServicer):
         self.unit_refused: str | None = None  # why new claims are refused (the node's unit changed under claims)
         self.spec_unit: int | None = None  # the unit the prepared claims' specs were last written in
         self.on_unprepare = None
+        self.mode = lambda: "cgpu"  # the node's mode in force (Modes.mode, once main sets it)
         os.makedirs(state_dir, exist_ok=True)
 
     def lock_of(self, uid: str) -> threading.Lock:
@@ -323,11 +427,11 @@ class Driver(rpc.DRAPluginServicer):
                 if b % unit:
                     raise dra.DraError(f"claim {record['namespace']}/{record['name']} holds {b} bytes of GPU {i}, "
                                        f"not a whole number of {unit}-byte units")
-        if "gpus" in record:
-            gpus = [dra.Gpu(int(i), str(u), "", 0) for i, u in record["gpus"]]
+        if "gpus" in record:  # [index, uuid(, memory)]: the memory since modes (an mps client's share)
+            gpus = [dra.Gpu(int(g[0]), str(g[1]), "", int(g[2]) if len(g) > 2 else 0) for g in record["gpus"]]
         else:  # (a record of an earlier version: the GPUs as the daemon has them)
             gpus = list(self.node.gpus or ())
-        return dra.cdi_spec(record["uid"], shares, gpus, unit, self.mounts)
+        return dra.cdi_spec(record["uid"], shares, gpus, unit, self.mounts, record.get("mode", "cgpu"))
 
     def write_spec(self, record: dict) -> None:
         unit = self.node.unit if self.node.gpus is not None else int(record["unit"])
@@ -478,6 +582,10 @@ class Driver(rpc.DRAPluginServicer):
             raise dra.DraError("cgpud does not answer on the node: start it (cgpud serve)")
         if self.unit_refused:
             raise dra.DraError(self.unit_refused)
+        mode = self.mode()
+        if mode == "disabled":
+            raise dra.DraError(f"this node's mode is disabled ({modes.LABEL}): its GPUs are another driver's; the "
+                               "claim was allocated before the node was disabled: delete its pod")
         if claim is None or (claim.get("metadata") or {}).get("uid") != uid:
             claim = self._claim(namespace, name, uid)
         shares = dra.plan(claim, self.node_name, gpus, unit)
@@ -492,7 +600,8 @@ class Driver(rpc.DRAPluginServicer):
         used = {i for s in shares for i, _ in s.gpus}
         record = {"namespace": namespace, "name": name, "uid": uid, "unit": unit,
                   "shares": [s.as_dict() for s in shares], "devices": devices,
-                  "gpus": [[g.index, g.uuid] for g in gpus if g.index in used], "allocation": allocation(claim)}
+                  "gpus": [[g.index, g.uuid, g.memory] for g in gpus if g.index in used],
+                  "allocation": allocation(claim), "mode": mode}
         spec = self.spec_of(record, unit)
         write_atomically(self.spec_path(uid), json.dumps(spec, indent=1).encode())
         write_atomically(self.record_path(uid), json.dumps(record).encode())
@@ -506,7 +615,7 @@ class Driver(rpc.DRAPluginServicer):
         with self.guard:
             self.locks.pop(uid, None)
         log.info("unprepared %s", uid)
-        if self.unit_refused and self.on_unprepare is not None:
+        if self.on_unprepare is not None:  # (a unit change or a mode change may wait for this claim)
             self.on_unprepare()
 
 
@@ -603,7 +712,7 @@ def serve(driver: Driver, registry_dir: str, plugin_dir: str, stop: threading.Ev
 
 
 def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str, cdi_dir: str,
-         state_dir: str, refresh: float) -> None:
+         state_dir: str, refresh: float, mode: str | None = None) -> None:
     from cgpud.state.paths import default_socket
 
     node = Node(socket or default_socket())
@@ -618,6 +727,8 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
     driver = Driver(node, node_name, state_dir, cdi_dir, api.claim,
                     mounts=[os.path.dirname(os.path.abspath(node.socket))])
     registration = Registration(os.path.join(plugin_dir, "dra.sock"))
+    follower = Modes(node, driver, node_name, mode, api.core)
+    driver.mode = lambda: follower.mode
     stop = threading.Event()
     pending = threading.Event()  # slices to write (the node changed, or the API server's differ)
     kick = threading.Event()  # (wakes the loop below at once)
@@ -639,10 +750,10 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
                     log.warning("cannot read Node %s (%s): its slices are published without an owner", node_name,
                                 one_line(exc))
                 pending.set()
-            slices = dra.resource_slices(node_name, gpus, unit, owner=owner)
+            slices = dra.resource_slices(node_name, gpus, unit, owner=owner, mode=follower.mode)
             if api.publish(slices):
-                log.info("published %d ResourceSlices of pool %s: %d GPUs in units of %d bytes", len(slices),
-                         node_name, len(gpus), unit)
+                log.info("published %d ResourceSlices of pool %s: %d GPUs in units of %d bytes, mode %s", len(slices),
+                         node_name, len(gpus), unit, follower.mode)
             failing.clear()
         except Exception as exc:  # noqa: BLE001 - tried again every refresh
             if not failing:
@@ -669,8 +780,13 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
             kick.wait(refresh)
             kick.clear()
 
+    def unprepared() -> None:
+        follower.reconsider()  # (a mode change may have waited for this claim)
+        changed()
+
     api.on_change = changed
-    driver.on_unprepare = changed
+    follower.on_change = changed
+    driver.on_unprepare = unprepared
     node.poll()  # (the node's unit, for the specs written again below)
     restored = driver.restore()  # before the kubelet can call (it starts a claim's containers with no Prepare)
     try:
@@ -679,6 +795,11 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
         log.warning("cannot list the ResourceSlices of %s yet (%s)", node_name, one_line(exc))
         threading.Thread(target=api.watch.run, daemon=True).start()
     node.on_change = publish
+    try:
+        follower.start_watch()  # (the node's label: its mode)
+    except Exception as exc:  # noqa: BLE001 - its thread lists again
+        log.warning("cannot watch node %s yet (%s): mode %s until it can be read", node_name, one_line(exc),
+                    follower.mode)
     log.info("cgpu DRA plugin %s on node %s: %d claims prepared before", dra.DRIVER, node_name, restored)
     threading.Thread(target=follow, daemon=True).start()
     try:

@@ -160,43 +160,13 @@ class NodeApi:
         return True
 
     def write_mode(self, decision: "modes.Decision", switched_from: str | None) -> None:
-        """Say the node's mode on the Node: the mode in force (annotation), the condition (True while
-        a label change waits), and an event when it switched or started waiting. Failures are logged:
-        the mode in force is the plugin's either way (written again at the next change)."""
-        from datetime import datetime, timezone
-
-        if not self.usable:
-            return
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        cond = {"type": modes.CONDITION, "status": "True" if decision.pending else "False",
-                "reason": "WaitingForGpuPods" if decision.pending else "ModeInForce",
-                "message": decision.message(), "lastHeartbeatTime": now, "lastTransitionTime": now}
-        try:
-            self.api.patch_node(self.node, {"metadata": {"annotations": {modes.MODE_IN_FORCE: decision.mode}}})
-            self.api.patch_node_status(self.node, {"status": {"conditions": [cond]}})
-        except Exception as exc:  # noqa: BLE001 - the API server's trouble must not stop the kubelet's plugin
-            log.warning("cannot write node %s's mode (%s)", self.node, one_line(exc))
-        if switched_from is not None and switched_from != decision.mode:
-            self.node_event("GpuModeChanged", f"mode {switched_from} -> {decision.mode} ({modes.LABEL}="
-                                              f"{(self.node_labels or {}).get(modes.LABEL, '(none)')})")
-        elif decision.pending:
-            self.node_event("GpuModeChangeWaiting", decision.message())
+        """Say the node's mode on the Node (write_mode below)."""
+        if self.usable:
+            write_mode(self.api, self.node, self.node_labels, decision, switched_from, "cgpu-device-plugin")
 
     def node_event(self, reason: str, message: str) -> None:
-        from datetime import datetime, timezone
-
-        from kubernetes.client import CoreV1Event, V1EventSource, V1ObjectMeta, V1ObjectReference
-
-        now = datetime.now(timezone.utc)
-        body = CoreV1Event(
-            metadata=V1ObjectMeta(generate_name=f"{self.node}.", namespace="default"),
-            involved_object=V1ObjectReference(kind="Node", name=self.node, uid=self.node, api_version="v1"),
-            reason=reason, message=message, type="Normal", count=1, first_timestamp=now, last_timestamp=now,
-            source=V1EventSource(component="cgpu-device-plugin", host=self.node))
-        try:
-            self.api.create_namespaced_event("default", body, _preload_content=False)
-        except Exception as exc:  # noqa: BLE001 - an event is a courtesy
-            log.warning("cannot record an event on node %s (%s)", self.node, one_line(exc))
+        if self.usable:
+            node_event(self.api, self.node, reason, message, "cgpu-device-plugin")
 
     def labels(self) -> dict[str, str] | None:
         """The node's labels as last watched, or None before they were read."""
@@ -311,3 +281,45 @@ def _units(container: dict) -> int:
         return int(((container.get("resources") or {}).get("limits") or {}).get(cluster.RESOURCE, 0) or 0)
     except (TypeError, ValueError):
         return 0
+
+
+def write_mode(api, node: str, labels: dict | None, decision: "modes.Decision", switched_from: str | None,
+               component: str) -> None:
+    """Say the node's mode on the Node, through `api` (the official CoreV1Api): the mode in force
+    (annotation), the condition (True while a label change waits), and an event when it switched or
+    started waiting. Failures are logged: the mode in force is the plugin's either way (written
+    again at the next change). The device plugin's and the DRA plugin's alike."""
+    from datetime import datetime, timezone
+
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    cond = {"type": modes.CONDITION, "status": "True" if decision.pending else "False",
+            "reason": "WaitingForGpuPods" if decision.pending else "ModeInForce",
+            "message": decision.message(), "lastHeartbeatTime": now, "lastTransitionTime": now}
+    try:
+        api.patch_node(node, {"metadata": {"annotations": {modes.MODE_IN_FORCE: decision.mode}}})
+        api.patch_node_status(node, {"status": {"conditions": [cond]}})
+    except Exception as exc:  # noqa: BLE001 - the API server's trouble must not stop the kubelet's plugin
+        log.warning("cannot write node %s's mode (%s)", node, one_line(exc))
+    if switched_from is not None and switched_from != decision.mode:
+        node_event(api, node, "GpuModeChanged", f"mode {switched_from} -> {decision.mode} ({modes.LABEL}="
+                                                f"{(labels or {}).get(modes.LABEL, '(none)')})", component)
+    elif decision.pending:
+        node_event(api, node, "GpuModeChangeWaiting", decision.message(), component)
+
+
+def node_event(api, node: str, reason: str, message: str, component: str) -> None:
+    """An event on the Node (a courtesy: a failure is logged)."""
+    from datetime import datetime, timezone
+
+    from kubernetes.client import CoreV1Event, V1EventSource, V1ObjectMeta, V1ObjectReference
+
+    now = datetime.now(timezone.utc)
+    body = CoreV1Event(
+        metadata=V1ObjectMeta(generate_name=f"{node}.", namespace="default"),
+        involved_object=V1ObjectReference(kind="Node", name=node, uid=node, api_version="v1"),
+        reason=reason, message=message, type="Normal", count=1, first_timestamp=now, last_timestamp=now,
+        source=V1EventSource(component=component, host=node))
+    try:
+        api.create_namespaced_event("default", body, _preload_content=False)
+    except Exception as exc:  # noqa: BLE001 - an event is a courtesy
+        log.warning("cannot record an event on node %s (%s)", node, one_line(exc))

@@ -67,17 +67,18 @@ def pod_units(pod: dict) -> Decimal:
 
 
 def template_units(name: str) -> int:
-    """The units a template of the webhook's names (webhook.shape_name): `<N>x<M>` is N, and
+    """The units a template of the webhook's names (webhook.shape_name): `<N>x<M>` (or `<N>c<P>x<M>`) is N, and
     `<r>u<n>-<r>u<n>…x<M>` the sum of the n; 0 for any other name (a hashed one: docs/security.md)."""
     if not name.startswith(webhook.TEMPLATE_PREFIX):
         return 0
     body, sep, m = name[len(webhook.TEMPLATE_PREFIX):].rpartition("x")
     if not sep or not m.isdigit():
         return 0
-    if body.isdigit():
-        return int(body)
+    whole = re.fullmatch(r"([0-9]{1,9})(?:c[0-9]{1,3})?", body)  # (`c<P>`: a percentage, core_mem)
+    if whole:
+        return int(whole[1])
     parts = \
-        re.findall(r"(?:^|-)[a-z0-9]+?u([0-9]{1,9})(?=-|$)", body)
+        re.findall(r"(?:^|-)[a-z0-9]+?u([0-9]{1,9})(?:c[0-9]{1,3})?(?=-|$)", body)
     return sum(int(p) for p in parts)
 
 

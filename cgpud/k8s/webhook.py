@@ -22,6 +22,14 @@ for the extender):
   container of such a pod may ask gpu-mem (its GPUs are the pod's); N not a multiple of M is
   refused (each GPU gives the same units, as the extender's filter and Allocate have it).
   Template `cgpu-gpu-mem-<N>x<M>`.
+
+Each alternative selects the devices of nodes whose mode gives memory to such a pod (the
+device attribute `mode`, cgpud.k8s.dra): `cgpu`, `share` or `mps` for memory alone. A container
+that asks `aliyun.com/gpu-core.percentage: P` too (mode core_mem) asks P of the GPU's second
+capacity, `compute`, on `core_mem` devices only (memory-only and percentage pods never share a
+node); P must be a whole multiple of 5 from 5 to 100, asked with gpu-mem, and a pod's containers
+that ask GPU memory all ask a percentage or none (they go to one node). Templates
+`cgpu-gpu-mem-<N>c<P>x<M>`. What is wrong is denied at CREATE with one line.
 """
 from __future__ import annotations
 
@@ -36,6 +44,9 @@ from cgpud.k8s import cluster, dra
 
 LABEL = cluster.COUNT  # the pod label seed 000 spreads its memory with
 RESOURCE = cluster.RESOURCE
+CORE = "aliyun.com/gpu-core.percentage"  # (cgpud.k8s.modes.CORE) core_mem's compute percentage
+CORE_STEP = 5
+MEMORY_MODES = ("cgpu", "share", "mps")  # the modes whose devices give memory alone (dra.devices)
 TEMPLATE_PREFIX = "cgpu-gpu-mem-"
 CLAIM = "cgpu-gpu-mem"  # the pod's claim
 CLASS = "gpu.cgpu.aliyun.com"
@@ -58,39 +69,57 @@ class Decision:
     templates: list[dict] = field(default_factory=list)
 
 
-def template_name(n: int, m: int) -> str:
-    return f"{TEMPLATE_PREFIX}{n}x{m}"
+def template_name(n: int, m: int, percentage: int | None = None) -> str:
+    return f"{TEMPLATE_PREFIX}{n}" + (f"c{percentage}" if percentage is not None else "") + f"x{m}"
 
 
-def shape_name(shape: list[tuple[str, int]], m: int) -> str:
-    """The template's name for a pod's shape: (request, units) of each container that asks."""
+def shape_name(shape: list[tuple], m: int) -> str:
+    """The template's name for a pod's shape: (request, units[, percentage]) of each container that asks."""
+    shape = [(x[0], x[1], x[2] if len(x) > 2 else None) for x in shape]
     if len(shape) == 1:
-        return template_name(shape[0][1], m)
-    name = f"{TEMPLATE_PREFIX}{'-'.join(f'{r}u{n}' for r, n in shape)}x{m}"
+        return template_name(shape[0][1], m, shape[0][2])
+    name = f"{TEMPLATE_PREFIX}{'-'.join(f'{r}u{n}' + (f'c{p}' if p is not None else '') for r, n, p in shape)}x{m}"
     if len(name) > 253 or any(len(label) > 63 for label in name.split(".")):
         name = f"{TEMPLATE_PREFIX}h{hashlib.sha256(name.encode()).hexdigest()[:16]}x{m}"
     return name
 
 
-def _request(name: str, per: int, m: int) -> dict:
+def mode_selector(percentage: int | None) -> str:
+    """The CEL that keeps a request to the devices of nodes whose mode serves it: core_mem for a
+    percentage, the memory modes else (a device of a plugin before modes says no mode: cgpu's)."""
+    attrs = f'device.attributes["{dra.DRIVER}"]'
+    if percentage is not None:
+        return f'"mode" in {attrs} && {attrs}.mode == "core_mem"'
+    return f'!("mode" in {attrs}) || {attrs}.mode in {json.dumps(list(MEMORY_MODES))}'
+
+
+def _request(name: str, per: int, m: int, percentage: int | None = None) -> dict:
+    def requests(unit: int) -> dict:
+        out = {dra.CAPACITY: str(per * unit)}
+        if percentage is not None:
+            out[dra.COMPUTE] = str(percentage)
+        return out
+
     return {"name": name, "firstAvailable": [
         {"name": alt, "deviceClassName": CLASS, "allocationMode": "ExactCount", "count": m,
-         "capacity": {"requests": {dra.CAPACITY: str(per * unit)}},
-         "selectors": [{"cel": {"expression": f'device.attributes["{dra.DRIVER}"].memoryUnit == {unit}'}}]}
+         "capacity": {"requests": requests(unit)},
+         "selectors": [{"cel": {"expression": f'device.attributes["{dra.DRIVER}"].memoryUnit == {unit}'}},
+                       {"cel": {"expression": mode_selector(percentage)}}]}
         for alt, unit in UNITS]}
 
 
-def pod_template(namespace: str, shape: list[tuple[str, int]], m: int) -> dict:
+def pod_template(namespace: str, shape: list[tuple], m: int) -> dict:
     """The ResourceClaimTemplate of a pod's shape over M GPUs: a request per container that asks
     (N/M of a node's units on each of M GPUs, the first alternative that the node has), its
     GPUs distinct, and the requests of several containers on one GPU."""
-    requests = [r for r, _ in shape]
+    shape = [(x[0], x[1], x[2] if len(x) > 2 else None) for x in shape]
+    requests = [r for r, _, _ in shape]
     constraints = []
     if m >= 2:
         constraints.append({"requests": requests, "distinctAttribute": UUID})
     if len(shape) > 1:
         constraints.append({"requests": requests, "matchAttribute": UUID})
-    devices: dict = {"requests": [_request(r, n // m, m) for r, n in shape]}
+    devices: dict = {"requests": [_request(r, n // m, m, p) for r, n, p in shape]}
     if constraints:
         devices["constraints"] = constraints
     return {
@@ -101,9 +130,9 @@ def pod_template(namespace: str, shape: list[tuple[str, int]], m: int) -> dict:
     }
 
 
-def template(namespace: str, n: int, m: int) -> dict:
-    """The template of one container's N units over M GPUs."""
-    return pod_template(namespace, [("gpu", n)], m)
+def template(namespace: str, n: int, m: int, percentage: int | None = None) -> dict:
+    """The template of one container's N units over M GPUs (and P percent of each one's compute)."""
+    return pod_template(namespace, [("gpu", n, percentage)], m)
 
 
 def _obj(x) -> dict:
@@ -137,6 +166,25 @@ def _units(container: dict, where: str) -> int:
     return values.pop() if values else 0
 
 
+def percentage(container: dict, where: str) -> int | None:
+    """The container's compute percentage (limits, else requests; both must agree), None if it asks
+    none; Denied unless a whole multiple of 5 from 5 to 100 (core_mem's 20 slots of 5 %)."""
+    res = _obj(container.get("resources"))
+    asked = {k: _obj(res.get(k)).get(CORE) for k in ("limits", "requests")}
+    asked = {k: v for k, v in asked.items() if v is not None}
+    rule = f"give a whole multiple of {CORE_STEP} from {CORE_STEP} to 100"
+    for k, v in asked.items():
+        if not re.fullmatch(r"[0-9]{1,9}", str(v)):
+            raise Denied(f"{where}: {k} {CORE} {v!r} is not a whole number: {rule}")
+        p = int(v)
+        if not CORE_STEP <= p <= 100 or p % CORE_STEP:
+            raise Denied(f"{where}: {k} {CORE} {p} is not a percentage core_mem gives: {rule}")
+    values = {int(v) for v in asked.values()}
+    if len(values) > 1:
+        raise Denied(f"{where}: {CORE} differs between limits ({asked['limits']}) and requests ({asked['requests']})")
+    return values.pop() if values else None
+
+
 def mutate(pod: dict, namespace: str) -> Decision:
     """The decision for a pod at CREATE, or Denied."""
     if not isinstance(pod, dict) or not isinstance(pod.get("spec"), dict):
@@ -145,7 +193,7 @@ def mutate(pod: dict, namespace: str) -> Decision:
     spec = pod["spec"]
     if not isinstance(spec.get("resourceClaims") or [], list):
         raise Denied("spec.resourceClaims is not a list")
-    asking: list[tuple[str, int, dict, str, int]] = []  # (kind, index, container, where, units)
+    asking: list[tuple[str, int, dict, str, int, int | None]] = []  # (kind, index, container, where, units, %)
     for kind in ("initContainers", "containers"):
         items = spec.get(kind) or []
         if not isinstance(items, list):
@@ -155,6 +203,10 @@ def mutate(pod: dict, namespace: str) -> Decision:
                 raise Denied(f"spec.{kind}[{i}] is not an object")
             where = f"container {c.get('name') or i}"
             n = _units(c, where)
+            p = percentage(c, where)
+            if n == 0 and p is not None:
+                raise Denied(f"{where}: {CORE} {p} without {RESOURCE}: a core_mem node gives GPU memory and a "
+                             f"compute percentage together; ask {RESOURCE} too")
             if n == 0:
                 continue
             if n % m:
@@ -163,29 +215,35 @@ def mutate(pod: dict, namespace: str) -> Decision:
             res = c.get("resources")
             if not isinstance(res.get("claims") or [], list):
                 raise Denied(f"{where}: resources.claims is not a list")
-            asking.append((kind, i, c, where, n))
+            asking.append((kind, i, c, where, n, p))
     if not asking:
         return Decision()
+    if len({p is None for *_, p in asking}) > 1:
+        raise Denied(f"containers {', '.join(w.split(' ', 1)[1] for _, _, _, w, _, p in asking if p is None)} ask "
+                     f"{RESOURCE} without {CORE} and others with it: memory-only and percentage containers never "
+                     "share a node (core_mem); ask a percentage in each or in none")
     if m >= 2 and len(asking) > 1:
         raise Denied(f"label {LABEL}: {len(asking)} containers ask {RESOURCE} "
-                     f"({', '.join(w.split(' ', 1)[1] for _, _, _, w, _ in asking)}): the pod's {m} GPUs are given to "
+                     f"({', '.join(w.split(' ', 1)[1] for _, _, _, w, _, _ in asking)}): the pod's {m} GPUs are given to "
                      f"one container; ask {RESOURCE} in one of them")
     taken = {c.get("name") for c in spec.get("resourceClaims") or () if isinstance(c, dict)}
     if CLAIM in taken:
         raise Denied(f"the pod already has a claim named {CLAIM}")
     if len(asking) == 1:
-        shape = [("gpu", asking[0][4])]
+        shape = [("gpu", asking[0][4], asking[0][5])]
     else:
-        shape = [(f"{'init' if kind == 'initContainers' else 'c'}-{i}", n) for kind, i, _, _, n in asking]
+        shape = [(f"{'init' if kind == 'initContainers' else 'c'}-{i}", n, p) for kind, i, _, _, n, p in asking]
     t = pod_template(namespace, shape, m)
     out = Decision(templates=[t])
     key = RESOURCE.replace("~", "~0").replace("/", "~1")
-    for (kind, i, c, _, _), (request, _) in zip(asking, shape):
+    core_key = CORE.replace("~", "~0").replace("/", "~1")
+    for (kind, i, c, _, _, _), (request, _, _) in zip(asking, shape):
         base = f"/spec/{kind}/{i}/resources"
         res = c["resources"]
         for part in ("limits", "requests"):
-            if RESOURCE in _obj(res.get(part)):
-                out.patch.append({"op": "remove", "path": f"{base}/{part}/{key}"})
+            for name, k in ((RESOURCE, key), (CORE, core_key)):
+                if name in _obj(res.get(part)):
+                    out.patch.append({"op": "remove", "path": f"{base}/{part}/{k}"})
         ref = {"name": CLAIM} if len(shape) == 1 else {"name": CLAIM, "request": request}
         if res.get("claims"):
             out.patch.append({"op": "add", "path": f"{base}/claims/-", "value": ref})

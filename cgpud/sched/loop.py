@@ -13,10 +13,9 @@ never frozen (they do not use the GPU, and a frozen process could not open
 it). Time is read only through `trio.current_time()` and waited for only with
 deadlines on trio's clock, so the loop runs unchanged on `MockClock`.
 
-`poke()` wakes the loop between boundaries (an activity detector calls it
-when an instance opens or closes the GPU): a high-priority instance then
-takes the GPU at once, a newcomer that may not run is frozen at once, and
-idle time is handed on where the policy gives it to others.
+`poke()` wakes the loop between boundaries (an activity detector calls it when an instance opens or
+closes the GPU): a high-priority instance then takes the GPU at once, a newcomer that may not run is
+frozen at once, and idle time is handed on where the policy gives it to others.
 """
 from __future__ import annotations
 

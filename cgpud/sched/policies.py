@@ -197,6 +197,7 @@ class Ahead:
     before: "Ahead | None" = None  # the step planned before it (whose tail planning it charged)
     tail: float = 0.0
     followed: bool = False
+    absorbed: float = 0.0  # (policy 3: what planning it charged the wasted slots, Planner._absorb)
 
 
 class Window:
@@ -301,9 +302,24 @@ class _Ring:
         self.open = True
         return self.cur, min(max(c, p.min_slice), p.max_slice + (n - 1) * p.slice)
 
+    def bounds(self, key: str, p: Params) -> tuple[float, float]:
+        """The credit's bounds: ±2X, and with merged runs what a holder may be owed goes up by the rest
+        of its run of n slots (a run charged its GPU time owes the holder what its processes did not use
+        of it: a bound of 2X would drop that for a long run alone, and the larger weight would get less
+        than its share); WASTE's credit may go as far down (policy 3 charges it the gate time others
+        are owed: Planner._absorb)."""
+        table = self._seen
+        if not (p.merge_runs and isinstance(table, dict)):
+            return -p.credit_bound, p.credit_bound
+        hi = p.credit_bound + (table.get(key, 1) - 1) * p.slice
+        return (-hi if key == WASTE else -p.credit_bound), hi
+
+    def bounded(self, key: str, c: float, p: Params) -> float:
+        lo, hi = self.bounds(key, p)
+        return max(lo, min(hi, c))
+
     def charge(self, key: str, ran: float, p: Params) -> None:
-        c = self.credit.get(key, 0.0) - ran
-        self.credit[key] = max(-p.credit_bound, min(p.credit_bound, c))
+        self.credit[key] = self.bounded(key, self.credit.get(key, 0.0) - ran, p)
         if key == self.cur and self.credit[key] < p.min_slice:
             self.open = False
 
@@ -507,6 +523,7 @@ class Planner:
             expect = d.length * self._duty.get(d.holder, 1.0)  # (what it will be charged for it, as it went)
             ring.charge(d.holder, expect, p)
             delta = ring.credit.get(d.holder, 0.0) - before.get(d.holder, 0.0)
+            absorbed = self._absorb(d, d.length - expect)
             prev = self._ahead_last
             if prev is not None and prev.decision.holder != d.holder and not prev.followed:
                 prev.followed = True
@@ -515,7 +532,7 @@ class Planner:
                     ring.charge(prev.decision.holder, prev.tail, p)
                     prev.charged += prev.tail
             self._ahead_seq += 1
-            a = Ahead(d, pos, delta, self._ahead_seq, expect, prev)
+            a = Ahead(d, pos, delta, self._ahead_seq, expect, prev, absorbed=absorbed)
             out.append(a)
             self._ahead_last = a
             t = d.until
@@ -539,6 +556,7 @@ class Planner:
         ran = end - start
         cost = gpu_cost(used, ran) if used is not None and d.active else ran
         ring.charge(d.holder, cost - ahead.charged, p)
+        ahead.absorbed += self._absorb(d, ran - cost - ahead.absorbed)
         if ran > 0 and not cut:  # (the next ones are planned as charged so: a batch plans its slots' lengths right)
             duty = self._duty.get(d.holder, 1.0)
             self._duty[d.holder] = max(0.5, min(1.0, duty + (cost / ran - duty) / 4))
@@ -552,24 +570,29 @@ class Planner:
     def rewind(self, aheads: list[Ahead]) -> None:
         """Take back decisions planned ahead that never started (the last ones
         planned, in order): the ring is where it was before the first, and
-        the tail its planning charged the step before it is taken back too."""
+        what their planning charged is taken back, the last planned first: the
+        holders' time, the tails charged the steps before them (the first's
+        included), and what policy 3 charged the wasted slots."""
         if not aheads:
             return
-        ring, b = self._rings[NORMAL], self.params.credit_bound
+        ring, p = self._rings[NORMAL], self.params
         first = aheads[0]
         ring.cur, ring.cur_seq, ring.used, ring.open = first.position
         self._ahead_seq = first.seq - 1
         self._ahead_last = first.before
-        for a in aheads:
+        for a in reversed(aheads):  # (the last planned first: each step back to the credits it was planned on)
+            prev = a.before
+            if prev is not None and prev.followed:  # (a's planning charged the step before it its tail)
+                h = prev.decision.holder
+                if prev.tail:
+                    ring.credit[h] = ring.bounded(h, ring.credit.get(h, 0.0) + prev.tail, p)
+                prev.charged -= prev.tail
+                prev.tail, prev.followed = 0.0, False
+            if a.absorbed and WASTE in ring.credit:
+                ring.credit[WASTE] = ring.bounded(WASTE, ring.credit[WASTE] + a.absorbed, p)
             if a.decision.holder in ring.credit:
-                ring.credit[a.decision.holder] = max(-b, min(b, ring.credit[a.decision.holder] - a.delta))
-        prev = first.before
-        if prev is not None and prev.followed:
-            h = prev.decision.holder
-            if prev.tail:
-                ring.credit[h] = max(-b, min(b, ring.credit.get(h, 0.0) + prev.tail))
-            prev.charged -= prev.tail
-            prev.tail, prev.followed = 0.0, False
+                ring.credit[a.decision.holder] = ring.bounded(a.decision.holder,
+                                                              ring.credit[a.decision.holder] - a.delta, p)
 
     def charge(
         self, decision: Decision, start: float, end: float, usage: Mapping[str, float] | None = None,
@@ -591,9 +614,27 @@ class Planner:
             by_gpu = prio_used is not None and decision.kind == Kind.SLOT and not decision.along
             cost = gpu_cost(prio_used, ran) if by_gpu else ran
             self._rings[decision.group].charge(decision.holder, cost, p)
+            if by_gpu:
+                self._absorb(decision, ran - cost)
         if (decision.kind == Kind.PRIO or decision.along) and prio_used is not None and ran >= p.min_slice / 2:
             self._prio_light = prio_used < ran / 4
         self._windows(decision, start, end, usage, prio_used)
+
+    def _absorb(self, decision: Decision, amount: float) -> float:
+        """Policy 3 (fixed: w/max_inst of the GPU, even alone): the time an active holder's gate stood
+        open past what it is charged (its GPU time, `gpu_cost`) is owed back to it as gate time, which
+        would stretch the cycle past max_inst slices and give everyone less than w/max_inst of the
+        GPU; it comes out of the wasted slots instead (charged to WASTE, so the cycle keeps its length
+        while the waste has room). Returns what WASTE's credit changed by."""
+        if (self._policy != FIXED or decision.group != NORMAL or decision.kind != Kind.SLOT or not decision.active
+                or not amount):
+            return 0.0
+        ring = self._rings[NORMAL]
+        if not isinstance(ring._seen, dict) or WASTE not in ring._seen:
+            return 0.0
+        before = ring.credit.get(WASTE, 0.0)
+        ring.charge(WASTE, amount, self.params)
+        return before - ring.credit[WASTE]
 
     def _windows(self, decision: Decision, start: float, end: float,
                  usage: Mapping[str, float] | None = None, prio_used: float | None = None) -> None:

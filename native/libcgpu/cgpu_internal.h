@@ -169,6 +169,7 @@ extern int per_gpu;       /* the page has a gate per GPU (else the container's o
 extern int has_uuids;     /* the page names its GPUs' UUIDs (read once: written before its magic) */
 extern struct cgpu_usage *usage;
 extern struct cgpu_usage_busy *gpu_time;  /* the GPU time per slot (NULL: an older cgpud's page) */
+extern struct cgpu_usage_ident *idents;  /* who each slot's process is (NULL: an older cgpud's page) */
 extern struct cgpu_usage_driver *drv;  /* the driver's readings (NULL: an older cgpud's page) */
 extern struct cgpu_proc *mine;
 extern int asked;         /* CGPU_PAGE_DIR is set: this process must be isolated */
@@ -177,7 +178,8 @@ extern char page_dir[4096];
 void page_setup(void);
 void page_forked(void);
 int need_slot(void);      /* this process's slot, taken at its first use of CUDA; 0: none left */
-void reclaim_dead(void);  /* what dead processes held back to the container */
+void reclaim_dead(void);
+uint64_t my_claim(void);  /* this process's slot's claim (cgpu_ident; 0: none): a reading carrying another is not its */  /* what dead processes held back to the container */
 int uuid_to_page(const unsigned char *u);
 int page_index(int dev);
 int current_gpu(void);

@@ -128,4 +128,28 @@ struct cgpu_usage_gang {
     struct cgpu_gang procs[CGPU_MAX_PROCS];  /* per slot of struct cgpu_usage's procs */
 };
 
+/* Who a slot's process is, beyond its pid (issue 34, item 6), in the usage file right after struct
+ * cgpu_usage_gang (a page made by an older cgpud ends before it: its slots are told by pid and lock
+ * alone). Written by libcgpu when it takes the slot, before the slot's pid; cleared when the slot is
+ * given back. A reader that shares the slot's PID namespace (`pidns`) finds the slot's process dead
+ * when its pid is gone or started at another time than `start` (a reused pid), even while its
+ * liveness byte is locked (a descriptor that outlived it in a child made without fork's handlers);
+ * a reader in another namespace (the daemon, the switcher) compares `start` with the process it
+ * found by other means (the lock's holder, NVML's pid). `claim` is the taking's own: a daemon
+ * reading carries the claim of the slot it read (`read_claim`), so a slot's next process (an exec'd
+ * image, a reused pid) never takes its predecessor's reading for its own. */
+struct cgpu_ident {
+    int32_t pid;         /* libcgpu: the pid it was taken for (as in cgpu_proc.pid) */
+    uint32_t reserved;
+    uint64_t start;      /* libcgpu: the process's start time, /proc/<pid>/stat field 22 (clock ticks after boot) */
+    uint64_t pidns;      /* libcgpu: the inode of its PID namespace (/proc/self/ns/pid) */
+    uint64_t claim;      /* libcgpu: this taking's token (CLOCK_MONOTONIC ns, never 0) */
+    uint64_t read_claim; /* the daemon: the claim of the slot its last reading (struct cgpu_driver) is for,
+                          * written inside that reading's seq */
+};
+
+struct cgpu_usage_ident {
+    struct cgpu_ident procs[CGPU_MAX_PROCS];  /* per slot of struct cgpu_usage's procs */
+};
+
 #endif

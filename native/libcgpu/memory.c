@@ -286,12 +286,14 @@ static void follow(void)
         return;
     uint64_t nvml[CGPU_MAX_GPUS], allocs[CGPU_MAX_GPUS];
     int32_t pid = __atomic_load_n(&r->pid, __ATOMIC_ACQUIRE);
+    uint64_t claim = idents ? __atomic_load_n(&idents->procs[mine - usage->procs].read_claim, __ATOMIC_ACQUIRE) : 0;
     for (int g = 0; g < CGPU_MAX_GPUS; g++) {
         nvml[g] = __atomic_load_n(&r->nvml[g], __ATOMIC_ACQUIRE);
         allocs[g] = __atomic_load_n(&r->allocs[g], __ATOMIC_ACQUIRE);
     }
-    if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) != seq || pid != mine->pid)
-        return;  /* (being written, or a reading of the slot's previous process) */
+    if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) != seq || pid != mine->pid || claim != my_claim())
+        return;  /* (being written, or a reading of the slot's previous process: its pid may be this
+                  * one's, an exec'd image's or a reused pid's; its claim is not) */
     pthread_mutex_lock(&driver_lock);
     if (seq != applied) {
         applied = seq;
@@ -1051,8 +1053,10 @@ static void loaded_module(void *m, size_t size)
     struct entry *e = m ? lookup(&module_bytes, (uint64_t)(uintptr_t)m) : NULL;
     if (m && !e)
         e = add(&module_bytes, (uint64_t)(uintptr_t)m);
-    if (e)
+    if (e) {
         e->size = size;
+        e->maps = 0;  /* (none of its functions launched yet: a library's first use is to come) */
+    }
     unlock();
 }
 
@@ -1118,14 +1122,41 @@ CUresult cuLibraryLoadFromFile(void **l, const char *path, void *jit, void **jit
  * memsize, the headroom included — or it is answered CUDA_ERROR_OUT_OF_MEMORY, as the real driver
  * answers a lazy load that does not fit, and nothing is launched. Where the daemon's watchdog reads
  * NVML for the instance, that much is charged at once as the driver's own (the next readings settle
- * it to what the driver really took). */
+ * it to what the driver really took).
+ *
+ * A library's first use takes more than its code: the first launch of any function of a module of
+ * a library's size (CGPU_LIBRARY_FUNCTIONS functions or more, default 8: cuBLAS, cuDNN, cuFFT,
+ * NCCL) is foreseen CGPU_FIRST_USE_MIB more (default 64: the H100 grew 66 MiB at cuBLAS's first
+ * matmul, its kernel's code one 2 MiB page of it), for its handles, tables and workspaces. */
 static struct table loaded_fns;  /* functions known on the card */
+
+static uint64_t env_count(const char *name, uint64_t dflt)
+{
+    const char *v = getenv(name);
+    char *end;
+    unsigned long long n = v && *v ? strtoull(v, &end, 10) : 0;
+    return v && *v && !*end ? (uint64_t)n : dflt;
+}
 
 static void loaded_fn(void *f)
 {
     lock();
     if (!lookup(&loaded_fns, (uint64_t)(uintptr_t)f))
         add(&loaded_fns, (uint64_t)(uintptr_t)f);
+    unlock();
+}
+
+/* A function of module m was launched through us: its library's first use is behind it. */
+static void module_used(void *m)
+{
+    if (!m)
+        return;
+    lock();
+    struct entry *e = lookup(&module_bytes, (uint64_t)(uintptr_t)m);
+    if (!e)
+        e = add(&module_bytes, (uint64_t)(uintptr_t)m);
+    if (e)
+        e->maps = 1;
     unlock();
 }
 
@@ -1141,7 +1172,7 @@ CUresult lazy_room(void *f)
     pthread_once(&pd_once, pd_load);
     int state = 0;
     uint64_t bytes = POOL_PAGE;
-    void *m = NULL;
+    void *m = NULL, *first = NULL;  /* first: a library's module whose first use this launch is */
     unsigned n = 0;
     in_driver++;
     if (pd.is_loaded && pd.is_loaded(&state, f) == CU_OK && state == 1)
@@ -1151,14 +1182,20 @@ CUresult lazy_room(void *f)
         lock();
         struct entry *e = lookup(&module_bytes, (uint64_t)(uintptr_t)m);
         uint64_t image = e ? e->size : 0;
+        int used = e && e->maps;
         unlock();
         uint64_t share = (image / n + POOL_PAGE - 1) / POOL_PAGE * POOL_PAGE;
         bytes = share > bytes ? share : bytes;
+        if (!used && n >= env_count("CGPU_LIBRARY_FUNCTIONS", 8)) {
+            bytes += env_count("CGPU_FIRST_USE_MIB", 64) << 20;
+            first = m;
+        }
     }
     in_driver--;
     int g = current_gpu();
     if (!bytes || g < 0 || !need_slot()) {
         loaded_fn(f);
+        module_used(first);
         return CU_OK;
     }
     follow();
@@ -1173,6 +1210,7 @@ CUresult lazy_room(void *f)
     if (drv && __atomic_load_n(&drv->watched, __ATOMIC_ACQUIRE))
         charge_driver(g, (int64_t)bytes);
     loaded_fn(f);
+    module_used(first);
     return CU_OK;
 }
 

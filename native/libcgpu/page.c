@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cgpu_internal.h"
@@ -27,6 +28,7 @@ static int uuids_in_page(void);
 struct cgpu_usage *usage;
 struct cgpu_usage_driver *drv;
 struct cgpu_usage_busy *gpu_time;
+struct cgpu_usage_ident *idents;
 struct cgpu_proc *mine;
 int asked;
 char why[8192];
@@ -35,6 +37,76 @@ char page_dir[4096];
 static int alive(int32_t pid)
 {
     return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH);
+}
+
+/* ---- who a slot's process is: its start time and PID namespace (cgpu_page.h, struct cgpu_ident) -- */
+
+/* The start time of process `pid` as this process's /proc shows it (field 22 of its stat, clock
+ * ticks after boot): 0 when there is no such process, UINT64_MAX when it cannot be told. */
+static uint64_t start_of(int32_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return errno == ENOENT || errno == ESRCH ? 0 : UINT64_MAX;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    int e = errno;
+    close(fd);
+    if (n <= 0)
+        return n < 0 && e == ESRCH ? 0 : UINT64_MAX;
+    buf[n] = 0;
+    const char *at = strrchr(buf, ')');  /* "pid (comm) S ppid ...": fields 3 on after the name */
+    for (int field = 2; at && field < 22; field++)
+        at = strchr(at + 1, ' ');
+    if (!at)
+        return UINT64_MAX;
+    char *end;
+    unsigned long long v = strtoull(at + 1, &end, 10);
+    return end == at + 1 ? UINT64_MAX : (uint64_t)v;
+}
+
+static uint64_t my_pidns(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+/* 1: the slot's record says it was taken by another process than the one `pid` is now (gone, or a
+ * pid reused), as far as this process can tell (its PID namespace the slot's); else 0. */
+static int slot_reused(const struct cgpu_proc *p, int32_t pid)
+{
+    if (!idents)
+        return 0;
+    const struct cgpu_ident *id = &idents->procs[p - usage->procs];
+    uint64_t start = __atomic_load_n(&id->start, __ATOMIC_ACQUIRE), ns = __atomic_load_n(&id->pidns, __ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&id->pid, __ATOMIC_ACQUIRE) != pid || !start || !ns || ns != my_pidns())
+        return 0;  /* (not recorded, being recorded, or another namespace's pid) */
+    uint64_t now = start_of(pid);
+    return now != UINT64_MAX && now != start;
+}
+
+/* This process's record in its new slot `k` (before the slot shows its pid). */
+static void record_ident(unsigned k)
+{
+    if (!idents)
+        return;
+    struct cgpu_ident *id = &idents->procs[k];
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    uint64_t claim = (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+    uint64_t start = start_of(getpid());
+    __atomic_store_n(&id->pid, (int32_t)getpid(), __ATOMIC_RELEASE);
+    __atomic_store_n(&id->start, start == UINT64_MAX ? 0 : start, __ATOMIC_RELEASE);
+    __atomic_store_n(&id->pidns, my_pidns(), __ATOMIC_RELEASE);
+    __atomic_store_n(&id->claim, claim | 1, __ATOMIC_RELEASE);
+}
+
+/* This process's slot's claim (0: none, or an older cgpud's page): a daemon reading is its own only
+ * when it carries it. */
+uint64_t my_claim(void)
+{
+    return idents && mine ? __atomic_load_n(&idents->procs[mine - usage->procs].claim, __ATOMIC_ACQUIRE) : 0;
 }
 
 /* ---- a slot's liveness: an open-file-description lock (cgpu_page.h, CGPU_SLOTS_LOCKED) ---------
@@ -76,10 +148,11 @@ static int slot_alive(const struct cgpu_proc *p, int32_t pid)
     if (drv && (__atomic_load_n(&drv->flags, __ATOMIC_ACQUIRE) & CGPU_SLOTS_LOCKED)) {
         int fd = liveness_fd();
         struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = liveness_byte(p), .l_len = 1};
-        if (fd >= 0 && fcntl(fd, F_OFD_GETLK, &l) == 0)
-            return l.l_type != F_UNLCK;
+        if (fd >= 0 && fcntl(fd, F_OFD_GETLK, &l) == 0)  /* (locked: still dead if its pid is another's now,
+                                                            * whoever holds its byte) */
+            return l.l_type != F_UNLCK && !slot_reused(p, pid);
     }
-    return alive(pid);
+    return alive(pid) && !slot_reused(p, pid);
 }
 
 /* What a slot's process held back to the container, and the slot free. */
@@ -94,6 +167,12 @@ static void release(struct cgpu_proc *p)
         uint64_t held = __atomic_exchange_n(&p->held[g], 0, __ATOMIC_ACQ_REL);
         if (held)
             __atomic_sub_fetch(&usage->used[g], held, __ATOMIC_ACQ_REL);
+    }
+    if (idents) {  /* (its record goes before the slot is free) */
+        struct cgpu_ident *id = &idents->procs[k];
+        __atomic_store_n(&id->claim, 0, __ATOMIC_RELEASE);
+        __atomic_store_n(&id->start, 0, __ATOMIC_RELEASE);
+        __atomic_store_n(&id->pid, 0, __ATOMIC_RELEASE);
     }
     __atomic_store_n(&p->pid, 0, __ATOMIC_RELEASE);
     if (p == mine && held_byte >= 0) {  /* (this process's own slot, given back at its exit) */
@@ -147,11 +226,14 @@ static struct cgpu_proc *claim_slot(void)
         int32_t zero = 0;
         if (__atomic_load_n(&usage->procs[i].pid, __ATOMIC_RELAXED) != 0)
             continue;
-        /* its liveness lock first: a reader never sees the slot taken and its byte unlocked */
+        /* its liveness lock first: a reader never sees the slot taken and its byte unlocked; then the
+         * slot held as being taken (-1: nobody else takes or reclaims it) while its record is written,
+         * so a reader never sees this pid beside the record of the slot's previous process */
         int locked = drv && lock_byte(&usage->procs[i], F_RDLCK);
-        if (__atomic_compare_exchange_n(&usage->procs[i].pid, &zero, (int32_t)getpid(), 0, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_ACQUIRE)) {
+        if (__atomic_compare_exchange_n(&usage->procs[i].pid, &zero, -1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
             struct cgpu_proc *p = &usage->procs[i];
+            record_ident((unsigned)i);
+            __atomic_store_n(&p->pid, (int32_t)getpid(), __ATOMIC_RELEASE);
             if (locked) {
                 held_byte = i;
                 __atomic_fetch_or(&drv->flags, CGPU_SLOTS_LOCKED, __ATOMIC_ACQ_REL);
@@ -203,6 +285,28 @@ int need_slot(void)
     return p != NULL;
 }
 
+/* The usage file's ident block (after the gang block; its offset is not a page's: the pages around
+ * it with it). An older cgpud's page ends before it: idents stays NULL. */
+static void map_idents(void)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/usage", page_dir);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return;
+    struct stat st;
+    size_t at = sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy)
+                + sizeof(struct cgpu_usage_gang);
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), from = at / page * page;
+    size_t len = at - from + sizeof(struct cgpu_usage_ident);
+    if (!fstat(fd, &st) && (size_t)st.st_size >= at + sizeof(struct cgpu_usage_ident)) {
+        void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)from);
+        if (p != MAP_FAILED)
+            idents = (struct cgpu_usage_ident *)((char *)p + (at - from));
+    }
+    close(fd);
+}
+
 void page_setup(void)
 {
     const char *dir = getenv("CGPU_PAGE_DIR");
@@ -247,6 +351,8 @@ void page_setup(void)
     }
     why[0] = 0;
     has_uuids = limits && uuids_in_page();
+    if (gpu_time)
+        map_idents();
 }
 
 /* ---- set up: the driver loaded, then the pages ---------------------------------------------- */

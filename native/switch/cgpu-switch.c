@@ -602,6 +602,18 @@ EXPORT int cg_page_undrained(struct page *p, int gpu, int *out, int max)
 /* Why a slot that has not answered is not waited for (cg_page_give_up's `why`). */
 enum { WAITING = 0, DEAD = 1, STOPPED = 2, SILENT = 3, TOO_LONG = 4 };
 
+/* Does process `pid` read the boot clock this process does (its time namespace is ours)? Its
+ * /proc/<pid>/stat start time is then comparable with what its libcgpu recorded. */
+static int same_clock(pid_t pid)
+{
+    char path[64];
+    struct stat a, b;
+    snprintf(path, sizeof path, "/proc/%d/ns/time", (int)pid);
+    if (stat("/proc/self/ns/time", &a) || stat(path, &b))
+        return errno == ENOENT && access("/proc/self/ns/time", F_OK) != 0;  /* (a kernel without time namespaces) */
+    return a.st_ino == b.st_ino && a.st_dev == b.st_dev;
+}
+
 /* The state of the process holding slot `slot`'s lock (libcgpu/gate.c): DEAD (none holds it: the
  * process is gone), STOPPED (its holder is stopped or traced), else WAITING (alive). A page whose
  * usage file cannot be asked: alive. */
@@ -616,11 +628,11 @@ static int holder_state(struct page *p, unsigned slot)
         return WAITING;
     if (l.l_type == F_UNLCK)
         return DEAD;
-    char path[64], buf[512];
+    char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)l.l_pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return WAITING;  /* (another PID namespace's /proc: it holds its lock, so it lives) */
+        return WAITING;  /* (another PID namespace's /proc, l_pid 0 outside ours: it holds its lock, so it lives) */
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
     if (n <= 0)
@@ -628,7 +640,22 @@ static int holder_state(struct page *p, unsigned slot)
     buf[n] = 0;
     const char *paren = strrchr(buf, ')');  /* "pid (comm) S ...": the state after the command's name */
     char st = paren && paren[1] == ' ' ? paren[2] : '?';
-    return st == 'T' || st == 't' ? STOPPED : st == 'Z' || st == 'X' ? DEAD : WAITING;
+    if (st == 'Z' || st == 'X')
+        return DEAD;
+    /* The holder's pid was asked a moment ago: the process read now is the slot's only if it started
+     * when the slot says (cgpu_page.h, struct cgpu_ident), else that pid is another's now (a reused
+     * pid is never waited for). (Where its clock of boot is not ours, its record cannot be compared.) */
+    const char *at = paren;
+    for (int field = 2; at && field < 22; field++)
+        at = strchr(at + 1, ' ');
+    struct cgpu_ident id;
+    off_t id_at = (off_t)(sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy)
+                          + sizeof(struct cgpu_usage_gang) + slot * sizeof(struct cgpu_ident));
+    if (at && p->usage_size >= id_at + (off_t)sizeof id && same_clock(l.l_pid)
+        && pread(p->usage_fd, &id, sizeof id, id_at) == (ssize_t)sizeof id && id.start
+        && strtoull(at + 1, NULL, 10) != id.start)
+        return DEAD;
+    return st == 'T' || st == 't' ? STOPPED : WAITING;
 }
 
 /* Give up on the undrained slots that cannot answer: the dead, the stopped, and (a process alive
