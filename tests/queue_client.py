@@ -10,6 +10,9 @@ from pathlib import Path
 
 SOURCE = r"""
 /* queue-client MODE ...
+ * US (burst, loop, host, queue): one length, or a step of mixed ones as real workloads have (a model's few
+ * long GEMMs among many short elementwise kernels): "3000x4,20x40" is 4 kernels of 3000 µs then 40 of 20,
+ * the launches going round the step
  *   burst N US         N launches; prints each launch's return time, then the synchronize's return time
  *   loop SECONDS US K  K launches then cuCtxSynchronize, again and again (a PyTorch-like loop that runs ahead):
  *                      prints "started", then the launches made
@@ -21,6 +24,13 @@ SOURCE = r"""
  *   queue N US SECONDS N launches, then no call into the driver for SECONDS (its exit waits for its queue)
  *   events N US        a kernel then an event, N times, into a stream of its own (see test_stub_executor)
  *   streams US_A US_B  3 kernels into stream A, then 1 into B (see test_stub_executor)
+ *   pdl R N US [event] R rounds into a stream of its own through cuLaunchKernelEx: a kernel, then N-1 launched
+ *                      programmatic-dependent (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, Hopper's
+ *                      PDL), with `event` an event recorded after each launch; then cuStreamSynchronize. First
+ *                      two launches into it, each then synchronized (the process's first launch, lazily loaded,
+ *                      over): prints "warm" and reads a line before the rounds
+ *   two SECONDS US K   two threads, each with a stream of its own: K launches then cuStreamSynchronize, again
+ *                      and again (concurrent streams of one process): prints "started", then the launches made
  *   shape SECONDS N MEAN_US FLOOR_US HOST_US GAP_US SEED [WARM_US]
  *                      a framework's step, again and again (bench/resnet_shape.py): N launches, each due HOST_US
  *                      after the one before (the framework's dispatch, the driver's launch included; after
@@ -31,6 +41,7 @@ SOURCE = r"""
  *                      twice as long (a core woken cold: its caches and clock, bench/resnet_shape.py) */
 #include <dlfcn.h>
 #include <math.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +55,10 @@ typedef int (*p_t)(void *);
 typedef int (*pp_t)(void *, void *);
 typedef int (*c_t)(void **, unsigned);
 typedef int (*t_t)(float *, void *, void *);
+typedef int (*x_t)(const void *, void *, void **, void **);
+/* cuda.h's CUlaunchAttribute (an id padded to 8 bytes, a 64-byte value) and CUlaunchConfig */
+typedef struct { unsigned id; char pad[4]; union { char bytes[64]; int i; } value; } attr_t;
+typedef struct { unsigned gx, gy, gz, bx, by, bz, shmem; void *stream; attr_t *attrs; unsigned nattrs; } config_t;
 static long long now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ll + t.tv_nsec; }
 static void *h;
 /* The host's time between launches, slept rather than spun (a 2-core machine runs a pair of these
@@ -64,8 +79,42 @@ static void realtime(void)
     struct sched_param rt = {.sched_priority = 1};
     sched_setscheduler(0, SCHED_RR, &rt);
 }
+static long long two_secs_ns, two_counts[2];
+static unsigned two_us;
+static int two_k;
+static int (*two_ssync)(void *);
+static int (*two_screate)(void **, unsigned);
+static void launch(unsigned us, void *stream);
+static void *two_thread(void *arg)
+{
+    long i = (long)arg;
+    void *s;
+    two_screate(&s, 0);
+    long long t0 = now();
+    while (now() - t0 < two_secs_ns) {
+        for (int k = 0; k < two_k; k++, two_counts[i]++) launch(two_us, s);
+        two_ssync(s);
+    }
+    return NULL;
+}
 static void *sym(const char *n) { void *f = dlsym(h, n); if (!f) { fprintf(stderr, "no %s\n", n); exit(2); } return f; }
 static l_t launch_fn;
+static unsigned *mix, nmix;  /* the step's lengths (US), gone round launch by launch */
+static unsigned long long mixed;
+static void parse_mix(const char *spec)
+{
+    char *copy = strdup(spec), *save = NULL;
+    for (char *part = strtok_r(copy, ",", &save); part; part = strtok_r(NULL, ",", &save)) {
+        unsigned us = (unsigned)atoi(part), times = 1;
+        char *x = strchr(part, 'x');
+        if (x) times = (unsigned)atoi(x + 1);
+        mix = realloc(mix, (nmix + times) * sizeof *mix);
+        for (unsigned i = 0; i < times; i++) mix[nmix++] = us ? us : 1;
+    }
+    free(copy);
+    if (!nmix) { fprintf(stderr, "no lengths in %s\n", spec); exit(1); }
+}
+static unsigned next_us(void) { return mix[mixed++ % nmix]; }
 static void launch(unsigned us, void *stream)
 {
     int r = launch_fn(NULL, us, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
@@ -84,12 +133,13 @@ int main(int argc, char **argv)
     c_t ecreate = (c_t)sym("cuEventCreate"), screate = (c_t)sym("cuStreamCreate");
     t_t elapsed = (t_t)sym("cuEventElapsedTime_v2");
     const char *mode = argv[1];
+    if (argc > 3 && strcmp(mode, "shape") && strcmp(mode, "pdl") && strcmp(mode, "two")) parse_mix(argv[3]);
     if (!strcmp(mode, "burst") && argc == 4) {
         realtime();  /* (its launches a tick apart only when the card makes them so, not a preemption) */
         int n = atoi(argv[2]);
         long long *ret = calloc((size_t)n, sizeof *ret);
         for (int i = 0; i < n; i++) {
-            launch((unsigned)atoi(argv[3]), NULL);
+            launch(next_us(), NULL);
             ret[i] = now();
         }
         sync();
@@ -104,7 +154,7 @@ int main(int argc, char **argv)
         fflush(stdout);
         long long t0 = now(), n = 0;
         while (now() - t0 < secs * 1e9) {
-            for (int i = 0; i < k; i++, n++) launch((unsigned)atoi(argv[3]), NULL);
+            for (int i = 0; i < k; i++, n++) launch(next_us(), NULL);
             sync();
         }
         printf("%lld\n", n);
@@ -116,7 +166,7 @@ int main(int argc, char **argv)
         fflush(stdout);
         long long t0 = now(), n = 0;
         while (now() - t0 < secs * 1e9) {
-            launch((unsigned)atoi(argv[3]), NULL);
+            launch(next_us(), NULL);
             sync();
             n++;
             for (long long t = now(); now() - t < host;) {}
@@ -154,7 +204,7 @@ int main(int argc, char **argv)
         }
         for (long long i = 0; i < steps; i++) printf("%lld\n", ends[i]);
     } else if (!strcmp(mode, "queue") && argc == 5) {  /* queue N US SECONDS: N launches, then no call for SECONDS */
-        for (int i = 0; i < atoi(argv[2]); i++) launch((unsigned)atoi(argv[3]), NULL);
+        for (int i = 0; i < atoi(argv[2]); i++) launch(next_us(), NULL);
         printf("queued\n");
         fflush(stdout);
         usleep((useconds_t)(atof(argv[4]) * 1e6));
@@ -174,6 +224,46 @@ int main(int argc, char **argv)
             printf("%lld %lld\n", a, now() - a);
             usleep((useconds_t)(gap * 1000));
         }
+    } else if (!strcmp(mode, "pdl") && (argc == 5 || argc == 6)) {
+        realtime();  /* (a launch the machine's load holds off past its predecessor's end cannot overlap it) */
+        x_t launch_ex = (x_t)sym("cuLaunchKernelEx");
+        int rounds = atoi(argv[2]), n = atoi(argv[3]), with_events = argc == 6 && !strcmp(argv[5], "event");
+        void *s, *e;
+        screate(&s, 0);
+        ecreate(&e, 0);
+        attr_t pdl = {.id = 6 /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */, .value.i = 1};
+        for (int w = 0; w < 2; w++) {
+            launch((unsigned)atoi(argv[4]), s);
+            ssync(s);
+            usleep(2000);
+        }
+        printf("warm\n");
+        fflush(stdout);
+        char line[16];
+        if (!fgets(line, sizeof line, stdin)) return 5;
+        for (int r = 0; r < rounds; r++) {
+            for (int i = 0; i < n; i++) {
+                config_t c = {(unsigned)atoi(argv[4]), 1, 1, 1, 1, 1, 0, s, i ? &pdl : NULL, i ? 1 : 0};
+                int rc = launch_ex(&c, NULL, NULL, NULL);
+                if (rc) { fprintf(stderr, "cuLaunchKernelEx %d\n", rc); return 4; }
+                if (with_events) erecord(e, s);
+            }
+            ssync(s);
+        }
+        printf("%d\n", rounds);
+    } else if (!strcmp(mode, "two") && argc == 5) {
+        realtime();
+        two_secs_ns = (long long)(atof(argv[2]) * 1e9);
+        two_us = (unsigned)atoi(argv[3]);
+        two_k = atoi(argv[4]);
+        two_ssync = ssync;
+        two_screate = screate;
+        printf("started\n");
+        fflush(stdout);
+        pthread_t t[2];
+        for (long i = 0; i < 2; i++) pthread_create(&t[i], NULL, two_thread, (void *)i);
+        for (int i = 0; i < 2; i++) pthread_join(t[i], NULL);
+        printf("%lld\n", two_counts[0] + two_counts[1]);
     } else if (!strcmp(mode, "one") && argc == 3) {
         long long t = now();
         launch((unsigned)atoi(argv[2]), NULL);
@@ -233,7 +323,7 @@ def build(where: Path) -> Path:
     """The client, compiled into `where`."""
     (where / "queue-client.c").write_text(SOURCE)
     out = where / "queue-client"
-    subprocess.run(["gcc", "-O2", "-Wall", "-o", os.fspath(out), os.fspath(where / "queue-client.c"), "-ldl", "-lm"],
+    subprocess.run(["gcc", "-O2", "-Wall", "-o", os.fspath(out), os.fspath(where / "queue-client.c"), "-ldl", "-lm", "-lpthread"],
                    check=True)
     return out
 

@@ -33,7 +33,8 @@ LAUNCHER = r"""
    counting in a second thread when CPU is 1; CPU 2: the loop alone, nothing launched) on DEVICE (0:
    a context of its own on it); prints "launches beats_per_s stopped_fraction" (the share of the time
    the CPU loop stood still for 8 ms or more at a time). With LAUNCHER_UNTIL=path it launches until
-   that file exists instead. */
+   that file exists instead. KERNEL_US may be a step of mixed lengths, as a model's (queue_client's
+   form: "2700x3,30x13", the launches going round it). */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
@@ -64,7 +65,15 @@ static void *cpu(void *a) {
 }
 int main(int argc, char **argv) {
     double seconds = atof(argv[1]);
-    unsigned us = (unsigned)atoi(argv[2]);
+    unsigned lens[256], nlens = 0;
+    for (const char *p = argv[2]; *p && nlens < 256;) {  /* "US" or "USxN,USxN,..." */
+        unsigned us = (unsigned)strtoul(p, (char **)&p, 10), times = 1;
+        if (*p == 'x') times = (unsigned)strtoul(p + 1, (char **)&p, 10);
+        for (unsigned i = 0; i < times && nlens < 256; i++) lens[nlens++] = us;
+        if (*p == ',') p++;
+        else if (*p) { fprintf(stderr, "bad lengths %s\n", argv[2]); return 1; }
+    }
+    if (!nlens) lens[nlens++] = 0;
     int with_cpu = atoi(argv[3]);
     const char *until = getenv("LAUNCHER_UNTIL");
     if (with_cpu == 2) {
@@ -103,7 +112,7 @@ int main(int argc, char **argv) {
     double t0 = now();
     long n = 0;
     while (until ? access(until, F_OK) != 0 : now() - t0 < seconds) {
-        if ((r = launch(NULL, us, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL))) { fprintf(stderr, "launch %d\n", r); return 4; }
+        if ((r = launch(NULL, lens[n % nlens], 1, 1, 1, 1, 1, 0, NULL, NULL, NULL))) { fprintf(stderr, "launch %d\n", r); return 4; }
         n++;
     }
     sync();

@@ -69,8 +69,10 @@ def test_a_full_queue_blocks_the_launcher_until_an_entry_completes(client, tmp_p
 def test_two_processes_with_queued_work_are_time_sliced_and_each_switch_leaves_the_card_idle(client, tmp_path):
     """Two processes, each with 30 kernels of 10 ms queued, timeslice 2 ms, a switch 300 µs: once
     both have queued all their work, the card alternates between them, a turn of a timeslice each,
-    idle exactly the switch's cost between two processes' pieces and never between one's own; every
-    kernel's time is run in full (the pieces of each process sum to 300 ms)."""
+    idle the switch's cost between two processes' pieces and never between one's own; every
+    kernel's time is run in full (the pieces of each process sum to 300 ms). Neither is exact, as on
+    the card (issue 35): a turn is the timeslice ± 10 %, a switch 300 µs ± 50 %, both about right on
+    average and not all alike (an exact stand-in hid a library that counts on exact slices)."""
     env = dict(CGPU_STUB_TIMESLICE_US="2000", CGPU_STUB_SWITCH_US="300")
     e = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(client),
          "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"), **env}
@@ -90,24 +92,31 @@ def test_two_processes_with_queued_work_are_time_sliced_and_each_switch_leaves_t
     assert t1 - t0 > 100_000_000 and {j for *_, j in both} == {0, 1}, (t0, t1)
     changes = [(a, b) for a, b in zip(both, both[1:]) if a[2] != b[2]]
     assert len(changes) >= 20, len(changes)
-    assert all(b[0] - a[1] == 300_000 for a, b in changes), {b[0] - a[1] for a, b in changes}
+    gaps = [b[0] - a[1] for a, b in changes]
+    assert all(150_000 <= g <= 450_000 for g in gaps), sorted(gaps)
+    assert abs(sum(gaps) / len(gaps) - 300_000) < 60_000 and len(set(gaps)) > len(gaps) // 2, sorted(gaps)
     assert all(b[0] == a[1] for a, b in zip(both, both[1:]) if a[2] == b[2])
     # a turn (a process's pieces between two switches) lasts one timeslice while the other waits
     turns = [changes[k + 1][0][1] - changes[k][1][0] for k in range(len(changes) - 1)]
-    assert all(t == 2_000_000 for t in turns), sorted(set(turns))
+    assert all(1_800_000 <= t <= 2_200_000 for t in turns), sorted(turns)
+    assert abs(sum(turns) / len(turns) - 2_000_000) < 100_000 and len(set(turns)) > len(turns) // 2, sorted(turns)
 
 
 def test_events_complete_in_order_as_their_stream_reaches_them(client, tmp_path):
     """8 kernels of 50 ms in a stream, an event after each: none is done right after the launches;
     cuEventSynchronize of the 4th returns with the first 4 done and not the 5th; their times, taken
-    when the card reached them, are 50 ms apart (cuEventElapsedTime). (The bands: this machine may
+    when the card reached them, are 50 ms apart (cuEventElapsedTime) as the card's timestamps are:
+    to its timer's 0.5 µs, written up to a µs late, each record an entry of its stream costing the
+    card a µs (issue 35), so 50 ms + 1 µs ± 1.5 µs apart, not all alike. (The bands: this machine may
     hold the client off its CPU for a kernel's time.)"""
     out = run(client, tmp_path, "events", "8", "50000")
     assert int(out[0]) <= 1  # (the launches and records take microseconds; a kernel 50 ms)
     assert int(out[1]) in (4, 5)  # (5: this machine held the client off its CPU for 50 ms)
     times = [float(line.split()[1]) for line in out[2:]]
     assert [line.split()[0] for line in out[2:]] == ["0"] * 8
-    assert all(abs(b - a - 50.0) < 0.002 for a, b in zip(times, times[1:])), times
+    apart = [round((b - a) * 1e6) for a, b in zip(times, times[1:])]  # ns
+    assert all(abs(d - 50_001_000) <= 1_600 for d in apart), apart
+    assert len(set(apart)) > 1, apart  # (inexact: an exact card's would be all alike)
     assert 50.0 <= times[0] < 100.0, times  # (the first: from the first record to the first launch, as late as it came)
 
 
@@ -169,7 +178,8 @@ def test_collective_halves_end_together_and_spin_at_most_a_neighbour_turn(client
     assert [h[2] for h in on[0]] == [h[2] for h in on[1]]  # each pair ends together
     spins = [h[2] - h[1] - h[4] * 1000 for d in (0, 1) for h in on[d][1:]]  # (the first: as far apart as the
     # ranks' first launches came)
-    assert min(spins) >= 0 and max(spins) <= 1024_000 + 2 * 100_000 + 10_000, max(spins)
+    # (a slice is 1024 µs ± 10 %, a switch 100 µs ± 50 %: the card's are not exact)
+    assert min(spins) >= 0 and max(spins) <= 1024_000 * 11 // 10 + 2 * 150_000 + 10_000, max(spins)
     assert max(spins) > 500_000  # (the neighbour did get turns on card 0 meanwhile)
     assert sum(e - s for _, s, e in kernels(tmp_path / "y")) == 200 * 3_000_000
 
@@ -189,3 +199,28 @@ def test_the_log_is_whole_when_its_owner_does_not_call_for_long(client, tmp_path
     assert quiet.returncode == 0 and "not logged" not in err, err
     pieces = kernels(tmp_path / "quiet")
     assert len(pieces) > 4096 and sum(e - s for _, s, e in pieces) == 4000 * 100_000, len(pieces)
+
+
+def _pdl_gaps(client: Path, tmp: Path, *extra: str) -> list[int]:
+    """20 rounds of a kernel and 7 programmatic dependent ones of 100 µs (after the client's two warm-up
+    launches): the gaps between consecutive kernels on the card (negative: they overlapped)."""
+    e = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(client),
+         "CGPU_STUB_CUDA_STATE": os.fspath(tmp / "card"), "CGPU_STUB_CUDA_LOG": os.fspath(tmp / "pdl")}
+    r = subprocess.run([os.fspath(client / "queue-client"), "pdl", "20", "8", "100", *extra], env=e, input="go\n",
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    ks = sorted(kernels(tmp / "pdl")[2:], key=lambda k: k[1])
+    assert len(ks) == 160 and all(e - s == 100_000 for _, s, e in ks), ks[:3]
+    return [[b[1] - a[2] for a, b in zip(ks[i:i + 8], ks[i + 1:i + 8])] for i in range(0, 160, 8)]
+
+
+def test_a_programmatic_dependent_launch_overlaps_its_predecessor_unless_an_event_sits_between(client, tmp_path):
+    """Hopper's PDL (cuLaunchKernelEx, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): each
+    dependent kernel starts 10 µs before the one straight before it in its stream ends (its log piece
+    overlaps); with an event recorded after each launch none does, and each record costs the card 1 µs
+    between the kernels (issue 34: the card serializes them, and libcgpu must not put its events there)."""
+    free = [g for rnd in _pdl_gaps(client, tmp_path) for g in rnd]
+    assert sum(g == -10_000 for g in free) >= 140 - 6, free  # (a launch the client made late cannot overlap)
+    (tmp_path / "pdl").unlink()
+    serial = [g for rnd in _pdl_gaps(client, tmp_path, "event") for g in rnd]
+    assert min(serial) >= 1_000 and sum(g == 1_000 for g in serial) >= 140 - 6, serial

@@ -66,16 +66,29 @@ void gang_catch_up(uint32_t on, int64_t deadline);  /* the helper: the halves of
 void gang_forked(void);
 
 /* ---- charge.c ---- */
-/* The GPU time between two complete timing events into page GPU `gpu`'s slot counter: its ns
- * (0: not known). */
-int64_t charge_run(int gpu, void *from, void *to);
+/* A complete timing event of context c placed on the card's clock of c: 1 and *at (ms) and *epoch
+ * (times of two epochs are not comparable), else 0. It may take the event (*event then NULL: it is
+ * the context's reference now; the caller makes another for its next record). */
+int charge_time(CUcontext c, void **event, double *at, unsigned *epoch);
+/* A run of context c on page GPU `gpu` from a to b (ms, one epoch): what of it no run of c was
+ * charged already goes to the slot's counter (the union of concurrent streams' runs); its ns. */
+int64_t charge_span(int gpu, CUcontext c, unsigned epoch, double a, double b);
+void charge_estimate(int gpu, int64_t ns);  /* GPU time whose span is not known, as it is */
+/* the GPU time between two complete events, summed as it is (a context with no clock: CHARGE_CTXS in use) */
+int64_t charge_elapsed(int gpu, void *from, void *to);
+void charge_forget_context(CUcontext c);    /* a context destroyed (NULL: all) */
+void charge_forked(void);
 void charge_timed(void);  /* the slot's GPU time is counted from now (the helper started) */
 
 /* ---- queue.c ---- */
 int queue_ready(void);
-void queue_wait(CUcontext c, void *stream, int ptsz, uint32_t w);  /* w: the launch counts as w (a graph: its nodes) */
-void queue_start(CUcontext c, void *stream, int ptsz);
-int queue_note(CUcontext c, void *stream, int ptsz, uint32_t w);
+/* w: the launch counts as w (a graph: its nodes); item: its kind (queue.c: the function and its grid and
+ * block, a graph's executable, a copy's call and size; 0: none, the stream's mean) */
+void queue_wait(CUcontext c, void *stream, int ptsz, uint32_t w, uint64_t item);
+/* pdl: a programmatic dependent launch (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION): no event
+ * of ours may sit between it and the launch before it (the card would serialize them) */
+void queue_start(CUcontext c, void *stream, int ptsz, int pdl);
+int queue_note(CUcontext c, void *stream, int ptsz, uint32_t w, int pdl, uint64_t item);
 void queue_untracked(int k);  /* a launch on page GPU k no queue counted */
 unsigned long queue_take_untracked(int k);
 int drain_queues(int k, int *captures, int64_t deadline);

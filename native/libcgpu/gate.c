@@ -57,9 +57,21 @@ static inline int shared_gpu(int k)
     return (sh >> k & 1) || (ganged() && (sh & __atomic_load_n(&mine->gpus, __ATOMIC_RELAXED) & ~CGPU_PROC_DRAINING));
 }
 
+/* A launch's kind (queue.c, "each item's time"): what it runs and on how much (never 0) */
+static inline uint64_t kind_key(const void *what, uint64_t a, uint64_t b, uint64_t c)
+{
+    uint64_t h = (uint64_t)(uintptr_t)what * 0x9e3779b97f4a7c15ull;
+    h = (h ^ a) * 0xc2b2ae3d27d4eb4full;
+    h = (h ^ b) * 0x165667b19e3779f9ull;
+    h = (h ^ c) * 0x9e3779b97f4a7c15ull;
+    return (h ^ h >> 29) | 1;
+}
+#define KERNEL_KIND(f, gx, gy, gz, bx, by, bz) \
+    kind_key((f), (uint64_t)(gx) << 32 | (gy), (uint64_t)(gz) << 32 | (bx), (uint64_t)(by) << 32 | (bz))
+
 /* A launch into `stream_` (`ptsz_`: a per-thread-default-stream form) through the gate of its
- * GPU; while the GPU is shared, within the queue's budget. */
-#define GATED_W(stream_, ptsz_, w_, fn, ...)                    \
+ * GPU; while the GPU is shared, within the queue's budget (w_: it counts as w_ launches; item_: its kind). */
+#define GATED_P(stream_, ptsz_, w_, pdl_, item_, fn, ...)       \
     do {                                                        \
         PASS_THROUGH(fn, __VA_ARGS__);                          \
         if (!(fn))                                              \
@@ -70,75 +82,98 @@ static inline int shared_gpu(int k)
         int b_ = shared_gpu(k_) && queue_ready();               \
         if (b_ && may_wait(k_)) {                               \
             in_driver++;  /* (before the gate: a closing does not wait for a thread waiting here) */ \
-            queue_wait(known_ctx, (stream_), (ptsz_), (w_));    \
+            queue_wait(known_ctx, (stream_), (ptsz_), (w_), (item_)); \
             in_driver--;                                        \
         }                                                       \
         gate_enter(k_);                                         \
         in_driver++;                                            \
         if (b_)                                                 \
-            queue_start(known_ctx, (stream_), (ptsz_));         \
+            queue_start(known_ctx, (stream_), (ptsz_), (pdl_));  \
         CUresult r_ = (fn)(__VA_ARGS__);                        \
-        if (r_ == CU_OK && !(b_ && queue_note(known_ctx, (stream_), (ptsz_), (w_)))) \
+        if (r_ == CU_OK && !(b_ && queue_note(known_ctx, (stream_), (ptsz_), (w_), (pdl_), (item_)))) \
             queue_untracked(k_); \
         in_driver--;                                            \
         __atomic_sub_fetch(&launching[1 + k_], 1, __ATOMIC_SEQ_CST); \
         return r_;                                              \
     } while (0)
 
-#define GATED(stream_, ptsz_, fn, ...) GATED_W(stream_, ptsz_, 1, fn, __VA_ARGS__)
+#define GATED(stream_, ptsz_, item_, fn, ...) GATED_P(stream_, ptsz_, 1, 0, item_, fn, __VA_ARGS__)
 
-/* cuLaunchKernelEx's config: the stream is after the dimensions and the shared memory */
-struct launch_config { unsigned grid[3], block[3], shmem; void *stream; };
+/* cuLaunchKernelEx's config (cuda.h's CUlaunchConfig): the stream after the dimensions and the shared
+ * memory, then the attributes (an id padded to 8 bytes, a 64-byte value) */
+struct launch_attr { unsigned id; char pad[4]; union { char bytes[64]; int i; } value; };
+struct launch_config { unsigned grid[3], block[3], shmem; void *stream; const struct launch_attr *attrs; unsigned nattrs; };
 #define CONFIG_STREAM(c) ((c) ? ((const struct launch_config *)(c))->stream : NULL)
+/* Hopper's programmatic dependent launch: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6) set */
+static int programmatic(const void *config)
+{
+    const struct launch_config *c = config;
+    int pdl = 0;
+    for (unsigned i = 0; c && c->attrs && i < c->nattrs && i < 64; i++)
+        if (c->attrs[i].id == 6)
+            pdl = c->attrs[i].value.i != 0;
+    return pdl;
+}
+static uint64_t config_kind(const void *config, const void *f)
+{
+    const struct launch_config *c = config;
+    return c ? KERNEL_KIND(f, c->grid[0], c->grid[1], c->grid[2], c->block[0], c->block[1], c->block[2]) : 0;
+}
 
 CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
     LAZY_ROOM(f);
-    GATED(stream, 0, real.launch, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
+    GATED(stream, 0, KERNEL_KIND(f, gx, gy, gz, bx, by, bz), real.launch, f, gx, gy, gz, bx, by, bz, shmem, stream,
+          params, extra);
 }
 
 CUresult cuLaunchKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                              unsigned shmem, void *stream, void **params, void **extra)
 {
     LAZY_ROOM(f);
-    GATED(stream, 1, real.launch_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra);
+    GATED(stream, 1, KERNEL_KIND(f, gx, gy, gz, bx, by, bz), real.launch_ptsz, f, gx, gy, gz, bx, by, bz, shmem,
+          stream, params, extra);
 }
 
 CUresult cuLaunchCooperativeKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                    unsigned bz, unsigned shmem, void *stream, void **params)
 {
     LAZY_ROOM(f);
-    GATED(stream, 0, real.launch_coop, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
+    GATED(stream, 0, KERNEL_KIND(f, gx, gy, gz, bx, by, bz), real.launch_coop, f, gx, gy, gz, bx, by, bz, shmem,
+          stream, params);
 }
 
 CUresult cuLaunchCooperativeKernel_ptsz(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                         unsigned bz, unsigned shmem, void *stream, void **params)
 {
     LAZY_ROOM(f);
-    GATED(stream, 1, real.launch_coop_ptsz, f, gx, gy, gz, bx, by, bz, shmem, stream, params);
+    GATED(stream, 1, KERNEL_KIND(f, gx, gy, gz, bx, by, bz), real.launch_coop_ptsz, f, gx, gy, gz, bx, by, bz,
+          shmem, stream, params);
 }
 
 CUresult cuLaunchKernelEx(const void *config, void *f, void **params, void **extra)
 {
     LAZY_ROOM(f);
-    GATED(CONFIG_STREAM(config), 0, real.launch_ex, config, f, params, extra);
+    GATED_P(CONFIG_STREAM(config), 0, 1, programmatic(config), config_kind(config, f), real.launch_ex, config, f,
+            params, extra);
 }
 
 CUresult cuLaunchKernelEx_ptsz(const void *config, void *f, void **params, void **extra)
 {
     LAZY_ROOM(f);
-    GATED(CONFIG_STREAM(config), 1, real.launch_ex_ptsz, config, f, params, extra);
+    GATED_P(CONFIG_STREAM(config), 1, 1, programmatic(config), config_kind(config, f), real.launch_ex_ptsz, config,
+            f, params, extra);
 }
 
 CUresult cuGraphLaunch(void *exec, void *stream)
 {
-    GATED_W(stream, 0, queue_graph_weight(exec), real.graph_launch, exec, stream);
+    GATED_P(stream, 0, queue_graph_weight(exec), 0, kind_key(exec, 0, 0, 0), real.graph_launch, exec, stream);
 }
 
 CUresult cuGraphLaunch_ptsz(void *exec, void *stream)
 {
-    GATED_W(stream, 1, queue_graph_weight(exec), real.graph_launch_ptsz, exec, stream);
+    GATED_P(stream, 1, queue_graph_weight(exec), 0, kind_key(exec, 0, 0, 0), real.graph_launch_ptsz, exec, stream);
 }
 
 /* ---- copies and memsets into a stream: under the same rules as kernels (issue 34) ----
@@ -165,7 +200,7 @@ static void *copy_sym(void **slot, const char *name)
     CUresult name(COPY_PARAMS_##type)                                       \
     {                                                                       \
         type fn = (type)copy_sym(&real_##name, #name);                      \
-        GATED(stream, ptsz, fn, __VA_ARGS__);                               \
+        GATED(stream, ptsz, kind_key(&real_##name, n, 0, 0), fn, __VA_ARGS__); \
     }
 #define COPY_PARAMS_memset8_fn CUdeviceptr d, unsigned char v, size_t n, void *s
 #define COPY_PARAMS_memset16_fn CUdeviceptr d, unsigned short v, size_t n, void *s

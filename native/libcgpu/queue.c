@@ -31,12 +31,15 @@
  * destroyed keeps its events until they complete (a driver error on one counts as complete). */
 #define QUEUE_STREAMS 64
 #define QUEUE_RING 64
+#define ITEMS 256
 #define STREAM_LEGACY ((void *)1)
 #define STREAM_PER_THREAD ((void *)2)
 #define STREAM_GONE ((void *)3)  /* a stream destroyed (its events still ours, the stream never touched again) */
 struct pending {
     void *event;
     uint32_t launches;  /* the launches it covers */
+    uint64_t upto;      /* the items noted before it (items [the event before's upto, upto) are its) */
+    int64_t est;        /* their estimated GPU ns, together */
     int64_t recorded;   /* when (CLOCK_MONOTONIC ns) */
     int counted;        /* the GPU time from the event before it to it is the stream's work (0: a run's start) */
 };
@@ -53,14 +56,123 @@ struct squeue {
     int64_t seen;               /* the last completion observed (a lower bound of it) */
     int64_t stride;             /* launches an event covers while the mean is not known */
     int64_t last_launch;        /* when the last launch into it was made (launch_ns) */
-    int timed;                  /* the event before `tail` (the last one known complete) is a timing reference */
+    int timed;                  /* the event before `tail` (the last one known complete) was placed on the card's clock */
+    double last_at;             /* at last_at (ms, charge.c's clock of the context, epoch `epoch`) */
+    unsigned epoch;
     int gpu;                    /* its context's page GPU (-1: the container's) */
     int used;
+    /* programmatic dependent launches (issue 34): an event of ours between two would serialize them
+     * on the card, so in a stream that has them a due event is held back (owed) until the next launch
+     * that is not one, and recorded before it, the same place after the launches it covers; a run
+     * whose start could not be marked (restart) is charged at the stream's mean. */
+    int pdl, owed, restart;
+    /* each item's time (issue 34: a mean hides a long kernel behind short ones): the kinds of the
+     * launches noted, by number (ITEMS back), and the estimated GPU ns of those not known done */
+    uint64_t items[ITEMS];
+    uint64_t noted;
+    int64_t ahead, unrec_est;
+    int64_t card_per;           /* GPU ns per launch as its events measured it: the least of the last 8 runs' */
+    int64_t span_per[8];        /* (a run's span holds the card's idle time while this thread was late, never less
+                                 * than its work: the least of a few is the work's) */
+    unsigned span_at;
 };
 static struct squeue queues[QUEUE_STREAMS];
 static int newest_done(struct squeue *q);  /* (below) */
 static pthread_mutex_t queue_lock = PTHREAD_MUTEX_INITIALIZER;
 static int64_t capture_seen = -1000000000000ll;  /* when a launch into a capturing stream was last seen */
+
+/* ---- each item's time: kinds of launches (issue 34, "the bound in time per item") ----
+ * A stream's mean time per launch hides a long kernel behind short ones (a model's few long GEMMs
+ * among many short elementwise kernels: after the short ones the mean is theirs, and the launcher
+ * queues every GEMM of the layer at it, tens of ms past the budget). So each launch is estimated by
+ * its kind — the function and its grid and block (a graph: its executable; a copy or memset: the call
+ * and its size) — whose GPU time is learned from the events that cover it: an event covering one
+ * kind gives it exactly; one covering several gives its one kind not measured yet the rest, or else
+ * scales each kind toward the measured whole. A kind not seen yet counts at the stream's mean (its
+ * first run may pass the budget by its length once). KINDS kinds, open addressing, full: the mean. */
+#define KINDS 4096
+static struct kind { uint64_t key; int64_t ns; uint32_t seen, pad; } kinds[KINDS];
+
+static struct kind *kind_of(uint64_t key, int make)
+{
+    if (!key)
+        return NULL;
+    for (unsigned i = (unsigned)(key >> 20) % KINDS, n = 0; n < 16; i = (i + 1) % KINDS, n++) {
+        uint64_t k = __atomic_load_n(&kinds[i].key, __ATOMIC_RELAXED);
+        if (k == key)
+            return &kinds[i];
+        if (!k) {
+            if (!make)
+                return NULL;
+            kinds[i].ns = 0;
+            kinds[i].seen = 0;
+            __atomic_store_n(&kinds[i].key, key, __ATOMIC_RELEASE);
+            return &kinds[i];
+        }
+    }
+    return NULL;
+}
+
+/* an item of kind `key`'s estimated GPU ns (racily read on the launch path: a word) */
+static int64_t item_ns(uint64_t key, int64_t mean)
+{
+    struct kind *k = kind_of(key, 0);
+    int64_t ns = k ? __atomic_load_n(&k->ns, __ATOMIC_RELAXED) : 0;
+    return ns > 0 ? ns : mean;
+}
+
+/* The items [from, to) of q ran in `ns` of GPU time (queue_lock held): their kinds learned. */
+static void learn(const uint64_t *items, uint64_t from, uint64_t to, int64_t ns, int64_t mean)
+{
+    if (to <= from || ns <= 0 || to - from > ITEMS)
+        return;
+    int64_t known = 0, sum = 0;
+    uint64_t fresh = 0, n_fresh = 0, distinct = items[from % ITEMS], one = 1;
+    for (uint64_t i = from; i < to; i++) {
+        struct kind *k = kind_of(items[i % ITEMS], 1);
+        if (!k)
+            return;  /* (a kind not kept: nothing learned from this run) */
+        one &= items[i % ITEMS] == distinct;
+        if (!k->seen) {
+            if (fresh && fresh != k->key)
+                fresh = ~0ull;  /* (two kinds not measured yet) */
+            else
+                fresh = k->key;
+            n_fresh++;
+        } else
+            known += k->ns;
+        sum += k->seen ? k->ns : mean;
+    }
+    if (one) {  /* one kind: measured */
+        struct kind *k = kind_of(distinct, 0);
+        int64_t per = ns / (int64_t)(to - from);
+        k->ns = k->seen ? k->ns + (per - k->ns) / 2 : per;
+        k->seen++;
+        return;
+    }
+    if (fresh && fresh != ~0ull) {  /* one kind not measured yet: the rest is its */
+        struct kind *k = kind_of(fresh, 0);
+        int64_t per = (ns - known) / (int64_t)n_fresh;
+        k->ns = per > 0 ? per : 1;
+        k->seen = 1;
+        return;
+    }
+    if (sum <= 0)
+        return;
+    for (uint64_t i = from; i < to; i++) {  /* each distinct kind once, halfway to the measured whole */
+        struct kind *k = kind_of(items[i % ITEMS], 0);
+        int dup = 0;
+        for (uint64_t j = from; j < i && !dup; j++)
+            dup = items[j % ITEMS] == k->key;
+        if (dup)
+            continue;
+        int64_t was = k->seen ? k->ns : mean, want = (int64_t)((double)was * (double)ns / (double)sum);
+        k->ns = was + (want - was) / 2;
+        if (k->ns < 1)
+            k->ns = 1;
+        k->seen++;
+    }
+}
 
 static uint32_t budget_ns(void)
 {
@@ -160,7 +272,7 @@ static uint64_t queued(const struct squeue *q)
 /* Whether a launch into q must wait first (queue_lock held): one more would pass the budget, and
  * two launches are queued already (one behind the running one is always let through: a kernel
  * longer than the budget still follows the one before without a gap). */
-static int over_budget(const struct squeue *q, int64_t budget, uint32_t w)
+static int over_budget(const struct squeue *q, int64_t budget, uint32_t w, uint64_t item)
 {
     if (q->head == q->tail)
         return 0;
@@ -175,20 +287,51 @@ static int over_budget(const struct squeue *q, int64_t budget, uint32_t w)
             evs += q->ring[i % QUEUE_RING].launches > 0;
         return evs >= 2;
     }
-    return (int64_t)(n + w) * q->per_launch > budget;
+    /* (each queued item at its kind's time, this one too; a graph's kind is its executable, learned whole:
+     * until then its nodes at the mean) */
+    int64_t next = item_ns(item, (int64_t)w * q->per_launch);
+    return __atomic_load_n(&q->ahead, __ATOMIC_RELAXED) + next > budget;
+}
+
+/* What a launch of q is charged when no event measured it: the least of its last runs' per launch,
+ * once three were measured (the first may hold the process's start: the driver's first launch), else 0. */
+static int64_t estimate_per(const struct squeue *q)
+{
+    return q->span_at >= 3 ? q->card_per : 0;
 }
 
 /* An event done (queue_lock held): at `done` when this thread saw it complete, else 0. */
 static void completed(struct squeue *q, int64_t done)
 {
     struct pending *p = &q->ring[q->tail % QUEUE_RING];
-    int64_t from = q->seen > p->recorded ? q->seen : p->recorded;
-    int64_t ns = p->counted && q->timed ? charge_run(q->gpu, q->ring[(q->tail - 1) % QUEUE_RING].event, p->event) : 0;
-    if (ns > 0 && p->launches && !done) {  /* (a card that keeps up: no wait measures its mean, the events do) */
+    int64_t from = q->seen > p->recorded ? q->seen : p->recorded, ns = 0;
+    double at_ms = 0;
+    unsigned epoch = 0;
+    /* (its time on the card's clock of the context; charge.c may keep the event as its reference: the
+     * slot gets a new one at its next record) */
+    int placed = p->event && charge_time(q->ctx, &p->event, &at_ms, &epoch);
+    void *before = q->ring[(q->tail - 1) % QUEUE_RING].event;
+    if (placed && p->counted && q->timed && epoch == q->epoch) {
+        ns = (int64_t)((at_ms - q->last_at) * 1e6);  /* the run's own GPU time (the driver's clock) */
+        charge_span(q->gpu, q->ctx, epoch, q->last_at, at_ms);  /* charged: what no other stream's run was */
+    } else if (!placed && p->counted && q->timed && before && p->event)  /* (no clock for its context: summed) */
+        ns = charge_elapsed(q->gpu, before, p->event);
+    if (ns > 0 && p->launches)  /* (its items: from the event before's upto to its) */
+        learn(q->items, q->ring[(q->tail - 1) % QUEUE_RING].upto, p->upto, ns, q->per_launch);
+    __atomic_sub_fetch(&q->ahead, p->est, __ATOMIC_RELAXED);
+    if (ns > 0 && p->launches) {
         int64_t per = ns / p->launches;
-        q->per_launch = q->per_launch ? q->per_launch + (per - q->per_launch) / 4 : per;
+        q->span_per[q->span_at++ % 8] = per;
+        q->card_per = per;
+        for (int i = 0; i < 8; i++)
+            if (q->span_per[i] && q->span_per[i] < q->card_per)
+                q->card_per = q->span_per[i];
+        if (!done)  /* (a card that keeps up: no wait measures its mean, the events do) */
+            q->per_launch = q->per_launch ? q->per_launch + (per - q->per_launch) / 4 : per;
     }
-    q->timed = p->event != NULL;
+    q->timed = placed || p->event;
+    q->last_at = at_ms;
+    q->epoch = epoch;
     if (done && q->seen && p->launches && done > from) {
         int64_t per = (done - from) / p->launches;
         q->per_launch = q->per_launch ? q->per_launch + (per - q->per_launch) / 4 : per;
@@ -231,10 +374,16 @@ int drain_queues(int k, int *captures_out, int64_t deadline)
                     p->launches = q->unrecorded;
                     q->covered += p->launches;
                     p->recorded = mono_ns();
+                    p->upto = q->noted;
+                    p->est = q->unrec_est;
+                    q->unrec_est = 0;
                     /* (launches made longer ago than a tick: done long since, most likely; what ran from the
                      * last event to this one is mostly the process's host time then, not counted) */
-                    p->counted = launch_ns() - q->last_launch <= (int64_t)budget_ns() / 16;
+                    p->counted = launch_ns() - q->last_launch <= (int64_t)budget_ns() / 16 && !q->restart;
+                    if (q->restart)
+                        charge_estimate(q->gpu, (int64_t)q->unrecorded * estimate_per(q));
                     q->unrecorded = 0;
+                    q->owed = q->restart = 0;
                     q->head++;
                 }
                 real.ctx_pop(&prev);
@@ -258,16 +407,16 @@ int drain_queues(int k, int *captures_out, int64_t deadline)
 }
 
 /* Before a launch into `stream` of context `c` on a shared GPU: wait while its queue is over the budget. */
-void queue_wait(CUcontext c, void *stream, int ptsz, uint32_t w)
+void queue_wait(CUcontext c, void *stream, int ptsz, uint32_t w, uint64_t item)
 {
     int64_t budget = budget_ns();
     struct squeue *q = cached_queue(c, stream, ptsz);
-    if (q && !over_budget(q, budget, w))
+    if (q && !over_budget(q, budget, w, item))
         return;  /* (the usual case: no lock) */
     pthread_mutex_lock(&queue_lock);
     q = remember(queue_of(c, stream, ptsz), c, stream, ptsz);
     int checked = 0;
-    while (q && over_budget(q, budget, w)) {
+    while (q && over_budget(q, budget, w, item)) {
         if (!checked++ && capturing(stream, ptsz)) {
             __atomic_store_n(&capture_seen, mono_ns(), __ATOMIC_RELAXED);
             break;  /* (its launches are recorded into a graph, not queued: nothing to wait for) */
@@ -305,11 +454,20 @@ static void record(struct squeue *q, int64_t now, int counted)
     if (!p->event && ev.create(&p->event, 0 /* timing (docs/scheduler.md, "The charge") */) != CU_OK)
         p->event = NULL;
     if (p->event && ev.record(p->event, q->stream) == CU_OK) {
+        if (q->restart) {  /* (its run's start was not marked: its launches at the stream's mean) */
+            charge_estimate(q->gpu, (int64_t)q->unrecorded * estimate_per(q));
+            counted = 0;
+            q->restart = 0;
+        }
         p->launches = q->unrecorded;
         q->covered += p->launches;
         p->recorded = now;
         p->counted = counted;
+        p->upto = q->noted;
+        p->est = q->unrec_est;
+        q->unrec_est = 0;
         q->unrecorded = 0;
+        q->owed = 0;
         q->head++;
     }
 }
@@ -326,13 +484,26 @@ static int64_t due_of(const struct squeue *q)
 
 /* After a launch into `stream` on a shared GPU: count it, and record an event every `due` launches
  * (worked out at the event before). 0: not counted (no queue left for it). */
-int queue_note(CUcontext c, void *stream, int ptsz, uint32_t w)
+/* (an item noted: its kind, and its estimated time queued) */
+static void note_item(struct squeue *q, uint64_t item, uint32_t w)
+{
+    int64_t est = item_ns(item, (int64_t)w * __atomic_load_n(&q->per_launch, __ATOMIC_RELAXED));
+    q->items[__atomic_fetch_add(&q->noted, 1, __ATOMIC_RELAXED) % ITEMS] = item;
+    __atomic_add_fetch(&q->unrec_est, est, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&q->ahead, est, __ATOMIC_RELAXED);
+}
+
+int queue_note(CUcontext c, void *stream, int ptsz, uint32_t w, int pdl, uint64_t item)
 {
     struct squeue *q = cached_queue(c, stream, ptsz);
+    if (q && pdl && !__atomic_load_n(&q->pdl, __ATOMIC_RELAXED))
+        __atomic_store_n(&q->pdl, 1, __ATOMIC_RELAXED);
     if (q) {  /* (the usual case: counted without the lock, until an event is due) */
+        note_item(q, item, w);
         int64_t due = __atomic_load_n(&q->due, __ATOMIC_RELAXED);
-        if ((int64_t)__atomic_add_fetch(&q->unrecorded, w, __ATOMIC_RELAXED) < due)
-            return 1;
+        if ((int64_t)__atomic_add_fetch(&q->unrecorded, w, __ATOMIC_RELAXED) < due
+            && __atomic_load_n(&q->unrec_est, __ATOMIC_RELAXED) < (int64_t)budget_ns() / 16)
+            return 1;  /* (an event every `due` launches, or sooner when their items' time reaches a tick) */
         pthread_mutex_lock(&queue_lock);
         if (!q->used) {  /* (taken meanwhile by another stream) */
             pthread_mutex_unlock(&queue_lock);
@@ -346,8 +517,11 @@ int queue_note(CUcontext c, void *stream, int ptsz, uint32_t w)
             return 0;
         }
         q->unrecorded += w;
+        note_item(q, item, w);
+        if (pdl)
+            q->pdl = 1;
     }
-    if (q->unrecorded < due_of(q) || q->head - q->tail >= QUEUE_RING - 1) {
+    if ((q->unrecorded < due_of(q) && q->unrec_est < (int64_t)budget_ns() / 16) || q->head - q->tail >= QUEUE_RING - 1) {
         q->due = due_of(q);
         pthread_mutex_unlock(&queue_lock);
         return 1;
@@ -365,11 +539,22 @@ int queue_note(CUcontext c, void *stream, int ptsz, uint32_t w)
     if (capturing(stream, ptsz)) {  /* (its launches went into a graph: none queued; no event into it) */
         __atomic_store_n(&capture_seen, now, __ATOMIC_RELAXED);
         q->unrecorded = 0;
+        q->ahead -= q->unrec_est;
+        q->unrec_est = 0;
         q->due = due_of(q);
         pthread_mutex_unlock(&queue_lock);
         return 1;
     }
-    record(q, now, 1);
+    /* A stream with programmatic dependent launches: the event is owed, recorded before the next launch
+     * that is not one (queue_start); unless its launches since the last event reach the budget at its
+     * mean as its events measured it (8 events' worth while not known): then here, the bound before the
+     * overlap (the wait before a launch has an event to wait for; one overlap lost per budget at most). */
+    int64_t per = q->card_per ? q->card_per : q->per_launch;
+    int64_t owing = per ? (int64_t)q->unrecorded * per : (int64_t)q->unrecorded * budget_ns() / 8 / due_of(q);
+    if (q->pdl && owing < (int64_t)budget_ns())
+        q->owed = 1;
+    else
+        record(q, now, 1);
     q->due = due_of(q);
     pthread_mutex_unlock(&queue_lock);
     return 1;
@@ -393,14 +578,14 @@ static int newest_done(struct squeue *q)
  * run (an event found done by the next launch starts none: that cost a query and a second record
  * per event for under a tick counted); one read of the CPU's counter per launch, and never an event
  * into a capturing stream. */
-void queue_start(CUcontext c, void *stream, int ptsz)
+void queue_start(CUcontext c, void *stream, int ptsz, int pdl)
 {
-    int64_t now = launch_ns(), tick = (int64_t)budget_ns() / 16;
+    int64_t now = launch_ns(), tick = (int64_t)budget_ns() / 16, gap = tick + 1;
     struct squeue *q = cached_queue(c, stream, ptsz);
     if (q) {
-        int64_t gap = now - q->last_launch;
+        gap = now - q->last_launch;
         q->last_launch = now;
-        if (gap <= tick)
+        if (gap <= tick && (pdl || !__atomic_load_n(&q->owed, __ATOMIC_RELAXED)))
             return;  /* (the usual case: within a run, the launches a tick apart or closer) */
     }
     pthread_mutex_lock(&queue_lock);
@@ -412,6 +597,19 @@ void queue_start(CUcontext c, void *stream, int ptsz)
         }
         q->last_launch = now;
     }
+    if (pdl)
+        q->pdl = 1;
+    if (q->owed && !pdl) {  /* the event owed since the launch before: here, before this one */
+        if (gap <= tick) {
+            if (q->head - q->tail < QUEUE_RING - 1 && !capturing(stream, ptsz))
+                record(q, mono_ns(), 1);
+            q->due = due_of(q);
+            pthread_mutex_unlock(&queue_lock);
+            return;
+        }
+        q->owed = 0;  /* (after a pause: the stream idled meanwhile, most likely; its launches at its mean) */
+        q->restart = 1;
+    }
     if (q->head != q->tail) {
         if (!newest_done(q)) {  /* (still running: the run goes on) */
             pthread_mutex_unlock(&queue_lock);
@@ -420,11 +618,16 @@ void queue_start(CUcontext c, void *stream, int ptsz)
         while (q->tail != q->head)
             completed(q, 0);
     }
+    if (pdl && q->unrecorded) {  /* (a run's start event would sit between it and a launch maybe still running) */
+        q->restart = 1;
+        pthread_mutex_unlock(&queue_lock);
+        return;
+    }
     if (q->head - q->tail >= QUEUE_RING - 1 || capturing(stream, ptsz)) {
         pthread_mutex_unlock(&queue_lock);
         return;
     }
-    record(q, mono_ns(), 0);  /* (the events' times are CLOCK_MONOTONIC's, as the waits') */
+    record(q, mono_ns(), 0);  /* (the events' times are CLOCK_MONOTONIC's, as the waits'; restart: record's) */
     pthread_mutex_unlock(&queue_lock);
 }
 
@@ -525,6 +728,7 @@ void queue_forget_context(CUcontext c)
     for (int i = 0; i < QUEUE_STREAMS; i++)
         if (queues[i].used && (c ? queues[i].ctx == c : gpu_of_ctx(queues[i].ctx) == -2))
             memset(&queues[i], 0, sizeof queues[i]);  /* (its events: destroyed by the driver with the context) */
+    charge_forget_context(c);
     pthread_mutex_unlock(&queue_lock);
 }
 
@@ -533,6 +737,7 @@ void queue_forked(void)
     memset(graphs, 0, sizeof graphs);  /* (executable graphs are the parent's context's) */
     memset(untracked, 0, sizeof untracked);
     memset(queues, 0, sizeof queues);  /* (the parent's streams and events: not the child's) */
+    charge_forked();
     my_tid = 0;
     last_q = NULL;
 }

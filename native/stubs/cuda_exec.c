@@ -65,9 +65,13 @@
 #define NPIECES 4096   /* logged pieces waiting for their owner to write them */
 #define NEVER UINT64_MAX
 #define SPIN_NS 200000ull
-#define EXEC_MAGIC 0x6367707565786532ull  /* "cgpuexe2" */
+#define EXEC_MAGIC 0x6367707565786533ull  /* "cgpuexe3" */
+#define STAMP_NS 512ull  /* the card's timestamps' resolution (cuEventElapsedTime's documented ~0.5 µs) */
 
-struct entry { uint64_t ns, cum, ready, end; uint32_t stream, coll; };  /* cum: ns of entries 0..this */
+/* cum: ns of entries 0..this; stamp: the card's timestamp of its end (an event's time: inexact);
+ * ov: ns its first piece overlapped the entry before (a programmatic dependent launch) */
+struct entry { uint64_t ns, cum, ready, end, stamp, ov; uint32_t stream, coll, kind, pad; };
+enum { K_KERNEL = 0, K_MARK = 1, K_PDL = 2 };  /* kind: a kernel; an event's record; a kernel launched programmatic-dependent */
 struct sstream { uint64_t id, last, enq, done; };  /* last: seq + 1 of its last entry (0: none) */
 struct piece { uint64_t start, end, us; int32_t dev, coll; };
 struct ctx {
@@ -78,6 +82,7 @@ struct ctx {
     uint64_t group;        /* its collectives' group: its halves pair with the other card's context of the same group */
     uint64_t piece_w, piece_r, lost;
     int32_t pid, pad2;     /* the owner's pid (as it sees it: its log's lines say so) */
+    uint64_t last_stamp;   /* its newest timestamp (the card writes them in order: never earlier) */
     char log[240];         /* the owner's log (CGPU_STUB_CUDA_LOG), for when its pieces overflow */
     struct sstream streams[NSTREAMS];
 };
@@ -90,6 +95,7 @@ struct card {
     int32_t next, pad;     /* SWITCH: the context being switched to */
     uint64_t until, piece_start, slice_end;
     uint32_t busy, pad2;   /* contexts with queued work */
+    uint64_t rng;          /* the card's own inexactness (slices, switches, timestamps): xorshift64 */
     struct ctx ctx[NCTX];
 };
 
@@ -132,6 +138,87 @@ static uint64_t depth(void)
         v = v < 1 ? 1 : v > RING ? RING : v;
     }
     return v;
+}
+
+/* ---- the card's inexactness (issue 35: an exact stand-in was kinder than the card) ----
+ * The card's own time-slicing is not an exact 1024 µs and 100 µs: a slice ends within
+ * CGPU_STUB_SLICE_JITTER_PCT % of it (default 10: the scheduler's timer and the running kernel's
+ * preemption point), a switch takes CGPU_STUB_SWITCH_US ± CGPU_STUB_SWITCH_JITTER_PCT % (default 50:
+ * a context's save and restore depend on what it holds). An event's timestamp is written after the
+ * work before it ends (0 to CGPU_STUB_STAMP_JITTER_NS later, default 1000) at the card's timer's
+ * resolution (STAMP_NS), never before the context's last one. An event's record costs the card
+ * CGPU_STUB_EVENT_NS (default 1000: its own entry in the stream, a bubble between the kernels around
+ * it) and the host CGPU_STUB_EVENT_HOST_NS (default 2000: a driver call writing the push buffer).
+ * CGPU_STUB_EXACT=1: none of these (the earlier, exact card). Drawn from the card's own xorshift64. */
+static int exact(void)
+{
+    static int v = -1;
+    if (v < 0) {
+        const char *e = getenv("CGPU_STUB_EXACT");
+        v = e && *e == '1';
+    }
+    return v;
+}
+static uint64_t env_n(const char *name, uint64_t dflt)
+{
+    const char *v = getenv(name);
+    return v && *v ? strtoull(v, NULL, 10) : dflt;
+}
+static uint64_t draw(struct card *k)
+{
+    uint64_t x = k->rng ? k->rng : 0x9e3779b97f4a7c15ull;
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return k->rng = x;
+}
+static uint64_t spread(struct card *k, uint64_t v, uint64_t pct)  /* v ± pct % of it, uniformly */
+{
+    uint64_t j = exact() ? 0 : v * (pct > 100 ? 100 : pct) / 100;
+    return j ? v - j + draw(k) % (2 * j + 1) : v;
+}
+static uint64_t slice_len(struct card *k)
+{
+    static int64_t pct = -1;
+    if (pct < 0) pct = (int64_t)env_n("CGPU_STUB_SLICE_JITTER_PCT", 10);
+    return spread(k, timeslice(), (uint64_t)pct);
+}
+static uint64_t switch_len(struct card *k)
+{
+    static int64_t pct = -1;
+    if (pct < 0) pct = (int64_t)env_n("CGPU_STUB_SWITCH_JITTER_PCT", 50);
+    return spread(k, switch_ns(), (uint64_t)pct);
+}
+static uint64_t stamp_of(struct card *k, struct ctx *c, uint64_t t)
+{
+    static int64_t jitter = -1;
+    if (jitter < 0) jitter = (int64_t)env_n("CGPU_STUB_STAMP_JITTER_NS", 1000);
+    if (exact()) return t;
+    uint64_t v = t + (jitter ? draw(k) % (uint64_t)(jitter + 1) : 0);
+    v -= v % STAMP_NS;
+    if (v < c->last_stamp) v = c->last_stamp;
+    return c->last_stamp = v;
+}
+static uint64_t event_card_ns(void)
+{
+    static int64_t v = -1;
+    if (v < 0) v = exact() ? 0 : (int64_t)env_n("CGPU_STUB_EVENT_NS", 1000);
+    return (uint64_t)v;
+}
+static uint64_t event_host_ns(void)
+{
+    static int64_t v = -1;
+    if (v < 0) v = exact() ? 0 : (int64_t)env_n("CGPU_STUB_EVENT_HOST_NS", 2000);
+    return (uint64_t)v;
+}
+/* A programmatic dependent launch (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, Hopper on)
+ * starts while the kernel before it in its stream still runs: by the primary's trigger it has
+ * done its prologue, so the pair overlaps by min(CGPU_STUB_PDL_US (default 10), half of either).
+ * Only straight after that kernel: anything between them in the stream (an event's record, a
+ * hold, another stream's work) serializes them, as on the card. */
+static uint64_t pdl_ns(void)
+{
+    static int64_t v = -1;
+    if (v < 0) v = (int64_t)env_us("CGPU_STUB_PDL_US", 10);
+    return (uint64_t)v;
 }
 
 /* ---- the shared file ---- */
@@ -268,9 +355,9 @@ static void note_ran(const struct ctx *c, int dev, uint64_t ns)
     if (pwrite(ran_fd, &r, sizeof r, at) != sizeof r) { /* (best effort: NVML then sees less) */ }
 }
 
-static void add_piece(struct ctx *c, uint64_t start, uint64_t end, int dev, uint64_t us, int coll)
+static void add_piece(struct ctx *c, uint64_t start, uint64_t end, int dev, uint64_t us, int coll, uint64_t ov)
 {
-    note_ran(c, dev, end > start ? end - start : 0);
+    note_ran(c, dev, end > start + ov ? end - start - ov : 0);  /* (ov: overlapped, the card's time counted once) */
     if (c->piece_w - c->piece_r >= NPIECES)
         spill(c);
     if (c->piece_w - c->piece_r >= NPIECES) {
@@ -357,6 +444,17 @@ static void start(int dev, int i, uint64_t t)
     if (c->left)
         return;  /* (preempted before: it goes on) */
     c->left = e->ns;
+    e->ov = 0;
+    if (e->kind == K_PDL && c->head) {  /* straight after its stream's kernel that just ended: overlaps its tail */
+        struct entry *p = entry_of(c, c->head - 1);
+        if (p->stream == e->stream && p->kind != K_MARK && p->ns && !p->coll && p->end == t) {
+            uint64_t ov = pdl_ns();
+            ov = ov < p->ns / 2 ? ov : p->ns / 2;
+            ov = ov < e->ns / 2 ? ov : e->ns / 2;
+            e->ov = ov;
+            c->left = e->ns - ov;
+        }
+    }
     if (!e->coll)
         return;
     c->coll_start = t;
@@ -389,7 +487,7 @@ static void after(int dev, uint64_t t)
     if (n >= 0) {
         k->state = SWITCH;
         k->next = n;
-        k->until = t + switch_ns();
+        k->until = t + switch_len(k);
         return;
     }
     if (mine) {  /* (no other ready after all) */
@@ -404,7 +502,7 @@ static void step(int dev, uint64_t t)
 {
     struct card *k = &cards[dev];
     if (k->state == SWITCH) {
-        k->slice_end = t + timeslice();
+        k->slice_end = t + slice_len(k);
         start(dev, k->next, t);
         return;
     }
@@ -415,10 +513,10 @@ static void step(int dev, uint64_t t)
         if (n != k->cur && k->cur >= 0 && switch_ns()) {
             k->state = SWITCH;
             k->next = n;
-            k->until = t + switch_ns();
+            k->until = t + switch_len(k);
             return;
         }
-        k->slice_end = t + timeslice();
+        k->slice_end = t + slice_len(k);
         start(dev, n, t);
         return;
     }
@@ -426,10 +524,11 @@ static void step(int dev, uint64_t t)
     struct entry *e = head_entry(c);
     if (c->left != NEVER && t >= k->piece_start + c->left) {  /* the entry is over */
         if (e->coll)
-            add_piece(c, c->coll_start, t, dev, e->ns / 1000, 1);
-        else if (e->ns)  /* (a hold, released: no kernel) */
-            add_piece(c, k->piece_start, t, dev, 0, 0);
+            add_piece(c, c->coll_start, t, dev, e->ns / 1000, 1, 0);
+        else if (e->ns && e->kind != K_MARK)  /* (a hold, released, or an event's record: no kernel) */
+            add_piece(c, k->piece_start - e->ov, t, dev, 0, 0, e->ov);
         e->end = t;
+        e->stamp = stamp_of(k, c, t);
         c->left = 0;
         c->streams[e->stream].done++;
         if (++c->head == c->tail)
@@ -438,8 +537,9 @@ static void step(int dev, uint64_t t)
         return;
     }
     /* its slice is over and another context has work: preempted, the card switches */
-    if (t > k->piece_start)
-        add_piece(c, k->piece_start, t, dev, 0, 0);
+    if (t > k->piece_start && head_entry(c)->kind != K_MARK)
+        add_piece(c, k->piece_start - e->ov, t, dev, 0, 0, e->ov);
+    e->ov = 0;  /* (its overlap was its first piece's) */
     c->left -= t - k->piece_start;
     int n = next_ready(k, k->cur, t, 1);
     if (n < 0) {  /* (cannot be: a contender was ready) */
@@ -448,7 +548,7 @@ static void step(int dev, uint64_t t)
     }
     k->state = SWITCH;
     k->next = n;
-    k->until = t + switch_ns();
+    k->until = t + switch_len(k);
 }
 
 /* A context's owner holds a write lock (fcntl's, the process's own: gone with it, whatever its PID
@@ -720,7 +820,7 @@ static uint64_t lane_ns(int l, uint64_t ns)
 
 /* An entry of `ns` into `stream` on card `dev` (held: it waits on the host until released, its
  * ready time NEVER till then); *seq_out its sequence number. */
-static CUresult enqueue(int dev, const void *stream, uint64_t ns, int coll, int held, uint64_t *seq_out)
+static CUresult enqueue(int dev, const void *stream, uint64_t ns, int coll, int held, uint32_t kind, uint64_t *seq_out)
 {
     dev = lane(dev);
     if (dev < 0 || dev >= NCARDS || (coll && dev > 1)) return STUB_INVALID_VALUE;
@@ -746,8 +846,9 @@ static CUresult enqueue(int dev, const void *stream, uint64_t ns, int coll, int 
         struct entry *prev = seq ? entry_of(c, seq - 1) : NULL;
         struct entry *e = entry_of(c, seq);
         stub_exec_overwritten(dev, seq);  /* (events waiting on the entry this one replaces: resolved first) */
-        *e = (struct entry){.ns = lane_ns(dev, ns), .ready = held ? NEVER : t + launch_ns(), .stream = (uint32_t)s,
-                            .coll = coll ? (uint32_t)++c->coll_enq : 0};
+        *e = (struct entry){.ns = kind == K_MARK ? ns : lane_ns(dev, ns), .ready = held ? NEVER : t + launch_ns(),
+                            .stream = (uint32_t)s, .coll = coll ? (uint32_t)++c->coll_enq : 0,
+                            .kind = coll ? K_KERNEL : kind};
         if (seq_out) *seq_out = seq;
         e->cum = (prev ? prev->cum : 0) + e->ns;  /* (only differences between queued entries count) */
         c->tail = seq + 1;
@@ -762,14 +863,14 @@ static CUresult enqueue(int dev, const void *stream, uint64_t ns, int coll, int 
 
 CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll)
 {
-    return enqueue(dev, stream, us * 1000, coll, 0, NULL);
+    return enqueue(dev, stream, us * 1000, coll, 0, K_KERNEL, NULL);
 }
 
 /* A point in `stream` where it waits on the host (cuStreamWaitValue32/64, cuLaunchHostFunc): the
  * stream's later work (the context's: its entries run in launch order) runs only once released. */
 CUresult stub_exec_hold(int dev, const void *stream, uint64_t *seq)
 {
-    return enqueue(dev, stream, 0, 0, 1, seq);
+    return enqueue(dev, stream, 0, 0, 1, K_KERNEL, seq);
 }
 
 void stub_exec_release(int dev, uint64_t seq)
@@ -851,9 +952,9 @@ static int resolve(struct stub_mark *m)
 {
     if (m->done) return 1;
     struct ctx *c = my_ctx(m->dev, 0);
-    if (!c || c->head >= m->ticket) {
-        uint64_t end = c && m->ticket && c->tail - (m->ticket - 1) <= RING ? entry_of(c, m->ticket - 1)->end : 0;
-        m->at = end > m->at ? end : m->at;
+    if (!c || c->head >= m->ticket) {  /* (its time: the card's timestamp of its record's entry) */
+        if (c && m->ticket && c->tail - (m->ticket - 1) <= RING)
+            m->at = entry_of(c, m->ticket - 1)->stamp;
         m->done = 1;
     }
     return m->done;
@@ -882,15 +983,33 @@ CUresult stub_exec_mark(struct stub_mark *m, int dev, const void *stream)
     forget(m);
     pthread_mutex_unlock(&marks_lock);
     uint64_t t = now_ns();
-    *m = (struct stub_mark){.dev = dev, .at = t, .recorded = 1};
+    *m = (struct stub_mark){.dev = dev, .at = t - t % STAMP_NS, .recorded = 1};
     if (attach()) {
         m->done = 1;
         return STUB_OK;
     }
+    for (uint64_t host = t + event_host_ns(); now_ns() < host;)
+        ;  /* (the driver call's own time on the host) */
     enter();
-    advance(t);
+    advance(now_ns());
     struct ctx *c = my_ctx(dev, 0);
-    m->ticket = c ? ticket_of(c, stream) : 0;
+    int behind = c && c->head < ticket_of(c, stream);
+    if (!behind) {  /* the stream's work all done: reached at once */
+        m->at = c ? stamp_of(&cards[dev], c, now_ns()) : m->at;
+        m->done = 1;
+        leave();
+        return STUB_OK;
+    }
+    leave();
+    /* Behind work: its record is an entry of the stream (it costs the card time; a programmatic
+     * dependent launch after it no longer follows its kernel straight) */
+    uint64_t seq = 0;
+    CUresult r = enqueue(dev, stream, event_card_ns(), 0, 0, K_MARK, &seq);
+    if (r) return r;
+    enter();
+    advance(now_ns());
+    c = my_ctx(dev, 0);
+    m->ticket = c ? seq + 1 : 0;
     if (!resolve(m)) {
         pthread_mutex_lock(&marks_lock);
         if (npending == cap_pending) {
@@ -977,11 +1096,18 @@ static int collective(void)
     return c && *c && strcmp(c, "0");  /* (1: the process's own halves; a name: a group of processes, above) */
 }
 
-/* a kernel of `us` µs launched by this process into `stream` on the thread's current card */
-CUresult stub_run_kernel(uint64_t us, const void *stream)
+/* a kernel of `us` µs launched by this process into `stream` on the thread's current card (pdl: a
+ * programmatic dependent launch, overlapping the tail of the kernel straight before it in the stream) */
+CUresult stub_run_kernel_as(uint64_t us, const void *stream, int pdl)
 {
     const char *fast = getenv("CGPU_STUB_CUDA_FAST");
     if (!stub_inited()) return STUB_NOT_INITIALIZED;
     if (fast && *fast == '1') return STUB_OK;
-    return stub_exec_launch(stub_current_device(), stream, us, collective());
+    int coll = collective();
+    int dev = stub_current_device();
+    if (coll && dev > 1) return STUB_INVALID_VALUE;
+    if (dev < 0 || dev >= NCARDS) return STUB_INVALID_VALUE;
+    if (attach()) return STUB_OUT_OF_MEMORY;
+    return enqueue(dev, stream, us * 1000, coll, 0, pdl && !coll ? K_PDL : K_KERNEL, NULL);
 }
+CUresult stub_run_kernel(uint64_t us, const void *stream) { return stub_run_kernel_as(us, stream, 0); }

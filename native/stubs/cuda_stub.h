@@ -88,7 +88,9 @@ HIDDEN void stub_exec_release(int dev, uint64_t seq);
 HIDDEN int stub_exec_reached(int dev, uint64_t seq);  /* all before entry seq done */
 HIDDEN CUresult stub_exec_sync(int dev, const void *stream, int all);  /* wait: the stream's work, or all (the context's) */
 HIDDEN int stub_exec_idle(int dev, const void *stream, int all);       /* its work done: 1, else 0 */
-/* a point in a stream (an event): done when the card has run what was launched into it before */
+/* a point in a stream (an event): done when the card has run what was launched into it before; behind
+ * queued work its record is an entry of the stream, costing the card and the host time; its time is the
+ * card's timestamp (inexact: cuda_exec.c) */
 struct stub_mark { int dev, recorded, done; uint64_t ticket, at; };  /* at: when the card reached it (ns) */
 HIDDEN CUresult stub_exec_mark(struct stub_mark *m, int dev, const void *stream);
 HIDDEN int stub_exec_mark_done(struct stub_mark *m);
@@ -96,6 +98,9 @@ HIDDEN void stub_exec_mark_wait(struct stub_mark *m);
 HIDDEN void stub_exec_mark_drop(struct stub_mark *m);
 HIDDEN void stub_exec_overwritten(int dev, uint64_t seq);
 HIDDEN CUresult stub_run_kernel(uint64_t us, const void *stream);   /* one kernel launched into `stream` */
+/* one kernel; pdl: launched programmatic-dependent (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION):
+ * it overlaps the tail of the kernel straight before it in its stream, nothing between them */
+HIDDEN CUresult stub_run_kernel_as(uint64_t us, const void *stream, int pdl);
 
 /* ---- cuda_modules.c ---- */
 HIDDEN int stub_function_valid(const void *f);

@@ -289,15 +289,28 @@ CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsig
 {
     return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, NULL);
 }
-typedef struct { unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes; void *hStream; } launch_config;
+/* cuda.h's CUlaunchConfig and CUlaunchAttribute (an id, padded to 8 bytes, then a 64-byte value) */
+typedef struct { unsigned id; char pad[4]; union { char bytes[64]; int i; } value; } launch_attr;
+typedef struct {
+    unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    void *hStream;
+    launch_attr *attrs;
+    unsigned numAttrs;
+} launch_config;
+enum { ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6, ATTR_PROGRAMMATIC_EVENT = 7 };
 CUresult cuLaunchKernelEx(const launch_config *c, CUfunction f, void **params, void **extra)
 {
     (void)params; (void)extra;
-    if (!c) return INVALID_VALUE;
+    if (!c || (c->numAttrs && !c->attrs)) return INVALID_VALUE;
+    int pdl = 0;  /* (Hopper's programmatic dependent launch: cuda_exec.c) */
+    for (unsigned i = 0; i < c->numAttrs; i++) {
+        if (c->attrs[i].id == ATTR_PROGRAMMATIC_STREAM_SERIALIZATION) pdl = c->attrs[i].value.i != 0;
+        if (c->attrs[i].id == ATTR_PROGRAMMATIC_EVENT) return NOT_SUPPORTED;  /* (not modelled: said, not ignored) */
+    }
     uint64_t us = (uint64_t)c->gridDimX * (c->gridDimY ? c->gridDimY : 1) * (c->gridDimZ ? c->gridDimZ : 1);
     CUresult r = stub_inited() ? stub_function_loaded(f) : OK;
     if (r) return r;
-    return stub_capture_launch(c->hStream, &us, 1, &r) ? r : stub_run_kernel(us, c->hStream);
+    return stub_capture_launch(c->hStream, &us, 1, &r) ? r : stub_run_kernel_as(us, c->hStream, pdl);
 }
 CUresult cuGraphLaunch(void *exec, void *stream) { return stub_graph_launch(exec, stream); }  /* cuda_graphs.c */
 
