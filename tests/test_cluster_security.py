@@ -119,9 +119,13 @@ def test_a_node_plugins_token_writes_only_its_own_nodes_slices_and_nothing_of_no
     unbound = as_token(cp, "dra-unbound", cp.kubectl("create", "token", DRA_SA, "-n", NAMESPACE).stdout.strip())
     assert refused(try_(cp, unbound, "create", "-f", "-", stdin=slice_("node-a", name="x")), policy,
                    "only a token bound to a pod on a node")
-    for args in (["annotate", "node", "node-a", "x=y"], ["annotate", "pod", "-n", NAMESPACE, f"{DRA_SA}-on-node-a",
-                                                        "x=y"],
-                 ["create", "-f", "-"]):
+    # (the DRA plugin writes its node's mode in force, condition and events since issue 37: nodes patch,
+    # held to its own node and to cgpud's annotations by the node policy, as the device plugin's account)
+    scope = "cgpu-node-scope"
+    assert refused(try_(cp, a, "annotate", "node", "node-a", "x=y"), scope, "may change only the annotations")
+    mode = json.dumps({"metadata": {"annotations": {"cgpu.aliyun.com/gpu-schedule": "cgpu"}}})
+    assert refused(try_(cp, a, "patch", "node", "node-b", "-p", mode), scope, "may change only its own node")
+    for args in (["annotate", "pod", "-n", NAMESPACE, f"{DRA_SA}-on-node-a", "x=y"], ["create", "-f", "-"]):
         stdin = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": f"{DRA_SA}-on-node-a",
                                                                      "namespace": NAMESPACE},
                  "target": {"kind": "Node", "name": "node-b"}} if args[0] == "create" else None

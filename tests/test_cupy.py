@@ -192,7 +192,8 @@ def test_two_cupy_loops_at_1_to_2_get_1_to_2_of_the_card_through_the_gate(make_d
     d = make_daemon(extra_args=["--libcgpu", os.fspath(stubs / "libcgpu.so"), "--compute", "gate"])
     d.write("0/policy", "2")
     procs = []
-    for name, weight in (("cupyone00001", 1), ("cupytwo00002", 2)):
+    names = [f"cupy{w}{os.getpid() % 10000000:07d}" for w in (1, 2)]  # (instances are host-wide: this run's own)
+    for name, weight in zip(names, (1, 2)):
         e = {**os.environ, **env(stubs, None, tmp_path, preload=False, CGPUD_SOCKET=str(d.socket),
                                  CGPU_STUB_CUDA_LOG=os.fspath(tmp_path / f"{name}.kernels"),
                                  CUPY_CACHE_DIR=os.fspath(stubs / "cupy-cache"))}
@@ -203,7 +204,7 @@ def test_two_cupy_loops_at_1_to_2_get_1_to_2_of_the_card_through_the_gate(make_d
     for p in procs:
         line = p.stdout.readline().strip()
         assert line == "started", line + p.stderr.read()
-    ratio = ratio_while_both_ran([tmp_path / "cupyone00001.kernels", tmp_path / "cupytwo00002.kernels"], 5,
+    ratio = ratio_while_both_ran([tmp_path / f"{n}.kernels" for n in names], 5,
                                  tmp_path / "stop")  # (5 seconds' ratios: their median)
     for p in procs:
         out, err = p.communicate(timeout=60)

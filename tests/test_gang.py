@@ -113,8 +113,8 @@ def gang_beside_one(d, libs: Path, tmp: Path, seconds: float, gang: bool = True)
     one = f"CGPU_STUB_CUDA_DEVICE={devices[0]} CGPU_STUB_CUDA_LOG={tmp / 'y'} exec {libs / 'launcher'} {seconds} 1000 0 0"
     procs = [subprocess.Popen([CGPU, "run", "--name", name, *gpus, "--mem", "64M", "--weight", w, "--",
                                "sh", "-c", cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, gpus, w, cmd in (("ganged000001", ["--gpus", "0,1"], "1", both),
-                                        ("onegpu000001", ["--gpu", "0"], "2", one))]
+             for name, gpus, w, cmd in ((f"ganged{os.getpid() % 1000000:06d}", ["--gpus", "0,1"], "1", both),
+                                        (f"onegpu{os.getpid() % 1000000:06d}", ["--gpu", "0"], "2", one))]
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "started", p.stderr.read()

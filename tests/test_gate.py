@@ -10,6 +10,7 @@ a CPU loop in another; NVIDIA's cuda-bindings (cuGetProcAddress_v2) launches
 through the gate too."""
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -27,6 +28,15 @@ from cgpud.sched.gate import GateFreezer
 from stopping import stop_outside_card
 
 CGPU = str(Path(sys.executable).parent / "cgpu")
+
+_made = itertools.count()
+
+
+def name(tag: str) -> str:
+    """An instance name of this run's own (12 characters: instances are cgroups, host-wide, and another
+    checkout may run this file at the same time)."""
+    return f"{tag[:4]}{os.getpid() % 100000:05d}{next(_made):03d}"
+
 
 LAUNCHER = r"""
 /* launcher SECONDS KERNEL_US CPU [DEVICE]: launches kernels of KERNEL_US for SECONDS (a CPU loop
@@ -426,21 +436,23 @@ def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon
     """Two instances under `cgpu run`, libcgpu preloaded by it, launching 1 ms kernels on one card
     while a CPU loop runs beside: the kernel time is 1:2 either way; gated, the weight-1 instance's
     CPU loop never stands still for long, frozen it stands still two thirds of the time."""
-    d, one, two = one_to_two(make_daemon, libs, tmp_path, compute, ("gatedone0001", "gatedtwo0002"), 4)
+    names = (name("gone"), name("gtwo"))
+    d, one, two = one_to_two(make_daemon, libs, tmp_path, compute, names, 4)
     # the same CPU loop beside them, in no instance: how long this machine's load alone stands it still
     ref = subprocess.Popen([os.fspath(libs / "launcher"), "4", "0", "2"], stdout=subprocess.PIPE, text=True)
     assert ref.stdout.readline().strip() == "started"
     time.sleep(1.0)
+    probe = name("prob")
     with Client(str(d.socket)) as c:
         st = c.call("stats")[0]
-        inst = c.call("register", name="probe0000001", gpus=[0], cgroup=True, isolate=True)
-        c.call("deregister", name="probe0000001")
-    assert inst["isolation"]["env"]["CGPU_PAGE_DIR"].endswith("/pages/probe0000001")
+        inst = c.call("register", name=probe, gpus=[0], cgroup=True, isolate=True)
+        c.call("deregister", name=probe)
+    assert inst["isolation"]["env"]["CGPU_PAGE_DIR"].endswith(f"/pages/{probe}")
     outs = [p.communicate(timeout=60) for p in (one, two)]
     for p, (out, err) in zip((one, two), outs):
         assert p.returncode == 0, err
     # the same wall window, both running: from the later first kernel to the earlier last one
-    logs = [tmp_path / "gatedone0001.kernels", tmp_path / "gatedtwo0002.kernels"]
+    logs = [tmp_path / f"{n}.kernels" for n in names]
     t0 = max(min(s for _, s, _ in kernels(lg)) for lg in logs) + 300_000_000
     t1 = min(max(e for _, _, e in kernels(lg)) for lg in logs) - 300_000_000
     assert t1 - t0 > 2.5e9
@@ -478,10 +490,10 @@ def test_a_container_on_two_gpus_runs_on_the_one_while_it_waits_its_turn_on_the_
         return (f'CGPU_STUB_CUDA_DEVICE={devices[device]} CGPU_STUB_CUDA_LOG={tmp_path / log} '
                 f'{libs / "launcher"} 4 1000 0 {device}')
 
-    both = subprocess.Popen([CGPU, "run", "--name", "twogpus00001", "--gpus", "0,1", "--mem", "64M", "--", "sh", "-c",
+    both = subprocess.Popen([CGPU, "run", "--name", name("twog"), "--gpus", "0,1", "--mem", "64M", "--", "sh", "-c",
                              f"export CGPU_GANG=0; {launcher('x0', 0)} & {launcher('x1', 1)}; wait"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    one = subprocess.Popen([CGPU, "run", "--name", "onegpu000001", "--gpu", "0", "--mem", "64M", "--", "sh", "-c",
+    one = subprocess.Popen([CGPU, "run", "--name", name("oneg"), "--gpu", "0", "--mem", "64M", "--", "sh", "-c",
                             launcher("y0", 0)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for p, n in ((both, 2), (one, 1)):
@@ -510,13 +522,14 @@ def test_an_instances_pages_name_its_gpus_by_uuid(make_daemon, libs):
     """What lets the library find each GPU whatever order CUDA numbers them in: the page names
     the instance's GPUs' UUIDs, in its order (here GPU 1, then GPU 0)."""
     d = make_daemon(gpus="sim:2xT4", extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so")])
+    uuidp = name("uuid")
     with Client(str(d.socket)) as c:
         uuids = {g["index"]: g["uuid"] for g in c.call("query")["gpus"]}
-        iso = c.call("register", name="uuidpages001", gpus=[1, 0], cgroup=True, isolate=True)["isolation"]
+        iso = c.call("register", name=uuidp, gpus=[1, 0], cgroup=True, isolate=True)["isolation"]
         try:
             limits = Path(iso["pages"], "limits").read_bytes()
         finally:
-            c.call("deregister", name="uuidpages001")
+            c.call("deregister", name=uuidp)
     named = [limits[pages.UUID_OFFSET + 16 * k:pages.UUID_OFFSET + 16 * (k + 1)] for k in range(3)]
     assert named == [pages.uuid_bytes(uuids[1]), pages.uuid_bytes(uuids[0]), bytes(16)]
     assert bytes(16) not in named[:2]
@@ -531,7 +544,8 @@ def test_the_gate_holds_across_a_daemon_restart(make_daemon, libs, tmp_path, how
     # (they launch until told: a restart on a busy machine has taken 5 s and more; the 8 s after it are
     # measured, second by second: the median of 4 read 1.2 under four CPU hogs, the daemon settling)
     stop = tmp_path / "stop"
-    d, one, two = one_to_two(make_daemon, libs, tmp_path, "gate", ("restartone01", "restarttwo02"), 0, stop)
+    names = (name("rone"), name("rtwo"))
+    d, one, two = one_to_two(make_daemon, libs, tmp_path, "gate", names, 0, stop)
     time.sleep(1.5)
     before = time.monotonic_ns()
     if how == "hot upgrade":
@@ -539,7 +553,7 @@ def test_the_gate_holds_across_a_daemon_restart(make_daemon, libs, tmp_path, how
     else:
         d.restart()
     after = time.monotonic_ns()
-    logs = [tmp_path / "restartone01.kernels", tmp_path / "restarttwo02.kernels"]
+    logs = [tmp_path / f"{n}.kernels" for n in names]
     end = time.monotonic() + 60
     while time.monotonic() < end and not all(lg.exists() and any(e > after + 8.3e9 for _, _, e in kernels(lg))
                                               for lg in logs):
