@@ -16,6 +16,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,13 +178,17 @@ def test_a_switch_opens_the_next_gate_only_once_the_stopped_ones_work_is_done(tw
         "b launched while its gate was closed"
 
 
-def test_a_process_that_does_not_answer_is_given_up_on_once(two, launching):
+def test_a_process_that_does_not_answer_is_given_up_on_once(two, launching, tmp_path):
     """A stopped launcher cannot answer: the switch waits the bound (50 ms here) once, reports it
     given up on, and does not wait for it again until it answers."""
     dirs, ps, sw = two
     p = launching(dirs[1], 1000)
     assert sw.submit(1, ps, [True, True], [(0.2, 1, native.NOTIFY)])
     wait_step(sw, 1, 0)
+    log, end = tmp_path / f"{dirs[1].name}.kernels", time.monotonic() + 10
+    while not kernels(log):  # (stopped before its first launch it would be nobody the closing waits for)
+        assert time.monotonic() < end, "b launched nothing in 10 s"
+        select.select([], [], [], 0.005)
     stop_outside_card(p)
     cancel(sw)
     steps = [(0.05, 0, 0), (0.05, 1, 0), (0.05, 0, 0), (30.0, 1, native.NOTIFY)]
