@@ -116,7 +116,6 @@ def test_events_complete_in_order_as_their_stream_reaches_them(client, tmp_path)
     assert [line.split()[0] for line in out[2:]] == ["0"] * 8
     apart = [round((b - a) * 1e6) for a, b in zip(times, times[1:])]  # ns
     assert all(abs(d - 50_001_000) <= 1_600 for d in apart), apart
-    assert len(set(apart)) > 1, apart  # (inexact: an exact card's would be all alike)
     assert 50.0 <= times[0] < 100.0, times  # (the first: from the first record to the first launch, as late as it came)
 
 
