@@ -175,6 +175,7 @@ extern struct cgpu_proc *mine;
 extern int asked;         /* CGPU_PAGE_DIR is set: this process must be isolated */
 extern char why[8192];    /* why the pages are not usable ("" when they are) */
 extern char page_dir[4096];
+void *usage_block(size_t at, size_t size);  /* a block of the usage file, mapped (page.c) */
 void page_setup(void);
 void page_forked(void);
 int need_slot(void);      /* this process's slot, taken at its first use of CUDA; 0: none left */

@@ -143,23 +143,11 @@ void futex_wait_on(const uint32_t *word, uint32_t seen)
     syscall(SYS_futex, word, FUTEX_WAIT, seen, NULL, NULL, 0);
 }
 
-/* The usage file's gang block, mapped (its offset is not a page's: the pages around it with it). */
+/* The usage file's gang block, mapped (NULL: an older cgpud's page). */
 static void map_gang(void)
 {
-    char path[4200];
-    snprintf(path, sizeof path, "%s/usage", page_dir);
-    int fd = open(path, O_RDWR | O_CLOEXEC);
-    if (fd < 0)
-        return;
-    struct stat st;
-    size_t at = sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy);
-    size_t page = (size_t)sysconf(_SC_PAGESIZE), from = at / page * page, len = at - from + sizeof(struct cgpu_usage_gang);
-    if (!fstat(fd, &st) && (size_t)st.st_size >= at + sizeof(struct cgpu_usage_gang)) {
-        void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)from);
-        if (p != MAP_FAILED)
-            shared_gang = (struct cgpu_usage_gang *)((char *)p + (at - from));
-    }
-    close(fd);
+    shared_gang = usage_block(sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver)
+                              + sizeof(struct cgpu_usage_busy), sizeof(struct cgpu_usage_gang));
 }
 
 void gang_init(void)

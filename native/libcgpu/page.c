@@ -285,26 +285,33 @@ int need_slot(void)
     return p != NULL;
 }
 
-/* The usage file's ident block (after the gang block; its offset is not a page's: the pages around
- * it with it). An older cgpud's page ends before it: idents stays NULL. */
-static void map_idents(void)
+/* `size` bytes at offset `at` of the usage file, mapped shared (the offset need not be a page's: the
+ * pages around it with it); NULL where the file ends before them (an older cgpud's page). */
+void *usage_block(size_t at, size_t size)
 {
     char path[4200];
     snprintf(path, sizeof path, "%s/usage", page_dir);
     int fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0)
-        return;
+        return NULL;
     struct stat st;
-    size_t at = sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy)
-                + sizeof(struct cgpu_usage_gang);
+    void *block = NULL;
     size_t page = (size_t)sysconf(_SC_PAGESIZE), from = at / page * page;
-    size_t len = at - from + sizeof(struct cgpu_usage_ident);
-    if (!fstat(fd, &st) && (size_t)st.st_size >= at + sizeof(struct cgpu_usage_ident)) {
-        void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)from);
+    if (!fstat(fd, &st) && (size_t)st.st_size >= at + size) {
+        void *p = mmap(NULL, at - from + size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, (off_t)from);
         if (p != MAP_FAILED)
-            idents = (struct cgpu_usage_ident *)((char *)p + (at - from));
+            block = (char *)p + (at - from);
     }
     close(fd);
+    return block;
+}
+
+/* The usage file's ident block (after the gang block). An older cgpud's page ends before it: idents
+ * stays NULL. */
+static void map_idents(void)
+{
+    idents = usage_block(sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy)
+                         + sizeof(struct cgpu_usage_gang), sizeof(struct cgpu_usage_ident));
 }
 
 void page_setup(void)
