@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     load = hogs(a.hogs)
     results: dict[Path, list[tuple[bool, list[str], float]]] = {f: [] for f in files}
     loadavg: list[float] = []  # the 1-minute load average at the end of each run (other work on the host counts)
+    interrupted = False
     try:
         for k in range(a.runs):  # (round robin: a spell of worse load falls on every file, not one)
             for f in files:
@@ -85,11 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                 loadavg.append(os.getloadavg()[0])
                 print(f"test-load: run {k + 1}/{a.runs} {f.name}: {'passed' if ok else 'FAILED ' + ' '.join(failed)}"
                       f" ({secs:.0f} s, load {loadavg[-1]:.1f})", flush=True)
+    except KeyboardInterrupt:  # (^C: the runs so far are still counted, the run under way is not)
+        interrupted = True
     finally:
         for p in load:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    print(f"\ntest-load: {a.hogs} CPU hogs, {a.runs} runs of each file, on {os.cpu_count()} CPUs; the load average "
+    print(f"\ntest-load: {'interrupted; ' if interrupted else ''}{a.hogs} CPU hogs, {a.runs} runs of each file, "
+          f"on {os.cpu_count()} CPUs; the load average "
           f"(1 min) at the runs' ends: mean {sum(loadavg) / max(len(loadavg), 1):.1f}, "
           f"{min(loadavg, default=0):.1f} to {max(loadavg, default=0):.1f}")
     bad = 0
@@ -97,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         fails = sum(not ok for ok, _, _ in rs)
         bad += fails
         which = collections.Counter(t for ok, failed, _ in rs for t in failed)
-        mean = sum(s for *_, s in rs) / len(rs)
+        mean = sum(s for *_, s in rs) / max(len(rs), 1)
         print(f"  {f.name:28} {fails} of {len(rs)} failed  ({mean:.0f} s a run)"
               + "".join(f"\n      {n}x {t}" for t, n in which.most_common()))
-    return 1 if bad else 0
+    return 1 if bad or interrupted else 0
 
 
 if __name__ == "__main__":
