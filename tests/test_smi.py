@@ -116,7 +116,10 @@ def test_table_like_nvidia_smi(known):
 def test_loop_refreshes_until_interrupted(known):
     d, _ = known
     env = dict(os.environ, CGPUD_SOCKET=str(d.socket))
-    p = subprocess.Popen([SMI, "-l", "0.2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # (SIGINT at its default, as at a terminal: a run of the suite in the background of a shell without job
+    # control, `make test &`, hands its children SIGINT ignored, and cgpu-smi rightly keeps that)
+    p = subprocess.Popen([SMI, "-l", "0.2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = 0
     deadline = time.monotonic() + 30
     while seen < 3 and time.monotonic() < deadline:  # three tables, however slow the start under load
