@@ -251,11 +251,15 @@ def test_a_plugin_restart_keeps_the_running_pods_instance_and_prepares_again(clu
     try:
         pod, gpu, name = run_with_claim(cluster, "keep", "3Gi")
         cid = pod["status"]["containerStatuses"][0]["containerID"]
+        dialled = kubelet_dialled(cluster)
         cluster.procs["dra-plugin"].proc.kill()
         cluster.procs["dra-plugin"].proc.wait(10)
         start_plugin(cluster)
         wait_for(lambda: "1 claims prepared before" in cluster.procs["dra-plugin"].log_path.read_text(), 30,
                  "the plugin to read its prepared claims back", cluster.logs)
+        # (the kubelet dials the new plugin on gRPC's backoff, about a second after the old one went: a
+        # Prepare before that fails and waits for the kubelet's next try, 80 s — docs/kubernetes.md)
+        wait_for(lambda: kubelet_dialled(cluster) > dialled, 30, "the kubelet to dial the new plugin", cluster.logs)
         assert name in cgpud.instances(gpu) and cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
         status = cluster.wait_pod("keep", running, 30, "still Running")["status"]["containerStatuses"][0]
         assert status["containerID"] == cid and status["restartCount"] == 0, status
@@ -265,6 +269,13 @@ def test_a_plugin_restart_keeps_the_running_pods_instance_and_prepares_again(clu
     finally:
         delete(cluster, "keep", "after")
     wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go")
+
+
+def kubelet_dialled(c: Cluster) -> int:
+    """How many times the kubelet (all its processes) connected to the plugin's endpoint: its DRA
+    manager's log of its gRPC connection."""
+    return len(re.findall(rf'"Connection changed".*driverName="{re.escape(DRIVER)}".*connected=true',
+                          c.procs["kubelet"].log_path.read_text(errors="replace")))
 
 
 def test_a_kubelet_restart_registers_the_plugin_again_and_keeps_the_running_pods_instance(cluster, cgpud):
