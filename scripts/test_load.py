@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"test-load: {'no such test file: ' + ', '.join(missing) if missing else 'runs >= 1, hogs >= 0'}",
               file=sys.stderr)
         return 2
+    def interrupt(*_) -> None:  # (SIGTERM as ^C: a run in the background of a shell ignores SIGINT)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     load = hogs(a.hogs)
     results: dict[Path, list[tuple[bool, list[str], float]]] = {f: [] for f in files}
     loadavg: list[float] = []  # the 1-minute load average at the end of each run (other work on the host counts)
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                 loadavg.append(os.getloadavg()[0])
                 print(f"test-load: run {k + 1}/{a.runs} {f.name}: {'passed' if ok else 'FAILED ' + ' '.join(failed)}"
                       f" ({secs:.0f} s, load {loadavg[-1]:.1f})", flush=True)
-    except KeyboardInterrupt:  # (^C: the runs so far are still counted, the run under way is not)
+    except KeyboardInterrupt:  # (^C or SIGTERM: the runs so far are still counted, the run under way is not)
         interrupted = True
     finally:
         for p in load:
