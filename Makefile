@@ -9,7 +9,7 @@ run: setup
 	.venv/bin/cgpud serve --gpus sim:T4
 
 test: setup
-	.venv/bin/python -m pytest
+	.venv/bin/python -m pytest -n 2
 
 bench: setup
 	.venv/bin/python bench/tree_ops.py

@@ -49,6 +49,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q -e '.[test]'
   touch "$stamp"
 fi
+# pytest-xdist: make test's two workers (tests/conftest.py, worker_group). Not in pyproject.toml's test
+# extra: a change of that file rebuilds the image's dependency layers (the arm64 one under qemu: tens of minutes).
+if ! .venv/bin/python -c "import xdist" 2>/dev/null; then
+  .venv/bin/pip install -q "pytest-xdist>=3.6"
+fi
 # crictl (cri-tools), which tests/test_node_install.py drives containerd's CRI plugin with, as the
 # kubelet does: built from the Go module proxy into .venv/bin (a few minutes the first time).
 CRICTL_VERSION=v1.34.0

@@ -439,6 +439,46 @@ def pytest_collection_modifyitems(items) -> None:
     items[:] = [items[i] for _, i in sorted(rank)]
 
 
+# ---- make test's two workers (pytest-xdist, -n 2) ------------------------------------------------
+# A group runs whole on one worker, its modules one after another; the groups go to the two workers
+# as each is free (the most tests first). (Our own scheduler: xdist 3.8's loadgroup marks the node IDs
+# in a way pytest 9 no longer reads, and splits every group.) Two groups are more than a module each:
+# - "cluster": the modules of the cluster tier (one cluster at a time on a host, TIER_LOCK; the
+#   DaemonSet's and Helm's nodes and the image they import);
+# - "timed": the modules that time something on this machine (a share, a latency, a stall) with
+#   launchers or switchers at real-time priority: one of them at a time, so that no two sets of
+#   real-time threads share the two CPUs. Beside them runs the other worker's work at normal
+#   priority, as `make test-load`'s CPU hogs do (scripts/test_load.py: each of these files passes
+#   there under four hogs).
+CLUSTER_GROUP = {"test_cluster.py", "test_cluster_daemonset.py", "test_cluster_dra.py", "test_cluster_dra_health.py",
+                 "test_cluster_health.py", "test_cluster_helm.py", "test_cluster_lock.py",
+                 "test_cluster_security.py", "test_modes.py", "test_image.py"}
+TIMED_GROUP = {"test_deep_queue.py", "test_shared_pages.py", "test_gate.py", "test_switcher.py", "test_sched_real.py",
+               "test_graphs.py", "test_policies.py", "test_cupy.py", "test_gang.py", "test_enforce.py",
+               "test_activity.py", "test_stub_executor.py", "test_podman.py", "test_growth.py", "test_collectives.py",
+               "test_core_mem.py", "test_attacks_charge.py", "test_guard.py", "test_service.py",
+               "test_drain_bound.py", "test_pools.py", "test_slots.py", "test_runc.py", "test_libcgpu.py",
+               "test_mps_standin.py", "test_concurrency.py", "test_load.py"}
+
+
+def worker_group(module: str) -> str:
+    """The group a test module runs in: `cluster`, `timed`, or its own name."""
+    return "cluster" if module in CLUSTER_GROUP else "timed" if module in TIMED_GROUP else module
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # (without pytest-xdist: one process, nothing to group)
+    pass
+else:
+    class _ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
+
+    def pytest_xdist_make_scheduler(config, log):
+        return _ByGroup(config, log)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """After the last test of the modules that share a cluster: the cluster ended (the next test

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -296,7 +297,10 @@ def plugin(make_daemon, tmp_path, request):
     d = make_daemon(gpus=gpus, extra_args=extra)
     api = ApiServer(tmp_path)
     api.add_node(NODE)  # (the slices' owner)
-    dirs = {k: tmp_path / k for k in ("registry", "plugin", "cdi", "state")}
+    # (the sockets' directories short, in /tmp: a socket's path has room for 107 bytes, and a test's
+    # tmp_path under pytest-xdist's worker directory left too few for the registration socket)
+    socks = Path(tempfile.mkdtemp(prefix="cgdra-"))
+    dirs = {k: (socks if k in ("registry", "plugin") else tmp_path) / k for k in ("registry", "plugin", "cdi", "state")}
     dirs["registry"].mkdir()
     procs = []
 
@@ -322,6 +326,7 @@ def plugin(make_daemon, tmp_path, request):
             p.terminate()
             p.wait(10)
     api.close()
+    shutil.rmtree(socks, ignore_errors=True)
 
 
 def wait_for(what, timeout: float = 60, why: str = ""):

@@ -92,7 +92,7 @@ int main(int argc, char **argv) {
         printf("started\n");
         fflush(stdout);
         double t0 = now();
-        while (now() - t0 < seconds) usleep(10000);
+        while (until ? access(until, F_OK) != 0 : now() - t0 < seconds) usleep(10000);
         stop = 1;
         pthread_join(t, NULL);
         printf("0 %.0f %.3f\n", beats / (now() - t0), stopped / (now() - t0));
@@ -150,6 +150,25 @@ def kernels(log: Path) -> list[tuple[int, int, int]]:
     if not log.exists():
         return []
     return [tuple(map(int, line.split())) for line in log.read_text().splitlines() if line.strip()]
+
+
+def wait_together(logs: list[Path], seconds: float, stop: Path, timeout: float = 60) -> None:
+    """Wait until the launchers of `logs` have all run kernels for `seconds` together (from the
+    latest of their first kernels), then create `stop` (their LAUNCHER_UNTIL), however that ends: a
+    loaded machine starts `cgpu run` late, and a fixed run time left two launchers 0.16 s together."""
+    def together() -> float:
+        try:
+            firsts = [min((s for _, s, _ in kernels(lg)), default=None) for lg in logs]
+        except ValueError:  # (a line being written)
+            return 0
+        return 0 if None in firsts else (time.monotonic_ns() - max(firsts)) / 1e9
+
+    try:
+        deadline = time.monotonic() + timeout
+        while together() < seconds and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.touch()
 
 
 def median_ratio(logs: list[Path], t0: int, t1: int) -> float:
@@ -437,22 +456,28 @@ def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon
     while a CPU loop runs beside: the kernel time is 1:2 either way; gated, the weight-1 instance's
     CPU loop never stands still for long, frozen it stands still two thirds of the time."""
     names = (name("gone"), name("gtwo"))
-    d, one, two = one_to_two(make_daemon, libs, tmp_path, compute, names, 4)
-    # the same CPU loop beside them, in no instance: how long this machine's load alone stands it still
-    ref = subprocess.Popen([os.fspath(libs / "launcher"), "4", "0", "2"], stdout=subprocess.PIPE, text=True)
-    assert ref.stdout.readline().strip() == "started"
-    time.sleep(1.0)
-    probe = name("prob")
-    with Client(str(d.socket)) as c:
-        st = c.call("stats")[0]
-        inst = c.call("register", name=probe, gpus=[0], cgroup=True, isolate=True)
-        c.call("deregister", name=probe)
-    assert inst["isolation"]["env"]["CGPU_PAGE_DIR"].endswith(f"/pages/{probe}")
+    logs = [tmp_path / f"{n}.kernels" for n in names]
+    stop = tmp_path / "stop"  # (they launch until it exists: until both have run 3.2 s together)
+    d, one, two = one_to_two(make_daemon, libs, tmp_path, compute, names, 0, until=stop)
+    try:  # (the launchers end only when `stop` exists: whatever fails on the way)
+        # the same CPU loop beside them, in no instance: how long this machine's load alone stands it still
+        ref = subprocess.Popen([os.fspath(libs / "launcher"), "0", "0", "2"], stdout=subprocess.PIPE, text=True,
+                               env=dict(os.environ, LAUNCHER_UNTIL=os.fspath(stop)))
+        assert ref.stdout.readline().strip() == "started"
+        time.sleep(1.0)
+        probe = name("prob")
+        with Client(str(d.socket)) as c:
+            st = c.call("stats")[0]
+            inst = c.call("register", name=probe, gpus=[0], cgroup=True, isolate=True)
+            c.call("deregister", name=probe)
+        assert inst["isolation"]["env"]["CGPU_PAGE_DIR"].endswith(f"/pages/{probe}")
+        wait_together(logs, 3.2, stop)
+    finally:
+        stop.touch()
     outs = [p.communicate(timeout=60) for p in (one, two)]
     for p, (out, err) in zip((one, two), outs):
         assert p.returncode == 0, err
     # the same wall window, both running: from the later first kernel to the earlier last one
-    logs = [tmp_path / f"{n}.kernels" for n in names]
     t0 = max(min(s for _, s, _ in kernels(lg)) for lg in logs) + 300_000_000
     t1 = min(max(e for _, _, e in kernels(lg)) for lg in logs) - 300_000_000
     assert t1 - t0 > 2.5e9
@@ -483,12 +508,13 @@ def test_a_container_on_two_gpus_runs_on_the_one_while_it_waits_its_turn_on_the_
     d.write("1/policy", "1")  # (alone there: the whole GPU)
     with Client(str(d.socket)) as c:
         devices = c.call("hello")["devices"]
+    stop = tmp_path / "stop"  # (they launch until it exists: until all three have run 3 s together)
     env = dict(os.environ, CGPUD_SOCKET=str(d.socket), LD_LIBRARY_PATH=os.fspath(libs), CGPU_STUB_CUDA_DEVICES="2",
-               CGPU_STUB_CUDA_STATE=os.fspath(tmp_path / "card"))
+               CGPU_STUB_CUDA_STATE=os.fspath(tmp_path / "card"), LAUNCHER_UNTIL=os.fspath(stop))
 
     def launcher(log: str, device: int) -> str:
         return (f'CGPU_STUB_CUDA_DEVICE={devices[device]} CGPU_STUB_CUDA_LOG={tmp_path / log} '
-                f'{libs / "launcher"} 4 1000 0 {device}')
+                f'{libs / "launcher"} 0 1000 0 {device}')
 
     both = subprocess.Popen([CGPU, "run", "--name", name("twog"), "--gpus", "0,1", "--mem", "64M", "--", "sh", "-c",
                              f"export CGPU_GANG=0; {launcher('x0', 0)} & {launcher('x1', 1)}; wait"],
@@ -499,10 +525,12 @@ def test_a_container_on_two_gpus_runs_on_the_one_while_it_waits_its_turn_on_the_
         for p, n in ((both, 2), (one, 1)):
             for _ in range(n):
                 assert p.stdout.readline().strip() == "started", p.stderr.read()
+        wait_together([tmp_path / n for n in ("x0", "y0", "x1")], 3.2, stop)
         for p in (both, one):
             out, err = p.communicate(timeout=60)
             assert p.returncode == 0, err
     finally:
+        stop.touch()
         for p in (both, one):
             if p.poll() is None:
                 p.kill()
