@@ -155,7 +155,7 @@ class Kubelet(rpc.RegistrationServicer):
         return time.monotonic()
 
     def stop(self) -> None:
-        for other in self.others.values():
+        for other in list(self.others.values()):  # (a plugin's Register, in a server thread, may add one now)
             other.channel.close()
         if self.channel is not None:
             self.channel.close()
