@@ -251,15 +251,17 @@ def test_a_plugin_restart_keeps_the_running_pods_instance_and_prepares_again(clu
     try:
         pod, gpu, name = run_with_claim(cluster, "keep", "3Gi")
         cid = pod["status"]["containerStatuses"][0]["containerID"]
-        dialled = kubelet_dialled(cluster)
+        registered = kubelet_registrations(cluster)
         cluster.procs["dra-plugin"].proc.kill()
         cluster.procs["dra-plugin"].proc.wait(10)
         start_plugin(cluster)
         wait_for(lambda: "1 claims prepared before" in cluster.procs["dra-plugin"].log_path.read_text(), 30,
                  "the plugin to read its prepared claims back", cluster.logs)
-        # (the kubelet dials the new plugin on gRPC's backoff, about a second after the old one went: a
-        # Prepare before that fails and waits for the kubelet's next try, 80 s — docs/kubernetes.md)
-        wait_for(lambda: kubelet_dialled(cluster) > dialled, 30, "the kubelet to dial the new plugin", cluster.logs)
+        # (the kubelet unregisters the old plugin at one pass of its plugin manager and registers the new one
+        # at the next, a second later: a Prepare between fails, "DRA driver cgpu.aliyun.com is not registered",
+        # and waits for the kubelet's next try, 80 s — docs/kubernetes.md)
+        wait_for(lambda: kubelet_registrations(cluster) > registered, 30, "the kubelet to register the new plugin",
+                 cluster.logs)
         assert name in cgpud.instances(gpu) and cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
         status = cluster.wait_pod("keep", running, 30, "still Running")["status"]["containerStatuses"][0]
         assert status["containerID"] == cid and status["restartCount"] == 0, status
@@ -271,11 +273,14 @@ def test_a_plugin_restart_keeps_the_running_pods_instance_and_prepares_again(clu
     wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go")
 
 
-def kubelet_dialled(c: Cluster) -> int:
-    """How many times the kubelet (all its processes) connected to the plugin's endpoint: its DRA
-    manager's log of its gRPC connection."""
-    return len(re.findall(rf'"Connection changed".*driverName="{re.escape(DRIVER)}".*connected=true',
-                          c.procs["kubelet"].log_path.read_text(errors="replace")))
+def kubelet_registrations(c: Cluster) -> int:
+    """How many registrations of the plugin the kubelet (all its processes) has finished: each
+    `RegisterPlugin started` of its plugin manager followed by its DRA manager's connection to the
+    plugin (not the connections gRPC makes on its own: one came right after a kill)."""
+    log = c.procs["kubelet"].log_path.read_text(errors="replace")
+    parts = re.split(rf'"OperationExecutor\.RegisterPlugin started"[^\n]*{re.escape(DRIVER)}-reg\.sock', log)[1:]
+    return sum(bool(re.search(rf'"Connection changed".*driverName="{re.escape(DRIVER)}".*connected=true', p))
+               for p in parts)
 
 
 def test_a_kubelet_restart_registers_the_plugin_again_and_keeps_the_running_pods_instance(cluster, cgpud):
