@@ -332,7 +332,7 @@ def test_two_hooks_d_containers_share_a_gpu_1_to_2_through_the_gate(make_daemon,
     GPU beside them (what the machine's load alone does to it).
     The launching threads run at a real-time priority (the containers get the budget for it), so the
     kernel time measures the scheduler, not the machine's load (at load 17 it read 2.78 without)."""
-    from test_gate import LAUNCHER, median_ratio
+    from test_gate import LAUNCHER, median_ratio, wait_together
 
     d, podman, share, _ = glibc_podman(make_daemon, tmp_path, "--compute", "gate")
     try:
@@ -340,6 +340,13 @@ def test_two_hooks_d_containers_share_a_gpu_1_to_2_through_the_gate(make_daemon,
         subprocess.run(["gcc", "-O2", "-o", os.fspath(share / "launcher"), os.fspath(tmp_path / "launcher.c"),
                         "-ldl", "-lpthread"], check=True)
         volumes = ["/usr:/usr:ro", f"{share}:/share"]
+        # the same CPU loop, nothing launched, in a container of no GPU (the hook leaves it alone), from
+        # before the first launcher to the end: what the machine's load alone does to it, over the same time
+        # as the weight-1 container's loop (a fixed 6 s inside that time read 0.43 where the loop read 0.71)
+        p = podman.run({"LAUNCHER_UNTIL": "/share/stop"}, "/share/launcher", "0", "0", "2", detach=True,
+                       volumes=volumes)
+        assert p.returncode == 0, p.stderr
+        ref = p.stdout.strip()
         ids = {}
         for name, weight in (("one", 1), ("two", 2)):  # (launching until /share/stop: however long starts take)
             p = podman.run({"ALIYUN_COM_GPU_MEM_CONTAINER": "1", "ALIYUN_COM_GPU_SCHD_WEIGHT": str(weight),
@@ -352,19 +359,16 @@ def test_two_hooks_d_containers_share_a_gpu_1_to_2_through_the_gate(make_daemon,
             ids[name] = p.stdout.strip()
             assert realtime_threads(podman, ids[name]) >= 1, f"{name}'s launching thread is not at a real-time priority"
         assert d.value("0/policy") == "2"
-        # both launch now: 6 s of the same CPU loop, nothing launched, in a container of no GPU (the hook
-        # leaves it alone) beside them; then they stop
-        p = podman.run({}, "/share/launcher", "6", "0", "2", detach=True, volumes=volumes)
-        assert p.returncode == 0, p.stderr
-        outs = {"ref": podman("wait", p.stdout.strip(), timeout=60)}
+        # both launch now: until they have run 6 s together, then all three stop
+        logs = [share / "one.kernels", share / "two.kernels"]
+        wait_together(logs, 6.0, share / "stop")
+        outs = {"ref": podman("wait", ref, timeout=60)}
         assert outs["ref"].stdout.strip() == "0", outs["ref"].stdout + outs["ref"].stderr
-        outs["ref"] = podman("logs", p.stdout.strip()).stdout.split()
-        (share / "stop").touch()
+        outs["ref"] = podman("logs", ref).stdout.split()
         for name, cid in ids.items():
             w = podman("wait", cid, timeout=60)
             assert w.stdout.strip() == "0", w.stdout + w.stderr
             outs[name] = podman("logs", cid).stdout.split()
-        logs = [share / "one.kernels", share / "two.kernels"]
         kernels = [[tuple(map(int, line.split())) for line in lg.read_text().splitlines()] for lg in logs]
         t0 = max(k[0][1] for k in kernels) + 300_000_000
         t1 = min(k[-1][2] for k in kernels) - 300_000_000
