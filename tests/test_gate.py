@@ -460,9 +460,14 @@ def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon
     stop = tmp_path / "stop"  # (they launch until it exists: until both have run 3.2 s together)
     d, one, two = one_to_two(make_daemon, libs, tmp_path, compute, names, 0, until=stop)
     try:  # (the launchers end only when `stop` exists: whatever fails on the way)
-        # the same CPU loop beside them, in no instance: how long this machine's load alone stands it still
-        ref = subprocess.Popen([os.fspath(libs / "launcher"), "0", "0", "2"], stdout=subprocess.PIPE, text=True,
-                               env=dict(os.environ, LAUNCHER_UNTIL=os.fspath(stop)))
+        # the same launcher and CPU loop beside them, in no instance, on a stand-in card of its own (no gate):
+        # how long this machine's load stands the loop still beside a real-time launching thread of its own
+        # (under four CPU hogs that thread's wakeups put its loop behind them: a loop alone read 0.52 where
+        # the gated one read 0.79, and both GPU instances alike)
+        ref = subprocess.Popen([os.fspath(libs / "launcher"), "0", "1000", "1"], stdout=subprocess.PIPE, text=True,
+                               env=dict(os.environ, LAUNCHER_UNTIL=os.fspath(stop), LD_LIBRARY_PATH=os.fspath(libs),
+                                        CGPU_STUB_CUDA_STATE=os.fspath(tmp_path / "ref-card"),
+                                        CGPU_STUB_CUDA_LOG=os.fspath(tmp_path / "ref.kernels")))
         assert ref.stdout.readline().strip() == "started"
         time.sleep(1.0)
         probe = name("prob")
