@@ -38,14 +38,31 @@ def hogs(n: int) -> list[subprocess.Popen]:
             for _ in range(n)]
 
 
+def stop_pytest(p: subprocess.Popen) -> None:
+    """SIGINT, as ^C: pytest runs the teardowns (a daemon, a cluster left running otherwise); then SIGKILL."""
+    p.send_signal(signal.SIGINT)
+    try:
+        p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+
+
 def run_once(path: Path, timeout: float) -> tuple[bool, list[str], float]:
     """One pytest run of one file (or one test: FILE::NAME): passed, the tests that failed, seconds."""
     t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+                          "-rf", os.fspath(path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
-                            "-rf", os.fspath(path)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stop_pytest(p)
         return False, [f"{path.name} (timed out after {timeout:.0f} s)"], time.monotonic() - t0
+    except KeyboardInterrupt:  # (the run under way ends as at ^C: its fixtures' teardown stops its daemons)
+        stop_pytest(p)
+        raise
+    r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     lines = re.findall(r"^(?:FAILED|ERROR) (.+)$", r.stdout, re.M)
     failed = [t.split(" - ")[0] for t in lines]
     for t in lines:  # (each failure's own line, for what the summary cannot say)
