@@ -62,19 +62,18 @@ def run_once(path: Path, timeout: float) -> tuple[bool, list[str], float]:
     except KeyboardInterrupt:  # (the run under way ends as at ^C: its fixtures' teardown stops its daemons)
         stop_pytest(p)
         raise
-    r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
-    lines = re.findall(r"^(?:FAILED|ERROR) (.+)$", r.stdout, re.M)
+    lines = re.findall(r"^(?:FAILED|ERROR) (.+)$", out, re.M)
     failed = [t.split(" - ")[0] for t in lines]
     for t in lines:  # (each failure's own line, for what the summary cannot say)
         print(f"test-load:   {t[:300]}", flush=True)
-    ok = r.returncode == 0
+    ok = p.returncode == 0
     if not ok:  # the whole output kept, to read why
         KEEP.mkdir(parents=True, exist_ok=True)
         kept = KEEP / f"{path.name.replace('::', '-')[:120]}.{time.strftime('%H%M%S')}.log"
-        kept.write_text(r.stdout + r.stderr)
+        kept.write_text(out + err)
         print(f"test-load:   its output: {kept}", flush=True)
     if not ok and not failed:
-        failed = [f"{path.name} (pytest exit {r.returncode}: {r.stdout.strip().splitlines()[-1:] or r.stderr[-200:]})"]
+        failed = [f"{path.name} (pytest exit {p.returncode}: {out.strip().splitlines()[-1:] or err[-200:]})"]
     return ok, failed, time.monotonic() - t0
 
 

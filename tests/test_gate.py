@@ -152,10 +152,10 @@ def kernels(log: Path) -> list[tuple[int, int, int]]:
     return [tuple(map(int, line.split())) for line in log.read_text().splitlines() if line.strip()]
 
 
-def wait_together(logs: list[Path], seconds: float, stop: Path, timeout: float = 60) -> None:
+def wait_together(logs: list[Path], seconds: float, timeout: float = 60) -> None:
     """Wait until the launchers of `logs` have all run kernels for `seconds` together (from the
-    latest of their first kernels), then create `stop` (their LAUNCHER_UNTIL), however that ends: a
-    loaded machine starts `cgpu run` late, and a fixed run time left two launchers 0.16 s together."""
+    latest of their first kernels; the caller then stops them): a loaded machine starts `cgpu run`
+    late, and a fixed run time left two launchers 0.16 s together."""
     def together() -> float:
         try:
             firsts = [min((s for _, s, _ in kernels(lg)), default=None) for lg in logs]
@@ -163,12 +163,9 @@ def wait_together(logs: list[Path], seconds: float, stop: Path, timeout: float =
             return 0
         return 0 if None in firsts else (time.monotonic_ns() - max(firsts)) / 1e9
 
-    try:
-        deadline = time.monotonic() + timeout
-        while together() < seconds and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        stop.touch()
+    deadline = time.monotonic() + timeout
+    while together() < seconds and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def median_ratio(logs: list[Path], t0: int, t1: int) -> float:
@@ -476,7 +473,7 @@ def test_policy2_at_1_to_2_through_the_gate_gives_kernel_time_1_to_2(make_daemon
             inst = c.call("register", name=probe, gpus=[0], cgroup=True, isolate=True)
             c.call("deregister", name=probe)
         assert inst["isolation"]["env"]["CGPU_PAGE_DIR"].endswith(f"/pages/{probe}")
-        wait_together(logs, 3.2, stop)
+        wait_together(logs, 3.2)
     finally:
         stop.touch()
     outs = [p.communicate(timeout=60) for p in (one, two)]
@@ -513,7 +510,7 @@ def test_a_container_on_two_gpus_runs_on_the_one_while_it_waits_its_turn_on_the_
     d.write("1/policy", "1")  # (alone there: the whole GPU)
     with Client(str(d.socket)) as c:
         devices = c.call("hello")["devices"]
-    stop = tmp_path / "stop"  # (they launch until it exists: until all three have run 3 s together)
+    stop = tmp_path / "stop"  # (they launch until it exists: until all three have run 3.2 s together)
     env = dict(os.environ, CGPUD_SOCKET=str(d.socket), LD_LIBRARY_PATH=os.fspath(libs), CGPU_STUB_CUDA_DEVICES="2",
                CGPU_STUB_CUDA_STATE=os.fspath(tmp_path / "card"), LAUNCHER_UNTIL=os.fspath(stop))
 
@@ -530,7 +527,8 @@ def test_a_container_on_two_gpus_runs_on_the_one_while_it_waits_its_turn_on_the_
         for p, n in ((both, 2), (one, 1)):
             for _ in range(n):
                 assert p.stdout.readline().strip() == "started", p.stderr.read()
-        wait_together([tmp_path / n for n in ("x0", "y0", "x1")], 3.2, stop)
+        wait_together([tmp_path / n for n in ("x0", "y0", "x1")], 3.2)
+        stop.touch()
         for p in (both, one):
             out, err = p.communicate(timeout=60)
             assert p.returncode == 0, err

@@ -364,7 +364,8 @@ def test_two_hooks_d_containers_share_a_gpu_1_to_2_through_the_gate(make_daemon,
         assert d.value("0/policy") == "2"
         # both launch now: until they have run 6 s together, then all three stop
         logs = [share / "one.kernels", share / "two.kernels"]
-        wait_together(logs, 6.0, share / "stop")
+        wait_together(logs, 6.0)
+        (share / "stop").touch()
         outs = {"ref": podman("wait", ref, timeout=60)}
         assert outs["ref"].stdout.strip() == "0", outs["ref"].stdout + outs["ref"].stderr
         outs["ref"] = podman("logs", ref).stdout.split()
