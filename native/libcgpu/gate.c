@@ -25,12 +25,16 @@ static void gate_enter(int k)
                 return;
             if (g & 1) {  /* GPU k open, another closed: wait for the container's gate */
                 __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+                __atomic_add_fetch(&gate_waiting[0], 1, __ATOMIC_SEQ_CST);
                 futex_wait_on(&limits->gate, all);
+                __atomic_sub_fetch(&gate_waiting[0], 1, __ATOMIC_SEQ_CST);
                 continue;
             }
         }
         __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+        __atomic_add_fetch(&gate_waiting[1 + k], 1, __ATOMIC_SEQ_CST);
         futex_wait_on(gate_word(k), g);
+        __atomic_sub_fetch(&gate_waiting[1 + k], 1, __ATOMIC_SEQ_CST);
     }
 }
 
