@@ -465,9 +465,8 @@ def test_one_thread_driving_a_collective_across_gpus_never_hangs_at_a_closing(li
     which waits for GPU 1's; the thread's launch on GPU 1 waited for that lock: the process hung for
     good (issue 45, item 1)."""
     from test_graphs import stopped
-    (libs / "one_thread.c").write_text(ONE_THREAD)
-    subprocess.run(["gcc", "-O2", "-o", os.fspath(libs / "one_thread"), os.fspath(libs / "one_thread.c"), "-ldl"],
-                   check=True)
+    from test_libcgpu import compile_c
+    compile_c(libs, "one_thread", ONE_THREAD)
     pages.create(os.fspath(tmp_path / "pages"), [1 << 30, 1 << 30])
     gate = GateFreezer(os.fspath(tmp_path / "pages"), gpus=[0, 1])
     for k in (0, 1):  # (policy 5's: nothing bounded, every launch counted by no queue)

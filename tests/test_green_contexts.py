@@ -79,10 +79,9 @@ int main(int argc, char **argv) {
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory) -> Path:
-    from test_libcgpu import build_libs
+    from test_libcgpu import build_libs, compile_c
     d = build_libs(tmp_path_factory.mktemp("green"))
-    (d / "green.c").write_text(GREEN)
-    subprocess.run(["gcc", "-O2", "-o", os.fspath(d / "green"), os.fspath(d / "green.c"), "-ldl"], check=True)
+    compile_c(d, "green", GREEN)
     return d
 
 

@@ -45,6 +45,7 @@
 #include <string.h>
 
 #include "cgpu_internal.h"
+#include "cgpu_work.h"
 
 /* What every exported CUDA wrapper here is (memory.c, gate.c; NVML's are nvml.c's). */
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
@@ -288,6 +289,11 @@ static const struct form {
      (void *)cuStreamBeginCaptureToGraph_ptsz},
     {"cuStreamEndCapture", 10000, 0, "cuStreamEndCapture", (void *)cuStreamEndCapture},
     {"cuStreamEndCapture", 10000, 1, "cuStreamEndCapture_ptsz", (void *)cuStreamEndCapture_ptsz},
+    {"cuLaunch", 2000, 0, "cuLaunch", (void *)cuLaunch},
+    {"cuLaunchGrid", 2000, 0, "cuLaunchGrid", (void *)cuLaunchGrid},
+#define WORK_FORM_ASYNC(e, n, v, p, params, args, stream, bytes) {n, v, p, #e, (void *)e},
+#define WORK_FORM_SYNC(e, n, v, p, params, args, bytes) {n, v, p, #e, (void *)e},
+    WORK_ASYNC(WORK_FORM_ASYNC) WORK_SYNC(WORK_FORM_SYNC)
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress", (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
 };

@@ -146,15 +146,20 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
     return OK;
 }
 typedef void *CUfunction;
+/* a kernel of gx * gy * gz µs (the driver's own: no exported name called, no interposer crossed) */
+static CUresult launch_grid(CUfunction f, unsigned gx, unsigned gy, unsigned gz, void *stream)
+{
+    uint64_t us = (uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1);
+    CUresult r = stub_inited() ? stub_function_loaded(f) : OK;  /* (lazy loading: its code reaches the card now) */
+    if (r) return r;
+    return stub_capture_launch(stream, &us, 1, &r) ? r : stub_run_kernel(us, stream);  /* (into a capture: recorded) */
+}
 CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name) { return stub_module_function(f, module, name); }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
     (void)bx; (void)by; (void)bz; (void)shmem; (void)params; (void)extra;
-    uint64_t us = (uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1);
-    CUresult r = stub_inited() ? stub_function_loaded(f) : OK;  /* (lazy loading: its code reaches the card now) */
-    if (r) return r;
-    return stub_capture_launch(stream, &us, 1, &r) ? r : stub_run_kernel(us, stream);  /* (into a capture: recorded) */
+    return launch_grid(f, gx, gy, gz, stream);
 }
 /* (the per-thread default stream's form: its NULL is the thread's stream, CU_STREAM_PER_THREAD) */
 CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
@@ -167,6 +172,16 @@ CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsig
 {
     return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, NULL);
 }
+/* The legacy launches (the CUDA Driver API reference, "Execution Control [DEPRECATED]"): cuLaunch
+ * "invokes the kernel f on a 1 x 1 x 1 grid of blocks", cuLaunchGrid on a grid_width x grid_height
+ * one, cuLaunchGridAsync the same into a stream (its block shape set by cuFuncSetBlockShape before) */
+CUresult cuLaunchGridAsync(CUfunction f, int w, int h, void *stream)
+{
+    if (w <= 0 || h <= 0) return INVALID_VALUE;
+    return launch_grid(f, (unsigned)w, (unsigned)h, 1, stream);
+}
+CUresult cuLaunchGrid(CUfunction f, int w, int h) { return w <= 0 || h <= 0 ? INVALID_VALUE : launch_grid(f, (unsigned)w, (unsigned)h, 1, NULL); }
+CUresult cuLaunch(CUfunction f) { return launch_grid(f, 1, 1, 1, NULL); }
 /* cuda.h's CUlaunchConfig and CUlaunchAttribute (an id, padded to 8 bytes, then a 64-byte value) */
 typedef struct { unsigned id; char pad[4]; union { char bytes[64]; int i; } value; } launch_attr;
 typedef struct {
@@ -639,6 +654,9 @@ OWN(cuModuleGetFunction);
 OWN(cuLaunchKernel);
 OWN(cuLaunchKernel_ptsz);
 OWN(cuLaunchCooperativeKernel);
+OWN(cuLaunch);
+OWN(cuLaunchGrid);
+OWN(cuLaunchGridAsync);
 OWN(cuLaunchKernelEx);
 OWN(cuGraphLaunch);
 OWN(cuMemAllocFromPoolAsync);
@@ -687,6 +705,9 @@ static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuLaunchKernel", 4000, 0, (void *)own_cuLaunchKernel},
     {"cuLaunchKernel", 7000, 1, (void *)own_cuLaunchKernel_ptsz},
     {"cuLaunchCooperativeKernel", 9000, 0, (void *)own_cuLaunchCooperativeKernel},
+    {"cuLaunch", 2000, 0, (void *)own_cuLaunch},
+    {"cuLaunchGrid", 2000, 0, (void *)own_cuLaunchGrid},
+    {"cuLaunchGridAsync", 2000, 0, (void *)own_cuLaunchGridAsync},
     {"cuLaunchKernelEx", 11060, 0, (void *)own_cuLaunchKernelEx},
     {"cuGraphLaunch", 10000, 0, (void *)own_cuGraphLaunch},
     {"cuDeviceGetDefaultMemPool", 11020, 0, (void *)stub_default_mem_pool},
