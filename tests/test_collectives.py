@@ -390,3 +390,110 @@ def test_a_gangs_turn_ends_on_its_gpus_together(gang_and_neighbours):
     assert g.closed_on(0) and not n0.closed_on(0)
     _cancel(sw0)
     _cancel(sw1)
+
+
+# ---- one thread drives a collective across GPUs (issue 45, item 1) ----
+
+ONE_THREAD = r"""
+/* one_thread COUNT: one thread, a context on each of CUDA devices 0 and 1, launches COUNT all-reduces
+   (with CGPU_STUB_COLLECTIVE=1 each kernel is a half: GPU 0's spins until GPU 1's has started); after
+   GPU 0's half it prints "half" and reads a line before it launches GPU 1's (the thread's own CPU work
+   between them, as DataParallel's or MirroredStrategy's loop over its devices). "started" once both
+   contexts are made, "done" at the end. */
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+typedef int (*l_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **,
+                   void **);
+int main(int argc, char **argv) {
+    long count = atol(argv[1]);
+    void *h = dlopen("libcuda.so.1", RTLD_NOW), *ctx[2];
+    if (!h || ((int (*)(unsigned))dlsym(h, "cuInit"))(0)) { fprintf(stderr, "cuInit\n"); return 2; }
+    int (*create)(void **, unsigned, int) = (int (*)(void **, unsigned, int))dlsym(h, "cuCtxCreate_v2");
+    int (*set)(void *) = (int (*)(void *))dlsym(h, "cuCtxSetCurrent");
+    int (*sync)(void) = (int (*)(void))dlsym(h, "cuCtxSynchronize");
+    for (int d = 0; d < 2; d++)
+        if (create(&ctx[d], 0, d)) { fprintf(stderr, "ctx\n"); return 3; }
+    l_t launch = (l_t)dlsym(h, "cuLaunchKernel");
+    printf("started\n");
+    fflush(stdout);
+    char line[64];
+    for (long i = 0; i < count; i++)
+        for (int d = 0; d < 2; d++) {
+            if (d) {
+                printf("half\n");
+                fflush(stdout);
+                if (!fgets(line, sizeof line, stdin)) return 5;
+            }
+            if (set(ctx[d]) || launch(NULL, 500, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL)) {
+                fprintf(stderr, "launch\n");
+                return 4;
+            }
+        }
+    for (int d = 0; d < 2; d++)
+        set(ctx[d]), sync();
+    printf("done\n");
+    return 0;
+}
+"""
+
+
+def said(p: subprocess.Popen, timeout: float) -> str:
+    """The process's next line on stdout, read byte by byte (no buffer ahead of select); "" when it
+    said none within `timeout` s."""
+    import select
+    end, got = time.monotonic() + timeout, b""
+    while not got.endswith(b"\n"):
+        ready, _, _ = select.select([p.stdout], [], [], max(0.0, end - time.monotonic()))
+        if not ready:
+            return ""
+        b = os.read(p.stdout.fileno(), 1)
+        if not b:
+            return got.decode().strip()
+        got += b
+    return got.decode().strip()
+
+
+def test_one_thread_driving_a_collective_across_gpus_never_hangs_at_a_closing(libs, tmp_path):
+    """One thread launches all-reduces across GPUs 0 and 1 (a half on each), its launches not
+    bounded (the GPUs not shared: each drain synchronizes the contexts, the work no queue counted);
+    GPU 0's gate closes between the thread's two halves, and the thread goes on to GPU 1's 30 ms
+    later (held at the gate: the process is a gang, its launches run while all its GPUs' gates are
+    open). Five times: every closing is answered (the synchronize waited for whole no longer once a
+    launch waits at another gate: it waits for that launch) and the process ends. Before, the
+    drain's synchronize of GPU 0's context held the contexts' lock while it waited for GPU 0's half,
+    which waits for GPU 1's; the thread's launch on GPU 1 waited for that lock: the process hung for
+    good (issue 45, item 1)."""
+    from test_graphs import stopped
+    from test_libcgpu import compile_c
+    compile_c(libs, "one_thread", ONE_THREAD)
+    pages.create(os.fspath(tmp_path / "pages"), [1 << 30, 1 << 30])
+    gate = GateFreezer(os.fspath(tmp_path / "pages"), gpus=[0, 1])
+    for k in (0, 1):  # (policy 5's: nothing bounded, every launch counted by no queue)
+        gate.share(k, False, 2000)
+    env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs), "CGPU_STUB_CUDA_DEVICES": "2",
+           "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"), "CGPU_STUB_COLLECTIVE": "1",
+           "LD_PRELOAD": os.fspath(libs / "libcgpu.so"), "CGPU_PAGE_DIR": os.fspath(tmp_path / "pages")}
+    p = subprocess.Popen([os.fspath(libs / "one_thread"), "5"], env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    unanswered = 0
+    try:
+        assert said(p, 10.0) == "started"
+        for i in range(5):
+            line = said(p, 10.0)
+            assert line != "", f"the process hung at all-reduce {i}: its launch on GPU 1 waited for the library"
+            assert line == "half"
+            gate.freeze(0)  # (the drain synchronizes GPU 0's context: its half waits for GPU 1's)
+            time.sleep(0.03)
+            p.stdin.write(b"go\n")
+            p.stdin.flush()
+            t0 = time.monotonic()
+            while gate.undrained(0) and time.monotonic() - t0 < 2:  # (liveness: the drain bound is 15 ms)
+                time.sleep(0.001)
+            unanswered += bool(gate.undrained(0))
+            gate.thaw(0)
+        p.stdin.close()
+        assert said(p, 30.0) == "done" and p.wait(timeout=30) == 0
+    finally:
+        stopped(p, gate, None)  # (killed if it hung; the gate opened and let go)
+    assert unanswered == 0, f"{unanswered} of 5 closings not answered"

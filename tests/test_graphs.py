@@ -156,6 +156,24 @@ def test_the_stand_in_keeps_the_drivers_capture_rules(libs, tmp_path):
     assert len(ks) == 4 and all(e - s == 300_000 for _, s, e in ks)  # the four graphs replayed, once each
 
 
+def stopped(p: subprocess.Popen, gate: GateFreezer, stop: Path | None, timeout: float = 60) -> str:
+    """The process's output once `stop` is touched (None: on an error before: it is killed); the
+    gate opened and let go either way."""
+    try:
+        if stop is None:
+            return ""
+        stop.touch()
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err
+        return out
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        gate.thaw()
+        gate.close()
+
+
 def closings(gate: GateFreezer, n: int, closed_s: float, open_s: float) -> list[tuple[int, int]]:
     """Close the gate `n` times as the scheduler does: closed, drained, kept closed, opened. Returns
     each closing's span from the gate's closing to the drain's answer seen (ns, CLOCK_MONOTONIC)."""
@@ -184,18 +202,14 @@ def test_a_capture_survives_the_gates_closings(libs, tmp_path):
                CGPU_PAGE_DIR=os.fspath(tmp_path / "pages"))
     p = subprocess.Popen([sys.executable, "-c", CAPTURER, os.fspath(tmp_path / "stop")], env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stop = None
     try:
         assert p.stdout.readline().strip() == "started", p.stderr.read()
         time.sleep(0.2)
         drains = closings(gate, 60, 0.004, 0.008)
-        (tmp_path / "stop").touch()
-        out, err = p.communicate(timeout=30)
-        assert p.returncode == 0, err
+        stop = tmp_path / "stop"
     finally:
-        if p.poll() is None:
-            p.kill()
-        gate.thaw()
-        gate.close()
+        out = stopped(p, gate, stop, 30)
     lines = out.splitlines()
     captures, invalidated, replayed = map(int, lines[0].split())
     spans = [tuple(map(int, line.split())) for line in lines[1:]]
@@ -263,3 +277,83 @@ def test_a_graph_counts_as_its_kernels_in_the_queues_bound(libs, tmp_path):
     assert len(starts) == 20 * 50, len(starts)  # (each graph kernel whole: nothing preempted it)
     queued = [50 * (i + 1) - sum(s <= t for s in starts) for i, t in enumerate(returns)]
     assert max(queued) <= 150, queued
+
+
+# One thread launches untracked work on GPU 0 (kernels of 2 ms into the legacy stream) while another
+# captures graphs in the global mode on a stream of GPU `CAP` (each capture 5 kernels over ~10 ms,
+# ended, counted if invalidated), until STOPFILE exists. Prints "started", then "captures invalidated".
+TWO_GPUS = textwrap.dedent("""
+    import os, sys, threading, time
+    from cuda.bindings import driver as d
+    E = d.CUresult
+    def ok(r):
+        assert r[0] == E.CUDA_SUCCESS, r
+        return r[1] if len(r) == 2 else None
+    ok(d.cuInit(0))
+    cap = int(sys.argv[2])
+    ctx = [ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(i)))) for i in (0, 1)]
+    stop = sys.argv[1]
+    counts = [0, 0]
+    def capturer():
+        ok(d.cuCtxSetCurrent(ctx[cap]))
+        s = ok(d.cuStreamCreate(1))
+        while not os.path.exists(stop):
+            ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+            for _ in range(5):
+                d.cuLaunchKernel(d.CUfunction(), 100, 1, 1, 1, 1, 1, 0, s, 0, 0)
+                time.sleep(0.002)
+            r = d.cuStreamEndCapture(s)
+            counts[0] += 1
+            if r[0] != E.CUDA_SUCCESS:
+                counts[1] += 1
+            else:
+                d.cuGraphDestroy(r[1])
+    ok(d.cuCtxSetCurrent(ctx[0]))
+    ok(d.cuLaunchKernel(d.CUfunction(), 10, 1, 1, 1, 1, 1, 0, d.CUstream(0), 0, 0))
+    t = threading.Thread(target=capturer)
+    t.start()
+    print("started", flush=True)
+    while not os.path.exists(stop):
+        ok(d.cuLaunchKernel(d.CUfunction(), 2000, 1, 1, 1, 1, 1, 0, d.CUstream(0), 0, 0))
+        time.sleep(0.001)
+    t.join()
+    print(*counts, flush=True)
+""")
+
+
+@pytest.mark.parametrize("cap", [1, 0])
+def test_no_global_capture_is_invalidated_by_the_drain_of_untracked_work(libs, tmp_path, cap):
+    """GPU 0's work is not bounded (the GPUs not shared: the drain synchronizes GPU 0's context at
+    each of 40 closings) while another thread captures in the global mode, on GPU 1, or on a
+    stream of GPU 0 that nothing was queued into (vLLM's warm-up capture): none is invalidated.
+    Before, the library's synchronizing thread stayed in the global mode (its synchronize is a
+    potentially unsafe call: every global capture of another thread invalidated), and the drain's
+    guard saw only captures on streams already in its queues (GPU 0's context synchronized under
+    a capture: invalidated in every mode) (issue 45, item 2)."""
+    pages.create(os.fspath(tmp_path / "pages"), [1 << 30, 1 << 30])
+    gate = GateFreezer(os.fspath(tmp_path / "pages"), gpus=[0, 1])
+    for k in (0, 1):
+        gate.share(k, False, 2000)
+    env = dict(driver_env(libs, tmp_path), LD_PRELOAD=os.fspath(libs / "libcgpu.so"), CGPU_STUB_CUDA_DEVICES="2",
+               CGPU_PAGE_DIR=os.fspath(tmp_path / "pages"))
+    env.pop("CGPU_STUB_CUDA_UUIDS")
+    p = subprocess.Popen([sys.executable, "-c", TWO_GPUS, os.fspath(tmp_path / "stop"), str(cap)], env=env,
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    unanswered, stop = 0, None
+    try:
+        assert p.stdout.readline().strip() == "started", p.stderr.read()
+        time.sleep(0.1)
+        for _ in range(40):
+            gate.freeze(0)
+            t0 = time.monotonic()
+            while gate.undrained(0) and time.monotonic() - t0 < 5:
+                time.sleep(0.0005)
+            unanswered += bool(gate.undrained(0))
+            gate.thaw(0)
+            time.sleep(0.01)
+        stop = tmp_path / "stop"
+    finally:
+        out = stopped(p, gate, stop)
+    captures, invalidated = map(int, out.split())
+    assert captures >= 20 and unanswered == 0, (captures, unanswered)
+    assert invalidated == 0, f"{invalidated} of {captures} captures invalidated by the drains"

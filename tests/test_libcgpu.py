@@ -52,6 +52,14 @@ def build_libs(d: Path) -> Path:
     return d
 
 
+def compile_c(d: Path, name: str, source: str) -> Path:
+    """A test's own C client, `name`, built in `d` from `source` (dlopen'ing the driver)."""
+    (d / f"{name}.c").write_text(source)
+    subprocess.run(["gcc", "-O2", "-o", os.fspath(d / name), os.fspath(d / f"{name}.c"), "-ldl", "-lpthread"],
+                   check=True)
+    return d / name
+
+
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory) -> Path:
     return build_libs(tmp_path_factory.mktemp("libcgpu"))

@@ -3,13 +3,15 @@
  * its files share. One file per concern, in layers that call down, never up:
  *   clock.c     the clocks (CLOCK_MONOTONIC, the launch path's cheap counter), the bounded wait
  *               for an event, the library's threads;
- *   contexts.c  the contexts the process launched in and their page GPU; the handles' lifetimes
- *               (a destroyed context, stream or event is forgotten before the driver sees it go);
+ *   contexts.c  the contexts the process launched in and their page GPU, their synchronize (the
+ *               syncer thread), the captures on each;
  *   gang.c      the gate words and futexes, a gang's launches counted and the catch-up of a
  *               collective a closing cut in half;
  *   charge.c    the GPU-time charge: a run's GPU time, from its timing events, into the slot;
  *   queue.c     queued work bounded per stream (events, the wait before a launch, the drain's
  *               part of the streams);
+ *   handles.c   the handles' lifetimes (a destroyed context, stream or green context is forgotten
+ *               before the driver sees it go) and the captures begun and ended;
  *   drain.c     the helper thread: answers each closing once its work is done (or its bound passed);
  *   gate.c      the top: the launch entry points (the gate, then the queue's bound).
  * Everything here is hidden.
@@ -46,9 +48,13 @@ extern HOT_TLS CUcontext known_ctx;  /* the last context this thread was seen to
 extern HOT_TLS int known_gpu;        /* and its page GPU */
 int note_context(void);              /* the calling thread's page GPU (-1: the container's gate) */
 int gpu_of_ctx(CUcontext c);         /* (ctx_lock held) -2: not known */
-/* synchronize the contexts on page GPU k (-1: all), by a thread of its own, waited for until the
- * deadline: 0 done, -1 not yet (it goes on) */
-int contexts_sync(int k, int64_t deadline);
+int contexts_forget(CUcontext c, CUdevice dev, CUcontext *gone);  /* (ctx_lock held) out of the table: gone[] (64 at most) */
+void contexts_wait(CUcontext c, CUdevice dev);  /* (ctx_lock held) the syncer done with them */
+void contexts_capture(CUcontext c, int delta);  /* a capture begun (+1) or ended (-1) on a stream of c */
+/* synchronize the contexts on page GPU k (-1: all), by a thread of its own: asked (a ticket; 0: no
+ * thread), then waited for until the deadline (0 done, -1 not yet: it goes on) */
+uint64_t contexts_sync_ask(int k);
+int contexts_sync_wait(uint64_t ticket, int64_t deadline);
 void contexts_forked(void);
 
 /* ---- gang.c ---- */
@@ -99,7 +105,12 @@ void queue_graph_gone(void *exec);
 uint32_t queue_graph_weight(void *exec);  /* its nodes (1: not known) */
 void queue_forked(void);
 
+/* ---- handles.c ---- (the CUDA names it wraps only) */
+
 /* ---- drain.c ---- */
+/* Threads of this process waiting at a closed gate now: [0] the container's, [1 + k] GPU k's (gate.c
+ * counts them; the drain bounds a synchronize that may wait for one of them) */
+extern unsigned gate_waiting[1 + CGPU_MAX_GPUS];
 void drain_start_helper(void);  /* once */
 void drain_forked(void);
 

@@ -44,6 +44,31 @@ static int relax_capture_mode(void)
 }
 
 
+unsigned gate_waiting[1 + CGPU_MAX_GPUS];
+
+/* Whether a thread of the process waits at a gate other than page GPU k's now: a launch the work on
+ * GPU k may wait for (a collective's half on another GPU, held by a gang's closing or that GPU's). */
+static int held_elsewhere(int k)
+{
+    for (int j = 0; j <= CGPU_MAX_GPUS; j++)
+        if (j != 1 + k && __atomic_load_n(&gate_waiting[j], __ATOMIC_SEQ_CST))
+            return 1;
+    return 0;
+}
+
+/* The contexts on page GPU k synchronized (by the syncer), waited for whole, but past the deadline
+ * no longer once a launch of the process waits at another gate: what is synchronized may be a
+ * collective's half waiting for that launch (issue 45, item 1: one thread driving an all-reduce
+ * across GPUs, untracked, waited on GPU 0 for a half whose peer was held at GPU 1's gate by the
+ * same closing). The synchronize goes on; its work runs on past the answer, as a bounded stream's. */
+static void sync_whole(int k, int64_t deadline)
+{
+    uint64_t ticket = contexts_sync_ask(k);
+    while (contexts_sync_wait(ticket, mono_ns() + 1000000) != 0)
+        if (!ticket || (mono_ns() >= deadline && held_elsewhere(k)))
+            return;
+}
+
 /* Finish the work queued on page GPU `k` (all of it for -1), until `deadline`: once no launch there
  * is in flight, wait for each stream's last event (the queues, queue.c). A context is synchronized
  * only when launches were made that no queue counted (and no stream may be capturing):
@@ -75,9 +100,8 @@ static void drain(int k, int64_t deadline)
     if (loose && !captures)  /* work no queue bounded (made while the GPU was not shared, or before the stream's mean was
                               * known): waited for whole, as before issue 34 (its length is not bounded either; the daemon's
                               * drain_cap bounds its wait), e.g. the backlog of a daemon's restart */
-        contexts_sync(k, INT64_MAX);
+        sync_whole(k, deadline);
 }
-
 /* Tell the daemon: `acked` says which closing was answered, a byte in the FIFO wakes it. */
 static void answer(uint32_t closing)
 {
@@ -194,6 +218,7 @@ void drain_forked(void)
 {
     pthread_once_t fresh = PTHREAD_ONCE_INIT;
     helper_once = fresh;
+    memset(gate_waiting, 0, sizeof gate_waiting);  /* (the parent's threads are not the child's) */
     if (lock_fd >= 0)
         close(lock_fd);  /* (the parent's lock is the parent's: a child holds none until it launches) */
     lock_fd = -1;

@@ -4,6 +4,7 @@
  * part (cgpu_compute.h): the launch entry points.
  */
 #include "cgpu_compute.h"
+#include "cgpu_work.h"
 
 /* Pass the gate of page GPU `k` (-1: the container's): on return this thread counts in
  * launching[1 + k] and the gate was open. The process says it launches on GPU k before it
@@ -25,12 +26,16 @@ static void gate_enter(int k)
                 return;
             if (g & 1) {  /* GPU k open, another closed: wait for the container's gate */
                 __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+                __atomic_add_fetch(&gate_waiting[0], 1, __ATOMIC_SEQ_CST);
                 futex_wait_on(&limits->gate, all);
+                __atomic_sub_fetch(&gate_waiting[0], 1, __ATOMIC_SEQ_CST);
                 continue;
             }
         }
         __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+        __atomic_add_fetch(&gate_waiting[1 + k], 1, __ATOMIC_SEQ_CST);
         futex_wait_on(gate_word(k), g);
+        __atomic_sub_fetch(&gate_waiting[1 + k], 1, __ATOMIC_SEQ_CST);
     }
 }
 
@@ -222,6 +227,62 @@ COPY_OP(copy_htod_fn, cuMemcpyHtoDAsync_v2, 0, s, d, h, n, s)
 COPY_OP(copy_htod_fn, cuMemcpyHtoDAsync_v2_ptsz, 1, s, d, h, n, s)
 COPY_OP(copy_dtoh_fn, cuMemcpyDtoHAsync_v2, 0, s, h, src, n, s)
 COPY_OP(copy_dtoh_fn, cuMemcpyDtoHAsync_v2_ptsz, 1, s, h, src, n, s)
+
+/* ---- every other path that puts work on the card (issue 45, item 9; cgpu_work.h's list) ----
+ * The legacy launches (cuLaunch, cuLaunchGrid, cuLaunchGridAsync), the 2-D, 3-D, peer and batched
+ * copies, the 2-D memsets, prefetches of managed memory, a stream's memory operations (writes and
+ * batches): each work on the card, under the same rules as a kernel (the gate, and the queue's bound
+ * for those into a stream). The synchronous copies and memsets return once their work is done: they
+ * pass the gate, and count as a launch in flight while they run (a closing's drain waits for them,
+ * within its deadline). */
+#define GATED_SYNC(item_, fn, ...)                                   \
+    do {                                                             \
+        PASS_THROUGH(fn, __VA_ARGS__);                               \
+        if (!need_slot())                                            \
+            return CU_LAUNCH_OUT_OF_RESOURCES;                       \
+        int k_ = note_context();                                     \
+        gate_enter(k_);                                              \
+        in_driver++;                                                 \
+        CUresult r_ = (fn)(__VA_ARGS__);                             \
+        in_driver--;                                                 \
+        __atomic_sub_fetch(&launching[1 + k_], 1, __ATOMIC_SEQ_CST); \
+        return r_;                                                   \
+    } while (0)
+#define WORK_ARGS(...) __VA_ARGS__
+#define WORK_DEFINE_ASYNC(e, n, v, p, params, args, stream, bytes)                               \
+    static void *real_##e;                                                                       \
+    CUresult e params                                                                            \
+    {                                                                                            \
+        typedef CUresult(*fn_t) params;                                                          \
+        fn_t fn_ = (fn_t)copy_sym(&real_##e, #e);                                                \
+        GATED(stream, p, kind_key(&real_##e, (uint64_t)(bytes), 0, 0), fn_, WORK_ARGS args);     \
+    }
+#define WORK_DEFINE_SYNC(e, n, v, p, params, args, bytes)                                        \
+    static void *real_##e;                                                                       \
+    CUresult e params                                                                            \
+    {                                                                                            \
+        typedef CUresult(*fn_t) params;                                                          \
+        fn_t fn_ = (fn_t)copy_sym(&real_##e, #e);                                                \
+        GATED_SYNC(kind_key(&real_##e, (uint64_t)(bytes), 0, 0), fn_, WORK_ARGS args);           \
+    }
+WORK_ASYNC(WORK_DEFINE_ASYNC)
+WORK_SYNC(WORK_DEFINE_SYNC)
+
+typedef CUresult (*launch_legacy_fn)(void *);
+typedef CUresult (*launch_grid_fn)(void *, int, int);
+static void *real_cuLaunch, *real_cuLaunchGrid;
+CUresult cuLaunch(void *f)  /* (a 1 x 1 grid; its block shape set by cuFuncSetBlockShape) */
+{
+    launch_legacy_fn fn = (launch_legacy_fn)copy_sym(&real_cuLaunch, "cuLaunch");
+    LAZY_ROOM(f);
+    GATED(NULL, 0, KERNEL_KIND(f, 1, 1, 1, 0, 0, 0), fn, f);
+}
+CUresult cuLaunchGrid(void *f, int w, int h)
+{
+    launch_grid_fn fn = (launch_grid_fn)copy_sym(&real_cuLaunchGrid, "cuLaunchGrid");
+    LAZY_ROOM(f);
+    GATED(NULL, 0, KERNEL_KIND(f, w, h, 1, 0, 0, 0), fn, f, w, h);
+}
 
 /* ---- graphs: their nodes counted at instantiation (queue.c, "a graph's weight") ---- */
 typedef CUresult (*graph_nodes_fn)(void *, void **, size_t *);

@@ -45,6 +45,7 @@
 #include <string.h>
 
 #include "cgpu_internal.h"
+#include "cgpu_work.h"
 
 /* What every exported CUDA wrapper here is (memory.c, gate.c; NVML's are nvml.c's). */
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
@@ -118,6 +119,15 @@ CUresult cuDevicePrimaryCtxRelease_v2(int);
 CUresult cuDevicePrimaryCtxReset(int);
 CUresult cuDevicePrimaryCtxReset_v2(int);
 CUresult cuGraphLaunch_ptsz(void *, void *);
+CUresult cuGreenCtxDestroy(void *);
+CUresult cuStreamBeginCapture(void *);
+CUresult cuStreamBeginCapture_ptsz(void *);
+CUresult cuStreamBeginCapture_v2(void *, int);
+CUresult cuStreamBeginCapture_v2_ptsz(void *, int);
+CUresult cuStreamBeginCaptureToGraph(void *, void *, const void *, const void *, size_t, int);
+CUresult cuStreamBeginCaptureToGraph_ptsz(void *, void *, const void *, const void *, size_t, int);
+CUresult cuStreamEndCapture(void *, void **);
+CUresult cuStreamEndCapture_ptsz(void *, void **);
 CUresult cuModuleLoad(void **, const char *);
 CUresult cuModuleLoadData(void **, const void *);
 CUresult cuModuleLoadDataEx(void **, const void *, unsigned, void *, void **);
@@ -269,6 +279,21 @@ static const struct form {
     {"cuDevicePrimaryCtxRelease", 11000, 0, "cuDevicePrimaryCtxRelease_v2", (void *)cuDevicePrimaryCtxRelease_v2},
     {"cuDevicePrimaryCtxReset", 7000, 0, "cuDevicePrimaryCtxReset", (void *)cuDevicePrimaryCtxReset},
     {"cuDevicePrimaryCtxReset", 11000, 0, "cuDevicePrimaryCtxReset_v2", (void *)cuDevicePrimaryCtxReset_v2},
+    {"cuGreenCtxDestroy", 12040, 0, "cuGreenCtxDestroy", (void *)cuGreenCtxDestroy},
+    {"cuStreamBeginCapture", 10000, 0, "cuStreamBeginCapture", (void *)cuStreamBeginCapture},
+    {"cuStreamBeginCapture", 10000, 1, "cuStreamBeginCapture_ptsz", (void *)cuStreamBeginCapture_ptsz},
+    {"cuStreamBeginCapture", 10010, 0, "cuStreamBeginCapture_v2", (void *)cuStreamBeginCapture_v2},
+    {"cuStreamBeginCapture", 10010, 1, "cuStreamBeginCapture_v2_ptsz", (void *)cuStreamBeginCapture_v2_ptsz},
+    {"cuStreamBeginCaptureToGraph", 12030, 0, "cuStreamBeginCaptureToGraph", (void *)cuStreamBeginCaptureToGraph},
+    {"cuStreamBeginCaptureToGraph", 12030, 1, "cuStreamBeginCaptureToGraph_ptsz",
+     (void *)cuStreamBeginCaptureToGraph_ptsz},
+    {"cuStreamEndCapture", 10000, 0, "cuStreamEndCapture", (void *)cuStreamEndCapture},
+    {"cuStreamEndCapture", 10000, 1, "cuStreamEndCapture_ptsz", (void *)cuStreamEndCapture_ptsz},
+    {"cuLaunch", 2000, 0, "cuLaunch", (void *)cuLaunch},
+    {"cuLaunchGrid", 2000, 0, "cuLaunchGrid", (void *)cuLaunchGrid},
+#define WORK_FORM_ASYNC(e, n, v, p, params, args, stream, bytes) {n, v, p, #e, (void *)e},
+#define WORK_FORM_SYNC(e, n, v, p, params, args, bytes) {n, v, p, #e, (void *)e},
+    WORK_ASYNC(WORK_FORM_ASYNC) WORK_SYNC(WORK_FORM_SYNC)
     {"cuGetProcAddress", 11030, 0, "cuGetProcAddress", (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
 };

@@ -734,6 +734,9 @@ void queue_forget_context(CUcontext c)
 
 void queue_forked(void)
 {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;  /* (a parent's thread may have held one at the fork: issue 45, item 12) */
+    queue_lock = fresh;
+    graphs_lock = fresh;
     memset(graphs, 0, sizeof graphs);  /* (executable graphs are the parent's context's) */
     memset(untracked, 0, sizeof untracked);
     memset(queues, 0, sizeof queues);  /* (the parent's streams and events: not the child's) */

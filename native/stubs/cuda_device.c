@@ -308,14 +308,15 @@ CUresult cuStreamWaitValue64_v2(CUstream s, CUdeviceptr addr, uint64_t value, un
 CUresult cuStreamWaitValue32(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags) { return cuStreamWaitValue32_v2(s, addr, value, flags); }
 CUresult cuStreamWaitValue64(CUstream s, CUdeviceptr addr, uint64_t value, unsigned flags) { return cuStreamWaitValue64_v2(s, addr, value, flags); }
 /* (the write's counterpart: the value written once the work before it is done; at once here if so) */
-CUresult cuStreamWriteValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags)
+static CUresult write_value(CUstream s, CUdeviceptr addr, uint64_t value, int wide)
 {
-    if (!addr || addr & 3) return STUB_INVALID_VALUE;
-    (void)flags;
+    if (!addr || addr & (wide ? 7 : 3)) return STUB_INVALID_VALUE;
     stub_exec_sync(stub_current_device(), s, 0);
-    __atomic_store_n((volatile uint32_t *)(uintptr_t)addr, value, __ATOMIC_SEQ_CST);
+    if (wide) __atomic_store_n((volatile uint64_t *)(uintptr_t)addr, value, __ATOMIC_SEQ_CST);
+    else __atomic_store_n((volatile uint32_t *)(uintptr_t)addr, (uint32_t)value, __ATOMIC_SEQ_CST);
     return STUB_OK;
 }
+CUresult cuStreamWriteValue32_v2(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags) { (void)flags; return write_value(s, addr, value, 0); }
 CUresult cuStreamWriteValue32(CUstream s, CUdeviceptr addr, uint32_t value, unsigned flags) { return cuStreamWriteValue32_v2(s, addr, value, flags); }
 
 /* ---- events: marks in a stream (cuda_exec.c) ---- */
@@ -466,6 +467,47 @@ CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, CUstream s) { (vo
 CUresult cuMemsetD2D8_v2(CUdeviceptr d, size_t pitch, unsigned char v, size_t w, size_t h) { (void)v; return h ? set(d, pitch * (h - 1) + w) : STUB_OK; }
 CUresult cuMemsetD2D32_v2(CUdeviceptr d, size_t pitch, unsigned v, size_t w, size_t h) { (void)v; return h ? set(d, pitch * (h - 1) + 4 * w) : STUB_OK; }
 
+/* More of the driver's work on the card (issue 45, item 9), with the checks its reference documents;
+ * like this file's copies, no card time (the stand-in's card runs kernels; an asynchronous memset
+ * with CGPU_STUB_MEMSETS_ON_CARD=1). The CUDA Driver API reference: "Memory Management"
+ * (cuMemsetD2D8Async/16/32: a pitched 2-D area of Height rows of Width elements; cuMemcpy2D/3D and
+ * their Async forms: a CUDA_MEMCPY2D/3D descriptor), "Unified Addressing" (cuMemPrefetchAsync: "the
+ * memory range must refer to managed memory allocated via cuMemAllocManaged"), "Stream Memory
+ * Operations" (cuStreamWriteValue64; cuStreamBatchMemOp: "count ... must not exceed 256", flags 0). */
+static CUresult set2d_async(CUdeviceptr d, size_t pitch, size_t w, size_t h, CUstream s)
+{
+    if (w > pitch && h > 1) return STUB_INVALID_VALUE;
+    return h ? set_async(d, pitch * (h - 1) + w, s) : set(d, 0);
+}
+CUresult cuMemsetD2D8Async(CUdeviceptr d, size_t p, unsigned char v, size_t w, size_t h, CUstream s) { (void)v; return set2d_async(d, p, w, h, s); }
+CUresult cuMemsetD2D16Async(CUdeviceptr d, size_t p, unsigned short v, size_t w, size_t h, CUstream s) { (void)v; return set2d_async(d, p, 2 * w, h, s); }
+CUresult cuMemsetD2D32Async(CUdeviceptr d, size_t p, unsigned v, size_t w, size_t h, CUstream s) { (void)v; return set2d_async(d, p, 4 * w, h, s); }
+CUresult cuMemsetD2D16_v2(CUdeviceptr d, size_t pitch, unsigned short v, size_t w, size_t h) { (void)v; return h ? set(d, pitch * (h - 1) + 2 * w) : STUB_OK; }
+static CUresult described(const void *p, int sync)
+{
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    if (!p) return STUB_INVALID_VALUE;
+    return sync ? synchronize() : STUB_OK;
+}
+CUresult cuMemcpy2D_v2(const void *p) { return described(p, 1); }
+CUresult cuMemcpy3D_v2(const void *p) { return described(p, 1); }
+CUresult cuMemcpy2DAsync_v2(const void *p, CUstream s) { (void)s; return described(p, 0); }
+CUresult cuMemcpy3DAsync_v2(const void *p, CUstream s) { (void)s; return described(p, 0); }
+CUresult cuMemPrefetchAsync(CUdeviceptr d, size_t n, int dev, CUstream s)
+{
+    (void)s;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    if (dev >= stub_device_count()) return STUB_INVALID_DEVICE;
+    return n && on_card(d, n) ? STUB_OK : STUB_INVALID_VALUE;
+}
+CUresult cuStreamWriteValue64_v2(CUstream s, CUdeviceptr addr, uint64_t value, unsigned flags) { (void)flags; return write_value(s, addr, value, 1); }
+CUresult cuStreamBatchMemOp_v2(CUstream s, unsigned count, void *ops, unsigned flags)
+{
+    (void)s;
+    if (!stub_inited()) return STUB_NOT_INITIALIZED;
+    return !count || count > 256 || !ops || flags ? STUB_INVALID_VALUE : STUB_OK;
+}
+
 CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
 {
     CUdeviceptr b;
@@ -614,6 +656,10 @@ HIDDEN const struct stub_proc STUB_PROCS_DEVICE[] = {
     PV("cuMemsetD8", cuMemsetD8_v2), PV("cuMemsetD16", cuMemsetD16_v2), PV("cuMemsetD32", cuMemsetD32_v2),
     P(cuMemsetD8Async), P(cuMemsetD16Async), P(cuMemsetD32Async), PV("cuMemsetD2D8", cuMemsetD2D8_v2),
     PV("cuMemsetD2D32", cuMemsetD2D32_v2), PV("cuMemGetAddressRange", cuMemGetAddressRange_v2),
+    P(cuMemsetD2D8Async), P(cuMemsetD2D16Async), P(cuMemsetD2D32Async), PV("cuMemsetD2D16", cuMemsetD2D16_v2),
+    PV("cuMemcpy2D", cuMemcpy2D_v2), PV("cuMemcpy3D", cuMemcpy3D_v2), PV("cuMemcpy2DAsync", cuMemcpy2DAsync_v2),
+    PV("cuMemcpy3DAsync", cuMemcpy3DAsync_v2), PV("cuStreamWriteValue64", cuStreamWriteValue64_v2),
+    PV("cuStreamBatchMemOp", cuStreamBatchMemOp_v2),
     P(cuMemHostAlloc), PV("cuMemAllocHost", cuMemAllocHost_v2), P(cuMemFreeHost),
     PV("cuMemHostGetDevicePointer", cuMemHostGetDevicePointer_v2), P(cuMemHostGetFlags),
     PV("cuMemHostRegister", cuMemHostRegister_v2), P(cuMemHostUnregister), P(cuPointerGetAttribute),

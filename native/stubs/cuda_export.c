@@ -374,8 +374,12 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
         if (status) *status = 0;
         return STUB_OK;
     }
-    int named;
-    if ((*pfn = stub_libcuda_proc(symbol, version, flags, &named))) {
+    int named = 0;
+    if ((*pfn = stub_contexts_proc(symbol, version, &named))) {  /* cuda_contexts.c: contexts, green ones */
+        if (status) *status = 0;
+        return STUB_OK;
+    }
+    if (!named && (*pfn = stub_libcuda_proc(symbol, version, flags, &named))) {
         if (status) *status = 0;  /* CU_GET_PROC_ADDRESS_SUCCESS */
         return STUB_OK;
     }

@@ -25,7 +25,8 @@ enum {
  *
  *   cuda_export.c    cuGetProcAddress and cuGetExportTable: the names, from every file below
  *   cuda_device.c    device attributes, the primary context, events, stream queries, copies
- *   libcuda.c        cuInit, devices, contexts, allocations (this process's table), launches
+ *   libcuda.c        cuInit, devices, allocations (this process's table), launches
+ *   cuda_contexts.c  contexts: each card's primary one, green contexts
  *   cuda_pools.c     stream-ordered pools: what they reserve, keep, release
  *   cuda_graphs.c    streams, stream capture and graphs      cuda_modules.c  modules, functions
  *   -------------------------------------------------- the card model ----------------------
@@ -130,6 +131,10 @@ HIDDEN int stub_pool_free(CUdeviceptr p, CUresult *r);  /* a pool's allocation b
 HIDDEN void stub_pools_settle(int dev);  /* a synchronization: unused memory above each threshold released */
 HIDDEN int stub_pool_find(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
 HIDDEN CUresult stub_default_mem_pool(void **pool, int dev);  /* cuDeviceGetDefaultMemPool, never an interposer's */
+
+/* ---- cuda_contexts.c ---- */
+/* cuGetProcAddress's answer for a name of cuda_contexts.c's: NULL, *named 1 when no form of it fits the version */
+HIDDEN void *stub_contexts_proc(const char *symbol, int version, int *named);
 
 /* ---- libcuda.c ---- */
 /* the live device allocation holding [p, p + n): 0 and its base and size, or -1 */

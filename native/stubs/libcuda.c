@@ -145,138 +145,21 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
     *bytes = stub_card_bytes();
     return OK;
 }
-/* What the driver itself uses for a process's contexts on a card (context, local memory, the
- * device heap), as on a real card: CGPU_STUB_CTX_MIB (default 0) of the card, taken by the
- * process's first context there and held until it ends (NVML's per-process view shows it). */
-static CUresult context_memory(CUdevice d)
-{
-    static pid_t paid_by;
-    static int paid[16];
-    const char *m = getenv("CGPU_STUB_CTX_MIB");
-    uint64_t bytes = (uint64_t)(m && *m ? strtoull(m, NULL, 10) : 0) << 20;
-    if (paid_by != getpid()) {
-        paid_by = getpid();
-        memset(paid, 0, sizeof paid);
-    }
-    if (paid[d] || !bytes) return OK;
-    if (stub_card_memory(d, (int64_t)bytes, NULL)) return OUT_OF_MEMORY;
-    paid[d] = 1;
-    return OK;
-}
-/* A context is its device + 1 + 16 * its generation (card.c: one per card and process, live from the
- * start, destroyed by cuCtxDestroy, the primary context's reset or its last release, made again by a
- * retain or create as a new context, a new handle; what a destroyed one held is gone with it). */
-static CUcontext ctx_handle(int d) { return (CUcontext)(uintptr_t)(1 + d + 16 * (uintptr_t)stub_ctx_gen(d)); }
-/* The device of a context handle, or -1 (and *dead: a handle of a destroyed context) */
-static int ctx_device(CUcontext ctx, int *dead)
-{
-    uintptr_t h = (uintptr_t)ctx - 1;
-    int d = (int)(h % 16);
-    *dead = 0;
-    if (!ctx || d >= stub_device_count()) return -1;
-    *dead = !stub_ctx_alive(d, (unsigned)(h / 16));
-    return d;
-}
-CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
-{
-    if (!stub_inited()) return NOT_INITIALIZED;
-    if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
-    CUresult r = stub_mps_context(d);  /* (an MPS server holds the card: its clients only) */
-    if (r != OK) return r;
-    r = context_memory(d);
-    if (r != OK) return r;
-    stub_ctx_retain(d);
-    *ctx = ctx_handle(d);
-    return OK;
-}
-CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d)
-{
-    if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
-    if (stub_ctx_release(d)) {  /* (its last release: the primary context is destroyed) */
-        stub_exec_sync(d, NULL, 1);
-        stub_ctx_kill(d);
-    }
-    return OK;
-}
-CUresult cuDevicePrimaryCtxRelease(CUdevice d) { return cuDevicePrimaryCtxRelease_v2(d); }  /* (CUDA 7.0's form) */
-CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice d)
-{
-    (void)flags;
-    CUresult r = cuDevicePrimaryCtxRetain(ctx, d);
-    if (r == OK)
-        stub_set_current_device(d);
-    return r;
-}
-CUresult cuCtxSetCurrent(CUcontext ctx)
-{
-    if (!stub_inited()) return NOT_INITIALIZED;
-    int dead, d = ctx_device(ctx, &dead);
-    if (ctx && dead) {
-        stub_misuse("cuCtxSetCurrent", "a destroyed context");
-        return STUB_CONTEXT_IS_DESTROYED;
-    }
-    if (ctx && d >= 0) stub_set_current_device(d);
-    return OK;
-}
-CUresult cuCtxGetDevice(CUdevice *d) { if (!d) return INVALID_VALUE; if (!stub_inited()) return NOT_INITIALIZED; *d = stub_current_device(); return OK; }
-CUresult cuCtxDestroy_v2(CUcontext ctx)
-{
-    int dead, d = ctx_device(ctx, &dead);
-    if (d < 0) return INVALID_VALUE;
-    if (dead) {
-        stub_misuse("cuCtxDestroy", "a destroyed context");
-        return STUB_CONTEXT_IS_DESTROYED;
-    }
-    stub_exec_sync(d, NULL, 1);  /* (the driver waits for the context's work) */
-    stub_ctx_kill(d);
-    return OK;
-}
-
-/* Wait for this process's work on its current card (its context's, every stream). */
-CUresult cuCtxSynchronize(void)
-{
-    CUresult r = stub_capture_forbids_context(stub_current_device());  /* cuda_graphs.c: not while a capture is on */
-    r = r ? r : stub_exec_sync(stub_current_device(), NULL, 1);
-    if (!r) stub_pools_settle(stub_current_device());  /* (pools release what they keep above their thresholds) */
-    return r;
-}
-CUresult cuCtxGetCurrent(CUcontext *ctx)
-{
-    if (!ctx) return INVALID_VALUE;
-    *ctx = stub_inited() && !stub_ctx_dead(stub_current_device()) ? ctx_handle(stub_current_device()) : NULL;  /* (destroyed: none current) */
-    return OK;
-}
-static __thread int pushed[16], npushed;
-CUresult cuCtxPushCurrent_v2(CUcontext ctx)
-{
-    if (!stub_inited()) return NOT_INITIALIZED;
-    int dead, d = ctx_device(ctx, &dead);
-    if (ctx && dead) {
-        stub_misuse("cuCtxPushCurrent", "a destroyed context");
-        return STUB_CONTEXT_IS_DESTROYED;
-    }
-    if (npushed < 16) pushed[npushed++] = stub_current_device();
-    if (ctx && d >= 0) stub_set_current_device(d);
-    return OK;
-}
-CUresult cuCtxPopCurrent_v2(CUcontext *ctx)
-{
-    if (!stub_inited()) return NOT_INITIALIZED;
-    if (ctx) *ctx = ctx_handle(stub_current_device());
-    if (npushed) stub_set_current_device(pushed[--npushed]);
-    return OK;
-}
-
 typedef void *CUfunction;
+/* a kernel of gx * gy * gz µs (the driver's own: no exported name called, no interposer crossed) */
+static CUresult launch_grid(CUfunction f, unsigned gx, unsigned gy, unsigned gz, void *stream)
+{
+    uint64_t us = (uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1);
+    CUresult r = stub_inited() ? stub_function_loaded(f) : OK;  /* (lazy loading: its code reaches the card now) */
+    if (r) return r;
+    return stub_capture_launch(stream, &us, 1, &r) ? r : stub_run_kernel(us, stream);  /* (into a capture: recorded) */
+}
 CUresult cuModuleGetFunction(CUfunction *f, void *module, const char *name) { return stub_module_function(f, module, name); }
 CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shmem, void *stream, void **params, void **extra)
 {
     (void)bx; (void)by; (void)bz; (void)shmem; (void)params; (void)extra;
-    uint64_t us = (uint64_t)gx * (gy ? gy : 1) * (gz ? gz : 1);
-    CUresult r = stub_inited() ? stub_function_loaded(f) : OK;  /* (lazy loading: its code reaches the card now) */
-    if (r) return r;
-    return stub_capture_launch(stream, &us, 1, &r) ? r : stub_run_kernel(us, stream);  /* (into a capture: recorded) */
+    return launch_grid(f, gx, gy, gz, stream);
 }
 /* (the per-thread default stream's form: its NULL is the thread's stream, CU_STREAM_PER_THREAD) */
 CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
@@ -289,6 +172,16 @@ CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsig
 {
     return cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shmem, stream, params, NULL);
 }
+/* The legacy launches (the CUDA Driver API reference, "Execution Control [DEPRECATED]"): cuLaunch
+ * "invokes the kernel f on a 1 x 1 x 1 grid of blocks", cuLaunchGrid on a grid_width x grid_height
+ * one, cuLaunchGridAsync the same into a stream (its block shape set by cuFuncSetBlockShape before) */
+CUresult cuLaunchGridAsync(CUfunction f, int w, int h, void *stream)
+{
+    if (w <= 0 || h <= 0) return INVALID_VALUE;
+    return launch_grid(f, (unsigned)w, (unsigned)h, 1, stream);
+}
+CUresult cuLaunchGrid(CUfunction f, int w, int h) { return w <= 0 || h <= 0 ? INVALID_VALUE : launch_grid(f, (unsigned)w, (unsigned)h, 1, NULL); }
+CUresult cuLaunch(CUfunction f) { return launch_grid(f, 1, 1, 1, NULL); }
 /* cuda.h's CUlaunchConfig and CUlaunchAttribute (an id, padded to 8 bytes, then a 64-byte value) */
 typedef struct { unsigned id; char pad[4]; union { char bytes[64]; int i; } value; } launch_attr;
 typedef struct {
@@ -742,13 +635,6 @@ OWN(cuDeviceGetName);
 OWN(cuDeviceTotalMem_v2);
 OWN(cuDeviceGetUuid_v2);
 OWN(cuDeviceGetUuid);
-OWN(cuDevicePrimaryCtxRelease);
-OWN(cuCtxCreate_v2);
-OWN(cuDevicePrimaryCtxRetain);
-OWN(cuDevicePrimaryCtxRelease_v2);
-OWN(cuCtxSetCurrent);
-OWN(cuCtxDestroy_v2);
-OWN(cuCtxSynchronize);
 OWN(cuMemAlloc_v2);
 OWN(cuMemFree_v2);
 OWN(cuMemGetInfo);
@@ -764,14 +650,13 @@ OWN(cuMemFreeAsync);
 OWN(cuMemFreeAsync_ptsz);
 OWN(cuArrayCreate_v2);
 OWN(cuArrayDestroy);
-OWN(cuCtxGetCurrent);
-OWN(cuCtxGetDevice);
-OWN(cuCtxPushCurrent_v2);
-OWN(cuCtxPopCurrent_v2);
 OWN(cuModuleGetFunction);
 OWN(cuLaunchKernel);
 OWN(cuLaunchKernel_ptsz);
 OWN(cuLaunchCooperativeKernel);
+OWN(cuLaunch);
+OWN(cuLaunchGrid);
+OWN(cuLaunchGridAsync);
 OWN(cuLaunchKernelEx);
 OWN(cuGraphLaunch);
 OWN(cuMemAllocFromPoolAsync);
@@ -800,13 +685,6 @@ static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuDeviceTotalMem", 3020, 0, (void *)own_cuDeviceTotalMem_v2},
     {"cuDeviceGetUuid", 9020, 0, (void *)own_cuDeviceGetUuid},
     {"cuDeviceGetUuid", 11040, 0, (void *)own_cuDeviceGetUuid_v2},
-    {"cuCtxCreate", 3020, 0, (void *)own_cuCtxCreate_v2},
-    {"cuDevicePrimaryCtxRetain", 7000, 0, (void *)own_cuDevicePrimaryCtxRetain},
-    {"cuDevicePrimaryCtxRelease", 7000, 0, (void *)own_cuDevicePrimaryCtxRelease},
-    {"cuDevicePrimaryCtxRelease", 11000, 0, (void *)own_cuDevicePrimaryCtxRelease_v2},
-    {"cuCtxSetCurrent", 4000, 0, (void *)own_cuCtxSetCurrent},
-    {"cuCtxDestroy", 4000, 0, (void *)own_cuCtxDestroy_v2},
-    {"cuCtxSynchronize", 2000, 0, (void *)own_cuCtxSynchronize},
     {"cuMemAlloc", 3020, 0, (void *)own_cuMemAlloc_v2},
     {"cuMemFree", 3020, 0, (void *)own_cuMemFree_v2},
     {"cuMemGetInfo", 2000, 0, (void *)own_cuMemGetInfo},
@@ -823,14 +701,13 @@ static const struct { const char *name; int since, ptsz; void *fn; } TABLE[] = {
     {"cuMemFreeAsync", 11020, 1, (void *)own_cuMemFreeAsync_ptsz},
     {"cuArrayCreate", 3020, 0, (void *)own_cuArrayCreate_v2},
     {"cuArrayDestroy", 2000, 0, (void *)own_cuArrayDestroy},
-    {"cuCtxGetCurrent", 4000, 0, (void *)own_cuCtxGetCurrent},
-    {"cuCtxGetDevice", 2000, 0, (void *)own_cuCtxGetDevice},
-    {"cuCtxPushCurrent", 4000, 0, (void *)own_cuCtxPushCurrent_v2},
-    {"cuCtxPopCurrent", 4000, 0, (void *)own_cuCtxPopCurrent_v2},
     {"cuModuleGetFunction", 2000, 0, (void *)own_cuModuleGetFunction},
     {"cuLaunchKernel", 4000, 0, (void *)own_cuLaunchKernel},
     {"cuLaunchKernel", 7000, 1, (void *)own_cuLaunchKernel_ptsz},
     {"cuLaunchCooperativeKernel", 9000, 0, (void *)own_cuLaunchCooperativeKernel},
+    {"cuLaunch", 2000, 0, (void *)own_cuLaunch},
+    {"cuLaunchGrid", 2000, 0, (void *)own_cuLaunchGrid},
+    {"cuLaunchGridAsync", 2000, 0, (void *)own_cuLaunchGridAsync},
     {"cuLaunchKernelEx", 11060, 0, (void *)own_cuLaunchKernelEx},
     {"cuGraphLaunch", 10000, 0, (void *)own_cuGraphLaunch},
     {"cuDeviceGetDefaultMemPool", 11020, 0, (void *)stub_default_mem_pool},
