@@ -44,6 +44,7 @@ from typing import Any
 
 import trio
 
+from cgpud.containers import allotted
 from cgpud.containers.envspec import CORE, CORE_STEP, MEM_CONTAINER, EnvError, parse_env
 from cgpud.containers.placement import PlacementError, resolve, states_from_node, unit_for
 from cgpud.core.model import ModelError
@@ -183,8 +184,29 @@ def env_of(config: dict) -> dict[str, str]:
 
 
 def read_env(cid: str, path: str) -> dict[str, str]:
-    """process.env of a config.json. Blocking: `load` runs it in a worker thread."""
-    return env_of(read_config(cid, path))
+    """The environment the hook reads of a config.json (hook_env). Blocking: `load` runs it in a
+    worker thread."""
+    return hook_env(read_config(cid, path))
+
+
+def contract_env(config: dict) -> tuple[dict[str, str], str | None]:
+    """The environment a spec asks with, as allotted.contract_env reads it (on Kubernetes, the
+    kubelet's allocation), and the NVIDIA_VISIBLE_DEVICES it must carry (None: it does); HookError."""
+    try:
+        return allotted.contract_env(env_of(config), config)
+    except allotted.AllotError as exc:
+        raise HookError(str(exc)) from None
+
+
+def hook_env(config: dict) -> dict[str, str]:
+    """contract_env's environment, at the hook: a spec whose NVIDIA_VISIBLE_DEVICES names other GPUs
+    than the allotted ones is refused (too late to change it; cgpu-runtime's `prepare` does)."""
+    env, nvidia = contract_env(config)
+    if nvidia is not None:
+        raise HookError(f"{allotted.NVIDIA}={env_of(config).get(allotted.NVIDIA, '')!r} is set by the pod's spec or "
+                        f"image, and on Kubernetes the container sees the GPUs the kubelet allotted ({nvidia}): "
+                        "start it through the cgpu runtime, which narrows it")
+    return env
 
 
 def write_config(cid: str, path: str, config: dict) -> None:
@@ -238,7 +260,7 @@ async def load(req: dict, peer_pid: int = 0) -> dict:
         config = exc
     if isinstance(config, HookError):
         return {**req, ENV_KEY: config}
-    return {**req, ENV_KEY: env_of(config), CONFIG_KEY: config}
+    return {**req, ENV_KEY: catching(hook_env, config), CONFIG_KEY: config}
 
 
 def catching(fn, *args):
