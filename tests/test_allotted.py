@@ -156,7 +156,7 @@ def test_the_runtime_refuses_a_pod_that_sets_its_own_allocation(daemon, tmp_path
                                  ["ALIYUN_COM_GPU_HIGH_PRIO=1"], ["ALIYUN_COM_GPU_SCHD_WEIGHT=16"])):
         d = tmp_path / str(n)
         d.mkdir()
-        b = bundle(d, k8s(pod_env, {**ALLOC, "NVIDIA_VISIBLE_DEVICES": uuid0(daemon)}))
+        b = bundle(d, k8s(pod_env, {**ALLOC, "NVIDIA_VISIBLE_DEVICES": uuid_of(daemon)}))
         before = (b / "config.json").read_bytes()
         r = run_wrapper(["create", "--bundle", os.fspath(b), f"{n}" * 64], d, fake_runtime, daemon.socket)
         assert r.returncode == 1 and r.stderr.startswith(f"cgpu-runtime: {pod_env[0]} is set by the pod's spec")
@@ -165,11 +165,11 @@ def test_the_runtime_refuses_a_pod_that_sets_its_own_allocation(daemon, tmp_path
         assert (b / "config.json").read_bytes() == before
 
 
-def uuid0(daemon) -> str:
+def uuid_of(daemon, index: int = 0) -> str:
     from cgpud.client import Client
 
     with Client(os.fspath(daemon.socket)) as c:
-        return c.call("query")["gpus"][0]["uuid"]
+        return next(g["uuid"] for g in c.call("query")["gpus"] if int(g["index"]) == index)
 
 
 def test_the_runtime_narrows_the_gpus_a_pod_or_image_names_before_the_real_runtime(daemon, tmp_path, fake_runtime):
@@ -181,7 +181,7 @@ def test_the_runtime_narrows_the_gpus_a_pod_or_image_names_before_the_real_runti
     assert [e for e in seen["process"]["env"] if e.startswith("NVIDIA_")] == ["NVIDIA_VISIBLE_DEVICES=void"]
     assert "hooks" not in seen
     # allotted one GPU, the pod names all: the real runtime sees the allotted one, and the hooks are in
-    alloc = {**ALLOC, "NVIDIA_VISIBLE_DEVICES": uuid0(daemon)}
+    alloc = {**ALLOC, "NVIDIA_VISIBLE_DEVICES": uuid_of(daemon)}
     b = bundle(tmp_path, k8s(["NVIDIA_VISIBLE_DEVICES=all"], alloc), "one")
     r = run_wrapper(["create", "--bundle", os.fspath(b), "b" * 64], tmp_path, fake_runtime, daemon.socket)
     assert r.returncode == 0, r.stderr
