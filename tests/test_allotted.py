@@ -103,6 +103,19 @@ def test_the_pods_nvidia_visible_devices_is_narrowed_to_the_allotted_gpus():
     assert read(fixed)[1] is None and config["process"]["env"][-1] == "NVIDIA_VISIBLE_DEVICES=all", "input kept"
 
 
+def test_a_privileged_containers_nvidia_visible_devices_is_believed_as_nvidias_toolkit_does():
+    """cgpud's own DaemonSet pods (privileged, NVIDIA_VISIBLE_DEVICES=all for NVML) keep their GPUs;
+    a tenant's pod may not be privileged (Pod Security baseline)."""
+    config = k8s(["NVIDIA_VISIBLE_DEVICES=all"], alloc=None)
+    config["process"]["capabilities"] = {"bounding": ["CAP_CHOWN", "CAP_SYS_ADMIN"]}
+    assert read(config) == ({"PATH": "/bin"}, None)
+    config["process"]["capabilities"] = {"bounding": ["CAP_CHOWN", "CAP_NET_RAW"]}
+    assert read(config)[1] == "void"
+    config["process"]["env"].append("CGPU_DISABLE=true")  # (the contract's variables: privileged or not)
+    with pytest.raises(allotted.AllotError, match="CGPU_DISABLE=true is set by the pod's spec"):
+        read(config)
+
+
 @pytest.mark.parametrize("value, why", [
     ("{", "not an allocation of the device plugin"),
     ('{"ALIYUN_COM_GPU_MEM_CONTAINER": 12}', "not an allocation of the device plugin"),

@@ -25,7 +25,8 @@ the pod (or its image) set to anything else than the allocation fails the start 
 (AllotError): never obeyed, and said rather than silently dropped (docs/security.md says why).
 NVIDIA_VISIBLE_DEVICES is the exception: CUDA images set it to `all` in their own ENV, so a
 value other than the allotted one is not an error but is replaced — `nvidia` is the value the
-spec must carry (the allotted GPUs' UUIDs, or `void`: none), or None when it carries it already.
+spec must carry (the allotted GPUs' UUIDs, or `void`: none), or None when it carries it already
+or the container is privileged (nvidia-container-toolkit's rule: `privileged`).
 
 A container of a DRA claim (cgpud.k8s.dra) gets its environment from the claim's CDI spec, which
 the node writes and which replaces the pod's value of each variable it names; it names every
@@ -117,10 +118,20 @@ def contract_env(env: Mapping[str, str], config: Mapping) -> tuple[dict[str, str
                              f"allocation is what the kubelet allotted ({what}): remove it from the pod")
     want_gpus = given.get(NVIDIA, "").strip() or NO_GPU
     have_gpus = env.get(NVIDIA)
-    ok = have_gpus is None or have_gpus.strip() == want_gpus or (want_gpus == NO_GPU and have_gpus.strip().lower() in _NONE)
+    ok = have_gpus is None or privileged(config) or have_gpus.strip() == want_gpus or (want_gpus == NO_GPU and have_gpus.strip().lower() in _NONE)
     out = {k: v for k, v in env.items() if k not in VARIABLES}
     out.update(given)
     return out, None if ok else want_gpus
+
+
+def privileged(config: Mapping) -> bool:
+    """CAP_SYS_ADMIN in the bounding set: privileged (or granted it), as nvidia-container-toolkit tells
+    one whose NVIDIA_VISIBLE_DEVICES it believes. Such a pod sees the host's devices anyway; Pod
+    Security's baseline forbids both to tenants. (cgpud's own DaemonSet pods are of them.)"""
+    process = config.get("process")
+    caps = process.get("capabilities") if isinstance(process, dict) else None
+    bounding = caps.get("bounding") if isinstance(caps, dict) else None
+    return isinstance(bounding, list) and "CAP_SYS_ADMIN" in bounding
 
 
 def with_nvidia(config: dict, value: str) -> dict:
