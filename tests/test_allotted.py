@@ -207,3 +207,22 @@ def test_the_runtime_narrows_the_gpus_a_pod_or_image_names_before_the_real_runti
     before = (b / "config.json").read_bytes()
     r = run_wrapper(["create", "--bundle", os.fspath(b), "c" * 64], tmp_path, fake_runtime, daemon.socket)
     assert r.returncode == 0 and (b / "config.json").read_bytes() == before
+
+
+def test_the_hook_op_refuses_a_forged_kubernetes_spec_and_registers_nothing(daemon, tmp_path):
+    """The hook alone (hooks.d, or a spec cgpu-runtime did not prepare): the daemon reads the same
+    rule, and a spec whose GPUs it can no longer narrow is refused too."""
+    from cgpud.client import Client, ControlError
+
+    before = daemon.snapshot()
+    for n, (pod_env, alloc, words) in enumerate((
+            (["ALIYUN_COM_GPU_MEM_CONTAINER=12"], ALLOC, "ALIYUN_COM_GPU_MEM_CONTAINER=12 is set by the pod's spec"),
+            (["CGPU_DISABLE=true"], ALLOC, "CGPU_DISABLE=true is set by the pod's spec"),
+            (["NVIDIA_VISIBLE_DEVICES=all"], ALLOC, "start it through the cgpu runtime, which narrows it"))):
+        b = bundle(tmp_path, k8s(pod_env, {**alloc, "NVIDIA_VISIBLE_DEVICES": uuid_of(daemon)}), f"h{n}")
+        with Client(os.fspath(daemon.socket)) as c:
+            with pytest.raises(ControlError) as exc:
+                c.call("hook", stage="createRuntime", state={"ociVersion": "1.0.2", "id": f"{n}" * 64,
+                                                            "pid": os.getppid(), "bundle": os.fspath(b)})
+        assert words in str(exc.value) and exc.value.error == "EINVAL", exc.value
+    assert daemon.snapshot() == before
