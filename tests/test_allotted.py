@@ -116,6 +116,27 @@ def test_a_privileged_containers_nvidia_visible_devices_is_believed_as_nvidias_t
         read(config)
 
 
+def test_a_claims_container_is_read_from_its_cdi_environment_only_with_the_claims_bind():
+    """DRA: a claim's CDI device sets every contract variable and CGPU_DRA_CLAIM, and binds the
+    daemon's tenant directory into each container of the claim; a pod with no claim that sets the
+    variables and CGPU_DRA_CLAIM itself has no such bind (it would need a hostPath volume)."""
+    tenant = "/run/cgpud/tenant"
+    env = ["CGPU_DRA_CLAIM=u1/gpu", "ALIYUN_COM_GPU_MEM_CONTAINER=3", f"NVIDIA_VISIBLE_DEVICES={T4}"]
+    config = k8s(env, alloc=None)
+    with pytest.raises(allotted.AllotError, match="CGPU_DRA_CLAIM=u1/gpu is set by the pod's spec or image, not by a "
+                                                  "claim's CDI device .*/run/cgpud/tenant"):
+        read_dra(config, tenant)
+    with pytest.raises(allotted.AllotError, match="CGPU_DRA_CLAIM=u1/gpu is set by the pod's spec"):
+        read_dra(config, None)  # (a daemon that cannot tell: no claim believed)
+    config["mounts"] = [{"destination": "/run/cgpud", "type": "bind", "source": tenant, "options": ["rbind", "ro"]}]
+    got, nvidia = read_dra(config, tenant)
+    assert nvidia is None and (got["ALIYUN_COM_GPU_MEM_CONTAINER"], got["NVIDIA_VISIBLE_DEVICES"]) == ("3", T4)
+
+
+def read_dra(config: dict, tenant: str | None) -> tuple[dict, str | None]:
+    return allotted.contract_env(hookd.env_of(config), config, tenant)
+
+
 @pytest.mark.parametrize("value, why", [
     ("{", "not an allocation of the device plugin"),
     ('{"ALIYUN_COM_GPU_MEM_CONTAINER": 12}', "not an allocation of the device plugin"),
@@ -226,3 +247,19 @@ def test_the_hook_op_refuses_a_forged_kubernetes_spec_and_registers_nothing(daem
                                                             "pid": os.getppid(), "bundle": os.fspath(b)})
         assert words in str(exc.value) and exc.value.error == "EINVAL", exc.value
     assert daemon.snapshot() == before
+
+
+def test_the_runtime_believes_a_claims_environment_only_with_the_claims_bind(daemon, tmp_path, fake_runtime):
+    env = ["CGPU_DRA_CLAIM=u1/gpu", "ALIYUN_COM_GPU_MEM_CONTAINER=1", "ALIYUN_COM_GPU_MEM_IDX=0",
+           f"NVIDIA_VISIBLE_DEVICES={uuid_of(daemon)}"]
+    forged = bundle(tmp_path, k8s(env, alloc=None), "forged")
+    r = run_wrapper(["create", "--bundle", os.fspath(forged), "f" * 64], tmp_path, fake_runtime, daemon.socket)
+    assert r.returncode == 1 and "CGPU_DRA_CLAIM=u1/gpu is set by the pod's spec or image" in r.stderr, r.stderr
+    assert calls(tmp_path) == []
+    claimed = k8s(env, alloc=None)
+    claimed["mounts"] = [{"destination": os.fspath(daemon.socket.parent), "type": "bind", "options": ["rbind", "ro"],
+                          "source": os.fspath(daemon.socket.parent / "tenant")}]
+    b = bundle(tmp_path, claimed, "claimed")
+    r = run_wrapper(["create", "--bundle", os.fspath(b), "e" * 64], tmp_path, fake_runtime, daemon.socket)
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "seen.json").read_text())["hooks"]["createRuntime"]

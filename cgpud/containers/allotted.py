@@ -31,7 +31,10 @@ or the container is privileged (nvidia-container-toolkit's rule: `privileged`).
 A container of a DRA claim (cgpud.k8s.dra) gets its environment from the claim's CDI spec, which
 the node writes and which replaces the pod's value of each variable it names; it names every
 contract variable (empty when unused) and DRA_CLAIM. Such a container is read from its
-environment (docs/security.md: the claim's UID is not yet checked against the node's records).
+environment when it also has the bind the claim's CDI spec gives every container of it, the
+daemon's tenant socket directory (`claim_mount`): a pod cannot make a bind of a host path without
+a hostPath volume, which Pod Security's baseline forbids (docs/security.md: the claim's UID is not
+yet checked against the node's records).
 """
 from __future__ import annotations
 
@@ -96,17 +99,24 @@ def _show(v: str) -> str:
     return v if len(v) <= 60 and v.isprintable() else repr(v[:60])
 
 
-def contract_env(env: Mapping[str, str], config: Mapping) -> tuple[dict[str, str], str | None]:
+def contract_env(env: Mapping[str, str], config: Mapping,
+                 claim_mount: str | None = None) -> tuple[dict[str, str], str | None]:
     """(the environment to read, the NVIDIA_VISIBLE_DEVICES the spec must carry or None) of a spec
-    (config.json) whose process.env is `env`; AllotError."""
+    (config.json) whose process.env is `env`; `claim_mount` the host path every claim's container
+    has bound (the daemon's tenant socket directory; None: unknown, no claim believed); AllotError."""
     env = dict(env)
     ann = config.get("annotations")
     ann = ann if isinstance(ann, dict) else {}
     if not is_kubernetes(ann):
         return env, None
     given = allotted(ann)
-    if given is None and env.get(DRA_CLAIM, "").strip():
-        return env, None  # a claim's container: its CDI spec set every variable (see above)
+    claim = env.get(DRA_CLAIM, "").strip()
+    if given is None and claim:
+        if claim_mount is not None and _binds(config, claim_mount):
+            return env, None  # a claim's container: its CDI spec set every variable (see above)
+        raise AllotError(f"{DRA_CLAIM}={_show(claim)} is set by the pod's spec or image, not by a claim's CDI device "
+                         f"(the container has not the bind of {claim_mount or 'the daemon’s socket directory'} that "
+                         "every claim's container has): remove it from the pod")
     given = given or {}
     for name in VARIABLES:
         if name == NVIDIA:
@@ -122,6 +132,11 @@ def contract_env(env: Mapping[str, str], config: Mapping) -> tuple[dict[str, str
     out = {k: v for k, v in env.items() if k not in VARIABLES}
     out.update(given)
     return out, None if ok else want_gpus
+
+
+def _binds(config: Mapping, source: str) -> bool:
+    mounts = config.get("mounts")
+    return isinstance(mounts, list) and any(isinstance(m, dict) and m.get("source") == source for m in mounts)
 
 
 def privileged(config: Mapping) -> bool:

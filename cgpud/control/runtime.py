@@ -28,6 +28,7 @@ import trio
 from cgpud.containers import allotted, hookd, spec
 from cgpud.containers.envspec import MEM_CONTAINER, EnvError, parse_env
 from cgpud.containers.placement import PlacementError, resolve, states_from_node, unit_for
+from cgpud.control.callers import TENANT_DIR
 from cgpud.control.protocol import Peer, Refused
 from cgpud.core.model import ModelError
 from cgpud.gpus import pages
@@ -66,7 +67,7 @@ class Runtime:
         path = hookd.config_path({"id": cid, "bundle": req.get("bundle")})
         path = hookd.as_seen_by(path, peer.pid if peer else 0)
         config = read = await self._in_thread(hookd.read_config, cid, path, what=f"reading {path}")
-        env, nvidia = hookd.contract_env(config)  # (on Kubernetes: the kubelet's allocation; SPEC §2)
+        env, nvidia = hookd.contract_env(config, claim_mount(self.socket_path))  # (on Kubernetes: SPEC §2)
         if nvidia is not None:  # GPUs the kubelet did not allot, named by the pod or its image: narrowed
             config = allotted.with_nvidia(config, nvidia)
         if not self._check(env).managed:
@@ -116,6 +117,12 @@ class Runtime:
         if isinstance(result, hookd.HookError):
             raise result
         return result
+
+
+def claim_mount(socket_path: str | None) -> str | None:
+    """The host path every DRA claim's container has bound (its CDI spec's: the containers' socket
+    directory beside the daemon's socket), by which the hook knows one (containers.allotted)."""
+    return os.path.join(os.path.dirname(os.path.abspath(socket_path)), TENANT_DIR) if socket_path else None
 
 
 def _make_pages(cid: str, where: str) -> None:
