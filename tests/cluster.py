@@ -575,6 +575,7 @@ class Cluster:
             if "BinaryName" in opts:
                 opts["BinaryName"] = self.runtime_binary
             out += f'\n[{cri}.containerd.runtimes.{name}]\n  runtime_type = "{rt["runtime_type"]}"\n'
+            out += "".join(f"  {k} = {json.dumps(v)}\n" for k, v in rt.items() if k not in ("runtime_type", "options"))
             out += f'[{cri}.containerd.runtimes.{name}.options]\n'
             out += "".join(f"  {k} = {json.dumps(v)}\n" for k, v in opts.items())
         return out

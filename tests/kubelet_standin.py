@@ -134,6 +134,7 @@ class Kubelet(rpc.RegistrationServicer):
         req = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids) for ids in containers])
         resp = self.plugin.Allocate(req, timeout=5).container_responses
         self.mounts = [[(m.host_path, m.container_path, m.read_only) for m in r.mounts] for r in resp]
+        self.annotations = [dict(r.annotations) for r in resp]  # (the container's, as the kubelet passes them on)
         return [dict(r.envs) for r in resp]
 
     # ---- life ------------------------------------------------------------------------

@@ -92,15 +92,28 @@ def not_found(c: Cluster, *args: str) -> None:
     assert p.returncode != 0 and "(NotFound)" in p.stderr, (args, p.returncode, p.stdout, p.stderr)
 
 
-def make_claim(c: Cluster, name: str, memory: str, count: int = 1, config: dict | None = None) -> None:
-    request = {"name": "gpu", "exactly": {"deviceClassName": CLASS, "count": count, "allocationMode": "ExactCount",
+def gpu_config(**config) -> dict:
+    return {"opaque": {"driver": DRIVER, "parameters": {"apiVersion": "cgpu.aliyun.com/v1", "kind": "GpuConfig",
+                                                        **config}}}
+
+
+def make_class(c: Cluster, name: str, **config) -> None:
+    """A DeviceClass of the shipped one's devices with a GpuConfig of the cluster admin's (weight,
+    highPriority: SPEC §2, theirs to grant)."""
+    shipped = yaml.safe_load((REPO / "deploy" / "kubernetes" / "dra" / "deviceclass.yaml").read_text())
+    c.create({**shipped, "metadata": {"name": name}, "spec": {**shipped["spec"], "config": [gpu_config(**config)]}})
+
+
+def make_claim(c: Cluster, name: str, memory: str, count: int = 1, config: dict | None = None,
+               device_class: str = CLASS) -> None:
+    request = {"name": "gpu", "exactly": {"deviceClassName": device_class, "count": count,
+                                          "allocationMode": "ExactCount",
                                           "capacity": {"requests": {"memory": memory}}}}
     spec = {"devices": {"requests": [request]}}
     if count > 1:  # (a GPU that claims share could be given twice to one request)
         spec["devices"]["constraints"] = [{"requests": ["gpu"], "distinctAttribute": f"{DRIVER}/uuid"}]
     if config:
-        spec["devices"]["config"] = [{"requests": ["gpu"], "opaque": {
-            "driver": DRIVER, "parameters": {"apiVersion": "cgpu.aliyun.com/v1", "kind": "GpuConfig", **config}}}]
+        spec["devices"]["config"] = [{"requests": ["gpu"], **gpu_config(**config)}]
     c.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
               "spec": spec})
 
@@ -167,8 +180,9 @@ def test_the_plugin_registers_and_publishes_the_nodes_resourceslice(cluster):
 
 
 def test_a_claim_of_3_gib_runs_isolated_at_3_gib_and_goes_with_its_pod(cluster, cgpud):
+    make_class(cluster, "weight-2.gpu.cgpu.aliyun.com", weight=2)  # (the weight: the admin's DeviceClass)
     try:
-        pod, gpu, name = run_with_claim(cluster, "run", "3Gi", config={"weight": 2})
+        pod, gpu, name = run_with_claim(cluster, "run", "3Gi", device_class="weight-2.gpu.cgpu.aliyun.com")
         assert allocated_gpus(cluster, "claim-run") == [gpu]
         assert name in cgpud.instances(gpu), (name, cgpud.instances(gpu), cluster.logs())
         assert cgpud.value(f"{gpu}/{name}/memsize") == str(3 * GIB)
@@ -184,6 +198,7 @@ def test_a_claim_of_3_gib_runs_isolated_at_3_gib_and_goes_with_its_pod(cluster, 
         assert ["run", "default", *("3" if g == gpu else "0" for g in (0, 1))] in rows, p.stdout + p.stderr
     finally:
         delete(cluster, "run")
+        cluster.kubectl("delete", "deviceclass", "weight-2.gpu.cgpu.aliyun.com", "--ignore-not-found", check=False)
     wait_for(lambda: name not in cgpud.instances(gpu), 30, "the instance to go with the pod", cluster.logs)
     wait_for(lambda: not list(cluster.path("cdi").glob("*.json")), 30, "the claim unprepared (its CDI spec gone)")
 
@@ -219,12 +234,18 @@ def test_a_claim_that_does_not_fit_stays_pending_with_the_schedulers_reason(clus
         delete(cluster, "big")
 
 
-def test_a_claim_with_a_bad_configuration_is_refused_on_the_pods_events_and_nothing_runs(cluster, cgpud):
+@pytest.mark.parametrize("config, why", [
+    ({"weight": 0}, "weight 0 is not a whole number from 1 to 25"),
+    # (issue 44: a tenant's claim cannot give itself weight or high priority, SPEC §2)
+    ({"weight": 16}, "weight and highPriority are the cluster admin's to grant, in a DeviceClass's GpuConfig "
+                     "(source FromClass), not the claim's (FromClaim)"),
+])
+def test_a_claim_with_a_bad_configuration_is_refused_on_the_pods_events_and_nothing_runs(cluster, cgpud, config,
+                                                                                         why):
     """The scheduler passes opaque configuration through unread; Prepare refuses it with one line,
     which the kubelet puts on the pod: no container starts, no instance is made, no spec written."""
-    make_claim(cluster, "claim-bad", "1Gi", config={"weight": 0})
+    make_claim(cluster, "claim-bad", "1Gi", config=config)
     cluster.create(claim_pod("bad", "claim-bad"))
-    why = "weight 0 is not a whole number from 1 to 25"
     try:
         # each stage waits on its own event, with room for a loaded machine: bound by kube-scheduler,
         # refused by the plugin at the kubelet's first Prepare, the refusal on the pod's events (put

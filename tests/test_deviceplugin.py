@@ -6,6 +6,7 @@ gRPC errors with the reason — and end to end, a real runc container started
 with exactly Allocate's environment joins the tree with the right memsize."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -113,6 +114,9 @@ def test_allocate_gives_the_hooks_environment_and_refuses_with_the_reason(node):
     (env,) = kubelet.allocate([f"{t4}-_-0", f"{t4}-_-1", f"{t4}-_-2"])
     assert env == {"NVIDIA_VISIBLE_DEVICES": t4, "ALIYUN_COM_GPU_MEM_IDX": "0", "ALIYUN_COM_GPU_MEM_CONTAINER": "3",
                    "ALIYUN_COM_GPU_MEM_DEV": str(T4_UNITS), "ALIYUN_COM_GPU_MEM_POD": "3"}
+    # the same allocation as the container's annotation, the channel the hook believes (a pod cannot write it)
+    assert kubelet.annotations == [{"cgpu.aliyun.com/allocation-gpu-mem": json.dumps(env, sort_keys=True,
+                                                                                     separators=(",", ":"))}]
     for ids, words in (([f"{t4}-_-99"], "is not one of this node's"),
                        (["GPU-foreign-_-0"], "is not one of this node's"),
                        ([f"{t4}-_-0", f"{a10}-_-0", f"{a10}-_-1"], "unevenly"),

@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from cgpud.containers import envspec
 from cgpud.k8s import dra
 from cgpud.k8s.proto import dra_pb2 as pb
 from cgpud.k8s.proto import dra_pb2_grpc as rpc
@@ -48,8 +49,9 @@ def claim(results: list[dict], config: list[dict] | None = None) -> dict:
             "status": {"allocation": {"devices": {"results": results, "config": config or []}}}}
 
 
-def opaque(requests=None, **params) -> dict:
-    return {"source": "FromClaim", "requests": requests or [],
+def opaque(requests=None, source="FromClass", **params) -> dict:
+    """A GpuConfig in an allocation's config: the DeviceClass's (FromClass) unless `source` says."""
+    return {"source": source, "requests": requests or [],
             "opaque": {"driver": dra.DRIVER, "parameters": {"apiVersion": dra.CONFIG_API_VERSION,
                                                             "kind": dra.CONFIG_KIND, **params}}}
 
@@ -194,6 +196,30 @@ def test_weight_and_high_priority_come_from_the_opaque_config_later_wins():
     assert (other.request, other.weight, other.highprio) == ("other", 2, False)
     env = dra.environment(first, [T4, A10], GIB)
     assert env["ALIYUN_COM_GPU_SCHD_WEIGHT"] == "4" and env["ALIYUN_COM_GPU_HIGH_PRIO"] == "1"
+
+
+@pytest.mark.parametrize("source", ["FromClaim", None])
+def test_weight_and_high_priority_in_the_claims_own_config_are_refused(source):
+    """SPEC §2: weight and high priority are the cluster admin's (a DeviceClass's config, FromClass);
+    a tenant's claim naming them is refused with the reason, never obeyed (issue 44)."""
+    for params in ({"weight": 16}, {"highPriority": True}):
+        c = claim([result("gpu-0")], [opaque(weight=2), opaque(source=source, **params)])
+        with pytest.raises(dra.DraError, match=r"config 1: weight and highPriority are the cluster admin's to grant, "
+                                               r"in a DeviceClass's GpuConfig \(source FromClass\), not the claim's"):
+            dra.plan(c, NODE, [T4, A10], GIB)
+    (share,) = dra.plan(claim([result("gpu-0")], [opaque(weight=2), opaque(source=source)]), NODE, [T4, A10], GIB)
+    assert (share.weight, share.highprio) == (2, False)  # (a claim's GpuConfig naming neither: the class's stand)
+
+
+def test_a_cdi_device_names_every_contract_variable_so_a_pods_own_are_replaced():
+    """A CDI edit replaces the pod's value of each variable it names (CDI's env edits): the claim's
+    device names them all, empty where unused, and its claim (issue 44: CGPU_DISABLE, the weight)."""
+    (share,) = dra.plan(claim([result("gpu-0", memory="3Gi")]), NODE, [T4, A10], GIB)
+    env = dict(e.split("=", 1) for e in dra.cdi_spec("u1", [share], [T4, A10], GIB, [])["devices"][0]
+               ["containerEdits"]["env"])
+    assert set(envspec.VARIABLES) <= set(env)
+    assert (env["CGPU_DISABLE"], env["ALIYUN_COM_GPU_SCHD_WEIGHT"], env["ALIYUN_COM_GPU_HIGH_PRIO"],
+            env["ALIYUN_COM_GPU_MEM_CONTAINER"], env["CGPU_DRA_CLAIM"]) == ("", "", "", "3", "u1/gpu")
 
 
 @pytest.mark.parametrize("c, why", [

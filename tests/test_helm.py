@@ -128,8 +128,8 @@ def test_bad_values_are_refused_naming_the_value(args, names):
     assert "Traceback" not in p.stderr and not p.stdout.strip()
 
 
-@pytest.mark.parametrize("name", ["rbac.yaml", "admission.yaml", "dra/deviceclass.yaml", "dra/rbac.yaml",
-                                  "dra/webhook.yaml"])
+@pytest.mark.parametrize("name", ["rbac.yaml", "admission.yaml", "runtimeclass-policy.yaml", "dra/deviceclass.yaml",
+                                  "dra/rbac.yaml", "dra/webhook.yaml"])
 def test_the_charts_copies_are_deploy_kubernetes_files(name):
     """The chart's RBAC and admission policy are copies of the kustomize files, byte for byte (a
     link would make helm warn on every command): after a change there,

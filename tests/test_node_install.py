@@ -268,6 +268,7 @@ def test_a_pod_that_names_no_runtime_goes_through_cgpu_and_joins(host, source, m
     """What the kubelet does, through containerd's CRI plugin on the config the installer wrote: a pod
     sandbox and a container with the device plugin's environment and no runtime handler (no
     runtimeClassName) run through the default runtime, cgpu, and the container joins cgpud."""
+    from cgpud.containers import allotted
     from cgpud.containers.nodeinstall import install
 
     tool = crictl()
@@ -306,11 +307,14 @@ def test_a_pod_that_names_no_runtime_goes_through_cgpu_and_joins(host, source, m
             "log_directory": os.fspath(tmp_path / "logs"),
             "linux": {"cgroup_parent": parent, "security_context": {"namespace_options": {"network": 2}}}}))
         ctr_json = tmp_path / "container.json"
+        given = {"ALIYUN_COM_GPU_MEM_CONTAINER": "6", "ALIYUN_COM_GPU_MEM_DEV": "15"}
         ctr_json.write_text(json.dumps({
             "metadata": {"name": "app"}, "image": {"image": "docker.io/library/cgpud-busybox:test"},
             "command": BUSY, "log_path": "app.log",
-            "envs": [{"key": "ALIYUN_COM_GPU_MEM_CONTAINER", "value": "6"},
-                     {"key": "ALIYUN_COM_GPU_MEM_DEV", "value": "15"}],  # (what Allocate gives)
+            "envs": [{"key": k, "value": v} for k, v in given.items()],  # (what Allocate gives)
+            # ... and its annotations, which the kubelet passes on and the installed runtime handler into the
+            # OCI spec (container_annotations): the allocation the hook believes on Kubernetes
+            "annotations": allotted.annotations("aliyun.com/gpu-mem", given),
             "mounts": [{"container_path": "/dev/simgpu0", "host_path": os.fspath(daemon.dev_dir / "simgpu0"),
                         "readonly": True}]}))
         pod = run("runp", os.fspath(pod_json))  # (no --runtime: the default runtime handler)

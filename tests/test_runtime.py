@@ -292,7 +292,8 @@ def test_runtime_config_writes_containerd_2s_version_3(tmp_path):
     assert doc["version"] == 3 and "io.containerd.grpc.v1.cri" not in doc["plugins"]
     cri = doc["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]
     assert cri["default_runtime_name"] == "cgpu"
-    assert cri["runtimes"]["cgpu"] == {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": wrapper()}}
+    assert cri["runtimes"]["cgpu"] == {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": wrapper()},
+                                       "container_annotations": ["cgpu.aliyun.com/allocation-*"]}
     assert doc["plugins"]["io.containerd.cri.v1.images"] == {"snapshotter": "overlayfs"}
 
 

@@ -38,6 +38,9 @@ DEFAULT_TIMEOUT = 5.0
 MAX_STATE = 60 * 1024  # the daemon takes request lines of up to 64 KiB
 MAX_CONFIG = 4 << 20  # as cgpud/containers/hookd.py
 MARK = b"ALIYUN_COM_GPU_MEM_CONTAINER="
+# (as native/common/cgpu.c: a Kubernetes container naming any of these is the daemon's to read)
+KUBE, K8S_MARKS = b"io.kubernetes.cri.container-type", (b"ALIYUN_COM_GPU_", b"CGPU_DISABLE=",
+                                                        b"NVIDIA_VISIBLE_DEVICES=", b"cgpu.aliyun.com/allocation-")
 
 
 def may_ask(bundle) -> bool:
@@ -65,7 +68,7 @@ def may_ask(bundle) -> bool:
         return True
     finally:
         os.close(fd)
-    return len(data) > MAX_CONFIG or MARK in data
+    return len(data) > MAX_CONFIG or MARK in data or (KUBE in data and any(m in data for m in K8S_MARKS))
 
 
 def _passthrough() -> bool:

@@ -44,6 +44,7 @@ from typing import Any
 
 import trio
 
+from cgpud.containers import allotted
 from cgpud.containers.envspec import CORE, CORE_STEP, MEM_CONTAINER, EnvError, parse_env
 from cgpud.containers.placement import PlacementError, resolve, states_from_node, unit_for
 from cgpud.core.model import ModelError
@@ -182,9 +183,31 @@ def env_of(config: dict) -> dict[str, str]:
     return env
 
 
-def read_env(cid: str, path: str) -> dict[str, str]:
-    """process.env of a config.json. Blocking: `load` runs it in a worker thread."""
-    return env_of(read_config(cid, path))
+def read_env(cid: str, path: str, claim_mount: str | None = None) -> dict[str, str]:
+    """The environment the hook reads of a config.json (hook_env). Blocking: `load` runs it in a
+    worker thread."""
+    return hook_env(read_config(cid, path), claim_mount)
+
+
+def contract_env(config: dict, claim_mount: str | None = None) -> tuple[dict[str, str], str | None]:
+    """The environment a spec asks with, as allotted.contract_env reads it (on Kubernetes, the
+    kubelet's allocation; a claim's container known by its bind of `claim_mount`, the daemon's
+    tenant directory), and the NVIDIA_VISIBLE_DEVICES it must carry (None: it does); HookError."""
+    try:
+        return allotted.contract_env(env_of(config), config, claim_mount)
+    except allotted.AllotError as exc:
+        raise HookError(str(exc)) from None
+
+
+def hook_env(config: dict, claim_mount: str | None = None) -> dict[str, str]:
+    """contract_env's environment, at the hook: a spec whose NVIDIA_VISIBLE_DEVICES names other GPUs
+    than the allotted ones is refused (too late to change it; cgpu-runtime's `prepare` does)."""
+    env, nvidia = contract_env(config, claim_mount)
+    if nvidia is not None:
+        raise HookError(f"{allotted.NVIDIA}={env_of(config).get(allotted.NVIDIA, '')!r} is set by the pod's spec or "
+                        f"image, and on Kubernetes the container sees the GPUs the kubelet allotted ({nvidia}): "
+                        "start it through the cgpu runtime, which narrows it")
+    return env
 
 
 def write_config(cid: str, path: str, config: dict) -> None:
@@ -220,7 +243,7 @@ def write_config(cid: str, path: str, config: dict) -> None:
         raise HookError(f"container {cid}: cannot write {path}: {exc.strerror}", exc.errno or errno.EIO) from None
 
 
-async def load(req: dict, peer_pid: int = 0) -> dict:
+async def load(req: dict, peer_pid: int = 0, claim_mount: str | None = None) -> dict:
     """Before `run` (the serving loop awaits this for `hook` requests of
     privileged callers): config.json, read in a worker thread with a time
     limit, left as its environment (ENV_KEY) and whole (CONFIG_KEY). A failure
@@ -238,7 +261,7 @@ async def load(req: dict, peer_pid: int = 0) -> dict:
         config = exc
     if isinstance(config, HookError):
         return {**req, ENV_KEY: config}
-    return {**req, ENV_KEY: env_of(config), CONFIG_KEY: config}
+    return {**req, ENV_KEY: catching(hook_env, config, claim_mount), CONFIG_KEY: config}
 
 
 def catching(fn, *args):

@@ -13,7 +13,11 @@ the files.
   (containerd 2.x: `plugins."io.containerd.cri.v1.runtime".containerd`).
   The runtime's other options (`SystemdCgroup`, …) are those of the runtime
   that was the default, so a node whose kubelet drives systemd's cgroups
-  runs cgpu's containers the same way. Edited with tomlkit: comments, order
+  runs cgpu's containers the same way. The runtime passes one kind of
+  container annotation into the OCI spec, `container_annotations =
+  ["cgpu.aliyun.com/allocation-*"]`: the device plugin's allocation
+  (containers.allotted), which the kubelet alone writes; never
+  `pod_annotations` (a pod's author writes those). Edited with tomlkit: comments, order
   and every other setting stay as they were.
 
 `undo_containerd` and `undo_docker` take out what these added (and give the
@@ -30,6 +34,7 @@ DEFAULT_WRAPPER = "/usr/local/bin/cgpu-runtime"
 CRI = 'plugins."io.containerd.grpc.v1.cri".containerd'  # version 2 (containerd 1.x)
 CRI_V3 = 'plugins."io.containerd.cri.v1.runtime".containerd'  # version 3 (containerd 2.x)
 RUNC_V2 = "io.containerd.runc.v2"
+ANNOTATIONS = ["cgpu.aliyun.com/allocation-*"]  # (containers.allotted.PASSTHROUGH; pure text here)
 
 
 class ConfigError(ValueError):
@@ -166,6 +171,13 @@ def containerd_edit(text: str | None, wrapper: str = DEFAULT_WRAPPER, default: b
         options["BinaryName"] = wrapper
         table["options"] = options
         runtimes["cgpu"] = table
+        have = table
+    if list(have.get("container_annotations") or ()) != ANNOTATIONS or have.get("pod_annotations"):
+        # (an install before the allocation went by annotations gets it; a pod_annotations list a
+        # hand edit put there goes: a pod's annotations are its author's)
+        have["container_annotations"] = list(ANNOTATIONS)
+        if "pod_annotations" in have:
+            del have["pod_annotations"]
     if default and cri.get("default_runtime_name") != "cgpu":
         cri["default_runtime_name"] = "cgpu"
     out = tomlkit.dumps(doc)

@@ -13,6 +13,7 @@ import trio
 
 from cgpud.containers import hookd, inject
 from cgpud.control.protocol import Peer, Refused
+from cgpud.control.runtime import claim_mount
 from cgpud.core.model import ModelError, errno_of
 
 log = logging.getLogger("cgpud")
@@ -58,7 +59,7 @@ class Hooks:
             raise req[INJECTED_KEY]  # asked for isolation, and it could not be put in: the container does not start
         env = req.get(hookd.ENV_KEY)
         if env is None:  # not loaded (called without `load_hook`): read it here
-            env = hookd.catching(hookd.read_env, cid, hookd.config_path(state))
+            env = hookd.catching(hookd.read_env, cid, hookd.config_path(state), claim_mount(self.socket_path))
         if isinstance(env, hookd.HookError):
             raise env
         plan = hookd.plan(state, env, self.node, strategy=self.strategy, mode=self.mode, hook_pid=peer.pid)
@@ -93,7 +94,7 @@ class Hooks:
         """The hook's config.json read, in a worker thread with a time limit; and, for a
         container that joins through the hook alone (not prepared by cgpu-runtime), the
         in-container library mounted into it when the daemon has one (containers.inject)."""
-        req = await hookd.load(req, peer.pid)
+        req = await hookd.load(req, peer.pid, claim_mount(self.socket_path))
         env = req.get(hookd.ENV_KEY)
         library = self.library if self.library and os.path.isfile(self.library) else None
         if library is None or not isinstance(env, dict):

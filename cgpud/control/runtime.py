@@ -5,7 +5,11 @@ daemon read and rewrite a file the caller names.
 
     {"op": "prepare", "bundle": "/abs/bundle", "id": "<container id>"}
 
-The environment is checked as the hook will check it (SPEC §2: a bad value,
+The environment is read as the hook reads it (on Kubernetes the kubelet's
+allocation, containers.allotted: a contract variable the pod set fails the
+create, its NVIDIA_VISIBLE_DEVICES is narrowed to the allotted GPUs here, in
+config.json, before the real runtime — nvidia-container-runtime — sees it) and
+checked as the hook will check it (SPEC §2: a bad value,
 or no GPU with room, fails `docker run` now, with the hook's own line); a
 container that asks for nothing (CGPU_DISABLE, 0) is left alone; otherwise
 containers.spec's modifiers (cgpud's hooks) are applied to config.json,
@@ -21,9 +25,10 @@ from typing import Any
 
 import trio
 
-from cgpud.containers import hookd, spec
+from cgpud.containers import allotted, hookd, spec
 from cgpud.containers.envspec import MEM_CONTAINER, EnvError, parse_env
 from cgpud.containers.placement import PlacementError, resolve, states_from_node, unit_for
+from cgpud.control.callers import TENANT_DIR
 from cgpud.control.protocol import Peer, Refused
 from cgpud.core.model import ModelError
 from cgpud.gpus import pages
@@ -61,10 +66,16 @@ class Runtime:
             raise hookd.HookError('prepare needs the container\'s "id" (a non-empty string)')
         path = hookd.config_path({"id": cid, "bundle": req.get("bundle")})
         path = hookd.as_seen_by(path, peer.pid if peer else 0)
-        config = await self._in_thread(hookd.read_config, cid, path, what=f"reading {path}")
-        env = hookd.env_of(config)
+        config = read = await self._in_thread(hookd.read_config, cid, path, what=f"reading {path}")
+        env, nvidia = hookd.contract_env(config, claim_mount(self.socket_path))  # (on Kubernetes: SPEC §2)
+        if nvidia is not None:  # GPUs the kubelet did not allot, named by the pod or its image: narrowed
+            config = allotted.with_nvidia(config, nvidia)
         if not self._check(env).managed:
-            return {"action": "left alone", "id": cid}
+            if nvidia is None:
+                return {"action": "left alone", "id": cid}
+            await self._in_thread(hookd.write_config, cid, path, config, what=f"writing {path}")
+            log.info("container %s: %s=%s, as the kubelet allotted", cid, allotted.NVIDIA, nvidia)
+            return {"action": "left alone", "id": cid, "gpus": nvidia}
         library = self.library if self.library and os.path.isfile(self.library) else None
         where = os.path.join(self.pages_dir, hookd.short_name(cid)) if library else None
         if where is not None:  # the pages' files must exist before the runtime mounts them
@@ -73,7 +84,7 @@ class Runtime:
             new = spec.prepare(config, spec.Hooks(self.hook_path, self.socket_path, library, where))
         except spec.SpecError as exc:
             raise hookd.HookError(f"container {cid}: {exc}") from None
-        if new == config:
+        if new == read:
             return {"action": "prepared already", "id": cid}
         await self._in_thread(hookd.write_config, cid, path, new, what=f"writing {path}")
         log.info("container %s: cgpud's hooks added to %s", cid, path)
@@ -106,6 +117,12 @@ class Runtime:
         if isinstance(result, hookd.HookError):
             raise result
         return result
+
+
+def claim_mount(socket_path: str | None) -> str | None:
+    """The host path every DRA claim's container has bound (its CDI spec's: the containers' socket
+    directory beside the daemon's socket), by which the hook knows one (containers.allotted)."""
+    return os.path.join(os.path.dirname(os.path.abspath(socket_path)), TENANT_DIR) if socket_path else None
 
 
 def _make_pages(cid: str, where: str) -> None:

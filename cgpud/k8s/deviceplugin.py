@@ -10,7 +10,9 @@ apart from the resource logic (cgpud.k8s.resources):
   has their GPU in service, Unhealthy otherwise: every unit of a GPU the
   daemon's health watch took out of service at once, docs/gpus.md Health;
   sent again on every change),
-  GetPreferredAllocation, Allocate (the environment the node's hook reads; a
+  GetPreferredAllocation, Allocate (the environment the container sees, and
+  the same allocation as the container's annotations, which the node's hook
+  and cgpu-runtime read: a pod cannot write them, containers.allotted; a
   request that cannot be met is a gRPC error whose message says why),
   PreStartContainer (nothing to do).
 - `serve` keeps it registered: it serves `<plugin dir>/cgpu.sock`, registers
@@ -33,6 +35,7 @@ from concurrent import futures
 import grpc
 
 from cgpud.client import Client, ControlError, DaemonUnavailable
+from cgpud.containers import allotted
 from cgpud.control.callers import TENANT_DIR
 from cgpud.k8s import modes
 from cgpud.k8s import resources as res
@@ -281,7 +284,8 @@ class Plugin(rpc.DevicePluginServicer):
                                            read_only=False))
                     mounts.append(pb.Mount(container_path="/dev/shm", host_path=res.MPS_SHM_DIR, read_only=False))
                 log.info("Allocate: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-                out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts))
+                out.append(pb.ContainerAllocateResponse(envs=env, mounts=mounts,
+                                                        annotations=allotted.annotations(res.RESOURCE, env)))
         except (res.AllocationError, Unreachable) as exc:
             for choice in choices:  # nothing half-done: the extender's choices stay for the next try
                 self.node.release(choice)
@@ -358,7 +362,7 @@ class ModePlugin(rpc.DevicePluginServicer):
             for creq in request.container_requests:
                 env = self.environment(list(creq.devices_ids), gpus)
                 log.info("Allocate %s: %s", self.resource, " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-                out.append(pb.ContainerAllocateResponse(envs=env))
+                out.append(pb.ContainerAllocateResponse(envs=env, annotations=allotted.annotations(self.resource, env)))
         except res.AllocationError as exc:
             log.warning("Allocate refused: %s", exc)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

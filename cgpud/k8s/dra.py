@@ -11,16 +11,16 @@ decisions out; the plugin (cgpud.k8s.draplugin) does the I/O.
   capacity request (cgpud.k8s.webhook), of any size one GPU holds
   (docs/decisions.md: the layout).
 - `plan`: an allocated ResourceClaim → per request, the GPUs and bytes on each,
-  and the weight and high priority of its opaque configuration
-  (`GpuConfig`), or DraError saying why.
+  and the weight and high priority of its DeviceClass's opaque configuration
+  (`GpuConfig`, source FromClass: the cluster admin's; the claim's own, FromClaim,
+  is refused: SPEC §2), or DraError saying why.
 - `environment`: a request's share → the environment the node's hook and
   `cgpu-runtime` read (ALIYUN_COM_GPU_MEM_IDX, _CONTAINER in the node's
   units GPU by GPU, _POD, NVIDIA_VISIBLE_DEVICES, ALIYUN_COM_GPU_SCHD_WEIGHT,
   ALIYUN_COM_GPU_HIGH_PRIO), as the device plugin's Allocate gives it.
 - `cdi_spec`: a claim's CDI spec (one CDI device per request, each carrying
   its environment), what the kubelet hands the runtime by name.
-- `node_views`: the cluster's slices and claims → `kubectl inspect cgpu`'s
-  nodes (cgpud.observe.inspect's shape), in each node's units.
+- `node_views`: the cluster's slices and claims → `kubectl inspect cgpu`'s nodes.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
-from cgpud.containers import envspec
+from cgpud.containers import allotted, envspec
 from cgpud.control.callers import TENANT_DIR
 from cgpud.core.model import MAX_INST
 
@@ -39,6 +39,10 @@ CONFIG_KIND = "GpuConfig"
 CDI_VENDOR_CLASS = "cgpu.aliyun.com/gpu"
 CDI_VERSION = "0.6.0"
 CAPACITY = "memory"
+# A CDI edit replaces the pod's value of each variable it names: a request's names every variable of the
+# contract (empty where unused), so the pod adds none, and its claim (containers.allotted.DRA_CLAIM).
+UNSET = {v: "" for v in envspec.VARIABLES}
+SOURCE_CLASS = "FromClass"  # an allocation's config from the DeviceClass (the cluster admin's), not FromClaim
 
 
 class DraError(ValueError):
@@ -266,16 +270,12 @@ def _config(parameters, where: str) -> dict:
     if unknown:
         raise DraError(f"{where}: {CONFIG_KIND} has no field {sorted(unknown)[0]!r} (weight, highPriority)")
     out = {}
-    if "weight" in parameters:
-        w = parameters["weight"]
-        if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_INST[1]:
-            raise DraError(f"{where}: weight {w!r} is not a whole number from 1 to {MAX_INST[1]}")
-        out["weight"] = w
-    if "highPriority" in parameters:
-        if not isinstance(parameters["highPriority"], bool):
-            raise DraError(f"{where}: highPriority {parameters['highPriority']!r} is not true or false")
-        out["highprio"] = parameters["highPriority"]
-    return out
+    w, hp = parameters.get("weight", 1), parameters.get("highPriority", False)
+    if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_INST[1]:
+        raise DraError(f"{where}: weight {w!r} is not a whole number from 1 to {MAX_INST[1]}")
+    if not isinstance(hp, bool):
+        raise DraError(f"{where}: highPriority {hp!r} is not true or false")
+    return {k: v for k, v, given in (("weight", w, "weight"), ("highprio", hp, "highPriority")) if given in parameters}
 
 
 def plan(claim: dict, node: str, gpus: list[Gpu], unit: int) -> list[Share]:
@@ -331,6 +331,9 @@ def plan(claim: dict, node: str, gpus: list[Gpu], unit: int) -> list[Share]:
         if opaque.get("driver") != DRIVER:
             continue
         settings = _config(opaque.get("parameters"), f"{who}, config {n}")
+        if settings and c.get("source") != SOURCE_CLASS:  # (SPEC §2: the cluster admin's to grant)
+            raise DraError(f"{who}, config {n}: weight and highPriority are the cluster admin's to grant, in a Device"
+                           f"Class's {CONFIG_KIND} (source {SOURCE_CLASS}), not the claim's ({c.get('source')})")
         for name, share in shares.items():
             if not c.get("requests") or name in c["requests"] or name.split("/")[0] in c["requests"]:
                 share.weight = settings.get("weight", share.weight)
@@ -374,7 +377,7 @@ def cdi_device(claim_uid: str, request: str) -> str:
 
 def cdi_spec(claim_uid: str, shares: list[Share], gpus: list[Gpu], unit: int, mounts: list[str],
              mode: str = "cgpu") -> dict:
-    """The claim's CDI spec: a device per request whose edits set its environment; `mounts` (the
+    """The claim's CDI spec: a device per request whose edits set its environment (UNSET); `mounts` (the
     daemon's socket directory) are bound into every container of the claim: each as its
     containers' directory (the containers' socket only), read-only (docs/security.md). On an mps
     node the MPS pipe directory and the control daemon's shm (at /dev/shm) too, read-write (the
@@ -388,8 +391,9 @@ def cdi_spec(claim_uid: str, shares: list[Share], gpus: list[Gpu], unit: int, mo
     return {
         "cdiVersion": CDI_VERSION, "kind": CDI_VENDOR_CLASS,
         "devices": [{"name": cdi_device(claim_uid, s.request),
-                     "containerEdits": {"env": [f"{k}={v}" for k, v in
-                                                sorted(environment(s, gpus, unit, mode).items())]}}
+                     "containerEdits": {"env": [f"{k}={v}" for k, v in sorted({
+                         **UNSET, **environment(s, gpus, unit, mode),
+                         allotted.DRA_CLAIM: f"{claim_uid}/{s.request}"}.items())]}}
                     for s in shares],
         # (each the daemon's socket directory, as a container sees it: its containers' directory, read-only)
         "containerEdits": {"mounts": binds},

@@ -21,6 +21,12 @@
 
 const char *cgpu_prog = "cgpu";
 static const char MARK[] = "ALIYUN_COM_GPU_MEM_CONTAINER=";
+/* A Kubernetes container (containerd's CRI plugin sets this annotation; a pod cannot): one that
+ * names any of K8S_MARKS is the daemon's to read too, as the kubelet allotted it
+ * (cgpud/containers/allotted.py): a contract variable its pod set fails it, GPUs it names are narrowed. */
+static const char KUBE[] = "io.kubernetes.cri.container-type";
+static const char *const K8S_MARKS[] = {"ALIYUN_COM_GPU_", "CGPU_DISABLE=", "NVIDIA_VISIBLE_DEVICES=",
+                                        "cgpu.aliyun.com/allocation-", NULL};
 
 /* ---- output: one line ------------------------------------------------------ */
 
@@ -241,7 +247,8 @@ int jobject(const char *text, size_t n, struct member *want, int nwant, const ch
 
 /* ---- the shortcut: can this container ask at all? ---------------------------- */
 
-/* 0: config.json was read whole and does not name the variable; 1 otherwise. */
+/* 0: config.json was read whole and does not name the variable (nor, in a Kubernetes container, any
+ * of K8S_MARKS); 1 otherwise. */
 int may_ask(const char *bundle)
 {
     char path[PATH_MAX];
@@ -270,6 +277,9 @@ int may_ask(const char *bundle)
     }
     close(fd);
     int asks = !ok || len > MAX_CONFIG || memmem(buf, len, MARK, sizeof MARK - 1) != NULL;
+    if (!asks && memmem(buf, len, KUBE, sizeof KUBE - 1))
+        for (int i = 0; K8S_MARKS[i] && !asks; i++)
+            asks = memmem(buf, len, K8S_MARKS[i], strlen(K8S_MARKS[i])) != NULL;
     free(buf);
     return asks;
 }

@@ -13,7 +13,8 @@
  * refusal fails the create with the daemon's one line, and so does a daemon
  * that cannot be reached: a container that asked for isolation never runs
  * without it (CGPU_HOOK_PASSTHROUGH=1 lets it start unmanaged instead).
- * A container whose config.json does not name the variable costs one read of
+ * A container whose config.json does not name the variable (nor, in a Kubernetes container, any other
+ * of the contract's or NVIDIA_VISIBLE_DEVICES: common/cgpu.c may_ask) costs one read of
  * it, with no daemon round trip.
  *
  * The real runtime: $CGPU_RUNTIME_REAL, else `runtime = PATH` in
@@ -189,7 +190,7 @@ static int prepare(const char *bundle, const char *id)
         bundle = abs;
     }
     if (!may_ask(bundle))
-        return 0;  /* its config.json does not name ALIYUN_COM_GPU_MEM_CONTAINER: not ours */
+        return 0;  /* its config.json names nothing of ours (may_ask): not ours */
     static char qb[2 * PATH_MAX * 3], qi[4096 * 3], req[sizeof qb + sizeof qi + 64];
     if (jquote(qb, sizeof qb, bundle) || jquote(qi, sizeof qi, id)) {
         refuse("bundle path or container id too long");
