@@ -111,11 +111,13 @@ class Params:
     # Gated instances (libcgpu): under a controlled policy a process keeps at most this much GPU
     # work (s) queued ahead per stream, so a closing's drain lasts about this long
     # (docs/scheduler.md, "Queued work"). Each drain bound (max_slice) the processes that cannot
-    # answer are given up on; one alive and draining is waited for up to drain_cap (s): libcgpu
-    # answers within its own drain bound whatever the application does, so only an older library
-    # (no deadline on its drain) is waited for that long. None: one drain bound.
+    # answer are given up on; one alive and draining is waited for up to drain_cap (s) if set:
+    # libcgpu answers within its own drain bound whatever the application does, so only an older
+    # library (no deadline on its drain) would need more. None (the default): one drain bound —
+    # "draining" is what a slot of the page says, and the page is the tenant's to write
+    # (docs/security.md, "Pages"): nothing it writes holds a neighbour past one bound.
     queue_budget: float = 0.002
-    drain_cap: float | None = 5.0
+    drain_cap: float | None = None
     # When the switcher opens the next gate: "drain" (once the stopped instance's queued work is
     # done), "ahead" (switch_lead before its drain is expected to end), "overlap" (at the closing;
     # docs/scheduler.md, "Switches").

@@ -94,10 +94,16 @@ struct page {
     int frozen;
     uint32_t gang_ready;         /* page GPUs whose switcher waits to open it (a gang's turns aligned: align_gang) */
     uint32_t gang_leaving;       /* page GPUs whose switcher waits to close it, its turn there over (align_gang) */
-    uint8_t stale[CGPU_MAX_PROCS];   /* a slot given up on: its pid and acked then */
+    uint8_t stale[CGPU_MAX_PROCS];   /* a slot given up on: its pid, and the closing it was given up at */
     int32_t stale_pid[CGPU_MAX_PROCS];
     uint32_t stale_acked[CGPU_MAX_PROCS];
+    int strikes;                 /* slots given up on alive (not answering, or draining past the cap) */
 };
+
+/* Give-ups of a live process (alive and not answering, or draining past the cap) that make a page
+ * damaged: libcgpu answers every closing within its drain bound, so a page whose slots keep the
+ * gate waiting so is forged (docs/security.md, "Pages"): its queued work is then not waited for. */
+#define STRIKES 3
 
 /* The usage page's head as the daemon reads it (struct cgpu_usage up to its slots). */
 struct usage_head {
@@ -483,8 +489,11 @@ static int undrained_locked(struct page *p, int gpu, int *out, struct head *hout
         struct head h = hs[i];
         if (h.pid <= 0)
             continue;
-        if (p->stale[slot] && (p->stale_pid[slot] != h.pid || p->stale_acked[slot] != h.acked))
-            p->stale[slot] = 0;  /* it has answered a closing since (or is another process) */
+        /* Given up on: waited for again once it has answered the closing it was given up at (or a later
+         * one), or is another process; only the daemon sets and clears this mark. A slot that merely
+         * changes its `acked` (a forger kept just behind the gate) stays given up on. */
+        if (p->stale[slot] && (!before(h.acked, p->stale_acked[slot]) || p->stale_pid[slot] != h.pid))
+            p->stale[slot] = 0;
         if (p->stale[slot])
             continue;
         if (h.gated == GATED_PER_GPU) {
@@ -600,7 +609,7 @@ EXPORT int cg_page_undrained(struct page *p, int gpu, int *out, int max)
 }
 
 /* Why a slot that has not answered is not waited for (cg_page_give_up's `why`). */
-enum { WAITING = 0, DEAD = 1, STOPPED = 2, SILENT = 3, TOO_LONG = 4 };
+enum { WAITING = 0, DEAD = 1, STOPPED = 2, SILENT = 3, TOO_LONG = 4, FORGED = 5 };
 
 /* Does process `pid` read the boot clock this process does (its time namespace is ours)? Its
  * /proc/<pid>/stat start time is then comparable with what its libcgpu recorded. */
@@ -614,9 +623,11 @@ static int same_clock(pid_t pid)
     return a.st_ino == b.st_ino && a.st_dev == b.st_dev;
 }
 
-/* The state of the process holding slot `slot`'s lock (libcgpu/gate.c): DEAD (none holds it: the
- * process is gone), STOPPED (its holder is stopped or traced), else WAITING (alive). A page whose
- * usage file cannot be asked: alive. */
+/* The state of the process holding slot `slot`'s lock (libcgpu/drain.c): DEAD (none holds it: the
+ * process is gone), STOPPED (its holder is stopped or traced), FORGED (the lock is not a process's
+ * POSIX lock the kernel names: an open file description's lock, F_GETLK's l_pid -1, or 0, a holder
+ * outside the daemon's PID namespace — libcgpu's helper takes a POSIX lock, and the daemon sees the
+ * host's PIDs), else WAITING (alive). A page whose usage file cannot be asked: alive. */
 static int holder_state(struct page *p, unsigned slot)
 {
     if (p->usage_fd < 0)
@@ -628,11 +639,13 @@ static int holder_state(struct page *p, unsigned slot)
         return WAITING;
     if (l.l_type == F_UNLCK)
         return DEAD;
+    if (l.l_pid <= 0)
+        return FORGED;  /* (an OFD lock: -1; a holder outside the daemon's PID namespace: 0) */
     char path[64], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)l.l_pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return WAITING;  /* (another PID namespace's /proc, l_pid 0 outside ours: it holds its lock, so it lives) */
+        return errno == ENOENT ? DEAD : WAITING;  /* (gone since the kernel named it) */
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
     if (n <= 0)
@@ -658,10 +671,27 @@ static int holder_state(struct page *p, unsigned slot)
     return st == 'T' || st == 't' ? STOPPED : WAITING;
 }
 
-/* Give up on the undrained slots that cannot answer: the dead, the stopped, and (a process alive
- * whose helper thread is not draining) the silent; with `all`, every one (a drain past its cap).
- * Those given up on are not waited for again until they answer. Returns how many; their slots and
- * reasons in out/why[max]. */
+/* The closing a slot that has not drained waits to answer (the latest of its closed GPUs'; an
+ * older library's: the shared gate word it must ack). */
+static uint32_t awaited_locked(struct page *p, const struct head *h)
+{
+    if (h->gated != GATED_PER_GPU)
+        return load(&p->lim->gate);
+    uint32_t c = 0;
+    int any = 0;
+    for (unsigned k = 0; k < CGPU_MAX_GPUS; k++)
+        if ((p->closed_mask >> k & 1) && (h->gpus >> k & 1) && (!any || before(c, p->closed[k])))
+            c = p->closed[k], any = 1;
+    return c;
+}
+
+/* Give up on the undrained slots that cannot answer: the dead, the stopped, the forged and (a
+ * process alive whose helper thread is not draining) the silent; with `all`, every one (a drain
+ * past its cap). Those given up on are not waited for again until they answer the closing they
+ * were given up at. A forged slot, or the STRIKES-th live process given up on, makes the page
+ * damaged: nothing of it is read from then on, so what it says holds nobody's gate again (a
+ * closing waits for it one drain bound at most, STRIKES times in the page's life). Returns how
+ * many; their slots and reasons in out/why[max]. */
 static int give_up_locked(struct page *p, int gpu, int all, int *out, int *why, int max)
 {
     int slots[CGPU_MAX_PROCS];
@@ -677,9 +707,16 @@ static int give_up_locked(struct page *p, int gpu, int all, int *out, int *why, 
             w = !(hs[i].gpus & CGPU_PROC_DRAINING) ? SILENT : all ? TOO_LONG : WAITING;
         if (w == WAITING)
             continue;  /* alive and draining: waited for */
+        if (w == FORGED)
+            damaged_locked(p, "slot %d is forged: the lock on it is no live process's (%s)", slots[i],
+                           "an open file description's lock, or a holder outside the daemon's PID namespace");
+        else if ((w == SILENT || w == TOO_LONG) && ++p->strikes >= STRIKES)
+            damaged_locked(p, "%d of its slots kept a closing waiting past the drain bound, alive (the last slot "
+                           "%d: %s): libcgpu answers within it", p->strikes, slots[i],
+                           w == SILENT ? "not draining" : "draining on");
         p->stale[slots[i]] = 1;
         p->stale_pid[slots[i]] = hs[i].pid;
-        p->stale_acked[slots[i]] = hs[i].acked;
+        p->stale_acked[slots[i]] = awaited_locked(p, &hs[i]);
         if (given < max) {
             if (out)
                 out[given] = slots[i];
