@@ -23,6 +23,7 @@ import pytest
 from cgpud.gpus import pages
 from cgpud.sched import native
 from cgpud.sched.policies import Params
+from test_gate import libs  # noqa: F401  (the fixture)
 from test_switcher import cancel, wait_step
 
 GIB = 1 << 30
@@ -129,3 +130,28 @@ def test_a_forged_slot_given_up_on_stays_so_whatever_its_acked_does(tmp_path, fo
         page.thaw(0)
         page.freeze(0)
         assert page.undrained(0) == [], "the forged slot is waited for again after moving its acked"
+
+
+def test_a_container_cannot_point_the_library_at_pages_of_its_own(make_daemon, libs, tmp_path):  # noqa: F811
+    """A process of a container (cgpu-runtime in front of real runc, 1 GiB) that names a page of its
+    own in CGPU_PAGE_DIR (made by it, 12 GiB) still gets its container's pages at /run/cgpu: the card
+    is 1 GiB to it and one byte past is refused. Before, the library took the environment's word."""
+    from test_libcgpu import MOUNT_CLIENT, run_prepared
+
+    share = tmp_path / "share"
+    (share / "lib").mkdir(parents=True)
+    subprocess.run(["cp", os.fspath(libs / "libcuda.so.1"), os.fspath(share / "lib" / "libcuda.so.1")], check=True)
+    pages.create(os.fspath(share / "mine"), [12 * GIB])
+    (tmp_path / "client.c").write_text(MOUNT_CLIENT)
+    subprocess.run(["gcc", "-o", os.fspath(share / "client"), os.fspath(tmp_path / "client.c"), "-ldl"], check=True)
+    rootfs = tmp_path / "rootfs"
+    for sub in ("usr", "proc", "dev", "sys", "run", "tmp", "share"):
+        (rootfs / sub).mkdir(parents=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        os.symlink(f"usr/{link}", rootfs / link)
+    r, _, _, _ = run_prepared(make_daemon, libs / "libcgpu.so", tmp_path, rootfs, share,
+                              "CGPU_PAGE_DIR=/share/mine /share/client",
+                              [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]}])
+    assert r.returncode == 0, r.stdout + r.stderr
+    total, fit, past, _ = r.stdout.split()
+    assert (int(total), fit, past) == (GIB, "0", "2"), f"the container's own page was obeyed: {r.stdout}"

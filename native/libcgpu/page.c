@@ -316,9 +316,14 @@ static void map_idents(void)
 
 void page_setup(void)
 {
+    /* A container's pages (cgpu-runtime's and the hook's mount: a read-only mount point no process of
+     * the container can remove) win over the environment, which the container's processes write
+     * (issue 44: CGPU_PAGE_DIR naming a page of its own made a process ungated and unlimited).
+     * CGPU_PAGE_DIR names the pages only where there are none at /run/cgpu: outside an instance
+     * (`cgpu run` on the host, the tests' harness). */
     const char *dir = getenv("CGPU_PAGE_DIR");
-    if ((!dir || !*dir) && access("/run/cgpu/limits", F_OK) == 0)
-        dir = "/run/cgpu";  /* a container's (cgpu-runtime's mount): its processes are isolated, environment or not */
+    if (access("/run/cgpu/limits", F_OK) == 0)
+        dir = "/run/cgpu";
     asked = dir && *dir;
     if (!asked)
         return;
