@@ -136,19 +136,10 @@ def test_a_container_cannot_point_the_library_at_pages_of_its_own(make_daemon, l
     """A process of a container (cgpu-runtime in front of real runc, 1 GiB) that names a page of its
     own in CGPU_PAGE_DIR (made by it, 12 GiB) still gets its container's pages at /run/cgpu: the card
     is 1 GiB to it and one byte past is refused. Before, the library took the environment's word."""
-    from test_libcgpu import MOUNT_CLIENT, run_prepared
+    from test_libcgpu import client_rootfs, run_prepared
 
-    share = tmp_path / "share"
-    (share / "lib").mkdir(parents=True)
-    subprocess.run(["cp", os.fspath(libs / "libcuda.so.1"), os.fspath(share / "lib" / "libcuda.so.1")], check=True)
+    share, rootfs = client_rootfs(libs, tmp_path)
     pages.create(os.fspath(share / "mine"), [12 * GIB])
-    (tmp_path / "client.c").write_text(MOUNT_CLIENT)
-    subprocess.run(["gcc", "-o", os.fspath(share / "client"), os.fspath(tmp_path / "client.c"), "-ldl"], check=True)
-    rootfs = tmp_path / "rootfs"
-    for sub in ("usr", "proc", "dev", "sys", "run", "tmp", "share"):
-        (rootfs / sub).mkdir(parents=True)
-    for link in ("bin", "lib", "lib64", "sbin"):
-        os.symlink(f"usr/{link}", rootfs / link)
     r, _, _, _ = run_prepared(make_daemon, libs / "libcgpu.so", tmp_path, rootfs, share,
                               "CGPU_PAGE_DIR=/share/mine /share/client",
                               [{"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]}])
