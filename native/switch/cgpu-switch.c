@@ -98,6 +98,9 @@ struct page {
     int32_t stale_pid[CGPU_MAX_PROCS];
     uint32_t stale_acked[CGPU_MAX_PROCS];
     int strikes;                 /* slots given up on alive (not answering, or draining past the cap) */
+    int hold_fd;                 /* its cgroup's freeze file, once a process of it used the GPU outside the
+                                    library (cg_page_hold; -1: none): frozen whenever a gate of it is closed */
+    char hold_on[16], hold_off[16];
 };
 
 /* Give-ups of a live process (alive and not answering, or draining past the cap) that make a page
@@ -175,7 +178,7 @@ EXPORT struct page *cg_page_open(const char *dir, const int *gpus, int n, char *
         snprintf(why, whylen, "out of memory");
         return NULL;
     }
-    p->fifo = p->keep = p->usage_fd = p->dir = -1;
+    p->fifo = p->keep = p->usage_fd = p->dir = p->hold_fd = -1;
     p->procs = malloc(sizeof(struct cgpu_proc) * CGPU_MAX_PROCS);
     if (!p->procs) {
         snprintf(why, whylen, "out of memory");
@@ -265,6 +268,8 @@ EXPORT void cg_page_release(struct page *p)
     close(p->keep);
     if (p->usage_fd >= 0)
         close(p->usage_fd);
+    if (p->hold_fd >= 0)
+        close(p->hold_fd);
     close(p->dir);
     munmap(p->lim, p->lim_size);
     free(p->procs);
@@ -305,6 +310,13 @@ static void open_gate(uint32_t *w)
     wake_all(w);  /* (also when it was open: a waiter that read an old value wakes and looks again) */
 }
 
+/* The instance's cgroup frozen (on) or thawed, where it is held so (cg_page_hold). */
+static void hold_locked(struct page *p, int on)
+{
+    const char *v = on ? p->hold_on : p->hold_off;
+    if (p->hold_fd >= 0 && pwrite(p->hold_fd, v, strlen(v), 0) < 0) { /* (its cgroup gone: its processes too) */ }
+}
+
 static void freeze_locked(struct page *p, int gpu)
 {
     /* The container's gate first: a helper thread woken by the count of closings below must find
@@ -332,6 +344,7 @@ static void freeze_locked(struct page *p, int gpu)
         }
     }
     p->frozen = 1;
+    hold_locked(p, 1);
 }
 
 static void thaw_locked(struct page *p, int gpu)
@@ -345,8 +358,10 @@ static void thaw_locked(struct page *p, int gpu)
                 open_gate(&p->lim->gpu_gate[k]);
             }
     }
-    if (!p->closed_mask)
+    if (!p->closed_mask) {
         open_gate(&p->lim->gate);
+        hold_locked(p, 0);
+    }
     p->frozen = p->closed_mask != 0;
 }
 
@@ -598,6 +613,40 @@ EXPORT int cg_page_damage(struct page *p, char *why, size_t len)
     }
     pthread_mutex_unlock(&p->mu);
     return tell;
+}
+
+/* Whether process `pid` (the daemon's PID namespace) holds the lock of a slot of the page: it runs
+ * libcgpu with a live slot, as the kernel says (the lock's holder), not as the page does. */
+EXPORT int cg_page_holds(struct page *p, int pid)
+{
+    pthread_mutex_lock(&p->mu);
+    int found = 0;
+    for (unsigned slot = 0; p->usage_fd >= 0 && slot < CGPU_MAX_PROCS && !found; slot++) {
+        struct flock l = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = slot_at(slot), .l_len = 1};
+        found = fcntl(p->usage_fd, F_GETLK, &l) == 0 && l.l_type != F_UNLCK && l.l_pid == pid;
+    }
+    pthread_mutex_unlock(&p->mu);
+    return found;
+}
+
+/* A process of the instance uses the GPU outside the library (no gate holds it): from now on its
+ * cgroup is frozen whenever a gate of the page is closed (the freeze file `fd`, the values `on` and
+ * `off` written to it: cgroup.freeze's 1 and 0, freezer.state's FROZEN and THAWED), and the page is
+ * damaged (`why`): its processes, frozen at a closing, cannot answer it. 1 the first time. */
+EXPORT int cg_page_hold(struct page *p, int fd, const char *on, const char *off, const char *why)
+{
+    pthread_mutex_lock(&p->mu);
+    int first = p->hold_fd < 0 && strlen(on) < sizeof p->hold_on && strlen(off) < sizeof p->hold_off;
+    if (first && (p->hold_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0)) >= 0) {
+        snprintf(p->hold_on, sizeof p->hold_on, "%s", on);
+        snprintf(p->hold_off, sizeof p->hold_off, "%s", off);
+        damaged_locked(p, "%s", why && *why ? why : "a process of it uses the GPU outside the library");
+        if (p->frozen)
+            hold_locked(p, 1);
+    } else
+        first = 0;
+    pthread_mutex_unlock(&p->mu);
+    return first;
 }
 
 EXPORT int cg_page_undrained(struct page *p, int gpu, int *out, int max)

@@ -1,0 +1,64 @@
+"""A process that leaves the library (issue 44; SPEC §9; docs/security.md, "Leaving the library"): a
+process of an instance that uses the GPU without libcgpu (LD_PRELOAD unset here; a static binary, a
+dlmopen'ed driver or raw ioctls the same) passes no gate. It has no slot, so nothing charged it and
+no closing waited for it: it ran through its neighbours' turns.
+
+A real daemon (`cgpud serve`, libcgpu, the compute gate, policy 2 at weights 1:1) with the stand-in
+NVML (its per-process utilisation measured from what the stand-in card ran for each process) and two
+`cgpu run` instances launching 1 ms kernels: `fair` through libcgpu, `out` with LD_PRELOAD unset. NVML
+lists out's process using the GPU; it holds no slot's lock in its page: the daemon holds the instance
+by its cgroup's freezer from then on (frozen whenever its gates are closed), and fair gets its half."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from test_attacks_charge import nvml_daemon
+from test_gate import CGPU, busy, libs  # noqa: F401  (libs: the fixture)
+
+SAID = "outside the library"
+
+
+def launcher(d, libs: Path, tmp: Path, name: str, seconds: float, outside: bool) -> subprocess.Popen:  # noqa: F811
+    """A `cgpu run` instance (weight 1) launching 1 ms kernels, through libcgpu or (outside) not."""
+    env = dict(os.environ, CGPUD_SOCKET=str(d.socket), LD_LIBRARY_PATH=os.fspath(libs),
+               CGPU_STUB_CUDA_STATE=os.fspath(tmp / "card"), CGPU_STUB_CUDA_LOG=os.fspath(tmp / f"{name}.kernels"))
+    leave = "unset LD_PRELOAD; " if outside else ""
+    cmd = f'{leave}CGPU_STUB_CUDA_DEVICE="$CGPU_DEVICE" exec {libs / "launcher"} {seconds} 1000 1'
+    return subprocess.Popen([CGPU, "run", "--name", name, "--mem", "64M", "--weight", "1", "--", "sh", "-c", cmd],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_process_outside_the_library_is_held_by_the_freezer(make_daemon, libs, tmp_path, monkeypatch):  # noqa: F811
+    d = nvml_daemon(make_daemon, libs, tmp_path, monkeypatch, "GPU-c4a2e0f1-0000-4000-8000-000000000044")
+    tag = uuid.uuid4().hex[:8]
+    out, fair = f"outs{tag}", f"fair{tag}"
+    procs = [launcher(d, libs, tmp_path, out, 14, True), launcher(d, libs, tmp_path, fair, 14, False)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "started", p.stderr.read()
+        deadline = time.monotonic() + 6  # (a wait for the check's verdict, not a timed assertion: a few windows)
+        while SAID not in d.log_text() and time.monotonic() < deadline and d.alive():
+            time.sleep(0.05)
+        time.sleep(0.3)
+        t0 = time.monotonic_ns()
+        time.sleep(4)
+        t1 = time.monotonic_ns()
+        assert all(p.poll() is None for p in procs), "a launcher ended before the window did"
+    finally:
+        for p in procs:
+            p.terminate()
+            p.communicate(timeout=30)
+    theirs, mine = busy(tmp_path / f"{out}.kernels", t0, t1), busy(tmp_path / f"{fair}.kernels", t0, t1)
+    share = mine / (mine + theirs)
+    log = d.log_text()
+    # weights 1:1: half the kernel time each
+    assert share >= 0.42, (share, mine, theirs, log[-4000:])
+    said = [line for line in log.splitlines() if f"instance {out}: process" in line]
+    assert len(said) == 1 and SAID in said[0], log[-3000:]
+    assert f"instance {fair}: process" not in log, "the neighbour through the library was held too"
+    print(f"fair's share {share:.3f}")
+    assert d.alive()
