@@ -37,7 +37,7 @@ log = logging.getLogger("cgpud")
 
 NOTIFY = 1  # a step flag: the switcher says when the step starts
 SWITCHES = ("drain", "ahead", "overlap")  # when the next gate opens (Switcher.mode)
-# why a process was not waited for (Report.why, Page.give_up): cgpu-switch.c's reasons
+# why a process was not waited for (Report.why, Page.give_up): native/switch/page.h's reasons
 GAVE_UP = {1: "dead", 2: "stopped", 3: "alive but not answering", 4: "still draining at the cap",
            5: "forged (its lock is no live process's)"}
 NAME = "libcgpu-switch.so"
