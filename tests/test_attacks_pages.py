@@ -51,6 +51,16 @@ while True:  # one closing behind, draining, always
 """
 
 
+def forge(directory: Path, slot: int, kind: str) -> subprocess.Popen:
+    """Start a forger of slot `slot` of the usage page in `directory` (its lock: "ofd" or "posix")."""
+    p = subprocess.Popen([sys.executable, "-c", FORGER, os.fspath(directory), str(slot), kind,
+                          str(pages.USAGE_HEAD.size + slot * pages.PROC.size), str(pages.GATED_OFFSET),
+                          str(pages.CLOSINGS_OFFSET), str(pages.GATED_PER_GPU), str(pages.PROC_DRAINING)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "forging", p.stderr.read()
+    return p
+
+
 @pytest.fixture
 def forged(tmp_path):
     """Two instances' pages on node GPU 0 (the forger's, a neighbour's) and a switcher for GPU 0 with the
@@ -66,13 +76,7 @@ def forged(tmp_path):
     procs = []
 
     def start(kind: str) -> None:
-        slot = 3
-        p = subprocess.Popen([sys.executable, "-c", FORGER, os.fspath(dirs[0]), str(slot), kind,
-                              str(pages.USAGE_HEAD.size + slot * pages.PROC.size), str(pages.GATED_OFFSET),
-                              str(pages.CLOSINGS_OFFSET), str(pages.GATED_PER_GPU), str(pages.PROC_DRAINING)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        procs.append(p)
-        assert p.stdout.readline().strip() == "forging", p.stderr.read()
+        procs.append(forge(dirs[0], 3, kind))
 
     yield start, ps, sw
     sw.close()

@@ -163,10 +163,15 @@ static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, 
 {
     struct pollfd pf[CGPU_MAX_PROCS + 1];
     int idx[CGPU_MAX_PROCS];
-    int64_t deadline = begin + s->bound_ns, cap = begin + s->cap_ns;
+    int64_t deadline = begin + s->bound_ns, cap = begin + s->cap_ns, blind = 0;
     int late = -1;
     *why = 0;
     *longer = 0;
+    for (int i = 0; i < n; i++) {  /* (a damaged page: its budget's time, not its word) */
+        int64_t ns = blind_ns(b->uni[which[i]]);
+        blind = ns > blind ? ns : blind;
+    }
+    blind = begin + (blind < s->bound_ns ? blind : s->bound_ns);
     for (;;) {
         int m = 0, shared = 0;
         for (int i = 0; i < n && m < CGPU_MAX_PROCS; i++) {
@@ -177,9 +182,18 @@ static int wait_drained(struct sw *s, struct batch *b, const int *which, int n, 
                 shared |= p->drives && ngpus(p) > 1;  /* another GPU's switcher may take its FIFO's byte */
             }
         }
-        if (!m)
-            return late;
         int64_t now = now_ns();
+        if (!m && now >= blind)
+            return late;
+        if (!m) {  /* (only a damaged page's time left) */
+            sleep_or_cmd(s, blind);
+            pthread_mutex_lock(&s->mu);
+            int stop = s->stopping;
+            pthread_mutex_unlock(&s->mu);
+            if (stop)
+                return late;
+            continue;
+        }
         if (!*opened && now >= open_at) {  /* (the next gate, ahead of the drain's end) */
             open_others(s, b, run);
             *opened = now = now_ns();

@@ -573,6 +573,18 @@ EXPORT int cg_page_hold(struct page *p, int fd, const char *on, const char *off,
     return first;
 }
 
+/* How long a closing of a damaged page is waited for, its queued work not asked about: as long as
+ * libcgpu lets a process queue ahead (its budget), the longest an honest page's drain lasts. 0 for a
+ * page that is read. */
+int64_t blind_ns(struct page *p)
+{
+    pthread_mutex_lock(&p->mu);
+    uint32_t us = load(&p->lim->queue_budget_us);
+    int64_t ns = !p->damage[0] || !p->per_gpu ? 0 : (int64_t)(us ? us : CGPU_QUEUE_BUDGET_US_DEFAULT) * 1000;
+    pthread_mutex_unlock(&p->mu);
+    return ns;
+}
+
 EXPORT int cg_page_undrained(struct page *p, int gpu, int *out, int max)
 {
     pthread_mutex_lock(&p->mu);

@@ -63,6 +63,8 @@ uint32_t ks(struct page *p, int gpu);
 void freeze_locked(struct page *p, int gpu);
 void thaw_locked(struct page *p, int gpu);
 int closed_on_locked(struct page *p, int gpu);
+/* A damaged page's closing: waited for this long, its queued work not asked about (0: read). */
+int64_t blind_ns(struct page *p);
 
 EXPORT void cg_page_ref(struct page *p);
 EXPORT void cg_page_release(struct page *p);
