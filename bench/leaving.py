@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,12 +35,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, os.fspath(HERE.parent / "tests"))
 sys.path.insert(0, os.fspath(HERE.parent))
 
+from charge import end, launcher_libs  # noqa: E402
 from conftest import Daemon, _make_base  # noqa: E402
 from nvml_stub import NvmlStub, StubGpu  # noqa: E402
 from test_attacks_outside import launcher  # noqa: E402
 from test_attacks_pages import forge  # noqa: E402
-from test_gate import LAUNCHER, busy  # noqa: E402
-from test_libcgpu import build_libs  # noqa: E402
+from test_gate import busy  # noqa: E402
 
 SCENES = ("honest", "forger (ofd)", "forger (posix)", "outside")
 SAID = {"forger (ofd)": "is forged", "forger (posix)": "past the drain bound", "outside": "outside the library"}
@@ -70,12 +69,7 @@ def scene(libs: Path, tmp: Path, which: str, seconds: float) -> dict:
         time.sleep(seconds - 3)
         t1 = time.monotonic_ns()
     finally:
-        for p in procs:
-            p.kill()
-            p.communicate(timeout=30)
-        if d.alive():
-            d.signal_stop()
-        d.cleanup()
+        end(procs, d)
     mine, theirs = busy(tmp / f"{fair}.kernels", t0, t1), busy(tmp / f"{other}.kernels", t0, t1)
     log = d.log_text()
     # (its part of the card's time, not of the kernel time run: a closing held for seconds idles both)
@@ -89,10 +83,7 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cgpu-leaving-") as t:
         tmp = Path(t)
-        libs = build_libs(tmp / "libs")
-        (libs / "launcher.c").write_text(LAUNCHER)
-        subprocess.run(["gcc", "-O2", "-o", os.fspath(libs / "launcher"), os.fspath(libs / "launcher.c"), "-ldl",
-                        "-lpthread"], check=True)
+        libs = launcher_libs(tmp)
         rows = {}
         for which in SCENES:
             where = tmp / which.replace(" ", "").replace("(", "-").replace(")", "")
