@@ -12,10 +12,13 @@ those switches waited for the forged slot up to the cap (5 s), and changing `ack
 "given up" mark: the neighbour's gate was shut all but a slice in 5 s."""
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -150,3 +153,64 @@ def test_a_container_cannot_point_the_library_at_pages_of_its_own(make_daemon, l
     assert r.returncode == 0, r.stdout + r.stderr
     total, fit, past, _ = r.stdout.split()
     assert (int(total), fit, past) == (GIB, "0", "2"), f"the container's own page was obeyed: {r.stdout}"
+
+
+def _through_closings(libs: Path, tmp: Path, forged: bool, closings: int = 15) -> float:  # noqa: F811
+    """A launcher of 1 ms kernels on GPU 0 of a two-GPU page, its gate closed `closings` times (20 ms
+    each) as the scheduler closes it; with `forged`, a slot of the page (gated on GPU 1, never waited
+    for there) says 2**40 launches. The kernels that started after a closing was answered, per closing."""
+    from cgpud.sched.gate import GateFreezer
+    from test_gate import kernels
+
+    d = tmp / ("forged" if forged else "honest")
+    pages.create(os.fspath(d), [GIB, GIB])
+    gate = GateFreezer(os.fspath(d), gpus=[0, 1])
+    gate.share(None, True, 2000)
+    live = os.open(d / "usage", os.O_RDONLY)  # (a live process's slot, as libcgpu's processes tell one)
+    if forged:  # (what a process of the container writes: a rank on GPU 1, far ahead)
+        slot = 9
+        fcntl.fcntl(live, fcntl.F_OFD_SETLK, struct.pack("=hh4xqqi4x", fcntl.F_RDLCK, 0, pages.USAGE_HEAD.size
+                                                         + slot * pages.PROC.size + pages.LIVENESS_BYTE, 1, 0))
+        with open(d / "usage", "r+b") as f:
+            f.seek(pages.USAGE_HEAD.size + slot * pages.PROC.size)
+            f.write(pages.PROC_HEAD.pack(os.getpid(), pages.GATED_PER_GPU, 0, 0b10))
+            f.seek(pages.GANG_OFFSET + slot * pages.GANG.size + 8)  # (its launched[1])
+            f.write((1 << 40).to_bytes(8, "little"))
+            f.seek(pages.GATED_OFFSET)
+            f.write((1 << slot).to_bytes(4, "little"))
+    env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs), "LD_PRELOAD": os.fspath(libs / "libcgpu.so"),
+           "CGPU_PAGE_DIR": os.fspath(d), "CGPU_STUB_CUDA_DEVICES": "2",
+           "CGPU_STUB_CUDA_STATE": os.fspath(tmp / f"card-{d.name}"), "CGPU_STUB_CUDA_LOG": os.fspath(tmp / f"{d.name}.log")}
+    p = subprocess.Popen([os.fspath(libs / "launcher"), "30", "1000", "0"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    answered = []
+    try:
+        assert p.stdout.readline().strip() == "started", p.stderr.read()
+        for _ in range(closings):
+            time.sleep(0.02)
+            gate.freeze(0)
+            at, t0 = time.monotonic_ns(), time.monotonic()
+            while gate.undrained(0):
+                assert time.monotonic() - t0 < 2, f"not drained: {gate.undrained(0)}"
+                time.sleep(0.0002)
+            time.sleep(0.02)
+            answered.append((at, time.monotonic_ns()))
+            gate.thaw(0)
+    finally:
+        p.kill()
+        p.wait()
+        gate.thaw()
+        gate.close()
+        os.close(live)
+    starts = [s for _, s, _ in kernels(tmp / f"{d.name}.log")]
+    return sum(1 for s in starts for a, b in answered if a < s < b) / closings
+
+
+def test_a_forged_ranks_count_lets_no_launch_through_a_closing(libs, tmp_path):  # noqa: F811
+    """A gang's catch-up lets a rank that is behind through a closing (the half of a collective a closing
+    cut). A forged slot far ahead made every process of the instance such a rank: its launches passed
+    each closing, past the answer. Counts more than 2 * GANG_CATCH_UP apart are not ranks of one
+    collective: none passes, as with no forged slot."""
+    honest, forged = _through_closings(libs, tmp_path, False), _through_closings(libs, tmp_path, True)
+    assert forged <= honest + 0.5, f"kernels started after the closing was answered, per closing: {forged} " \
+                                   f"(honest: {honest})"
