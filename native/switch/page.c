@@ -17,6 +17,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "page.h"
@@ -27,10 +28,25 @@ static void wake_all(uint32_t *word)
 {
     syscall(SYS_futex, word, FUTEX_WAKE, 0x7FFFFFFF, NULL, NULL, 0);
 }
+
 /* Give-ups of a live process (alive and not answering, or draining past the cap) that make a page
- * damaged: libcgpu answers every closing within its drain bound, so a page whose slots keep the
- * gate waiting so is forged (docs/security.md, "Pages"): its queued work is then not waited for. */
+ * damaged, STRIKES within STRIKE_NS: libcgpu answers every closing within its drain bound, so a
+ * page whose slots keep the gate waiting so is forged (docs/security.md, "Pages and leaving the
+ * library"): its queued work is then not waited for. (Within a window: an honest process that a
+ * loaded machine kept from answering now and then is not taken for one.) */
 #define STRIKES 3
+#define STRIKE_NS 10000000000ll
+
+/* A live slot given up on: 1 when it is the STRIKES-th within STRIKE_NS. With the page's lock held. */
+static int struck_locked(struct page *p)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    int64_t now = (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+    unsigned n = p->strikes++;
+    p->strike_at[n % STRIKES] = now;
+    return n + 1 >= STRIKES && now - p->strike_at[(n + 1) % STRIKES] < STRIKE_NS;  /* (the STRIKES-1-th before) */
+}
 
 /* The usage page's head as the daemon reads it (struct cgpu_usage up to its slots). */
 struct usage_head {
@@ -671,9 +687,9 @@ static uint32_t awaited_locked(struct page *p, const struct head *h)
 /* Give up on the undrained slots that cannot answer: the dead, the stopped, the forged and (a
  * process alive whose helper thread is not draining) the silent; with `all`, every one (a drain
  * past its cap). Those given up on are not waited for again until they answer the closing they
- * were given up at. A forged slot, or the STRIKES-th live process given up on, makes the page
+ * were given up at. A forged slot, or the STRIKES-th live process given up on within STRIKE_NS, makes the page
  * damaged: nothing of it is read from then on, so what it says holds nobody's gate again (a
- * closing waits for it one drain bound at most, STRIKES times in the page's life). Returns how
+ * closing waits for it one drain bound at most, STRIKES times in a row). Returns how
  * many; their slots and reasons in out/why[max]. */
 static int give_up_locked(struct page *p, int gpu, int all, int *out, int *why, int max)
 {
@@ -693,7 +709,7 @@ static int give_up_locked(struct page *p, int gpu, int all, int *out, int *why, 
         if (w == FORGED)
             damaged_locked(p, "slot %d is forged: the lock on it is no live process's (%s)", slots[i],
                            "an open file description's lock, or a holder outside the daemon's PID namespace");
-        else if ((w == SILENT || w == TOO_LONG) && ++p->strikes >= STRIKES)
+        else if ((w == SILENT || w == TOO_LONG) && struck_locked(p))
             damaged_locked(p, "%d of its slots kept a closing waiting past the drain bound, alive (the last slot "
                            "%d: %s): libcgpu answers within it", p->strikes, slots[i],
                            w == SILENT ? "not draining" : "draining on");

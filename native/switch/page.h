@@ -50,7 +50,8 @@ struct page {
     uint8_t stale[CGPU_MAX_PROCS];   /* a slot given up on: its pid, and the closing it was given up at */
     int32_t stale_pid[CGPU_MAX_PROCS];
     uint32_t stale_acked[CGPU_MAX_PROCS];
-    int strikes;                 /* slots given up on alive (not answering, or draining past the cap) */
+    unsigned strikes;            /* slots given up on alive (not answering, or draining past the cap) */
+    int64_t strike_at[3];        /* when the last three were (page.c, STRIKES) */
     int hold_fd;                 /* its cgroup's freeze file, once a process of it used the GPU outside the
                                     library (cg_page_hold; -1: none): frozen whenever a gate of it is closed */
     char hold_on[16], hold_off[16];
