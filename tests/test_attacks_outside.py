@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from test_attacks_charge import nvml_daemon
+from test_enforce import lab  # noqa: F401  (the fixture)
 from test_gate import CGPU, busy, libs  # noqa: F401  (libs: the fixture)
 
 SAID = "outside the library"
@@ -62,3 +63,35 @@ def test_a_process_outside_the_library_is_held_by_the_freezer(make_daemon, libs,
     assert f"instance {fair}: process" not in log, "the neighbour through the library was held too"
     print(f"fair's share {share:.3f}")
     assert d.alive()
+
+
+def test_a_held_instances_cgroup_is_frozen_at_each_closing_and_thawed_by_the_guards_entry(lab, tmp_path):  # noqa: F811
+    """The hold itself, driven as the scheduler drives it: a gated instance's target (from its registry
+    entry: its pages and its cgroup) held by its cgroup writes `1` to cgroup.freeze at each closing and
+    `0` at each opening; its spec names the group, and the guard's thaw of that entry (a daemon that
+    died with it frozen) thaws the group as well as the gates."""
+    from cgpud.gpus import pages
+    from cgpud.sched.enforce import freezer_from_spec, thaw_spec
+
+    group = lab.group("cgroup2")
+    pages.create(os.fspath(tmp_path / "pages"), [1 << 30])
+    gate = freezer_from_spec({"kind": "cgroup2", "path": group, "gate": os.fspath(tmp_path / "pages"), "gpus": [0]})
+    state = Path(group, "cgroup.freeze")
+    try:
+        gate.freeze(0)
+        gate.thaw(0)
+        assert state.read_text().strip() == "0", "frozen before it was held"
+        assert gate.hold_group("a process of it used GPU 0 outside the library")
+        assert not gate.hold_group("again"), "held twice"
+        gate.freeze(0)
+        assert state.read_text().strip() == "1", "a closing of a held instance did not freeze its cgroup"
+        gate.thaw(0)
+        assert state.read_text().strip() == "0", "an opening did not thaw it"
+        gate.freeze(0)
+        entry = gate.spec()
+        assert entry["group"] == {"kind": "cgroup2", "path": group}
+        assert "outside the library" in (gate.damage() or "")
+    finally:
+        gate.close()
+    assert thaw_spec(entry) == "thawed"
+    assert state.read_text().strip() == "0", "the guard's thaw left the group frozen"
