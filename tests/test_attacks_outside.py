@@ -18,6 +18,7 @@ from pathlib import Path
 
 from test_attacks_charge import nvml_daemon
 from test_enforce import lab  # noqa: F401  (the fixture)
+from test_growth import watched  # noqa: F401  (the fixture)
 from test_gate import CGPU, busy, libs  # noqa: F401  (libs: the fixture)
 
 SAID = "outside the library"
@@ -95,3 +96,40 @@ def test_a_held_instances_cgroup_is_frozen_at_each_closing_and_thawed_by_the_gua
         gate.close()
     assert thaw_spec(entry) == "thawed"
     assert state.read_text().strip() == "0", "the guard's thaw left the group frozen"
+
+
+def test_memory_taken_outside_the_library_is_held_before_a_neighbours_allocation_fails(watched, tmp_path):
+    """A process of an instance (1 GiB) that unsets LD_PRELOAD fills the whole card; at that moment a
+    neighbour's process (through libcgpu, 1 GiB) asks 256 MiB, well inside its memsize. The card is
+    full: the driver says out of memory. libcgpu, the instance watched by the daemon's watchdog, gives
+    the watchdog its look (it fails the process past its memsize: SIGKILL) and asks again: the
+    allocation succeeds. Before, the neighbour got CUDA_ERROR_OUT_OF_MEMORY (issue 44)."""
+    from test_growth import cgpu_run, finish, name
+
+    go = tmp_path / "filled"
+    fair = cgpu_run(watched, name("mf"), "1G", f"""
+        import os, time
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        print("ready", flush=True)
+        while not os.path.exists({os.fspath(go)!r}):
+            time.sleep(0.001)
+        r = d.cuMemAlloc(2**28)
+        print("asked", r[0].name, flush=True)
+    """)
+    assert fair.stdout.readline().strip() == "ready", fair.stderr.read()
+    hog = cgpu_run(watched, name("mo"), "1G", f"""
+        import time
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        got = []
+        for size in (2**28, 2**24, 2**20):
+            while (r := d.cuMemAlloc(size))[0] == d.CUresult.CUDA_SUCCESS:
+                got.append(r[1])
+        open({os.fspath(go)!r}, "w").close()
+        time.sleep(30)
+    """, around=True)
+    try:
+        rc, out, err = finish(fair)
+    finally:
+        os.killpg(hog.pid, 9)
+        hog.communicate(timeout=30)
+    assert rc == 0 and out.split() == ["asked", "CUDA_SUCCESS"], (rc, out, err, watched.log_text()[-3000:])

@@ -314,6 +314,20 @@ static void map_idents(void)
                          + sizeof(struct cgpu_usage_gang), sizeof(struct cgpu_usage_ident));
 }
 
+/* The driver said out of memory to an allocation inside memsize: the card is full, and where memsizes
+ * do not overcommit it, of another instance's process past its own memsize — one outside the
+ * library (issue 44), which the daemon's watchdog fails at its next look (every 0.5 s). Where the
+ * watchdog watches this container, wait for that look, 100 ms at a time, 1.5 s in all, and ask
+ * again: 1 to ask again (docs/memory.md, "Memory taken outside the library"). */
+int held_elsewhere(int attempt)
+{
+    if (attempt >= 15 || !drv || !__atomic_load_n(&drv->watched, __ATOMIC_ACQUIRE))
+        return 0;
+    struct timespec t = {0, 100000000};
+    nanosleep(&t, NULL);
+    return 1;
+}
+
 void page_setup(void)
 {
     /* A container's pages (cgpu-runtime's and the hook's mount: a read-only mount point no process of
