@@ -36,6 +36,25 @@ from test_gate import LAUNCHER, busy, run_launcher  # noqa: E402
 from test_libcgpu import build_libs  # noqa: E402
 
 
+def launcher_libs(tmp: Path) -> Path:
+    """libcgpu and the stand-ins built from this checkout into tmp/libs, with tests/test_gate.py's launcher."""
+    libs = build_libs(tmp / "libs")
+    (libs / "launcher.c").write_text(LAUNCHER)
+    subprocess.run(["gcc", "-O2", "-o", os.fspath(libs / "launcher"), os.fspath(libs / "launcher.c"), "-ldl",
+                    "-lpthread"], check=True)
+    return libs
+
+
+def end(procs: list, d: Daemon) -> None:
+    """The launchers ended (their kernel logs whole), then the daemon."""
+    for p in procs:
+        p.terminate()
+        p.communicate(timeout=30)
+    if d.alive():
+        d.signal_stop()
+    d.cleanup()
+
+
 def one(libs: Path, tmp: Path, checked: bool, seconds: float) -> dict:
     stub = NvmlStub(libs, tmp / "nvml.conf", gpus=[StubGpu(uuid="GPU-c4a2e0f1-0000-4000-8000-000000000033")],
                     cuda_state=tmp / "card")
@@ -68,12 +87,7 @@ def one(libs: Path, tmp: Path, checked: bool, seconds: float) -> dict:
         wall = time.monotonic() - w0
     finally:
         stop.set()
-        for p in procs:
-            p.terminate()
-            p.communicate(timeout=30)
-        if d.alive():
-            d.signal_stop()
-        d.cleanup()
+        end(procs, d)
     mine, theirs = busy(tmp / f"{liar}.kernels", t0, t1), busy(tmp / f"{honest}.kernels", t0, t1)
     log = d.log_text()
     m = re.search(r"checked (\d+) times, each ([\d.]+) ms \(median\), ([\d.]+) ms at most", log)
@@ -89,10 +103,7 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="cgpu-charge-") as t:
         tmp = Path(t)
-        libs = build_libs(tmp / "libs")
-        (libs / "launcher.c").write_text(LAUNCHER)
-        subprocess.run(["gcc", "-O2", "-o", os.fspath(libs / "launcher"), os.fspath(libs / "launcher.c"), "-ldl",
-                        "-lpthread"], check=True)
+        libs = launcher_libs(tmp)
         rows = {True: [], False: []}
         for r in range(a.rounds):
             for checked in (True, False):

@@ -39,10 +39,11 @@ def _lie(usage, stop: threading.Event, part: float = 0.1) -> None:
             time.sleep(0.0005)
 
 
-def test_a_container_that_under_reports_its_gpu_time_gets_its_weight_not_twice_it(make_daemon, libs, tmp_path,
-                                                                                     monkeypatch):
+def nvml_daemon(make_daemon, libs, tmp_path, monkeypatch, gpu_uuid: str):  # noqa: F811
+    """A daemon with libcgpu, the compute gate and policy 2, its GPU the stand-in NVML's (whose
+    per-process utilisation is what the stand-in card at tmp_path/card ran for each process)."""
     stub = NvmlStub.build(tmp_path)
-    stub.gpus = [StubGpu(uuid="GPU-c4a2e0f1-0000-4000-8000-000000000033")]
+    stub.gpus = [StubGpu(uuid=gpu_uuid)]
     stub.cuda_state = tmp_path / "card"  # (run_launcher's card: the processes' kernels measured there)
     stub.write()
     monkeypatch.setenv("LD_LIBRARY_PATH", os.fspath(stub.libdir))
@@ -50,6 +51,12 @@ def test_a_container_that_under_reports_its_gpu_time_gets_its_weight_not_twice_i
     monkeypatch.setenv("CGPUD_CHARGE_NVML", "1")
     d = make_daemon(extra_args=["--libcgpu", os.fspath(libs / "libcgpu.so"), "--compute", "gate"])
     d.write("0/policy", "2")
+    return d
+
+
+def test_a_container_that_under_reports_its_gpu_time_gets_its_weight_not_twice_it(make_daemon, libs, tmp_path,
+                                                                                     monkeypatch):
+    d = nvml_daemon(make_daemon, libs, tmp_path, monkeypatch, "GPU-c4a2e0f1-0000-4000-8000-000000000033")
     tag = uuid.uuid4().hex[:8]
     liar, honest = f"liar{tag}", f"fair{tag}"
     one = run_launcher(d, libs, tmp_path, liar, 1, 14)

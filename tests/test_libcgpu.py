@@ -565,10 +565,8 @@ def run_prepared(make_daemon, lib: Path, tmp_path: Path, rootfs: Path, share: Pa
     return r, json.loads((bundle / "config.json").read_text()), d, cid
 
 
-def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(make_daemon, libs, tmp_path):
-    """cgpu-runtime in front of real runc: the daemon's `prepare` makes the container's pages and
-    mounts the library and them; the hook fills its memsize; the container's own process (a C
-    client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it."""
+def client_rootfs(libs: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A share (the stand-in libcuda, MOUNT_CLIENT built) and a rootfs of the host's /usr (bind it)."""
     share = tmp_path / "share"
     (share / "lib").mkdir(parents=True)
     subprocess.run(["cp", os.fspath(libs / "libcuda.so.1"), os.fspath(share / "lib" / "libcuda.so.1")], check=True)
@@ -579,6 +577,14 @@ def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(mak
         (rootfs / sub).mkdir(parents=True)
     for link in ("bin", "lib", "lib64", "sbin"):
         os.symlink(f"usr/{link}", rootfs / link)
+    return share, rootfs
+
+
+def test_a_container_prepared_by_cgpu_runtime_gets_the_library_and_its_limit(make_daemon, libs, tmp_path):
+    """cgpu-runtime in front of real runc: the daemon's `prepare` makes the container's pages and
+    mounts the library and them; the hook fills its memsize; the container's own process (a C
+    client, its libcuda the stand-in) sees 1 GiB as the card and is refused one byte past it."""
+    share, rootfs = client_rootfs(libs, tmp_path)
     # the second run clears its environment (no LD_PRELOAD, no CGPU_PAGE_DIR): /etc/ld.so.preload
     # loads the library still, and it finds the pages where cgpu-runtime mounts them
     r, prepared, d, cid = run_prepared(

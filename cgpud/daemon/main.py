@@ -279,8 +279,8 @@ async def _start_charge_check(nursery, services: Services, cfg: Config) -> None:
 
 async def _start_health(nursery, node: Node, durable: Durable, services: Services, cfg: Config):
     """GPU health (cgpud/gpus/health.py): NVML's events on real GPUs, the state directory's sim-faults
-    file on simulated ones. A GPU out of service: its scheduler stops (nothing of it stays frozen or
-    gated, nobody is charged), nothing new is placed on it, query/metrics/cgpu-smi say why."""
+    file on simulated ones. A GPU out of service: its scheduler goes on (its instances stay isolated), nothing new is
+    placed on it, query/metrics/cgpu-smi say why."""
     import time
 
     from cgpud.gpus import health

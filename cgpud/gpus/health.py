@@ -362,7 +362,7 @@ class HealthWatch:
                             self.health.policy.quiet)
             else:
                 log.error("%s failed: %s; it is out of service (its units Unhealthy, nothing new placed on it, "
-                          "none of its instances held): %s", self.names[i], g.reason, g.advice)
+                          "its instances still scheduled): %s", self.names[i], g.reason, g.advice)
             if self.on_change is not None:
                 self.on_change(i, g)
 

@@ -321,7 +321,11 @@ def freezer_from_spec(entry: dict[str, Any]) -> Freezer:
     gates launches) gets the gate instead of its group's freezer."""
     kind, label = entry.get("kind"), entry.get("label")
     if entry.get("gate"):
-        return GateFreezer(entry["gate"], label=label, gpus=entry.get("gpus"))
+        group, cls = None, {KIND_CGROUP2: CgroupV2Freezer, KIND_FREEZER: CgroupV1Freezer}.get(kind)
+        if cls is not None and isinstance(entry.get("path"), str):
+            group = {"kind": kind, "path": entry["path"]}
+        return GateFreezer(entry["gate"], label=label, gpus=entry.get("gpus"), group=group,
+                           group_freezer=(lambda: cls(group["path"], label=label)) if group else None)
     if kind == KIND_GATE:
         return GateFreezer(entry["path"], label=label)
     if kind == KIND_CGROUP2:
@@ -375,6 +379,8 @@ def thaw_spec(entry: Any) -> str:
         return "nothing to do"
     if kind == KIND_GATE:
         path = entry.get("path")
+        if isinstance(entry.get("group"), dict):  # (its cgroup, which held it when a process left the library)
+            thaw_spec(entry["group"])
         return thaw_gate(path) if isinstance(path, str) else "refused: no path"
     return f"refused: unknown kind {kind!r}"
 

@@ -47,7 +47,7 @@ import logging
 import mmap
 import os
 import struct
-from typing import Any
+from typing import Any, Iterable
 
 import trio
 
@@ -137,9 +137,13 @@ class GateFreezer:
     which the GPUs' switcher threads share: `page` is its handle."""
     kind = KIND_GATE
 
-    def __init__(self, directory: str, *, label: str | None = None, gpus: list[int] | None = None) -> None:
+    def __init__(self, directory: str, *, label: str | None = None, gpus: list[int] | None = None,
+                 group: dict | None = None, group_freezer: Any = None) -> None:
         self.path = os.path.realpath(directory)
         self.label = label
+        # (its instance's cgroup, {"kind", "path"}, and how to open its freezer: where a process of it
+        # uses the GPU outside the library, hold_group() freezes it whenever its gates are closed)
+        self.group, self._group_freezer, self.held = group, group_freezer, None
         ok = isinstance(gpus, list) and gpus and all(isinstance(g, int) and not isinstance(g, bool) for g in gpus)
         self.gpus = list(gpus) if ok else None  # (from a state file: anything else is the container's one gate)
         try:
@@ -190,6 +194,24 @@ class GateFreezer:
         """Why the container's usage page is damaged, once (see native.Page.damage)."""
         return self.page.damage()
 
+    def outside(self, pids: Iterable[int]) -> list[int]:
+        """Of processes of the instance that use the GPU (NVML's pids), those with no live slot in its
+        page (no slot's lock is theirs): outside the library, no gate holds them."""
+        return [pid for pid in pids if not self.page.holds(pid)]
+
+    def hold_group(self, why: str) -> bool:
+        """Hold the instance by its cgroup's freezer from now on, frozen whenever its gates are closed
+        (docs/security.md, "Leaving the library"). True the first time; False without a cgroup."""
+        if self.held is not None or self._group_freezer is None or self.page.handle is None:
+            return False
+        try:
+            f = self._group_freezer()
+        except (Refused, TargetGone, OSError) as exc:
+            log.warning("%s: its cgroup cannot hold it (%s)", self.label or self.path, exc)
+            return False
+        self.held = f
+        return self.page.hold(f._fd, f._h.freeze_value, f._h.thaw_value, why)
+
     def share(self, gpu: int | None, on: bool, budget_us: int) -> None:
         """Another instance is active on node GPU `gpu` (None: on all the
         container's GPUs) now, or no longer: while it is, the container's
@@ -206,8 +228,9 @@ class GateFreezer:
     def is_frozen(self) -> bool:
         return self.frozen and not self.undrained()
 
-    def spec(self) -> dict[str, Any]:
-        return {"kind": self.kind, "path": self.path, **({"label": self.label} if self.label else {})}
+    def spec(self) -> dict[str, Any]:  # (the guard thaws its group too: it may have held it)
+        return {"kind": self.kind, "path": self.path, **({"label": self.label} if self.label else {}),
+                **({"group": self.group} if self.group else {})}
 
     def close(self) -> None:
         """Forget the page; the gate keeps the state it has (thaw first)."""
@@ -217,6 +240,8 @@ class GateFreezer:
             except RuntimeError:  # (not in a trio thread)
                 pass
             self.page.release()
+        if self.held is not None:
+            self.held.close()
 
     def __repr__(self) -> str:
         return f"GateFreezer({self.path!r})"

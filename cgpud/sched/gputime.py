@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from cgpud.sched.policies import Decision, GpuView, Kind
+from cgpud.sched.policies import Decision, GpuView, InstView, Kind, entitled_share
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,22 @@ class PrioTime:
         return total
 
 
+class HeldBack:
+    """Mixed into GpuScheduler: `held_back`, the instances a process of which left the library and used
+    more GPU time than their share (NVML's figure: ChargeCheck), planned with weight 0 (held at their
+    gates and frozen) until that debt is paid; `_held_back(settings)` applies it to the basis."""
+
+    held_back: frozenset[str] = frozenset()
+
+    def _held_back(self, settings: tuple) -> tuple:
+        if not self.held_back:
+            return settings
+        return tuple((n, 0 if n in self.held_back else w, h) for n, w, h in settings)
+
+
 # ---- the check of what the pages say (docs/security.md, "The charge") ----------------------------
 
+DEBT_MAX = 30.0     # s of GPU time past its share a held instance may owe (paid back before it runs again)
 TRUSTED = 0.5       # a page that counts under this part of what NVML measured is not believed
 NOISE = 0.1         # ... when NVML measured at least this part of the window (its figure is whole percents)
 
@@ -92,6 +106,7 @@ class ChargeCheck:
         self._at: dict[int, float] = {}                    # gpu: when that was (monotonic s)
         self.distrusted: set[tuple[int, str]] = set()
         self._errors: set[str] = set()
+        self.debt: dict[tuple[int, str], float] = {}      # (gpu, name): GPU s a held instance used past its share
 
     def measured(self, gpu: int, since: int) -> tuple[dict[int, float] | None, int]:
         """NVML's utilisation of each process on `gpu` since its answer stamped `since` (a fraction of
@@ -140,10 +155,16 @@ class ChargeCheck:
                 continue
             util, window = sampled[gpu]
             used: dict[str, float] = {}
+            users: dict[str, list[int]] = {}
             for pid, u in util.items():
                 inst = self.owner(pid, gpu)
                 if inst is not None:
                     used[inst.name] = used.get(inst.name, 0.0) + u
+                    if u > 0:
+                        users.setdefault(inst.name, []).append(pid)
+            for name, pids in users.items():
+                self._hold_outside(target(name), name, gpu, pids)
+            self._charge_held(s, target, used, window)
             for name in list(getattr(enforcer, "_targets", {})):
                 page = getattr(target(name), "page", None)
                 if page is None or (gpu, name) in self.distrusted:
@@ -163,7 +184,47 @@ class ChargeCheck:
         live = {(s.gpu, n) for s in self.schedulers() for n in getattr(s._enforcer, "_targets", {})}
         self.distrusted &= live  # (an instance made again has a new page)
         self._claimed = {k: v for k, v in self._claimed.items() if k in live}
+        self.debt = {k: v for k, v in self.debt.items() if k in live}
         return found
+
+    def _charge_held(self, sched: Any, target: Any, used: dict[str, float], window: float) -> None:
+        """Charge the held instances of a GPU (a process of theirs outside the library) by NVML's figure:
+        what each used past its share over the window is its debt (none banked below it, at most
+        DEBT_MAX s); while it owes, its scheduler plans it with weight 0 (held, its queued work drains
+        beside the others). An instance's GPU time over time is then its share, whatever it queued."""
+        g = sched.node.gpu(sched.gpu)
+        held = [n for n in getattr(sched._enforcer, "_targets", {}) if getattr(target(n), "held", None) is not None]
+        if not held or window <= 0:
+            return
+        view = GpuView(g.policy, g.max_inst, g.prio_ratio,
+                       tuple(InstView(i.name, i.weight, i.highprio, True) for i in g.instances.values()))
+        owing = set()
+        for name in held:
+            if name not in view.names:
+                continue
+            key = (sched.gpu, name)
+            owed = self.debt.get(key, 0.0) + (used.get(name, 0.0) - entitled_share(view, name)) * window
+            self.debt[key] = min(max(owed, 0.0), DEBT_MAX)
+            if self.debt[key] > 0:
+                owing.add(name)
+        if frozenset(owing) != sched.held_back:
+            sched.held_back = frozenset(owing)
+            sched.poke()
+
+    @staticmethod
+    def _hold_outside(target: Any, name: str, gpu: int, pids: list[int]) -> None:
+        """Processes of a gated instance that used the GPU (NVML's word) with no live slot in its page
+        (the kernel's: no slot's lock is theirs) left the library: no gate holds them. The instance is
+        held by its cgroup's freezer from then on, frozen whenever its gates are closed (issue 44)."""
+        outside = getattr(target, "outside", None)
+        if outside is None or getattr(target, "held", None) is not None:
+            return
+        gone = outside(pids)
+        why = (f"process {', '.join(map(str, gone))} of it used GPU {gpu} outside the library (NVML lists it, "
+               "it holds no slot): held by its cgroup's freezer")
+        if gone and target.hold_group(why):
+            log.warning("instance %s: %s, frozen whenever its gates are closed; charged the time they are open, "
+                        "until the instance is made again", name, why)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()

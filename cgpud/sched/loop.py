@@ -29,7 +29,7 @@ from cgpud.core.model import Node
 from cgpud.sched import native
 from cgpud.sched.batching import NativeSwitching
 from cgpud.sched.gate import look_at_pages
-from cgpud.sched.gputime import PrioTime
+from cgpud.sched.gputime import HeldBack, PrioTime
 from cgpud.sched.enforce_api import Activity, Enforcer, UsageMeter
 from cgpud.sched.policies import Decision, GpuView, InstView, Kind, Params, Planner
 from cgpud.sched.sharing import QueueBounds
@@ -89,7 +89,7 @@ class TimerFdWaiter:
         self._timer.close()
 
 
-class GpuScheduler(NativeSwitching, QueueBounds, PrioTime):
+class GpuScheduler(NativeSwitching, QueueBounds, PrioTime, HeldBack):
     """The time-slice scheduler of one GPU (a background service: `run`, `stop`).
 
     With a `switcher` (cgpud.sched.native), the slices of gated instances
@@ -313,7 +313,7 @@ class GpuScheduler(NativeSwitching, QueueBounds, PrioTime):
         """The settings a decision was made on: when they change, replan."""
         if g is None:
             g = self.node.gpu(self.gpu)
-        return g.policy, g.max_inst, g.prio_ratio, tuple(map(_SETTINGS, g.instances.values()))
+        return g.policy, g.max_inst, g.prio_ratio, self._held_back(tuple(map(_SETTINGS, g.instances.values())))
 
     def _is_active(self, name: str) -> bool:
         try:

@@ -37,8 +37,9 @@ log = logging.getLogger("cgpud")
 
 NOTIFY = 1  # a step flag: the switcher says when the step starts
 SWITCHES = ("drain", "ahead", "overlap")  # when the next gate opens (Switcher.mode)
-# why a process was not waited for (Report.why, Page.give_up): cgpu-switch.c's reasons
-GAVE_UP = {1: "dead", 2: "stopped", 3: "alive but not answering", 4: "still draining at the cap"}
+# why a process was not waited for (Report.why, Page.give_up): native/switch/page.h's reasons
+GAVE_UP = {1: "dead", 2: "stopped", 3: "alive but not answering", 4: "still draining at the cap",
+           5: "forged (its lock is no live process's)"}
 NAME = "libcgpu-switch.so"
 
 
@@ -110,7 +111,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cg_page_share": (None, [P, I, I, ctypes.c_uint32]),
         "cg_page_bound": (None, [P, ctypes.c_uint32]), "cg_page_gpu_ns": (ctypes.c_int64, [P, I]),
         "cg_page_damage": (I, [P, ctypes.c_char_p, ctypes.c_size_t]),
-        "cg_page_distrust": (I, [P, ctypes.c_char_p]),
+        "cg_page_distrust": (I, [P, ctypes.c_char_p]), "cg_page_holds": (I, [P, I]),
+        "cg_page_hold": (I, [P, I, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p]),
         "cg_sw_new": (P, [I, ctypes.c_int64, ctypes.c_int64]), "cg_sw_fd": (I, [P]),
         "cg_sw_mode": (None, [P, I, ctypes.c_int64]), "cg_sw_ack": (None, [P]),
         "cg_sw_align": (None, [P, ctypes.c_int64]),
@@ -181,6 +183,17 @@ class Page:
 
     def closed_on(self, gpu: int) -> bool:
         return bool(self._lib.cg_page_closed_on(self.handle, gpu))
+
+    def holds(self, pid: int) -> bool:
+        """Whether process `pid` holds a slot's lock: it runs libcgpu with a live slot (the kernel's word)."""
+        return self.handle is not None and bool(self._lib.cg_page_holds(self.handle, pid))
+
+    def hold(self, fd: int, on: bytes, off: bytes, why: str) -> bool:
+        """From now on its instance's cgroup (the freeze file `fd`; `on`/`off` its values) is frozen
+        whenever a gate of the page is closed, and the page damaged (`why`). True the first time."""
+        if self.handle is None:
+            return False
+        return bool(self._lib.cg_page_hold(self.handle, fd, on, off, why.encode(errors="replace")[:300]))
 
     def damage(self) -> str | None:
         """Why the usage page is damaged (cut, replaced, a foreign head, a count past any possible),

@@ -1,8 +1,7 @@
 """The compute policies of SPEC §5 as pure code: who may use a GPU now, and until when.
 
-Longer than 450 lines on purpose: the policies, their accounting and the
-planning ahead of a batch (plan_ahead, settle, rewind) all work on the one
-ring state; split apart, each part would reach into the others' internals.
+The planner is here; what it is given and gives back is cgpud.sched.views,
+its accounting state (a ring's credits, the usage windows) cgpud.sched.ring.
 
 Nothing here reads a clock, sleeps or touches a process. The loop
 (`cgpud.sched.loop`) hands a `GpuView` and the current time to
@@ -40,288 +39,15 @@ The algorithms are documented in docs/scheduler.md. In short:
 """
 from __future__ import annotations
 
-import bisect
-import enum
 import math
-from collections import deque
-from dataclasses import dataclass, field, replace
-from functools import cached_property
+from dataclasses import replace
 from typing import Iterable, Mapping
 
-FAIR, PREEMPTIVE, WEIGHTED, FIXED, WEAK, NATIVE = range(6)
-POLICY_NAMES = ("fair", "preemptive", "weighted", "fixed", "weak", "native")
-EXCLUSIVE_POLICIES = frozenset({FAIR, PREEMPTIVE, WEIGHTED, FIXED})
-
-WASTE = ""  # ring key of the slots nobody holds (no instance has an empty name)
-
-NORMAL = "normal"
-PRIO = "prio"
-
-
-class Kind(str, enum.Enum):
-    """What a decision is, for accounting, telemetry and the timeline."""
-
-    SLOT = "slot"  # a ring slot of one instance (it may be idle: its time is then wasted)
-    WASTE = "waste"  # a ring slot nobody holds: the GPU is left idle on purpose
-    IDLE = "idle"  # nobody to run at all
-    PRIO = "prio"  # high-priority group, counted against prio_ratio
-    FILL = "fill"  # capped high-priority group using time nobody else wants
-    WEAK = "weak"  # policy 4: the instances under their share, together
-    NATIVE = "native"  # policy 5: everyone
-
-
-@dataclass(frozen=True)
-class InstView:
-    name: str
-    weight: int
-    highprio: bool
-    active: bool
-
-
-@dataclass(frozen=True)
-class GpuView:
-    """What the planner needs to know about one GPU at one boundary."""
-
-    policy: int
-    max_inst: int
-    prio_ratio: int  # percent
-    instances: tuple[InstView, ...] = ()
-
-    @cached_property
-    def names(self) -> frozenset[str]:
-        return frozenset(i.name for i in self.instances)
-
-    @cached_property
-    def active_names(self) -> frozenset[str]:
-        return frozenset(i.name for i in self.instances if i.active)
-
-
-@dataclass(frozen=True)
-class Params:
-    """slice: the base slice X (s). window: the sliding window (s) over which
-    policy 4 measures shares and prio_ratio is capped; keep it >> slice."""
-
-    slice: float = 0.010
-    window: float = 1.0
-    # Give a holder its whole run of consecutive slots (policy 2's w slices,
-    # the wasted slots of policies 0 and 3) as one decision: the same shares
-    # and switches, far fewer wake-ups. Settings changes still apply at once
-    # (the daemon wakes its schedulers on every change).
-    merge_runs: bool = False
-    # Gated instances (libcgpu): under a controlled policy a process keeps at most this much GPU
-    # work (s) queued ahead per stream, so a closing's drain lasts about this long
-    # (docs/scheduler.md, "Queued work"). Each drain bound (max_slice) the processes that cannot
-    # answer are given up on; one alive and draining is waited for up to drain_cap (s): libcgpu
-    # answers within its own drain bound whatever the application does, so only an older library
-    # (no deadline on its drain) is waited for that long. None: one drain bound.
-    queue_budget: float = 0.002
-    drain_cap: float | None = 5.0
-    # When the switcher opens the next gate: "drain" (once the stopped instance's queued work is
-    # done), "ahead" (switch_lead before its drain is expected to end), "overlap" (at the closing;
-    # docs/scheduler.md, "Switches").
-    switch: str = "drain"
-    switch_lead: float = 0.0005
-
-    def __post_init__(self) -> None:
-        if not (self.slice > 0 and math.isfinite(self.slice)):
-            raise ValueError(f"slice must be a positive number of seconds, not {self.slice!r}")
-        if not (0 < self.queue_budget <= 1):
-            raise ValueError(f"queue_budget must be more than 0 and at most 1 s, not {self.queue_budget!r}")
-        if self.switch not in ("drain", "ahead", "overlap"):
-            raise ValueError(f"switch must be drain, ahead or overlap, not {self.switch!r}")
-        if self.drain_cap is not None and not (self.drain_cap >= self.slice and math.isfinite(self.drain_cap)):
-            raise ValueError(f"drain_cap ({self.drain_cap!r} s) must be at least a slice ({self.slice} s)")
-        if not (self.window >= 2 * self.slice and math.isfinite(self.window)):
-            raise ValueError(f"window ({self.window!r} s) must be at least two slices ({self.slice} s)")
-
-    @cached_property  # (frozen: worked out once; read several times a slice)
-    def min_slice(self) -> float:
-        return self.slice / 4
-
-    @cached_property
-    def max_slice(self) -> float:
-        return self.slice * 2
-
-    @cached_property
-    def drain_limit(self) -> float:
-        """How long a closing's drain is waited for in all: one drain bound unless drain_cap says more."""
-        return self.max_slice if self.drain_cap is None else max(self.drain_cap, self.max_slice)
-
-    @cached_property
-    def credit_bound(self) -> float:
-        return self.slice * 2
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Who may use the GPU from `start` (the planning time) until `until`.
-
-    running:    may use the GPU (for a ring slot: the holder, active or not).
-    active:     the members of `running` that were active when planned: the
-                ones really given GPU time (telemetry counts these).
-    considered: every instance that was active with weight > 0 when planned
-                (lets the planner notice newcomers mid-slice).
-    """
-
-    running: frozenset[str]
-    until: float
-    start: float
-    kind: Kind
-    group: str | None = None  # NORMAL or PRIO for ring and weak decisions
-    holder: str | None = None  # the ring key for SLOT/WASTE (and ring-scheduled PRIO/FILL)
-    active: frozenset[str] = frozenset()
-    considered: frozenset[str] = frozenset()
-    paused: frozenset[str] = frozenset()  # policy 4: active, over their share, held
-    along: frozenset[str] = frozenset()  # high-priority instances let run beside a normal slot (light ones)
-
-    @property
-    def length(self) -> float:
-        return self.until - self.start
-
-
-@dataclass(eq=False)
-class Ahead:
-    """A decision planned ahead (Planner.plan_ahead): where the ring was
-    before it, what planning it (and charging its planned length) changed
-    its holder's credit by, its number (which one is the ring's latest), and
-    the time charged for it so far: its length, and, once the next step is
-    planned and is another holder's, the tail its queued work is expected
-    to drain for after its slot (`tail`; `followed`: another holder's step
-    was planned after it)."""
-
-    decision: Decision
-    position: tuple
-    delta: float
-    seq: int
-    charged: float
-    before: "Ahead | None" = None  # the step planned before it (whose tail planning it charged)
-    tail: float = 0.0
-    followed: bool = False
-    absorbed: float = 0.0  # (policy 3: what planning it charged the wasted slots, Planner._absorb)
-
-
-class Window:
-    """Exact sum of amounts over the last `length` seconds.
-
-    An amount is given over an interval [start, end) and spread evenly over
-    it; a sum counts the part of each interval inside the window. Intervals
-    that follow one another at (nearly) the same rate are merged, so an
-    instance that runs for a long time costs one entry. Adding and summing
-    are O(1) amortized; memory is one entry per separate run in the window,
-    whether it is summed or not (sums are asked for a time at or after the
-    latest amount's end)."""
-
-    def __init__(self, length: float, merge_gap: float | None = None) -> None:
-        self.length = float(length)
-        self.merge_gap = self.length * 1e-4 if merge_gap is None else merge_gap
-        self._segs: deque[list[float]] = deque()  # [start, end, amount]
-        self._total = 0.0
-        self._adds = 0
-
-    def add(self, start: float, end: float, amount: float) -> None:
-        if amount <= 0:
-            return
-        if end <= start:  # an instantaneous amount: give it a tiny extent where it happened
-            start = end - 1e-9
-        segs = self._segs
-        if segs:
-            last = segs[-1]
-            if 0 <= start - last[1] <= self.merge_gap:
-                r_new = amount / (end - start)
-                r_old = last[2] / (last[1] - last[0])
-                if abs(r_new - r_old) <= 1e-3 * max(r_new, r_old):
-                    last[1] = end
-                    last[2] += amount
-                    self._total += amount
-                    return
-        segs.append([start, end, amount])
-        self._total += amount
-        lo = end - self.length  # (what ended before the window of its latest end: never summed again)
-        while segs[0][1] <= lo:
-            self._total -= segs.popleft()[2]
-        self._adds += 1
-        if self._adds >= 4096:  # drop accumulated rounding now and then
-            self._adds = 0
-            self._total = math.fsum(x[2] for x in segs)
-
-    def sum(self, now: float) -> float:
-        lo = now - self.length
-        segs = self._segs
-        while segs and segs[0][1] <= lo:
-            self._total -= segs.popleft()[2]
-        if not segs:
-            self._total = 0.0
-            return 0.0
-        s, e, a = segs[0]
-        part = a * (lo - s) / (e - s) if s < lo else 0.0
-        return max(0.0, self._total - part)
-
-
-@dataclass
-class _Ring:
-    """Position and credits of one ring (normal or high-priority group)."""
-
-    cur: str | None = None  # key of the holder of the current slot
-    cur_seq: float = -math.inf  # its order key (kept when it leaves the ring)
-    used: int = 0  # slots of the current holder's run begun so far
-    open: bool = False  # the current slot still has time owed (it was cut short)
-    credit: dict[str, float] = field(default_factory=dict)
-    # (the holders table the credits were last cleaned for, and the holders' order keys: a slot's
-    # choice is then a lookup and a bisection, not a walk over every holder)
-    _seen: object = field(default=None, repr=False, compare=False)
-    _orders: tuple = field(default=(None, []), repr=False, compare=False)
-
-    def reset(self) -> None:
-        self.cur, self.cur_seq, self.used, self.open = None, -math.inf, 0, False
-        self.credit.clear()
-
-    def next(self, holders: list[tuple[str, float, int]], p: Params, table: dict | None = None) -> tuple[str, float]:
-        """The holder of the next slot (or the rest of an open one) and its length.
-        `holders`: (key, order, slots) sorted by order, non-empty, slots >= 1 (`table`: {key: slots})."""
-        table = {k: n for k, _, n in holders} if table is None else table
-        if table is not self._seen or len(self.credit) > len(table):
-            for k in self.credit.keys() - table.keys():
-                del self.credit[k]
-            self._seen = table
-        if self.cur in table and self.open:
-            c = self.credit.get(self.cur, 0.0)
-            if c >= p.min_slice:
-                return self.cur, min(c, p.max_slice)
-        if self.cur in table and self.used < table[self.cur]:
-            self.used += 1
-        else:
-            if self._orders[0] is not holders:
-                self._orders = (holders, [h[1] for h in holders])
-            i = bisect.bisect_right(self._orders[1], self.cur_seq)  # (the first holder after the current)
-            nxt = holders[i] if i < len(holders) else holders[0]
-            self.cur, self.cur_seq, self.used = nxt[0], nxt[1], 1
-        n = table[self.cur] - self.used + 1 if p.merge_runs else 1  # slots of the run given now
-        self.used += n - 1
-        c = self.credit.get(self.cur, 0.0) + n * p.slice
-        self.credit[self.cur] = c
-        self.open = True
-        return self.cur, min(max(c, p.min_slice), p.max_slice + (n - 1) * p.slice)
-
-    def bounds(self, key: str, p: Params) -> tuple[float, float]:
-        """The credit's bounds: ±2X, and with merged runs what a holder may be owed goes up by the rest
-        of its run of n slots (a run charged its GPU time owes the holder what its processes did not use
-        of it: a bound of 2X would drop that for a long run alone, and the larger weight would get less
-        than its share); WASTE's credit may go as far down (policy 3 charges it the gate time others
-        are owed: Planner._absorb)."""
-        table = self._seen
-        if not (p.merge_runs and isinstance(table, dict)):
-            return -p.credit_bound, p.credit_bound
-        hi = p.credit_bound + (table.get(key, 1) - 1) * p.slice
-        return (-hi if key == WASTE else -p.credit_bound), hi
-
-    def bounded(self, key: str, c: float, p: Params) -> float:
-        lo, hi = self.bounds(key, p)
-        return max(lo, min(hi, c))
-
-    def charge(self, key: str, ran: float, p: Params) -> None:
-        self.credit[key] = self.bounded(key, self.credit.get(key, 0.0) - ran, p)
-        if key == self.cur and self.credit[key] < p.min_slice:
-            self.open = False
+from cgpud.sched.ring import Ring, Window
+from cgpud.sched.views import (  # noqa: F401  (the policies' names, as the callers import them from here)
+    EXCLUSIVE_POLICIES, FAIR, FIXED, NATIVE, NORMAL, POLICY_NAMES, PREEMPTIVE, PRIO, WASTE, WEAK, WEIGHTED,
+    Ahead, Decision, GpuView, InstView, Kind, Params,
+)
 
 
 class Planner:
@@ -329,7 +55,7 @@ class Planner:
 
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or Params()
-        self._rings = {NORMAL: _Ring(), PRIO: _Ring()}
+        self._rings = {NORMAL: Ring(), PRIO: Ring()}
         self._seq: dict[str, int] = {}
         self._next_seq = 0
         self._policy: int | None = None

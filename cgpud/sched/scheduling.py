@@ -22,7 +22,7 @@ from cgpud.sched.guard import Guard, GuardError, Registry, registry_path, thaw_a
 from cgpud.core.model import Node
 from cgpud.sched.activity import ActivityMonitor
 from cgpud.sched.enforce import EnforceError, Enforcement, freezer_from_spec
-from cgpud.sched.loop import GpuScheduler, scheduler_for, schedulers_for
+from cgpud.sched.loop import GpuScheduler, schedulers_for
 from cgpud.sched.policies import Params
 from cgpud.sched.telemetry import collect
 
@@ -41,8 +41,6 @@ class Scheduling:
         self.schedulers: list[GpuScheduler] = schedulers_for(
             node, self.enforcement, self.activity, params=params, precise=precise, switch=precise
         )
-        self._params, self._precise = params, precise
-        self._nursery: trio.Nursery | None = None
         self.guard: Guard | None = None
         self._targets: dict[str, dict] = {}        # attached: name -> target
         self._watched: dict[tuple[int, str], dict] = {}
@@ -144,10 +142,8 @@ class Scheduling:
         self.sync()
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                for s in self.schedulers:
-                    if self._in_service(s.gpu):  # (one out of service starts when it is back: set_in_service)
-                        await nursery.start(s.run)
+                for s in self.schedulers:  # (a GPU out of service too: its instances stay isolated)
+                    await nursery.start(s.run)
                 await nursery.start(self.activity.run, lambda gpu: self.schedulers[gpu].poke())
                 nursery.start_soon(self._keep_guard)
                 task_status.started()
@@ -155,26 +151,13 @@ class Scheduling:
             self.close()
 
     def set_in_service(self, gpu: int, on: bool) -> None:
-        """A GPU went out of service (its scheduler stops: everything it froze is thawed, its gates open,
-        nobody is charged for it) or came back (a new scheduler starts). Called in the trio thread."""
-        if not on:
-            self.schedulers[gpu].stop()
-        elif self._nursery is not None:  # (not started yet: run starts it)
-            self._nursery.start_soon(self._restart, gpu)
-
-    def _in_service(self, gpu: int) -> bool:
-        return bool(self.node.gpu(gpu).health.get("healthy", True))
-
-    async def _restart(self, gpu: int) -> None:
-        old = self.schedulers[gpu]
-        while old._scope is not None and old._stop_requested:  # (the old one still thawing what it held)
-            await trio.sleep(0.01)
-        if old._scope is not None or not self._in_service(gpu) or self.schedulers[gpu] is not old:
-            return  # (still running, out again, or restarted already)
-        new = scheduler_for(self.node, gpu, self.enforcement, self.activity, params=self._params,
-                            precise=self._precise, switch=self._precise)
-        self.schedulers[gpu] = new
-        await new.run()
+        """A GPU went out of service or came back. Its scheduler goes on either way: what it holds at
+        its gates stays held (issue 44: a scheduler stopped opened every gate on the GPU, for the
+        quiet time at least and for good after three failures, and a tenant whose neighbour is held
+        there ran unisolated). Out of service means nothing new is placed on it (placement,
+        the device plugin's units Unhealthy). Called in the trio thread."""
+        if 0 <= gpu < len(self.schedulers):
+            self.schedulers[gpu].poke()
 
     async def _keep_guard(self) -> None:
         while True:

@@ -177,6 +177,8 @@ extern char why[8192];    /* why the pages are not usable ("" when they are) */
 extern char page_dir[4096];
 void *usage_block(size_t at, size_t size);  /* a block of the usage file, mapped (page.c) */
 void page_setup(void);
+/* The driver said out of memory inside memsize: wait for the daemon's watchdog (page.c); 1: ask again. */
+int held_elsewhere(int attempt);
 void page_forked(void);
 int need_slot(void);      /* this process's slot, taken at its first use of CUDA; 0: none left */
 void reclaim_dead(void);

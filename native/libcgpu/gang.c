@@ -100,12 +100,15 @@ static void spread(uint64_t *most, uint64_t *fewest)
         *fewest = 0;
 }
 
-/* How far page GPU `k` of this process is behind the instance's most-launched GPU of the gang. */
+/* How far page GPU `k` of this process is behind the instance's most-launched GPU of the gang; 0
+ * when more than 2 * GANG_CATCH_UP apart: no collective in flight spans that many launches, so it is
+ * no rank of one (issue 44: a slot of the usage page, the container's to write, that says 2^40
+ * launches made every process of the instance a rank behind, let through each closing). */
 static uint64_t behind(int k)
 {
     uint64_t most, fewest, mine_k = count(my_gang, (uint32_t)k);
     spread(&most, &fewest);
-    return most > mine_k ? most - mine_k : 0;
+    return most > mine_k && most - mine_k <= 2 * GANG_CATCH_UP ? most - mine_k : 0;
 }
 
 /* A launch on GPU k let through a closed gate: it completes a collective a closing cut in half. */

@@ -34,9 +34,11 @@
  * Fail closed: with CGPU_PAGE_DIR set (the container asked for isolation) but
  * its pages missing, foreign or of another version, cuInit returns
  * CUDA_ERROR_NOT_INITIALIZED and one line on stderr says why; the process
- * never runs unisolated. Without CGPU_PAGE_DIR, a process of a container whose
- * pages are mounted at /run/cgpu (it cleared its environment; /etc/ld.so.preload
- * loaded the library) uses those; anywhere else it passes everything through.
+ * never runs unisolated. A process of a container whose pages are mounted at
+ * /run/cgpu uses those, whatever CGPU_PAGE_DIR says (it may have cleared or
+ * rewritten its environment; /etc/ld.so.preload loaded the library);
+ * CGPU_PAGE_DIR names the pages only where /run/cgpu has none (outside an
+ * instance); anywhere else it passes everything through.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

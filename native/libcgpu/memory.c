@@ -403,6 +403,8 @@ CUresult cuCtxCreate_v4(CUcontext *ctx, void *params, unsigned flags, CUdevice d
             return CU_OUT_OF_MEMORY; /* (a pool or a dead process may have given back) */ \
         in_driver++;                                                                     \
         CUresult r_ = (call);                                                            \
+        for (int w_ = 0; r_ == CU_OUT_OF_MEMORY && held_elsewhere(w_); w_++)             \
+            r_ = (call); /* (the card full inside memsize: page.c, held_elsewhere) */    \
         in_driver--;                                                                     \
         if (r_ != CU_OK) {                                                               \
             untake(g_, (size));                                                          \

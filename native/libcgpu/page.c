@@ -314,11 +314,30 @@ static void map_idents(void)
                          + sizeof(struct cgpu_usage_gang), sizeof(struct cgpu_usage_ident));
 }
 
+/* The driver said out of memory to an allocation inside memsize: the card is full, and where memsizes
+ * do not overcommit it, of another instance's process past its own memsize — one outside the
+ * library (issue 44), which the daemon's watchdog fails at its next look (every 0.5 s). Where the
+ * watchdog watches this container, wait for that look, 100 ms at a time, 1.5 s in all, and ask
+ * again: 1 to ask again (docs/memory.md, "Memory taken outside the library"). */
+int held_elsewhere(int attempt)
+{
+    if (attempt >= 15 || !drv || !__atomic_load_n(&drv->watched, __ATOMIC_ACQUIRE))
+        return 0;
+    struct timespec t = {0, 100000000};
+    nanosleep(&t, NULL);
+    return 1;
+}
+
 void page_setup(void)
 {
+    /* A container's pages (cgpu-runtime's and the hook's mount: a read-only mount point no process of
+     * the container can remove) win over the environment, which the container's processes write
+     * (issue 44: CGPU_PAGE_DIR naming a page of its own made a process ungated and unlimited).
+     * CGPU_PAGE_DIR names the pages only where there are none at /run/cgpu: outside an instance
+     * (`cgpu run` on the host, the tests' harness). */
     const char *dir = getenv("CGPU_PAGE_DIR");
-    if ((!dir || !*dir) && access("/run/cgpu/limits", F_OK) == 0)
-        dir = "/run/cgpu";  /* a container's (cgpu-runtime's mount): its processes are isolated, environment or not */
+    if (access("/run/cgpu/limits", F_OK) == 0)
+        dir = "/run/cgpu";
     asked = dir && *dir;
     if (!asked)
         return;
