@@ -1,0 +1,111 @@
+/*
+ * What libcgpu's memory files share (docs/memory.md), one concern each, calling down:
+ *   memory.c   the charge: what this process holds (a hash table), the container's account in the
+ *              page (charged BEFORE the driver is asked), the driver's own memory and its readings,
+ *              the plain allocators, arrays, cuMemGetInfo;
+ *   pools.c    stream-ordered pools, charged by their reservation;
+ *   vmm.c      virtual memory management (cuMemCreate/Map/Unmap/Release) and its handles' IPC;
+ *   modules.c  modules and libraries, lazy loading, a launch's first use, the context's limits.
+ * Everything here is hidden (cgpu_internal.h's pragma).
+ */
+#ifndef CGPU_MEMORY_H
+#define CGPU_MEMORY_H
+
+#include "cgpu_internal.h"
+
+#pragma GCC visibility push(hidden)
+
+#define MEM_PAGE (2ull << 20) /* the card's page: what the driver grows by, at least */
+
+/* ---- memory.c: what this process holds, by pointer (or VMM handle, or module...) ---- */
+struct entry {
+    uint64_t key;    /* the pointer, handle or mapped address */
+    uint64_t size;
+    uint64_t handle; /* a mapping: its handle */
+    int32_t gpu;
+    int32_t refs;    /* a VMM handle: its references (cuMemCreate's, cuMemRetainAllocationHandle's) */
+    int32_t maps;    /* and its mappings */
+    int32_t used;
+};
+struct table { struct entry *e; size_t cap, n; };
+extern struct table allocs;  /* what an allocator returned (a VMM handle too) */
+extern struct table mapped;  /* VMM: a mapped address -> its handle */
+/* The tables' spin lock (one for all of them): one locked instruction to take, none to leave. */
+void mem_lock(void);
+void mem_unlock(void);
+struct entry *table_find(struct table *t, uint64_t key);  /* (locked) */
+struct entry *table_add(struct table *t, uint64_t key);   /* (locked) NULL if it cannot grow */
+void table_erase(struct table *t, struct entry *x);       /* (locked) */
+void table_drop(struct table *t);                         /* emptied (a forked child's) */
+
+uint64_t room(int g);  /* what allocations may fill on GPU g: memsize less the headroom */
+int take(int g, size_t size);     /* reserved on the container and held in the slot; 0: no room */
+void untake(int g, size_t size);  /* what take() held, back */
+void force(int g, size_t size);   /* held whatever room is left (the driver took it already) */
+void let_go(struct entry *e);     /* (locked) what an allocation held, back; its entry gone */
+void commit(int g, CUdeviceptr key, size_t size);  /* the driver gave it: kept for the free */
+void forget(CUdeviceptr key);     /* freed: what it held back */
+int settle_all(void);             /* pools' and dead processes' memory back before a refusal */
+/* The driver's own memory: charged whatever room is left; readings applied; a context's share. */
+void charge_driver(int g, int64_t delta);
+void follow(void);
+void driver_share(int g);
+/* `bytes` more of the driver's own on GPU g may be taken now (the headroom included): 1, else 0
+ * (after what pools and dead processes gave back). */
+int driver_room(int g, uint64_t bytes);
+
+/* ---- pools.c ---- */
+int pools_settle_all(void);
+void pools_forked(void);
+
+/* ---- modules.c ---- */
+void modules_forked(void);
+
+/* An allocation of `size` bytes done by `call` (the real driver's), held to memsize on the page's
+ * GPU `gpu` (-1: a GPU given whole, not charged). */
+#define CHARGED(size, key, call) CHARGED_ON(current_gpu(), size, key, call)
+#define CHARGED_ON(gpu, size, key, call)                                                \
+    do {                                                                                 \
+        int g_ = (gpu);                                                                  \
+        if (g_ < 0)                                                                      \
+            return (call); /* a GPU given whole: the driver's to hold */                 \
+        if (!need_slot())                                                                \
+            return CU_OUT_OF_MEMORY;                                                     \
+        follow();                                                                        \
+        driver_share(g_);                                                                \
+        if (!take(g_, (size)) && !(settle_all() && take(g_, (size))))                    \
+            return CU_OUT_OF_MEMORY; /* (a pool or a dead process may have given back) */ \
+        in_driver++;                                                                     \
+        CUresult r_ = (call);                                                            \
+        in_driver--;                                                                     \
+        if (r_ != CU_OK) {                                                               \
+            untake(g_, (size));                                                          \
+            return r_;                                                                   \
+        }                                                                                \
+        commit(g_, (key), (size));                                                       \
+        return CU_OK;                                                                    \
+    } while (0)
+
+/* A free done by `call`: what `key` held comes back once the driver has let it go. */
+#define RELEASED(key, call)              \
+    do {                                 \
+        in_driver++;                     \
+        CUresult r_ = (call);            \
+        in_driver--;                     \
+        if (r_ == CU_OK)                 \
+            forget(key);                 \
+        return r_;                       \
+    } while (0)
+
+/* A call that allocates nothing charged here (host memory; a descriptor the driver will refuse). */
+#define UNCHARGED(call)         \
+    do {                        \
+        in_driver++;            \
+        CUresult r_ = (call);   \
+        in_driver--;            \
+        return r_;              \
+    } while (0)
+
+#pragma GCC visibility pop
+
+#endif
