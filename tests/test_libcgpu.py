@@ -226,6 +226,33 @@ def test_racing_processes_never_pass_memsize_together(card):
         p.communicate("", timeout=30)
 
 
+def test_small_allocations_are_charged_the_pages_the_card_gives_them(card):
+    """Issue 45, item 14: the driver hands device memory out in 2 MiB pages, and a process's pieces
+    under a page are packed in pages of its own, so processes each holding one 1 MiB piece hold a
+    page each. Charged by the byte, ten of them passed a 10 MiB memsize together while the card held
+    20 MiB (the race of test_racing_processes_never_pass_memsize_together, made certain): charged by
+    the page, five fit, the sixth is refused, and the card holds what the page says, memsize."""
+    env, dirp = card
+    pages.create(os.fspath(dirp), [10 * MIB])
+    code = """
+        ok(d.cuInit(0)); print(d.cuMemAlloc(2**20)[0] == d.CUresult.CUDA_SUCCESS, flush=True)
+        sys.stdin.read()
+    """
+    procs, held = [], []
+    for _ in range(10):
+        p = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(code)], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        procs.append(p)
+        held.append(p.stdout.readline().strip())
+    try:
+        state = int.from_bytes((Path(env["CGPU_STUB_CUDA_STATE"])).read_bytes()[:8], "little")
+        assert held == ["True"] * 5 + ["False"] * 5, held
+        assert state == pages.used(os.fspath(dirp))[0] == 10 * MIB, "the card holds what the page says"
+    finally:
+        for p in procs:
+            p.communicate("", timeout=30)
+
+
 def test_a_killed_processs_memory_comes_back(card):
     env, dirp = card
     pages.create(os.fspath(dirp), [100 * MIB])

@@ -42,6 +42,9 @@ uint64_t room(int g);  /* what allocations may fill on GPU g: memsize less the h
 int take(int g, size_t size);     /* reserved on the container and held in the slot; 0: no room */
 void untake(int g, size_t size);  /* what take() held, back */
 void force(int g, size_t size);   /* held whatever room is left (the driver took it already) */
+/* An allocation's pages (the card's 2 MiB pages; smaller ones packed per process) taken, given back. */
+int take_alloc(int g, size_t size);
+void untake_alloc(int g, size_t size);
 void let_go(struct entry *e);     /* (locked) what an allocation held, back; its entry gone */
 void commit(int g, CUdeviceptr key, size_t size);  /* the driver gave it: kept for the free */
 void forget(CUdeviceptr key);     /* freed: what it held back */
@@ -73,13 +76,13 @@ void modules_forked(void);
             return CU_OUT_OF_MEMORY;                                                     \
         follow();                                                                        \
         driver_share(g_);                                                                \
-        if (!take(g_, (size)) && !(settle_all() && take(g_, (size))))                    \
+        if (!take_alloc(g_, (size)) && !(settle_all() && take_alloc(g_, (size))))        \
             return CU_OUT_OF_MEMORY; /* (a pool or a dead process may have given back) */ \
         in_driver++;                                                                     \
         CUresult r_ = (call);                                                            \
         in_driver--;                                                                     \
         if (r_ != CU_OK) {                                                               \
-            untake(g_, (size));                                                          \
+            untake_alloc(g_, (size));                                                    \
             return r_;                                                                   \
         }                                                                                \
         commit(g_, (key), (size));                                                       \

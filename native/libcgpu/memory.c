@@ -147,13 +147,65 @@ static void hold(int g, int64_t delta)
 }
 
 /* Under the lock: what `e` held back to the container, its entry gone. */
+/* The card's pages (issue 45, item 14). The driver hands device memory out in 2 MiB pages: an
+ * allocation of a page or more takes its size in whole pages; smaller ones are packed together in
+ * pages of the process's own on that GPU (its suballocator), so what they take is what they add up
+ * to, in whole pages. NVML's per-process figure, and so the watchdog, counts the pages: charging the
+ * bytes let four processes each holding an odd number of 1 MiB pieces fill memsize's bytes while
+ * the card held memsize + 2 MiB. So an allocation is charged what it changes this process's pages
+ * by, never less than the card takes. */
+static uint64_t small_held[CGPU_MAX_GPUS];  /* (locked) the bytes of the allocations under a page */
+
+static uint64_t in_pages(uint64_t n)
+{
+    return (n + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;
+}
+
+/* (locked) what an allocation of `size` bytes on GPU g (freed: `sign` < 0) changes the pages by */
+static int64_t pages_delta(int g, uint64_t size, int sign)
+{
+    if (size > (1ull << 62))
+        return sign > 0 ? INT64_MAX : 0;  /* (more than any memsize: refused, never charged short) */
+    if (size >= MEM_PAGE)
+        return sign > 0 ? (int64_t)in_pages(size) : -(int64_t)in_pages(size);
+    uint64_t before = in_pages(small_held[g]);
+    small_held[g] = sign > 0 ? small_held[g] + size : small_held[g] > size ? small_held[g] - size : 0;
+    return (int64_t)in_pages(small_held[g]) - (int64_t)before;
+}
+
 void let_go(struct entry *e)
 {
     int g = e->gpu;
-    uint64_t size = e->size;
+    uint64_t back = (uint64_t)-pages_delta(g, e->size, -1);
     table_erase(&allocs, e);
-    hold(g, -(int64_t)size);
-    refund(g, size);
+    hold(g, -(int64_t)back);
+    refund(g, back);
+}
+
+/* An allocation of `size` bytes: its pages reserved on the container's account and held in the
+ * slot before the driver is asked (as take()), under the lock: the pages of racing threads add up. */
+int take_alloc(int g, size_t size)
+{
+    mem_lock();
+    int64_t d = pages_delta(g, size, 1);
+    if (d > 0 && !reserve(g, (size_t)d)) {
+        pages_delta(g, size, -1);
+        mem_unlock();
+        return 0;
+    }
+    hold(g, d);
+    mem_unlock();
+    return 1;
+}
+
+/* What take_alloc() held, back (the driver refused). */
+void untake_alloc(int g, size_t size)
+{
+    mem_lock();
+    uint64_t back = (uint64_t)-pages_delta(g, size, -1);
+    hold(g, -(int64_t)back);
+    mem_unlock();
+    refund(g, back);
 }
 
 /* Reserved on the container's account AND held in this process's slot before the driver is asked:
@@ -559,6 +611,7 @@ void memory_forked(void)
     applied = 0;
     memset(last_want, 0, sizeof last_want);
     memset(read_before, 0, sizeof read_before);
+    memset(small_held, 0, sizeof small_held);
     table_drop(&allocs);
     table_drop(&mapped);
     pools_forked();
