@@ -10,18 +10,19 @@
  * A pool (cuMemAllocAsync's current pool of the stream's device, or a named one) keeps physical
  * memory up to its release threshold after cuMemFreeAsync: RMM sets the threshold to the device's
  * memory and primes the pool with free/2, PyTorch's cudaMallocAsync backend raises it. So a pool is
- * charged by what it reserves (CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), not per allocation: an
- * allocation that the pool's unused reservation holds is not charged again; one that needs the pool
- * to grow holds the growth's worst case (its size, in 2 MiB pages) before the call, and is refused
- * with CUDA_ERROR_OUT_OF_MEMORY when that does not fit (never the watchdog's kill); after the call
- * the charge becomes the pool's reservation, whatever the pool did. cuMemFreeAsync refunds nothing
+ * charged by what it reserves (CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), not per allocation: every
+ * allocation holds the growth's worst case (its size, in 2 MiB pages) before the call, however much
+ * the pool holds unused (a pool fragments, and frees pending on other streams are not reusable yet:
+ * "size <= reserved - used" let a fragmented pool grow to 1.25 x memsize, issue 45 item 3); when
+ * that does not fit, the pool first gives back what it holds unused (cuMemPoolTrimTo), then the
+ * request is refused with CUDA_ERROR_OUT_OF_MEMORY (never the watchdog's kill); after the call the
+ * charge becomes the pool's reservation, whatever the pool did (a reuse: nothing more). cuMemFreeAsync refunds nothing
  * the pool keeps; what it gives back at a synchronization or cuMemPoolTrimTo is refunded at the
  * next cuMemGetInfo, pool call, or refused allocation. The GPU charged is the pool's: the one its
  * cuMemPoolCreate named, else the stream's device's (cuStreamGetDevice / cuStreamGetCtx), not the
  * current context's; a pool located on the host is not charged as device memory. */
 enum { POOL_ATTR_RESERVED_CURRENT = 5, POOL_ATTR_USED_CURRENT = 7 };
 enum { LOC_HOST = 2, LOC_HOST_NUMA = 3 };
-#define MEM_PAGE (2ull << 20)
 #define NPOOLS 64
 static struct {
     CUresult (*get_attr)(void *, int, void *);
@@ -133,6 +134,24 @@ int pools_settle_all(void)
     return back;
 }
 
+/* (pool_lock held) The pool's unused memory back to the card, as much as `want` more on GPU g needs
+ * (cuMemPoolTrimTo), its charge settled: 1 when something came back. What the pool keeps unused is
+ * its to reuse, but only the driver knows whether a request fits in it: a pool fragments, and
+ * memory freed on another stream may not be reusable yet. So a request is held its worst case, and
+ * before one is refused the pool gives back what it does not use (what the driver itself would
+ * never do: it grows instead, past memsize). */
+static int trim_for(void *pool, struct pool_rec *r, int g, uint64_t want)
+{
+    uint64_t reserved = 0, used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE), cap = room(g);
+    if (!r || !pd.trim || !pool_attr(pool, POOL_ATTR_RESERVED_CURRENT, &reserved))
+        return 0;
+    uint64_t short_by = used > cap ? want + (used - cap) : want > cap - used ? want - (cap - used) : 0;
+    in_driver++;
+    CUresult t = pd.trim(pool, reserved > short_by ? reserved - short_by : 0);
+    in_driver--;
+    return t == CU_OK && settle(r);
+}
+
 enum { ASYNC, ASYNC_PTSZ, FROM_POOL, FROM_POOL_PTSZ };
 static CUresult alloc_call(int how, CUdeviceptr *p, size_t size, void *pool, void *stream)
 {
@@ -179,27 +198,21 @@ static CUresult pooled_alloc(int how, CUdeviceptr *p, size_t size, void *pool, v
         pthread_mutex_unlock(&pool_lock);
         return alloc_call(how, p, size, pool, stream);
     }
-    uint64_t reserved = 0, used = 0, want = 0;
+    uint64_t want = (size + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;  /* (the most it may grow by) */
     if (r)
         settle(r);
-    if (pool_attr(pool, POOL_ATTR_RESERVED_CURRENT, &reserved) && pool_attr(pool, POOL_ATTR_USED_CURRENT, &used)
-        && reserved >= used && size <= reserved - used)
-        want = 0;  /* (its unused reservation holds it: charged already) */
-    else
-        want = (size + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;  /* (the most it may grow by) */
-    if (want && !take(g, want)) {
+    if (!take(g, want)) {
         pthread_mutex_unlock(&pool_lock);
         settle_all();
         pthread_mutex_lock(&pool_lock);
-        if (!take(g, want)) {
+        if (!take(g, want) && !(trim_for(pool, r, g, want) && take(g, want))) {
             pthread_mutex_unlock(&pool_lock);
             return CU_OUT_OF_MEMORY;
         }
     }
     CUresult res = alloc_call(how, p, size, pool, stream);
     if (res != CU_OK) {
-        if (want)
-            untake(g, want);
+        untake(g, want);
         pthread_mutex_unlock(&pool_lock);
         return res;
     }
@@ -208,7 +221,7 @@ static CUresult pooled_alloc(int how, CUdeviceptr *p, size_t size, void *pool, v
         pthread_mutex_unlock(&pool_lock);
         return CU_OK;
     }
-    uint64_t now = reserved;
+    uint64_t now = 0;
     if (!pool_attr(pool, POOL_ATTR_RESERVED_CURRENT, &now))
         now = r->charged + want;
     uint64_t grew = now > r->charged ? now - r->charged : 0;
