@@ -43,16 +43,24 @@ int take(int g, size_t size);     /* reserved on the container and held in the s
 void untake(int g, size_t size);  /* what take() held, back */
 void force(int g, size_t size);   /* held whatever room is left (the driver took it already) */
 /* An allocation's pages (the card's 2 MiB pages; smaller ones packed per process) taken, given back. */
-int take_alloc(int g, size_t size);
-void untake_alloc(int g, size_t size);
+enum { CHARGE_BYTES = 1, CHARGE_PAGES = 2 };
+int take_alloc(int g, size_t size);  /* 0: no room; else how it was charged */
+void untake_alloc(int g, size_t size, int how);
 void let_go(struct entry *e);     /* (locked) what an allocation held, back; its entry gone */
-void commit(int g, CUdeviceptr key, size_t size);  /* the driver gave it: kept for the free */
+void commit(int g, CUdeviceptr key, size_t size, int how);  /* the driver gave it: kept for the free */
 void forget(CUdeviceptr key);     /* freed: what it held back */
 int settle_all(void);             /* pools' and dead processes' memory back before a refusal */
 /* The driver's own memory: charged whatever room is left; readings applied; a context's share. */
 void charge_driver(int g, int64_t delta);
 void follow(void);
 void driver_share(int g);
+/* Growth the driver does on its own at a call, measured (memory.c): begun before the call, ended
+ * after it (charged where watched; the largest step kept); a launch's ends at the next call. */
+struct growth { int g; uint64_t free, held; };
+void growth_begin(int g, struct growth *w);
+uint64_t growth_end(struct growth *w, int learn);  /* learn: a step to keep room for */
+void growth_pending(const struct growth *w);
+uint64_t growth_step(int g);  /* the largest step learned on GPU g (a launch's), at least a page */
 /* `bytes` more of the driver's own on GPU g may be taken now (the headroom included): 1, else 0
  * (after what pools and dead processes gave back). */
 int driver_room(int g, uint64_t bytes);
@@ -76,16 +84,17 @@ void modules_forked(void);
             return CU_OUT_OF_MEMORY;                                                     \
         follow();                                                                        \
         driver_share(g_);                                                                \
-        if (!take_alloc(g_, (size)) && !(settle_all() && take_alloc(g_, (size))))        \
+        int how_ = take_alloc(g_, (size));                                               \
+        if (!how_ && !(settle_all() && (how_ = take_alloc(g_, (size)))))                 \
             return CU_OUT_OF_MEMORY; /* (a pool or a dead process may have given back) */ \
         in_driver++;                                                                     \
         CUresult r_ = (call);                                                            \
         in_driver--;                                                                     \
         if (r_ != CU_OK) {                                                               \
-            untake_alloc(g_, (size));                                                    \
+            untake_alloc(g_, (size), how_);                                              \
             return r_;                                                                   \
         }                                                                                \
-        commit(g_, (key), (size));                                                       \
+        commit(g_, (key), (size), how_);                                                 \
         return CU_OK;                                                                    \
     } while (0)
 

@@ -151,9 +151,12 @@ static void hold(int g, int64_t delta)
  * allocation of a page or more takes its size in whole pages; smaller ones are packed together in
  * pages of the process's own on that GPU (its suballocator), so what they take is what they add up
  * to, in whole pages. NVML's per-process figure, and so the watchdog, counts the pages: charging the
- * bytes let four processes each holding an odd number of 1 MiB pieces fill memsize's bytes while
- * the card held memsize + 2 MiB. So an allocation is charged what it changes this process's pages
- * by, never less than the card takes. */
+ * bytes let processes each holding an odd number of 1 MiB pieces fill memsize's bytes while the card
+ * held more (test_racing_processes_never_pass_memsize_together: 202 MiB of a 200 MiB page). So where
+ * the watchdog reads the instance (the page marked watched, as the headroom), an allocation is
+ * charged what it changes this process's pages by, never less than the card takes; elsewhere
+ * (simulated GPUs, the stand-in without a watchdog) nothing judges the pages, and allocations fill
+ * memsize to the byte as before. An allocation keeps how it was charged for its free. */
 static uint64_t small_held[CGPU_MAX_GPUS];  /* (locked) the bytes of the allocations under a page */
 
 static uint64_t in_pages(uint64_t n)
@@ -161,11 +164,18 @@ static uint64_t in_pages(uint64_t n)
     return (n + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;
 }
 
-/* (locked) what an allocation of `size` bytes on GPU g (freed: `sign` < 0) changes the pages by */
-static int64_t pages_delta(int g, uint64_t size, int sign)
+static int by_pages(void)
+{
+    return drv && __atomic_load_n(&drv->watched, __ATOMIC_ACQUIRE);
+}
+
+/* (locked) what an allocation of `size` bytes on GPU g (freed: `sign` < 0) changes the charge by */
+static int64_t pages_delta(int g, uint64_t size, int sign, int how)
 {
     if (size > (1ull << 62))
         return sign > 0 ? INT64_MAX : 0;  /* (more than any memsize: refused, never charged short) */
+    if (how != CHARGE_PAGES)
+        return sign > 0 ? (int64_t)size : -(int64_t)size;
     if (size >= MEM_PAGE)
         return sign > 0 ? (int64_t)in_pages(size) : -(int64_t)in_pages(size);
     uint64_t before = in_pages(small_held[g]);
@@ -176,33 +186,35 @@ static int64_t pages_delta(int g, uint64_t size, int sign)
 void let_go(struct entry *e)
 {
     int g = e->gpu;
-    uint64_t back = (uint64_t)-pages_delta(g, e->size, -1);
+    uint64_t back = (uint64_t)-pages_delta(g, e->size, -1, (int)e->handle);
     table_erase(&allocs, e);
     hold(g, -(int64_t)back);
     refund(g, back);
 }
 
-/* An allocation of `size` bytes: its pages reserved on the container's account and held in the
- * slot before the driver is asked (as take()), under the lock: the pages of racing threads add up. */
+/* An allocation of `size` bytes: what it takes reserved on the container's account and held in the
+ * slot before the driver is asked (as take()), under the lock (the pages of racing threads add up).
+ * 0: no room; else how it is charged (CHARGE_BYTES, CHARGE_PAGES), for untake_alloc and commit. */
 int take_alloc(int g, size_t size)
 {
+    int how = by_pages() ? CHARGE_PAGES : CHARGE_BYTES;
     mem_lock();
-    int64_t d = pages_delta(g, size, 1);
+    int64_t d = pages_delta(g, size, 1, how);
     if (d > 0 && !reserve(g, (size_t)d)) {
-        pages_delta(g, size, -1);
+        pages_delta(g, size, -1, how);
         mem_unlock();
         return 0;
     }
     hold(g, d);
     mem_unlock();
-    return 1;
+    return how;
 }
 
 /* What take_alloc() held, back (the driver refused). */
-void untake_alloc(int g, size_t size)
+void untake_alloc(int g, size_t size, int how)
 {
     mem_lock();
-    uint64_t back = (uint64_t)-pages_delta(g, size, -1);
+    uint64_t back = (uint64_t)-pages_delta(g, size, -1, how);
     hold(g, -(int64_t)back);
     mem_unlock();
     refund(g, back);
@@ -249,7 +261,7 @@ int settle_all(void)
 }
 
 /* The driver gave it (take() held it already): its size is kept for the free. */
-void commit(int g, CUdeviceptr key, size_t size)
+void commit(int g, CUdeviceptr key, size_t size, int how)
 {
     mem_lock();
     struct entry *e = table_find(&allocs, key);
@@ -260,6 +272,7 @@ void commit(int g, CUdeviceptr key, size_t size)
         e->size = size;
         e->gpu = g;
         e->refs = 1;
+        e->handle = (uint64_t)how;
     }
     mem_unlock();
 }
@@ -308,6 +321,93 @@ void charge_driver(int g, int64_t delta)
         __atomic_add_fetch(&r->driver[g], (uint64_t)delta, __ATOMIC_ACQ_REL);
 }
 
+/* ---- growth the driver does on its own, measured (issue 45, items 4, 5, 15) -------------------
+ *
+ * After a call at which the driver may take memory for the process by itself — a function's code
+ * at cuModuleGetFunction (lazy loading), a library's first use at a launch, local memory at
+ * cuCtxSetLimit — what it took is measured: the card's free memory (the driver's own cuMemGetInfo,
+ * exact at once, where NVML's per-process figure comes late) before and after, less what the
+ * process's own account moved meanwhile. It is charged at once where the watchdog reads the
+ * instance (the readings settle it, as any growth), and the largest such step on each GPU is kept:
+ * the next such call must find that much room within memsize, or it is refused with
+ * out-of-memory. So whatever a module's shape, growth nobody foresaw passes memsize by at most one
+ * step (within the watchdog's allowance: it tolerates that much for a process that went through
+ * libcgpu), and the process's next call fails: never a kill. A launch's growth is measured at the
+ * process's next call (the launch itself is the gate's). Neighbours allocating in the same instant
+ * make a step look larger (more room kept), freeing make it look smaller (the readings settle it). */
+static pthread_mutex_t growth_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct growth pending;  /* a launch's, measured at the next call (pending_set) */
+static int pending_set;
+static uint64_t grow_step[CGPU_MAX_GPUS];
+
+static uint64_t card_free(void)
+{
+    size_t f = 0, t = 0;
+    in_driver++;
+    CUresult r = real.info ? real.info(&f, &t) : CU_NOT_INITIALIZED;
+    in_driver--;
+    return r == CU_OK ? f : UINT64_MAX;
+}
+
+void growth_begin(int g, struct growth *w)
+{
+    w->g = g;
+    w->free = g >= 0 ? card_free() : UINT64_MAX;
+    w->held = g >= 0 ? __atomic_load_n(&mine->held[g], __ATOMIC_ACQUIRE) : 0;
+}
+
+uint64_t growth_end(struct growth *w, int learn)
+{
+    int g = w->g;
+    if (g < 0 || w->free == UINT64_MAX || current_gpu() != g)
+        return 0;  /* (no figure, or another GPU current now: the readings settle it) */
+    uint64_t now = card_free(), held = __atomic_load_n(&mine->held[g], __ATOMIC_ACQUIRE);
+    if (now == UINT64_MAX || now >= w->free)
+        return 0;
+    uint64_t card = w->free - now, own = held > w->held ? held - w->held : 0;
+    if (card <= own)
+        return 0;
+    uint64_t grew = card - own;
+    if (drv && __atomic_load_n(&drv->watched, __ATOMIC_ACQUIRE))
+        charge_driver(g, (int64_t)grew);
+    pthread_mutex_lock(&growth_lock);
+    if (learn && grew > grow_step[g])
+        grow_step[g] = grew;
+    pthread_mutex_unlock(&growth_lock);
+    return grew;
+}
+
+/* A launch that may grow, its watch begun: measured at the process's next call. */
+void growth_pending(const struct growth *w)
+{
+    pthread_mutex_lock(&growth_lock);
+    pending = *w;
+    pending_set = 1;
+    pthread_mutex_unlock(&growth_lock);
+}
+
+static void growth_settle(void)
+{
+    if (!__atomic_load_n(&pending_set, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&growth_lock);
+    struct growth w = pending;
+    int set = pending_set && current_gpu() == w.g;
+    if (set)
+        pending_set = 0;
+    pthread_mutex_unlock(&growth_lock);
+    if (set)
+        growth_end(&w, 1);
+}
+
+uint64_t growth_step(int g)
+{
+    pthread_mutex_lock(&growth_lock);
+    uint64_t s = grow_step[g];
+    pthread_mutex_unlock(&growth_lock);
+    return s > MEM_PAGE ? s : MEM_PAGE;
+}
+
 /* ---- the driver's memory as it grows -------------------------------------------------------
  *
  * After its context the driver's memory for a process grows through no call we see (modules
@@ -324,6 +424,7 @@ static int read_before[CGPU_MAX_GPUS];  /* a reading was applied on GPU g: the n
 
 void follow(void)
 {
+    growth_settle();
     struct cgpu_driver *r = record();
     if (!r)
         return;
@@ -588,7 +689,7 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
     /* Never an error when over; the headroom is not free (what fills "free" leaves the driver room
      * to grow); never the card's free, which says what the neighbours use (an allocation the card
      * cannot hold fails at the driver, as on a full card). */
-    *free_ = used >= cap ? 0 : cap - used;
+    *free_ = used >= cap ? 0 : by_pages() ? (cap - used) / MEM_PAGE * MEM_PAGE : cap - used;  /* (pages: what fits) */
     return CU_OK;
 }
 
@@ -612,6 +713,9 @@ void memory_forked(void)
     memset(last_want, 0, sizeof last_want);
     memset(read_before, 0, sizeof read_before);
     memset(small_held, 0, sizeof small_held);
+    memset(grow_step, 0, sizeof grow_step);
+    pending_set = 0;
+    pthread_mutex_init(&growth_lock, NULL);
     table_drop(&allocs);
     table_drop(&mapped);
     pools_forked();

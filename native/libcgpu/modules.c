@@ -12,6 +12,16 @@ static struct {
     CUresult (*is_loaded)(int *, void *);        /* cuFuncIsLoaded (CUDA 12.4) */
     CUresult (*func_module)(void **, void *);    /* cuFuncGetModule (CUDA 11.0) */
     CUresult (*func_count)(unsigned *, void *);  /* cuModuleGetFunctionCount (CUDA 12.4) */
+    CUresult (*get_function)(void **, void *, const char *);  /* cuModuleGetFunction */
+    CUresult (*kernel_function)(void **, void *);             /* cuKernelGetFunction (CUDA 12.0) */
+    CUresult (*library_kernel)(void **, void *, const char *); /* cuLibraryGetKernel (CUDA 12.0) */
+    CUresult (*library_module)(void **, void *);              /* cuLibraryGetModule (CUDA 12.0) */
+    CUresult (*kernel_library)(void **, void *);              /* cuKernelGetLibrary (CUDA 12.5) */
+    CUresult (*unload)(void *);                               /* cuModuleUnload */
+    CUresult (*library_unload)(void *);                       /* cuLibraryUnload (CUDA 12.0) */
+    CUresult (*set_limit)(int, size_t);                       /* cuCtxSetLimit */
+    CUresult (*get_limit)(size_t *, int);                     /* cuCtxGetLimit */
+    CUresult (*attribute)(int *, int, CUdevice);              /* cuDeviceGetAttribute */
 } pd;
 static pthread_once_t pd_once = PTHREAD_ONCE_INIT;
 static void pd_load(void)
@@ -20,6 +30,16 @@ static void pd_load(void)
     pd.is_loaded = (CUresult (*)(int *, void *))sym("cuFuncIsLoaded");
     pd.func_module = (CUresult (*)(void **, void *))sym("cuFuncGetModule");
     pd.func_count = (CUresult (*)(unsigned *, void *))sym("cuModuleGetFunctionCount");
+    pd.get_function = (CUresult (*)(void **, void *, const char *))sym("cuModuleGetFunction");
+    pd.kernel_function = (CUresult (*)(void **, void *))sym("cuKernelGetFunction");
+    pd.library_kernel = (CUresult (*)(void **, void *, const char *))sym("cuLibraryGetKernel");
+    pd.library_module = (CUresult (*)(void **, void *))sym("cuLibraryGetModule");
+    pd.kernel_library = (CUresult (*)(void **, void *))sym("cuKernelGetLibrary");
+    pd.unload = (CUresult (*)(void *))sym("cuModuleUnload");
+    pd.library_unload = (CUresult (*)(void *))sym("cuLibraryUnload");
+    pd.set_limit = (CUresult (*)(int, size_t))sym("cuCtxSetLimit");
+    pd.get_limit = (CUresult (*)(size_t *, int))sym("cuCtxGetLimit");
+    pd.attribute = (CUresult (*)(int *, int, CUdevice))sym("cuDeviceGetAttribute");
 }
 
 /* ---- modules and libraries -----------------------------------------------------------------
@@ -81,7 +101,7 @@ static int loadable(size_t size)
     return used <= m && size <= m - used;
 }
 
-static struct table module_bytes;  /* a module loaded through us -> its image's bytes */
+static struct table module_bytes;  /* a module (or library) loaded through us -> its image's bytes */
 static void loaded_module(void *m, size_t size)
 {
     mem_lock();
@@ -95,7 +115,26 @@ static void loaded_module(void *m, size_t size)
     mem_unlock();
 }
 
-#define LOADED(size, out, call)                    \
+/* A library's module: what its functions name (cuFuncGetModule), so it is looked up by that. */
+static void *library_module(void *l)
+{
+    void *m = NULL;
+    pthread_once(&pd_once, pd_load);
+    in_driver++;
+    if (!l || !pd.library_module || pd.library_module(&m, l) != CU_OK)
+        m = NULL;
+    in_driver--;
+    return m;
+}
+
+static void loaded_library(void *l, size_t size)
+{
+    loaded_module(l, size);
+    loaded_module(library_module(l), size);
+}
+
+#define LOADED(size, out, call) LOADED_AS(loaded_module, size, out, call)
+#define LOADED_AS(record, size, out, call)         \
     do {                                           \
         size_t n_ = (size);                        \
         if (!loadable(n_))                         \
@@ -104,7 +143,7 @@ static void loaded_module(void *m, size_t size)
         CUresult r_ = (call);                      \
         in_driver--;                               \
         if (r_ == CU_OK && (out))                  \
-            loaded_module(*(out), n_);             \
+            record(*(out), n_);                    \
         return r_;                                 \
     } while (0)
 
@@ -136,34 +175,37 @@ CUresult cuLibraryLoadData(void **l, const void *code, void *jit, void **jit_val
                            void **values, unsigned n)
 {
     PASS_THROUGH(real.library_load_data, l, code, jit, jit_values, njit, options, values, n);
-    LOADED(image_bytes(code), l, real.library_load_data(l, code, jit, jit_values, njit, options, values, n));
+    LOADED_AS(loaded_library, image_bytes(code), l, real.library_load_data(l, code, jit, jit_values, njit, options, values, n));
 }
 
 CUresult cuLibraryLoadFromFile(void **l, const char *path, void *jit, void **jit_values, unsigned njit, void *options,
                                void **values, unsigned n)
 {
     PASS_THROUGH(real.library_load_file, l, path, jit, jit_values, njit, options, values, n);
-    LOADED(file_bytes(path), l, real.library_load_file(l, (const void *)path, jit, jit_values, njit, options, values, n));
+    LOADED_AS(loaded_library, file_bytes(path), l, real.library_load_file(l, (const void *)path, jit, jit_values, njit, options, values, n));
 }
 
-/* ---- a launch's lazy load (issue 34, item 7) ---------------------------------------------------
+/* ---- lazy loading and a launch's first use (issues 34 and 45) ----------------------------------
  *
- * With lazy loading (CUDA 12.2's default) a function's code goes onto the card at its first launch:
- * the driver's own memory, tens of MiB at a library's first use. A process that filled its instance
- * and then launches new code would take NVML's figure past memsize before any reading charges it
- * (and be killed by the watchdog). So a launch of a function not known loaded (cuFuncIsLoaded; else
- * its first launch through us) must find room for its code on the instance's GPU — its share of its
- * module's image (the image over the module's functions, in 2 MiB pages, at least one page) within
- * memsize, the headroom included — or it is answered CUDA_ERROR_OUT_OF_MEMORY, as the real driver
- * answers a lazy load that does not fit, and nothing is launched. Where the daemon's watchdog reads
- * NVML for the instance, that much is charged at once as the driver's own (the next readings settle
- * it to what the driver really took).
- *
- * A library's first use takes more than its code: the first launch of any function of a module of
- * a library's size (CGPU_LIBRARY_FUNCTIONS functions or more, default 8: cuBLAS, cuDNN, cuFFT,
- * NCCL) is foreseen CGPU_FIRST_USE_MIB more (default 64: the H100 grew 66 MiB at cuBLAS's first
- * matmul, its kernel's code one 2 MiB page of it), for its handles, tables and workspaces. */
-static struct table loaded_fns;  /* functions known on the card */
+ * With lazy loading (CUDA_MODULE_LOADING=LAZY, Linux's default since CUDA 12.2) "loading a module
+ * (cuModuleLoad*() family of functions) will not be loading kernels immediately, instead it will
+ * delay loading of a kernel until cuModuleGetFunction() is called" (CUDA C++ Programming Guide,
+ * "Lazy Loading"); cuLibraryGetKernel and cuKernelGetFunction are the library API's counterparts,
+ * and a function not loaded yet (cuModuleEnumerateFunctions' "partially loaded" ones, a CUkernel
+ * launched as it is) is loaded at its launch. A library's first use (its handles, tables and
+ * workspaces: +66 MiB at cuBLAS's first matmul on the H100) comes at its first launch. All of it is
+ * the driver's own memory, through no allocation call. So each of these calls must find room within
+ * memsize (the headroom included) for what it may take, or it is answered CUDA_ERROR_OUT_OF_MEMORY
+ * as the driver answers a load that does not fit, nothing done: the function's share of its
+ * module's image (the image over the module's functions, in 2 MiB pages, at least a page); at the
+ * first launch of a library-sized module (CGPU_LIBRARY_FUNCTIONS functions or more, default 8)
+ * CGPU_FIRST_USE_MIB more (default 64); and, whatever the module's shape, never less than the
+ * largest growth measured at such a call before (memory.c). What the driver then took is measured,
+ * not guessed — at the call, or for a launch at the process's next call — and charged where the
+ * watchdog reads the instance: a CUkernel launched with no module to look up, or a library's
+ * hundreds of modules, are charged what their loads took, never 64 MiB each. */
+static struct table loaded_fns;  /* functions launched through us (handle: their module) */
+static struct table got_fns;     /* (module or library, name) asked for before (handle: the module) */
 
 static uint64_t env_count(const char *name, uint64_t dflt)
 {
@@ -173,12 +215,30 @@ static uint64_t env_count(const char *name, uint64_t dflt)
     return v && *v && !*end ? (uint64_t)n : dflt;
 }
 
-static void loaded_fn(void *f)
+static void remember(struct table *t, uint64_t key, void *m)
 {
     mem_lock();
-    if (!table_find(&loaded_fns, (uint64_t)(uintptr_t)f))
-        table_add(&loaded_fns, (uint64_t)(uintptr_t)f);
+    struct entry *e = table_find(t, key);
+    if (!e && (e = table_add(t, key)))
+        e->handle = (uint64_t)(uintptr_t)m;
     mem_unlock();
+}
+
+static int remembered(struct table *t, uint64_t key)
+{
+    mem_lock();
+    int known = table_find(t, key) != NULL;
+    mem_unlock();
+    return known;
+}
+
+/* (module or library h, function name): a key of its own (FNV-1a over the name, the handle mixed in) */
+static uint64_t name_key(const void *h, const char *name)
+{
+    uint64_t k = 1469598103934665603ull ^ (uint64_t)(uintptr_t)h;
+    for (const char *c = name ? name : ""; *c; c++)
+        k = (k ^ (unsigned char)*c) * 1099511628211ull;
+    return k ? k : 1;
 }
 
 /* A function of module m was launched through us: its library's first use is behind it. */
@@ -195,55 +255,237 @@ static void module_used(void *m)
     mem_unlock();
 }
 
+/* A function's code: its share of module m's image, in pages, at least one; *first: m is of a
+ * library's size and none of its functions was launched yet; *used: one was. */
+static uint64_t code_bytes(void *m, int *first, int *used)
+{
+    unsigned n = 0;
+    uint64_t bytes = MEM_PAGE;
+    *first = *used = 0;
+    in_driver++;
+    int counted = m && pd.func_count && pd.func_count(&n, m) == CU_OK && n;
+    in_driver--;
+    mem_lock();
+    struct entry *e = m ? table_find(&module_bytes, (uint64_t)(uintptr_t)m) : NULL;
+    uint64_t image = e ? e->size : 0;
+    *used = e && e->maps;
+    mem_unlock();
+    if (counted) {
+        uint64_t share = (image / n + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;
+        bytes = share > bytes ? share : bytes;
+        *first = !*used && n >= env_count("CGPU_LIBRARY_FUNCTIONS", 8);
+    }
+    return bytes;
+}
+
+/* Room for `bytes` of the driver's own on the current GPU (a launch: never less than the largest
+ * step a launch took before): CU_OK with the growth's watch begun (w->g < 0: nothing to watch), else
+ * CU_OUT_OF_MEMORY. */
+static CUresult load_room(struct growth *w, uint64_t bytes, int launch)
+{
+    int g = current_gpu();
+    w->g = -1;
+    if (g < 0)
+        return CU_OK;  /* (a GPU given whole) */
+    if (!need_slot())
+        return CU_OUT_OF_MEMORY;
+    uint64_t step = launch ? growth_step(g) : 0;
+    if (!driver_room(g, bytes > step ? bytes : step))
+        return CU_OUT_OF_MEMORY;
+    growth_begin(g, w);
+    return CU_OK;
+}
+
+/* A function (or kernel) handle asked for by `key` of module m: its code loaded now (lazy
+ * loading), the first time; measured. */
+#define GETS(key, m, call)                                                  \
+    do {                                                                    \
+        uint64_t k_ = (key);                                                \
+        void *m_ = (m);                                                     \
+        struct growth w_ = {.g = -1};                                       \
+        int first_, used_;                                                  \
+        if (!remembered(&got_fns, k_)) {                                    \
+            CUresult lr_ = load_room(&w_, code_bytes(m_, &first_, &used_), 0); \
+            if (lr_ != CU_OK)                                               \
+                return lr_;                                                 \
+        }                                                                   \
+        in_driver++;                                                        \
+        CUresult r_ = (call);                                               \
+        in_driver--;                                                        \
+        growth_end(&w_, 0);                                                 \
+        if (r_ == CU_OK)                                                    \
+            remember(&got_fns, k_, m_);                                     \
+        return r_;                                                          \
+    } while (0)
+
+CUresult cuModuleGetFunction(void **f, void *m, const char *name)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.get_function, f, m, name);
+    GETS(name_key(m, name), m, pd.get_function(f, m, name));
+}
+
+CUresult cuLibraryGetKernel(void **k, void *l, const char *name)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.library_kernel, k, l, name);
+    GETS(name_key(l, name), library_module(l), pd.library_kernel(k, l, name));
+}
+
+/* (a kernel's library: cuKernelGetLibrary, CUDA 12.5; before it, none known) */
+static void *kernel_module(void *k)
+{
+    void *l = NULL;
+    in_driver++;
+    if (!pd.kernel_library || pd.kernel_library(&l, k) != CU_OK)
+        l = NULL;
+    in_driver--;
+    return l ? library_module(l) : NULL;
+}
+
+CUresult cuKernelGetFunction(void **f, void *k)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.kernel_function, f, k);
+    GETS(name_key(k, "") ^ (uint64_t)current_gpu(), kernel_module(k), pd.kernel_function(f, k));
+}
+
+/* Unloaded: what was known of the module (or library) and its functions goes with it (the driver
+ * may give a later function the same handle). What its code held comes back in the readings. */
+static void forget_module(void *h, void *m)
+{
+    struct table *tables[] = {&loaded_fns, &got_fns};
+    mem_lock();
+    for (size_t t = 0; t < sizeof tables / sizeof *tables; t++)
+        for (size_t i = 0; i < tables[t]->cap;) {
+            struct entry *e = &tables[t]->e[i];
+            if (e->used && m && e->handle == (uint64_t)(uintptr_t)m)
+                table_erase(tables[t], e);  /* (an entry may move into slot i: looked at again) */
+            else
+                i++;
+        }
+    void *keys[] = {h, m};
+    for (int i = 0; i < 2; i++) {
+        struct entry *e = keys[i] ? table_find(&module_bytes, (uint64_t)(uintptr_t)keys[i]) : NULL;
+        if (e)
+            table_erase(&module_bytes, e);
+    }
+    mem_unlock();
+}
+
+CUresult cuModuleUnload(void *m)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.unload, m);
+    in_driver++;
+    CUresult r = pd.unload(m);
+    in_driver--;
+    if (r == CU_OK)
+        forget_module(m, m);
+    return r;
+}
+
+CUresult cuLibraryUnload(void *l)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.library_unload, l);
+    void *m = library_module(l);
+    in_driver++;
+    CUresult r = pd.library_unload(l);
+    in_driver--;
+    if (r == CU_OK)
+        forget_module(l, m);
+    return r;
+}
+
+/* ---- the context's limits (issue 45, item 5) ----------------------------------------------------
+ *
+ * cuCtxSetLimit's CU_LIMIT_STACK_SIZE "controls the stack size in bytes of each GPU thread" (the
+ * driver API reference): the driver backs the stack of every thread the card holds resident, local
+ * memory of the stack times the multiprocessors times the threads each holds — hundreds of MiB per
+ * KiB on an H100 (132 x 2048 threads) — and CU_LIMIT_MALLOC_HEAP_SIZE and CU_LIMIT_PRINTF_FIFO_SIZE
+ * are a heap and a FIFO of their size: the driver's own memory, through no allocation call. Raising
+ * one must find room for the difference within memsize (the headroom included), or it is answered
+ * CUDA_ERROR_OUT_OF_MEMORY (one of cuCtxSetLimit's documented answers), the limit unchanged; what
+ * the driver took is measured and charged as a load's. */
+enum { LIMIT_STACK = 0, LIMIT_PRINTF_FIFO = 1, LIMIT_MALLOC_HEAP = 2 };
+enum { ATTR_MULTIPROCESSORS = 16, ATTR_THREADS_PER_MULTIPROCESSOR = 39 };
+
+static uint64_t limit_growth(int limit, size_t value)
+{
+    size_t now = 0;
+    int sms = 0, threads = 0;
+    CUdevice dev = 0;
+    if (limit != LIMIT_STACK && limit != LIMIT_PRINTF_FIFO && limit != LIMIT_MALLOC_HEAP)
+        return 0;
+    in_driver++;
+    int known = pd.get_limit && pd.get_limit(&now, limit) == CU_OK;
+    if (limit == LIMIT_STACK && known)
+        known = real.ctx_get_device && real.ctx_get_device(&dev) == CU_OK && pd.attribute
+                && pd.attribute(&sms, ATTR_MULTIPROCESSORS, dev) == CU_OK
+                && pd.attribute(&threads, ATTR_THREADS_PER_MULTIPROCESSOR, dev) == CU_OK;
+    in_driver--;
+    if (!known || value <= now)
+        return 0;  /* (lowered, or not known: the measure and the readings charge it) */
+    uint64_t more = value - now;
+    return limit == LIMIT_STACK ? more * (uint64_t)(sms > 0 ? sms : 0) * (uint64_t)(threads > 0 ? threads : 0) : more;
+}
+
+CUresult cuCtxSetLimit(int limit, size_t value)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.set_limit, limit, value);
+    int g = current_gpu();
+    struct growth w = {.g = -1};
+    if (g >= 0) {
+        uint64_t more = limit_growth(limit, value);
+        if (!need_slot() || (more && !driver_room(g, more)))
+            return CU_OUT_OF_MEMORY;
+        growth_begin(g, &w);
+    }
+    in_driver++;
+    CUresult r = pd.set_limit(limit, value);
+    in_driver--;
+    growth_end(&w, 0);
+    return r;
+}
+
+/* Before a kernel launch of `f`: what its first launch may grow the card by must fit (above); the
+ * growth measured at the process's next call. */
 CUresult lazy_room(void *f)
 {
     if (in_driver || !f || !isolated())
         return CU_OK;  /* (not isolated: the launch's own wrapper decides) */
-    mem_lock();
-    int known = table_find(&loaded_fns, (uint64_t)(uintptr_t)f) != NULL;
-    mem_unlock();
-    if (__builtin_expect(known, 1))
+    if (__builtin_expect(remembered(&loaded_fns, (uint64_t)(uintptr_t)f), 1))
         return CU_OK;
     pthread_once(&pd_once, pd_load);
-    int state = 0;
-    uint64_t bytes = MEM_PAGE;
-    void *m = NULL, *first = NULL;  /* first: a library's module whose first use this launch is */
-    unsigned n = 0;
+    int state = 0, first, used;
+    void *m = NULL;
     in_driver++;
-    if (pd.is_loaded && pd.is_loaded(&state, f) == CU_OK && state == 1)
-        bytes = 0;  /* (CU_FUNCTION_LOADING_STATE_LOADED: on the card already) */
-    else if (pd.func_module && pd.func_count && pd.func_module(&m, f) == CU_OK && m
-             && pd.func_count(&n, m) == CU_OK && n) {
-        mem_lock();
-        struct entry *e = table_find(&module_bytes, (uint64_t)(uintptr_t)m);
-        uint64_t image = e ? e->size : 0;
-        int used = e && e->maps;
-        mem_unlock();
-        uint64_t share = (image / n + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;
-        bytes = share > bytes ? share : bytes;
-        if (!used && n >= env_count("CGPU_LIBRARY_FUNCTIONS", 8)) {
-            bytes += env_count("CGPU_FIRST_USE_MIB", 64) << 20;
-            first = m;
-        }
-    }
+    int loaded = pd.is_loaded && pd.is_loaded(&state, f) == CU_OK && state == 1;  /* CU_FUNCTION_LOADING_STATE_LOADED */
+    if (!pd.func_module || pd.func_module(&m, f) != CU_OK)
+        m = NULL;
     in_driver--;
+    uint64_t bytes = code_bytes(m, &first, &used);
+    bytes = (loaded ? 0 : bytes) + (first ? env_count("CGPU_FIRST_USE_MIB", 64) << 20 : 0);
     int g = current_gpu();
-    if (!bytes || g < 0 || !need_slot()) {
-        loaded_fn(f);
-        module_used(first);
+    if ((loaded && used) || g < 0 || !need_slot()) {
+        remember(&loaded_fns, (uint64_t)(uintptr_t)f, m);
         return CU_OK;
     }
-    if (!driver_room(g, bytes))
-        return CU_OUT_OF_MEMORY;
-    if (drv && __atomic_load_n(&drv->watched, __ATOMIC_ACQUIRE))
-        charge_driver(g, (int64_t)bytes);
-    loaded_fn(f);
-    module_used(first);
+    struct growth w;
+    CUresult r = load_room(&w, bytes, 1);
+    if (r != CU_OK)
+        return r;
+    growth_pending(&w);
+    remember(&loaded_fns, (uint64_t)(uintptr_t)f, m);
+    module_used(m);
     return CU_OK;
 }
 
 void modules_forked(void)
 {
     table_drop(&loaded_fns);
+    table_drop(&got_fns);
     table_drop(&module_bytes);
 }

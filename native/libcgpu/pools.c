@@ -217,7 +217,7 @@ static CUresult pooled_alloc(int how, CUdeviceptr *p, size_t size, void *pool, v
         return res;
     }
     if (!r) {  /* (no record left: charged per allocation, forgotten at its free) */
-        commit(g, *p, want);
+        commit(g, *p, want, CHARGE_BYTES);
         pthread_mutex_unlock(&pool_lock);
         return CU_OK;
     }
