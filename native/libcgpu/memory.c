@@ -554,7 +554,8 @@ CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, size_t 
     CHARGED(size, *p, real.pitch(p, pitch, width, height, elem));
 }
 
-/* Managed (unified) memory escapes the real product's isolation; here it is counted (SPEC §3). */
+/* Managed (unified) memory: charged its whole size at the allocation, oversubscription refused (docs/memory.md,
+ * "Managed memory": libcgpu sees no page migrate, and a refusal beats the watchdog's kill; SPEC §3). */
 CUresult cuMemAllocManaged(CUdeviceptr *p, size_t size, unsigned flags)
 {
     PASS_THROUGH(real.managed, p, size, flags);
