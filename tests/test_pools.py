@@ -174,6 +174,39 @@ def test_a_fragmented_pool_never_takes_the_container_past_memsize(card):
     assert pages.used(os.fspath(dirp))[0] == 0
 
 
+def test_what_a_pool_gives_back_at_a_synchronize_is_seen_by_a_sibling_at_once(card):
+    """Issue 45, item 7: a pool gives back what it keeps above its release threshold (0 by default)
+    at a synchronization (the Programming Guide's stream-ordered allocator). A process frees 128 MiB
+    of a 256 MiB container's pool and synchronizes its stream, then makes no other call: its sibling
+    is told the 256 MiB are free and gets 200 MiB. Before, the refund waited for the first process's
+    next memory call: the sibling was told 128 MiB and refused 200 MiB (a false out-of-memory)."""
+    import subprocess
+    import sys
+
+    from test_libcgpu import PRELUDE
+
+    env, dirp, _ = card
+    memsize = 256 * MIB
+    pages.create(os.fspath(dirp), [memsize])
+    owner = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent("""
+        ok(d.cuInit(0)); dev = ok(d.cuDeviceGet(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(dev))))
+        s = ok(d.cuStreamCreate(1))
+        ok(d.cuMemFreeAsync(ok(d.cuMemAllocAsync(128 * 2**20, s)), s)); ok(d.cuStreamSynchronize(s))
+        print("synchronized", flush=True)
+        sys.stdin.read()
+    """)], env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert owner.stdout.readline().strip() == "synchronized", owner.stderr.read()
+        r = run(env, """
+            ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+            print(ok(d.cuMemGetInfo())[0], d.cuMemAlloc(200 * 2**20)[0] == d.CUresult.CUDA_SUCCESS)
+        """)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == [str(memsize), "True"], r.stdout
+    finally:
+        owner.communicate("", timeout=30)
+
+
 def test_a_reading_of_the_pools_memory_does_not_charge_its_reuse_twice(card):
     """The daemon's reading of the driver's memory (NVML's figure for the process, what its slot had
     allocated just before) after RMM-style priming: NVML shows the pool's 128 MiB. libcgpu charges

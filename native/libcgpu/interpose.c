@@ -130,6 +130,10 @@ CUresult cuKernelGetFunction(void **, void *);
 CUresult cuModuleUnload(void *);
 CUresult cuLibraryUnload(void *);
 CUresult cuCtxSetLimit(int, size_t);
+CUresult cuStreamSynchronize(void *);
+CUresult cuStreamSynchronize_ptsz(void *);
+CUresult cuCtxSynchronize(void);
+CUresult cuEventSynchronize(void *);
 
 /* A forked child holds nothing yet, has no helper thread, and needs a slot of its own: each part
  * forgets what was its parent's (page.c registers this with pthread_atfork when it sets up). */
@@ -248,6 +252,10 @@ static const struct form {
     {"cuModuleUnload", 2000, 0, "cuModuleUnload", (void *)cuModuleUnload},
     {"cuLibraryUnload", 12000, 0, "cuLibraryUnload", (void *)cuLibraryUnload},
     {"cuCtxSetLimit", 3010, 0, "cuCtxSetLimit", (void *)cuCtxSetLimit},
+    {"cuStreamSynchronize", 2000, 0, "cuStreamSynchronize", (void *)cuStreamSynchronize},
+    {"cuStreamSynchronize", 7000, 1, "cuStreamSynchronize_ptsz", (void *)cuStreamSynchronize_ptsz},
+    {"cuCtxSynchronize", 2000, 0, "cuCtxSynchronize", (void *)cuCtxSynchronize},
+    {"cuEventSynchronize", 2000, 0, "cuEventSynchronize", (void *)cuEventSynchronize},
     {"cuMemsetD8Async", 3020, 0, "cuMemsetD8Async", (void *)cuMemsetD8Async},
     {"cuMemsetD8Async", 7000, 1, "cuMemsetD8Async_ptsz", (void *)cuMemsetD8Async_ptsz},
     {"cuMemsetD16Async", 3020, 0, "cuMemsetD16Async", (void *)cuMemsetD16Async},

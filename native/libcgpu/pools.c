@@ -32,6 +32,8 @@ static struct {
     CUresult (*create)(void **, const void *);
     CUresult (*destroy)(void *);
     CUresult (*trim)(void *, size_t);
+    CUresult (*stream_sync)(void *);       /* cuStreamSynchronize */
+    CUresult (*stream_sync_ptsz)(void *);  /* its per-thread-default-stream form */
 } pd;
 static pthread_once_t pd_once = PTHREAD_ONCE_INIT;
 static void pd_load(void)
@@ -44,6 +46,8 @@ static void pd_load(void)
     pd.create = (CUresult (*)(void **, const void *))sym("cuMemPoolCreate");
     pd.destroy = (CUresult (*)(void *))sym("cuMemPoolDestroy");
     pd.trim = (CUresult (*)(void *, size_t))sym("cuMemPoolTrimTo");
+    pd.stream_sync = (CUresult (*)(void *))sym("cuStreamSynchronize");
+    pd.stream_sync_ptsz = (CUresult (*)(void *))sym("cuStreamSynchronize_ptsz");
 }
 
 struct pool_rec {
@@ -53,6 +57,7 @@ struct pool_rec {
     uint64_t charged;  /* what its reservation is charged (in this process's slot) */
 };
 static struct pool_rec pool_recs[NPOOLS];
+static int any_pool;  /* a pool was ever charged here (synchronizations then settle them) */
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct table pooled;  /* a pool allocation -> its pool's record (handle: the index) */
 
@@ -90,8 +95,10 @@ static struct pool_rec *pool_rec(void *pool, int g)
         if (!pool_recs[i].pool && !free_rec)
             free_rec = &pool_recs[i];
     }
-    if (free_rec)
+    if (free_rec) {
         *free_rec = (struct pool_rec){.pool = pool, .gpu = g};
+        __atomic_store_n(&any_pool, 1, __ATOMIC_RELEASE);
+    }
     return free_rec;
 }
 
@@ -132,6 +139,55 @@ int pools_settle_all(void)
             back |= settle(&pool_recs[i]);
     pthread_mutex_unlock(&pool_lock);
     return back;
+}
+
+/* ---- synchronizations (issue 45, item 7) ------------------------------------------------------
+ *
+ * A pool gives back what it keeps above its release threshold at a synchronization: "the allocator
+ * will try to release memory back to the OS on the next call to stream, event or context
+ * synchronize" (CUDA Programming Guide, Stream Ordered Memory Allocator, physical page caching).
+ * It is refunded there, so the container's other processes see it at once: before, it came back
+ * only at this process's next memory call, and a sibling meanwhile got a false out-of-memory and a
+ * low cuMemGetInfo. */
+static CUresult synced(CUresult r)
+{
+    if (r == CU_OK && __atomic_load_n(&any_pool, __ATOMIC_ACQUIRE))
+        pools_settle_all();
+    return r;
+}
+
+#define SYNCED(fn, ...)                          \
+    do {                                         \
+        in_driver++;                             \
+        CUresult r_ = (fn)(__VA_ARGS__);         \
+        in_driver--;                             \
+        return synced(r_);                       \
+    } while (0)
+
+CUresult cuStreamSynchronize(void *stream)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.stream_sync, stream);
+    SYNCED(pd.stream_sync, stream);
+}
+
+CUresult cuStreamSynchronize_ptsz(void *stream)
+{
+    pthread_once(&pd_once, pd_load);
+    PASS_THROUGH(pd.stream_sync_ptsz, stream);
+    SYNCED(pd.stream_sync_ptsz, stream);
+}
+
+CUresult cuCtxSynchronize(void)
+{
+    PASS_THROUGH(real.ctx_sync);
+    SYNCED(real.ctx_sync);
+}
+
+CUresult cuEventSynchronize(void *event)
+{
+    PASS_THROUGH(ev.sync, event);
+    SYNCED(ev.sync, event);
 }
 
 /* (pool_lock held) The pool's unused memory back to the card, as much as `want` more on GPU g needs
