@@ -296,6 +296,11 @@ static CUresult load_room(struct growth *w, uint64_t bytes, int launch)
     return CU_OK;
 }
 
+static __thread uint64_t last_got;  /* this thread's last key asked for (a runtime asking per launch: no lock) */
+static __thread unsigned last_unloads;  /* ... valid while no module was unloaded since */
+static unsigned unloads;
+#define LAST_GOT(k) ((k) == last_got && last_unloads == __atomic_load_n(&unloads, __ATOMIC_ACQUIRE))
+
 /* A function (or kernel) handle asked for by `key` of module m: its code loaded now (lazy
  * loading), the first time; measured. */
 #define GETS(key, m, call)                                                  \
@@ -304,7 +309,7 @@ static CUresult load_room(struct growth *w, uint64_t bytes, int launch)
         void *m_ = (m);                                                     \
         struct growth w_ = {.g = -1};                                       \
         int first_, used_;                                                  \
-        if (!remembered(&got_fns, k_)) {                                    \
+        if (!LAST_GOT(k_) && !remembered(&got_fns, k_)) {                   \
             CUresult lr_ = load_room(&w_, code_bytes(m_, &first_, &used_), 0); \
             if (lr_ != CU_OK)                                               \
                 return lr_;                                                 \
@@ -313,8 +318,11 @@ static CUresult load_room(struct growth *w, uint64_t bytes, int launch)
         CUresult r_ = (call);                                               \
         in_driver--;                                                        \
         growth_end(&w_, 0);                                                 \
-        if (r_ == CU_OK)                                                    \
+        if (r_ == CU_OK && !LAST_GOT(k_)) {                                 \
+            last_unloads = __atomic_load_n(&unloads, __ATOMIC_ACQUIRE);     \
             remember(&got_fns, k_, m_);                                     \
+            last_got = k_;                                                  \
+        }                                                                   \
         return r_;                                                          \
     } while (0)
 
@@ -364,6 +372,7 @@ static void forget_module(void *h, void *m)
             else
                 i++;
         }
+    __atomic_add_fetch(&unloads, 1, __ATOMIC_ACQ_REL);  /* (every thread's last key asked for: stale) */
     void *keys[] = {h, m};
     for (int i = 0; i < 2; i++) {
         struct entry *e = keys[i] ? table_find(&module_bytes, (uint64_t)(uintptr_t)keys[i]) : NULL;
@@ -485,6 +494,7 @@ CUresult lazy_room(void *f)
 
 void modules_forked(void)
 {
+    last_got = 0;
     table_drop(&loaded_fns);
     table_drop(&got_fns);
     table_drop(&module_bytes);
