@@ -56,7 +56,7 @@ void follow(void);
 void driver_share(int g);
 /* Growth the driver does on its own at a call, measured (memory.c): begun before the call, ended
  * after it (charged where watched; the largest step kept); a launch's ends at the next call. */
-struct growth { int g; uint64_t free, held; };
+struct growth { int g; uint64_t free, held, at; };
 void growth_begin(int g, struct growth *w);
 uint64_t growth_end(struct growth *w, int learn);  /* learn: a step to keep room for */
 void growth_pending(const struct growth *w);

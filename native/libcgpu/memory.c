@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "cgpu_memory.h"
 
@@ -333,12 +334,15 @@ void charge_driver(int g, int64_t delta)
  * out-of-memory. So whatever a module's shape, growth nobody foresaw passes memsize by at most one
  * step (within the watchdog's allowance: it tolerates that much for a process that went through
  * libcgpu), and the process's next call fails: never a kill. A launch's growth is measured at the
- * process's next call (the launch itself is the gate's). Neighbours allocating in the same instant
- * make a step look larger (more room kept), freeing make it look smaller (the readings settle it). */
+ * process's next call (the launch itself is the gate's) if it comes within 100 ms, else it is left
+ * to the readings. The card's free moves with its other processes too: a neighbour allocating in the
+ * window makes a step look larger (charged until the readings settle it; more room kept), freeing
+ * makes it look smaller (the readings charge the rest). */
 static pthread_mutex_t growth_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct growth pending;  /* a launch's, measured at the next call (pending_set) */
 static int pending_set;
 static uint64_t grow_step[CGPU_MAX_GPUS];
+#define PENDING_NS 100000000ull  /* a launch's growth is measured at a call within 100 ms of it, else left to the readings */
 
 static uint64_t card_free(void)
 {
@@ -349,9 +353,17 @@ static uint64_t card_free(void)
     return r == CU_OK ? f : UINT64_MAX;
 }
 
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
 void growth_begin(int g, struct growth *w)
 {
     w->g = g;
+    w->at = now_ns();
     w->free = g >= 0 ? card_free() : UINT64_MAX;
     w->held = g >= 0 ? __atomic_load_n(&mine->held[g], __ATOMIC_ACQUIRE) : 0;
 }
@@ -393,6 +405,8 @@ static void growth_settle(void)
     pthread_mutex_lock(&growth_lock);
     struct growth w = pending;
     int set = pending_set && current_gpu() == w.g;
+    if (pending_set && now_ns() - w.at > PENDING_NS)
+        pending_set = set = 0;  /* (too long ago: the card's free moved with the neighbours too) */
     if (set)
         pending_set = 0;
     pthread_mutex_unlock(&growth_lock);
