@@ -382,9 +382,12 @@ uint64_t growth_end(struct growth *w, int learn)
     uint64_t grew = card - own;
     if (drv && __atomic_load_n(&drv->watched, __ATOMIC_ACQUIRE))
         charge_driver(g, (int64_t)grew);
+    /* (a step kept room for is at most the watchdog's allowance, the larger of 256 MiB and 3 % of
+     * memsize: a neighbour's allocation in the window must not make every later first launch fail) */
+    uint64_t most = limits->memsize[g] * 3 / 100 > (256ull << 20) ? limits->memsize[g] * 3 / 100 : 256ull << 20;
     pthread_mutex_lock(&growth_lock);
-    if (learn && grew > grow_step[g])
-        grow_step[g] = grew;
+    if (learn && (grew < most ? grew : most) > grow_step[g])
+        grow_step[g] = grew < most ? grew : most;
     pthread_mutex_unlock(&growth_lock);
     return grew;
 }
