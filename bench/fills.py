@@ -67,6 +67,14 @@ def seen(r, ask=0):
     if r == OOM:  # (the last one: what ended the fill)
         end_oom, asked = now, ask
     return r
+def fill_less_256():
+    # 64 MiB and 2 MiB blocks until out-of-memory (PyTorch's caching allocator), 256 MiB of them freed
+    blocks = []
+    for size in (64 * 2**20, 2 * 2**20):
+        while seen((r := d.cuMemAlloc(size))[0], size) == OK:
+            blocks.append(r[1])
+    for b in blocks[:4]:
+        ok(d.cuMemFree(b))
 def report():
     time.sleep(1.1)  # two looks of the watchdog
     seen(None)
@@ -89,12 +97,7 @@ FILLS = {
         report()
     """,
     "stack limit raised": """
-        blocks = []
-        for size in (64 * 2**20, 2 * 2**20):
-            while seen((r := d.cuMemAlloc(size))[0], size) == OK:
-                blocks.append(r[1])
-        for b in blocks[:4]:
-            ok(d.cuMemFree(b))
+        fill_less_256()
         stack = 1024
         while seen(d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE, stack + 1024)[0], 40 * 2**20) == OK:
             stack += 1024
@@ -103,12 +106,7 @@ FILLS = {
     "200 lazily loaded modules after a fill": """
         import os
         os.environ["CGPU_STUB_LIBRARY_FUNCTIONS"] = "1"  # (every module's first launch: +64 MiB, the stand-in's FIRST_USE)
-        blocks = []
-        for size in (64 * 2**20, 2 * 2**20):
-            while seen((r := d.cuMemAlloc(size))[0], size) == OK:
-                blocks.append(r[1])
-        for b in blocks[:4]:
-            ok(d.cuMemFree(b))
+        fill_less_256()
         for i in range(200):
             ptx = (".version 8.0\\n.target sm_75\\n.address_size 64\\n.visible .entry k%d()\\n{\\nret;\\n}\\n" % i).encode()
             r = d.cuModuleLoadData(ptx)
