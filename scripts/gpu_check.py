@@ -785,8 +785,10 @@ FILLS_45 = {
             if r[0] != d.CUresult.CUDA_SUCCESS:
                 break
             res["modules"] += 1; res["got"] += 8 * MIB; progress(res)
+        while r[0] == d.CUresult.CUDA_SUCCESS and (r := d.cuMemAlloc(64 * MIB))[0] == d.CUresult.CUDA_SUCCESS:
+            res["got"] += 64 * MIB; progress(res)  # (then the rest filled: it ends in out-of-memory)
         res.update(error=r[0].name, oom=r[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY); time.sleep(1.5); progress(res)"""),
-    "fill-graphmem": ("graph memory at first replay", "torch", """
+    "fill-graphmem": ("torch graph memory at first replay", "torch", """
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"  # (graph allocations: graph memory nodes)
         import torch
         res, held = {"stage": "fill", "got": 0}, []
