@@ -6,7 +6,9 @@
  *   pools.c    stream-ordered pools, charged by their reservation;
  *   vmm.c      virtual memory management (cuMemCreate/Map/Unmap/Release) and its handles' IPC;
  *   modules.c  modules and libraries, lazy loading, a launch's first use, the context's limits.
- * Everything here is hidden (cgpu_internal.h's pragma).
+ * memory.c is the bottom of them: pools.c, vmm.c and modules.c call down into it, and what memory.c
+ * needs of them (pools' refunds, their resets in a forked child) they hand it at load, so no call
+ * goes up (no circle in native/). Everything here is hidden (cgpu_internal.h's pragma).
  */
 #ifndef CGPU_MEMORY_H
 #define CGPU_MEMORY_H
@@ -65,12 +67,9 @@ uint64_t growth_step(int g);  /* the largest step learned on GPU g (a launch's),
  * (after what pools and dead processes gave back). */
 int driver_room(int g, uint64_t bytes);
 
-/* ---- pools.c ---- */
-int pools_settle_all(void);
-void pools_forked(void);
-
-/* ---- modules.c ---- */
-void modules_forked(void);
+/* What the files above memory.c hand it at load (their constructors): nothing in memory.c calls up. */
+extern int (*pools_settle_hook)(void);   /* pools.c: what every pool gave back since, refunded */
+void memory_on_fork(void (*fn)(void));   /* a file's reset in a forked child */
 
 /* An allocation of `size` bytes done by `call` (the real driver's), held to memsize on the page's
  * GPU `gpu` (-1: a GPU given whole, not charged). */

@@ -256,7 +256,8 @@ void force(int g, size_t size)
  * container held (a SIGKILLed sibling's: its slot's liveness lock is gone), back. 1: try again. */
 int settle_all(void)
 {
-    pools_settle_all();
+    if (pools_settle_hook)
+        pools_settle_hook();
     reclaim_dead();
     return 1;
 }
@@ -699,7 +700,8 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
     if (need_slot()) {
         follow();
         driver_share(g);
-        pools_settle_all();
+        if (pools_settle_hook)
+            pools_settle_hook();
         reclaim_dead();  /* (a dead sibling's memory is free again) */
     }
     uint64_t cap = room(g), used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
@@ -722,6 +724,9 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d)
     return r;
 }
 
+static void (*forks[4])(void);  /* the files above's resets in a forked child */
+static int nforks;
+
 /* What the parent allocated is the parent's. */
 void memory_forked(void)
 {
@@ -736,6 +741,14 @@ void memory_forked(void)
     pthread_mutex_init(&growth_lock, NULL);
     table_drop(&allocs);
     table_drop(&mapped);
-    pools_forked();
-    modules_forked();
+    for (int i = 0; i < nforks; i++)
+        forks[i]();
+}
+
+/* What the files above hand down at load (pools.c, modules.c): nothing here calls up, no circle. */
+int (*pools_settle_hook)(void);
+void memory_on_fork(void (*fn)(void))
+{
+    if (nforks < (int)(sizeof forks / sizeof *forks))
+        forks[nforks++] = fn;
 }

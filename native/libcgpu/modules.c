@@ -492,10 +492,15 @@ CUresult lazy_room(void *f)
     return CU_OK;
 }
 
-void modules_forked(void)
+static void modules_forked(void)
 {
     last_got = 0;
     table_drop(&loaded_fns);
     table_drop(&got_fns);
     table_drop(&module_bytes);
+}
+
+__attribute__((constructor)) static void modules_hooks(void)
+{
+    memory_on_fork(modules_forked);
 }

@@ -128,7 +128,7 @@ static int settle(struct pool_rec *r)
 }
 
 /* What every pool gave back since (a synchronization, a trim) refunded; 1 when anything came back. */
-int pools_settle_all(void)
+static int pools_settle_all(void)
 {
     int back = 0;
     if (!pd.get_attr)
@@ -417,9 +417,15 @@ CUresult cuMemPoolTrimTo(void *pool, size_t keep)
     return r;
 }
 
-void pools_forked(void)
+static void pools_forked(void)
 {
     table_drop(&pooled);
     memset(pool_recs, 0, sizeof pool_recs);  /* (the parent's pools) */
     pthread_mutex_init(&pool_lock, NULL);
+}
+
+__attribute__((constructor)) static void pools_hooks(void)
+{
+    pools_settle_hook = pools_settle_all;
+    memory_on_fork(pools_forked);
 }
