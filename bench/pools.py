@@ -46,11 +46,11 @@ MIB, GIB = 1 << 20, 1 << 30
 BEFORE = "4bb5e69"  # main when issue 34's memory work started
 
 
-def build_before(where: Path) -> str:
-    """libcgpu.so as it was at BEFORE, built into `where`."""
+def build_before(where: Path, commit: str = BEFORE) -> str:
+    """libcgpu.so as it was at `commit` (BEFORE), built into `where`."""
     src = where / "src"
     src.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", os.path.dirname(HERE), "archive", BEFORE, "native"], capture_output=True,
+    archive = subprocess.run(["git", "-C", os.path.dirname(HERE), "archive", commit, "native"], capture_output=True,
                              check=True).stdout
     subprocess.run(["tar", "-x", "-C", os.fspath(src)], input=archive, check=True)
     subprocess.run(["make", "-s", "-C", os.fspath(src / "native"), "libcgpu", f"LIB={where}",

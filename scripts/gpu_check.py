@@ -18,6 +18,10 @@ nothing. The rows, in the order they run (`--list` prints their keys; `--only KE
                       capturing and replaying CUDA graphs beside a neighbour; ResNet-50 training
                       at doubling batches in a tight instance: each ends in out-of-memory or
                       runs, the process alive, never killed
+  fill (issue 45)     where the driver grows on its own: a fragmented stream-ordered pool, the stack
+                      limit raised, graph memory at a graph's first replay (PyTorch's cudaMallocAsync
+                      backend), 200 lazily loaded modules: each ends in out-of-memory or runs, the
+                      process alive, never killed
   nvidia-smi          memory.total inside the instance is its memsize; its process list (the
                       query and the default screen) inside an instance leaves out a neighbour
                       instance holding 3 GiB (listed outside)
@@ -739,6 +743,70 @@ FILL_RESNET = RESNET_STEP + """
 """
 
 # a neighbour holding memory until told to stop: its pid into a file once it holds it
+# ---- issue 45's fills: where the driver grows on its own; each ends in out-of-memory, never a kill ----
+# (cuda-bindings unless named: module, body; each prints its JSON line as it goes, "oom" at the end)
+FILLS_45 = {
+    "fill-pool": ("fragmented pool", "cuda.bindings", """
+        from cuda.bindings import driver as d
+        d.cuInit(0); dev = d.cuDeviceGet(0)[1]; d.cuCtxSetCurrent(d.cuDevicePrimaryCtxRetain(dev)[1])
+        s = d.cuStreamCreate(1)[1]; pool = d.cuDeviceGetMemPool(dev)[1]
+        d.cuMemPoolSetAttribute(pool, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(2**64 - 1))
+        res, blocks = {"stage": "eighths", "got": 0}, []
+        while (r := d.cuMemAllocAsync(MEMSIZE // 8, s))[0] == d.CUresult.CUDA_SUCCESS:  # (PyTorch's async backend)
+            blocks.append(r[1]); res["got"] += MEMSIZE // 8; progress(res)
+        for b in blocks[::2]:  # (every other one freed: the pool keeps them, in pieces)
+            d.cuMemFreeAsync(b, s); res["got"] -= MEMSIZE // 8
+        d.cuStreamSynchronize(s); res["stage"] = "quarters"
+        while (r := d.cuMemAllocAsync(MEMSIZE // 4, s))[0] == d.CUresult.CUDA_SUCCESS:
+            res["got"] += MEMSIZE // 4; progress(res)
+        res.update(error=r[0].name, oom=r[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY); time.sleep(1.5); progress(res)"""),
+    "fill-stack": ("stack limit raised", "cuda.bindings", """
+        from cuda.bindings import driver as d
+        d.cuInit(0); dev = d.cuDeviceGet(0)[1]; d.cuCtxSetCurrent(d.cuDevicePrimaryCtxRetain(dev)[1])
+        res, blocks = {"stage": "fill", "got": 0}, []
+        while (r := d.cuMemAlloc(64 * MIB))[0] == d.CUresult.CUDA_SUCCESS:
+            blocks.append(r[1]); res["got"] += 64 * MIB
+        for b in blocks[:4]:
+            d.cuMemFree(b); res["got"] -= 64 * MIB
+        res["stage"], stack = "stack", d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE)[1]
+        while (r := d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_STACK_SIZE, stack + 1024))[0] == d.CUresult.CUDA_SUCCESS:
+            stack += 1024; res["stack"] = stack; progress(res)  # (an H100: ~264 MiB of local memory per KiB)
+        res.update(error=r[0].name, oom=r[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY); time.sleep(1.5); progress(res)"""),
+    "fill-lazy": ("200 lazily loaded modules", "cuda.bindings", """
+        from cuda.bindings import driver as d
+        d.cuInit(0); dev = d.cuDeviceGet(0)[1]; d.cuCtxSetCurrent(d.cuDevicePrimaryCtxRetain(dev)[1])
+        res = {"stage": "modules", "got": 0, "modules": 0}
+        for i in range(200):  # (each: its own module, its function asked for and launched, then 8 MiB)
+            ptx = (".version 6.0\\n.target sm_52\\n.address_size 64\\n.visible .entry k%d()\\n{\\nret;\\n}\\n" % i).encode()
+            r = d.cuModuleLoadData(ptx)
+            r = d.cuModuleGetFunction(r[1], b"k%d" % i) if r[0] == d.CUresult.CUDA_SUCCESS else r
+            r = d.cuLaunchKernel(r[1], 1, 1, 1, 1, 1, 1, 0, 0, 0, 0) if r[0] == d.CUresult.CUDA_SUCCESS else r
+            r = d.cuMemAlloc(8 * MIB) if r[0] == d.CUresult.CUDA_SUCCESS else r
+            if r[0] != d.CUresult.CUDA_SUCCESS:
+                break
+            res["modules"] += 1; res["got"] += 8 * MIB; progress(res)
+        while r[0] == d.CUresult.CUDA_SUCCESS and (r := d.cuMemAlloc(64 * MIB))[0] == d.CUresult.CUDA_SUCCESS:
+            res["got"] += 64 * MIB; progress(res)  # (then the rest filled: it ends in out-of-memory)
+        res.update(error=r[0].name, oom=r[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY); time.sleep(1.5); progress(res)"""),
+    "fill-graphmem": ("torch graph memory at first replay", "torch", """
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"  # (graph allocations: graph memory nodes)
+        import torch
+        res, held = {"stage": "fill", "got": 0}, []
+        try:
+            while res["got"] < MEMSIZE * 6 // 10:
+                held.append(torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")); res["got"] += 64 * MIB
+            res["stage"], g, s = "capture", torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                x = torch.ones(MEMSIZE // 8, dtype=torch.uint8, device="cuda")
+                with torch.cuda.graph(g, stream=s):  # (its memory comes at the first replay)
+                    y = [x + 1 for _ in range(4)]
+            res["stage"] = "replay"; progress(res)
+            g.replay(); torch.cuda.synchronize(); res["stage"] = "replayed"
+        except Exception as exc:
+            res.update(error=said(exc), oom=oomish(exc))
+        time.sleep(1.5); progress(res)"""),
+}
+
 HOLD = {"torch": ("torch", """
     import torch
     x = torch.empty(int(sys.argv[2]), dtype=torch.uint8, device="cuda"); torch.cuda.synchronize()
@@ -1083,6 +1151,13 @@ def checks(node: Node) -> list[Check]:
         return filled(r, f"ResNet-50 AMP training ran to batch {r.get('ran')} in {mib} MiB"
                          + (f" (at batch {r['batch']})" if r.get("rc") and r.get("batch") else ""))
     add("fill-resnet", "fill: ResNet-50 training, tight (issue 28)", 150, fill_resnet, "torchvision")
+
+    # ---- issue 45: fills where the driver grows on its own (pools, stack, graph memory, lazy loads) ----
+    for key, (what, module, body) in FILLS_45.items():
+        def fill_45(w=what, m=module, b=body, k=key) -> tuple[str, str]:
+            r = node.run(k[5:9], [py[m], *code(b)])
+            return filled(r, f"{w}: reached {r.get('stage')}, {r.get('got', 0) >> 20} MiB held of {mib}")
+        add(key, f"fill: {what} (issue 45)", 90, fill_45, module)
 
     smi = shutil.which("nvidia-smi")
 

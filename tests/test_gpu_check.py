@@ -177,6 +177,7 @@ def test_every_workload_compiles_and_the_process_list_is_read():
     bodies = [b for table in (gpu_check.SHOWN, gpu_check.OOM, gpu_check.GRAPHS, gpu_check.HOLD) for _, b in table.values()]
     bodies += [b + gpu_check.BUSY_LOOP for _, b in gpu_check.BUSY.values()]
     bodies += [gpu_check.FILL_JAX, gpu_check.FILL_GRAPHS, gpu_check.FILL_RESNET, gpu_check.HIGHPRIO, gpu_check.RESNET]
+    bodies += [b for _, _, b in gpu_check.FILLS_45.values()]
     for body in bodies:
         compile(gpu_check.code(body)[1], "<workload>", "exec")
     assert gpu_check.pids("1234, 3590 MiB\n 99, 12 MiB\n") == {1234, 99}

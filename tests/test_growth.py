@@ -260,15 +260,16 @@ NEW_CODE = """
 BIG = [(".version 8.0\\n.target sm_75\\n.address_size 64\\n.visible .entry big%d()\\n{\\nret;\\n}\\n" % i).encode()
        for i in range(6)]
 BIG = [b + b"/" * (64 * 2**20 - 1 - len(b)) for b in BIG]  # (a comment: 64 MiB of code)
-big = [ok(d.cuModuleGetFunction(ok(d.cuModuleLoadData(b)), b"big%d" % i)) for i, b in enumerate(BIG)]
+big = [ok(d.cuModuleLoadData(b)) for b in BIG]  # (lazy loading: the code at cuModuleGetFunction, after the fill)
 del BIG
 """
 
 NEW_LAUNCHES = """
 time.sleep(1.1)  # two looks of the watchdog
 peak, results = nvml_mine(), []
-for f in big:
-    results.append(d.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)[0].name)
+for i, m in enumerate(big):
+    got = d.cuModuleGetFunction(m, b"big%d" % i)
+    results.append(got[0].name if got[0] != E.CUDA_SUCCESS else d.cuLaunchKernel(got[1], 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)[0].name)
     peak = max(peak, nvml_mine())
     time.sleep(0.3)
     peak = max(peak, nvml_mine())
@@ -279,11 +280,12 @@ print("peak", max(peak, nvml_mine()), flush=True)
 
 
 def test_new_code_after_a_fill_is_refused_at_its_launch_before_nvml_passes_memsize(watched):
-    """Issue 34, item 7: a process that fills its 2 GiB instance (PyTorch's way) and then launches six
-    new functions of 64 MiB of code each (lazy loading: the code goes onto the card at the launch) is
-    answered CUDA_ERROR_OUT_OF_MEMORY at those launches, as the real driver answers a lazy load that
-    does not fit, before NVML's figure for it passes memsize (+1 %): it is never killed. On main the
-    six launches passed, NVML's figure reached memsize + 350 MiB and the watchdog killed it."""
+    """Issue 34, item 7: a process that fills its 2 GiB instance (PyTorch's way) and then asks for and
+    launches six new functions of 64 MiB of code each (lazy loading: the code goes onto the card at
+    cuModuleGetFunction, issue 45 item 4) is answered CUDA_ERROR_OUT_OF_MEMORY there, as the real
+    driver answers a lazy load that does not fit, before NVML's figure for it passes memsize (+1 %):
+    it is never killed. On main the six launches passed, NVML's figure reached memsize + 350 MiB and
+    the watchdog killed it."""
     rc, out, err = finish(cgpu_run(watched, name("nc"), "2G", CONTEXT + NEW_CODE + PYTORCH_FILL + NEW_LAUNCHES))
     log = watched.log_text()
     assert rc == 0, (rc, out, err, log[-3000:])
@@ -315,10 +317,11 @@ def test_a_process_around_the_library_is_still_killed_and_the_log_says_so(watche
 def test_the_stand_ins_driver_memory_grows_through_no_allocation_call(libs, tmp_path):
     """Without libcgpu: NVML's figure for the process (the stand-in's, read through its v3 call)
     and the card's free memory move together, in the steps this test sets (not the stand-in's
-    defaults): LOAD at a module's load; at a library's first launch (a module of 8 functions or
-    more) FIRST_USE plus the function's code (LAZY, its share of a small image being less), nothing
-    at its second launch, LAZY at a second function's first launch; GRAPH at a graph's
-    instantiation; and back when the graph and the module go. No allocation is made."""
+    defaults): LOAD at a module's load; a function's code (LAZY, its share of a small image being
+    less) at cuModuleGetFunction (lazy loading: CUDA's Lazy Loading documentation, issue 45 item 4);
+    at a library's first launch (a module of 8 functions or more) FIRST_USE, nothing at its second
+    launch, LAZY when a second function is asked for; GRAPH at a graph's instantiation; and back
+    when the graph and the module go. No allocation is made."""
     from nvml_stub import NvmlStub, StubGpu
 
     LOAD, LAZY, FIRST_USE, GRAPH = 3, 5, 61, 70  # MiB (the H100: +66 at cuBLAS's first matmul, +70 per graph)
@@ -342,7 +345,7 @@ def test_the_stand_ins_driver_memory_grows_through_no_allocation_call(libs, tmp_
             return (mine or [0])[0], (ok(d.cuMemGetInfo())[1] - ok(d.cuMemGetInfo())[0]) >> 20
         steps = [seen()]
         mod = ok(d.cuModuleLoadData(PTX)); steps.append(seen())
-        f = ok(d.cuModuleGetFunction(mod, b"k1"))
+        f = ok(d.cuModuleGetFunction(mod, b"k1")); steps.append(seen())
         ok(d.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)); steps.append(seen())
         ok(d.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)); steps.append(seen())
         s = ok(d.cuStreamCreate(1)); ex = graph(mod, s); steps.append(seen())  # (k0: a new function too)
@@ -351,9 +354,9 @@ def test_the_stand_ins_driver_memory_grows_through_no_allocation_call(libs, tmp_
         print(steps)
     """)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    launched = LOAD + FIRST_USE + LAZY
-    graphed = launched + LAZY + GRAPH  # (the capture's launch of k0 loads it: a second function)
-    steps = [0, LOAD, launched, launched, graphed, graphed - GRAPH, 0]
+    launched = LOAD + LAZY + FIRST_USE
+    graphed = launched + LAZY + GRAPH  # (asking for k0 loads it: a second function)
+    steps = [0, LOAD, LOAD + LAZY, launched, launched, graphed, graphed - GRAPH, 0]
     assert r.stdout.strip() == str([(n, n) for n in steps])
 
 
@@ -469,7 +472,8 @@ def test_a_librarys_first_launch_after_a_fill_is_refused_before_the_card_passes_
     first kernel (the stand-in, as the H100, takes 66 MiB at it): the launch is refused with
     out-of-memory and the card holds no more than memsize for it (on main the launch passed with 2 MiB
     foreseen and the card held 2096 MiB: NVML's figure 48 MiB past memsize, left to the watchdog's
-    allowance). With the fill freed the same launch passes, its 66 MiB charged at once."""
+    allowance). With the fill freed the same launch passes, the 64 MiB it took charged at once (its
+    kernel's 2 MiB of code went at cuModuleGetFunction, before the fill: lazy loading)."""
     from cgpud.gpus import pages
 
     where = tmp_path / "pages"
@@ -501,5 +505,110 @@ def test_a_librarys_first_launch_after_a_fill_is_refused_before_the_card_passes_
     assert refused.split()[0] == "CUDA_ERROR_OUT_OF_MEMORY", r.stdout
     assert int(refused.split()[1]) <= 2 * GIB, "the card holds more than memsize for it"
     name_, card_grew, charged = grown.split()
-    assert name_ == "CUDA_SUCCESS" and int(card_grew) == 66 * MIB, r.stdout
-    assert int(charged) >= 66 * MIB, "the first use is charged at once"
+    assert name_ == "CUDA_SUCCESS" and int(card_grew) == 64 * MIB, r.stdout
+    assert int(charged) >= 64 * MIB, "the first use is charged at once"
+
+
+def lazy_env(libs, tmp_path, **more) -> dict:
+    """A watched 2 GiB instance's page (its growth charged at once) on a 16 GiB stand-in card."""
+    from cgpud.gpus import pages
+
+    where = tmp_path / "pages"
+    pages.create(os.fspath(where), [2 * GIB])
+    pages.mark_watched(os.fspath(where))
+    return {"LD_LIBRARY_PATH": os.fspath(libs), "LD_PRELOAD": os.fspath(libs / "libcgpu.so"),
+            "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"), "CGPU_STUB_CUDA_MIB": "16384",
+            "CGPU_PAGE_DIR": os.fspath(where), "PATH": os.environ["PATH"], **more}
+
+
+LAZY_PRELUDE = PRELUDE + """
+import os
+E = d.CUresult
+card = lambda: int.from_bytes(open(os.environ["CGPU_STUB_CUDA_STATE"], "rb").read(8), "little")
+ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+def one(name, size=0):
+    # a module of one function (size: its image's bytes, a comment making it up)
+    b = (".version 8.0\\n.target sm_75\\n.address_size 64\\n.visible .entry %s()\\n{\\nret;\\n}\\n" % name).encode()
+    return ok(d.cuModuleLoadData(b + b"/" * max(0, size - 1 - len(b))))
+"""
+
+
+def test_lazy_loading_after_a_fill_is_refused_at_get_function_and_unload_forgets(libs, tmp_path):
+    """Issue 45, item 4: with lazy loading a function's code goes onto the card at cuModuleGetFunction
+    (CUDA's Lazy Loading documentation). A process fills what its watched 2 GiB instance calls free,
+    then asks for a function of 64 MiB of code: out-of-memory there, the card holding no more than
+    memsize (on main cuModuleGetFunction was not wrapped: the card went 64 MiB past it, and the
+    first-use check at the launch found the code loaded). Freed, it is given; a module unloaded and
+    another loaded (Triton and torch.compile do so all day) is looked at afresh."""
+    code = LAZY_PRELUDE + textwrap.dedent("""
+        big = one("big", 64 * 2**20)
+        fill = ok(d.cuMemAlloc(ok(d.cuMemGetInfo())[0]))
+        r = d.cuModuleGetFunction(big, b"big")[0]
+        print(r.name, card(), flush=True)
+        ok(d.cuMemFree(fill))
+        f = ok(d.cuModuleGetFunction(big, b"big")); ok(d.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0))
+        ok(d.cuCtxSynchronize()); ok(d.cuModuleUnload(big))
+        again = one("big", 64 * 2**20)  # (the driver may give it the unloaded one's handle)
+        fill = ok(d.cuMemAlloc(ok(d.cuMemGetInfo())[0]))
+        print(d.cuModuleGetFunction(again, b"big")[0].name, card(), flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=lazy_env(libs, tmp_path), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    first, again = (line.split() for line in r.stdout.split("\n")[:2])
+    assert first[0] == "CUDA_ERROR_OUT_OF_MEMORY" and int(first[1]) <= 2 * GIB, r.stdout
+    assert again[0] == "CUDA_ERROR_OUT_OF_MEMORY" and int(again[1]) <= 2 * GIB, r.stdout
+
+
+def test_growth_of_any_modules_shape_after_a_fill_ends_in_out_of_memory(libs, tmp_path):
+    """Issue 45, item 15: on a stand-in whose every module's first launch grows the card by 64 MiB
+    (CGPU_STUB_LIBRARY_FUNCTIONS=1: one-function modules, not the 8 of libcgpu's library rule), a
+    process asks for six one-function kernels, fills what its watched 2 GiB instance calls free, and
+    launches them. The first growth is nobody's to foresee: it passes, is measured and charged at
+    once; every later first launch must find room for that step, and is refused with out-of-memory,
+    as is the next allocation. The card passes memsize by at most that one step (within the
+    watchdog's allowance for a process that went through libcgpu: no kill); on main the six launches
+    passed and the card held memsize + 6 x 64 MiB (the watchdog's kill)."""
+    code = LAZY_PRELUDE + textwrap.dedent("""
+        fs = [ok(d.cuModuleGetFunction(one("k%d" % i), b"k%d" % i)) for i in range(6)]
+        fill = ok(d.cuMemAlloc(ok(d.cuMemGetInfo())[0]))
+        results = [d.cuLaunchKernel(f, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)[0].name for f in fs]
+        print(*results, flush=True)
+        print(d.cuMemAlloc(2**20)[0].name, card(), flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=lazy_env(libs, tmp_path, CGPU_STUB_LIBRARY_FUNCTIONS="1"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    launched, after = (line.split() for line in r.stdout.split("\n")[:2])
+    assert launched == ["CUDA_SUCCESS"] + ["CUDA_ERROR_OUT_OF_MEMORY"] * 5, r.stdout
+    assert after[0] == "CUDA_ERROR_OUT_OF_MEMORY" and int(after[1]) <= 2 * GIB + 64 * MIB, r.stdout
+
+
+def test_a_raised_stack_limit_after_a_fill_is_refused_not_killed(libs, tmp_path):
+    """Issue 45, item 5: CU_LIMIT_STACK_SIZE is each GPU thread's stack, and the driver backs every
+    resident thread's (the stand-in's T4: 40 x 1024 threads, 40 MiB per KiB; an H100 264 MiB). A
+    process fills what its watched 2 GiB instance calls free and raises the stack from 1 to 8 KiB:
+    cuCtxSetLimit answers out-of-memory, the limit and the card unchanged (on main it was not
+    wrapped: the card took 280 MiB past memsize, the watchdog's kill). Freed, the same call passes,
+    its 280 MiB charged at once; the printf FIFO and malloc heap are charged their sizes."""
+    code = LAZY_PRELUDE + textwrap.dedent("""
+        L = d.CUlimit
+        charged = lambda: ok(d.cuMemGetInfo())[0]
+        fill = ok(d.cuMemAlloc(ok(d.cuMemGetInfo())[0]))
+        r = d.cuCtxSetLimit(L.CU_LIMIT_STACK_SIZE, 8192)[0]
+        print(r.name, ok(d.cuCtxGetLimit(L.CU_LIMIT_STACK_SIZE)), card(), flush=True)
+        ok(d.cuMemFree(fill))
+        before, on_card = charged(), card()
+        ok(d.cuCtxSetLimit(L.CU_LIMIT_STACK_SIZE, 8192))
+        print(card() - on_card, before - charged(), flush=True)
+        before = charged()
+        ok(d.cuCtxSetLimit(L.CU_LIMIT_MALLOC_HEAP_SIZE, 8 * 2**20 + 64 * 2**20))
+        print(before - charged(), flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=lazy_env(libs, tmp_path), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    refused, raised, heap = (line.split() for line in r.stdout.split("\n")[:3])
+    assert refused[:2] == ["CUDA_ERROR_OUT_OF_MEMORY", "1024"] and int(refused[2]) <= 2 * GIB, r.stdout
+    assert raised == [str(280 * MIB), str(280 * MIB)], r.stdout
+    assert heap == [str(64 * MIB)], r.stdout

@@ -144,6 +144,69 @@ def test_a_primed_pool_is_charged_by_its_reservation_and_the_container_never_hol
     assert pages.used(os.fspath(dirp))[0] == 0, "what the pool held comes back when the process ends"
 
 
+def test_a_fragmented_pool_never_takes_the_container_past_memsize(card):
+    """Issue 45, item 3: the release threshold at its highest (PyTorch's cudaMallocAsync backend), four
+    quarters of a 256 MiB memsize from the pool, the first and third freed: the pool holds 128 MiB
+    unused, but in two pieces, and a half needs one range (the stand-in's pool fragments, as the
+    card's does), so the pool grows by 128 MiB. libcgpu took "size <= reserved - used" for a reuse
+    and held nothing: the card reached 384 MiB (1.25 x memsize once a context is counted, and the
+    watchdog's kill). Now the half holds its worst case; the pool gives back what it does not use
+    first (cuMemPoolTrimTo), so the half fits and the card holds memsize; past it, out-of-memory."""
+    env, dirp, _ = card
+    memsize = 256 * MIB
+    pages.create(os.fspath(dirp), [memsize])
+    r = run(env, SEEN, """
+        import json
+        ok(d.cuInit(0)); dev = ok(d.cuDeviceGet(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(dev))))
+        s = ok(d.cuStreamCreate(1)); pool = ok(d.cuDeviceGetMemPool(dev))
+        set_threshold(pool, 2**64 - 1)
+        q = [ok(d.cuMemAllocAsync(64 * 2**20, s)) for _ in range(4)]
+        ok(d.cuMemFreeAsync(q[0], s)); ok(d.cuMemFreeAsync(q[2], s)); ok(d.cuStreamSynchronize(s))
+        out = {"kept": [attr(pool, "RESERVED_MEM_CURRENT"), on_card()]}
+        half = d.cuMemAllocAsync(128 * 2**20, s)
+        out["half"] = [half[0] == d.CUresult.CUDA_SUCCESS, on_card(), attr(pool, "RESERVED_MEM_CURRENT")]
+        out["past"] = [d.cuMemAllocAsync(2 * 2**20, s)[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY, on_card()]
+        print(json.dumps(out))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"kept": [256 * MIB, 256 * MIB], "half": [True, memsize, memsize],
+                                    "past": [True, memsize]}
+    assert pages.used(os.fspath(dirp))[0] == 0
+
+
+def test_what_a_pool_gives_back_at_a_synchronize_is_seen_by_a_sibling_at_once(card):
+    """Issue 45, item 7: a pool gives back what it keeps above its release threshold (0 by default)
+    at a synchronization (the Programming Guide's stream-ordered allocator). A process frees 128 MiB
+    of a 256 MiB container's pool and synchronizes its stream, then makes no other call: its sibling
+    is told the 256 MiB are free and gets 200 MiB. Before, the refund waited for the first process's
+    next memory call: the sibling was told 128 MiB and refused 200 MiB (a false out-of-memory)."""
+    import subprocess
+    import sys
+
+    from test_libcgpu import PRELUDE
+
+    env, dirp, _ = card
+    memsize = 256 * MIB
+    pages.create(os.fspath(dirp), [memsize])
+    owner = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent("""
+        ok(d.cuInit(0)); dev = ok(d.cuDeviceGet(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(dev))))
+        s = ok(d.cuStreamCreate(1))
+        ok(d.cuMemFreeAsync(ok(d.cuMemAllocAsync(128 * 2**20, s)), s)); ok(d.cuStreamSynchronize(s))
+        print("synchronized", flush=True)
+        sys.stdin.read()
+    """)], env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert owner.stdout.readline().strip() == "synchronized", owner.stderr.read()
+        r = run(env, """
+            ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+            print(ok(d.cuMemGetInfo())[0], d.cuMemAlloc(200 * 2**20)[0] == d.CUresult.CUDA_SUCCESS)
+        """)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == [str(memsize), "True"], r.stdout
+    finally:
+        owner.communicate("", timeout=30)
+
+
 def test_a_reading_of_the_pools_memory_does_not_charge_its_reuse_twice(card):
     """The daemon's reading of the driver's memory (NVML's figure for the process, what its slot had
     allocated just before) after RMM-style priming: NVML shows the pool's 128 MiB. libcgpu charges

@@ -6,7 +6,8 @@
  *   page.c       the shared pages (cgpu_page.h): setting up (the driver, then the pages), process
  *                slots, a dead process's memory back, which page GPU a CUDA device is;
  *   memory.c     charge and refund: every allocator and free, the allocations' sizes, the
- *                driver's own memory as it grows, cuMemGetInfo and cuDeviceTotalMem, module loads;
+ *                driver's own memory as it grows, cuMemGetInfo and cuDeviceTotalMem (memory.c on
+ *                top of pools.c, vmm.c, modules.c: one file per concern, cgpu_memory.h);
  *   gate.c       compute: kernel launches wait at the gate (futex), the helper thread drains
  *                and answers the daemon's closings (gate.c on top of clock.c, contexts.c,
  *                gang.c, charge.c, queue.c, drain.c: one file per concern, cgpu_compute.h);
@@ -195,7 +196,7 @@ void nvml_context_after(int g);
 void nvml_forked(void);
 int nvml_ioctl(int fd, unsigned long request, void *arg);  /* ioctl: the kernel driver's process lists */
 
-/* ---- memory.c ---- */
+/* ---- memory.c (cgpu_memory.h: its files) ---- */
 void memory_forked(void);
 /* Before a kernel launch of function `f`: room for its lazy load (CU_OK), else CU_OUT_OF_MEMORY. */
 CUresult lazy_room(void *f);

@@ -48,7 +48,7 @@ unsigned gate_waiting[1 + CGPU_MAX_GPUS];
 
 /* Whether a thread of the process waits at a gate other than page GPU k's now: a launch the work on
  * GPU k may wait for (a collective's half on another GPU, held by a gang's closing or that GPU's). */
-static int held_elsewhere(int k)
+static int waits_elsewhere(int k)
 {
     for (int j = 0; j <= CGPU_MAX_GPUS; j++)
         if (j != 1 + k && __atomic_load_n(&gate_waiting[j], __ATOMIC_SEQ_CST))
@@ -65,7 +65,7 @@ static void sync_whole(int k, int64_t deadline)
 {
     uint64_t ticket = contexts_sync_ask(k);
     while (contexts_sync_wait(ticket, mono_ns() + 1000000) != 0)
-        if (!ticket || (mono_ns() >= deadline && held_elsewhere(k)))
+        if (!ticket || (mono_ns() >= deadline && waits_elsewhere(k)))
             return;
 }
 

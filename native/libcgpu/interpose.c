@@ -136,6 +136,16 @@ CUresult cuModuleLoadDataEx(void **, const void *, unsigned, void *, void **);
 CUresult cuModuleLoadFatBinary(void **, const void *);
 CUresult cuLibraryLoadData(void **, const void *, void *, void **, unsigned, void *, void **, unsigned);
 CUresult cuLibraryLoadFromFile(void **, const char *, void *, void **, unsigned, void *, void **, unsigned);
+CUresult cuModuleGetFunction(void **, void *, const char *);
+CUresult cuLibraryGetKernel(void **, void *, const char *);
+CUresult cuKernelGetFunction(void **, void *);
+CUresult cuModuleUnload(void *);
+CUresult cuLibraryUnload(void *);
+CUresult cuCtxSetLimit(int, size_t);
+CUresult cuStreamSynchronize(void *);
+CUresult cuStreamSynchronize_ptsz(void *);
+CUresult cuCtxSynchronize(void);
+CUresult cuEventSynchronize(void *);
 
 /* A forked child holds nothing yet, has no helper thread, and needs a slot of its own: each part
  * forgets what was its parent's (page.c registers this with pthread_atfork when it sets up). */
@@ -248,6 +258,16 @@ static const struct form {
     {"cuModuleLoadFatBinary", 2000, 0, "cuModuleLoadFatBinary", (void *)cuModuleLoadFatBinary},
     {"cuLibraryLoadData", 12000, 0, "cuLibraryLoadData", (void *)cuLibraryLoadData},
     {"cuLibraryLoadFromFile", 12000, 0, "cuLibraryLoadFromFile", (void *)cuLibraryLoadFromFile},
+    {"cuModuleGetFunction", 2000, 0, "cuModuleGetFunction", (void *)cuModuleGetFunction},
+    {"cuLibraryGetKernel", 12000, 0, "cuLibraryGetKernel", (void *)cuLibraryGetKernel},
+    {"cuKernelGetFunction", 12000, 0, "cuKernelGetFunction", (void *)cuKernelGetFunction},
+    {"cuModuleUnload", 2000, 0, "cuModuleUnload", (void *)cuModuleUnload},
+    {"cuLibraryUnload", 12000, 0, "cuLibraryUnload", (void *)cuLibraryUnload},
+    {"cuCtxSetLimit", 3010, 0, "cuCtxSetLimit", (void *)cuCtxSetLimit},
+    {"cuStreamSynchronize", 2000, 0, "cuStreamSynchronize", (void *)cuStreamSynchronize},
+    {"cuStreamSynchronize", 7000, 1, "cuStreamSynchronize_ptsz", (void *)cuStreamSynchronize_ptsz},
+    {"cuCtxSynchronize", 2000, 0, "cuCtxSynchronize", (void *)cuCtxSynchronize},
+    {"cuEventSynchronize", 2000, 0, "cuEventSynchronize", (void *)cuEventSynchronize},
     {"cuMemsetD8Async", 3020, 0, "cuMemsetD8Async", (void *)cuMemsetD8Async},
     {"cuMemsetD8Async", 7000, 1, "cuMemsetD8Async_ptsz", (void *)cuMemsetD8Async_ptsz},
     {"cuMemsetD16Async", 3020, 0, "cuMemsetD16Async", (void *)cuMemsetD16Async},

@@ -151,11 +151,30 @@ CUresult cuCtxGetLimit(size_t *v, int limit)
     *v = limits[limit];
     return STUB_OK;
 }
+/* What a limit holds of the card (issue 45, item 5; the driver API reference, cuCtxSetLimit):
+ * CU_LIMIT_STACK_SIZE "controls the stack size in bytes of each GPU thread" — the driver backs the
+ * stack of every thread the card can hold resident, so local memory is the stack times the
+ * multiprocessors times the threads each holds (the T4's 40 x 1024: 40 MiB per KiB of stack; the
+ * H100's 132 x 2048: 264 MiB), and "this size isn't reset back" after a launch that needed more;
+ * CU_LIMIT_PRINTF_FIFO_SIZE and CU_LIMIT_MALLOC_HEAP_SIZE are a FIFO and a heap of that size. The
+ * card's default stack, FIFO and heap are the context's (CGPU_STUB_CTX_MIB); raising one takes the
+ * difference from the card's free memory, as the driver's own (NVML's per-process figure shows it),
+ * and a card without the room answers CUDA_ERROR_OUT_OF_MEMORY, the limit unchanged; lowering it
+ * gives it back. */
+static uint64_t limit_bytes(int limit, size_t v)
+{
+    int sms = 0, threads = 0;
+    cuDeviceGetAttribute(&sms, 16, stub_current_device());      /* MULTIPROCESSOR_COUNT */
+    cuDeviceGetAttribute(&threads, 39, stub_current_device());  /* MAX_THREADS_PER_MULTIPROCESSOR */
+    return limit == 0 ? (uint64_t)v * (uint64_t)sms * (uint64_t)threads : limit <= 2 ? (uint64_t)v : 0;
+}
 CUresult cuCtxSetLimit(int limit, size_t v)
 {
     if (limit < 0 || limit > 6) return limit >= 7 && limit <= 9 ? STUB_NOT_SUPPORTED : STUB_INVALID_VALUE;
     if (!stub_inited()) return STUB_NOT_INITIALIZED;
     if (limit == 5 && v > 128) return STUB_INVALID_VALUE;
+    int64_t delta = (int64_t)limit_bytes(limit, v) - (int64_t)limit_bytes(limit, limits[limit]);
+    if (delta && stub_driver_memory(stub_current_device(), delta)) return STUB_OUT_OF_MEMORY;
     limits[limit] = v;
     return STUB_OK;
 }

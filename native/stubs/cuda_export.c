@@ -354,6 +354,23 @@ static void *more_proc(const char *symbol, int version, uint64_t flags)
     return NULL;
 }
 
+/* The form of a name of libcuda.c's or cuda_memory.c's for (version, flags); NULL, with *named 1
+ * when the name is there but no form of it is (the version too old). */
+static void *versioned_proc(const char *symbol, int version, uint64_t flags, int *named)
+{
+    const struct stub_versioned *best = NULL, *tables[] = {STUB_VERSIONED_LIBCUDA, STUB_VERSIONED_MEMORY};
+    *named = 0;
+    for (size_t t = 0; t < sizeof tables / sizeof *tables; t++)
+        for (const struct stub_versioned *v = tables[t]; v->name; v++) {
+            if (strcmp(symbol, v->name)) continue;
+            *named = 1;
+            if (v->since > version || (v->ptsz && !(flags & 2))) continue;
+            if (!best || v->ptsz > best->ptsz || (v->ptsz == best->ptsz && v->since > best->since))
+                best = v;
+        }
+    return best ? best->fn : NULL;
+}
+
 /* What cuGetProcAddress answers, as the real driver does, by (name, version, flags): each form of a
  * name from the CUDA version that introduced it (cudaTypedefs.h's PFN_<name>_v<version>), and
  * its per-thread-default-stream form (_ptsz) for CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM. */
@@ -379,7 +396,7 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
         if (status) *status = 0;
         return STUB_OK;
     }
-    if (!named && (*pfn = stub_libcuda_proc(symbol, version, flags, &named))) {
+    if (!named && (*pfn = versioned_proc(symbol, version, flags, &named))) {
         if (status) *status = 0;  /* CU_GET_PROC_ADDRESS_SUCCESS */
         return STUB_OK;
     }

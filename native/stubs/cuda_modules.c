@@ -51,6 +51,7 @@ struct function {
 };
 struct kernel { unsigned magic; struct library *library; struct function *function; };
 
+static CUresult load_code(struct function *f);  /* (lazy loading, below) */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static void **live;  /* every handle given out and not unloaded */
 static size_t nlive, caplive;
@@ -345,8 +346,9 @@ CUresult stub_module_function(void **out, void *module, const char *name)
     pthread_mutex_lock(&lock);
     CUresult r = STUB_INVALID_HANDLE;
     if (valid(m, MOD_MAGIC)) {
-        *f = function_of(m, name);
-        r = *f ? STUB_OK : STUB_NOT_FOUND;
+        struct function *fn = function_of(m, name);
+        r = !fn ? STUB_NOT_FOUND : load_code(fn);  /* (lazy loading: its code now) */
+        if (!r) *f = fn;
     }
     pthread_mutex_unlock(&lock);
     if (r) stub_trace("cuModuleGetFunction %s: %d", name, r);
@@ -462,7 +464,8 @@ CUresult cuLibraryGetKernel(struct kernel **out, struct library *l, const char *
     CUresult r = STUB_INVALID_HANDLE;
     if (valid(l, LIB_MAGIC)) {
         struct function *f = function_of(l->module, name);
-        r = f ? STUB_OK : STUB_NOT_FOUND;
+        r = !f ? STUB_NOT_FOUND : load_code(f);  /* (lazy loading: its code now) */
+        if (r) f = NULL;
         for (size_t i = 0; f && i < nlive; i++) {
             struct kernel *k = live[i];
             if (k->magic == KERN_MAGIC && k->function == f) { *out = k; f = NULL; }
@@ -509,7 +512,7 @@ CUresult cuKernelGetFunction(struct function **f, struct kernel *k)
     if (!f) return STUB_INVALID_VALUE;
     if (!stub_inited()) return STUB_NOT_INITIALIZED;
     pthread_mutex_lock(&lock);
-    CUresult r = valid(k, KERN_MAGIC) ? STUB_OK : STUB_INVALID_HANDLE;
+    CUresult r = valid(k, KERN_MAGIC) ? load_code(k->function) : STUB_INVALID_HANDLE;  /* (in this context) */
     if (!r) *f = k->function;
     pthread_mutex_unlock(&lock);
     return r;
@@ -557,40 +560,57 @@ CUresult cuFuncLoad(struct function *f)
     return stub_function_valid(f) ? stub_function_loaded(f) : STUB_INVALID_HANDLE;
 }
 
-/* Lazy loading: a function's code is put on the card at its first launch, in the card's steps (the
- * H100, issue 28: +66 MiB at cuBLAS's first matmul): its share of its module's image (the image
- * over its functions) in 2 MiB pages, at least CGPU_STUB_LAZY_KIB (2 MiB); and at the first launch
- * of a library's (a module of CGPU_STUB_LIBRARY_FUNCTIONS functions or more, default 8: cuBLAS,
- * cuDNN, cuFFT, NCCL) CGPU_STUB_FIRST_USE_KIB more (64 MiB: its handles, tables, workspaces) — a
- * cuBLAS-like module of 33 kernels takes 66 MiB at its first launch, 2 MiB at each new one after.
- * Held with its module's; no room on the card: CUDA_ERROR_OUT_OF_MEMORY, as the real driver
- * answers a launch it cannot load. An unknown handle is the launch's to refuse. */
-static uint64_t first_launch_bytes(const struct module *m)  /* (lock held) */
+/* Lazy loading (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2; cuModuleGetLoadingMode
+ * says so): "loading a module (cuModuleLoad*() family of functions) will not be loading kernels
+ * immediately, instead it will delay loading of a kernel until cuModuleGetFunction() is called"
+ * (CUDA C++ Programming Guide, "Lazy Loading"), as cuLibraryGetKernel and cuKernelGetFunction do
+ * for a library's kernel; a function not loaded yet (cuModuleEnumerateFunctions' "partially
+ * loaded" handles, which "CUDA APIs may load ... automatically", or cuFuncLoad) is loaded at its
+ * launch. A function's code goes onto the card in the card's steps (the H100, issue 28): its share
+ * of its module's image (the image over its functions) in 2 MiB pages, at least CGPU_STUB_LAZY_KIB
+ * (2 MiB). A library's first use — the first launch of any function of a module of
+ * CGPU_STUB_LIBRARY_FUNCTIONS functions or more, default 8: cuBLAS, cuDNN, cuFFT, NCCL — takes
+ * CGPU_STUB_FIRST_USE_KIB more (64 MiB: its handles, tables, workspaces; +66 MiB at cuBLAS's first
+ * matmul on the H100 with its kernel's code). The shape is the stand-in's, not a driver rule:
+ * CGPU_STUB_LIBRARY_FUNCTIONS=1 makes every module's first launch a library's first use (issue 45,
+ * item 15). Held with its module's; no room on the card: CUDA_ERROR_OUT_OF_MEMORY, as the real
+ * driver answers a load it cannot make. An unknown handle is the launch's to refuse. */
+static uint64_t code_bytes(const struct module *m)  /* (lock held) */
 {
     uint64_t page = 2 << 20, least = stub_growth("LAZY", 2048), funcs = 0;
     for (int i = 0; i < m->nsyms; i++)
         funcs += !m->syms[i].object;
     uint64_t share = funcs ? (m->image / funcs + page - 1) / page * page : 0;
-    uint64_t bytes = share > least ? share : least;
+    return share > least ? share : least;
+}
+static uint64_t first_use_bytes(const struct module *m)  /* (lock held) */
+{
+    uint64_t funcs = 0;
+    for (int i = 0; i < m->nsyms; i++)
+        funcs += !m->syms[i].object;
     const char *lib = getenv("CGPU_STUB_LIBRARY_FUNCTIONS");
-    if (!m->launched && funcs >= (uint64_t)(lib && *lib ? atoi(lib) : 8))
-        bytes += stub_growth("FIRST_USE", 64 << 10);
-    return bytes;
+    return !m->launched && funcs >= (uint64_t)(lib && *lib ? atoi(lib) : 8) ? stub_growth("FIRST_USE", 64 << 10) : 0;
+}
+static CUresult load_code(struct function *f)  /* (lock held) its code onto the card, once */
+{
+    if (!f || f->loaded) return STUB_OK;
+    uint64_t bytes = code_bytes(f->module);
+    if (stub_driver_memory(f->module->dev, (int64_t)bytes)) return STUB_OUT_OF_MEMORY;
+    f->loaded = 1;
+    f->module->on_card += bytes;
+    return STUB_OK;
 }
 CUresult stub_function_loaded(const void *h)
 {
     pthread_mutex_lock(&lock);
     struct function *f = kernel_function(h);
-    CUresult r = STUB_OK;
-    if (f && !f->loaded) {
-        uint64_t bytes = first_launch_bytes(f->module);
-        if (stub_driver_memory(f->module->dev, (int64_t)bytes))
-            r = STUB_OUT_OF_MEMORY;
-        else {
-            f->loaded = 1;
-            f->module->launched = 1;
-            f->module->on_card += bytes;
-        }
+    uint64_t more = f ? first_use_bytes(f->module) : 0;
+    CUresult r = load_code(f);
+    if (!r && more && stub_driver_memory(f->module->dev, (int64_t)more))
+        r = STUB_OUT_OF_MEMORY;
+    else if (!r && f) {
+        f->module->launched = 1;
+        f->module->on_card += more;
     }
     pthread_mutex_unlock(&lock);
     return r;

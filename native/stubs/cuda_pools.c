@@ -1,13 +1,20 @@
 /*
  * The stand-in's stream-ordered memory pools (cuMemPool*), as unkind as the card's (issue 34):
  *
- * - A pool holds physical memory (its reservation) in 2 MiB pages; an allocation from it takes
- *   the pool's unused reservation first and grows the reservation (from the card) only by what is
- *   missing. cuMemFreeAsync gives an allocation back to the POOL, not to the card: the card's
- *   memory, and NVML's per-process figure, keep it.
+ * - A pool holds physical memory (its reservation) in 2 MiB granules, in segments: each growth of
+ *   the pool is one segment, of the allocation's size in granules, taken from the card. An
+ *   allocation is one contiguous range of a segment: it takes the first run of free granules that
+ *   holds it (backing what of it was released, from the card), and when no segment has one the pool
+ *   grows by a new segment of its whole size, however much is free in pieces elsewhere (issue 45, item 3: the pool fragments; NVIDIA's Programming
+ *   Guide, "Stream Ordered Memory Allocator", documents no compaction: "physical memory ... reserved
+ *   by the pool" is reused by later allocations, and the pool grows when what it holds does not
+ *   serve the request). cuMemFreeAsync gives an allocation back to the POOL, not to the card: the
+ *   card's memory, and NVML's per-process figure, keep it.
  * - At a synchronization (cuCtxSynchronize, cuStreamSynchronize) a pool releases what it holds
  *   unused above its release threshold (CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, default 0: all of it);
- *   cuMemPoolTrimTo(pool, keep) releases unused memory down to `keep`. RMM's async resource sets
+ *   cuMemPoolTrimTo(pool, keep) releases unused memory until the pool holds `keep` or less, "or there
+ *   is no more memory that the allocator can safely release" (the driver API reference): unused
+ *   granules go back, their ranges staying their segments'. RMM's async resource sets
  *   the threshold to the device's memory and primes the pool with free/2; PyTorch's cudaMallocAsync
  *   backend raises it: their pools then keep everything they ever reserved.
  * - CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT / _HIGH, USED_MEM_CURRENT / _HIGH answer what the pool
@@ -36,17 +43,26 @@ enum { ATTR_RELEASE_THRESHOLD = 4, ATTR_RESERVED_CURRENT = 5, ATTR_RESERVED_HIGH
 enum { LOC_DEVICE = 1, LOC_HOST = 2, LOC_HOST_NUMA = 3 };
 enum { POOL_MAGIC = 0x706f6f6c };
 
+#define NSEGS 256
+enum { FREE, USED, UNBACKED };
+struct seg {
+    CUdeviceptr base;
+    uint64_t pages;   /* its granules */
+    uint8_t *used;    /* each granule: FREE (backed, unused), USED, UNBACKED (NULL: no segment) */
+};
 struct pool {
     unsigned magic;
     int dev, host, live;
     int flags[4];  /* the reuse attributes (1 to 3): kept and answered */
     uint64_t threshold, reserved, reserved_high, used, used_high;
+    struct seg segs[NSEGS];
 };
 static struct pool pools[NPOOLS];
 static struct pool *defaults[16], *current[16];
-static struct { CUdeviceptr p; size_t n; struct pool *pool; } ptrs[NPTRS];  /* live pool allocations */
+static struct { CUdeviceptr p; size_t n; struct pool *pool; int seg; uint64_t at; } ptrs[NPTRS];  /* live allocations */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static CUdeviceptr next_ptr = 0x7e0000000000ull;
+static size_t nptrs;  /* live pool allocations */
 
 static uint64_t pages_of(uint64_t n) { return (n + PAGE - 1) / PAGE * PAGE; }
 
@@ -60,6 +76,8 @@ static struct pool *make(int dev, int host)  /* (lock held) */
 {
     for (int i = 0; i < NPOOLS; i++)
         if (!pools[i].live) {
+            for (int k = 0; k < NSEGS; k++)
+                free(pools[i].segs[k].used);
             pools[i] = (struct pool){.magic = POOL_MAGIC, .dev = dev, .host = host, .live = 1};
             return &pools[i];
         }
@@ -83,29 +101,88 @@ static int reserve(struct pool *p, int64_t delta)
     return 0;
 }
 
-/* Unused memory above `keep` back to the card, in whole pages. */
+/* Unused memory back to the card until the pool holds `keep` or less, a granule at a time, the newest
+ * segments' first: its range stays the segment's (unbacked), and a segment left with nothing goes. */
 static void release_above(struct pool *p, uint64_t keep)
 {
-    keep = keep > p->used ? keep : p->used;
-    if (p->reserved > keep) {
-        uint64_t extra = (p->reserved - keep) / PAGE * PAGE;
-        if (extra) reserve(p, -(int64_t)extra);
+    for (int k = NSEGS - 1; k >= 0 && p->reserved > keep; k--) {
+        struct seg *g = &p->segs[k];
+        for (uint64_t i = g->pages; g->used && i-- > 0 && p->reserved > keep;)
+            if (g->used[i] == FREE) {
+                g->used[i] = UNBACKED;
+                reserve(p, -(int64_t)PAGE);
+            }
+        int left = 0;
+        for (uint64_t i = 0; g->used && i < g->pages; i++)
+            left |= g->used[i] != UNBACKED;
+        if (g->used && !left) {
+            free(g->used);
+            *g = (struct seg){0};
+        }
     }
+}
+
+/* The first run of `n` granules of a segment with no allocation in them: its segment (*at: the run's
+ * first granule), -1. */
+static int fit(struct pool *p, uint64_t n, uint64_t *at)
+{
+    for (int k = 0; k < NSEGS; k++) {
+        struct seg *g = &p->segs[k];
+        for (uint64_t i = 0, run = 0; g->used && i < g->pages; i++) {
+            run = g->used[i] == USED ? 0 : run + 1;
+            if (run == n) {
+                *at = i + 1 - n;
+                return k;
+            }
+        }
+    }
+    return -1;
+}
+
+/* A new segment of `n` granules (unbacked): its index, -1 (none left). */
+static int grow(struct pool *p, uint64_t n)
+{
+    int k = 0;
+    while (k < NSEGS && p->segs[k].used)
+        k++;
+    if (k == NSEGS || !(p->segs[k].used = malloc(n)))
+        return -1;
+    memset(p->segs[k].used, UNBACKED, n);
+    p->segs[k].base = next_ptr;
+    p->segs[k].pages = n;
+    next_ptr += n * PAGE;
+    return k;
 }
 
 static CUresult pool_alloc(CUdeviceptr *out, size_t size, struct pool *p)
 {
     if (!out || !size) return STUB_INVALID_VALUE;
-    uint64_t n = pages_of(size), unused = p->reserved - p->used;
-    if (n > unused && reserve(p, (int64_t)(n - unused)))
+    uint64_t n = pages_of(size), at = 0;
+    if (nptrs >= NPTRS / 2) return STUB_OUT_OF_MEMORY;  /* (the stand-in's own bound) */
+    int k = fit(p, n / PAGE, &at), made = k < 0;
+    if (k < 0 && (k = grow(p, n / PAGE)) < 0)
         return STUB_OUT_OF_MEMORY;
-    size_t i = (size_t)((next_ptr * 0x9E3779B97F4A7C15ull) >> 49) & (NPTRS - 1), tries = 0;
-    while (ptrs[i].p && tries++ < NPTRS) i = (i + 1) & (NPTRS - 1);
-    if (ptrs[i].p) return STUB_OUT_OF_MEMORY;  /* (the stand-in's own bound) */
-    ptrs[i].p = *out = next_ptr;
+    uint8_t *g = p->segs[k].used + at;
+    uint64_t unbacked = 0;
+    for (uint64_t j = 0; j < n / PAGE; j++)
+        unbacked += g[j] == UNBACKED;
+    if (unbacked && reserve(p, (int64_t)(unbacked * PAGE))) {  /* (the card has no room for them) */
+        if (made) {
+            free(p->segs[k].used);
+            p->segs[k] = (struct seg){0};
+        }
+        return STUB_OUT_OF_MEMORY;
+    }
+    memset(g, USED, n / PAGE);
+    CUdeviceptr ptr = p->segs[k].base + at * PAGE;
+    size_t i = (size_t)((ptr * 0x9E3779B97F4A7C15ull) >> 49) & (NPTRS - 1);
+    while (ptrs[i].p) i = (i + 1) & (NPTRS - 1);
+    nptrs++;
+    ptrs[i].p = *out = ptr;
     ptrs[i].n = n;
     ptrs[i].pool = p;
-    next_ptr += n;
+    ptrs[i].seg = k;
+    ptrs[i].at = at;
     p->used += n;
     if (p->used > p->used_high) p->used_high = p->used;
     return STUB_OK;
@@ -155,8 +232,11 @@ int stub_pool_free(CUdeviceptr ptr, CUresult *r)
     pthread_mutex_lock(&lock);
     int i = find_ptr(ptr);
     if (i >= 0) {
-        ptrs[i].pool->used -= ptrs[i].n;
+        struct pool *p = ptrs[i].pool;
+        p->used -= ptrs[i].n;
+        memset(p->segs[ptrs[i].seg].used + ptrs[i].at, FREE, ptrs[i].n / PAGE);
         erase_ptr((size_t)i);
+        nptrs--;
         *r = STUB_OK;
     }
     pthread_mutex_unlock(&lock);

@@ -25,7 +25,7 @@ enum {
  *
  *   cuda_export.c    cuGetProcAddress and cuGetExportTable: the names, from every file below
  *   cuda_device.c    device attributes, the primary context, events, stream queries, copies
- *   libcuda.c        cuInit, devices, allocations (this process's table), launches
+ *   libcuda.c        cuInit, devices, launches               cuda_memory.c  allocations (this process's table), VMM, arrays
  *   cuda_contexts.c  contexts: each card's primary one, green contexts
  *   cuda_pools.c     stream-ordered pools: what they reserve, keep, release
  *   cuda_graphs.c    streams, stream capture and graphs      cuda_modules.c  modules, functions
@@ -136,9 +136,13 @@ HIDDEN CUresult stub_default_mem_pool(void **pool, int dev);  /* cuDeviceGetDefa
 /* cuGetProcAddress's answer for a name of cuda_contexts.c's: NULL, *named 1 when no form of it fits the version */
 HIDDEN void *stub_contexts_proc(const char *symbol, int version, int *named);
 
-/* ---- libcuda.c ---- */
+/* ---- cuda_memory.c ---- */
 /* the live device allocation holding [p, p + n): 0 and its base and size, or -1 */
 HIDDEN int stub_find_alloc(CUdeviceptr p, size_t n, CUdeviceptr *base, size_t *size);
-/* cuGetProcAddress's answer for a name of libcuda.c's: NULL, *named 1 when no form of it fits the version */
-HIDDEN void *stub_libcuda_proc(const char *symbol, int version, uint64_t flags, int *named);
+
+/* ---- cuGetProcAddress's forms of libcuda.c's and cuda_memory.c's names (cuda_export.c picks):
+ * each form from the CUDA version that introduced it (cudaTypedefs.h's PFN_<name>_v<version>),
+ * ptsz: its per-thread-default-stream form; a table ends with a NULL name ---- */
+struct stub_versioned { const char *name; int since, ptsz; void *fn; };
+extern HIDDEN const struct stub_versioned STUB_VERSIONED_LIBCUDA[], STUB_VERSIONED_MEMORY[];
 #endif
