@@ -157,10 +157,12 @@ def devices(gpus: list[Gpu], unit: int, mode: str = "cgpu") -> list[dict]:
 
 
 def resource_slices(node: str, gpus: list[Gpu], unit: int, generation: int = 1, owner: dict | None = None,
-                    mode: str = "cgpu") -> list[dict]:
+                    mode: str = "cgpu", taints: bool = True) -> list[dict]:
     """The node's ResourceSlices, one pool named after the node: its GPUs as its mode has them,
-    PER_SLICE a slice (one slice for any node there is; one with no device on a disabled node)."""
-    devs = devices(gpus, unit, mode)
+    PER_SLICE a slice (one slice for any node there is; one with no device on a disabled node).
+    Without `taints` (an API server that drops them: cgpud.k8s.draserved) a GPU out of service is
+    left out rather than published untainted."""
+    devs = devices([g for g in gpus if taints or g.taint is None], unit, mode)
     parts = [devs[i:i + PER_SLICE] for i in range(0, len(devs), PER_SLICE)] or [[]]
     return [{
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
