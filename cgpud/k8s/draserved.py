@@ -22,7 +22,6 @@ from cgpud.k8s import dra
 
 log = logging.getLogger("cgpud.k8s")
 
-GROUP_PATH = "/apis/resource.k8s.io/v1"
 COMPONENTS = "kube-apiserver, kube-scheduler, kube-controller-manager and every kubelet"
 
 
@@ -68,9 +67,9 @@ def probe(api_client, node: str) -> Served:
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
+    resource = client.ResourceV1Api(api_client)
     try:
-        api_client.call_api(GROUP_PATH, "GET", auth_settings=["BearerToken"], _preload_content=False,
-                            _request_timeout=10)
+        resource.get_api_resources(_preload_content=False, _request_timeout=10)  # (GET /apis/resource.k8s.io/v1)
     except ApiException as exc:
         if exc.status == 404:
             raise NotServed("the API server does not serve resource.k8s.io/v1 (DRA, GA in Kubernetes 1.34): "
@@ -78,8 +77,7 @@ def probe(api_client, node: str) -> Served:
                             "versions)") from None
         raise
     sent = probe_slice(node)
-    r = client.ResourceV1Api(api_client).create_resource_slice(sent, dry_run="All", _preload_content=False,
-                                                               _request_timeout=10)
+    r = resource.create_resource_slice(sent, dry_run="All", _preload_content=False, _request_timeout=10)
     served = judge(sent, json.loads(r.data))
     if not served.taints:
         log.warning("the API server drops device taints (the feature gate DRADeviceTaints is off: alpha until "
