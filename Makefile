@@ -1,5 +1,5 @@
 # The two commands of the README. Both install what they need first.
-.PHONY: setup run test bench install-hooks gpu-check gpu-bundle test-load
+.PHONY: setup run test test-cluster bench install-hooks gpu-check gpu-bundle test-load
 
 setup:
 	./scripts/setup.sh
@@ -10,6 +10,19 @@ run: setup
 
 test: setup
 	.venv/bin/python -m pytest -n 2
+
+# The cluster tier alone (the real kube-apiserver, kube-scheduler, kubelet and containerd), on the Kubernetes
+# release K8S_VERSION: tests/cluster/go.mod's (1.37.2) by default, or one of tests/cluster/versions/ (written by
+# scripts/k8s-gomod.sh), built once into /var/cache/cgpud/k8s beside the others (minutes the first time).
+# K8S_FEATURE_GATES=A=true,B=false replaces the gates the tier sets for that release (tests/cluster.py).
+# docs/kubernetes.md, "Kubernetes versions", says which release ran which module.
+K8S_VERSION ?=
+CLUSTER_TESTS ?= tests/test_cluster.py tests/test_cluster_lock.py tests/test_cluster_security.py tests/test_modes.py \
+	tests/test_cluster_health.py tests/test_cluster_daemonset.py tests/test_cluster_helm.py \
+	tests/test_cluster_dra.py tests/test_cluster_dra_health.py
+test-cluster: setup
+	K8S_VERSION=$(K8S_VERSION) scripts/k8s-build.sh >/dev/null
+	K8S_VERSION=$(K8S_VERSION) .venv/bin/python -m pytest -p no:cacheprovider $(CLUSTER_TESTS) $(ARGS)
 
 bench: setup
 	.venv/bin/python bench/tree_ops.py

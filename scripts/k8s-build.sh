@@ -8,6 +8,10 @@
 #       gocache/ GOCACHE (compiled packages: a second build of the same release links only)
 #       <release>-<hash>/bin/   the binaries; <hash> covers go.mod, go.sum and this script
 #
+# K8S_VERSION=1.36.3 builds that release instead, from tests/cluster/versions/v1.36.3/go.mod (written by
+# scripts/k8s-gomod.sh and committed), into its own <release>-<hash> beside the default's: each release
+# built is kept (the default's and any other), so the tier can run on several in turn.
+#
 # Safe to run again and from several processes at once (a lock): when the binaries of this
 # go.mod are there it does nothing (CGPUD_K8S_FORCE=1 builds them again: bench/cluster.py's warm
 # figure). <bin>/../build-seconds says how long their build took and whether the cache was cold. Prints the bin directory on stdout, progress on stderr.
@@ -16,6 +20,10 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 mod="$root/tests/cluster"
+if [ -n "${K8S_VERSION:-}" ] && [ "v${K8S_VERSION#v}" != "$(awk '$1=="k8s.io/kubernetes" {print $2; exit}' "$mod/go.mod")" ]; then
+  mod="$root/tests/cluster/versions/v${K8S_VERSION#v}"
+  [ -f "$mod/go.mod" ] || { echo "k8s-build: no module for Kubernetes ${K8S_VERSION#v}: run scripts/k8s-gomod.sh ${K8S_VERSION#v} first (releases here: $(ls "$root/tests/cluster/versions" 2>/dev/null | tr '\n' ' '))" >&2; exit 1; }
+fi
 cache="${CGPUD_K8S_CACHE:-/var/cache/cgpud/k8s}"
 release="$(awk '$1=="k8s.io/kubernetes" || ($1=="require" && $2=="k8s.io/kubernetes") {print ($1=="require" ? $3 : $2); exit}' "$mod/go.mod")"
 [ -n "$release" ] || { echo "k8s-build: no k8s.io/kubernetes release in $mod/go.mod" >&2; exit 1; }
@@ -58,7 +66,7 @@ echo "$took $kind" > "$tmp/build-seconds"
 # (a forced build keeps the first build's figure: bench/cluster.py reports it as the first build)
 [ -z "${CGPUD_K8S_FORCE:-}" ] || [ ! -f "$out/build-seconds" ] || cp "$out/build-seconds" "$tmp/build-seconds"
 rm -rf "$out"; mv "$tmp" "$out"
-for old in "$cache"/v*-*; do   # binaries of an earlier go.mod or recipe (half a GB each)
+for old in "$cache/$release"-*; do   # this release's binaries of an earlier go.mod or recipe (half a GB each)
   [ "$old" = "$out" ] || [ ! -d "$old/bin" ] || rm -rf "$old"
 done
 echo "k8s-build: built in $took s ($kind build cache)" >&2

@@ -6,6 +6,7 @@ client and the real `kubectl` talk to it over HTTP/1.1 on 127.0.0.1 through a
 kubeconfig it writes.
 
     GET    /version                                      the server's version (`version`: v1.37.2)
+    GET    /apis/resource.k8s.io/v1                      the group's discovery (404 when `serves_dra` is False)
     GET    /api/v1/nodes[/NAME]                          list, watch / get
     PATCH  /api/v1/nodes/NAME[/status]                   strategic / JSON merge patch
     PUT    /api/v1/nodes/NAME                            update
@@ -15,7 +16,8 @@ kubeconfig it writes.
     POST   /api/v1/namespaces/NS/bindings                bind (or pods/NAME/binding)
     POST   /api/v1/namespaces/NS/events                  create
     GET    /apis/resource.k8s.io/v1/resourceslices[/NAME]     list, watch / get (the DRA plugin's slices)
-    POST   /apis/resource.k8s.io/v1/resourceslices           create (409 when the name is taken)
+    POST   /apis/resource.k8s.io/v1/resourceslices           create (409 when the name is taken; with
+                                                             dryRun=All what it would store, nothing stored)
     PUT    /apis/resource.k8s.io/v1/resourceslices/NAME      update (409 on a stale resourceVersion)
     DELETE /apis/resource.k8s.io/v1/resourceslices/NAME      delete
     GET    /apis/resource.k8s.io/v1/[namespaces/NS/]resourceclaims[/NAME]   list / get
@@ -56,7 +58,8 @@ says how many are being answered). `hang` holds (namespace, name) of claims
 whose GET is not answered until `release` is set (an API server that hangs on
 one request; `hanging` counts them). `store_slice(body)`, when set, changes each ResourceSlice as it
 is stored (a server that drops the fields of a feature gate it has off, or
-writes a quantity its own way).
+writes a quantity its own way), a dry-run create's answer too; `serves_dra = False` is a server that
+does not serve resource.k8s.io/v1 (Kubernetes 1.33 and older).
 """
 from __future__ import annotations
 
@@ -169,6 +172,7 @@ class ApiServer:
         self.hanging = 0  # requests held by `hang` so far
         self.store_slice = None
         self.version = "v1.37.2"
+        self.serves_dra = True
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -217,6 +221,14 @@ class ApiServer:
                     if method == "GET" and url.path in ("/version", "/version/"):
                         major, minor = re.match(r"v(\d+)\.(\d+)", outer.version).groups()
                         return self._send(200, {"major": major, "minor": minor, "gitVersion": outer.version})
+                    if method == "GET" and url.path.rstrip("/") == "/apis/resource.k8s.io/v1":
+                        if not outer.serves_dra:
+                            raise Problem(404, "NotFound", "the server could not find the requested resource")
+                        return self._send(200, {"kind": "APIResourceList", "groupVersion": "resource.k8s.io/v1",
+                                                "resources": [{"name": r, "namespaced": r == "resourceclaims",
+                                                               "kind": k} for r, k in
+                                                              (("resourceslices", "ResourceSlice"),
+                                                               ("resourceclaims", "ResourceClaim"))]})
                     if method == "GET" and query.get("watch", [""])[0] in ("true", "1"):
                         return outer.serve_watch(self, url.path, query, agent)
                     what, parts = outer.route(url.path)
@@ -458,9 +470,15 @@ class ApiServer:
     def handle(self, method: str, path: str, query: dict, body, agent: str = "") -> tuple[int, dict | bytes]:
         what, parts = self.route(path)
         if what == "collection" and method == "POST" and parts[0] == "resourceslices":
-            self._count(agent, "create", "resourceslices")
             if not isinstance(body, dict) or not (body.get("metadata") or {}).get("name"):
                 raise Problem(400, "BadRequest", "a ResourceSlice needs metadata.name (generateName is not served)")
+            if query.get("dryRun") == ["All"]:  # (validated and answered, never stored; counted apart)
+                self._count(agent, "create-dry-run", "resourceslices")
+                body = json.loads(json.dumps(body))
+                if self.store_slice is not None:
+                    self.store_slice(body)
+                return 201, body
+            self._count(agent, "create", "resourceslices")
             if self.store_slice is not None:
                 self.store_slice(body)
             return 201, self.create("resourceslices", body["metadata"]["name"], body)

@@ -39,6 +39,7 @@ import fcntl
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -92,6 +93,31 @@ def k8s_bin() -> Path:
     if p.returncode != 0:
         pytest.fail(f"scripts/k8s-build.sh failed:\n{p.stderr[-4000:]}")
     return Path(p.stdout.strip().splitlines()[-1])
+
+
+def k8s_release(bins: Path) -> tuple[int, int, int]:
+    """The release of the built components (`kube-apiserver --version`: `Kubernetes v1.36.3`)."""
+    out = subprocess.run([os.fspath(bins / "kube-apiserver"), "--version"], capture_output=True, text=True,
+                         timeout=60, stdin=subprocess.DEVNULL).stdout
+    m = re.search(r"v(\d+)\.(\d+)\.(\d+)", out)
+    if m is None:
+        pytest.fail(f"kube-apiserver --version said {out!r}")
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def feature_gates(release: tuple[int, int, int]) -> dict[str, bool]:
+    """The feature gates the tier sets on every component of `release` (K8S_FEATURE_GATES, as
+    `A=true,B=false`, names them instead): what cgpud's DRA layout needs that the release has off by
+    default (docs/kubernetes.md, DRA versions): DRAConsumableCapacity before 1.36. Nothing on 1.36 and later."""
+    given = os.environ.get("K8S_FEATURE_GATES")
+    if given is not None:
+        pairs = [kv.split("=", 1) for kv in given.split(",") if kv.strip()]
+        return {k.strip(): v.strip().lower() == "true" for k, v in pairs}
+    return {"DRAConsumableCapacity": True} if release[:2] in ((1, 34), (1, 35)) else {}
+
+
+def gates_flag(gates: dict[str, bool]) -> list[str]:
+    return [f"--feature-gates={','.join(f'{k}={str(v).lower()}' for k, v in sorted(gates.items()))}"] if gates else []
 
 
 def _netns() -> list[str]:
@@ -311,6 +337,8 @@ class Cluster:
         self.containerd_bins, self.dra = containerd_bins, dra
         self.runtime_binary = runtime_binary
         self.bins = bins or k8s_bin()
+        self.release = k8s_release(self.bins)
+        self.gates = feature_gates(self.release)
         self.base = Path(tempfile.mkdtemp(prefix="cgpud-k8s-", dir="/tmp"))
         self.base.chmod(0o755)
         self.ip = node_ip()
@@ -550,7 +578,7 @@ class Cluster:
             "--allow-privileged=true",
             "--endpoint-reconciler-type=none",  # no kube-proxy: the `kubernetes` Service's endpoints serve nobody
             "--profiling=false",
-            f"--cert-dir={self.path('apiserver-certs')}",
+            f"--cert-dir={self.path('apiserver-certs')}", *gates_flag(self.gates),
         ], self.path("kube-apiserver.log")).start()
         self.admin = kubeconfig(self.path("admin.kubeconfig"), self.server, pki / "ca.crt",
                                 {"token": self.tokens["admin"]})
@@ -781,6 +809,7 @@ state = "{c}/state"
             "clusterDomain": "cluster.local",
             "resolvConf": os.fspath(self.path("resolv.conf")),
             "registerNode": True,
+            **({"featureGates": self.gates} if self.gates else {}),
         }
 
     def _start_kubelet(self) -> None:
@@ -840,7 +869,7 @@ state = "{c}/state"
             f"--secure-port={self.scheduler_port}", "--bind-address=127.0.0.1",
             f"--authentication-kubeconfig={self.scheduler_kubeconfig}",
             f"--authorization-kubeconfig={self.scheduler_kubeconfig}",
-            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics", "--v", "2",
+            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics", "--v", "2", *gates_flag(self.gates),
         ], self.path("kube-scheduler.log")).start()
 
         def ready() -> bool:
@@ -878,6 +907,7 @@ state = "{c}/state"
             self.bins / "kube-controller-manager", f"--kubeconfig={cm}", f"--controllers={controllers}",
             "--use-service-account-credentials=true", f"--service-account-private-key-file={pki / 'sa.key'}",
             f"--root-ca-file={pki / 'ca.crt'}", "--leader-elect=false", "--secure-port=0", "--v=2",
+            *gates_flag(self.gates),
         ], self.path("kube-controller-manager.log")).start()
 
     def deploy(self, target: list[str] | None = None, device_plugin: bool = True, extender: bool = True) -> None:

@@ -734,36 +734,97 @@ def test_one_changed_slice_is_updated_at_its_generation_and_obsolete_slices_are_
 # ---- versions -------------------------------------------------------------------------------------
 
 
-def test_an_api_server_older_than_the_driver_was_run_on_is_refused_at_start_in_one_line(tmp_path):
+def _start_refused(tmp_path, api) -> subprocess.CompletedProcess:
+    """`cgpu dra-plugin` against `api` until it exits (120 s at most)."""
+    (tmp_path / "registry").mkdir(exist_ok=True)
+    p = subprocess.Popen([CGPU, "--socket", os.fspath(tmp_path / "none.sock"), "dra-plugin", "--node-name", NODE,
+                          "--registry-dir", os.fspath(tmp_path / "registry"),
+                          "--plugin-dir", os.fspath(tmp_path / "plugin"), "--cdi-dir", os.fspath(tmp_path / "cdi"),
+                          "--state-dir", os.fspath(tmp_path / "state")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                         env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig)))
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _drop_consumable(body: dict) -> None:  # (an API server with DRAConsumableCapacity off: 1.34-1.35's default)
+    for dev in body["spec"].get("devices") or ():
+        dev.pop("allowMultipleAllocations", None)
+        for cap in (dev.get("capacity") or {}).values():
+            cap.pop("requestPolicy", None)
+
+
+@pytest.mark.parametrize("server, says", [
+    ("no-dra", "Error: the API server does not serve resource.k8s.io/v1 (DRA, GA in Kubernetes 1.34): use the "
+               "device plugin and extender"),
+    ("consumable-off", "Error: the API server drops a ResourceSlice device's allowMultipleAllocations and request "
+                       "policy: the feature gate DRAConsumableCapacity is off"),
+])
+def test_an_api_server_that_cannot_serve_the_layout_is_refused_at_start_in_one_line_naming_why(tmp_path, server,
+                                                                                              says):
+    """Issue 47: the plugin reads what the server serves, not its version string: a server without DRA's
+    v1 API (1.33 and older), or one that drops the shared device's fields (DRAConsumableCapacity off), is
+    refused in one line that names the way on; nothing is published and the kubelet is never told of a
+    plugin."""
     from apiserver_standin import ApiServer
 
-    from cgpud.k8s import draplugin
-
-    for ok in ("v1.37.2", "v1.38.0-alpha.1", "v2.0.0"):
-        draplugin.check_version(ok)
     api = ApiServer(tmp_path)
-    api.version = "v1.36.1"
+    api.version = "v1.37.2"  # (what it says of itself is not what decides)
+    if server == "no-dra":
+        api.serves_dra = False
+    else:
+        api.store_slice = _drop_consumable
     try:
-        (tmp_path / "registry").mkdir()
-        p = subprocess.Popen([CGPU, "--socket", os.fspath(tmp_path / "none.sock"), "dra-plugin", "--node-name", NODE,
-                              "--registry-dir", os.fspath(tmp_path / "registry"),
-                              "--plugin-dir", os.fspath(tmp_path / "plugin"), "--cdi-dir", os.fspath(tmp_path / "cdi"),
-                              "--state-dir", os.fspath(tmp_path / "state")], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
-                             env=dict(os.environ, KUBECONFIG=os.fspath(api.kubeconfig)))
-        try:
-            out, err = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
-        r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        r = _start_refused(tmp_path, api)
         assert r.returncode == 1, r.stderr
         (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("Error")]
-        assert line.startswith("Error: the API server is Kubernetes v1.36.1: cgpu dra-plugin needs 1.37 or later"), r.stderr
+        assert line.startswith(says), r.stderr
         assert "Traceback" not in r.stderr and not list((tmp_path / "registry").iterdir())
         assert api.count("create", "resourceslices") == 0
     finally:
         api.close()
+
+
+def test_a_server_of_an_older_release_that_serves_the_layout_is_served_and_its_probe_stores_nothing(tmp_path):
+    """An API server that calls itself 1.34 but serves v1 with DRAConsumableCapacity on (the gate set, as
+    docs/kubernetes.md says to) is served: the plugin publishes its slices; its probe was a dry run, so
+    nothing but the node's own slices is stored."""
+    from apiserver_standin import ApiServer
+
+    from cgpud.k8s import draserved
+
+    api = ApiServer(tmp_path)
+    api.version = "v1.34.4"
+    api.add_node(NODE)
+    try:
+        from kubernetes import config
+
+        served = draserved.probe(config.new_client_from_config(os.fspath(api.kubeconfig)), NODE)
+        assert served == draserved.Served(taints=True)
+        assert api.count("create-dry-run", "resourceslices") == 1 and not api.slices
+    finally:
+        api.close()
+
+
+def test_a_server_that_drops_device_taints_gets_a_gpu_out_of_service_left_out_not_untainted():
+    """DRADeviceTaints off (alpha until 1.35): a tainted device would be stored untainted and claims
+    allocated on a GPU out of service; the plugin leaves that GPU out of its slices instead."""
+    from cgpud.k8s import draserved
+
+    sent = draserved.probe_slice(NODE)
+    stored = json.loads(json.dumps(sent))
+    stored["spec"]["devices"][0].pop("taints")
+    assert draserved.judge(sent, sent) == draserved.Served(taints=True)
+    assert draserved.judge(sent, stored) == draserved.Served(taints=False)
+    gpus = [dra.Gpu(0, "GPU-0", "T4", 16 * GIB), dra.Gpu(1, "GPU-1", "T4", 16 * GIB, (dra.TAINT_XID, "79"))]
+    on = dra.resource_slices(NODE, draserved.publishable(gpus, draserved.Served(taints=True)), GIB)[0]["spec"]["devices"]
+    off = dra.resource_slices(NODE, draserved.publishable(gpus, draserved.Served(taints=False)), GIB)[0]["spec"]["devices"]
+    assert [d["name"] for d in on] == ["gpu-0", "gpu-1"] and on[1]["taints"][0]["key"] == dra.TAINT_XID
+    assert [d["name"] for d in off] == ["gpu-0"]
 
 
 def _mode_of(api) -> tuple[str | None, dict | None]:

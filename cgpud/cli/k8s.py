@@ -68,7 +68,7 @@ def dra_plugin(ctx: Ctx, node_name: str, registry_dir: str, plugin_dir: str, cdi
     a device whose memory claims share; a prepared claim reaches its containers through CDI."""
     import logging
 
-    from cgpud.k8s import draplugin
+    from cgpud.k8s import draplugin, draserved
     from cgpud.k8s.api import NoCluster
 
     logging.basicConfig(level=log_level.upper(), format="cgpu dra-plugin: %(levelname)s: %(message)s")
@@ -77,7 +77,7 @@ def dra_plugin(ctx: Ctx, node_name: str, registry_dir: str, plugin_dir: str, cdi
             raise click.ClickException(f"{what}: {d} does not exist: is this a Kubernetes node (kubelet running)?")
     try:
         draplugin.main(ctx.socket, node_name, registry_dir, plugin_dir, cdi_dir, state_dir, refresh, mode)
-    except (NoCluster, draplugin.TooOld) as exc:
+    except (NoCluster, draserved.NotServed) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"{exc.filename or ''}: {exc.strerror or exc}") from None

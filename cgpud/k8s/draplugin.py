@@ -17,20 +17,21 @@ it asks over the control socket (cgpud.client) only.
   made by the node's hook when the container starts (named by the
   container, in the tree as every container is) and removed when it stops.
 - The node's ResourceSlices (cgpud.k8s.dra.resource_slices), published
-  through the official client once the kubelet has registered the plugin,
-  when the daemon's GPUs change, and again every `refresh` seconds until the
-  API server took them.
+  through the official client (cgpud.k8s.draapi) once the kubelet has
+  registered the plugin, when the daemon's GPUs or the node's mode change
+  (cgpud.k8s.dranode), and again every `refresh` seconds until the API
+  server took them; what the API server serves of DRA read at start
+  (cgpud.k8s.draserved).
 
-Longer than 450 lines on purpose: the kubelet's two servers, the claims' records and their
-CDI specs kept through a reboot, and the slices' publishing share one plugin's state and locks;
-split, each part would reach into the others'.
+Longer than 450 lines on purpose: the kubelet's two servers and the claims' records and CDI specs
+kept through a reboot share one driver's state and locks (the API server's side, the node's and
+the probe of what the server serves are modules of their own).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import re
 import tempfile
 import threading
 import time
@@ -38,10 +39,10 @@ from concurrent import futures
 
 import grpc
 
-from cgpud.client import Client, ControlError, DaemonUnavailable
-from cgpud.containers.placement import unit_for
-from cgpud.k8s import dra, modes
+from cgpud.k8s import dra, draserved
 from cgpud.k8s.api import one_line
+from cgpud.k8s.draapi import API_TIMEOUT, Api  # noqa: F401 - (draplugin.Api, as the tests and bench name it)
+from cgpud.k8s.dranode import REFRESH, Modes, Node  # noqa: F401 - (likewise)
 from cgpud.k8s.proto import dra_pb2 as pb
 from cgpud.k8s.proto import dra_pb2_grpc as rpc
 from cgpud.k8s.proto import pluginregistration_pb2 as regpb
@@ -55,31 +56,6 @@ DEFAULT_PLUGIN_DIR = f"/var/lib/kubelet/plugins/{dra.DRIVER}"
 DEFAULT_CDI_DIR = "/var/run/cdi"
 DEFAULT_STATE_DIR = "/var/lib/cgpud/dra"
 POLL = 0.1  # s: how often our sockets are looked at
-REFRESH = 1.0  # s: how often the daemon is asked what GPUs it has
-API_TIMEOUT = 10.0  # s: the longest one call to the API server may take
-
-
-# The oldest Kubernetes this driver was run on (docs/kubernetes.md, DRA versions): one device per GPU
-# whose memory claims share (DRAConsumableCapacity: allowMultipleAllocations, requestPolicy,
-# distinctAttribute), firstAvailable (DRAPrioritizedList) and the webhook's matchConditions, all on
-# by default in 1.37 (the cluster tier's). Older servers are refused at start, not served wrongly.
-MIN_VERSION = (1, 37)
-
-
-class TooOld(Exception):
-    """The API server is older than MIN_VERSION; str() is the one line."""
-
-
-def check_version(git_version: str) -> None:
-    """TooOld unless `git_version` (the API server's /version, `v1.37.2`) is MIN_VERSION or later."""
-    m = re.match(r"v?(\d+)\.(\d+)", git_version or "")
-    if m is None:
-        raise TooOld(f"the API server says it is version {git_version!r}: cgpu dra-plugin needs Kubernetes "
-                     f"{MIN_VERSION[0]}.{MIN_VERSION[1]} or later")
-    if (int(m[1]), int(m[2])) < MIN_VERSION:
-        raise TooOld(f"the API server is Kubernetes {git_version}: cgpu dra-plugin needs {MIN_VERSION[0]}."
-                     f"{MIN_VERSION[1]} or later (the memory claims share is not on before; docs/kubernetes.md, "
-                     "DRA versions): use the device plugin and extender on this cluster")
 
 
 def write_atomically(path: str, data: bytes) -> None:
@@ -97,273 +73,6 @@ def write_atomically(path: str, data: bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-
-
-class Node:
-    """The daemon's GPUs and unit, asked every `refresh` seconds; `gpus` None while it does not
-    answer. `on_change(gpus, unit)` after each change."""
-
-    def __init__(self, socket: str | None) -> None:
-        self.socket = socket
-        self.gpus: list[dra.Gpu] | None = None
-        self.unit = 0
-        self.mode: str | None = None  # the daemon's mode (it places and refuses containers by it)
-        self.on_change = None
-
-    def poll(self) -> None:
-        try:
-            with Client(self.socket, timeout=5) as c:
-                snap = c.call("query")
-            gpus, unit = dra.gpus_from_query(snap), unit_for(snap.get("mode", "exclusive"))
-            self.mode = snap.get("mode")
-        except (DaemonUnavailable, ControlError, OSError, ValueError, KeyError) as exc:
-            if self.gpus is not None:
-                log.warning("cgpud does not answer (%s): claims are refused until it does", exc)
-            self.gpus = None
-            return
-        if (gpus, unit) != (self.gpus, self.unit):
-            self.gpus, self.unit = gpus, unit
-            if self.on_change is not None:
-                self.on_change(gpus, unit)
-
-    def run(self, stop: threading.Event, refresh: float = REFRESH) -> None:
-        while not stop.is_set():
-            self.poll()
-            stop.wait(refresh)
-
-
-class Modes:
-    """The node's mode for the DRA driver (cgpud.k8s.modes, docs/kubernetes.md "A node's mode"): the
-    node's label ack.node.gpu.schedule, read by a watch of its Node, decides what the slices publish;
-    while claims are prepared on the node a label change waits (the node keeps the mode in force,
-    says so in the CgpuModePending condition and an event, as the device plugin does) and takes
-    effect when the last is unprepared. Without the label, the node keeps `flag` (--mode), else the
-    daemon's own mode. The daemon is told the mode in force (it places containers and picks the
-    node's unit by it); `on_change()` after a switch."""
-
-    def __init__(self, node: Node, driver: "Driver", node_name: str, flag: str | None = None, api=None) -> None:
-        self.node, self.driver, self.node_name, self.flag = node, driver, node_name, flag
-        self.api = api  # CoreV1Api, or None (no API server: the flag's or the daemon's mode)
-        self.labels: dict[str, str] | None = None  # None until the Node is read
-        self.annotated: str | None = None  # the mode in force as the Node's annotation says it
-        self.decision: modes.Decision | None = None
-        self._warned: str | None = None
-        self.lock = threading.RLock()
-        self.on_change = None
-        self.watch = None
-
-    @property
-    def mode(self) -> str:
-        """The mode in force: the decision's; before any, the flag's or the daemon's (cgpu)."""
-        if self.decision is not None:
-            return self.decision.mode
-        return self.default()
-
-    def default(self) -> str:
-        return self.flag or (self.node.mode if self.node.mode in modes.MODES else None) or "cgpu"
-
-    def holders(self) -> list[str]:
-        return [f"{r.get('namespace')}/{r.get('name')}" for r in self.driver.prepared().values()]
-
-    def node_seen(self, obj: dict) -> None:
-        meta = obj.get("metadata") or {}
-        self.annotated = (meta.get("annotations") or {}).get(modes.MODE_IN_FORCE)
-        labels = meta.get("labels") or {}
-        if labels != self.labels:
-            self.labels = labels
-            self.reconsider()
-
-    def reconsider(self) -> None:
-        """The mode again (the label changed, or a claim was unprepared): switch when no claim is
-        prepared, else keep the one in force and say why."""
-        if self.labels is None:
-            return
-        with self.lock:
-            want, warning = modes.wanted(self.labels, self.default())
-            if warning and warning != self._warned:
-                log.warning("%s", warning)
-                if self.api is not None:
-                    from cgpud.k8s.nodeapi import node_event
-
-                    node_event(self.api, self.node_name, "GpuModeUnknown", warning, "cgpu-dra-plugin")
-            self._warned = warning
-            current = self.decision.mode if self.decision is not None else self.annotated
-            decision = modes.decide(current, want, self.holders())
-            if decision == self.decision:
-                self.tell_daemon()
-                return
-            before = self.decision.mode if self.decision is not None else current
-            self.decision = decision
-            log.info("%s", decision.message())
-            if self.api is not None:
-                from cgpud.k8s.nodeapi import write_mode
-
-                write_mode(self.api, self.node_name, self.labels, decision, before, "cgpu-dra-plugin")
-            self.tell_daemon()
-        if self.on_change is not None:
-            self.on_change()
-
-    def tell_daemon(self) -> None:
-        """The daemon places (and refuses) the containers that start, and sizes the node's unit, by
-        the mode in force (disabled: nothing of ours starts; the daemon keeps its mode)."""
-        mode = self.mode
-        if mode == "disabled" or self.node.mode in (None, mode):
-            return
-        try:
-            with Client(self.node.socket, timeout=5) as c:
-                c.call("mode", mode=mode)
-            log.info("cgpud places containers in mode %s from now on", mode)
-            self.node.poll()  # (its unit: 128 MiB in share, else 1 GiB)
-        except (DaemonUnavailable, ControlError, OSError) as exc:
-            log.warning("cannot tell cgpud the node's mode %s (%s); trying again", mode, exc)
-
-    def start_watch(self) -> None:
-        from cgpud.k8s.informer import Informer
-
-        def replace(items: list[dict]) -> None:
-            for obj in items:
-                self.node_seen(obj)
-
-        def event(kind: str, obj: dict) -> None:
-            if kind != "DELETED":
-                self.node_seen(obj)
-
-        self.watch = Informer(f"node {self.node_name}", self.api.list_node, replace, event,
-                              field_selector=f"metadata.name={self.node_name}")
-        self.watch.start()
-
-
-class Api:
-    """The API server through the official client: claims read; the node's slices watched (so a
-    slice someone deleted — the kubelet deletes its node's slices when it starts — is written
-    again at once, and nothing is read to find out) and written when they differ. Every call has a
-    timeout (API_TIMEOUT): a hung API server delays one claim, never the node's plugin."""
-
-    def __init__(self, node: str) -> None:
-        from kubernetes import client
-
-        from cgpud.k8s.api import connect
-
-        self.core, api_client = connect("cgpu-dra-plugin")
-        self.resource = client.ResourceV1Api(api_client)
-        self.versions = client.VersionApi(api_client)
-        self.node = node
-        self.have: dict[str, dict] = {}  # our slices as the API server has them, by name
-        # what the API server made of a slice we wrote, by name: (what we sent, what it stored),
-        # both canonical; where it dropped or changed a field, writing again would change nothing
-        self.stored_as: dict[str, tuple[dict, dict]] = {}
-        self.said_dropped: set[str] = set()
-        self.lock = threading.Lock()
-        self.on_change = None  # called when the watch brings a change to our slices
-        self.watch = None
-        self.owner: dict | None = None
-
-    def server_version(self) -> str:
-        r = self.versions.get_code(_preload_content=False, _request_timeout=API_TIMEOUT)
-        return str(json.loads(r.data).get("gitVersion", ""))
-
-    def claim(self, namespace: str, name: str) -> dict:
-        r = self.resource.read_namespaced_resource_claim(name, namespace, _preload_content=False,
-                                                         _request_timeout=API_TIMEOUT)
-        return json.loads(r.data)
-
-    def node_owner(self) -> dict | None:
-        """The owner reference to our Node (read once; None while it cannot be read)."""
-        if self.owner is None:
-            r = self.core.read_node(self.node, _preload_content=False, _request_timeout=API_TIMEOUT)
-            self.owner = dra.node_owner(self.node, json.loads(r.data)["metadata"]["uid"])
-        return self.owner
-
-    def start_watch(self) -> None:
-        from cgpud.k8s.informer import Informer
-
-        def ours(obj: dict) -> bool:
-            return (obj.get("spec") or {}).get("driver") == dra.DRIVER
-
-        def replace(items: list[dict]) -> None:
-            with self.lock:
-                self.have = {o["metadata"]["name"]: o for o in items if ours(o)}
-            if self.on_change is not None:
-                self.on_change()
-
-        def event(kind: str, obj: dict) -> None:
-            if not ours(obj):
-                return
-            with self.lock:
-                if kind == "DELETED":
-                    self.have.pop(obj["metadata"]["name"], None)
-                else:
-                    self.have[obj["metadata"]["name"]] = obj
-            if self.on_change is not None:
-                self.on_change()
-
-        self.watch = Informer(f"ResourceSlices of {self.node}", self.resource.list_resource_slice, replace, event,
-                              field_selector=f"spec.nodeName={self.node}")
-        self.watch.sync()
-        self.watch.start()
-
-    def same(self, have: dict, want: dict) -> bool:
-        """The API server's slice says what we would write (semantically: quantities by value,
-        fields it drops or rewrites as it did the last time we wrote this)."""
-        h, w = dra.slice_content(have), dra.slice_content(want)
-        return h == w or self.stored_as.get(want["metadata"]["name"]) == (w, h)
-
-    def publish(self, slices: list[dict]) -> bool:
-        """Make the API server's slices of this node what `slices` say, as upstream's slice
-        controller does: nothing when they say it already; one slice changed in place at the pool's
-        generation when that suffices; else all at the next generation (kube-scheduler reads a
-        pool's slices of its highest generation only), then the slices no longer wanted deleted.
-        True when it wrote."""
-        with self.lock:
-            have = dict(self.have)
-        want = {b["metadata"]["name"]: b for b in slices}
-
-        def generation(obj: dict) -> int:
-            return int((obj.get("spec") or {}).get("pool", {}).get("generation", 0))
-
-        top = max((generation(o) for o in have.values()), default=0)
-        differ = [n for n, b in want.items() if n not in have or not self.same(have[n], b)]
-        obsolete = [n for n in have if n not in want]
-        whole = all(n in have and generation(have[n]) == top for n in want)  # (a write cut short earlier: not)
-        if not differ and not obsolete and whole:
-            return False
-        if whole and not obsolete and len(differ) == 1:
-            gen, names = top, differ  # one update: the pool is never seen half old, half new
-        else:
-            gen, names = top + 1, list(want)
-        for name in names:
-            body = json.loads(json.dumps(want[name]))
-            body["spec"]["pool"]["generation"] = gen
-            old = have.get(name)
-            if old is None:
-                r = self.resource.create_resource_slice(body, _preload_content=False, _request_timeout=API_TIMEOUT)
-            else:
-                body["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
-                r = self.resource.replace_resource_slice(name, body, _preload_content=False,
-                                                         _request_timeout=API_TIMEOUT)
-            written = json.loads(r.data)
-            sent, stored = dra.slice_content(body), dra.slice_content(written)
-            if sent != stored:
-                self.stored_as[name] = (sent, stored)
-                if name not in self.said_dropped:
-                    self.said_dropped.add(name)
-                    log.warning("the API server stored ResourceSlice %s otherwise than written (first at %s): "
-                                "a feature gate of the server off? (docs/kubernetes.md, DRA versions); not "
-                                "written again for that", name, dra.first_difference(sent, stored))
-            else:
-                self.stored_as.pop(name, None)
-            with self.lock:  # (its watch event may come later: a look before it must not write again)
-                self.have[name] = written
-        for name in obsolete:
-            try:
-                self.resource.delete_resource_slice(name, _preload_content=False, _request_timeout=API_TIMEOUT)
-            except Exception as exc:  # noqa: BLE001 - gone already is what we want
-                if getattr(exc, "status", None) != 404:
-                    raise
-            with self.lock:
-                self.have.pop(name, None)
-            self.stored_as.pop(name, None)
-        return True
 
 
 class Driver(rpc.DRAPluginServicer):
@@ -717,13 +426,17 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
 
     node = Node(socket or default_socket())
     api = Api(node_name)
+    served = draserved.Served()
     try:
         version = api.server_version()
+        served = draserved.probe(api.client, node_name)  # (NotServed: the one line, and the plugin stops)
+    except draserved.NotServed:
+        raise
     except Exception as exc:  # noqa: BLE001 - not reachable yet: it serves its node all the same
-        log.warning("cannot read the API server's version (%s): going on", one_line(exc))
+        log.warning("cannot ask the API server what it serves (%s): going on as if all of DRA is on", one_line(exc))
     else:
-        check_version(version)
-        log.info("the API server is Kubernetes %s", version)
+        log.info("the API server is Kubernetes %s: it serves resource.k8s.io/v1, shared devices%s", version,
+                 ", device taints" if served.taints else " (no device taints)")
     driver = Driver(node, node_name, state_dir, cdi_dir, api.claim,
                     mounts=[os.path.dirname(os.path.abspath(node.socket))])
     registration = Registration(os.path.join(plugin_dir, "dra.sock"))
@@ -750,7 +463,8 @@ def main(socket: str | None, node_name: str, registry_dir: str, plugin_dir: str,
                     log.warning("cannot read Node %s (%s): its slices are published without an owner", node_name,
                                 one_line(exc))
                 pending.set()
-            slices = dra.resource_slices(node_name, gpus, unit, owner=owner, mode=follower.mode)
+            slices = dra.resource_slices(node_name, draserved.publishable(gpus, served), unit, owner=owner,
+                                         mode=follower.mode)
             if api.publish(slices):
                 log.info("published %d ResourceSlices of pool %s: %d GPUs in units of %d bytes, mode %s", len(slices),
                          node_name, len(gpus), unit, follower.mode)
