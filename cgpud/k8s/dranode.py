@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
 
 from cgpud.client import Client, ControlError, DaemonUnavailable
 from cgpud.containers.placement import unit_for
 from cgpud.k8s import dra, modes
-
-if TYPE_CHECKING:
-    from cgpud.k8s.draplugin import Driver
 
 log = logging.getLogger("cgpud.k8s")
 
@@ -60,7 +56,7 @@ class Modes:
     daemon's own mode. The daemon is told the mode in force (it places containers and picks the
     node's unit by it); `on_change()` after a switch."""
 
-    def __init__(self, node: Node, driver: "Driver", node_name: str, flag: str | None = None, api=None) -> None:
+    def __init__(self, node: Node, driver, node_name: str, flag: str | None = None, api=None) -> None:
         self.node, self.driver, self.node_name, self.flag = node, driver, node_name, flag
         self.api = api  # CoreV1Api, or None (no API server: the flag's or the daemon's mode)
         self.labels: dict[str, str] | None = None  # None until the Node is read
