@@ -119,7 +119,7 @@ def restore_control(ctl: Control, st: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - the instance went meanwhile: its memory with it
             log.warning("allocation %d of %s not carried over (%s)", handle, held.name, exc)
             continue
-        ctl.held.setdefault(held.conn, {})[int(handle)] = held
+        ctl.hold(int(handle), held)
     ctl._handles = itertools.count(st["next_handle"])
 
 
