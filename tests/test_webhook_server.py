@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.k8s import quota, webhook, webhookserver
+from cgpud.k8s import healthport, quota, webhook, webhookserver
 
 CN = "kube-apiserver-kubelet-client"
 
@@ -97,6 +97,8 @@ def post(port: int, ctx: ssl.SSLContext, body: dict, timeout: float = 20) -> tup
             got = b""
             while chunk := s.recv(65536):
                 got += chunk
+    if not got:
+        raise ConnectionError("closed without an answer")
     head, _, body_ = got.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body_)
 
@@ -151,40 +153,98 @@ def test_a_connection_that_never_finishes_its_handshake_is_cut_and_the_oldest_ma
 def test_only_the_api_servers_client_certificate_may_ask_and_nothing_is_made_for_anyone_else(certs, tmp_path):
     """Issue 33: anyone who reached the Service could post an AdmissionReview naming any
     namespace and have templates made there with the webhook's cluster-wide right (main makes the
-    template for the first POST below). Without the API server's certificate: 403, nothing made;
-    a certificate of another CA: no handshake; of its CA with another CN: 403."""
+    template for the first POST below). Issue 44: told at the handshake. Without a certificate, or
+    with one of another CA: no handshake; of its CA with another CN: closed after it, unanswered."""
     api = FakeApi()
     srv = serve(certs, api)
     port = srv.server_address[1]
     try:
-        code, answer = post(port, client_ctx(certs, None), review(pod(), ns="kube-system"))
-        assert code == 403 and answer == {"error": "a client certificate of the API server is required"}
+        with pytest.raises(OSError):  # (ssl.SSLError: "certificate required"; or the connection reset)
+            post(port, client_ctx(certs, None), review(pod(), ns="kube-system"))
         _, other_cert, other_key = client_cert(tmp_path / "other", CN)
         with pytest.raises((ssl.SSLError, ConnectionError)):
             post(port, client_ctx(certs, (other_cert, other_key)), review(pod()))
-        wrong = tmp_path / "wrong"
-        wrong.mkdir()
-        for f in ("ca.crt", "ca.key"):
-            (wrong / f).write_bytes((certs["client_ca"].parent / f).read_bytes())
-        (wrong / "ext").write_text("extendedKeyUsage=clientAuth\n")
-        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-        _openssl("req", *ec, "-keyout", "w.key", "-out", "w.csr", "-subj", "/CN=system:anonymous", cwd=wrong)
-        _openssl("x509", "-req", "-in", "w.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-                 "w.crt", "-days", "2", "-extfile", "ext", cwd=wrong)
-        code, answer = post(port, client_ctx(certs, (wrong / "w.crt", wrong / "w.key")), review(pod()))
-        assert code == 403 and "CN=system:anonymous is not one of kube-apiserver-kubelet-client" in answer["error"]
-        assert api.made == []
+        with pytest.raises(OSError):
+            post(port, client_ctx(certs, _wrong_cn(certs, tmp_path / "wrong")), review(pod()))
+        assert srv.refused == 1 and api.made == []
         code, answer = post(port, client_ctx(certs, certs["client"]), review(pod()))
         assert code == 200 and answer["response"]["allowed"] is True
         assert [(t["metadata"]["namespace"], t["metadata"]["name"]) for t in api.made] == \
             [("team-a", webhook.template_name(8, 2))]
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as raw:  # the kubelet's probe: no certificate
-            with client_ctx(certs, None).wrap_socket(raw, server_hostname="127.0.0.1") as s:
-                s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
-                assert s.recv(100).startswith(b"HTTP/1.0 200")
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def _wrong_cn(certs, d: Path) -> tuple[Path, Path]:
+    """A client certificate of the API server's CA with another CN."""
+    d.mkdir()
+    for f in ("ca.crt", "ca.key"):
+        (d / f).write_bytes((certs["client_ca"].parent / f).read_bytes())
+    (d / "ext").write_text("extendedKeyUsage=clientAuth\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", *ec, "-keyout", "w.key", "-out", "w.csr", "-subj", "/CN=system:anonymous", cwd=d)
+    _openssl("x509", "-req", "-in", "w.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+             "w.crt", "-days", "2", "-extfile", "ext", cwd=d)
+    return d / "w.crt", d / "w.key"
+
+
+def test_silent_tls_clients_that_are_not_the_api_server_hold_no_serving_slot(certs, tmp_path):
+    """Issue 44: any client that completed a TLS handshake and said nothing held one of the
+    MAX_SERVING slots for REQUEST_S (the certificate was checked after the body): 100 of them kept
+    the API server's POST waiting past 15 s, and every GPU pod's creation timed out. Now a
+    handshake needs the API server's CA, and its CN is checked before a slot is given."""
+    api = FakeApi()
+    srv = serve(certs, api)
+    port = srv.server_address[1]
+    wrong = _wrong_cn(certs, tmp_path / "wrong")
+    silent = []
+    try:
+        for i in range(100):  # half with no certificate, half with the right CA's but another CN
+            raw = socket.create_connection(("127.0.0.1", port), timeout=20)
+            try:
+                silent.append(client_ctx(certs, None if i % 2 else wrong).wrap_socket(raw, server_hostname="127.0.0.1"))
+            except OSError:
+                raw.close()  # (refused at the handshake itself: holds nothing either)
+        ctx = client_ctx(certs, certs["client"])
+        for i in range(3):
+            code, answer = post(port, ctx, review(pod(), uid=f"u-{i}"), timeout=5)
+            assert code == 200 and answer["response"]["allowed"] is True
+        assert len(api.made) == 3 and srv.refused >= 40
+    finally:
+        for s in silent:
+            s.close()
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_the_health_port_answers_the_probe_without_a_certificate_whatever_else_is_connected():
+    """The kubelet's probe has no client certificate: /healthz is on a plain port of its own,
+    which silent connections (more than it keeps) cannot close to the probe."""
+    h = healthport.HealthPort("127.0.0.1", 0)
+    port = h.server_address[1]
+
+    def ask(line: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(line + b"\r\nHost: x\r\n\r\n")
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            return got
+    silent = []
+    try:
+        assert ask(b"GET /healthz HTTP/1.1").startswith(b"HTTP/1.0 200 OK")
+        assert ask(b"POST /mutate HTTP/1.1").startswith(b"HTTP/1.0 404")
+        assert ask(b"\x16\x03\x01 hello").startswith(b"HTTP/1.0 400")
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5)
+                  for _ in range(healthport.MAX_OPEN + 44)]
+        for _ in range(3):
+            assert ask(b"GET /healthz HTTP/1.1").endswith(b"ok\n")
+        assert h.dropped >= 44
+    finally:
+        for s in silent:
+            s.close()
+        h.close()
 
 
 # ---- the quota of the pods it rewrites ---------------------------------------------------------
