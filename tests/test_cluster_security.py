@@ -163,6 +163,29 @@ def test_the_node_accounts_token_changes_only_its_own_node_and_the_pods_bound_to
     assert "cgpu.aliyun.com/gpu-mem-per-device" not in (cp.get("node", "node-b")["metadata"].get("annotations") or {})
 
 
+def test_the_node_accounts_token_changes_no_label_or_annotation_through_nodes_status(cp):
+    """Issue 44: the policy let every status write through (subresources were skipped), and the API
+    server keeps the metadata a nodes/status patch sends: a stolen node token labelled its own node
+    (a label that draws GPU pods, or the node's mode) and wrote any annotation there. Its gpu-count
+    in capacity, the device plugin's write, is still taken."""
+    from kubernetes.client.exceptions import ApiException
+
+    a = as_token(cp, "node-a", cp.node_token(SA, "node-a"))
+    policy = "cgpu-node-scope"
+    policy_active(cp, a, ["patch", "node", "node-b", "-p", json.dumps({"metadata": {"annotations": {"x": "y"}}})],
+                  None, policy)
+    api = core_as(cp, a)
+    for meta in ({"labels": {"nvidia.com/gpu.present": "true"}}, {"labels": {"ack.node.gpu.schedule": "share"}},
+                 {"annotations": {"cgpu.aliyun.com/gpu-schedule": "exclusive"}}, {"annotations": {"other": "1"}}):
+        with pytest.raises(ApiException) as e:
+            api.patch_node_status("node-a", {"metadata": meta, "status": {"capacity": {"aliyun.com/gpu-count": "2"}}})
+        assert e.value.status in (403, 422) and policy in e.value.body and "nodes/status" in e.value.body, e.value.body
+    node = cp.get("node", "node-a")["metadata"]
+    assert "nvidia.com/gpu.present" not in (node.get("labels") or {})
+    assert "other" not in (node.get("annotations") or {})
+    assert status_patch(cp, a, "node-a") == ""  # (what the device plugin writes there: taken)
+
+
 def test_the_webhooks_account_may_set_the_ca_bundle_and_widen_nothing(cp):
     """Issue 33: the webhook's patch on its own MutatingWebhookConfiguration was not limited to
     caBundle: its token could widen its rules to every pod of the cluster (main allows each patch
@@ -342,3 +365,26 @@ def test_a_rewritten_pod_still_counts_against_its_namespaces_gpu_mem_quota(cp, w
     assert cp.kubectl("create", "-n", QUOTA_NS, "-f", "-", stdin=json.dumps(labelled("third", 4)),
                       check=False).returncode == 0  # 8 + 4 = 12: still within it
     assert len(yaml.safe_load(cp.kubectl("get", "pods", "-n", QUOTA_NS, "-o", "yaml").stdout)["items"]) == 2
+
+
+def test_a_template_made_by_hand_under_the_webhooks_name_is_refused(cp, webhook):
+    """Issue 44: a tenant made `cgpu-gpu-mem-1x1` by hand, asking eight GPUs' memory; the webhook's
+    create met AlreadyExists and rewrote a pod asking one unit to it (counted one unit by the quota).
+    Now the pod is refused with the reason, and one the webhook made is used as before."""
+    from cgpud.k8s import webhook as decision
+
+    ns = "team-h"
+    cp.kubectl("create", "namespace", ns)
+    cp.kubectl("create", "serviceaccount", "default", "-n", ns)
+    greedy = decision.template(ns, 1, 1)
+    for alt in greedy["spec"]["spec"]["devices"]["requests"][0]["firstAvailable"]:
+        alt["count"], alt["capacity"]["requests"]["memory"] = 8, str(80 << 30)
+    cp.create(greedy)
+    p = dry_run(cp, labelled("h", 1, m=1), ns)
+    assert refused(p, "ResourceClaimTemplate team-h/cgpu-gpu-mem-1x1 is not the one the webhook makes",
+                   "count is 8, not 1"), p.stderr
+    cp.kubectl("delete", "resourceclaimtemplate", "-n", ns, "cgpu-gpu-mem-1x1")
+    p = cp.kubectl("create", "-n", ns, "-f", "-", stdin=json.dumps(labelled("h", 1, m=1)), check=False)
+    assert p.returncode == 0, p.stderr
+    p = cp.kubectl("create", "-n", ns, "-f", "-", stdin=json.dumps(labelled("h2", 1, m=1)), check=False)
+    assert p.returncode == 0, p.stderr  # (the webhook's own, found there: the same, taken)

@@ -364,7 +364,7 @@ def test_the_dra_webhook_sees_only_gpu_pods_at_create_and_is_reached_through_its
     assert spec["serviceAccountName"] == "cgpu-dra-webhook"
     role = docs[("ClusterRole", "cgpu-dra-webhook")]
     assert [(r["resources"], r["verbs"], r.get("resourceNames")) for r in role["rules"]] == [
-        (["resourceclaimtemplates"], ["create"], None),
+        (["resourceclaimtemplates"], ["create", "get"], None),
         (["mutatingwebhookconfigurations"], ["get", "patch"], ["cgpu-dra-webhook"]),
         (["resourcequotas", "pods"], ["list"], None)]
     role = docs[("Role", "cgpu-dra-webhook")]

@@ -338,3 +338,64 @@ def test_what_a_pod_counts_follows_the_templates_the_webhook_names():
     p = pod(5, 0)
     p["spec"]["initContainers"] = [{"name": "i", "resources": {"limits": {webhook.RESOURCE: "7"}}}]
     assert quota.pod_units(p) == 7 and quota.counted(p) == Decimal(7)
+
+
+def test_a_pod_of_many_containers_counts_all_its_units_never_zero():
+    """Issue 44: a template's name past 63 characters was hashed, and a hashed name counted 0: a pod
+    of six containers asking 100000 units each counted nothing against the quota once admitted. The
+    name is cut into labels by dots now, and read back whole; past 253 characters the pod is refused."""
+    def many(k: int, n: int) -> dict:
+        p = pod(0, 0, name=f"many-{k}")
+        p["spec"]["containers"] = [{"name": f"c{i}", "image": "x", "resources": {"limits": {webhook.RESOURCE: str(n)}}}
+                                   for i in range(k)]
+        return p
+    for k in (2, 6, 12):
+        d = webhook.mutate(many(k, 100000), "team-a")
+        (t,) = d.templates
+        name = t["metadata"]["name"]
+        assert len(name) <= 253 and all(0 < len(label) <= 63 for label in name.split(".")), name
+        assert not any(label.startswith("-") or label.endswith("-") for label in name.split("."))
+        from test_webhook import apply
+
+        got = apply(many(k, 100000), d.patch)
+        assert quota.claimed_units(got) == quota.counted(got) == k * 100000
+    api = FakeApi([rq("gpu", "700000")], [])
+    ledger = quota.Ledger()
+    assert webhookserver.admit(api, review(many(6, 100000)), ledger)["response"]["allowed"] is True
+    from test_webhook import apply
+
+    api.listed = [apply(many(6, 100000), webhook.mutate(many(6, 100000), "team-a").patch)]
+    no = webhookserver.admit(api, review(many(2, 100000), uid="u-2"), ledger)["response"]
+    assert no["allowed"] is False and "used: requests.aliyun.com/gpu-mem=600000," in no["status"]["message"]
+    with pytest.raises(webhook.Denied, match="containers ask aliyun.com/gpu-mem: more than one claim's name can say"):
+        webhook.mutate(many(30, 100000), "team-a")
+
+
+def test_a_template_made_by_hand_under_the_webhooks_name_is_refused():
+    """Issue 44: a tenant made `cgpu-gpu-mem-1x1` by hand asking eight whole GPUs; a pod asking one
+    unit was rewritten to it (AlreadyExists was fine) and counted one unit. Now one found under the
+    webhook's name must be what the webhook makes."""
+    class Existing(FakeApi):
+        def __init__(self, found: dict) -> None:
+            super().__init__()
+            self.found = found
+
+        def ensure_template(self, body: dict):
+            super().ensure_template(body)
+            return self.found
+
+    ours = webhook.template("team-a", 1, 1)
+    greedy = copy.deepcopy(ours)
+    for alt in greedy["spec"]["spec"]["devices"]["requests"][0]["firstAvailable"]:
+        alt["count"] = 8
+        alt["capacity"]["requests"]["memory"] = str(80 << 30)
+    admin = copy.deepcopy(ours)
+    admin["spec"]["spec"]["devices"]["requests"][0]["firstAvailable"][0]["adminAccess"] = True
+    for found, why in ((greedy, "count is 8, not 1"), (admin, "adminAccess is not the webhook's")):
+        got = webhookserver.admit(Existing(found), review(pod(1, 0)), quota.Ledger())["response"]
+        assert got["allowed"] is False and "ResourceClaimTemplate team-a/cgpu-gpu-mem-1x1 is not the one the " \
+            "webhook makes" in got["status"]["message"] and why in got["status"]["message"], got
+    same = copy.deepcopy(ours)
+    same["metadata"]["uid"] = "x"  # (what the API server adds; and a field it defaults, empty)
+    same["spec"]["spec"]["devices"]["requests"][0]["firstAvailable"][0]["tolerations"] = []
+    assert webhookserver.admit(Existing(same), review(pod(1, 0)), quota.Ledger())["response"]["allowed"] is True

@@ -131,17 +131,22 @@ class Api:
         self.admission = client.AdmissionregistrationV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
 
-    def ensure_template(self, body: dict) -> None:
-        """Create the template; one that is there already is fine. ApiException otherwise."""
+    def ensure_template(self, body: dict) -> dict | None:
+        """Create the template: None; one that is there already: what it is (the caller compares).
+        ApiException otherwise."""
         from kubernetes.client.exceptions import ApiException
 
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         try:
-            self.resource.create_namespaced_resource_claim_template(body["metadata"]["namespace"], body,
-                                                                    _preload_content=False, _request_timeout=5)
-            log.info("made ResourceClaimTemplate %s/%s", body["metadata"]["namespace"], body["metadata"]["name"])
+            self.resource.create_namespaced_resource_claim_template(ns, body, _preload_content=False,
+                                                                    _request_timeout=5)
+            log.info("made ResourceClaimTemplate %s/%s", ns, name)
+            return None
         except ApiException as exc:
             if exc.status != 409:
                 raise
+        return json.loads(self.resource.read_namespaced_resource_claim_template(
+            name, ns, _preload_content=False, _request_timeout=5).data)
 
     def set_ca_bundle(self, name: str, ca: bytes) -> int:
         """Put the CA into every webhook of the MutatingWebhookConfiguration `name` (nothing else of
@@ -246,11 +251,16 @@ def admit(api, review, ledger: quota.Ledger | None = None) -> dict:
             check_quota(api, ledger or LEDGER, request, obj, bool(request.get("dryRun")))
         if not request.get("dryRun"):
             for t in decision.templates:
+                where = f"{t['metadata']['namespace']}/{t['metadata']['name']}"
                 try:
-                    api.ensure_template(t)
+                    found = api.ensure_template(t)
                 except Exception as exc:  # noqa: BLE001 - the API server's refusal, or no answer: said on the pod
-                    raise webhook.Denied(f"cannot make ResourceClaimTemplate {t['metadata']['namespace']}/"
-                                         f"{t['metadata']['name']}: {one_line(exc)}") from None
+                    raise webhook.Denied(f"cannot make ResourceClaimTemplate {where}: {one_line(exc)}") from None
+                # (one there already must be the webhook's: a tenant's by hand under its name would be used as
+                # it is, asking more than the quota counts; issue 44)
+                if found is not None and (why := webhook.not_ours(t, found)) is not None:
+                    raise webhook.Denied(f"ResourceClaimTemplate {where} is not the one the webhook makes ({why}): "
+                                         "it was made by hand; delete it (the webhook makes it again) or rename it")
     except webhook.Denied as exc:
         log.info("%s: denied: %s", who, exc)
         return webhook.response(request, denied=str(exc))
