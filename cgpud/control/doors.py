@@ -10,7 +10,11 @@ Both sockets (the daemon's own and the containers', control.server) count togeth
 Each pool fits in the open-file limit the daemon raised at start (cgpud.daemon.main,
 `raise_open_files`; systemd/cgpud.service's LimitNOFILE): a connection holds FDS_PER_CONN
 descriptors, FDS_SPARE are left for the rest of the daemon, so `accept` never meets EMFILE.
-A connection past a bound gets one EAGAIN line and is closed at once (`refuse`: nothing waits).
+A connection past a bound gets one EAGAIN line and is closed at once (`refuse`): but for the first
+MAX_LINGER of them at any moment, which wait up to LINGER_S for the request their client sends next
+(read and dropped), so that the close comes after it: a client that connects and sends at once
+(the daemon, real-time, answers before it sends) then reads the line instead of EPIPE on its send.
+Past MAX_LINGER a refusal waits for nothing.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ MAX_TRUSTED_CONNS = 1024  # open connections of root and the admin group on the 
 FDS_PER_CONN = 2  # the socket and the caller's pidfd (control.callers)
 FDS_SPARE = 512  # the rest of the daemon: FUSE, state, cgroups, pages, the metrics port, a hot upgrade
 WANT_OPEN_FILES = FDS_SPARE + FDS_PER_CONN * (MAX_CONNS + MAX_TRUSTED_CONNS)  # 4608
+MAX_LINGER = 64  # refused connections that may wait (LINGER_S) for the request their client sends next
+LINGER_S = 0.5
 BACKLOG = 512  # connections the kernel queues before `accept` (a flood's are refused faster than they come)
 SEND_S = 5.0  # an answer sent within this, or its connection is closed (a client that does not read)
 
@@ -71,6 +77,7 @@ class Doors:
         self.per_caller: Counter = Counter()  # by untrusted caller
         self.pools: Counter = Counter()  # "untrusted", "trusted"
         self.refused = 0
+        self.lingering = 0  # refused connections waiting for their client's request (at most MAX_LINGER)
 
     def enter(self, trusted: bool, key: tuple, what: str) -> tuple[tuple, str | None]:
         """Count a connection in: (its ticket for `leave`, why it must go or None). `key`: its
@@ -90,6 +97,16 @@ class Doors:
             self.refused += 1
         return ticket, why
 
+    def may_linger(self) -> bool:
+        """Whether a refused connection may wait for its client's request (then `lingered()` after)."""
+        if self.lingering >= MAX_LINGER:
+            return False
+        self.lingering += 1
+        return True
+
+    def lingered(self) -> None:
+        self.lingering -= 1
+
     def leave(self, ticket: tuple) -> None:
         pool, key = ticket
         self.pools[pool] -= 1
@@ -100,12 +117,17 @@ class Doors:
 
 
 def refuse(fd: int, why: str) -> None:
-    """One EAGAIN line to the connection `fd`, past its bound, then (the caller's) close, at once:
-    nothing here waits. What it had sent is read first, without waiting, so that the close does
-    not reset the line before it is read."""
+    """One EAGAIN line to the connection `fd`, past its bound (nothing here waits)."""
+    send_and_drain(fd, json.dumps({"ok": False, "error": "EAGAIN", "message": why}).encode() + b"\n")
+
+
+def send_and_drain(fd: int, data: bytes = b"") -> None:
+    """`data` sent and what the client sent read, without waiting: a close with unread data would
+    reset the connection before the client reads what it was sent."""
     sock = socket.socket(fileno=os.dup(fd))
     try:
-        sock.send(json.dumps({"ok": False, "error": "EAGAIN", "message": why}).encode() + b"\n", socket.MSG_DONTWAIT)
+        if data:
+            sock.send(data, socket.MSG_DONTWAIT)
         for _ in range(16):
             if not sock.recv(65536, socket.MSG_DONTWAIT):
                 break

@@ -47,7 +47,7 @@ import trio
 from cgpud.containers.cgroups import InstanceGroups
 from cgpud.containers.spec import DEFAULT_HOOK_PATH
 from cgpud.control.callers import TENANT_DIR, Who, classify, host_namespaces
-from cgpud.control.doors import BACKLOG, MAX_CALLER_CONNS, SEND_S, Doors, refuse
+from cgpud.control.doors import BACKLOG, LINGER_S, MAX_CALLER_CONNS, SEND_S, Doors, refuse, send_and_drain
 from cgpud.control.hook import Hooks
 from cgpud.control.instances import Instances
 from cgpud.control.memory import Held, Memory
@@ -325,6 +325,13 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
         try:
             if why is not None:
                 refuse(stream.socket.fileno(), why)
+                if doors.may_linger():
+                    try:  # (its client's request, if it comes soon: the close after it, control.doors)
+                        with trio.move_on_after(LINGER_S):
+                            await trio.lowlevel.wait_readable(stream.socket)
+                        send_and_drain(stream.socket.fileno())
+                    finally:
+                        doors.lingered()
                 await stream.aclose()
                 return
             await _connection(stream, peer, buf)
