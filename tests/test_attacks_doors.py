@@ -151,6 +151,24 @@ def test_a_client_that_never_reads_its_answers_cannot_hold_a_hot_upgrade(make_da
         s.close()
 
 
+def test_a_flood_of_held_connections_cannot_keep_a_hot_upgrade_from_happening(make_daemon, subreaper):
+    """Before: the old daemon passed every open connection in one message, and the kernel passes at
+    most 253 descriptors in one (SCM_MAX_FD): with the flood's 1,200 held, sendmsg failed with
+    EINVAL and every hot upgrade rolled back."""
+    d = make_daemon()
+    procs = _flooders(d.socket, MAX_CALLER_CONNS - 4, list(range(61200, 61220)))
+    try:
+        assert sum(int(p.stdout.readline().split()[1]) for p in procs) == MAX_CONNS
+        assert upgrade(d, timeout=30).startswith("done ")
+        assert "not handed on" not in d.log_text()  # (every one of them came over)
+        with Client(os.fspath(d.socket), timeout=5) as c:
+            assert c.call("hello")["privileged"] is True
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait(30)
+
+
 ALLOCS = r"""
 import json, sys
 from cgpud.client import Client, ControlError
