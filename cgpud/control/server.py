@@ -373,17 +373,17 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
                 pending.buf += data
             else:  # (another request already read: a stop still comes first)
                 await trio.lowlevel.checkpoint_if_cancelled()
-            if len(pending.buf.split(b"\n", 1)[0]) > MAX_LINE or (b"\n" not in pending.buf
-                                                                   and len(pending.buf) > MAX_LINE):
+            end = pending.buf.find(b"\n")
+            if end > MAX_LINE or (end < 0 and len(pending.buf) > MAX_LINE):
                 try:  # (the rest of an overlong line cannot be told from the next request: close)
                     with trio.move_on_after(SEND_S):
                         await stream.send_all(json.dumps(TOO_LONG).encode() + b"\n")
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass
                 return
-            if b"\n" not in pending.buf:
+            if end < 0:
                 continue
-            line, pending.buf = pending.buf.split(b"\n", 1)
+            line, pending.buf = pending.buf[:end], pending.buf[end + 1:]
             if not line.strip():
                 continue
             with trio.CancelScope(shield=True):  # a request read is answered (one: the next waits its turn)
