@@ -12,7 +12,8 @@ process called by the API server with its client certificate.
    or --main-ref), in this process with the same certificate: how many of 5 POSTs are answered
    within 10 s with --idle idle connections held open to it (issue 33: none); and the server
    before issue 44 (--tls-ref) in the same way with --idle silent TLS connections: the time of each
-   of 5 POSTs in turn.
+   of 5 POSTs in turn, and POSTs in turns of ten with and without them, p50/p99, for that server and
+   this one, in this process (--in-process-only: these alone, no cluster).
 2. The attacks of a caller who is not the API server, a stolen node token, a stolen webhook
    token, a tenant escaping its quota: each tried against the API server (or the webhook), and
    whether it succeeded (it must not).
@@ -152,6 +153,53 @@ def tls_server_answers(ref: str, silent: int) -> str:
     return "5 POSTs one after another answered in " + ", ".join(times)
 
 
+def in_process_times(ref: str | None, silent: int, n: int) -> tuple[list[float], list[float]]:
+    """The server of `ref` (None: this checkout's), in this process, with a client CA: POSTs with the
+    API server's certificate, in turns of ten, with `silent` silent TLS connections held (half with
+    no certificate, half with one of the API server's CA and another CN; each turn its own) and with
+    none: (with, without) in ms; a POST that fails counts 30 s (the API server's wait, at most)."""
+    from test_webhook_server import CN, FakeApi, _wrong_cn, client_cert, client_ctx, post, review
+
+    d = Path(tempfile.mkdtemp(prefix="cgpu-bench-tls-"))
+    if ref is None:
+        from cgpud.k8s import webhookserver as ws
+    else:
+        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:cgpud/k8s/webhookserver.py"],
+                             capture_output=True, text=True, check=True)
+        (d / "ws_ref.py").write_text(src.stdout)
+        spec = importlib.util.spec_from_file_location("ws_ref", d / "ws_ref.py")
+        ws = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ws)
+    ca, cert, key = ws.make_certificate(["127.0.0.1"], str(d))
+    api_ca, api_cert, api_key = client_cert(d / "apiserver", CN)
+    certs = {"ca": ca, "client": (api_cert, api_key), "client_ca": api_ca}
+    wrong = _wrong_cn(certs, d / "wrong")
+    srv = ws.make_server(FakeApi(), "127.0.0.1", 0, ws.server_context(cert, key, str(api_ca)), (CN,))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    with_, without = [], []
+    try:
+        for turn in range(2 * ((n + 9) // 10)):
+            loaded = turn % 2 == 0
+            held = silent_tls(port, silent // 2, ca.decode(), wrong) + silent_tls(port, silent - silent // 2,
+                                                                                   ca.decode(), None) if loaded else []
+            for i in range(10):
+                t0 = time.perf_counter()
+                try:
+                    code, _ = post(port, client_ctx(certs, certs["client"]), review(labelled("p", 4), uid=f"u{i}"),
+                                   timeout=30)
+                    dt = (time.perf_counter() - t0) * 1000 if code == 200 else 30000.0
+                except OSError:
+                    dt = 30000.0
+                (with_ if loaded else without).append(dt)
+            for sock in held:
+                sock.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    return with_[:n], without[:n]
+
+
 def attacks(c: Cluster, port: int, ca: str) -> list[tuple[str, bool]]:
     """Each attack and whether it succeeded."""
     out = []
@@ -221,6 +269,7 @@ def main() -> None:
     ap.add_argument("--idle", type=int, default=100)
     ap.add_argument("--main-ref", default="4bb5e69",
                     help="the git ref of the server before issue 33 (default 4bb5e69, main when it was filed)")
+    ap.add_argument("--in-process-only", action="store_true", help="the in-process figures only (no cluster)")
     ap.add_argument("--tls-ref", default="555a060",
                     help="the git ref of the server before issue 44 (default 555a060, main when it was filed)")
     args = ap.parse_args()
@@ -228,6 +277,13 @@ def main() -> None:
     print(f"main's server ({args.main_ref}), {args.idle} idle connections held: {answered}", flush=True)
     answered = tls_server_answers(args.tls_ref, args.idle)
     print(f"the server of {args.tls_ref}, {args.idle} silent TLS connections held: {answered}", flush=True)
+    for ref, what in ((args.tls_ref, f"the server of {args.tls_ref}"), (None, "this checkout's server")):
+        loaded, quiet = in_process_times(ref, args.idle, args.admissions // 2)
+        print(f"{what}, in this process, {len(loaded)} POSTs each in turns of ten: {args.idle} silent TLS "
+              f"connections held p50 {pct(loaded, 50):.1f} ms, p99 {pct(loaded, 99):.1f} ms; none p50 "
+              f"{pct(quiet, 50):.1f} ms, p99 {pct(quiet, 99):.1f} ms", flush=True)
+    if args.in_process_only:
+        return
     c = Cluster(None, None).start_control_plane()
     try:
         c.kubectl("apply", "-k", overlay(c.path("overlay")))
