@@ -73,18 +73,28 @@ def admission_times(c: Cluster, n: int, hold) -> tuple[list[float], list[float]]
     return with_[:n], without[:n]
 
 
-def main_server_answers(ref: str, idle: int) -> str:
-    """Main's webhook server, in this process: POSTs answered within 10 s with `idle` idle
-    connections held open to it."""
+def server_of(ref: str, d: Path):
+    """`ref`'s cgpud/k8s/webhookserver.py as a module, written into `d`; ValueError when git cannot
+    show it."""
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:cgpud/k8s/webhookserver.py"], capture_output=True,
                          text=True)
     if src.returncode != 0:
-        return f"(cannot read {ref}'s webhookserver.py: {src.stderr.strip()})"
-    d = tempfile.mkdtemp(prefix="cgpu-bench-main-")
-    Path(d, "ws_main.py").write_text(src.stdout)
-    spec = importlib.util.spec_from_file_location("ws_main", Path(d, "ws_main.py"))
+        raise ValueError(f"(cannot read {ref}'s webhookserver.py: {src.stderr.strip()})")
+    (d / "ws_ref.py").write_text(src.stdout)
+    spec = importlib.util.spec_from_file_location("ws_ref", d / "ws_ref.py")
     ws = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ws)
+    return ws
+
+
+def main_server_answers(ref: str, idle: int) -> str:
+    """Main's webhook server, in this process: POSTs answered within 10 s with `idle` idle
+    connections held open to it."""
+    d = tempfile.mkdtemp(prefix="cgpu-bench-main-")
+    try:
+        ws = server_of(ref, Path(d))
+    except ValueError as exc:
+        return str(exc)
 
     class Api:
         def ensure_template(self, body):
@@ -121,17 +131,13 @@ def tls_server_answers(ref: str, silent: int) -> str:
     """The server of `ref` (before issue 44), in this process, with a client CA: how long POSTs with
     the API server's certificate take while `silent` clients without one hold a completed handshake
     and say nothing."""
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:cgpud/k8s/webhookserver.py"], capture_output=True,
-                         text=True)
-    if src.returncode != 0:
-        return f"(cannot read {ref}'s webhookserver.py: {src.stderr.strip()})"
     from test_webhook_server import CN, FakeApi, client_cert, client_ctx, post, review
 
     d = Path(tempfile.mkdtemp(prefix="cgpu-bench-tls-"))
-    (d / "ws_ref.py").write_text(src.stdout)
-    spec = importlib.util.spec_from_file_location("ws_ref", d / "ws_ref.py")
-    ws = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ws)
+    try:
+        ws = server_of(ref, d)
+    except ValueError as exc:
+        return str(exc)
     ca, cert, key = ws.make_certificate(["127.0.0.1"], str(d))
     api_ca, api_cert, api_key = client_cert(d / "apiserver", CN)
     certs = {"ca": ca, "client": (api_cert, api_key)}
@@ -164,12 +170,7 @@ def in_process_times(ref: str | None, silent: int, n: int) -> tuple[list[float],
     if ref is None:
         from cgpud.k8s import webhookserver as ws
     else:
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:cgpud/k8s/webhookserver.py"],
-                             capture_output=True, text=True, check=True)
-        (d / "ws_ref.py").write_text(src.stdout)
-        spec = importlib.util.spec_from_file_location("ws_ref", d / "ws_ref.py")
-        ws = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(ws)
+        ws = server_of(ref, d)
     ca, cert, key = ws.make_certificate(["127.0.0.1"], str(d))
     api_ca, api_cert, api_key = client_cert(d / "apiserver", CN)
     certs = {"ca": ca, "client": (api_cert, api_key), "client_ca": api_ca}
