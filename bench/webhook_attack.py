@@ -5,15 +5,20 @@ process called by the API server with its client certificate.
 
 1. Admission through the API server (a server-side dry run of a labelled pod, which the API server
    sends to the webhook), p50 and p99 over --admissions, in turns of ten: with --idle idle TCP
-   connections held open to the webhook (connected, never a ClientHello) and with none (the
-   reference). Then main's server (git show 4bb5e69:cgpud/k8s/webhookserver.py, or --main-ref),
-   in this process with the same certificate: how many of 5 POSTs are answered within 10 s with
-   --idle idle connections held open to it (issue 33: none).
+   connections held open to the webhook (connected, never a ClientHello), with --idle silent TLS
+   connections (issue 44: half with a client certificate of the cluster's CA and another CN, half
+   with none; each completes or tries its handshake, then says nothing), and with none (the
+   reference, in the same turns). Then main's server (git show 4bb5e69:cgpud/k8s/webhookserver.py,
+   or --main-ref), in this process with the same certificate: how many of 5 POSTs are answered
+   within 10 s with --idle idle connections held open to it (issue 33: none); and the server
+   before issue 44 (--tls-ref) in the same way with --idle silent TLS connections: the time of each
+   of 5 POSTs in turn, and POSTs in turns of ten with and without them, p50/p99, for that server and
+   this one, in this process (--in-process-only: these alone, no cluster).
 2. The attacks of a caller who is not the API server, a stolen node token, a stolen webhook
    token, a tenant escaping its quota: each tried against the API server (or the webhook), and
    whether it succeeded (it must not).
 
-    .venv/bin/python bench/webhook_attack.py [--admissions 100] [--idle 100] [--main-ref 4bb5e69]
+    .venv/bin/python bench/webhook_attack.py [--admissions 100] [--idle 100] [--main-ref 4bb5e69] [--tls-ref 555a060]
 """
 from __future__ import annotations
 
@@ -37,8 +42,8 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 from cluster import DRA_SA, NAMESPACE, SA, Cluster  # noqa: E402
-from test_cluster_security import (QUOTA_NS, WEBHOOK, WEBHOOK_USER, as_token, labelled, overlay,  # noqa: E402
-                                   slice_, start_webhook, try_)
+from test_cluster_security import (QUOTA_NS, WEBHOOK, WEBHOOK_USER, anonymous_cert, as_token, labelled,  # noqa: E402
+                                   overlay, silent_tls, slice_, start_webhook, try_)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -46,8 +51,8 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-def admission_times(c: Cluster, n: int, idle_port: int | None, idle: int) -> tuple[list[float], list[float]]:
-    """(with idle connections, without), in turns of ten, through the official client."""
+def admission_times(c: Cluster, n: int, hold) -> tuple[list[float], list[float]]:
+    """(with the connections `hold()` opens held, without), in turns of ten, through the official client."""
     api = c.api()
     body = labelled("bench", 4)
     with_, without = [], []
@@ -55,7 +60,7 @@ def admission_times(c: Cluster, n: int, idle_port: int | None, idle: int) -> tup
     for turn in range(2 * ((n + 9) // 10)):
         loaded = turn % 2 == 0
         if loaded:
-            held = [socket.create_connection(("127.0.0.1", idle_port), timeout=60) for _ in range(idle)]
+            held = hold()
         for _ in range(10):
             t0 = time.perf_counter()
             got = api.create_namespaced_pod("default", body, dry_run="All", _preload_content=False)
@@ -68,18 +73,28 @@ def admission_times(c: Cluster, n: int, idle_port: int | None, idle: int) -> tup
     return with_[:n], without[:n]
 
 
-def main_server_answers(ref: str, idle: int) -> str:
-    """Main's webhook server, in this process: POSTs answered within 10 s with `idle` idle
-    connections held open to it."""
+def server_of(ref: str, d: Path):
+    """`ref`'s cgpud/k8s/webhookserver.py as a module, written into `d`; ValueError when git cannot
+    show it."""
     src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:cgpud/k8s/webhookserver.py"], capture_output=True,
                          text=True)
     if src.returncode != 0:
-        return f"(cannot read {ref}'s webhookserver.py: {src.stderr.strip()})"
-    d = tempfile.mkdtemp(prefix="cgpu-bench-main-")
-    Path(d, "ws_main.py").write_text(src.stdout)
-    spec = importlib.util.spec_from_file_location("ws_main", Path(d, "ws_main.py"))
+        raise ValueError(f"(cannot read {ref}'s webhookserver.py: {src.stderr.strip()})")
+    (d / "ws_ref.py").write_text(src.stdout)
+    spec = importlib.util.spec_from_file_location("ws_ref", d / "ws_ref.py")
     ws = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ws)
+    return ws
+
+
+def main_server_answers(ref: str, idle: int) -> str:
+    """Main's webhook server, in this process: POSTs answered within 10 s with `idle` idle
+    connections held open to it."""
+    d = tempfile.mkdtemp(prefix="cgpu-bench-main-")
+    try:
+        ws = server_of(ref, Path(d))
+    except ValueError as exc:
+        return str(exc)
 
     class Api:
         def ensure_template(self, body):
@@ -110,6 +125,80 @@ def main_server_answers(ref: str, idle: int) -> str:
     for s in held:
         s.close()
     return f"{ok} of 5 answered within 10 s"
+
+
+def tls_server_answers(ref: str, silent: int) -> str:
+    """The server of `ref` (before issue 44), in this process, with a client CA: how long POSTs with
+    the API server's certificate take while `silent` clients without one hold a completed handshake
+    and say nothing."""
+    from test_webhook_server import CN, FakeApi, client_cert, client_ctx, post, review
+
+    d = Path(tempfile.mkdtemp(prefix="cgpu-bench-tls-"))
+    try:
+        ws = server_of(ref, d)
+    except ValueError as exc:
+        return str(exc)
+    ca, cert, key = ws.make_certificate(["127.0.0.1"], str(d))
+    api_ca, api_cert, api_key = client_cert(d / "apiserver", CN)
+    certs = {"ca": ca, "client": (api_cert, api_key)}
+    srv = ws.make_server(FakeApi(), "127.0.0.1", 0, ws.server_context(cert, key, str(api_ca)), (CN,))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    held = silent_tls(port, silent, ca.decode(), None)
+    times = []
+    for i in range(5):  # (one after another, each with the API server's 30 s)
+        t0 = time.perf_counter()
+        try:
+            code, _ = post(port, client_ctx(certs, certs["client"]), review(labelled("p", 4), uid=f"u-{i}"), timeout=30)
+            times.append(f"{time.perf_counter() - t0:.2f} s" if code == 200 else f"HTTP {code}")
+        except OSError as exc:
+            times.append(f"failed ({exc.__class__.__name__})")
+    for s in held:
+        s.close()
+    srv.shutdown()
+    return "5 POSTs one after another answered in " + ", ".join(times)
+
+
+def in_process_times(ref: str | None, silent: int, n: int) -> tuple[list[float], list[float]]:
+    """The server of `ref` (None: this checkout's), in this process, with a client CA: POSTs with the
+    API server's certificate, in turns of ten, with `silent` silent TLS connections held (half with
+    no certificate, half with one of the API server's CA and another CN; each turn its own) and with
+    none: (with, without) in ms; a POST that fails counts 30 s (the API server's wait, at most)."""
+    from test_webhook_server import CN, FakeApi, _wrong_cn, client_cert, client_ctx, post, review
+
+    d = Path(tempfile.mkdtemp(prefix="cgpu-bench-tls-"))
+    if ref is None:
+        from cgpud.k8s import webhookserver as ws
+    else:
+        ws = server_of(ref, d)
+    ca, cert, key = ws.make_certificate(["127.0.0.1"], str(d))
+    api_ca, api_cert, api_key = client_cert(d / "apiserver", CN)
+    certs = {"ca": ca, "client": (api_cert, api_key), "client_ca": api_ca}
+    wrong = _wrong_cn(certs, d / "wrong")
+    srv = ws.make_server(FakeApi(), "127.0.0.1", 0, ws.server_context(cert, key, str(api_ca)), (CN,))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    with_, without = [], []
+    try:
+        for turn in range(2 * ((n + 9) // 10)):
+            loaded = turn % 2 == 0
+            held = silent_tls(port, silent // 2, ca.decode(), wrong) + silent_tls(port, silent - silent // 2,
+                                                                                   ca.decode(), None) if loaded else []
+            for i in range(10):
+                t0 = time.perf_counter()
+                try:
+                    code, _ = post(port, client_ctx(certs, certs["client"]), review(labelled("p", 4), uid=f"u{i}"),
+                                   timeout=30)
+                    dt = (time.perf_counter() - t0) * 1000 if code == 200 else 30000.0
+                except OSError:
+                    dt = 30000.0
+                (with_ if loaded else without).append(dt)
+            for sock in held:
+                sock.close()
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    return with_[:n], without[:n]
 
 
 def attacks(c: Cluster, port: int, ca: str) -> list[tuple[str, bool]]:
@@ -163,7 +252,7 @@ def attacks(c: Cluster, port: int, ca: str) -> list[tuple[str, bool]]:
     try:
         req = urllib.request.Request(f"https://127.0.0.1:{port}/mutate", data=json.dumps(review).encode())
         urllib.request.urlopen(req, context=ssl.create_default_context(cadata=ca), timeout=20).read()
-    except urllib.error.HTTPError:
+    except OSError:  # (HTTPError 403 before issue 44; now no handshake)
         pass
     out.append(("unauthenticated POST makes a ResourceClaimTemplate in kube-system",
                 ok(try_(c, c.admin, "get", "resourceclaimtemplate", "-n", NAMESPACE, "cgpu-gpu-mem-6x2"))))
@@ -181,9 +270,21 @@ def main() -> None:
     ap.add_argument("--idle", type=int, default=100)
     ap.add_argument("--main-ref", default="4bb5e69",
                     help="the git ref of the server before issue 33 (default 4bb5e69, main when it was filed)")
+    ap.add_argument("--in-process-only", action="store_true", help="the in-process figures only (no cluster)")
+    ap.add_argument("--tls-ref", default="555a060",
+                    help="the git ref of the server before issue 44 (default 555a060, main when it was filed)")
     args = ap.parse_args()
     answered = main_server_answers(args.main_ref, args.idle)
     print(f"main's server ({args.main_ref}), {args.idle} idle connections held: {answered}", flush=True)
+    answered = tls_server_answers(args.tls_ref, args.idle)
+    print(f"the server of {args.tls_ref}, {args.idle} silent TLS connections held: {answered}", flush=True)
+    for ref, what in ((args.tls_ref, f"the server of {args.tls_ref}"), (None, "this checkout's server")):
+        loaded, quiet = in_process_times(ref, args.idle, args.admissions // 2)
+        print(f"{what}, in this process, {len(loaded)} POSTs each in turns of ten: {args.idle} silent TLS "
+              f"connections held p50 {pct(loaded, 50):.1f} ms, p99 {pct(loaded, 99):.1f} ms; none p50 "
+              f"{pct(quiet, 50):.1f} ms, p99 {pct(quiet, 99):.1f} ms", flush=True)
+    if args.in_process_only:
+        return
     c = Cluster(None, None).start_control_plane()
     try:
         c.kubectl("apply", "-k", overlay(c.path("overlay")))
@@ -208,11 +309,18 @@ def main() -> None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"the API server never called the webhook: {p.stderr}")
             time.sleep(0.2)
-        loaded, quiet = admission_times(c, args.admissions, port, args.idle)
-        print(f"admission through the API server (server-side dry run), {len(loaded)} each, in turns of ten:")
-        print(f"  {args.idle} idle TCP connections held open: p50 {pct(loaded, 50):.1f} ms, "
-              f"p99 {pct(loaded, 99):.1f} ms")
-        print(f"  none (reference):                  p50 {pct(quiet, 50):.1f} ms, p99 {pct(quiet, 99):.1f} ms")
+        anonymous = anonymous_cert(c)
+        for what, hold in (
+                (f"{args.idle} idle TCP connections held open",
+                 lambda: [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(args.idle)]),
+                (f"{args.idle} silent TLS connections held open",
+                 lambda: silent_tls(port, args.idle // 2, ca_pem, anonymous)
+                 + silent_tls(port, args.idle - args.idle // 2, ca_pem, None))):
+            loaded, quiet = admission_times(c, args.admissions, hold)
+            print(f"admission through the API server (server-side dry run), {len(loaded)} each, in turns of ten:")
+            print(f"  {what}: p50 {pct(loaded, 50):.1f} ms, p99 {pct(loaded, 99):.1f} ms")
+            print(f"  none (reference, the turns between): p50 {pct(quiet, 50):.1f} ms, p99 {pct(quiet, 99):.1f} ms",
+                  flush=True)
         results = attacks(c, port, ca_pem)
         print(f"attacks tried / succeeded: {len(results)} / {sum(ok for _, ok in results)}")
         for what, ok in results:

@@ -11,12 +11,15 @@ the Secret its first replica makes, called by the API server with the client cer
 AdmissionConfiguration gives it (tests/cluster.py)."""
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
 import ssl
+import subprocess
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -160,6 +163,29 @@ def test_the_node_accounts_token_changes_only_its_own_node_and_the_pods_bound_to
     assert "cgpu.aliyun.com/gpu-mem-per-device" not in (cp.get("node", "node-b")["metadata"].get("annotations") or {})
 
 
+def test_the_node_accounts_token_changes_no_label_or_annotation_through_nodes_status(cp):
+    """Issue 44: the policy let every status write through (subresources were skipped), and the API
+    server keeps the metadata a nodes/status patch sends: a stolen node token labelled its own node
+    (a label that draws GPU pods, or the node's mode) and wrote any annotation there. Its gpu-count
+    in capacity, the device plugin's write, is still taken."""
+    from kubernetes.client.exceptions import ApiException
+
+    a = as_token(cp, "node-a", cp.node_token(SA, "node-a"))
+    policy = "cgpu-node-scope"
+    policy_active(cp, a, ["patch", "node", "node-b", "-p", json.dumps({"metadata": {"annotations": {"x": "y"}}})],
+                  None, policy)
+    api = core_as(cp, a)
+    for meta in ({"labels": {"nvidia.com/gpu.present": "true"}}, {"labels": {"ack.node.gpu.schedule": "share"}},
+                 {"annotations": {"cgpu.aliyun.com/gpu-schedule": "exclusive"}}, {"annotations": {"other": "1"}}):
+        with pytest.raises(ApiException) as e:
+            api.patch_node_status("node-a", {"metadata": meta, "status": {"capacity": {"aliyun.com/gpu-count": "2"}}})
+        assert e.value.status in (403, 422) and policy in e.value.body and "nodes/status" in e.value.body, e.value.body
+    node = cp.get("node", "node-a")["metadata"]
+    assert "nvidia.com/gpu.present" not in (node.get("labels") or {})
+    assert "other" not in (node.get("annotations") or {})
+    assert status_patch(cp, a, "node-a") == ""  # (what the device plugin writes there: taken)
+
+
 def test_the_webhooks_account_may_set_the_ca_bundle_and_widen_nothing(cp):
     """Issue 33: the webhook's patch on its own MutatingWebhookConfiguration was not limited to
     caBundle: its token could widen its rules to every pod of the cluster (main allows each patch
@@ -199,17 +225,50 @@ def test_the_webhooks_account_may_set_the_ca_bundle_and_widen_nothing(cp):
 
 
 def start_webhook(c: Cluster, name: str) -> tuple[Proc, int]:
-    port = free_port()
+    port, health = free_port(), free_port()
     token = c.kubectl("create", "token", WEBHOOK, "-n", NAMESPACE, "--duration", "1h").stdout.strip()
     kc = kubeconfig(c.path(f"{name}.kubeconfig"), c.server, c.path("pki", "ca.crt"), {"token": token})
     c.procs[name] = Proc(name, [
         c._cgpu(), "dra-webhook", "--addr", f"127.0.0.1:{port}", "--tls-san", "127.0.0.1", "--webhook-config", WEBHOOK,
-        "--tls-secret", f"{NAMESPACE}/cgpu-dra-webhook-tls", "--client-ca", c.path("pki", "ca.crt")],
+        "--tls-secret", f"{NAMESPACE}/cgpu-dra-webhook-tls", "--client-ca", c.path("pki", "ca.crt"),
+        "--health-addr", f"127.0.0.1:{health}"],
         c.path(f"{name}.log"), env={"KUBECONFIG": os.fspath(kc)}).start()
     wait_for(lambda: "dra-webhook on https://" in c.procs[name].log_path.read_text() or not c.procs[name].alive(),
              60, f"{name} to serve", c.logs)
     assert c.procs[name].alive(), c.procs[name].log()
+    c.procs[name].health_port = health
     return c.procs[name], port
+
+
+def anonymous_cert(c: Cluster) -> tuple[Path, Path]:
+    """A client certificate of the cluster's CA (the one the webhook takes) with a CN that is not
+    the API server's: what a caller who is not the API server could at best present."""
+    d = Path(c.path("anonymous"))
+    if not (d / "a.crt").exists():
+        d.mkdir(exist_ok=True)
+        (d / "ext").write_text("extendedKeyUsage=clientAuth\n")
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        for args in (["req", *ec, "-keyout", "a.key", "-out", "a.csr", "-subj", "/CN=system:anonymous"],
+                     ["x509", "-req", "-in", "a.csr", "-CA", os.fspath(c.path("pki", "ca.crt")), "-CAkey",
+                      os.fspath(c.path("pki", "ca.key")), "-CAcreateserial", "-out", "a.crt", "-days", "2",
+                      "-extfile", "ext"]):
+            subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, stdin=subprocess.DEVNULL)
+    return d / "a.crt", d / "a.key"
+
+
+def silent_tls(port: int, n: int, ca: str, cert: tuple[Path, Path] | None) -> list:
+    """`n` connections that complete (or try) a TLS handshake and then say nothing, held open."""
+    held = []
+    for _ in range(n):
+        ctx = ssl.create_default_context(cadata=ca)
+        if cert is not None:
+            ctx.load_cert_chain(*map(os.fspath, cert))
+        raw = socket.create_connection(("127.0.0.1", port), timeout=30)
+        try:
+            held.append(ctx.wrap_socket(raw, server_hostname="127.0.0.1"))
+        except OSError:
+            held.append(raw)  # (refused at the handshake: held all the same)
+    return held
 
 
 def labelled(name: str, n: int, m: int = 2) -> dict:
@@ -240,16 +299,25 @@ def test_two_replicas_share_one_ca_and_only_the_api_server_may_ask(cp, webhook):
     """Issue 33: anyone who reached the webhook could post an AdmissionReview naming any namespace
     and have a ResourceClaimTemplate made there (main answers the POST below with 200 and makes
     it); one replica made a new CA at each start. Here both replicas serve the Secret's CA; the
-    API server, with its client certificate, is answered; a POST without one is refused."""
+    API server, with its client certificate, is answered; a POST without one is refused — at the
+    handshake (issue 44), the kubelet's probe answered on the plain health port."""
     port, port2 = webhook
     secret = cp.get("secret", "cgpu-dra-webhook-tls", "-n", NAMESPACE)
     assert secret["type"] == "kubernetes.io/tls"
-    import base64
-
     ca = base64.b64decode(secret["data"]["ca.crt"]).decode()
     for p in (port, port2):  # the same certificate, of the Secret's CA, on both
         ctx = ssl.create_default_context(cadata=ca)
-        with urllib.request.urlopen(f"https://127.0.0.1:{p}/healthz", context=ctx, timeout=20) as r:
+        with socket.create_connection(("127.0.0.1", p), timeout=20) as raw:
+            with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+                assert s.getpeercert()["subjectAltName"] == (("IP Address", "127.0.0.1"),)
+                try:  # (no client certificate: the handshake's end is refused, nothing answered)
+                    s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+                    got = s.recv(100)
+                except OSError:
+                    got = b""
+                assert got == b"", got
+    for name in ("dra-webhook", "dra-webhook-2"):
+        with urllib.request.urlopen(f"http://127.0.0.1:{cp.procs[name].health_port}/healthz", timeout=20) as r:
             assert r.status == 200
     wait_for(lambda: dry_run(cp, labelled("d", 4)).returncode == 0, 30, "the API server to call the webhook",
              cp.logs)
@@ -260,17 +328,21 @@ def test_two_replicas_share_one_ca_and_only_the_api_server_may_ask(cp, webhook):
         "namespace": NAMESPACE, "object": labelled("forged", 6)}}
     req = urllib.request.Request(f"https://127.0.0.1:{port}/mutate", data=json.dumps(review).encode(),
                                  headers={"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as e:
+    with pytest.raises(OSError) as e:  # (no certificate: no handshake; nothing answered)
         urllib.request.urlopen(req, context=ssl.create_default_context(cadata=ca), timeout=20)
-    assert e.value.code == 403 and "client certificate" in json.loads(e.value.read())["error"]
+    assert not isinstance(e.value, urllib.error.HTTPError), e.value
     assert try_(cp, cp.admin, "get", "resourceclaimtemplate", "-n", NAMESPACE, "cgpu-gpu-mem-6x2").returncode != 0
 
 
 def test_a_hundred_idle_connections_keep_no_labelled_pod_from_being_admitted(cp, webhook):
     """Issue 33: on main one connection that never sent a ClientHello held the webhook's only
-    serving thread, and with failurePolicy Fail every labelled pod was refused."""
+    serving thread, and with failurePolicy Fail every labelled pod was refused. Issue 44: 100
+    that complete a TLS handshake (with the cluster CA's certificate of another CN, or none) and
+    say nothing took the 64 serving slots for 15 s each: the dry run below timed out."""
     port, _ = webhook
+    ca = base64.b64decode(cp.get("secret", "cgpu-dra-webhook-tls", "-n", NAMESPACE)["data"]["ca.crt"]).decode()
     idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(100)]
+    idle += silent_tls(port, 50, ca, anonymous_cert(cp)) + silent_tls(port, 50, ca, None)
     try:
         p = dry_run(cp, labelled("busy", 4))
         assert p.returncode == 0 and json.loads(p.stdout)["spec"]["resourceClaims"], p.stderr
@@ -296,3 +368,26 @@ def test_a_rewritten_pod_still_counts_against_its_namespaces_gpu_mem_quota(cp, w
     assert cp.kubectl("create", "-n", QUOTA_NS, "-f", "-", stdin=json.dumps(labelled("third", 4)),
                       check=False).returncode == 0  # 8 + 4 = 12: still within it
     assert len(yaml.safe_load(cp.kubectl("get", "pods", "-n", QUOTA_NS, "-o", "yaml").stdout)["items"]) == 2
+
+
+def test_a_template_made_by_hand_under_the_webhooks_name_is_refused(cp, webhook):
+    """Issue 44: a tenant made `cgpu-gpu-mem-1x1` by hand, asking eight GPUs' memory; the webhook's
+    create met AlreadyExists and rewrote a pod asking one unit to it (counted one unit by the quota).
+    Now the pod is refused with the reason, and one the webhook made is used as before."""
+    from cgpud.k8s import webhook as decision
+
+    ns = "team-h"
+    cp.kubectl("create", "namespace", ns)
+    cp.kubectl("create", "serviceaccount", "default", "-n", ns)
+    greedy = decision.template(ns, 1, 1)
+    for alt in greedy["spec"]["spec"]["devices"]["requests"][0]["firstAvailable"]:
+        alt["count"], alt["capacity"]["requests"]["memory"] = 8, str(80 << 30)
+    cp.create(greedy)
+    p = cp.kubectl("create", "-n", ns, "-f", "-", stdin=json.dumps(labelled("h0", 1, m=1)), check=False)
+    assert refused(p, "ResourceClaimTemplate team-h/cgpu-gpu-mem-1x1 is not the one the webhook makes",
+                   "count is 8, not 1"), p.stderr  # (not a dry run: a dry run makes, and checks, no template)
+    cp.kubectl("delete", "resourceclaimtemplate", "-n", ns, "cgpu-gpu-mem-1x1")
+    p = cp.kubectl("create", "-n", ns, "-f", "-", stdin=json.dumps(labelled("h", 1, m=1)), check=False)
+    assert p.returncode == 0, p.stderr
+    p = cp.kubectl("create", "-n", ns, "-f", "-", stdin=json.dumps(labelled("h2", 1, m=1)), check=False)
+    assert p.returncode == 0, p.stderr  # (the webhook's own, found there: the same, taken)

@@ -355,13 +355,16 @@ def test_the_dra_webhook_sees_only_gpu_pods_at_create_and_is_reached_through_its
     assert cmd[cmd.index("--addr") + 1].endswith(f":{port['targetPort']}")
     assert cmd[cmd.index("--webhook-config") + 1] == "cgpu-dra-webhook"
     assert cmd[cmd.index("--tls-san") + 1] == f"{ref['name']}.{ref['namespace']}.svc"  # the name the API server calls
-    assert c["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    # (the HTTPS port takes only the API server's certificate; the probe, which has none, asks the health port)
+    probe = c["readinessProbe"]["httpGet"]
+    assert (probe["scheme"], probe["path"]) == ("HTTP", "/healthz")
+    assert cmd[cmd.index("--health-addr") + 1] == f"0.0.0.0:{probe['port']}" != cmd[cmd.index("--addr") + 1]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}  # (the certificate, until it is loaded)
     assert spec["serviceAccountName"] == "cgpu-dra-webhook"
     role = docs[("ClusterRole", "cgpu-dra-webhook")]
     assert [(r["resources"], r["verbs"], r.get("resourceNames")) for r in role["rules"]] == [
-        (["resourceclaimtemplates"], ["create"], None),
+        (["resourceclaimtemplates"], ["create", "get"], None),
         (["mutatingwebhookconfigurations"], ["get", "patch"], ["cgpu-dra-webhook"]),
         (["resourcequotas", "pods"], ["list"], None)]
     role = docs[("Role", "cgpu-dra-webhook")]

@@ -449,7 +449,8 @@ def test_the_commands_mistakes_are_one_line(args, why, tmp_path):
 
 def test_a_template_made_meanwhile_by_another_pod_is_fine_and_a_refusal_is_not():
     """Two pods of one shape admitted at once (or two replicas): the second create finds the
-    template made (409 AlreadyExists) and goes on; any other refusal is the API server's."""
+    template made (409 AlreadyExists) and returns it (admit compares it with its own); any other
+    refusal is the API server's."""
     from kubernetes.client.exceptions import ApiException
 
     class Resource:
@@ -461,12 +462,16 @@ def test_a_template_made_meanwhile_by_another_pod_is_fine_and_a_refusal_is_not()
             if self.status:
                 raise ApiException(status=self.status, reason="x")
 
+        def read_namespaced_resource_claim_template(self, name, namespace, **kw):
+            self.calls.append(("read", namespace, name))
+            return type("R", (), {"data": json.dumps(body).encode()})()
+
     body = webhook.template("ns", 8, 2)
-    for status in (None, 409):
+    for status, found, reads in ((None, None, []), (409, body, [("read", "ns", "cgpu-gpu-mem-8x2")])):
         api = object.__new__(webhookserver.Api)
         api.resource = Resource(status)
-        api.ensure_template(body)
-        assert api.resource.calls == [("ns", "cgpu-gpu-mem-8x2", 5)]
+        assert api.ensure_template(body) == found
+        assert api.resource.calls == [("ns", "cgpu-gpu-mem-8x2", 5)] + reads
     api.resource = Resource(403)
     with pytest.raises(ApiException):
         api.ensure_template(body)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cgpud.k8s import quota, webhook, webhookserver
+from cgpud.k8s import healthport, quota, webhook, webhookserver
 
 CN = "kube-apiserver-kubelet-client"
 
@@ -97,6 +97,8 @@ def post(port: int, ctx: ssl.SSLContext, body: dict, timeout: float = 20) -> tup
             got = b""
             while chunk := s.recv(65536):
                 got += chunk
+    if not got:
+        raise ConnectionError("closed without an answer")
     head, _, body_ = got.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body_)
 
@@ -151,40 +153,98 @@ def test_a_connection_that_never_finishes_its_handshake_is_cut_and_the_oldest_ma
 def test_only_the_api_servers_client_certificate_may_ask_and_nothing_is_made_for_anyone_else(certs, tmp_path):
     """Issue 33: anyone who reached the Service could post an AdmissionReview naming any
     namespace and have templates made there with the webhook's cluster-wide right (main makes the
-    template for the first POST below). Without the API server's certificate: 403, nothing made;
-    a certificate of another CA: no handshake; of its CA with another CN: 403."""
+    template for the first POST below). Issue 44: told at the handshake. Without a certificate, or
+    with one of another CA: no handshake; of its CA with another CN: closed after it, unanswered."""
     api = FakeApi()
     srv = serve(certs, api)
     port = srv.server_address[1]
     try:
-        code, answer = post(port, client_ctx(certs, None), review(pod(), ns="kube-system"))
-        assert code == 403 and answer == {"error": "a client certificate of the API server is required"}
+        with pytest.raises(OSError):  # (ssl.SSLError: "certificate required"; or the connection reset)
+            post(port, client_ctx(certs, None), review(pod(), ns="kube-system"))
         _, other_cert, other_key = client_cert(tmp_path / "other", CN)
         with pytest.raises((ssl.SSLError, ConnectionError)):
             post(port, client_ctx(certs, (other_cert, other_key)), review(pod()))
-        wrong = tmp_path / "wrong"
-        wrong.mkdir()
-        for f in ("ca.crt", "ca.key"):
-            (wrong / f).write_bytes((certs["client_ca"].parent / f).read_bytes())
-        (wrong / "ext").write_text("extendedKeyUsage=clientAuth\n")
-        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-        _openssl("req", *ec, "-keyout", "w.key", "-out", "w.csr", "-subj", "/CN=system:anonymous", cwd=wrong)
-        _openssl("x509", "-req", "-in", "w.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-                 "w.crt", "-days", "2", "-extfile", "ext", cwd=wrong)
-        code, answer = post(port, client_ctx(certs, (wrong / "w.crt", wrong / "w.key")), review(pod()))
-        assert code == 403 and "CN=system:anonymous is not one of kube-apiserver-kubelet-client" in answer["error"]
-        assert api.made == []
+        with pytest.raises(OSError):
+            post(port, client_ctx(certs, _wrong_cn(certs, tmp_path / "wrong")), review(pod()))
+        assert srv.refused == 1 and api.made == []
         code, answer = post(port, client_ctx(certs, certs["client"]), review(pod()))
         assert code == 200 and answer["response"]["allowed"] is True
         assert [(t["metadata"]["namespace"], t["metadata"]["name"]) for t in api.made] == \
             [("team-a", webhook.template_name(8, 2))]
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as raw:  # the kubelet's probe: no certificate
-            with client_ctx(certs, None).wrap_socket(raw, server_hostname="127.0.0.1") as s:
-                s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
-                assert s.recv(100).startswith(b"HTTP/1.0 200")
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def _wrong_cn(certs, d: Path) -> tuple[Path, Path]:
+    """A client certificate of the API server's CA with another CN."""
+    d.mkdir()
+    for f in ("ca.crt", "ca.key"):
+        (d / f).write_bytes((certs["client_ca"].parent / f).read_bytes())
+    (d / "ext").write_text("extendedKeyUsage=clientAuth\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", *ec, "-keyout", "w.key", "-out", "w.csr", "-subj", "/CN=system:anonymous", cwd=d)
+    _openssl("x509", "-req", "-in", "w.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+             "w.crt", "-days", "2", "-extfile", "ext", cwd=d)
+    return d / "w.crt", d / "w.key"
+
+
+def test_silent_tls_clients_that_are_not_the_api_server_hold_no_serving_slot(certs, tmp_path):
+    """Issue 44: any client that completed a TLS handshake and said nothing held one of the
+    MAX_SERVING slots for REQUEST_S (the certificate was checked after the body): 100 of them kept
+    the API server's POST waiting past 15 s, and every GPU pod's creation timed out. Now a
+    handshake needs the API server's CA, and its CN is checked before a slot is given."""
+    api = FakeApi()
+    srv = serve(certs, api)
+    port = srv.server_address[1]
+    wrong = _wrong_cn(certs, tmp_path / "wrong")
+    silent = []
+    try:
+        for i in range(100):  # half with no certificate, half with the right CA's but another CN
+            raw = socket.create_connection(("127.0.0.1", port), timeout=20)
+            try:
+                silent.append(client_ctx(certs, None if i % 2 else wrong).wrap_socket(raw, server_hostname="127.0.0.1"))
+            except OSError:
+                raw.close()  # (refused at the handshake itself: holds nothing either)
+        ctx = client_ctx(certs, certs["client"])
+        for i in range(3):
+            code, answer = post(port, ctx, review(pod(), uid=f"u-{i}"), timeout=5)
+            assert code == 200 and answer["response"]["allowed"] is True
+        assert len(api.made) == 3 and srv.refused >= 40
+    finally:
+        for s in silent:
+            s.close()
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_the_health_port_answers_the_probe_without_a_certificate_whatever_else_is_connected():
+    """The kubelet's probe has no client certificate: /healthz is on a plain port of its own,
+    which silent connections (more than it keeps) cannot close to the probe."""
+    h = healthport.HealthPort("127.0.0.1", 0)
+    port = h.server_address[1]
+
+    def ask(line: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(line + b"\r\nHost: x\r\n\r\n")
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            return got
+    silent = []
+    try:
+        assert ask(b"GET /healthz HTTP/1.1").startswith(b"HTTP/1.0 200 OK")
+        assert ask(b"POST /mutate HTTP/1.1").startswith(b"HTTP/1.0 404")
+        assert ask(b"\x16\x03\x01 hello").startswith(b"HTTP/1.0 400")
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5)
+                  for _ in range(healthport.MAX_OPEN + 44)]
+        for _ in range(3):
+            assert ask(b"GET /healthz HTTP/1.1").endswith(b"ok\n")
+        assert h.dropped >= 44
+    finally:
+        for s in silent:
+            s.close()
+        h.close()
 
 
 # ---- the quota of the pods it rewrites ---------------------------------------------------------
@@ -278,3 +338,64 @@ def test_what_a_pod_counts_follows_the_templates_the_webhook_names():
     p = pod(5, 0)
     p["spec"]["initContainers"] = [{"name": "i", "resources": {"limits": {webhook.RESOURCE: "7"}}}]
     assert quota.pod_units(p) == 7 and quota.counted(p) == Decimal(7)
+
+
+def test_a_pod_of_many_containers_counts_all_its_units_never_zero():
+    """Issue 44: a template's name past 63 characters was hashed, and a hashed name counted 0: a pod
+    of six containers asking 100000 units each counted nothing against the quota once admitted. The
+    name is cut into labels by dots now, and read back whole; past 253 characters the pod is refused."""
+    def many(k: int, n: int) -> dict:
+        p = pod(0, 0, name=f"many-{k}")
+        p["spec"]["containers"] = [{"name": f"c{i}", "image": "x", "resources": {"limits": {webhook.RESOURCE: str(n)}}}
+                                   for i in range(k)]
+        return p
+    for k in (2, 6, 12):
+        d = webhook.mutate(many(k, 100000), "team-a")
+        (t,) = d.templates
+        name = t["metadata"]["name"]
+        assert len(name) <= 253 and all(0 < len(label) <= 63 for label in name.split(".")), name
+        assert not any(label.startswith("-") or label.endswith("-") for label in name.split("."))
+        from test_webhook import apply
+
+        got = apply(many(k, 100000), d.patch)
+        assert quota.claimed_units(got) == quota.counted(got) == k * 100000
+    api = FakeApi([rq("gpu", "700000")], [])
+    ledger = quota.Ledger()
+    assert webhookserver.admit(api, review(many(6, 100000)), ledger)["response"]["allowed"] is True
+    from test_webhook import apply
+
+    api.listed = [apply(many(6, 100000), webhook.mutate(many(6, 100000), "team-a").patch)]
+    no = webhookserver.admit(api, review(many(2, 100000), uid="u-2"), ledger)["response"]
+    assert no["allowed"] is False and "used: requests.aliyun.com/gpu-mem=600000," in no["status"]["message"]
+    with pytest.raises(webhook.Denied, match="containers ask aliyun.com/gpu-mem: more than one claim's name can say"):
+        webhook.mutate(many(30, 100000), "team-a")
+
+
+def test_a_template_made_by_hand_under_the_webhooks_name_is_refused():
+    """Issue 44: a tenant made `cgpu-gpu-mem-1x1` by hand asking eight whole GPUs; a pod asking one
+    unit was rewritten to it (AlreadyExists was fine) and counted one unit. Now one found under the
+    webhook's name must be what the webhook makes."""
+    class Existing(FakeApi):
+        def __init__(self, found: dict) -> None:
+            super().__init__()
+            self.found = found
+
+        def ensure_template(self, body: dict):
+            super().ensure_template(body)
+            return self.found
+
+    ours = webhook.template("team-a", 1, 1)
+    greedy = copy.deepcopy(ours)
+    for alt in greedy["spec"]["spec"]["devices"]["requests"][0]["firstAvailable"]:
+        alt["count"] = 8
+        alt["capacity"]["requests"]["memory"] = str(80 << 30)
+    admin = copy.deepcopy(ours)
+    admin["spec"]["spec"]["devices"]["requests"][0]["firstAvailable"][0]["adminAccess"] = True
+    for found, why in ((greedy, "count is 8, not 1"), (admin, "adminAccess is not the webhook's")):
+        got = webhookserver.admit(Existing(found), review(pod(1, 0)), quota.Ledger())["response"]
+        assert got["allowed"] is False and "ResourceClaimTemplate team-a/cgpu-gpu-mem-1x1 is not the one the " \
+            "webhook makes" in got["status"]["message"] and why in got["status"]["message"], got
+    same = copy.deepcopy(ours)
+    same["metadata"]["uid"] = "x"  # (what the API server adds; and a field it defaults, empty)
+    same["spec"]["spec"]["devices"]["requests"][0]["firstAvailable"][0]["tolerations"] = []
+    assert webhookserver.admit(Existing(same), review(pod(1, 0)), quota.Ledger())["response"]["allowed"] is True

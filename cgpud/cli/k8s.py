@@ -137,9 +137,13 @@ def scheduler_extender(addr: str, log_level: str) -> None:
 @click.option("--client-name", "client_names", multiple=True,
               help="A CN of that certificate to take (repeat for more). Default: kube-apiserver-kubelet-client "
                    "(kubeadm's apiserver-kubelet-client.crt).")
+@click.option("--health-addr", default="", envvar="CGPU_WEBHOOK_HEALTH_ADDR",
+              help="HOST:PORT of a plain-HTTP port answering GET /healthz, for the kubelet's probe (the HTTPS port "
+                   "takes only the API server's certificate). Default: none.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
 def dra_webhook(addr: str, tls_cert: str | None, tls_key: str | None, tls_san: str, webhook_config: str,
-                tls_secret: str | None, client_ca: str | None, client_names: tuple[str, ...], log_level: str) -> None:
+                tls_secret: str | None, client_ca: str | None, client_names: tuple[str, ...], health_addr: str,
+                log_level: str) -> None:
     """The mutating admission webhook of DRA mode (docs/kubernetes.md): a pod labelled
     aliyun.com/gpu-count M asking aliyun.com/gpu-mem N gets a claim of N/M units on each of M GPUs."""
     import logging
@@ -156,11 +160,14 @@ def dra_webhook(addr: str, tls_cert: str | None, tls_key: str | None, tls_san: s
     sans = [s.strip() for s in tls_san.split(",") if s.strip()]
     if not sans and not tls_cert:
         raise click.ClickException("--tls-san: give at least one name")
+    h_sep, h_port = health_addr.rpartition(":")[1:]
+    if health_addr and (not h_sep or not h_port.isdigit()):
+        raise click.ClickException(f"--health-addr {health_addr}: give HOST:PORT")
     if tls_secret is not None and not tls_secret.rpartition("/")[2]:
         raise click.ClickException(f"--tls-secret {tls_secret}: give NAMESPACE/NAME")
     try:
         webhookserver.main(addr, tls_cert, tls_key, webhook_config or None, sans, client_ca, list(client_names),
-                           tls_secret)
+                           tls_secret, health_addr or None)
     except (NoCluster, webhookserver.CertError) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:

@@ -17,6 +17,12 @@ from cgpud.sched.cgroupfs import cgroup_mounts, contains, hierarchy_path, read_p
 
 log = logging.getLogger("cgpud")
 
+# Allocations held at once (docs/memory.md): each is an entry the daemon keeps until it is freed or
+# its connection closes, whatever its size, so a tenant's one-byte allocations are bounded by count
+# too. Past either bound: ENOSPC, nothing allocated.
+MAX_HELD_PER_CONN = 1024
+MAX_HELD_PER_INSTANCE = 4096  # (over all its connections and GPUs)
+
 
 class CgroupMounts:
     """The cgroup mounts (cgroupfs.cgroup_mounts), read again only when the daemon's mount table
@@ -132,13 +138,19 @@ class Memory:
         if nbytes <= 0:
             raise Refused(errno.EINVAL, f"bytes must be a positive number of bytes, not {nbytes}")
         inst = self.instance_of(peer.pid, gpu, self._known(peer))
+        if len(self.held.get(peer.conn, ())) >= MAX_HELD_PER_CONN:
+            raise Refused(errno.ENOSPC, f"this connection holds {MAX_HELD_PER_CONN} allocations, the most one may: "
+                                        "free some (gpu_free), or allocate fewer, larger ones")
+        if self.held_count[inst.name] >= MAX_HELD_PER_INSTANCE:
+            raise Refused(errno.ENOSPC, f"instance {inst.name} holds {MAX_HELD_PER_INSTANCE} allocations, the most "
+                                        "one may: free some (gpu_free), or allocate fewer, larger ones")
         try:
             self.node.alloc(inst.gpu, inst.name, peer.pid, nbytes)  # OutOfMemory: nothing changed
         except OutOfMemory:
             self.oom_refusals[(inst.gpu, inst.name)] += 1
             raise
         handle = next(self._handles)
-        self.held.setdefault(peer.conn, {})[handle] = Held(peer.conn, peer.pid, inst.gpu, inst.name, nbytes)
+        self.hold(handle, Held(peer.conn, peer.pid, inst.gpu, inst.name, nbytes))
         log.debug("pid %d allocated %d bytes of %s on GPU %d (handle %d)", peer.pid, nbytes, inst.name, inst.gpu, handle)
         return {"handle": handle, "gpu": inst.gpu, "instance": inst.name, "bytes": nbytes,
                 "free": inst.free, "total": inst.memsize}
@@ -163,9 +175,21 @@ class Memory:
         inst = self.instance_of(peer.pid, gpu_arg(req), self._known(peer))
         return {"gpu": inst.gpu, "instance": inst.name, "free": inst.free, "total": inst.memsize, "used": inst.used}
 
+    def hold(self, handle: int, h: Held) -> None:
+        """Keep an allocation made (here, or by the daemon before a hot upgrade)."""
+        self.held.setdefault(h.conn, {})[handle] = h
+        self.held_count[h.name] += 1
+
+    def _unhold(self, mine: dict, handle: int) -> None:
+        h = mine.pop(handle, None)
+        if h is not None:
+            self.held_count[h.name] -= 1
+            if self.held_count[h.name] <= 0:
+                del self.held_count[h.name]
+
     def _release(self, handle: int, h: Held) -> None:
         mine = self.held.get(h.conn, {})
-        mine.pop(handle, None)
+        self._unhold(mine, handle)
         if not mine:
             self.held.pop(h.conn, None)
         try:
@@ -197,6 +221,6 @@ class Memory:
                 try:
                     self.node.instance(h.gpu, h.name)
                 except NotFound:
-                    mine.pop(handle)
+                    self._unhold(mine, handle)
             if not mine:
                 self.held.pop(conn)

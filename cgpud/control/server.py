@@ -21,8 +21,14 @@ whose cgroup holds it), never by uid alone (SPEC §9, docs/security.md):
   instance, nothing — except, on the daemon's own socket (which only a
   hostPath mount of its directory reaches: the node's own plugins), the views.
 The containers are given another socket (`<socket dir>/tenant/`, TENANT_DIR),
-whose callers are containers whatever they are, and whose connections are
-bounded per container (MAX_CONTAINER_CONNS).
+whose callers are containers whatever they are.
+
+Connections are bounded on both sockets together, per caller and in all, the
+trusted callers in a pool of their own (control.doors). A request read is
+answered, one at a time: a stop or a hot upgrade stops a connection between two
+requests (what it sent beyond is handed on, or dropped), and a client that does
+not read its answer within SEND_S is closed — so neither waits on a connection
+longer than one request and SEND_S, whatever it sends.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ import trio
 from cgpud.containers.cgroups import InstanceGroups
 from cgpud.containers.spec import DEFAULT_HOOK_PATH
 from cgpud.control.callers import TENANT_DIR, Who, classify, host_namespaces
+from cgpud.control.doors import BACKLOG, LINGER_S, MAX_CALLER_CONNS, SEND_S, Doors, refuse, send_and_drain
 from cgpud.control.hook import Hooks
 from cgpud.control.instances import Instances
 from cgpud.control.memory import Held, Memory
@@ -59,7 +66,7 @@ FAMILIES = (Views, Instances, Hooks, Runtime, Memory)
 CONTAINER_OPS = ("hello", "query", "stats", "gpu_alloc", "gpu_free", "gpu_meminfo")
 # What the node's own components in containers (a hostPath mount of the socket's directory) may read.
 VIEW_OPS = ("hello", "query", "stats", "trace")
-MAX_CONTAINER_CONNS = 64  # open connections per container (its pid namespace); past it: EAGAIN, closed
+MAX_CONTAINER_CONNS = MAX_CALLER_CONNS  # (the name the tests and the bench knew it by)
 
 
 class Control(Views, Instances, Hooks, Runtime, Memory):
@@ -112,6 +119,7 @@ class Control(Views, Instances, Hooks, Runtime, Memory):
         # Simulated GPU memory by connection, then by handle. Not durable state:
         # it goes with the connection (the process), never into state.json.
         self.held: dict[int, dict[int, Held]] = {}
+        self.held_count: Counter[str] = Counter()  # allocations held, by instance (control.memory's bounds)
         self._handles = itertools.count(1)
         # Out-of-memory events by (gpu, instance name), for the metrics: refused
         # allocations here; whatever else sees one (a memory watchdog) adds to it.
@@ -264,7 +272,7 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         await sock.bind(path)
         os.chmod(path, 0o666)  # anyone may query; changes are checked by credentials
-        sock.listen(64)
+        sock.listen(BACKLOG)
     else:
         sock = trio.socket.from_stdlib_socket(socket.socket(fileno=listen_fd))
     control.listen_fd = sock.fileno()
@@ -283,12 +291,12 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
             pass
         await tenant.bind(tenant_path)
         os.chmod(tenant_path, 0o666)
-        tenant.listen(64)
+        tenant.listen(BACKLOG)
         listeners.append(trio.SocketListener(tenant))
     except OSError as exc:  # (a path too long for a socket, a read-only directory: containers get no socket)
         log.warning("cannot make the containers' socket %s (%s); containers given it cannot reach the daemon",
                     tenant_path, exc.strerror or exc)
-    per_container: Counter = Counter()  # open connections by container (its pid namespace)
+    doors = Doors()  # both sockets' connections, counted together (control.doors)
 
     conn_ids = iter(range(max([a.conn for a in adopted], default=0) + 1, 1 << 62))
 
@@ -311,30 +319,24 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
         except OSError:  # gone before we looked
             await stream.aclose()
             return
-        key = peer.who.key if peer.who.container else None
-        if key is not None:
-            per_container[key] += 1
+        trusted = control.privileged(peer)
+        key = peer.who.key if peer.who.container and peer.who.key is not None else ("uid", peer.uid)
+        ticket, why = doors.enter(trusted, key, "this container" if peer.who.container else f"uid {peer.uid}")
         try:
-            if key is not None and per_container[key] > MAX_CONTAINER_CONNS:
-                with trio.move_on_after(1):  # (the answer, then what it sent read until it closes: a close
-                    try:                        # with its request unread would reset it before it reads the answer)
-                        await stream.send_all(json.dumps({
-                            "ok": False, "error": "EAGAIN",
-                            "message": f"too many connections from this container (at most {MAX_CONTAINER_CONNS} "
-                                       "open at once); close some"}).encode() + b"\n")
-                        await stream.send_eof()
-                        while await stream.receive_some(65536):
-                            pass
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass
+            if why is not None:
+                refuse(stream.socket.fileno(), why)
+                if doors.may_linger():
+                    try:  # (its client's request, if it comes soon: the close after it, control.doors)
+                        with trio.move_on_after(LINGER_S):
+                            await trio.lowlevel.wait_readable(stream.socket)
+                        send_and_drain(stream.socket.fileno())
+                    finally:
+                        doors.lingered()
                 await stream.aclose()
                 return
             await _connection(stream, peer, buf)
         finally:
-            if key is not None:
-                per_container[key] -= 1
-                if not per_container[key]:
-                    del per_container[key]
+            doors.leave(ticket)
             peer.who.close()
 
     async def _connection(stream: trio.SocketStream, peer: Peer, buf: bytes) -> None:
@@ -361,7 +363,7 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
 
     async def _lines(stream: trio.SocketStream, peer: Peer, pending: _Pending) -> None:
         while True:
-            if b"\n" not in pending.buf:  # between two requests: where a handover may stop us
+            if b"\n" not in pending.buf:  # between two requests: where a stop or a handover may stop us
                 try:
                     data = await stream.receive_some(65536)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -369,31 +371,37 @@ async def serve(path: str, control: Control, after=_nothing, *, listen_fd: int |
                 if not data:
                     return
                 pending.buf += data
-            with trio.CancelScope(shield=True):  # a request read is answered
-                overlong = False
-                while b"\n" in pending.buf:
-                    line, pending.buf = pending.buf.split(b"\n", 1)
-                    if len(line) > MAX_LINE:
-                        overlong = True
-                        break
-                    if not line.strip():
-                        continue
-                    req = decode_line(line)
-                    if isinstance(req, Refused):
-                        resp = {"ok": False, "error": errno.errorcode[req.code], "message": str(req)}
-                    else:
-                        resp = control.handle(await control.load(req, peer), peer)
-                        await after()
-                    try:
-                        with trio.move_on_after(10):
-                            await stream.send_all(await encoded(resp))
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        return
-                if overlong or len(pending.buf) > MAX_LINE:
-                    try:  # (the rest of an overlong line cannot be told from the next request: close)
+            else:  # (another request already read: a stop still comes first)
+                await trio.lowlevel.checkpoint_if_cancelled()
+            end = pending.buf.find(b"\n")
+            if end > MAX_LINE or (end < 0 and len(pending.buf) > MAX_LINE):
+                try:  # (the rest of an overlong line cannot be told from the next request: close)
+                    with trio.move_on_after(SEND_S):
                         await stream.send_all(json.dumps(TOO_LONG).encode() + b"\n")
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+                return
+            if end < 0:
+                continue
+            line, pending.buf = pending.buf[:end], pending.buf[end + 1:]
+            if not line.strip():
+                continue
+            with trio.CancelScope(shield=True):  # a request read is answered (one: the next waits its turn)
+                req = decode_line(line)
+                if isinstance(req, Refused):
+                    resp = {"ok": False, "error": errno.errorcode[req.code], "message": str(req)}
+                else:
+                    resp = control.handle(await control.load(req, peer), peer)
+                    await after()
+                try:
+                    with trio.fail_after(SEND_S):
+                        await stream.send_all(await encoded(resp))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+                except trio.TooSlowError:  # it does not read what it asked for: its answers stop here
+                    log.info("control connection %d (pid %d) read no answer in %.0f s; closed", peer.conn,
+                             peer.pid, SEND_S)
+                    pending.buf = b""
                     return
 
     control.serve_scope = trio.CancelScope()

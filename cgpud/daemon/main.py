@@ -30,6 +30,7 @@ from fusefs.operations import Operations
 from cgpud import __version__, tree
 
 from cgpud.control import server as control
+from cgpud.control.doors import raise_open_files
 from cgpud.control.protocol import Refused
 
 from cgpud.daemon import upgrade
@@ -472,6 +473,7 @@ async def _serve(cfg: Config) -> int:
     # (one daemon per state directory), the socket; then the mount point (load_node
     # reads the state; the mount, the guard and cgroups come after all of them).
     _check_flags(cfg)
+    raise_open_files()  # (systemd gives 1024 unless the unit says: the sockets' bounds need more, control.doors)
     lock = _lock_state(cfg)
     try:
         if takeover is None:

@@ -46,6 +46,7 @@ from fusefs.handover import FuseServer, HandoverError
 from cgpud import __version__
 from cgpud.control.memory import Held
 from cgpud.control.server import Adopted, Control
+from cgpud.daemon import handconns
 from cgpud.daemon.sdnotify import notify
 from cgpud.state.lock import LOCK_ENV
 
@@ -98,8 +99,6 @@ def control_state(ctl: Control) -> dict:
         "our_paths": sorted(ctl._our_paths),
         "held": [[h, asdict(x)] for conn in ctl.held.values() for h, x in conn.items()],
         "next_handle": next(ctl._handles),
-        "conns": [{**{k: v for k, v in asdict(a).items() if k not in ("fd", "buf")}, "buf": a.buf.decode("latin-1")}
-                  for a in ctl.handed],
     }
 
 
@@ -119,7 +118,7 @@ def restore_control(ctl: Control, st: dict) -> None:
         except Exception as exc:  # noqa: BLE001 - the instance went meanwhile: its memory with it
             log.warning("allocation %d of %s not carried over (%s)", handle, held.name, exc)
             continue
-        ctl.held.setdefault(held.conn, {})[int(handle)] = held
+        ctl.hold(int(handle), held)
     ctl._handles = itertools.count(st["next_handle"])
 
 
@@ -218,10 +217,13 @@ class Upgrader:
         t2 = time.monotonic()
         log.info("hot upgrade: services stopped in %.0f ms, FUSE paused in %.0f ms", (t1 - t0) * 1000, (t2 - t1) * 1000)
         try:
-            fds = [fuse.fd, keep_listen if keep_listen >= 0 else fuse.fd] + [a.fd for a in services.handed()]
+            fds = [fuse.fd, keep_listen if keep_listen >= 0 else fuse.fd]
+            conns, _ = handconns.batches(services.handed())  # (after `go`: cgpud.daemon.handconns)
             payload = {"op": "go", "ops": fuse.ops.export_state(), "control": services.control_state(),
-                       "from_version": __version__, "from_pid": os.getpid()}
+                       "from_version": __version__, "from_pid": os.getpid(), "conn_batches": len(conns)}
             await send(sock, payload, fds)
+            for metas, conn_fds in conns:
+                await send(sock, {"op": "conns", "conns": metas}, conn_fds)
             msg, _ = await receive(sock, SERVING_TIMEOUT)
             if msg.get("op") != "serving":
                 raise UpgradeError(f"the new daemon failed: {msg.get('error', msg)}")
@@ -311,8 +313,13 @@ class Takeover:
             raise UpgradeError(f"unexpected message from the old daemon: {msg.get('op')!r}")
         self.go = msg
         self.fuse_fd, self.listen_fd = fds[0], fds[1]
-        conns = msg["control"]["conns"]
-        self.adopted = [Adopted(fd=fd, **{**c, "buf": c["buf"].encode("latin-1")}) for fd, c in zip(fds[2:], conns)]
+        self.adopted = []
+        for _ in range(msg.get("conn_batches", 0)):  # (the connections, in batches: cgpud.daemon.handconns)
+            more, conn_fds = await receive(self.sock, SERVING_TIMEOUT)
+            if more.get("op") != "conns" or len(conn_fds) != len(more["conns"]):
+                raise UpgradeError(f"unexpected message from the old daemon: {more.get('op')!r}")
+            self.adopted += [Adopted(fd=fd, **{**c, "buf": c["buf"].encode("latin-1")})
+                             for fd, c in zip(conn_fds, more["conns"])]
         log.info("hot upgrade: taking over from pid %d (version %s)", msg["from_pid"], msg["from_version"])
 
     def service_args(self) -> dict:

@@ -68,7 +68,8 @@ def pod_units(pod: dict) -> Decimal:
 
 def template_units(name: str) -> int:
     """The units a template of the webhook's names (webhook.shape_name): `<N>x<M>` (or `<N>c<P>x<M>`) is N, and
-    `<r>u<n>-<r>u<n>…x<M>` the sum of the n; 0 for any other name (a hashed one: docs/security.md)."""
+    `<r>u<n>-<r>u<n>…x<M>` the sum of the n (a long one cut into labels by dots); 0 for any other name."""
+    name = name.replace(".", "-")  # (the dashes webhook.shape_name cut a long name at)
     if not name.startswith(webhook.TEMPLATE_PREFIX):
         return 0
     body, sep, m = name[len(webhook.TEMPLATE_PREFIX):].rpartition("x")

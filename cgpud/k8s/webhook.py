@@ -34,7 +34,6 @@ that ask GPU memory all ask a percentage or none (they go to one node). Template
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -73,15 +72,30 @@ def template_name(n: int, m: int, percentage: int | None = None) -> str:
     return f"{TEMPLATE_PREFIX}{n}" + (f"c{percentage}" if percentage is not None else "") + f"x{m}"
 
 
+MAX_NAME = 253  # a ResourceClaimTemplate's name: a DNS subdomain, of labels of 63 at most
+
+
 def shape_name(shape: list[tuple], m: int) -> str:
-    """The template's name for a pod's shape: (request, units[, percentage]) of each container that asks."""
+    """The template's name for a pod's shape: (request, units[, percentage]) of each container that
+    asks. It says the units (quota.template_units reads them back: the quota of the pods the webhook
+    rewrote is counted from it), so it is never hashed (issue 44: a hashed name counted 0): past 63
+    characters it is cut into labels of 63 at dashes, made dots; past 253 the pod is refused."""
     shape = [(x[0], x[1], x[2] if len(x) > 2 else None) for x in shape]
     if len(shape) == 1:
         return template_name(shape[0][1], m, shape[0][2])
     name = f"{TEMPLATE_PREFIX}{'-'.join(f'{r}u{n}' + (f'c{p}' if p is not None else '') for r, n, p in shape)}x{m}"
-    if len(name) > 253 or any(len(label) > 63 for label in name.split(".")):
-        name = f"{TEMPLATE_PREFIX}h{hashlib.sha256(name.encode()).hexdigest()[:16]}x{m}"
-    return name
+    labels = [""]
+    for token in name.split("-"):  # (labels of at most 63, cut at a dash, which becomes the dot)
+        if labels[-1] and len(labels[-1]) + 1 + len(token) > 63:
+            labels.append(token)
+        else:
+            labels[-1] = f"{labels[-1]}-{token}" if labels[-1] else token
+    dotted = ".".join(labels)
+    if len(dotted) > MAX_NAME:
+        raise Denied(f"{len(shape)} containers ask {RESOURCE}: more than one claim's name can say "
+                     f"(the template's name, {len(name)} characters, must say each one's units in {MAX_NAME}); "
+                     "ask it in fewer containers")
+    return dotted
 
 
 def mode_selector(percentage: int | None) -> str:
@@ -128,6 +142,29 @@ def pod_template(namespace: str, shape: list[tuple], m: int) -> dict:
                      "labels": {"app.kubernetes.io/managed-by": MANAGED_BY}},
         "spec": {"spec": {"devices": devices}},
     }
+
+
+def _differs(ours, theirs, where: str) -> str | None:
+    """Where `theirs` says more or other than `ours` (a key of theirs that ours lacks is taken only
+    when it is empty or false: what the API server may default)."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for k, v in ours.items():
+            if (why := _differs(v, theirs.get(k), f"{where}.{k}")) is not None:
+                return why
+        extra = [k for k, v in theirs.items() if k not in ours and v not in (None, False, [], {}, "")]
+        return f"{where}.{extra[0]} is not the webhook's" if extra else None
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            if (why := _differs(a, b, f"{where}[{i}]")) is not None:
+                return why
+        return None
+    return None if ours == theirs else f"{where} is {json.dumps(theirs)[:80]}, not {json.dumps(ours)[:80]}"
+
+
+def not_ours(made: dict, found: dict) -> str | None:
+    """Why a ResourceClaimTemplate found under the name of one the webhook makes (`made`) is not
+    what the webhook makes (a tenant's by hand, asking more than the name says), or None."""
+    return _differs(made.get("spec"), _obj(found).get("spec"), "spec")
 
 
 def template(namespace: str, n: int, m: int, percentage: int | None = None) -> dict:

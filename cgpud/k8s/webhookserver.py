@@ -3,15 +3,18 @@
 cgpud.k8s.webhook's; here is the I/O around it:
 
 - HTTPS (the API server calls webhooks over TLS only): POST /mutate takes an AdmissionReview
-  and answers one; GET /healthz. Python's ssl serves it. Each connection's TLS handshake runs
-  on its own thread with a deadline (HANDSHAKE_S), never on the accepting one: a client that
-  connects and says nothing holds one thread for a few seconds and keeps no one else waiting.
-  Connections are bounded (MAX_HANDSHAKING still in their handshake, the oldest dropped for a
-  new one; MAX_SERVING requests at once) and each request has REQUEST_S to be read and answered.
-- Who may ask: POST /mutate only from a client certificate of --client-ca whose CN is one of
-  --client-name: the API server's (kube-apiserver's AdmissionConfiguration gives it one toward
-  webhooks, `WebhookAdmission` kubeConfigFile). Anyone else who reaches the Service gets 403 and
-  nothing is made. /healthz needs no certificate (the kubelet's probe has none).
+  and answers one. Python's ssl serves it. Each connection's TLS handshake runs on its own
+  thread with a deadline (HANDSHAKE_S), never on the accepting one: a client that connects and
+  says nothing holds one thread for a few seconds and keeps no one else waiting. Connections
+  are bounded (MAX_HANDSHAKING still in their handshake, the oldest dropped for a new one;
+  MAX_SERVING requests at once) and each request has REQUEST_S to be read and answered.
+- Who may ask: only the API server, told at the handshake, before a serving slot: the TLS
+  handshake requires a client certificate of --client-ca (CERT_REQUIRED), and one whose CN is
+  not one of --client-name is closed right after it (kube-apiserver's AdmissionConfiguration
+  gives it one toward webhooks, `WebhookAdmission` kubeConfigFile). Anyone else who reaches the
+  Service completes no handshake, holds no slot and has nothing made.
+- Health: GET /healthz on a port of its own, plain HTTP (--health-addr; cgpud.k8s.healthport),
+  for the kubelet's probe, which has no certificate.
 - The certificate: given (--tls-cert/--tls-key), or shared by every replica through the Secret
   --tls-secret (made by the first replica that finds none: a CA and a serving certificate for
   --tls-san), or made at start (one replica only). The CA then goes into the caBundle of each
@@ -97,8 +100,8 @@ def make_certificate(sans: list[str], d: str) -> tuple[bytes, str, str]:
 
 
 def server_context(cert: str, key: str, client_ca: str | None = None) -> ssl.SSLContext:
-    """The serving context; with client_ca, a client certificate is asked for and, when one is
-    given, must be of that CA (whether /mutate takes it is the CN's: make_server)."""
+    """The serving context; with client_ca, a client certificate of that CA is required at the
+    handshake (whether its CN may ask: TLSServer.caller, right after)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
@@ -111,7 +114,7 @@ def server_context(cert: str, key: str, client_ca: str | None = None) -> ssl.SSL
         except (OSError, ssl.SSLError) as exc:
             raise CertError(f"cannot load the client CA {client_ca}: {getattr(exc, 'strerror', None) or exc}") \
                 from None
-        ctx.verify_mode = ssl.CERT_OPTIONAL  # (the kubelet's readiness probe has no certificate: /healthz only)
+        ctx.verify_mode = ssl.CERT_REQUIRED  # (the kubelet's probe, which has none: the health port)
     return ctx
 
 
@@ -128,17 +131,22 @@ class Api:
         self.admission = client.AdmissionregistrationV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
 
-    def ensure_template(self, body: dict) -> None:
-        """Create the template; one that is there already is fine. ApiException otherwise."""
+    def ensure_template(self, body: dict) -> dict | None:
+        """Create the template: None; one that is there already: what it is (the caller compares).
+        ApiException otherwise."""
         from kubernetes.client.exceptions import ApiException
 
+        ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         try:
-            self.resource.create_namespaced_resource_claim_template(body["metadata"]["namespace"], body,
-                                                                    _preload_content=False, _request_timeout=5)
-            log.info("made ResourceClaimTemplate %s/%s", body["metadata"]["namespace"], body["metadata"]["name"])
+            self.resource.create_namespaced_resource_claim_template(ns, body, _preload_content=False,
+                                                                    _request_timeout=5)
+            log.info("made ResourceClaimTemplate %s/%s", ns, name)
+            return None
         except ApiException as exc:
             if exc.status != 409:
                 raise
+        return json.loads(self.resource.read_namespaced_resource_claim_template(
+            name, ns, _preload_content=False, _request_timeout=5).data)
 
     def set_ca_bundle(self, name: str, ca: bytes) -> int:
         """Put the CA into every webhook of the MutatingWebhookConfiguration `name` (nothing else of
@@ -243,11 +251,16 @@ def admit(api, review, ledger: quota.Ledger | None = None) -> dict:
             check_quota(api, ledger or LEDGER, request, obj, bool(request.get("dryRun")))
         if not request.get("dryRun"):
             for t in decision.templates:
+                where = f"{t['metadata']['namespace']}/{t['metadata']['name']}"
                 try:
-                    api.ensure_template(t)
+                    found = api.ensure_template(t)
                 except Exception as exc:  # noqa: BLE001 - the API server's refusal, or no answer: said on the pod
-                    raise webhook.Denied(f"cannot make ResourceClaimTemplate {t['metadata']['namespace']}/"
-                                         f"{t['metadata']['name']}: {one_line(exc)}") from None
+                    raise webhook.Denied(f"cannot make ResourceClaimTemplate {where}: {one_line(exc)}") from None
+                # (one there already must be the webhook's: a tenant's by hand under its name would be used as
+                # it is, asking more than the quota counts; issue 44)
+                if found is not None and (why := webhook.not_ours(t, found)) is not None:
+                    raise webhook.Denied(f"ResourceClaimTemplate {where} is not the one the webhook makes ({why}): "
+                                         "it was made by hand; delete it (the webhook makes it again) or rename it")
     except webhook.Denied as exc:
         log.info("%s: denied: %s", who, exc)
         return webhook.response(request, denied=str(exc))
@@ -271,6 +284,7 @@ class TLSServer(Server):
         self.next_key = 0
         self.turns = threading.BoundedSemaphore(MAX_SERVING)
         self.dropped = 0  # connections cut: handshake too slow, request too slow, or pushed out
+        self.refused = 0  # connections closed after the handshake: a certificate that is not the API server's
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="cgpu-webhook-watchdog", daemon=True).start()
 
@@ -320,6 +334,11 @@ class TLSServer(Server):
                 tls.do_handshake()  # here, on this connection's thread, within HANDSHAKE_S
             except (OSError, ValueError) as exc:
                 log.debug("%s: no TLS handshake: %s", client_address[0], exc)
+                return
+            why = self.caller(tls)
+            if why is not None:  # (before a serving slot: only the API server waits for one)
+                self.refused += 1
+                log.debug("%s: closed after the handshake: %s", client_address[0], why)
                 return
             with self.lock:
                 if key not in self.live:  # cut meanwhile
@@ -425,10 +444,14 @@ def _context_of(files: dict[str, bytes], client_ca: str | None) -> ssl.SSLContex
 
 
 def main(addr: str, cert: str | None, key: str | None, config: str | None, sans: list[str],
-         client_ca: str | None = None, client_names: list[str] | None = None, tls_secret: str | None = None) -> None:
+         client_ca: str | None = None, client_names: list[str] | None = None, tls_secret: str | None = None,
+         health_addr: str | None = None) -> None:
     """Serve until stopped. client_ca: the CA of the API server's client certificate (default: the
     cluster's, SA_CA, in the pod); client_names: the CNs taken (default CLIENT_NAMES); tls_secret:
-    NAMESPACE/NAME of the Secret the replicas share their CA and certificate through."""
+    NAMESPACE/NAME of the Secret the replicas share their CA and certificate through; health_addr:
+    HOST:PORT of the plain-HTTP health port (None: none)."""
+    from cgpud.k8s.healthport import HealthPort
+
     host, _, port = addr.rpartition(":")
     api = Api()
     client_ca = client_ca or SA_CA
@@ -453,6 +476,15 @@ def main(addr: str, cert: str | None, key: str | None, config: str | None, sans:
         files = _made(sans)
         ctx, ca = _context_of(files, client_ca), files["ca.crt"]
     server = make_server(api, host or "0.0.0.0", int(port), ctx, client_names or CLIENT_NAMES)
+    health = None
+    if health_addr:
+        h_host, _, h_port = health_addr.rpartition(":")
+        try:
+            health = HealthPort(h_host or "0.0.0.0", int(h_port))
+        except OSError as exc:
+            server.server_close()
+            raise CertError(f"--health-addr {health_addr}: {exc.strerror or exc}") from None
+        log.info("health on http://%s:%d/healthz", *health.server_address[:2])
     if ca is not None and config:
         for attempt in range(10):  # (a conflict: the configuration changed between read and patch)
             try:
@@ -476,3 +508,5 @@ def main(addr: str, cert: str | None, key: str | None, config: str | None, sans:
         pass
     finally:
         server.server_close()
+        if health is not None:
+            health.close()
