@@ -191,11 +191,11 @@ def main() -> int:
 
     cgpu = str(Path(sys.executable).parent / "cgpu")
     base = tempfile.mkdtemp(prefix="cgpud-dash-")
-    tag = f"{os.getpid() % 10**7:07d}"
+    tag = f"{os.getpid() % 10**6:06d}"  # (names: 12 characters)
     procs: list[subprocess.Popen] = []
     prom = None
     try:
-        with daemon("sim:2xT4", handle=True) as d:
+        with daemon("sim:2xT4", extra=["--log-level", "info"], handle=True) as d:
             log = Path(d.base) / "daemon.log"
             deadline = time.monotonic() + 10
             while not (m := re.findall(r"metrics on http://([0-9.]+:\d+)/metrics", log.read_text())):
@@ -226,9 +226,11 @@ def main() -> int:
                 "--mem", "3G")
             run("serveC", "--gpu", "1", "--mem", "8G", "--", cgpu, "mem", "hold", "5G", "--seconds", secs)
             time.sleep(args.seconds / 2)
-            run("trainD", "--gpu", "0", "--weight", "2", "--mem", "6G", "--", cgpu, "workload", "--seconds", secs)
+            run("trainD", "--gpu", "0", "--weight", "2", "--mem", "3G", "--", cgpu, "workload", "--seconds", secs)
             time.sleep(args.seconds / 2)
             end = time.time()
+            if gone := [p.args[3] for p in procs if p.poll() is not None]:
+                raise SystemExit(f"cgpu run ended early: {', '.join(gone)}")
             answers = answers_for(port, re.escape(target).replace("\\", "\\\\"), start, end)
     finally:
         for p in procs:

@@ -66,3 +66,61 @@ def test_in_dra_mode_the_daemons_account_asks_the_reviews(tmp_path):
     assert sa == "cgpu-dra-plugin"
     assert docs[("ClusterRoleBinding", "cgpu-metrics-auth")]["subjects"] == [
         {"kind": "ServiceAccount", "name": sa, "namespace": "kube-system"}]
+
+
+def chart(*args: str) -> dict:
+    from test_helm import by_key, template
+
+    return by_key(template(*args))
+
+
+def test_the_charts_monitoring_is_off_by_default_and_on_renders_each_object():
+    assert not [k for k in chart() if k[0] in ("ServiceMonitor", "PrometheusRule", "ConfigMap")]
+    docs = chart("--set", "namespace=gpu-system", "--set", "metricsPort=9500",
+                 "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true",
+                 "--set", "metrics.dashboard.enabled=true", "--set", "metrics.dashboard.namespace=grafana",
+                 "--set-json", 'metrics.serviceMonitor.labels={"release":"kps"}',
+                 "--set-json", 'metrics.readers=[{"name":"prometheus-k8s","namespace":"monitoring"}]',
+                 "--set", "metrics.tlsSecret=cgpud-metrics-tls")
+    sm = docs[("ServiceMonitor", "gpu-system", "cgpud")]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["labels"] == {"app": "cgpud", "release": "kps"}
+    (ep,) = sm["spec"]["endpoints"]
+    assert ep["port"] == "metrics" and ep["scheme"] == "https" and ep["tlsConfig"] == {"insecureSkipVerify": True}
+    assert ep["bearerTokenFile"] == "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    svc = docs[("Service", "gpu-system", "cgpud-metrics")]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert svc["spec"]["ports"][0]["port"] == 9500
+    rule = docs[("PrometheusRule", "gpu-system", "cgpud")]
+    assert rule["spec"] == yaml.safe_load((DEPLOY / "monitoring" / "cgpud-alerts.yaml").read_text())
+    cm = docs[("ConfigMap", "grafana", "cgpud-dashboard")]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["cgpud-dashboard.json"]) == json.loads(
+        (DEPLOY / "monitoring" / "cgpud-dashboard.json").read_text())
+    readers = docs[("ClusterRoleBinding", None, "cgpu-metrics-reader")]
+    assert readers["roleRef"]["name"] == "cgpu-metrics-reader"
+    assert readers["subjects"] == [{"kind": "ServiceAccount", "name": "prometheus-k8s", "namespace": "monitoring"}]
+    assert docs[("ClusterRoleBinding", None, "cgpu-metrics-auth")]["subjects"][0]["namespace"] == "gpu-system"
+    spec = docs[("DaemonSet", "gpu-system", "cgpud")]["spec"]["template"]["spec"]
+    (cgpud,) = [c for c in spec["containers"] if c["name"] == "cgpud"]
+    cmd = cgpud["command"]
+    assert cmd[cmd.index("--metrics-tls-cert") + 1] == "/etc/cgpud/metrics-tls/tls.crt"
+    assert cmd[cmd.index("--metrics-addr") + 1] == "0.0.0.0:9500"
+    assert {"name": "metrics-tls", "secret": {"secretName": "cgpud-metrics-tls"}} in spec["volumes"]
+
+
+def test_in_the_charts_dra_mode_the_plugins_account_asks_the_reviews():
+    docs = chart("--set", "dra.enabled=true")
+    assert docs[("ClusterRoleBinding", None, "cgpu-metrics-auth")]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "cgpu-dra-plugin", "namespace": "kube-system"}]
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--set", "metrics.serviceMonitor.enabled=yes"], "at '/metrics/serviceMonitor/enabled': got string, want boolean"),
+    (["--set-json", 'metrics.readers=[{"name":"p"}]'], "at '/metrics/readers/0': missing property 'namespace'"),
+    (["--set", "metrics.serviceMonitor.interval=soon"], "at '/metrics/serviceMonitor/interval'"),
+])
+def test_bad_monitoring_values_are_refused_naming_the_value(args, names):
+    from test_helm import CHART as chart_dir, helm
+
+    p = helm("template", "cgpud", str(chart_dir), *args)
+    assert p.returncode != 0 and names in p.stderr, p.stderr
