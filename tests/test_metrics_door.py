@@ -164,3 +164,84 @@ def test_bad_door_settings_refuse_the_start_with_one_line(make_daemon, tmp_path)
     assert p.returncode != 0 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1] == "Error: --metrics-tls-cert and --metrics-tls-key go together"
     assert not os.path.ismount(d.mount)
+
+
+def test_an_api_server_that_cannot_answer_refuses_the_scrape_and_caches_nothing(apiserver):
+    """In process: the door's server, its reviews against the stand-in; the stand-in down (503) gives
+    the scrape 503, and the same token is reviewed again once it is back."""
+    from cgpud.observe import door, exposition
+
+    from test_metrics import make_node
+    from cgpud.observe.metrics import Publisher
+
+    apiserver.tokens["t"] = {"username": "prom", "uid": "p", "groups": []}
+    apiserver.grants.add(("user:prom", "get", "/metrics"))
+    pub = Publisher(make_node())
+    gate = door.Door("kubernetes")
+    server = exposition.MetricsServer(exposition.wsgi_app(exposition.Exposition(lambda: pub.current), gate),
+                                      tls=door.tls_context(None, None, "kubernetes"))
+    _, port = server.start("127.0.0.1", 0)
+    try:
+        apiserver.failing = True
+        code, body = get(port, token="t")
+        assert code == 503 and b"cannot check the token now" in body and b"cgpu_" not in body
+        apiserver.failing = False
+        code, body = get(port, token="t")
+        assert code == 200 and TENANT.search(body)
+        assert gate.reviews == 2  # (the failed review was not cached)
+        assert get(port, token="t")[0] == 200 and gate.reviews == 2
+    finally:
+        server.stop()
+
+
+def test_tls_connections_past_the_bound_are_closed_before_the_handshake():
+    from cgpud.observe import door, exposition
+
+    server = exposition.MetricsServer(lambda environ, start: (start("200 OK", []), [b"x"])[1], max_requests=2,
+                                      deadline=3, tls=door.tls_context(None, None, "kubernetes"))
+    _, port = server.start("127.0.0.1", 0)
+    # (two addresses: one address may hold half the slots)
+    silent = [socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{i}", 0)) for i in (1, 2)]
+    try:
+        time.sleep(0.3)
+        t = time.monotonic()
+        extra = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.3", 0))
+        extra.settimeout(2)
+        assert extra.recv(10) == b"" and time.monotonic() - t < 1  # closed at once
+        assert server.httpd.refused == 1
+        time.sleep(3.5)  # the silent ones' deadline: their slots come back
+        assert get(port, tls=True)[0] == 200
+    finally:
+        for s in silent:
+            s.close()
+        server.stop()
+
+
+def test_a_client_that_trickles_its_request_is_cut_at_the_deadline():
+    """A byte a second keeps each read alive; the connection's deadline (3 s here) ends it all the same."""
+    from cgpud.observe import exposition
+
+    server = exposition.MetricsServer(lambda environ, start: (start("200 OK", []), [b"x"])[1], deadline=3)
+    _, port = server.start("127.0.0.1", 0)
+    try:
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        t, cut = time.monotonic(), None
+        while time.monotonic() - t < 8:
+            try:
+                s.sendall(b"X")
+            except OSError:
+                cut = time.monotonic() - t
+                break
+            s.settimeout(1)
+            try:
+                if s.recv(100) == b"":
+                    cut = time.monotonic() - t
+                    break
+            except socket.timeout:
+                pass
+        s.close()
+        assert cut is not None and 2.5 < cut < 5, cut
+        assert server.httpd.expired == 1
+    finally:
+        server.stop()
