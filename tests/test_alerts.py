@@ -163,9 +163,11 @@ def test_every_alert_is_silent_on_a_healthy_node(tmp_path):
 
 
 def test_starts_refused_are_counted(daemon):
-    """cgpu_container_starts_refused_total counts the hook's refusals (a refused container start)."""
+    """cgpu_container_starts_refused_total counts the hook's and cgpu-runtime's refusals (a refused container
+    start)."""
     import urllib.request
 
+    from cgpud.client import Client, ControlError
     from test_hook_op import call_hook
     from test_prometheus import metrics_target
 
@@ -178,10 +180,13 @@ def test_starts_refused_are_counted(daemon):
     assert refused() == 0
     for _ in range(2):
         assert call_hook(daemon, "createRuntime", {"id": "c" * 64, "pid": 5}).error == "EINVAL"
+    with Client(os.fspath(daemon.socket)) as c:  # cgpu-runtime's prepare, refused
+        with pytest.raises(ControlError):
+            c.call("prepare", id="")
     deadline = time.monotonic() + 5
-    while refused() != 2 and time.monotonic() < deadline:
+    while refused() != 3 and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert refused() == 2
+    assert refused() == 3
 
 
 def test_watchdog_kills_are_per_gpu_and_outlive_the_instance():

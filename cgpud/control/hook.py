@@ -29,7 +29,7 @@ class Hooks:
 
     OPS = {"hook": True}
     LOADERS = {"hook": "load_hook"}
-    starts_refused = 0  # container starts refused since the daemon started (metrics; per Control once counted)
+    starts_refused = 0  # container starts the hook or cgpu-runtime's prepare refused since the daemon started (metrics)
 
     def hook(self, req: dict, peer: Peer) -> dict:
         """Returns what was done (`{"action": "registered", …}`, `"left alone"`,

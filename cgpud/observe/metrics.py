@@ -62,7 +62,8 @@ METRICS: tuple[Spec, ...] = (
     Spec("cgpu_daemon_info", "info", ("version", "mode", "placement", "scheduling"), "—",
          "The daemon: its version, node mode, placement strategy, and whether it schedules (1, else 0)."),
     Spec("cgpu_container_starts_refused_total", "counter", (), "—",
-         "Container starts the container hook refused (the container did not start) since the daemon started."),
+         "Container starts the container hook or cgpu-runtime refused (the container did not start) since the "
+         "daemon started."),
     Spec("cgpu_gpu_info", "info", GPU_LABELS + ("name",), "—", "One per GPU: index (`gpu`), UUID and model name."),
     Spec("cgpu_gpu_memory_total_bytes", "gauge", GPU_LABELS, "bytes", "The device's memory."),
     Spec("cgpu_gpu_memory_allocated_bytes", "gauge", GPU_LABELS, "bytes",
