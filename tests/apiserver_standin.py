@@ -21,6 +21,8 @@ kubeconfig it writes.
     PUT    /apis/resource.k8s.io/v1/resourceslices/NAME      update (409 on a stale resourceVersion)
     DELETE /apis/resource.k8s.io/v1/resourceslices/NAME      delete
     GET    /apis/resource.k8s.io/v1/[namespaces/NS/]resourceclaims[/NAME]   list / get
+    POST   /apis/authentication.k8s.io/v1/tokenreviews        a token's user (`tokens`)
+    POST   /apis/authorization.k8s.io/v1/subjectaccessreviews  whether a user may (`grants`: non-resource URLs)
 
 What it holds to, as the real one does:
 - one resourceVersion counter for everything (etcd's revision); each write
@@ -145,6 +147,9 @@ class Resource:
         self.watchers: list[collections.deque] = []  # each open watch's queue of changes
 
 
+REVIEWS = ("/apis/authentication.k8s.io/v1/tokenreviews", "/apis/authorization.k8s.io/v1/subjectaccessreviews")
+
+
 class ApiServer:
     WATCH_BUFFER = 100_000  # changes a watch may fall behind by before the server ends it
     def __init__(self, tmp: Path, *, history: int = 10000, bookmark_every: float = 1.0) -> None:
@@ -171,6 +176,11 @@ class ApiServer:
         self.release = threading.Event()
         self.hanging = 0  # requests held by `hang` so far
         self.store_slice = None
+        # TokenReview: token -> user info ({"username", "uid", "groups"}); SubjectAccessReview of a
+        # non-resource URL: (subject "user:NAME" or "group:NAME", verb, path; a path ending in `*` is
+        # a prefix, as RBAC's nonResourceURLs) granted
+        self.tokens: dict[str, dict] = {}
+        self.grants: set[tuple[str, str, str]] = set()
         self.version = "v1.37.2"
         self.serves_dra = True
         outer = self
@@ -231,6 +241,9 @@ class ApiServer:
                                                                ("resourceclaims", "ResourceClaim"))]})
                     if method == "GET" and query.get("watch", [""])[0] in ("true", "1"):
                         return outer.serve_watch(self, url.path, query, agent)
+                    if method == "POST" and url.path in REVIEWS:
+                        with outer.lock:
+                            return self._send(*outer.review(url.path, body))
                     what, parts = outer.route(url.path)
                     if method == "GET" and what == "object" and parts[0] == "resourceclaims" \
                             and parts[1] in outer.hang:
@@ -466,6 +479,33 @@ class ApiServer:
                     return what, (g[1], (g[0], g[2]), g[2], (g[3] or "")[1:])
                 return what, (g[1], g[0])
         raise Problem(404, "NotFound", f"the server could not find the requested resource ({path})")
+
+    def review(self, path: str, body) -> tuple[int, dict]:
+        """TokenReview and SubjectAccessReview, as
+        https://kubernetes.io/docs/reference/kubernetes-api/authentication-resources/token-review-v1/ and
+        .../authorization-resources/subject-access-review-v1/ say: the object comes back with `status`
+        (TokenReview: authenticated and user, or an error; SubjectAccessReview: allowed, and a reason)."""
+        kind = "tokenreviews" if path.endswith("tokenreviews") else "subjectaccessreviews"
+        self.requests["create", kind] += 1
+        spec = (body or {}).get("spec") if isinstance(body, dict) else None
+        if not isinstance(spec, dict):
+            raise Problem(400, "BadRequest", f"a {kind[:-1]} needs a spec")
+        out = dict(body)
+        if kind == "tokenreviews":
+            user = self.tokens.get(spec.get("token") or "")
+            out["status"] = {"authenticated": True, "user": dict(user)} if user else {
+                "user": {}, "error": "[invalid bearer token, service account token has been invalidated]"}
+            return 201, out
+        attrs = spec.get("nonResourceAttributes") or {}
+        if not spec.get("user") and not spec.get("groups"):
+            raise Problem(400, "BadRequest", "at least one of user or group must be specified")
+        subjects = {f"user:{spec.get('user')}"} | {f"group:{g}" for g in spec.get("groups") or []}
+        path_asked, verb = attrs.get("path", ""), attrs.get("verb", "")
+        allowed = bool(attrs) and any(
+            who in subjects and v in (verb, "*") and (p == path_asked or (p.endswith("*") and path_asked.startswith(p[:-1])))
+            for who, v, p in self.grants)
+        out["status"] = {"allowed": allowed, "reason": "RBAC: allowed by the stand-in's grants" if allowed else ""}
+        return 201, out
 
     def handle(self, method: str, path: str, query: dict, body, agent: str = "") -> tuple[int, dict | bytes]:
         what, parts = self.route(path)

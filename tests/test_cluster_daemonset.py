@@ -139,9 +139,11 @@ def overlay(tmp: Path, cluster: Cluster, host: Path, image_tag: str, dra: bool =
             "containers": [
                 # (the node's containerd runs in a mount namespace of its own here, the tier's "host":
                 # its hooks call the daemon from there, which counts as the host by CGPUD_HOST_NS_PID)
+                # (and the API server, which its metrics door asks to review scrapers' tokens)
                 {"name": "cgpud", "command": command,
                  "env": [{"name": "CGPU_NVML_STUB", "value": "/host/nvml-stub.conf"},
-                         {"name": "CGPUD_HOST_NS_PID", "value": str(cluster.procs["host-namespace"].proc.pid)}]},
+                         {"name": "CGPUD_HOST_NS_PID", "value": str(cluster.procs["host-namespace"].proc.pid)}]
+                 + api},
                 plugin,
                 {"name": "node-keeper", "env": api},  # (its DaemonSet watched: the API server here)
             ],

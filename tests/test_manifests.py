@@ -87,7 +87,9 @@ def test_what_is_rendered():
         ("ValidatingAdmissionPolicy", "cgpu-gpu-core-percentage"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage"),
         ("Role", "cgpu-node-keeper"), ("RoleBinding", "cgpu-node-keeper"),
-        ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu"), ("DaemonSet", "cgpu-mps-control")])
+        ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu"), ("DaemonSet", "cgpu-mps-control"),
+        ("ClusterRole", "cgpu-metrics-auth"), ("ClusterRoleBinding", "cgpu-metrics-auth"),
+        ("ClusterRole", "cgpu-metrics-reader"), ("Service", "cgpud-metrics")])
 
 
 def test_the_checker_sees_an_unknown_or_misspelt_field(tmp_path):
@@ -173,7 +175,8 @@ def test_the_scheduler_reaches_the_extender_on_its_own_node():
     (c,) = spec["containers"]
     addr = c["command"][c["command"].index("--addr") + 1]
     assert addr.startswith("127.0.0.1:") and ext["urlPrefix"] == f"http://{addr}/gpushare-scheduler"
-    assert not [d for d in RENDERED if d["kind"] == "Service"]  # no node port, no kube-proxy in the path
+    # no node port, no kube-proxy in the path (the one Service is the daemons' headless metrics one)
+    assert [d["metadata"]["name"] for d in RENDERED if d["kind"] == "Service"] == ["cgpud-metrics"]
 
 
 KUBEADM_SCHEDULER = """\
@@ -278,7 +281,9 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
         ("Deployment", "cgpu-dra-webhook"), ("Service", "cgpu-dra-webhook"),
         ("Role", "cgpu-node-keeper"), ("RoleBinding", "cgpu-node-keeper"),
         ("MutatingWebhookConfiguration", "cgpu-dra-webhook"), ("ValidatingAdmissionPolicy", "cgpu-gpu-core-percentage"),
-        ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage")])  # no extender
+        ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage"),
+        ("ClusterRole", "cgpu-metrics-auth"), ("ClusterRoleBinding", "cgpu-metrics-auth"),
+        ("ClusterRole", "cgpu-metrics-reader"), ("Service", "cgpud-metrics")])  # no extender
     for doc in docs:
         assert unknown(doc, KINDS[doc["kind"]], doc["kind"]) == [], doc["kind"]
 

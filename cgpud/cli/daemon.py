@@ -74,6 +74,14 @@ def main() -> None:
               help="--mode mps: the MPS pipe directory (CUDA_MPS_PIPE_DIRECTORY) for the daemon and clients.")
 @click.option("--metrics-addr", default=DEFAULT_METRICS_ADDR, show_default=True, envvar="CGPUD_METRICS_ADDR",
               help="Where Prometheus metrics are served (HOST:PORT, port 0 = any free one); `off` for none.")
+@click.option("--metrics-auth", type=click.Choice(["none", "open", "kubernetes"]), default="none", show_default=True,
+              envvar="CGPUD_METRICS_AUTH",
+              help="Who reads the per-instance series: none = loopback clients only (others get the GPUs'); "
+                   "open = anyone; kubernetes = a bearer token allowed `get` on /metrics (TokenReview, "
+                   "SubjectAccessReview), over TLS (docs/metrics.md).")
+@click.option("--metrics-tls-cert", default=None, envvar="CGPUD_METRICS_TLS_CERT",
+              help="Serve metrics over TLS with this certificate (PEM); kubernetes auth without one: self-signed.")
+@click.option("--metrics-tls-key", default=None, envvar="CGPUD_METRICS_TLS_KEY", help="The key of --metrics-tls-cert.")
 @click.option("--hook-path", default=DEFAULT_HOOK_PATH, show_default=True, envvar="CGPUD_HOOK_PATH",
               help="The compiled OCI hook that cgpu-runtime puts into the containers it prepares (Docker, containerd).")
 @click.option("--libcgpu", default=DEFAULT_LIBCGPU, show_default=True, envvar="CGPUD_LIBCGPU",
@@ -103,7 +111,8 @@ def main() -> None:
               type=click.Choice(["debug", "info", "warning", "error"]))
 def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, socket_path: str, dev_dir: str,
           rt_priority: int, slice_ms: float, queue_budget_ms: float, switch: str, placement: str, mode: str, mem_action: str, mps_control: str | None,
-          mps_pipe_dir: str | None, metrics_addr: str, hook_path: str, libcgpu: str, compute: str, driver_root: str | None,
+          mps_pipe_dir: str | None, metrics_addr: str, metrics_auth: str, metrics_tls_cert: str | None,
+          metrics_tls_key: str | None, hook_path: str, libcgpu: str, compute: str, driver_root: str | None,
           health: bool, health_ignore_xids: str | None, health_quiet: float, health_max_failures: int,
           health_window: float, log_level: str) -> None:
     """Mount the tree and serve it until SIGTERM or SIGINT."""
@@ -126,7 +135,9 @@ def serve(gpus: str, mountpoint: str, state_dir: str, admin_group: str | None, s
     cfg = Config(gpus=gpus, mount=mountpoint, state_dir=state_dir, admin_group=admin_group, socket=socket_path,
                  dev_dir=dev_dir, rt_priority=rt_priority, slice_ms=slice_ms, queue_budget_ms=queue_budget_ms,
                  switch=switch, placement=placement, mode=mode, mem_action=mem_action, mps_control=mps_control,
-                 mps_pipe_dir=mps_pipe_dir, metrics_addr=metrics_addr, hook_path=hook_path,
+                 mps_pipe_dir=mps_pipe_dir, metrics_addr=metrics_addr, metrics_auth=metrics_auth,
+                 metrics_tls=(metrics_tls_cert, metrics_tls_key) if metrics_tls_cert or metrics_tls_key else None,
+                 hook_path=hook_path,
                  libcgpu=libcgpu, compute=compute, health=health and not off, health_ignore_xids=ignored,
                  health_quiet=health_quiet, health_max_failures=health_max_failures, health_window=health_window)
     try:

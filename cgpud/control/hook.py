@@ -30,6 +30,7 @@ class Hooks:
 
     OPS = {"hook": True}
     LOADERS = {"hook": "load_hook"}
+    starts_refused = 0  # container starts the hook or cgpu-runtime's prepare refused since the daemon started (metrics)
 
     def hook(self, req: dict, peer: Peer) -> dict:
         """Returns what was done (`{"action": "registered", …}`, `"left alone"`,
@@ -38,6 +39,7 @@ class Hooks:
             return self._hook(req, peer)
         except hookd.HookError as exc:
             log.info("container hook (%s, pid %d) refused: %s", req.get("stage"), peer.pid, exc)
+            self.starts_refused += 1
             raise Refused(exc.code, str(exc)) from None
 
     def _hook(self, req: dict, peer: Peer) -> dict:

@@ -50,6 +50,7 @@ class Runtime:
             raise Refused(errno.EINVAL, "prepare runs only as a request on the control socket")
         if isinstance(outcome, hookd.HookError):
             log.info("runtime prepare (pid %d) refused: %s", peer.pid, outcome)
+            self.starts_refused += 1  # (Hooks': metrics)
             raise Refused(outcome.code, str(outcome))
         return outcome
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import faulthandler
+import functools
 import grp
 import logging
 import os
@@ -71,6 +72,8 @@ class Config:
     mps_control: str | None = None  # --mode mps: the nvidia-cuda-mps-control to drive (None: from PATH)
     mps_pipe_dir: str | None = None  # --mode mps: CUDA_MPS_PIPE_DIRECTORY for the daemon and clients
     metrics_addr: str | None = None  # HOST:PORT; None or "off": no metrics
+    metrics_auth: str = "none"  # who reads the per-instance series (cgpud/observe/door.py): none, open, kubernetes
+    metrics_tls: tuple[str | None, str | None] | None = None  # (certificate, key) to serve metrics over TLS
     hook_path: str | None = None  # the OCI hook cgpu-runtime's `prepare` puts in containers (None: the default)
     libcgpu: str | None = None  # the in-container library cgpu-runtime's `prepare` mounts (if the file exists)
     # how the compute share of an instance whose processes carry libcgpu is enforced: "gate" (its kernel
@@ -353,13 +356,13 @@ async def _serve_fs(fuse, scope, task_status=trio.TASK_STATUS_IGNORED) -> None:
         scope.cancel()
 
 
-async def _metrics_when_free(addr, pub, shown: str, patience: float = 30.0) -> None:
+async def _metrics_when_free(addr, pub, shown: str, door, tls, patience: float = 30.0) -> None:
     from cgpud.observe import exposition
 
     deadline = trio.current_time() + patience
     while True:
         try:
-            await exposition.serve(addr, pub)
+            await exposition.serve(addr, pub, door=door, tls=tls)
             return
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE or trio.current_time() > deadline:
@@ -369,9 +372,16 @@ async def _metrics_when_free(addr, pub, shown: str, patience: float = 30.0) -> N
             await trio.sleep(0.1)
 
 
+def _events(services: Services) -> tuple[dict, int]:
+    """What the metrics count of the daemon's events: the memory watchdog's kills, starts refused."""
+    ctl = services.ctl
+    watchdog = getattr(ctl, "watchdog", None)
+    return (getattr(watchdog, "kills", {}), ctl.starts_refused if ctl is not None else 0)
+
+
 async def _start_metrics(nursery, cfg: Config, durable: Durable, services: Services, *, wait_for_port: bool) -> None:
     """Prometheus metrics (docs/metrics.md), unless --metrics-addr is off."""
-    from cgpud.observe import exposition, metrics
+    from cgpud.observe import door as doors, exposition, metrics
 
     try:
         addr = exposition.parse_addr(cfg.metrics_addr)
@@ -379,15 +389,20 @@ async def _start_metrics(nursery, cfg: Config, durable: Durable, services: Servi
         raise StartError(str(exc)) from None
     if addr is None:
         return
+    try:  # (before anything is bound: a certificate that cannot be loaded, no API server to ask)
+        door = doors.Door(cfg.metrics_auth)
+        tls = doors.tls_context(*(cfg.metrics_tls or (None, None)), cfg.metrics_auth)
+    except doors.DoorError as exc:
+        raise StartError(str(exc)) from None
     pub = metrics.Publisher(durable.node, schedulers=lambda: services.sched.schedulers if services.sched is not None else (),
                             oom=services.ctl.oom_refusals if services.ctl is not None else None,
-                            mode=cfg.mode, placement=cfg.placement)
+                            mode=cfg.mode, placement=cfg.placement, events=functools.partial(_events, services))
     durable.listeners.append(pub.changed)
     if wait_for_port:  # a hot upgrade: the daemon before still serves the port until it exits
-        nursery.start_soon(_metrics_when_free, addr, pub, cfg.metrics_addr)
+        nursery.start_soon(_metrics_when_free, addr, pub, cfg.metrics_addr, door, tls)
         return
     try:
-        await nursery.start(exposition.serve, addr, pub)
+        await nursery.start(functools.partial(exposition.serve, addr, pub, door=door, tls=tls))
     except OSError as exc:
         raise StartError(f"--metrics-addr {cfg.metrics_addr}: {exc.strerror or exc}; choose another "
                          f"HOST:PORT, or `off`") from None
@@ -411,12 +426,13 @@ async def serve(cfg: Config) -> int:
 
 def _check_flags(cfg: Config) -> None:
     """What the flags say, checked before anything is done (a refused start touches nothing)."""
-    from cgpud.observe import exposition
+    from cgpud.observe import door, exposition
 
     _params(cfg)
     try:
-        exposition.parse_addr(cfg.metrics_addr)
-    except exposition.BadAddress as exc:
+        if exposition.parse_addr(cfg.metrics_addr) is not None:
+            door.check_config(cfg.metrics_auth, cfg.metrics_tls)
+    except (exposition.BadAddress, door.DoorError) as exc:
         raise StartError(str(exc)) from None
     _admin_gid(cfg.admin_group)
     _health_policy(cfg)

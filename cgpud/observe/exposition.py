@@ -8,13 +8,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import sys
 import threading
 import time
 from typing import Callable, Iterable
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client.exposition import ThreadingWSGIServer, generate_latest, make_wsgi_app
+from prometheus_client.exposition import generate_latest, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.samples import Sample
 
 
+from cgpud.observe.door import DEADLINE, MAX_REQUESTS, BoundedServer, Door
 from cgpud.observe.metrics import (
     _LABELS,
     INSTANCE_METRICS,
@@ -144,29 +145,54 @@ class Exposition:
         self.renderer = Renderer()
         self.rendered: tuple[Snapshot, bytes] | None = None
         self.last_scrape = -float("inf")  # time.monotonic() of the last scrape (set by the HTTP threads)
+        self.untenanted: tuple[bytes, bytes] | None = None  # (a rendered text, the same without tenants)
 
     def published(self, snap: Snapshot) -> None:
         """A new snapshot (trio thread): render it now if it will be scraped."""
         if time.monotonic() - self.last_scrape < self.keep:
             self.rendered = (snap, self.renderer(snap))
 
-    def body(self) -> bytes:
-        """A scrape's response body (HTTP threads)."""
+    def body(self, tenants: bool = True) -> bytes:
+        """A scrape's response body (HTTP threads); tenants=False: without the per-instance series
+        (observe.door decides who gets them)."""
         self.last_scrape = time.monotonic()
         snap = self.source()
         done = self.rendered
         text = done[1] if done is not None and done[0] is snap else self.renderer(snap)
+        if not tenants:
+            kept = self.untenanted
+            if kept is not None and kept[0] is text:
+                text = kept[1]
+            else:
+                plain = b"".join(line for line in text.splitlines(keepends=True) if not _tenant_line(line))
+                self.untenanted, text = (text, plain), plain
         body = age_text(snap).encode() + text
         if self.extra is not None:
             body += generate_latest(self.extra)
         return body
 
 
-def wsgi_app(exposition: Exposition):
-    """A WSGI app serving `exposition.body()` at any path."""
+_TENANT_PREFIXES = (b"cgpu_instance_", b"# HELP cgpu_instance_", b"# TYPE cgpu_instance_")
+
+
+def _tenant_line(line: bytes) -> bool:
+    return line.startswith(_TENANT_PREFIXES)
+
+
+def wsgi_app(exposition: Exposition, door: Door | None = None):
+    """A WSGI app serving `exposition.body()` at any path, to whom `door` lets in (None: anyone,
+    every series)."""
 
     def app(environ, start_response):
-        body = exposition.body()
+        answer = door.check(environ) if door is not None else None
+        if answer is not None and not answer.status.startswith("200"):
+            text = f"{answer.status}: {answer.reason}\n".encode()
+            headers = [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(text)))]
+            if answer.status.startswith("401"):
+                headers.append(("WWW-Authenticate", 'Bearer realm="cgpud metrics"'))
+            start_response(answer.status, headers)
+            return [text]
+        body = exposition.body(tenants=answer is None or answer.tenants)
         start_response("200 OK", [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))])
         return [body]
 
@@ -190,32 +216,27 @@ def parse_addr(text: str | None) -> tuple[str, int] | None:
     return host or "127.0.0.1", int(port)
 
 
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
-        pass
-
-
 class MetricsServer:
-    """Serves a registry, or a WSGI app such as `wsgi_app(...)`, over HTTP
-    (`/metrics`, or any path) from a thread of its own, at normal scheduling
-    priority (the daemon runs real-time and threads inherit that)."""
+    """Serves a registry, or a WSGI app such as `wsgi_app(...)`, over HTTP (or HTTPS with `tls`)
+    (`/metrics`, or any path) from a thread of its own, at normal scheduling priority (the daemon
+    runs real-time and threads inherit that); at most `max_requests` connections at once, each for
+    at most `deadline` s (observe.door.BoundedServer)."""
 
-    def __init__(self, what) -> None:
+    def __init__(self, what, *, max_requests: int = MAX_REQUESTS, deadline: float = DEADLINE,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.app = make_wsgi_app(what) if isinstance(what, CollectorRegistry) else what
-        self._httpd = None
+        self.max_requests, self.deadline, self.tls = max_requests, deadline, tls
+        self.httpd: BoundedServer | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
 
     def start(self, host: str, port: int) -> tuple[str, int]:
         """Bind and serve; the bound (host, port). OSError when it cannot bind."""
-
-        class Server(ThreadingWSGIServer):
-            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-        self._httpd = make_server(host, port, self.app, Server, handler_class=_Quiet)
+        self.httpd = BoundedServer((host, port), self.app, max_requests=self.max_requests,
+                                   deadline=self.deadline, tls=self.tls)
         self._thread = threading.Thread(target=self._serve, name="cgpud-metrics", daemon=True)
         self._thread.start()
-        return self._httpd.server_address[:2]
+        return self.httpd.server_address[:2]
 
     def _serve(self) -> None:
         try:
@@ -228,26 +249,28 @@ class MetricsServer:
             ctypes.CDLL(None).prctl(15, b"cgpud-metrics", 0, 0, 0)  # PR_SET_NAME: this thread
         except (OSError, AttributeError):
             pass
-        # One request at a time, blocking until one comes: no polling (serve_forever wakes every
-        # poll_interval to look for a shutdown). stop() shuts the listening socket down, which
-        # wakes the wait; its accept then fails and the loop sees it is stopping.
-        httpd = self._httpd
+        # One connection accepted at a time, blocking until one comes or an open one is overdue: no
+        # polling while none is open. stop() shuts the listening socket down, which wakes the wait;
+        # its accept then fails and the loop sees it is stopping. Each connection is served by a
+        # thread of its own (new threads are SCHED_OTHER: they inherit this thread's policy).
+        httpd = self.httpd
         while not self._stopping:
+            httpd.timeout = httpd.next_wait()
             httpd.handle_request()
 
     def stop(self) -> None:
-        if self._httpd is not None:
+        if self.httpd is not None:
             self._stopping = True
             try:
-                self._httpd.socket.shutdown(socket.SHUT_RDWR)
+                self.httpd.socket.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
-        if self._httpd is not None:
-            self._httpd.server_close()
-            self._httpd = None
+        if self.httpd is not None:
+            self.httpd.server_close()
+            self.httpd = None
 
 
 def process_registry() -> CollectorRegistry:
@@ -260,9 +283,10 @@ def process_registry() -> CollectorRegistry:
 
 
 async def serve(addr: tuple[str, int], publisher: Publisher, *, extra: CollectorRegistry | None = None,
-                task_status=None) -> None:
+                door: Door | None = None, tls: ssl.SSLContext | None = None, task_status=None) -> None:
     """Serve metrics at `addr` (ours, then `extra`'s: by default the
-    process_* metrics) and keep the snapshot fresh until cancelled.
+    process_* metrics) to whom `door` lets in (None: Door("none")), over TLS
+    with `tls`, and keep the snapshot fresh until cancelled.
     OSError (before `started`) when the address cannot be bound."""
     import trio
 
@@ -272,11 +296,14 @@ async def serve(addr: tuple[str, int], publisher: Publisher, *, extra: Collector
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
     expo = Exposition(lambda: publisher.current, process_registry() if extra is None else extra)
     publisher.subscribe(expo.published)
-    server = MetricsServer(wsgi_app(expo))
+    door = door if door is not None else Door("none")
+    server = MetricsServer(wsgi_app(expo, door), tls=tls)
     host, port = server.start(*addr)
     try:
         shown = f"[{host}]" if ":" in host else host
-        log.info("metrics on http://%s:%d/metrics", shown, port)
+        log.info("metrics on %s://%s:%d/metrics (%s)", "https" if tls is not None else "http", shown, port,
+                 {"kubernetes": "bearer token and RBAC checked (TokenReview, SubjectAccessReview)",
+                  "open": "every series to anyone"}.get(door.auth, "per-instance series to loopback clients only"))
         if task_status is not None:
             task_status.started((host, port))
         await publisher.run()

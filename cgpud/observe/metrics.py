@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Sequence
 
-
 from cgpud import __version__
 
 log = logging.getLogger("cgpud")
@@ -62,6 +61,9 @@ METRICS: tuple[Spec, ...] = (
          "a large value means the daemon's event loop is stuck)."),
     Spec("cgpu_daemon_info", "info", ("version", "mode", "placement", "scheduling"), "—",
          "The daemon: its version, node mode, placement strategy, and whether it schedules (1, else 0)."),
+    Spec("cgpu_container_starts_refused_total", "counter", (), "—",
+         "Container starts the container hook or cgpu-runtime refused (the container did not start) since the "
+         "daemon started."),
     Spec("cgpu_gpu_info", "info", GPU_LABELS + ("name",), "—", "One per GPU: index (`gpu`), UUID and model name."),
     Spec("cgpu_gpu_memory_total_bytes", "gauge", GPU_LABELS, "bytes", "The device's memory."),
     Spec("cgpu_gpu_memory_allocated_bytes", "gauge", GPU_LABELS, "bytes",
@@ -81,6 +83,9 @@ METRICS: tuple[Spec, ...] = (
          "The last critical Xid error of the GPU since the daemon started (0: none); kept after it recovers."),
     Spec("cgpu_gpu_failures_total", "counter", GPU_LABELS, "—",
          "Times the GPU went out of service since the daemon started."),
+    Spec("cgpu_gpu_watchdog_kills_total", "counter", GPU_LABELS, "—",
+         "Processes the memory watchdog signalled (--mem-action kill or term) for passing their instance's "
+         "memsize, since the daemon started (kept after the instance goes)."),
     Spec("cgpu_gpu_scheduler_slices_total", "counter", GPU_LABELS, "—",
          "Decisions (slices) the GPU's scheduler has made since the daemon started."),
     Spec("cgpu_gpu_scheduler_switches_total", "counter", GPU_LABELS, "—",
@@ -178,6 +183,7 @@ class GpuSnap(NamedTuple):
     healthy: bool = True  # its health (cgpud/gpus/health.py)
     last_xid: int = 0
     failures: int = 0
+    watchdog_kills: int = 0
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,7 @@ class Snapshot:
     placement: str
     scheduling: bool
     gpus: tuple[GpuSnap, ...]
+    starts_refused: int = 0
 
 
 def compute_limit(policy: int, max_inst: int, prio_ratio: int, inst, normal: Sequence) -> float:
@@ -223,13 +230,15 @@ def take(
     stats: Mapping[int, object | None] = {},
     frozen: Mapping[int, frozenset[str]] = {},
     oom: Mapping[tuple[int, str], int] = {},
+    kills: Mapping[tuple[int, str], int] = {},
+    starts_refused: int = 0,
     mode: str = "cgpu",
     placement: str = "binpack",
     scheduling: bool = True,
     now: float | None = None,
 ) -> Snapshot:
     """Copy what the metrics show out of live objects (call in the trio thread)."""
-    gpus = []
+    gpus, killed = [], {g: sum(n for (k, _), n in kills.items() if k == g) for g, _ in kills}
     for g in node.gpus:
         st = stats.get(g.index)
         per = st.instances if st is not None else {}
@@ -256,8 +265,10 @@ def take(
             policy=g.policy, max_inst=g.max_inst, free_weight=g.free_weight, prio_ratio=g.prio_ratio,
             stats=st, instances=tuple(snaps), healthy=bool(g.health.get("healthy", True)),
             last_xid=int(g.health.get("last_xid", 0)), failures=int(g.health.get("failures", 0)),
+            watchdog_kills=killed.get(g.index, 0),
         ))
-    return Snapshot(time.monotonic() if now is None else now, __version__, mode, placement, scheduling, tuple(gpus))
+    return Snapshot(time.monotonic() if now is None else now, __version__, mode, placement, scheduling, tuple(gpus),
+                    starts_refused)
 
 
 class Publisher:
@@ -265,12 +276,14 @@ class Publisher:
 
     `schedulers`: objects with `gpu`, `published` (GpuStats or None) and
     `frozen` (a frozenset), i.e. the daemon's GpuSchedulers. `oom`: counts of
-    out-of-memory events by (gpu, instance name), fed by whoever sees them.
+    out-of-memory events by (gpu, instance name), fed by whoever sees them;
+    `events()`: (the memory watchdog's kills by (gpu, instance name), container starts refused).
     """
 
     def __init__(self, node, *, schedulers: Sequence | Callable[[], Sequence] = (), oom: Mapping[tuple[int, str], int] | None = None,
-                 mode: str = "cgpu", placement: str = "binpack", period: float = 0.5) -> None:
-        self.node = node
+                 mode: str = "cgpu", placement: str = "binpack", period: float = 0.5,
+                 events: Callable[[], tuple[Mapping[tuple[int, str], int], int]] = lambda: ({}, 0)) -> None:
+        self.node, self.events = node, events
         # a list, or a callable giving the schedulers running now (a hot upgrade replaces them)
         self._schedulers = schedulers if callable(schedulers) else list(schedulers)
         self.oom = oom if oom is not None else {}
@@ -287,11 +300,12 @@ class Publisher:
 
     def _take(self) -> Snapshot:
         scheds = self.schedulers
+        kills, refused = self.events()
         return take(
             self.node,
             stats={s.gpu: s.published for s in scheds},
             frozen={s.gpu: s.frozen for s in scheds},
-            oom=self.oom, mode=self.mode, placement=self.placement, scheduling=bool(scheds),
+            oom=self.oom, kills=kills, starts_refused=refused, mode=self.mode, placement=self.placement, scheduling=bool(scheds),
         )
 
     def subscribe(self, listener: Callable[[Snapshot], None]) -> None:
@@ -367,6 +381,7 @@ def series(snap: Snapshot, quantiles: Callable[[int, object], tuple[float, ...]]
     out: dict[str, list[Row]] = {s.name: [] for s in METRICS}
     out["cgpu_daemon_info"].append(("", (("version", snap.version), ("mode", snap.mode), ("placement", snap.placement),
                                          ("scheduling", str(int(snap.scheduling)))), 1))
+    out["cgpu_container_starts_refused_total"].append(("", (), snap.starts_refused))
     if age:
         out["cgpu_snapshot_age_seconds"].append(("", (), max(0.0, time.monotonic() - snap.taken)))
     for g in snap.gpus:
@@ -384,6 +399,7 @@ def series(snap: Snapshot, quantiles: Callable[[int, object], tuple[float, ...]]
             ("cgpu_gpu_healthy", int(g.healthy)),
             ("cgpu_gpu_last_xid", g.last_xid),
             ("cgpu_gpu_failures_total", g.failures),
+            ("cgpu_gpu_watchdog_kills_total", g.watchdog_kills),
         ):
             out[key].append(("", gl, value))
         st = g.stats
@@ -428,7 +444,6 @@ def instance_rows(i: InstanceSnap) -> tuple[tuple[str, Labels, float], ...]:
 
 
 INSTANCE_METRICS = frozenset(s.name for s in METRICS if s.name.startswith("cgpu_instance_"))
-
 
 
 if __name__ == "__main__":
