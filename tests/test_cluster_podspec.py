@@ -37,7 +37,9 @@ def names(cgpud) -> set[str]:
 def refused_start(pod: dict, line: str) -> bool:
     """The container did not run, and the runtime's one line is in the pod's status."""
     status = pod.get("status", {})
-    return status.get("phase") != "Running" and line in json.dumps(status)
+    states = [c.get("state") or {} for c in status.get("containerStatuses") or ()]
+    # (the pod's phase stays Running while the kubelet retries a container that fails to start)
+    return bool(states) and not any("running" in st for st in states) and line in json.dumps(status)
 
 
 @pytest.mark.parametrize("variable, value", [
