@@ -28,7 +28,7 @@ class BadRequest(ValueError):
 class Pod:
     """What the extender keeps of a pod asking for gpu-mem."""
 
-    __slots__ = ("uid", "node", "gpus", "need", "count", "live", "key", "core")
+    __slots__ = ("uid", "node", "gpus", "need", "count", "live", "key", "core", "placement")
 
     def __init__(self, obj: dict) -> None:
         meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
@@ -44,6 +44,10 @@ class Pod:
         gpus = cluster.pod_gpus(obj)
         self.gpus = tuple(gpus) if gpus else ()
         self.live = cluster.holds_gpu(obj)
+        try:
+            self.placement = cluster.pod_placement(obj)  # its own binpack/spread, or None (the node's label)
+        except ValueError:
+            self.placement = None  # (the filter refuses such a pod: it is never bound by us)
 
     @property
     def counted(self) -> bool:
@@ -62,7 +66,7 @@ class Node:
     and (computed when asked after a change) each GPU's free units."""
 
     __slots__ = ("name", "units", "strategy", "address", "version", "assumed", "free", "desc", "why", "until",
-                 "unhealthy", "core_free")
+                 "unhealthy", "core_free", "whole")
 
     def __init__(self, obj: dict) -> None:
         meta = obj.get("metadata") or {}
@@ -80,6 +84,7 @@ class Node:
         self.why = ""
         self.until = 0.0  # free counts recent choices until then
         self.core_free: list[int] = []  # core_mem: each GPU's compute percentage not asked by its pods
+        self.whole = 0  # GPUs in service with nothing on them (with free)
 
 
 def parse_assumed(raw) -> dict[str, tuple[tuple[int, ...], int, float]]:
@@ -107,8 +112,9 @@ class State:
     """Nodes and pods, LISTed once and then WATCHed (cgpud.k8s.informer); per node, the pods on
     its GPUs. Filter and inspect read it under `lock`; the watches write it."""
 
-    def __init__(self, api, raw=None) -> None:
+    def __init__(self, api, raw=None, placement: str = "binpack") -> None:
         self.api, self.raw = api, raw
+        self.placement = placement  # across nodes, for pods that name none (cgpud.k8s.score)
         self.lock = threading.Lock()
         self.nodes: dict[str, Node] = {}
         self.pods: dict[tuple[str, str], Pod] = {}  # pods asking gpu-mem, by (namespace, name)
@@ -226,6 +232,7 @@ class State:
                     used[i] += per
         node.free = [0 if i in node.unhealthy else u - x for i, (u, x) in enumerate(zip(node.units, used))]
         node.desc = sorted(node.free, reverse=True)
+        node.whole = sum(f == u and c == 100 for f, u, c in zip(node.free, node.units, node.core_free) if u)
         node.until, node.why = until, ""
         return node.free
 
@@ -240,6 +247,19 @@ class State:
     def node_lock(self, name: str) -> threading.Lock:
         with self.lock:
             return self.node_locks.setdefault(name, threading.Lock())
+
+
+def asked(args: dict) -> tuple[dict, list, list]:
+    """ExtenderArgs' pod, the names of its candidate nodes, and their objects (the Nodes form: a
+    scheduler not node-cache-capable sends them whole)."""
+    pod = args.get("Pod") or args.get("pod")
+    if not isinstance(pod, dict):
+        raise BadRequest("ExtenderArgs has no Pod")
+    names = args.get("NodeNames") or args.get("nodenames")
+    items = ((args.get("Nodes") or args.get("nodes") or {}).get("items")) or []
+    if names is None:
+        names = [(n.get("metadata") or {}).get("name") for n in items]
+    return pod, names, items
 
 
 def gpu_count(pod: dict) -> int:

@@ -1,0 +1,160 @@
+"""Placement across nodes (issue 46; docs/kubernetes.md, "Placement across nodes"): the extender's
+`prioritize` — kube-scheduler's extender v1 HostPriorityList, a score 0..10 per candidate node —
+and the cluster's whole-GPU fragmentation that its /metrics exports.
+
+binpack (the default): the node where the GPU(s) the bind would choose are fullest after the pod
+wins — first a GPU already in use (the least left free after the pod), then a whole GPU of a node
+already in use (the node with the fewest whole GPUs left), last a node wholly free (the one with the
+fewest GPUs): whole GPUs and whole nodes stay free for pods that need them. spread: the node with
+the most free after the pod (as a share of its GPUs), then its emptiest GPU. A pod asking a compute
+percentage (core_mem) counts each GPU's free percentage before its free memory, both ways.
+
+Scores are ranks, not distances: the best candidate(s) 10, the others 1..8 by rank, a node where
+the pod does not fit 0; so the best is ahead by at least two steps whatever the distance, and
+kube-scheduler's weight on the extender (deploy/kubernetes/scheduler/) decides what it outweighs.
+"""
+from __future__ import annotations
+
+import time
+
+from cgpud.k8s import cluster, view
+from cgpud.k8s.view import BadRequest, Node, State
+
+MAX_PRIORITY = 10  # kube-scheduler's extenderv1.MaxExtenderPriority
+
+
+def placement(pod: dict, default: str) -> str:
+    """The pod's placement across nodes: its annotation, else the extender's --placement."""
+    try:
+        return cluster.pod_placement(pod) or default
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def pick(free: list[int], core_free: list[int], per: int, count: int, core: int, strategy: str) -> list[int] | None:
+    """The `count` GPUs a pod of `per` units (and `core` % each) takes on a node whose GPUs have `free`
+    units and `core_free` % left: binpack the least left (compute first for a core_mem pod), spread
+    the most; lowest index on a tie. None if fewer fit."""
+    fits = [i for i, f in enumerate(free) if f >= per and (not core or core_free[i] >= core)]
+    if len(fits) < count:
+        return None
+    sign = -1 if strategy == "spread" else 1
+    fits.sort(key=(lambda i: (sign * core_free[i], sign * free[i], i)) if core else (lambda i: (sign * free[i], i)))
+    return sorted(fits[:count])
+
+
+def key(node: Node, per: int, count: int, core: int, within: str, across: str) -> tuple | None:
+    """How good the node is for the pod (larger is better), from the GPU(s) its bind would choose
+    there; None where it does not fit. (Under the state's lock, node.free worked out.)"""
+    free, units, core_free = node.free, node.units, node.core_free
+    if count == 1 and not core:  # (the common pod, over thousands of nodes: no list built)
+        best = -1
+        for i, f in enumerate(free):
+            if f >= per and (best < 0 or (f < free[best] if within != "spread" else f > free[best])):
+                best = i
+        if best < 0:
+            return None
+        gpus: list[int] | tuple[int] = (best,)
+    else:
+        gpus = pick(free, core_free, per, count, core, within)
+        if gpus is None:
+            return None
+    left = sum(free[i] for i in gpus) - per * count  # units the chosen GPUs keep free
+    if core:
+        left += 1000 * sum(core_free[i] - core for i in gpus)  # (percentages first: a GPU's 100 % > its units)
+    if across == "spread":
+        total = sum(units)
+        return (sum(free) - per * count) / total if total else 0.0, left
+    opens = any(free[i] == units[i] and (not core_free or core_free[i] == 100) for i in gpus)
+    if not opens:
+        return 2, -left, -node.whole
+    if node.whole < sum(1 for i, u in enumerate(units) if u and i not in node.unhealthy):
+        return 1, -node.whole, -left  # a whole GPU, of a node already in use
+    return 0, -len(units), -left  # a node wholly free: the smallest
+
+
+def ranked(keys: dict[str, tuple | None]) -> list[dict]:
+    """HostPriorityList: the best key(s) MAX_PRIORITY, the others 1..MAX_PRIORITY-2 by rank, None 0."""
+    distinct = sorted({k for k in keys.values() if k is not None})
+    top = len(distinct) - 1
+    rank = {k: MAX_PRIORITY if i == top else 1 + (MAX_PRIORITY - 3) * i // max(top - 1, 1)
+            for i, k in enumerate(distinct)}
+    return [{"Host": name, "Score": 0 if k is None else rank[k]} for name, k in keys.items()]
+
+
+def prioritize(state: State, args: dict) -> list[dict]:
+    pod, names, _ = view.asked(args)
+    need = cluster.pod_units(pod)
+    if need <= 0:  # not ours to judge: no preference
+        return [{"Host": n, "Score": 0} for n in names]
+    count = view.gpu_count(pod)
+    if need % count:
+        return [{"Host": n, "Score": 0} for n in names]
+    across = placement(pod, state.placement)
+    own = cluster.pod_placement(pod)  # (valid now) on the node's GPUs too; else the node's label
+    core = cluster.pod_core(pod)
+    keys: dict[str, tuple | None] = {}
+    now = time.time()
+    with state.lock:
+        nodes, work_out = state.nodes, state.free_units
+        for name in names:
+            node = nodes.get(name)
+            if node is None or not node.units:
+                keys[name] = None
+                continue
+            if node.free is None or now >= node.until:
+                work_out(node, now)
+            keys[name] = key(node, need // count, count, core, own or node.strategy, across)
+    return ranked(keys)
+
+
+def fragmentation(state: State) -> dict[str, int]:
+    """The cluster's GPUs (of nodes with gpu-mem) as the extender sees them: in service, whole (nothing
+    on them), partly used (something on them and room left), the units free on those, whole nodes."""
+    out = dict.fromkeys(("gpus", "whole", "partly_used", "partly_used_free_units", "nodes", "whole_nodes"), 0)
+    now = time.time()
+    with state.lock:
+        for node in state.nodes.values():
+            if not node.units:
+                continue
+            if node.free is None or now >= node.until:
+                state.free_units(node, now)
+            in_service = [i for i, u in enumerate(node.units) if u and i not in node.unhealthy]
+            out["nodes"] += 1
+            out["gpus"] += len(in_service)
+            out["whole"] += node.whole
+            out["whole_nodes"] += node.whole == len(node.units)  # (every GPU in service and whole)
+            for i in in_service:
+                f = node.free[i]
+                if 0 < f and (f < node.units[i] or node.core_free[i] < 100):
+                    out["partly_used"] += 1
+                    out["partly_used_free_units"] += f
+    return out
+
+
+METRICS = (  # (name, the fragmentation() key, help): gauges, docs/kubernetes.md
+    ("cgpu_extender_gpus", "gpus", "GPUs in service on the cluster's gpu-mem nodes, as the extender sees them."),
+    ("cgpu_extender_gpus_whole", "whole", "GPUs with nothing on them: what a whole-GPU pod can take."),
+    ("cgpu_extender_gpus_partly_used", "partly_used", "GPUs with a pod on them and units left free."),
+    ("cgpu_extender_partly_used_free_units", "partly_used_free_units",
+     "aliyun.com/gpu-mem units free on partly used GPUs: room only shared pods can use."),
+    ("cgpu_extender_nodes", "nodes", "Nodes with aliyun.com/gpu-mem."),
+    ("cgpu_extender_nodes_whole", "whole_nodes", "Nodes whose GPUs are all in service and whole: what a pod asking a whole node can take."),
+)
+
+
+def exposition(state: State) -> bytes:
+    """The Prometheus text of fragmentation(), read at scrape time."""
+    from prometheus_client import generate_latest
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.registry import CollectorRegistry
+
+    class Fragments:
+        def collect(self):
+            now = fragmentation(state)
+            for name, k, text in METRICS:
+                yield GaugeMetricFamily(name, text, value=now[k])
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Fragments())
+    return generate_latest(registry)
