@@ -530,3 +530,28 @@ def test_the_extender_exports_the_clusters_whole_gpu_fragmentation(ext):
     assert got == {"cgpu_extender_gpus": 8, "cgpu_extender_gpus_whole": 5, "cgpu_extender_gpus_partly_used": 3,
                    "cgpu_extender_partly_used_free_units": 2 + 11 + 5, "cgpu_extender_nodes": 5,
                    "cgpu_extender_nodes_whole": 1}, text
+
+
+def test_the_next_pod_sees_where_the_last_was_nominated_before_its_bind(ext, monkeypatch):
+    """kube-scheduler scores the next pod of a burst before it binds the last: the last counts on the
+    node prioritize ranked first until its bind, or for NOMINATED_SECONDS."""
+    from cgpud.k8s import view
+
+    api = ext.api
+    api.add_node("n0", gpus=2, units=28)
+    api.add_node("n1", gpus=1, units=14)
+    first = api.add_pod("first", [12])
+    assert scores(ext, first, ["n0", "n1"]) == {"n1": 10, "n0": 1}  # the smaller node wholly free
+    second = api.add_pod("second", [3])
+    assert ext.call("/filter", {"Pod": second, "NodeNames": ["n0", "n1"]})[1]["NodeNames"] == ["n0"]
+    assert scores(ext, second, ["n0", "n1"]) == {"n0": 10, "n1": 0}
+    assert ext.call("/bind", {"PodName": "first", "PodNamespace": "default", "Node": "n1"})[0] == 200
+    assert ext.call("/bind", {"PodName": "second", "PodNamespace": "default", "Node": "n0"})[0] == 200
+    # a nomination whose pod went elsewhere (or nowhere) stops counting after NOMINATED_SECONDS
+    monkeypatch.setattr(view, "NOMINATED_SECONDS", 0.3)
+    third = api.add_pod("third", [14])
+    assert scores(ext, third, ["n0"]) == {"n0": 10}  # GPU 1 of n0, nominated
+    fourth = api.add_pod("fourth", [14])
+    assert ext.call("/filter", {"Pod": fourth, "NodeNames": ["n0"]})[1]["NodeNames"] == []
+    time.sleep(0.4)
+    assert ext.call("/filter", {"Pod": fourth, "NodeNames": ["n0"]})[1]["NodeNames"] == ["n0"]

@@ -63,6 +63,7 @@ def filter_nodes(state: State, args: dict) -> dict:
     now = time.time()
     per, even = need // count, need % count == 0
     with state.lock:  # (the loop a filter of 5,000 nodes spends its time in: kept lean)
+        state.unnominate((pod.get("metadata") or {}).get("uid"))  # (scheduled again: not where it was nominated)
         nodes, work_out = state.nodes, state.free_units
         for name in names:
             node = nodes.get(name)
@@ -149,6 +150,8 @@ def _commit(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
     the choice was made from; on a conflict read the node again and choose again."""
     from kubernetes.client.exceptions import ApiException
 
+    with state.lock:
+        state.unnominate(pod.uid)  # (prioritize counted it here, or elsewhere: from now its choice counts)
     for _ in range(BIND_ATTEMPTS):
         now = time.time()
         with state.lock:

@@ -9,9 +9,11 @@ fewest GPUs): whole GPUs and whole nodes stay free for pods that need them. spre
 the most free after the pod (as a share of its GPUs), then its emptiest GPU. A pod asking a compute
 percentage (core_mem) counts each GPU's free percentage before its free memory, both ways.
 
-Scores are ranks, not distances: the best candidate(s) 10, the others 1..8 by rank, a node where
-the pod does not fit 0; so the best is ahead by at least two steps whatever the distance, and
-kube-scheduler's weight on the extender (deploy/kubernetes/scheduler/) decides what it outweighs.
+Scores are ranks, not distances: the best candidate 10 (the first, of equals), its equals 9, the
+others 1..8 by rank, a node where the pod does not fit 0; kube-scheduler's weight on the extender
+(deploy/kubernetes/scheduler/) decides what one step outweighs. kube-scheduler schedules the next
+pod before it binds this one, so the pod is counted on its best node (State.nominate) until its
+bind or its pod's watch event, at most NOMINATED_SECONDS: a burst's next pod sees it there.
 """
 from __future__ import annotations
 
@@ -43,9 +45,9 @@ def pick(free: list[int], core_free: list[int], per: int, count: int, core: int,
     return sorted(fits[:count])
 
 
-def key(node: Node, per: int, count: int, core: int, within: str, across: str) -> tuple | None:
+def key(node: Node, per: int, count: int, core: int, within: str, across: str) -> tuple[tuple, tuple] | None:
     """How good the node is for the pod (larger is better), from the GPU(s) its bind would choose
-    there; None where it does not fit. (Under the state's lock, node.free worked out.)"""
+    there, and those GPUs; None where it does not fit. (Under the state's lock, node.free worked out.)"""
     free, units, core_free = node.free, node.units, node.core_free
     if count == 1 and not core:  # (the common pod, over thousands of nodes: no list built)
         best = -1
@@ -54,32 +56,36 @@ def key(node: Node, per: int, count: int, core: int, within: str, across: str) -
                 best = i
         if best < 0:
             return None
-        gpus: list[int] | tuple[int] = (best,)
+        gpus: tuple[int, ...] = (best,)
     else:
-        gpus = pick(free, core_free, per, count, core, within)
-        if gpus is None:
+        chosen = pick(free, core_free, per, count, core, within)
+        if chosen is None:
             return None
+        gpus = tuple(chosen)
     left = sum(free[i] for i in gpus) - per * count  # units the chosen GPUs keep free
     if core:
         left += 1000 * sum(core_free[i] - core for i in gpus)  # (percentages first: a GPU's 100 % > its units)
     if across == "spread":
         total = sum(units)
-        return (sum(free) - per * count) / total if total else 0.0, left
-    opens = any(free[i] == units[i] and (not core_free or core_free[i] == 100) for i in gpus)
+        return ((sum(free) - per * count) / total if total else 0.0, left), gpus
+    opens = any(free[i] == units[i] and core_free[i] == 100 for i in gpus)
     if not opens:
-        return 2, -left, -node.whole
+        return (2, -left, -node.whole), gpus
     if node.whole < sum(1 for i, u in enumerate(units) if u and i not in node.unhealthy):
-        return 1, -node.whole, -left  # a whole GPU, of a node already in use
-    return 0, -len(units), -left  # a node wholly free: the smallest
+        return (1, -node.whole, -left), gpus  # a whole GPU, of a node already in use
+    return (0, -len(units), -left), gpus  # a node wholly free: the smallest
 
 
-def ranked(keys: dict[str, tuple | None]) -> list[dict]:
-    """HostPriorityList: the best key(s) MAX_PRIORITY, the others 1..MAX_PRIORITY-2 by rank, None 0."""
+def ranked(keys: dict[str, tuple | None]) -> tuple[list[dict], str | None]:
+    """HostPriorityList and the best node: the first with the best key MAX_PRIORITY, the others with it
+    MAX_PRIORITY-1, the rest 1..MAX_PRIORITY-2 by rank, None 0."""
     distinct = sorted({k for k in keys.values() if k is not None})
     top = len(distinct) - 1
-    rank = {k: MAX_PRIORITY if i == top else 1 + (MAX_PRIORITY - 3) * i // max(top - 1, 1)
+    rank = {k: MAX_PRIORITY - 1 if i == top else 1 + (MAX_PRIORITY - 3) * i // max(top - 1, 1)
             for i, k in enumerate(distinct)}
-    return [{"Host": name, "Score": 0 if k is None else rank[k]} for name, k in keys.items()]
+    best = next((name for name, k in keys.items() if k is not None and k == distinct[top]), None)
+    return [{"Host": name, "Score": MAX_PRIORITY if name == best else 0 if k is None else rank[k]}
+            for name, k in keys.items()], best
 
 
 def prioritize(state: State, args: dict) -> list[dict]:
@@ -94,8 +100,11 @@ def prioritize(state: State, args: dict) -> list[dict]:
     own = cluster.pod_placement(pod)  # (valid now) on the node's GPUs too; else the node's label
     core = cluster.pod_core(pod)
     keys: dict[str, tuple | None] = {}
+    gpus: dict[str, tuple[int, ...]] = {}
+    uid = (pod.get("metadata") or {}).get("uid")
     now = time.time()
     with state.lock:
+        state.unnominate(uid)  # (asked again: where it was nominated before does not count for it)
         nodes, work_out = state.nodes, state.free_units
         for name in names:
             node = nodes.get(name)
@@ -104,8 +113,12 @@ def prioritize(state: State, args: dict) -> list[dict]:
                 continue
             if node.free is None or now >= node.until:
                 work_out(node, now)
-            keys[name] = key(node, need // count, count, core, own or node.strategy, across)
-    return ranked(keys)
+            got = key(node, need // count, count, core, own or node.strategy, across)
+            keys[name], gpus[name] = got if got else (None, ())
+        scores, best = ranked(keys)
+        if best is not None and uid:  # the pod counts there until its bind: the next pods see it
+            state.nominate(uid, best, gpus[best], need // count, core, now)
+    return scores
 
 
 def fragmentation(state: State) -> dict[str, int]:

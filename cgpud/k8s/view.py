@@ -19,6 +19,9 @@ from cgpud.k8s.informer import Informer
 # ours, on the Node: the choices binds made on it recently, {pod uid: [GPU indices "0,1", units per GPU, unix time]}
 ASSUMED = "cgpu.aliyun.com/gpu-mem-assumed"
 ASSUMED_SECONDS = 60.0  # a choice stays on the node this long: by then every replica's watch shows its pod
+# prioritize's best node for a pod counts the pod there until its bind comes (kube-scheduler binds after
+# it has scheduled the next pods) or this long: a burst's next pod sees it (cgpud.k8s.score)
+NOMINATED_SECONDS = 5.0
 
 
 class BadRequest(ValueError):
@@ -122,6 +125,9 @@ class State:
         self.on_node: dict[str, dict[tuple[str, str], Pod]] = {}  # node -> the pods counted on its GPUs
         self.assumed_on: dict[str, str] = {}  # pod uid -> the node whose recent choices name it
         self.gone: dict[str, float] = {}  # pod uid -> when it was deleted (its choice no longer counts)
+        # prioritize's best node for pods not bound yet: node -> {pod uid: (GPUs, units per GPU, %, time)}
+        self.nominated: dict[str, dict[str, tuple[tuple[int, ...], int, int, float]]] = {}
+        self.nominee: dict[str, str] = {}  # pod uid -> the node it is nominated to
         self.node_locks: dict[str, threading.Lock] = {}
         self.informers = {
             "nodes": Informer("nodes", api.list_node, self._replace_nodes, self._node_event),
@@ -180,6 +186,8 @@ class State:
             old = self.pods.pop(pod.key, None)
             if kind == "DELETED":
                 self._gone(pod.uid)
+            if pod.node or kind == "DELETED":
+                self.unnominate(pod.uid)  # (bound: its node counts it now)
             if old is not None:
                 self.uids.pop(old.uid, None)
                 if old.counted:
@@ -194,6 +202,24 @@ class State:
                     self._changed(pod.node)
                 self._changed(self.assumed_on.get(pod.uid))
 
+    def nominate(self, uid: str, node: str, gpus: tuple[int, ...], per: int, core: int, now: float) -> None:
+        """Count the pod on `node` until its bind (or NOMINATED_SECONDS). (Under the lock.)"""
+        self.unnominate(uid)
+        if len(self.nominee) > 4096:  # (pods scheduled elsewhere, never bound by us: forget the old)
+            for old in [u for n in self.nominated.values() for u, e in n.items() if now - e[3] > NOMINATED_SECONDS]:
+                self.unnominate(old)
+        self.nominated.setdefault(node, {})[uid] = (gpus, per, core, now)
+        self.nominee[uid] = node
+        self._changed(node)
+
+    def unnominate(self, uid: str) -> None:
+        node = self.nominee.pop(uid, None)
+        if node is not None:
+            self.nominated[node].pop(uid, None)
+            if not self.nominated[node]:
+                del self.nominated[node]
+            self._changed(node)
+
     def _gone(self, uid: str) -> None:
         now = time.time()
         self.gone[uid] = now
@@ -207,7 +233,8 @@ class State:
 
     def free_units(self, node: Node, now: float) -> list[int]:
         """Each GPU's free units: its size less its pods' units less the recent choices of binds whose
-        pods the watch has not shown on a GPU yet. (Under the lock.)"""
+        pods the watch has not shown on a GPU yet, less the pods prioritize nominated here that are not
+        bound yet. (Under the lock.)"""
         if node.free is not None and now < node.until:
             return node.free
         used = [0] * len(node.units)
@@ -217,8 +244,16 @@ class State:
                 if i < len(used):
                     used[i] += pod.need // len(pod.gpus)
                     core[i] += pod.core
-        node.core_free = [100 - c for c in core]
         until = float("inf")
+        for uid, (gpus, per, pct, at) in self.nominated.get(node.name, {}).items():
+            if now - at > NOMINATED_SECONDS or uid in self.gone:
+                continue
+            until = min(until, at + NOMINATED_SECONDS)
+            for i in gpus:
+                if i < len(used):
+                    used[i] += per
+                    core[i] += pct
+        node.core_free = [100 - c for c in core]
         for uid, (gpus, per, at) in node.assumed.items():
             if now - at > ASSUMED_SECONDS or uid in self.gone:
                 continue
