@@ -18,6 +18,7 @@ bind or its pod's watch event, at most NOMINATED_SECONDS: a burst's next pod see
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 
 from cgpud.k8s import cluster, view
 from cgpud.k8s.view import BadRequest, Node, State
@@ -45,35 +46,46 @@ def pick(free: list[int], core_free: list[int], per: int, count: int, core: int,
     return sorted(fits[:count])
 
 
-def key(node: Node, per: int, count: int, core: int, within: str, across: str) -> tuple[tuple, tuple] | None:
+def choice(node: Node, per: int, count: int, core: int, within: str) -> tuple[int, ...] | None:
+    """The GPU(s) the pod's bind would choose on the node (as pick, from the node's worked-out free)."""
+    if count == 1 and not core:  # (the common pod, over thousands of nodes: a bisection, no list built)
+        asc = node.asc
+        at = len(asc) - 1 if within == "spread" else bisect_left(asc, per)
+        return (node.free.index(asc[at]),) if 0 <= at < len(asc) and asc[at] >= per else None
+    chosen = pick(node.free, node.core_free, per, count, core, within)
+    return None if chosen is None else tuple(chosen)
+
+
+def key(node: Node, per: int, count: int, core: int, within: str, across: str) -> tuple | None:
     """How good the node is for the pod (larger is better), from the GPU(s) its bind would choose
-    there, and those GPUs; None where it does not fit. (Under the state's lock, node.free worked out.)"""
+    there; None where it does not fit. (Under the state's lock, node.free worked out.)"""
     free, units, core_free = node.free, node.units, node.core_free
-    if count == 1 and not core:  # (the common pod, over thousands of nodes: no list built)
-        best = -1
-        for i, f in enumerate(free):
-            if f >= per and (best < 0 or (f < free[best] if within != "spread" else f > free[best])):
-                best = i
-        if best < 0:
+    if count == 1 and not core:  # (choice's, inline: the loop over thousands of nodes)
+        asc = node.asc
+        at = len(asc) - 1 if within == "spread" else bisect_left(asc, per)
+        if at < 0 or at >= len(asc) or asc[at] < per:
             return None
-        gpus: tuple[int, ...] = (best,)
+        left = asc[at] - per  # units the GPU keeps free
+        i = free.index(asc[at])
+        opens = left + per == units[i] and core_free[i] == 100
+    elif (gpus := choice(node, per, count, core, within)) is None:
+        return None
+    elif count == 1:
+        i = gpus[0]
+        left = free[i] - per + 1000 * (core_free[i] - core)  # (percentages first: 100 % > its units)
+        opens = free[i] == units[i] and core_free[i] == 100
     else:
-        chosen = pick(free, core_free, per, count, core, within)
-        if chosen is None:
-            return None
-        gpus = tuple(chosen)
-    left = sum(free[i] for i in gpus) - per * count  # units the chosen GPUs keep free
-    if core:
-        left += 1000 * sum(core_free[i] - core for i in gpus)  # (percentages first: a GPU's 100 % > its units)
+        left = sum(free[i] for i in gpus) - per * count
+        if core:
+            left += 1000 * sum(core_free[i] - core for i in gpus)  # (percentages first: 100 % > its units)
+        opens = any(free[i] == units[i] and core_free[i] == 100 for i in gpus)
     if across == "spread":
-        total = sum(units)
-        return ((sum(free) - per * count) / total if total else 0.0, left), gpus
-    opens = any(free[i] == units[i] and core_free[i] == 100 for i in gpus)
+        return (node.total_free - per * count) / node.total, left
     if not opens:
-        return (2, -left, -node.whole), gpus
-    if node.whole < sum(1 for i, u in enumerate(units) if u and i not in node.unhealthy):
-        return (1, -node.whole, -left), gpus  # a whole GPU, of a node already in use
-    return (0, -len(units), -left), gpus  # a node wholly free: the smallest
+        return 2, -left, -node.whole
+    if node.whole < node.serving:
+        return 1, -node.whole, -left  # a whole GPU, of a node already in use
+    return 0, -len(units), -left  # a node wholly free: the smallest
 
 
 def ranked(keys: dict[str, tuple | None]) -> tuple[list[dict], str | None]:
@@ -83,9 +95,12 @@ def ranked(keys: dict[str, tuple | None]) -> tuple[list[dict], str | None]:
     top = len(distinct) - 1
     rank = {k: MAX_PRIORITY - 1 if i == top else 1 + (MAX_PRIORITY - 3) * i // max(top - 1, 1)
             for i, k in enumerate(distinct)}
+    rank[None] = 0
     best = next((name for name, k in keys.items() if k is not None and k == distinct[top]), None)
-    return [{"Host": name, "Score": MAX_PRIORITY if name == best else 0 if k is None else rank[k]}
-            for name, k in keys.items()], best
+    out = [{"Host": name, "Score": rank[k]} for name, k in keys.items()]
+    if best is not None:
+        out[list(keys).index(best)]["Score"] = MAX_PRIORITY
+    return out, best
 
 
 def prioritize(state: State, args: dict) -> list[dict]:
@@ -98,9 +113,8 @@ def prioritize(state: State, args: dict) -> list[dict]:
         return [{"Host": n, "Score": 0} for n in names]
     across = placement(pod, state.placement)
     own = cluster.pod_placement(pod)  # (valid now) on the node's GPUs too; else the node's label
-    core = cluster.pod_core(pod)
+    core, per = cluster.pod_core(pod), need // count
     keys: dict[str, tuple | None] = {}
-    gpus: dict[str, tuple[int, ...]] = {}
     uid = (pod.get("metadata") or {}).get("uid")
     now = time.time()
     with state.lock:
@@ -113,18 +127,18 @@ def prioritize(state: State, args: dict) -> list[dict]:
                 continue
             if node.free is None or now >= node.until:
                 work_out(node, now)
-            got = key(node, need // count, count, core, own or node.strategy, across)
-            keys[name], gpus[name] = got if got else (None, ())
+            keys[name] = key(node, per, count, core, own or node.strategy, across)
         scores, best = ranked(keys)
         if best is not None and uid:  # the pod counts there until its bind: the next pods see it
-            state.nominate(uid, best, gpus[best], need // count, core, now)
+            node = nodes[best]
+            state.nominate(uid, best, choice(node, per, count, core, own or node.strategy), per, core, now)
     return scores
 
 
 def fragmentation(state: State) -> dict[str, int]:
     """The cluster's GPUs (of nodes with gpu-mem) as the extender sees them: in service, whole (nothing
     on them), partly used (something on them and room left), the units free on those, whole nodes."""
-    out = dict.fromkeys(("gpus", "whole", "partly_used", "partly_used_free_units", "nodes", "whole_nodes"), 0)
+    gpus = whole = partly = partly_free = nodes = whole_nodes = 0
     now = time.time()
     with state.lock:
         for node in state.nodes.values():
@@ -132,17 +146,14 @@ def fragmentation(state: State) -> dict[str, int]:
                 continue
             if node.free is None or now >= node.until:
                 state.free_units(node, now)
-            in_service = [i for i, u in enumerate(node.units) if u and i not in node.unhealthy]
-            out["nodes"] += 1
-            out["gpus"] += len(in_service)
-            out["whole"] += node.whole
-            out["whole_nodes"] += node.whole == len(node.units)  # (every GPU in service and whole)
-            for i in in_service:
-                f = node.free[i]
-                if 0 < f and (f < node.units[i] or node.core_free[i] < 100):
-                    out["partly_used"] += 1
-                    out["partly_used_free_units"] += f
-    return out
+            nodes += 1
+            gpus += node.serving
+            whole += node.whole
+            whole_nodes += node.whole == len(node.units)  # (every GPU in service and whole)
+            partly += node.partly
+            partly_free += node.partly_free
+    return {"gpus": gpus, "whole": whole, "partly_used": partly, "partly_used_free_units": partly_free,
+            "nodes": nodes, "whole_nodes": whole_nodes}
 
 
 METRICS = (  # (name, the fragmentation() key, help): gauges, docs/kubernetes.md

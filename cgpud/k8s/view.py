@@ -69,7 +69,7 @@ class Node:
     and (computed when asked after a change) each GPU's free units."""
 
     __slots__ = ("name", "units", "strategy", "address", "version", "assumed", "free", "desc", "why", "until",
-                 "unhealthy", "core_free", "whole")
+                 "unhealthy", "core_free", "whole", "asc", "partly", "partly_free", "total_free", "serving", "total")
 
     def __init__(self, obj: dict) -> None:
         meta = obj.get("metadata") or {}
@@ -87,7 +87,12 @@ class Node:
         self.why = ""
         self.until = 0.0  # free counts recent choices until then
         self.core_free: list[int] = []  # core_mem: each GPU's compute percentage not asked by its pods
-        self.whole = 0  # GPUs in service with nothing on them (with free)
+        # (with free, for prioritize and the fragmentation metrics: cgpud.k8s.score) free units, least
+        # first; GPUs in service with nothing on them; partly used ones and their free units; all free units
+        self.asc: list[int] = []
+        self.whole = self.partly = self.partly_free = self.total_free = 0
+        self.serving = sum(1 for i, u in enumerate(self.units) if u and i not in self.unhealthy)  # GPUs in service
+        self.total = sum(self.units)
 
 
 def parse_assumed(raw) -> dict[str, tuple[tuple[int, ...], int, float]]:
@@ -267,7 +272,15 @@ class State:
                     used[i] += per
         node.free = [0 if i in node.unhealthy else u - x for i, (u, x) in enumerate(zip(node.units, used))]
         node.desc = sorted(node.free, reverse=True)
-        node.whole = sum(f == u and c == 100 for f, u, c in zip(node.free, node.units, node.core_free) if u)
+        node.asc = node.desc[::-1]
+        node.whole = node.partly = node.partly_free = 0
+        for i, (f, u, c) in enumerate(zip(node.free, node.units, node.core_free)):
+            if f == u and c == 100:
+                node.whole += u > 0
+            elif f > 0:
+                node.partly += 1
+                node.partly_free += f
+        node.total_free = sum(node.free)
         node.until, node.why = until, ""
         return node.free
 
