@@ -11,7 +11,9 @@ fake nodes), each GPU 14 units (a T4).
    (gpu-count = the node's GPUs, all their units), created after the burst: bound or Pending; the
    extender's fragmentation metrics (GET /metrics); its filter and prioritize p50/p99 under
    kube-scheduler. Reference: a burst of as many pods asking no GPU on the same nodes in the same
-   run: the rate of each burst (pods bound per second from the first create) against it.
+   run: the rate of each burst (pods bound per second from the first create) against it. And the
+   same burst with kube-scheduler's own scoring (its configuration without prioritizeVerb: as
+   shipped before issue 46), kube-scheduler started again for it.
 2. --big (5,000) nodes x 8 GPUs (made anew): the same bursts and figures; then filter and prioritize
    asked directly, with all the nodes as candidates, --calls times each (the extender's informers fed
    the nodes through the real API server; kube-scheduler itself asks for 500 of them at this size,
@@ -121,7 +123,8 @@ class Run:
         while time.monotonic() < deadline:
             pod = json.loads(self.api.read_namespaced_pod(name, "default", _preload_content=False).data)
             if pod["spec"].get("nodeName"):
-                return f"bound to {pod['spec']['nodeName']} GPU {pod['metadata']['annotations'].get('ALIYUN_COM_GPU_MEM_IDX')}"
+                idx = pod["metadata"]["annotations"].get("ALIYUN_COM_GPU_MEM_IDX")
+                return f"bound to {pod['spec']['nodeName']} GPU {idx}"
             time.sleep(0.25)
         why = self.c.events(name).strip().splitlines()[-1:] or ["no event"]
         return f"Pending after 30 s ({why[0][:160]})"
@@ -141,15 +144,38 @@ class Run:
         return f"{verb} p50 {ms(pct(t, 50))} p99 {ms(pct(t, 99))} ({len(t)})" if t else f"{verb}: not asked"
 
 
-def bursts(run: Run, nodes: int, gpus: int, pods: int) -> None:
+def scheduler(c, prioritize: bool) -> None:
+    """kube-scheduler started again with the shipped configuration, or without its prioritizeVerb and
+    weight (the extender's filter and bind only: as shipped before issue 46)."""
+    shipped = type(c).scheduler_config
+
+    def config(self) -> dict:
+        cfg = shipped(self)
+        for ext in cfg.get("extenders", []) if not prioritize else ():
+            ext.pop("prioritizeVerb", None)
+            ext.pop("weight", None)
+        return cfg
+
+    c.procs["kube-scheduler"].stop()
+    c.scheduler_config = config.__get__(c)
+    c._start_scheduler()
+
+
+def bursts(run: Run, nodes: int, gpus: int, pods: int, before: bool = False) -> None:
     print(f"\n== {nodes} nodes x {gpus} GPUs of {UNITS} units, bursts of {pods} pods "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     plain_s, _ = run.burst(f"plain{gpus}", pods, 0)
     print(f"reference: {pods} pods asking no GPU: all bound in {plain_s:5.1f} s ({pods / plain_s:5.1f} pods/s)")
     run.clear()
     need = math.ceil(pods / (UNITS // 3))
-    for how, spread in (("binpack (default)", False), ("spread (pod annotation)", True)):
-        took, items = run.burst(f"{'s' if spread else 'b'}{gpus}", pods, 3, spread=spread)
+    ways = [("binpack (default)", False), ("spread (pod annotation)", True)]
+    if before:
+        ways.append(("before issue 46 (kube-scheduler's own scoring: the extender asked filter and bind only)", None))
+    for how, spread in ways:
+        if spread is None:
+            scheduler(run.c, prioritize=False)
+        took, items = run.burst(f"{'s' if spread else 'b' if spread is False else 'o'}{gpus}", pods, 3,
+                                spread=bool(spread))
         lat = f"{run.lat('filter')}, {run.lat('prioritize')}, {run.lat('bind')}"
         touched = {(p["spec"]["nodeName"], p["metadata"]["annotations"].get("ALIYUN_COM_GPU_MEM_IDX")) for p in items}
         on = {n for n, _ in touched}
@@ -163,6 +189,8 @@ def bursts(run: Run, nodes: int, gpus: int, pods: int) -> None:
         print(f"  then a pod asking a whole node ({gpus} x {UNITS}): "
               f"{run.one(f'whole-node-{gpus}', gpus * UNITS, gpus)}")
         run.clear()
+        if spread is None:
+            scheduler(run.c, prioritize=True)
 
 
 def direct(run: Run, nodes: int, calls: int) -> None:
@@ -214,7 +242,7 @@ def main() -> None:
         make_fake_nodes(c, args.nodes, 2)
         print(f"{args.nodes} nodes made through the API in {time.monotonic() - t:.0f} s")
         time.sleep(2)
-        bursts(run, args.nodes, 2, args.pods)
+        bursts(run, args.nodes, 2, args.pods, before=True)
         if args.big:
             delete_fake_nodes(c)
             t = time.monotonic()

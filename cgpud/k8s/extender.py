@@ -14,9 +14,9 @@ GPUs) has the pod's units free; prioritize ranks the nodes that passed
 (binpack across nodes by default: the fullest GPU that fits; spread by
 --placement or the pod's annotation cgpu.aliyun.com/placement); bind chooses
 the GPU(s) by the pod's annotation, else the node's placement (label
-ack.node.gpu.placement: binpack, the default, or spread) and creates the Binding, which puts gpushare's annotations on the pod
-(ALIYUN_COM_GPU_MEM_IDX, _DEV, _POD, _ASSIGNED=false, _ASSUME_TIME) in the
-same write.
+ack.node.gpu.placement: binpack, the default, or spread) and creates the
+Binding, which puts gpushare's annotations on the pod (ALIYUN_COM_GPU_MEM_IDX,
+_DEV, _POD, _ASSIGNED=false, _ASSUME_TIME) in the same write.
 
 The cluster is kept in memory as informers keep it (cgpud.k8s.informer):
 nodes and pods LISTed once, then WATCHed; each event updates per-node

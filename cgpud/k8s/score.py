@@ -163,7 +163,8 @@ METRICS = (  # (name, the fragmentation() key, help): gauges, docs/kubernetes.md
     ("cgpu_extender_partly_used_free_units", "partly_used_free_units",
      "aliyun.com/gpu-mem units free on partly used GPUs: room only shared pods can use."),
     ("cgpu_extender_nodes", "nodes", "Nodes with aliyun.com/gpu-mem."),
-    ("cgpu_extender_nodes_whole", "whole_nodes", "Nodes whose GPUs are all in service and whole: what a pod asking a whole node can take."),
+    ("cgpu_extender_nodes_whole", "whole_nodes",
+     "Nodes whose GPUs are all in service and whole: what a pod asking a whole node can take."),
 )
 
 
