@@ -94,10 +94,7 @@ def bind(state: State, args: dict) -> dict:
     name, ns, node_name = args.get("PodName"), args.get("PodNamespace"), args.get("Node")
     if not all(isinstance(x, str) and x for x in (name, ns, node_name)):
         raise BadRequest("ExtenderBindingArgs needs PodName, PodNamespace and Node")
-    # kube-scheduler binds pods concurrently: binds to one node take turns in this replica (they would
-    # only conflict with each other); other replicas' binds are kept apart by the node's resourceVersion.
-    with state.node_lock(node_name):
-        return _bind(state, name, ns, node_name, args.get("PodUID"))
+    return _bind(state, name, ns, node_name, args.get("PodUID"))
 
 
 def _read(state: State, what: str, call, *args) -> dict:
@@ -127,7 +124,14 @@ def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> 
         raise BadRequest(f"pod {ns}/{name} is not the pod with UID {uid} any more (it was recreated)")
     annotations, chosen = {}, None
     if pod.need > 0:
-        chosen = _commit(state, node, pod)
+        # kube-scheduler binds pods concurrently: choices on one node take turns in this replica (they would
+        # only conflict with each other), its Bindings and events do not (binpack binds a burst's pods to
+        # one node after another: its binds were one at a time); other replicas' choices are kept apart
+        # by the node's resourceVersion.
+        with state.node_lock(node_name):
+            with state.lock:  # (the choice before ours, written while we waited)
+                node = state.nodes.get(node_name) or node
+            chosen = _commit(state, node, pod)
         annotations = cluster.assume_annotations(list(chosen[0]), pod.need, min(node.units[i] for i in chosen[0]))
     body = V1Binding(metadata=V1ObjectMeta(name=name, namespace=ns, uid=uid or None, annotations=annotations or None),
                      target=V1ObjectReference(kind="Node", name=node_name, api_version="v1"))
