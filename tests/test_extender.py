@@ -555,3 +555,28 @@ def test_the_next_pod_sees_where_the_last_was_nominated_before_its_bind(ext, mon
     assert ext.call("/filter", {"Pod": fourth, "NodeNames": ["n0"]})[1]["NodeNames"] == []
     time.sleep(0.4)
     assert ext.call("/filter", {"Pod": fourth, "NodeNames": ["n0"]})[1]["NodeNames"] == ["n0"]
+
+
+def test_a_pod_counts_on_its_node_while_its_choice_is_written(ext):
+    """Between prioritize's nomination and the choice written on the Node (the bind's patch, in flight),
+    the pod counts: a spread pod scored meanwhile goes elsewhere."""
+    from cgpud.k8s import score
+
+    api = ext.api
+    api.add_node("n0", gpus=2, units=28)
+    api.add_node("n1", gpus=2, units=28)
+    spread = {"cgpu.aliyun.com/placement": "spread"}
+    first = api.add_pod("first", [3], annotations=spread)
+    assert scores(ext, first, ["n0", "n1"]) == {"n0": 10, "n1": 9}
+    second = api.add_pod("second", [3], annotations=spread)
+    seen = []
+    patch = ext.state.api.patch_node
+
+    def meanwhile(*args, **kw):  # (kube-scheduler scores the next pod while this bind's patch is in flight)
+        seen.append({h["Host"]: h["Score"] for h in score.prioritize(ext.state, {"Pod": second,
+                                                                                  "NodeNames": ["n0", "n1"]})})
+        return patch(*args, **kw)
+
+    ext.state.api.patch_node = meanwhile
+    assert ext.call("/bind", {"PodName": "first", "PodNamespace": "default", "Node": "n0"})[0] == 200
+    assert seen == [{"n0": 1, "n1": 10}], seen

@@ -152,14 +152,24 @@ def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> 
 def _commit(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
     """Choose the pod's GPU(s) on the node and write the choice on the Node, with the resourceVersion
     the choice was made from; on a conflict read the node again and choose again."""
+    try:
+        return _choose_and_write(state, node, pod)
+    finally:
+        with state.lock:  # (chosen, or not bound: its nomination ends)
+            state.unnominate(pod.uid)
+
+
+def _choose_and_write(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
     from kubernetes.client.exceptions import ApiException
 
-    with state.lock:
-        state.unnominate(pod.uid)  # (prioritize counted it here, or elsewhere: from now its choice counts)
     for _ in range(BIND_ATTEMPTS):
         now = time.time()
         with state.lock:
             free, core_free = list(state.free_units(node, now)), list(node.core_free)
+            # prioritize's nomination of this pod counts for the others until its choice does, not for it
+            if (own := state.nominated.get(node.name, {}).get(pod.uid)) and now - own[3] <= view.NOMINATED_SECONDS:
+                for i in own[0]:
+                    free[i], core_free[i] = free[i] + own[1], core_free[i] + own[2]
         strategy = pod.placement or node.strategy  # the pod's own, else the node's label
         # (core_mem: a GPU without the pod's compute percentage free does not fit)
         gpus = score.pick(free, core_free, pod.need // pod.count, pod.count, pod.core, strategy) \
@@ -182,6 +192,7 @@ def _commit(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
                 state.nodes[node.name] = written
                 for uid in written.assumed:
                     state.assumed_on[uid] = node.name
+            state.unnominate(pod.uid)  # (its choice counts now: in the same step, no moment counts neither)
         return tuple(gpus), strategy
     raise Busy(f"node {node.name} changed under {BIND_ATTEMPTS} binds in a row; try again")
 
