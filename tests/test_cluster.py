@@ -259,13 +259,13 @@ def _registered(cluster) -> bool:
 FAKE_NODES = 1000
 
 
-def fake_node(i: int) -> dict:
-    cap = {"cpu": "32", "memory": "128Gi", "pods": "110", "aliyun.com/gpu-mem": str(2 * UNITS),
-           "aliyun.com/gpu-count": "2"}
+def fake_node(i: int, gpus: int = 2) -> dict:
+    cap = {"cpu": "32", "memory": "128Gi", "pods": "110", "aliyun.com/gpu-mem": str(gpus * UNITS),
+           "aliyun.com/gpu-count": str(gpus)}
     return {
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": f"fake-{i:04d}", "labels": {"cgpud-test/fake": "true", "kubernetes.io/os": "linux"},
-                     "annotations": {"cgpu.aliyun.com/gpu-mem-per-device": f"{UNITS},{UNITS}"}},
+                     "annotations": {"cgpu.aliyun.com/gpu-mem-per-device": ",".join([str(UNITS)] * gpus)}},
         "spec": {"taints": [{"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}]},
         "status": {"capacity": cap, "allocatable": cap,
                    "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
@@ -273,7 +273,7 @@ def fake_node(i: int) -> dict:
     }
 
 
-def make_fake_nodes(cluster, n: int = FAKE_NODES) -> None:
+def make_fake_nodes(cluster, n: int = FAKE_NODES, gpus: int = 2, start: int = 0) -> None:
     api = cluster.api()
 
     # (each answer read and dropped, not made into the client's models: 3,000 of them were most of the
@@ -281,7 +281,7 @@ def make_fake_nodes(cluster, n: int = FAKE_NODES) -> None:
     raw = {"_preload_content": False}
 
     def one(i: int) -> None:
-        body = fake_node(i)
+        body = fake_node(i, gpus)
         api.create_node(body, **raw).drain_conn()
         api.patch_node_status(body["metadata"]["name"], {"status": body["status"]}, **raw).drain_conn()  # (create
         # keeps no status); the node lifecycle controller's part once a node is Ready: the API server's
@@ -289,7 +289,7 @@ def make_fake_nodes(cluster, n: int = FAKE_NODES) -> None:
         api.patch_node(body["metadata"]["name"], {"spec": {"taints": body["spec"]["taints"]}}, **raw).drain_conn()
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        list(pool.map(one, range(n)))
+        list(pool.map(one, range(start, start + n)))
 
 
 def delete_fake_nodes(cluster) -> None:
@@ -334,6 +334,61 @@ def test_a_thousand_nodes_through_the_extender_and_its_requests(cluster):
         lists = delta.get(("LIST", "nodes"), 0) + delta.get(("LIST", "pods"), 0)
         assert lists <= 1, f"{lists} LISTs of nodes and pods in 5 s idle: the cluster is listed again and again " \
                            f"rather than watched ({delta})"
+    finally:
+        delete_fake_nodes(cluster)
+
+
+def fake_pods(cluster, names: list[str], units: int, annotations: dict | None = None,
+              labels: dict | None = None) -> None:
+    """Pods for the fake nodes only, created at once (a burst)."""
+    api = cluster.api()
+
+    def one(name: str) -> None:
+        pod = cluster.pod(name, units, labels={"cgpud-test/fake-pod": "true", **(labels or {})}, tolerate_fake=True,
+                          runtime_class=None)
+        pod["spec"]["nodeSelector"] = {"cgpud-test/fake": "true"}
+        pod["metadata"]["annotations"] = annotations or {}
+        api.create_namespaced_pod("default", pod, _preload_content=False).drain_conn()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, names))
+
+
+def placed_on(cluster, names: list[str], timeout: float = 90) -> dict[str, tuple[str, str]]:
+    """Each pod's (node, GPUs) once all are bound."""
+    got: dict[str, tuple[str, str]] = {}
+
+    def bound() -> bool:
+        items = json.loads(cluster.api().list_namespaced_pod(
+            "default", label_selector="cgpud-test/fake-pod=true", _preload_content=False).data)["items"]
+        got.clear()
+        got.update({p["metadata"]["name"]: (p["spec"].get("nodeName"), (p["metadata"].get("annotations") or {})
+                                            .get("ALIYUN_COM_GPU_MEM_IDX")) for p in items})
+        return all(got.get(n, (None,))[0] for n in names)
+
+    wait_for(bound, timeout, f"{len(names)} pods bound", lambda: json.dumps(got) + cluster.logs())
+    return {n: got[n] for n in names}
+
+
+def test_a_burst_is_packed_onto_few_gpus_and_a_whole_node_pod_binds_after(cluster):
+    """Issue 46 through the real kube-scheduler with the shipped configuration: 16 pods of 3 units at once
+    on 12 fake nodes of 2 × 14 go four to a GPU, on 4 GPUs of 2 nodes (kube-scheduler's own scoring, least
+    allocated, put one on each node); a pod asking both GPUs of a node (gpu-count 2, 28 units) binds
+    after them; 5 pods asking spread (cgpu.aliyun.com/placement) go to 5 nodes of their own."""
+    try:
+        make_fake_nodes(cluster, 12)
+        burst = [f"burst-{i:02d}" for i in range(16)]
+        fake_pods(cluster, burst, 3)
+        on = placed_on(cluster, burst)
+        gpus = set(on.values())
+        assert len(gpus) == 4 and len({n for n, _ in gpus}) == 2, sorted(on.items())
+        fake_pods(cluster, ["whole-node"], 28, labels={"aliyun.com/gpu-count": "2"})
+        (node, idx), = placed_on(cluster, ["whole-node"]).values()
+        assert idx == "0,1" and node not in {n for n, _ in gpus}, (node, idx)
+        apart = [f"apart-{i}" for i in range(5)]
+        fake_pods(cluster, apart, 3, annotations={"cgpu.aliyun.com/placement": "spread"})
+        nodes = {n for n, _ in placed_on(cluster, apart).values()}
+        assert len(nodes) == 5 and not nodes & ({n for n, _ in gpus} | {node}), nodes
     finally:
         delete_fake_nodes(cluster)
 

@@ -395,3 +395,188 @@ def test_no_request_waits_for_a_list(proc_api):
             assert answer, "the view it had: t4 had room"
     assert during >= 3, during
     until(lambda: not ext.passes(asks, "t4"), "then the new view")
+
+
+# ---- placement across nodes: prioritize (issue 46) ----------------------------------------------
+
+
+def placed(api: ApiServer, name: str, units: int, node: str, gpu: str, core: int = 0) -> None:
+    """A pod already running on `gpu` of `node` (as the device plugin leaves it)."""
+    api.add_pod(name, [units], node=node, phase="Running", annotations={"ALIYUN_COM_GPU_MEM_IDX": gpu})
+    if core:
+        with_core(api, name, core)
+
+
+def with_core(api: ApiServer, name: str, core: int) -> dict:
+    return api.edit_pod("default", name, lambda p: p["spec"]["containers"][0]["resources"]["limits"].update(
+        {"aliyun.com/gpu-core.percentage": str(core)}))
+
+
+def scores(ext, pod: dict, names: list[str]) -> dict[str, int]:
+    code, res = ext.call("/prioritize", {"Pod": pod, "NodeNames": names})
+    assert code == 200 and isinstance(res, list), (code, res)
+    return {h["Host"]: h["Score"] for h in res}
+
+
+def packing_nodes(api: ApiServer) -> None:
+    for name, gpus in (("a", 2), ("b", 2), ("c", 2), ("d", 2), ("e", 1)):
+        api.add_node(name, gpus=gpus, units=14 * gpus)
+    placed(api, "b0", 12, "b", "0")  # b: GPU 0 has 2 left (no room for 3), GPU 1 whole
+    placed(api, "c0", 3, "c", "0")  # c: GPU 0 would keep 8
+    placed(api, "d0", 9, "d", "0")  # d: GPU 0 would keep 2
+
+
+def test_prioritize_binpacks_across_nodes_keeping_whole_gpus_and_nodes_free(ext):
+    """The fullest GPU that fits wins (d), then the emptier one in use (c); then a whole GPU of a node
+    already in use (b), before a node wholly free, the smallest first (e, then a)."""
+    api = ext.api
+    packing_nodes(api)
+    pod = api.add_pod("p", [3])
+    got = scores(ext, pod, ["a", "b", "c", "d", "e", "ghost"])
+    assert got == {"d": 10, "c": 8, "b": 5, "e": 3, "a": 1, "ghost": 0}, got
+    # a pod asking nothing of ours: no preference
+    assert set(scores(ext, api.add_pod("cpu", [0]), ["a", "d"]).values()) == {0}
+
+
+def test_spread_on_request_by_the_pods_annotation_or_the_extenders_placement(ext):
+    api = ext.api
+    packing_nodes(api)
+    pod = api.add_pod("s", [3], annotations={"cgpu.aliyun.com/placement": "spread"})
+    # the emptiest node after the pod first (a: 25 of 28 free), b last (13 of 28)
+    assert scores(ext, pod, ["a", "b", "c", "d", "e"]) == {"a": 10, "c": 8, "e": 8, "d": 4, "b": 1}
+    ext.state.placement = "spread"  # (--placement spread): pods without the annotation spread ...
+    assert max(scores(ext, api.add_pod("plain", [3]), ["a", "d"]).items(), key=lambda kv: kv[1])[0] == "a"
+    packer = api.add_pod("k", [3], annotations={"cgpu.aliyun.com/placement": "binpack"})
+    assert scores(ext, packer, ["a", "d"]) == {"d": 10, "a": 1}  # ... and a pod's own binpack still packs
+
+
+def test_a_placement_that_is_neither_is_refused_with_the_reason(ext):
+    api = ext.api
+    packing_nodes(api)
+    pod = api.add_pod("odd", [3], annotations={"cgpu.aliyun.com/placement": "pack"})
+    for path in ("/filter", "/prioritize"):
+        code, res = ext.call(path, {"Pod": pod, "NodeNames": ["a"]})
+        assert code == 400 and "cgpu.aliyun.com/placement is 'pack': binpack or spread" in res["Error"], res
+    assert api.bindings == []
+
+
+def test_the_pods_spread_chooses_its_gpu_on_the_node_too(ext):
+    api = ext.api
+    nodes(api)
+    api.add_pod("apart", [5], annotations={"cgpu.aliyun.com/placement": "spread"})
+    assert ext.call("/bind", {"PodName": "apart", "PodNamespace": "default", "Node": "mixed"})[0] == 200
+    assert api.pods[("default", "apart")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] == "1"  # 22 free
+    assert api.events[-1]["message"] == "5 aliyun.com/gpu-mem on GPU 1 of node mixed (spread)"
+
+
+def test_core_mem_percentages_are_packed_the_same_way(ext):
+    """A pod asking a compute percentage goes where the GPU's percentage is fullest, across nodes and on
+    the node (its memory second): whole GPUs keep their 100 %."""
+    api = ext.api
+    for name in ("x", "y", "z"):
+        api.add_node(name, gpus=2, units=28)
+    placed(api, "x0", 3, "x", "0", core=50)  # x: GPU 0 at 50 %, memory 11 free
+    placed(api, "y0", 9, "y", "0", core=20)  # y: GPU 0 at 20 %, memory 5 free (fuller in memory)
+    placed(api, "z0", 3, "z", "0", core=60)  # z: GPU 0 at 60 %, GPU 1 at 20 % with memory 5 free
+    placed(api, "z1", 9, "z", "1", core=20)
+    api.add_pod("q", [3])
+    pod = with_core(api, "q", 30)
+    got = scores(ext, pod, ["x", "y", "z"])
+    assert got["z"] == 10 and got["x"] > got["y"], got
+    assert ext.call("/bind", {"PodName": "q", "PodNamespace": "default", "Node": "z"})[0] == 200
+    assert api.pods[("default", "q")]["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] == "0"
+
+
+def schedule(ext, pods: list[dict], names: list[str]) -> None:
+    """What kube-scheduler does with the shipped configuration, one pod at a time: filter, prioritize,
+    the best score (a tie to the first), bind."""
+    for pod in pods:
+        ok = ext.call("/filter", {"Pod": pod, "NodeNames": names})[1]["NodeNames"]
+        got = scores(ext, pod, ok)
+        best = max(ok, key=lambda n: got[n])
+        meta = pod["metadata"]
+        assert ext.call("/bind", {"PodName": meta["name"], "PodNamespace": "default", "Node": best})[0] == 200
+
+
+def touched(api: ApiServer) -> set[tuple[str, str]]:
+    return {(p["spec"]["nodeName"], p["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"])
+            for p in api.pods.values() if "ALIYUN_COM_GPU_MEM_IDX" in p["metadata"]["annotations"]}
+
+
+def test_a_burst_fills_gpus_before_it_opens_new_ones_and_a_whole_node_stays(ext):
+    """40 pods of 3 units on 30 nodes of 2 × 14: four to a GPU, 10 GPUs on 5 nodes; then a pod asking
+    both GPUs of a node (2 × 14) still finds one; spread on request touches a GPU per pod."""
+    api = ext.api
+    names = [f"n{i:02d}" for i in range(30)]
+    for n in names:
+        api.add_node(n, gpus=2, units=28)
+    schedule(ext, [api.add_pod(f"b{k:02d}", [3]) for k in range(40)], names)
+    assert len(touched(api)) == 10 and len({n for n, _ in touched(api)}) == 5, sorted(touched(api))
+    whole = api.add_pod("whole", [28], count=2)
+    assert len(ext.call("/filter", {"Pod": whole, "NodeNames": names})[1]["NodeNames"]) == 25
+    spread = [api.add_pod(f"s{k:02d}", [3], annotations={"cgpu.aliyun.com/placement": "spread"}) for k in range(20)]
+    schedule(ext, spread, names)
+    assert len(touched(api)) == 10 + 20, sorted(touched(api))
+
+
+def test_the_extender_exports_the_clusters_whole_gpu_fragmentation(ext):
+    api = ext.api
+    packing_nodes(api)
+    api.edit_node("a", lambda n: n["metadata"]["annotations"].update({"cgpu.aliyun.com/gpu-unhealthy": "1"}))
+    ext.caught_up()
+    with urllib.request.urlopen(ext.url.rsplit("/", 1)[0] + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("cgpu_")}
+    assert got == {"cgpu_extender_gpus": 8, "cgpu_extender_gpus_whole": 5, "cgpu_extender_gpus_partly_used": 3,
+                   "cgpu_extender_partly_used_free_units": 2 + 11 + 5, "cgpu_extender_nodes": 5,
+                   "cgpu_extender_nodes_whole": 1}, text
+
+
+def test_the_next_pod_sees_where_the_last_was_nominated_before_its_bind(ext, monkeypatch):
+    """kube-scheduler scores the next pod of a burst before it binds the last: the last counts on the
+    node prioritize ranked first until its bind, or for NOMINATED_SECONDS."""
+    from cgpud.k8s import view
+
+    api = ext.api
+    api.add_node("n0", gpus=2, units=28)
+    api.add_node("n1", gpus=1, units=14)
+    first = api.add_pod("first", [12])
+    assert scores(ext, first, ["n0", "n1"]) == {"n1": 10, "n0": 1}  # the smaller node wholly free
+    second = api.add_pod("second", [3])
+    assert ext.call("/filter", {"Pod": second, "NodeNames": ["n0", "n1"]})[1]["NodeNames"] == ["n0"]
+    assert scores(ext, second, ["n0", "n1"]) == {"n0": 10, "n1": 0}
+    assert ext.call("/bind", {"PodName": "first", "PodNamespace": "default", "Node": "n1"})[0] == 200
+    assert ext.call("/bind", {"PodName": "second", "PodNamespace": "default", "Node": "n0"})[0] == 200
+    # a nomination whose pod went elsewhere (or nowhere) stops counting after NOMINATED_SECONDS
+    monkeypatch.setattr(view, "NOMINATED_SECONDS", 0.3)
+    third = api.add_pod("third", [14])
+    assert scores(ext, third, ["n0"]) == {"n0": 10}  # GPU 1 of n0, nominated
+    fourth = api.add_pod("fourth", [14])
+    assert ext.call("/filter", {"Pod": fourth, "NodeNames": ["n0"]})[1]["NodeNames"] == []
+    time.sleep(0.4)
+    assert ext.call("/filter", {"Pod": fourth, "NodeNames": ["n0"]})[1]["NodeNames"] == ["n0"]
+
+
+def test_a_pod_counts_on_its_node_while_its_choice_is_written(ext):
+    """Between prioritize's nomination and the choice written on the Node (the bind's patch, in flight),
+    the pod counts: a spread pod scored meanwhile goes elsewhere."""
+    from cgpud.k8s import score
+
+    api = ext.api
+    api.add_node("n0", gpus=2, units=28)
+    api.add_node("n1", gpus=2, units=28)
+    spread = {"cgpu.aliyun.com/placement": "spread"}
+    first = api.add_pod("first", [3], annotations=spread)
+    assert scores(ext, first, ["n0", "n1"]) == {"n0": 10, "n1": 9}
+    second = api.add_pod("second", [3], annotations=spread)
+    seen = []
+    patch = ext.state.api.patch_node
+
+    def meanwhile(*args, **kw):  # (kube-scheduler scores the next pod while this bind's patch is in flight)
+        seen.append({h["Host"]: h["Score"] for h in score.prioritize(ext.state, {"Pod": second,
+                                                                                  "NodeNames": ["n0", "n1"]})})
+        return patch(*args, **kw)
+
+    ext.state.api.patch_node = meanwhile
+    assert ext.call("/bind", {"PodName": "first", "PodNamespace": "default", "Node": "n0"})[0] == 200
+    assert seen == [{"n0": 1, "n1": 10}], seen

@@ -167,6 +167,9 @@ def test_the_scheduler_reaches_the_extender_on_its_own_node():
     assert conf["leaderElection"] == {"leaderElect": True}
     (ext,) = conf["extenders"]
     assert (ext["filterVerb"], ext["bindVerb"]) == ("filter", "bind")
+    # binpack across nodes (docs/kubernetes.md): the best node is ahead by 2 steps × weight × 10, more than
+    # the default plugins' 800 (NodeResourcesFit, BalancedAllocation, PodTopologySpread, ImageLocality, Taints)
+    assert ext["prioritizeVerb"] == "prioritize" and 2 * ext["weight"] * 10 > 800
     assert ext["managedResources"] == [{"name": "aliyun.com/gpu-mem", "ignoredByScheduler": False}]
     extender = next(d for d in RENDERED
                     if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpu-scheduler-extender")

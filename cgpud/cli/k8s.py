@@ -86,10 +86,13 @@ def dra_plugin(ctx: Ctx, node_name: str, registry_dir: str, plugin_dir: str, cdi
 @click.command("scheduler-extender")
 @click.option("--addr", default="127.0.0.1:12345", show_default=True, envvar="CGPU_EXTENDER_ADDR",
               help="HOST:PORT kube-scheduler calls (its own node's loopback: deploy/kubernetes/extender.yaml).")
+@click.option("--placement", default="binpack", show_default=True, type=click.Choice(["binpack", "spread"]),
+              envvar="CGPU_EXTENDER_PLACEMENT",
+              help="Across nodes, for pods without the annotation cgpu.aliyun.com/placement.")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
-def scheduler_extender(addr: str, log_level: str) -> None:
+def scheduler_extender(addr: str, placement: str, log_level: str) -> None:
     """kube-scheduler's extender for aliyun.com/gpu-mem, gpushare-compatible
-    (docs/kubernetes.md): filter, bind, inspect."""
+    (docs/kubernetes.md): filter, prioritize, bind, inspect, /metrics."""
     import logging
 
     from kubernetes.client.exceptions import ApiException
@@ -103,7 +106,7 @@ def scheduler_extender(addr: str, log_level: str) -> None:
     if not sep or not port.isdigit():
         raise click.ClickException(f"--addr {addr}: give HOST:PORT")
     try:
-        extender.main(addr)
+        extender.main(addr, placement)
     except NoCluster as exc:
         raise click.ClickException(str(exc)) from None
     except ApiException as exc:

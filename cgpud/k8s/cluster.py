@@ -27,6 +27,9 @@ IDX, POD, DEV, ASSIGNED, ASSUME_TIME = ("ALIYUN_COM_GPU_MEM_IDX", "ALIYUN_COM_GP
 UNHEALTHY = "cgpu.aliyun.com/gpu-unhealthy"
 GIVEN = "cgpu.aliyun.com/gpu-mem-containers-given"  # ours: how many of a pod's containers have their units
 PLACEMENT_LABEL = "ack.node.gpu.placement"
+# ours: a pod's own placement, binpack or spread, across nodes and on the node's GPUs (docs/kubernetes.md,
+# "Placement across nodes"); without it the extender's --placement across nodes, the node's label on it
+PLACEMENT_ANNOTATION = "cgpu.aliyun.com/placement"
 DISABLE_LABEL = "cgpu.disable.isolation"
 
 
@@ -108,6 +111,17 @@ def pod_gpus(pod) -> list[int] | None:
     except ValueError:
         return None
     return idx if all(i >= 0 for i in idx) else None
+
+
+def pod_placement(pod) -> str | None:
+    """The pod's own placement (annotation PLACEMENT_ANNOTATION): "binpack", "spread", None when it
+    names none; ValueError (its one-line reason) for anything else."""
+    raw = (_get(pod, "metadata", "annotations", default={}) or {}).get(PLACEMENT_ANNOTATION)
+    if raw is None:
+        return None
+    if raw not in ("binpack", "spread"):
+        raise ValueError(f"{PLACEMENT_ANNOTATION} is {raw!r}: binpack or spread")
+    return raw
 
 
 def holds_gpu(pod) -> bool:

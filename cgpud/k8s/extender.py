@@ -3,16 +3,20 @@
 (docs/kubernetes.md): the same paths, the kube-scheduler extender v1 JSON,
 and gpushare's pod annotations.
 
-    POST /gpushare-scheduler/filter   ExtenderArgs -> ExtenderFilterResult
-    POST /gpushare-scheduler/bind     ExtenderBindingArgs -> ExtenderBindingResult
+    POST /gpushare-scheduler/filter      ExtenderArgs -> ExtenderFilterResult
+    POST /gpushare-scheduler/prioritize  ExtenderArgs -> HostPriorityList (cgpud.k8s.score)
+    POST /gpushare-scheduler/bind        ExtenderBindingArgs -> ExtenderBindingResult
     GET  /gpushare-scheduler/inspect[/NODE]
+    GET  /metrics                        the cluster's whole-GPU fragmentation (cgpud.k8s.score)
 
 A node passes the filter only if one GPU (or, with aliyun.com/gpu-count, M
-GPUs) has the pod's units free; bind chooses the GPU(s) by the node's
-placement (label ack.node.gpu.placement: binpack, the default, or spread)
-and creates the Binding, which puts gpushare's annotations on the pod
-(ALIYUN_COM_GPU_MEM_IDX, _DEV, _POD, _ASSIGNED=false, _ASSUME_TIME) in the
-same write.
+GPUs) has the pod's units free; prioritize ranks the nodes that passed
+(binpack across nodes by default: the fullest GPU that fits; spread by
+--placement or the pod's annotation cgpu.aliyun.com/placement); bind chooses
+the GPU(s) by the pod's annotation, else the node's placement (label
+ack.node.gpu.placement: binpack, the default, or spread) and creates the
+Binding, which puts gpushare's annotations on the pod (ALIYUN_COM_GPU_MEM_IDX,
+_DEV, _POD, _ASSIGNED=false, _ASSUME_TIME) in the same write.
 
 The cluster is kept in memory as informers keep it (cgpud.k8s.informer):
 nodes and pods LISTed once, then WATCHed; each event updates per-node
@@ -33,7 +37,7 @@ import logging
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from cgpud.k8s import cluster, view
+from cgpud.k8s import cluster, score, view
 from cgpud.k8s.httpjson import Server, send_json
 from cgpud.k8s.view import ASSUMED_SECONDS, BadRequest, Node, Pod, State, dump_assumed, gpu_count
 
@@ -48,22 +52,18 @@ class Busy(RuntimeError):
 
 
 def filter_nodes(state: State, args: dict) -> dict:
-    pod = args.get("Pod") or args.get("pod")
-    if not isinstance(pod, dict):
-        raise BadRequest("ExtenderArgs has no Pod")
+    pod, names, items = view.asked(args)
     need = cluster.pod_units(pod)
-    names = args.get("NodeNames") or args.get("nodenames")
-    items = ((args.get("Nodes") or args.get("nodes") or {}).get("items")) or []
-    if names is None:
-        names = [(n.get("metadata") or {}).get("name") for n in items]
     if need <= 0:  # not ours to judge
         return {"Nodes": args.get("Nodes"), "NodeNames": names, "FailedNodes": {}, "Error": ""}
+    score.placement(pod, state.placement)  # (a placement that is neither: refused here, where the pod says so)
     count = gpu_count(pod)
     core = cluster.pod_core(pod)
     ok, failed = [], {}
     now = time.time()
     per, even = need // count, need % count == 0
     with state.lock:  # (the loop a filter of 5,000 nodes spends its time in: kept lean)
+        state.unnominate((pod.get("metadata") or {}).get("uid"))  # (scheduled again: not where it was nominated)
         nodes, work_out = state.nodes, state.free_units
         for name in names:
             node = nodes.get(name)
@@ -94,10 +94,7 @@ def bind(state: State, args: dict) -> dict:
     name, ns, node_name = args.get("PodName"), args.get("PodNamespace"), args.get("Node")
     if not all(isinstance(x, str) and x for x in (name, ns, node_name)):
         raise BadRequest("ExtenderBindingArgs needs PodName, PodNamespace and Node")
-    # kube-scheduler binds pods concurrently: binds to one node take turns in this replica (they would
-    # only conflict with each other); other replicas' binds are kept apart by the node's resourceVersion.
-    with state.node_lock(node_name):
-        return _bind(state, name, ns, node_name, args.get("PodUID"))
+    return _bind(state, name, ns, node_name, args.get("PodUID"))
 
 
 def _read(state: State, what: str, call, *args) -> dict:
@@ -127,7 +124,14 @@ def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> 
         raise BadRequest(f"pod {ns}/{name} is not the pod with UID {uid} any more (it was recreated)")
     annotations, chosen = {}, None
     if pod.need > 0:
-        chosen = _commit(state, node, pod)
+        # kube-scheduler binds pods concurrently: choices on one node take turns in this replica (they would
+        # only conflict with each other), its Bindings and events do not (binpack binds a burst's pods to
+        # one node after another: its binds were one at a time); other replicas' choices are kept apart
+        # by the node's resourceVersion.
+        with state.node_lock(node_name):
+            with state.lock:  # (the choice before ours, written while we waited)
+                node = state.nodes.get(node_name) or node
+            chosen = _commit(state, node, pod)
         annotations = cluster.assume_annotations(list(chosen[0]), pod.need, min(node.units[i] for i in chosen[0]))
     body = V1Binding(metadata=V1ObjectMeta(name=name, namespace=ns, uid=uid or None, annotations=annotations or None),
                      target=V1ObjectReference(kind="Node", name=node_name, api_version="v1"))
@@ -148,16 +152,28 @@ def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> 
 def _commit(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
     """Choose the pod's GPU(s) on the node and write the choice on the Node, with the resourceVersion
     the choice was made from; on a conflict read the node again and choose again."""
+    try:
+        return _choose_and_write(state, node, pod)
+    finally:
+        with state.lock:  # (chosen, or not bound: its nomination ends)
+            state.unnominate(pod.uid)
+
+
+def _choose_and_write(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
     from kubernetes.client.exceptions import ApiException
 
     for _ in range(BIND_ATTEMPTS):
         now = time.time()
         with state.lock:
-            free = list(state.free_units(node, now))
-            # core_mem: a GPU without the pod's compute percentage free is full for it
-            free = [f if not pod.core or c >= pod.core else 0 for f, c in zip(free, node.core_free)]
-        gpus = cluster.choose(list(node.units), [u - f for u, f in zip(node.units, free)], pod.need, pod.count,
-                              node.strategy)
+            free, core_free = list(state.free_units(node, now)), list(node.core_free)
+            # prioritize's nomination of this pod counts for the others until its choice does, not for it
+            if (own := state.nominated.get(node.name, {}).get(pod.uid)) and now - own[3] <= view.NOMINATED_SECONDS:
+                for i in own[0]:
+                    free[i], core_free[i] = free[i] + own[1], core_free[i] + own[2]
+        strategy = pod.placement or node.strategy  # the pod's own, else the node's label
+        # (core_mem: a GPU without the pod's compute percentage free does not fit)
+        gpus = score.pick(free, core_free, pod.need // pod.count, pod.count, pod.core, strategy) \
+            if pod.need > 0 and pod.need % pod.count == 0 else None
         if gpus is None:
             raise BadRequest(f"node {node.name} has no GPU with {pod.need} free {cluster.RESOURCE} any more")
         assumed = {u: e for u, e in node.assumed.items() if now - e[2] <= ASSUMED_SECONDS and u != pod.uid}
@@ -176,7 +192,8 @@ def _commit(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
                 state.nodes[node.name] = written
                 for uid in written.assumed:
                     state.assumed_on[uid] = node.name
-        return tuple(gpus), node.strategy
+            state.unnominate(pod.uid)  # (its choice counts now: in the same step, no moment counts neither)
+        return tuple(gpus), strategy
     raise Busy(f"node {node.name} changed under {BIND_ATTEMPTS} binds in a row; try again")
 
 
@@ -278,12 +295,20 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
                     raise ValueError("not an object")
             except ValueError as exc:
                 return self._send(400, {"Error": f"the body is not a JSON object ({exc})"})
-            fn = {f"{PREFIX}/filter": filter_nodes, f"{PREFIX}/bind": bind}.get(self.path)
+            fn = {f"{PREFIX}/filter": filter_nodes, f"{PREFIX}/prioritize": score.prioritize,
+                  f"{PREFIX}/bind": bind}.get(self.path)
             if fn is None:
                 return self._send(404, {"Error": f"no such path {self.path}"})
             self._answer(fn, args)
 
         def do_GET(self):
+            if self.path == "/metrics":  # (the cluster's whole-GPU fragmentation: cgpud.k8s.score)
+                body = score.exposition(state)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                return self.wfile.write(body)
             if self.path == f"{PREFIX}/inspect":
                 return self._answer(inspect, None)
             if self.path.startswith(f"{PREFIX}/inspect/"):
@@ -293,12 +318,12 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
     return Server((host, port), Handler)
 
 
-def main(addr: str) -> None:
+def main(addr: str, placement: str = "binpack") -> None:
     from cgpud.k8s.api import connect
 
     host, _, port = addr.rpartition(":")
     api, raw = connect("cgpu-scheduler-extender")
-    state = State(api, raw).start()  # (the first LIST: an API server that refuses us is said now, at start)
+    state = State(api, raw, placement).start()  # (the first LIST: an API server that refuses us is said now, at start)
     server = make_server(state, host or "0.0.0.0", int(port))
     log.info("scheduler extender on http://%s:%d%s", *server.server_address[:2], PREFIX)
     try:

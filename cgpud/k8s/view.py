@@ -19,6 +19,9 @@ from cgpud.k8s.informer import Informer
 # ours, on the Node: the choices binds made on it recently, {pod uid: [GPU indices "0,1", units per GPU, unix time]}
 ASSUMED = "cgpu.aliyun.com/gpu-mem-assumed"
 ASSUMED_SECONDS = 60.0  # a choice stays on the node this long: by then every replica's watch shows its pod
+# prioritize's best node for a pod counts the pod there until its bind comes (kube-scheduler binds after
+# it has scheduled the next pods) or this long: a burst's next pod sees it (cgpud.k8s.score)
+NOMINATED_SECONDS = 5.0
 
 
 class BadRequest(ValueError):
@@ -28,7 +31,7 @@ class BadRequest(ValueError):
 class Pod:
     """What the extender keeps of a pod asking for gpu-mem."""
 
-    __slots__ = ("uid", "node", "gpus", "need", "count", "live", "key", "core")
+    __slots__ = ("uid", "node", "gpus", "need", "count", "live", "key", "core", "placement")
 
     def __init__(self, obj: dict) -> None:
         meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
@@ -44,6 +47,10 @@ class Pod:
         gpus = cluster.pod_gpus(obj)
         self.gpus = tuple(gpus) if gpus else ()
         self.live = cluster.holds_gpu(obj)
+        try:
+            self.placement = cluster.pod_placement(obj)  # its own binpack/spread, or None (the node's label)
+        except ValueError:
+            self.placement = None  # (the filter refuses such a pod: it is never bound by us)
 
     @property
     def counted(self) -> bool:
@@ -62,7 +69,7 @@ class Node:
     and (computed when asked after a change) each GPU's free units."""
 
     __slots__ = ("name", "units", "strategy", "address", "version", "assumed", "free", "desc", "why", "until",
-                 "unhealthy", "core_free")
+                 "unhealthy", "core_free", "whole", "asc", "partly", "partly_free", "total_free", "serving", "total")
 
     def __init__(self, obj: dict) -> None:
         meta = obj.get("metadata") or {}
@@ -80,6 +87,12 @@ class Node:
         self.why = ""
         self.until = 0.0  # free counts recent choices until then
         self.core_free: list[int] = []  # core_mem: each GPU's compute percentage not asked by its pods
+        # (with free, for prioritize and the fragmentation metrics: cgpud.k8s.score) free units, least
+        # first; GPUs in service with nothing on them; partly used ones and their free units; all free units
+        self.asc: list[int] = []
+        self.whole = self.partly = self.partly_free = self.total_free = 0
+        self.serving = sum(1 for i, u in enumerate(self.units) if u and i not in self.unhealthy)  # GPUs in service
+        self.total = sum(self.units)
 
 
 def parse_assumed(raw) -> dict[str, tuple[tuple[int, ...], int, float]]:
@@ -107,8 +120,9 @@ class State:
     """Nodes and pods, LISTed once and then WATCHed (cgpud.k8s.informer); per node, the pods on
     its GPUs. Filter and inspect read it under `lock`; the watches write it."""
 
-    def __init__(self, api, raw=None) -> None:
+    def __init__(self, api, raw=None, placement: str = "binpack") -> None:
         self.api, self.raw = api, raw
+        self.placement = placement  # across nodes, for pods that name none (cgpud.k8s.score)
         self.lock = threading.Lock()
         self.nodes: dict[str, Node] = {}
         self.pods: dict[tuple[str, str], Pod] = {}  # pods asking gpu-mem, by (namespace, name)
@@ -116,6 +130,9 @@ class State:
         self.on_node: dict[str, dict[tuple[str, str], Pod]] = {}  # node -> the pods counted on its GPUs
         self.assumed_on: dict[str, str] = {}  # pod uid -> the node whose recent choices name it
         self.gone: dict[str, float] = {}  # pod uid -> when it was deleted (its choice no longer counts)
+        # prioritize's best node for pods not bound yet: node -> {pod uid: (GPUs, units per GPU, %, time)}
+        self.nominated: dict[str, dict[str, tuple[tuple[int, ...], int, int, float]]] = {}
+        self.nominee: dict[str, str] = {}  # pod uid -> the node it is nominated to
         self.node_locks: dict[str, threading.Lock] = {}
         self.informers = {
             "nodes": Informer("nodes", api.list_node, self._replace_nodes, self._node_event),
@@ -174,6 +191,8 @@ class State:
             old = self.pods.pop(pod.key, None)
             if kind == "DELETED":
                 self._gone(pod.uid)
+            if pod.node or kind == "DELETED":
+                self.unnominate(pod.uid)  # (bound: its node counts it now)
             if old is not None:
                 self.uids.pop(old.uid, None)
                 if old.counted:
@@ -188,6 +207,24 @@ class State:
                     self._changed(pod.node)
                 self._changed(self.assumed_on.get(pod.uid))
 
+    def nominate(self, uid: str, node: str, gpus: tuple[int, ...], per: int, core: int, now: float) -> None:
+        """Count the pod on `node` until its bind (or NOMINATED_SECONDS). (Under the lock.)"""
+        self.unnominate(uid)
+        if len(self.nominee) > 4096:  # (pods scheduled elsewhere, never bound by us: forget the old)
+            for old in [u for n in self.nominated.values() for u, e in n.items() if now - e[3] > NOMINATED_SECONDS]:
+                self.unnominate(old)
+        self.nominated.setdefault(node, {})[uid] = (gpus, per, core, now)
+        self.nominee[uid] = node
+        self._changed(node)
+
+    def unnominate(self, uid: str) -> None:
+        node = self.nominee.pop(uid, None)
+        if node is not None:
+            self.nominated[node].pop(uid, None)
+            if not self.nominated[node]:
+                del self.nominated[node]
+            self._changed(node)
+
     def _gone(self, uid: str) -> None:
         now = time.time()
         self.gone[uid] = now
@@ -201,7 +238,8 @@ class State:
 
     def free_units(self, node: Node, now: float) -> list[int]:
         """Each GPU's free units: its size less its pods' units less the recent choices of binds whose
-        pods the watch has not shown on a GPU yet. (Under the lock.)"""
+        pods the watch has not shown on a GPU yet, less the pods prioritize nominated here that are not
+        bound yet. (Under the lock.)"""
         if node.free is not None and now < node.until:
             return node.free
         used = [0] * len(node.units)
@@ -211,8 +249,16 @@ class State:
                 if i < len(used):
                     used[i] += pod.need // len(pod.gpus)
                     core[i] += pod.core
-        node.core_free = [100 - c for c in core]
         until = float("inf")
+        for uid, (gpus, per, pct, at) in self.nominated.get(node.name, {}).items():
+            if now - at > NOMINATED_SECONDS or uid in self.gone:
+                continue
+            until = min(until, at + NOMINATED_SECONDS)
+            for i in gpus:
+                if i < len(used):
+                    used[i] += per
+                    core[i] += pct
+        node.core_free = [100 - c for c in core]
         for uid, (gpus, per, at) in node.assumed.items():
             if now - at > ASSUMED_SECONDS or uid in self.gone:
                 continue
@@ -226,6 +272,15 @@ class State:
                     used[i] += per
         node.free = [0 if i in node.unhealthy else u - x for i, (u, x) in enumerate(zip(node.units, used))]
         node.desc = sorted(node.free, reverse=True)
+        node.asc = node.desc[::-1]
+        node.whole = node.partly = node.partly_free = 0
+        for i, (f, u, c) in enumerate(zip(node.free, node.units, node.core_free)):
+            if f == u and c == 100:
+                node.whole += u > 0
+            elif f > 0:
+                node.partly += 1
+                node.partly_free += f
+        node.total_free = sum(node.free)
         node.until, node.why = until, ""
         return node.free
 
@@ -240,6 +295,19 @@ class State:
     def node_lock(self, name: str) -> threading.Lock:
         with self.lock:
             return self.node_locks.setdefault(name, threading.Lock())
+
+
+def asked(args: dict) -> tuple[dict, list, list]:
+    """ExtenderArgs' pod, the names of its candidate nodes, and their objects (the Nodes form: a
+    scheduler not node-cache-capable sends them whole)."""
+    pod = args.get("Pod") or args.get("pod")
+    if not isinstance(pod, dict):
+        raise BadRequest("ExtenderArgs has no Pod")
+    names = args.get("NodeNames") or args.get("nodenames")
+    items = ((args.get("Nodes") or args.get("nodes") or {}).get("items")) or []
+    if names is None:
+        names = [(n.get("metadata") or {}).get("name") for n in items]
+    return pod, names, items
 
 
 def gpu_count(pod: dict) -> int:
