@@ -89,7 +89,8 @@ def test_what_is_rendered():
         ("Role", "cgpu-node-keeper"), ("RoleBinding", "cgpu-node-keeper"),
         ("DaemonSet", "cgpu-scheduler-extender"), ("RuntimeClass", "cgpu"), ("DaemonSet", "cgpu-mps-control"),
         ("ClusterRole", "cgpu-metrics-auth"), ("ClusterRoleBinding", "cgpu-metrics-auth"),
-        ("ClusterRole", "cgpu-metrics-reader"), ("Service", "cgpud-metrics")])
+        ("ClusterRole", "cgpu-metrics-reader"), ("Service", "cgpud-metrics"),
+        ("ValidatingAdmissionPolicy", "cgpu-runtime-class"), ("ValidatingAdmissionPolicyBinding", "cgpu-runtime-class")])
 
 
 def test_the_checker_sees_an_unknown_or_misspelt_field(tmp_path):
@@ -250,7 +251,8 @@ def test_the_containerd_settings_are_what_runtime_config_writes(name, version):
     for key in hostconfig.split_dotted(path):
         node = node[key]
     assert node == {"default_runtime_name": "cgpu", "runtimes": {"cgpu": {
-        "runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": "/usr/local/bin/cgpu-runtime"}}}}
+        "runtime_type": "io.containerd.runc.v2", "container_annotations": ["cgpu.aliyun.com/allocation-*"],
+        "options": {"BinaryName": "/usr/local/bin/cgpu-runtime"}}}}
     want = tomllib.loads(hostconfig.containerd(f"version = {version}\n", default=True))
     assert tomllib.loads(text) == want
 
@@ -286,7 +288,9 @@ def test_the_dra_component_renders_models_with_no_unknown_field(tmp_path):
         ("MutatingWebhookConfiguration", "cgpu-dra-webhook"), ("ValidatingAdmissionPolicy", "cgpu-gpu-core-percentage"),
         ("ValidatingAdmissionPolicyBinding", "cgpu-gpu-core-percentage"),
         ("ClusterRole", "cgpu-metrics-auth"), ("ClusterRoleBinding", "cgpu-metrics-auth"),
-        ("ClusterRole", "cgpu-metrics-reader"), ("Service", "cgpud-metrics")])  # no extender
+        ("ClusterRole", "cgpu-metrics-reader"), ("Service", "cgpud-metrics"),
+        ("ValidatingAdmissionPolicy", "cgpu-runtime-class"),
+        ("ValidatingAdmissionPolicyBinding", "cgpu-runtime-class")])  # no extender
     for doc in docs:
         assert unknown(doc, KINDS[doc["kind"]], doc["kind"]) == [], doc["kind"]
 
