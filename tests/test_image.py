@@ -1,9 +1,9 @@
 """The DaemonSet's image builds here and its containers run from it (issue 21).
 
 `scripts/build-image.sh` builds deploy/kubernetes/Containerfile with podman from
-a Debian 12 base made here by debootstrap (imported under the Containerfile's
-base name; podman's own storage keeps it and the build's layers, so a second
-run takes seconds). Then the DaemonSet's containers, with the commands and
+a Debian 12 base made here by debootstrap (imported, slimmed, as
+localhost/cgpud-base:bookworm-slim-<arch>; podman's own storage keeps it and the
+build's layers, so a second run takes seconds). Then the DaemonSet's containers, with the commands and
 environment the rendered kustomization gives them:
 
 - the init container (`cgpu node install --host-root /host`) against a
