@@ -42,15 +42,16 @@ def build(tag: str, arch: str, *options: str, cwd: Path = ROOT) -> float:
     return time.monotonic() - start
 
 
-def tree(into: Path, ref: str | None) -> Path:
-    """The tree at REF (git archive), or this one's tracked files as they are now (ref None)."""
+def tree(into: Path, ref: str | None, cold: bool = True) -> Path:
+    """The tree at REF (git archive), or this one's tracked files as they are now (ref None); with
+    cold, REF's build-image.sh builds from nothing."""
     if ref is not None:
         archive = subprocess.run(["git", "archive", ref], cwd=ROOT, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
         # (the old script has no --no-cache: its podman build is given it here)
         script = into / "scripts" / "build-image.sh"
         text = script.read_text()
-        if "--no-cache)" not in text:
+        if cold and "--no-cache)" not in text:
             script.write_text(text.replace("podman build --pull=never", "podman build --no-cache --pull=never"))
         return into
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
