@@ -84,7 +84,7 @@ def main() -> None:
     if args.old_ref:
         from image import build, remove, tree
 
-        old_tag = f"localhost/cgpud-bench-helm-old-{os.getpid()}"
+        old_tag = f"localhost/cgpud-bench-helm-old:{os.getpid()}"  # (name:tag: the node's overlay splits it)
         with tempfile.TemporaryDirectory(prefix="cgpud-bench-helm-old-") as tmp:
             build(old_tag, "amd64", cwd=tree(Path(tmp), args.old_ref, cold=False))
         old_image = f"{old_tag}-amd64"
