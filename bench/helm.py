@@ -10,9 +10,12 @@ controller; the NVML stand-in's T4). The device-plugin path both times; each on 
 
 Each: seconds from the command's start to the command's return, and to a pod asking
 `aliyun.com/gpu-mem: 3` (made right after) Running. With --runs N the two take turns and each time is
-the median (min–max).
+the median (min–max). With --old-ref REF (issue 48), `helm install` also of the image the tree at REF
+builds (bench/image.py: its own build-image.sh), on a node of its own: the new image against the old.
+The image is imported into the node's containerd before each install (tests/test_cluster_daemonset.py's
+Node), so what a node's pull costs is bench/image.py's `podman save` figure, not in these.
 
-    .venv/bin/python bench/helm.py [--runs 1]
+    .venv/bin/python bench/helm.py [--runs 1] [--old-ref 555a060]
 """
 from __future__ import annotations
 
@@ -73,18 +76,38 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--old-ref", help="also helm install the image of the tree at this commit")
     args = ap.parse_args()
     image = build_image()
     runs: dict[str, list[dict]] = {"helm": [], "kustomize": []}
-    for _ in range(args.runs):
-        for how in runs:
-            runs[how].append(one(image, how))
+    old_image, old_runs = None, []
+    if args.old_ref:
+        from image import build, remove, tree
+
+        old_tag = f"localhost/cgpud-bench-helm-old:{os.getpid()}"  # (name:tag: the node's overlay splits it)
+        with tempfile.TemporaryDirectory(prefix="cgpud-bench-helm-old-") as tmp:
+            build(old_tag, "amd64", cwd=tree(Path(tmp), args.old_ref, cold=False))
+        old_image = f"{old_tag}-amd64"
+    try:
+        for _ in range(args.runs):
+            for how in runs:
+                runs[how].append(one(image, how))
+            if old_image:
+                old_runs.append(one(old_image, "helm"))
+    finally:
+        if old_image:
+            remove(old_tag, ["amd64"])
     print(f"the device-plugin path on one node, {args.runs} run(s) each (median), "
           f"load average {os.getloadavg()[0]:.1f}:")
     print(f"  {'':44} {'helm install (min–max)':>24}   kubectl apply -k (reference)")
     for label, key in (("the command returned", "returned"), ("first GPU pod Running (gpu-mem 3)", "running")):
         h, k = ((statistics.median(x := [r[key] for r in runs[how]]), min(x), max(x)) for how in ("helm", "kustomize"))
         print(f"  {label:44} {h[0]:9.1f} s ({h[1]:.1f}–{h[2]:.1f})   {k[0]:.1f} s ({k[1]:.1f}–{k[2]:.1f})")
+    if old_runs:
+        print(f"helm install of the image of {args.old_ref} (the reference), same run, median (min–max):")
+        for label, key in (("the command returned", "returned"), ("first GPU pod Running (gpu-mem 3)", "running")):
+            x = [r[key] for r in old_runs]
+            print(f"  {label:44} {statistics.median(x):9.1f} s ({min(x):.1f}–{max(x):.1f})")
 
 
 if __name__ == "__main__":
