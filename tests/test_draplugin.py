@@ -690,6 +690,8 @@ def test_a_server_that_drops_or_rewrites_fields_gets_the_slices_once_not_for_eve
     d, api, dirs, kubelet, _, _ = plugin
 
     def gate_off(body: dict) -> None:
+        if body["metadata"]["name"].endswith("-probe"):
+            return  # (the plugin's probe at start saw the gate on: a server whose gate went off after, a downgrade)
         for dev in body["spec"].get("devices") or ():
             dev.pop("allowMultipleAllocations", None)
             for cap in (dev.get("capacity") or {}).values():

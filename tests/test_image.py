@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 import cgpud
 from nvml_stub import T4_TOTAL, NvmlStub, StubGpu
@@ -127,7 +128,15 @@ def test_the_init_container_sets_a_containerd_2_host_up_from_the_image(image, tm
 
 def test_the_daemon_container_on_a_node_with_no_driver_says_so_in_one_line(image, tmp_path):
     (tmp_path / "host/usr/lib").mkdir(parents=True)
-    r = podman_run(image, node_pod()["cgpud"], "-v", f"{tmp_path / 'host'}:/host:ro")
+    # (the DaemonSet's --metrics-auth kubernetes asks for an API server's configuration first, which a
+    # pod has from its service account: here a kubeconfig naming one, never reached)
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    r = podman_run(image, node_pod()["cgpud"], "-v", f"{tmp_path / 'host'}:/host:ro",
+                   "-v", f"{tmp_path / 'kubeconfig'}:/kubeconfig:ro", "-e", "KUBECONFIG=/kubeconfig")
     assert r.returncode == 1
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("Error: NVML not available: "), r.stderr
     assert "nor below --driver-root /host" in r.stderr

@@ -129,7 +129,8 @@ def test_install_script_stages_the_unit_links_and_hooks(tmp_path):
                                                         "cgpu": {"path": "/usr/local/bin/cgpu-runtime"}}}
     toml = tomllib.loads((tmp_path / "etc/containerd/config.toml").read_text())
     runtime = toml["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["cgpu"]
-    assert runtime == {"runtime_type": "io.containerd.runc.v2", "options": {"BinaryName": "/usr/local/bin/cgpu-runtime"}}
+    assert runtime == {"runtime_type": "io.containerd.runc.v2", "container_annotations": ["cgpu.aliyun.com/allocation-*"],
+                       "options": {"BinaryName": "/usr/local/bin/cgpu-runtime"}}
     again = subprocess.run([str(ROOT / "scripts" / "install-service.sh")], env=env, capture_output=True, text=True,
                            timeout=60)
     assert again.returncode == 0 and "set already" in again.stdout, again.stderr

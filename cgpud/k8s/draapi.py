@@ -7,7 +7,6 @@ import logging
 import threading
 
 from cgpud.k8s import dra
-from cgpud.k8s.api import one_line
 
 log = logging.getLogger("cgpud.k8s")
 

@@ -39,10 +39,10 @@ from concurrent import futures
 
 import grpc
 
-from cgpud.k8s import dra, draserved
+from cgpud.k8s import dra, draserved, modes
 from cgpud.k8s.api import one_line
-from cgpud.k8s.draapi import API_TIMEOUT, Api  # noqa: F401 - (draplugin.Api, as the tests and bench name it)
-from cgpud.k8s.dranode import REFRESH, Modes, Node  # noqa: F401 - (likewise)
+from cgpud.k8s.draapi import Api  # noqa: F401 - (draplugin.Api, as the tests and bench name it)
+from cgpud.k8s.dranode import Modes, Node  # noqa: F401 - (likewise)
 from cgpud.k8s.proto import dra_pb2 as pb
 from cgpud.k8s.proto import dra_pb2_grpc as rpc
 from cgpud.k8s.proto import pluginregistration_pb2 as regpb
