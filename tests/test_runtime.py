@@ -306,3 +306,30 @@ def test_runtime_config_refuses_a_wrapper_that_is_not_there(tmp_path, engine):
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
     assert "is not there" in r.stderr and "make install-hooks" in r.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize("bounding, args, starts", [
+    (["CAP_CHOWN", "CAP_SYS_ADMIN"], ["cgpud", "serve"], True),  # privileged: cgpud's own DaemonSet pod
+    (["CAP_CHOWN"], ["sh", "-c", "echo", "CAP_SYS_ADMIN"], False),  # the string in its args is no privilege
+])
+def test_a_privileged_kubernetes_container_naming_all_gpus_starts_before_the_daemon_answers(
+        tmp_path, fake_runtime, bounding, args, starts):
+    """Issue 44's narrowing asks the daemon of every Kubernetes container naming NVIDIA_VISIBLE_DEVICES, and
+    one that cannot be reached fails the start closed; but a privileged container's value is believed (as
+    nvidia-container-toolkit does), and cgpud's own DaemonSet pod names `all` and is restarted before the
+    daemon (itself) answers: a helm upgrade's restart failed "cgpud is not running" for ever. Privilege is
+    read from process.capabilities.bounding alone, never from a string anywhere in the spec."""
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "config.json").write_text(json.dumps({"ociVersion": "1.0.2", "process": {
+        "args": args, "env": ["PATH=/bin", "NVIDIA_VISIBLE_DEVICES=all"],
+        "capabilities": {"bounding": bounding, "effective": bounding}},
+        "annotations": {"io.kubernetes.cri.container-type": "container"}}))
+    cmd = [*SHIM_ARGS, "create", "--bundle", os.fspath(b), "d" * 64]
+    r = run_wrapper(cmd, tmp_path, fake_runtime, tmp_path / "no-daemon.sock")
+    if starts:
+        assert r.returncode == 0 and calls(tmp_path) == [cmd], r.stderr
+    else:
+        assert r.returncode != 0 and "cgpud is not running" in r.stderr and calls(tmp_path) == [], r.stderr
+    from cgpud.containers.hook import may_ask
+    assert may_ask(os.fspath(b)) is (not starts)

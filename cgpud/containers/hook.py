@@ -40,7 +40,8 @@ MAX_CONFIG = 4 << 20  # as cgpud/containers/hookd.py
 MARK = b"ALIYUN_COM_GPU_MEM_CONTAINER="
 # (as native/common/cgpu.c: a Kubernetes container naming any of these is the daemon's to read)
 KUBE, K8S_MARKS = b"io.kubernetes.cri.container-type", (b"ALIYUN_COM_GPU_", b"CGPU_DISABLE=",
-                                                        b"NVIDIA_VISIBLE_DEVICES=", b"cgpu.aliyun.com/allocation-")
+                                                        b"cgpu.aliyun.com/allocation-")
+NVD = b"NVIDIA_VISIBLE_DEVICES="  # (... unless privileged: its value believed, cgpud's own DaemonSet pod's)
 
 
 def may_ask(bundle) -> bool:
@@ -68,7 +69,19 @@ def may_ask(bundle) -> bool:
         return True
     finally:
         os.close(fd)
-    return len(data) > MAX_CONFIG or MARK in data or (KUBE in data and any(m in data for m in K8S_MARKS))
+    if len(data) > MAX_CONFIG or MARK in data:
+        return True
+    if KUBE not in data:
+        return False
+    if any(m in data for m in K8S_MARKS):
+        return True
+    if NVD not in data:
+        return False
+    from cgpud.containers.allotted import privileged
+    try:
+        return not privileged(json.loads(data))
+    except ValueError:
+        return True
 
 
 def _passthrough() -> bool:

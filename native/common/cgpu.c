@@ -25,8 +25,11 @@ static const char MARK[] = "ALIYUN_COM_GPU_MEM_CONTAINER=";
  * names any of K8S_MARKS is the daemon's to read too, as the kubelet allotted it
  * (cgpud/containers/allotted.py): a contract variable its pod set fails it, GPUs it names are narrowed. */
 static const char KUBE[] = "io.kubernetes.cri.container-type";
-static const char *const K8S_MARKS[] = {"ALIYUN_COM_GPU_", "CGPU_DISABLE=", "NVIDIA_VISIBLE_DEVICES=",
-                                        "cgpu.aliyun.com/allocation-", NULL};
+static const char *const K8S_MARKS[] = {"ALIYUN_COM_GPU_", "CGPU_DISABLE=", "cgpu.aliyun.com/allocation-", NULL};
+/* ... and NVIDIA_VISIBLE_DEVICES, but for a privileged container, whose value is believed (as
+ * nvidia-container-toolkit does; allotted.py privileged): cgpud's own DaemonSet pod names `all` and
+ * starts before the daemon answers (asked, a restart of it failed closed: "cgpud is not running"). */
+static const char NVD[] = "NVIDIA_VISIBLE_DEVICES=";
 
 /* ---- output: one line ------------------------------------------------------ */
 
@@ -247,8 +250,25 @@ int jobject(const char *text, size_t n, struct member *want, int nwant, const ch
 
 /* ---- the shortcut: can this container ask at all? ---------------------------- */
 
+/* Whether config.json's process.capabilities.bounding names CAP_SYS_ADMIN: privileged, or granted it
+ * (read from that array alone: a tenant writes the same string in its args or environment freely). */
+static int privileged_spec(const char *buf, size_t len)
+{
+    static const char *const path[] = {"process", "capabilities", "bounding"};
+    static const char CAP[] = "\"CAP_SYS_ADMIN\"";
+    const char *p = buf, *e = buf + len, *s, *t;
+    for (int i = 0; i < 3; i++) {
+        struct member m = {path[i], NULL, 0, 0, NULL, NULL};
+        if (jobject(p, (size_t)(e - p), &m, 1, &s, &t) || !m.raw)
+            return 0;
+        p = m.raw;
+        e = m.raw_end;
+    }
+    return memmem(p, (size_t)(e - p), CAP, sizeof CAP - 1) != NULL;
+}
+
 /* 0: config.json was read whole and does not name the variable (nor, in a Kubernetes container, any
- * of K8S_MARKS); 1 otherwise. */
+ * of K8S_MARKS, nor NVIDIA_VISIBLE_DEVICES unless it is privileged); 1 otherwise. */
 int may_ask(const char *bundle)
 {
     char path[PATH_MAX];
@@ -277,9 +297,12 @@ int may_ask(const char *bundle)
     }
     close(fd);
     int asks = !ok || len > MAX_CONFIG || memmem(buf, len, MARK, sizeof MARK - 1) != NULL;
-    if (!asks && memmem(buf, len, KUBE, sizeof KUBE - 1))
+    if (!asks && memmem(buf, len, KUBE, sizeof KUBE - 1)) {
         for (int i = 0; K8S_MARKS[i] && !asks; i++)
             asks = memmem(buf, len, K8S_MARKS[i], strlen(K8S_MARKS[i])) != NULL;
+        if (!asks && memmem(buf, len, NVD, sizeof NVD - 1))
+            asks = !privileged_spec(buf, len);
+    }
     free(buf);
     return asks;
 }
