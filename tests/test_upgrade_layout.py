@@ -110,6 +110,10 @@ def test_hot_upgrade_from_the_flat_layout(make_daemon, subreaper, tmp_path, monk
 
         wait_for(scheduled, 10, "freezes and thaws by the new daemon")
         wait_for(lambda: frozen(group), 10, "the workload frozen again, by the new code")
+        # (the new daemon's memory watch reads the workload's page at its first look after the takeover: a
+        # snapshot before it showed meminfo without the process, once in a loaded full run)
+        wait_for(lambda: "PID:" in open(d.path(f"0/{run_name}/meminfo")).read(), 15,
+                 "the workload's memory, seen by the new daemon")
         after = d.snapshot()
     finally:
         out, err = run.communicate(timeout=60)
