@@ -313,7 +313,9 @@ class Takeover:
             raise UpgradeError(f"unexpected message from the old daemon: {msg.get('op')!r}")
         self.go = msg
         self.fuse_fd, self.listen_fd = fds[0], fds[1]
-        self.adopted = []
+        # (a daemon of before issue 44 sends its connections in `go` itself; ours in batches after it)
+        self.adopted = [Adopted(fd=fd, **{**c, "buf": c["buf"].encode("latin-1")})
+                        for fd, c in zip(fds[2:], msg["control"].get("conns") or ())]
         for _ in range(msg.get("conn_batches", 0)):  # (the connections, in batches: cgpud.daemon.handconns)
             more, conn_fds = await receive(self.sock, SERVING_TIMEOUT)
             if more.get("op") != "conns" or len(conn_fds) != len(more["conns"]):
