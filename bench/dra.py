@@ -396,7 +396,7 @@ def layout_figures(c, n: int, pods: int, burst: int) -> None:
     gpus = [dra.Gpu(g, f"GPU-h100-{g}", "NVIDIA H100 80GB HBM3", H100) for g in range(8)]
     unit = 128 * MIB
     layouts = {"old": old_slices("x", gpus, unit), "new": dra.resource_slices("x", gpus, unit)}
-    print(f"the layout, a node of 8 × 80 GiB H100s at 128 MiB (and at 1 GiB):")
+    print("the layout, a node of 8 × 80 GiB H100s at 128 MiB (and at 1 GiB):")
     for name, slices in layouts.items():
         at_gib = old_slices("x", gpus, GIB) if name == "old" else dra.resource_slices("x", gpus, GIB)
         devices = sum(len(x["spec"].get("devices", [])) for x in slices)
