@@ -59,12 +59,24 @@ void contexts_forked(void);
 
 /* ---- gang.c ---- */
 /* Threads of this process inside a launch now: [0] on the container's gate, [1 + k] on GPU k's. */
-extern unsigned launching[1 + CGPU_MAX_GPUS];
-const uint32_t *gate_word(int k);
-uint32_t gate_value(int k);
+extern unsigned launching[1 + CGPU_MAX_GPUS];  /* (those of threads with no record: threads.c) */
+int launches_in_flight(int k);  /* a thread of the process is inside a launch on page GPU k */
+/* The gate a launch on page GPU `k` waits at (-1: the container's), and its value. */
+static inline const uint32_t *gate_word(int k)
+{
+    return k >= 0 ? &limits->gpu_gate[k] : &limits->gate;
+}
+static inline uint32_t gate_value(int k)
+{
+    return __atomic_load_n(gate_word(k), __ATOMIC_SEQ_CST);
+}
 void futex_wake_all(const uint32_t *word);
 void futex_wait_on(const uint32_t *word, uint32_t seen);
-int ganged(void);
+extern int gang_on;
+static inline int ganged(void)  /* (gang.c) */
+{
+    return __atomic_load_n(&gang_on, __ATOMIC_RELAXED);
+}
 void gang_init(void);             /* CGPU_GANG (at the first launch) */
 int gang_pass(int k);             /* a launch on GPU k may pass the gang's gates now (counted) */
 int gang_catching_up(void);       /* the helper answers a closing: catch-up allowed */
