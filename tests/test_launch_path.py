@@ -177,3 +177,11 @@ def test_a_launch_is_not_held_up_by_an_allocation_growing_the_table(held_client,
     libs, client = held_client
     assert run_held(libs, client, tmp_path, "table", os.fspath(libs / "calloc_hold.so")) == "done before-go"
 
+
+def test_a_stream_ordered_allocation_is_not_held_up_by_another_inside_the_driver(held_client, tmp_path):
+    """One thread's cuMemAllocAsync grows the default pool and is held inside the driver (the
+    stand-in pauses after it took the card's pages); meanwhile another thread's cuMemAllocAsync
+    takes 2 MiB of what the pool keeps. On main pool_lock was held across the driver's call: the
+    second allocation waited for the first ("done after-go")."""
+    libs, client = held_client
+    assert run_held(libs, client, tmp_path, "pool", "") == "done before-go"
