@@ -129,7 +129,6 @@ static int caught_up(void)
  * closed counts its GPU only once it returns: only then are the counts to compare). */
 static int settled(uint32_t on)
 {
-    threads_fence();
     for (uint32_t j = 0; j < limits->ngpus; j++)
         if (on & (1u << j) && launches_in_flight((int)j))
             return 0;
@@ -200,6 +199,8 @@ void gang_catch_up(uint32_t on, int64_t deadline)
         for (uint32_t k = 0; k < CGPU_MAX_GPUS; k++)
             __atomic_store_n(&my_gang->base[k], __atomic_load_n(&my_gang->launched[k], __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST);
     memset(catch_up_used, 0, sizeof catch_up_used);
+    threads_fence();  /* (the records as of the closing; what a launch let through since stores is seen within
+                       * the loop's looks, and the drain's own fence sees every one before it waits) */
     __atomic_store_n(&catch_up_open, 1, __ATOMIC_SEQ_CST);
     int64_t start = mono_ns(), now = start, woke = 0;
     int64_t until = start + GANG_WAIT_NS < deadline ? start + GANG_WAIT_NS : deadline;
