@@ -16,6 +16,8 @@ costs and how well it shares, against the stand-in libcuda.so.1 in the same run.
    reference (issue 45, item 10: no process-wide lock on the launch path;
    goal <= 40 ns added open, no growth with threads); and what the stand-in's
    cuCtxGetCurrent alone costs (the one driver call libcgpu adds).
+1c. The same in instructions per launch, gate open (valgrind's callgrind,
+   where it is installed): what the machine's load does not move.
 2. Gate opened -> a waiting launch proceeds: the gate driven as the daemon
    drives it (the GPU's switcher thread, libcgpu-switch.so); the time from just
    before it opens to the start of the first kernel the stand-in logs after it.
@@ -275,8 +277,10 @@ def launch_cost(tmp: Path, n: int, rounds: int, refs: dict[str, Path] | None = N
     by 1 thread and by 4 at once. With `refs`, the same with those libcgpus, interleaved: what ours
     adds against them. Each figure is a median over the rounds; 1b's are the threads' CPU time per
     launch (wall time with more threads than free cores measures the machine's scheduler)."""
+    # (the stand-in alone with the same environment's names: its launch reads the environment with getenv, whose
+    # cost grows with the entries before a match: two more entries cost it ~90 instructions a launch)
     base = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": str(tmp), "CGPU_STUB_CUDA_FAST": "1",
-            "CGPU_STUB_CUDA_STATE": str(tmp / "card1")}
+            "CGPU_STUB_CUDA_STATE": str(tmp / "card1"), "LD_PRELOAD": "", "CGPU_PAGE_DIR": str(tmp / "none")}
     libs = {"this": tmp / "libcgpu.so", **(refs or {})}
     runs = {("stand-in", "-"): base}
     for rev, lib in libs.items():  # (each its own pages: one libcgpu's slots are its)
@@ -313,6 +317,7 @@ def launch_cost(tmp: Path, n: int, rounds: int, refs: dict[str, Path] | None = N
               f"{a['cpu'] - p['cpu']:.1f} / {a['cpu4'] - p['cpu4']:.1f} ns; bounded added {bb['cpu'] - p['cpu']:.1f} / "
               f"{bb['cpu4'] - p['cpu4']:.1f} ns (wall, 4 threads: open {a['wall4']:.1f} ns against the stand-in's "
               f"{p['wall4']:.1f})")
+    instructions(tmp, runs, libs)
     for rev in refs or {}:
         rh, rb = got[(rev, "alone")]["wall"], got[(rev, "bounded")]["wall"]
         held, shared = got[("this", "alone")]["wall"], got[("this", "bounded")]["wall"]
@@ -323,6 +328,31 @@ def launch_cost(tmp: Path, n: int, rounds: int, refs: dict[str, Path] | None = N
               f"difference varies by {spread:.1f} ns (median |ours - {rev}'s|); best rounds: alone {min(held):.1f} vs "
               f"{min(rh):.1f} ns ({min(held) - min(rh):+.1f}), bounded {min(shared):.1f} vs {min(rb):.1f} ns "
               f"({min(shared) - min(rb):+.1f})")
+
+
+def instructions(tmp: Path, runs: dict, libs: dict) -> None:
+    """1c. Instructions per launch, counted by valgrind's callgrind (what no other load on the machine
+    moves): the difference between two runs of the timer, 20 000 and 120 000 launches, over the
+    100 000 more, so what the start costs cancels out; against the stand-in alone, same environment."""
+    if not shutil.which("valgrind"):
+        print("1c. (no valgrind here: instructions per launch not counted)")
+        return
+
+    def per_launch(env: dict, *extra: str) -> float:
+        counts = []
+        for n in (20_000, 120_000):
+            r = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", str(tmp / "timer"),
+                                str(n), "1", *extra], env=env, capture_output=True, text=True, check=True)
+            counts.append(int(r.stderr.split("Collected : ")[1].split()[0]))
+        return (counts[1] - counts[0]) / 100_000
+
+    p = per_launch(runs[("stand-in", "-")])
+    ctx = per_launch(runs[("stand-in", "-")], "ctx")
+    added = {rev: per_launch(runs[(rev, "alone")]) - p for rev in libs}
+    print(f"1c. instructions per launch, gate open (callgrind, 1 thread): stand-in alone {p:.0f}; its cuCtxGetCurrent "
+          f"alone {ctx:.0f}; added " + ", ".join(f"{'this libcgpu' if rev == 'this' else rev + chr(39) + 's'} {a:.0f}"
+                                               for rev, a in added.items())
+          + " (bounded: not counted, its events follow the clock, which valgrind slows tens of times)")
 
 
 def gated_launcher(tmp: Path, tag: str, kernel_us: int, card: str) -> tuple[GateFreezer, subprocess.Popen, Path]:
