@@ -236,8 +236,20 @@ int nvml_ioctl(int fd, unsigned long request, void *arg);  /* ioctl: the kernel 
 
 /* ---- memory.c (cgpu_memory.h: its files) ---- */
 void memory_forked(void);
-/* Before a kernel launch of function `f`: room for its lazy load (CU_OK), else CU_OUT_OF_MEMORY. */
-CUresult lazy_room(void *f);
+/* Before a kernel launch of function `f`: room for its lazy load (CU_OK), else CU_OUT_OF_MEMORY.
+ * A function among the thread's last few launched is let go here (modules.c, "functions launched"). */
+#define CGPU_FN_CACHE 16
+struct cgpu_fn_seen { uint64_t f; unsigned epoch; };
+extern __thread struct cgpu_fn_seen cgpu_fn_cache[CGPU_FN_CACHE] __attribute__((tls_model("initial-exec")));
+extern unsigned cgpu_fn_epoch;
+CUresult lazy_room_slow(void *f);
+static inline CUresult lazy_room(void *f)
+{
+    const struct cgpu_fn_seen *s = &cgpu_fn_cache[(unsigned)((uintptr_t)f >> 4) % CGPU_FN_CACHE];
+    if (f && s->f == (uintptr_t)f && s->epoch == __atomic_load_n(&cgpu_fn_epoch, __ATOMIC_ACQUIRE))
+        return CU_OK;
+    return lazy_room_slow(f);
+}
 #define LAZY_ROOM(f)                     \
     do {                                 \
         CUresult lr_ = lazy_room(f);     \

@@ -210,11 +210,9 @@ static void start_helper(void)
 
 static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
 
-static int helper_asked;  /* (the launch path's one load: pthread_once's call once only) */
-void drain_start_helper(void)
+int helper_asked;  /* (the launch path's one load, cgpu_compute.h: pthread_once's call once only) */
+void drain_start_helper_slow(void)
 {
-    if (__builtin_expect(__atomic_load_n(&helper_asked, __ATOMIC_ACQUIRE), 1))
-        return;
     pthread_once(&helper_once, start_helper);
     __atomic_store_n(&helper_asked, 1, __ATOMIC_RELEASE);
 }

@@ -28,13 +28,10 @@ static inline void in_launch(struct cgpu_thread *t, int k, int on)
 
 /* Pass the gate of page GPU `k` (-1: the container's): on return this thread is inside a launch on
  * k (in_launch) and the gate was open. The thread says it launches on GPU k before it looks at the
- * gate, so a closing either sees it (and waits for it) or stops it. */
-static struct cgpu_thread *gate_enter(int k)
+ * gate, so a closing either sees it (and waits for it) or stops it. The common case (the gate open,
+ * no gang) inline in the launch; a gang, or a closed gate, here. */
+static __attribute__((noinline)) struct cgpu_thread *gate_pass(struct cgpu_thread *t, int k)
 {
-    struct cgpu_thread *t = cgpu_self();
-    drain_start_helper();
-    if (k >= 0 && !(__atomic_load_n(&mine->gpus, __ATOMIC_RELAXED) & (1u << k)))
-        __atomic_fetch_or(&mine->gpus, 1u << k, __ATOMIC_SEQ_CST);
     for (;;) {
         in_launch(t, k, 1);
         uint32_t g = gate_value(k);
@@ -58,6 +55,18 @@ static struct cgpu_thread *gate_enter(int k)
         futex_wait_on(gate_word(k), g);
         __atomic_sub_fetch(&gate_waiting[1 + k], 1, __ATOMIC_SEQ_CST);
     }
+}
+
+static inline struct cgpu_thread *gate_enter(int k)
+{
+    struct cgpu_thread *t = cgpu_self();
+    drain_start_helper();
+    if (k >= 0 && !(__atomic_load_n(&mine->gpus, __ATOMIC_RELAXED) & (1u << k)))
+        __atomic_fetch_or(&mine->gpus, 1u << k, __ATOMIC_SEQ_CST);
+    in_launch(t, k, 1);
+    if (__builtin_expect((k < 0 || !ganged()) && (gate_value(k) & 1), 1))
+        return t;
+    return gate_pass(t, k);
 }
 
 

@@ -481,8 +481,8 @@ CUresult cuCtxSetLimit(int limit, size_t value)
  * reader says which table it reads in its thread's record (a hazard, threads.c) before it reads
  * it, and looks the table up again: a table retired meanwhile is freed only once no record names
  * it (the hazard pointers of Michael, 2004). A reader never waits for a writer's calloc or copy;
- * a miss is looked again under the lock. Each thread also keeps its last FN_CACHE functions seen
- * (an unload forgets them all, fn_epoch): a launch of one of those reads no shared table at all. */
+ * a miss is looked again under the lock. Each thread also keeps its last CGPU_FN_CACHE functions seen
+ * (an unload forgets them all, cgpu_fn_epoch): a launch of one of those reads no shared table at all. */
 struct fn_table {
     size_t cap, n;  /* (cap a power of two; n entries in use) */
     struct fn_slot { uint64_t f, m; } s[];  /* f 0: empty */
@@ -490,9 +490,9 @@ struct fn_table {
 static struct fn_table *launched;  /* (read by launches without a lock) */
 #define RETIRED 64
 static struct fn_table *retired[RETIRED];  /* (modules_lock) tables replaced, a reader maybe on them */
-static unsigned fn_epoch;  /* counts the forgettings: every thread's cache of an older one is stale */
-#define FN_CACHE 16
-static __thread struct { uint64_t f; unsigned epoch; } fn_cache[FN_CACHE] __attribute__((tls_model("initial-exec")));
+/* (cgpu_internal.h: both read first by the launch itself, lazy_room) */
+unsigned cgpu_fn_epoch;  /* counts the forgettings: every thread's cache of an older one is stale */
+__thread struct cgpu_fn_seen cgpu_fn_cache[CGPU_FN_CACHE] __attribute__((tls_model("initial-exec")));
 
 static size_t fn_home(const struct fn_table *t, uint64_t f)
 {
@@ -549,7 +549,7 @@ static void fn_publish(struct fn_table *t)
             retired[i] = old;
             old = NULL;
         }
-    free(old);  /* (no room to keep it: only when 64 retired tables are all still read, never in practice) */
+    (void)old;  /* (no room to keep it, 64 retired tables all still read: left, never freed under a reader) */
     for (int i = 0; i < RETIRED; i++)
         if (retired[i] && !cgpu_hazard(retired[i])) {
             free(retired[i]);
@@ -578,14 +578,14 @@ static void fn_forget(void *m)
     struct fn_table *t = m ? fn_copy(0, (uint64_t)(uintptr_t)m) : NULL;
     if (t)
         fn_publish(t);
-    __atomic_add_fetch(&fn_epoch, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&cgpu_fn_epoch, 1, __ATOMIC_SEQ_CST);
 }
 
 /* Whether f was launched through us before: no lock, no write to a word another thread writes. */
 static int fn_launched(uint64_t f)
 {
-    unsigned epoch = __atomic_load_n(&fn_epoch, __ATOMIC_ACQUIRE), c = (unsigned)(f >> 4) % FN_CACHE;
-    if (fn_cache[c].f == f && fn_cache[c].epoch == epoch)
+    unsigned epoch = __atomic_load_n(&cgpu_fn_epoch, __ATOMIC_ACQUIRE), c = (unsigned)(f >> 4) % CGPU_FN_CACHE;
+    if (cgpu_fn_cache[c].f == f && cgpu_fn_cache[c].epoch == epoch)
         return 1;
     struct cgpu_thread *me = cgpu_self();
     int known;
@@ -603,15 +603,15 @@ static int fn_launched(uint64_t f)
         mod_unlock();
     }
     if (known) {
-        fn_cache[c].f = f;
-        fn_cache[c].epoch = epoch;
+        cgpu_fn_cache[c].f = f;
+        cgpu_fn_cache[c].epoch = epoch;
     }
     return known;
 }
 
 /* Before a kernel launch of `f`: what its first launch may grow the card by must fit (above); the
  * growth measured at the process's next call. */
-CUresult lazy_room(void *f)
+CUresult lazy_room_slow(void *f)
 {
     if (in_driver || !f || !isolated())
         return CU_OK;  /* (not isolated: the launch's own wrapper decides) */
@@ -649,7 +649,7 @@ static void modules_forked(void)
     last_got = 0;
     launched = NULL;  /* (the parent's, and those retired: left, as a reader of the parent's may be on them) */
     memset(retired, 0, sizeof retired);
-    __atomic_add_fetch(&fn_epoch, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&cgpu_fn_epoch, 1, __ATOMIC_SEQ_CST);
     table_drop(&got_fns);
     table_drop(&module_bytes);
 }

@@ -643,20 +643,14 @@ int queue_ready(void)
  * path reads a word the drain alone writes (no line shared by the launching threads' writes). A
  * launch that finds it set while a drain takes it is covered by that drain (its work was queued
  * before it looked). */
-static unsigned long untracked[1 + CGPU_MAX_GPUS];
-
-void queue_untracked(int k)
-{
-    if (!__atomic_load_n(&untracked[1 + k], __ATOMIC_ACQUIRE))
-        __atomic_store_n(&untracked[1 + k], 1, __ATOMIC_SEQ_CST);
-}
+unsigned long queue_loose[1 + CGPU_MAX_GPUS];  /* (set by queue_untracked, cgpu_compute.h) */
 
 /* Whether any launch no queue counted was made on page GPU k (-1: all), taken. */
 unsigned long queue_take_untracked(int k)
 {
     unsigned long loose = 0;
     for (int j = k < 0 ? 0 : 1 + k; j <= (k < 0 ? CGPU_MAX_GPUS : 1 + k); j++)
-        loose += __atomic_exchange_n(&untracked[j], 0, __ATOMIC_SEQ_CST);
+        loose += __atomic_exchange_n(&queue_loose[j], 0, __ATOMIC_SEQ_CST);
     return loose;
 }
 
@@ -743,7 +737,7 @@ void queue_forked(void)
     queue_lock = fresh;
     graphs_lock = fresh;
     memset(graphs, 0, sizeof graphs);  /* (executable graphs are the parent's context's) */
-    memset(untracked, 0, sizeof untracked);
+    memset(queue_loose, 0, sizeof queue_loose);
     memset(queues, 0, sizeof queues);  /* (the parent's streams and events: not the child's) */
     charge_forked();
     my_tid = 0;
