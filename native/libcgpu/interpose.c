@@ -151,6 +151,7 @@ CUresult cuEventSynchronize(void *);
  * forgets what was its parent's (page.c registers this with pthread_atfork when it sets up). */
 static void forked(void)
 {
+    threads_forked();
     nvml_forked();
     gate_forked();
     memory_forked();

@@ -53,8 +53,10 @@ static void alloc_erase(size_t i)  /* backward-shift deletion: no tombstones */
 static size_t nallocs;
 /* CGPU_STUB_ALLOC_PAUSE=<path>: an allocation that has its memory from the card (NVML shows it)
  * makes <path>.in and waits for <path>.go before it returns: a test reads the process as the
- * daemon does while the call is in flight (an allocation straddling a reading). */
-static void paused_inside(void)
+ * daemon does while the call is in flight (an allocation straddling a reading), or sees what
+ * other threads do meanwhile (a stream-ordered allocation that grew its pool pauses so too, the
+ * stand-in's pools unlocked: cuda_pools.c). */
+void stub_alloc_pause(void)
 {
     const char *at = getenv("CGPU_STUB_ALLOC_PAUSE");
     char in[4200], go[4200];
@@ -103,7 +105,7 @@ static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
             pages_for(dev, -(int64_t)size);
             return OUT_OF_MEMORY;
         }
-        paused_inside();
+        stub_alloc_pause();
     }
     size_t i = alloc_slot(next);
     while (allocs[i].ptr)

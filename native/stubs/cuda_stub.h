@@ -126,6 +126,7 @@ HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in th
 HIDDEN int stub_stream_dead(const void *s, const char *call);
 
 /* ---- cuda_pools.c: stream-ordered pools (what they reserve stays on the card up to their release threshold) ---- */
+HIDDEN void stub_alloc_pause(void);  /* CGPU_STUB_ALLOC_PAUSE (cuda_memory.c): a test holds a call in flight */
 HIDDEN CUresult stub_pool_alloc_async(CUdeviceptr *out, size_t size, const void *stream, void *pool);  /* NULL pool: the stream's device's current */
 HIDDEN int stub_pool_free(CUdeviceptr p, CUresult *r);  /* a pool's allocation back to its pool: 1, else 0 */
 HIDDEN void stub_pools_settle(int dev);  /* a synchronization: unused memory above each threshold released */
