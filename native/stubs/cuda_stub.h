@@ -30,7 +30,8 @@ enum {
  *   cuda_pools.c     stream-ordered pools: what they reserve, keep, release
  *   cuda_graphs.c    streams, stream capture and graphs      cuda_modules.c  modules, functions
  *   -------------------------------------------------- the card model ----------------------
- *   cuda_exec.c      the card's executor: queues, time-slicing, events' completion; a launch
+ *   cuda_queues.c    the card's executor, this process's side: its queues, events, a launch
+ *   cuda_exec.c      the card's executor: the shared file, time-slicing, switches (cuda_exec.h)
  *   card.c           the cards, their memory (the state file), this process's driver state
  *   cuda_log.c       the stand-in's logs      cuda_mps.c  the MPS client: its server, pinned limits, threads
  */
@@ -79,7 +80,7 @@ HIDDEN void stub_ctx_kill(int dev);                 /* destroyed (its work waite
 HIDDEN void stub_misuse(const char *call, const char *what);  /* a destroyed handle used */
 enum { STUB_CONTEXT_IS_DESTROYED = 709 };
 
-/* ---- cuda_exec.c: the card's executor (queues per stream, one kernel at a time, time-sliced contexts) ---- */
+/* ---- cuda_queues.c over cuda_exec.c: the card's executor (queues per stream, one kernel at a time, time-sliced contexts) ---- */
 /* a kernel of `us` µs into `stream` (NULL: the legacy stream; 2: the thread's) on card `dev`; blocks
  * only while the stream's queue is full; coll: half of a collective across cards 0 and 1 */
 HIDDEN CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll);
