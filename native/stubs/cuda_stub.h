@@ -29,6 +29,7 @@ enum {
  *   cuda_contexts.c  contexts: each card's primary one, green contexts
  *   cuda_pools.c     stream-ordered pools: what they reserve, keep, release
  *   cuda_graphs.c    streams, stream capture and graphs      cuda_modules.c  modules, functions
+ *   cuda_graphnodes.c  a graph's nodes, the device's graph memory pool (cuda_graph.h)
  *   -------------------------------------------------- the card model ----------------------
  *   cuda_queues.c    the card's executor, this process's side: its queues, events, a launch
  *   cuda_exec.c      the card's executor: the shared file, time-slicing, switches (cuda_exec.h)
@@ -121,6 +122,10 @@ HIDDEN CUresult stub_capture_forbids_context(int dev);
 /* a launch of n kernels into stream s: 1 (and *r) when s captures it, 0 when it is to run */
 HIDDEN int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r);
 HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);
+/* cuMemAllocAsync / cuMemFreeAsync into stream s: 1 (and *r) when s captures it (a graph's memory
+ * node; a free of a graph allocation too), 0 when it is the pools' */
+HIDDEN int stub_capture_alloc(const void *s, size_t size, CUdeviceptr *p, CUresult *r);
+HIDDEN int stub_capture_free(const void *s, CUdeviceptr p, CUresult *r);
 HIDDEN void *stub_graphs_proc(const char *symbol, int version);
 HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in the form of the caller's CUDA version */
 /* a stream object destroyed, or of a destroyed context (said to stub_misuse by `call`) */

@@ -1,0 +1,300 @@
+/*
+ * libcgpu, memory: CUDA graphs' own memory, charged before the driver takes it (issue 45, item 6),
+ * and a graph's nodes counted through its child and conditional graphs (item 9). docs/memory.md,
+ * "Graph memory".
+ *
+ * A graph's allocation nodes (cuGraphAddMemAllocNode, or cuMemAllocAsync captured: PyTorch's
+ * cudaMallocAsync backend under CUDA graphs) take nothing at capture; the driver maps their
+ * physical memory from the device's graph memory pool at instantiation, upload or the first launch
+ * (the CUDA Programming Guide, "Graph Memory Nodes": "CUDA may update physical memory mappings at
+ * any time during graph instantiation, launch, or execution"), and the pool keeps it across
+ * replays and past the graph's destruction until cuDeviceGraphMemTrim. None of it passes an
+ * allocator libcgpu sees: the first replay took GiBs past memsize and the watchdog killed.
+ *
+ * So at instantiation the graph is walked (cuGraphGetNodes, cuGraphNodeGetType; a child graph
+ * node's graph, cuGraphChildGraphNodeGetGraph; a conditional node's bodies, cuGraphNodeGetParams):
+ * its allocation nodes' bytesize (cuGraphMemAllocNodeGetParams), each in the card's 2 MiB pages,
+ * summed, is what the executable graph may map. Per GPU, the pool is charged the larger of what
+ * the driver says it reserves (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT) and what the live executable
+ * graphs may map together: growth beyond what is charged already is held (take()) BEFORE the
+ * driver instantiates, and when it does not fit, after what pools and dead processes gave back,
+ * the instantiation is refused with CUDA_ERROR_OUT_OF_MEMORY (the driver is not asked). Memory the
+ * pool reuses — a graph instantiated after another was destroyed, its pages kept by the pool — is
+ * not charged again. cuGraphExecDestroy and cuDeviceGraphMemTrim settle the charge down to that
+ * larger figure again (the reserved attribute re-read: a trim gives back what no graph holds), and
+ * up (force) when the driver reserved more than foreseen. Graphs launched one after another may
+ * share pages on a real card ("multiple graphs may use the same physical memory ... if they will
+ * not run simultaneously"): that is the driver's option, not a promise, so it is not credited (an
+ * over-charge by what they share, never a kill). The node count replaces cuGraphGetNodes's in the
+ * gate's weight (queue.c, "a graph's weight"): a child graph node counts its graph's nodes, a
+ * conditional node itself and each body's nodes once (a WHILE body's iterations are decided on
+ * the card: counted once, the least it can run when entered).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cgpu_memory.h"
+
+enum { NODE_GRAPH = 4, NODE_MEM_ALLOC = 10, NODE_CONDITIONAL = 13 };
+enum { ATTR_RESERVED_CURRENT = 2 };
+#define DEPTH 16  /* child and conditional graphs nested deeper are not walked (counted as one node) */
+
+static struct {
+    CUresult (*nodes)(void *, void **, size_t *);
+    CUresult (*type)(void *, int *);
+    CUresult (*child)(void *, void **);
+    CUresult (*alloc_params)(void *, void *);
+    CUresult (*params)(void *, void *);
+    CUresult (*attr)(int, int, uint64_t *);
+    CUresult (*trim)(int);
+    CUresult (*upload)(void *, void *);
+    CUresult (*upload_ptsz)(void *, void *);
+    CUresult (*is_capturing)(void *, int *);
+    CUresult (*is_capturing_ptsz)(void *, int *);
+} gd;
+static pthread_once_t gd_once = PTHREAD_ONCE_INIT;
+static void gd_load(void)
+{
+    setup_once();
+    gd.nodes = (CUresult (*)(void *, void **, size_t *))sym("cuGraphGetNodes");
+    gd.type = (CUresult (*)(void *, int *))sym("cuGraphNodeGetType");
+    gd.child = (CUresult (*)(void *, void **))sym("cuGraphChildGraphNodeGetGraph");
+    gd.alloc_params = (CUresult (*)(void *, void *))sym("cuGraphMemAllocNodeGetParams");
+    gd.params = (CUresult (*)(void *, void *))sym("cuGraphNodeGetParams");
+    gd.attr = (CUresult (*)(int, int, uint64_t *))sym("cuDeviceGetGraphMemAttribute");
+    gd.trim = (CUresult (*)(int))sym("cuDeviceGraphMemTrim");
+    gd.upload = (CUresult (*)(void *, void *))sym("cuGraphUpload");
+    gd.upload_ptsz = (CUresult (*)(void *, void *))sym("cuGraphUpload_ptsz");
+    gd.is_capturing = (CUresult (*)(void *, int *))sym("cuStreamIsCapturing");
+    gd.is_capturing_ptsz = (CUresult (*)(void *, int *))sym("cuStreamIsCapturing_ptsz");
+}
+
+/* A stream-ordered allocation into a capturing stream is an allocation node of its graph: no memory
+ * until the graph is instantiated, uploaded or launched ("CUDA assigns virtual addresses for the
+ * graph allocation at node creation time"), charged then (graph_foresee), not at the capture. */
+int graph_capturing(void *stream, int ptsz)
+{
+    pthread_once(&gd_once, gd_load);
+    CUresult (*fn)(void *, int *) = ptsz ? gd.is_capturing_ptsz : gd.is_capturing;
+    int status = 0;
+    if (!fn)
+        return 0;
+    in_driver++;
+    CUresult r = fn(stream, &status);
+    in_driver--;
+    return r == CU_OK && status != 0;  /* (CU_STREAM_CAPTURE_STATUS_ACTIVE, or _INVALIDATED: the driver's to answer) */
+}
+
+/* cuda.h's CUDA_MEM_ALLOC_NODE_PARAMS (CUmemPoolProps is 88 bytes) and CUgraphNodeParams's
+ * conditional member (after its type and 12 reserved bytes) */
+typedef struct { unsigned char pool_props[88]; const void *access; size_t naccess, bytesize; CUdeviceptr dptr; } alloc_params;
+typedef struct {
+    int type, reserved0[3];
+    union {
+        long long reserved1[29];
+        struct { uint64_t handle; int type; unsigned size; void **bodies; void *ctx; } cond;
+    } u;
+    long long reserved2;
+} node_params;
+
+/* (in_driver held) graph's nodes and allocations added to *p, its children's and bodies' too */
+static void walk(void *graph, struct graph_plan *p, int depth)
+{
+    size_t n = 0;
+    if (gd.nodes(graph, NULL, &n) != CU_OK || !n)
+        return;
+    void **nodes = malloc(n * sizeof *nodes);
+    if (!nodes || gd.nodes(graph, nodes, &n) != CU_OK) {
+        p->nodes += (uint32_t)n;
+        free(nodes);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        int type = -1;
+        void *child = NULL;
+        alloc_params a;
+        node_params np;
+        if (gd.type)
+            gd.type(nodes[i], &type);
+        if (type == NODE_GRAPH && depth < DEPTH && gd.child && gd.child(nodes[i], &child) == CU_OK && child) {
+            uint32_t before = p->nodes;
+            walk(child, p, depth + 1);
+            if (p->nodes == before)
+                p->nodes++;  /* (an empty child: one node still) */
+            continue;
+        }
+        p->nodes++;
+        if (type == NODE_MEM_ALLOC && gd.alloc_params && gd.alloc_params(nodes[i], &a) == CU_OK)
+            p->bytes += (a.bytesize + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;
+        if (type == NODE_CONDITIONAL && depth < DEPTH && gd.params && gd.params(nodes[i], &np) == CU_OK
+            && np.type == NODE_CONDITIONAL && np.u.cond.bodies)
+            for (unsigned b = 0; b < np.u.cond.size; b++)
+                if (np.u.cond.bodies[b])
+                    walk(np.u.cond.bodies[b], p, depth + 1);
+    }
+    free(nodes);
+}
+
+/* ---- the charge: per GPU, the larger of the pool's reservation and what live graphs may map ---- */
+#define NEXECS 1024
+static struct { void *exec; int g; uint64_t bytes; } execs[NEXECS];  /* live executable graphs with graph memory */
+static uint64_t live[CGPU_MAX_GPUS], charged[CGPU_MAX_GPUS];
+static pthread_mutex_t gm_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static uint64_t reserved_now(int g, int dev)
+{
+    uint64_t v = 0;
+    in_driver++;
+    if (!gd.attr || gd.attr(dev, ATTR_RESERVED_CURRENT, &v) != CU_OK)
+        v = 0;
+    in_driver--;
+    return v;
+}
+
+/* (gm_lock held) the charge on GPU g made what it must be now: down (untake) or up (force) */
+static void settle_gpu(int g, int dev)
+{
+    uint64_t r = reserved_now(g, dev), want = r > live[g] ? r : live[g];
+    if (want < charged[g])
+        untake(g, charged[g] - want);
+    else if (want > charged[g])
+        force(g, want - charged[g]);
+    charged[g] = want;
+}
+
+static int device_of(int g)  /* the CUDA device of page GPU g (the current one's) */
+{
+    CUdevice dev = 0;
+    in_driver++;
+    if (!real.ctx_get_device || real.ctx_get_device(&dev) != CU_OK)
+        dev = 0;
+    in_driver--;
+    return page_index(dev) == g ? dev : 0;
+}
+
+CUresult graph_foresee(void *graph, struct graph_plan *p)
+{
+    pthread_once(&gd_once, gd_load);
+    memset(p, 0, sizeof *p);
+    p->g = -1;
+    if (!gd.nodes || !graph)
+        return CU_OK;
+    in_driver++;
+    walk(graph, p, 0);
+    in_driver--;
+    if (!p->bytes || (p->g = current_gpu()) < 0)
+        return CU_OK;  /* (no graph memory, or a GPU given whole: the driver's to hold) */
+    if (!need_slot())
+        return CU_OUT_OF_MEMORY;
+    follow();
+    driver_share(p->g);
+    int dev = device_of(p->g);
+    pthread_mutex_lock(&gm_lock);
+    uint64_t r = reserved_now(p->g, dev), base = r > live[p->g] ? r : live[p->g];
+    uint64_t want = live[p->g] + p->bytes > base ? live[p->g] + p->bytes : base;
+    uint64_t more = want > charged[p->g] ? want - charged[p->g] : 0;
+    if (more && !take(p->g, more) && !(settle_all() && take(p->g, more))) {
+        pthread_mutex_unlock(&gm_lock);
+        p->g = -1;
+        return CU_OUT_OF_MEMORY;  /* (past memsize at its first replay: refused here, never a kill) */
+    }
+    charged[p->g] += more;
+    live[p->g] += p->bytes;  /* (held for it until the driver answers) */
+    pthread_mutex_unlock(&gm_lock);
+    return CU_OK;
+}
+
+void graph_made(CUresult r, void *exec, struct graph_plan *p)
+{
+    if (p->g < 0)
+        return;
+    pthread_mutex_lock(&gm_lock);
+    int kept = 0;
+    for (int i = 0; r == CU_OK && exec && i < NEXECS && !kept; i++)
+        if (!execs[i].exec) {
+            execs[i].exec = exec;
+            execs[i].g = p->g;
+            execs[i].bytes = p->bytes;
+            kept = 1;
+        }
+    if (!kept)  /* (refused by the driver; or no record left: its share is charged till a trim) */
+        live[p->g] -= p->bytes;
+    if (r != CU_OK)
+        settle_gpu(p->g, device_of(p->g));
+    pthread_mutex_unlock(&gm_lock);
+}
+
+void graph_gone(void *exec)
+{
+    pthread_mutex_lock(&gm_lock);
+    for (int i = 0; i < NEXECS; i++)
+        if (execs[i].exec == exec && exec) {
+            int g = execs[i].g;
+            live[g] -= execs[i].bytes;
+            execs[i].exec = NULL;
+            settle_gpu(g, device_of(g));  /* (the pool keeps its pages: the charge stays at its reservation) */
+        }
+    pthread_mutex_unlock(&gm_lock);
+}
+
+/* cuDeviceGraphMemTrim: what the pool gave back comes back. */
+CUresult cuDeviceGraphMemTrim(CUdevice dev)
+{
+    pthread_once(&gd_once, gd_load);
+    PASS_THROUGH(gd.trim, dev);
+    in_driver++;
+    CUresult r = gd.trim(dev);
+    in_driver--;
+    int g = page_index(dev);
+    if (r == CU_OK && g >= 0) {
+        pthread_mutex_lock(&gm_lock);
+        settle_gpu(g, dev);
+        pthread_mutex_unlock(&gm_lock);
+    }
+    return r;
+}
+
+/* cuGraphUpload: the graph's memory was held at its instantiation; what the driver reserved past
+ * that (its own rounding) is charged after. */
+static CUresult uploaded(CUresult r)
+{
+    int g = current_gpu();
+    if (r == CU_OK && g >= 0) {
+        pthread_mutex_lock(&gm_lock);
+        if (charged[g] || live[g])
+            settle_gpu(g, device_of(g));
+        pthread_mutex_unlock(&gm_lock);
+    }
+    return r;
+}
+static CUresult upload(CUresult (*fn)(void *, void *), void *exec, void *stream)
+{
+    PASS_THROUGH(fn, exec, stream);
+    in_driver++;
+    CUresult r = fn(exec, stream);
+    in_driver--;
+    return uploaded(r);
+}
+CUresult cuGraphUpload(void *exec, void *stream)
+{
+    pthread_once(&gd_once, gd_load);
+    return upload(gd.upload, exec, stream);
+}
+CUresult cuGraphUpload_ptsz(void *exec, void *stream)
+{
+    pthread_once(&gd_once, gd_load);
+    return upload(gd.upload_ptsz, exec, stream);
+}
+
+static void graphmem_forked(void)
+{
+    memset(execs, 0, sizeof execs);  /* (the parent's graphs) */
+    memset(live, 0, sizeof live);
+    memset(charged, 0, sizeof charged);
+    pthread_mutex_init(&gm_lock, NULL);
+}
+
+__attribute__((constructor)) static void graphmem_hooks(void)
+{
+    memory_on_fork(graphmem_forked);
+}
