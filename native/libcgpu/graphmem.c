@@ -139,6 +139,7 @@ static void walk(void *graph, struct graph_plan *p, int depth)
 #define NEXECS 1024
 static struct { void *exec; int g; uint64_t bytes; } execs[NEXECS];  /* live executable graphs with graph memory */
 static uint64_t live[CGPU_MAX_GPUS], charged[CGPU_MAX_GPUS];
+static int devs[CGPU_MAX_GPUS];  /* page GPU g's CUDA device, seen at its first graph (+1; 0: not yet) */
 static pthread_mutex_t gm_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static uint64_t reserved_now(int g, int dev)
@@ -162,14 +163,18 @@ static void settle_gpu(int g, int dev)
     charged[g] = want;
 }
 
-static int device_of(int g)  /* the CUDA device of page GPU g (the current one's) */
+/* (gm_lock held) the CUDA device of page GPU g: the current context's when it is g's, else the one
+ * its graphs were seen on */
+static int device_of(int g)
 {
     CUdevice dev = 0;
     in_driver++;
     if (!real.ctx_get_device || real.ctx_get_device(&dev) != CU_OK)
-        dev = 0;
+        dev = -1;
     in_driver--;
-    return page_index(dev) == g ? dev : 0;
+    if (dev >= 0 && page_index(dev) == g)
+        devs[g] = dev + 1;
+    return devs[g] ? devs[g] - 1 : 0;
 }
 
 CUresult graph_foresee(void *graph, struct graph_plan *p)
@@ -188,8 +193,8 @@ CUresult graph_foresee(void *graph, struct graph_plan *p)
         return CU_OUT_OF_MEMORY;
     follow();
     driver_share(p->g);
-    int dev = device_of(p->g);
     pthread_mutex_lock(&gm_lock);
+    int dev = device_of(p->g);
     uint64_t r = reserved_now(p->g, dev), base = r > live[p->g] ? r : live[p->g];
     uint64_t want = live[p->g] + p->bytes > base ? live[p->g] + p->bytes : base;
     uint64_t more = want > charged[p->g] ? want - charged[p->g] : 0;
@@ -248,6 +253,7 @@ CUresult cuDeviceGraphMemTrim(CUdevice dev)
     int g = page_index(dev);
     if (r == CU_OK && g >= 0) {
         pthread_mutex_lock(&gm_lock);
+        devs[g] = dev + 1;
         settle_gpu(g, dev);
         pthread_mutex_unlock(&gm_lock);
     }
@@ -291,6 +297,7 @@ static void graphmem_forked(void)
     memset(execs, 0, sizeof execs);  /* (the parent's graphs) */
     memset(live, 0, sizeof live);
     memset(charged, 0, sizeof charged);
+    memset(devs, 0, sizeof devs);
     pthread_mutex_init(&gm_lock, NULL);
 }
 
