@@ -136,3 +136,48 @@ def test_graph_memory_inside_a_child_graph_is_foreseen(card):
     """)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == ["CUDA_ERROR_OUT_OF_MEMORY", 0]
+
+
+def test_the_stand_in_builds_child_and_conditional_nodes_as_the_driver_does(card):
+    """Issue 45, item 9's stand-in, without libcgpu, each rule the driver API reference's: a child graph
+    node clones its graph (cuGraphChildGraphNodeGetGraph gives the clone, of the same nodes, to
+    which no allocation node may be added), and refuses a graph holding memory nodes unless its
+    ownership is moved (cuGraphAddNode); a conditional node's bodies are made by the driver
+    (phGraph_out) and described by cuGraphNodeGetParams; cuGraphNodeGetType names each kind."""
+    env, _, _ = card
+    env = {k: v for k, v in env.items() if k not in ("CGPU_PAGE_DIR", "LD_PRELOAD")}
+    r = run(env, SEEN, GRAPH_ATTRS, """
+        E = d.CUresult
+        T = d.CUgraphNodeType
+        kernels = capture()
+        with_memory = capture(4)
+        outer = ok(d.cuGraphCreate(0))
+        child = ok(d.cuGraphAddChildGraphNode(outer, None, 0, kernels))
+        clone = ok(d.cuGraphChildGraphNodeGetGraph(child))
+        out = {"clone": [int(clone) != int(kernels), ok(d.cuGraphGetNodes(clone, 0))[1]]}
+        p = d.CUDA_MEM_ALLOC_NODE_PARAMS(); p.bytesize = 2**20
+        p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        out["memory into the clone"] = d.cuGraphAddMemAllocNode(clone, None, 0, p)[0].name
+        out["a child with memory, cloned"] = d.cuGraphAddChildGraphNode(outer, None, 0, with_memory)[0].name
+        q = d.CUgraphNodeParams(); q.type = T.CU_GRAPH_NODE_TYPE_GRAPH; q.graph.graph = with_memory
+        q.graph.ownership = d.CUgraphChildGraphNodeOwnership.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE
+        moved = ok(d.cuGraphAddNode(outer, None, None, 0, q))
+        c = d.CUgraphNodeParams(); c.type = T.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        c.conditional.handle = ok(d.cuGraphConditionalHandleCreate(outer, None, 1, d.CU_GRAPH_COND_ASSIGN_DEFAULT))
+        c.conditional.type = d.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_SWITCH
+        c.conditional.size = 3
+        cond = ok(d.cuGraphAddNode(outer, None, None, 0, c))
+        got = ok(d.cuGraphNodeGetParams(cond))
+        out["bodies"] = [got.conditional.size, got.conditional.type.name,
+                         [int(got.conditional.phGraph_out[i]) == int(c.conditional.phGraph_out[i]) for i in range(3)]]
+        nodes, n = ok(d.cuGraphGetNodes(outer, 8))
+        out["types"] = [ok(d.cuGraphNodeGetType(x)).name[len("CU_GRAPH_NODE_TYPE_"):] for x in nodes[:n]]
+        out["moved"] = int(ok(d.cuGraphChildGraphNodeGetGraph(moved))) == int(with_memory)
+        print(json.dumps(out))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"clone": [True, 1], "memory into the clone": "CUDA_ERROR_INVALID_VALUE",
+                                    "a child with memory, cloned": "CUDA_ERROR_INVALID_VALUE",
+                                    "bodies": [3, "CU_GRAPH_COND_TYPE_SWITCH", [True, True, True]],
+                                    "types": ["GRAPH", "GRAPH", "CONDITIONAL"], "moved": True}
