@@ -291,9 +291,9 @@ int stub_capture_alloc(const void *s, size_t size, CUdeviceptr *p, CUresult *r)
     return captured;
 }
 
-/* cuMemFreeAsync (cuMemFree: s NULL) of `p`: 1 and *r when `s` captures (a mem-free node) or `p` is a
- * graph allocation (freed: "passing the allocation to cuMemFreeAsync or cuMemFree",
- * cuGraphAddMemAllocNode), 0 when it is another's to free. */
+/* cuMemFreeAsync of `p` into `s`: 1 and *r when `s` captures (a mem-free node) or `p` is a graph
+ * allocation (freed: "passing the allocation to cuMemFreeAsync or cuMemFree",
+ * cuGraphAddMemAllocNode; its pages stay the executable graph's), 0 when it is another's to free. */
 int stub_capture_free(const void *s, CUdeviceptr p, CUresult *r)
 {
     struct stream *st = stream_of((CUstream)s);
