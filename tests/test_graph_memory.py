@@ -181,3 +181,28 @@ def test_the_stand_in_builds_child_and_conditional_nodes_as_the_driver_does(card
                                     "a child with memory, cloned": "CUDA_ERROR_INVALID_VALUE",
                                     "bodies": [3, "CU_GRAPH_COND_TYPE_SWITCH", [True, True, True]],
                                     "types": ["GRAPH", "GRAPH", "CONDITIONAL"], "moved": True}
+
+
+def test_an_address_the_graph_reuses_is_charged_once(card):
+    """The driver may give an allocation made in a graph after a free of the graph's own the same
+    address (the Guide's "Address Reuse within a Graph": their lifetimes do not overlap), and so the
+    same pages: PyTorch's captured temporaries, freed and allocated again and again. 200 MiB
+    allocated, freed and allocated again in one graph, in a 256 MiB container: the stand-in reuses
+    the address, the graph maps 200 MiB, and libcgpu charges what the addresses cover: the
+    instantiation and the launch pass (the sum, 400 MiB, was a false out-of-memory)."""
+    env, dirp, _ = card
+    env = {**env, "CGPU_STUB_GRAPH_KIB": "0"}
+    pages.create(os.fspath(dirp), [256 * MIB])
+    r = run(env, SEEN, GRAPH_ATTRS, """
+        ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+        a = ok(d.cuMemAllocAsync(200 * 2**20, s)); ok(d.cuMemFreeAsync(a, s))
+        b = ok(d.cuMemAllocAsync(200 * 2**20, s)); ok(d.cuMemFreeAsync(b, s))
+        g = ok(d.cuStreamEndCapture(s))
+        got = d.cuGraphInstantiate(g, 0)
+        out = [int(a) == int(b), got[0].name]
+        if got[0] == d.CUresult.CUDA_SUCCESS:
+            out.append(d.cuGraphLaunch(got[1], s)[0].name); ok(d.cuStreamSynchronize(s))
+        print(json.dumps(out + [on_card()]))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [True, "CUDA_SUCCESS", "CUDA_SUCCESS", 200 * MIB]

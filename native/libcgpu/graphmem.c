@@ -13,8 +13,9 @@
  *
  * So at instantiation the graph is walked (cuGraphGetNodes, cuGraphNodeGetType; a child graph
  * node's graph, cuGraphChildGraphNodeGetGraph; a conditional node's bodies, cuGraphNodeGetParams):
- * its allocation nodes' bytesize (cuGraphMemAllocNodeGetParams), each in the card's 2 MiB pages,
- * summed, is what the executable graph may map. Per GPU, the pool is charged the larger of what
+ * its allocation nodes' address ranges (cuGraphMemAllocNodeGetParams: dptr, bytesize, in the
+ * card's 2 MiB pages) cover what the executable graph may map (an address the driver reused within
+ * the graph, for allocations whose lifetimes do not overlap, counted once). Per GPU, the pool is charged the larger of what
  * the driver says it reserves (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT) and what the live executable
  * graphs may map together: growth beyond what is charged already is held (take()) BEFORE the
  * driver instantiates, and when it does not fit, after what pools and dead processes gave back,
@@ -97,8 +98,52 @@ typedef struct {
     long long reserved2;
 } node_params;
 
-/* (in_driver held) graph's nodes and allocations added to *p, its children's and bodies' too */
-static void walk(void *graph, struct graph_plan *p, int depth)
+/* The allocation nodes' address ranges seen by a walk: a graph's memory is what they cover, an
+ * address the driver reused within the graph counted once ("CUDA may reuse memory within a graph
+ * by assigning the same virtual address ranges to different allocations whose lifetimes do not
+ * overlap", the Guide's "Address Reuse within a Graph"). */
+struct ranges { struct { CUdeviceptr p, end; } *r; size_t n, cap; int lost; };
+
+static void add_range(struct ranges *rs, CUdeviceptr p, uint64_t bytes)
+{
+    if (rs->n == rs->cap) {
+        size_t cap = rs->cap * 2 + 16;
+        void *more = realloc(rs->r, cap * sizeof *rs->r);
+        if (!more) {
+            rs->lost = 1;  /* (no host memory: counted as the sum, never less) */
+            return;
+        }
+        rs->r = more;
+        rs->cap = cap;
+    }
+    rs->r[rs->n].p = p;
+    rs->r[rs->n++].end = p + (bytes + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;
+}
+
+static int by_start(const void *a, const void *b)
+{
+    CUdeviceptr x = *(const CUdeviceptr *)a, y = *(const CUdeviceptr *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* what the ranges cover, in bytes */
+static uint64_t covered(struct ranges *rs)
+{
+    uint64_t sum = 0;
+    CUdeviceptr upto = 0;
+    qsort(rs->r, rs->n, sizeof *rs->r, by_start);
+    for (size_t i = 0; i < rs->n; i++) {
+        CUdeviceptr from = rs->r[i].p > upto ? rs->r[i].p : upto;
+        if (rs->r[i].end > from)
+            sum += rs->r[i].end - from;
+        if (rs->r[i].end > upto)
+            upto = rs->r[i].end;
+    }
+    return sum;
+}
+
+/* (in_driver held) graph's nodes and allocations added to *p and *rs, its children's and bodies' too */
+static void walk(void *graph, struct graph_plan *p, struct ranges *rs, int depth)
 {
     size_t n = 0;
     if (gd.nodes(graph, NULL, &n) != CU_OK || !n)
@@ -118,19 +163,24 @@ static void walk(void *graph, struct graph_plan *p, int depth)
             gd.type(nodes[i], &type);
         if (type == NODE_GRAPH && depth < DEPTH && gd.child && gd.child(nodes[i], &child) == CU_OK && child) {
             uint32_t before = p->nodes;
-            walk(child, p, depth + 1);
+            walk(child, p, rs, depth + 1);
             if (p->nodes == before)
                 p->nodes++;  /* (an empty child: one node still) */
             continue;
         }
         p->nodes++;
-        if (type == NODE_MEM_ALLOC && gd.alloc_params && gd.alloc_params(nodes[i], &a) == CU_OK)
-            p->bytes += (a.bytesize + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;
+        if (type == NODE_MEM_ALLOC && gd.alloc_params && gd.alloc_params(nodes[i], &a) == CU_OK) {
+            p->bytes += (a.bytesize + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;  /* (the sum; the cover below) */
+            if (a.dptr)
+                add_range(rs, a.dptr, a.bytesize);
+            else
+                rs->lost = 1;  /* (no address told: the sum) */
+        }
         if (type == NODE_CONDITIONAL && depth < DEPTH && gd.params && gd.params(nodes[i], &np) == CU_OK
             && np.type == NODE_CONDITIONAL && np.u.cond.bodies)
             for (unsigned b = 0; b < np.u.cond.size; b++)
                 if (np.u.cond.bodies[b])
-                    walk(np.u.cond.bodies[b], p, depth + 1);
+                    walk(np.u.cond.bodies[b], p, rs, depth + 1);
     }
     free(nodes);
 }
@@ -184,9 +234,13 @@ CUresult graph_foresee(void *graph, struct graph_plan *p)
     p->g = -1;
     if (!gd.nodes || !graph)
         return CU_OK;
+    struct ranges rs = {0};
     in_driver++;
-    walk(graph, p, 0);
+    walk(graph, p, &rs, 0);
     in_driver--;
+    if (!rs.lost)
+        p->bytes = covered(&rs);
+    free(rs.r);
     if (!p->bytes || (p->g = current_gpu()) < 0)
         return CU_OK;  /* (no graph memory, or a GPU given whole: the driver's to hold) */
     if (!need_slot())

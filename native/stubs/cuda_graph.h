@@ -30,6 +30,8 @@ struct graph {
     uint64_t *us;          /* an executable graph: its kernels in order */
     uint64_t on_card;      /* an executable graph: the driver's own memory for it */
     uint64_t need;         /* an executable graph: its graph allocations' bytes (in the card's pages) */
+    struct { CUdeviceptr p; uint64_t bytes; } *ranges;  /* ... by address (an address reused in it: its largest) */
+    size_t nranges, cranges;
     int mapped;            /* ... given their physical memory from the device's graph pool */
     unsigned mapped_gen;   /* ... in that generation of the device's context */
     int embedded;          /* a child graph node's graph: no memory node may be added to it */

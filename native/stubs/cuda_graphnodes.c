@@ -25,9 +25,11 @@
  * physical memory mappings at any time during graph instantiation, launch, or execution": here at
  * cuGraphUpload, at an instantiation with CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD, else at the first
  * launch (the latest the Guide allows, so the least an interposer sees coming), all of an
- * executable graph's allocations at once (their sum in 2 MiB pages: no reuse inside a graph is
- * credited, and none between graphs: the Guide's sharing "multiple graphs may use the same
- * physical memory ... if they will not run simultaneously" is the driver's option, not a promise).
+ * executable graph's allocations at once, in 2 MiB pages: what its addresses cover (an allocation
+ * made after a free of the graph's own at least as large takes its address: the Guide's "Address
+ * Reuse within a Graph", below), and none shared between graphs (the Guide's "multiple graphs may
+ * use the same physical memory ... if they will not run simultaneously" is the driver's option,
+ * not a promise: never relied on here).
  * The pool keeps what it took across replays and past cuGraphExecDestroy ("destroying a graph
  * which contains memory nodes (even if their allocations are free) will not immediately return
  * physical memory to the OS"); only cuDeviceGraphMemTrim gives back what no executable graph holds
@@ -158,6 +160,7 @@ void graph_free(struct graph *g)
     }
     g->magic = 0;
     free(g->nodes);
+    free(g->ranges);
     free(g->us);
     free(g);
 }
@@ -186,18 +189,64 @@ CUresult graph_add_kernels(struct graph *g, const uint64_t *us, size_t n)
     return STUB_OK;
 }
 
+/* An allocation node's address: a range this graph freed before (a free node of one of its own
+ * allocations, at least as large, not reused yet: their lifetimes do not overlap), else a new one.
+ * "CUDA may reuse memory within a graph by assigning the same virtual address ranges to different
+ * allocations whose lifetimes do not overlap" (the Guide's "Address Reuse within a Graph"): the
+ * graph's memory is then what its addresses cover, not the sum of its allocations. */
+static CUdeviceptr address_for(struct graph *g, size_t bytes)
+{
+    for (size_t i = 0; i < g->nn; i++) {
+        struct gnode *f = g->nodes[i];
+        if (f->type != NODE_MEM_FREE || f->handle) continue;  /* (a free node's handle: its range reused) */
+        for (size_t j = 0; j < i; j++)
+            if (g->nodes[j]->type == NODE_MEM_ALLOC && g->nodes[j]->dptr == f->dptr
+                && pages_of(g->nodes[j]->bytes) >= pages_of(bytes)) {
+                f->handle = 1;
+                return f->dptr;
+            }
+    }
+    pthread_mutex_lock(&lock);
+    CUdeviceptr p = next_va;
+    next_va += pages_of(bytes);
+    pthread_mutex_unlock(&lock);
+    return p;
+}
+
 CUresult graph_add_alloc(struct graph *g, size_t bytes, CUdeviceptr *dptr)
 {
     if (!bytes || !dptr) return STUB_INVALID_VALUE;
     if (g->embedded) return STUB_INVALID_VALUE;  /* (cuGraphChildGraphNodeGetGraph's graph: no memory nodes) */
+    CUdeviceptr at = address_for(g, bytes);
     struct gnode *n = node_new(g, NODE_MEM_ALLOC);
     if (!n) return STUB_OUT_OF_MEMORY;
-    pthread_mutex_lock(&lock);
-    n->dptr = *dptr = next_va;
-    next_va += pages_of(bytes);
-    pthread_mutex_unlock(&lock);
+    n->dptr = *dptr = at;
     n->bytes = bytes;
     return STUB_OK;
+}
+
+/* An allocation of exec's at p: its need grows by what p's range adds (an address reused: its largest). */
+static int add_range(struct graph *exec, CUdeviceptr p, uint64_t bytes)
+{
+    for (size_t i = 0; i < exec->nranges; i++)
+        if (exec->ranges[i].p == p) {
+            if (bytes > exec->ranges[i].bytes) {
+                exec->need += bytes - exec->ranges[i].bytes;
+                exec->ranges[i].bytes = bytes;
+            }
+            return 0;
+        }
+    if (exec->nranges == exec->cranges) {
+        size_t cap = exec->cranges * 2 + 8;
+        void *more = realloc(exec->ranges, cap * sizeof *exec->ranges);
+        if (!more) return -1;
+        exec->ranges = more;
+        exec->cranges = cap;
+    }
+    exec->ranges[exec->nranges].p = p;
+    exec->ranges[exec->nranges++].bytes = bytes;
+    exec->need += bytes;
+    return 0;
 }
 
 CUresult graph_add_free(struct graph *g, CUdeviceptr dptr)
@@ -226,14 +275,14 @@ static unsigned cond_value(uint64_t handle)
 }
 
 /* g's kernels appended to exec in the order they run, and its allocations' pages (bodies and
- * children too, whether they run or not) added to exec's need. */
+ * children too, whether they run or not) added to exec's need, an address reused counted once. */
 CUresult graph_flatten(const struct graph *g, struct graph *exec)
 {
     for (size_t i = 0; i < g->nn; i++) {
         const struct gnode *n = g->nodes[i];
         CUresult r = STUB_OK;
         if (n->type == NODE_KERNEL && graph_append(exec, &n->us, 1)) return STUB_OUT_OF_MEMORY;
-        if (n->type == NODE_MEM_ALLOC) exec->need += pages_of(n->bytes);
+        if (n->type == NODE_MEM_ALLOC && add_range(exec, n->dptr, pages_of(n->bytes))) return STUB_OUT_OF_MEMORY;
         if (n->child && (r = graph_flatten(n->child, exec))) return r;
         if (n->type != NODE_CONDITIONAL) continue;
         unsigned v = cond_value(n->handle), run = n->nbody;  /* (the body that runs: nbody, none) */
@@ -245,6 +294,7 @@ CUresult graph_flatten(const struct graph *g, struct graph *exec)
             if ((r = graph_flatten(n->body[b], b == run ? exec : &scratch))) return r;
             exec->need += scratch.need;
             free(scratch.us);
+            free(scratch.ranges);
         }
     }
     return STUB_OK;
