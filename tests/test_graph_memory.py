@@ -206,3 +206,24 @@ def test_an_address_the_graph_reuses_is_charged_once(card):
     """)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [True, "CUDA_SUCCESS", "CUDA_SUCCESS", 200 * MIB]
+
+
+def test_the_stand_ins_graph_memory_past_the_cards_free_memory_fails_the_launch(card):
+    """Without libcgpu, on a 256 MiB card: a graph of 300 MiB is captured and instantiated (nothing
+    mapped yet), and its first launch fails with CUDA_ERROR_OUT_OF_MEMORY, the card unchanged; so
+    does cuGraphUpload, and an instantiation with CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD."""
+    env, _, _ = card
+    env = {k: v for k, v in env.items() if k not in ("CGPU_PAGE_DIR", "LD_PRELOAD")}
+    env.update(CGPU_STUB_GRAPH_KIB="0", CGPU_STUB_CUDA_MIB="256")
+    r = run(env, SEEN, GRAPH_ATTRS, """
+        g = capture(300)
+        e = ok(d.cuGraphInstantiate(g, 0))
+        out = [d.cuGraphLaunch(e, s)[0].name, d.cuGraphUpload(e, s)[0].name, on_card()]
+        p = d.CUDA_GRAPH_INSTANTIATE_PARAMS()
+        p.flags = d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD; p.hUploadStream = s
+        out += [d.cuGraphInstantiateWithParams(g, p)[0].name, on_card(), gattr("RESERVED_MEM_CURRENT")]
+        print(json.dumps(out))
+    """)
+    assert r.returncode == 0, r.stderr
+    oom = "CUDA_ERROR_OUT_OF_MEMORY"
+    assert json.loads(r.stdout) == [oom, oom, 0, oom, 0, 0]
