@@ -12,7 +12,8 @@
  * allocator libcgpu sees: the first replay took GiBs past memsize and the watchdog killed.
  *
  * So at instantiation the graph is walked (cuGraphGetNodes, cuGraphNodeGetType; a child graph
- * node's graph, cuGraphChildGraphNodeGetGraph; a conditional node's bodies, cuGraphNodeGetParams):
+ * node's graph, cuGraphChildGraphNodeGetGraph; a conditional node's bodies, cuGraphNodeGetParams, or
+ * where the driver has none, what its cuGraphAddNode returned):
  * its allocation nodes' address ranges (cuGraphMemAllocNodeGetParams: dptr, bytesize, in the
  * card's 2 MiB pages) cover what the executable graph may map (an address the driver reused within
  * the graph, for allocations whose lifetimes do not overlap, counted once). Per GPU, the pool is charged the larger of what
@@ -52,6 +53,8 @@ static struct {
     CUresult (*upload_ptsz)(void *, void *);
     CUresult (*is_capturing)(void *, int *);
     CUresult (*is_capturing_ptsz)(void *, int *);
+    CUresult (*add_node)(void **, void *, const void *, size_t, void *);                   /* CUDA 12.2 */
+    CUresult (*add_node_v2)(void **, void *, const void *, const void *, size_t, void *);  /* 12.3 (edges) */
 } gd;
 static pthread_once_t gd_once = PTHREAD_ONCE_INIT;
 static void gd_load(void)
@@ -68,6 +71,8 @@ static void gd_load(void)
     gd.upload_ptsz = (CUresult (*)(void *, void *))sym("cuGraphUpload_ptsz");
     gd.is_capturing = (CUresult (*)(void *, int *))sym("cuStreamIsCapturing");
     gd.is_capturing_ptsz = (CUresult (*)(void *, int *))sym("cuStreamIsCapturing_ptsz");
+    gd.add_node = (CUresult (*)(void **, void *, const void *, size_t, void *))sym("cuGraphAddNode");
+    gd.add_node_v2 = (CUresult (*)(void **, void *, const void *, const void *, size_t, void *))sym("cuGraphAddNode_v2");
 }
 
 /* A stream-ordered allocation into a capturing stream is an allocation node of its graph: no memory
@@ -142,6 +147,70 @@ static uint64_t covered(struct ranges *rs)
     return sum;
 }
 
+/* ---- conditional nodes' bodies where cuGraphNodeGetParams is missing (a driver before it) ----
+ * A conditional node is made only by cuGraphAddNode (CONDITIONAL), whose phGraph_out the driver
+ * fills with its bodies ("CUDA-owned array ... Valid for the lifetime of the conditional node"):
+ * kept here by node, in NCONDS slots by the node's hash (two in one slot: the older forgotten, its
+ * node counted as one). */
+#define NCONDS 1024
+static struct { void *node; void **bodies; unsigned size; } conds[NCONDS];
+static pthread_mutex_t cond_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static unsigned cond_slot(const void *node)
+{
+    return (unsigned)(((uintptr_t)node * 0x9E3779B97F4A7C15ull) >> 40) % NCONDS;
+}
+
+static CUresult added(CUresult r, void **node, node_params *p)
+{
+    if (r != CU_OK || !node || !p || p->type != NODE_CONDITIONAL || !p->u.cond.bodies)
+        return r;
+    pthread_mutex_lock(&cond_lock);
+    unsigned i = cond_slot(*node);
+    conds[i].node = *node;
+    conds[i].bodies = p->u.cond.bodies;
+    conds[i].size = p->u.cond.size;
+    pthread_mutex_unlock(&cond_lock);
+    return r;
+}
+
+/* (a node's bodies: from the driver, else from its cuGraphAddNode) */
+static unsigned bodies_of(void *node, void ***bodies)
+{
+    node_params np;
+    if (gd.params && gd.params(node, &np) == CU_OK && np.type == NODE_CONDITIONAL) {
+        *bodies = np.u.cond.bodies;
+        return *bodies ? np.u.cond.size : 0;
+    }
+    unsigned i = cond_slot(node), size = 0;
+    pthread_mutex_lock(&cond_lock);
+    if (conds[i].node == node) {
+        *bodies = conds[i].bodies;
+        size = conds[i].size;
+    }
+    pthread_mutex_unlock(&cond_lock);
+    return size;
+}
+
+CUresult cuGraphAddNode(void **node, void *graph, const void *deps, size_t n, void *params)
+{
+    pthread_once(&gd_once, gd_load);
+    PASS_THROUGH(gd.add_node, node, graph, deps, n, params);
+    in_driver++;
+    CUresult r = gd.add_node(node, graph, deps, n, params);
+    in_driver--;
+    return added(r, node, params);
+}
+CUresult cuGraphAddNode_v2(void **node, void *graph, const void *deps, const void *edges, size_t n, void *params)
+{
+    pthread_once(&gd_once, gd_load);
+    PASS_THROUGH(gd.add_node_v2, node, graph, deps, edges, n, params);
+    in_driver++;
+    CUresult r = gd.add_node_v2(node, graph, deps, edges, n, params);
+    in_driver--;
+    return added(r, node, params);
+}
+
 /* (in_driver held) graph's nodes and allocations added to *p and *rs, its children's and bodies' too */
 static void walk(void *graph, struct graph_plan *p, struct ranges *rs, int depth)
 {
@@ -156,9 +225,8 @@ static void walk(void *graph, struct graph_plan *p, struct ranges *rs, int depth
     }
     for (size_t i = 0; i < n; i++) {
         int type = -1;
-        void *child = NULL;
+        void *child = NULL, **bodies = NULL;
         alloc_params a;
-        node_params np;
         if (gd.type)
             gd.type(nodes[i], &type);
         if (type == NODE_GRAPH && depth < DEPTH && gd.child && gd.child(nodes[i], &child) == CU_OK && child) {
@@ -176,11 +244,9 @@ static void walk(void *graph, struct graph_plan *p, struct ranges *rs, int depth
             else
                 rs->lost = 1;  /* (no address told: the sum) */
         }
-        if (type == NODE_CONDITIONAL && depth < DEPTH && gd.params && gd.params(nodes[i], &np) == CU_OK
-            && np.type == NODE_CONDITIONAL && np.u.cond.bodies)
-            for (unsigned b = 0; b < np.u.cond.size; b++)
-                if (np.u.cond.bodies[b])
-                    walk(np.u.cond.bodies[b], p, rs, depth + 1);
+        for (unsigned b = 0, nb = type == NODE_CONDITIONAL && depth < DEPTH ? bodies_of(nodes[i], &bodies) : 0; b < nb; b++)
+            if (bodies[b])
+                walk(bodies[b], p, rs, depth + 1);
     }
     free(nodes);
 }
@@ -352,6 +418,8 @@ static void graphmem_forked(void)
     memset(live, 0, sizeof live);
     memset(charged, 0, sizeof charged);
     memset(devs, 0, sizeof devs);
+    memset(conds, 0, sizeof conds);  /* (the parent's graphs) */
+    pthread_mutex_init(&cond_lock, NULL);
     pthread_mutex_init(&gm_lock, NULL);
 }
 

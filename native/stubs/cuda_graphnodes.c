@@ -491,8 +491,12 @@ CUresult cuGraphAddNode_v2(CUgraphNode *out, struct graph *g, const CUgraphNode 
     return add_node(out, g, deps, ndeps, p);
 }
 
+/* CGPU_STUB_NO_NODE_PARAMS=1: a driver before cuGraphNodeGetParams (CUDA_ERROR_NOT_FOUND, as its
+ * cuGetProcAddress answers a name it does not have), to test what an interposer does without it. */
 CUresult cuGraphNodeGetParams(CUgraphNode h, node_params *p)
 {
+    const char *old = getenv("CGPU_STUB_NO_NODE_PARAMS");
+    if (old && *old == '1') return STUB_NOT_FOUND;
     struct gnode *n = node_of(h);
     if (!n || !p) return STUB_INVALID_VALUE;
     memset(p, 0, sizeof *p);
