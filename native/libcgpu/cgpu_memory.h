@@ -5,9 +5,8 @@
  *              the plain allocators, arrays, cuMemGetInfo;
  *   pools.c    stream-ordered pools, charged by their reservation;
  *   vmm.c      virtual memory management (cuMemCreate/Map/Unmap/Release) and its handles' IPC;
- *   modules.c  modules and libraries, lazy loading, a launch's first use, the context's limits;
- *   graphmem.c CUDA graphs' own memory (the device's graph pool), a graph's nodes counted.
- * memory.c is the bottom of them: pools.c, vmm.c, modules.c and graphmem.c call down into it, and what memory.c
+ *   modules.c  modules and libraries, lazy loading, a launch's first use, the context's limits.
+ * memory.c is the bottom of them: pools.c, vmm.c and modules.c call down into it, and what memory.c
  * needs of them (pools' refunds, their resets in a forked child) they hand it at load, so no call
  * goes up (no circle in native/). Everything here is hidden (cgpu_internal.h's pragma).
  */
@@ -68,7 +67,8 @@ uint64_t growth_step(int g);  /* the largest step learned on GPU g (a launch's),
  * (after what pools and dead processes gave back). */
 int driver_room(int g, uint64_t bytes);
 
-/* ---- graphmem.c: CUDA graphs' own memory (the device's graph pool), held at instantiation ---- */
+/* ---- graphmem.c: CUDA graphs' own memory (the device's graph pool), held at instantiation, and a
+ * graph's nodes counted; above memory.c as pools.c is, calling down into it ---- */
 struct graph_plan { uint32_t nodes; uint64_t bytes; int g; };  /* nodes: its weight; bytes: its allocation nodes' pages */
 CUresult graph_foresee(void *graph, struct graph_plan *p);  /* before the driver instantiates it: CU_OUT_OF_MEMORY, no room */
 void graph_made(CUresult r, void *exec, struct graph_plan *p);  /* after (r: the driver's answer) */
