@@ -12,12 +12,12 @@
  * allocator libcgpu sees: the first replay took GiBs past memsize and the watchdog killed.
  *
  * So at instantiation the graph is walked (cuGraphGetNodes, cuGraphNodeGetType; a child graph
- * node's graph, cuGraphChildGraphNodeGetGraph; a conditional node's bodies, cuGraphNodeGetParams, or
- * where the driver has none, what its cuGraphAddNode returned):
- * its allocation nodes' address ranges (cuGraphMemAllocNodeGetParams: dptr, bytesize, in the
- * card's 2 MiB pages) cover what the executable graph may map (an address the driver reused within
- * the graph, for allocations whose lifetimes do not overlap, counted once). Per GPU, the pool is charged the larger of what
- * the driver says it reserves (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT) and what the live executable
+ * node's graph, cuGraphChildGraphNodeGetGraph; a conditional node's bodies, cuGraphNodeGetParams,
+ * or where the driver has none, what its cuGraphAddNode returned): what its allocation nodes'
+ * address ranges cover (cuGraphMemAllocNodeGetParams: dptr, bytesize, in the card's 2 MiB pages;
+ * an address the driver reused within the graph, for allocations whose lifetimes do not overlap,
+ * counted once) is what the executable graph may map. Per GPU, the pool is charged the larger of
+ * what the driver says it reserves (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT) and what the live executable
  * graphs may map together: growth beyond what is charged already is held (take()) BEFORE the
  * driver instantiates, and when it does not fit, after what pools and dead processes gave back,
  * the instantiation is refused with CUDA_ERROR_OUT_OF_MEMORY (the driver is not asked). Memory the
