@@ -227,3 +227,39 @@ def test_the_stand_ins_graph_memory_past_the_cards_free_memory_fails_the_launch(
     assert r.returncode == 0, r.stderr
     oom = "CUDA_ERROR_OUT_OF_MEMORY"
     assert json.loads(r.stdout) == [oom, oom, 0, oom, 0, 0]
+
+
+def test_graph_memory_is_charged_on_the_gpu_it_is_placed_on(card):
+    """Two GPUs of 256 MiB each, the context on GPU 0: a graph's allocation nodes placed by their pool
+    properties (cuGraphAddMemAllocNode's poolProps.location), 200 MiB on each GPU, fit (each GPU's
+    pool holds 200 MiB after the launch); 300 MiB on GPU 1 is refused at the instantiation though
+    GPU 0 has room. Charged all on the instantiating context's GPU, the first was refused (400 MiB
+    on GPU 0) and the second passed."""
+    env, dirp, _ = card
+    env = {**env, "CGPU_STUB_GRAPH_KIB": "0", "CGPU_STUB_CUDA_DEVICES": "2"}
+    pages.create(os.fspath(dirp), [256 * MIB, 256 * MIB])
+    r = run(env, SEEN, GRAPH_ATTRS, """
+        def on(dev):
+            with open(os.environ["CGPU_STUB_CUDA_STATE"], "rb") as f:
+                f.seek(16 * dev); return int.from_bytes(f.read(8), "little")
+        def graph(*placed):
+            g = ok(d.cuGraphCreate(0))
+            for dev, mib in placed:
+                p = d.CUDA_MEM_ALLOC_NODE_PARAMS(); p.bytesize = mib * 2**20
+                p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+                p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                p.poolProps.location.id = dev
+                ok(d.cuGraphAddMemAllocNode(g, None, 0, p))
+            return g
+        out = {}
+        got = d.cuGraphInstantiate(graph((0, 200), (1, 200)), 0)
+        out["both"] = [got[0].name]
+        if got[0] == d.CUresult.CUDA_SUCCESS:
+            out["both"].append(d.cuGraphLaunch(got[1], s)[0].name); ok(d.cuStreamSynchronize(s))
+        out["both"] += [on(0), on(1)]
+        out["300 MiB on GPU 1"] = [d.cuGraphInstantiate(graph((1, 300)), 0)[0].name, on(0), on(1)]
+        print(json.dumps(out))
+    """)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"both": ["CUDA_SUCCESS", "CUDA_SUCCESS", 200 * MIB, 200 * MIB],
+                                    "300 MiB on GPU 1": ["CUDA_ERROR_OUT_OF_MEMORY", 200 * MIB, 200 * MIB]}

@@ -69,7 +69,11 @@ int driver_room(int g, uint64_t bytes);
 
 /* ---- graphmem.c: CUDA graphs' own memory (the device's graph pool), held at instantiation, and a
  * graph's nodes counted; above memory.c as pools.c is, calling down into it ---- */
-struct graph_plan { uint32_t nodes; uint64_t bytes; int g; };  /* nodes: its weight; bytes: its allocation nodes' pages */
+struct graph_plan {  /* nodes: its weight; bytes: what its allocation nodes may map on each GPU (any: some) */
+    uint32_t nodes;
+    int any;
+    uint64_t bytes[CGPU_MAX_GPUS];
+};
 CUresult graph_foresee(void *graph, struct graph_plan *p);  /* before the driver instantiates it: CU_OUT_OF_MEMORY, no room */
 void graph_made(CUresult r, void *exec, struct graph_plan *p);  /* after (r: the driver's answer) */
 void graph_gone(void *exec);  /* an executable graph destroyed (after the driver) */

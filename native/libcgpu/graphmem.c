@@ -16,7 +16,8 @@
  * or where the driver has none, what its cuGraphAddNode returned): what its allocation nodes'
  * address ranges cover (cuGraphMemAllocNodeGetParams: dptr, bytesize, in the card's 2 MiB pages;
  * an address the driver reused within the graph, for allocations whose lifetimes do not overlap,
- * counted once) is what the executable graph may map. Per GPU, the pool is charged the larger of
+ * counted once) is what the executable graph may map, on the GPU each node's pool properties
+ * name (else the instantiating context's). Per GPU, the pool is charged the larger of
  * what the driver says it reserves (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT) and what the live executable
  * graphs may map together: growth beyond what is charged already is held (take()) BEFORE the
  * driver instantiates, and when it does not fit, after what pools and dead processes gave back,
@@ -93,7 +94,13 @@ int graph_capturing(void *stream, int ptsz)
 
 /* cuda.h's CUDA_MEM_ALLOC_NODE_PARAMS (CUmemPoolProps is 88 bytes) and CUgraphNodeParams's
  * conditional member (after its type and 12 reserved bytes) */
-typedef struct { unsigned char pool_props[88]; const void *access; size_t naccess, bytesize; CUdeviceptr dptr; } alloc_params;
+typedef struct {
+    struct { int alloc_type, handle_types, loc_type, loc_id; unsigned char rest[72]; } props;  /* where it is */
+    const void *access;
+    size_t naccess, bytesize;
+    CUdeviceptr dptr;
+} alloc_params;
+enum { LOC_DEVICE = 1 };
 typedef struct {
     int type, reserved0[3];
     union {
@@ -107,9 +114,28 @@ typedef struct {
  * address the driver reused within the graph counted once ("CUDA may reuse memory within a graph
  * by assigning the same virtual address ranges to different allocations whose lifetimes do not
  * overlap", the Guide's "Address Reuse within a Graph"). */
-struct ranges { struct { CUdeviceptr p, end; } *r; size_t n, cap; int lost; };
+struct range { CUdeviceptr p, end; int g; };
+struct ranges { struct range *r; size_t n, cap; int lost, cur; };
 
-static void add_range(struct ranges *rs, CUdeviceptr p, uint64_t bytes)
+static int devs[CGPU_MAX_GPUS];  /* page GPU g's CUDA device, seen at its graphs (+1; 0: not yet) */
+static void devs_seen(int g, int dev)
+{
+    __atomic_store_n(&devs[g], dev + 1, __ATOMIC_RELAXED);
+}
+
+/* (the page GPU of an allocation: the device its pool properties name, else the instantiating
+ * context's; -1: not the container's page, not charged) */
+static int gpu_of(const alloc_params *a, int cur)
+{
+    if (a->props.loc_type != LOC_DEVICE)
+        return cur;
+    int g = page_index(a->props.loc_id);
+    if (g >= 0)
+        devs_seen(g, a->props.loc_id);
+    return g;
+}
+
+static void add_range(struct ranges *rs, CUdeviceptr p, uint64_t bytes, int g)
 {
     if (rs->n == rs->cap) {
         size_t cap = rs->cap * 2 + 16;
@@ -122,29 +148,31 @@ static void add_range(struct ranges *rs, CUdeviceptr p, uint64_t bytes)
         rs->cap = cap;
     }
     rs->r[rs->n].p = p;
+    rs->r[rs->n].g = g;
     rs->r[rs->n++].end = p + (bytes + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;
 }
 
-static int by_start(const void *a, const void *b)
+static int by_gpu_start(const void *a, const void *b)
 {
-    CUdeviceptr x = *(const CUdeviceptr *)a, y = *(const CUdeviceptr *)b;
-    return x < y ? -1 : x > y;
+    const struct range *x = a, *y = b;
+    return x->g != y->g ? (x->g < y->g ? -1 : 1) : x->p < y->p ? -1 : x->p > y->p;
 }
 
-/* what the ranges cover, in bytes */
-static uint64_t covered(struct ranges *rs)
+/* what the ranges cover on each GPU, in bytes, into bytes[] */
+static void covered(struct ranges *rs, uint64_t *bytes)
 {
-    uint64_t sum = 0;
     CUdeviceptr upto = 0;
-    qsort(rs->r, rs->n, sizeof *rs->r, by_start);
+    memset(bytes, 0, CGPU_MAX_GPUS * sizeof *bytes);
+    qsort(rs->r, rs->n, sizeof *rs->r, by_gpu_start);
     for (size_t i = 0; i < rs->n; i++) {
+        if (i && rs->r[i].g != rs->r[i - 1].g)
+            upto = 0;
         CUdeviceptr from = rs->r[i].p > upto ? rs->r[i].p : upto;
         if (rs->r[i].end > from)
-            sum += rs->r[i].end - from;
+            bytes[rs->r[i].g] += rs->r[i].end - from;
         if (rs->r[i].end > upto)
             upto = rs->r[i].end;
     }
-    return sum;
 }
 
 /* ---- conditional nodes' bodies where cuGraphNodeGetParams is missing (a driver before it) ----
@@ -237,10 +265,12 @@ static void walk(void *graph, struct graph_plan *p, struct ranges *rs, int depth
             continue;
         }
         p->nodes++;
-        if (type == NODE_MEM_ALLOC && gd.alloc_params && gd.alloc_params(nodes[i], &a) == CU_OK) {
-            p->bytes += (a.bytesize + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;  /* (the sum; the cover below) */
+        int g;
+        if (type == NODE_MEM_ALLOC && gd.alloc_params && gd.alloc_params(nodes[i], &a) == CU_OK
+            && (g = gpu_of(&a, rs->cur)) >= 0 && g < CGPU_MAX_GPUS) {
+            p->bytes[g] += (a.bytesize + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;  /* (the sum; the cover below) */
             if (a.dptr)
-                add_range(rs, a.dptr, a.bytesize);
+                add_range(rs, a.dptr, a.bytesize, g);
             else
                 rs->lost = 1;  /* (no address told: the sum) */
         }
@@ -255,7 +285,6 @@ static void walk(void *graph, struct graph_plan *p, struct ranges *rs, int depth
 #define NEXECS 1024
 static struct { void *exec; int g; uint64_t bytes; } execs[NEXECS];  /* live executable graphs with graph memory */
 static uint64_t live[CGPU_MAX_GPUS], charged[CGPU_MAX_GPUS];
-static int devs[CGPU_MAX_GPUS];  /* page GPU g's CUDA device, seen at its first graph (+1; 0: not yet) */
 static pthread_mutex_t gm_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static uint64_t reserved_now(int g, int dev)
@@ -293,59 +322,80 @@ static int device_of(int g)
     return devs[g] ? devs[g] - 1 : 0;
 }
 
+/* (gm_lock held) `bytes` more that live graphs may map on GPU g: what the pool's charge grows by,
+ * held; 0: no room (nothing held) */
+static int hold_gpu(int g, uint64_t bytes)
+{
+    uint64_t r = reserved_now(g, device_of(g)), base = r > live[g] ? r : live[g];
+    uint64_t want = live[g] + bytes > base ? live[g] + bytes : base;
+    uint64_t more = want > charged[g] ? want - charged[g] : 0;
+    if (more && !take(g, more) && !(settle_all() && take(g, more)))
+        return 0;
+    charged[g] += more;
+    live[g] += bytes;  /* (held for it until the driver answers) */
+    return 1;
+}
+
 CUresult graph_foresee(void *graph, struct graph_plan *p)
 {
     pthread_once(&gd_once, gd_load);
     memset(p, 0, sizeof *p);
-    p->g = -1;
     if (!gd.nodes || !graph)
         return CU_OK;
-    struct ranges rs = {0};
+    struct ranges rs = {.cur = current_gpu()};  /* (-1: a GPU given whole, the driver's to hold) */
     in_driver++;
     walk(graph, p, &rs, 0);
     in_driver--;
     if (!rs.lost)
-        p->bytes = covered(&rs);
+        covered(&rs, p->bytes);
     free(rs.r);
-    if (!p->bytes || (p->g = current_gpu()) < 0)
-        return CU_OK;  /* (no graph memory, or a GPU given whole: the driver's to hold) */
+    for (int g = 0; g < CGPU_MAX_GPUS; g++)
+        p->any |= p->bytes[g] != 0;
+    if (!p->any)
+        return CU_OK;  /* (no graph memory on the container's GPUs) */
     if (!need_slot())
         return CU_OUT_OF_MEMORY;
     follow();
-    driver_share(p->g);
+    for (int g = 0; g < CGPU_MAX_GPUS; g++)
+        if (p->bytes[g])
+            driver_share(g);
     pthread_mutex_lock(&gm_lock);
-    int dev = device_of(p->g);
-    uint64_t r = reserved_now(p->g, dev), base = r > live[p->g] ? r : live[p->g];
-    uint64_t want = live[p->g] + p->bytes > base ? live[p->g] + p->bytes : base;
-    uint64_t more = want > charged[p->g] ? want - charged[p->g] : 0;
-    if (more && !take(p->g, more) && !(settle_all() && take(p->g, more))) {
-        pthread_mutex_unlock(&gm_lock);
-        p->g = -1;
-        return CU_OUT_OF_MEMORY;  /* (past memsize at its first replay: refused here, never a kill) */
-    }
-    charged[p->g] += more;
-    live[p->g] += p->bytes;  /* (held for it until the driver answers) */
+    for (int g = 0; g < CGPU_MAX_GPUS; g++)
+        if (p->bytes[g] && !hold_gpu(g, p->bytes[g])) {
+            for (int h = 0; h < g; h++)  /* (what was held on the GPUs before, back) */
+                if (p->bytes[h]) {
+                    live[h] -= p->bytes[h];
+                    settle_gpu(h, device_of(h));
+                }
+            pthread_mutex_unlock(&gm_lock);
+            p->any = 0;
+            return CU_OUT_OF_MEMORY;  /* (past memsize at its first replay: refused here, never a kill) */
+        }
     pthread_mutex_unlock(&gm_lock);
     return CU_OK;
 }
 
 void graph_made(CUresult r, void *exec, struct graph_plan *p)
 {
-    if (p->g < 0)
+    if (!p->any)
         return;
     pthread_mutex_lock(&gm_lock);
-    int kept = 0;
-    for (int i = 0; r == CU_OK && exec && i < NEXECS && !kept; i++)
-        if (!execs[i].exec) {
-            execs[i].exec = exec;
-            execs[i].g = p->g;
-            execs[i].bytes = p->bytes;
-            kept = 1;
-        }
-    if (!kept)  /* (refused by the driver; or no record left: its share is charged till a trim) */
-        live[p->g] -= p->bytes;
-    if (r != CU_OK)
-        settle_gpu(p->g, device_of(p->g));
+    for (int g = 0; g < CGPU_MAX_GPUS; g++) {
+        if (!p->bytes[g])
+            continue;
+        int kept = 0;
+        for (int i = 0; r == CU_OK && exec && i < NEXECS && !kept; i++)
+            if (!execs[i].exec) {
+                execs[i].exec = exec;
+                execs[i].g = g;
+                execs[i].bytes = p->bytes[g];
+                kept = 1;
+            }
+        if (!kept)  /* (refused by the driver; or no record left: its share is charged till a trim) */
+            live[g] -= p->bytes[g];
+        if (r != CU_OK)
+            settle_gpu(g, device_of(g));
+    }
     pthread_mutex_unlock(&gm_lock);
 }
 

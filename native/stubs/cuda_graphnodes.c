@@ -25,7 +25,8 @@
  * physical memory mappings at any time during graph instantiation, launch, or execution": here at
  * cuGraphUpload, at an instantiation with CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD, else at the first
  * launch (the latest the Guide allows, so the least an interposer sees coming), all of an
- * executable graph's allocations at once, in 2 MiB pages: what its addresses cover (an allocation
+ * executable graph's allocations at once, each on its device (its pool properties' location; a
+ * captured one, the stream's), in 2 MiB pages: what its addresses cover (an allocation
  * made after a free of the graph's own at least as large takes its address: the Guide's "Address
  * Reuse within a Graph", below), and none shared between graphs (the Guide's "multiple graphs may
  * use the same physical memory ... if they will not run simultaneously" is the driver's option,
@@ -49,8 +50,9 @@
 #include "cuda_graph.h"
 
 #define PAGE (2ull << 20)
-#define NDEV 16
+#define NDEV GRAPH_NDEV
 #define GRAPH_VA 0x7d0000000000ull  /* graph allocations' addresses (the pools' start at 0x7e...) */
+enum { LOC_DEVICE = 1 };
 enum { COND_IF = 0, COND_WHILE = 1, COND_SWITCH = 2, COND_ASSIGN_DEFAULT = 1 };
 enum { ATTR_USED_CURRENT = 0, ATTR_USED_HIGH = 1, ATTR_RESERVED_CURRENT = 2, ATTR_RESERVED_HIGH = 3 };
 
@@ -112,37 +114,55 @@ static void pool_settle(int dev)
     pools[dev].gen = gen;
 }
 
+/* (lock held) what exec holds on card dev back to its pool (the pool keeps the pages:
+ * cuDeviceGraphMemTrim gives them back) */
+static void unmap_on(struct graph *exec, int dev)
+{
+    pool_settle(dev);
+    if (pools[dev].gen == exec->mapped_gen[dev])
+        pools[dev].used -= exec->need[dev];
+}
+
 static void unmap(struct graph *exec)
 {
     pthread_mutex_lock(&lock);
-    pool_settle(exec->dev);
-    if (exec->mapped && exec->mapped_gen == pools[exec->dev].gen)
-        pools[exec->dev].used -= exec->need;  /* (the pool keeps the pages: cuDeviceGraphMemTrim gives them back) */
+    for (int dev = 0; exec->mapped && dev < NDEV; dev++)
+        if (exec->need[dev]) unmap_on(exec, dev);
     exec->mapped = 0;
     pthread_mutex_unlock(&lock);
 }
 
+/* (lock held) exec's memory on card dev from its graph pool, grown from the card: 0, -1 (no room) */
+static int map_on(struct graph *exec, int dev)
+{
+    pool_settle(dev);
+    typeof(pools[0]) *p = &pools[dev];
+    uint64_t want = p->used + exec->need[dev], grow = want > p->reserved ? want - p->reserved : 0;
+    if (grow && stub_driver_memory(dev, (int64_t)grow)) {
+        stub_trace("graph memory: %llu bytes more than card %d holds", (unsigned long long)grow, dev);
+        return -1;
+    }
+    p->reserved += grow;
+    p->used = want;
+    exec->mapped_gen[dev] = p->gen;
+    if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
+    if (p->used > p->used_high) p->used_high = p->used;
+    return 0;
+}
+
 CUresult graph_map(struct graph *exec)
 {
-    if (exec->mapped || !exec->need || exec->dev < 0 || exec->dev >= NDEV) return STUB_OK;
+    if (exec->mapped) return STUB_OK;
     pthread_mutex_lock(&lock);
-    pool_settle(exec->dev);
-    typeof(pools[0]) *p = &pools[exec->dev];
-    uint64_t want = p->used + exec->need, grow = want > p->reserved ? want - p->reserved : 0;
-    CUresult r = STUB_OK;
-    if (grow && stub_driver_memory(exec->dev, (int64_t)grow))
-        r = STUB_OUT_OF_MEMORY;  /* (the card cannot hold the growth) */
-    else {
-        p->reserved += grow;
-        p->used = want;
-        if (p->reserved > p->reserved_high) p->reserved_high = p->reserved;
-        if (p->used > p->used_high) p->used_high = p->used;
-        exec->mapped = 1;
-        exec->mapped_gen = p->gen;
-    }
+    int dev = 0;
+    while (dev < NDEV && (!exec->need[dev] || !map_on(exec, dev)))
+        dev++;
+    if (dev < NDEV)  /* (no room on card dev: what the cards before it took goes back to their pools) */
+        while (dev-- > 0)
+            if (exec->need[dev]) unmap_on(exec, dev);
+    exec->mapped = dev == NDEV;
     pthread_mutex_unlock(&lock);
-    if (r) stub_trace("graph memory: %llu bytes more than the card holds", (unsigned long long)exec->need);
-    return r;
+    return exec->mapped ? STUB_OK : STUB_OUT_OF_MEMORY;
 }
 
 void graph_free(struct graph *g)
@@ -213,25 +233,26 @@ static CUdeviceptr address_for(struct graph *g, size_t bytes)
     return p;
 }
 
-CUresult graph_add_alloc(struct graph *g, size_t bytes, CUdeviceptr *dptr)
+CUresult graph_add_alloc(struct graph *g, size_t bytes, int dev, CUdeviceptr *dptr)
 {
-    if (!bytes || !dptr) return STUB_INVALID_VALUE;
+    if (!bytes || !dptr || dev < 0 || dev >= NDEV || dev >= stub_device_count()) return STUB_INVALID_VALUE;
     if (g->embedded) return STUB_INVALID_VALUE;  /* (cuGraphChildGraphNodeGetGraph's graph: no memory nodes) */
     CUdeviceptr at = address_for(g, bytes);
     struct gnode *n = node_new(g, NODE_MEM_ALLOC);
     if (!n) return STUB_OUT_OF_MEMORY;
     n->dptr = *dptr = at;
     n->bytes = bytes;
+    n->dev = dev;
     return STUB_OK;
 }
 
 /* An allocation of exec's at p: its need grows by what p's range adds (an address reused: its largest). */
-static int add_range(struct graph *exec, CUdeviceptr p, uint64_t bytes)
+static int add_range(struct graph *exec, CUdeviceptr p, uint64_t bytes, int dev)
 {
     for (size_t i = 0; i < exec->nranges; i++)
         if (exec->ranges[i].p == p) {
             if (bytes > exec->ranges[i].bytes) {
-                exec->need += bytes - exec->ranges[i].bytes;
+                exec->need[dev] += bytes - exec->ranges[i].bytes;
                 exec->ranges[i].bytes = bytes;
             }
             return 0;
@@ -244,8 +265,9 @@ static int add_range(struct graph *exec, CUdeviceptr p, uint64_t bytes)
         exec->cranges = cap;
     }
     exec->ranges[exec->nranges].p = p;
+    exec->ranges[exec->nranges].dev = dev;
     exec->ranges[exec->nranges++].bytes = bytes;
-    exec->need += bytes;
+    exec->need[dev] += bytes;
     return 0;
 }
 
@@ -282,7 +304,7 @@ CUresult graph_flatten(const struct graph *g, struct graph *exec)
         const struct gnode *n = g->nodes[i];
         CUresult r = STUB_OK;
         if (n->type == NODE_KERNEL && graph_append(exec, &n->us, 1)) return STUB_OUT_OF_MEMORY;
-        if (n->type == NODE_MEM_ALLOC && add_range(exec, n->dptr, pages_of(n->bytes))) return STUB_OUT_OF_MEMORY;
+        if (n->type == NODE_MEM_ALLOC && add_range(exec, n->dptr, pages_of(n->bytes), n->dev)) return STUB_OUT_OF_MEMORY;
         if (n->child && (r = graph_flatten(n->child, exec))) return r;
         if (n->type != NODE_CONDITIONAL) continue;
         unsigned v = cond_value(n->handle), run = n->nbody;  /* (the body that runs: nbody, none) */
@@ -292,7 +314,7 @@ CUresult graph_flatten(const struct graph *g, struct graph *exec)
         for (unsigned b = 0; b < n->nbody; b++) {
             struct graph scratch = {.magic = EXEC_MAGIC, .dev = exec->dev};
             if ((r = graph_flatten(n->body[b], b == run ? exec : &scratch))) return r;
-            exec->need += scratch.need;
+            for (int d = 0; d < NDEV; d++) exec->need[d] += scratch.need[d];
             free(scratch.us);
             free(scratch.ranges);
         }
@@ -380,7 +402,10 @@ CUresult cuGraphAddMemAllocNode(CUgraphNode *out, struct graph *g, const CUgraph
                                 alloc_params *p)
 {
     if (!out || !graph_of(g) || !p || (ndeps && !deps)) return STUB_INVALID_VALUE;
-    CUresult r = graph_add_alloc(g, p->bytesize, &p->dptr);
+    int type, id;  /* CUmemPoolProps's location (after allocType and handleTypes): its device */
+    memcpy(&type, p->pool_props + 8, sizeof type);
+    memcpy(&id, p->pool_props + 12, sizeof id);
+    CUresult r = graph_add_alloc(g, p->bytesize, type == LOC_DEVICE ? id : g->dev, &p->dptr);
     return r ? r : added(out, g);
 }
 
@@ -397,6 +422,8 @@ CUresult cuGraphMemAllocNodeGetParams(CUgraphNode h, alloc_params *p)
     struct gnode *n = node_of(h);
     if (!n || n->type != NODE_MEM_ALLOC || !p) return STUB_INVALID_VALUE;
     memset(p, 0, sizeof *p);
+    int where[2] = {LOC_DEVICE, n->dev};  /* (its pool properties' location: the device it is on) */
+    memcpy(p->pool_props + 8, where, sizeof where);
     p->bytesize = n->bytes;
     p->dptr = n->dptr;
     return STUB_OK;

@@ -286,7 +286,7 @@ int stub_capture_alloc(const void *s, size_t size, CUdeviceptr *p, CUresult *r)
     pthread_mutex_lock(&lock);
     int captured = st->capturing != STATUS_NONE;
     if (captured)
-        *r = st->capturing == STATUS_INVALIDATED ? CAPTURE_INVALIDATED : graph_add_alloc(st->g, size, p);
+        *r = st->capturing == STATUS_INVALIDATED ? CAPTURE_INVALIDATED : graph_add_alloc(st->g, size, st->dev, p);
     pthread_mutex_unlock(&lock);
     return captured;
 }
