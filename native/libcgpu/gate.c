@@ -4,6 +4,7 @@
  * part (cgpu_compute.h): the launch entry points.
  */
 #include "cgpu_compute.h"
+#include "cgpu_memory.h"
 #include "cgpu_work.h"
 
 /* Inside a launch on page GPU k (-1: the container's gate), as the drain sees it: in the calling
@@ -314,8 +315,8 @@ CUresult cuLaunchGrid(void *f, int w, int h)
     GATED(NULL, 0, KERNEL_KIND(f, w, h, 1, 0, 0, 0), fn, f, w, h);
 }
 
-/* ---- graphs: their nodes counted at instantiation (queue.c, "a graph's weight") ---- */
-typedef CUresult (*graph_nodes_fn)(void *, void **, size_t *);
+/* ---- graphs: their nodes counted and their graph memory held at instantiation (graphmem.c; queue.c,
+ * "a graph's weight") ---- */
 typedef CUresult (*instantiate5_fn)(void **, void *, void **, char *, size_t);
 typedef CUresult (*instantiate_flags_fn)(void **, void *, unsigned long long);
 typedef CUresult (*instantiate_params_fn)(void **, void *, void *);
@@ -328,30 +329,28 @@ static void *graph_sym(void **slot, const char *name)
     return f;
 }
 #define GRAPH_REAL(type, name) ((type)graph_sym(&real_##name, #name))
-static void *real_cuGraphGetNodes, *real_cuGraphInstantiate, *real_cuGraphInstantiate_v2,
-    *real_cuGraphInstantiateWithFlags, *real_cuGraphInstantiateWithParams, *real_cuGraphInstantiateWithParams_ptsz,
-    *real_cuGraphExecDestroy;
+static void *real_cuGraphInstantiate, *real_cuGraphInstantiate_v2, *real_cuGraphInstantiateWithFlags,
+    *real_cuGraphInstantiateWithParams, *real_cuGraphInstantiateWithParams_ptsz, *real_cuGraphExecDestroy;
 
-static CUresult made(CUresult r, void **exec, void *graph)
+static CUresult made(CUresult r, void **exec, struct graph_plan *plan)
 {
-    graph_nodes_fn nodes = GRAPH_REAL(graph_nodes_fn, cuGraphGetNodes);
-    size_t n = 0;
-    if (r == CU_OK && exec && nodes) {
-        in_driver++;
-        if (nodes(graph, NULL, &n) == CU_OK)
-            queue_graph_made(*exec, n > UINT32_MAX ? UINT32_MAX : (uint32_t)n);
-        in_driver--;
-    }
+    graph_made(r, exec ? *exec : NULL, plan);
+    if (r == CU_OK && exec)
+        queue_graph_made(*exec, plan->nodes);
     return r;
 }
+/* (its graph memory past memsize: CUDA_ERROR_OUT_OF_MEMORY, the driver not asked) */
 #define INSTANTIATE(type, name, ...)                              \
     do {                                                          \
         type fn_ = GRAPH_REAL(type, name);                        \
         PASS_THROUGH(fn_, __VA_ARGS__);                           \
+        struct graph_plan plan_;                                  \
+        if (graph_foresee(graph, &plan_) != CU_OK)                \
+            return CU_OUT_OF_MEMORY;                              \
         in_driver++;                                              \
         CUresult r_ = fn_(__VA_ARGS__);                           \
         in_driver--;                                              \
-        return made(r_, exec, graph);                             \
+        return made(r_, exec, &plan_);                            \
     } while (0)
 
 CUresult cuGraphInstantiate(void **exec, void *graph, void **err, char *log, size_t size)
@@ -379,7 +378,12 @@ CUresult cuGraphExecDestroy(void *exec)
     exec_destroy_fn fn = GRAPH_REAL(exec_destroy_fn, cuGraphExecDestroy);
     PASS_THROUGH(fn, exec);
     queue_graph_gone(exec);
-    return fn(exec);
+    in_driver++;
+    CUresult r = fn(exec);
+    in_driver--;
+    if (r == CU_OK)
+        graph_gone(exec);  /* (its pool's pages kept by the driver: the charge follows its reservation) */
+    return r;
 }
 
 /* A forked child has no helper thread, no launches in flight, and none of the parent's streams. */

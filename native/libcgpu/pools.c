@@ -223,6 +223,8 @@ static CUresult alloc_call(int how, CUdeviceptr *p, size_t size, void *pool, voi
 static CUresult pooled_alloc(int how, CUdeviceptr *p, size_t size, void *pool, void *stream)
 {
     pthread_once(&pd_once, pd_load);
+    if (graph_capturing(stream, how == ASYNC_PTSZ || how == FROM_POOL_PTSZ))
+        return alloc_call(how, p, size, pool, stream);  /* (a graph's allocation node: charged at its instantiation) */
     CUdevice dev = stream_device(stream);
     int sg = page_index(dev);
     if (!pool && pd.device_pool) {

@@ -184,12 +184,14 @@ static CUresult free_ordered(const char *name, CUdeviceptr p)
 static CUresult pool_alloc(const char *name, CUdeviceptr *p, size_t size, CUstream s, void *pool)
 {
     stub_called(name);
+    CUresult r;
+    if (stub_capture_alloc(s, size, p, &r)) return r;  /* (into a capture: a graph's allocation node) */
     return stub_pool_alloc_async(p, size, s, pool);
 }
-static CUresult pool_free(const char *name, CUdeviceptr p)
+static CUresult pool_free(const char *name, CUdeviceptr p, CUstream s)
 {
     CUresult r;
-    if (stub_pool_free(p, &r)) {
+    if (stub_capture_free(s, p, &r) || stub_pool_free(p, &r)) {
         stub_called(name);
         return r;
     }
@@ -197,8 +199,8 @@ static CUresult pool_free(const char *name, CUdeviceptr p)
 }
 CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { return pool_alloc(__func__, p, size, s, NULL); }
 CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, CUstream s) { return pool_alloc(__func__, p, size, s, NULL); }
-CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return pool_free(__func__, p); }
-CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; return pool_free(__func__, p); }
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { return pool_free(__func__, p, s); }
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return pool_free(__func__, p, s); }
 typedef void *CUmemoryPool;
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
 {
