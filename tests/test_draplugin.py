@@ -367,7 +367,7 @@ def test_registers_through_the_plugin_watcher_and_publishes_the_nodes_slice(plug
     d, api, dirs, kubelet, _, _ = plugin
     info = kubelet.info()
     assert (info.type, info.name, info.endpoint, list(info.supported_versions)) == \
-        ("DRAPlugin", dra.DRIVER, os.fspath(dirs["plugin"] / "dra.sock"), ["v1.DRAPlugin", "v1.DRAResourceHealth"])
+        ("DRAPlugin", dra.DRIVER, os.fspath(dirs["plugin"] / "dra.sock"), ["v1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"])
     s = wait_for(lambda: api.slices.get(dra.slice_name(NODE, 0)), why="no ResourceSlice published")
     assert [x["name"] for x in s["spec"]["devices"]] == ["gpu-0", "gpu-1"]
     assert s["spec"]["devices"][0]["attributes"]["model"] == {"string": "Tesla T4"}

@@ -393,10 +393,13 @@ def test_dra_taints_every_device_of_a_failed_gpu_noschedule():
                    for d in s["spec"].get("devices", []))
 
 
-def test_dra_reports_device_health_to_the_kubelet_over_nodewatchresources(tmp_path):
+@pytest.mark.parametrize("service", ["v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"])
+def test_dra_reports_device_health_to_the_kubelet_over_nodewatchresources(tmp_path, service):
     """KEP-4680: the DRA plugin serves v1.DRAResourceHealth (the kubelet's own proto, dra-health/v1)
-    and advertises it; over real gRPC, every device of the failed GPU is UNHEALTHY with the reason,
-    the other GPU's HEALTHY; back in service, HEALTHY again in the next answer."""
+    and v1alpha1's (the only one the kubelets of 1.34-1.36 call: 1.36.3's cluster tier found the
+    health stream Unimplemented and no health in the pod's status), and advertises both; over real
+    gRPC, every device of the failed GPU is UNHEALTHY with the reason, the other GPU's HEALTHY; back
+    in service, HEALTHY again in the next answer."""
     import threading
     from concurrent import futures
 
@@ -404,7 +407,6 @@ def test_dra_reports_device_health_to_the_kubelet_over_nodewatchresources(tmp_pa
 
     from cgpud.k8s import dra, drahealth, draplugin
     from cgpud.k8s.proto import drahealth_pb2 as hpb
-    from cgpud.k8s.proto import drahealth_pb2_grpc as hrpc
 
     class Node:  # what the plugin keeps of the daemon's answer (draplugin.Node)
         gpus = [dra.Gpu(0, "GPU-a", "T4", 2 << 30), dra.Gpu(1, "GPU-b", "T4", 2 << 30)]
@@ -412,14 +414,17 @@ def test_dra_reports_device_health_to_the_kubelet_over_nodewatchresources(tmp_pa
 
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    hrpc.add_DRAResourceHealthServicer_to_server(drahealth.Health(Node, "node-1", stop), server)
+    drahealth.add_to_server(drahealth.Health(Node, "node-1", stop), server)
     sock = tmp_path / "dra.sock"
     server.add_insecure_port(f"unix://{sock}")
     server.start()
     try:
-        assert drahealth.SERVICE in draplugin.Registration("x").GetInfo(None, None).supported_versions
+        assert service in draplugin.Registration("x").GetInfo(None, None).supported_versions
         with grpc.insecure_channel(f"unix://{sock}") as ch:
-            stream = hrpc.DRAResourceHealthStub(ch).NodeWatchResources(hpb.NodeWatchResourcesRequest(), timeout=20)
+            call = ch.unary_stream(f"/{service}/NodeWatchResources",
+                                   request_serializer=hpb.NodeWatchResourcesRequest.SerializeToString,
+                                   response_deserializer=hpb.NodeWatchResourcesResponse.FromString)
+            stream = call(hpb.NodeWatchResourcesRequest(), timeout=20)
             first = next(stream)
             assert {(d.device.pool_name, d.device.device_name, d.health) for d in first.devices} == {
                 ("node-1", n, hpb.HEALTHY) for n in ("gpu-0", "gpu-1")}

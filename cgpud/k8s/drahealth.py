@@ -1,6 +1,6 @@
 """KEP-4680's device health for the DRA plugin: the kubelet's `v1.DRAResourceHealth` service
-(k8s.io/kubelet/pkg/apis/dra-health/v1, proto/drahealth.proto), which the plugin advertises in its
-registration. The kubelet (ResourceHealthStatus, beta and on by default since 1.36) keeps one
+(k8s.io/kubelet/pkg/apis/dra-health/v1, proto/drahealth.proto), and the same as v1alpha1 (what the
+kubelets of 1.34-1.36 call), both advertised in its registration. The kubelet (ResourceHealthStatus, beta and on by default since 1.36) keeps one
 NodeWatchResources stream open and puts each allocated device's health into the pod's status
 (`kubectl describe pod`: allocatedResourcesStatus).
 
@@ -15,11 +15,19 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
+
 from cgpud.k8s import dra
 from cgpud.k8s.proto import drahealth_pb2 as pb
 from cgpud.k8s.proto import drahealth_pb2_grpc as rpc
 
 SERVICE = "v1.DRAResourceHealth"
+# The kubelets of 1.34-1.36 call v1alpha1 only (pkg/kubelet/cm/dra/plugin: drahealthv1alpha1 alone);
+# 1.37's calls the first of v1, v1alpha1 the plugin's registration names. The two protos differ in
+# their package alone (k8s.io/kubelet pkg/apis/dra-health/{v1,v1alpha1}/api.proto): the same
+# messages on the wire, so one servicer answers both names (add_to_server).
+SERVICE_ALPHA = "v1alpha1.DRAResourceHealth"
+SERVICES = [SERVICE, SERVICE_ALPHA]
 RESEND = 10.0  # s
 TIMEOUT = 60  # s: health_check_timeout_seconds: past it the kubelet takes the device's health as Unknown
 LOOK = 0.1  # s: how often the node's GPUs are looked at for a change
@@ -65,3 +73,12 @@ class Health(rpc.DRAResourceHealthServicer):
                 sent, at = key, time.monotonic()
                 yield health_list(self.pool, gpus, unit, self.known)
             self.stopping.wait(LOOK)
+
+
+def add_to_server(servicer, server) -> None:
+    """The health service under both names the kubelets call (SERVICES)."""
+    rpc.add_DRAResourceHealthServicer_to_server(servicer, server)
+    handlers = {"NodeWatchResources": grpc.unary_stream_rpc_method_handler(
+        servicer.NodeWatchResources, request_deserializer=pb.NodeWatchResourcesRequest.FromString,
+        response_serializer=pb.NodeWatchResourcesResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_ALPHA, handlers),))

@@ -355,7 +355,7 @@ class Registration(regrpc.RegistrationServicer):
         from cgpud.k8s import drahealth  # (KEP-4680: device health, docs/gpus.md Health)
 
         return regpb.PluginInfo(type="DRAPlugin", name=dra.DRIVER, endpoint=self.endpoint,
-                                supported_versions=[SERVICE, drahealth.SERVICE])
+                                supported_versions=[SERVICE, *drahealth.SERVICES])
 
     def NotifyRegistrationStatus(self, request, context):
         if request.plugin_registered:
@@ -384,13 +384,12 @@ def serve(driver: Driver, registry_dir: str, plugin_dir: str, stop: threading.Ev
     os.makedirs(plugin_dir, exist_ok=True)
     os.makedirs(registry_dir, exist_ok=True)
     from cgpud.k8s import drahealth
-    from cgpud.k8s.proto import drahealth_pb2_grpc as healthrpc
 
     health = drahealth.Health(driver.node, driver.node_name, stop)
 
     def add_plugin(s) -> None:
         rpc.add_DRAPluginServicer_to_server(driver, s)
-        healthrpc.add_DRAResourceHealthServicer_to_server(health, s)  # (KEP-4680: the kubelet's health stream)
+        drahealth.add_to_server(health, s)  # (KEP-4680: the kubelet's health stream, v1 and v1alpha1)
 
     while not stop.is_set():
         servers = []
