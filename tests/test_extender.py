@@ -21,9 +21,9 @@ from cgpud.k8s.api import connect
 class Extender:
     """An extender (its own State, its own client) serving on 127.0.0.1 against `api`."""
 
-    def __init__(self, api: ApiServer) -> None:
+    def __init__(self, api: ApiServer, connections: int | None = None) -> None:
         self.api = api
-        self.state = extender.State(*connect()).start()
+        self.state = extender.State(*connect(connections=connections)).start()
         self.server = extender.make_server(self.state, "127.0.0.1", 0)
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/gpushare-scheduler"
@@ -40,7 +40,9 @@ class Extender:
 
     def call(self, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
         self.caught_up()
-        return call(self.url, path, body, raw)
+        out = call(self.url, path, body, raw)
+        self.state.events.flush()  # (a bind's event is written after its answer)
+        return out
 
     def close(self) -> None:
         self.server.shutdown()
@@ -580,3 +582,112 @@ def test_a_pod_counts_on_its_node_while_its_choice_is_written(ext):
     ext.state.api.patch_node = meanwhile
     assert ext.call("/bind", {"PodName": "first", "PodNamespace": "default", "Node": "n0"})[0] == 200
     assert seen == [{"n0": 1, "n1": 10}], seen
+
+
+def test_binds_give_their_connections_back_to_the_clients_pool(ext, monkeypatch):
+    """Each answer a bind asks for (the Node's patch, the Binding, the event) is read and its connection
+    given back: a burst's binds reuse the client's connections, not one new connection (a TLS handshake
+    on both sides) per Binding and per event."""
+    import urllib3
+
+    api = ext.api
+    api.add_node("n0", gpus=2, units=28)
+    names = [f"r{k}" for k in range(8)]
+    for name in names:
+        api.add_pod(name, [3])
+    ext.caught_up()
+    opened = []
+    connect = urllib3.connection.HTTPConnection.connect
+
+    def counting(self):
+        opened.append(self)
+        return connect(self)
+
+    monkeypatch.setattr(urllib3.connection.HTTPConnection, "connect", counting)
+    for name in names:
+        assert ext.call("/bind", {"PodName": name, "PodNamespace": "default", "Node": "n0"})[0] == 200
+    assert len(api.bindings) == 8 and len(api.events) == 8
+    assert len(opened) <= 2, f"{len(opened)} connections opened for 8 binds"  # (the binds' and the events')
+
+
+def test_a_kubeconfig_tokens_hook_runs_once_a_while_not_before_each_request(tmp_path, monkeypatch):
+    """kubernetes.config's hook for a kubeconfig's token runs before every request and reads every
+    proxy variable of the environment again: it runs once per REFRESH_SECONDS."""
+    from kubernetes.config import kube_config
+
+    from cgpud.k8s import api as k8sapi
+
+    server = ApiServer(tmp_path)
+    try:
+        config = json.loads(server.kubeconfig.read_text())
+        config["users"][0]["user"] = {"token": "t0"}
+        path = tmp_path / "token.kubeconfig"
+        path.write_text(json.dumps(config))
+        monkeypatch.setenv("KUBECONFIG", str(path))
+        core, _ = connect("test")
+        runs = []
+        set_config = kube_config.KubeConfigLoader._set_config
+        monkeypatch.setattr(kube_config.KubeConfigLoader, "_set_config",
+                            lambda self, conf: runs.append(1) or set_config(self, conf))
+        for _ in range(5):
+            core.list_node(_preload_content=False).data
+        assert len(runs) == 1
+        monkeypatch.setattr(k8sapi.time, "monotonic", lambda: time.time() + 1e6)  # (REFRESH_SECONDS later)
+        core.list_node(_preload_content=False).data
+        assert len(runs) == 2
+    finally:
+        server.close()
+
+
+def test_the_servers_answers_are_not_held_for_the_callers_ack():
+    """The extender's (and the webhook's) server sends each answer as it is written: TCP_NODELAY on
+    every connection it accepts (else its body waits for the caller's delayed ACK of its headers)."""
+    import socket
+    from http.server import BaseHTTPRequestHandler
+
+    from cgpud.k8s.httpjson import Server
+
+    server = Server(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=5):
+            accepted, _ = server.get_request()
+            with accepted:
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        server.server_close()
+
+
+def test_a_burst_of_binds_shares_a_bounded_pool_of_connections(tmp_path, monkeypatch):
+    """With connections=N (the extender's API_CONNECTIONS) the client keeps N connections and a bind past
+    them waits for one: 16 binds at once for 8 pods' room bind exactly 8, over at most N connections in
+    all (the two watches' among them), not a new connection for each bind past the pool."""
+    import urllib3
+    from concurrent.futures import ThreadPoolExecutor
+
+    opened = []
+    connect_ = urllib3.connection.HTTPConnection.connect
+    monkeypatch.setattr(urllib3.connection.HTTPConnection, "connect",
+                        lambda self: opened.append(self) or connect_(self))
+    api = ApiServer(tmp_path)
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    ext = Extender(api, connections=4)
+    try:
+        api.add_node("n0", gpus=2, units=28)
+        names = [f"q{k:02d}" for k in range(16)]
+        for name in names:
+            api.add_pod(name, [3])
+        ext.caught_up()
+        with ThreadPoolExecutor(16) as pool:
+            codes = list(pool.map(lambda n: call(ext.url, "/bind", {"PodName": n, "PodNamespace": "default",
+                                                                    "Node": "n0"})[0], names))
+        assert sorted(codes) == [200] * 8 + [400] * 8, codes  # (4 pods of 3 on each GPU of 14)
+        on: dict[str, int] = {}
+        for name in names:
+            idx = api.pods[("default", name)]["metadata"]["annotations"].get("ALIYUN_COM_GPU_MEM_IDX")
+            if idx is not None:
+                on[idx] = on.get(idx, 0) + 3
+        assert on == {"0": 12, "1": 12}
+        assert len(opened) <= 4, f"{len(opened)} connections"
+    finally:
+        ext.close()
+        api.close()
