@@ -584,6 +584,25 @@ def test_a_pod_counts_on_its_node_while_its_choice_is_written(ext):
     assert seen == [{"n0": 1, "n1": 10}], seen
 
 
+def one_node_of_pods(api: ApiServer, prefix: str, n: int) -> list[str]:
+    """Node n0 (2 GPUs of 14 units) and n pods asking 3 units each: their names."""
+    api.add_node("n0", gpus=2, units=28)
+    names = [f"{prefix}{k:02d}" for k in range(n)]
+    for name in names:
+        api.add_pod(name, [3])
+    return names
+
+
+def units_on_gpus(api: ApiServer, names: list[str], units: int = 3) -> dict[str, int]:
+    """Units the pods were given on each GPU index, from their gpushare annotations."""
+    on: dict[str, int] = {}
+    for name in names:
+        idx = api.pods[("default", name)]["metadata"]["annotations"].get("ALIYUN_COM_GPU_MEM_IDX")
+        if idx is not None:
+            on[idx] = on.get(idx, 0) + units
+    return on
+
+
 def test_binds_give_their_connections_back_to_the_clients_pool(ext, monkeypatch):
     """Each answer a bind asks for (the Node's patch, the Binding, the event) is read and its connection
     given back: a burst's binds reuse the client's connections, not one new connection (a TLS handshake
@@ -591,10 +610,7 @@ def test_binds_give_their_connections_back_to_the_clients_pool(ext, monkeypatch)
     import urllib3
 
     api = ext.api
-    api.add_node("n0", gpus=2, units=28)
-    names = [f"r{k}" for k in range(8)]
-    for name in names:
-        api.add_pod(name, [3])
+    names = one_node_of_pods(api, "r", 8)
     ext.caught_up()
     opened = []
     connect = urllib3.connection.HTTPConnection.connect
@@ -672,22 +688,43 @@ def test_a_burst_of_binds_shares_a_bounded_pool_of_connections(tmp_path, monkeyp
     monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
     ext = Extender(api, connections=4)
     try:
-        api.add_node("n0", gpus=2, units=28)
-        names = [f"q{k:02d}" for k in range(16)]
-        for name in names:
-            api.add_pod(name, [3])
+        names = one_node_of_pods(api, "q", 16)
         ext.caught_up()
         with ThreadPoolExecutor(16) as pool:
             codes = list(pool.map(lambda n: call(ext.url, "/bind", {"PodName": n, "PodNamespace": "default",
                                                                     "Node": "n0"})[0], names))
         assert sorted(codes) == [200] * 8 + [400] * 8, codes  # (4 pods of 3 on each GPU of 14)
-        on: dict[str, int] = {}
-        for name in names:
-            idx = api.pods[("default", name)]["metadata"]["annotations"].get("ALIYUN_COM_GPU_MEM_IDX")
-            if idx is not None:
-                on[idx] = on.get(idx, 0) + 3
-        assert on == {"0": 12, "1": 12}
+        assert units_on_gpus(api, names) == {"0": 12, "1": 12}
         assert len(opened) <= 4, f"{len(opened)} connections"
     finally:
         ext.close()
         api.close()
+
+
+def test_binds_waiting_for_one_node_are_written_together(ext):
+    """Binds to one node take turns; the bind whose turn it is writes the choices of every bind waiting
+    for that node in one patch: 8 binds at once, the first one's patch held until the other 7 wait,
+    are 2 patches of the Node (not 8, one after another), each pod on its own units, no GPU over-filled."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api = ext.api
+    names = one_node_of_pods(api, "w", 8)
+    ext.caught_up()
+    held, patches = threading.Event(), []
+    patch = ext.state.api.patch_node
+
+    def counted(*args, **kw):
+        patches.append(args[0])
+        if len(patches) == 1:
+            held.wait(10)  # (the first bind's write in flight while the others come)
+        return patch(*args, **kw)
+
+    ext.state.api.patch_node = counted
+    with ThreadPoolExecutor(8) as pool:
+        codes = pool.map(lambda n: call(ext.url, "/bind", {"PodName": n, "PodNamespace": "default", "Node": "n0"})[0],
+                         names)
+        until(lambda: patches and len(ext.state.waiting.get("n0", ())) == 7, "7 binds waiting for the node")
+        held.set()
+        assert list(codes) == [200] * 8
+    assert patches == ["n0", "n0"]
+    assert units_on_gpus(api, names) == {"0": 12, "1": 12}  # (4 pods of 3 on each GPU of 14)

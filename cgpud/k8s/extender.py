@@ -137,14 +137,10 @@ def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> 
         raise BadRequest(f"pod {ns}/{name} is not the pod with UID {uid} any more (it was recreated)")
     annotations, chosen = {}, None
     if pod.need > 0:
-        # kube-scheduler binds pods concurrently: choices on one node take turns in this replica (they would
-        # only conflict with each other), its Bindings and events do not (binpack binds a burst's pods to
-        # one node after another: its binds were one at a time); other replicas' choices are kept apart
-        # by the node's resourceVersion.
-        with state.node_lock(node_name):
-            with state.lock:  # (the choice before ours, written while we waited)
-                node = state.nodes.get(node_name) or node
-            chosen = _commit(state, node, pod)
+        # kube-scheduler binds pods concurrently: choices on one node are written together (_commit), its
+        # Bindings and events are not held by each other; other replicas' choices are kept apart by the
+        # node's resourceVersion.
+        chosen = _commit(state, node, pod)
         annotations = cluster.assume_annotations(list(chosen[0]), pod.need, min(node.units[i] for i in chosen[0]))
     meta = {"name": name, "namespace": ns, **({"uid": uid} if uid else {}),
             **({"annotations": annotations} if annotations else {})}
@@ -164,35 +160,79 @@ def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> 
     return {"Error": ""}
 
 
+class Waiting:
+    """A bind waiting for its node's next write: its pod, and what came of it ((GPUs, placement), or
+    the exception its bind raises)."""
+
+    __slots__ = ("pod", "result")
+
+    def __init__(self, pod: Pod) -> None:
+        self.pod, self.result = pod, None
+
+
 def _commit(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
-    """Choose the pod's GPU(s) on the node and write the choice on the Node, with the resourceVersion
-    the choice was made from; on a conflict read the node again and choose again."""
-    try:
-        return _choose_and_write(state, node, pod)
-    finally:
-        with state.lock:  # (chosen, or not bound: its nomination ends)
-            state.unnominate(pod.uid)
+    """Choose the pod's GPU(s) on the node and write the choice on the Node, with the resourceVersion the
+    choice was made from (on a conflict: read the node again and choose again). Binds to one node take
+    turns (in this replica: they would only conflict), and the bind whose turn it is writes the choices
+    of every bind waiting for that node, in the order they came, in one patch (group commit): binpack
+    binds a burst's pods to one node after another, and one write each, one after the other, made a
+    node's binds wait for each other's round trips to the API server and etcd."""
+    me = Waiting(pod)
+    with state.lock:
+        state.waiting.setdefault(node.name, []).append(me)
+    with state.node_lock(node.name):
+        if me.result is None:  # (else a bind before ours wrote it)
+            with state.lock:
+                batch = state.waiting.pop(node.name, [])
+                node = state.nodes.get(node.name) or node  # (the choices before ours, written while we waited)
+            try:
+                results = _choose_and_write(state, node, [w.pod for w in batch])
+            except Exception as exc:  # noqa: BLE001 - each bind of the batch answers it
+                results = [exc] * len(batch)
+            finally:
+                with state.lock:  # (chosen, or not bound: their nominations end)
+                    for w in batch:
+                        state.unnominate(w.pod.uid)
+            for w, result in zip(batch, results):
+                w.result = result
+    if isinstance(me.result, BaseException):
+        raise me.result
+    return me.result
 
 
-def _choose_and_write(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
+def _choose_and_write(state: State, node: Node, pods: list[Pod]) -> list:
+    """For each pod, in order: (GPUs, placement), or BadRequest where it no longer fits; all chosen
+    written in one patch of the Node."""
     from kubernetes.client.exceptions import ApiException
 
+    uids = {pod.uid for pod in pods}
     for _ in range(BIND_ATTEMPTS):
         now = time.time()
         with state.lock:
             free, core_free = list(state.free_units(node, now)), list(node.core_free)
-            # prioritize's nomination of this pod counts for the others until its choice does, not for it
-            if (own := state.nominated.get(node.name, {}).get(pod.uid)) and now - own[3] <= view.NOMINATED_SECONDS:
-                for i in own[0]:
-                    free[i], core_free[i] = free[i] + own[1], core_free[i] + own[2]
-        strategy = pod.placement or node.strategy  # the pod's own, else the node's label
-        # (core_mem: a GPU without the pod's compute percentage free does not fit)
-        gpus = score.pick(free, core_free, pod.need // pod.count, pod.count, pod.core, strategy) \
-            if pod.need > 0 and pod.need % pod.count == 0 else None
-        if gpus is None:
-            raise BadRequest(f"node {node.name} has no GPU with {pod.need} free {cluster.RESOURCE} any more")
-        assumed = {u: e for u, e in node.assumed.items() if now - e[2] <= ASSUMED_SECONDS and u != pod.uid}
-        assumed[pod.uid] = (tuple(gpus), pod.need // len(gpus), now)
+            # prioritize's nominations of these pods count for the others until their choices do, not for them
+            for pod in pods:
+                if (own := state.nominated.get(node.name, {}).get(pod.uid)) and now - own[3] <= view.NOMINATED_SECONDS:
+                    for i in own[0]:
+                        free[i], core_free[i] = free[i] + own[1], core_free[i] + own[2]
+        assumed = {u: e for u, e in node.assumed.items() if now - e[2] <= ASSUMED_SECONDS and u not in uids}
+        results: list = []
+        for pod in pods:
+            strategy = pod.placement or node.strategy  # the pod's own, else the node's label
+            per = pod.need // pod.count
+            # (core_mem: a GPU without the pod's compute percentage free does not fit)
+            gpus = score.pick(free, core_free, per, pod.count, pod.core, strategy) \
+                if pod.need > 0 and pod.need % pod.count == 0 else None
+            if gpus is None:
+                results.append(BadRequest(f"node {node.name} has no GPU with {pod.need} free {cluster.RESOURCE} "
+                                          "any more"))
+                continue
+            for i in gpus:  # (the next pod of the batch sees this one's choice)
+                free[i], core_free[i] = free[i] - per, core_free[i] - pod.core
+            assumed[pod.uid] = (tuple(gpus), per, now)
+            results.append((tuple(gpus), strategy))
+        if all(isinstance(r, BaseException) for r in results):
+            return results  # (nothing to write)
         patch = {"metadata": {"resourceVersion": node.version, "annotations": {view.ASSUMED: dump_assumed(assumed)}}}
         try:
             resp = state.api.patch_node(node.name, patch, _preload_content=False,
@@ -208,8 +248,9 @@ def _choose_and_write(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ..
                 state.nodes[node.name] = written
                 for uid in written.assumed:
                     state.assumed_on[uid] = node.name
-            state.unnominate(pod.uid)  # (its choice counts now: in the same step, no moment counts neither)
-        return tuple(gpus), strategy
+            for uid in uids:  # (their choices count now: in the same step, no moment counts neither)
+                state.unnominate(uid)
+        return results
     raise Busy(f"node {node.name} changed under {BIND_ATTEMPTS} binds in a row; try again")
 
 

@@ -134,6 +134,7 @@ class State:
         self.nominated: dict[str, dict[str, tuple[tuple[int, ...], int, int, float]]] = {}
         self.nominee: dict[str, str] = {}  # pod uid -> the node it is nominated to
         self.node_locks: dict[str, threading.Lock] = {}
+        self.waiting: dict[str, list] = {}  # node -> binds waiting to write their choices there (extender._commit)
         self.events = None  # pod events, written off the bind's path (cgpud.k8s.extender.Events)
         self.informers = {
             "nodes": Informer("nodes", api.list_node, self._replace_nodes, self._node_event),
