@@ -728,3 +728,57 @@ def test_binds_waiting_for_one_node_are_written_together(ext):
         assert list(codes) == [200] * 8
     assert patches == ["n0", "n0"]
     assert units_on_gpus(api, names) == {"0": 12, "1": 12}  # (4 pods of 3 on each GPU of 14)
+
+
+def test_calls_on_one_kept_connection_are_counted_and_timed_by_verb_and_status(ext):
+    """kube-scheduler keeps its connections: two filters on one connection are both answered on it, and
+    GET /metrics counts them by verb and HTTP status, and times them (cgpu_extender_request_seconds)."""
+    import http.client
+
+    api = ext.api
+    nodes(api)
+    pod = api.add_pod("asks8", [8])
+    ext.caught_up()
+    host, port = ext.server.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    answers, socks = [], []
+    for body in ({"Pod": pod, "NodeNames": ["t4", "mixed"]}, {"NodeNames": ["t4"]}):
+        conn.request("POST", "/gpushare-scheduler/filter", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        answers.append((resp.status, json.loads(resp.read())))
+        socks.append(conn.sock)
+    conn.close()
+    assert answers[0] == (200, {"NodeNames": ["mixed"], "FailedNodes": answers[0][1]["FailedNodes"], "Error": ""})
+    assert answers[1][0] == 400 and "no Pod" in answers[1][1]["Error"]
+    assert socks[0] is socks[1] is not None  # (the same connection: not closed after the first answer)
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+           if line.startswith("cgpu_extender_request")}
+    assert got['cgpu_extender_requests_total{code="200",verb="filter"}'] == 1
+    assert got['cgpu_extender_requests_total{code="400",verb="filter"}'] == 1
+    assert got['cgpu_extender_request_seconds_count{verb="filter"}'] == 2
+    assert got['cgpu_extender_request_seconds_bucket{le="+Inf",verb="filter"}'] == 2
+
+
+def test_a_watch_behind_a_binds_own_write_does_not_undo_it(ext):
+    """A bind's patch of the Node counts at once (its answer is cached); a watch event older than it,
+    which a watch behind the binds still brings, does not undo it: the next bind's patch is made from
+    the latest write and does not conflict (no read of the node again)."""
+    api = ext.api
+    names = one_node_of_pods(api, "s", 3)
+
+    def bind(name: str) -> int:
+        return call(ext.url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "n0"})[0]
+
+    ext.caught_up()
+    assert bind(names[0]) == 200
+    ext.caught_up()
+    behind = api.nodes["n0"]  # the node with the first choice only
+    ext.state.informers["nodes"].event = lambda kind, obj: None  # (the watch falls behind the next write)
+    assert bind(names[1]) == 200
+    ext.state._node_event("MODIFIED", behind)  # (and then brings the older change)
+    reads = api.count("get", "nodes")
+    assert bind(names[2]) == 200
+    assert api.count("get", "nodes") == reads
+    assert units_on_gpus(api, names) == {"0": 9}

@@ -51,8 +51,10 @@ PREFIX = "/gpushare-scheduler"
 MAX_BODY = 16 << 20
 BIND_ATTEMPTS = 10  # conflicts a bind rides out before it answers the scheduler "try again"
 # kube-scheduler binds each pod on a goroutine of its own: a burst's binds share this many connections
-# to the API server (each bind reads every answer: cgpud.k8s.api.connect), the watches and the events too
-API_CONNECTIONS = 32
+# to the API server (each bind reads every answer: cgpud.k8s.api.connect), the watches and the events too.
+# A bind holds one for two writes (~0.6 s when etcd takes 300 ms a write): 32 capped a burst near 50
+# binds/s and queued binds past kube-scheduler's 5 s; the API server serves 200 writes at once by default.
+API_CONNECTIONS = 100
 EVENTS_QUEUED = 4096  # pod events waiting for their write; more are dropped (and counted)
 # a request waits for the GIL at most one switch interval per wake-up (5 ms by default): filter and
 # prioritize, short, wait behind binds' and watches' work less (cgpud.observe.exposition does the same)
@@ -245,9 +247,7 @@ def _choose_and_write(state: State, node: Node, pods: list[Pod]) -> list:
         written = Node(json.loads(resp.data))
         with state.lock:  # what we wrote counts at once (unless the watch already brought newer)
             if (cached := state.nodes.get(node.name)) is None or cached.version == node.version:
-                state.nodes[node.name] = written
-                for uid in written.assumed:
-                    state.assumed_on[uid] = node.name
+                state.wrote(written)
             for uid in uids:  # (their choices count now: in the same step, no moment counts neither)
                 state.unnominate(uid)
         return results
