@@ -1,8 +1,9 @@
 """bench/binpack: GPU pods across nodes (issue 46), one run, on the cluster tier's real control plane
 (tests/cluster.py: etcd, kube-apiserver, kube-scheduler with the shipped configuration) and `cgpu
 scheduler-extender` (its own process, its own account) where that configuration calls it, timed by
-itself (its GET /metrics: cgpu_extender_request_seconds, from a request read to its answer written). Nodes are made through the API as KWOK makes them (no kubelets; tests/test_cluster.py's
-fake nodes), each GPU 14 units (a T4).
+itself (its GET /metrics: cgpu_extender_request_seconds, from a request read to its answer written).
+Nodes are made through the API as KWOK makes them (no kubelets; tests/test_cluster.py's fake nodes),
+each GPU 14 units (a T4).
 
 1. --nodes (1,000) nodes x 2 GPUs. A burst of --pods (400) pods asking aliyun.com/gpu-mem 3, created
    at once, with the extender's binpack (the default); then the same burst asking spread (the pod
@@ -14,13 +15,21 @@ fake nodes), each GPU 14 units (a T4).
    run: the rate of each burst (pods bound per second from the first create) against it. And the
    same burst with kube-scheduler's own scoring (its configuration without prioritizeVerb: as
    shipped before issue 46), kube-scheduler started again for it.
+   Where each burst's pods waited: kube-scheduler's attempts by result and its extension points' means,
+   the extender's answers by verb and status, the API server's mean per write (etcd's and APF's part),
+   the CPU seconds each component used. Each burst's pods are created by CREATORS threads and watched.
+   Then (--dra 1) the same burst through claims on the same nodes: each given the ResourceSlices `cgpu
+   dra-plugin` writes (2 GPUs of 14 GiB), pods with a ResourceClaimTemplate of 3 GiB (the resourceclaim
+   controller makes their claims, kube-scheduler's DRA plugin allocates): GPUs touched and the rate
+   against a plain burst just before.
 2. --big (5,000) nodes x 8 GPUs (made anew): the same bursts and figures; then filter and prioritize
    asked directly, with all the nodes as candidates, --calls times each (the extender's informers fed
    the nodes through the real API server; kube-scheduler itself asks for 500 of them at this size,
    its percentageOfNodesToScore): p50/p99 against the empty filter (a pod asking nothing, the same
    nodes, the same transport). The extender's resident memory against itself before the nodes.
 
-    .venv/bin/python bench/binpack.py [--nodes 1000] [--pods 400] [--big 5000] [--calls 100]
+    .venv/bin/python bench/binpack.py [--nodes 1000] [--pods 400] [--big 5000] [--calls 100] [--dra 1]
+                                      [--no-before] [--logs DIR]
 """
 from __future__ import annotations
 
@@ -293,8 +302,7 @@ class Run:
         return (f"kube-scheduler attempts: {results or 'none'} (mean from the pod's pop to its bind "
                 f"{ms(took[0] / max(took[1], 1))}); extender answers: {answers_text or 'none'}; Node PATCH "
                 f"conflicts (409): {conflicts:.0f}\n  the pods created in {self.created:.1f} s; kube-scheduler's "
-                f"means: algorithm (filter and score, with the extender's) "
-                f"{ms(mean('scheduler_scheduling_algorithm_duration_seconds'))}; {cycle}"
+                f"means: {cycle}"
                 f"\n  the API server's mean per write: {writes}; within it: {inside}"
                 f"\n  CPU seconds in the burst: {cpu}")
 
