@@ -1,8 +1,9 @@
 """bench/binpack: GPU pods across nodes (issue 46), one run, on the cluster tier's real control plane
 (tests/cluster.py: etcd, kube-apiserver, kube-scheduler with the shipped configuration) and `cgpu
-scheduler-extender` (its own process, its own account) behind a timing proxy where that configuration
-calls it. Nodes are made through the API as KWOK makes them (no kubelets; tests/test_cluster.py's
-fake nodes), each GPU 14 units (a T4).
+scheduler-extender` (its own process, its own account) where that configuration calls it, timed by
+itself (its GET /metrics: cgpu_extender_request_seconds, from a request read to its answer written).
+Nodes are made through the API as KWOK makes them (no kubelets; tests/test_cluster.py's fake nodes),
+each GPU 14 units (a T4).
 
 1. --nodes (1,000) nodes x 2 GPUs. A burst of --pods (400) pods asking aliyun.com/gpu-mem 3, created
    at once, with the extender's binpack (the default); then the same burst asking spread (the pod
@@ -14,24 +15,32 @@ fake nodes), each GPU 14 units (a T4).
    run: the rate of each burst (pods bound per second from the first create) against it. And the
    same burst with kube-scheduler's own scoring (its configuration without prioritizeVerb: as
    shipped before issue 46), kube-scheduler started again for it.
+   Where each burst's pods waited: kube-scheduler's attempts by result and its extension points' means,
+   the extender's answers by verb and status, the API server's mean per write (etcd's and APF's part),
+   the CPU seconds each component used. Each burst's pods are created by CREATORS threads and watched.
+   Then (--dra 1) the same burst through claims on the same nodes: each given the ResourceSlices `cgpu
+   dra-plugin` writes (2 GPUs of 14 GiB), pods with a ResourceClaimTemplate of 3 GiB (the resourceclaim
+   controller makes their claims, kube-scheduler's DRA plugin allocates): GPUs touched and the rate
+   against a plain burst just before.
 2. --big (5,000) nodes x 8 GPUs (made anew): the same bursts and figures; then filter and prioritize
    asked directly, with all the nodes as candidates, --calls times each (the extender's informers fed
    the nodes through the real API server; kube-scheduler itself asks for 500 of them at this size,
    its percentageOfNodesToScore): p50/p99 against the empty filter (a pod asking nothing, the same
    nodes, the same transport). The extender's resident memory against itself before the nodes.
 
-    .venv/bin/python bench/binpack.py [--nodes 1000] [--pods 400] [--big 5000] [--calls 100]
+    .venv/bin/python bench/binpack.py [--nodes 1000] [--pods 400] [--big 5000] [--calls 100] [--dra 1]
+                                      [--no-before] [--logs DIR]
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import http.client
-import importlib.util
 import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +50,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from common import pct  # noqa: E402
 
 UNITS = 14
+CREATORS = 32  # threads creating a burst's pods: "at once" (8 made creating them most of a burst's time)
 FAKE = "cgpud-test/fake-pod"
 
 
@@ -48,12 +58,41 @@ def ms(x: float) -> str:
     return f"{x * 1e3:7.1f} ms"
 
 
-def timing_proxy():
-    """bench/cluster.py's TimingProxy (that file's module name is taken by tests/cluster.py here)."""
-    spec = importlib.util.spec_from_file_location("bench_cluster", HERE / "cluster.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.TimingProxy
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) a process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def quantile(buckets: dict[float, float], q: float) -> float:
+    """The q-quantile of a Prometheus histogram's cumulative buckets {upper bound: count}, linear
+    within its bucket (as PromQL's histogram_quantile)."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if not total:
+        return float("nan")
+    rank, below, lower = q * total, 0.0, 0.0
+    for le in bounds:
+        if buckets[le] >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * (rank - below) / max(buckets[le] - below, 1e-9)
+        below, lower = buckets[le], le
+    return lower
+
+
+def counters(text: str, name: str, **match: str) -> dict[str, float]:
+    """The samples of one metric in Prometheus text whose labels include `match`, by their label text."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in match.items()):
+            labels, value = line.rsplit(" ", 1)
+            out[labels[len(name):]] = float(value)
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
 
 
 def rss_mb(pid: int) -> float:
@@ -63,12 +102,87 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
+class Watched:
+    """The bench's pods whose names start with `prefix`, as a WATCH brings them (LIST, then its events;
+    LIST and WATCH again when the API server ends the watch, as it does a watcher slower than its
+    events): waiting for a burst costs the API server nothing in proportion to the burst's length,
+    as reading every pod four times a second did (that LIST was most of the API server's CPU in a
+    long burst, and slowed the burst it measured)."""
+
+    def __init__(self, api, prefix: str) -> None:
+        self.api, self.prefix, self.pods, self.cond = api, prefix, {}, threading.Condition()
+        self.problem, self.resp, self.stopped = "", None, False
+        self._watch()  # (the first LIST and WATCH before the pods are created)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _watch(self) -> None:
+        listed = json.loads(self.api.list_namespaced_pod("default", label_selector=f"{FAKE}=true",
+                                                         _preload_content=False).data)
+        with self.cond:
+            for pod in listed["items"]:
+                self._seen(pod)
+            self.cond.notify_all()
+        self.resp = self.api.list_namespaced_pod("default", label_selector=f"{FAKE}=true", watch=True,
+                                                 resource_version=listed["metadata"]["resourceVersion"],
+                                                 timeout_seconds=900, _preload_content=False)
+
+    def _seen(self, pod: dict) -> None:
+        if pod["metadata"]["name"].startswith(self.prefix):
+            self.pods[pod["metadata"]["name"]] = pod
+
+    def _run(self) -> None:
+        while not self.stopped:
+            buf = b""
+            try:
+                for chunk in self.resp.stream(1 << 16):
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    with self.cond:
+                        for line in filter(None, lines):
+                            ev = json.loads(line)
+                            if ev["type"] in ("ADDED", "MODIFIED"):
+                                self._seen(ev["object"])
+                        self.cond.notify_all()
+                if not self.stopped:
+                    self._watch()  # (ended by the API server: LIST and WATCH again)
+            except Exception as exc:  # noqa: BLE001 - said by until_bound
+                with self.cond:
+                    self.problem = "" if self.stopped else repr(exc)
+                    self.cond.notify_all()
+                return
+
+    def until_bound(self, n: int, timeout: float) -> list[dict]:
+        def bound() -> int:
+            return sum(bool(p["spec"].get("nodeName")) for p in self.pods.values())
+
+        with self.cond:
+            if not self.cond.wait_for(lambda: bound() >= n or self.problem, timeout) or bound() < n:
+                raise SystemExit(f"{self.prefix}*: {bound()} of {n} bound ({self.problem or f'in {timeout:.0f} s'})")
+            return list(self.pods.values())
+
+    def stop(self) -> None:
+        self.stopped = True
+        try:
+            self.resp.shutdown()  # (the reading thread's read ends; its connection is not reused)
+        except RuntimeError:  # (already ended)
+            pass
+
+
 class Run:
-    def __init__(self, c, behind: tuple[str, int], proxy) -> None:
-        self.c, self.api, self.behind, self.proxy = c, c.api(), behind, proxy
+    def __init__(self, c, addr: tuple[str, int]) -> None:
+        self.c, self.api, self.addr = c, c.api(), addr
+        # a burst's pods are created by CREATORS threads at once, each on a connection of its own
+        self.api.api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = CREATORS
+        self.seen: tuple[str, str, str, dict] = ("", "", "", {})
+        self.calls = ""  # the extender's /metrics after the last burst
+
+    def cpu(self) -> dict[str, float]:
+        got = {name: cpu_s(p.proc.pid) for name, p in self.c.procs.items()
+               if name in ("etcd", "kube-apiserver", "kube-scheduler", "extender") and p.alive()}
+        return {**got, "bench": sum(os.times()[:2])}
 
     def get(self, path: str, body=None) -> tuple[float, bytes]:
-        conn = http.client.HTTPConnection(*self.behind, timeout=120)
+        conn = http.client.HTTPConnection(*self.addr, timeout=120)
         data = json.dumps(body).encode() if body is not None else None
         t = time.perf_counter()
         conn.request("POST" if data else "GET", path, data, {"Content-Type": "application/json"})
@@ -82,7 +196,8 @@ class Run:
 
     def metrics(self) -> dict[str, float]:
         text = self.get("/metrics")[1].decode()
-        return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln.startswith("cgpu_extender")}
+        return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines()
+                if ln.startswith("cgpu_extender") and not ln.startswith(("cgpu_extender_request", "# "))}
 
     def pod(self, name: str, units: int, count: int = 0, spread: bool = False) -> dict:
         pod = self.c.pod(name, units, labels={FAKE: "true"}, tolerate_fake=True, runtime_class=None)
@@ -99,22 +214,27 @@ class Run:
         return json.loads(self.api.list_namespaced_pod("default", label_selector=f"{FAKE}=true",
                                                        _preload_content=False).data)["items"]
 
-    def burst(self, prefix: str, n: int, units: int, spread: bool = False) -> tuple[float, list[dict]]:
-        """n pods created at once (8 threads); seconds from the first create to the last bound."""
-        bodies = [self.pod(f"{prefix}-{i:04d}", units, spread=spread) for i in range(n)]
-        self.proxy.times.clear()
+    def burst(self, prefix: str, n: int, units: int, spread: bool = False, make=None) -> tuple[float, list[dict]]:
+        """n pods created at once (CREATORS threads); seconds from the first create to the last bound. `make`:
+        what makes each pod's body from its name (else a pod asking `units`)."""
+        bodies = [make(f"{prefix}-{i:04d}") if make else self.pod(f"{prefix}-{i:04d}", units, spread=spread)
+                  for i in range(n)]
+        self.seen = (self.c.scheduler_metrics(), self.c.apiserver_metrics(), self.get("/metrics")[1].decode(),
+                     self.cpu())
+        watched = Watched(self.api, prefix + "-")
         t0 = time.monotonic()
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        with concurrent.futures.ThreadPoolExecutor(CREATORS) as pool:
             list(pool.map(lambda b: self.api.create_namespaced_pod("default", b, _preload_content=False)
                           .drain_conn(), bodies))
-        while True:
-            items = [p for p in self.pods() if p["metadata"]["name"].startswith(prefix + "-")]
-            if len(items) == n and all(p["spec"].get("nodeName") for p in items):
-                return time.monotonic() - t0, items
-            if time.monotonic() - t0 > 600:
-                raise SystemExit(f"{prefix}: {sum(bool(p['spec'].get('nodeName')) for p in items)} of {n} bound "
-                                 "in 600 s")
-            time.sleep(0.25)
+        self.created = time.monotonic() - t0
+        try:
+            items = watched.until_bound(n, 600)
+        finally:
+            watched.stop()
+        took = time.monotonic() - t0
+        self.calls = self.get("/metrics")[1].decode()
+        self.used = {k: v - self.seen[3].get(k, 0.0) for k, v in self.cpu().items()}
+        return took, items
 
     def one(self, name: str, units: int, count: int) -> str:
         """A pod created after a burst: where it went within 30 s, or why it is Pending."""
@@ -139,9 +259,68 @@ class Run:
             time.sleep(0.25)
         time.sleep(6)  # (prioritize's nominations of the last burst end: NOMINATED_SECONDS)
 
+    def waits(self) -> str:
+        """Where the last burst's pods waited: kube-scheduler's attempts by result and their mean
+        time, the extender's answers by status, the API server's conflicts on Nodes."""
+        sched, api = self.c.scheduler_metrics(), self.c.apiserver_metrics()
+        attempts = delta(counters(sched, "scheduler_schedule_attempts_total"),
+                         counters(self.seen[0], "scheduler_schedule_attempts_total"))
+        def mean(name: str, **match: str) -> float:
+            s_, n_ = (sum(delta(counters(sched, f"{name}_{k}", **match), counters(self.seen[0], f"{name}_{k}", **match))
+                          .values()) for k in ("sum", "count"))
+            return s_ / max(n_, 1)
+
+        took = [mean("scheduler_scheduling_attempt_duration_seconds"), 1]
+        cycle = ", ".join(f"{point} {ms(mean('scheduler_framework_extension_point_duration_seconds', extension_point=point))}"
+                          for point in ("PreFilter", "Filter", "PreScore", "Score", "Reserve", "Permit"))
+        conflicts = sum(delta(counters(api, "apiserver_request_total", resource="nodes", verb="PATCH", code="409"),
+                              counters(self.seen[1], "apiserver_request_total", resource="nodes", verb="PATCH",
+                                       code="409")).values())
+        def api_mean(verb: str, resource: str) -> str:
+            s_, n_ = (sum(delta(counters(api, f"apiserver_request_duration_seconds_{k}", verb=verb, resource=resource),
+                                counters(self.seen[1], f"apiserver_request_duration_seconds_{k}", verb=verb,
+                                         resource=resource)).values()) for k in ("sum", "count"))
+            return f"{verb} {resource} {ms(s_ / n_).strip()} ({n_:.0f})" if n_ else f"{verb} {resource}: none"
+
+        writes = ", ".join(api_mean(v, r) for v, r in (("POST", "pods"), ("PATCH", "nodes"), ("POST", "bindings"),
+                                                       ("POST", "events")))
+        def sum_mean(name: str, **match: str) -> str:
+            s_, n_ = (sum(delta(counters(api, f"{name}_{k}", **match), counters(self.seen[1], f"{name}_{k}", **match))
+                          .values()) for k in ("sum", "count"))
+            return f"{ms(s_ / n_).strip()} ({n_:.0f})" if n_ else "none"
+
+        inside = (f"etcd create {sum_mean('etcd_request_duration_seconds', operation='create')}, etcd update "
+                  f"{sum_mean('etcd_request_duration_seconds', operation='update')}, APF wait "
+                  f"{sum_mean('apiserver_flowcontrol_request_wait_duration_seconds', execute='true')}, admission "
+                  f"{sum_mean('apiserver_admission_step_admission_duration_seconds', operation='CREATE')}")
+        results = ", ".join(f"{k.split('result=')[1].split(chr(34))[1]} {v:.0f}" for k, v in attempts.items())
+        answers = delta(counters(self.calls, "cgpu_extender_requests_total"),
+                        counters(self.seen[2], "cgpu_extender_requests_total"))
+        answers_text = ", ".join(f"{k.split('verb=')[1].split(chr(34))[1]} {k.split('code=')[1].split(chr(34))[1]}: "
+                                 f"{v:.0f}" for k, v in sorted(answers.items()))
+        cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.used.items(), key=lambda kv: -kv[1]))
+        return (f"kube-scheduler attempts: {results or 'none'} (mean from the pod's pop to its bind "
+                f"{ms(took[0] / max(took[1], 1))}); extender answers: {answers_text or 'none'}; Node PATCH "
+                f"conflicts (409): {conflicts:.0f}\n  the pods created in {self.created:.1f} s; kube-scheduler's "
+                f"means: {cycle}"
+                f"\n  the API server's mean per write: {writes}; within it: {inside}"
+                f"\n  CPU seconds in the burst: {cpu}")
+
     def lat(self, verb: str) -> str:
-        t = self.proxy.times.get(verb, [])
-        return f"{verb} p50 {ms(pct(t, 50))} p99 {ms(pct(t, 99))} ({len(t)})" if t else f"{verb}: not asked"
+        """The extender's own time for `verb` in the last burst (its histogram: from the request read to the
+        answer written), p50 and p99 as PromQL's histogram_quantile would say, and the share over 50 ms."""
+        def buckets(text: str) -> dict[float, float]:
+            got = counters(text, "cgpu_extender_request_seconds_bucket", verb=verb)
+            return {float(k.split('le="')[1].split('"')[0]): v for k, v in got.items()}
+
+        after, before = buckets(self.calls), buckets(self.seen[2])
+        now = {le: after[le] - before.get(le, 0.0) for le in after}
+        n = now.get(float("inf"), 0)
+        if not n:
+            return f"{verb}: not asked"
+        over = n - now.get(0.05, 0)
+        return (f"{verb} p50 {ms(quantile(now, 0.5))} p99 {ms(quantile(now, 0.99))} ({n:.0f}, "
+                f"{over / n:.1%} over 50 ms)")
 
 
 def scheduler(c, prioritize: bool) -> None:
@@ -166,6 +345,7 @@ def bursts(run: Run, nodes: int, gpus: int, pods: int, before: bool = False) -> 
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     plain_s, _ = run.burst(f"plain{gpus}", pods, 0)
     print(f"reference: {pods} pods asking no GPU: all bound in {plain_s:5.1f} s ({pods / plain_s:5.1f} pods/s)")
+    print(f"  {run.waits()}")
     run.clear()
     need = math.ceil(pods / (UNITS // 3))
     ways = [("binpack (default)", False), ("spread (pod annotation)", True)]
@@ -183,6 +363,7 @@ def bursts(run: Run, nodes: int, gpus: int, pods: int, before: bool = False) -> 
               f"{plain_s / took:4.2f} of the plain burst's rate); GPUs touched {len(touched)} on {len(on)} nodes "
               f"(packing needs {need})")
         print(f"  extender under kube-scheduler: {lat}")
+        print(f"  {run.waits()}")
         m = run.metrics()
         print("  fragmentation: " + ", ".join(f"{k[len('cgpu_extender_'):]} {v:.0f}" for k, v in m.items()))
         print(f"  then a pod asking a whole GPU ({UNITS}): {run.one(f'whole-gpu-{gpus}', UNITS, 1)}")
@@ -191,6 +372,63 @@ def bursts(run: Run, nodes: int, gpus: int, pods: int, before: bool = False) -> 
         run.clear()
         if spread is None:
             scheduler(run.c, prioritize=True)
+
+
+CLASS = "gpu.cgpu.aliyun.com"  # deploy/kubernetes/dra/deviceclass.yaml
+GIB = 1 << 30
+
+
+def dra_burst(run: Run, nodes: int, gpus: int, pods: int) -> None:
+    """The same burst through claims: each fake node given the ResourceSlices `cgpu dra-plugin` writes
+    for its GPUs (14 GiB each, at 1 GiB), pods with a ResourceClaimTemplate of 3 GiB (the resourceclaim
+    controller makes each pod's claim; kube-scheduler's DRA plugin allocates; no extender is asked).
+    GPUs touched from the claims' allocations; the rate against a plain burst in the same step."""
+    from kubernetes import client
+
+    from cgpud.k8s import dra
+
+    c, api = run.c, run.api
+    resource = client.ResourceV1Api(api.api_client)
+    devices = [dra.Gpu(g, f"GPU-fake-{g}", "Fake T4", UNITS * GIB) for g in range(gpus)]
+    c.kubectl("apply", "-f", os.fspath(HERE.parent / "deploy" / "kubernetes" / "dra" / "deviceclass.yaml"))
+    t = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: [resource.create_resource_slice(s, _preload_content=False).drain_conn()
+                                 for s in dra.resource_slices(f"fake-{i:04d}", devices, GIB)], range(nodes)))
+    print(f"\n== DRA: the {nodes} nodes' ResourceSlices ({gpus} GPUs of {UNITS} GiB) made in {time.monotonic() - t:.0f} s "
+          f"(load average {os.getloadavg()[0]:.1f})")
+    if "kube-controller-manager" not in c.procs:
+        c.start_controller_manager("resourceclaim-controller,garbage-collector-controller")
+    c.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+              "metadata": {"name": "bench-3gi", "namespace": "default"},
+              "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                  "deviceClassName": CLASS, "count": 1, "allocationMode": "ExactCount",
+                  "capacity": {"requests": {"memory": "3Gi"}}}}]}}}})
+
+    def claim_pod(name: str) -> dict:
+        pod = run.pod(name, 0)
+        pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "bench-3gi"}]
+        pod["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+        return pod
+
+    plain_s, _ = run.burst("dplain", pods, 0)
+    run.clear()
+    took, items = run.burst("dra", pods, 0, make=claim_pod)
+    claims = json.loads(resource.list_namespaced_resource_claim("default", _preload_content=False).data)["items"]
+    touched = {(r["pool"], r["device"]) for cl in claims
+               for r in (((cl.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results", [])}
+    per: dict[tuple[str, str], int] = {}
+    for cl in claims:
+        for r in cl["status"]["allocation"]["devices"]["results"]:
+            per[(r["pool"], r["device"])] = per.get((r["pool"], r["device"]), 0) + dra.quantity(
+                r["consumedCapacity"]["memory"]) // GIB
+    print(f"reference: {pods} pods asking no GPU, the same step: {plain_s:5.1f} s ({pods / plain_s:5.1f} pods/s)")
+    print(f"claims of 3 GiB (ResourceClaimTemplate): {pods} bound in {took:5.1f} s ({pods / took:5.1f} pods/s, "
+          f"{plain_s / took:4.2f} of the plain burst's rate); GPUs touched {len(touched)} on "
+          f"{len({n for n, _ in touched})} nodes (packing needs {math.ceil(pods / (UNITS // 3))}); the most on a "
+          f"GPU {max(per.values())} GiB of {UNITS}")
+    print(f"  {run.waits()}")
+    run.clear()
 
 
 def direct(run: Run, nodes: int, calls: int) -> None:
@@ -218,13 +456,15 @@ def main() -> None:
     ap.add_argument("--pods", type=int, default=400)
     ap.add_argument("--big", type=int, default=5000, help="nodes x 8 GPUs of the second part (0: none)")
     ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--dra", type=int, default=1, help="the burst through claims too (0: not)")
+    ap.add_argument("--logs", help="copy the components' logs into this directory at the end")
+    ap.add_argument("--no-before", action="store_true", help="leave out the burst with kube-scheduler's own scoring")
     args = ap.parse_args()
 
-    from cluster import EXTENDER_SA, NAMESPACE, Cluster, extender_addr, free_port, k8s_bin, kubeconfig
+    from cluster import EXTENDER_SA, NAMESPACE, Cluster, extender_addr, k8s_bin, kubeconfig
     from test_cluster import delete_fake_nodes, make_fake_nodes
 
     c = Cluster(None, None, k8s_bin())
-    proxy = None
     try:
         c.start_control_plane()
         c._start_scheduler()  # (the shipped configuration: the extender's filter, prioritize and bind)
@@ -232,17 +472,17 @@ def main() -> None:
         token = c.kubectl("create", "token", EXTENDER_SA, "-n", NAMESPACE, "--duration", "6h").stdout.strip()
         c.extender_kubeconfig = kubeconfig(c.path("extender-sa.kubeconfig"), c.server, c.path("pki", "ca.crt"),
                                            {"token": token})
-        behind = ("127.0.0.1", free_port())
-        c.start_extender(behind)
-        proxy = timing_proxy()(extender_addr(), behind)
+        c.start_extender()  # (where the shipped configuration calls it; its own timings: GET /metrics)
         pid = c.procs["extender"].proc.pid
         rss0 = rss_mb(pid)
-        run = Run(c, behind, proxy)
+        run = Run(c, extender_addr())
         t = time.monotonic()
         make_fake_nodes(c, args.nodes, 2)
         print(f"{args.nodes} nodes made through the API in {time.monotonic() - t:.0f} s")
         time.sleep(2)
-        bursts(run, args.nodes, 2, args.pods, before=True)
+        bursts(run, args.nodes, 2, args.pods, before=not args.no_before)
+        if args.dra:
+            dra_burst(run, args.nodes, 2, args.pods)
         if args.big:
             delete_fake_nodes(c)
             t = time.monotonic()
@@ -257,8 +497,12 @@ def main() -> None:
         print(f"\nthe extender's resident memory: {rss_mb(pid):.0f} MB (reference: {rss0:.0f} MB at its start, "
               "before the nodes)")
     finally:
-        if proxy is not None:
-            proxy.stop()
+        if args.logs:
+            import shutil
+
+            os.makedirs(args.logs, exist_ok=True)
+            for name, proc in c.procs.items():
+                shutil.copy(proc.log_path, os.path.join(args.logs, f"{name}.log"))
         try:
             delete_fake_nodes(c)
         except Exception:  # noqa: BLE001 - the cluster goes anyway

@@ -21,9 +21,9 @@ from cgpud.k8s.api import connect
 class Extender:
     """An extender (its own State, its own client) serving on 127.0.0.1 against `api`."""
 
-    def __init__(self, api: ApiServer) -> None:
+    def __init__(self, api: ApiServer, connections: int | None = None) -> None:
         self.api = api
-        self.state = extender.State(*connect()).start()
+        self.state = extender.State(*connect(connections=connections)).start()
         self.server = extender.make_server(self.state, "127.0.0.1", 0)
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/gpushare-scheduler"
@@ -40,7 +40,9 @@ class Extender:
 
     def call(self, path: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
         self.caught_up()
-        return call(self.url, path, body, raw)
+        out = call(self.url, path, body, raw)
+        self.state.events.flush()  # (a bind's event is written after its answer)
+        return out
 
     def close(self) -> None:
         self.server.shutdown()
@@ -580,3 +582,203 @@ def test_a_pod_counts_on_its_node_while_its_choice_is_written(ext):
     ext.state.api.patch_node = meanwhile
     assert ext.call("/bind", {"PodName": "first", "PodNamespace": "default", "Node": "n0"})[0] == 200
     assert seen == [{"n0": 1, "n1": 10}], seen
+
+
+def one_node_of_pods(api: ApiServer, prefix: str, n: int) -> list[str]:
+    """Node n0 (2 GPUs of 14 units) and n pods asking 3 units each: their names."""
+    api.add_node("n0", gpus=2, units=28)
+    names = [f"{prefix}{k:02d}" for k in range(n)]
+    for name in names:
+        api.add_pod(name, [3])
+    return names
+
+
+def units_on_gpus(api: ApiServer, names: list[str], units: int = 3) -> dict[str, int]:
+    """Units the pods were given on each GPU index, from their gpushare annotations."""
+    on: dict[str, int] = {}
+    for name in names:
+        idx = api.pods[("default", name)]["metadata"]["annotations"].get("ALIYUN_COM_GPU_MEM_IDX")
+        if idx is not None:
+            on[idx] = on.get(idx, 0) + units
+    return on
+
+
+def test_binds_give_their_connections_back_to_the_clients_pool(ext, monkeypatch):
+    """Each answer a bind asks for (the Node's patch, the Binding, the event) is read and its connection
+    given back: a burst's binds reuse the client's connections, not one new connection (a TLS handshake
+    on both sides) per Binding and per event."""
+    import urllib3
+
+    api = ext.api
+    names = one_node_of_pods(api, "r", 8)
+    ext.caught_up()
+    opened = []
+    connect = urllib3.connection.HTTPConnection.connect
+
+    def counting(self):
+        opened.append(self)
+        return connect(self)
+
+    monkeypatch.setattr(urllib3.connection.HTTPConnection, "connect", counting)
+    for name in names:
+        assert ext.call("/bind", {"PodName": name, "PodNamespace": "default", "Node": "n0"})[0] == 200
+    assert len(api.bindings) == 8 and len(api.events) == 8
+    assert len(opened) <= 2, f"{len(opened)} connections opened for 8 binds"  # (the binds' and the events')
+
+
+def test_a_kubeconfig_tokens_hook_runs_once_a_while_not_before_each_request(tmp_path, monkeypatch):
+    """kubernetes.config's hook for a kubeconfig's token runs before every request and reads every
+    proxy variable of the environment again: it runs once per REFRESH_SECONDS."""
+    from kubernetes.config import kube_config
+
+    from cgpud.k8s import api as k8sapi
+
+    server = ApiServer(tmp_path)
+    try:
+        config = json.loads(server.kubeconfig.read_text())
+        config["users"][0]["user"] = {"token": "t0"}
+        path = tmp_path / "token.kubeconfig"
+        path.write_text(json.dumps(config))
+        monkeypatch.setenv("KUBECONFIG", str(path))
+        core, _ = connect("test")
+        runs = []
+        set_config = kube_config.KubeConfigLoader._set_config
+        monkeypatch.setattr(kube_config.KubeConfigLoader, "_set_config",
+                            lambda self, conf: runs.append(1) or set_config(self, conf))
+        for _ in range(5):
+            core.list_node(_preload_content=False).data
+        assert len(runs) == 1
+        monkeypatch.setattr(k8sapi.time, "monotonic", lambda: time.time() + 1e6)  # (REFRESH_SECONDS later)
+        core.list_node(_preload_content=False).data
+        assert len(runs) == 2
+    finally:
+        server.close()
+
+
+def test_the_servers_answers_are_not_held_for_the_callers_ack():
+    """The extender's (and the webhook's) server sends each answer as it is written: TCP_NODELAY on
+    every connection it accepts (else its body waits for the caller's delayed ACK of its headers)."""
+    import socket
+    from http.server import BaseHTTPRequestHandler
+
+    from cgpud.k8s.httpjson import Server
+
+    server = Server(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=5):
+            accepted, _ = server.get_request()
+            with accepted:
+                assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        server.server_close()
+
+
+def test_a_burst_of_binds_shares_a_bounded_pool_of_connections(tmp_path, monkeypatch):
+    """With connections=N (the extender's API_CONNECTIONS) the client keeps N connections and a bind past
+    them waits for one: 16 binds at once for 8 pods' room bind exactly 8, over at most N connections in
+    all (the two watches' among them), not a new connection for each bind past the pool."""
+    import urllib3
+    from concurrent.futures import ThreadPoolExecutor
+
+    opened = []
+    connect_ = urllib3.connection.HTTPConnection.connect
+    monkeypatch.setattr(urllib3.connection.HTTPConnection, "connect",
+                        lambda self: opened.append(self) or connect_(self))
+    api = ApiServer(tmp_path)
+    monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig))
+    ext = Extender(api, connections=4)
+    try:
+        names = one_node_of_pods(api, "q", 16)
+        ext.caught_up()
+        with ThreadPoolExecutor(16) as pool:
+            codes = list(pool.map(lambda n: call(ext.url, "/bind", {"PodName": n, "PodNamespace": "default",
+                                                                    "Node": "n0"})[0], names))
+        assert sorted(codes) == [200] * 8 + [400] * 8, codes  # (4 pods of 3 on each GPU of 14)
+        assert units_on_gpus(api, names) == {"0": 12, "1": 12}
+        assert len(opened) <= 4, f"{len(opened)} connections"
+    finally:
+        ext.close()
+        api.close()
+
+
+def test_binds_waiting_for_one_node_are_written_together(ext):
+    """Binds to one node take turns; the bind whose turn it is writes the choices of every bind waiting
+    for that node in one patch: 8 binds at once, the first one's patch held until the other 7 wait,
+    are 2 patches of the Node (not 8, one after another), each pod on its own units, no GPU over-filled."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    api = ext.api
+    names = one_node_of_pods(api, "w", 8)
+    ext.caught_up()
+    held, patches = threading.Event(), []
+    patch = ext.state.api.patch_node
+
+    def counted(*args, **kw):
+        patches.append(args[0])
+        if len(patches) == 1:
+            held.wait(10)  # (the first bind's write in flight while the others come)
+        return patch(*args, **kw)
+
+    ext.state.api.patch_node = counted
+    with ThreadPoolExecutor(8) as pool:
+        codes = pool.map(lambda n: call(ext.url, "/bind", {"PodName": n, "PodNamespace": "default", "Node": "n0"})[0],
+                         names)
+        until(lambda: patches and len(ext.state.waiting.get("n0", ())) == 7, "7 binds waiting for the node")
+        held.set()
+        assert list(codes) == [200] * 8
+    assert patches == ["n0", "n0"]
+    assert units_on_gpus(api, names) == {"0": 12, "1": 12}  # (4 pods of 3 on each GPU of 14)
+
+
+def test_calls_on_one_kept_connection_are_counted_and_timed_by_verb_and_status(ext):
+    """kube-scheduler keeps its connections: two filters on one connection are both answered on it, and
+    GET /metrics counts them by verb and HTTP status, and times them (cgpu_extender_request_seconds)."""
+    import http.client
+
+    api = ext.api
+    nodes(api)
+    pod = api.add_pod("asks8", [8])
+    ext.caught_up()
+    host, port = ext.server.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=10)
+    answers, socks = [], []
+    for body in ({"Pod": pod, "NodeNames": ["t4", "mixed"]}, {"NodeNames": ["t4"]}):
+        conn.request("POST", "/gpushare-scheduler/filter", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        answers.append((resp.status, json.loads(resp.read())))
+        socks.append(conn.sock)
+    conn.close()
+    assert answers[0] == (200, {"NodeNames": ["mixed"], "FailedNodes": answers[0][1]["FailedNodes"], "Error": ""})
+    assert answers[1][0] == 400 and "no Pod" in answers[1][1]["Error"]
+    assert socks[0] is socks[1] is not None  # (the same connection: not closed after the first answer)
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+           if line.startswith("cgpu_extender_request")}
+    assert got['cgpu_extender_requests_total{code="200",verb="filter"}'] == 1
+    assert got['cgpu_extender_requests_total{code="400",verb="filter"}'] == 1
+    assert got['cgpu_extender_request_seconds_count{verb="filter"}'] == 2
+    assert got['cgpu_extender_request_seconds_bucket{le="+Inf",verb="filter"}'] == 2
+
+
+def test_a_watch_behind_a_binds_own_write_does_not_undo_it(ext):
+    """A bind's patch of the Node counts at once (its answer is cached); a watch event older than it,
+    which a watch behind the binds still brings, does not undo it: the next bind's patch is made from
+    the latest write and does not conflict (no read of the node again)."""
+    api = ext.api
+    names = one_node_of_pods(api, "s", 3)
+
+    def bind(name: str) -> int:
+        return call(ext.url, "/bind", {"PodName": name, "PodNamespace": "default", "Node": "n0"})[0]
+
+    ext.caught_up()
+    assert bind(names[0]) == 200
+    ext.caught_up()
+    behind = api.nodes["n0"]  # the node with the first choice only
+    ext.state.informers["nodes"].event = lambda kind, obj: None  # (the watch falls behind the next write)
+    assert bind(names[1]) == 200
+    ext.state._node_event("MODIFIED", behind)  # (and then brings the older change)
+    reads = api.count("get", "nodes")
+    assert bind(names[2]) == 200
+    assert api.count("get", "nodes") == reads
+    assert units_on_gpus(api, names) == {"0": 9}

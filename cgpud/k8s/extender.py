@@ -34,10 +34,15 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
+import sys
+import threading
 import time
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from cgpud.k8s import cluster, score, view
+from cgpud.k8s.api import done
 from cgpud.k8s.httpjson import Server, send_json
 from cgpud.k8s.view import ASSUMED_SECONDS, BadRequest, Node, Pod, State, dump_assumed, gpu_count
 
@@ -45,6 +50,17 @@ log = logging.getLogger("cgpud.k8s")
 PREFIX = "/gpushare-scheduler"
 MAX_BODY = 16 << 20
 BIND_ATTEMPTS = 10  # conflicts a bind rides out before it answers the scheduler "try again"
+# kube-scheduler binds each pod on a goroutine of its own: a burst's binds share this many connections
+# to the API server (each bind reads every answer: cgpud.k8s.api.connect), the watches and the events too.
+# A bind holds one for two writes (~0.6 s when etcd takes 300 ms a write): 32 capped a burst near 50
+# binds/s and queued binds past kube-scheduler's 5 s; the API server serves 200 writes at once by default.
+API_CONNECTIONS = 100
+EVENTS_QUEUED = 4096  # pod events waiting for their write; more are dropped (and counted)
+# a request waits for the GIL at most one switch interval per wake-up (5 ms by default): filter and
+# prioritize, short, wait behind binds' and watches' work less (cgpud.observe.exposition does the same)
+SWITCH_INTERVAL = 0.0005
+VERBS = ("filter", "prioritize", "bind")
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class Busy(RuntimeError):
@@ -110,7 +126,6 @@ def _read(state: State, what: str, call, *args) -> dict:
 
 
 def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> dict:
-    from kubernetes.client import V1Binding, V1ObjectMeta, V1ObjectReference
     from kubernetes.client.exceptions import ApiException
 
     with state.lock:
@@ -124,63 +139,106 @@ def _bind(state: State, name: str, ns: str, node_name: str, uid: str | None) -> 
         raise BadRequest(f"pod {ns}/{name} is not the pod with UID {uid} any more (it was recreated)")
     annotations, chosen = {}, None
     if pod.need > 0:
-        # kube-scheduler binds pods concurrently: choices on one node take turns in this replica (they would
-        # only conflict with each other), its Bindings and events do not (binpack binds a burst's pods to
-        # one node after another: its binds were one at a time); other replicas' choices are kept apart
-        # by the node's resourceVersion.
-        with state.node_lock(node_name):
-            with state.lock:  # (the choice before ours, written while we waited)
-                node = state.nodes.get(node_name) or node
-            chosen = _commit(state, node, pod)
+        # kube-scheduler binds pods concurrently: choices on one node are written together (_commit), its
+        # Bindings and events are not held by each other; other replicas' choices are kept apart by the
+        # node's resourceVersion.
+        chosen = _commit(state, node, pod)
         annotations = cluster.assume_annotations(list(chosen[0]), pod.need, min(node.units[i] for i in chosen[0]))
-    body = V1Binding(metadata=V1ObjectMeta(name=name, namespace=ns, uid=uid or None, annotations=annotations or None),
-                     target=V1ObjectReference(kind="Node", name=node_name, api_version="v1"))
+    meta = {"name": name, "namespace": ns, **({"uid": uid} if uid else {}),
+            **({"annotations": annotations} if annotations else {})}
+    body = {"apiVersion": "v1", "kind": "Binding", "metadata": meta,  # (the API's JSON: no model to build)
+            "target": {"kind": "Node", "name": node_name, "apiVersion": "v1"}}
     try:
-        state.api.create_namespaced_binding(ns, body, _preload_content=False)
+        done(state.api.create_namespaced_binding(ns, body, _preload_content=False))
     except ApiException:
         if chosen:  # not bound: take the choice back (else it counts until ASSUMED_SECONDS pass)
             _take_back(state, node_name, pod.uid)
         raise
     log.info("bound %s/%s to %s %s", ns, name, node_name, annotations.get(cluster.IDX, ""))
-    if annotations:
-        event(state.api, {"metadata": {"name": name, "namespace": ns, "uid": pod.uid}}, "CgpuAssumed",
-              f"{pod.need} {cluster.RESOURCE} on GPU {annotations[cluster.IDX]} of node {node_name} "
-              f"({chosen[1]})")
+    if annotations:  # (written after the answer, by the events' own thread: not on the bind's path)
+        (state.events or Events(state.api, start=False)).put(
+            {"metadata": {"name": name, "namespace": ns, "uid": pod.uid}}, "CgpuAssumed",
+            f"{pod.need} {cluster.RESOURCE} on GPU {annotations[cluster.IDX]} of node {node_name} ({chosen[1]})")
     return {"Error": ""}
 
 
+class Waiting:
+    """A bind waiting for its node's next write: its pod, and what came of it ((GPUs, placement), or
+    the exception its bind raises)."""
+
+    __slots__ = ("pod", "result")
+
+    def __init__(self, pod: Pod) -> None:
+        self.pod, self.result = pod, None
+
+
 def _commit(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
-    """Choose the pod's GPU(s) on the node and write the choice on the Node, with the resourceVersion
-    the choice was made from; on a conflict read the node again and choose again."""
-    try:
-        return _choose_and_write(state, node, pod)
-    finally:
-        with state.lock:  # (chosen, or not bound: its nomination ends)
-            state.unnominate(pod.uid)
+    """Choose the pod's GPU(s) on the node and write the choice on the Node, with the resourceVersion the
+    choice was made from (on a conflict: read the node again and choose again). Binds to one node take
+    turns (in this replica: they would only conflict), and the bind whose turn it is writes the choices
+    of every bind waiting for that node, in the order they came, in one patch (group commit): binpack
+    binds a burst's pods to one node after another, and one write each, one after the other, made a
+    node's binds wait for each other's round trips to the API server and etcd."""
+    me = Waiting(pod)
+    with state.lock:
+        state.waiting.setdefault(node.name, []).append(me)
+    with state.node_lock(node.name):
+        if me.result is None:  # (else a bind before ours wrote it)
+            with state.lock:
+                batch = state.waiting.pop(node.name, [])
+                node = state.nodes.get(node.name) or node  # (the choices before ours, written while we waited)
+            try:
+                results = _choose_and_write(state, node, [w.pod for w in batch])
+            except Exception as exc:  # noqa: BLE001 - each bind of the batch answers it
+                results = [exc] * len(batch)
+            finally:
+                with state.lock:  # (chosen, or not bound: their nominations end)
+                    for w in batch:
+                        state.unnominate(w.pod.uid)
+            for w, result in zip(batch, results):
+                w.result = result
+    if isinstance(me.result, BaseException):
+        raise me.result
+    return me.result
 
 
-def _choose_and_write(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ...], str]:
+def _choose_and_write(state: State, node: Node, pods: list[Pod]) -> list:
+    """For each pod, in order: (GPUs, placement), or BadRequest where it no longer fits; all chosen
+    written in one patch of the Node."""
     from kubernetes.client.exceptions import ApiException
 
+    uids = {pod.uid for pod in pods}
     for _ in range(BIND_ATTEMPTS):
         now = time.time()
         with state.lock:
             free, core_free = list(state.free_units(node, now)), list(node.core_free)
-            # prioritize's nomination of this pod counts for the others until its choice does, not for it
-            if (own := state.nominated.get(node.name, {}).get(pod.uid)) and now - own[3] <= view.NOMINATED_SECONDS:
-                for i in own[0]:
-                    free[i], core_free[i] = free[i] + own[1], core_free[i] + own[2]
-        strategy = pod.placement or node.strategy  # the pod's own, else the node's label
-        # (core_mem: a GPU without the pod's compute percentage free does not fit)
-        gpus = score.pick(free, core_free, pod.need // pod.count, pod.count, pod.core, strategy) \
-            if pod.need > 0 and pod.need % pod.count == 0 else None
-        if gpus is None:
-            raise BadRequest(f"node {node.name} has no GPU with {pod.need} free {cluster.RESOURCE} any more")
-        assumed = {u: e for u, e in node.assumed.items() if now - e[2] <= ASSUMED_SECONDS and u != pod.uid}
-        assumed[pod.uid] = (tuple(gpus), pod.need // len(gpus), now)
+            # prioritize's nominations of these pods count for the others until their choices do, not for them
+            for pod in pods:
+                if (own := state.nominated.get(node.name, {}).get(pod.uid)) and now - own[3] <= view.NOMINATED_SECONDS:
+                    for i in own[0]:
+                        free[i], core_free[i] = free[i] + own[1], core_free[i] + own[2]
+        assumed = {u: e for u, e in node.assumed.items() if now - e[2] <= ASSUMED_SECONDS and u not in uids}
+        results: list = []
+        for pod in pods:
+            strategy = pod.placement or node.strategy  # the pod's own, else the node's label
+            per = pod.need // pod.count
+            # (core_mem: a GPU without the pod's compute percentage free does not fit)
+            gpus = score.pick(free, core_free, per, pod.count, pod.core, strategy) \
+                if pod.need > 0 and pod.need % pod.count == 0 else None
+            if gpus is None:
+                results.append(BadRequest(f"node {node.name} has no GPU with {pod.need} free {cluster.RESOURCE} "
+                                          "any more"))
+                continue
+            for i in gpus:  # (the next pod of the batch sees this one's choice)
+                free[i], core_free[i] = free[i] - per, core_free[i] - pod.core
+            assumed[pod.uid] = (tuple(gpus), per, now)
+            results.append((tuple(gpus), strategy))
+        if all(isinstance(r, BaseException) for r in results):
+            return results  # (nothing to write)
         patch = {"metadata": {"resourceVersion": node.version, "annotations": {view.ASSUMED: dump_assumed(assumed)}}}
         try:
-            resp = state.api.patch_node(node.name, patch, _preload_content=False)
+            resp = state.api.patch_node(node.name, patch, _preload_content=False,
+                                        _content_type="application/merge-patch+json")  # (no schema to look up)
         except ApiException as exc:
             if exc.status != 409:
                 raise
@@ -189,11 +247,10 @@ def _choose_and_write(state: State, node: Node, pod: Pod) -> tuple[tuple[int, ..
         written = Node(json.loads(resp.data))
         with state.lock:  # what we wrote counts at once (unless the watch already brought newer)
             if (cached := state.nodes.get(node.name)) is None or cached.version == node.version:
-                state.nodes[node.name] = written
-                for uid in written.assumed:
-                    state.assumed_on[uid] = node.name
-            state.unnominate(pod.uid)  # (its choice counts now: in the same step, no moment counts neither)
-        return tuple(gpus), strategy
+                state.wrote(written)
+            for uid in uids:  # (their choices count now: in the same step, no moment counts neither)
+                state.unnominate(uid)
+        return results
     raise Busy(f"node {node.name} changed under {BIND_ATTEMPTS} binds in a row; try again")
 
 
@@ -205,33 +262,93 @@ def _take_back(state: State, node_name: str, uid: str) -> None:
         node = Node(_read(state, f"node {node_name}", state.api.read_node, node_name))
         if uid in node.assumed:
             del node.assumed[uid]
-            state.api.patch_node(node_name, {"metadata": {"resourceVersion": node.version,
-                                                          "annotations": {view.ASSUMED: dump_assumed(node.assumed)}}},
-                                 _preload_content=False)
+            done(state.api.patch_node(node_name, {"metadata": {
+                "resourceVersion": node.version, "annotations": {view.ASSUMED: dump_assumed(node.assumed)}}},
+                _preload_content=False, _content_type="application/merge-patch+json"))
     except Exception as exc:  # noqa: BLE001 - it ages out after ASSUMED_SECONDS
         log.warning("cannot take back the choice for pod %s on %s (%s)", uid, node_name, one_line(exc))
 
 
 def event(api, pod: dict, reason: str, message: str) -> None:
     """An Event on the pod (`kubectl describe pod` shows it); a failure is logged, not raised."""
-    from datetime import datetime, timezone
-
-    from kubernetes.client import CoreV1Event, V1EventSource, V1ObjectMeta, V1ObjectReference
-
     from cgpud.k8s.api import one_line
 
     meta = pod["metadata"]
-    now = datetime.now(timezone.utc)
-    body = CoreV1Event(
-        metadata=V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
-        involved_object=V1ObjectReference(kind="Pod", name=meta["name"], namespace=meta["namespace"],
-                                          uid=meta.get("uid"), api_version="v1"),
-        reason=reason, message=message, type="Normal", count=1, first_timestamp=now, last_timestamp=now,
-        source=V1EventSource(component="cgpu-scheduler-extender"))
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    body = {"apiVersion": "v1", "kind": "Event",  # (the API's JSON: no model to build)
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"kind": "Pod", "name": meta["name"], "namespace": meta["namespace"],
+                               "uid": meta.get("uid"), "apiVersion": "v1"},
+            "reason": reason, "message": message, "type": "Normal", "count": 1, "firstTimestamp": now,
+            "lastTimestamp": now, "source": {"component": "cgpu-scheduler-extender"}}
     try:
-        api.create_namespaced_event(meta["namespace"], body, _preload_content=False)
+        done(api.create_namespaced_event(meta["namespace"], body, _preload_content=False))
     except Exception as exc:  # noqa: BLE001 - an event is a courtesy; the bind is done
         log.warning("cannot record an event on %s/%s (%s)", meta["namespace"], meta["name"], one_line(exc))
+
+
+class Events:
+    """Pod events written by a thread of their own, in order, after the bind that made them has
+    answered: a bind waits for its two writes (the choice on the Node, the Binding), not for a
+    courtesy. At most EVENTS_QUEUED wait; more are dropped with a warning (the pod's annotations
+    say the same). `start=False`: written at once by put (no thread)."""
+
+    def __init__(self, api, start: bool = True) -> None:
+        self.api, self.dropped = api, 0
+        self.queue: queue.Queue | None = None
+        if start:
+            self.queue = queue.Queue(EVENTS_QUEUED)
+            threading.Thread(target=self._run, name="cgpud-extender-events", daemon=True).start()
+
+    def put(self, pod: dict, reason: str, message: str) -> None:
+        if self.queue is None:
+            return event(self.api, pod, reason, message)
+        try:
+            self.queue.put_nowait((pod, reason, message))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped & (self.dropped - 1) == 0:  # (1, 2, 4, 8, ...: said, not flooded)
+                log.warning("%d pod events dropped: more than %d waiting for the API server", self.dropped,
+                            EVENTS_QUEUED)
+
+    def _run(self) -> None:
+        while True:
+            pod, reason, message = self.queue.get()
+            try:
+                event(self.api, pod, reason, message)
+            finally:
+                self.queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every event put so far is written (or failed)."""
+        if self.queue is not None:
+            self.queue.join()
+
+
+class Calls:
+    """What the extender answered, by verb: how many (by HTTP status) and how long each took, from
+    its request read to its answer written (GET /metrics: cgpu_extender_requests_total,
+    cgpu_extender_request_seconds; docs/kubernetes.md)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Histogram
+        from prometheus_client.registry import CollectorRegistry
+
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.count = Counter("cgpu_extender_requests", "Requests the extender answered, by verb and HTTP status.",
+                             ["verb", "code"], registry=self.registry)
+        self.seconds = Histogram("cgpu_extender_request_seconds",
+                                 "How long the extender took to answer, from the request read to the answer written.",
+                                 ["verb"], buckets=SECONDS_BUCKETS, registry=self.registry)
+
+    def done(self, verb: str, code: int, seconds: float) -> None:
+        self.count.labels(verb, str(code)).inc()
+        self.seconds.labels(verb).observe(seconds)
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
 
 
 def inspect(state: State, node: str | None) -> dict:
@@ -261,12 +378,22 @@ def _view(node: Node, pods: dict) -> dict:
 
 
 def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
+    calls = Calls()
+    if state.events is None:
+        state.events = Events(state.api)
+    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
+
     class Handler(BaseHTTPRequestHandler):
+        # kube-scheduler's client keeps its connections (Go's transport): one per binding goroutine and
+        # the scheduling cycle's, not a connection and a thread made for each call
+        protocol_version = "HTTP/1.1"
+
         def log_message(self, fmt, *a):
             log.debug("%s " + fmt, self.address_string(), *a)
 
         def _send(self, code: int, obj: dict) -> None:
             send_json(self, code, obj)
+            self.code = code
 
         def _answer(self, fn, *args) -> None:
             from kubernetes.client.exceptions import ApiException
@@ -285,10 +412,27 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
                 log.exception("extender request failed")
                 self._send(500, {"Error": f"internal error: {exc}"})
 
+        def parse_request(self) -> bool:
+            self.start = time.perf_counter()  # (its request line read: the headers and the body count too)
+            return super().parse_request()
+
         def do_POST(self):
-            n = int(self.headers.get("Content-Length") or 0)
-            if n > MAX_BODY:
-                return self._send(413, {"Error": f"body larger than {MAX_BODY} bytes"})
+            start, self.code = self.start, 0
+            verb = self.path[len(PREFIX) + 1:] if self.path.startswith(PREFIX + "/") else ""
+            try:
+                self._post()
+            finally:
+                calls.done(verb if verb in VERBS else "other", self.code, time.perf_counter() - start)
+
+        def _post(self):
+            try:
+                n = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                n = -1
+            if n < 0 or n > MAX_BODY:
+                self.close_connection = True  # (its body is not read: the connection cannot carry another)
+                return self._send(413 if n > 0 else 400, {"Error": f"body larger than {MAX_BODY} bytes" if n > 0
+                                                         else "Content-Length is not a number"})
             try:
                 args = json.loads(self.rfile.read(n) or b"null")
                 if not isinstance(args, dict):
@@ -302,8 +446,8 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
             self._answer(fn, args)
 
         def do_GET(self):
-            if self.path == "/metrics":  # (the cluster's whole-GPU fragmentation: cgpud.k8s.score)
-                body = score.exposition(state)
+            if self.path == "/metrics":  # (the cluster's whole-GPU fragmentation: cgpud.k8s.score; the calls)
+                body = score.exposition(state) + calls.exposition()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
@@ -322,7 +466,7 @@ def main(addr: str, placement: str = "binpack") -> None:
     from cgpud.k8s.api import connect
 
     host, _, port = addr.rpartition(":")
-    api, raw = connect("cgpu-scheduler-extender")
+    api, raw = connect("cgpu-scheduler-extender", connections=API_CONNECTIONS)
     state = State(api, raw, placement).start()  # (the first LIST: an API server that refuses us is said now, at start)
     server = make_server(state, host or "0.0.0.0", int(port))
     log.info("scheduler extender on http://%s:%d%s", *server.server_address[:2], PREFIX)

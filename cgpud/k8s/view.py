@@ -22,6 +22,9 @@ ASSUMED_SECONDS = 60.0  # a choice stays on the node this long: by then every re
 # prioritize's best node for a pod counts the pod there until its bind comes (kube-scheduler binds after
 # it has scheduled the next pods) or this long: a burst's next pod sees it (cgpud.k8s.score)
 NOMINATED_SECONDS = 5.0
+# a node a bind of ours wrote stands against older watch events until the watch brings it, or this long
+# (a watch far behind: its events are applied again, as before any write of ours)
+WRITTEN_SECONDS = 10.0
 
 
 class BadRequest(ValueError):
@@ -134,6 +137,10 @@ class State:
         self.nominated: dict[str, dict[str, tuple[tuple[int, ...], int, int, float]]] = {}
         self.nominee: dict[str, str] = {}  # pod uid -> the node it is nominated to
         self.node_locks: dict[str, threading.Lock] = {}
+        # node -> (the version a bind of ours wrote, when): watch events older than it are not applied
+        self.written: dict[str, tuple[str, float]] = {}
+        self.waiting: dict[str, list] = {}  # node -> binds waiting to write their choices there (extender._commit)
+        self.events = None  # pod events, written off the bind's path (cgpud.k8s.extender.Events)
         self.informers = {
             "nodes": Informer("nodes", api.list_node, self._replace_nodes, self._node_event),
             "pods": Informer("pods", api.list_pod_for_all_namespaces, self._replace_pods, self._pod_event,
@@ -159,10 +166,26 @@ class State:
         with self.lock:
             self.nodes = nodes
             self.assumed_on = {uid: n.name for n in nodes.values() for uid in n.assumed}
+            self.written.clear()
+
+    def wrote(self, node: Node) -> None:
+        """A bind's patch answered with `node`: it stands until the watch brings that version. (Under the lock.)"""
+        self.nodes[node.name] = node
+        for uid in node.assumed:
+            self.assumed_on[uid] = node.name
+        self.written[node.name] = (node.version, time.time())
 
     def _node_event(self, kind: str, obj: dict) -> None:
         node = Node(obj)
         with self.lock:
+            if kind != "DELETED" and (mine := self.written.get(node.name)):
+                # The watch brings a node's changes in order: until it brings the version a bind of ours
+                # wrote (the patch's answer, cached at once), what it brings is older and would undo that
+                # bind's choice (the next bind would then conflict, and filter count the units free).
+                # resourceVersions are not compared (opaque: API conventions), only matched.
+                if node.version != mine[0] and time.time() - mine[1] < WRITTEN_SECONDS:
+                    return
+                del self.written[node.name]
             old = self.nodes.pop(node.name, None)
             for uid in (old.assumed if old else ()):
                 self.assumed_on.pop(uid, None)
