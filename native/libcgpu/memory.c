@@ -738,7 +738,10 @@ void memory_forked(void)
     memset(small_held, 0, sizeof small_held);
     memset(grow_step, 0, sizeof grow_step);
     pending_set = 0;
-    pthread_mutex_init(&growth_lock, NULL);
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;  /* (a parent's thread may have held one at the fork:
+                                                         * a context being made: issue 45, item 12) */
+    growth_lock = fresh;
+    driver_lock = fresh;
     table_drop(&allocs);
     table_drop(&mapped);
     for (int i = 0; i < nforks; i++)

@@ -425,9 +425,12 @@ __attribute__((destructor)) static void give_back(void)
         release(mine);
 }
 
-/* A forked child holds nothing: the slot is the parent's; it takes its own if it uses CUDA. */
+/* A forked child holds nothing: the slot is the parent's; it takes its own if it uses CUDA (and the
+ * slots' lock fresh: a parent's thread may have held it at the fork, issue 45, item 12). */
 void page_forked(void)
 {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    slot_lock = fresh;
     mine = NULL;
     if (live_fd >= 0)  /* (the parent's description: its locks are the parent's) */
         close(live_fd);

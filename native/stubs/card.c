@@ -70,6 +70,22 @@ void stub_ctx_kill(int dev)
     }
     pthread_mutex_unlock(&ctx_lock);
 }
+/* A test's pause inside a call: with <var>=<path> set, the call makes <path>.in and waits for
+ * <path>.go before it goes on (whatever the calling library holds meanwhile, a test can see). */
+void stub_paused(const char *var)
+{
+    const char *at = getenv(var);
+    char in[4200], go[4200];
+    if (!at || !*at) return;
+    snprintf(in, sizeof in, "%s.in", at);
+    snprintf(go, sizeof go, "%s.go", at);
+    int fd = open(in, O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
+    if (fd >= 0) close(fd);
+    while (access(go, F_OK) != 0) {
+        struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
+}
 void stub_misuse(const char *call, const char *what)
 {
     const char *strict = getenv("CGPU_STUB_STRICT_HANDLES");

@@ -11,7 +11,6 @@
  * of them can charge them.
  */
 #define _GNU_SOURCE
-#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,22 +51,9 @@ static void alloc_erase(size_t i)  /* backward-shift deletion: no tombstones */
 /* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
 static size_t nallocs;
 /* CGPU_STUB_ALLOC_PAUSE=<path>: an allocation that has its memory from the card (NVML shows it)
- * makes <path>.in and waits for <path>.go before it returns: a test reads the process as the
- * daemon does while the call is in flight (an allocation straddling a reading). */
-static void paused_inside(void)
-{
-    const char *at = getenv("CGPU_STUB_ALLOC_PAUSE");
-    char in[4200], go[4200];
-    if (!at || !*at) return;
-    snprintf(in, sizeof in, "%s.in", at);
-    snprintf(go, sizeof go, "%s.go", at);
-    int fd = open(in, O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
-    if (fd >= 0) close(fd);
-    while (access(go, F_OK) != 0) {
-        struct timespec ms = {0, 1000000};
-        nanosleep(&ms, NULL);
-    }
-}
+ * pauses inside the call (card.c, stub_paused): a test reads the process as the daemon does while
+ * the call is in flight (an allocation straddling a reading). */
+static void paused_inside(void) { stub_paused("CGPU_STUB_ALLOC_PAUSE"); }
 /* The card's pages (issue 34): device memory is handed out in 2 MiB pages. An allocation of 2 MiB or
  * more takes its size rounded up to whole pages; smaller ones are packed together in pages of their
  * own per process and card (what they add up to, rounded up), as the driver's suballocator does.

@@ -49,6 +49,7 @@ HIDDEN CUresult stub_mps_context(int dev);  /* may it make a context on card dev
 
 /* ---- card.c: the cards and their memory ---- */
 HIDDEN int stub_inited(void);                  /* cuInit has been called */
+HIDDEN void stub_paused(const char *var);      /* <var>=<path>: <path>.in made, waits for <path>.go (a test's pause) */
 HIDDEN void stub_set_inited(void);
 HIDDEN int stub_current_device(void);          /* the calling thread's current context's device */
 HIDDEN void stub_set_current_device(int dev);
