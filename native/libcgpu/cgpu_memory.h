@@ -28,6 +28,7 @@ struct entry {
     int32_t refs;    /* a VMM handle: its references (cuMemCreate's, cuMemRetainAllocationHandle's) */
     int32_t maps;    /* and its mappings */
     int32_t used;
+    int32_t imported; /* a VMM handle imported from another process (vmm.c): charged what its mappings reach */
 };
 struct table { struct entry *e; size_t cap, n; };
 extern struct table allocs;  /* what an allocator returned (a VMM handle too) */

@@ -58,6 +58,13 @@ HIDDEN uint64_t stub_card_bytes(void);         /* each card's memory */
 /* add `delta` to the bytes in use on card `dev` if it has room: 0, or -1 (and nothing changed);
  * *used_out (unless NULL): the bytes in use after (delta 0: a dead process's memory given back first) */
 HIDDEN int stub_card_memory(int dev, int64_t delta, uint64_t *used_out);
+/* Memory shared between processes (cuMem IPC), its bytes on card `dev` already taken by the exporting
+ * process: it stays on the card until every process holding it let go (or died). export: its id (0:
+ * no room); hold: one more hold by this process (-1: no such memory on the card any more; *dev,
+ * *bytes: where it is, how much); drop: one hold of this process's let go. */
+HIDDEN uint64_t stub_shared_export(int dev, uint64_t bytes);
+HIDDEN int stub_shared_hold(uint64_t id, int *dev, uint64_t *bytes);
+HIDDEN void stub_shared_drop(uint64_t id);
 /* CGPU_STUB_CUDA_FAST=1: allocations do not touch the card's file (to time what an interposer adds) */
 HIDDEN int stub_memory_is_free(void);
 /* the driver's own memory for this process on card `dev` (modules' code, a graph's
