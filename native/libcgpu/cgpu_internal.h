@@ -171,6 +171,7 @@ extern int has_uuids;     /* the page names its GPUs' UUIDs (read once: written 
 extern struct cgpu_usage *usage;
 extern struct cgpu_usage_busy *gpu_time;  /* the GPU time per slot (NULL: an older cgpud's page) */
 extern struct cgpu_usage_ident *idents;  /* who each slot's process is (NULL: an older cgpud's page) */
+extern struct cgpu_usage_follow *follows;  /* how far each slot's readings were applied (NULL: an older page) */
 extern struct cgpu_usage_driver *drv;  /* the driver's readings (NULL: an older cgpud's page) */
 extern struct cgpu_proc *mine;
 extern int asked;         /* CGPU_PAGE_DIR is set: this process must be isolated */
