@@ -140,6 +140,7 @@ struct driver_events {
     capturing_fn capturing;  /* cuStreamIsCapturing */
     exchange_fn exchange;    /* cuThreadExchangeStreamCaptureMode (CUDA 10.1 on) */
     elapsed_fn elapsed;
+    event_fn stream_query;   /* cuStreamQuery (a stream's work done: CU_OK; 600 not yet) */
 };
 
 #pragma GCC visibility push(hidden)

@@ -213,7 +213,13 @@ static uint64_t event_host_ns(void)
  * starts while the kernel before it in its stream still runs: by the primary's trigger it has
  * done its prologue, so the pair overlaps by min(CGPU_STUB_PDL_US (default 10), half of either).
  * Only straight after that kernel: anything between them in the stream (an event's record, a
- * hold, another stream's work) serializes them, as on the card. */
+ * hold, another stream's work) serializes them, as on the card. NVIDIA's driver API reference,
+ * CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: the grid may "overlap with the previous
+ * kernel in the stream, if that kernel requests the overlap" (the Programming Guide, 4.5,
+ * "Programmatic Dependent Launch and Synchronization": before "the primary kernel it depends on in
+ * the same CUDA stream has finished"); an event record is an operation of the stream complete once
+ * all before it is (an early one is CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_EVENT's alone, "guaranteed to
+ * only trigger after all blocks in the associated kernel trigger the event"). */
 static uint64_t pdl_ns(void)
 {
     static int64_t v = -1;
