@@ -268,6 +268,7 @@ def test_a_closing_leaves_no_event_between_two_programmatic_dependent_launches(l
     after its last launch. Before, the drain's event sat between the two and serialized them (the
     stand-in, as the card: a record costs it 1 µs between them, no overlap)."""
     from cgpud.sched.gate import GateFreezer
+    from test_graphs import stopped
     env = _bounded(libs, tmp_path)
     gate = GateFreezer(os.fspath(tmp_path / "pages"))
     gate.bound(1_000_000)
@@ -287,11 +288,7 @@ def test_a_closing_leaves_no_event_between_two_programmatic_dependent_launches(l
         out, err = p.communicate("go\n", timeout=60)
         assert p.returncode == 0 and out.split() == ["done"], err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        gate.thaw()
-        gate.close()
+        stopped(p, gate, None)  # (the process killed if it is still there, the gate opened and let go)
     ks = sorted(kernels(tmp_path / "log"), key=lambda k: k[1])
     assert [e - s for _, s, e in ks] == [100_000, 100_000, 3_000_000_000, 100_000], ks
     long_end, next_start = ks[2][2], ks[3][1]
