@@ -58,6 +58,7 @@ int settle_all(void);             /* pools' and dead processes' memory back befo
 void charge_driver(int g, int64_t delta);  /* (readings.c) */
 /* readings.c: slot k's newest reading applied (self: this process's own slot; a sibling's: only a
  * shrink), the GPUs it named; every sibling's; a forked child's. */
+int readings_new(unsigned k, int self);  /* a reading not applied yet (no lock: the usual call's answer) */
 unsigned readings_apply(unsigned k, int self);
 void readings_siblings(void);
 void readings_forked(void);

@@ -412,9 +412,12 @@ uint64_t growth_step(int g)
 void follow(void)
 {
     growth_settle();
-    if (!mine)
+    unsigned k = mine ? (unsigned)(mine - usage->procs) : 0;
+    if (!mine || !readings_new(k, 1))
         return;
-    unsigned gpus = readings_apply((unsigned)(mine - usage->procs), 1);
+    pthread_mutex_lock(&driver_lock);  /* (not while driver_share reads NVML against the slot) */
+    unsigned gpus = readings_apply(k, 1);
+    pthread_mutex_unlock(&driver_lock);
     for (int g = 0; g < CGPU_MAX_GPUS; g++)
         if (gpus & (1u << g))
             __atomic_store_n(&driver_counted[g], 1, __ATOMIC_RELEASE);

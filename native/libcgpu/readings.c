@@ -69,18 +69,31 @@ static void progress_unlock(struct cgpu_follow *f)
     __atomic_store_n(&f->lock, 0, __ATOMIC_RELEASE);
 }
 
+static struct cgpu_follow *progress(unsigned k, int self)
+{
+    return follows ? &follows->procs[k] : self ? &own : NULL;
+}
+
+int readings_new(unsigned k, int self)
+{
+    struct cgpu_follow *f = progress(k, self);
+    if (!f || !drv)
+        return 0;
+    uint32_t seq = __atomic_load_n(&drv->procs[k].seq, __ATOMIC_ACQUIRE);
+    uint64_t claim = idents ? __atomic_load_n(&idents->procs[k].claim, __ATOMIC_ACQUIRE) : 0;
+    return seq && !(seq & 1)
+           && (__atomic_load_n(&f->applied, __ATOMIC_ACQUIRE) != seq || __atomic_load_n(&f->claim, __ATOMIC_ACQUIRE) != claim);
+}
+
 unsigned readings_apply(unsigned k, int self)
 {
-    struct cgpu_follow *f = follows ? &follows->procs[k] : self ? &own : NULL;
+    struct cgpu_follow *f = progress(k, self);
     struct cgpu_driver *r = drv ? &drv->procs[k] : NULL;
     int32_t pid = __atomic_load_n(&usage->procs[k].pid, __ATOMIC_ACQUIRE);
-    if (!f || !r || pid <= 0)
+    if (!f || !r || pid <= 0 || !readings_new(k, self))
         return 0;
     uint32_t seq = __atomic_load_n(&r->seq, __ATOMIC_ACQUIRE);
     uint64_t claim = idents ? __atomic_load_n(&idents->procs[k].claim, __ATOMIC_ACQUIRE) : 0;
-    if (!seq || (seq & 1)
-        || (__atomic_load_n(&f->applied, __ATOMIC_ACQUIRE) == seq && __atomic_load_n(&f->claim, __ATOMIC_ACQUIRE) == claim))
-        return 0;
     uint64_t nvml[CGPU_MAX_GPUS], allocs[CGPU_MAX_GPUS];
     int32_t rpid = __atomic_load_n(&r->pid, __ATOMIC_ACQUIRE);
     uint64_t rclaim = idents ? __atomic_load_n(&idents->procs[k].read_claim, __ATOMIC_ACQUIRE) : 0;
