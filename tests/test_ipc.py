@@ -70,7 +70,15 @@ IMPORTER = HOLDER + textwrap.dedent("""
     ok(d.cuMemMap(va, M, 0, h, 0))
     ok(d.cuMemSetAccess(va, M, [a], 1))
     say("mapped", used(), on_card())
-    assert told() == "drop"
+    while (cmd := told()) == "look":          # after the exporter died: what the card keeps, whose it shows
+        ok(d.cuMemGetInfo())                  # (the stand-in gives a dead process's memory back here)
+        with open(os.environ["CGPU_STUB_CUDA_STATE"], "rb") as f:
+            f.seek(256)                       # (card.c's records: {int32 pid, int32 card, uint64 bytes})
+            raw = f.read(1024 * 16)
+        mine = sum(int.from_bytes(raw[i + 8:i + 16], "little") for i in range(0, len(raw), 16)
+                   if int.from_bytes(raw[i:i + 4], "little") == os.getpid())
+        say("looked", on_card(), mine)
+    assert cmd == "drop"
     unmapped(h, va, M)
     say("dropped", used(), on_card())
 """)
@@ -170,3 +178,25 @@ def test_an_exporters_release_never_lets_the_instance_pass_memsize_while_an_impo
     assert (past, fits) == ("CUDA_ERROR_OUT_OF_MEMORY", "CUDA_SUCCESS"), said
     assert used == MEMSIZE and on_card == MEMSIZE, said
     assert said["dropped"] == [MEMSIZE - SHARED, MEMSIZE - SHARED], said  # the last holder let go: freed, refunded
+
+
+def test_the_stand_in_keeps_exported_memory_when_its_exporter_dies_while_an_importer_maps_it(libs, tmp_path):
+    """Without libcgpu: the exporter is SIGKILLed while the importer maps its memory. The card keeps
+    it (the importer's handle and mapping hold it) and NVML's per-process view shows it on the
+    importer now; the importer's release and unmap free it. (A stand-in that gave a dead exporter's
+    memory back with the rest of its own would be kinder than the card.)"""
+    pages.create(os.fspath(tmp_path / "pages"), [MEMSIZE])
+    env = {"LD_LIBRARY_PATH": os.fspath(libs), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card.state"),
+           "CGPU_PAGE_DIR": os.fspath(tmp_path / "pages"), "PATH": os.environ["PATH"]}
+    pair = Pair(env, tmp_path)
+    try:
+        assert pair.read(pair.exporter)[0] == "sent"
+        assert pair.read(pair.importer) == ["mapped", "0", str(SHARED)]
+        pair.exporter.kill()
+        pair.exporter.wait()
+        pair.tell(pair.importer, "look")
+        assert pair.read(pair.importer) == ["looked", str(SHARED), str(SHARED)]
+        pair.tell(pair.importer, "drop")
+        assert pair.read(pair.importer) == ["dropped", "0", "0"]
+    finally:
+        pair.close()
