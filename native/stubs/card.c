@@ -221,7 +221,7 @@ static void note_held(int fd, int dev, int64_t delta) { note_held_by(fd, getpid(
  * between processes"). It leaves the card when its last holder lets go, or dies. */
 #define SHARED_AT (1 << 16)
 #define NSHARED 256
-#define SHARED_HOLDERS 14
+#define SHARED_HOLDERS 14  /* (the stand-in's bound: an import past it is CUDA_ERROR_INVALID_VALUE) */
 struct shared { uint64_t id, bytes; int32_t dev, owner; int32_t holders[SHARED_HOLDERS]; };
 
 static int shared_read(int fd, int k, struct shared *e)
