@@ -11,9 +11,8 @@
  * of them can charge them.
  */
 #define _GNU_SOURCE
-#include <fcntl.h>
 #include <stdint.h>
-#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -262,8 +261,21 @@ CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmem
  * file descriptor that processes pass over a unix socket (SCM_RIGHTS), as the CUDA sample
  * memMapIPCDrv does; cuMemImportFromShareableHandle gives the importer a handle of its own to the
  * same memory, which "it needs to pair ... with cuMemRelease" (cuMemRelease). The descriptor here is
- * a sealed memfd naming the memory's id on the card (card.c), a new one per export. */
+ * a file of its own naming the memory's id on the card (card.c), a new one per export. */
 enum { HANDLE_POSIX_FD = 1 };
+/* a file of its own, in no directory (memfd_create by its system call: the stand-in is also built
+ * for glibc 2.17, which has no wrapper; else an unlinked temporary file) */
+static int note_fd(void)
+{
+#ifdef SYS_memfd_create
+    int fd = (int)syscall(SYS_memfd_create, "cgpu-stub-cumem", 0u);
+    if (fd >= 0) return fd;
+#endif
+    char path[] = "/tmp/cgpu-stub-cumem-XXXXXX";
+    int t = mkstemp(path);
+    if (t >= 0) unlink(path);
+    return t;
+}
 #define IPC_MAGIC 0x3143504955504743ull  /* "CGPUIPC1" */
 struct ipc_note { uint64_t magic, id, size; int32_t host, dev; };
 CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long flags)
@@ -280,9 +292,9 @@ CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h,
         if (!(allocs[i].shared = stub_shared_export(allocs[i].dev, bytes))) return OUT_OF_MEMORY;
     }
     struct ipc_note n = {IPC_MAGIC, allocs[i].shared, allocs[i].size, allocs[i].host, allocs[i].dev};
-    int fd = memfd_create("cgpu-stub-cumem", MFD_ALLOW_SEALING);
+    int fd = note_fd();
     if (fd < 0) return OUT_OF_MEMORY;
-    if (pwrite(fd, &n, sizeof n, 0) != sizeof n || fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW)) {
+    if (pwrite(fd, &n, sizeof n, 0) != sizeof n) {
         close(fd);
         return OUT_OF_MEMORY;
     }
