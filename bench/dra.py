@@ -88,13 +88,14 @@ def instances(cgpud) -> set[str]:
     return set(cgpud.instances(0)) | set(cgpud.instances(1))
 
 
-def pipeline_figures(c, cgpud, pods: int) -> None:
+def pipeline_figures(c, cgpud, pods: int, dra: bool = True) -> None:
+    """With dra=False (a server without resource.k8s.io/v1: bench/versions.py), the device plugin's way only."""
     from test_cluster_dra import claim_pod, make_claim
 
     api = c.api()
     dp, dra_, plain = [], [], []
     for i in range(pods):
-        for way, samples in (("dp", dp), ("dra", dra_)):
+        for way, samples in (("dp", dp), ("dra", dra_))[:2 if dra else 1]:
             name = f"bench-{way}-{i}"
             before = instances(cgpud)
             if way == "dra":
@@ -119,7 +120,8 @@ def pipeline_figures(c, cgpud, pods: int) -> None:
              f"pod bench-plain-{i} Running")
         plain.append(time.monotonic() - t)
     print(f"pod created -> instance in the tree, {pods} pods each way (1 GiB), load average {os.getloadavg()[0]:.1f}:")
-    print(f"  DRA (claim, dra-plugin, CDI):              p50 {ms(pct(dra_, 50))}  p99 {ms(pct(dra_, 99))}")
+    if dra_:
+        print(f"  DRA (claim, dra-plugin, CDI):              p50 {ms(pct(dra_, 50))}  p99 {ms(pct(dra_, 99))}")
     print(f"  device plugin + extender (gpu-mem 1):      p50 {ms(pct(dp, 50))}  p99 {ms(pct(dp, 99))}")
     print(f"  reference: a pod asking nothing -> Running: p50 {ms(pct(plain, 50))}")
     c.kubectl("delete", "pods", "--all", "--wait=true", "--timeout=120s", timeout=180)
@@ -396,7 +398,7 @@ def layout_figures(c, n: int, pods: int, burst: int) -> None:
     gpus = [dra.Gpu(g, f"GPU-h100-{g}", "NVIDIA H100 80GB HBM3", H100) for g in range(8)]
     unit = 128 * MIB
     layouts = {"old": old_slices("x", gpus, unit), "new": dra.resource_slices("x", gpus, unit)}
-    print(f"the layout, a node of 8 × 80 GiB H100s at 128 MiB (and at 1 GiB):")
+    print("the layout, a node of 8 × 80 GiB H100s at 128 MiB (and at 1 GiB):")
     for name, slices in layouts.items():
         at_gib = old_slices("x", gpus, GIB) if name == "old" else dra.resource_slices("x", gpus, GIB)
         devices = sum(len(x["spec"].get("devices", [])) for x in slices)

@@ -5,7 +5,7 @@ The daemon runs with `--gpus nvml` on the tests' stand-in libnvidia-ml.so.1 and 
 pools in segments of 2 MiB granules, lazy loading at cuModuleGetFunction, local memory at
 cuCtxSetLimit, contexts of 500 MiB, a 10 GiB card, NVML 50 ms late), libcgpu for `cgpu run`, the
 memory watchdog killing past memsize. Each fill runs in a 2 GiB instance through libcgpu now and,
-in the same run, through the libcgpu of main before this work (BEFORE, built from git):
+in the same run, through the libcgpu of main before this work (BEFORE, built from git; fill 4: GRAPH_BEFORE):
 
 1. a fragmented pool: the release threshold at its highest (PyTorch's cudaMallocAsync backend),
    64 MiB blocks until out-of-memory, every other one freed, then 128 MiB blocks and 2 MiB blocks
@@ -15,14 +15,19 @@ in the same run, through the libcgpu of main before this work (BEFORE, built fro
 3. 200 lazily loaded modules of one function after a fill (64 MiB and 2 MiB blocks until
    out-of-memory, 256 MiB of them freed), on a stand-in whose every module's first launch grows the
    card 64 MiB (a shape libcgpu's library rule does not know): each loaded, its function asked for
-   and launched, until out-of-memory at any call.
+   and launched, until out-of-memory at any call;
+4. graph memory at first replay (item 6): PyTorch's cudaMallocAsync backend under CUDA graphs — 1 GiB of
+   eager tensors from the pool (its threshold at its highest), then graphs each captured with five
+   128 MiB allocations, then with two of 16 MiB (cuMemAllocAsync into the capture: allocation nodes), instantiated with
+   CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH, replayed once and kept, until out-of-memory at the
+   instantiation or the launch (the stand-in maps a graph's memory at its first launch; each
+   executable graph's own 70 MiB is left out, CGPU_STUB_GRAPH_KIB=0: the driver's growth of fill 3's kind).
 
 For each: killed (goal no), NVML's peak for the process against memsize, and NVML's figure at the
 out-of-memory that ended it and what the refused call asked for (goal: within 3 % of memsize, none where the
-request would have fitted below 97 %). Graph memory at first replay
-(item 6) is not measured: the stand-in has no graph memory nodes yet.
+request would have fitted below 97 %).
 
-    .venv/bin/python bench/fills.py
+    .venv/bin/python bench/fills.py [WORD]     (WORD: only the fills whose name has it)
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from test_libcgpu import build_libs  # noqa: E402
 
 MIB, GIB = 1 << 20, 1 << 30
 BEFORE = "555a060"  # main when issue 45's memory work started
+GRAPH_BEFORE = "ac2da6b"  # main before graph memory was charged (fill 4's reference)
 MEMSIZE = 2 * GIB
 
 NVML = """
@@ -116,6 +122,28 @@ FILLS = {
             if seen(d.cuLaunchKernel(f[1], 1, 1, 1, 1, 1, 1, 0, 0, 0, 0)[0], 64 * 2**20) != OK: break
         report()
     """,
+    "graph memory at first replay": """
+        import os
+        os.environ["CGPU_STUB_GRAPH_KIB"] = "0"  # (the graph memory alone, above)
+        s = ok(d.cuStreamCreate(1)); pool = ok(d.cuDeviceGetMemPool(ok(d.cuDeviceGet(0))))
+        ok(d.cuMemPoolSetAttribute(pool, d.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, d.cuuint64_t(2**64 - 1)))
+        eager = [ok(d.cuMemAllocAsync(64 * 2**20, s)) for _ in range(16)]
+        ok(d.cuStreamSynchronize(s))
+        graphs = []
+        for n, each in ((5, 128 * 2**20), (2, 16 * 2**20)):  # (graphs of 640 MiB until refused, then of 32 MiB)
+            while True:
+                ok(d.cuStreamBeginCapture(s, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+                got = [d.cuMemAllocAsync(each, s)[0] for _ in range(n)]
+                ok(d.cuLaunchKernel(d.CUfunction(), 100, 1, 1, 1, 1, 1, 0, s, 0, 0))
+                g = ok(d.cuStreamEndCapture(s))
+                if seen(max(got), n * each) != OK: break  # (main's pools refused at the capture)
+                r = d.cuGraphInstantiate(g, d.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+                if seen(r[0], n * each) != OK: break
+                if seen(d.cuGraphLaunch(r[1], s)[0], n * each) != OK: break
+                ok(d.cuStreamSynchronize(s))
+                graphs.append(r[1])
+        report()
+    """,
 }
 
 
@@ -139,7 +167,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cgpud-fills-") as tmp:
         tmp = Path(tmp)
         libs = build_libs(tmp / "libs")
-        old = build_before(tmp / "before", BEFORE)
+        old = {BEFORE: build_before(tmp / "before", BEFORE)}
         stub = NvmlStub(libs, tmp / "nvml.conf", cuda_state=tmp / "card.state")
         stub.gpus = [StubGpu("GPU-1c5b6f0e-aaaa-4d3e-9a51-0123456789ab")]
         stub.write()
@@ -150,8 +178,13 @@ def main() -> None:
             print(f"fills in a {MEMSIZE >> 20} MiB instance, contexts {CONTEXT_MIB} MiB (goal: killed no; the "
                   f"out-of-memory within 3 % of memsize, >= {MEMSIZE * 97 // 100 >> 20} MiB)")
             for k, (what, code) in enumerate(FILLS.items(), 1):
+                if sys.argv[1:] and sys.argv[1] not in what:
+                    continue
                 print(f"{k}. {what}")
-                for label, lib in (("now", None), (f"at {BEFORE}", old)):
+                was = GRAPH_BEFORE if what.startswith("graph") else BEFORE
+                if was not in old:
+                    old[was] = build_before(tmp / ("before-" + was), was)
+                for label, lib in (("now", None), (f"at {was}", old[was])):
                     print(f"   {label:10} {fill(run, lib, code)}", flush=True)
 
 

@@ -7,7 +7,17 @@ costs and how well it shares, against the stand-in libcuda.so.1 in the same run.
    Against reference libcgpus built in the same run from other revisions'
    native/ (--ref, repeatable; default 4bb5e69, the main issue 34 was filed
    against: what its new bookkeeping adds per launch, and main as it is now),
-   the same client and stand-in, their rounds interleaved with ours.
+   the same client and stand-in, their rounds interleaved with ours. The
+   client launches a function of a module it loaded (through libcgpu, the
+   lazy-load check reads the launched functions' table at every launch; a
+   NULL function, as before issue 45, skipped it).
+1b. The same per launch in the launching thread's CPU time, by 1 thread and
+   by 4 launching at once, gate open and bounded, for this libcgpu and each
+   reference (issue 45, item 10: no process-wide lock on the launch path;
+   goal <= 40 ns added open, no growth with threads); and what the stand-in's
+   cuCtxGetCurrent alone costs (the one driver call libcgpu adds).
+1c. The same in instructions per launch, gate open (valgrind's callgrind,
+   where it is installed): what the machine's load does not move.
 2. Gate opened -> a waiting launch proceeds: the gate driven as the daemon
    drives it (the GPU's switcher thread, libcgpu-switch.so); the time from just
    before it opens to the start of the first kernel the stand-in logs after it.
@@ -61,8 +71,12 @@ CGPU = str(Path(sys.executable).parent / "cgpu")
 CGPUD = str(Path(sys.executable).parent / "cgpud")
 
 TIMER = r"""
-/* timer N [THREADS]: N launches through plain dlsym by each of THREADS threads (default 1) started
-   together; prints the mean of the threads' ns per launch */
+/* timer N [THREADS [ctx]]: N launches of a kernel (a function of a module loaded as an application loads
+   one: through libcgpu, its lazy-load check runs at every launch) through plain dlsym by each of
+   THREADS threads (default 1) started together; prints the mean of the threads' ns per launch, wall
+   and the thread's own CPU time (CLOCK_THREAD_CPUTIME_ID: what a thread waiting for a core does not
+   count, so a machine with fewer free cores than THREADS measures the launch path, not the scheduler).
+   With "ctx": N calls of cuCtxGetCurrent instead (the one driver call libcgpu adds to a launch) */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -73,31 +87,48 @@ typedef int (*l_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, uns
 static long n;
 static l_t launch;
 static void *(*set)(void *);
+static int (*get)(void **);
+static int ctx_only;
 static pthread_barrier_t go;
-static void *ctx;
+static void *ctx, *fn;
+static double ns_of(struct timespec a, struct timespec b) { return (b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec); }
 static void *run(void *out) {
     ((int (*)(void *))set)(ctx);
     pthread_barrier_wait(&go);
-    struct timespec a, b;
+    struct timespec a, b, ca, cb;
     clock_gettime(CLOCK_MONOTONIC, &a);
-    for (long i = 0; i < n; i++) if (launch(NULL, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL)) exit(2);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ca);
+    void *c;
+    if (ctx_only)
+        for (long i = 0; i < n; i++) { if (get(&c)) exit(2); }
+    else
+        for (long i = 0; i < n; i++) if (launch(fn, 1, 1, 1, 1, 1, 1, 0, NULL, NULL, NULL)) exit(2);
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cb);
     clock_gettime(CLOCK_MONOTONIC, &b);
-    *(double *)out = ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / n;
+    ((double *)out)[0] = ns_of(a, b) / n;
+    ((double *)out)[1] = ns_of(ca, cb) / n;
     return NULL;
 }
 int main(int argc, char **argv) {
     n = atol(argv[1]);
     int k = argc > 2 ? atoi(argv[2]) : 1;
+    ctx_only = argc > 3;
     void *h = dlopen("libcuda.so.1", RTLD_NOW);
+    get = (int (*)(void **))dlsym(h, "cuCtxGetCurrent");
     i_t init = (i_t)dlsym(h, "cuInit"); launch = (l_t)dlsym(h, "cuLaunchKernel");
     set = (void *(*)(void *))dlsym(h, "cuCtxSetCurrent");
     if (init(0) || ((int (*)(void **, int))dlsym(h, "cuDevicePrimaryCtxRetain"))(&ctx, 0)) return 1;
+    ((int (*)(void *))set)(ctx);
+    void *mod;
+    static const char ptx[] = ".version 8.0\n.target sm_75\n.address_size 64\n.visible .entry k0()\n{\nret;\n}\n";
+    if (((int (*)(void **, const void *))dlsym(h, "cuModuleLoadData"))(&mod, ptx)
+        || ((int (*)(void **, void *, const char *))dlsym(h, "cuModuleGetFunction"))(&fn, mod, "k0")) return 1;
     pthread_t t[64];
-    double ns[64], sum = 0;
+    double ns[64][2], wall = 0, cpu = 0;
     pthread_barrier_init(&go, NULL, (unsigned)k);
-    for (int i = 0; i < k; i++) pthread_create(&t[i], NULL, run, &ns[i]);
-    for (int i = 0; i < k; i++) pthread_join(t[i], NULL), sum += ns[i];
-    printf("%.2f\n", sum / k);
+    for (int i = 0; i < k; i++) pthread_create(&t[i], NULL, run, ns[i]);
+    for (int i = 0; i < k; i++) pthread_join(t[i], NULL), wall += ns[i][0], cpu += ns[i][1];
+    printf("%.2f %.2f\n", wall / k, cpu / k);
     return 0;
 }
 """
@@ -231,58 +262,97 @@ def build_ref(tmp: Path, rev: str) -> Path | None:
     return tmp / f"ref-{rev}" / "libcgpu.so"
 
 
+def share_pages(tmp: Path, d: str, on: bool) -> Path:
+    """A container's pages in tmp/d, its GPU shared (`on`: launches bounded) or alone."""
+    pages.create(str(tmp / d), [1 << 30])
+    g = GateFreezer(str(tmp / d))
+    g.share(None, on, 2000)
+    g.close()
+    return tmp / d
+
+
 def launch_cost(tmp: Path, n: int, rounds: int, refs: dict[str, Path] | None = None) -> None:
     """Alone on its GPU (the page's shared bit clear: what the scheduler says once an instance has
-    the GPU to itself), and bounded (the bit set: an event every few launches, docs/scheduler.md).
-    With `ref`, the same with that libcgpu, interleaved: what ours adds against it."""
-    for d, on in (("p1", False), ("p2", True)):
-        pages.create(str(tmp / d), [1 << 30])
-        g = GateFreezer(str(tmp / d))
-        g.share(None, on, 2000)
-        g.close()
+    the GPU to itself), and bounded (the bit set: an event every few launches, docs/scheduler.md),
+    by 1 thread and by 4 at once. With `refs`, the same with those libcgpus, interleaved: what ours
+    adds against them. Each figure is a median over the rounds; 1b's are the threads' CPU time per
+    launch (wall time with more threads than free cores measures the machine's scheduler)."""
+    # (the stand-in alone with the same environment's names: its launch reads the environment with getenv, whose
+    # cost grows with the entries before a match: two more entries cost it ~90 instructions a launch)
     base = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": str(tmp), "CGPU_STUB_CUDA_FAST": "1",
-            "CGPU_STUB_CUDA_STATE": str(tmp / "card1")}
-    lib = {**base, "LD_PRELOAD": str(tmp / "libcgpu.so"), "CGPU_PAGE_DIR": str(tmp / "p1")}
-    bounded = {**lib, "CGPU_PAGE_DIR": str(tmp / "p2")}
-    plain, held, shared = [], [], []
-    runs = [(base, plain), (lib, held), (bounded, shared)]
-    got: dict[str, tuple[list[float], list[float]]] = {}
-    for rev, ref in (refs or {}).items():
-        for d, on in ((f"r1-{rev}", False), (f"r2-{rev}", True)):  # (its own pages: one libcgpu's slots are its)
-            pages.create(str(tmp / d), [1 << 30])
-            g = GateFreezer(str(tmp / d))
-            g.share(None, on, 2000)
-            g.close()
-        got[rev] = ([], [])
-        runs += [({**lib, "LD_PRELOAD": str(ref), "CGPU_PAGE_DIR": str(tmp / f"r1-{rev}")}, got[rev][0]),
-                 ({**lib, "LD_PRELOAD": str(ref), "CGPU_PAGE_DIR": str(tmp / f"r2-{rev}")}, got[rev][1])]
-    four = [[] for _ in range(3)]  # (4 threads launching at once: plain, alone, bounded)
+            "CGPU_STUB_CUDA_STATE": str(tmp / "card1"), "LD_PRELOAD": "", "CGPU_PAGE_DIR": str(tmp / "none")}
+    libs = {"this": tmp / "libcgpu.so", **(refs or {})}
+    runs = {("stand-in", "-"): base}
+    for rev, lib in libs.items():  # (each its own pages: one libcgpu's slots are its)
+        for how, on in (("alone", False), ("bounded", True)):
+            runs[(rev, how)] = {**base, "LD_PRELOAD": str(lib), "CGPU_PAGE_DIR": str(share_pages(tmp, f"{how}-{rev}", on))}
+    got: dict[tuple, dict[str, list[float]]] = {key: {"wall": [], "cpu": [], "wall4": [], "cpu4": []} for key in runs}
+    ctx: list[float] = []
+
+    def timed(env: dict, *args: str) -> list[float]:
+        out = subprocess.run([str(tmp / "timer"), *args], env=env, capture_output=True, text=True, check=True).stdout
+        return [float(x) for x in out.split()]
+
     for _ in range(rounds):
-        for env, out in runs:
-            out.append(float(subprocess.run([str(tmp / "timer"), str(n)], env=env, capture_output=True, text=True,
-                                            check=True).stdout))
-        for (env, _), out in zip(runs[:3], four):
-            out.append(float(subprocess.run([str(tmp / "timer"), str(n // 4), "4"], env=env, capture_output=True,
-                                            text=True, check=True).stdout))
-    p, h, b = statistics.median(plain), statistics.median(held), statistics.median(shared)
-    print(f"1. cuLaunchKernel through dlsym, gate open: stand-in alone {p:.1f} ns, with libcgpu {h:.1f} ns; "
-          f"added p50 {h - p:.1f} ns ({h / p:.2f}x; goal <= 100 ns); on a shared GPU (its queue bounded) "
-          f"{b:.1f} ns, added {b - p:.1f} ns")
-    p4, h4, b4 = (statistics.median(x) for x in four)
-    print(f"1b. the same, 4 threads launching at once (issue 45, item 10: no process-wide lock on the launch path): "
-          f"stand-in alone {p4:.1f} ns, with libcgpu gate open {h4:.1f} ns, added {h4 - p4:.1f} ns (one thread: "
-          f"{h - p:.1f}; goal <= 40 ns, no growth with threads); bounded {b4:.1f} ns, added {b4 - p4:.1f} ns "
-          f"(one thread: {b - p:.1f})")
-    for rev, (ref_held, ref_shared) in got.items():
-        rh, rb = statistics.median(ref_held), statistics.median(ref_shared)
-        spread = statistics.median(abs(x - y) for x, y in zip(held, ref_held))
-        print(f"   against {rev}'s libcgpu, same run ({rounds} interleaved rounds of {n} launches): alone "
-              f"{h:.1f} ns vs {rh:.1f} ns (this one adds {h - rh:+.1f} ns a launch); bounded "
-              f"{b:.1f} ns vs {rb:.1f} ns (this one adds {b - rb:+.1f} ns); a round's own difference "
-              f"varies by {spread:.1f} ns (median |ours - {rev}'s|); best rounds (what a busy machine "
-              f"adds only lengthens a round): alone {min(held):.1f} vs {min(ref_held):.1f} ns "
-              f"({min(held) - min(ref_held):+.1f}), bounded {min(shared):.1f} vs {min(ref_shared):.1f} ns "
-              f"({min(shared) - min(ref_shared):+.1f})")
+        for key, env in runs.items():
+            for suffix, threads in (("", 1), ("4", 4)):
+                wall, cpu = timed(env, str(n // threads), str(threads))
+                got[key]["wall" + suffix].append(wall)
+                got[key]["cpu" + suffix].append(cpu)
+        ctx.append(timed(base, str(n), "1", "ctx")[1])
+    med = {key: {k: statistics.median(v) for k, v in d.items()} for key, d in got.items()}
+    p = med[("stand-in", "-")]
+    h, b = med[("this", "alone")], med[("this", "bounded")]
+    print(f"1. cuLaunchKernel through dlsym, gate open: stand-in alone {p['wall']:.1f} ns, with libcgpu "
+          f"{h['wall']:.1f} ns; added p50 {h['wall'] - p['wall']:.1f} ns ({h['wall'] / p['wall']:.2f}x; goal <= 100 ns); "
+          f"on a shared GPU (its queue bounded) {b['wall']:.1f} ns, added {b['wall'] - p['wall']:.1f} ns")
+    print(f"1b. per launch, CPU ns of the launching thread, 1 thread / 4 threads launching at once (issue 45, item 10: "
+          f"no process-wide lock on the launch path; goal <= 40 ns added open, no growth with threads), {rounds} "
+          f"interleaved rounds of {n} launches: stand-in alone {p['cpu']:.1f} / {p['cpu4']:.1f} ns; the stand-in's "
+          f"cuCtxGetCurrent alone (the one driver call libcgpu adds to a launch: in the figures added below) "
+          f"{statistics.median(ctx):.1f} ns")
+    for rev in libs:
+        a, bb = med[(rev, "alone")], med[(rev, "bounded")]
+        print(f"   {rev + ' libcgpu' if rev == 'this' else rev + chr(39) + 's libcgpu'}: gate open added "
+              f"{a['cpu'] - p['cpu']:.1f} / {a['cpu4'] - p['cpu4']:.1f} ns; bounded added {bb['cpu'] - p['cpu']:.1f} / "
+              f"{bb['cpu4'] - p['cpu4']:.1f} ns (wall, 4 threads: open {a['wall4']:.1f} ns against the stand-in's "
+              f"{p['wall4']:.1f})")
+    instructions(tmp, runs, libs)
+    for rev in refs or {}:
+        rh, rb = got[(rev, "alone")]["wall"], got[(rev, "bounded")]["wall"]
+        held, shared = got[("this", "alone")]["wall"], got[("this", "bounded")]["wall"]
+        spread = statistics.median(abs(x - y) for x, y in zip(held, rh))
+        print(f"   against {rev}'s libcgpu, wall, 1 thread: alone {h['wall']:.1f} ns vs {statistics.median(rh):.1f} ns "
+              f"(this one adds {h['wall'] - statistics.median(rh):+.1f} ns a launch); bounded {b['wall']:.1f} ns vs "
+              f"{statistics.median(rb):.1f} ns (this one adds {b['wall'] - statistics.median(rb):+.1f} ns); a round's own "
+              f"difference varies by {spread:.1f} ns (median |ours - {rev}'s|); best rounds: alone {min(held):.1f} vs "
+              f"{min(rh):.1f} ns ({min(held) - min(rh):+.1f}), bounded {min(shared):.1f} vs {min(rb):.1f} ns "
+              f"({min(shared) - min(rb):+.1f})")
+
+
+def instructions(tmp: Path, runs: dict, libs: dict) -> None:
+    """1c. Instructions per launch, counted by valgrind's callgrind (what no other load on the machine
+    moves): the difference between two runs of the timer, 20 000 and 120 000 launches, over the
+    100 000 more, so what the start costs cancels out; against the stand-in alone, same environment."""
+    if not shutil.which("valgrind"):
+        print("1c. (no valgrind here: instructions per launch not counted)")
+        return
+
+    def per_launch(env: dict, *extra: str) -> float:
+        counts = []
+        for n in (20_000, 120_000):
+            r = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", str(tmp / "timer"),
+                                str(n), "1", *extra], env=env, capture_output=True, text=True, check=True)
+            counts.append(int(r.stderr.split("Collected : ")[1].split()[0]))
+        return (counts[1] - counts[0]) / 100_000
+
+    p = per_launch(runs[("stand-in", "-")])
+    ctx = per_launch(runs[("stand-in", "-")], "ctx")
+    added = {rev: per_launch(runs[(rev, "alone")]) - p for rev in libs}
+    print(f"1c. instructions per launch, gate open (callgrind, 1 thread): stand-in alone {p:.0f}; its cuCtxGetCurrent "
+          f"alone {ctx:.0f}; added " + ", ".join(f"{'this libcgpu' if rev == 'this' else rev + chr(39) + 's'} {a:.0f}"
+                                               for rev, a in added.items())
+          + " (bounded: not counted, its events follow the clock, which valgrind slows tens of times)")
 
 
 def gated_launcher(tmp: Path, tag: str, kernel_us: int, card: str) -> tuple[GateFreezer, subprocess.Popen, Path]:

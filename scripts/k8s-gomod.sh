@@ -51,5 +51,7 @@ EOF
   echo ")"
 } > "$out/go.mod"
 rm -f "$out/go.sum"
-(cd "$out" && "$GO" mod tidy >&2)
+# A release whose staging modules the proxy does not all serve (k8s.io/endpointslice v0.32.13 is refused)
+# leaves nothing behind: its directory is removed with one line saying which release to try instead.
+(cd "$out" && "$GO" mod tidy >&2) || { rm -rf "$out"; echo "k8s-gomod: go mod tidy failed for v$ver (above: a module the proxy does not serve?); try another patch release" >&2; exit 1; }
 echo "$out"

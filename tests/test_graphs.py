@@ -226,8 +226,10 @@ def test_a_capture_survives_the_gates_closings(libs, tmp_path):
 # sampling: eager): 200 kernels of 20 µs and a synchronize (the stream's mean per launch learnt),
 # then a graph of 50 kernels of 200 µs (10 ms a launch) captured, instantiated and launched 20 times
 # back to back (at real-time priority where it may). Prints "started", each graph launch's return (ns, CLOCK_MONOTONIC), then "done".
+# argv[1], where the 50 kernels are: "flat" (the graph's own nodes), "child" (a child graph node's
+# graph), "conditional" (a child graph node in the body of an IF node whose handle defaults to 1).
 MIXED = textwrap.dedent("""
-    import os, time
+    import os, sys, time
     from cuda.bindings import driver as d
     try:  # (as the tests' launchers: the launches come back to back however busy the machine)
         os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(1))
@@ -237,7 +239,8 @@ MIXED = textwrap.dedent("""
         assert r[0] == d.CUresult.CUDA_SUCCESS, r
         return r[1] if len(r) == 2 else None
     ok(d.cuInit(0))
-    ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+    ctx = ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))
+    ok(d.cuCtxSetCurrent(ctx))
     s = ok(d.cuStreamCreate(1))
     k = d.CUfunction()
     for _ in range(200):
@@ -247,6 +250,18 @@ MIXED = textwrap.dedent("""
     for _ in range(50):
         ok(d.cuLaunchKernel(k, 200, 1, 1, 1, 1, 1, 0, s, 0, 0))
     g = ok(d.cuStreamEndCapture(s))
+    if sys.argv[1] != "flat":
+        outer = into = ok(d.cuGraphCreate(0))
+        if sys.argv[1] == "conditional":
+            p = d.CUgraphNodeParams()
+            p.type = d.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+            p.conditional.handle = ok(d.cuGraphConditionalHandleCreate(outer, ctx, 1, d.CU_GRAPH_COND_ASSIGN_DEFAULT))
+            p.conditional.type = d.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF
+            p.conditional.size, p.conditional.ctx = 1, ctx
+            ok(d.cuGraphAddNode(outer, None, None, 0, p))
+            into = p.conditional.phGraph_out[0]
+        ok(d.cuGraphAddChildGraphNode(into, None, 0, g))
+        g = outer
     ex = ok(d.cuGraphInstantiate(g, 0))
     print("started", flush=True)
     for _ in range(20):
@@ -257,17 +272,22 @@ MIXED = textwrap.dedent("""
 """)
 
 
-def test_a_graph_counts_as_its_kernels_in_the_queues_bound(libs, tmp_path):
+@pytest.mark.parametrize("shape, old_driver", [("flat", 0), ("child", 0), ("conditional", 0), ("conditional", 1)])
+def test_a_graph_counts_as_its_kernels_in_the_queues_bound(libs, tmp_path, shape, old_driver):
     """Through libcgpu on a shared GPU (every launch bounded to 2 ms of queued work), the mixed
     stream's graph launches never have more than three graphs' kernels queued (150: the budget is a
     fifth of one graph, and one launch behind the running work always passes) — counted on the card:
     at each launch's return, the graph kernels launched so far less those the card had started. On
     main a graph counted as one launch at the stream's mean (20 µs, learnt from the eager kernels):
-    all 20 graphs, 200 ms, were queued at once."""
+    all 20 graphs, 200 ms, were queued at once. Issue 45, item 9: the same with the kernels in a child
+    graph node's graph, or in a conditional node's body (a child graph node there): a child or
+    conditional node counted as one node, and all 20 graphs were queued at once again; now their
+    graphs' nodes count (a conditional's body once, docs/scheduler.md), also on a driver without
+    cuGraphNodeGetParams (old_driver: the bodies cuGraphAddNode returned, kept by libcgpu)."""
     pages.create(os.fspath(tmp_path / "pages"), [1 << 30])
     env = dict(driver_env(libs, tmp_path), LD_PRELOAD=os.fspath(libs / "libcgpu.so"),
-               CGPU_PAGE_DIR=os.fspath(tmp_path / "pages"))
-    r = subprocess.run([sys.executable, "-c", MIXED], env=env, capture_output=True, text=True, timeout=120)
+               CGPU_PAGE_DIR=os.fspath(tmp_path / "pages"), CGPU_STUB_NO_NODE_PARAMS=str(old_driver))
+    r = subprocess.run([sys.executable, "-c", MIXED, shape], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.split()
     assert lines[0] == "started" and lines[-1] == "done", r.stdout

@@ -269,7 +269,6 @@ def _config(parameters, where: str) -> dict:
     unknown = set(parameters) - {"apiVersion", "kind", "weight", "highPriority"}
     if unknown:
         raise DraError(f"{where}: {CONFIG_KIND} has no field {sorted(unknown)[0]!r} (weight, highPriority)")
-    out = {}
     w, hp = parameters.get("weight", 1), parameters.get("highPriority", False)
     if isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= MAX_INST[1]:
         raise DraError(f"{where}: weight {w!r} is not a whole number from 1 to {MAX_INST[1]}")

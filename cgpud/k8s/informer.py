@@ -132,15 +132,13 @@ def parse_list(data: bytes, convert=None) -> tuple[str, list]:
     """A LIST's resourceVersion and items; with `convert`, each item is converted as soon as it is
     parsed (and left out when convert gives None), so a LIST of 40,000 pods never exists as 40,000
     pods' worth of dicts at once: only as its bytes and what is kept of each."""
-    hook = None
-    if convert is not None:
-        def hook(d: dict):
-            meta = d.get("metadata")
-            if "items" not in d and isinstance(meta, dict) and "name" in meta:  # an object of the list
-                return _Converted(convert(d))
-            return d
+    def hook(d: dict):
+        meta = d.get("metadata")
+        if "items" not in d and isinstance(meta, dict) and "name" in meta:  # an object of the list
+            return _Converted(convert(d))
+        return d
 
-    doc = json.loads(data, object_hook=hook)
+    doc = json.loads(data, object_hook=hook if convert is not None else None)
     items = doc.get("items") or []
     if convert is not None:
         items = [i.value for i in items if isinstance(i, _Converted) and i.value is not None]

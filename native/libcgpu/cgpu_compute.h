@@ -46,7 +46,20 @@ int64_t launch_ns(void);  /* the launch path's clock (compared only with its own
 extern pthread_mutex_t ctx_lock;
 extern HOT_TLS CUcontext known_ctx;  /* the last context this thread was seen to launch in */
 extern HOT_TLS int known_gpu;        /* and its page GPU */
-int note_context(void);              /* the calling thread's page GPU (-1: the container's gate) */
+extern HOT_TLS unsigned contexts_seen_epoch;  /* (contexts.c: the thread's cache of contexts, as of) */
+extern unsigned contexts_epoch;
+int note_context_slow(CUcontext c, int got);
+/* The calling thread's page GPU (-1: the container's gate): the context of its launch before, with
+ * one driver call (cuCtxGetCurrent), else looked up (contexts.c). */
+static inline int note_context(void)
+{
+    CUcontext c = NULL;
+    int got = real.ctx_get && real.ctx_get(&c) == CU_OK && c;
+    if (__builtin_expect(got && c == known_ctx
+                         && contexts_seen_epoch == __atomic_load_n(&contexts_epoch, __ATOMIC_ACQUIRE), 1))
+        return known_gpu;
+    return note_context_slow(c, got);
+}
 int gpu_of_ctx(CUcontext c);         /* (ctx_lock held) -2: not known */
 int contexts_forget(CUcontext c, CUdevice dev, CUcontext *gone);  /* (ctx_lock held) out of the table: gone[] (64 at most) */
 void contexts_wait(CUcontext c, CUdevice dev);  /* (ctx_lock held) the syncer done with them */
@@ -59,12 +72,24 @@ void contexts_forked(void);
 
 /* ---- gang.c ---- */
 /* Threads of this process inside a launch now: [0] on the container's gate, [1 + k] on GPU k's. */
-extern unsigned launching[1 + CGPU_MAX_GPUS];
-const uint32_t *gate_word(int k);
-uint32_t gate_value(int k);
+extern unsigned launching[1 + CGPU_MAX_GPUS];  /* (those of threads with no record: threads.c) */
+int launches_in_flight(int k);  /* a thread of the process is inside a launch on page GPU k */
+/* The gate a launch on page GPU `k` waits at (-1: the container's), and its value. */
+static inline const uint32_t *gate_word(int k)
+{
+    return k >= 0 ? &limits->gpu_gate[k] : &limits->gate;
+}
+static inline uint32_t gate_value(int k)
+{
+    return __atomic_load_n(gate_word(k), __ATOMIC_SEQ_CST);
+}
 void futex_wake_all(const uint32_t *word);
 void futex_wait_on(const uint32_t *word, uint32_t seen);
-int ganged(void);
+extern int gang_on;
+static inline int ganged(void)  /* (gang.c) */
+{
+    return __atomic_load_n(&gang_on, __ATOMIC_RELAXED);
+}
 void gang_init(void);             /* CGPU_GANG (at the first launch) */
 int gang_pass(int k);             /* a launch on GPU k may pass the gang's gates now (counted) */
 int gang_catching_up(void);       /* the helper answers a closing: catch-up allowed */
@@ -95,7 +120,12 @@ void queue_wait(CUcontext c, void *stream, int ptsz, uint32_t w, uint64_t item);
  * of ours may sit between it and the launch before it (the card would serialize them) */
 void queue_start(CUcontext c, void *stream, int ptsz, int pdl);
 int queue_note(CUcontext c, void *stream, int ptsz, uint32_t w, int pdl, uint64_t item);
-void queue_untracked(int k);  /* a launch on page GPU k no queue counted */
+extern unsigned long queue_loose[1 + CGPU_MAX_GPUS];  /* (queue.c: set, a launch on page GPU k no queue counted) */
+static inline void queue_untracked(int k)  /* a launch on page GPU k no queue counted (queue.c) */
+{
+    if (!__atomic_load_n(&queue_loose[1 + k], __ATOMIC_ACQUIRE))
+        __atomic_store_n(&queue_loose[1 + k], 1, __ATOMIC_SEQ_CST);
+}
 unsigned long queue_take_untracked(int k);
 int drain_queues(int k, int *captures, int64_t deadline);
 void queue_forget_stream(void *stream);  /* a stream destroyed: never named again (its events kept) */
@@ -111,7 +141,13 @@ void queue_forked(void);
 /* Threads of this process waiting at a closed gate now: [0] the container's, [1 + k] GPU k's (gate.c
  * counts them; the drain bounds a synchronize that may wait for one of them) */
 extern unsigned gate_waiting[1 + CGPU_MAX_GPUS];
-void drain_start_helper(void);  /* once */
+extern int helper_asked;
+void drain_start_helper_slow(void);
+static inline void drain_start_helper(void)  /* once */
+{
+    if (__builtin_expect(!__atomic_load_n(&helper_asked, __ATOMIC_ACQUIRE), 0))
+        drain_start_helper_slow();
+}
 void drain_forked(void);
 
 #pragma GCC visibility pop

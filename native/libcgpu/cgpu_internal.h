@@ -3,6 +3,8 @@
  * concern, as HAMi-core splits its src/, in layers that call down, never up:
  *   driver.c     the bottom: the real driver's and NVML's functions and their loading, the C
  *                library's dlsym, whether this thread is inside the driver (in_driver);
+ *   threads.c    this process's threads as the launch path sees them: a record each (inside
+ *                which gate, reading which table), so the launch path takes no process-wide lock;
  *   page.c       the shared pages (cgpu_page.h): setting up (the driver, then the pages), process
  *                slots, a dead process's memory back, which page GPU a CUDA device is;
  *   memory.c     charge and refund: every allocator and free, the allocations' sizes, the
@@ -158,15 +160,47 @@ void *sym(const char *name);
 void *cgpu_next(const char *name);  /* the C library's `name` (the next object's after libcgpu) */
 void driver_load(void);
 
+/* ---- threads.c ---- */
+/* A thread's record (one cache line, its own): what other threads must know of its launch. */
+struct cgpu_thread {
+    uint32_t gate;          /* 2 + k while inside a launch past page GPU k's gate (k -1: the container's); 0: none */
+    uint32_t live;          /* a live thread's (0: free for the next thread) */
+    void *hazard;           /* the module table it reads now (modules.c), NULL */
+    struct cgpu_thread *next;
+    char pad_[64 - 2 * 4 - 2 * sizeof(void *)];
+} __attribute__((aligned(64)));
+extern __thread struct cgpu_thread *cgpu_me __attribute__((tls_model("initial-exec")));
+struct cgpu_thread *cgpu_thread_slow(void);
+/* The calling thread's record (NULL: no host memory for one: the caller takes its slow path). */
+static inline struct cgpu_thread *cgpu_self(void)
+{
+    struct cgpu_thread *t = cgpu_me;
+    return __builtin_expect(t != NULL, 1) ? t : cgpu_thread_slow();
+}
+struct cgpu_thread *cgpu_threads(void);  /* the list (->next) */
+extern int cgpu_asym;            /* the helper's membarrier stands for the launch path's fence */
+void threads_asym_register(void);  /* (at the helper's start) */
+void threads_fence(void);        /* before cgpu_launching: every thread's record as of its last barrier */
+int cgpu_launching(int k);       /* a thread is inside a launch past page GPU k's gate */
+int cgpu_hazard(const void *p);  /* a thread reads table p now */
+void threads_forked(void);
+
 /* ---- interpose.c ---- */
 void *cgpu_dlsym_ours(void *handle, const char *name);
 
 /* ---- page.c ---- */
-int isolated(void);  /* set up; the process is held by its pages */
 void setup_once(void);
 int pages_ready(void);  /* the pages mapped (not the driver loaded); the process is held by them */
 extern void (*cgpu_on_fork)(void);  /* what a forked child runs (interpose.c's: each part's reset) */
 extern const struct cgpu_limits *limits;  /* read-only */
+extern int cgpu_set_up;
+int isolated_slow(void);
+static inline int isolated(void)  /* set up; the process is held by its pages (a load or two once set up) */
+{
+    if (__builtin_expect(!__atomic_load_n(&cgpu_set_up, __ATOMIC_ACQUIRE), 0))
+        return isolated_slow();
+    return limits != NULL;
+}
 extern int per_gpu;       /* the page has a gate per GPU (else the container's one gate) */
 extern int has_uuids;     /* the page names its GPUs' UUIDs (read once: written before its magic) */
 extern struct cgpu_usage *usage;
@@ -183,7 +217,11 @@ void page_setup(void);
 /* The driver said out of memory inside memsize: wait for the daemon's watchdog (page.c); 1: ask again. */
 int held_elsewhere(int attempt);
 void page_forked(void);
-int need_slot(void);      /* this process's slot, taken at its first use of CUDA; 0: none left */
+int need_slot_slow(void);
+static inline int need_slot(void)  /* this process's slot, taken at its first use of CUDA; 0: none left */
+{
+    return __builtin_expect(__atomic_load_n(&mine, __ATOMIC_ACQUIRE) != NULL, 1) ? 1 : need_slot_slow();
+}
 void reclaim_dead(void);
 uint64_t my_claim(void);  /* this process's slot's claim (cgpu_ident; 0: none): a reading carrying another is not its */  /* what dead processes held back to the container */
 int uuid_to_page(const unsigned char *u);
@@ -200,8 +238,20 @@ int nvml_ioctl(int fd, unsigned long request, void *arg);  /* ioctl: the kernel 
 
 /* ---- memory.c (cgpu_memory.h: its files) ---- */
 void memory_forked(void);
-/* Before a kernel launch of function `f`: room for its lazy load (CU_OK), else CU_OUT_OF_MEMORY. */
-CUresult lazy_room(void *f);
+/* Before a kernel launch of function `f`: room for its lazy load (CU_OK), else CU_OUT_OF_MEMORY.
+ * A function among the thread's last few launched is let go here (modules.c, "functions launched"). */
+#define CGPU_FN_CACHE 16
+struct cgpu_fn_seen { uint64_t f; unsigned epoch; };
+extern __thread struct cgpu_fn_seen cgpu_fn_cache[CGPU_FN_CACHE] __attribute__((tls_model("initial-exec")));
+extern unsigned cgpu_fn_epoch;
+CUresult lazy_room_slow(void *f);
+static inline CUresult lazy_room(void *f)
+{
+    const struct cgpu_fn_seen *s = &cgpu_fn_cache[(unsigned)((uintptr_t)f >> 4) % CGPU_FN_CACHE];
+    if (f && s->f == (uintptr_t)f && s->epoch == __atomic_load_n(&cgpu_fn_epoch, __ATOMIC_ACQUIRE))
+        return CU_OK;
+    return lazy_room_slow(f);
+}
 #define LAZY_ROOM(f)                     \
     do {                                 \
         CUresult lr_ = lazy_room(f);     \

@@ -75,6 +75,18 @@ uint64_t growth_step(int g);  /* the largest step learned on GPU g (a launch's),
  * (after what pools and dead processes gave back). */
 int driver_room(int g, uint64_t bytes);
 
+/* ---- graphmem.c: CUDA graphs' own memory (the device's graph pool), held at instantiation, and a
+ * graph's nodes counted; above memory.c as pools.c is, calling down into it ---- */
+struct graph_plan {  /* nodes: its weight; bytes: what its allocation nodes may map on each GPU (any: some) */
+    uint32_t nodes;
+    int any;
+    uint64_t bytes[CGPU_MAX_GPUS];
+};
+CUresult graph_foresee(void *graph, struct graph_plan *p);  /* before the driver instantiates it: CU_OUT_OF_MEMORY, no room */
+void graph_made(CUresult r, void *exec, struct graph_plan *p);  /* after (r: the driver's answer) */
+void graph_gone(void *exec);  /* an executable graph destroyed (after the driver) */
+int graph_capturing(void *stream, int ptsz);  /* cuMemAllocAsync into it makes a graph's allocation node */
+
 /* What the files above memory.c hand it at load (their constructors): nothing in memory.c calls up. */
 extern int (*pools_settle_hook)(void);   /* pools.c: what every pool gave back since, refunded */
 void memory_on_fork(void (*fn)(void));   /* a file's reset in a forked child */

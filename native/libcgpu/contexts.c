@@ -25,7 +25,7 @@ static CUdevice syncing_dev = -1;
 /* captures begun and not ended, by context (handles.c's wrappers of cuStreamBeginCapture and
  * cuStreamEndCapture): a context with one is never synchronized by the syncer */
 static struct { CUcontext c; int n; } caps[CTXS];
-static unsigned ctx_epoch;  /* counts the contexts forgotten: a thread's cache of an older epoch is looked up again */
+unsigned contexts_epoch;  /* counts the contexts forgotten: a thread's cache of an older epoch is looked up again */
 HOT_TLS CUcontext known_ctx;
 HOT_TLS int known_gpu;
 /* the calling thread's last few contexts and their page GPUs (issue 45, item 10): a thread that
@@ -33,20 +33,20 @@ HOT_TLS int known_gpu;
  * lock and no driver call but cuCtxGetCurrent; forgotten all at once when any context is */
 #define SEEN 4
 static HOT_TLS struct { CUcontext c; int gpu; } seen[SEEN];
-static HOT_TLS unsigned seen_epoch, seen_next;
+HOT_TLS unsigned contexts_seen_epoch;  /* (cgpu_compute.h: read by the launch itself, note_context) */
+static HOT_TLS unsigned seen_next;
 
 /* The page GPU the calling thread launches on (its current context's device), -1 for the
  * container's gate: a page without per-GPU gates, or a device past the page's. A context's device
  * is asked once (until a context is destroyed: its address may come back for another device). */
-int note_context(void)
+int note_context_slow(CUcontext c, int got)
 {
-    CUcontext c = NULL;
-    if (!real.ctx_get || real.ctx_get(&c) != CU_OK || !c)
+    if (!got)
         return per_gpu ? 0 : -1;  /* (no context: the driver refuses the launch itself) */
-    unsigned epoch = __atomic_load_n(&ctx_epoch, __ATOMIC_ACQUIRE);
-    if (seen_epoch != epoch) {
+    unsigned epoch = __atomic_load_n(&contexts_epoch, __ATOMIC_ACQUIRE);
+    if (contexts_seen_epoch != epoch) {
         memset(seen, 0, sizeof seen);
-        seen_epoch = epoch;
+        contexts_seen_epoch = epoch;
     } else
         for (int i = 0; i < SEEN; i++)
             if (seen[i].c == c) {
@@ -101,7 +101,7 @@ int contexts_forget(CUcontext c, CUdevice dev, CUcontext *gone)
         } else
             i++;
     }
-    __atomic_add_fetch(&ctx_epoch, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&contexts_epoch, 1, __ATOMIC_RELEASE);
     return n;
 }
 
@@ -282,5 +282,5 @@ void contexts_forked(void)
     syncing_dev = -1;
     memset(caps, 0, sizeof caps);
     known_ctx = NULL;
-    __atomic_add_fetch(&ctx_epoch, 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&contexts_epoch, 1, __ATOMIC_RELEASE);
 }

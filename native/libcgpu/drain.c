@@ -82,7 +82,8 @@ static void sync_whole(int k, int64_t deadline)
  * bound"). Work no queue bounded is waited for whole (the daemon's cap bounds that wait). */
 static void drain(int k, int64_t deadline)
 {
-    while (__atomic_load_n(&launching[1 + k], __ATOMIC_SEQ_CST) && mono_ns() < deadline)
+    threads_fence();  /* (the gate is seen closed: every launch after this sees it too) */
+    while (launches_in_flight(k) && mono_ns() < deadline)
         sched_yield();  /* a launch that passed the gate before it closed: a few µs */
     /* (the contexts' lock, for the deadline at most: a context being destroyed holds it a moment) */
     while (pthread_mutex_trylock(&ctx_lock)) {
@@ -189,6 +190,7 @@ static void *gate_helper(void *arg)
 
 static void start_helper(void)
 {
+    threads_asym_register();
     gang_init();
     /* 64 KiB of its own; glibc takes the static TLS out of it (EINVAL when it does not fit: a
      * program with large __thread arrays): then 4 times as much, up to 64 MiB, and said if never */
@@ -208,9 +210,11 @@ static void start_helper(void)
 
 static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
 
-void drain_start_helper(void)
+int helper_asked;  /* (the launch path's one load, cgpu_compute.h: pthread_once's call once only) */
+void drain_start_helper_slow(void)
 {
     pthread_once(&helper_once, start_helper);
+    __atomic_store_n(&helper_asked, 1, __ATOMIC_RELEASE);
 }
 
 /* A forked child has no helper thread (and holds no lock on its slot until it launches). */
@@ -218,6 +222,7 @@ void drain_forked(void)
 {
     pthread_once_t fresh = PTHREAD_ONCE_INIT;
     helper_once = fresh;
+    helper_asked = 0;
     memset(gate_waiting, 0, sizeof gate_waiting);  /* (the parent's threads are not the child's) */
     if (lock_fd >= 0)
         close(lock_fd);  /* (the parent's lock is the parent's: a child holds none until it launches) */

@@ -49,27 +49,23 @@ static unsigned catch_up_used[CGPU_MAX_GPUS];
 static int catch_up_open;                      /* the helper answers a closing: catch-up allowed */
 unsigned launching[1 + CGPU_MAX_GPUS];
 
-
-/* The gate a launch on page GPU `k` waits at (-1: the container's). */
-const uint32_t *gate_word(int k)
+/* Whether a thread of this process is inside a launch on page GPU k (-1: the container's gate): in
+ * its record (threads.c), or counted here (a thread with no record). */
+int launches_in_flight(int k)
 {
-    return k >= 0 ? &limits->gpu_gate[k] : &limits->gate;
+    return cgpu_launching(k) || __atomic_load_n(&launching[1 + k], __ATOMIC_SEQ_CST);
 }
 
-uint32_t gate_value(int k)
-{
-    return __atomic_load_n(gate_word(k), __ATOMIC_SEQ_CST);
-}
 
 void futex_wake_all(const uint32_t *word)
 {
     syscall(SYS_futex, word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-int ganged(void)
-{
-    return per_gpu && !gang_off;
-}
+/* A gang (ganged(), cgpu_compute.h): gates per GPU, CGPU_GANG not 0, and more than one GPU in the
+ * page (a page of one GPU has no gang: its container's gate closes and opens with that GPU's). Set
+ * at the first launch (gang_init): the launch path reads a word. */
+int gang_on;
 
 static uint64_t count(const struct cgpu_gang *g, uint32_t j)
 {
@@ -134,7 +130,7 @@ static int caught_up(void)
 static int settled(uint32_t on)
 {
     for (uint32_t j = 0; j < limits->ngpus; j++)
-        if (on & (1u << j) && __atomic_load_n(&launching[1 + j], __ATOMIC_SEQ_CST))
+        if (on & (1u << j) && launches_in_flight((int)j))
             return 0;
     return 1;
 }
@@ -157,6 +153,7 @@ void gang_init(void)
 {
     const char *g = getenv("CGPU_GANG");
     gang_off = g && !strcmp(g, "0");
+    __atomic_store_n(&gang_on, per_gpu && !gang_off && limits->ngpus > 1, __ATOMIC_RELAXED);
     static pthread_once_t mapped = PTHREAD_ONCE_INIT;
     if (per_gpu)
         pthread_once(&mapped, map_gang);
@@ -202,6 +199,8 @@ void gang_catch_up(uint32_t on, int64_t deadline)
         for (uint32_t k = 0; k < CGPU_MAX_GPUS; k++)
             __atomic_store_n(&my_gang->base[k], __atomic_load_n(&my_gang->launched[k], __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST);
     memset(catch_up_used, 0, sizeof catch_up_used);
+    threads_fence();  /* (the records as of the closing; what a launch let through since stores is seen within
+                       * the loop's looks, and the drain's own fence sees every one before it waits) */
     __atomic_store_n(&catch_up_open, 1, __ATOMIC_SEQ_CST);
     int64_t start = mono_ns(), now = start, woke = 0;
     int64_t until = start + GANG_WAIT_NS < deadline ? start + GANG_WAIT_NS : deadline;

@@ -4,39 +4,70 @@
  * part (cgpu_compute.h): the launch entry points.
  */
 #include "cgpu_compute.h"
+#include "cgpu_memory.h"
 #include "cgpu_work.h"
 
-/* Pass the gate of page GPU `k` (-1: the container's): on return this thread counts in
- * launching[1 + k] and the gate was open. The process says it launches on GPU k before it
- * looks at the gate, so a closing either sees it (and waits for its answer) or stops it. */
-static void gate_enter(int k)
+/* Inside a launch on page GPU k (-1: the container's gate), as the drain sees it: in the calling
+ * thread's own record (threads.c: no word another thread writes), else (no record: no host memory
+ * for one) in the shared count. `on`: entering (before the gate is read: a full fence between, or
+ * the helper's membarrier for it, threads.c) or leaving. */
+static inline void in_launch(struct cgpu_thread *t, int k, int on)
 {
-    drain_start_helper();
-    if (k >= 0 && !(__atomic_load_n(&mine->gpus, __ATOMIC_RELAXED) & (1u << k)))
-        __atomic_fetch_or(&mine->gpus, 1u << k, __ATOMIC_SEQ_CST);
-    for (;;) {
+    if (__builtin_expect(t != NULL, 1)) {
+        if (!on)
+            __atomic_store_n(&t->gate, 0, __ATOMIC_RELEASE);
+        else if (__builtin_expect(__atomic_load_n(&cgpu_asym, __ATOMIC_RELAXED), 1)) {
+            __atomic_store_n(&t->gate, (uint32_t)(2 + k), __ATOMIC_RELAXED);
+            __atomic_signal_fence(__ATOMIC_SEQ_CST);  /* (the compiler's order; the CPU's: the helper's membarrier) */
+        } else
+            __atomic_store_n(&t->gate, (uint32_t)(2 + k), __ATOMIC_SEQ_CST);
+    } else if (on)
         __atomic_add_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+    else
+        __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+}
+
+/* Pass the gate of page GPU `k` (-1: the container's): on return this thread is inside a launch on
+ * k (in_launch) and the gate was open. The thread says it launches on GPU k before it looks at the
+ * gate, so a closing either sees it (and waits for it) or stops it. The common case (the gate open,
+ * no gang) inline in the launch; a gang, or a closed gate, here. */
+static __attribute__((noinline)) struct cgpu_thread *gate_pass(struct cgpu_thread *t, int k)
+{
+    for (;;) {
+        in_launch(t, k, 1);
         uint32_t g = gate_value(k);
         if (k < 0 || !ganged()) {
             if (g & 1)
-                return;
+                return t;
         } else {  /* a gang: GPU k's gate and the container's (closed while any GPU's is) */
             uint32_t all = gate_value(-1);
             if (gang_pass(k))
-                return;
+                return t;
             if (g & 1) {  /* GPU k open, another closed: wait for the container's gate */
-                __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+                in_launch(t, k, 0);
                 __atomic_add_fetch(&gate_waiting[0], 1, __ATOMIC_SEQ_CST);
                 futex_wait_on(&limits->gate, all);
                 __atomic_sub_fetch(&gate_waiting[0], 1, __ATOMIC_SEQ_CST);
                 continue;
             }
         }
-        __atomic_sub_fetch(&launching[1 + k], 1, __ATOMIC_SEQ_CST);
+        in_launch(t, k, 0);
         __atomic_add_fetch(&gate_waiting[1 + k], 1, __ATOMIC_SEQ_CST);
         futex_wait_on(gate_word(k), g);
         __atomic_sub_fetch(&gate_waiting[1 + k], 1, __ATOMIC_SEQ_CST);
     }
+}
+
+static inline struct cgpu_thread *gate_enter(int k)
+{
+    struct cgpu_thread *t = cgpu_self();
+    drain_start_helper();
+    if (k >= 0 && !(__atomic_load_n(&mine->gpus, __ATOMIC_RELAXED) & (1u << k)))
+        __atomic_fetch_or(&mine->gpus, 1u << k, __ATOMIC_SEQ_CST);
+    in_launch(t, k, 1);
+    if (__builtin_expect((k < 0 || !ganged()) && (gate_value(k) & 1), 1))
+        return t;
+    return gate_pass(t, k);
 }
 
 
@@ -90,7 +121,7 @@ static inline uint64_t kind_key(const void *what, uint64_t a, uint64_t b, uint64
             queue_wait(known_ctx, (stream_), (ptsz_), (w_), (item_)); \
             in_driver--;                                        \
         }                                                       \
-        gate_enter(k_);                                         \
+        struct cgpu_thread *t_ = gate_enter(k_);                \
         in_driver++;                                            \
         if (b_)                                                 \
             queue_start(known_ctx, (stream_), (ptsz_), (pdl_));  \
@@ -98,7 +129,7 @@ static inline uint64_t kind_key(const void *what, uint64_t a, uint64_t b, uint64
         if (r_ == CU_OK && !(b_ && queue_note(known_ctx, (stream_), (ptsz_), (w_), (pdl_), (item_)))) \
             queue_untracked(k_); \
         in_driver--;                                            \
-        __atomic_sub_fetch(&launching[1 + k_], 1, __ATOMIC_SEQ_CST); \
+        in_launch(t_, k_, 0);                                   \
         return r_;                                              \
     } while (0)
 
@@ -241,11 +272,11 @@ COPY_OP(copy_dtoh_fn, cuMemcpyDtoHAsync_v2_ptsz, 1, s, h, src, n, s)
         if (!need_slot())                                            \
             return CU_LAUNCH_OUT_OF_RESOURCES;                       \
         int k_ = note_context();                                     \
-        gate_enter(k_);                                              \
+        struct cgpu_thread *t_ = gate_enter(k_);                     \
         in_driver++;                                                 \
         CUresult r_ = (fn)(__VA_ARGS__);                             \
         in_driver--;                                                 \
-        __atomic_sub_fetch(&launching[1 + k_], 1, __ATOMIC_SEQ_CST); \
+        in_launch(t_, k_, 0);                                        \
         return r_;                                                   \
     } while (0)
 #define WORK_ARGS(...) __VA_ARGS__
@@ -284,8 +315,8 @@ CUresult cuLaunchGrid(void *f, int w, int h)
     GATED(NULL, 0, KERNEL_KIND(f, w, h, 1, 0, 0, 0), fn, f, w, h);
 }
 
-/* ---- graphs: their nodes counted at instantiation (queue.c, "a graph's weight") ---- */
-typedef CUresult (*graph_nodes_fn)(void *, void **, size_t *);
+/* ---- graphs: their nodes counted and their graph memory held at instantiation (graphmem.c; queue.c,
+ * "a graph's weight") ---- */
 typedef CUresult (*instantiate5_fn)(void **, void *, void **, char *, size_t);
 typedef CUresult (*instantiate_flags_fn)(void **, void *, unsigned long long);
 typedef CUresult (*instantiate_params_fn)(void **, void *, void *);
@@ -298,30 +329,28 @@ static void *graph_sym(void **slot, const char *name)
     return f;
 }
 #define GRAPH_REAL(type, name) ((type)graph_sym(&real_##name, #name))
-static void *real_cuGraphGetNodes, *real_cuGraphInstantiate, *real_cuGraphInstantiate_v2,
-    *real_cuGraphInstantiateWithFlags, *real_cuGraphInstantiateWithParams, *real_cuGraphInstantiateWithParams_ptsz,
-    *real_cuGraphExecDestroy;
+static void *real_cuGraphInstantiate, *real_cuGraphInstantiate_v2, *real_cuGraphInstantiateWithFlags,
+    *real_cuGraphInstantiateWithParams, *real_cuGraphInstantiateWithParams_ptsz, *real_cuGraphExecDestroy;
 
-static CUresult made(CUresult r, void **exec, void *graph)
+static CUresult made(CUresult r, void **exec, struct graph_plan *plan)
 {
-    graph_nodes_fn nodes = GRAPH_REAL(graph_nodes_fn, cuGraphGetNodes);
-    size_t n = 0;
-    if (r == CU_OK && exec && nodes) {
-        in_driver++;
-        if (nodes(graph, NULL, &n) == CU_OK)
-            queue_graph_made(*exec, n > UINT32_MAX ? UINT32_MAX : (uint32_t)n);
-        in_driver--;
-    }
+    graph_made(r, exec ? *exec : NULL, plan);
+    if (r == CU_OK && exec)
+        queue_graph_made(*exec, plan->nodes);
     return r;
 }
+/* (its graph memory past memsize: CUDA_ERROR_OUT_OF_MEMORY, the driver not asked) */
 #define INSTANTIATE(type, name, ...)                              \
     do {                                                          \
         type fn_ = GRAPH_REAL(type, name);                        \
         PASS_THROUGH(fn_, __VA_ARGS__);                           \
+        struct graph_plan plan_;                                  \
+        if (graph_foresee(graph, &plan_) != CU_OK)                \
+            return CU_OUT_OF_MEMORY;                              \
         in_driver++;                                              \
         CUresult r_ = fn_(__VA_ARGS__);                           \
         in_driver--;                                              \
-        return made(r_, exec, graph);                             \
+        return made(r_, exec, &plan_);                            \
     } while (0)
 
 CUresult cuGraphInstantiate(void **exec, void *graph, void **err, char *log, size_t size)
@@ -349,7 +378,12 @@ CUresult cuGraphExecDestroy(void *exec)
     exec_destroy_fn fn = GRAPH_REAL(exec_destroy_fn, cuGraphExecDestroy);
     PASS_THROUGH(fn, exec);
     queue_graph_gone(exec);
-    return fn(exec);
+    in_driver++;
+    CUresult r = fn(exec);
+    in_driver--;
+    if (r == CU_OK)
+        graph_gone(exec);  /* (its pool's pages kept by the driver: the charge follows its reservation) */
+    return r;
 }
 
 /* A forked child has no helper thread, no launches in flight, and none of the parent's streams. */

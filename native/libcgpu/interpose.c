@@ -114,6 +114,11 @@ CUresult cuGraphInstantiateWithFlags(void **, void *, unsigned long long);
 CUresult cuGraphInstantiateWithParams(void **, void *, void *);
 CUresult cuGraphInstantiateWithParams_ptsz(void **, void *, void *);
 CUresult cuGraphExecDestroy(void *);
+CUresult cuGraphUpload(void *, void *);
+CUresult cuGraphUpload_ptsz(void *, void *);
+CUresult cuDeviceGraphMemTrim(CUdevice);
+CUresult cuGraphAddNode(void **, void *, const void *, size_t, void *);
+CUresult cuGraphAddNode_v2(void **, void *, const void *, const void *, size_t, void *);
 CUresult cuStreamDestroy(void *);
 CUresult cuStreamDestroy_v2(void *);
 CUresult cuCtxDestroy(void *);
@@ -153,6 +158,7 @@ CUresult cuEventSynchronize(void *);
  * forgets what was its parent's (page.c registers this with pthread_atfork when it sets up). */
 static void forked(void)
 {
+    threads_forked();
     nvml_forked();
     gate_forked();
     memory_forked();
@@ -296,6 +302,11 @@ static const struct form {
     {"cuGraphInstantiateWithParams", 12000, 1, "cuGraphInstantiateWithParams_ptsz",
      (void *)cuGraphInstantiateWithParams_ptsz},
     {"cuGraphExecDestroy", 10000, 0, "cuGraphExecDestroy", (void *)cuGraphExecDestroy},
+    {"cuGraphUpload", 11010, 0, "cuGraphUpload", (void *)cuGraphUpload},
+    {"cuGraphUpload", 11010, 1, "cuGraphUpload_ptsz", (void *)cuGraphUpload_ptsz},
+    {"cuDeviceGraphMemTrim", 11040, 0, "cuDeviceGraphMemTrim", (void *)cuDeviceGraphMemTrim},
+    {"cuGraphAddNode", 12020, 0, "cuGraphAddNode", (void *)cuGraphAddNode},
+    {"cuGraphAddNode", 12030, 0, "cuGraphAddNode_v2", (void *)cuGraphAddNode_v2},
     {"cuStreamDestroy", 2000, 0, "cuStreamDestroy", (void *)cuStreamDestroy},
     {"cuStreamDestroy", 4000, 0, "cuStreamDestroy_v2", (void *)cuStreamDestroy_v2},
     {"cuCtxDestroy", 2000, 0, "cuCtxDestroy", (void *)cuCtxDestroy},

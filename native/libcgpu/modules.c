@@ -101,10 +101,23 @@ static int loadable(size_t size)
     return used <= m && size <= m - used;
 }
 
+/* The module tables' own lock (not the allocations': an allocation's table growth, a calloc and a
+ * rehash under mem_lock, never holds up a module call or a launch); a launch reads the launched
+ * functions' table without it (below, "functions launched"). */
+static pthread_mutex_t modules_lock = PTHREAD_MUTEX_INITIALIZER;
+static void mod_lock(void)
+{
+    pthread_mutex_lock(&modules_lock);
+}
+static void mod_unlock(void)
+{
+    pthread_mutex_unlock(&modules_lock);
+}
+
 static struct table module_bytes;  /* a module (or library) loaded through us -> its image's bytes */
 static void loaded_module(void *m, size_t size)
 {
-    mem_lock();
+    mod_lock();
     struct entry *e = m ? table_find(&module_bytes, (uint64_t)(uintptr_t)m) : NULL;
     if (m && !e)
         e = table_add(&module_bytes, (uint64_t)(uintptr_t)m);
@@ -112,7 +125,7 @@ static void loaded_module(void *m, size_t size)
         e->size = size;
         e->maps = 0;  /* (none of its functions launched yet: a library's first use is to come) */
     }
-    mem_unlock();
+    mod_unlock();
 }
 
 /* A library's module: what its functions name (cuFuncGetModule), so it is looked up by that. */
@@ -204,7 +217,7 @@ CUresult cuLibraryLoadFromFile(void **l, const char *path, void *jit, void **jit
  * not guessed — at the call, or for a launch at the process's next call — and charged where the
  * watchdog reads the instance: a CUkernel launched with no module to look up, or a library's
  * hundreds of modules, are charged what their loads took, never 64 MiB each. */
-static struct table loaded_fns;  /* functions launched through us (handle: their module) */
+/* (functions launched through us: `launched` below) */
 static struct table got_fns;     /* (module or library, name) asked for before (handle: the module) */
 
 static uint64_t env_count(const char *name, uint64_t dflt)
@@ -217,18 +230,18 @@ static uint64_t env_count(const char *name, uint64_t dflt)
 
 static void remember(struct table *t, uint64_t key, void *m)
 {
-    mem_lock();
+    mod_lock();
     struct entry *e = table_find(t, key);
     if (!e && (e = table_add(t, key)))
         e->handle = (uint64_t)(uintptr_t)m;
-    mem_unlock();
+    mod_unlock();
 }
 
 static int remembered(struct table *t, uint64_t key)
 {
-    mem_lock();
+    mod_lock();
     int known = table_find(t, key) != NULL;
-    mem_unlock();
+    mod_unlock();
     return known;
 }
 
@@ -246,13 +259,13 @@ static void module_used(void *m)
 {
     if (!m)
         return;
-    mem_lock();
+    mod_lock();
     struct entry *e = table_find(&module_bytes, (uint64_t)(uintptr_t)m);
     if (!e)
         e = table_add(&module_bytes, (uint64_t)(uintptr_t)m);
     if (e)
         e->maps = 1;
-    mem_unlock();
+    mod_unlock();
 }
 
 /* A function's code: its share of module m's image, in pages, at least one; *first: m is of a
@@ -265,11 +278,11 @@ static uint64_t code_bytes(void *m, int *first, int *used)
     in_driver++;
     int counted = m && pd.func_count && pd.func_count(&n, m) == CU_OK && n;
     in_driver--;
-    mem_lock();
+    mod_lock();
     struct entry *e = m ? table_find(&module_bytes, (uint64_t)(uintptr_t)m) : NULL;
     uint64_t image = e ? e->size : 0;
     *used = e && e->maps;
-    mem_unlock();
+    mod_unlock();
     if (counted) {
         uint64_t share = (image / n + MEM_PAGE - 1) / MEM_PAGE * MEM_PAGE;
         bytes = share > bytes ? share : bytes;
@@ -360,18 +373,18 @@ CUresult cuKernelGetFunction(void **f, void *k)
 
 /* Unloaded: what was known of the module (or library) and its functions goes with it (the driver
  * may give a later function the same handle). What its code held comes back in the readings. */
+static void fn_forget(void *m);  /* (below: the launched functions') */
 static void forget_module(void *h, void *m)
 {
-    struct table *tables[] = {&loaded_fns, &got_fns};
-    mem_lock();
-    for (size_t t = 0; t < sizeof tables / sizeof *tables; t++)
-        for (size_t i = 0; i < tables[t]->cap;) {
-            struct entry *e = &tables[t]->e[i];
-            if (e->used && m && e->handle == (uint64_t)(uintptr_t)m)
-                table_erase(tables[t], e);  /* (an entry may move into slot i: looked at again) */
-            else
-                i++;
-        }
+    mod_lock();
+    fn_forget(m);
+    for (size_t i = 0; i < got_fns.cap;) {
+        struct entry *e = &got_fns.e[i];
+        if (e->used && m && e->handle == (uint64_t)(uintptr_t)m)
+            table_erase(&got_fns, e);  /* (an entry may move into slot i: looked at again) */
+        else
+            i++;
+    }
     __atomic_add_fetch(&unloads, 1, __ATOMIC_ACQ_REL);  /* (every thread's last key asked for: stale) */
     void *keys[] = {h, m};
     for (int i = 0; i < 2; i++) {
@@ -379,7 +392,7 @@ static void forget_module(void *h, void *m)
         if (e)
             table_erase(&module_bytes, e);
     }
-    mem_unlock();
+    mod_unlock();
 }
 
 CUresult cuModuleUnload(void *m)
@@ -459,13 +472,150 @@ CUresult cuCtxSetLimit(int limit, size_t value)
     return r;
 }
 
+/* ---- functions launched (issue 45, item 10: the launch path takes no process-wide lock) ----------
+ *
+ * Every kernel launch asks whether its function was launched through us before (lazy_room): a
+ * table of them, read with no lock. A writer (under modules_lock) adds in place, into an empty
+ * slot (its module first, then its key, released); it grows, and forgets an unloaded module's
+ * functions, by a new table copied from the current one and published with one atomic store. A
+ * reader says which table it reads in its thread's record (a hazard, threads.c) before it reads
+ * it, and looks the table up again: a table retired meanwhile is freed only once no record names
+ * it (the hazard pointers of Michael, 2004). A reader never waits for a writer's calloc or copy;
+ * a miss is looked again under the lock. Each thread also keeps its last CGPU_FN_CACHE functions seen
+ * (an unload forgets them all, cgpu_fn_epoch): a launch of one of those reads no shared table at all. */
+struct fn_table {
+    size_t cap, n;  /* (cap a power of two; n entries in use) */
+    struct fn_slot { uint64_t f, m; } s[];  /* f 0: empty */
+};
+static struct fn_table *launched;  /* (read by launches without a lock) */
+#define RETIRED 64
+static struct fn_table *retired[RETIRED];  /* (modules_lock) tables replaced, a reader maybe on them */
+/* (cgpu_internal.h: both read first by the launch itself, lazy_room) */
+unsigned cgpu_fn_epoch;  /* counts the forgettings: every thread's cache of an older one is stale */
+__thread struct cgpu_fn_seen cgpu_fn_cache[CGPU_FN_CACHE] __attribute__((tls_model("initial-exec")));
+
+static size_t fn_home(const struct fn_table *t, uint64_t f)
+{
+    return (size_t)(f * 0x9E3779B97F4A7C15ull >> 32) & (t->cap - 1);
+}
+
+static int fn_in(const struct fn_table *t, uint64_t f)
+{
+    if (!t)
+        return 0;
+    for (size_t i = fn_home(t, f), n = 0; n < t->cap; i = (i + 1) & (t->cap - 1), n++) {
+        uint64_t k = __atomic_load_n(&t->s[i].f, __ATOMIC_ACQUIRE);
+        if (k == f)
+            return 1;
+        if (!k)
+            return 0;
+    }
+    return 0;
+}
+
+static void fn_place(struct fn_table *t, uint64_t f, uint64_t m)
+{
+    size_t i = fn_home(t, f);
+    while (t->s[i].f)
+        i = (i + 1) & (t->cap - 1);
+    __atomic_store_n(&t->s[i].m, m, __ATOMIC_RELAXED);
+    __atomic_store_n(&t->s[i].f, f, __ATOMIC_RELEASE);
+    t->n++;
+}
+
+/* (modules_lock) a copy of the current table with room for `more`, without module `gone`'s functions */
+static struct fn_table *fn_copy(size_t more, uint64_t gone)
+{
+    const struct fn_table *old = launched;
+    size_t n = old ? old->n : 0, cap = 1024;
+    while ((n + more + 1) * 4 > cap * 3)
+        cap *= 2;
+    struct fn_table *t = calloc(1, sizeof *t + cap * sizeof t->s[0]);
+    if (!t)
+        return NULL;
+    t->cap = cap;
+    for (size_t i = 0; old && i < old->cap; i++)
+        if (old->s[i].f && !(gone && old->s[i].m == gone))
+            fn_place(t, old->s[i].f, old->s[i].m);
+    return t;
+}
+
+/* (modules_lock) t becomes the current table; the one before is freed once no reader is on it */
+static void fn_publish(struct fn_table *t)
+{
+    struct fn_table *old = __atomic_exchange_n(&launched, t, __ATOMIC_SEQ_CST);
+    for (int i = 0; old && i < RETIRED; i++)
+        if (!retired[i]) {
+            retired[i] = old;
+            old = NULL;
+        }
+    (void)old;  /* (no room to keep it, 64 retired tables all still read: left, never freed under a reader) */
+    for (int i = 0; i < RETIRED; i++)
+        if (retired[i] && !cgpu_hazard(retired[i])) {
+            free(retired[i]);
+            retired[i] = NULL;
+        }
+}
+
+static void fn_remember(uint64_t f, void *m)
+{
+    mod_lock();
+    struct fn_table *t = launched;
+    if (!fn_in(t, f)) {
+        if (t && (t->n + 1) * 4 <= t->cap * 3)
+            fn_place(t, f, (uint64_t)(uintptr_t)m);
+        else if ((t = fn_copy(1, 0))) {
+            fn_place(t, f, (uint64_t)(uintptr_t)m);
+            fn_publish(t);
+        }
+    }
+    mod_unlock();
+}
+
+/* (modules_lock) module m's functions forgotten, and every thread's cache */
+static void fn_forget(void *m)
+{
+    struct fn_table *t = m ? fn_copy(0, (uint64_t)(uintptr_t)m) : NULL;
+    if (t)
+        fn_publish(t);
+    __atomic_add_fetch(&cgpu_fn_epoch, 1, __ATOMIC_SEQ_CST);
+}
+
+/* Whether f was launched through us before: no lock, no write to a word another thread writes. */
+static int fn_launched(uint64_t f)
+{
+    unsigned epoch = __atomic_load_n(&cgpu_fn_epoch, __ATOMIC_ACQUIRE), c = (unsigned)(f >> 4) % CGPU_FN_CACHE;
+    if (cgpu_fn_cache[c].f == f && cgpu_fn_cache[c].epoch == epoch)
+        return 1;
+    struct cgpu_thread *me = cgpu_self();
+    int known;
+    if (__builtin_expect(me != NULL, 1)) {
+        struct fn_table *t;
+        do {
+            t = __atomic_load_n(&launched, __ATOMIC_ACQUIRE);
+            __atomic_store_n(&me->hazard, t, __ATOMIC_SEQ_CST);
+        } while (t != __atomic_load_n(&launched, __ATOMIC_SEQ_CST));
+        known = fn_in(t, f);
+        __atomic_store_n(&me->hazard, NULL, __ATOMIC_RELEASE);
+    } else {  /* (no record for this thread: under the lock) */
+        mod_lock();
+        known = fn_in(launched, f);
+        mod_unlock();
+    }
+    if (known) {
+        cgpu_fn_cache[c].f = f;
+        cgpu_fn_cache[c].epoch = epoch;
+    }
+    return known;
+}
+
 /* Before a kernel launch of `f`: what its first launch may grow the card by must fit (above); the
  * growth measured at the process's next call. */
-CUresult lazy_room(void *f)
+CUresult lazy_room_slow(void *f)
 {
     if (in_driver || !f || !isolated())
         return CU_OK;  /* (not isolated: the launch's own wrapper decides) */
-    if (__builtin_expect(remembered(&loaded_fns, (uint64_t)(uintptr_t)f), 1))
+    if (__builtin_expect(fn_launched((uint64_t)(uintptr_t)f), 1))
         return CU_OK;
     pthread_once(&pd_once, pd_load);
     int state = 0, first, used;
@@ -479,7 +629,7 @@ CUresult lazy_room(void *f)
     bytes = (loaded ? 0 : bytes) + (first ? env_count("CGPU_FIRST_USE_MIB", 64) << 20 : 0);
     int g = current_gpu();
     if ((loaded && used) || g < 0 || !need_slot()) {
-        remember(&loaded_fns, (uint64_t)(uintptr_t)f, m);
+        fn_remember((uint64_t)(uintptr_t)f, m);
         return CU_OK;
     }
     struct growth w;
@@ -487,15 +637,19 @@ CUresult lazy_room(void *f)
     if (r != CU_OK)
         return r;
     growth_pending(&w);
-    remember(&loaded_fns, (uint64_t)(uintptr_t)f, m);
+    fn_remember((uint64_t)(uintptr_t)f, m);
     module_used(m);
     return CU_OK;
 }
 
 static void modules_forked(void)
 {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;  /* (a parent's thread may have held it at the fork) */
+    modules_lock = fresh;
     last_got = 0;
-    table_drop(&loaded_fns);
+    launched = NULL;  /* (the parent's, and those retired: left, as a reader of the parent's may be on them) */
+    memset(retired, 0, sizeof retired);
+    __atomic_add_fetch(&cgpu_fn_epoch, 1, __ATOMIC_SEQ_CST);
     table_drop(&got_fns);
     table_drop(&module_bytes);
 }

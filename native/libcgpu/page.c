@@ -265,7 +265,7 @@ void reclaim_dead(void)
  * multiprocessing's, a DataLoader worker) takes none, and one that leaves by _exit is found
  * dead and its slot taken back whenever a slot is needed and none is free. 0: none left. */
 static pthread_mutex_t slot_lock = PTHREAD_MUTEX_INITIALIZER;
-int need_slot(void)
+int need_slot_slow(void)
 {
     if (__atomic_load_n(&mine, __ATOMIC_ACQUIRE))
         return 1;
@@ -388,7 +388,7 @@ void page_setup(void)
 /* ---- set up: the driver loaded, then the pages ---------------------------------------------- */
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
-static int set_up;  /* setup has run (read without pthread_once's call on the allocators' path) */
+int cgpu_set_up;  /* setup has run (read without pthread_once's call on the allocators' and launches' paths) */
 void (*cgpu_on_fork)(void);
 
 static pthread_once_t pages_once = PTHREAD_ONCE_INIT;
@@ -407,7 +407,7 @@ static void setup(void)
     pthread_once(&pages_once, page_setup);
     if (asked && cgpu_on_fork)
         pthread_atfork(NULL, NULL, cgpu_on_fork);
-    __atomic_store_n(&set_up, 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&cgpu_set_up, 1, __ATOMIC_RELEASE);
 }
 
 void setup_once(void)
@@ -415,10 +415,9 @@ void setup_once(void)
     pthread_once(&once, setup);
 }
 
-int isolated(void)
+int isolated_slow(void)
 {
-    if (__builtin_expect(!__atomic_load_n(&set_up, __ATOMIC_ACQUIRE), 0))
-        pthread_once(&once, setup);
+    pthread_once(&once, setup);
     return limits != NULL;
 }
 

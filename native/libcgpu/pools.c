@@ -223,6 +223,8 @@ static CUresult alloc_call(int how, CUdeviceptr *p, size_t size, void *pool, voi
 static CUresult pooled_alloc(int how, CUdeviceptr *p, size_t size, void *pool, void *stream)
 {
     pthread_once(&pd_once, pd_load);
+    if (graph_capturing(stream, how == ASYNC_PTSZ || how == FROM_POOL_PTSZ))
+        return alloc_call(how, p, size, pool, stream);  /* (a graph's allocation node: charged at its instantiation) */
     CUdevice dev = stream_device(stream);
     int sg = page_index(dev);
     if (!pool && pd.device_pool) {
@@ -266,7 +268,17 @@ static CUresult pooled_alloc(int how, CUdeviceptr *p, size_t size, void *pool, v
             return CU_OUT_OF_MEMORY;
         }
     }
+    /* The driver's call without the lock (issue 45, item 10: a cudaMallocAsync that waits in the
+     * driver, for its pool to grow, held up every other thread's): the worst case is held already
+     * (take: an atomic reservation on the page), so what the pool is charged is settled after the
+     * call. Two calls in flight on one pool: the first to settle charges the pool's reservation,
+     * which may hold the other's growth while its worst case is still held (more held for a moment,
+     * never less); the other's settling then finds nothing grown and gives its worst case back. */
+    pthread_mutex_unlock(&pool_lock);
     CUresult res = alloc_call(how, p, size, pool, stream);
+    pthread_mutex_lock(&pool_lock);
+    if (r && r->pool != pool)
+        r = NULL;  /* (the pool destroyed meanwhile, its record another's: charged per allocation) */
     if (res != CU_OK) {
         untake(g, want);
         pthread_mutex_unlock(&pool_lock);

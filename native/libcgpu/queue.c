@@ -673,21 +673,20 @@ int queue_ready(void)
     return ev.create && ev.record && ev.query && ev.sync && ev.capturing;
 }
 
-/* Launches on page GPU k (index 1 + k; [0]: the container's gate) not counted in a stream's queue
- * since the last drain there: made while the queue was not bounded (policy 5), or with no queue left. */
-static unsigned long untracked[1 + CGPU_MAX_GPUS];
+/* Whether launches on page GPU k (index 1 + k; [0]: the container's gate) were made that no stream's
+ * queue counted since the last drain there: made while the queue was not bounded (policy 5), or with
+ * no queue left. A flag, set after the launch's driver call, and only where it is clear: the launch
+ * path reads a word the drain alone writes (no line shared by the launching threads' writes). A
+ * launch that finds it set while a drain takes it is covered by that drain (its work was queued
+ * before it looked). */
+unsigned long queue_loose[1 + CGPU_MAX_GPUS];  /* (set by queue_untracked, cgpu_compute.h) */
 
-void queue_untracked(int k)
-{
-    __atomic_add_fetch(&untracked[1 + k], 1, __ATOMIC_RELAXED);
-}
-
-/* What no queue counted on page GPU k (-1: all), taken. */
+/* Whether any launch no queue counted was made on page GPU k (-1: all), taken. */
 unsigned long queue_take_untracked(int k)
 {
     unsigned long loose = 0;
     for (int j = k < 0 ? 0 : 1 + k; j <= (k < 0 ? CGPU_MAX_GPUS : 1 + k); j++)
-        loose += __atomic_exchange_n(&untracked[j], 0, __ATOMIC_SEQ_CST);
+        loose += __atomic_exchange_n(&queue_loose[j], 0, __ATOMIC_SEQ_CST);
     return loose;
 }
 
@@ -715,8 +714,8 @@ void queue_graph_made(void *exec, uint32_t nodes)
     pthread_mutex_lock(&graphs_lock);
     for (unsigned i = graph_slot(exec), n = 0; n < GRAPHS; i = (i + 1) % GRAPHS, n++)
         if (!graphs[i].exec || graphs[i].exec == exec || graphs[i].exec == (void *)1) {
-            graphs[i].exec = exec;
-            graphs[i].nodes = nodes ? nodes : 1;
+            __atomic_store_n(&graphs[i].nodes, nodes ? nodes : 1, __ATOMIC_RELAXED);
+            __atomic_store_n(&graphs[i].exec, exec, __ATOMIC_RELEASE);
             break;
         }
     pthread_mutex_unlock(&graphs_lock);
@@ -727,23 +726,23 @@ void queue_graph_gone(void *exec)
     pthread_mutex_lock(&graphs_lock);
     for (unsigned i = graph_slot(exec), n = 0; n < GRAPHS && graphs[i].exec; i = (i + 1) % GRAPHS, n++)
         if (graphs[i].exec == exec) {
-            graphs[i].exec = (void *)1;  /* (a tombstone: the probe goes on past it) */
+            __atomic_store_n(&graphs[i].exec, (void *)1, __ATOMIC_RELEASE);  /* (a tombstone: the probe goes on past it) */
             break;
         }
     pthread_mutex_unlock(&graphs_lock);
 }
 
+/* (read on the launch path without the lock: an entry's nodes are written before its executable) */
 uint32_t queue_graph_weight(void *exec)
 {
-    uint32_t w = 1;
-    pthread_mutex_lock(&graphs_lock);
-    for (unsigned i = graph_slot(exec), n = 0; n < GRAPHS && graphs[i].exec; i = (i + 1) % GRAPHS, n++)
-        if (graphs[i].exec == exec) {
-            w = graphs[i].nodes;
+    for (unsigned i = graph_slot(exec), n = 0; n < GRAPHS; i = (i + 1) % GRAPHS, n++) {
+        void *e = __atomic_load_n(&graphs[i].exec, __ATOMIC_ACQUIRE);
+        if (!e)
             break;
-        }
-    pthread_mutex_unlock(&graphs_lock);
-    return w;
+        if (e == exec)
+            return __atomic_load_n(&graphs[i].nodes, __ATOMIC_RELAXED);
+    }
+    return 1;
 }
 
 void queue_forget_stream(void *stream)
@@ -774,7 +773,7 @@ void queue_forked(void)
     queue_lock = fresh;
     graphs_lock = fresh;
     memset(graphs, 0, sizeof graphs);  /* (executable graphs are the parent's context's) */
-    memset(untracked, 0, sizeof untracked);
+    memset(queue_loose, 0, sizeof queue_loose);
     memset(queues, 0, sizeof queues);  /* (the parent's streams and events: not the child's) */
     charge_forked();
     my_tid = 0;

@@ -86,6 +86,11 @@ void stub_paused(const char *var)
         nanosleep(&ms, NULL);
     }
 }
+/* CGPU_STUB_ALLOC_PAUSE=<path>: an allocation that has its memory from the card (NVML shows it)
+ * pauses inside the call: a test reads the process as the daemon does while the call is in flight
+ * (an allocation straddling a reading), or sees what other threads do meanwhile (a stream-ordered
+ * allocation that grew its pool pauses so too, the stand-in's pools unlocked: cuda_pools.c). */
+void stub_alloc_pause(void) { stub_paused("CGPU_STUB_ALLOC_PAUSE"); }
 void stub_misuse(const char *call, const char *what)
 {
     const char *strict = getenv("CGPU_STUB_STRICT_HANDLES");

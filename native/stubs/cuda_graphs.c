@@ -25,9 +25,11 @@
  * A launch into a capturing stream (cuLaunchKernel and the others, cuGraphLaunch of an executable
  * graph) is recorded in its graph, not run. cuGraphInstantiate(WithFlags, WithParams) makes an
  * executable graph of the recorded kernels; cuGraphLaunch queues them into its stream one after
- * another (each its gridX*gridY*gridZ µs, as a launch: cuda_exec.c runs them). Not modelled: cross-stream capture through events
- * (a fork into another stream), graph nodes built by hand, the legacy stream's implicit
- * dependencies.
+ * another (each its gridX*gridY*gridZ µs, as a launch: cuda_exec.c runs them). cuMemAllocAsync and
+ * cuMemFreeAsync into a capturing stream become memory nodes of its graph; a graph's nodes (child,
+ * conditional and memory nodes, built by hand too) and the device's graph memory pool are
+ * cuda_graphnodes.c's. Not modelled: cross-stream capture through events (a fork into another
+ * stream), the legacy stream's implicit dependencies.
  *
  * Streams are objects here (cuStreamCreate), so each one's capture is its own; the legacy (0, 1)
  * and per-thread (2) streams cannot be captured.
@@ -37,14 +39,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cuda_stub.h"
+#include "cuda_graph.h"
 
 typedef void *CUstream;
 enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
 enum { STATUS_NONE = 0, STATUS_ACTIVE = 1, STATUS_INVALIDATED = 2 };
 enum { ILLEGAL_STATE = 401, CAPTURE_UNSUPPORTED = 900, CAPTURE_INVALIDATED = 901, CAPTURE_WRONG_THREAD = 908 };
 
-struct graph { unsigned magic; size_t n, cap; uint64_t *us; int dev; uint64_t on_card; };  /* on_card: an executable graph's driver memory */
 struct stream {
     unsigned magic, flags;
     int dev;
@@ -54,7 +55,7 @@ struct stream {
     unsigned long long id;
     struct graph *g;
 };
-enum { STREAM_MAGIC = 0x7374726d, STREAM_DEAD = 0x64656164, GRAPH_MAGIC = 0x67726170, EXEC_MAGIC = 0x65786563 };
+enum { STREAM_MAGIC = 0x7374726d, STREAM_DEAD = 0x64656164 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static struct stream *capturing[256];  /* the streams capturing now */
@@ -104,14 +105,6 @@ static void end_capture(struct stream *st)  /* (lock held) */
             capturing[i] = capturing[--ncapturing];
     st->capturing = STATUS_NONE;
     st->invalid = 0;
-}
-
-static void graph_free(struct graph *g)
-{
-    stub_driver_memory(g->dev, -(int64_t)g->on_card);
-    g->magic = 0;
-    free(g->us);
-    free(g);
 }
 
 CUresult cuStreamDestroy_v2(CUstream s)
@@ -192,10 +185,9 @@ CUresult cuStreamBeginCapture_v2(CUstream s, int mode)
         r = ILLEGAL_STATE;
     else if (ncapturing == (int)(sizeof capturing / sizeof *capturing))
         r = STUB_OUT_OF_MEMORY;
+    else if (!(st->g = graph_new(stub_current_device(), GRAPH_MAGIC)))
+        r = STUB_OUT_OF_MEMORY;
     else {
-        st->g = calloc(1, sizeof *st->g);
-        st->g->magic = GRAPH_MAGIC;
-        st->g->dev = stub_current_device();
         st->capturing = STATUS_ACTIVE;
         st->mode = mode;
         st->by = pthread_self();
@@ -266,20 +258,6 @@ CUresult cuStreamIsCapturing(CUstream s, int *status)
     return cuStreamGetCaptureInfo_v3(s, status, NULL, NULL, NULL, NULL, NULL);
 }
 
-static int append(struct graph *g, const uint64_t *us, size_t n)  /* (lock held) */
-{
-    if (g->n + n > g->cap) {
-        size_t cap = (g->n + n) * 2 + 8;
-        uint64_t *more = realloc(g->us, cap * sizeof *more);
-        if (!more) return -1;
-        g->us = more;
-        g->cap = cap;
-    }
-    memcpy(g->us + g->n, us, n * sizeof *us);
-    g->n += n;
-    return 0;
-}
-
 /* A launch of `n` kernels of us[] µs into `s`: 1 and *r when `s` captures (recorded, or the
  * capture's error), 0 when it is to run. */
 int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r)
@@ -294,18 +272,50 @@ int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r
     int captured = st->capturing != STATUS_NONE;
     if (captured)
         *r = st->capturing == STATUS_INVALIDATED ? CAPTURE_INVALIDATED
-           : append(st->g, us, n) ? STUB_OUT_OF_MEMORY : STUB_OK;
+           : graph_add_kernels(st->g, us, n);
     pthread_mutex_unlock(&lock);
+    return captured;
+}
+
+/* cuMemAllocAsync into `s`: 1 and *r when `s` captures (a mem-alloc node of the capture's graph, *p
+ * its address: cuda_graphnodes.c), 0 when it is to allocate. */
+int stub_capture_alloc(const void *s, size_t size, CUdeviceptr *p, CUresult *r)
+{
+    struct stream *st = stream_of((CUstream)s);
+    if (!st) return 0;
+    pthread_mutex_lock(&lock);
+    int captured = st->capturing != STATUS_NONE;
+    if (captured)
+        *r = st->capturing == STATUS_INVALIDATED ? CAPTURE_INVALIDATED : graph_add_alloc(st->g, size, st->dev, p);
+    pthread_mutex_unlock(&lock);
+    return captured;
+}
+
+/* cuMemFreeAsync of `p` into `s`: 1 and *r when `s` captures (a mem-free node) or `p` is a graph
+ * allocation (freed: "passing the allocation to cuMemFreeAsync or cuMemFree",
+ * cuGraphAddMemAllocNode; its pages stay the executable graph's), 0 when it is another's to free. */
+int stub_capture_free(const void *s, CUdeviceptr p, CUresult *r)
+{
+    struct stream *st = stream_of((CUstream)s);
+    int captured = 0;
+    if (st) {
+        pthread_mutex_lock(&lock);
+        if ((captured = st->capturing != STATUS_NONE))
+            *r = st->capturing == STATUS_INVALIDATED ? CAPTURE_INVALIDATED : graph_add_free(st->g, p);
+        pthread_mutex_unlock(&lock);
+    }
+    if (!captured && graph_allocation(p)) {
+        *r = STUB_OK;
+        captured = 1;
+    }
     return captured;
 }
 
 CUresult cuGraphCreate(struct graph **g, unsigned flags)
 {
     if (!g || flags) return STUB_INVALID_VALUE;
-    *g = calloc(1, sizeof **g);
-    (*g)->magic = GRAPH_MAGIC;
-    (*g)->dev = stub_current_device();
-    return STUB_OK;
+    *g = graph_new(stub_current_device(), GRAPH_MAGIC);
+    return *g ? STUB_OK : STUB_OUT_OF_MEMORY;
 }
 CUresult cuGraphDestroy(struct graph *g)
 {
@@ -317,31 +327,34 @@ CUresult cuGraphGetNodes(struct graph *g, void **nodes, size_t *n)
 {
     if (!g || g->magic != GRAPH_MAGIC || !n) return STUB_INVALID_VALUE;
     if (nodes)
-        for (size_t i = 0; i < *n && i < g->n; i++)
-            nodes[i] = (void *)(uintptr_t)(i + 1);  /* (handles of nothing more) */
-    *n = g->n;
+        for (size_t i = 0; i < *n && i < g->nn; i++)
+            nodes[i] = g->nodes[i];  /* (its nodes: cuda_graphnodes.c) */
+    *n = g->nn;
     return STUB_OK;
 }
 
 CUresult cuGraphInstantiateWithFlags(struct graph **exec, struct graph *g, unsigned long long flags)
 {
     if (!exec || !g || g->magic != GRAPH_MAGIC || flags & ~0xfull) return STUB_INVALID_VALUE;
-    struct graph *e = calloc(1, sizeof *e);
-    e->magic = EXEC_MAGIC;
-    e->dev = g->dev;
-    if (g->n && append(e, g->us, g->n)) {
-        free(e);
-        return STUB_OUT_OF_MEMORY;
+    struct graph *e = graph_new(g->dev, EXEC_MAGIC);
+    CUresult r = e ? graph_flatten(g, e) : STUB_OUT_OF_MEMORY;
+    if (r) {
+        graph_free(e);
+        return r;
     }
     /* the driver's own memory for it: CGPU_STUB_GRAPH_KIB (70 MiB, what one captured PyTorch graph
      * took on the H100 beyond its allocations), none left on the card: out of memory */
     uint64_t bytes = stub_growth("GRAPH", 70 << 10);
     if (stub_driver_memory(e->dev, (int64_t)bytes)) {
-        free(e->us);
-        free(e);
+        graph_free(e);
         return STUB_OUT_OF_MEMORY;
     }
     e->on_card = bytes;
+    /* CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD (2): uploaded now, its graph memory with it (cuda_graphnodes.c) */
+    if (flags & 2 && (r = graph_map(e))) {
+        graph_free(e);
+        return r;
+    }
     *exec = e;
     return STUB_OK;
 }
@@ -364,7 +377,7 @@ CUresult cuGraphInstantiateWithParams(struct graph **exec, struct graph *g, inst
 CUresult cuGraphUpload(struct graph *exec, CUstream s)
 {
     (void)s;
-    return exec && exec->magic == EXEC_MAGIC ? STUB_OK : STUB_INVALID_VALUE;
+    return exec && exec->magic == EXEC_MAGIC ? graph_map(exec) : STUB_INVALID_VALUE;  /* (its graph memory mapped) */
 }
 CUresult cuGraphExecDestroy(struct graph *exec)
 {
@@ -380,6 +393,8 @@ CUresult stub_graph_launch(const void *exec_, const void *s)
     if (!exec || exec->magic != EXEC_MAGIC) return STUB_INVALID_VALUE;
     CUresult r;
     if (stub_capture_launch(s, exec->us, exec->n, &r))
+        return r;
+    if ((r = graph_map((struct graph *)exec)))  /* (its graph memory, at its first launch) */
         return r;
     for (size_t i = 0; i < exec->n; i++)
         if ((r = stub_run_kernel(exec->us[i], s)))
@@ -414,5 +429,5 @@ void *stub_graphs_proc(const char *symbol, int version)
     for (size_t i = 0; i < sizeof plain / sizeof *plain; i++)
         if (!strcmp(symbol, plain[i].name))
             return plain[i].fn;
-    return NULL;
+    return graphnodes_proc(symbol, version);  /* (cuda_graphnodes.c's) */
 }

@@ -53,10 +53,6 @@ static void alloc_erase(size_t i)  /* backward-shift deletion: no tombstones */
 
 /* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
 static size_t nallocs;
-/* CGPU_STUB_ALLOC_PAUSE=<path>: an allocation that has its memory from the card (NVML shows it)
- * pauses inside the call (card.c, stub_paused): a test reads the process as the daemon does while
- * the call is in flight (an allocation straddling a reading). */
-static void paused_inside(void) { stub_paused("CGPU_STUB_ALLOC_PAUSE"); }
 /* The card's pages (issue 34): device memory is handed out in 2 MiB pages. An allocation of 2 MiB or
  * more takes its size rounded up to whole pages; smaller ones are packed together in pages of their
  * own per process and card (what they add up to, rounded up), as the driver's suballocator does.
@@ -92,7 +88,7 @@ static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
             pages_for(dev, -(int64_t)size);
             return OUT_OF_MEMORY;
         }
-        paused_inside();
+        stub_alloc_pause();
     }
     size_t i = alloc_slot(next);
     while (allocs[i].ptr)
@@ -174,12 +170,14 @@ static CUresult free_ordered(const char *name, CUdeviceptr p)
 static CUresult pool_alloc(const char *name, CUdeviceptr *p, size_t size, CUstream s, void *pool)
 {
     stub_called(name);
+    CUresult r;
+    if (stub_capture_alloc(s, size, p, &r)) return r;  /* (into a capture: a graph's allocation node) */
     return stub_pool_alloc_async(p, size, s, pool);
 }
-static CUresult pool_free(const char *name, CUdeviceptr p)
+static CUresult pool_free(const char *name, CUdeviceptr p, CUstream s)
 {
     CUresult r;
-    if (stub_pool_free(p, &r)) {
+    if (stub_capture_free(s, p, &r) || stub_pool_free(p, &r)) {
         stub_called(name);
         return r;
     }
@@ -187,8 +185,8 @@ static CUresult pool_free(const char *name, CUdeviceptr p)
 }
 CUresult cuMemAllocAsync(CUdeviceptr *p, size_t size, CUstream s) { return pool_alloc(__func__, p, size, s, NULL); }
 CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t size, CUstream s) { return pool_alloc(__func__, p, size, s, NULL); }
-CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { (void)s; return pool_free(__func__, p); }
-CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { (void)s; return pool_free(__func__, p); }
+CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) { return pool_free(__func__, p, s); }
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) { return pool_free(__func__, p, s); }
 typedef void *CUmemoryPool;
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t size, CUmemoryPool pool, CUstream s)
 {

@@ -154,7 +154,7 @@ static int grow(struct pool *p, uint64_t n)
     return k;
 }
 
-static CUresult pool_alloc(CUdeviceptr *out, size_t size, struct pool *p)
+static CUresult pool_alloc(CUdeviceptr *out, size_t size, struct pool *p, int *grew)
 {
     if (!out || !size) return STUB_INVALID_VALUE;
     uint64_t n = pages_of(size), at = 0;
@@ -173,6 +173,7 @@ static CUresult pool_alloc(CUdeviceptr *out, size_t size, struct pool *p)
         }
         return STUB_OUT_OF_MEMORY;
     }
+    *grew = unbacked > 0;
     memset(g, USED, n / PAGE);
     CUdeviceptr ptr = p->segs[k].base + at * PAGE;
     size_t i = (size_t)((ptr * 0x9E3779B97F4A7C15ull) >> 49) & (NPTRS - 1);
@@ -221,8 +222,11 @@ CUresult stub_pool_alloc_async(CUdeviceptr *out, size_t size, const void *stream
         int dev = stub_stream_device(stream);
         p = current[dev] ? current[dev] : default_of(dev);
     }
-    CUresult r = p ? pool_alloc(out, size, p) : STUB_INVALID_VALUE;
+    int grew = 0;
+    CUresult r = p ? pool_alloc(out, size, p, &grew) : STUB_INVALID_VALUE;
     pthread_mutex_unlock(&lock);
+    if (grew)
+        stub_alloc_pause();  /* (its pages from the card: as any allocation's, cuda_memory.c) */
     return r;
 }
 

@@ -29,8 +29,10 @@ enum {
  *   cuda_contexts.c  contexts: each card's primary one, green contexts
  *   cuda_pools.c     stream-ordered pools: what they reserve, keep, release
  *   cuda_graphs.c    streams, stream capture and graphs      cuda_modules.c  modules, functions
+ *   cuda_graphnodes.c  a graph's nodes, the device's graph memory pool (cuda_graph.h)
  *   -------------------------------------------------- the card model ----------------------
- *   cuda_exec.c      the card's executor: queues, time-slicing, events' completion; a launch
+ *   cuda_queues.c    the card's executor, this process's side: its queues, events, a launch
+ *   cuda_exec.c      the card's executor: the shared file, time-slicing, switches (cuda_exec.h)
  *   card.c           the cards, their memory (the state file), this process's driver state
  *   cuda_log.c       the stand-in's logs      cuda_mps.c  the MPS client: its server, pinned limits, threads
  */
@@ -50,6 +52,7 @@ HIDDEN CUresult stub_mps_context(int dev);  /* may it make a context on card dev
 /* ---- card.c: the cards and their memory ---- */
 HIDDEN int stub_inited(void);                  /* cuInit has been called */
 HIDDEN void stub_paused(const char *var);      /* <var>=<path>: <path>.in made, waits for <path>.go (a test's pause) */
+HIDDEN void stub_alloc_pause(void);            /* stub_paused("CGPU_STUB_ALLOC_PAUSE"): an allocation in flight */
 HIDDEN void stub_set_inited(void);
 HIDDEN int stub_current_device(void);          /* the calling thread's current context's device */
 HIDDEN void stub_set_current_device(int dev);
@@ -87,7 +90,7 @@ HIDDEN void stub_ctx_kill(int dev);                 /* destroyed (its work waite
 HIDDEN void stub_misuse(const char *call, const char *what);  /* a destroyed handle used */
 enum { STUB_CONTEXT_IS_DESTROYED = 709 };
 
-/* ---- cuda_exec.c: the card's executor (queues per stream, one kernel at a time, time-sliced contexts) ---- */
+/* ---- cuda_queues.c over cuda_exec.c: the card's executor (queues per stream, one kernel at a time, time-sliced contexts) ---- */
 /* a kernel of `us` µs into `stream` (NULL: the legacy stream; 2: the thread's) on card `dev`; blocks
  * only while the stream's queue is full; coll: half of a collective across cards 0 and 1 */
 HIDDEN CUresult stub_exec_launch(int dev, const void *stream, uint64_t us, int coll);
@@ -128,6 +131,10 @@ HIDDEN CUresult stub_capture_forbids_context(int dev);
 /* a launch of n kernels into stream s: 1 (and *r) when s captures it, 0 when it is to run */
 HIDDEN int stub_capture_launch(const void *s, const uint64_t *us, size_t n, CUresult *r);
 HIDDEN CUresult stub_graph_launch(const void *exec, const void *s);
+/* cuMemAllocAsync / cuMemFreeAsync into stream s: 1 (and *r) when s captures it (a graph's memory
+ * node; a free of a graph allocation too), 0 when it is the pools' */
+HIDDEN int stub_capture_alloc(const void *s, size_t size, CUdeviceptr *p, CUresult *r);
+HIDDEN int stub_capture_free(const void *s, CUdeviceptr p, CUresult *r);
 HIDDEN void *stub_graphs_proc(const char *symbol, int version);
 HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in the form of the caller's CUDA version */
 /* a stream object destroyed, or of a destroyed context (said to stub_misuse by `call`) */
