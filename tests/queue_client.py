@@ -29,6 +29,10 @@ SOURCE = r"""
  *                      PDL), with `event` an event recorded after each launch; then cuStreamSynchronize. First
  *                      two launches into it, each then synchronized (the process's first launch, lazily loaded,
  *                      over): prints "warm" and reads a line before the rounds
+ *   pdlgate LONG_US US a stream of its own, through cuLaunchKernelEx: two launches (the second programmatic-dependent),
+ *                      each then synchronized: prints "warm", reads a line; one PDL launch of LONG_US: prints
+ *                      "launched", reads a line (a closing of the gate meanwhile); one PDL launch of US, then
+ *                      cuStreamSynchronize: prints "done"
  *   two SECONDS US K   two threads, each with a stream of its own: K launches then cuStreamSynchronize, again
  *                      and again (concurrent streams of one process): prints "started", then the launches made
  *   shape SECONDS N MEAN_US FLOOR_US HOST_US GAP_US SEED [WARM_US]
@@ -251,6 +255,26 @@ int main(int argc, char **argv)
             ssync(s);
         }
         printf("%d\n", rounds);
+    } else if (!strcmp(mode, "pdlgate") && argc == 4) {
+        x_t launch_ex = (x_t)sym("cuLaunchKernelEx");
+        void *s;
+        screate(&s, 0);
+        attr_t pdl = {.id = 6 /* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION */, .value.i = 1};
+        unsigned lengths[] = {100, 100, (unsigned)atoi(argv[2]), (unsigned)atoi(argv[3])};
+        char line[16];
+        for (int i = 0; i < 4; i++) {
+            if (i == 2 || i == 3) {
+                printf(i == 2 ? "warm\n" : "launched\n");
+                fflush(stdout);
+                if (!fgets(line, sizeof line, stdin)) return 5;
+            }
+            config_t c = {lengths[i], 1, 1, 1, 1, 1, 0, s, i ? &pdl : NULL, i ? 1 : 0};
+            int rc = launch_ex(&c, NULL, NULL, NULL);
+            if (rc) { fprintf(stderr, "cuLaunchKernelEx %d\n", rc); return 4; }
+            if (i < 2) ssync(s);
+        }
+        ssync(s);
+        printf("done\n");
     } else if (!strcmp(mode, "two") && argc == 5) {
         realtime();
         two_secs_ns = (long long)(atof(argv[2]) * 1e9);

@@ -258,3 +258,38 @@ def test_the_queue_bound_holds_in_time_with_long_kernels_behind_short_ones(libs,
     starts = [s for _, s, _ in sorted(ks, key=lambda k: k[1])]
     ahead = [s - t for s, t in zip(starts, returned)][step:]
     assert max(ahead) <= 6_000_000, sorted(ahead)[-10:]
+
+
+def test_a_closing_leaves_no_event_between_two_programmatic_dependent_launches(libs, tmp_path):
+    """A stream of programmatic dependent launches (issue 45, item 13): a kernel of 3 s runs when the
+    gate closes; the drain answers by its bound (1 s) while it still runs; the gate opens and the next
+    dependent launch goes in. It overlaps the long kernel's tail (10 µs on the stand-in, as the card's
+    preamble): the drain asked the stream whether its work was done instead of recording an event
+    after its last launch. Before, the drain's event sat between the two and serialized them (the
+    stand-in, as the card: a record costs it 1 µs between them, no overlap)."""
+    from cgpud.sched.gate import GateFreezer
+    from test_graphs import stopped
+    env = _bounded(libs, tmp_path)
+    gate = GateFreezer(os.fspath(tmp_path / "pages"))
+    gate.bound(1_000_000)
+    p = subprocess.Popen([os.fspath(libs / "queue-client"), "pdlgate", "3000000", "100"], env=env, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == "warm"
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "launched"
+        gate.freeze()
+        t0 = time.monotonic()
+        while not gate.is_frozen():  # (the drain's answer: at its bound, the long kernel still running)
+            assert time.monotonic() - t0 < 30, f"never drained: {gate.undrained()}"
+            time.sleep(0.001)
+        gate.thaw()
+        out, err = p.communicate("go\n", timeout=60)
+        assert p.returncode == 0 and out.split() == ["done"], err
+    finally:
+        stopped(p, gate, None)  # (the process killed if it is still there, the gate opened and let go)
+    ks = sorted(kernels(tmp_path / "log"), key=lambda k: k[1])
+    assert [e - s for _, s, e in ks] == [100_000, 100_000, 3_000_000_000, 100_000], ks
+    long_end, next_start = ks[2][2], ks[3][1]
+    assert next_start - long_end == -10_000, (long_end, next_start)

@@ -19,6 +19,7 @@ import pytest
 from cgpud.gpus import pages
 from cgpud.sched.gate import GateFreezer
 from test_graphs import stopped
+from test_libcgpu import build_libs, compile_c
 
 FORKER = r"""
 /* forker: a context, a kernel of 1 s into a stream of its own; prints "launched", reads a line, forks:
@@ -70,7 +71,6 @@ int main(void) {
 
 @pytest.fixture(scope="module")
 def libs(tmp_path_factory) -> Path:
-    from test_libcgpu import build_libs, compile_c
     d = build_libs(tmp_path_factory.mktemp("fork"))
     compile_c(d, "forker", FORKER)
     return d
@@ -102,3 +102,76 @@ def test_a_child_forked_while_the_drain_holds_a_lock_is_not_stuck_on_it(libs, tm
     finally:
         stopped(p, gate, None)
     assert said == "child ok", said
+
+
+MAKING = r"""
+/* making: a thread retains the primary context (the process's first on the GPU: libcgpu holds its
+   driver's-memory lock across the call, which the stand-in pauses, CGPU_STUB_CTX_PAUSE); the main
+   thread forks meanwhile: the child allocates (libcgpu's first allocation of a process takes that
+   lock) and exits 0 whatever the driver answered; the parent lets its thread go, waits for the
+   child (10 s at most) and prints "child ok", "child failed" or "child hung". */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+static void *h, *ctx;
+static void *retain(void *arg) {
+    ((int (*)(void **, int))dlsym(h, "cuDevicePrimaryCtxRetain"))(&ctx, 0);
+    return arg;
+}
+static void nap(void) { struct timespec t = {0, 10000000}; nanosleep(&t, NULL); }
+int main(int argc, char **argv) {
+    char in[4200], go[4200];
+    snprintf(in, sizeof in, "%s.in", argv[1]);
+    snprintf(go, sizeof go, "%s.go", argv[1]);
+    h = dlopen("libcuda.so.1", RTLD_NOW);
+    int (*init)(unsigned) = (int (*)(unsigned))dlsym(h, "cuInit");
+    if (!h || init(0)) return 2;
+    pthread_t t;
+    pthread_create(&t, NULL, retain, NULL);
+    while (access(in, F_OK)) nap();  /* (the retain is inside the driver now) */
+    pid_t c = fork();
+    if (c == 0) {
+        alarm(20);
+        unsetenv("CGPU_STUB_CTX_PAUSE");
+        unsigned long long p;
+        init(0);  /* (whatever the driver answers a forked child: it must answer) */
+        ((int (*)(unsigned long long *, size_t))dlsym(h, "cuMemAlloc_v2"))(&p, 1 << 20);
+        _exit(0);
+    }
+    fclose(fopen(go, "w"));
+    pthread_join(t, NULL);
+    for (int i = 0; i < 1000; i++) {
+        int st;
+        if (waitpid(c, &st, WNOHANG) == c) {
+            printf(WIFEXITED(st) && WEXITSTATUS(st) == 0 ? "child ok\n" : "child failed\n");
+            return 0;
+        }
+        nap();
+    }
+    kill(c, SIGKILL);
+    printf("child hung\n");
+    return 0;
+}
+"""
+
+
+def test_a_child_forked_while_a_context_is_being_made_is_not_stuck_on_the_memory_lock(libs, tmp_path):
+    """A thread makes the process's first context on the GPU (libcgpu holds its lock of the driver's
+    own memory across the call: NVML's list of processes before and after); another forks meanwhile.
+    The child's first allocation needs that lock: it answers (issue 45, item 12). Before, the
+    child waited for a lock whose holder does not exist in it: for good (killed after 10 s)."""
+    compile_c(libs, "making", MAKING)
+    pages.create(os.fspath(tmp_path / "pages"), [1 << 30])
+    env = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": os.fspath(libs), "LD_PRELOAD": os.fspath(libs / "libcgpu.so"),
+           "CGPU_PAGE_DIR": os.fspath(tmp_path / "pages"), "CGPU_STUB_CUDA_STATE": os.fspath(tmp_path / "card"),
+           "CGPU_STUB_CTX_PAUSE": os.fspath(tmp_path / "pause")}
+    r = subprocess.run([os.fspath(libs / "making"), os.fspath(tmp_path / "pause")], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "child ok", (r.stdout, r.stderr)

@@ -413,4 +413,58 @@ def test_the_python_ident_block_is_the_headers(tmp_path):
     subprocess.run(["gcc", f"-I{root / 'native' / 'libcgpu'}", "-o", os.fspath(tmp_path / "ident"), os.fspath(prog)],
                    check=True)
     out = subprocess.run([os.fspath(tmp_path / "ident")], capture_output=True, text=True, check=True).stdout.split()
-    assert list(map(int, out)) == [pages.IDENT_OFFSET, pages.IDENT.size, 32, pages.USAGE_FILE_SIZE]
+    assert list(map(int, out)) == [pages.IDENT_OFFSET, pages.IDENT.size, 32, pages.IDENT_END]
+
+
+def test_a_reading_that_lowers_a_sleeping_processs_charge_frees_the_room_for_its_siblings(card):
+    """A holds 100 MiB and a reading says the driver holds 60 MiB more for it: charged 160 MiB of the
+    256 MiB instance. Two readings in a row then say the driver's 60 MiB are gone, while A sleeps. Its
+    sibling B, looking between the two (cuMemGetInfo), still sees 96 MiB free (one reading low is not
+    believed); after the second it sees 156 MiB and allocates 150 MiB (issue 45, item 7). Before,
+    the shrink waited for A's next call: B got 96 MiB and out-of-memory."""
+    env, dirp = card
+    where = os.fspath(dirp)
+
+    def said(p: subprocess.Popen) -> list[str]:
+        line = p.stdout.readline().split()
+        if not line:  # (it failed: what it said, once it is gone)
+            p.stdin.close()
+            line = ["exited:", p.stderr.read()]
+        return line
+    a = start(env, """
+        ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+        held = ok(d.cuMemAlloc(100 * 2**20))
+        print("holding", flush=True)
+        sys.stdin.readline()
+        print("free", ok(d.cuMemGetInfo())[0], flush=True)
+        sys.stdin.readline()
+        print("free", ok(d.cuMemGetInfo())[0], flush=True)
+    """)
+    b = None
+    try:
+        assert said(a) == ["holding"]
+        reading_for(where, a.pid, 60 * MIB)
+        a.stdin.write("\n")
+        a.stdin.flush()
+        assert said(a) == ["free", str(96 * MIB)]  # A applied it: 160 MiB
+        reading_for(where, a.pid, 0)                        # A sleeps; the driver's 60 MiB are gone
+        b = start(env, """
+            ok(d.cuInit(0)); ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(ok(d.cuDeviceGet(0))))))
+            print("free", ok(d.cuMemGetInfo())[0], flush=True)
+            sys.stdin.readline()
+            print("free", ok(d.cuMemGetInfo())[0], d.cuMemAlloc(150 * 2**20)[0].name, flush=True)
+            sys.stdin.readline()
+        """)
+        assert said(b) == ["free", str(96 * MIB)]  # one reading: not yet
+        reading_for(where, a.pid, 0)                        # the second in a row
+        b.stdin.write("\n")
+        b.stdin.flush()
+        assert said(b) == ["free", str(156 * MIB), "CUDA_SUCCESS"]
+        assert pages.used(where)[0] == 250 * MIB
+        a.stdin.write("\n")
+        a.stdin.flush()
+        assert said(a) == ["free", str(6 * MIB)]  # A's own look: nothing twice
+    finally:
+        for p in (a, b) if b else (a,):
+            p.kill()
+            p.wait()

@@ -55,7 +55,12 @@ GANG_OFFSET = USAGE_SIZE
 # read_claim, the daemon's (written inside a reading's seq: the claim of the slot the reading is for)
 IDENT = struct.Struct("<iIQQQQ")  # pid, reserved, start (clock ticks after boot), pidns (inode), claim, read_claim
 IDENT_OFFSET = GANG_OFFSET + MAX_PROCS * GANG.size
-USAGE_FILE_SIZE = IDENT_OFFSET + MAX_PROCS * IDENT.size
+IDENT_END = IDENT_OFFSET + MAX_PROCS * IDENT.size  # (an older cgpud's page ends here)
+# struct cgpu_usage_follow: how far the daemon's readings were applied to each slot (issue 45, item 7),
+# libcgpu's own: any process of the instance applies a sleeping sibling's reading
+FOLLOW = struct.Struct(f"<IIQII{MAX_GPUS}Q")  # lock, applied, claim, read_before, reserved, last_want[]
+FOLLOW_OFFSET = IDENT_END
+USAGE_FILE_SIZE = FOLLOW_OFFSET + MAX_PROCS * FOLLOW.size
 
 
 def create(directory: str, memsizes: list[int], uuids: list[str] | None = None) -> None:
@@ -212,7 +217,7 @@ def slots(directory: str) -> tuple[dict[int, Slot], bool]:
     (an older cgpud's page has not)."""
     raw = _read(directory, "usage", USAGE_FILE_SIZE)
     readings = len(raw) >= DRIVER_SIZE
-    idents = len(raw) >= USAGE_FILE_SIZE
+    idents = len(raw) >= IDENT_END
     out = {}
     for k in range(MAX_PROCS):
         pid, _, _, _, *held = PROC.unpack_from(raw, USAGE_HEAD.size + k * PROC.size)
@@ -304,7 +309,7 @@ def reclaim_dead(directory: str) -> list[tuple[int, int, list[int]]]:
         if not struct.unpack("<I", os.pread(fd, 4, SLOT_FLAGS_OFFSET))[0] & SLOTS_LOCKED:
             return []
         idents = os.pread(fd, MAX_PROCS * IDENT.size, IDENT_OFFSET) \
-            if os.fstat(fd).st_size >= USAGE_FILE_SIZE else b""
+            if os.fstat(fd).st_size >= IDENT_END else b""
         mm = mmap.mmap(fd, DRIVER_SIZE)
     finally:
         os.close(fd)
@@ -354,7 +359,7 @@ def write_reading(directory: str, index: int, pid: int, nvml: list[int], allocs:
     at = DRIVER_OFFSET + index * DRIVER.size
     fd = open_page(directory, "usage", os.O_RDWR)
     try:
-        idents = os.fstat(fd).st_size >= USAGE_FILE_SIZE
+        idents = os.fstat(fd).st_size >= IDENT_END
         claim_at = IDENT_OFFSET + index * IDENT.size + 32
         if claim is None and idents:
             claim = struct.unpack("<Q", os.pread(fd, 8, claim_at - 8))[0]

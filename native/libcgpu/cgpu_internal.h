@@ -142,6 +142,7 @@ struct driver_events {
     capturing_fn capturing;  /* cuStreamIsCapturing */
     exchange_fn exchange;    /* cuThreadExchangeStreamCaptureMode (CUDA 10.1 on) */
     elapsed_fn elapsed;
+    event_fn stream_query;   /* cuStreamQuery (a stream's work done: CU_OK; 600 not yet) */
 };
 
 #pragma GCC visibility push(hidden)
@@ -205,6 +206,7 @@ extern int has_uuids;     /* the page names its GPUs' UUIDs (read once: written 
 extern struct cgpu_usage *usage;
 extern struct cgpu_usage_busy *gpu_time;  /* the GPU time per slot (NULL: an older cgpud's page) */
 extern struct cgpu_usage_ident *idents;  /* who each slot's process is (NULL: an older cgpud's page) */
+extern struct cgpu_usage_follow *follows;  /* how far each slot's readings were applied (NULL: an older page) */
 extern struct cgpu_usage_driver *drv;  /* the driver's readings (NULL: an older cgpud's page) */
 extern struct cgpu_proc *mine;
 extern int asked;         /* CGPU_PAGE_DIR is set: this process must be isolated */

@@ -1,14 +1,15 @@
 /*
  * What libcgpu's memory files share (docs/memory.md), one concern each, calling down:
  *   memory.c   the charge: what this process holds (a hash table), the container's account in the
- *              page (charged BEFORE the driver is asked), the driver's own memory and its readings,
+ *              page (charged BEFORE the driver is asked), the driver's own memory,
  *              the plain allocators, arrays, cuMemGetInfo;
  *   pools.c    stream-ordered pools, charged by their reservation;
  *   vmm.c      virtual memory management (cuMemCreate/Map/Unmap/Release) and its handles' IPC;
- *   modules.c  modules and libraries, lazy loading, a launch's first use, the context's limits.
- * memory.c is the bottom of them: pools.c, vmm.c and modules.c call down into it, and what memory.c
- * needs of them (pools' refunds, their resets in a forked child) they hand it at load, so no call
- * goes up (no circle in native/). Everything here is hidden (cgpu_internal.h's pragma).
+ *   modules.c  modules and libraries, lazy loading, a launch's first use, the context's limits;
+ *   readings.c the daemon's readings of the driver's own memory applied to a slot (below memory.c).
+ * memory.c is the bottom of them but for readings.c, which it calls: pools.c, vmm.c and modules.c
+ * call down into it, and what memory.c needs of them (pools' refunds, their resets in a forked
+ * child) they hand it at load, so no call goes up (no circle in native/). Everything here is hidden (cgpu_internal.h's pragma).
  */
 #ifndef CGPU_MEMORY_H
 #define CGPU_MEMORY_H
@@ -28,6 +29,7 @@ struct entry {
     int32_t refs;    /* a VMM handle: its references (cuMemCreate's, cuMemRetainAllocationHandle's) */
     int32_t maps;    /* and its mappings */
     int32_t used;
+    int32_t imported; /* a VMM handle imported from another process (vmm.c): charged what its mappings reach */
 };
 struct table { struct entry *e; size_t cap, n; };
 extern struct table allocs;  /* what an allocator returned (a VMM handle too) */
@@ -53,7 +55,13 @@ void commit(int g, CUdeviceptr key, size_t size, int how);  /* the driver gave i
 void forget(CUdeviceptr key);     /* freed: what it held back */
 int settle_all(void);             /* pools' and dead processes' memory back before a refusal */
 /* The driver's own memory: charged whatever room is left; readings applied; a context's share. */
-void charge_driver(int g, int64_t delta);
+void charge_driver(int g, int64_t delta);  /* (readings.c) */
+/* readings.c: slot k's newest reading applied (self: this process's own slot; a sibling's: only a
+ * shrink), the GPUs it named; every sibling's; a forked child's. */
+int readings_new(unsigned k, int self);  /* a reading not applied yet (no lock: the usual call's answer) */
+unsigned readings_apply(unsigned k, int self);
+void readings_siblings(void);
+void readings_forked(void);
 void follow(void);
 void driver_share(int g);
 /* Growth the driver does on its own at a call, measured (memory.c): begun before the call, ended

@@ -152,4 +152,25 @@ struct cgpu_usage_ident {
     struct cgpu_ident procs[CGPU_MAX_PROCS];  /* per slot of struct cgpu_usage's procs */
 };
 
+/* How far the daemon's readings (struct cgpu_driver) were applied to each slot (issue 45, item 7), in
+ * the usage file right after struct cgpu_usage_ident (a page made by an older cgpud ends before it:
+ * each process applies its own readings at its next call, and its siblings see a shrink only then).
+ * libcgpu's own, written by any of the instance's processes: whichever looks first applies a slot's
+ * newest reading, so a reading that lowers a sleeping process's charge frees the room for its
+ * siblings at once (docs/memory.md, "The driver's own memory"). Valid for the slot's taking whose
+ * claim it carries (another: as if empty). `lock`: the pid applying a reading now (0: none; taken
+ * by compare-and-swap, never waited for; a dead holder's is taken over). */
+struct cgpu_follow {
+    uint32_t lock;
+    uint32_t applied;      /* the seq of the slot's reading applied last */
+    uint64_t claim;        /* the slot's claim this is for */
+    uint32_t read_before;  /* bit g: a reading was applied on GPU g (the next one's growth is a step) */
+    uint32_t reserved;
+    uint64_t last_want[CGPU_MAX_GPUS];  /* the driver's own memory the last applied reading said */
+};
+
+struct cgpu_usage_follow {
+    struct cgpu_follow procs[CGPU_MAX_PROCS];  /* per slot of struct cgpu_usage's procs */
+};
+
 #endif

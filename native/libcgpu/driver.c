@@ -125,6 +125,7 @@ void driver_load(void)
     ev.sync = (event_fn)sym("cuEventSynchronize");
     ev.destroy = (event_fn)sym("cuEventDestroy_v2");
     ev.capturing = (capturing_fn)sym("cuStreamIsCapturing");
+    ev.stream_query = (event_fn)sym("cuStreamQuery");
     ev.exchange = (exchange_fn)sym("cuThreadExchangeStreamCaptureMode");
     ev.elapsed = (elapsed_fn)sym("cuEventElapsedTime");
     if (!ev.elapsed)

@@ -16,7 +16,8 @@
  *     charges the container's usage page BEFORE the real call
  *     (a compare-and-swap loop: racing processes can never pass memsize),
  *     allocates, and gives the charge back if the driver fails;
- *     past memsize: CUDA_ERROR_OUT_OF_MEMORY, nothing allocated;
+ *     past memsize: CUDA_ERROR_OUT_OF_MEMORY, nothing allocated; a handle imported from another
+ *     process (cuMemImportFromShareableHandle) is charged at its mapping (vmm.c);
  *   - cuMemFree_v2, cuMemFreeAsync, cuMemRelease, cuArrayDestroy and
  *     cuMipmappedArrayDestroy give it back, and so does a process's exit; a process
  *     killed without a chance to is given back by the next process that
@@ -78,6 +79,7 @@ CUresult cuCtxCreate_v4(CUcontext *, void *, unsigned, CUdevice);
 CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUdeviceptr, unsigned long long);
 CUresult cuMemUnmap(CUdeviceptr, size_t);
 CUresult cuMemRetainAllocationHandle(CUdeviceptr *, void *);
+CUresult cuMemImportFromShareableHandle(CUdeviceptr *, void *, int);
 CUresult cuArray3DCreate_v2(CUdeviceptr *, const void *);
 CUresult cuMipmappedArrayCreate(CUdeviceptr *, const void *, unsigned);
 CUresult cuMipmappedArrayDestroy(CUdeviceptr);
@@ -250,6 +252,7 @@ static const struct form {
     {"cuMemMap", 10020, 0, "cuMemMap", (void *)cuMemMap},
     {"cuMemUnmap", 10020, 0, "cuMemUnmap", (void *)cuMemUnmap},
     {"cuMemRetainAllocationHandle", 11000, 0, "cuMemRetainAllocationHandle", (void *)cuMemRetainAllocationHandle},
+    {"cuMemImportFromShareableHandle", 10020, 0, "cuMemImportFromShareableHandle", (void *)cuMemImportFromShareableHandle},
     {"cuLaunchKernel", 4000, 0, "cuLaunchKernel", (void *)cuLaunchKernel},
     {"cuLaunchKernel", 7000, 1, "cuLaunchKernel_ptsz", (void *)cuLaunchKernel_ptsz},
     {"cuLaunchCooperativeKernel", 9000, 0, "cuLaunchCooperativeKernel", (void *)cuLaunchCooperativeKernel},

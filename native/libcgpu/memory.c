@@ -138,13 +138,11 @@ void mem_unlock(void)
     __atomic_store_n(&table_lock, 0, __ATOMIC_RELEASE);
 }
 
-/* Under the lock: this process's bytes held on GPU g, in its slot (only this process writes its
- * slot, and only under the lock: no locked instruction needed; the reader of a dead process's
- * slot reads it once it is dead). */
+/* This process's bytes held on GPU g, in its slot: a locked add (a sibling may lower the slot's
+ * charge for the driver's own memory at the same time: readings.c). */
 static void hold(int g, int64_t delta)
 {
-    uint64_t *h = &mine->held[g];
-    __atomic_store_n(h, __atomic_load_n(h, __ATOMIC_RELAXED) + (uint64_t)delta, __ATOMIC_RELEASE);
+    __atomic_add_fetch(&mine->held[g], (uint64_t)delta, __ATOMIC_ACQ_REL);
 }
 
 /* Under the lock: what `e` held back to the container, its entry gone. */
@@ -259,6 +257,7 @@ int settle_all(void)
     if (pools_settle_hook)
         pools_settle_hook();
     reclaim_dead();
+    readings_siblings();  /* (a sleeping sibling's charge a reading lowered: readings.c) */
     return 1;
 }
 
@@ -304,24 +303,6 @@ void forget(CUdeviceptr key)
 static int driver_counted[CGPU_MAX_GPUS];
 static pthread_mutex_t driver_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* This process's record of the driver's readings (NULL: an older cgpud's page). */
-static struct cgpu_driver *record(void)
-{
-    return drv && mine ? &drv->procs[mine - usage->procs] : NULL;
-}
-
-/* `delta` more (less) of the driver's own memory charged to this process on GPU g, whatever room is
- * left: the driver took it already. */
-void charge_driver(int g, int64_t delta)
-{
-    struct cgpu_driver *r = record();
-    mem_lock();
-    hold(g, delta);
-    mem_unlock();
-    __atomic_add_fetch(&usage->used[g], (uint64_t)delta, __ATOMIC_ACQ_REL);
-    if (r)
-        __atomic_add_fetch(&r->driver[g], (uint64_t)delta, __ATOMIC_ACQ_REL);
-}
 
 /* ---- growth the driver does on its own, measured (issue 45, items 4, 5, 15) -------------------
  *
@@ -426,63 +407,20 @@ uint64_t growth_step(int g)
     return s > MEM_PAGE ? s : MEM_PAGE;
 }
 
-/* ---- the driver's memory as it grows -------------------------------------------------------
- *
- * After its context the driver's memory for a process grows through no call we see (modules
- * loaded at a kernel's first launch, library handles, graph instantiation: +66 and +70 MiB on an
- * H100, issue 28). The daemon's watchdog writes NVML's figure for the process into its record
- * every look, with what the process had allocated through us just before; the driver's own is the
- * difference. It is charged here at the next allocation (or cuMemGetInfo, or module load): the
- * process holds the larger of its own account and NVML's figure plus what it allocated since. Less
- * than before is given back only when two readings in a row say so (a free between the daemon's
- * two reads makes one reading low). The growth between two readings sizes the headroom. */
-static uint32_t applied;  /* the seq of the last reading applied */
-static uint64_t last_want[CGPU_MAX_GPUS];
-static int read_before[CGPU_MAX_GPUS];  /* a reading was applied on GPU g: the next one's growth is a step */
-
+/* The daemon's newest reading of this process applied (readings.c: a growth, or a shrink none of its
+ * siblings applied yet); its context is in the reading on each GPU it names. */
 void follow(void)
 {
     growth_settle();
-    struct cgpu_driver *r = record();
-    if (!r)
+    unsigned k = mine ? (unsigned)(mine - usage->procs) : 0;
+    if (!mine || !readings_new(k, 1))
         return;
-    uint32_t seq = __atomic_load_n(&r->seq, __ATOMIC_ACQUIRE);
-    if (seq == applied || (seq & 1))
-        return;
-    uint64_t nvml[CGPU_MAX_GPUS], allocs[CGPU_MAX_GPUS];
-    int32_t pid = __atomic_load_n(&r->pid, __ATOMIC_ACQUIRE);
-    uint64_t claim = idents ? __atomic_load_n(&idents->procs[mine - usage->procs].read_claim, __ATOMIC_ACQUIRE) : 0;
-    for (int g = 0; g < CGPU_MAX_GPUS; g++) {
-        nvml[g] = __atomic_load_n(&r->nvml[g], __ATOMIC_ACQUIRE);
-        allocs[g] = __atomic_load_n(&r->allocs[g], __ATOMIC_ACQUIRE);
-    }
-    if (__atomic_load_n(&r->seq, __ATOMIC_ACQUIRE) != seq || pid != mine->pid || claim != my_claim())
-        return;  /* (being written, or a reading of the slot's previous process: its pid may be this
-                  * one's, an exec'd image's or a reused pid's; its claim is not) */
-    pthread_mutex_lock(&driver_lock);
-    if (seq != applied) {
-        applied = seq;
-        for (int g = 0; g < (int)limits->ngpus; g++) {
-            if (!nvml[g])
-                continue;  /* (NVML lists it on no such GPU) */
-            uint64_t want = nvml[g] > allocs[g] ? nvml[g] - allocs[g] : 0;
-            uint64_t have = __atomic_load_n(&r->driver[g], __ATOMIC_ACQUIRE);
-            uint64_t keep = want > last_want[g] ? want : last_want[g];
-            last_want[g] = want;
-            if (want > have) {
-                uint64_t grew = want - have, step = __atomic_load_n(&drv->step[g], __ATOMIC_ACQUIRE);
-                charge_driver(g, (int64_t)grew);
-                while (read_before[g] && grew > step  /* (the first reading's may be its whole context) */
-                       && !__atomic_compare_exchange_n(&drv->step[g], &step, grew, 0, __ATOMIC_ACQ_REL,
-                                                       __ATOMIC_ACQUIRE))
-                    ;
-            } else if (keep < have)
-                charge_driver(g, -(int64_t)(have - keep));
-            __atomic_store_n(&driver_counted[g], 1, __ATOMIC_RELEASE);  /* (its context is in the reading) */
-            read_before[g] = 1;
-        }
-    }
+    pthread_mutex_lock(&driver_lock);  /* (not while driver_share reads NVML against the slot) */
+    unsigned gpus = readings_apply(k, 1);
     pthread_mutex_unlock(&driver_lock);
+    for (int g = 0; g < CGPU_MAX_GPUS; g++)
+        if (gpus & (1u << g))
+            __atomic_store_n(&driver_counted[g], 1, __ATOMIC_RELEASE);
 }
 
 void driver_share(int g)
@@ -703,6 +641,7 @@ CUresult cuMemGetInfo_v2(size_t *free_, size_t *total_)
         if (pools_settle_hook)
             pools_settle_hook();
         reclaim_dead();  /* (a dead sibling's memory is free again) */
+        readings_siblings();  /* (and what readings gave back of a sleeping one's) */
     }
     uint64_t cap = room(g), used = __atomic_load_n(&usage->used[g], __ATOMIC_ACQUIRE);
     *total_ = limits->memsize[g];
@@ -732,13 +671,14 @@ void memory_forked(void)
 {
     table_lock = 0;  /* (a thread of the parent may have held it: none runs here) */
     memset(driver_counted, 0, sizeof driver_counted);  /* (a child's contexts are its own) */
-    applied = 0;
-    memset(last_want, 0, sizeof last_want);
-    memset(read_before, 0, sizeof read_before);
+    readings_forked();
     memset(small_held, 0, sizeof small_held);
     memset(grow_step, 0, sizeof grow_step);
     pending_set = 0;
-    pthread_mutex_init(&growth_lock, NULL);
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;  /* (a parent's thread may have held one at the fork:
+                                                         * a context being made: issue 45, item 12) */
+    growth_lock = fresh;
+    driver_lock = fresh;
     table_drop(&allocs);
     table_drop(&mapped);
     for (int i = 0; i < nforks; i++)

@@ -29,6 +29,7 @@ struct cgpu_usage *usage;
 struct cgpu_usage_driver *drv;
 struct cgpu_usage_busy *gpu_time;
 struct cgpu_usage_ident *idents;
+struct cgpu_usage_follow *follows;
 struct cgpu_proc *mine;
 int asked;
 char why[8192];
@@ -310,8 +311,11 @@ void *usage_block(size_t at, size_t size)
  * stays NULL. */
 static void map_idents(void)
 {
-    idents = usage_block(sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy)
-                         + sizeof(struct cgpu_usage_gang), sizeof(struct cgpu_usage_ident));
+    size_t at = sizeof(struct cgpu_usage) + sizeof(struct cgpu_usage_driver) + sizeof(struct cgpu_usage_busy)
+                + sizeof(struct cgpu_usage_gang);
+    idents = usage_block(at, sizeof(struct cgpu_usage_ident));
+    if (idents && drv)  /* (and the readings' progress after it: a page of before issue 45 ends before it) */
+        follows = usage_block(at + sizeof(struct cgpu_usage_ident), sizeof(struct cgpu_usage_follow));
 }
 
 /* The driver said out of memory to an allocation inside memsize: the card is full, and where memsizes
@@ -424,9 +428,12 @@ __attribute__((destructor)) static void give_back(void)
         release(mine);
 }
 
-/* A forked child holds nothing: the slot is the parent's; it takes its own if it uses CUDA. */
+/* A forked child holds nothing: the slot is the parent's; it takes its own if it uses CUDA (and the
+ * slots' lock fresh: a parent's thread may have held it at the fork, issue 45, item 12). */
 void page_forked(void)
 {
+    pthread_mutex_t fresh = PTHREAD_MUTEX_INITIALIZER;
+    slot_lock = fresh;
     mine = NULL;
     if (live_fd >= 0)  /* (the parent's description: its locks are the parent's) */
         close(live_fd);

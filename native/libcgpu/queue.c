@@ -344,9 +344,37 @@ static void completed(struct squeue *q, int64_t done)
 }
 
 
+/* A stream with programmatic dependent launches, at a closing (issue 45, item 13): an event recorded
+ * after its last launch would sit between that launch and the next, which then could not overlap it
+ * on the card (docs/isolation.md, "Programmatic dependent launches and the drain"). So the drain
+ * records none there: it asks the stream itself whether its work is done (cuStreamQuery, which puts
+ * nothing into it), until the deadline, the stream touched only under the queues' lock while it is
+ * still ours (a stream being destroyed is marked gone first: queue_forget_stream). */
+static void stream_idle_wait(struct squeue *q, void *stream, CUcontext c, int64_t deadline)
+{
+    for (int64_t nap = 20000;; nap = nap < 100000 ? nap * 2 : 200000) {
+        CUresult r = CU_OK;
+        int st = 0;
+        CUcontext prev;
+        pthread_mutex_lock(&queue_lock);
+        if (q->used && q->stream == stream && q->ctx == c && ev.capturing(stream, &st) == CU_OK && !st
+            && real.ctx_push && real.ctx_push(c) == CU_OK) {
+            r = ev.stream_query(stream);
+            real.ctx_pop(&prev);
+        }
+        pthread_mutex_unlock(&queue_lock);
+        int64_t now = mono_ns();
+        if (r != 600 || now >= deadline)
+            return;  /* (done, gone, capturing, or an error: nothing to wait for; or the deadline) */
+        struct timespec t = {0, (long)(deadline - now < nap ? deadline - now : nap)};
+        nanosleep(&t, NULL);
+    }
+}
+
 /* The drain's part (ctx_lock held, in the helper thread, relaxed capture mode): on page GPU k (-1:
  * all), record an event after the launches not yet covered in every stream that is not capturing
- * and has a handle of its own, and wait for each stream's last event. *captures: whether a stream
+ * and has a handle of its own (one with programmatic dependent launches: none, its work asked of
+ * the stream itself), and wait for each stream's last event. *captures: whether a stream
  * may be capturing now (one of ours says so, or a launch into a capturing stream was seen in the
  * last second). Returns whether launches are left that no event covers and whose length is not
  * known yet (the caller then synchronizes the context, unless a stream may be capturing). */
@@ -355,7 +383,8 @@ int drain_queues(int k, int *captures_out, int64_t deadline)
     if (!queue_ready())
         return 0;
     struct { struct squeue *q; void *event; unsigned upto; } last[QUEUE_STREAMS];
-    int n = 0, loose = 0, captures = mono_ns() - __atomic_load_n(&capture_seen, __ATOMIC_RELAXED) < 1000000000ll;
+    struct { struct squeue *q; void *stream; CUcontext ctx; } idle[QUEUE_STREAMS];  /* programmatic ones */
+    int n = 0, ni = 0, loose = 0, captures = mono_ns() - __atomic_load_n(&capture_seen, __ATOMIC_RELAXED) < 1000000000ll;
     pthread_mutex_lock(&queue_lock);
     for (int i = 0; i < QUEUE_STREAMS; i++) {
         struct squeue *q = &queues[i];
@@ -369,6 +398,11 @@ int drain_queues(int k, int *captures_out, int64_t deadline)
             }
             struct pending *p = &q->ring[q->head % QUEUE_RING];
             CUcontext prev;
+            if (q->pdl && q->unrecorded && ev.stream_query) {  /* (no event of ours before its next launch) */
+                idle[ni++] = (typeof(idle[0])){q, q->stream, q->ctx};
+                q->restart = 1;  /* (what it launched since its last event: charged at its mean, at the owed event) */
+                continue;
+            }
             if (q->unrecorded && q->head - q->tail < QUEUE_RING - 1 && real.ctx_push && real.ctx_push(q->ctx) == CU_OK) {
                 if ((p->event || ev.create(&p->event, 0) == CU_OK) && ev.record(p->event, q->stream) == CU_OK) {
                     p->launches = q->unrecorded;
@@ -398,6 +432,8 @@ int drain_queues(int k, int *captures_out, int64_t deadline)
     int done[QUEUE_STREAMS];
     for (int i = 0; i < n; i++)  /* (events recorded outside any capture: legal in relaxed mode) */
         done[i] = event_wait(last[i].event, deadline) == CU_OK;
+    for (int i = 0; i < ni; i++)
+        stream_idle_wait(idle[i].q, idle[i].stream, idle[i].ctx, deadline);
     pthread_mutex_lock(&queue_lock);
     for (int i = 0; i < n; i++)
         while (done[i] && last[i].q->used && last[i].q->tail - last[i].upto >= 0x80000000u)  /* tail before upto */

@@ -96,6 +96,7 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
     if (d < 0 || d >= stub_device_count()) return INVALID_DEVICE;
     CUresult r = stub_mps_context(d);  /* (an MPS server holds the card: its clients only) */
     if (r != OK) return r;
+    stub_paused("CGPU_STUB_CTX_PAUSE");  /* (a test's: a retain in flight) */
     r = context_memory(d);
     if (r != OK) return r;
     stub_ctx_retain(d);

@@ -11,8 +11,8 @@
  * of them can charge them.
  */
 #define _GNU_SOURCE
-#include <fcntl.h>
 #include <stdint.h>
+#include <sys/syscall.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,9 +26,11 @@ enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, INVALI
 
 /* This process's allocations and VMM handles, hashed by pointer (open addressing, linear probing):
  * host: not on the card; vmm: a cuMemCreate handle, whose memory lives while it has references
- * (cuMemCreate's, cuMemRetainAllocationHandle's, less cuMemRelease's) or mappings. */
+ * (cuMemCreate's, cuMemRetainAllocationHandle's, less cuMemRelease's) or mappings; types: the
+ * shareable handle types its cuMemCreate requested; shared: exported or imported memory's id on the
+ * card (card.c), which leaves the card when every process holding it let go. */
 #define NALLOCS (1 << 16)
-static struct { CUdeviceptr ptr; size_t size; int host, dev, vmm, refs, maps; } allocs[NALLOCS];
+static struct { CUdeviceptr ptr; size_t size; int host, dev, vmm, refs, maps, types; uint64_t shared; } allocs[NALLOCS];
 static size_t alloc_slot(CUdeviceptr p) { return (size_t)((p * 0x9E3779B97F4A7C15ull) >> 48) & (NALLOCS - 1); }
 static int alloc_find(CUdeviceptr p)  /* its index, -1 if unknown */
 {
@@ -51,25 +53,6 @@ static void alloc_erase(size_t i)  /* backward-shift deletion: no tombstones */
 
 /* a new fake pointer (or handle) for `size` bytes, taken from card `dev` unless `host` */
 static size_t nallocs;
-/* CGPU_STUB_ALLOC_PAUSE=<path>: an allocation that has its memory from the card (NVML shows it)
- * makes <path>.in and waits for <path>.go before it returns: a test reads the process as the
- * daemon does while the call is in flight (an allocation straddling a reading), or sees what
- * other threads do meanwhile (a stream-ordered allocation that grew its pool pauses so too, the
- * stand-in's pools unlocked: cuda_pools.c). */
-void stub_alloc_pause(void)
-{
-    const char *at = getenv("CGPU_STUB_ALLOC_PAUSE");
-    char in[4200], go[4200];
-    if (!at || !*at) return;
-    snprintf(in, sizeof in, "%s.in", at);
-    snprintf(go, sizeof go, "%s.go", at);
-    int fd = open(in, O_WRONLY | O_CREAT | O_CLOEXEC, 0666);
-    if (fd >= 0) close(fd);
-    while (access(go, F_OK) != 0) {
-        struct timespec ms = {0, 1000000};
-        nanosleep(&ms, NULL);
-    }
-}
 /* The card's pages (issue 34): device memory is handed out in 2 MiB pages. An allocation of 2 MiB or
  * more takes its size rounded up to whole pages; smaller ones are packed together in pages of their
  * own per process and card (what they add up to, rounded up), as the driver's suballocator does.
@@ -114,7 +97,8 @@ static CUresult take_on(int dev, CUdeviceptr *p, size_t size, int host)
     allocs[i].size = size;
     allocs[i].host = host;
     allocs[i].dev = dev;
-    allocs[i].vmm = allocs[i].maps = 0;
+    allocs[i].vmm = allocs[i].maps = allocs[i].types = 0;
+    allocs[i].shared = 0;
     allocs[i].refs = 1;
     nallocs++;
     *p = next;
@@ -134,7 +118,9 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)
 /* its memory back to the card, the entry gone */
 static void let_go(int i)
 {
-    if (!allocs[i].host) {
+    if (allocs[i].shared)  /* (another process may hold it still: the card says when it goes) */
+        stub_shared_drop(allocs[i].shared);
+    else if (!allocs[i].host) {
         int64_t pages = pages_for(allocs[i].dev, -(int64_t)allocs[i].size);
         if (pages) stub_card_memory(allocs[i].dev, pages, NULL);
     }
@@ -247,9 +233,93 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAl
     default:
         return INVALID_VALUE;
     }
-    if (r == OK)
+    if (r == OK) {
         allocs[alloc_find(*h)].vmm = 1;
+        allocs[alloc_find(*h)].types = prop->requestedHandleTypes;
+    }
     return r;
+}
+/* what cuMemCreate was asked for (an imported handle: where its memory is, as the exporter's) */
+CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle h)
+{
+    int i = alloc_find(h);
+    if (!stub_inited()) return NOT_INITIALIZED;
+    if (!prop || i < 0 || !allocs[i].vmm || allocs[i].refs <= 0) return INVALID_VALUE;
+    memset(prop, 0, sizeof *prop);
+    prop->type = 1;  /* CU_MEM_ALLOCATION_TYPE_PINNED */
+    prop->requestedHandleTypes = allocs[i].types;
+    prop->location.type = allocs[i].host ? LOC_HOST : LOC_DEVICE;
+    prop->location.id = allocs[i].host ? 0 : allocs[i].dev;
+    return OK;
+}
+/* IPC through shareable handles (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, the one the stand-in has):
+ * NVIDIA's driver API reference, cuMemExportToShareableHandle, "Exports an allocation to a requested
+ * shareable handle type", a type cuMemCreate asked for in CUmemAllocationProp::requestedHandleTypes
+ * (an allocation made without it is not exportable: CUDA_ERROR_INVALID_VALUE here); the handle is a
+ * file descriptor that processes pass over a unix socket (SCM_RIGHTS), as the CUDA sample
+ * memMapIPCDrv does; cuMemImportFromShareableHandle gives the importer a handle of its own to the
+ * same memory, which "it needs to pair ... with cuMemRelease" (cuMemRelease). The descriptor here is
+ * a file of its own naming the memory's id on the card (card.c), a new one per export. */
+enum { HANDLE_POSIX_FD = 1 };
+/* a file of its own, in no directory (memfd_create by its system call: the stand-in is also built
+ * for glibc 2.17, which has no wrapper; else an unlinked temporary file) */
+static int note_fd(void)
+{
+#ifdef SYS_memfd_create
+    int fd = (int)syscall(SYS_memfd_create, "cgpu-stub-cumem", 0u);
+    if (fd >= 0) return fd;
+#endif
+    char path[] = "/tmp/cgpu-stub-cumem-XXXXXX";
+    int t = mkstemp(path);
+    if (t >= 0) unlink(path);
+    return t;
+}
+#define IPC_MAGIC 0x3143504955504743ull  /* "CGPUIPC1" */
+struct ipc_note { uint64_t magic, id, size; int32_t host, dev; };
+CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long flags)
+{
+    int i = alloc_find(h);
+    if (!stub_inited()) return NOT_INITIALIZED;
+    if (!out || flags || i < 0 || !allocs[i].vmm || allocs[i].refs <= 0) return INVALID_VALUE;
+    if (type != HANDLE_POSIX_FD) return STUB_NOT_SUPPORTED;  /* (Win32 handles and fabric: not on this card) */
+    if (!(allocs[i].types & type)) return INVALID_VALUE;
+    uint64_t page = page_bytes();
+    if (!allocs[i].shared) {  /* (its pages: VMM allocations are whole granules, 2 MiB) */
+        uint64_t bytes = allocs[i].host ? 0 : page ? round_up(allocs[i].size, page) : allocs[i].size;
+        if (!allocs[i].host && page && allocs[i].size < page) return INVALID_VALUE;
+        if (!(allocs[i].shared = stub_shared_export(allocs[i].dev, bytes))) return OUT_OF_MEMORY;
+    }
+    struct ipc_note n = {IPC_MAGIC, allocs[i].shared, allocs[i].size, allocs[i].host, allocs[i].dev};
+    int fd = note_fd();
+    if (fd < 0) return OUT_OF_MEMORY;
+    if (pwrite(fd, &n, sizeof n, 0) != sizeof n) {
+        close(fd);
+        return OUT_OF_MEMORY;
+    }
+    *(int *)out = fd;
+    return OK;
+}
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os_handle, int type)
+{
+    struct ipc_note n;
+    int fd = (int)(intptr_t)os_handle, dev;
+    uint64_t bytes;
+    if (!stub_inited()) return NOT_INITIALIZED;
+    if (!h) return INVALID_VALUE;
+    if (type != HANDLE_POSIX_FD) return STUB_NOT_SUPPORTED;
+    if (pread(fd, &n, sizeof n, 0) != sizeof n || n.magic != IPC_MAGIC) return INVALID_VALUE;
+    if (stub_shared_hold(n.id, &dev, &bytes)) return INVALID_VALUE;  /* (its memory is gone from the card) */
+    CUresult r = take_on(n.dev, h, n.size, 1);  /* (a handle of this process's: the card's memory is held already) */
+    if (r != OK) {
+        stub_shared_drop(n.id);
+        return r;
+    }
+    int i = alloc_find(*h);
+    allocs[i].vmm = 1;
+    allocs[i].host = n.host;
+    allocs[i].types = type;
+    allocs[i].shared = n.id;
+    return OK;
 }
 /* The driver's rule: the physical memory of a handle lives until cuMemRelease (and every
  * cuMemRetainAllocationHandle's release) AND the last cuMemUnmap of it. Strict: an unknown or
@@ -475,6 +545,9 @@ OWN(cuMemMap);
 OWN(cuMemUnmap);
 OWN(cuMemSetAccess);
 OWN(cuMemRetainAllocationHandle);
+OWN(cuMemExportToShareableHandle);
+OWN(cuMemGetAllocationPropertiesFromHandle);
+OWN(cuMemImportFromShareableHandle);
 OWN(cuArray3DCreate_v2);
 OWN(cuMipmappedArrayCreate);
 OWN(cuMipmappedArrayDestroy);
@@ -504,6 +577,9 @@ HIDDEN const struct stub_versioned STUB_VERSIONED_MEMORY[] = {
     {"cuMemUnmap", 10020, 0, (void *)own_cuMemUnmap},
     {"cuMemSetAccess", 10020, 0, (void *)own_cuMemSetAccess},
     {"cuMemRetainAllocationHandle", 11000, 0, (void *)own_cuMemRetainAllocationHandle},
+    {"cuMemExportToShareableHandle", 10020, 0, (void *)own_cuMemExportToShareableHandle},
+    {"cuMemGetAllocationPropertiesFromHandle", 10020, 0, (void *)own_cuMemGetAllocationPropertiesFromHandle},
+    {"cuMemImportFromShareableHandle", 10020, 0, (void *)own_cuMemImportFromShareableHandle},
     {"cuArray3DCreate", 3020, 0, (void *)own_cuArray3DCreate_v2},
     {"cuMipmappedArrayCreate", 5000, 0, (void *)own_cuMipmappedArrayCreate},
     {"cuMipmappedArrayDestroy", 5000, 0, (void *)own_cuMipmappedArrayDestroy},

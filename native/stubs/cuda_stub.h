@@ -51,6 +51,8 @@ HIDDEN CUresult stub_mps_context(int dev);  /* may it make a context on card dev
 
 /* ---- card.c: the cards and their memory ---- */
 HIDDEN int stub_inited(void);                  /* cuInit has been called */
+HIDDEN void stub_paused(const char *var);      /* <var>=<path>: <path>.in made, waits for <path>.go (a test's pause) */
+HIDDEN void stub_alloc_pause(void);            /* stub_paused("CGPU_STUB_ALLOC_PAUSE"): an allocation in flight */
 HIDDEN void stub_set_inited(void);
 HIDDEN int stub_current_device(void);          /* the calling thread's current context's device */
 HIDDEN void stub_set_current_device(int dev);
@@ -59,6 +61,13 @@ HIDDEN uint64_t stub_card_bytes(void);         /* each card's memory */
 /* add `delta` to the bytes in use on card `dev` if it has room: 0, or -1 (and nothing changed);
  * *used_out (unless NULL): the bytes in use after (delta 0: a dead process's memory given back first) */
 HIDDEN int stub_card_memory(int dev, int64_t delta, uint64_t *used_out);
+/* Memory shared between processes (cuMem IPC), its bytes on card `dev` already taken by the exporting
+ * process: it stays on the card until every process holding it let go (or died). export: its id (0:
+ * no room); hold: one more hold by this process (-1: no such memory on the card any more; *dev,
+ * *bytes: where it is, how much); drop: one hold of this process's let go. */
+HIDDEN uint64_t stub_shared_export(int dev, uint64_t bytes);
+HIDDEN int stub_shared_hold(uint64_t id, int *dev, uint64_t *bytes);
+HIDDEN void stub_shared_drop(uint64_t id);
 /* CGPU_STUB_CUDA_FAST=1: allocations do not touch the card's file (to time what an interposer adds) */
 HIDDEN int stub_memory_is_free(void);
 /* the driver's own memory for this process on card `dev` (modules' code, a graph's
@@ -132,7 +141,6 @@ HIDDEN void *stub_capture_info(int version);     /* cuStreamGetCaptureInfo in th
 HIDDEN int stub_stream_dead(const void *s, const char *call);
 
 /* ---- cuda_pools.c: stream-ordered pools (what they reserve stays on the card up to their release threshold) ---- */
-HIDDEN void stub_alloc_pause(void);  /* CGPU_STUB_ALLOC_PAUSE (cuda_memory.c): a test holds a call in flight */
 HIDDEN CUresult stub_pool_alloc_async(CUdeviceptr *out, size_t size, const void *stream, void *pool);  /* NULL pool: the stream's device's current */
 HIDDEN int stub_pool_free(CUdeviceptr p, CUresult *r);  /* a pool's allocation back to its pool: 1, else 0 */
 HIDDEN void stub_pools_settle(int dev);  /* a synchronization: unused memory above each threshold released */
