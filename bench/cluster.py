@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
-from common import pct  # noqa: E402
+from common import cluster_tier, pct  # noqa: E402
 
 
 def ms(x: float) -> str:
@@ -271,29 +271,15 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="measure the cold build again (long)")
     args = ap.parse_args()
 
-    from cluster import Cluster
-    from conftest import Daemon, _make_base
-    from test_runc import compiled_hook
-    from test_runtime import wrapper
-
     bins = build_figures(args.cold)
     print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    d = Daemon(_make_base(), "sim:2xT4", ["--hook-path", compiled_hook()])
-    d.start()
-    c = None
-    try:
-        c = Cluster(d, wrapper(), bins).start()
+    with cluster_tier("sim:2xT4", bins=bins) as (d, c):
         c.deploy()
         while c.allocatable("aliyun.com/gpu-mem") != 28:
             time.sleep(0.1)
         pipeline_figures(c, d, args.pods)
         restart_figures(c, args.restarts)
         filter_figures(c, args.nodes)
-    finally:
-        if c is not None:
-            c.cleanup()
-        d.cleanup()
-        shutil.rmtree(d.base, ignore_errors=True)
 
 
 if __name__ == "__main__":

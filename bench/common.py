@@ -106,3 +106,27 @@ def pct(samples: list[float], p: float) -> float:
 
 def us(x: float) -> str:
     return f"{x * 1e6:8.1f} µs"
+
+
+@contextmanager
+def cluster_tier(gpus: str = "sim:2xT4", **cluster_kw):
+    """cgpud on simulated `gpus` with the compiled hook, and the real cluster of tests/cluster.py on it
+    (Cluster's keywords: bins, containerd_bins); both cleaned up after. Yields (daemon, cluster)."""
+    import shutil
+
+    from cluster import Cluster
+    from conftest import Daemon, _make_base
+    from test_runc import compiled_hook
+    from test_runtime import wrapper
+
+    d = Daemon(_make_base(), gpus, ["--hook-path", compiled_hook()])
+    d.start()
+    c = None
+    try:
+        c = Cluster(d, wrapper(), **cluster_kw).start()
+        yield d, c
+    finally:
+        if c is not None:
+            c.cleanup()
+        d.cleanup()
+        shutil.rmtree(d.base, ignore_errors=True)

@@ -41,6 +41,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "tests"), str(HERE)]
 
+from common import cluster_tier  # noqa: E402
+
 STEPS = ["core_mem", "mps", "default", "cgpu"]
 RESOURCES = {"cgpu": {"aliyun.com/gpu-mem"}, "core_mem": {"aliyun.com/gpu-mem", "aliyun.com/gpu-core.percentage"},
              "mps": {"aliyun.com/gpu-mem"}, "default": {"nvidia.com/gpu"}}
@@ -254,24 +256,10 @@ def main() -> None:
     card_share_figures(args.seconds)
     if args.no_cluster:
         return
-    from cluster import Cluster
-    from conftest import Daemon, _make_base
-    from test_runc import compiled_hook
-    from test_runtime import wrapper
-
-    d = Daemon(_make_base(), "sim:2xT4", ["--hook-path", compiled_hook()])
-    d.start()
-    c = None
-    try:
-        c = Cluster(d, wrapper()).start()
+    with cluster_tier("sim:2xT4") as (d, c):
         c.deploy()
         wait(lambda: advertised(c)["aliyun.com/gpu-mem"] == 28, 60, "the device plugin's units")
         relabel_figures(c, d, args.hold)
-    finally:
-        if c is not None:
-            c.cleanup()
-        d.cleanup()
-        shutil.rmtree(d.base, ignore_errors=True)
 
 
 if __name__ == "__main__":

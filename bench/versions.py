@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "tests"), str(HERE)]  # (tests/cluster.py, not bench/cluster.py)
 
+from common import cluster_tier  # noqa: E402
 from dra import EXT_NS, extender_namespace, pipeline_figures, wait  # noqa: E402
 
 
@@ -37,17 +37,10 @@ def main() -> None:
     ap.add_argument("--pods", type=int, default=10)
     args = ap.parse_args()
 
-    from cluster import NODE, Cluster
-    from conftest import Daemon, _make_base
+    from cluster import NODE
     from test_cluster_dra import containerd_bin, overlay, start_plugin
-    from test_runc import compiled_hook
-    from test_runtime import wrapper
 
-    d = Daemon(_make_base(), "sim:2xT4", ["--hook-path", compiled_hook()])
-    d.start()
-    c = None
-    try:
-        c = Cluster(d, wrapper(), containerd_bins=containerd_bin()).start()
+    with cluster_tier("sim:2xT4", containerd_bins=containerd_bin()) as (d, c):
         version = ".".join(map(str, c.release))
         dra = serves_dra(c)
         print(f"Kubernetes {version} (feature gates set: {c.gates or 'none'}), resource.k8s.io/v1 "
@@ -73,11 +66,6 @@ def main() -> None:
         wait(lambda: c.allocatable("aliyun.com/gpu-mem") == 28, 60, "the device plugin's units")
         pipeline_figures(c, d, args.pods, dra=dra)
         print(f"(the device plugin's pods in namespace {EXT_NS})")
-    finally:
-        if c is not None:
-            c.cleanup()
-        d.cleanup()
-        shutil.rmtree(d.base, ignore_errors=True)
 
 
 if __name__ == "__main__":

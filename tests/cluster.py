@@ -108,12 +108,14 @@ def k8s_release(bins: Path) -> tuple[int, int, int]:
 def feature_gates(release: tuple[int, int, int]) -> dict[str, bool]:
     """The feature gates the tier sets on every component of `release` (K8S_FEATURE_GATES, as
     `A=true,B=false`, names them instead): what cgpud's DRA layout needs that the release has off by
-    default (docs/kubernetes.md, DRA versions): DRAConsumableCapacity before 1.36. Nothing on 1.36 and later."""
+    default (docs/kubernetes.md, DRA versions): DRAConsumableCapacity before 1.36, and ResourceHealthStatus
+    (KEP-4680, alpha until 1.36: without it the kubelet puts no device health in a pod's status, which
+    test_cluster_dra_health checks; 1.34.4's tier failed there). Nothing on 1.36 and later."""
     given = os.environ.get("K8S_FEATURE_GATES")
     if given is not None:
         pairs = [kv.split("=", 1) for kv in given.split(",") if kv.strip()]
         return {k.strip(): v.strip().lower() == "true" for k, v in pairs}
-    return {"DRAConsumableCapacity": True} if release[:2] in ((1, 34), (1, 35)) else {}
+    return {"DRAConsumableCapacity": True, "ResourceHealthStatus": True} if release[:2] in ((1, 34), (1, 35)) else {}
 
 
 def gates_flag(gates: dict[str, bool]) -> list[str]:
