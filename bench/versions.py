@@ -28,6 +28,9 @@ from common import cluster_tier  # noqa: E402
 from dra import EXT_NS, extender_namespace, pipeline_figures, wait  # noqa: E402
 
 
+DRA_DEPLOY = ROOT / "deploy" / "kubernetes" / "dra"
+
+
 def serves_dra(c) -> bool:
     return c.kubectl("get", "--raw", "/apis/resource.k8s.io/v1", check=False).returncode == 0
 
@@ -38,14 +41,16 @@ def main() -> None:
     args = ap.parse_args()
 
     from cluster import NODE
-    from test_cluster_dra import containerd_bin, overlay, start_plugin
+    from test_cluster_dra import containerd_bin, start_plugin
 
     with cluster_tier("sim:2xT4", containerd_bins=containerd_bin()) as (d, c):
         version = ".".join(map(str, c.release))
         dra = serves_dra(c)
         print(f"Kubernetes {version} (feature gates set: {c.gates or 'none'}), resource.k8s.io/v1 "
               f"{'served' if dra else 'not served'}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-        c.deploy(["-k", os.fspath(overlay(c.path("overlay")) if dra else ROOT / "deploy" / "kubernetes")])
+        c.deploy()  # deploy/kubernetes: the extender and the device plugin (DRA mode's component drops the extender)
+        if dra:  # ... and DRA's class and the plugin's account beside them, as bench/dra.py's node runs both
+            c.kubectl("apply", "-f", os.fspath(DRA_DEPLOY / "deviceclass.yaml"), "-f", os.fspath(DRA_DEPLOY / "rbac.yaml"))
         c.start_controller_manager(("resourceclaim-controller," if dra else "") + "serviceaccount-controller,"
                                    "serviceaccount-token-controller,garbage-collector-controller")
         if dra:
@@ -57,7 +62,9 @@ def main() -> None:
                 said = [ln for ln in plugin.log_path.read_text().splitlines() if ln.strip()]
                 print(f"cgpu dra-plugin on this server: exit {plugin.proc.returncode}: {said[-1] if said else ''}")
         else:
+            root = c.path("kubelet", "root")
             p = subprocess.run([c._cgpu(), "--socket", c.daemon.socket, "dra-plugin", "--node-name", NODE,
+                                "--registry-dir", root / "plugins_registry", "--plugin-dir", root / "plugins" / "x",
                                 "--state-dir", c.path("dra-state"), "--cdi-dir", c.path("cdi")],
                                capture_output=True, text=True, timeout=60,
                                env=dict(os.environ, KUBECONFIG=os.fspath(c.admin)))
