@@ -29,6 +29,10 @@ ASSUMED (the node's recent choices) carrying the resourceVersion the choice
 was made from. A conflict (409: another bind, or anything, changed the
 node) makes it read the node again and choose again. Bad input (not JSON,
 a pod or node that does not exist) is a clear error and changes nothing.
+
+Longer than 450 lines on purpose: the four verbs share the informers' view and the binds' group
+commit (binds waiting on one node written in one patch, with their own events and timings), which
+one lock keeps consistent; split, the lock's reasoning would be spread over modules.
 """
 from __future__ import annotations
 
