@@ -109,9 +109,10 @@ class Informer:
                 if self._stop.is_set():
                     break
                 problem = one_line(exc)
-            if self.healthy or problem != self.problem:
+            said = self.healthy or problem != self.problem
+            self.healthy, self.problem = False, problem  # (before the log line: what the log says is so)
+            if said:
                 log.warning("%s: cannot watch (%s); trying again", self.what, problem)
-            self.healthy, self.problem = False, problem
             with self.changed:
                 self.changed.notify_all()
             self._stop.wait(wait)
