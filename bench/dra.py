@@ -656,7 +656,7 @@ def main() -> None:
 
     from cluster import Cluster
     from conftest import Daemon, _make_base
-    from test_cluster_dra import containerd_bin, overlay, start_plugin
+    from test_cluster_dra import containerd_bin, start_plugin
     from test_runc import compiled_hook
     from test_runtime import wrapper
 
@@ -666,7 +666,11 @@ def main() -> None:
     c = None
     try:
         c = Cluster(d, wrapper(), containerd_bins=containerd_bin()).start()
-        c.deploy(["-k", os.fspath(overlay(c.path("overlay")))])  # the extender and the device plugin too
+        # deploy/kubernetes (the extender and the device plugin), DRA's class, accounts and webhook beside it:
+        # DRA mode's component (overlay) drops the extender, whose token deploy() then asks for
+        c.deploy()
+        c.kubectl("apply", *(a for f in ("deviceclass", "rbac", "webhook")
+                             for a in ("-f", os.fspath(ROOT / "deploy" / "kubernetes" / "dra" / f"{f}.yaml"))))
         c.start_controller_manager("resourceclaim-controller,job-controller,serviceaccount-controller,"
                                    "serviceaccount-token-controller,garbage-collector-controller")
         start_plugin(c)
