@@ -150,6 +150,34 @@ class Resource:
 REVIEWS = ("/apis/authentication.k8s.io/v1/tokenreviews", "/apis/authorization.k8s.io/v1/subjectaccessreviews")
 
 
+def quantity(q: str) -> int:
+    """A resource.Quantity string as the stand-in's slices hold them (plain bytes, or Ki/Mi/Gi/Ti)."""
+    for suffix, mult in (("Ki", 1 << 10), ("Mi", 1 << 20), ("Gi", 1 << 30), ("Ti", 1 << 40)):
+        if q.endswith(suffix):
+            return int(q[:-2]) * mult
+    return int(q)
+
+
+def check_slice(body: dict) -> None:
+    """What kube-apiserver's validation refuses of a slice's capacities with a request policy (422):
+    pkg/apis/resource/validation/validation.go, validateRequestPolicyRange (1.34-1.37): min not above
+    the capacity's value, and min plus one step not above it either ("one step ... is larger than
+    capacity value"), the default not below min."""
+    for i, dev in enumerate(((body.get("spec") or {}).get("devices")) or []):
+        for name, cap in (dev.get("capacity") or {}).items():
+            rng = (cap.get("requestPolicy") or {}).get("validRange")
+            if not rng or "min" not in rng:
+                continue
+            value, low = quantity(cap["value"]), quantity(rng["min"])
+            where = f"spec.devices[{i}].capacity[{name}].requestPolicy.validRange"
+            if low > value:
+                raise Problem(422, "Invalid", f"{where}.min: Invalid value: \"{rng['min']}\": min is larger than "
+                                              f"capacity value: {cap['value']}")
+            if "step" in rng and low + quantity(rng["step"]) > value:
+                raise Problem(422, "Invalid", f"{where}.step: Invalid value: \"{rng['step']}\": one step "
+                                              f"{low + quantity(rng['step'])} is larger than capacity value: {cap['value']}")
+
+
 class ApiServer:
     WATCH_BUFFER = 100_000  # changes a watch may fall behind by before the server ends it
     def __init__(self, tmp: Path, *, history: int = 10000, bookmark_every: float = 1.0) -> None:
@@ -512,6 +540,7 @@ class ApiServer:
         if what == "collection" and method == "POST" and parts[0] == "resourceslices":
             if not isinstance(body, dict) or not (body.get("metadata") or {}).get("name"):
                 raise Problem(400, "BadRequest", "a ResourceSlice needs metadata.name (generateName is not served)")
+            check_slice(body)
             if query.get("dryRun") == ["All"]:  # (validated and answered, never stored; counted apart)
                 self._count(agent, "create-dry-run", "resourceslices")
                 body = json.loads(json.dumps(body))
@@ -542,6 +571,8 @@ class ApiServer:
             if verb == "delete":
                 self.delete(resource, key)
                 return 200, obj
+            if resource == "resourceslices" and isinstance(body, dict) and verb == "update":
+                check_slice(body)
             if resource == "resourceslices" and self.store_slice is not None and isinstance(body, dict):
                 self.store_slice(body)
             if not isinstance(body, dict):

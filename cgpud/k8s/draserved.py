@@ -45,8 +45,11 @@ def publishable(gpus: list[dra.Gpu], served: Served) -> list[dra.Gpu]:
 
 
 def probe_slice(node: str, unit: int = PROBE_UNIT) -> dict:
-    """A slice of `node`'s pool as the plugin writes them, one GPU out of service on it (so tainted)."""
-    gpu = dra.Gpu(0, "GPU-00000000-0000-0000-0000-000000000000", "probe", unit, (dra.TAINT_XID, "0"))
+    """A slice of `node`'s pool as the plugin writes them, one GPU out of service on it (so tainted).
+    The GPU has two units: kube-apiserver refuses a request policy whose min plus one step is above the
+    capacity (validateRequestPolicyRange, 1.34-1.37): a one-unit probe was refused with 422 on every
+    release, and the plugin went on as if device taints were kept (found on 1.34.4's cluster tier)."""
+    gpu = dra.Gpu(0, "GPU-00000000-0000-0000-0000-000000000000", "probe", 2 * unit, (dra.TAINT_XID, "0"))
     body = dra.resource_slices(node, [gpu], unit)[0]
     body["metadata"]["name"] = dra.slice_name(node, "probe")  # (never stored: dryRun)
     return body
