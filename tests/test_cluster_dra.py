@@ -15,7 +15,6 @@ import json
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -104,8 +103,7 @@ def make_class(c: Cluster, name: str, **config) -> None:
     c.create({**shipped, "metadata": {"name": name}, "spec": {**shipped["spec"], "config": [gpu_config(**config)]}})
 
 
-def make_claim(c: Cluster, name: str, memory: str, count: int = 1, config: dict | None = None,
-               device_class: str = CLASS) -> None:
+def claim_spec(memory: str, count: int = 1, config: dict | None = None, device_class: str = CLASS) -> dict:
     request = {"name": "gpu", "exactly": {"deviceClassName": device_class, "count": count,
                                           "allocationMode": "ExactCount",
                                           "capacity": {"requests": {"memory": memory}}}}
@@ -114,18 +112,25 @@ def make_claim(c: Cluster, name: str, memory: str, count: int = 1, config: dict 
         spec["devices"]["constraints"] = [{"requests": ["gpu"], "distinctAttribute": f"{DRIVER}/uuid"}]
     if config:
         spec["devices"]["config"] = [{"requests": ["gpu"], **gpu_config(**config)}]
+    return spec
+
+
+def make_claim(c: Cluster, name: str, memory: str, **claim) -> None:
     c.create({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-              "spec": spec})
+              "spec": claim_spec(memory, **claim)})
 
 
-def claim_pod(name: str, claim: str) -> dict:
-    """A pod of one container using the claim; no runtimeClassName (cgpu is containerd's default)."""
+def claim_pod(name: str, claim: str, entry: str = "gpu", template: bool = False) -> dict:
+    """A pod of one container using the claim (its pod-level entry named `entry`; `template`: the
+    claim is made from the ResourceClaimTemplate named `claim`); no runtimeClassName (cgpu is
+    containerd's default)."""
+    ref = {"resourceClaimTemplateName" if template else "resourceClaimName": claim}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
         "terminationGracePeriodSeconds": 1,
-        "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+        "resourceClaims": [{"name": entry, **ref}],
         "containers": [{"name": "app", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
                         "command": ["sh", "-c", "env; trap 'exit 0' TERM; while :; do sleep 1; done"],
-                        "resources": {"claims": [{"name": "gpu"}]}}]}}
+                        "resources": {"claims": [{"name": entry}]}}]}}
 
 
 def allocated_gpus(c: Cluster, claim: str) -> list[int]:
