@@ -15,7 +15,8 @@ costs and how well it shares, against the stand-in libcuda.so.1 in the same run.
    by 4 launching at once, gate open and bounded, for this libcgpu and each
    reference (issue 45, item 10: no process-wide lock on the launch path;
    goal <= 40 ns added open, no growth with threads); and what the stand-in's
-   cuCtxGetCurrent alone costs (the one driver call libcgpu adds).
+   cuCtxGetCurrent alone costs (the driver call a launch made before libcgpu
+   kept the thread's current context: a reference's figures include it).
 1c. The same in instructions per launch, gate open (valgrind's callgrind,
    where it is installed): what the machine's load does not move.
 2. Gate opened -> a waiting launch proceeds: the gate driven as the daemon
@@ -309,8 +310,8 @@ def launch_cost(tmp: Path, n: int, rounds: int, refs: dict[str, Path] | None = N
     print(f"1b. per launch, CPU ns of the launching thread, 1 thread / 4 threads launching at once (issue 45, item 10: "
           f"no process-wide lock on the launch path; goal <= 40 ns added open, no growth with threads), {rounds} "
           f"interleaved rounds of {n} launches: stand-in alone {p['cpu']:.1f} / {p['cpu4']:.1f} ns; the stand-in's "
-          f"cuCtxGetCurrent alone (the one driver call libcgpu adds to a launch: in the figures added below) "
-          f"{statistics.median(ctx):.1f} ns")
+          f"cuCtxGetCurrent alone (a launch's one driver call before libcgpu kept the thread's current context: "
+          f"in a reference's figures below, not in this one's) {statistics.median(ctx):.1f} ns")
     for rev in libs:
         a, bb = med[(rev, "alone")], med[(rev, "bounded")]
         print(f"   {rev + ' libcgpu' if rev == 'this' else rev + chr(39) + 's libcgpu'}: gate open added "

@@ -190,6 +190,60 @@ def test_a_fat_binary_without_code_for_the_card_is_refused(stubs, tmp_path, rt):
     assert kernels(tmp_path) == []
 
 
+SET_DEVICE = r"""
+/* setdev: cudaSetDevice(d) for d = 0, 1, 0, 1, a kernel launched after each; then d on stdout and a
+   line awaited on stdin */
+#include <cstdio>
+#include <cuda_runtime.h>
+__global__ void k(int *p) { if (p) *p = 1; }
+int main() {
+    char line[16];
+    for (int i = 0; i < 4; i++) {
+        cudaError_t e = cudaSetDevice(i % 2);
+        if (!e) { k<<<1, 1>>>(nullptr); e = cudaGetLastError(); }
+        if (e) { printf("error %s\n", cudaGetErrorName(e)); return 1; }
+        printf("%d\n", i % 2);
+        fflush(stdout);
+        if (!fgets(line, sizeof line, stdin)) return 2;
+    }
+    return 0;
+}
+"""
+
+
+@RT
+def test_the_runtimes_device_switch_is_seen_by_the_next_launchs_gate(stubs, tmp_path, rt):
+    """cudaSetDevice between two GPUs (the runtime makes the device's primary context current with
+    cuCtxSetCurrent, found through cuGetProcAddress: libcgpu's wrapper, which keeps the thread's
+    current context): before each switch the gate of the GPU the program leaves closes and the
+    other's opens; every kernel after a switch runs (docs/isolation.md, "The launch path")."""
+    from test_current_context import NODE_GPUS, through_gates, two_gpus
+    prog = build(SET_DEVICE, tmp_path / f"setdev{rt}", rt)
+    gate = two_gpus(tmp_path)
+    e = env(stubs, rt, tmp_path, page_dir=tmp_path / "pages", CGPU_STUB_CUDA_DEVICES=str(len(NODE_GPUS)),
+            CGPU_STUB_CUDA_UUIDS=f"{UUID},{UUID[:-2]}11", CGPU_GANG="0")
+    p = subprocess.Popen([os.fspath(prog)], env=e, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    through_gates(p, gate, ["0", "1", "0", "1"], [0, 1, 0, 1])
+
+
+@RT
+def test_libcgpu_asks_the_current_context_no_more_for_more_kernels(probes, stubs, tmp_path, container, rt):
+    """The stand-in's cuCtxGetCurrent calls (CGPU_STUB_CUDA_CTX_CALLS) while the runtime launches 20
+    and 200 kernels, alone and under libcgpu: what libcgpu adds does not grow with the kernels (it
+    keeps the thread's current context). Before, it added one a kernel."""
+    added = []
+    for n in (20, 200):
+        asked = []
+        for preload in (False, True):
+            log = tmp_path / f"ctx-{n}-{preload}"
+            run(probes, rt, env(stubs, rt, tmp_path, preload=preload, page_dir=container,
+                                CGPU_STUB_CUDA_CTX_CALLS=os.fspath(log)), "kernels", str(n), "1")
+            asked.append(log.read_text().split().count("cuCtxGetCurrent"))
+        added.append(asked[1] - asked[0])
+    assert added[1] <= added[0], f"libcgpu added {added[0]} calls to 20 kernels, {added[1]} to 200"
+
+
 def in_child(stubs: Path, tmp: Path, body: str) -> None:
     """`body` (its asserts) in a Python of its own with the stand-in loaded by ctypes as `cuda` and
     initialised: the test process itself never loads a libcuda.so.1 (later tests asking for one by

@@ -44,21 +44,24 @@ int64_t launch_ns(void);  /* the launch path's clock (compared only with its own
 
 /* ---- contexts.c ---- */
 extern pthread_mutex_t ctx_lock;
-extern HOT_TLS CUcontext known_ctx;  /* the last context this thread was seen to launch in */
+/* The calling thread's current context as libcgpu knows it (docs/isolation.md, "The launch path"):
+ * kept by the wrapped calls that change it (contexts_switched), asked of the driver only where it is
+ * not known. Each is trusted as of one epoch of the table (a context forgotten: an address may come
+ * back for another device). */
+extern HOT_TLS CUcontext known_ctx;  /* the thread's current context */
 extern HOT_TLS int known_gpu;        /* and its page GPU */
+extern HOT_TLS unsigned ctx_known;   /* 1 + the epoch as of which known_ctx is current (0: not known) */
+extern HOT_TLS unsigned gpu_known;   /* 1 + the epoch as of which known_gpu is its page GPU (0: not known) */
 extern HOT_TLS unsigned contexts_seen_epoch;  /* (contexts.c: the thread's cache of contexts, as of) */
 extern unsigned contexts_epoch;
-int note_context_slow(CUcontext c, int got);
-/* The calling thread's page GPU (-1: the container's gate): the context of its launch before, with
- * one driver call (cuCtxGetCurrent), else looked up (contexts.c). */
+int note_context_slow(void);
+/* The calling thread's page GPU (-1: the container's gate): no driver call, no shared write while
+ * the thread's current context and its GPU are known; else found (contexts.c). */
 static inline int note_context(void)
 {
-    CUcontext c = NULL;
-    int got = real.ctx_get && real.ctx_get(&c) == CU_OK && c;
-    if (__builtin_expect(got && c == known_ctx
-                         && contexts_seen_epoch == __atomic_load_n(&contexts_epoch, __ATOMIC_ACQUIRE), 1))
+    if (__builtin_expect(gpu_known == 1 + __atomic_load_n(&contexts_epoch, __ATOMIC_ACQUIRE), 1))
         return known_gpu;
-    return note_context_slow(c, got);
+    return note_context_slow();
 }
 int gpu_of_ctx(CUcontext c);         /* (ctx_lock held) -2: not known */
 int contexts_forget(CUcontext c, CUdevice dev, CUcontext *gone);  /* (ctx_lock held) out of the table: gone[] (64 at most) */

@@ -259,6 +259,12 @@ static inline CUresult lazy_room(void *f)
             return lr_;                  \
     } while (0)
 
+/* ---- contexts.c (compute) ---- */
+/* A wrapped call that may change the calling thread's current context (cuCtxSetCurrent, a push or
+ * pop, a create, a destroy, a primary context's release or reset: handles.c, memory.c) has returned:
+ * the context it left current is the thread's known one (docs/isolation.md, "The launch path"). */
+void contexts_switched(void);
+
 /* ---- gate.c ---- */
 void gate_forked(void);
 

@@ -28,37 +28,51 @@ static struct { CUcontext c; int n; } caps[CTXS];
 unsigned contexts_epoch;  /* counts the contexts forgotten: a thread's cache of an older epoch is looked up again */
 HOT_TLS CUcontext known_ctx;
 HOT_TLS int known_gpu;
+HOT_TLS unsigned ctx_known, gpu_known;
 /* the calling thread's last few contexts and their page GPUs (issue 45, item 10): a thread that
  * drives several GPUs in turn (DataParallel's, MirroredStrategy's loop) looks them up here, with no
- * lock and no driver call but cuCtxGetCurrent; forgotten all at once when any context is */
+ * lock and no driver call; forgotten all at once when any context is */
 #define SEEN 4
 static HOT_TLS struct { CUcontext c; int gpu; } seen[SEEN];
-HOT_TLS unsigned contexts_seen_epoch;  /* (cgpu_compute.h: read by the launch itself, note_context) */
+HOT_TLS unsigned contexts_seen_epoch;
 static HOT_TLS unsigned seen_next;
 
 /* The page GPU the calling thread launches on (its current context's device), -1 for the
- * container's gate: a page without per-GPU gates, or a device past the page's. A context's device
- * is asked once (until a context is destroyed: its address may come back for another device). */
-int note_context_slow(CUcontext c, int got)
+ * container's gate: a page without per-GPU gates, or a device past the page's. The current context
+ * is the one the thread's last wrapped switch left (contexts_switched), else asked of the driver
+ * (cuCtxGetCurrent: a thread that never switched through libcgpu, or a context forgotten since); a
+ * context's device is asked once (until a context is destroyed: its address may come back for
+ * another device), and the context listed for the drain at its first launch. */
+int note_context_slow(void)
 {
-    if (!got)
-        return per_gpu ? 0 : -1;  /* (no context: the driver refuses the launch itself) */
-    unsigned epoch = __atomic_load_n(&contexts_epoch, __ATOMIC_ACQUIRE);
+    unsigned epoch = __atomic_load_n(&contexts_epoch, __ATOMIC_ACQUIRE);  /* (before the context: a later
+                                                                           * forgetting makes it asked again) */
     if (contexts_seen_epoch != epoch) {
         memset(seen, 0, sizeof seen);
         contexts_seen_epoch = epoch;
-    } else
-        for (int i = 0; i < SEEN; i++)
-            if (seen[i].c == c) {
-                known_ctx = c;
-                return known_gpu = seen[i].gpu;
-            }
+    }
+    CUcontext c = known_ctx;
+    if (ctx_known != 1 + epoch) {
+        c = NULL;
+        if (!real.ctx_get || real.ctx_get(&c) != CU_OK || !c) {
+            ctx_known = gpu_known = 0;
+            return per_gpu ? 0 : -1;  /* (no context: the driver refuses the launch itself) */
+        }
+        known_ctx = c;
+        ctx_known = 1 + epoch;
+    }
+    for (int i = 0; i < SEEN; i++)
+        if (seen[i].c == c) {
+            known_gpu = seen[i].gpu;
+            gpu_known = 1 + epoch;
+            return known_gpu;
+        }
     CUdevice dev = -1;
     int k = -1;
     if (per_gpu && real.ctx_get_device && real.ctx_get_device(&dev) == CU_OK)
         k = page_index(dev);
-    known_ctx = c;
     known_gpu = k;
+    gpu_known = 1 + epoch;
     seen[seen_next % SEEN].c = c;
     seen[seen_next++ % SEEN].gpu = k;
     pthread_mutex_lock(&ctx_lock);
@@ -75,6 +89,35 @@ int note_context_slow(CUcontext c, int got)
     }
     pthread_mutex_unlock(&ctx_lock);
     return k;
+}
+
+/* A wrapped call that may have changed the calling thread's current context returned (whether it
+ * succeeded or not): the context the driver left current is asked once, here, off the launch path,
+ * and is the thread's known one; its page GPU is looked up at its next launch (seen above, else
+ * asked), so a context is still listed for the drain at its first launch, not at a switch. No
+ * context current: not known (the next launch asks). */
+void contexts_switched(void)
+{
+    unsigned epoch = __atomic_load_n(&contexts_epoch, __ATOMIC_ACQUIRE);
+    CUcontext c = NULL;
+    in_driver++;
+    int got = real.ctx_get && real.ctx_get(&c) == CU_OK && c;
+    in_driver--;
+    if (!got) {
+        ctx_known = gpu_known = 0;
+        return;
+    }
+    if (c != known_ctx)
+        gpu_known = 0;  /* (the same context again: its page GPU, as of its epoch, stays) */
+    known_ctx = c;
+    ctx_known = 1 + epoch;
+}
+
+/* The next epoch (ctx_lock held, or the only thread): never UINT_MAX, whose 1 + is a thread's "not known" */
+static void epoch_next(void)
+{
+    if (__atomic_add_fetch(&contexts_epoch, 1, __ATOMIC_RELEASE) == ~0u)
+        __atomic_add_fetch(&contexts_epoch, 1, __ATOMIC_RELEASE);
 }
 
 /* The page GPU of context c (ctx_lock held), -2 if it is not known. */
@@ -101,7 +144,7 @@ int contexts_forget(CUcontext c, CUdevice dev, CUcontext *gone)
         } else
             i++;
     }
-    __atomic_add_fetch(&contexts_epoch, 1, __ATOMIC_RELEASE);
+    epoch_next();
     return n;
 }
 
@@ -282,5 +325,6 @@ void contexts_forked(void)
     syncing_dev = -1;
     memset(caps, 0, sizeof caps);
     known_ctx = NULL;
-    __atomic_add_fetch(&contexts_epoch, 1, __ATOMIC_RELEASE);
+    ctx_known = gpu_known = 0;
+    epoch_next();
 }

@@ -20,6 +20,11 @@
  * it: cuGreenCtxDestroy forgets that one (issue 45, item 8). The application's own events are never
  * used by the library: their destruction is the driver's.
  *
+ * The calls that change the calling thread's current context (cuCtxSetCurrent, the pushes and pops,
+ * the destroys and cuCtxDetach, the primary context's release and reset; the creates are memory.c's)
+ * tell contexts.c what they left current: a launch then needs no driver call to know its GPU
+ * (docs/isolation.md, "The launch path").
+ *
  * Captures (issue 45, item 2): the syncer never synchronizes a context with a capture on (in every
  * capture mode that invalidates it: the CUDA Programming Guide, "Prohibited and Unhandled
  * Operations"), whatever stream it is on, queued into or not: cuStreamBeginCapture's forms count one
@@ -36,6 +41,7 @@ typedef CUresult (*begin_fn)(void *);
 typedef CUresult (*begin2_fn)(void *, int);
 typedef CUresult (*begin_graph_fn)(void *, void *, const void *, const void *, size_t, int);
 typedef CUresult (*end_fn)(void *, void **);
+typedef CUresult (*pop_fn)(CUcontext *);
 static void *lazy(void **slot, const char *name)
 {
     void *f = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
@@ -49,7 +55,8 @@ static void *real_cuStreamDestroy, *real_cuStreamDestroy_v2, *real_cuCtxDestroy,
     *real_cuDevicePrimaryCtxReset_v2, *real_cuGreenCtxDestroy, *real_cuCtxFromGreenCtx, *real_cuStreamGetCtx,
     *real_cuStreamBeginCapture, *real_cuStreamBeginCapture_ptsz, *real_cuStreamBeginCapture_v2,
     *real_cuStreamBeginCapture_v2_ptsz, *real_cuStreamBeginCaptureToGraph, *real_cuStreamBeginCaptureToGraph_ptsz,
-    *real_cuStreamEndCapture, *real_cuStreamEndCapture_ptsz;
+    *real_cuStreamEndCapture, *real_cuStreamEndCapture_ptsz, *real_cuCtxSetCurrent, *real_cuCtxPushCurrent,
+    *real_cuCtxPushCurrent_v2, *real_cuCtxPopCurrent, *real_cuCtxPopCurrent_v2, *real_cuCtxDetach;
 
 /* Forget context c (NULL: every one of CUDA device `dev`; dev -1 with c NULL: every one), its queues
  * and its charge's clock, and wait for the syncer to be done with it. */
@@ -107,6 +114,9 @@ static CUresult stream_destroy(handle_fn fn, void *stream)
 CUresult cuStreamDestroy(void *stream) { return stream_destroy(REAL(handle_fn, cuStreamDestroy), stream); }
 CUresult cuStreamDestroy_v2(void *stream) { return stream_destroy(REAL(handle_fn, cuStreamDestroy_v2), stream); }
 
+/* cuCtxDestroy pops the context when it is the calling thread's current one (cuda.h: "If ctx is
+ * current to the calling thread then ctx will also be popped from the current thread's context
+ * stack (as though cuCtxPopCurrent() were called)"): what it leaves current is asked after it. */
 static CUresult ctx_destroy(handle_fn fn, CUcontext c)
 {
     PASS_THROUGH(fn, c);
@@ -114,13 +124,21 @@ static CUresult ctx_destroy(handle_fn fn, CUcontext c)
     in_driver++;
     CUresult r = fn(c);
     in_driver--;
+    contexts_switched();
     return r;
 }
 CUresult cuCtxDestroy(CUcontext c) { return ctx_destroy(REAL(handle_fn, cuCtxDestroy), c); }
 CUresult cuCtxDestroy_v2(CUcontext c) { return ctx_destroy(REAL(handle_fn, cuCtxDestroy_v2), c); }
+/* cuCtxDetach (CUDA 2.0, deprecated): "Decrements the usage count of the context ctx, and destroys the
+ * context if the usage count goes to 0 ... must be current to the calling thread" (cuda.h): forgotten
+ * as a destroy is, whether or not it was the last use (a live one is noted again at its next launch) */
+CUresult cuCtxDetach(CUcontext c) { return ctx_destroy(REAL(handle_fn, cuCtxDetach), c); }
 
 /* cuDevicePrimaryCtxReset and cuDevicePrimaryCtxRelease (the primary context's handle is not known
- * here: the device's all are forgotten) */
+ * here: the device's all are forgotten). Neither pops it (cuda.h: "unlike cuCtxDestroy() this method
+ * does not pop the context from stack in any circumstances"), but the last release destroys it: the
+ * thread may be left with no live current context, so what is current is asked after it (the
+ * forgetting has already made every thread's known context of an older epoch: asked again). */
 static CUresult primary_end(device_fn fn, CUdevice dev)
 {
     PASS_THROUGH(fn, dev);
@@ -128,6 +146,7 @@ static CUresult primary_end(device_fn fn, CUdevice dev)
     in_driver++;
     CUresult r = fn(dev);
     in_driver--;
+    contexts_switched();
     return r;
 }
 CUresult cuDevicePrimaryCtxReset(CUdevice dev) { return primary_end(REAL(device_fn, cuDevicePrimaryCtxReset), dev); }
@@ -143,6 +162,31 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
     return primary_end(REAL(device_fn, cuDevicePrimaryCtxRelease_v2), dev);
 }
+
+/* ---- the calls that change the calling thread's current context (docs/isolation.md, "The launch
+ * path": the launch takes the context they leave current from the thread's record, with no driver
+ * call). From cuda.h (CUDA 13.5): cuCtxSetCurrent "Binds the specified CUDA context to the calling
+ * CPU thread ... this will replace the top of that stack with ctx" (NULL: pops it); cuCtxPushCurrent
+ * "The specified context becomes the CPU thread's current context"; cuCtxPopCurrent: "If a context was
+ * current to the CPU thread before cuCtxCreate() or cuCtxPushCurrent() was called, this function makes
+ * that context current to the CPU thread again". The CUDA 2.0 forms (cuCtxPushCurrent and
+ * cuCtxPopCurrent, cudaTypedefs.h's PFN_..._v2000) take the same arguments. Whatever they return,
+ * the context left current is asked once, after them (a green context's CUcontext included: the
+ * driver's answer, not the argument). ---- */
+#define SWITCH(fn, ...)                          \
+    do {                                         \
+        PASS_THROUGH(fn, __VA_ARGS__);           \
+        in_driver++;                             \
+        CUresult r_ = (fn)(__VA_ARGS__);         \
+        in_driver--;                             \
+        contexts_switched();                     \
+        return r_;                               \
+    } while (0)
+CUresult cuCtxSetCurrent(CUcontext c) { SWITCH(REAL(handle_fn, cuCtxSetCurrent), c); }
+CUresult cuCtxPushCurrent(CUcontext c) { SWITCH(REAL(handle_fn, cuCtxPushCurrent), c); }
+CUresult cuCtxPushCurrent_v2(CUcontext c) { SWITCH(REAL(handle_fn, cuCtxPushCurrent_v2), c); }
+CUresult cuCtxPopCurrent(CUcontext *c) { SWITCH(REAL(pop_fn, cuCtxPopCurrent), c); }
+CUresult cuCtxPopCurrent_v2(CUcontext *c) { SWITCH(REAL(pop_fn, cuCtxPopCurrent_v2), c); }
 
 /* cuGreenCtxDestroy (CUDA 12.4): the CUcontext its launches went through is forgotten first */
 CUresult cuGreenCtxDestroy(void *green)

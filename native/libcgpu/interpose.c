@@ -73,6 +73,7 @@ CUresult cuMemPoolTrimTo(void *, size_t);
 CUresult cuMemCreate(CUdeviceptr *, size_t, const void *, unsigned long long);
 CUresult cuMemRelease(CUdeviceptr);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxCreate(CUcontext *, unsigned, CUdevice);
 CUresult cuCtxCreate_v2(CUcontext *, unsigned, CUdevice);
 CUresult cuCtxCreate_v3(CUcontext *, void *, int, unsigned, CUdevice);
 CUresult cuCtxCreate_v4(CUcontext *, void *, unsigned, CUdevice);
@@ -123,6 +124,12 @@ CUresult cuStreamDestroy(void *);
 CUresult cuStreamDestroy_v2(void *);
 CUresult cuCtxDestroy(void *);
 CUresult cuCtxDestroy_v2(void *);
+CUresult cuCtxDetach(void *);
+CUresult cuCtxSetCurrent(void *);
+CUresult cuCtxPushCurrent(void *);
+CUresult cuCtxPushCurrent_v2(void *);
+CUresult cuCtxPopCurrent(void **);
+CUresult cuCtxPopCurrent_v2(void **);
 CUresult cuDevicePrimaryCtxRelease(int);
 CUresult cuDevicePrimaryCtxRelease_v2(int);
 CUresult cuDevicePrimaryCtxReset(int);
@@ -243,7 +250,7 @@ static const struct form {
     {"cuMipmappedArrayCreate", 5000, 0, "cuMipmappedArrayCreate", (void *)cuMipmappedArrayCreate},
     {"cuMipmappedArrayDestroy", 5000, 0, "cuMipmappedArrayDestroy", (void *)cuMipmappedArrayDestroy},
     {"cuDevicePrimaryCtxRetain", 7000, 0, "cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
-    {"cuCtxCreate", 2000, 0, "cuCtxCreate", NULL},
+    {"cuCtxCreate", 2000, 0, "cuCtxCreate", (void *)cuCtxCreate},
     {"cuCtxCreate", 3020, 0, "cuCtxCreate_v2", (void *)cuCtxCreate_v2},
     {"cuCtxCreate", 11040, 0, "cuCtxCreate_v3", (void *)cuCtxCreate_v3},
     {"cuCtxCreate", 12050, 0, "cuCtxCreate_v4", (void *)cuCtxCreate_v4},
@@ -311,6 +318,12 @@ static const struct form {
     {"cuStreamDestroy", 4000, 0, "cuStreamDestroy_v2", (void *)cuStreamDestroy_v2},
     {"cuCtxDestroy", 2000, 0, "cuCtxDestroy", (void *)cuCtxDestroy},
     {"cuCtxDestroy", 4000, 0, "cuCtxDestroy_v2", (void *)cuCtxDestroy_v2},
+    {"cuCtxDetach", 2000, 0, "cuCtxDetach", (void *)cuCtxDetach},
+    {"cuCtxSetCurrent", 4000, 0, "cuCtxSetCurrent", (void *)cuCtxSetCurrent},
+    {"cuCtxPushCurrent", 2000, 0, "cuCtxPushCurrent", (void *)cuCtxPushCurrent},
+    {"cuCtxPushCurrent", 4000, 0, "cuCtxPushCurrent_v2", (void *)cuCtxPushCurrent_v2},
+    {"cuCtxPopCurrent", 2000, 0, "cuCtxPopCurrent", (void *)cuCtxPopCurrent},
+    {"cuCtxPopCurrent", 4000, 0, "cuCtxPopCurrent_v2", (void *)cuCtxPopCurrent_v2},
     {"cuDevicePrimaryCtxRelease", 7000, 0, "cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease},
     {"cuDevicePrimaryCtxRelease", 11000, 0, "cuDevicePrimaryCtxRelease_v2", (void *)cuDevicePrimaryCtxRelease_v2},
     {"cuDevicePrimaryCtxReset", 7000, 0, "cuDevicePrimaryCtxReset", (void *)cuDevicePrimaryCtxReset},

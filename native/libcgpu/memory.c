@@ -445,8 +445,13 @@ void driver_share(int g)
 }
 
 /* A process's first context on a GPU: NVML's list of processes before and after it, to find
- * which of them is this process (inside a PID namespace NVML names it by the host's PID). */
-#define CONTEXT_MADE(dev, call)                                                 \
+ * which of them is this process (inside a PID namespace NVML names it by the host's PID). A create
+ * (`pushed` 1) makes its context current (cuda.h, cuCtxCreate: "Creates a new CUDA context and
+ * associates it with the calling thread ... If a context is already current to the thread, it is
+ * supplanted by the newly created context"; cuDevicePrimaryCtxRetain: "Unlike cuCtxCreate() the newly
+ * retained context is not pushed onto the stack"): the thread's known current context is then what
+ * the driver left (contexts.c). */
+#define CONTEXT_MADE(dev, pushed, call)                                                 \
     do {                                                                         \
         int g_ = page_index(dev);                                                \
         if (g_ >= 0 && !__atomic_load_n(&driver_counted[g_], __ATOMIC_ACQUIRE)) { \
@@ -458,6 +463,8 @@ void driver_share(int g)
         in_driver++;                                                             \
         CUresult r_ = (call);                                                    \
         in_driver--;                                                             \
+        if (pushed)                                                              \
+            contexts_switched();                                                 \
         if (g_ >= 0) {                                                           \
             if (r_ == CU_OK)                                                     \
                 nvml_context_after(g_);                                          \
@@ -469,25 +476,36 @@ void driver_share(int g)
 CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev)
 {
     PASS_THROUGH(real.primary_retain, ctx, dev);
-    CONTEXT_MADE(dev, real.primary_retain(ctx, dev));
+    CONTEXT_MADE(dev, 0, real.primary_retain(ctx, dev));
+}
+
+/* (cuCtxCreate: CUDA 2.0's form, cudaTypedefs.h's PFN_cuCtxCreate_v2000, the same arguments) */
+CUresult cuCtxCreate(CUcontext *ctx, unsigned flags, CUdevice dev)
+{
+    static void *real_v1;
+    ctx_create2_fn fn = __atomic_load_n(&real_v1, __ATOMIC_ACQUIRE);
+    if (!fn && (fn = (ctx_create2_fn)sym("cuCtxCreate")))
+        __atomic_store_n(&real_v1, (void *)fn, __ATOMIC_RELEASE);
+    PASS_THROUGH(fn, ctx, flags, dev);
+    CONTEXT_MADE(dev, 1, fn(ctx, flags, dev));
 }
 
 CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice dev)
 {
     PASS_THROUGH(real.ctx_create2, ctx, flags, dev);
-    CONTEXT_MADE(dev, real.ctx_create2(ctx, flags, dev));
+    CONTEXT_MADE(dev, 1, real.ctx_create2(ctx, flags, dev));
 }
 
 CUresult cuCtxCreate_v3(CUcontext *ctx, void *affinity, int n, unsigned flags, CUdevice dev)
 {
     PASS_THROUGH(real.ctx_create3, ctx, affinity, n, flags, dev);
-    CONTEXT_MADE(dev, real.ctx_create3(ctx, affinity, n, flags, dev));
+    CONTEXT_MADE(dev, 1, real.ctx_create3(ctx, affinity, n, flags, dev));
 }
 
 CUresult cuCtxCreate_v4(CUcontext *ctx, void *params, unsigned flags, CUdevice dev)
 {
     PASS_THROUGH(real.ctx_create4, ctx, params, flags, dev);
-    CONTEXT_MADE(dev, real.ctx_create4(ctx, params, flags, dev));
+    CONTEXT_MADE(dev, 1, real.ctx_create4(ctx, params, flags, dev));
 }
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t size)

@@ -174,6 +174,7 @@ CUresult cuCtxSynchronize(void)
 }
 CUresult cuCtxGetCurrent(CUcontext *ctx)
 {
+    stub_ctx_asked();  /* (CGPU_STUB_CUDA_CTX_CALLS: a test counts them) */
     if (!ctx) return INVALID_VALUE;
     if (cur_green) {
         *ctx = cur_green->alive ? (CUcontext)&cur_green->as_ctx : NULL;  /* (destroyed: none current) */

@@ -40,6 +40,7 @@ enum {
 /* ---- cuda_log.c ---- */
 HIDDEN void stub_trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));  /* CGPU_STUB_CUDA_TRACE */
 void stub_called(const char *name);  /* (CGPU_STUB_CUDA_CALLS: the entry point's name logged) */
+HIDDEN void stub_ctx_asked(void);    /* (CGPU_STUB_CUDA_CTX_CALLS: a cuCtxGetCurrent logged) */
 
 /* ---- cuda_mps.c: the process as an MPS client (issue 37, docs/mps.md) ---- */
 enum { STUB_DEVICE_UNAVAILABLE = 46, STUB_MPS_CONNECTION_FAILED = 805 };
