@@ -32,7 +32,9 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "tests"), str(HERE)]  # (tests/cluster.py, not bench/cluster.py)
 
 
-def one(image: str, how: str) -> dict[str, float]:
+def one(image: str, how: str, chart: Path | None = None) -> dict[str, float]:
+    """`how` (helm or kustomize) on a node of its own with `image`; helm installs `chart` (default: this
+    tree's)."""
     from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, kubeconfig
     from test_cluster import running
     from test_cluster_daemonset import Node
@@ -47,7 +49,7 @@ def one(image: str, how: str) -> dict[str, float]:
             renderer = post_renderer(node)
             name, tag = image.rsplit(":", 1)
             at = time.monotonic()
-            helm(c, "install", "cgpud", os.fspath(CHART), "--namespace", NAMESPACE, "--post-renderer", renderer,
+            helm(c, "install", "cgpud", os.fspath(chart or CHART), "--namespace", NAMESPACE, "--post-renderer", renderer,
                  "--set", f"image.repository={name}", "--set", f"image.tag={tag}")
             c.kubectl("label", "node", NODE, "cgpu.aliyun.com/node=true", "--overwrite")
             token = c.kubectl("create", "token", SA, "-n", NAMESPACE, "--duration", "1h").stdout.strip()
@@ -62,7 +64,10 @@ def one(image: str, how: str) -> dict[str, float]:
         deadline = at + 300
         while not running(c.get("pod", "first")):
             if time.monotonic() > deadline:
-                raise SystemExit(f"{how}: the first pod not Running within 300 s\n{c.events('first')}\n{c.logs()}")
+                daemon = c.kubectl("logs", "-n", NAMESPACE, "ds/cgpud", "--all-containers", "--previous",
+                                   "--tail", "40", check=False)
+                raise SystemExit(f"{how}: the first pod not Running within 300 s\n{c.events('first')}\n"
+                                 f"the DaemonSet's pod before its last restart:\n{daemon.stdout}{daemon.stderr}\n{c.logs()}")
             time.sleep(0.05)
         got["running"] = time.monotonic() - at
         c.delete_pod("first")
@@ -73,6 +78,7 @@ def one(image: str, how: str) -> dict[str, float]:
 
 def main() -> None:
     from daemonset import build_image
+    from test_helm import CHART
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=1)
@@ -80,23 +86,26 @@ def main() -> None:
     args = ap.parse_args()
     image = build_image()
     runs: dict[str, list[dict]] = {"helm": [], "kustomize": []}
-    old_image, old_runs = None, []
+    old_image, old_chart, old_runs = None, None, []
+    old_tree = tempfile.TemporaryDirectory(prefix="cgpud-bench-helm-old-")
     if args.old_ref:
         from image import build, remove, tree
 
         old_tag = f"localhost/cgpud-bench-helm-old:{os.getpid()}"  # (name:tag: the node's overlay splits it)
-        with tempfile.TemporaryDirectory(prefix="cgpud-bench-helm-old-") as tmp:
-            build(old_tag, "amd64", cwd=tree(Path(tmp), args.old_ref, cold=False))
+        at = tree(Path(old_tree.name), args.old_ref, cold=False)
+        build(old_tag, "amd64", cwd=at)
         old_image = f"{old_tag}-amd64"
+        old_chart = at / CHART.relative_to(ROOT)  # (its own chart: this tree's passes flags its cgpud lacks)
     try:
         for _ in range(args.runs):
             for how in runs:
                 runs[how].append(one(image, how))
             if old_image:
-                old_runs.append(one(old_image, "helm"))
+                old_runs.append(one(old_image, "helm", old_chart))
     finally:
         if old_image:
             remove(old_tag, ["amd64"])
+        old_tree.cleanup()
     print(f"the device-plugin path on one node, {args.runs} run(s) each (median), "
           f"load average {os.getloadavg()[0]:.1f}:")
     print(f"  {'':44} {'helm install (min–max)':>24}   kubectl apply -k (reference)")
