@@ -66,7 +66,7 @@ def one(image: str, how: str, chart: Path | None = None) -> dict[str, float]:
             if time.monotonic() > deadline:
                 daemon = c.kubectl("logs", "-n", NAMESPACE, "ds/cgpud", "--all-containers", "--previous",
                                    "--tail", "40", check=False)
-                raise SystemExit(f"{how}: the first pod not Running within 300 s\n{c.events('first')}\n"
+                raise SystemExit(f"{how} of {image}: the first pod not Running within 300 s\n{c.events('first')}\n"
                                  f"the DaemonSet's pod before its last restart:\n{daemon.stdout}{daemon.stderr}\n{c.logs()}")
             time.sleep(0.05)
         got["running"] = time.monotonic() - at
