@@ -29,7 +29,7 @@ each GPU 14 units (a T4).
    nodes, the same transport). The extender's resident memory against itself before the nodes.
 
     .venv/bin/python bench/binpack.py [--nodes 1000] [--pods 400] [--big 5000] [--calls 100] [--dra 1]
-                                      [--no-before] [--logs DIR]
+                                      [--no-before] [--logs DIR] [--profile DIR]
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import http.client
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -175,6 +176,7 @@ class Run:
         self.api.api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = CREATORS
         self.seen: tuple[str, str, str, dict] = ("", "", "", {})
         self.calls = ""  # the extender's /metrics after the last burst
+        self.profile: tuple[str, str] | None = None  # (py-spy, directory): each burst's extender sampled
 
     def cpu(self) -> dict[str, float]:
         got = {name: cpu_s(p.proc.pid) for name, p in self.c.procs.items()
@@ -222,6 +224,7 @@ class Run:
         self.seen = (self.c.scheduler_metrics(), self.c.apiserver_metrics(), self.get("/metrics")[1].decode(),
                      self.cpu())
         watched = Watched(self.api, prefix + "-")
+        spy = self.spy(prefix)
         t0 = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(CREATORS) as pool:
             list(pool.map(lambda b: self.api.create_namespaced_pod("default", b, _preload_content=False)
@@ -231,10 +234,26 @@ class Run:
             items = watched.until_bound(n, 600)
         finally:
             watched.stop()
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # (py-spy writes its samples and ends)
+                spy.wait(60)
         took = time.monotonic() - t0
         self.calls = self.get("/metrics")[1].decode()
         self.used = {k: v - self.seen[3].get(k, 0.0) for k, v in self.cpu().items()}
         return took, items
+
+    def spy(self, prefix: str):
+        """py-spy sampling the extender (the thread holding the GIL, each sample's thread named) through
+        the burst, its samples in collapsed stacks (--profile; bench/spyshare.py reads them)."""
+        if self.profile is None:
+            return None
+        import subprocess
+
+        py_spy, out = self.profile
+        return subprocess.Popen([py_spy, "record", "--pid", str(self.c.procs["extender"].proc.pid), "--rate", "200",
+                                 "--gil", "--threads", "--nonblocking", "--format", "raw",
+                                 "-o", os.path.join(out, f"{prefix}.txt")],
+                                stdout=subprocess.DEVNULL, stderr=open(os.path.join(out, f"{prefix}.log"), "wb"))
 
     def one(self, name: str, units: int, count: int) -> str:
         """A pod created after a burst: where it went within 30 s, or why it is Pending."""
@@ -273,6 +292,8 @@ class Run:
         took = [mean("scheduler_scheduling_attempt_duration_seconds"), 1]
         cycle = ", ".join(f"{point} {ms(mean('scheduler_framework_extension_point_duration_seconds', extension_point=point))}"
                           for point in ("PreFilter", "Filter", "PreScore", "Score", "Reserve", "Permit"))
+        # the serial part of a pod's scheduling (plugins' filters and scores and the extender's answers)
+        cycle += f"; algorithm {ms(mean('scheduler_scheduling_algorithm_duration_seconds')).strip()} a pod"
         conflicts = sum(delta(counters(api, "apiserver_request_total", resource="nodes", verb="PATCH", code="409"),
                               counters(self.seen[1], "apiserver_request_total", resource="nodes", verb="PATCH",
                                        code="409")).values())
@@ -458,6 +479,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--dra", type=int, default=1, help="the burst through claims too (0: not)")
     ap.add_argument("--logs", help="copy the components' logs into this directory at the end")
+    ap.add_argument("--profile", metavar="DIR", help="sample the extender with py-spy through each burst into DIR")
+    ap.add_argument("--py-spy", default="py-spy", help="py-spy's path (--profile)")
     ap.add_argument("--no-before", action="store_true", help="leave out the burst with kube-scheduler's own scoring")
     args = ap.parse_args()
 
@@ -476,6 +499,9 @@ def main() -> None:
         pid = c.procs["extender"].proc.pid
         rss0 = rss_mb(pid)
         run = Run(c, extender_addr())
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            run.profile = (args.py_spy, args.profile)
         t = time.monotonic()
         make_fake_nodes(c, args.nodes, 2)
         print(f"{args.nodes} nodes made through the API in {time.monotonic() - t:.0f} s")
