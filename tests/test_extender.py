@@ -528,7 +528,8 @@ def test_the_extender_exports_the_clusters_whole_gpu_fragmentation(ext):
     ext.caught_up()
     with urllib.request.urlopen(ext.url.rsplit("/", 1)[0] + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("cgpu_")}
+    got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+           if line.startswith("cgpu_") and not line.startswith("cgpu_extender_events_")}  # (not fragmentation)
     assert got == {"cgpu_extender_gpus": 8, "cgpu_extender_gpus_whole": 5, "cgpu_extender_gpus_partly_used": 3,
                    "cgpu_extender_partly_used_free_units": 2 + 11 + 5, "cgpu_extender_nodes": 5,
                    "cgpu_extender_nodes_whole": 1}, text
@@ -782,3 +783,37 @@ def test_a_watch_behind_a_binds_own_write_does_not_undo_it(ext):
     assert bind(names[2]) == 200
     assert api.count("get", "nodes") == reads
     assert units_on_gpus(api, names) == {"0": 9}
+
+
+def metric(ext, name: str) -> float:
+    """One sample of the extender's GET /metrics."""
+    with urllib.request.urlopen(ext.url.rsplit("/", 1)[0] + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_burst_of_binds_writes_a_bounded_number_of_events_and_counts_the_rest(ext):
+    """A pod event is a write to etcd like the Binding: a burst of binds writes EVENTS_BURST of them at
+    once, then EVENTS_PER_SECOND; the others are dropped and counted in GET /metrics. Each pod is bound
+    with its annotations either way. (The clock stands still through the burst, then moves on.)"""
+    api = ext.api
+    api.add_node("n1", gpus=2, units=28)
+    names = one_node_of_pods(api, "e", 8) + [f"f{k:02d}" for k in range(extender.EVENTS_BURST)]
+    for name in names[8:]:
+        api.add_pod(name, [1])
+    now = [1000.0]
+    ext.state.events.clock = lambda: now[0]
+    for name in names:
+        assert ext.call("/bind", {"PodName": name, "PodNamespace": "default",
+                                  "Node": "n0" if name < "f" else "n1"})[0] == 200
+    assert len(api.bindings) == len(names)
+    assert all("ALIYUN_COM_GPU_MEM_IDX" in api.pods[("default", n)]["metadata"]["annotations"] for n in names)
+    assert len(api.events) == extender.EVENTS_BURST
+    assert metric(ext, "cgpu_extender_events_dropped_total") == len(names) - extender.EVENTS_BURST
+    now[0] += 1 / extender.EVENTS_PER_SECOND  # (a token back)
+    api.add_pod("later", [1])
+    assert ext.call("/bind", {"PodName": "later", "PodNamespace": "default", "Node": "n1"})[0] == 200
+    assert api.events[-1]["involvedObject"]["name"] == "later"
+
