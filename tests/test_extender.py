@@ -817,3 +817,29 @@ def test_a_burst_of_binds_writes_a_bounded_number_of_events_and_counts_the_rest(
     assert ext.call("/bind", {"PodName": "later", "PodNamespace": "default", "Node": "n1"})[0] == 200
     assert api.events[-1]["involvedObject"]["name"] == "later"
 
+
+def test_the_watchs_event_for_a_binds_own_write_is_not_read_again(ext):
+    """A bind's patch answers with the Node it wrote, which the extender holds at once (its free units
+    worked out by the next filter); the watch then brings that same version: it is not read again
+    (nor its free units worked out again), only a version the extender does not hold is."""
+    api = ext.api
+    names = one_node_of_pods(api, "v", 2)
+    ext.caught_up()
+    brought = []
+    nodes_watch = ext.state.informers["nodes"]
+    apply, nodes_watch.event = nodes_watch.event, lambda kind, obj: brought.append((kind, obj))
+    assert call(ext.url, "/bind", {"PodName": names[0], "PodNamespace": "default", "Node": "n0"})[0] == 200
+    until(lambda: brought, "the watch bringing the bind's write")
+    held = ext.state.nodes["n0"]
+    pod = api.add_pod("asks3", [3])
+    assert call(ext.url, "/filter", {"Pod": pod, "NodeNames": ["n0"]})[1]["NodeNames"] == ["n0"]
+    worked_out = held.free
+    assert worked_out == [11, 14]
+    for kind, obj in brought:
+        apply(kind, obj)
+    assert ext.state.nodes["n0"] is held and held.free is worked_out
+    changed = json.loads(json.dumps(brought[-1][1]))  # (a change of the node's own, a version not held)
+    changed["metadata"]["labels"] = {"ack.node.gpu.placement": "spread"}
+    changed["metadata"]["resourceVersion"] = "999999"
+    apply("MODIFIED", changed)
+    assert ext.state.nodes["n0"] is not held and ext.state.nodes["n0"].strategy == "spread"
