@@ -843,3 +843,63 @@ def test_the_watchs_event_for_a_binds_own_write_is_not_read_again(ext):
     changed["metadata"]["resourceVersion"] = "999999"
     apply("MODIFIED", changed)
     assert ext.state.nodes["n0"] is not held and ext.state.nodes["n0"].strategy == "spread"
+
+
+def exchange(ext, head: list[bytes], body: bytes = b"") -> tuple[int, bytes]:
+    """One request written as `head` (its request line and header lines) and `body` on a socket of its
+    own, read until the extender closes the connection: its status and body. (No http.client: its
+    answer's headers go through the email parser.)"""
+    import socket
+
+    with socket.create_connection(ext.server.server_address[:2], timeout=10) as sock:
+        sock.sendall(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1."), answer[:200]
+    return int(answer.split()[1]), answer.partition(b"\r\n\r\n")[2]
+
+
+def test_the_scheduling_cycles_calls_cost_no_email_parsing_nor_a_json_dict_per_node(ext, monkeypatch):
+    """filter and prioritize are on kube-scheduler's scheduling cycle, one pod at a time: a request's
+    headers are read without the email package's parser (the standard library's way), and
+    prioritize's HostPriorityList is written out, not json.dumps'd a dict per candidate node; the
+    answers are what they were. Names no API server would allow still come back as JSON."""
+    import email.parser
+
+    from cgpud.k8s import score
+
+    api = ext.api
+    packing_nodes(api)
+    pod = api.add_pod("asks3", [3])
+    ext.caught_up()
+    names = ["a", "b", "c", "d", "e"]
+    want = scores(ext, pod, names)
+    body = json.dumps({"Pod": pod, "NodeNames": names}).encode()
+    monkeypatch.setattr(email.parser.Parser, "parsestr", lambda *a, **kw: pytest.fail("the email parser was asked"))
+    dumped = []
+    dumps = json.dumps
+    monkeypatch.setattr(json, "dumps", lambda obj, *a, **kw: dumped.append(obj) or dumps(obj, *a, **kw))
+    code, answer = exchange(ext, [b"POST /gpushare-scheduler/prioritize HTTP/1.1", b"Host: x", b"Connection: close",
+                                  b"content-type: application/json", b"Content-Length: %d" % len(body)], body)
+    assert code == 200 and {h["Host"]: h["Score"] for h in json.loads(answer)} == want
+    assert not [d for d in dumped if isinstance(d, list)]  # (no HostPriorityList through json.dumps)
+    odd = [{"Host": 'n"1\\', "Score": 3}, {"Host": "\u00dcn\u00ef", "Score": 0}]
+    assert json.loads(score.encode(odd)) == odd
+
+
+@pytest.mark.parametrize("lines, code", [
+    ([b"Content-Length: 2"], 404),
+    ([b"content-length: 2"], 404),  # (a name in any case)
+    ([b"Content-Length 2"], 400),  # (no colon)
+    ([b" Content-Length: 2"], 400),  # (a folded line: refused, as RFC 9112 lets a server)
+    ([b"X-%d: 1" % k for k in range(101)] + [b"Content-Length: 2"], 431),
+    ([b"X-Long: " + b"x" * 70000, b"Content-Length: 2"], 431),
+])
+def test_a_requests_headers_are_read_by_the_rules(ext, lines, code):
+    """The extender's own header reading: names in any case, Connection: close honoured (the answer
+    read to the connection's end), a line without a colon or folded 400, over 100 headers or a line
+    over 64 KiB 431."""
+    got, _ = exchange(ext, [b"POST /gpushare-scheduler/nothing HTTP/1.1", b"Host: x", b"Connection: close", *lines],
+                      b"{}")
+    assert got == code

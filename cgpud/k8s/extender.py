@@ -43,9 +43,9 @@ import sys
 import threading
 import time
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
-from cgpud.k8s import cluster, score, view
+from cgpud.k8s import cluster, httpjson, score, view
 from cgpud.k8s.api import done
 from cgpud.k8s.httpjson import Server, send_json
 from cgpud.k8s.view import ASSUMED_SECONDS, BadRequest, Node, Pod, State, dump_assumed, gpu_count
@@ -419,13 +419,18 @@ def _view(node: Node, pods: dict) -> dict:
             "instances": insts}
 
 
+def prioritize(state: State, args: dict) -> bytes:
+    """cgpud.k8s.score's HostPriorityList, as JSON."""
+    return score.encode(score.prioritize(state, args))
+
+
 def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
     if state.events is None:
         state.events = Events(state.api)
     calls = Calls(state.events)
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(httpjson.Handler):  # (its headers read without the email parser)
         # kube-scheduler's client keeps its connections (Go's transport): one per binding goroutine and
         # the scheduling cycle's, not a connection and a thread made for each call
         protocol_version = "HTTP/1.1"
@@ -481,7 +486,7 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
                     raise ValueError("not an object")
             except ValueError as exc:
                 return self._send(400, {"Error": f"the body is not a JSON object ({exc})"})
-            fn = {f"{PREFIX}/filter": filter_nodes, f"{PREFIX}/prioritize": score.prioritize,
+            fn = {f"{PREFIX}/filter": filter_nodes, f"{PREFIX}/prioritize": prioritize,
                   f"{PREFIX}/bind": bind}.get(self.path)
             if fn is None:
                 return self._send(404, {"Error": f"no such path {self.path}"})
