@@ -239,21 +239,40 @@ class Run:
                 spy.wait(60)
         took = time.monotonic() - t0
         self.calls = self.get("/metrics")[1].decode()
+        if self.profile is not None:  # (kube-scheduler's metrics after the burst, whole)
+            Path(self.profile[1], f"{prefix}.kube-scheduler.metrics").write_text(self.c.scheduler_metrics())
         self.used = {k: v - self.seen[3].get(k, 0.0) for k, v in self.cpu().items()}
         return took, items
 
     def spy(self, prefix: str):
         """py-spy sampling the extender (the thread holding the GIL, each sample's thread named) through
-        the burst, its samples in collapsed stacks (--profile; bench/spyshare.py reads them)."""
+        the burst, its samples in collapsed stacks (--profile; bench/spyshare.py reads them); and
+        kube-scheduler's own CPU profile."""
         if self.profile is None:
             return None
         import subprocess
 
         py_spy, out = self.profile
+        threading.Thread(target=self.sched_profile, args=(os.path.join(out, f"{prefix}.kube-scheduler.pprof"),),
+                         daemon=True).start()
         return subprocess.Popen([py_spy, "record", "--pid", str(self.c.procs["extender"].proc.pid), "--rate", "200",
                                  "--gil", "--threads", "--nonblocking", "--format", "raw",
                                  "-o", os.path.join(out, f"{prefix}.txt")],
                                 stdout=subprocess.DEVNULL, stderr=open(os.path.join(out, f"{prefix}.log"), "wb"))
+
+    def sched_profile(self, path: str, seconds: int = 6) -> None:
+        """kube-scheduler's CPU profile for the first `seconds` of a burst (its /debug/pprof, asked as the
+        cluster's administrator; `go tool pprof -top` reads it)."""
+        import ssl
+        import urllib.request
+
+        req = urllib.request.Request(f"https://127.0.0.1:{self.c.scheduler_port}/debug/pprof/profile?seconds={seconds}",
+                                     headers={"Authorization": f"Bearer {self.c.tokens['admin']}"})
+        try:
+            with urllib.request.urlopen(req, context=ssl._create_unverified_context(), timeout=seconds + 30) as r:
+                Path(path).write_bytes(r.read())
+        except OSError as exc:
+            Path(path + ".error").write_text(f"{exc}\n")
 
     def one(self, name: str, units: int, count: int) -> str:
         """A pod created after a burst: where it went within 30 s, or why it is Pending."""
