@@ -86,7 +86,7 @@ def counters(text: str, name: str, **match: str) -> dict[str, float]:
     """The samples of one metric in Prometheus text whose labels include `match`, by their label text."""
     out = {}
     for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in match.items()):
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in match.items()):
             labels, value = line.rsplit(" ", 1)
             out[labels[len(name):]] = float(value)
     return out
@@ -359,8 +359,10 @@ class Run:
         if not n:
             return f"{verb}: not asked"
         over = n - now.get(0.05, 0)
-        return (f"{verb} p50 {ms(quantile(now, 0.5))} p99 {ms(quantile(now, 0.99))} ({n:.0f}, "
-                f"{over / n:.1%} over 50 ms)")
+        total = sum(counters(self.calls, "cgpu_extender_request_seconds_sum", verb=verb).values()) - sum(
+            counters(self.seen[2], "cgpu_extender_request_seconds_sum", verb=verb).values())
+        return (f"{verb} p50 {ms(quantile(now, 0.5))} p99 {ms(quantile(now, 0.99))} mean {ms(total / n).strip()} "
+                f"({n:.0f}, {over / n:.1%} over 50 ms)")
 
 
 def scheduler(c, prioritize: bool) -> None:
@@ -383,15 +385,23 @@ def scheduler(c, prioritize: bool) -> None:
 def bursts(run: Run, nodes: int, gpus: int, pods: int, before: bool = False) -> None:
     print(f"\n== {nodes} nodes x {gpus} GPUs of {UNITS} units, bursts of {pods} pods "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    plain_s, _ = run.burst(f"plain{gpus}", pods, 0)
-    print(f"reference: {pods} pods asking no GPU: all bound in {plain_s:5.1f} s ({pods / plain_s:5.1f} pods/s)")
-    print(f"  {run.waits()}")
-    run.clear()
+
+    def reference(tag: str) -> float:
+        plain_s, _ = run.burst(f"plain{gpus}{tag}", pods, 0)
+        print(f"reference: {pods} pods asking no GPU: all bound in {plain_s:5.1f} s ({pods / plain_s:5.1f} pods/s; "
+              f"load average {os.getloadavg()[0]:.1f})")
+        print(f"  {run.waits()}")
+        run.clear()
+        return plain_s
+
+    first = reference("")
     need = math.ceil(pods / (UNITS // 3))
     ways = [("binpack (default)", False), ("spread (pod annotation)", True)]
     if before:
         ways.append(("before issue 46 (kube-scheduler's own scoring: the extender asked filter and bind only)", None))
-    for how, spread in ways:
+    for k, (how, spread) in enumerate(ways):
+        # (the machine's other load changes within a run: each burst against a plain one just before it too)
+        plain_s = reference("abc"[k]) if k else first
         if spread is None:
             scheduler(run.c, prioritize=False)
         took, items = run.burst(f"{'s' if spread else 'b' if spread is False else 'o'}{gpus}", pods, 3,
@@ -400,8 +410,9 @@ def bursts(run: Run, nodes: int, gpus: int, pods: int, before: bool = False) -> 
         touched = {(p["spec"]["nodeName"], p["metadata"]["annotations"].get("ALIYUN_COM_GPU_MEM_IDX")) for p in items}
         on = {n for n, _ in touched}
         print(f"{how}: {pods} x 3 units bound in {took:5.1f} s ({pods / took:5.1f} pods/s, "
-              f"{plain_s / took:4.2f} of the plain burst's rate); GPUs touched {len(touched)} on {len(on)} nodes "
-              f"(packing needs {need})")
+              f"{plain_s / took:4.2f} of the plain burst's rate just before, {first / took:4.2f} of the first's); "
+              f"GPUs touched {len(touched)} on {len(on)} nodes (packing needs {need}; load average "
+              f"{os.getloadavg()[0]:.1f})")
         print(f"  extender under kube-scheduler: {lat}")
         print(f"  {run.waits()}")
         m = run.metrics()
