@@ -903,3 +903,33 @@ def test_a_requests_headers_are_read_by_the_rules(ext, lines, code):
     got, _ = exchange(ext, [b"POST /gpushare-scheduler/nothing HTTP/1.1", b"Host: x", b"Connection: close", *lines],
                       b"{}")
     assert got == code
+
+
+def test_an_answer_is_one_write_and_a_filters_request_few_reads(ext, monkeypatch):
+    """Each read and write of the extender's server lets go of the GIL, and getting it back waits behind
+    a burst's binds: a filter's answer, headers and body, is one write on its socket, and its request
+    (a pod and 500 names) is read in few reads, not 8 KiB at a time."""
+    import socket
+
+    api = ext.api
+    nodes(api)
+    pod = api.add_pod("asks8", [8])
+    ext.caught_up()
+    body = json.dumps({"Pod": pod, "NodeNames": ["t4", "mixed"] + [f"ghost-node-with-a-long-name-{k:03d}" for k in range(500)]}).encode()
+    assert len(body) > 16 << 10  # (two 8 KiB reads and more)
+    port = ext.server.server_address[1]
+    writes, reads = [], []  # (on the server's end of the connection only)
+    for name, into in (("send", writes), ("sendall", writes), ("recv_into", reads)):
+        real = getattr(socket.socket, name)
+
+        def counted(self, *a, _real=real, _into=into, _name=name, **kw):
+            if self.getsockname()[1] == port:
+                _into.append(_name)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(socket.socket, name, counted)
+    code, answer = exchange(ext, [b"POST /gpushare-scheduler/filter HTTP/1.1", b"Host: x", b"Connection: close",
+                                  b"Content-Length: %d" % len(body)], body)
+    assert code == 200 and json.loads(answer)["NodeNames"] == ["mixed"]
+    assert len(writes) == 1, f"{len(writes)} writes for one answer"
+    assert len(reads) <= 4, f"{len(reads)} reads for a request of {len(body)} bytes"
