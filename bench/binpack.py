@@ -29,7 +29,7 @@ each GPU 14 units (a T4).
    nodes, the same transport). The extender's resident memory against itself before the nodes.
 
     .venv/bin/python bench/binpack.py [--nodes 1000] [--pods 400] [--big 5000] [--calls 100] [--dra 1]
-                                      [--no-before] [--logs DIR]
+                                      [--no-before] [--logs DIR] [--profile DIR]
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import http.client
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -85,7 +86,7 @@ def counters(text: str, name: str, **match: str) -> dict[str, float]:
     """The samples of one metric in Prometheus text whose labels include `match`, by their label text."""
     out = {}
     for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in match.items()):
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in match.items()):
             labels, value = line.rsplit(" ", 1)
             out[labels[len(name):]] = float(value)
     return out
@@ -175,6 +176,7 @@ class Run:
         self.api.api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = CREATORS
         self.seen: tuple[str, str, str, dict] = ("", "", "", {})
         self.calls = ""  # the extender's /metrics after the last burst
+        self.profile: tuple[str, str] | None = None  # (py-spy, directory): each burst's extender sampled
 
     def cpu(self) -> dict[str, float]:
         got = {name: cpu_s(p.proc.pid) for name, p in self.c.procs.items()
@@ -222,6 +224,7 @@ class Run:
         self.seen = (self.c.scheduler_metrics(), self.c.apiserver_metrics(), self.get("/metrics")[1].decode(),
                      self.cpu())
         watched = Watched(self.api, prefix + "-")
+        spy = self.spy(prefix)
         t0 = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(CREATORS) as pool:
             list(pool.map(lambda b: self.api.create_namespaced_pod("default", b, _preload_content=False)
@@ -231,10 +234,45 @@ class Run:
             items = watched.until_bound(n, 600)
         finally:
             watched.stop()
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # (py-spy writes its samples and ends)
+                spy.wait(60)
         took = time.monotonic() - t0
         self.calls = self.get("/metrics")[1].decode()
+        if self.profile is not None:  # (kube-scheduler's metrics after the burst, whole)
+            Path(self.profile[1], f"{prefix}.kube-scheduler.metrics").write_text(self.c.scheduler_metrics())
         self.used = {k: v - self.seen[3].get(k, 0.0) for k, v in self.cpu().items()}
         return took, items
+
+    def spy(self, prefix: str):
+        """py-spy sampling the extender (the thread holding the GIL, each sample's thread named) through
+        the burst, its samples in collapsed stacks (--profile; bench/spyshare.py reads them); and
+        kube-scheduler's own CPU profile."""
+        if self.profile is None:
+            return None
+        import subprocess
+
+        py_spy, out = self.profile
+        threading.Thread(target=self.sched_profile, args=(os.path.join(out, f"{prefix}.kube-scheduler.pprof"),),
+                         daemon=True).start()
+        return subprocess.Popen([py_spy, "record", "--pid", str(self.c.procs["extender"].proc.pid), "--rate", "200",
+                                 "--gil", "--threads", "--nonblocking", "--format", "raw",
+                                 "-o", os.path.join(out, f"{prefix}.txt")],
+                                stdout=subprocess.DEVNULL, stderr=open(os.path.join(out, f"{prefix}.log"), "wb"))
+
+    def sched_profile(self, path: str, seconds: int = 6) -> None:
+        """kube-scheduler's CPU profile for the first `seconds` of a burst (its /debug/pprof, asked as the
+        cluster's administrator; `go tool pprof -top` reads it)."""
+        import ssl
+        import urllib.request
+
+        req = urllib.request.Request(f"https://127.0.0.1:{self.c.scheduler_port}/debug/pprof/profile?seconds={seconds}",
+                                     headers={"Authorization": f"Bearer {self.c.tokens['admin']}"})
+        try:
+            with urllib.request.urlopen(req, context=ssl._create_unverified_context(), timeout=seconds + 30) as r:
+                Path(path).write_bytes(r.read())
+        except OSError as exc:
+            Path(path + ".error").write_text(f"{exc}\n")
 
     def one(self, name: str, units: int, count: int) -> str:
         """A pod created after a burst: where it went within 30 s, or why it is Pending."""
@@ -273,6 +311,8 @@ class Run:
         took = [mean("scheduler_scheduling_attempt_duration_seconds"), 1]
         cycle = ", ".join(f"{point} {ms(mean('scheduler_framework_extension_point_duration_seconds', extension_point=point))}"
                           for point in ("PreFilter", "Filter", "PreScore", "Score", "Reserve", "Permit"))
+        # the serial part of a pod's scheduling (plugins' filters and scores and the extender's answers)
+        cycle += f"; algorithm {ms(mean('scheduler_scheduling_algorithm_duration_seconds')).strip()} a pod"
         conflicts = sum(delta(counters(api, "apiserver_request_total", resource="nodes", verb="PATCH", code="409"),
                               counters(self.seen[1], "apiserver_request_total", resource="nodes", verb="PATCH",
                                        code="409")).values())
@@ -319,8 +359,10 @@ class Run:
         if not n:
             return f"{verb}: not asked"
         over = n - now.get(0.05, 0)
-        return (f"{verb} p50 {ms(quantile(now, 0.5))} p99 {ms(quantile(now, 0.99))} ({n:.0f}, "
-                f"{over / n:.1%} over 50 ms)")
+        total = sum(counters(self.calls, "cgpu_extender_request_seconds_sum", verb=verb).values()) - sum(
+            counters(self.seen[2], "cgpu_extender_request_seconds_sum", verb=verb).values())
+        return (f"{verb} p50 {ms(quantile(now, 0.5))} p99 {ms(quantile(now, 0.99))} mean {ms(total / n).strip()} "
+                f"({n:.0f}, {over / n:.1%} over 50 ms)")
 
 
 def scheduler(c, prioritize: bool) -> None:
@@ -343,15 +385,23 @@ def scheduler(c, prioritize: bool) -> None:
 def bursts(run: Run, nodes: int, gpus: int, pods: int, before: bool = False) -> None:
     print(f"\n== {nodes} nodes x {gpus} GPUs of {UNITS} units, bursts of {pods} pods "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    plain_s, _ = run.burst(f"plain{gpus}", pods, 0)
-    print(f"reference: {pods} pods asking no GPU: all bound in {plain_s:5.1f} s ({pods / plain_s:5.1f} pods/s)")
-    print(f"  {run.waits()}")
-    run.clear()
+
+    def reference(tag: str) -> float:
+        plain_s, _ = run.burst(f"plain{gpus}{tag}", pods, 0)
+        print(f"reference: {pods} pods asking no GPU: all bound in {plain_s:5.1f} s ({pods / plain_s:5.1f} pods/s; "
+              f"load average {os.getloadavg()[0]:.1f})")
+        print(f"  {run.waits()}")
+        run.clear()
+        return plain_s
+
+    first = reference("")
     need = math.ceil(pods / (UNITS // 3))
     ways = [("binpack (default)", False), ("spread (pod annotation)", True)]
     if before:
         ways.append(("before issue 46 (kube-scheduler's own scoring: the extender asked filter and bind only)", None))
-    for how, spread in ways:
+    for k, (how, spread) in enumerate(ways):
+        # (the machine's other load changes within a run: each burst against a plain one just before it too)
+        plain_s = reference("abc"[k]) if k else first
         if spread is None:
             scheduler(run.c, prioritize=False)
         took, items = run.burst(f"{'s' if spread else 'b' if spread is False else 'o'}{gpus}", pods, 3,
@@ -360,8 +410,9 @@ def bursts(run: Run, nodes: int, gpus: int, pods: int, before: bool = False) -> 
         touched = {(p["spec"]["nodeName"], p["metadata"]["annotations"].get("ALIYUN_COM_GPU_MEM_IDX")) for p in items}
         on = {n for n, _ in touched}
         print(f"{how}: {pods} x 3 units bound in {took:5.1f} s ({pods / took:5.1f} pods/s, "
-              f"{plain_s / took:4.2f} of the plain burst's rate); GPUs touched {len(touched)} on {len(on)} nodes "
-              f"(packing needs {need})")
+              f"{plain_s / took:4.2f} of the plain burst's rate just before, {first / took:4.2f} of the first's); "
+              f"GPUs touched {len(touched)} on {len(on)} nodes (packing needs {need}; load average "
+              f"{os.getloadavg()[0]:.1f})")
         print(f"  extender under kube-scheduler: {lat}")
         print(f"  {run.waits()}")
         m = run.metrics()
@@ -458,6 +509,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--dra", type=int, default=1, help="the burst through claims too (0: not)")
     ap.add_argument("--logs", help="copy the components' logs into this directory at the end")
+    ap.add_argument("--profile", metavar="DIR", help="sample the extender with py-spy through each burst into DIR")
+    ap.add_argument("--py-spy", default="py-spy", help="py-spy's path (--profile)")
     ap.add_argument("--no-before", action="store_true", help="leave out the burst with kube-scheduler's own scoring")
     args = ap.parse_args()
 
@@ -476,6 +529,9 @@ def main() -> None:
         pid = c.procs["extender"].proc.pid
         rss0 = rss_mb(pid)
         run = Run(c, extender_addr())
+        if args.profile:
+            os.makedirs(args.profile, exist_ok=True)
+            run.profile = (args.py_spy, args.profile)
         t = time.monotonic()
         make_fake_nodes(c, args.nodes, 2)
         print(f"{args.nodes} nodes made through the API in {time.monotonic() - t:.0f} s")

@@ -528,7 +528,8 @@ def test_the_extender_exports_the_clusters_whole_gpu_fragmentation(ext):
     ext.caught_up()
     with urllib.request.urlopen(ext.url.rsplit("/", 1)[0] + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("cgpu_")}
+    got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+           if line.startswith("cgpu_") and not line.startswith("cgpu_extender_events_")}  # (not fragmentation)
     assert got == {"cgpu_extender_gpus": 8, "cgpu_extender_gpus_whole": 5, "cgpu_extender_gpus_partly_used": 3,
                    "cgpu_extender_partly_used_free_units": 2 + 11 + 5, "cgpu_extender_nodes": 5,
                    "cgpu_extender_nodes_whole": 1}, text
@@ -782,3 +783,153 @@ def test_a_watch_behind_a_binds_own_write_does_not_undo_it(ext):
     assert bind(names[2]) == 200
     assert api.count("get", "nodes") == reads
     assert units_on_gpus(api, names) == {"0": 9}
+
+
+def metric(ext, name: str) -> float:
+    """One sample of the extender's GET /metrics."""
+    with urllib.request.urlopen(ext.url.rsplit("/", 1)[0] + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_a_burst_of_binds_writes_a_bounded_number_of_events_and_counts_the_rest(ext):
+    """A pod event is a write to etcd like the Binding: a burst of binds writes EVENTS_BURST of them at
+    once, then EVENTS_PER_SECOND; the others are dropped and counted in GET /metrics. Each pod is bound
+    with its annotations either way. (The clock stands still through the burst, then moves on.)"""
+    api = ext.api
+    api.add_node("n1", gpus=2, units=28)
+    names = one_node_of_pods(api, "e", 8) + [f"f{k:02d}" for k in range(extender.EVENTS_BURST)]
+    for name in names[8:]:
+        api.add_pod(name, [1])
+    now = [1000.0]
+    ext.state.events.clock = lambda: now[0]
+    for name in names:
+        assert ext.call("/bind", {"PodName": name, "PodNamespace": "default",
+                                  "Node": "n0" if name < "f" else "n1"})[0] == 200
+    assert len(api.bindings) == len(names)
+    assert all("ALIYUN_COM_GPU_MEM_IDX" in api.pods[("default", n)]["metadata"]["annotations"] for n in names)
+    assert len(api.events) == extender.EVENTS_BURST
+    assert metric(ext, "cgpu_extender_events_dropped_total") == len(names) - extender.EVENTS_BURST
+    now[0] += 1 / extender.EVENTS_PER_SECOND  # (a token back)
+    api.add_pod("later", [1])
+    assert ext.call("/bind", {"PodName": "later", "PodNamespace": "default", "Node": "n1"})[0] == 200
+    assert api.events[-1]["involvedObject"]["name"] == "later"
+
+
+def test_the_watchs_event_for_a_binds_own_write_is_not_read_again(ext):
+    """A bind's patch answers with the Node it wrote, which the extender holds at once (its free units
+    worked out by the next filter); the watch then brings that same version: it is not read again
+    (nor its free units worked out again), only a version the extender does not hold is."""
+    api = ext.api
+    names = one_node_of_pods(api, "v", 2)
+    ext.caught_up()
+    brought = []
+    nodes_watch = ext.state.informers["nodes"]
+    apply, nodes_watch.event = nodes_watch.event, lambda kind, obj: brought.append((kind, obj))
+    assert call(ext.url, "/bind", {"PodName": names[0], "PodNamespace": "default", "Node": "n0"})[0] == 200
+    until(lambda: brought, "the watch bringing the bind's write")
+    held = ext.state.nodes["n0"]
+    pod = api.add_pod("asks3", [3])
+    assert call(ext.url, "/filter", {"Pod": pod, "NodeNames": ["n0"]})[1]["NodeNames"] == ["n0"]
+    worked_out = held.free
+    assert worked_out == [11, 14]
+    for kind, obj in brought:
+        apply(kind, obj)
+    assert ext.state.nodes["n0"] is held and held.free is worked_out
+    changed = json.loads(json.dumps(brought[-1][1]))  # (a change of the node's own, a version not held)
+    changed["metadata"]["labels"] = {"ack.node.gpu.placement": "spread"}
+    changed["metadata"]["resourceVersion"] = "999999"
+    apply("MODIFIED", changed)
+    assert ext.state.nodes["n0"] is not held and ext.state.nodes["n0"].strategy == "spread"
+
+
+def exchange(ext, head: list[bytes], body: bytes = b"") -> tuple[int, bytes]:
+    """One request written as `head` (its request line and header lines) and `body` on a socket of its
+    own, read until the extender closes the connection: its status and body. (No http.client: its
+    answer's headers go through the email parser.)"""
+    import socket
+
+    with socket.create_connection(ext.server.server_address[:2], timeout=10) as sock:
+        sock.sendall(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1."), answer[:200]
+    return int(answer.split()[1]), answer.partition(b"\r\n\r\n")[2]
+
+
+def test_the_scheduling_cycles_calls_cost_no_email_parsing_nor_a_json_dict_per_node(ext, monkeypatch):
+    """filter and prioritize are on kube-scheduler's scheduling cycle, one pod at a time: a request's
+    headers are read without the email package's parser (the standard library's way), and
+    prioritize's HostPriorityList is written out, not json.dumps'd a dict per candidate node; the
+    answers are what they were. Names no API server would allow still come back as JSON."""
+    import email.parser
+
+    from cgpud.k8s import score
+
+    api = ext.api
+    packing_nodes(api)
+    pod = api.add_pod("asks3", [3])
+    ext.caught_up()
+    names = ["a", "b", "c", "d", "e"]
+    want = scores(ext, pod, names)
+    body = json.dumps({"Pod": pod, "NodeNames": names}).encode()
+    monkeypatch.setattr(email.parser.Parser, "parsestr", lambda *a, **kw: pytest.fail("the email parser was asked"))
+    dumped = []
+    dumps = json.dumps
+    monkeypatch.setattr(json, "dumps", lambda obj, *a, **kw: dumped.append(obj) or dumps(obj, *a, **kw))
+    code, answer = exchange(ext, [b"POST /gpushare-scheduler/prioritize HTTP/1.1", b"Host: x", b"Connection: close",
+                                  b"content-type: application/json", b"Content-Length: %d" % len(body)], body)
+    assert code == 200 and {h["Host"]: h["Score"] for h in json.loads(answer)} == want
+    assert not [d for d in dumped if isinstance(d, list)]  # (no HostPriorityList through json.dumps)
+    odd = [{"Host": 'n"1\\', "Score": 3}, {"Host": "\u00dcn\u00ef", "Score": 0}]
+    assert json.loads(score.encode(odd)) == odd
+
+
+@pytest.mark.parametrize("lines, code", [
+    ([b"Content-Length: 2"], 404),
+    ([b"content-length: 2"], 404),  # (a name in any case)
+    ([b"Content-Length 2"], 400),  # (no colon)
+    ([b" Content-Length: 2"], 400),  # (a folded line: refused, as RFC 9112 lets a server)
+    ([b"X-%d: 1" % k for k in range(101)] + [b"Content-Length: 2"], 431),
+    ([b"X-Long: " + b"x" * 70000, b"Content-Length: 2"], 431),
+])
+def test_a_requests_headers_are_read_by_the_rules(ext, lines, code):
+    """The extender's own header reading: names in any case, Connection: close honoured (the answer
+    read to the connection's end), a line without a colon or folded 400, over 100 headers or a line
+    over 64 KiB 431."""
+    got, _ = exchange(ext, [b"POST /gpushare-scheduler/nothing HTTP/1.1", b"Host: x", b"Connection: close", *lines],
+                      b"{}")
+    assert got == code
+
+
+def test_an_answer_is_one_write_and_a_filters_request_few_reads(ext, monkeypatch):
+    """Each read and write of the extender's server lets go of the GIL, and getting it back waits behind
+    a burst's binds: a filter's answer, headers and body, is one write on its socket, and its request
+    (a pod and 500 names) is read in few reads, not 8 KiB at a time."""
+    import socket
+
+    api = ext.api
+    nodes(api)
+    pod = api.add_pod("asks8", [8])
+    ext.caught_up()
+    body = json.dumps({"Pod": pod, "NodeNames": ["t4", "mixed"] + [f"ghost-node-with-a-long-name-{k:03d}" for k in range(500)]}).encode()
+    assert len(body) > 16 << 10  # (two 8 KiB reads and more)
+    port = ext.server.server_address[1]
+    writes, reads = [], []  # (on the server's end of the connection only)
+    for name, into in (("send", writes), ("sendall", writes), ("recv_into", reads)):
+        real = getattr(socket.socket, name)
+
+        def counted(self, *a, _real=real, _into=into, _name=name, **kw):
+            if self.getsockname()[1] == port:
+                _into.append(_name)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(socket.socket, name, counted)
+    code, answer = exchange(ext, [b"POST /gpushare-scheduler/filter HTTP/1.1", b"Host: x", b"Connection: close",
+                                  b"Content-Length: %d" % len(body)], body)
+    assert code == 200 and json.loads(answer)["NodeNames"] == ["mixed"]
+    assert len(writes) == 1, f"{len(writes)} writes for one answer"
+    assert len(reads) <= 4, f"{len(reads)} reads for a request of {len(body)} bytes"

@@ -453,14 +453,25 @@ def test_a_template_made_meanwhile_by_another_pod_is_fine_and_a_refusal_is_not()
     refusal is the API server's."""
     from kubernetes.client.exceptions import ApiException
 
+    class Answer:  # (the client's unread answer: read and its connection given back)
+        drained = released = False
+
+        def drain_conn(self):
+            self.drained = True
+
+        def release_conn(self):
+            self.released = True
+
     class Resource:
         def __init__(self, status):
-            self.status, self.calls = status, []
+            self.status, self.calls, self.answers = status, [], []
 
         def create_namespaced_resource_claim_template(self, namespace, body, **kw):
             self.calls.append((namespace, body["metadata"]["name"], kw.get("_request_timeout")))
             if self.status:
                 raise ApiException(status=self.status, reason="x")
+            self.answers.append(Answer())
+            return self.answers[-1]
 
         def read_namespaced_resource_claim_template(self, name, namespace, **kw):
             self.calls.append(("read", namespace, name))
@@ -472,6 +483,7 @@ def test_a_template_made_meanwhile_by_another_pod_is_fine_and_a_refusal_is_not()
         api.resource = Resource(status)
         assert api.ensure_template(body) == found
         assert api.resource.calls == [("ns", "cgpu-gpu-mem-8x2", 5)] + reads
+        assert all(a.drained and a.released for a in api.resource.answers)
     api.resource = Resource(403)
     with pytest.raises(ApiException):
         api.ensure_template(body)

@@ -7,6 +7,7 @@ import logging
 import threading
 
 from cgpud.k8s import dra
+from cgpud.k8s.api import done
 
 log = logging.getLogger("cgpud.k8s")
 
@@ -137,7 +138,7 @@ class Api:
                 self.have[name] = written
         for name in obsolete:
             try:
-                self.resource.delete_resource_slice(name, _preload_content=False, _request_timeout=API_TIMEOUT)
+                done(self.resource.delete_resource_slice(name, _preload_content=False, _request_timeout=API_TIMEOUT))
             except Exception as exc:  # noqa: BLE001 - gone already is what we want
                 if getattr(exc, "status", None) != 404:
                     raise

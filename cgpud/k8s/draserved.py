@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass
 
 from cgpud.k8s import dra
+from cgpud.k8s.api import done
 
 log = logging.getLogger("cgpud.k8s")
 
@@ -78,7 +79,7 @@ def probe(api_client, node: str) -> Served:
 
     resource = client.ResourceV1Api(api_client)
     try:
-        resource.get_api_resources(_preload_content=False, _request_timeout=10)  # (GET /apis/resource.k8s.io/v1)
+        done(resource.get_api_resources(_preload_content=False, _request_timeout=10))  # (GET /apis/resource.k8s.io/v1)
     except ApiException as exc:
         if exc.status == 404:
             raise NotServed("the API server does not serve resource.k8s.io/v1 (DRA, GA in Kubernetes 1.34): "

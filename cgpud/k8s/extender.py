@@ -43,9 +43,9 @@ import sys
 import threading
 import time
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
-from cgpud.k8s import cluster, score, view
+from cgpud.k8s import cluster, httpjson, score, view
 from cgpud.k8s.api import done
 from cgpud.k8s.httpjson import Server, send_json
 from cgpud.k8s.view import ASSUMED_SECONDS, BadRequest, Node, Pod, State, dump_assumed, gpu_count
@@ -60,6 +60,11 @@ BIND_ATTEMPTS = 10  # conflicts a bind rides out before it answers the scheduler
 # binds/s and queued binds past kube-scheduler's 5 s; the API server serves 200 writes at once by default.
 API_CONNECTIONS = 100
 EVENTS_QUEUED = 4096  # pod events waiting for their write; more are dropped (and counted)
+# pod events written at once, then this many a second (a token bucket): a burst's binds write their
+# choices, not one courtesy each (an Event is a write to etcd like a Binding; the pod's annotations and
+# the "bound" log line say the same); the rest are dropped and counted (cgpu_extender_events_dropped_total)
+EVENTS_BURST = 20
+EVENTS_PER_SECOND = 2.0
 # a request waits for the GIL at most one switch interval per wake-up (5 ms by default): filter and
 # prioritize, short, wait behind binds' and watches' work less (cgpud.observe.exposition does the same)
 SWITCH_INTERVAL = 0.0005
@@ -294,26 +299,49 @@ def event(api, pod: dict, reason: str, message: str) -> None:
 class Events:
     """Pod events written by a thread of their own, in order, after the bind that made them has
     answered: a bind waits for its two writes (the choice on the Node, the Binding), not for a
-    courtesy. At most EVENTS_QUEUED wait; more are dropped with a warning (the pod's annotations
-    say the same). `start=False`: written at once by put (no thread)."""
+    courtesy. EVENTS_BURST are written at once, then EVENTS_PER_SECOND (a token bucket: a burst of
+    binds is not also a burst of Events for the API server and etcd); at most EVENTS_QUEUED wait.
+    The others are dropped and counted (`dropped`; said once in the log: the pods' annotations and
+    the "bound" lines say the same). `start=False`: written at once by put (no thread)."""
 
     def __init__(self, api, start: bool = True) -> None:
         self.api, self.dropped = api, 0
+        self.clock = time.monotonic
+        self.tokens, self.at = float(EVENTS_BURST), self.clock()
+        self.lock = threading.Lock()
         self.queue: queue.Queue | None = None
         if start:
             self.queue = queue.Queue(EVENTS_QUEUED)
             threading.Thread(target=self._run, name="cgpud-extender-events", daemon=True).start()
 
+    def _take(self) -> bool:
+        """A token for one event (EVENTS_PER_SECOND come back, up to EVENTS_BURST)."""
+        with self.lock:
+            now = self.clock()
+            self.tokens = min(float(EVENTS_BURST), self.tokens + max(now - self.at, 0.0) * EVENTS_PER_SECOND)
+            self.at = now
+            if self.tokens < 1:
+                return False
+            self.tokens -= 1
+            return True
+
     def put(self, pod: dict, reason: str, message: str) -> None:
+        if not self._take():
+            return self._drop(f"more than {EVENTS_BURST} at once, then {EVENTS_PER_SECOND:g} a second")
         if self.queue is None:
             return event(self.api, pod, reason, message)
         try:
             self.queue.put_nowait((pod, reason, message))
         except queue.Full:
+            self._drop(f"more than {EVENTS_QUEUED} waiting for the API server")
+
+    def _drop(self, why: str) -> None:
+        with self.lock:
             self.dropped += 1
-            if self.dropped & (self.dropped - 1) == 0:  # (1, 2, 4, 8, ...: said, not flooded)
-                log.warning("%d pod events dropped: more than %d waiting for the API server", self.dropped,
-                            EVENTS_QUEUED)
+            first = self.dropped == 1
+        if first:  # (said once; cgpu_extender_events_dropped_total counts them all)
+            log.warning("pod events dropped (%s): the pods' annotations and the 'bound' lines of this log say "
+                        "where each went; counted in cgpu_extender_events_dropped_total", why)
 
     def _run(self) -> None:
         while True:
@@ -332,13 +360,23 @@ class Events:
 class Calls:
     """What the extender answered, by verb: how many (by HTTP status) and how long each took, from
     its request read to its answer written (GET /metrics: cgpu_extender_requests_total,
-    cgpu_extender_request_seconds; docs/kubernetes.md)."""
+    cgpu_extender_request_seconds; docs/kubernetes.md), and the pod events it dropped
+    (cgpu_extender_events_dropped_total, from `events`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, events: Events | None = None) -> None:
         from prometheus_client import Counter, Histogram
+        from prometheus_client.core import CounterMetricFamily
         from prometheus_client.registry import CollectorRegistry
 
         self.registry = CollectorRegistry(auto_describe=False)
+
+        class Dropped:
+            def collect(self):
+                yield CounterMetricFamily("cgpu_extender_events_dropped",
+                                          "Pod events not written: past the rate a burst may write, or the queue.",
+                                          value=events.dropped if events is not None else 0)
+
+        self.registry.register(Dropped())
         self.count = Counter("cgpu_extender_requests", "Requests the extender answered, by verb and HTTP status.",
                              ["verb", "code"], registry=self.registry)
         self.seconds = Histogram("cgpu_extender_request_seconds",
@@ -381,13 +419,18 @@ def _view(node: Node, pods: dict) -> dict:
             "instances": insts}
 
 
+def prioritize(state: State, args: dict) -> bytes:
+    """cgpud.k8s.score's HostPriorityList, as JSON."""
+    return score.encode(score.prioritize(state, args))
+
+
 def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
-    calls = Calls()
     if state.events is None:
         state.events = Events(state.api)
+    calls = Calls(state.events)
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL))
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(httpjson.Handler):  # (its headers read without the email parser)
         # kube-scheduler's client keeps its connections (Go's transport): one per binding goroutine and
         # the scheduling cycle's, not a connection and a thread made for each call
         protocol_version = "HTTP/1.1"
@@ -443,7 +486,7 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
                     raise ValueError("not an object")
             except ValueError as exc:
                 return self._send(400, {"Error": f"the body is not a JSON object ({exc})"})
-            fn = {f"{PREFIX}/filter": filter_nodes, f"{PREFIX}/prioritize": score.prioritize,
+            fn = {f"{PREFIX}/filter": filter_nodes, f"{PREFIX}/prioritize": prioritize,
                   f"{PREFIX}/bind": bind}.get(self.path)
             if fn is None:
                 return self._send(404, {"Error": f"no such path {self.path}"})

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 
 from cgpud.k8s import cluster, modes
-from cgpud.k8s.api import one_line
+from cgpud.k8s.api import done, one_line
 from cgpud.k8s.informer import Informer
 
 log = logging.getLogger("cgpud.k8s")
@@ -320,6 +320,6 @@ def node_event(api, node: str, reason: str, message: str, component: str) -> Non
         reason=reason, message=message, type="Normal", count=1, first_timestamp=now, last_timestamp=now,
         source=V1EventSource(component=component, host=node))
     try:
-        api.create_namespaced_event("default", body, _preload_content=False)
+        done(api.create_namespaced_event("default", body, _preload_content=False))  # (read: its connection reused)
     except Exception as exc:  # noqa: BLE001 - an event is a courtesy
         log.warning("cannot record an event on node %s (%s)", node, one_line(exc))

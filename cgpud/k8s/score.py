@@ -17,6 +17,8 @@ bind or its pod's watch event, at most NOMINATED_SECONDS: a burst's next pod see
 """
 from __future__ import annotations
 
+import json
+import re
 import time
 from bisect import bisect_left
 
@@ -24,6 +26,8 @@ from cgpud.k8s import cluster, view
 from cgpud.k8s.view import BadRequest, Node, State
 
 MAX_PRIORITY = 10  # kube-scheduler's extenderv1.MaxExtenderPriority
+# a node's name as the API server allows it (a DNS subdomain, RFC 1123): nothing in it to escape in JSON
+NODE_NAME = re.compile(r"[a-z0-9.-]*")
 
 
 def placement(pod: dict, default: str) -> str:
@@ -133,6 +137,16 @@ def prioritize(state: State, args: dict) -> list[dict]:
             node = nodes[best]
             state.nominate(uid, best, choice(node, per, count, core, own or node.strategy), per, core, now)
     return scores
+
+
+def encode(scores: list[dict]) -> bytes:
+    """HostPriorityList as JSON, written out: json.dumps took as long as prioritize's own work, on the
+    scheduling cycle's path (one dict per candidate node). Names the API server would not allow, or a
+    score that is not an int: json.dumps."""
+    if not NODE_NAME.fullmatch("".join([s["Host"] for s in scores])) or \
+            not all(type(s["Score"]) is int for s in scores):  # (not a bool either)
+        return json.dumps(scores).encode()
+    return ("[" + ",".join([f'{{"Host":"{s["Host"]}","Score":{s["Score"]}}}' for s in scores]) + "]").encode()
 
 
 def fragmentation(state: State) -> dict[str, int]:

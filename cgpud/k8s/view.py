@@ -176,16 +176,25 @@ class State:
         self.written[node.name] = (node.version, time.time())
 
     def _node_event(self, kind: str, obj: dict) -> None:
-        node = Node(obj)
+        meta = obj.get("metadata") or {}
+        name, version = meta.get("name") or "", meta.get("resourceVersion") or ""
         with self.lock:
-            if kind != "DELETED" and (mine := self.written.get(node.name)):
+            if kind != "DELETED" and (mine := self.written.get(name)):
                 # The watch brings a node's changes in order: until it brings the version a bind of ours
                 # wrote (the patch's answer, cached at once), what it brings is older and would undo that
                 # bind's choice (the next bind would then conflict, and filter count the units free).
                 # resourceVersions are not compared (opaque: API conventions), only matched.
-                if node.version != mine[0] and time.time() - mine[1] < WRITTEN_SECONDS:
+                if version != mine[0] and time.time() - mine[1] < WRITTEN_SECONDS:
                     return
-                del self.written[node.name]
+                del self.written[name]
+            if kind != "DELETED" and version and (held := self.nodes.get(name)) and held.version == version:
+                return  # the version we hold (a bind's own write, which its answer brought): nothing new
+        node = Node(obj)  # (read outside the lock: filter and prioritize do not wait for it)
+        with self.lock:
+            if kind != "DELETED" and (mine := self.written.get(name)):  # (a bind wrote while it was read)
+                if version == mine[0]:
+                    del self.written[name]  # (this very version: held already)
+                return  # (else newer than this)
             old = self.nodes.pop(node.name, None)
             for uid in (old.assumed if old else ()):
                 self.assumed_on.pop(uid, None)

@@ -48,6 +48,7 @@ import time
 from http.server import BaseHTTPRequestHandler
 
 from cgpud.k8s import quota, webhook
+from cgpud.k8s.api import done
 from cgpud.k8s.httpjson import Server, send_json
 
 log = logging.getLogger("cgpud.k8s")
@@ -138,8 +139,8 @@ class Api:
 
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         try:
-            self.resource.create_namespaced_resource_claim_template(ns, body, _preload_content=False,
-                                                                    _request_timeout=5)
+            done(self.resource.create_namespaced_resource_claim_template(ns, body, _preload_content=False,
+                                                                         _request_timeout=5))
             log.info("made ResourceClaimTemplate %s/%s", ns, name)
             return None
         except ApiException as exc:
@@ -159,7 +160,7 @@ class Api:
         patch += [{"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": bundle}
                   for i, h in enumerate(hooks) if (h.get("clientConfig") or {}).get("caBundle") != bundle]
         if len(patch) > 1:
-            self.admission.patch_mutating_webhook_configuration(name, patch, _preload_content=False)
+            done(self.admission.patch_mutating_webhook_configuration(name, patch, _preload_content=False))
         return len(hooks)
 
     def tls_secret(self, namespace: str, name: str, make) -> dict[str, bytes]:
@@ -184,7 +185,7 @@ class Api:
                                  "labels": {"app.kubernetes.io/managed-by": "cgpu-dra-webhook"}},
                     "data": {k: base64.b64encode(v).decode() for k, v in files.items()}}
             try:
-                self.core.create_namespaced_secret(namespace, body, _preload_content=False, _request_timeout=10)
+                done(self.core.create_namespaced_secret(namespace, body, _preload_content=False, _request_timeout=10))
                 log.info("made Secret %s/%s (a CA and the serving certificate every replica uses)", namespace, name)
                 return files
             except ApiException as exc:
