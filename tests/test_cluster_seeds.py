@@ -4,6 +4,7 @@ units of 1 GiB each; the real kube-apiserver, kube-scheduler through the extende
 containerd), shared with it. Only each manifest's image and command are this sandbox's (no registry
 here: busybox printing its environment), with imagePullPolicy Never and a grace period of 1 s.
 
+- Seed 000 (multi-GPU sharing): its Job -> 4 units on each of two GPUs.
 - Seed 001 (NVIDIA MPS with ACK's GPU sharing): the node labelled ack.node.gpu.schedule=mps, the Job
   `mps-sample` (hostIPC, hostPID, aliyun.com/gpu-mem: 7) -> its pod Running, an MPS client of 7 of
   the T4's 14 units (docs/mps.md "Pods on an mps node"), its instance in cgpud's tree.
@@ -25,7 +26,7 @@ from cluster import NODE, wait_for
 from conftest import SIM_T4_BYTES
 from test_cluster import SHARED_CLUSTER, UNITS, cgpud, cluster, container_env, container_name, node, node_mode, \
     running  # noqa: F401  (the shared node)
-from test_cluster_dra import SEED_004, job_pod, sandboxed
+from test_cluster_dra import SEED_004, job_pod, sandboxed, seed_000_job
 
 pytestmark = pytest.mark.slow
 
@@ -96,6 +97,26 @@ def in_mode(cluster, mode: str, units: int) -> None:
 def back_in_cgpu(cluster) -> None:
     set_mode(cluster, None)
     in_mode(cluster, "cgpu", UNITS)
+
+
+def test_seed_000_job_as_written_runs_with_4_of_14_units_on_each_of_two_gpus(cluster, cgpud, controllers):
+    """Seed 000's Job as written (the pod label aliyun.com/gpu-count: "2", aliyun.com/gpu-mem: 8; no
+    runtimeClassName): the extender puts it on both GPUs, its container has an instance of 4 units
+    on each (test_cluster.py's seed 000 test makes a pod of that shape; this is the Job itself)."""
+    cluster.create(seed_000_job())
+    name = None
+    try:
+        pod = job_pod(cluster, "tensorflow-mnist-multigpu")
+        assert pod["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] in ("0,1", "1,0"), pod["metadata"]
+        name = container_name(pod)
+        for gpu in (0, 1):
+            assert name in cgpud.instances(gpu), (gpu, cgpud.instances(gpu))
+            assert cgpud.value(f"{gpu}/{name}/memsize") == str(SIM_T4_BYTES * 4 // UNITS)
+    finally:
+        cluster.kubectl("delete", "job", "tensorflow-mnist-multigpu", "--cascade=foreground", "--wait=true",
+                        "--timeout=60s", "--ignore-not-found", timeout=90)
+    wait_for(lambda: name not in cgpud.instances(0) and name not in cgpud.instances(1), 30,
+             "the instances to go with the Job", cluster.logs)
 
 
 def test_seed_001_mps_job_runs_as_an_mps_client_of_7_units(cluster, cgpud, controllers):
