@@ -1024,6 +1024,12 @@ state = "{c}/state"
 
     def cleanup(self) -> None:
         """Stop everything started here, in order, and remove what it left on the host."""
+        if getattr(self, "tier_lock", None) is None:
+            # Never took the node (another run's cluster held it past the wait), or cleaned up already:
+            # nothing here is ours but the run's directory. The rest would be the other run's (its pods'
+            # network namespaces and /k8s.io cgroups made since this one's snapshot).
+            shutil.rmtree(self.base, ignore_errors=True)
+            return
         if "kube-controller-manager" in self.procs:  # (its DaemonSet controller would make the pods again)
             self.procs["kube-controller-manager"].stop()
         kubelet = self.procs.get("kubelet")
