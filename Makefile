@@ -19,7 +19,8 @@ test: setup
 K8S_VERSION ?=
 CLUSTER_TESTS ?= tests/test_cluster.py tests/test_cluster_lock.py tests/test_cluster_security.py tests/test_modes.py \
 	tests/test_cluster_health.py tests/test_cluster_daemonset.py tests/test_cluster_helm.py \
-	tests/test_cluster_dra.py tests/test_cluster_dra_health.py tests/test_cluster_podspec.py tests/test_cluster_metrics.py
+	tests/test_cluster_dra.py tests/test_cluster_dra_health.py tests/test_cluster_podspec.py tests/test_cluster_metrics.py \
+	tests/test_cluster_seeds.py
 test-cluster: setup
 	K8S_VERSION=$(K8S_VERSION) scripts/k8s-build.sh >/dev/null
 	K8S_VERSION=$(K8S_VERSION) .venv/bin/python -m pytest -p no:cacheprovider $(CLUSTER_TESTS) $(ARGS)

@@ -626,9 +626,12 @@ state = "{c}/state"
         BinaryName pointed at the cgpu-runtime the venv has."""
         import tomllib
 
-        shipped = tomllib.loads((DEPLOY / "containerd-cgpu.toml").read_text())
-        cri = shipped["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
-        runtimes = self._runtimes_toml('plugins."io.containerd.grpc.v1.cri"', cri if cgpu else {})
+        shipped = tomllib.loads((DEPLOY / "containerd-cgpu.toml").read_text())["plugins"]["io.containerd.grpc.v1.cri"]
+        runtimes = self._runtimes_toml('plugins."io.containerd.grpc.v1.cri"',
+                                       shipped["containerd"]["runtimes"] if cgpu else {})
+        # the shipped file's default runtime (cgpu): a pod without runtimeClassName (the seeds' manifests) runs
+        # through cgpu-runtime, as on a node the installer set up
+        default = shipped["containerd"]["default_runtime_name"] if cgpu else "runc"
         c = self.path("containerd")
         return f"""{self._containerd_head(2)}
 [plugins."io.containerd.internal.v1.opt"]
@@ -645,7 +648,7 @@ state = "{c}/state"
   bin_dir = "/usr/lib/cni"
   conf_dir = "{c}/net.d"
 [plugins."io.containerd.grpc.v1.cri".containerd]
-  default_runtime_name = "runc"
+  default_runtime_name = "{default}"
 [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
 {runtimes}"""
@@ -1021,6 +1024,12 @@ state = "{c}/state"
 
     def cleanup(self) -> None:
         """Stop everything started here, in order, and remove what it left on the host."""
+        if getattr(self, "tier_lock", None) is None:
+            # Never took the node (another run's cluster held it past the wait), or cleaned up already:
+            # nothing here is ours but the run's directory. The rest would be the other run's (its pods'
+            # network namespaces and /k8s.io cgroups made since this one's snapshot).
+            shutil.rmtree(self.base, ignore_errors=True)
+            return
         if "kube-controller-manager" in self.procs:  # (its DaemonSet controller would make the pods again)
             self.procs["kube-controller-manager"].stop()
         kubelet = self.procs.get("kubelet")

@@ -429,14 +429,20 @@ def webhook(cluster):
 
 
 
+def sandboxed(manifest: str, command: str = "env; trap 'exit 0' TERM; while :; do sleep 1; done") -> dict:
+    """A seed's workload (a Job's, a StatefulSet's YAML) as written, with only its image and command
+    this sandbox's (no registry here: busybox, never pulled), and a grace period of 1 s."""
+    obj = yaml.safe_load(manifest)
+    spec = obj["spec"]["template"]["spec"]
+    (app,) = spec["containers"]
+    app["image"], app["imagePullPolicy"], app["command"] = BUSYBOX_IMAGE, "Never", ["sh", "-c", command]
+    spec["terminationGracePeriodSeconds"] = 1
+    return obj
+
+
 def seed_000_job() -> dict:
     """Seed 000's Job as written (only its image and command are this sandbox's: no registry here)."""
-    job = yaml.safe_load(SEED_000)
-    app = job["spec"]["template"]["spec"]["containers"][0]
-    app["image"], app["imagePullPolicy"] = BUSYBOX_IMAGE, "Never"
-    app["command"] = ["sh", "-c", "env; trap 'exit 0' TERM; while :; do sleep 1; done"]
-    job["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1
-    return job
+    return sandboxed(SEED_000)
 
 
 def job_pod(c: Cluster, job: str) -> dict:
@@ -701,12 +707,7 @@ def test_seed_004_statefulset_on_a_128_mib_node_runs_at_2_gib(cluster, cgpud, we
     new unit by itself, the webhook asks gpu-mem 16 as a claim whose 128 MiB alternative the node
     has, the container has 2 GiB."""
     share_mode(cluster, cgpud)
-    sts = yaml.safe_load(SEED_004)
-    app = sts["spec"]["template"]["spec"]["containers"][0]
-    app["image"], app["imagePullPolicy"] = BUSYBOX_IMAGE, "Never"
-    app["command"] = ["sh", "-c", "env; trap 'exit 0' TERM; while :; do sleep 1; done"]
-    sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 1
-    cluster.create(sts)
+    cluster.create(sandboxed(SEED_004))
     try:
         pod = cluster.wait_pod("binpack-0", running, 90, "Running")
         (r,) = pod_claim(cluster, pod)["status"]["allocation"]["devices"]["results"]

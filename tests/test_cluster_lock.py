@@ -43,3 +43,19 @@ def test_a_cluster_held_past_the_wait_fails_with_the_reason(tmp_path, monkeypatc
         cluster.Cluster._take_the_node(types.SimpleNamespace())
     assert time.monotonic() - t0 >= 1
     os.close(holder.tier_lock)
+
+
+def test_a_cluster_that_never_took_the_node_leaves_the_other_runs_host_alone(tmp_path, monkeypatch):
+    """A run whose cluster gave up waiting cleans up: what appeared on the host meanwhile (a pod's
+    network namespace, the CNI bridge's name, /k8s.io cgroups) is the running cluster's, not its own
+    (before, it unmounted the other run's pods' network namespaces: 1.35.4 run, 2026-12-02)."""
+    c = cluster.Cluster.__new__(cluster.Cluster)
+    c.base, c.procs, c.base_shared, c.made_dirs, c.sysctls = tmp_path / "run", {}, False, [], {}
+    c.base.mkdir()
+    c.netns_before, c.bridge, c.cgroup_parents = set(), "cgpu000000", []
+    calls: list = []
+    monkeypatch.setattr(cluster, "_netns", lambda: ["cni-the-other-runs-pod"])
+    monkeypatch.setattr(cluster.subprocess, "run", lambda argv, **kw: calls.append(argv))
+    monkeypatch.setattr(cluster.Cluster, "_remove_cgroups", lambda self: calls.append("cgroups"))
+    c.cleanup()
+    assert calls == [] and not c.base.exists(), calls

@@ -144,6 +144,32 @@ def test_share_mode_gives_no_isolation(labelled):
     assert kubelet.allocate([f"{t4}-_-0"])[0]["CGPU_DISABLE"] == "true"
 
 
+def test_a_share_node_counts_128_mib_units_and_back_in_cgpu_whole_gib(labelled):
+    """SPEC §3: the unit is 128 MiB where the node is in share mode (seed 004: `gpu-mem: 16` is 2 GiB
+    there), and the mode is the label's (SPEC §6): the plugin without --unit lists, publishes and
+    allocates in the share node's 128 MiB units, and in whole GiB again once the label says cgpu.
+    (Before, the label left the plugin in GiB: seed 004's 16 fitted on no T4 of 14.)"""
+    d, api, kubelet = labelled
+    registered(kubelet)
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    t4, _ = uuids(d)
+    per_device = lambda: api.nodes[NODE]["metadata"]["annotations"].get("cgpu.aliyun.com/gpu-mem-per-device")  # noqa: E731
+    relabel(api, "share")
+    from cgpud.client import Client
+
+    with Client(str(d.socket)) as c:  # (each GPU's whole 128 MiB units: a T4's 15109 MiB are 118)
+        t4_128, a10_128 = (g.units(128 << 20) for g in res.gpus_from_query(c.call("query")))
+    assert t4_128 == 118
+    kubelet.wait_devices(lambda ds: len(ds) == t4_128 + a10_128)
+    wait_for(lambda: per_device() == f"{t4_128},{a10_128}", "the 128 MiB units published on the node")
+    (env,) = kubelet.allocate([f"{t4}-_-{j}" for j in range(16)])
+    assert (env["ALIYUN_COM_GPU_MEM_CONTAINER"], env["ALIYUN_COM_GPU_MEM_DEV"], env["CGPU_DISABLE"]) == \
+        ("16", str(t4_128), "true"), env
+    relabel(api, "cgpu")
+    kubelet.wait_devices(lambda ds: len(ds) == T4_UNITS + A10_UNITS)
+    wait_for(lambda: per_device() == f"{T4_UNITS},{A10_UNITS}", "whole GiB units published again")
+
+
 def test_mps_mode_gives_each_container_its_mps_limits_and_the_pipe_directory(labelled):
     d, api, kubelet = labelled
     registered(kubelet)

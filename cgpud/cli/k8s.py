@@ -12,8 +12,9 @@ from cgpud.cli.common import Ctx, pass_ctx
 @click.command("device-plugin")
 @click.option("--plugin-dir", default="/var/lib/kubelet/device-plugins", show_default=True,
               envvar="CGPU_PLUGIN_DIR", help="Where the kubelet's device plugin sockets are.")
-@click.option("--unit", type=click.Choice(["GiB", "MiB", "128MiB"]), default="GiB", show_default=True,
-              help="The memory of one aliyun.com/gpu-mem device.")
+@click.option("--unit", type=click.Choice(["GiB", "MiB", "128MiB"]), default=None,
+              help="The memory of one aliyun.com/gpu-mem device in every mode [default: the node's mode's: "
+                   "128MiB on a share node, else GiB (SPEC §3)].")
 @click.option("--placement", type=click.Choice(["binpack", "spread"]), default="binpack", show_default=True,
               envvar="CGPU_PLACEMENT", help="Which GPU a pod's units come from (GetPreferredAllocation).")
 @click.option("--disable-isolation", is_flag=True, envvar="CGPU_DISABLE_ISOLATION",
@@ -29,7 +30,7 @@ from cgpud.cli.common import Ctx, pass_ctx
                    "which resources it advertises (docs/kubernetes.md, A node's mode).")
 @click.option("--log-level", default="info", show_default=True, type=click.Choice(["debug", "info", "warning"]))
 @pass_ctx
-def device_plugin(ctx: Ctx, plugin_dir: str, unit: str, placement: str, disable_isolation: bool,
+def device_plugin(ctx: Ctx, plugin_dir: str, unit: str | None, placement: str, disable_isolation: bool,
                   node_name: str | None, node_refresh: float, mode: str, log_level: str) -> None:
     """The kubelet device plugin for aliyun.com/gpu-mem (docs/kubernetes.md):
     one device per memory unit of each GPU the node's cgpud has."""

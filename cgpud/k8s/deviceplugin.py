@@ -110,9 +110,9 @@ class Source:
 class Plugin(rpc.DevicePluginServicer):
     resource, endpoint = res.RESOURCE, ENDPOINT
 
-    def __init__(self, source: Source, unit: int = res.GIB, strategy: str = "binpack",
+    def __init__(self, source: Source, unit: int | None = None, strategy: str = "binpack",
                  disable_isolation: bool = False, node: "NodeApi | None" = None, mode: str = "cgpu") -> None:
-        self.source, self.unit = source, unit
+        self.source, self.flag_unit = source, unit  # (--unit; None: the mode's, res.mode_unit)
         # The node's mode (cgpud.k8s.modes): the label's once the node and its pods are read, else --mode
         self.flag_mode = self.mode = mode
         self.decision: modes.Decision | None = None
@@ -132,6 +132,12 @@ class Plugin(rpc.DevicePluginServicer):
     def strategy(self) -> str:
         label = self.labels.get(PLACEMENT_LABEL)
         return label if label in res.STRATEGIES else self.flag_strategy
+
+    @property
+    def unit(self) -> int:
+        """The memory of one device: --unit, else the mode's (128 MiB on a share node, SPEC §3). It
+        changes only with the mode, which waits until no GPU pod is left on the node."""
+        return self.flag_unit or res.mode_unit(self.mode)
 
     @property
     def disable_isolation(self) -> bool:
@@ -163,6 +169,7 @@ class Plugin(rpc.DevicePluginServicer):
         node.write_mode(decision, before)
         self.source.bump()
         self._tell_daemon()
+        self.node_changed(self.source.gpus)  # (the GPUs' units, when the mode changed the unit)
 
     def _tell_daemon(self) -> None:
         """The daemon places (and refuses) the containers that start by the node's mode in force."""
@@ -471,14 +478,14 @@ def serve(plugin: "Plugin | list", plugin_dir: str, stop: threading.Event) -> No
             p.stopping.clear()
 
 
-def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, disable_isolation: bool,
+def main(socket: str | None, plugin_dir: str, unit_name: str | None, strategy: str, disable_isolation: bool,
          node_name: str | None = None, node_refresh: float = NODE_REFRESH, mode: str = "cgpu") -> None:
     from cgpud.state.paths import default_socket
 
     source = Source(socket or default_socket())
     node = NodeApi(node_name)
     node.say_once()
-    plugin = Plugin(source, res.UNITS[unit_name], strategy, disable_isolation, node, mode)
+    plugin = Plugin(source, res.UNITS[unit_name] if unit_name else None, strategy, disable_isolation, node, mode)
     source.on_change = plugin.node_changed
     source.on_instances = node.on_pods = plugin.reconsider
     node.on_labels = plugin.labels_changed
@@ -488,7 +495,8 @@ def main(socket: str | None, plugin_dir: str, unit_name: str, strategy: str, dis
     poller.start()
     if node.usable:
         threading.Thread(target=plugin.follow_node, args=(stop, node_refresh), daemon=True).start()
-    log.info("cgpu device plugin: %s in units of %s, %s; kubelet at %s", res.RESOURCE, unit_name, strategy, plugin_dir)
+    log.info("cgpu device plugin: %s in units of %s, %s; kubelet at %s", res.RESOURCE,
+             unit_name or "the mode's (128MiB on a share node, else GiB)", strategy, plugin_dir)
     try:
         serve([plugin, WholeGpuPlugin(plugin), CorePlugin(plugin)], plugin_dir, stop)
     except KeyboardInterrupt:

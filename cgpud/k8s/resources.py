@@ -3,8 +3,9 @@ the node as the daemon's `query` answer in, devices and decisions out.
 
 - One device per memory unit per GPU, `aliyun.com/gpu-mem`, with gpushare's
   IDs `<GPU-UUID>-_-<j>`, j = 0 … units−1; each GPU counts its own memory
-  (gpushare counts every GPU as GPU 0). The unit is 1 GiB by default, MiB or
-  128 MiB by flag (SPEC §3); a GPU has floor(memory / unit) units.
+  (gpushare counts every GPU as GPU 0). The unit is the node's mode's (1 GiB,
+  128 MiB on a `share` node: SPEC §3, `mode_unit`), or MiB or 128 MiB by flag;
+  a GPU has floor(memory / unit) units.
 - A GPU is healthy while the daemon answers and has it.
 - `preferred`: which of the kubelet's available units to take — all from one
   GPU (or N/M from each of M GPUs), binpack (the GPU with the least free
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cgpud.containers.request import SHARE_UNIT
+
 RESOURCE = "aliyun.com/gpu-mem"
 COUNT_RESOURCE = "aliyun.com/gpu-count"
 SEP = "-_-"
@@ -26,6 +29,13 @@ MIB = 1 << 20
 GIB = 1 << 30
 UNITS = {"GiB": GIB, "MiB": MIB, "128MiB": 128 * MIB}
 STRATEGIES = ("binpack", "spread")
+
+
+def mode_unit(mode: str) -> int:
+    """A node's unit in `mode` (SPEC §3): 128 MiB where it shares without isolation (`share`, as
+    the seed's gpuMemoryUnit: 128MiB is for such nodes only), else 1 GiB; as the daemon reads its
+    containers' units (containers.placement.unit_for), for every mode of the node's label."""
+    return SHARE_UNIT if mode == "share" else GIB
 
 
 CORE_ENV = "ALIYUN_COM_GPU_CORE_PERCENTAGE"  # a core_mem container's compute percentage (docs/scheduler.md)
