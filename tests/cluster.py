@@ -321,6 +321,29 @@ def busybox_image(d: Path) -> Path:
 # ---- the cluster ------------------------------------------------------------------------
 
 
+def clear_stale_socket(path: Path) -> bool:
+    """True when nothing listens on the Unix socket `path` (a kubelet killed without its clean-up left it,
+    e.g. a tier run ended by a signal): it is removed then. False while something answers there, or
+    when it is not a socket (nothing is removed then)."""
+    import stat
+
+    try:
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            return False
+    except FileNotFoundError:
+        return True
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(os.fspath(path))
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)
+            print(f"cluster tier: {path} was left by a kubelet that is gone: removed", file=sys.stderr)
+            return True
+        except OSError:
+            return False
+    return False
+
+
 class Cluster:
     def __init__(self, daemon, runtime_binary: str | None, bins: Path | None = None,
                  host_root: Path | None = None, containerd_bins: Path | None = None, dra: bool = False) -> None:
@@ -483,9 +506,10 @@ class Cluster:
             if shutil.which(tool) is None:
                 pytest.fail(f"{tool} is not installed: run scripts/setup.sh")
         self._take_the_node()
-        if PLUGIN_DIR.parent.joinpath("kubelet.sock").exists() or (PLUGIN_DIR / "kubelet.sock").exists():
-            pytest.fail(f"{PLUGIN_DIR}/kubelet.sock exists: another kubelet runs on this machine (the cluster tier "
-                        "needs the kubelet's fixed device plugin directory for itself)")
+        for sock in (PLUGIN_DIR.parent / "kubelet.sock", PLUGIN_DIR / "kubelet.sock"):
+            if sock.exists() and not clear_stale_socket(sock):
+                pytest.fail(f"{sock} is served: another kubelet runs on this machine (the cluster tier needs the "
+                            "kubelet's fixed device plugin directory for itself)")
         with socket.socket() as s:
             if s.connect_ex(extender_addr()) == 0:
                 pytest.fail(f"{extender_addr()} is taken: the shipped scheduler configuration calls the extender "

@@ -59,3 +59,25 @@ def test_a_cluster_that_never_took_the_node_leaves_the_other_runs_host_alone(tmp
     monkeypatch.setattr(cluster.Cluster, "_remove_cgroups", lambda self: calls.append("cgroups"))
     c.cleanup()
     assert calls == [] and not c.base.exists(), calls
+
+
+def test_a_kubelet_socket_nobody_serves_is_removed_one_served_or_not_a_socket_is_kept(tmp_path):
+    """A tier run ended by a signal leaves the kubelet's socket with no kubelet behind it; every later
+    cluster then failed at start ("another kubelet runs"). A socket nobody listens on is removed; one
+    that answers (a live kubelet) or a file that is no socket is left as it is and stops the tier."""
+    import socket
+
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(os.fspath(stale))
+    s.close()  # (bound, never listening, not removed: as a killed kubelet leaves it)
+    assert cluster.clear_stale_socket(stale) is True and not stale.exists()
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(os.fspath(live))
+        srv.listen(1)
+        assert cluster.clear_stale_socket(live) is False and live.exists()
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    assert cluster.clear_stale_socket(plain) is False and plain.exists()
+    assert cluster.clear_stale_socket(tmp_path / "none") is True
