@@ -344,6 +344,19 @@ def clear_stale_socket(path: Path) -> bool:
     return False
 
 
+def clear_dead_kubelet_state(plugin_dir: Path) -> None:
+    """What a kubelet that is gone left in its device plugin directory (a tier run whose clean-up never
+    ran, when the directory was there before it and so is not removed): its checkpoint, which a new
+    kubelet reads back (a DRA-mode node then showed the last cluster's aliyun.com/gpu-mem at 0), and
+    sockets nobody listens on. A socket something serves is left."""
+    if not plugin_dir.is_dir():
+        return
+    (plugin_dir / "kubelet_internal_checkpoint").unlink(missing_ok=True)
+    for entry in plugin_dir.iterdir():
+        if entry.is_socket():
+            clear_stale_socket(entry)
+
+
 class Cluster:
     def __init__(self, daemon, runtime_binary: str | None, bins: Path | None = None,
                  host_root: Path | None = None, containerd_bins: Path | None = None, dra: bool = False) -> None:
@@ -510,6 +523,7 @@ class Cluster:
             if sock.exists() and not clear_stale_socket(sock):
                 pytest.fail(f"{sock} is served: another kubelet runs on this machine (the cluster tier needs the "
                             "kubelet's fixed device plugin directory for itself)")
+        clear_dead_kubelet_state(PLUGIN_DIR)
         with socket.socket() as s:
             if s.connect_ex(extender_addr()) == 0:
                 pytest.fail(f"{extender_addr()} is taken: the shipped scheduler configuration calls the extender "

@@ -81,3 +81,22 @@ def test_a_kubelet_socket_nobody_serves_is_removed_one_served_or_not_a_socket_is
     plain.write_text("")
     assert cluster.clear_stale_socket(plain) is False and plain.exists()
     assert cluster.clear_stale_socket(tmp_path / "none") is True
+
+
+def test_a_gone_kubelets_checkpoint_and_dead_sockets_are_cleared_a_served_socket_is_kept(tmp_path):
+    """The device plugin directory outlives a tier run whose clean-up never ran (it existed before that
+    run, so no later clean-up removes it): the next cluster's kubelet read the old checkpoint back and a
+    DRA-mode node showed aliyun.com/gpu-mem 0 (test_cluster_dra failed so). Cleared at start."""
+    import socket
+
+    (tmp_path / "kubelet_internal_checkpoint").write_text("{}")
+    dead = tmp_path / "cgpu.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(os.fspath(dead))
+    s.close()
+    with socket.socket(socket.AF_UNIX) as srv:
+        srv.bind(os.fspath(tmp_path / "live.sock"))
+        srv.listen(1)
+        cluster.clear_dead_kubelet_state(tmp_path)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["live.sock"]
+    cluster.clear_dead_kubelet_state(tmp_path / "missing")  # (no directory: nothing to do)
