@@ -15,12 +15,13 @@ import concurrent.futures
 import json
 import re
 import time
+import urllib.request
 
 import pytest
 import yaml
 
-from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, Cluster, node as cluster_node, node_fixtures, \
-    shipped_scheduler_config, wait_for
+from cluster import EXTENDER_SA, NAMESPACE, NODE, SA, Cluster, extender_addr, node as cluster_node, \
+    node_fixtures, shipped_scheduler_config, wait_for
 from conftest import SIM_T4_BYTES
 from test_runc import compiled_hook  # noqa: F401  (test_cluster_dra's)
 
@@ -338,6 +339,16 @@ def test_a_thousand_nodes_through_the_extender_and_its_requests(cluster):
         delete_fake_nodes(cluster)
 
 
+def extender_gauge(name: str) -> float:
+    """A gauge of the extender's /metrics (its view of the cluster: cgpud.k8s.score)."""
+    host, port = extender_addr()
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
 def fake_pods(cluster, names: list[str], units: int, annotations: dict | None = None,
               labels: dict | None = None) -> None:
     """Pods for the fake nodes only, created at once (a burst)."""
@@ -376,7 +387,13 @@ def test_a_burst_is_packed_onto_few_gpus_and_a_whole_node_pod_binds_after(cluste
     allocated, put one on each node); a pod asking both GPUs of a node (gpu-count 2, 28 units) binds
     after them; 5 pods asking spread (cgpu.aliyun.com/placement) go to 5 nodes of their own."""
     try:
+        whole = extender_gauge("cgpu_extender_nodes_whole")
         make_fake_nodes(cluster, 12)
+        # (the burst once the extender's watch has brought the 12 nodes with their units, as kube-scheduler's
+        # has: on a loaded machine the pods came first, and the extender's score of a node it did not hold
+        # yet was none)
+        wait_for(lambda: extender_gauge("cgpu_extender_nodes_whole") >= whole + 12, 60,
+                 "the extender's view of the 12 fake nodes", cluster.logs)
         burst = [f"burst-{i:02d}" for i in range(16)]
         fake_pods(cluster, burst, 3)
         on = placed_on(cluster, burst)
