@@ -44,6 +44,7 @@ import shutil
 import signal
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import tarfile
@@ -325,8 +326,6 @@ def clear_stale_socket(path: Path) -> bool:
     """True when nothing listens on the Unix socket `path` (a kubelet killed without its clean-up left it,
     e.g. a tier run ended by a signal): it is removed then. False while something answers there, or
     when it is not a socket (nothing is removed then)."""
-    import stat
-
     try:
         if not stat.S_ISSOCK(path.lstat().st_mode):
             return False

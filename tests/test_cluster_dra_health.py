@@ -26,25 +26,23 @@ from test_cluster_dra import (DRIVER, SHARED_CLUSTER, allocated_gpus, cgpud, cla
 pytestmark = pytest.mark.slow
 
 
-def taints(c, gpu: int) -> list[dict]:
+def gpu_devices(c, gpu: int) -> list[dict]:
+    """The node's published devices of GPU `gpu` (over its slices)."""
     out = []
     for k in range(4):
         p = c.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}-{k}", "-o", "json", check=False)
         if p.returncode == 0:
-            out += [t for d in json.loads(p.stdout)["spec"].get("devices", [])
-                    if d["name"] == f"gpu-{gpu}" or d["name"].startswith(f"gpu-{gpu}-unit-") for t in d.get("taints", [])]
+            out += [d for d in json.loads(p.stdout)["spec"].get("devices", [])
+                    if d["name"] == f"gpu-{gpu}" or d["name"].startswith(f"gpu-{gpu}-unit-")]
     return out
+
+
+def taints(c, gpu: int) -> list[dict]:
+    return [t for d in gpu_devices(c, gpu) for t in d.get("taints", [])]
 
 
 def devices(c, gpu: int) -> list[str]:
-    """The node's published devices of GPU `gpu`."""
-    out = []
-    for k in range(4):
-        p = c.kubectl("get", "resourceslice", f"{NODE}-{DRIVER}-{k}", "-o", "json", check=False)
-        if p.returncode == 0:
-            out += [d["name"] for d in json.loads(p.stdout)["spec"].get("devices", [])
-                    if d["name"] == f"gpu-{gpu}" or d["name"].startswith(f"gpu-{gpu}-unit-")]
-    return out
+    return [d["name"] for d in gpu_devices(c, gpu)]
 
 
 def keeps_taints(c) -> bool:
