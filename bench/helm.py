@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path[:0] = [str(ROOT / "tests"), str(HERE)]  # (tests/cluster.py, not bench/cluster.py)
@@ -46,11 +48,18 @@ def one(image: str, how: str, chart: Path | None = None) -> dict[str, float]:
         if how == "kustomize":
             at = node.apply()  # (kubectl apply -k, the label, the extender with its token: Cluster.deploy)
         else:
-            renderer = post_renderer(node)
             name, tag = image.rsplit(":", 1)
+            values = ["--set", f"image.repository={name}", "--set", f"image.tag={tag}"]
+            daemonset = None
+            if chart is not None:  # (the host-root patch made for its own DaemonSet: this tree's command has
+                # flags an older cgpud refuses, --metrics-auth, and its containers may differ)
+                out = helm(c, "template", "cgpud", os.fspath(chart), "--namespace", NAMESPACE, *values).stdout
+                daemonset = next(d for d in yaml.safe_load_all(out)
+                                 if d and d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpud")
+            renderer = post_renderer(node, daemonset)
             at = time.monotonic()
             helm(c, "install", "cgpud", os.fspath(chart or CHART), "--namespace", NAMESPACE, "--post-renderer", renderer,
-                 "--set", f"image.repository={name}", "--set", f"image.tag={tag}")
+                 *values)
             c.kubectl("label", "node", NODE, "cgpu.aliyun.com/node=true", "--overwrite")
             token = c.kubectl("create", "token", SA, "-n", NAMESPACE, "--duration", "1h").stdout.strip()
             c.sa_kubeconfig = kubeconfig(c.path("cgpu-sa.kubeconfig"), c.server, c.path("pki", "ca.crt"),

@@ -102,18 +102,21 @@ def make_host(tmp: Path, gpus: int = 1) -> Path:
     return host
 
 
-def overlay(tmp: Path, cluster: Cluster, host: Path, image_tag: str, dra: bool = False) -> Path:
+def overlay(tmp: Path, cluster: Cluster, host: Path, image_tag: str, dra: bool = False,
+            daemonset: dict | None = None) -> Path:
     """A kustomization over deploy/kubernetes (not a copy of it; with the component dra when `dra`):
     the image as built here; the DaemonSet's hostPaths in the host directory; its node daemon given
     the stand-in driver's config, the GPU device file's directory and a free metrics port; the pod
     on the node's network, its device plugin or DRA plugin pointed at the API server (no kube-proxy
     serves the `kubernetes` Service here). The DRA plugin's kubelet directories are the kubelet's
     (its --root-dir is the run's): the plugin directory mounted at its host path, as the shipped one
-    is, since the plugin tells the kubelet its socket's path."""
+    is, since the plugin tells the kubelet its socket's path. `daemonset`: the DaemonSet
+    the patch is made for (default: deploy/kubernetes' as rendered here; bench/helm.py gives an older
+    chart's, whose cgpud lacks flags this tree's passes)."""
     from test_manifests import RENDERED, dra_rendered
 
     rendered = dra_rendered(tmp / "rendered") if dra else RENDERED
-    ds = next(d for d in rendered if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpud")
+    ds = daemonset or next(d for d in rendered if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "cgpud")
     containers = {c["name"]: c for c in ds["spec"]["template"]["spec"]["containers"]}
     command = list(containers["cgpud"]["command"])
     command[command.index("--metrics-addr") + 1] = f"127.0.0.1:{free_port()}"
@@ -146,7 +149,7 @@ def overlay(tmp: Path, cluster: Cluster, host: Path, image_tag: str, dra: bool =
                  + api},
                 plugin,
                 {"name": "node-keeper", "env": api},  # (its DaemonSet watched: the API server here)
-            ],
+            ][:None if "node-keeper" in containers else 2],
             "volumes": [{"name": "host", "hostPath": {"path": os.fspath(host), "type": "Directory"}}]
             + [{"name": n, "hostPath": {"path": os.fspath(p), "type": "DirectoryOrCreate"}}
                for n, p in host_paths.items()],

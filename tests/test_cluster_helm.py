@@ -45,10 +45,12 @@ def helm(c, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return p
 
 
-def post_renderer(node: Node) -> str:
-    """A helm post-renderer: the chart's render through the kustomize test's host-root patch."""
+def post_renderer(node: Node, daemonset: dict | None = None) -> str:
+    """A helm post-renderer: the chart's render through the kustomize test's host-root patch (made for
+    `daemonset`, the chart's own DaemonSet, when given: bench/helm.py's older chart)."""
     c = node.cluster
-    base = overlay(node.tmp, c, node.host, node.image)  # (its host-root.yaml; its kustomization is not used)
+    # (its host-root.yaml; its kustomization is not used)
+    base = overlay(node.tmp, c, node.host, node.image, daemonset=daemonset)
     d = node.tmp / "post-render"
     d.mkdir()
     (d / "host-root.yaml").write_text((base / "host-root.yaml").read_text())
