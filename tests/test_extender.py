@@ -762,6 +762,29 @@ def test_calls_on_one_kept_connection_are_counted_and_timed_by_verb_and_status(e
     assert got['cgpu_extender_request_seconds_bucket{le="+Inf",verb="filter"}'] == 2
 
 
+def test_a_call_is_counted_before_its_answer_reaches_the_client(ext, monkeypatch):
+    """A client that has its answer and then scrapes /metrics sees its call counted: the count is made
+    before the answer is sent (it was made after, so a scrape that came between the answer and the
+    handler's next step missed it: the full suite once read no 400 for a filter already answered 400).
+    Here the handler stalls after each answer until the scrape is done."""
+    scraped = threading.Event()
+    send = extender.send_json
+
+    def send_then_stall(handler, code, obj):
+        send(handler, code, obj)
+        scraped.wait(10)
+
+    monkeypatch.setattr(extender, "send_json", send_then_stall)
+    ext.caught_up()
+    assert call(ext.url, "/filter", {"NodeNames": ["t4"]})[0] == 400
+    host, port = ext.server.server_address[:2]
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    scraped.set()
+    assert 'cgpu_extender_requests_total{code="400",verb="filter"} 1.0' in text, \
+        [line for line in text.splitlines() if line.startswith("cgpu_extender_request")]
+
+
 def test_a_watch_behind_a_binds_own_write_does_not_undo_it(ext):
     """A bind's patch of the Node counts at once (its answer is cached); a watch event older than it,
     which a watch behind the binds still brings, does not undo it: the next bind's patch is made from

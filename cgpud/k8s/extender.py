@@ -359,7 +359,7 @@ class Events:
 
 class Calls:
     """What the extender answered, by verb: how many (by HTTP status) and how long each took, from
-    its request read to its answer written (GET /metrics: cgpu_extender_requests_total,
+    its request read to its answer made, counted before the answer is sent (GET /metrics: cgpu_extender_requests_total,
     cgpu_extender_request_seconds; docs/kubernetes.md), and the pod events it dropped
     (cgpu_extender_events_dropped_total, from `events`)."""
 
@@ -380,7 +380,7 @@ class Calls:
         self.count = Counter("cgpu_extender_requests", "Requests the extender answered, by verb and HTTP status.",
                              ["verb", "code"], registry=self.registry)
         self.seconds = Histogram("cgpu_extender_request_seconds",
-                                 "How long the extender took to answer, from the request read to the answer written.",
+                                 "How long the extender took to answer, from the request read to the answer made (before it is sent).",
                                  ["verb"], buckets=SECONDS_BUCKETS, registry=self.registry)
 
     def done(self, verb: str, code: int, seconds: float) -> None:
@@ -438,7 +438,14 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
         def log_message(self, fmt, *a):
             log.debug("%s " + fmt, self.address_string(), *a)
 
+        verb: str | None = None  # (a POST's verb while it is answered: what _send counts it under)
+        counted = False
+
         def _send(self, code: int, obj: dict) -> None:
+            if self.verb is not None and not self.counted:  # (counted before the answer goes: a client that
+                # has its answer and then scrapes /metrics sees its call counted)
+                self.counted = True
+                calls.done(self.verb, code, time.perf_counter() - self.start)
             send_json(self, code, obj)
             self.code = code
 
@@ -464,12 +471,14 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
             return super().parse_request()
 
         def do_POST(self):
-            start, self.code = self.start, 0
             verb = self.path[len(PREFIX) + 1:] if self.path.startswith(PREFIX + "/") else ""
+            self.code, self.counted, self.verb = 0, False, verb if verb in VERBS else "other"
             try:
                 self._post()
             finally:
-                calls.done(verb if verb in VERBS else "other", self.code, time.perf_counter() - start)
+                if not self.counted:  # (no answer sent: the connection failed first)
+                    calls.done(self.verb, self.code, time.perf_counter() - self.start)
+                self.verb = None
 
         def _post(self):
             try:
