@@ -50,6 +50,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from common import pct  # noqa: E402
 
+from cgpud.k8s import view  # noqa: E402
+
 UNITS = 14
 CREATORS = 32  # threads creating a burst's pods: "at once" (8 made creating them most of a burst's time)
 FAKE = "cgpud-test/fake-pod"
@@ -295,7 +297,7 @@ class Run:
             if time.monotonic() > deadline:
                 raise SystemExit("the pods did not go within 120 s")
             time.sleep(0.25)
-        time.sleep(6)  # (prioritize's nominations of the last burst end: NOMINATED_SECONDS)
+        time.sleep(view.NOMINATED_SECONDS + 1)  # (prioritize's nominations of the last burst end)
 
     def waits(self) -> str:
         """Where the last burst's pods waited: kube-scheduler's attempts by result and their mean

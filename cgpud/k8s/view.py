@@ -20,8 +20,13 @@ from cgpud.k8s.informer import Informer
 ASSUMED = "cgpu.aliyun.com/gpu-mem-assumed"
 ASSUMED_SECONDS = 60.0  # a choice stays on the node this long: by then every replica's watch shows its pod
 # prioritize's best node for a pod counts the pod there until its bind comes (kube-scheduler binds after
-# it has scheduled the next pods) or this long: a burst's next pod sees it (cgpud.k8s.score)
-NOMINATED_SECONDS = 5.0
+# it has scheduled the next pods) or this long: a burst's next pod sees it (cgpud.k8s.score). A bind
+# comes after the pod's binding cycle starts, which on a loaded machine is seconds after its scheduling
+# cycle, and may itself take up to kube-scheduler's extender timeout (5 s by default): 5 s here lapsed
+# before binds that came, and the next pods saw the node they were going to as empty (the full suite's
+# burst on 5 GPUs of 3 nodes, not 4 of 2). A pod whose bind fails is scored again (its nomination then
+# ends), a deleted one's ends at its watch event: what stays this long is a pod stuck between the two.
+NOMINATED_SECONDS = 30.0
 # a node a bind of ours wrote stands against older watch events until the watch brings it, or this long
 # (a watch far behind: its events are applied again, as before any write of ours)
 WRITTEN_SECONDS = 10.0
