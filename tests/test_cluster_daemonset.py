@@ -148,8 +148,8 @@ def overlay(tmp: Path, cluster: Cluster, host: Path, image_tag: str, dra: bool =
                          {"name": "CGPUD_HOST_NS_PID", "value": str(cluster.procs["host-namespace"].proc.pid)}]
                  + api},
                 plugin,
-                {"name": "node-keeper", "env": api},  # (its DaemonSet watched: the API server here)
-            ][:None if "node-keeper" in containers else 2],
+            ] + ([{"name": "node-keeper", "env": api}]  # (its DaemonSet watched: the API server here)
+                 if "node-keeper" in containers else []),
             "volumes": [{"name": "host", "hostPath": {"path": os.fspath(host), "type": "Directory"}}]
             + [{"name": n, "hostPath": {"path": os.fspath(p), "type": "DirectoryOrCreate"}}
                for n, p in host_paths.items()],

@@ -359,9 +359,9 @@ class Events:
 
 class Calls:
     """What the extender answered, by verb: how many (by HTTP status) and how long each took, from
-    its request read to its answer made, counted before the answer is sent (GET /metrics: cgpu_extender_requests_total,
-    cgpu_extender_request_seconds; docs/kubernetes.md), and the pod events it dropped
-    (cgpu_extender_events_dropped_total, from `events`)."""
+    its request read to its answer made, counted before the answer is sent (GET /metrics:
+    cgpu_extender_requests_total, cgpu_extender_request_seconds; docs/kubernetes.md), and the pod
+    events it dropped (cgpu_extender_events_dropped_total, from `events`)."""
 
     def __init__(self, events: Events | None = None) -> None:
         from prometheus_client import Counter, Histogram
@@ -380,7 +380,8 @@ class Calls:
         self.count = Counter("cgpu_extender_requests", "Requests the extender answered, by verb and HTTP status.",
                              ["verb", "code"], registry=self.registry)
         self.seconds = Histogram("cgpu_extender_request_seconds",
-                                 "How long the extender took to answer, from the request read to the answer made (before it is sent).",
+                                 "How long the extender took to answer, from the request read to the answer made "
+                                 "(before it is sent).",
                                  ["verb"], buckets=SECONDS_BUCKETS, registry=self.registry)
 
     def done(self, verb: str, code: int, seconds: float) -> None:
@@ -447,7 +448,6 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
                 self.counted = True
                 calls.done(self.verb, code, time.perf_counter() - self.start)
             send_json(self, code, obj)
-            self.code = code
 
         def _answer(self, fn, *args) -> None:
             from kubernetes.client.exceptions import ApiException
@@ -472,12 +472,12 @@ def make_server(state: State, host: str, port: int) -> ThreadingHTTPServer:
 
         def do_POST(self):
             verb = self.path[len(PREFIX) + 1:] if self.path.startswith(PREFIX + "/") else ""
-            self.code, self.counted, self.verb = 0, False, verb if verb in VERBS else "other"
+            self.counted, self.verb = False, verb if verb in VERBS else "other"
             try:
                 self._post()
             finally:
-                if not self.counted:  # (no answer sent: the connection failed first)
-                    calls.done(self.verb, self.code, time.perf_counter() - self.start)
+                if not self.counted:  # (no answer sent: the connection failed first; code 0)
+                    calls.done(self.verb, 0, time.perf_counter() - self.start)
                 self.verb = None
 
         def _post(self):
